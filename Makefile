@@ -1,0 +1,43 @@
+# ds_omni: `make demo` trains the tiny demo model; `make test` runs the test suite.
+# Both set up a project-local virtualenv first (once; later runs skip it).
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A CPU build of torch; skipped when the venv already imports a torch (e.g. a CUDA build).
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.ds_omni-setup-$(shell cat pyproject.toml constraints.txt | md5sum | cut -c1-10)
+
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export DS_OMNI_CACHE ?= $(CURDIR)/.cache/ds_omni
+export HF_HUB_OFFLINE := 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup demo test test-unit clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@# reuse a torch the system Python already has (a CUDA box), else install the CPU pin
+	@if [ ! -x $(PY) ]; then \
+	  if $(PYTHON) -c "import torch" 2>/dev/null; then $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  else $(PYTHON) -m venv $(VENV); fi; fi
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	@# build DeepSpeed's CPU shared-memory op once (else the first run spends ~60 s on it)
+	$(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)"
+	@rm -f $(VENV)/.ds_omni-setup-*
+	@touch $@
+
+demo: setup
+	@bash launch/demo.sh
+
+test: setup
+	$(PY) -m pytest tests
+
+test-unit: setup
+	$(PY) -m pytest tests/unit
+
+clean:
+	rm -rf outputs .cache .pytest_cache

@@ -1,0 +1,137 @@
+"""`ds-omni` command line: parse, build a config, call one function.
+
+    ds-omni train   --config examples/tiny_llava.json --deepspeed ds_configs/zero2.json [--resume]
+    ds-omni convert --checkpoint outputs/run/checkpoints --out outputs/run/hf
+    ds-omni plan    --config examples/tiny_llava.json --deepspeed ds_configs/zero2.json --world-size 8
+    ds-omni data make-demo --out data/shapes
+
+Launch `train` with any launcher: `deepspeed --num_gpus 2 --module ds_omni train ...`,
+`torchrun --nproc_per_node 2 -m ds_omni train ...`, `accelerate launch -m ds_omni train ...`, or
+plain `ds-omni train ...` for one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ds_omni.errors import DsOmniError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ds-omni", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model")
+    t.add_argument("--config", required=True, help="ds_omni JSON config")
+    t.add_argument("--deepspeed", help="DeepSpeed JSON config (default: the one accelerate passes)")
+    t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    t.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after N steps of this run")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set train.steps=10 (JSON value)")
+
+    c = sub.add_parser("convert", help="export a training checkpoint as a HuggingFace model")
+    c.add_argument("--checkpoint", required=True, help="<output_dir>/checkpoints of a run")
+    c.add_argument("--tag", help="checkpoint tag (default: latest)")
+    c.add_argument("--out", required=True, help="output HF directory")
+
+    pl = sub.add_parser("plan", help="print the parallel plan and the derived DeepSpeed config")
+    pl.add_argument("--config", required=True)
+    pl.add_argument("--deepspeed", required=True)
+    pl.add_argument("--world-size", type=int, required=True)
+    pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+
+    d = sub.add_parser("data", help="data utilities")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    mk = dsub.add_parser("make-demo", help="write the embedded demo dataset and tokenizer")
+    mk.add_argument("--out", required=True)
+    ev = dsub.add_parser("eval-demo", help="caption held-out demo images with an exported model")
+    ev.add_argument("--model", required=True, help="exported HF directory")
+    ev.add_argument("--report", help="report.json to add the scores to")
+    ev.add_argument("--n", type=int, default=64)
+    return p
+
+
+def _deepspeed_config_path(arg: str | None) -> str:
+    path = arg or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not path:
+        raise DsOmniError("no DeepSpeed config: pass --deepspeed ds_configs/zero2.json (or launch "
+                          "with an accelerate config that names deepspeed_config_file)")
+    return path
+
+
+def cmd_train(args) -> None:
+    from ds_omni.config import load_config
+    from ds_omni.train.engine import run
+    cfg = load_config(args.config, args.set)
+    report = run(cfg, _deepspeed_config_path(args.deepspeed), resume=args.resume,
+                 stop_after=args.stop_after)
+    if report:
+        print(json.dumps({k: v for k, v in report.items()}, indent=1))
+
+
+def cmd_convert(args) -> None:
+    from ds_omni.model.convert import export_checkpoint
+    out = export_checkpoint(args.checkpoint, args.out, args.tag)
+    print(f"wrote HuggingFace model to {out}")
+
+
+def cmd_plan(args) -> None:
+    from ds_omni.config import load_config
+    from ds_omni.ds_config import derive_ds_config, load_ds_json
+    from ds_omni.parallel.plan import ParallelPlan
+    cfg = load_config(args.config, args.set)
+    plan = ParallelPlan.from_config(cfg.parallel, args.world_size)
+    print(json.dumps({"plan": {"world_size": plan.world_size, "dp": plan.dp, "sp": plan.sp,
+                               "pp": plan.pp},
+                      "deepspeed": derive_ds_config(cfg, load_ds_json(args.deepspeed), plan)},
+                     indent=1))
+
+
+def cmd_data(args) -> None:
+    from pathlib import Path
+    from ds_omni.data import demo
+    if args.data_command == "make-demo":
+        out = Path(args.out)
+        demo.make_shapes_dataset(out / "dataset")
+        demo.make_shapes_tokenizer(out / "tokenizer")
+        print(f"wrote {out / 'dataset'} and {out / 'tokenizer'}")
+        return
+    scores = demo.evaluate_captions(args.model, n=args.n)
+    print(json.dumps(scores, indent=1))
+    if args.report:
+        report = Path(args.report)
+        data = json.loads(report.read_text()) if report.exists() else {}
+        report.write_text(json.dumps({**data, "caption_eval": scores}, indent=1))
+
+
+def _drop_local_rank(argv: list[str]) -> list[str]:
+    """The deepspeed launcher passes --local_rank=N (before the subcommand); LOCAL_RANK says the same."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a.startswith(("--local_rank=", "--local-rank=")):
+            continue
+        elif a in ("--local_rank", "--local-rank"):
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(_drop_local_rank(sys.argv[1:] if argv is None else argv))
+    handler = {"train": cmd_train, "convert": cmd_convert, "plan": cmd_plan, "data": cmd_data}
+    try:
+        handler[args.command](args)
+    except DsOmniError as e:
+        print(f"ds-omni: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

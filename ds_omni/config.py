@@ -1,0 +1,334 @@
+"""The one typed source of truth for a ds_omni run.
+
+A run is described by an `OmniConfig` (model, data, parallel plan, training) read strictly from
+JSON: unknown keys are an error that lists them, a value of the wrong type an error that names the
+field. The DeepSpeed fields that follow from it (batch sizes, gradient accumulation, scheduler
+length) are derived in `derive_ds_config`, and merged with the user's DeepSpeed JSON; a value the
+user wrote that disagrees with the derived one is an error, never a silent override.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ds_omni.errors import ConfigError
+
+SCHEMA_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------- model
+@dataclass(kw_only=True)
+class PartConfig:
+    """One HuggingFace model part: loaded from a directory, or built (random init) from a config."""
+
+    pretrained: str | None = None
+    """Directory written by `save_pretrained`; weights load through safetensors."""
+    config: dict[str, Any] | None = None
+    """HF config fields including "model_type", for a randomly initialised part."""
+
+    def __post_init__(self):
+        if (self.pretrained is None) == (self.config is None):
+            raise ConfigError("a model part needs exactly one of 'pretrained' (a directory) or "
+                              f"'config' (HF config fields); got pretrained={self.pretrained!r}, "
+                              f"config={'set' if self.config is not None else None}")
+        if self.config is not None and "model_type" not in self.config:
+            raise ConfigError("a model part's 'config' needs a 'model_type' (e.g. \"llama\", "
+                              f"\"clip_vision_model\"); got keys {sorted(self.config)}")
+
+
+FREEZABLE = ("vision", "audio", "projector", "llm")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The multimodal model: an HF MLLM directory, or a composition of encoders and an LLM."""
+
+    pretrained: str | None = None
+    """An HF MLLM directory (LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2-Audio, or a ds_omni export)."""
+    llm: PartConfig | None = None
+    """Composition: the causal LM backbone (Llama, Qwen2, ...)."""
+    vision: PartConfig | None = None
+    """Composition: the vision encoder (CLIP or SigLIP vision model)."""
+    audio: PartConfig | None = None
+    """Composition: the audio encoder (a Whisper encoder)."""
+    projector: Literal["mlp2x_gelu", "linear"] = "mlp2x_gelu"
+    """Composition: the projector from encoder width to LLM width."""
+    image_token: str = "<image>"
+    """Composition: the tokenizer token whose embedding slots take image embeddings."""
+    audio_token: str = "<audio>"
+    """Composition: the tokenizer token whose embedding slots take audio embeddings."""
+    tokenizer: str | None = None
+    """Tokenizer directory, or "builtin:shapes" for the demo tokenizer; default: the model's."""
+    freeze: list[str] = field(default_factory=list)
+    """Parts that get no gradient and no optimizer state: any of vision, audio, projector, llm."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype as built; DeepSpeed's bf16 section decides the training precision."""
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa"
+    """Attention kernel for packed sequences; flash_attention_2 needs the `gpu` extra."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code from the model directory. Off unless you trust the directory."""
+    seed: int = 0
+    """Seed for random initialisation of parts built from configs."""
+
+    def __post_init__(self):
+        if (self.pretrained is None) == (self.llm is None):
+            raise ConfigError("model: set exactly one of 'pretrained' (an HF MLLM directory) or 'llm' "
+                              "(compose a model from an LLM and encoders)")
+        if self.pretrained is not None and (self.vision or self.audio):
+            raise ConfigError("model: 'vision'/'audio' compose a new model; with 'pretrained' the "
+                              "encoders come from the directory. Remove one of them.")
+        bad = sorted(set(self.freeze) - set(FREEZABLE))
+        if bad:
+            raise ConfigError(f"model.freeze: unknown part(s) {bad}; choose from {list(FREEZABLE)}")
+
+
+# ---------------------------------------------------------------------------------------- data
+@dataclass(kw_only=True)
+class SchemaConfig:
+    """Which columns of a source hold the text, the images and the audio."""
+
+    text: str = "conversations"
+    """Column with a LLaVA-style conversation (list of {"from", "value"}) or plain text."""
+    image: str | None = "image"
+    """Column with image bytes, an HF Image, or a path relative to `root`; one or a list."""
+    audio: str | None = None
+    """Column with audio: {"array", "sampling_rate"}, bytes, or a path relative to `root`."""
+    id: str | None = "id"
+    """Column with a stable sample id (used in logs and resume checks); default: row index."""
+    root: str | None = None
+    """Directory that relative image/audio paths are resolved against."""
+    image_marker: str = "<image>"
+    """String in the text that marks where an image goes."""
+    audio_marker: str = "<audio>"
+    """String in the text that marks where an audio clip goes."""
+
+
+@dataclass(kw_only=True)
+class SourceConfig:
+    """One data source, streamed through HF `datasets`."""
+
+    name: str
+    """Short name, used in metrics and error messages."""
+    path: str
+    """Local file, glob or directory (parquet, jsonl, arrow, webdataset .tar, save_to_disk);
+    "builtin:shapes" for the embedded demo data, made from a seed at first use."""
+    weight: float = 1.0
+    """Relative mixing weight."""
+    format: Literal["auto", "parquet", "json", "arrow", "webdataset", "disk"] = "auto"
+    """File format; "auto" infers it from the extension."""
+    schema: SchemaConfig = field(default_factory=SchemaConfig)
+    """Column mapping."""
+
+    def __post_init__(self):
+        if self.weight < 0:
+            raise ConfigError(f"data.sources[{self.name}].weight must be >= 0, got {self.weight}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where samples come from and how they are packed."""
+
+    sources: list[SourceConfig]
+    """The sources to mix."""
+    max_seq_len: int = 512
+    """Token budget of one packed sequence (one micro-batch row)."""
+    overlong: Literal["error", "truncate"] = "error"
+    """What to do with a sample longer than max_seq_len."""
+    seed: int = 0
+    """Seed of the sample order."""
+
+    def __post_init__(self):
+        if not self.sources:
+            raise ConfigError("data.sources is empty: add at least one source")
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"data.sources: names must be unique, got {names}")
+        if self.max_seq_len < 8:
+            raise ConfigError(f"data.max_seq_len must be >= 8, got {self.max_seq_len}")
+
+
+# ------------------------------------------------------------------------------------ parallel
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Degrees of the LLM's parallel plan; their product must equal the world size."""
+
+    dp: int | Literal["auto"] = "auto"
+    """Data-parallel degree; "auto" takes what the world size leaves after sp and pp."""
+    sp: int = 1
+    """Ulysses sequence-parallel degree of the LLM."""
+    pp: int = 1
+    """Pipeline stages."""
+
+    def __post_init__(self):
+        for name in ("sp", "pp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp != "auto" and self.dp < 1:
+            raise ConfigError(f"parallel.dp must be >= 1 or \"auto\", got {self.dp}")
+
+
+# --------------------------------------------------------------------------------------- train
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The training loop."""
+
+    steps: int
+    """Optimizer steps."""
+    global_batch_size: int
+    """Samples per optimizer step, over all data-parallel ranks."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch on one rank (packed into one sequence)."""
+    lr: float = 1e-4
+    """Peak learning rate (fills "auto" in the DeepSpeed optimizer and scheduler)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (fills "auto" in the DeepSpeed optimizer)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps of the scheduler."""
+    seed: int = 0
+    """Seed for dropout and other randomness during training."""
+    output_dir: str = "outputs/run"
+    """Checkpoints, metrics, report and the exported model go here."""
+    save_every: int = 0
+    """Save a checkpoint every N steps (0: only at the end)."""
+    log_every: int = 1
+    """Write metrics every N steps."""
+    export_hf: bool = True
+    """Export the final model as a HuggingFace directory."""
+
+    def __post_init__(self):
+        for name in ("steps", "global_batch_size", "micro_batch_size", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("save_every", "warmup_steps", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+
+
+@dataclass(kw_only=True)
+class OmniConfig:
+    """A whole run."""
+
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    version: int = SCHEMA_VERSION
+    """Config schema version."""
+
+    def __post_init__(self):
+        if self.version != SCHEMA_VERSION:
+            raise ConfigError(f"config version {self.version} is not supported; this ds_omni reads "
+                              f"version {SCHEMA_VERSION}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------ strict loading
+def load_config(path: str | Path, overrides: list[str] | None = None) -> OmniConfig:
+    """Read an `OmniConfig` from a JSON file; `overrides` are "a.b.c=value" strings (JSON values)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass --config with a JSON file "
+                          "such as examples/tiny_llava.json")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {e}") from None
+    for item in overrides or []:
+        _apply_override(data, item)
+    return from_dict(OmniConfig, data)
+
+
+def _apply_override(data: dict, item: str) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep:
+        raise ConfigError(f"override {item!r} must look like section.field=value")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw  # a bare string
+    node = data
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def from_dict(cls: type, data: Any, where: str = ""):
+    """Build dataclass `cls` from plain data, rejecting unknown keys and wrongly typed values."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'} must be a JSON object, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in {where or 'config'}; "
+                          f"valid keys: {sorted(fields)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: _coerce(hints[name], value, _join(where, name)) for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required field is missing
+        missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        raise ConfigError(f"{where or 'config'} is missing required key(s) {missing}") from e
+
+
+def _join(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
+
+
+def _coerce(tp: Any, value: Any, where: str):
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    if origin in (typing.Union, types.UnionType):
+        return _coerce_union(typing.get_args(tp), value, where)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where} must be one of {list(typing.get_args(tp))}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be an object, got {value!r}")
+        return value
+    if tp is Any:
+        return value
+    return _coerce_scalar(tp, value, where)
+
+
+def _coerce_union(options: tuple, value: Any, where: str):
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(f"{where} must not be null")
+    errors = []
+    for option in options:
+        if option is type(None):
+            continue
+        try:
+            return _coerce(option, value, where)
+        except ConfigError as e:
+            errors.append(str(e))
+    raise ConfigError(" or ".join(errors))
+
+
+def _coerce_scalar(tp: type, value: Any, where: str):
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise ConfigError(f"{where} must be {tp.__name__}, got {value!r} ({type(value).__name__})")
+    return value

@@ -1,0 +1,179 @@
+"""The embedded demo data: pictures of coloured shapes with captions, and a tokenizer for them.
+
+Both are made locally from a seed at first use (no download) and stored in the formats a real run
+uses: parquet shards with PNG bytes that HF `datasets` loads (LLaVA conversation schema), and a
+`PreTrainedTokenizerFast` trained with `tokenizers`. A config refers to them as "builtin:shapes".
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+from pathlib import Path
+
+BUILTIN_PREFIX = "builtin:"
+IMAGE_SIZE = 32
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<image>", "<audio>"]
+
+COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220),
+           "yellow": (230, 210, 40), "purple": (140, 50, 170), "orange": (240, 140, 30)}
+BACKGROUNDS = {"white": (245, 245, 245), "black": (15, 15, 15), "gray": (128, 128, 128)}
+SHAPES = ("circle", "square", "triangle")
+PLACES = {"top left": (0.3, 0.3), "top right": (0.7, 0.3), "bottom left": (0.3, 0.7),
+          "bottom right": (0.7, 0.7), "center": (0.5, 0.5)}
+QUESTIONS = ("What is in the picture?", "Describe the image.", "What do you see?",
+             "What shape is shown?")
+
+
+def default_cache_dir() -> Path:
+    """Where builtin data is made: $DS_OMNI_CACHE, else .cache/ds_omni under the working dir."""
+    return Path(os.environ.get("DS_OMNI_CACHE", ".cache/ds_omni")).resolve()
+
+
+def is_builtin(path: str | None) -> bool:
+    return bool(path) and path.startswith(BUILTIN_PREFIX)
+
+
+def builtin_dir(uri: str, kind: str) -> Path:
+    """The directory a builtin asset lives in (it may not exist yet)."""
+    name = uri[len(BUILTIN_PREFIX):]
+    if name != "shapes":
+        from ds_omni.errors import ConfigError
+        raise ConfigError(f"unknown builtin asset {uri!r}; the only builtin is 'builtin:shapes'")
+    return default_cache_dir() / f"shapes-{kind}"
+
+
+def ensure_builtin(uri: str, kind: str) -> Path:
+    """Return the directory of builtin asset `uri` ("dataset" or "tokenizer"), making it if absent.
+
+    Several ranks may call this at once: the asset is written to a temporary directory and renamed,
+    so a reader sees either nothing or the whole asset.
+    """
+    out = builtin_dir(uri, kind)
+    if (out / "_complete").exists():
+        return out
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    (make_shapes_dataset if kind == "dataset" else make_shapes_tokenizer)(tmp)
+    (tmp / "_complete").touch()
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _draw(colour: str, shape: str, place: str, big: bool, background: str, rng: random.Random):
+    from PIL import Image, ImageDraw
+    img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUNDS[background])
+    draw = ImageDraw.Draw(img)
+    cx, cy = (c * IMAGE_SIZE + rng.uniform(-1.5, 1.5) for c in PLACES[place])
+    r = (7.0 if big else 4.0) + rng.uniform(-0.5, 0.5)
+    fill = COLOURS[colour]
+    if shape == "circle":
+        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    elif shape == "square":
+        draw.rectangle([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    else:
+        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def shapes_rows(n: int, seed: int = 0) -> list[dict]:
+    """`n` samples in the LLaVA conversation schema: id, image (PNG bytes), conversations."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
+        place, big = rng.choice(list(PLACES)), rng.random() < 0.5
+        background = rng.choice([b for b in BACKGROUNDS])
+        caption = (f"A {'large' if big else 'small'} {colour} {shape} at the {place} "
+                   f"on a {background} background.")
+        rows.append({
+            "id": f"shapes-{i:06d}",
+            "image": {"bytes": _draw(colour, shape, place, big, background, rng), "path": None},
+            "conversations": [{"from": "human", "value": f"<image>\n{rng.choice(QUESTIONS)}"},
+                              {"from": "gpt", "value": caption}],
+        })
+    return rows
+
+
+def make_shapes_dataset(out: Path, n: int = 4000, shards: int = 4, seed: int = 0) -> Path:
+    """Write the demo dataset as `shards` parquet files that `datasets` loads with an Image column."""
+    import datasets
+    features = datasets.Features({
+        "id": datasets.Value("string"),
+        "image": datasets.Image(),
+        "conversations": datasets.List({"from": datasets.Value("string"),
+                                        "value": datasets.Value("string")}),
+    })
+    ds = datasets.Dataset.from_list(shapes_rows(n, seed), features=features)
+    out.mkdir(parents=True, exist_ok=True)
+    for k in range(shards):
+        ds.shard(num_shards=shards, index=k, contiguous=True).to_parquet(
+            str(out / f"train-{k:05d}-of-{shards:05d}.parquet"))
+    return out
+
+
+def tokenizer_corpus() -> list[str]:
+    words = [*COLOURS, *SHAPES, *BACKGROUNDS, *" ".join(PLACES).split()]
+    lines = [f"A large {c} {s} at the {p} on a {b} background." for c in COLOURS for s in SHAPES
+             for p in PLACES for b in BACKGROUNDS]
+    lines += [f"A small {w}" for w in words] + [f"USER: {q}\nASSISTANT:" for q in QUESTIONS]
+    return lines
+
+
+def make_shapes_tokenizer(out: Path, vocab_size: int = 512) -> Path:
+    """Train a byte-level BPE tokenizer on the caption corpus and save it for `AutoTokenizer`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>",
+                                   extra_special_tokens={"image_token": "<image>",
+                                                         "audio_token": "<audio>"})
+    fast.save_pretrained(str(out))
+    return out
+
+
+def evaluate_captions(hf_dir: str | Path, n: int = 64, seed: int = 12345) -> dict:
+    """Caption held-out shapes with an exported model (HF `generate`), and score the words.
+
+    The held-out images come from another seed than the training set. Returns exact-match rate, the
+    accuracy of each attribute (size, colour, shape, place, background) and a few examples.
+    """
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    processor = AutoProcessor.from_pretrained(str(hf_dir))
+    model = AutoModelForImageTextToText.from_pretrained(str(hf_dir)).eval()
+    attrs = {"size": 1, "colour": 2, "shape": 3}
+    hits = {k: 0 for k in [*attrs, "place", "background", "exact"]}
+    examples = []
+    for row in shapes_rows(n, seed):
+        question = row["conversations"][0]["value"].split("\n", 1)[1]
+        prompt = f"<s>USER: <image>\n{question}\nASSISTANT: "
+        image = Image.open(io.BytesIO(row["image"]["bytes"]))
+        inputs = processor(images=[image], text=prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=32, do_sample=False)
+        got = processor.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        want = row["conversations"][1]["value"]
+        g, w = got.split(), want.split()
+        for name, i in attrs.items():
+            hits[name] += len(g) > i and g[i] == w[i]
+        hits["place"] += " ".join(w[5:7]) in got or (w[5] == "center" and "center" in got)
+        hits["background"] += len(g) > 2 and g[-2:] == w[-2:]
+        hits["exact"] += got == want
+        if len(examples) < 4:
+            examples.append({"want": want, "got": got})
+    return {"n": n, **{f"{k}_accuracy": v / n for k, v in hits.items()}, "examples": examples}

@@ -1,0 +1,168 @@
+"""Raw rows -> `Sample`s: tokens with expanded placeholders, loss mask, positions, encoder items.
+
+Text template (one per conversation turn; only assistant text and its end-of-sequence token are
+trained on):
+
+    <s>USER: {human turn}\\nASSISTANT: {assistant turn}</s>\\n
+
+A plain-text column is trained on whole. Each `<image>` / `<audio>` marker becomes as many
+placeholder tokens as its item yields embeddings (the family's item processor says how many).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ds_omni.errors import DataError
+from ds_omni.model.family import EncodedItem, Family, ItemProcessor
+
+ROLE_PREFIX = {"human": "USER: ", "user": "USER: ", "gpt": "ASSISTANT: ", "assistant": "ASSISTANT: "}
+ASSISTANT_ROLES = ("gpt", "assistant")
+
+
+@dataclass
+class Sample:
+    """One tokenised sample. Dims: L tokens."""
+
+    sample_id: str
+    source: str
+    input_ids: torch.Tensor  # [L]
+    loss_mask: torch.Tensor  # [L] bool: this token is predicted (from the one before it)
+    position_ids: torch.Tensor  # [L] or [3, L]
+    items: list[tuple[str, EncodedItem]] = field(default_factory=list)  # (encoder, item), text order
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_targets(self) -> int:
+        # the first token is never a target: nothing precedes it
+        return int(self.loss_mask[1:].sum())
+
+
+class SampleProcessor:
+    """Turns rows into `Sample`s for one model (its tokenizer and its family's item processors).
+
+    The raw text marks where each item goes with a marker string ("<image>", "<audio>"); the text
+    is split on the markers before tokenising and each marker is replaced by the tokens its item's
+    processor gives (its placeholder token repeated once per embedding, plus any wrapper tokens),
+    so the tokenizer needs no marker token of its own.
+    """
+
+    def __init__(self, *, tokenizer, family: Family, item_processors: dict[str, ItemProcessor],
+                 markers: dict[str, str], max_seq_len: int, overlong: str = "error"):
+        self.tokenizer = tokenizer
+        self.family = family
+        self.item_processors = item_processors
+        self.max_seq_len = max_seq_len
+        self.overlong = overlong
+        self.markers = {m: enc for enc, m in markers.items()}  # marker string -> encoder name
+        self._split = re.compile("(" + "|".join(re.escape(m) for m in self.markers) + ")")
+
+    # ------------------------------------------------------------------------------ public
+    def __call__(self, *, text: Any, media: dict[str, list[Any]], sample_id: str,
+                 source: str) -> Sample:
+        """`text`: a conversation (list of {"from", "value"}) or a string; `media`: encoder -> items."""
+        where = f"source '{source}' sample {sample_id}"
+        for enc in media:
+            if enc not in self.item_processors:
+                raise DataError(f"{where} has {enc} items but the model has no {enc} encoder")
+        items = {enc: [self.item_processors[enc].process(x) for x in xs] for enc, xs in media.items()}
+        ids, mask, ordered = self._tokenize(self._segments(text, where), items, where)
+        ids, mask = self._fit(ids, mask, ordered, where)
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        return Sample(sample_id=sample_id, source=source, input_ids=input_ids,
+                      loss_mask=torch.tensor(mask, dtype=torch.bool),
+                      position_ids=self.family.position_ids(input_ids, ordered), items=ordered)
+
+    # ----------------------------------------------------------------------------- helpers
+    def _segments(self, text, where) -> list[tuple[str, bool]]:
+        """(text, trained-on) pieces in order."""
+        eos = self.tokenizer.eos_token or ""
+        if isinstance(text, str):
+            if not text.strip():
+                raise DataError(f"{where}: empty text")
+            return [(text + eos, True)]
+        if not isinstance(text, list) or not text:
+            raise DataError(f"{where}: expected a conversation (a list of {{'from', 'value'}} turns) "
+                            f"or a string, got {type(text).__name__}")
+        segments = []
+        for turn in text:
+            role, value = turn.get("from") or turn.get("role"), turn.get("value") or turn.get("content")
+            if role not in ROLE_PREFIX or not isinstance(value, str):
+                raise DataError(f"{where}: bad turn {turn!r}; turns need 'from' in "
+                                f"{sorted(ROLE_PREFIX)} and a string 'value'")
+            if role in ASSISTANT_ROLES:
+                segments += [(ROLE_PREFIX[role], False), (value + eos, True), ("\n", False)]
+            else:
+                segments.append((ROLE_PREFIX[role] + value + "\n", False))
+        if not any(trained and s.strip() for s, trained in segments):
+            raise DataError(f"{where}: no assistant turn to train on")
+        return segments
+
+    def _tokenize(self, segments, items: dict[str, list[EncodedItem]], where):
+        """Token ids, loss mask and the items in text order; markers become item tokens."""
+        ids = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
+        mask = [False] * len(ids)
+        ordered: list[tuple[str, EncodedItem]] = []
+        used = {enc: 0 for enc in items}
+        for text, trained in segments:
+            for piece in self._split.split(text) if self.markers else [text]:
+                enc = self.markers.get(piece)
+                if enc is None:
+                    toks = self.tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
+                    ids += toks
+                    mask += [trained] * len(toks)
+                    continue
+                if used.get(enc, 0) >= len(items.get(enc, [])):
+                    raise DataError(f"{where}: more {piece} markers than {enc} items "
+                                    f"({len(items.get(enc, []))})")
+                item = items[enc][used[enc]]
+                used[enc] += 1
+                ordered.append((enc, item))
+                toks = self.item_processors[enc].tokens(item)
+                ids += toks
+                mask += [False] * len(toks)
+        for enc, xs in items.items():
+            if used[enc] != len(xs):
+                raise DataError(f"{where}: {len(xs)} {enc} items but {used[enc]} markers in the "
+                                "text; put one marker per item where it belongs")
+        return ids, mask, ordered
+
+    def _fit(self, ids, mask, ordered, where):
+        if len(ids) <= self.max_seq_len:
+            return ids, mask
+        item_ids = {self.item_processors[enc].placeholder_id for enc, _ in ordered}
+        last_item = max((i for i, t in enumerate(ids) if t in item_ids), default=-1)
+        if self.overlong == "error" or last_item >= self.max_seq_len:
+            raise DataError(f"{where} has {len(ids)} tokens, more than data.max_seq_len="
+                            f"{self.max_seq_len}; raise max_seq_len or set data.overlong='truncate' "
+                            "(items are never cut)")
+        return ids[: self.max_seq_len], mask[: self.max_seq_len]
+
+
+def load_image(value: Any, root: str | None, where: str):
+    """An image from an HF Image value, a dict with bytes/path, raw bytes or a path -> RGB PIL."""
+    from PIL import Image, UnidentifiedImageError
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    try:
+        if isinstance(value, (bytes, bytearray)):
+            return Image.open(io.BytesIO(value)).convert("RGB")
+        if isinstance(value, str):
+            path = Path(root) / value if root and not Path(value).is_absolute() else Path(value)
+            if not path.exists():
+                raise DataError(f"{where}: image file {str(path)!r} does not exist")
+            return Image.open(path).convert("RGB")
+    except (UnidentifiedImageError, OSError) as e:
+        raise DataError(f"{where}: unreadable image ({e})") from None
+    raise DataError(f"{where}: cannot read an image from a {type(value).__name__}")

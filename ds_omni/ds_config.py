@@ -1,0 +1,84 @@
+"""The DeepSpeed config of a run: the user's JSON plus the fields that follow from the ds_omni config.
+
+Batch sizes, gradient accumulation and the scheduler's length follow from `train` and the parallel
+plan and are computed here, once. The user's file may leave them out or write "auto"; a different
+value is an error that names both numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from ds_omni.config import OmniConfig
+from ds_omni.errors import ConfigError
+from ds_omni.parallel.plan import ParallelPlan
+
+SCHEDULER_FIELDS = {  # scheduler type -> its params that follow from `train`
+    "WarmupLR": ("warmup_max_lr", "warmup_num_steps"),
+    "WarmupDecayLR": ("warmup_max_lr", "warmup_num_steps", "total_num_steps"),
+    "WarmupCosineLR": ("warmup_num_steps", "total_num_steps"),
+}
+
+
+def load_ds_json(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"DeepSpeed config {str(path)!r} does not exist; pass --deepspeed with a "
+                          "file such as ds_configs/zero2.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"DeepSpeed config {str(path)!r} is not valid JSON: {e}") from None
+
+
+def gradient_accumulation_steps(cfg: OmniConfig, plan: ParallelPlan) -> int:
+    per_step = cfg.train.micro_batch_size * plan.dp
+    if cfg.train.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
+            f"train.micro_batch_size x data-parallel size = {cfg.train.micro_batch_size} x {plan.dp} "
+            f"= {per_step}; use a multiple of {per_step}")
+    return cfg.train.global_batch_size // per_step
+
+
+def derived_fields(cfg: OmniConfig, plan: ParallelPlan) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps(cfg, plan),
+        "train_batch_size": cfg.train.global_batch_size,
+    }
+
+
+def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
+    """The user's DeepSpeed config with the derived fields filled in; conflicts are errors."""
+    out = copy.deepcopy(user)
+    for key, value in derived_fields(cfg, plan).items():
+        _merge(out, key, value, where=key)
+    train = cfg.train
+    optimizer = out.get("optimizer")
+    if optimizer is not None:
+        params = optimizer.setdefault("params", {})
+        _merge(params, "lr", train.lr, where="optimizer.params.lr")
+        _merge(params, "weight_decay", train.weight_decay, where="optimizer.params.weight_decay")
+    scheduler = out.get("scheduler")
+    if scheduler is not None:
+        values = {"warmup_max_lr": train.lr, "warmup_num_steps": train.warmup_steps,
+                  "total_num_steps": train.steps}
+        params = scheduler.setdefault("params", {})
+        if scheduler.get("type") == "WarmupCosineLR" and train.warmup_steps < 1:
+            raise ConfigError("DeepSpeed's WarmupCosineLR needs at least one warm-up step; set "
+                              "train.warmup_steps >= 1 (or use another scheduler)")
+        for key in SCHEDULER_FIELDS.get(scheduler.get("type"), ()):
+            _merge(params, key, values[key], where=f"scheduler.params.{key}")
+    out.setdefault("steps_per_print", 10 ** 9)  # ds_omni reports progress itself
+    return out
+
+
+def _merge(target: dict, key: str, value, where: str) -> None:
+    given = target.get(key, "auto")
+    if given != "auto" and given != value:
+        raise ConfigError(f"DeepSpeed config sets {where}={given!r} but the ds_omni config implies "
+                          f"{value!r}; remove it from the DeepSpeed JSON or write \"auto\"")
+    target[key] = value

@@ -1,0 +1,82 @@
+"""ModelConfig -> a ready OmniModel with its tokenizer and item processors.
+
+A model comes from an HF MLLM directory (`model.pretrained`, loaded through the family's real
+`from_pretrained`) or is composed from parts (`model.llm` + `model.vision`/`model.audio`, see
+`compose.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ds_omni.config import ModelConfig
+from ds_omni.data import demo
+from ds_omni.errors import ModelError
+from ds_omni.model.family import Family, ItemProcessor, family_for
+from ds_omni.model.omni import OmniModel
+
+
+@dataclass
+class BuiltModel:
+    model: OmniModel
+    tokenizer: object
+    family: Family
+    hf_config: object
+    item_processors: dict[str, ItemProcessor]
+    model_dir: Path | None
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+    if demo.is_builtin(path):
+        path = str(demo.ensure_builtin(path, "tokenizer"))
+    if not Path(path).is_dir():
+        raise ModelError(f"tokenizer directory {path!r} does not exist; set model.tokenizer to a "
+                         "directory written by save_pretrained, or \"builtin:shapes\"")
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def read_model_type(model_dir: Path) -> str:
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise ModelError(f"{str(model_dir)!r} is not an HF model directory: no config.json. Give a "
+                         "directory written by save_pretrained (or by ds-omni convert)")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if not model_type:
+        raise ModelError(f"{config_file} has no 'model_type'")
+    return model_type
+
+
+def check_weights_present(model_dir: Path) -> None:
+    if not any(model_dir.glob("*.safetensors")):
+        raise ModelError(f"no safetensors weights in {str(model_dir)!r} (found "
+                         f"{sorted(p.name for p in model_dir.iterdir())}); ds_omni loads weights only "
+                         "from safetensors. Re-save the model with save_pretrained(safe_serialization=True)")
+
+
+def build_model(cfg: ModelConfig) -> BuiltModel:
+    """Load or compose the model described by `cfg`, freeze what it names, cast to its dtype."""
+    torch.manual_seed(cfg.seed)
+    if cfg.pretrained:
+        model_dir = Path(cfg.pretrained)
+        family = family_for(read_model_type(model_dir))
+        check_weights_present(model_dir)
+        tokenizer = load_tokenizer(cfg.tokenizer or str(model_dir), cfg.trust_remote_code)
+        hf_model = family.load_hf(model_dir, cfg.trust_remote_code)
+    else:
+        from ds_omni.model.compose import compose
+        model_dir = None
+        tokenizer = load_tokenizer(cfg.tokenizer or cfg.llm.pretrained or "", cfg.trust_remote_code)
+        family, hf_model = compose(cfg, tokenizer)
+    from ds_omni.model.attention import set_kernel
+    set_kernel(cfg.attn_implementation)
+    model = family.to_omni(hf_model, tokenizer)
+    model.freeze(cfg.freeze)
+    model.to(getattr(torch, cfg.dtype))
+    processors = family.item_processors(hf_model.config, model_dir)
+    return BuiltModel(model=model, tokenizer=tokenizer, family=family, hf_config=hf_model.config,
+                      item_processors=processors, model_dir=model_dir)

@@ -1,0 +1,103 @@
+"""Conversion between HF model directories, OmniModels and DeepSpeed checkpoints.
+
+- `export_hf`: an OmniModel (optionally with a state dict in OmniModel keys) -> an HF directory
+  that `from_pretrained` loads, with tokenizer and processor.
+- `consolidate_checkpoint`: a DeepSpeed checkpoint of any ZeRO stage -> one fp32 state dict in
+  OmniModel keys (ZeRO-3 partitions and ZeRO-1/2 optimizer shards merged by DeepSpeed's own
+  `zero_to_fp32`).
+- `export_checkpoint`: the two together: one command from a training run to an HF model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ds_omni.errors import ModelError
+from ds_omni.model.family import family_for
+from ds_omni.model.omni import OmniModel
+
+
+def export_hf(model: OmniModel, out_dir: str | Path, tokenizer, *, state_dict: dict | None = None,
+              model_dir: Path | None = None) -> Path:
+    """Write `model` (or `state_dict`, in OmniModel keys, loaded into it) as an HF directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if state_dict is not None:
+        load_omni_state(model, state_dict)
+    hf_model = model.hf_model
+    hf_model.config._attn_implementation = "sdpa"
+    text_config = getattr(hf_model.config, "text_config", None)
+    if text_config is not None:
+        text_config._attn_implementation = "sdpa"
+    hf_model.save_pretrained(str(out), safe_serialization=True)
+    model.family.save_processor(out, hf_model.config, tokenizer, model_dir)
+    return out
+
+
+def load_omni_state(model: OmniModel, state_dict: dict) -> None:
+    """Load a state dict in OmniModel keys; a key or shape mismatch is a clear error."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    if missing or unexpected:
+        raise ModelError(f"weights do not match the model: missing {missing[:5]}"
+                         f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                         f"{'...' if len(unexpected) > 5 else ''}; were they written for another config?")
+    for key, tensor in state_dict.items():
+        if tuple(tensor.shape) != tuple(own[key].shape):
+            raise ModelError(f"weight {key!r} has shape {tuple(tensor.shape)} but the model expects "
+                             f"{tuple(own[key].shape)}; were the weights written for another config?")
+    model.load_state_dict(state_dict, strict=True)
+
+
+def consolidate_checkpoint(ckpt_root: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """fp32 state dict (OmniModel keys) of a DeepSpeed checkpoint written under `ckpt_root`."""
+    root = Path(ckpt_root)
+    tag = tag or _latest(root)
+    files = list((root / tag).glob("*model_states.pt"))
+    if not files:
+        raise ModelError(f"{str(root / tag)!r} holds no DeepSpeed model states")
+    if list((root / tag).glob("*optim_states.pt")):  # ZeRO 1/2/3: merge partitions
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    else:  # no ZeRO: every rank held the whole model; rank 0's copy is it
+        states = torch.load(root / tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                            weights_only=True)
+        state = states["module"]
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+
+
+def _latest(root: Path) -> str:
+    latest = root / "latest"
+    if not latest.is_file():
+        raise ModelError(f"{str(root)!r} is not a DeepSpeed checkpoint directory (no 'latest' file); "
+                         "pass <output_dir>/checkpoints")
+    return latest.read_text().strip()
+
+
+def model_from_meta(meta_dir: str | Path):
+    """(OmniModel, tokenizer) rebuilt from a checkpoint's model/ directory (random weights)."""
+    from transformers import AutoConfig, AutoTokenizer
+    meta_dir = Path(meta_dir)
+    config = AutoConfig.from_pretrained(str(meta_dir))
+    family = family_for(config.model_type)
+    tokenizer = AutoTokenizer.from_pretrained(str(meta_dir))
+    return family.to_omni(family.build_hf(config), tokenizer), tokenizer
+
+
+def export_checkpoint(ckpt_root: str | Path, out_dir: str | Path, tag: str | None = None) -> Path:
+    """A DeepSpeed checkpoint (any ZeRO stage) -> an HF directory."""
+    from ds_omni.train.checkpoint import MODEL_META_DIR
+    root = Path(ckpt_root)
+    meta = root / MODEL_META_DIR
+    if not (meta / "config.json").is_file():
+        raise ModelError(f"{str(meta)!r} is missing: {str(root)!r} was not written by ds-omni train")
+    model, tokenizer = model_from_meta(meta)
+    state = consolidate_checkpoint(root, tag)
+    out = export_hf(model, out_dir, tokenizer, state_dict=state, model_dir=meta)
+    (out / "ds_omni_export.json").write_text(json.dumps(
+        {"checkpoint": str(root.resolve()), "tag": tag or _latest(root)}, indent=1))
+    return out

@@ -1,0 +1,109 @@
+"""LLaVA: a CLIP/SigLIP vision tower, a 2-layer MLP projector, a decoder-only LLM.
+
+Every image is resized to the tower's square input and yields (image_size / patch_size)^2
+embeddings (plus one with the "full" feature strategy, which keeps CLS).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
+from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
+
+
+def select_features(hidden_states: tuple[torch.Tensor, ...], layer: int | list[int],
+                    strategy: str) -> torch.Tensor:
+    """LLaVA's feature choice: one layer's (or several layers' concatenated) patch states."""
+    layers = [layer] if isinstance(layer, int) else layer
+    pool = [hidden_states[i] for i in layers]  # each [N, 1 + P, C]
+    if strategy == "default":  # drop CLS
+        pool = [h[:, 1:] for h in pool]
+    return torch.cat(pool, dim=-1)
+
+
+class LlavaVisionEncoder(ModalityEncoder):
+    """pixel_values [N, 3, S, S] -> projected patch embeddings [N * P, D]."""
+
+    modality = "image"
+
+    def __init__(self, *, feature_layer, select_strategy: str, image_size: int, **kw):
+        super().__init__(**kw)
+        self.feature_layer = feature_layer
+        self.select_strategy = select_strategy
+        self.image_size = image_size
+
+    def encode(self, inputs):
+        out = self.tower(inputs["pixel_values"], output_hidden_states=True, return_dict=True)
+        feats = select_features(out.hidden_states, self.feature_layer, self.select_strategy)
+        return self.projector(feats).flatten(0, 1)  # [N, P, D] -> [N * P, D]
+
+    def dummy_inputs(self, device, dtype):
+        return {"pixel_values": torch.zeros(1, 3, self.image_size, self.image_size,
+                                            device=device, dtype=dtype)}
+
+
+class ClipImageProcessor(ItemProcessor):
+    """PIL image -> pixel_values [3, S, S] through the model's HF image processor."""
+
+    def __init__(self, hf_processor, num_embeddings: int, placeholder_id: int):
+        self.hf_processor = hf_processor
+        self.num_embeddings = num_embeddings
+        self.placeholder_id = placeholder_id
+
+    def process(self, image):
+        pixels = self.hf_processor(images=[image], return_tensors="pt")["pixel_values"][0]
+        return EncodedItem(inputs={"pixel_values": pixels}, num_embeddings=self.num_embeddings,
+                           meta={"patches": self.num_embeddings})
+
+
+def clip_image_processor(vision_config, model_dir: Path | None):
+    """The HF image processor saved with the model, else one matching the tower's input size."""
+    if model_dir is not None and (Path(model_dir) / "preprocessor_config.json").exists():
+        from transformers import AutoImageProcessor
+        return AutoImageProcessor.from_pretrained(str(model_dir))
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    size = vision_config.image_size
+    return CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+
+
+def tokens_per_image(config) -> int:
+    vc = config.vision_config
+    patches = (vc.image_size // vc.patch_size) ** 2
+    return patches + (1 if config.vision_feature_select_strategy == "full" else 0)
+
+
+class Llava(Family):
+    name = "llava"
+    model_types = ("llava",)
+    hf_class = "LlavaForConditionalGeneration"
+
+    def to_omni(self, hf_model, tokenizer=None) -> OmniModel:
+        config, inner = hf_model.config, hf_model.model
+        encoder = LlavaVisionEncoder(
+            tower=inner.vision_tower, projector=inner.multi_modal_projector,
+            placeholder_id=config.image_token_id, feature_layer=config.vision_feature_layer,
+            select_strategy=config.vision_feature_select_strategy,
+            image_size=config.vision_config.image_size)
+        return OmniModel(encoders={"vision": encoder},
+                         backbone=backbone_of(inner.language_model, hf_model.lm_head),
+                         family=self, hf_model=hf_model)
+
+    def item_processors(self, hf_config, model_dir=None):
+        hf_proc = clip_image_processor(hf_config.vision_config, model_dir)
+        return {"vision": ClipImageProcessor(hf_proc, tokens_per_image(hf_config),
+                                             hf_config.image_token_id)}
+
+    def save_processor(self, out_dir, hf_config, tokenizer, model_dir=None):
+        from transformers import LlavaProcessor
+        image_processor = clip_image_processor(hf_config.vision_config, model_dir)
+        LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                       patch_size=hf_config.vision_config.patch_size,
+                       vision_feature_select_strategy=hf_config.vision_feature_select_strategy,
+                       image_token=tokenizer.convert_ids_to_tokens(hf_config.image_token_id),
+                       num_additional_image_tokens=1).save_pretrained(str(out_dir))
+
+
+register(Llava())

@@ -1,0 +1,108 @@
+"""The adapter interface between HF model families and OmniModel.
+
+A family says how to build or load its HF model, how to view it as an OmniModel (which modules are
+encoders, projectors and backbone), and how to turn one raw image or audio clip into encoder inputs
+plus the number of embeddings it yields. Adding a family is one small file in `families/` that
+subclasses `Family` and calls `register`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ds_omni.errors import ModelError
+
+_FAMILIES: dict[str, "Family"] = {}
+
+
+@dataclass
+class EncodedItem:
+    """One image or audio clip, preprocessed for its encoder."""
+
+    inputs: dict[str, torch.Tensor]
+    """Encoder inputs of this item alone (collated per micro-batch by `ItemProcessor.collate`)."""
+    num_embeddings: int
+    """How many LLM embeddings (placeholder tokens) the item yields."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Size facts for the cost model and position ids (patches, grid, frames, ...)."""
+
+
+class ItemProcessor:
+    """Raw item (PIL image, audio array) -> `EncodedItem`; a list of them -> encoder inputs."""
+
+    encoder: str = "vision"
+    modality: str = "image"
+    placeholder_id: int = -1
+    """Token id that each of the item's embeddings replaces."""
+
+    def process(self, item: Any) -> EncodedItem:
+        raise NotImplementedError
+
+    def tokens(self, item: EncodedItem) -> list[int]:
+        """The token ids standing for `item` in the text: one placeholder per embedding."""
+        return [self.placeholder_id] * item.num_embeddings
+
+    def collate(self, items: list[EncodedItem]) -> dict[str, torch.Tensor]:
+        """Default: stack each input along a new leading dim."""
+        return {k: torch.stack([it.inputs[k] for it in items]) for k in items[0].inputs}
+
+
+class Family:
+    """Base adapter. Subclasses set `name`, `model_types`, `hf_class` and implement the hooks."""
+
+    name: str = ""
+    model_types: tuple[str, ...] = ()
+    hf_class: str = ""  # attribute of `transformers`
+
+    def hf_model_class(self):
+        import transformers
+        return getattr(transformers, self.hf_class)
+
+    def build_hf(self, config) -> torch.nn.Module:
+        """A randomly initialised HF model from an HF config object."""
+        return self.hf_model_class()(config)
+
+    def load_hf(self, path: Path, trust_remote_code: bool = False) -> torch.nn.Module:
+        """Load an HF model directory through the real `from_pretrained` path (safetensors only)."""
+        return self.hf_model_class().from_pretrained(
+            str(path), use_safetensors=True, trust_remote_code=trust_remote_code)
+
+    def to_omni(self, hf_model, tokenizer):
+        """View `hf_model` as an `OmniModel` sharing its parameters."""
+        raise NotImplementedError
+
+    def item_processors(self, hf_config, model_dir: Path | None) -> dict[str, ItemProcessor]:
+        """Encoder name -> processor of its raw items (HF image/feature processors)."""
+        raise NotImplementedError
+
+    def position_ids(self, input_ids: torch.Tensor, items: list[tuple[str, EncodedItem]]) -> torch.Tensor:
+        """Positions of one sample's tokens [L] (or [3, L] for M-RoPE); default 0..L-1."""
+        return torch.arange(input_ids.shape[0])
+
+    def save_processor(self, out_dir: Path, hf_config, tokenizer, model_dir: Path | None) -> None:
+        """Write the HF processor next to an exported model so users can `generate`."""
+        tokenizer.save_pretrained(str(out_dir))
+
+
+def register(family: Family) -> Family:
+    _FAMILIES[family.name] = family
+    return family
+
+
+def family_for(model_type: str) -> Family:
+    """The family adapter that handles HF `model_type`."""
+    _load_builtin_families()
+    for family in _FAMILIES.values():
+        if model_type in family.model_types:
+            return family
+    known = sorted(t for f in _FAMILIES.values() for t in f.model_types)
+    raise ModelError(f"unknown model family: model_type {model_type!r} has no ds_omni adapter; "
+                     f"supported: {known}. A new family is one file in ds_omni/model/families/.")
+
+
+def _load_builtin_families() -> None:
+    import ds_omni.model.families  # noqa: F401  (each module registers itself)

@@ -1,0 +1,194 @@
+"""OmniModel: one representation of any multimodal LLM.
+
+A model is a set of modality encoders (each an encoder plus its projector, producing LLM-width
+embeddings that replace placeholder tokens in the text) and an LLM backbone (token embedding, a list
+of decoder layers, final norm, head). The parallel machinery (sequence parallelism for encoders,
+resharding onto LLM sequence shards, the joint pipeline) works on this representation only; the
+family adapters in `ds_omni.model.families` map HF models onto it.
+
+The modules are the HF model's own modules, registered here under family-neutral names, so
+parameters are shared (not copied) and export back to HF is exact.
+
+Dims: T packed tokens of a micro-batch, N embeddings of one encoder in a micro-batch,
+D LLM hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds_omni.errors import ModelError
+
+if TYPE_CHECKING:
+    from ds_omni.data.packing import MicroBatch
+    from ds_omni.model.family import Family
+
+IGNORE_INDEX = -100
+
+
+class ModalityEncoder(nn.Module):
+    """An encoder and its projector for one modality: inputs of a micro-batch -> [N, D] embeddings.
+
+    Subclasses (one per family) implement `encode` and `dummy_inputs`; the embeddings come out in the
+    order the items appear in the packed text, and replace that encoder's placeholder tokens.
+    """
+
+    modality: str = "image"
+
+    def __init__(self, *, tower: nn.Module, projector: nn.Module, placeholder_id: int):
+        super().__init__()
+        self.tower = tower
+        self.projector = projector
+        self.placeholder_id = placeholder_id
+
+    def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dummy_inputs(self, device, dtype) -> dict[str, torch.Tensor]:
+        """The smallest valid input, run when a rank has nothing to encode (see `forward`)."""
+        raise NotImplementedError
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        dtype = next(self.tower.parameters()).dtype  # float inputs follow the tower (fp32 / bf16)
+        return self.encode({k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()})
+
+
+class Backbone(nn.Module):
+    """The LLM: embedding, decoder layers, final norm, head. Runs packed rows of samples."""
+
+    def __init__(self, *, embed_tokens: nn.Module, layers: nn.ModuleList, norm: nn.Module,
+                 lm_head: nn.Module, rotary_emb: nn.Module):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.rotary_emb = rotary_emb
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
+                cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        """hidden [1, T, D], position_ids [1, T] or [3, 1, T] (M-RoPE) -> normed hidden [1, T, D]."""
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        text_positions = position_ids if position_ids.ndim == 2 else position_ids[0]
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=None, position_ids=text_positions,
+                           position_embeddings=position_embeddings,
+                           cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        return self.norm(hidden)
+
+
+def backbone_of(decoder_model: nn.Module, lm_head: nn.Module) -> Backbone:
+    """The backbone of an HF decoder-only model (LlamaModel, Qwen2Model, ...) and its head.
+
+    Its attention switches to the packed kernel (`ds_omni.model.attention`); the switch is on this
+    config alone, so encoders keep theirs.
+    """
+    from ds_omni.model.attention import PACKED_ATTENTION, register
+    register()
+    decoder_model.config._attn_implementation = PACKED_ATTENTION
+    return Backbone(embed_tokens=decoder_model.embed_tokens, layers=decoder_model.layers,
+                    norm=decoder_model.norm, lm_head=lm_head, rotary_emb=decoder_model.rotary_emb)
+
+
+class LossOutput(NamedTuple):
+    """Sum (not mean) of token losses of one micro-batch, and the number of target tokens.
+
+    A NamedTuple, so ZeRO-3's hooks see the loss tensor inside it.
+    """
+
+    loss_sum: torch.Tensor
+    num_targets: int
+
+
+class OmniModel(nn.Module):
+    """Encoders + backbone. `forward(batch)` returns the micro-batch's summed token loss."""
+
+    def __init__(self, *, encoders: dict[str, ModalityEncoder], backbone: Backbone,
+                 family: "Family", hf_model: nn.Module):
+        super().__init__()
+        self.encoders = nn.ModuleDict(encoders)
+        self.backbone = backbone
+        self.family = family
+        # The HF model object shares every parameter with this module; kept out of the module tree
+        # so parameters are registered once, under the names above.
+        object.__setattr__(self, "hf_model", hf_model)
+
+    # ---------------------------------------------------------------------------- forward
+    def embed(self, batch: "MicroBatch") -> torch.Tensor:
+        """Token embeddings with encoder outputs in place of placeholder tokens -> [1, T, D]."""
+        input_ids = batch.input_ids
+        hidden = self.backbone.embed_tokens(input_ids)
+        for name, encoder in self.encoders.items():
+            inputs = batch.encoder_inputs.get(name)
+            mask = input_ids == encoder.placeholder_id  # [1, T]
+            n_slots = int(mask.sum())
+            if inputs is None:
+                if n_slots:
+                    raise ModelError(f"{n_slots} '{name}' placeholder tokens but no {name} inputs "
+                                     f"in the batch (samples {batch.sample_ids[:4]}...)")
+                # Every rank runs every encoder every step, so ZeRO-3 gathers the same parameters
+                # on all ranks (no hang when some ranks have no images); the result counts zero.
+                dummy = encoder(encoder.dummy_inputs(hidden.device, hidden.dtype))
+                hidden = hidden + 0.0 * dummy.sum()
+                continue
+            feats = encoder(inputs).to(hidden.dtype)  # [N, D]
+            if feats.shape[0] != n_slots:
+                raise ModelError(
+                    f"encoder '{name}' produced {feats.shape[0]} embeddings but the text has "
+                    f"{n_slots} '{name}' placeholder tokens (samples {batch.sample_ids[:4]}); each "
+                    f"item needs exactly as many placeholders as it yields embeddings")
+            hidden = hidden.masked_scatter(mask.unsqueeze(-1), feats)
+        return hidden
+
+    def hidden_states(self, batch: "MicroBatch") -> torch.Tensor:
+        """Final normed hidden states [1, T, D]."""
+        return self.backbone(self.embed(batch), batch.position_ids, batch.cu_seqlens,
+                             batch.max_seqlen)
+
+    def logits(self, batch: "MicroBatch") -> torch.Tensor:
+        """Logits for every position [1, T, V] (for parity checks and evaluation)."""
+        return self.backbone.lm_head(self.hidden_states(batch))
+
+    def forward(self, batch: "MicroBatch") -> LossOutput:
+        hidden = self.hidden_states(batch)
+        targets = batch.targets  # [1, T], next token at each position or IGNORE_INDEX
+        keep = targets != IGNORE_INDEX
+        # Project only positions that carry a target: the [T, V] logits are the largest activation.
+        logits = self.backbone.lm_head(hidden[keep])  # [n, V]
+        loss_sum = F.cross_entropy(logits.float(), targets[keep], reduction="sum")
+        return LossOutput(loss_sum=loss_sum, num_targets=int(keep.sum()))
+
+    # ---------------------------------------------------------------------------- structure
+    def parts(self) -> dict[str, list[nn.Module]]:
+        """Modules by freezable part name: vision, audio, projector, llm."""
+        parts: dict[str, list[nn.Module]] = {"vision": [], "audio": [], "projector": [],
+                                              "llm": [self.backbone]}
+        for encoder in self.encoders.values():
+            parts["vision" if encoder.modality == "image" else "audio"].append(encoder.tower)
+            parts["projector"].append(encoder.projector)
+        return parts
+
+    def freeze(self, names: list[str]) -> None:
+        """Turn off gradients of the named parts (DeepSpeed then keeps no optimizer state for them)."""
+        parts = self.parts()
+        for name in names:
+            if not parts[name]:
+                raise ModelError(f"model.freeze names '{name}' but this model has no {name} part; "
+                                 f"it has {[k for k, v in parts.items() if v]}")
+            for module in parts[name]:
+                module.requires_grad_(False)
+
+    def hf_key_map(self) -> dict[str, str]:
+        """HF state-dict key -> OmniModel state-dict key, found by tensor identity."""
+        ours = {id(t): k for k, t in self.state_dict(keep_vars=True).items()}
+        mapping = {}
+        for hf_key, tensor in self.hf_model.state_dict(keep_vars=True).items():
+            if id(tensor) not in ours:
+                raise ModelError(f"HF tensor {hf_key!r} is not part of the OmniModel; the "
+                                 f"{self.family.name} adapter misses a module")
+            mapping[hf_key] = ours[id(tensor)]
+        return mapping

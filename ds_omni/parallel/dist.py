@@ -1,0 +1,57 @@
+"""Thin wrappers over the process group: start-up from any launcher, and a few collectives.
+
+Works under `deepspeed`, `torchrun` and `accelerate launch` (all set RANK / WORLD_SIZE /
+MASTER_ADDR / MASTER_PORT) and as a plain single process (one is made up here, on a free port).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Join (or, alone, create) the default process group; returns (rank, world size).
+
+    `timeout_s` bounds every collective, so one failed rank cannot keep the others waiting long.
+    """
+    import deepspeed
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s), verbose=False)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def all_reduce_sum(values: list[float], group=None) -> list[float]:
+    """Sum a few numbers over `group` (float64, so token counts stay exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def comm_device() -> torch.device:
+    """The device collectives run on: the accelerator DeepSpeed picked (CPU under gloo)."""
+    from deepspeed.accelerator import get_accelerator
+    return torch.device(get_accelerator().current_device_name())
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,166 @@
+"""Training: config -> DeepSpeed engine -> steps -> checkpoints -> report and HF export.
+
+One step, on every data-parallel rank:
+  1. the loader plans the global batch (the same plan on every rank) and packs this rank's share;
+  2. the ranks all-reduce their target-token counts: the loss is normalised by the global count,
+     so the gradient equals one process running the whole global batch, whatever the split;
+  3. each micro-batch runs encode -> scatter into the text -> LLM -> summed token loss, then
+     DeepSpeed's backward and step (which reduces gradients at the accumulation boundary).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ds_omni.config import OmniConfig
+from ds_omni.data.loader import OmniLoader, StepBatch
+from ds_omni.data.processing import SampleProcessor
+from ds_omni.data.sources import Source, resolve_files
+from ds_omni.ds_config import derive_ds_config, load_ds_json
+from ds_omni.errors import LaunchError
+from ds_omni.parallel import dist
+from ds_omni.parallel.plan import ParallelPlan
+from ds_omni.train import checkpoint
+from ds_omni.train.metrics import MetricsLogger, write_report
+
+DEFAULT_DIST_TIMEOUT_S = 1800.0
+
+
+@dataclass
+class StepResult:
+    loss: float
+    tokens: int
+    targets: int
+    samples: int
+
+
+def engine_loss(loss_sum: torch.Tensor, dp_size: int, global_targets: float) -> torch.Tensor:
+    """The loss handed to `engine.backward` (without DeepSpeed's accumulation scaling).
+
+    DeepSpeed averages gradients over the dp ranks; multiplying by dp undoes that, so the reduced
+    gradient is d(sum of all token losses of the global batch) / global target tokens.
+    """
+    return loss_sum * (dp_size / global_targets)
+
+
+def train_step(engine, batch: StepBatch, dp_size: int, dp_group=None) -> StepResult:
+    local_targets = sum(mb.num_targets for mb in batch.micro_batches)
+    local_tokens = sum(mb.num_tokens for mb in batch.micro_batches)
+    global_targets, global_tokens = dist.all_reduce_sum([local_targets, local_tokens], dp_group)
+    loss_sum = 0.0
+    for mb in batch.micro_batches:
+        out = engine(mb.to(engine.device))
+        engine.backward(engine_loss(out.loss_sum, dp_size, global_targets), scale_wrt_gas=False)
+        engine.step()
+        loss_sum += float(out.loss_sum.detach())
+    (global_loss_sum,) = dist.all_reduce_sum([loss_sum], dp_group)
+    return StepResult(loss=global_loss_sum / global_targets, tokens=int(global_tokens),
+                      targets=int(global_targets), samples=len(batch.global_refs))
+
+
+def build_loader(cfg: OmniConfig, built, dp_rank: int, dp_size: int) -> OmniLoader:
+    sources = [Source(s) for s in cfg.data.sources]
+    processors = {
+        s.name: SampleProcessor(
+            tokenizer=built.tokenizer, family=built.family, item_processors=built.item_processors,
+            markers={"vision": s.schema.image_marker, "audio": s.schema.audio_marker},
+            max_seq_len=cfg.data.max_seq_len, overlong=cfg.data.overlong)
+        for s in cfg.data.sources}
+    return OmniLoader(sources, processors, global_batch_size=cfg.train.global_batch_size,
+                      micro_batch_size=cfg.train.micro_batch_size, dp_rank=dp_rank,
+                      dp_size=dp_size, seed=cfg.data.seed)
+
+
+def preflight(cfg: OmniConfig, ds_config_path: str) -> tuple[ParallelPlan, dict]:
+    """Every check that needs no process group, so a bad input fails on all ranks at once."""
+    plan = ParallelPlan.from_config(cfg.parallel, dist.world_size_from_env())
+    if plan.sp_enabled or plan.pp_enabled:
+        raise LaunchError("parallel.sp > 1 and parallel.pp > 1 are not available in this version; "
+                          "set both to 1")
+    ds_config = derive_ds_config(cfg, load_ds_json(ds_config_path), plan)
+    checkpoint.check_writable(cfg.train.output_dir)
+    for source in cfg.data.sources:
+        resolve_files(source)
+    return plan, ds_config
+
+
+def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPlan):
+    """(built model, loader, DeepSpeed engine) of this rank; call after `init_distributed`."""
+    import deepspeed
+    from ds_omni.model.build import build_model
+    coords = plan.coords(rank)
+    # rank 0 makes builtin assets and dataset caches first; the others then only read them
+    if rank != 0:
+        dist.barrier()
+    built = build_model(cfg.model)
+    loader = build_loader(cfg, built, coords.dp_rank, plan.dp)
+    if rank == 0:
+        dist.barrier()
+    torch.manual_seed(cfg.train.seed + rank)
+    params = [p for p in built.model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=built.model, model_parameters=params, config=ds_config)
+    return built, loader, engine
+
+
+def run(cfg: OmniConfig, ds_config_path: str, *, resume: bool = False,
+        stop_after: int | None = None) -> dict:
+    """Train as `cfg` says; returns the report (on rank 0; {} elsewhere)."""
+    plan, ds_config = preflight(cfg, ds_config_path)
+    rank, _ = dist.init_distributed(float(os.environ.get("DS_OMNI_DIST_TIMEOUT", DEFAULT_DIST_TIMEOUT_S)))
+    built, loader, engine = setup_training(cfg, ds_config, rank, plan)
+    out = Path(cfg.train.output_dir)
+    start = 0
+    if resume:
+        start, loader_state = checkpoint.load(engine, out, rank)
+        loader.load_state_dict(loader_state)
+    elif rank == 0:
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+    if rank == 0:
+        checkpoint.save_model_meta(checkpoint.checkpoint_root(out), built)
+    logger = MetricsLogger(out, total_steps=cfg.train.steps, start_step=start, enabled=rank == 0,
+                           monitor=getattr(engine, "monitor", None))
+    step = _loop(cfg, engine, loader, logger, plan, rank, start, stop_after)
+    logger.close()
+    return _finish(cfg, engine, loader, rank, step, plan)
+
+
+def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after) -> int:
+    step = start
+    end = cfg.train.steps if stop_after is None else min(cfg.train.steps, start + stop_after)
+    while step < end:
+        t0 = time.perf_counter()
+        batch = loader.next_step()
+        result = train_step(engine, batch, plan.dp)
+        elapsed = time.perf_counter() - t0
+        if step % cfg.train.log_every == 0 or step == end - 1:
+            logger.log({"step": step, "loss": result.loss, "lr": engine.get_lr()[0],
+                        "tokens": result.tokens, "targets": result.targets, "step_s": elapsed,
+                        "tokens_per_s": result.tokens / elapsed,
+                        "samples": [str(r) for r in batch.global_refs]})
+        logger.advance()
+        step += 1
+        if cfg.train.save_every and step % cfg.train.save_every == 0 and step < end:
+            checkpoint.save(engine, cfg.train.output_dir, step, loader.state_dict(), rank)
+    return step
+
+
+def _finish(cfg, engine, loader, rank, step, plan) -> dict:
+    checkpoint.save(engine, cfg.train.output_dir, step, loader.state_dict(), rank)
+    dist.barrier()
+    report = {}
+    if rank == 0:
+        extra = {"world_size": plan.world_size, "dp": plan.dp,
+                 "zero_stage": engine.zero_optimization_stage(), "final_step": step}
+        if cfg.train.export_hf and step >= cfg.train.steps:
+            from ds_omni.model.convert import export_checkpoint
+            hf_dir = Path(cfg.train.output_dir) / "hf"
+            export_checkpoint(checkpoint.checkpoint_root(cfg.train.output_dir), hf_dir)
+            extra["hf_export"] = str(hf_dir)
+        report = write_report(cfg.train.output_dir, extra)
+    dist.barrier()
+    return report

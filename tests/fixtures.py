@@ -1,0 +1,44 @@
+"""Tiny configs shared by the tests: models build in milliseconds, data comes from builtin:shapes."""
+
+from __future__ import annotations
+
+import copy
+
+TINY_VISION = {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 32, "patch_size": 8}
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+
+def tiny_config_dict(output_dir: str, **train) -> dict:
+    """A whole OmniConfig as JSON-able dict (tiny LLaVA composition on the demo data)."""
+    return {
+        "model": {"tokenizer": "builtin:shapes", "vision": {"config": dict(TINY_VISION)},
+                  "llm": {"config": dict(TINY_LLAMA)}},
+        "data": {"sources": [{"name": "shapes", "path": "builtin:shapes"}], "max_seq_len": 128},
+        "train": {"steps": 2, "global_batch_size": 8, "micro_batch_size": 2, "lr": 1e-3,
+                  "output_dir": output_dir, "export_hf": False, **train},
+    }
+
+
+def tiny_config(output_dir: str, **train):
+    from ds_omni.config import from_dict, OmniConfig
+    return from_dict(OmniConfig, copy.deepcopy(tiny_config_dict(output_dir, **train)))
+
+
+ADAM_EPS = 1e-6
+
+
+def ds_config(stage: int, **extra) -> dict:
+    """A DeepSpeed config for tests: constant LR (no scheduler), AdamW as torch implements it.
+
+    eps is 1e-6, not 1e-8: some gradients are zero in exact arithmetic (a key bias cannot change a
+    softmax) and hold only float noise, whose order depends on the reduction; a tiny eps turns that
+    noise into full-size Adam steps of either sign. 1e-6 keeps real updates unchanged.
+    """
+    return {"zero_optimization": {"stage": stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
+                                                      "betas": [0.9, 0.95], "eps": ADAM_EPS,
+                                                      "torch_adam": True}},
+            "gradient_clipping": 1.0, **extra}

@@ -1,0 +1,71 @@
+"""Bad input to `ds-omni train` fails at start-up with a clear message, exit status 2, no traceback."""
+
+import json
+
+from ds_omni.cli import main
+from tests.fixtures import ds_config, tiny_config_dict
+
+
+def _write(tmp_path, cfg: dict, ds: dict | None = None):
+    c, d = tmp_path / "cfg.json", tmp_path / "ds.json"
+    c.write_text(json.dumps(cfg))
+    d.write_text(json.dumps(ds or ds_config(2)))
+    return str(c), str(d)
+
+
+def _train(capsys, *args) -> str:
+    code = main(["train", *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("ds-omni: error: ") and "Traceback" not in err
+    return err
+
+
+def test_missing_config_file(tmp_path, capsys):
+    err = _train(capsys, "--config", str(tmp_path / "nope.json"), "--deepspeed", "x.json")
+    assert "nope.json' does not exist" in err
+
+
+def test_missing_deepspeed_file(tmp_path, capsys):
+    c, _ = _write(tmp_path, tiny_config_dict(str(tmp_path / "out")))
+    err = _train(capsys, "--config", c, "--deepspeed", str(tmp_path / "ds_missing.json"))
+    assert "DeepSpeed config" in err and "does not exist" in err
+
+
+def test_unknown_key(tmp_path, capsys):
+    cfg = tiny_config_dict(str(tmp_path / "out"))
+    cfg["data"]["shuffle_buffer"] = 10
+    c, d = _write(tmp_path, cfg)
+    assert "unknown key(s) ['shuffle_buffer'] in data" in _train(capsys, "--config", c, "--deepspeed", d)
+
+
+def test_world_size_that_does_not_fit(tmp_path, capsys, monkeypatch):
+    cfg = tiny_config_dict(str(tmp_path / "out"))
+    cfg["parallel"] = {"dp": 2}
+    c, d = _write(tmp_path, cfg)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    err = _train(capsys, "--config", c, "--deepspeed", d)
+    assert "2 processes but 3 were launched" in err
+
+
+def test_missing_dataset_path(tmp_path, capsys):
+    cfg = tiny_config_dict(str(tmp_path / "out"))
+    cfg["data"]["sources"][0]["path"] = str(tmp_path / "no_such_data")
+    c, d = _write(tmp_path, cfg)
+    err = _train(capsys, "--config", c, "--deepspeed", d)
+    assert "data source 'shapes': no data at" in err and "no_such_data" in err
+
+
+def test_unwritable_output_dir(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")  # a directory cannot be made below a file, whoever runs the test
+    c, d = _write(tmp_path, tiny_config_dict(str(blocker / "run")))
+    err = _train(capsys, "--config", c, "--deepspeed", d)
+    assert "output directory" in err and "is not writable" in err
+
+
+def test_deepspeed_conflict(tmp_path, capsys):
+    c, d = _write(tmp_path, tiny_config_dict(str(tmp_path / "out")),
+                  {**ds_config(2), "train_micro_batch_size_per_gpu": 5})
+    err = _train(capsys, "--config", c, "--deepspeed", d)
+    assert "train_micro_batch_size_per_gpu=5 but the ds_omni config implies 2" in err

@@ -1,0 +1,28 @@
+"""Every shipped JSON config loads strictly, and every DeepSpeed config merges with every example."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ds_omni.config import load_config
+from ds_omni.ds_config import derive_ds_config, load_ds_json
+from ds_omni.parallel.plan import ParallelPlan
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "examples").glob("*.json"))
+DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
+
+
+def test_there_are_configs():
+    assert EXAMPLES and len(DS_CONFIGS) >= 6
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+@pytest.mark.parametrize("ds_path", DS_CONFIGS, ids=lambda p: p.name)
+def test_example_with_deepspeed_config(example, ds_path):
+    cfg = load_config(example)
+    plan = ParallelPlan.from_config(cfg.parallel, cfg.parallel.sp * cfg.parallel.pp * 2)
+    merged = derive_ds_config(cfg, load_ds_json(ds_path), plan)
+    assert merged["train_batch_size"] == cfg.train.global_batch_size
+    assert "auto" not in json.dumps(merged)
