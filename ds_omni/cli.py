@@ -32,10 +32,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set train.steps=10 (JSON value)")
 
-    c = sub.add_parser("convert", help="export a training checkpoint as a HuggingFace model")
-    c.add_argument("--checkpoint", required=True, help="<output_dir>/checkpoints of a run")
+    c = sub.add_parser("convert", help="convert between HF directories, OmniModel directories "
+                                          "and training checkpoints")
+    src = c.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="<output_dir>/checkpoints of a run (any ZeRO stage) -> HF")
+    src.add_argument("--hf", help="an HF MLLM directory -> an OmniModel directory")
+    src.add_argument("--omni", help="an OmniModel directory -> an HF directory")
     c.add_argument("--tag", help="checkpoint tag (default: latest)")
-    c.add_argument("--out", required=True, help="output HF directory")
+    c.add_argument("--out", required=True, help="output directory")
 
     pl = sub.add_parser("plan", help="print the parallel plan and the derived DeepSpeed config")
     pl.add_argument("--config", required=True)
@@ -73,9 +77,19 @@ def cmd_train(args) -> None:
 
 
 def cmd_convert(args) -> None:
-    from ds_omni.model.convert import export_checkpoint
-    out = export_checkpoint(args.checkpoint, args.out, args.tag)
-    print(f"wrote HuggingFace model to {out}")
+    from ds_omni.model import convert
+    if args.checkpoint:
+        out = convert.export_checkpoint(args.checkpoint, args.out, args.tag)
+        print(f"wrote HuggingFace model to {out}")
+        return
+    built = convert.load(args.hf or args.omni)
+    if args.hf:
+        out = convert.save_omni(built.model, args.out, built.tokenizer, built.model_dir)
+        print(f"wrote OmniModel ({built.family.name}: encoders {list(built.model.encoders)}, "
+              f"{len(built.model.backbone.layers)} LLM layers) to {out}")
+    else:
+        out = convert.export_hf(built.model, args.out, built.tokenizer, model_dir=built.model_dir)
+        print(f"wrote HuggingFace model ({built.family.name}) to {out}")
 
 
 def cmd_plan(args) -> None:
@@ -122,8 +136,17 @@ def _drop_local_rank(argv: list[str]) -> list[str]:
     return out
 
 
+def _quiet_libraries() -> None:
+    """ds-omni draws its own progress bar; the libraries' per-file bars would bury it."""
+    import datasets
+    import transformers
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(_drop_local_rank(sys.argv[1:] if argv is None else argv))
+    _quiet_libraries()
     handler = {"train": cmd_train, "convert": cmd_convert, "plan": cmd_plan, "data": cmd_data}
     try:
         handler[args.command](args)

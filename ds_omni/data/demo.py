@@ -35,13 +35,20 @@ def is_builtin(path: str | None) -> bool:
     return bool(path) and path.startswith(BUILTIN_PREFIX)
 
 
+BUILTINS = ("shapes", "shapes_tones", "tones")  # all share the "shapes" tokenizer
+ASSET_VERSION = 2  # bump when generated assets change, so stale caches are not reused
+
+
 def builtin_dir(uri: str, kind: str) -> Path:
     """The directory a builtin asset lives in (it may not exist yet)."""
     name = uri[len(BUILTIN_PREFIX):]
-    if name != "shapes":
+    if name not in BUILTINS:
         from ds_omni.errors import ConfigError
-        raise ConfigError(f"unknown builtin asset {uri!r}; the only builtin is 'builtin:shapes'")
-    return default_cache_dir() / f"shapes-{kind}"
+        raise ConfigError(f"unknown builtin asset {uri!r}; builtins are "
+                          f"{[BUILTIN_PREFIX + b for b in BUILTINS]}")
+    if kind == "tokenizer":
+        name = "shapes"
+    return default_cache_dir() / f"{name}-{kind}-v{ASSET_VERSION}"
 
 
 def ensure_builtin(uri: str, kind: str) -> Path:
@@ -55,7 +62,14 @@ def ensure_builtin(uri: str, kind: str) -> Path:
         return out
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    (make_shapes_dataset if kind == "dataset" else make_shapes_tokenizer)(tmp)
+    if kind == "tokenizer":
+        make_shapes_tokenizer(tmp)
+    elif out.name.startswith("shapes_tones"):
+        make_shapes_tones_dataset(tmp)
+    elif out.name.startswith("tones"):
+        make_shapes_tones_dataset(tmp, with_images=False)
+    else:
+        make_shapes_dataset(tmp)
     (tmp / "_complete").touch()
     try:
         tmp.rename(out)
@@ -124,6 +138,8 @@ def tokenizer_corpus() -> list[str]:
     lines = [f"A large {c} {s} at the {p} on a {b} background." for c in COLOURS for s in SHAPES
              for p in PLACES for b in BACKGROUNDS]
     lines += [f"A small {w}" for w in words] + [f"USER: {q}\nASSISTANT:" for q in QUESTIONS]
+    lines += [f"{tones_caption(n, p)} {TONE_QUESTION} What do you hear?" for n in TONE_COUNTS
+              for p in TONE_PITCHES]
     return lines
 
 
@@ -177,3 +193,59 @@ def evaluate_captions(hf_dir: str | Path, n: int = 64, seed: int = 12345) -> dic
         if len(examples) < 4:
             examples.append({"want": want, "got": got})
     return {"n": n, **{f"{k}_accuracy": v / n for k, v in hits.items()}, "examples": examples}
+
+
+# ----------------------------------------------------------------------------- shapes + tones
+SAMPLE_RATE = 16_000
+TONE_COUNTS = {1: "One", 2: "Two", 3: "Three"}
+TONE_PITCHES = {"low": 330.0, "high": 880.0}
+TONE_QUESTION = "Describe the picture and the sound."
+
+
+def tones_caption(count: int, pitch: str) -> str:
+    return f"{TONE_COUNTS[count]} {pitch} beep{'s' if count > 1 else ''}."
+
+
+def _beeps(count: int, pitch: str, rng: random.Random) -> bytes:
+    """`count` beeps of one pitch as 16 kHz mono WAV bytes (at most 0.7 s)."""
+    import numpy as np
+    import soundfile as sf
+    beep, gap = int(0.12 * SAMPLE_RATE), int(0.08 * SAMPLE_RATE)
+    t = np.arange(beep) / SAMPLE_RATE
+    tone = 0.4 * np.sin(2 * np.pi * TONE_PITCHES[pitch] * (1 + rng.uniform(-0.02, 0.02)) * t)
+    lead = np.zeros(int(rng.uniform(0.0, 0.05) * SAMPLE_RATE))
+    wave = np.concatenate([lead] + [np.concatenate([tone, np.zeros(gap)]) for _ in range(count)])
+    buf = io.BytesIO()
+    sf.write(buf, wave.astype(np.float32), SAMPLE_RATE, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def make_shapes_tones_dataset(out: Path, n: int = 2000, shards: int = 2, seed: int = 1,
+                              with_images: bool = True) -> Path:
+    """Image + audio + text samples (a shape picture and a few beeps, described together), or
+    audio + text alone (`with_images=False`)."""
+    import datasets
+    rng = random.Random(seed)
+    rows = shapes_rows(n, seed)
+    for row in rows:
+        count, pitch = rng.choice(list(TONE_COUNTS)), rng.choice(list(TONE_PITCHES))
+        row["audio"] = {"bytes": _beeps(count, pitch, rng), "path": None}
+        caption = row["conversations"][1]["value"]
+        if with_images:
+            prompt, answer = f"<image>\n<audio>\n{TONE_QUESTION}", f"{caption} {tones_caption(count, pitch)}"
+        else:
+            del row["image"]
+            prompt, answer = "<audio>\nWhat do you hear?", tones_caption(count, pitch)
+        row["conversations"] = [{"from": "human", "value": prompt}, {"from": "gpt", "value": answer}]
+    features = datasets.Features({
+        "id": datasets.Value("string"),
+        "conversations": datasets.List({"from": datasets.Value("string"),
+                                        "value": datasets.Value("string")}),
+        "audio": {"bytes": datasets.Value("binary"), "path": datasets.Value("string")},
+        **({"image": datasets.Image()} if with_images else {})})
+    ds = datasets.Dataset.from_list(rows, features=features)
+    out.mkdir(parents=True, exist_ok=True)
+    for k in range(shards):
+        ds.shard(num_shards=shards, index=k, contiguous=True).to_parquet(
+            str(out / f"train-{k:05d}-of-{shards:05d}.parquet"))
+    return out

@@ -74,15 +74,23 @@ class SampleProcessor:
         for enc in media:
             if enc not in self.item_processors:
                 raise DataError(f"{where} has {enc} items but the model has no {enc} encoder")
-        items = {enc: [self.item_processors[enc].process(x) for x in xs] for enc, xs in media.items()}
-        ids, mask, ordered = self._tokenize(self._segments(text, where), items, where)
-        ids, mask = self._fit(ids, mask, ordered, where)
+        items = {enc: [self._process(enc, x, where) for x in xs] for enc, xs in media.items()}
+        ids, mask, ordered, items_end = self._tokenize(self._segments(text, where), items, where)
+        ids, mask = self._fit(ids, mask, items_end, where)
         input_ids = torch.tensor(ids, dtype=torch.long)
         return Sample(sample_id=sample_id, source=source, input_ids=input_ids,
                       loss_mask=torch.tensor(mask, dtype=torch.bool),
                       position_ids=self.family.position_ids(input_ids, ordered), items=ordered)
 
     # ----------------------------------------------------------------------------- helpers
+    def _process(self, enc: str, item: Any, where: str) -> EncodedItem:
+        """One raw item through its processor; its DataError gets the sample's name (the item
+        processor sees only the item)."""
+        try:
+            return self.item_processors[enc].process(item)
+        except DataError as e:
+            raise DataError(f"{where}: {e}") from None
+
     def _segments(self, text, where) -> list[tuple[str, bool]]:
         """(text, trained-on) pieces in order."""
         eos = self.tokenizer.eos_token or ""
@@ -108,11 +116,12 @@ class SampleProcessor:
         return segments
 
     def _tokenize(self, segments, items: dict[str, list[EncodedItem]], where):
-        """Token ids, loss mask and the items in text order; markers become item tokens."""
+        """Token ids, loss mask, the items in text order, and where the last item's tokens end."""
         ids = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
         mask = [False] * len(ids)
         ordered: list[tuple[str, EncodedItem]] = []
         used = {enc: 0 for enc in items}
+        items_end = 0
         for text, trained in segments:
             for piece in self._split.split(text) if self.markers else [text]:
                 enc = self.markers.get(piece)
@@ -130,18 +139,17 @@ class SampleProcessor:
                 toks = self.item_processors[enc].tokens(item)
                 ids += toks
                 mask += [False] * len(toks)
+                items_end = len(ids)
         for enc, xs in items.items():
             if used[enc] != len(xs):
                 raise DataError(f"{where}: {len(xs)} {enc} items but {used[enc]} markers in the "
                                 "text; put one marker per item where it belongs")
-        return ids, mask, ordered
+        return ids, mask, ordered, items_end
 
-    def _fit(self, ids, mask, ordered, where):
+    def _fit(self, ids, mask, items_end, where):
         if len(ids) <= self.max_seq_len:
             return ids, mask
-        item_ids = {self.item_processors[enc].placeholder_id for enc, _ in ordered}
-        last_item = max((i for i, t in enumerate(ids) if t in item_ids), default=-1)
-        if self.overlong == "error" or last_item >= self.max_seq_len:
+        if self.overlong == "error" or items_end > self.max_seq_len:
             raise DataError(f"{where} has {len(ids)} tokens, more than data.max_seq_len="
                             f"{self.max_seq_len}; raise max_seq_len or set data.overlong='truncate' "
                             "(items are never cut)")

@@ -58,6 +58,14 @@ def check_weights_present(model_dir: Path) -> None:
                          "from safetensors. Re-save the model with save_pretrained(safe_serialization=True)")
 
 
+def _load_pretrained(family: Family, model_dir: Path, trust_remote_code: bool):
+    """The HF model of an HF directory, or of an OmniModel directory (see convert.save_omni)."""
+    from ds_omni.model.convert import is_omni_dir, load_omni_dir
+    if is_omni_dir(model_dir):
+        return load_omni_dir(model_dir)[0].hf_model
+    return family.load_hf(model_dir, trust_remote_code)
+
+
 def build_model(cfg: ModelConfig) -> BuiltModel:
     """Load or compose the model described by `cfg`, freeze what it names, cast to its dtype."""
     torch.manual_seed(cfg.seed)
@@ -66,7 +74,7 @@ def build_model(cfg: ModelConfig) -> BuiltModel:
         family = family_for(read_model_type(model_dir))
         check_weights_present(model_dir)
         tokenizer = load_tokenizer(cfg.tokenizer or str(model_dir), cfg.trust_remote_code)
-        hf_model = family.load_hf(model_dir, cfg.trust_remote_code)
+        hf_model = _load_pretrained(family, model_dir, cfg.trust_remote_code)
     else:
         from ds_omni.model.compose import compose
         model_dir = None
@@ -77,6 +85,6 @@ def build_model(cfg: ModelConfig) -> BuiltModel:
     model = family.to_omni(hf_model, tokenizer)
     model.freeze(cfg.freeze)
     model.to(getattr(torch, cfg.dtype))
-    processors = family.item_processors(hf_model.config, model_dir)
+    processors = family.item_processors(hf_model.config, model_dir, tokenizer=tokenizer)
     return BuiltModel(model=model, tokenizer=tokenizer, family=family, hf_config=hf_model.config,
                       item_processors=processors, model_dir=model_dir)

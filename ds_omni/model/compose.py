@@ -1,9 +1,10 @@
-"""Compose a new MLLM from HF parts: an encoder (CLIP / SigLIP vision) plus a causal LM.
+"""Compose a new MLLM from HF parts: a vision encoder (CLIP, SigLIP) and/or an audio encoder
+(Whisper) plus any causal LM (Llama, Qwen2, ...), joined by projectors.
 
 Each part is built from an HF config (random init) or loaded from its own directory. A vision
-encoder with the 2-layer GELU MLP projector is exactly the LLaVA architecture, so that
-composition is built as an HF `LlavaForConditionalGeneration`: it trains as an OmniModel and exports
-to a directory that `transformers` loads with `from_pretrained`.
+encoder with the 2-layer GELU MLP projector is exactly the LLaVA architecture, so that composition
+is built as an HF `LlavaForConditionalGeneration` (stock transformers loads its export); any other
+composition is ds_omni's `OmniComposedForConditionalGeneration` (families/composed.py).
 """
 
 from __future__ import annotations
@@ -51,41 +52,67 @@ def _llm_config(cfg: ModelConfig, tokenizer):
 
 def compose(cfg: ModelConfig, tokenizer):
     """(family, HF model) for the parts in `cfg`."""
-    if cfg.audio is not None:
-        raise ModelError("model.audio: composing an audio encoder is not supported yet; use a "
-                         "Qwen2-Audio directory as model.pretrained")
-    if cfg.vision is None:
-        raise ModelError("model: a composition needs an encoder (model.vision)")
-    if cfg.projector != "mlp2x_gelu":
-        raise ModelError(f"model.projector {cfg.projector!r}: a vision composition uses the LLaVA "
-                         "projector 'mlp2x_gelu'")
-    from transformers import LlavaConfig
     from ds_omni.model.family import family_for
-    from ds_omni.model.families.llava import tokens_per_image
+    if cfg.vision is None and cfg.audio is None:
+        raise ModelError("model: a composition needs an encoder (model.vision and/or model.audio)")
     text_config = _llm_config(cfg, tokenizer)
-    vision_config = part_config(cfg.vision, "vision", cfg.trust_remote_code)
-    vision_config = getattr(vision_config, "vision_config", vision_config)  # a full CLIP/SigLIP dir
-    config = LlavaConfig(vision_config=vision_config, text_config=text_config,
-                         image_token_index=placeholder_id(tokenizer, cfg.image_token, "image"),
-                         vision_feature_select_strategy="default", vision_feature_layer=-1,
-                         tie_word_embeddings=text_config.tie_word_embeddings)
-    config.image_seq_length = tokens_per_image(config)
-    family = family_for("llava")
+    vision_config = audio_config = None
+    if cfg.vision is not None:
+        vision_config = part_config(cfg.vision, "vision", cfg.trust_remote_code)
+        vision_config = getattr(vision_config, "vision_config", vision_config)  # a full CLIP/SigLIP
+    if cfg.audio is not None:
+        audio_config = part_config(cfg.audio, "audio", cfg.trust_remote_code)
+        if audio_config.model_type != "whisper":
+            raise ModelError(f"model.audio: a composed audio encoder is a Whisper encoder; got "
+                             f"model_type {audio_config.model_type!r}")
+    if audio_config is None and cfg.projector == "mlp2x_gelu":
+        config = _llava_config(cfg, tokenizer, text_config, vision_config)
+    else:
+        config = _composed_config(cfg, tokenizer, text_config, vision_config, audio_config)
+    family = family_for(config.model_type)
     hf_model = family.build_hf(config)
     _load_parts(hf_model, cfg)
     return family, hf_model
 
 
+def _llava_config(cfg, tokenizer, text_config, vision_config):
+    """Vision + the 2-layer MLP projector is LLaVA: stock transformers loads the export."""
+    from transformers import LlavaConfig
+    from ds_omni.model.families.llava import has_cls, tokens_per_image
+    config = LlavaConfig(vision_config=vision_config, text_config=text_config,
+                         image_token_index=placeholder_id(tokenizer, cfg.image_token, "image"),
+                         vision_feature_select_strategy="default" if has_cls(vision_config) else "full",
+                         vision_feature_layer=-1, tie_word_embeddings=text_config.tie_word_embeddings)
+    config.image_seq_length = tokens_per_image(config)
+    return config
+
+
+def _composed_config(cfg, tokenizer, text_config, vision_config, audio_config):
+    from ds_omni.model.families.composed import OmniComposedConfig
+    return OmniComposedConfig(
+        text_config=text_config, vision_config=vision_config, audio_config=audio_config,
+        image_token_id=placeholder_id(tokenizer, cfg.image_token, "image") if vision_config else None,
+        audio_token_id=placeholder_id(tokenizer, cfg.audio_token, "audio") if audio_config else None,
+        projector=cfg.projector, tie_word_embeddings=text_config.tie_word_embeddings)
+
+
 def _load_parts(hf_model, cfg: ModelConfig) -> None:
     """Copy weights of parts given as directories into the composed model."""
     from transformers import AutoModel, AutoModelForCausalLM
+    kw = {"use_safetensors": True, "trust_remote_code": cfg.trust_remote_code}
     if cfg.llm.pretrained:
-        llm = AutoModelForCausalLM.from_pretrained(cfg.llm.pretrained, use_safetensors=True,
-                                                   trust_remote_code=cfg.trust_remote_code)
-        hf_model.model.language_model.load_state_dict(llm.model.state_dict())
-        hf_model.lm_head.load_state_dict(llm.lm_head.state_dict())
-    if cfg.vision.pretrained:
-        vision = AutoModel.from_pretrained(cfg.vision.pretrained, use_safetensors=True,
-                                           trust_remote_code=cfg.trust_remote_code)
-        # CLIP/SigLIP vision models and full CLIP/SigLIP models both hold a `.vision_model`
-        hf_model.model.vision_tower.vision_model.load_state_dict(vision.vision_model.state_dict())
+        llm = AutoModelForCausalLM.from_pretrained(cfg.llm.pretrained, **kw)
+        target = getattr(hf_model, "language_model", None)
+        if isinstance(target, type(llm)):  # composed: the whole causal LM
+            target.load_state_dict(llm.state_dict())
+        else:  # LLaVA: decoder and head live apart
+            hf_model.model.language_model.load_state_dict(llm.model.state_dict())
+            hf_model.lm_head.load_state_dict(llm.lm_head.state_dict())
+    if cfg.vision is not None and cfg.vision.pretrained:
+        vision = AutoModel.from_pretrained(cfg.vision.pretrained, **kw)
+        tower = getattr(hf_model, "vision_tower", None) or hf_model.model.vision_tower
+        vision = getattr(vision, "vision_model", vision)  # a full CLIP/SigLIP -> its vision model
+        tower.load_state_dict(vision.state_dict())
+    if cfg.audio is not None and cfg.audio.pretrained:
+        whisper = AutoModel.from_pretrained(cfg.audio.pretrained, **kw)  # a WhisperModel
+        hf_model.audio_tower.load_state_dict(whisper.get_encoder().state_dict())

@@ -1,5 +1,9 @@
 """Conversion between HF model directories, OmniModels and DeepSpeed checkpoints.
 
+- `load`: an HF MLLM directory (or an OmniModel directory) -> an OmniModel with its tokenizer and
+  item processors (the same path as `model.pretrained` in a training config).
+- `save_omni`: an OmniModel -> an OmniModel directory: weights in family-neutral keys
+  (`encoders.vision.tower...`, `backbone.layers.3...`) plus the HF config, tokenizer and processor.
 - `export_hf`: an OmniModel (optionally with a state dict in OmniModel keys) -> an HF directory
   that `from_pretrained` loads, with tokenizer and processor.
 - `consolidate_checkpoint`: a DeepSpeed checkpoint of any ZeRO stage -> one fp32 state dict in
@@ -18,6 +22,66 @@ import torch
 from ds_omni.errors import ModelError
 from ds_omni.model.family import family_for
 from ds_omni.model.omni import OmniModel
+
+
+OMNI_WEIGHTS = "omni.safetensors"
+OMNI_MARKER = "ds_omni.json"
+OMNI_FORMAT_VERSION = 1
+
+
+def load(model_dir: str | Path, **model_cfg):
+    """An HF MLLM directory or an OmniModel directory -> `BuiltModel` (model, tokenizer, ...)."""
+    from ds_omni.config import ModelConfig
+    from ds_omni.model.build import build_model
+    return build_model(ModelConfig(pretrained=str(model_dir), **model_cfg))
+
+
+def is_omni_dir(model_dir: str | Path) -> bool:
+    return (Path(model_dir) / OMNI_MARKER).is_file()
+
+
+def save_omni(model: OmniModel, out_dir: str | Path, tokenizer, model_dir: Path | None = None) -> Path:
+    """Write `model` as an OmniModel directory (weights keyed by the OmniModel's names)."""
+    from safetensors.torch import save_model
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(out / OMNI_WEIGHTS))  # handles tied (shared) weights
+    model.hf_model.config.save_pretrained(str(out))
+    model.family.save_processor(out, model.hf_model.config, tokenizer, model_dir)
+    (out / OMNI_MARKER).write_text(json.dumps(
+        {"format": "ds_omni.omni_model", "version": OMNI_FORMAT_VERSION,
+         "family": model.family.name}, indent=1))
+    return out
+
+
+def load_omni_dir(model_dir: str | Path):
+    """(OmniModel, tokenizer) from an OmniModel directory written by `save_omni`."""
+    from safetensors.torch import load_file
+    model_dir = Path(model_dir)
+    meta = json.loads((model_dir / OMNI_MARKER).read_text())
+    if meta.get("version") != OMNI_FORMAT_VERSION:
+        raise ModelError(f"{str(model_dir)!r} is an OmniModel directory of format version "
+                         f"{meta.get('version')}; this ds_omni reads version {OMNI_FORMAT_VERSION}")
+    weights = model_dir / OMNI_WEIGHTS
+    if not weights.is_file():
+        raise ModelError(f"{str(model_dir)!r} has no {OMNI_WEIGHTS}: the OmniModel's weights are missing")
+    model, tokenizer = model_from_meta(model_dir)
+    load_omni_state(model, _untie(model, load_file(str(weights))))
+    return model, tokenizer
+
+
+def _untie(model: OmniModel, state: dict) -> dict:
+    """safetensors stores a tied tensor once; give each of the model's names its tensor back."""
+    own = model.state_dict(keep_vars=True)
+    by_id: dict[int, list[str]] = {}
+    for key, tensor in own.items():
+        by_id.setdefault(id(tensor), []).append(key)
+    for keys in by_id.values():
+        present = [k for k in keys if k in state]
+        for k in keys:
+            if k not in state and present:
+                state[k] = state[present[0]]
+    return state
 
 
 def export_hf(model: OmniModel, out_dir: str | Path, tokenizer, *, state_dict: dict | None = None,

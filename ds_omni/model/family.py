@@ -67,15 +67,32 @@ class Family:
         return self.hf_model_class()(config)
 
     def load_hf(self, path: Path, trust_remote_code: bool = False) -> torch.nn.Module:
-        """Load an HF model directory through the real `from_pretrained` path (safetensors only)."""
-        return self.hf_model_class().from_pretrained(
-            str(path), use_safetensors=True, trust_remote_code=trust_remote_code)
+        """Load an HF model directory through the real `from_pretrained` path (safetensors only).
+
+        Weights that do not fit the directory's config.json, or that are missing (HF would
+        initialise them randomly and carry on), are an error.
+        """
+        try:
+            model, info = self.hf_model_class().from_pretrained(
+                str(path), use_safetensors=True, trust_remote_code=trust_remote_code,
+                output_loading_info=True)
+        except (RuntimeError, ValueError) as e:
+            first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise ModelError(f"the weights in {str(path)!r} do not fit its config.json ({first}); "
+                             "were they saved from a model with another config?") from None
+        problems = {k: list(v)[:5] for k, v in info.items()
+                    if k in ("missing_keys", "mismatched_keys") and v}
+        if problems:
+            raise ModelError(f"the weights in {str(path)!r} do not fit its config.json: {problems}; "
+                             "were they saved from a model with another config or family?")
+        return model
 
     def to_omni(self, hf_model, tokenizer):
         """View `hf_model` as an `OmniModel` sharing its parameters."""
         raise NotImplementedError
 
-    def item_processors(self, hf_config, model_dir: Path | None) -> dict[str, ItemProcessor]:
+    def item_processors(self, hf_config, model_dir: Path | None = None,
+                        tokenizer=None) -> dict[str, ItemProcessor]:
         """Encoder name -> processor of its raw items (HF image/feature processors)."""
         raise NotImplementedError
 

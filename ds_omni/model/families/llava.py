@@ -59,20 +59,30 @@ class ClipImageProcessor(ItemProcessor):
                            meta={"patches": self.num_embeddings})
 
 
+def has_cls(vision_config) -> bool:
+    """CLIP prepends a CLS state to the patch states; SigLIP does not."""
+    return vision_config.model_type.startswith("clip")
+
+
 def clip_image_processor(vision_config, model_dir: Path | None):
-    """The HF image processor saved with the model, else one matching the tower's input size."""
+    """The HF image processor saved in `model_dir`, else one matching the tower's input size."""
     if model_dir is not None and (Path(model_dir) / "preprocessor_config.json").exists():
         from transformers import AutoImageProcessor
         return AutoImageProcessor.from_pretrained(str(model_dir))
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
     size = vision_config.image_size
-    return CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+    if has_cls(vision_config):
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+        return CLIPImageProcessorPil(size={"shortest_edge": size},
+                                     crop_size={"height": size, "width": size})
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+    return SiglipImageProcessorPil(size={"height": size, "width": size})
 
 
 def tokens_per_image(config) -> int:
+    """Hidden states per image (patches, plus CLS for CLIP) minus the one "default" drops."""
     vc = config.vision_config
-    patches = (vc.image_size // vc.patch_size) ** 2
-    return patches + (1 if config.vision_feature_select_strategy == "full" else 0)
+    states = (vc.image_size // vc.patch_size) ** 2 + has_cls(vc)
+    return states - (config.vision_feature_select_strategy == "default")
 
 
 class Llava(Family):
@@ -91,7 +101,7 @@ class Llava(Family):
                          backbone=backbone_of(inner.language_model, hf_model.lm_head),
                          family=self, hf_model=hf_model)
 
-    def item_processors(self, hf_config, model_dir=None):
+    def item_processors(self, hf_config, model_dir=None, tokenizer=None):
         hf_proc = clip_image_processor(hf_config.vision_config, model_dir)
         return {"vision": ClipImageProcessor(hf_proc, tokens_per_image(hf_config),
                                              hf_config.image_token_id)}

@@ -1,0 +1,395 @@
+"""Data balance: modelled cost imbalance over data-parallel ranks, loader order vs grouped reordering.
+
+For synthetic multimodal workloads (heavy-tailed text, 0-8 images, audio clips) costed by
+`CostModel` for a 7B LLM + ViT-L + Whisper-large-like encoder, this measures max/mean of the
+modelled cost per rank over ALL data-parallel ranks (it sets the step time) and per micro-batch, for
+fixed-count reordering (`assign_fixed`) and budget mode (`BudgetPlanner`) at several DP sizes and
+group sizes G, next to loader order on the same workload, plus the planning time per rank.
+
+Writes benchmarks/results/balance.json and balance.png.
+Run: .venv/bin/python benchmarks/balance.py   (about 2-3 minutes on 2 CPU cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ds_omni.data.cost import CostModel, EncoderDims, ModelDims  # noqa: E402
+from ds_omni.data.reorder import (BudgetPlanner, assign_fixed, loader_order,  # noqa: E402
+                                  rank_budget)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DP_SIZES = (8, 64, 512, 4096)
+GROUP_SIZES = (1, 8, 64)
+MIXES = {"1:9": 0.1, "1:1": 0.5, "9:1": 0.9}  # image : text samples (audio takes its own share)
+
+
+@dataclass(kw_only=True)
+class WorkloadParams:
+    """Parameters of the synthetic workload; all of them are written to the JSON."""
+
+    image_fraction: float
+    """Share of image samples among non-audio samples (the image:text mix)."""
+    audio_fraction: float = 0.1
+    """Share of audio samples (one clip each)."""
+    text_median: float = 700.0
+    """Median tokens of a text-only sample (lognormal)."""
+    text_sigma: float = 1.1
+    """Lognormal sigma of text-only samples: P(> 16k tokens) ~ 0.2%, clipped at max_tokens."""
+    caption_median: float = 200.0
+    """Median text tokens of an image sample (lognormal, sigma 1.0)."""
+    prompt_median: float = 150.0
+    """Median text tokens of an audio sample (lognormal, sigma 1.0)."""
+    images_geometric_p: float = 0.5
+    """Images per image sample: 1 + Geometric(p) - 1, capped at 8 (P(1) = p)."""
+    max_images: int = 8
+    """Most images in one sample."""
+    patches_range: tuple[int, int] = (64, 4096)
+    """ViT patches per image, log-uniform in this range (encoder sequence length)."""
+    llm_tokens_per_patch: float = 0.25
+    """LLM tokens per ViT patch (2x2 token merge, as Qwen2-VL / LLaVA-OneVision)."""
+    audio_seconds: tuple[float, float] = (1.0, 30.0)
+    """Clip length, uniform."""
+    encoder_frames_per_second: float = 50.0
+    """Whisper encoder positions per second (100 mel frames/s, conv stride 2); no 30 s padding."""
+    llm_tokens_per_second: float = 25.0
+    """LLM tokens per audio second (Qwen2-Audio pools encoder frames by 2)."""
+    max_tokens: int = 32768
+    """A sample's LLM tokens are clipped here (by trimming its text)."""
+
+
+class Workload:
+    """Draws samples' metadata and prices them; owns its seeded generator."""
+
+    def __init__(self, params: WorkloadParams, cost_model: CostModel, seed):
+        self.p, self.cm = params, cost_model
+        self.rng = np.random.default_rng(seed)
+
+    def draw(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(cost [n], tokens [n]) of n fresh samples."""
+        p, rng = self.p, self.rng
+        kind = rng.choice(3, size=n, p=[(1 - p.audio_fraction) * (1 - p.image_fraction),
+                                        (1 - p.audio_fraction) * p.image_fraction, p.audio_fraction])
+        text = np.where(kind == 0, rng.lognormal(np.log(p.text_median), p.text_sigma, n),
+                        rng.lognormal(np.log(np.where(kind == 1, p.caption_median, p.prompt_median)),
+                                      1.0, n))
+        img_owner, patches = self._images(kind == 1)
+        audio_owner = np.flatnonzero(kind == 2)
+        seconds = rng.uniform(*p.audio_seconds, audio_owner.size)
+        frames = np.round(seconds * p.encoder_frames_per_second).astype(np.int64)
+        media = np.bincount(img_owner, weights=patches * p.llm_tokens_per_patch,
+                            minlength=n).astype(np.float64)  # empty weights give ints
+        media[audio_owner] += seconds * p.llm_tokens_per_second
+        tokens = np.minimum(np.maximum(text, 8) + media, p.max_tokens).astype(np.int64)
+        owner = np.concatenate([img_owner, audio_owner])
+        encoder = np.array(["vision"] * img_owner.size + ["audio"] * audio_owner.size)
+        length = np.concatenate([patches, frames])
+        return self.cm.sample_costs(tokens, owner, encoder, length), tokens
+
+    def _images(self, has_images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        count = np.where(has_images, np.minimum(self.rng.geometric(self.p.images_geometric_p,
+                                                                   has_images.size),
+                                                self.p.max_images), 0)
+        owner = np.repeat(np.arange(has_images.size), count)
+        lo, hi = np.log(self.p.patches_range[0]), np.log(self.p.patches_range[1])
+        return owner, np.round(np.exp(self.rng.uniform(lo, hi, owner.size))).astype(np.int64)
+
+
+def model_dims() -> ModelDims:
+    """A Llama-2-7B-like LLM, a ViT-L/14 (CLIP-L) and a Whisper-large-v3 encoder, all trained."""
+    return ModelDims(hidden=4096, layers=32, intermediate=11008, vocab=32000, encoders={
+        "vision": EncoderDims(hidden=1024, layers=24, intermediate=4096),
+        "audio": EncoderDims(hidden=1280, layers=32, intermediate=5120)})
+
+
+@dataclass(kw_only=True)
+class Setup:
+    """How the global batch is cut; written to the JSON."""
+
+    samples_per_rank: int = 16
+    """Fixed-count mode: samples per rank per step (global batch = DP x this)."""
+    micro_batches: int = 4
+    """M: micro-batches (gradient accumulation steps) per rank."""
+    token_budget: int = 32768
+    """Tokens per micro-batch (one packed sequence) in both modes."""
+    max_wait: int = 2
+    """Budget mode: K, the most steps a sample may wait."""
+    lookahead: float = 1.5
+    """Budget mode: the buffer is refilled to this many steps of the group's budget."""
+    fixed_batches: dict = dataclasses.field(default_factory=lambda: {8: 8, 64: 8, 512: 6, 4096: 3})
+    """Global batches per DP size in fixed-count mode (median reported)."""
+    budget_steps: dict = dataclasses.field(default_factory=lambda: {8: 12, 64: 12, 512: 8, 4096: 4})
+    """Measured budget-mode steps per DP size, after `warmup` steps (median reported)."""
+    warmup: int = 3
+    """Budget-mode steps before measuring (the buffer fills, delays reach steady state)."""
+
+
+# ------------------------------------------------------------------------------- measures
+def _ratio(x: np.ndarray) -> float:
+    return float(x.max() / x.mean())
+
+
+def fixed_count(work: Workload, setup: Setup, dp: int, batches: int) -> list[dict]:
+    """Loader order and fixed-count reordering on the same global batches."""
+    n, m = setup.samples_per_rank, setup.micro_batches
+    rows = {("loader", 0): [], **{("fixed", g): [] for g in GROUP_SIZES if g <= dp}}
+    for _ in range(batches):
+        cost, tokens = work.draw(dp * n)
+        base = loader_order(dp * n, dp, m)
+        floor = cost.max() / (cost.sum() / dp)  # no sample-level reassignment beats this
+        rows[("loader", 0)].append((_ratio(base.rank_sums(cost)), _ratio(base.micro_sums(cost)),
+                                    floor, floor * m))
+        for g in (g for g in GROUP_SIZES if g <= dp):
+            rank, micro = _fixed_loads(cost, tokens, dp, g, setup)
+            rows[("fixed", g)].append((_ratio(rank), _ratio(micro), floor, floor * m))
+    keys = ("rank_max_over_mean", "micro_max_over_mean", "rank_single_sample_floor",
+            "micro_single_sample_floor")
+    return [{"mode": mode, "G": g or None, "batches": batches}
+            | {k: float(np.median([r[i] for r in v])) for i, k in enumerate(keys)}
+            for (mode, g), v in rows.items()]
+
+
+def _fixed_loads(cost, tokens, dp, g, setup) -> tuple[np.ndarray, np.ndarray]:
+    """[DP] rank and [DP * M] micro-batch costs when each group of g ranks reorders its samples."""
+    per_group = g * setup.samples_per_rank
+    ranks, micros = [], []
+    for lo in range(0, dp * setup.samples_per_rank, per_group):
+        c, t = cost[lo:lo + per_group], tokens[lo:lo + per_group]
+        a = assign_fixed(c, t, g, setup.micro_batches, setup.token_budget)
+        ranks.append(a.rank_sums(c))
+        micros.append(a.micro_sums(c).ravel())  # [g, M] -> [g * M]
+    return np.concatenate(ranks), np.concatenate(micros)
+
+
+class GroupStream:
+    """A group's share of the sample stream, drawn in blocks; keys are unique ints."""
+
+    def __init__(self, work: Workload, block: int):
+        self.work, self.block = work, block
+        self.cost, self.tokens = np.zeros(0), np.zeros(0, dtype=np.int64)
+        self.next_key = 0
+
+    def take(self, n: int) -> tuple[list, np.ndarray, np.ndarray]:
+        if self.cost.size < n:
+            c, t = self.work.draw(max(self.block, n))
+            self.cost, self.tokens = np.concatenate([self.cost, c]), np.concatenate([self.tokens, t])
+        keys = list(range(self.next_key, self.next_key + n))
+        self.next_key += n
+        out = (keys, self.cost[:n], self.tokens[:n])
+        self.cost, self.tokens = self.cost[n:], self.tokens[n:]
+        return out
+
+
+def budget_mode(work: Workload, setup: Setup, dp: int, g: int, budget: float, steps: int) -> dict:
+    """Every rank filled to `budget` from its group's lookahead buffer; stats over measured steps."""
+    groups = dp // g
+    planners = [BudgetPlanner(g, setup.micro_batches, max_wait=setup.max_wait,
+                              lookahead=setup.lookahead) for _ in range(groups)]
+    chunk = max(1, g * setup.samples_per_rank // 4)  # each rank reads a quarter of its share
+    streams = [GroupStream(work, block=g * setup.samples_per_rank * 4) for _ in range(groups)]
+    per_step, plan_s = [], []
+    for step in range(setup.warmup + steps):
+        plans = []
+        for planner, stream in zip(planners, streams):
+            t0 = time.perf_counter()
+            while planner.wants_more(budget):
+                planner.add(*stream.take(chunk))
+            plans.append(planner.plan(budget, setup.token_budget))
+            plan_s.append(time.perf_counter() - t0)
+        if step >= setup.warmup:
+            per_step.append(_budget_step(plans, dp))
+    return _budget_summary(per_step, planners, steps, plan_s)
+
+
+def _budget_step(plans: list, dp: int) -> dict:
+    rank = np.concatenate([p.assignment.rank_sums(p.cost) for p in plans])  # [DP]
+    micro = np.concatenate([p.assignment.micro_sums(p.cost).ravel() for p in plans])  # [DP * M]
+    outlier = np.concatenate([_outlier_ranks(p) for p in plans])  # [DP] bool
+    normal = rank[~outlier]
+    micro_normal = micro.reshape(dp, -1)[~outlier]  # [DP * M] -> [DP, M] -> [normal ranks, M]
+    return {"rank": _ratio(rank), "micro": _ratio(micro),
+            "rank_normal": _ratio(normal), "micro_normal": _ratio(micro_normal),
+            "outlier_ranks": float(outlier.mean()),
+            "samples_per_rank": sum(len(p.keys) for p in plans) / dp}
+
+
+def _outlier_ranks(plan) -> np.ndarray:
+    flag = np.zeros(plan.assignment.num_ranks, dtype=bool)
+    out = set(plan.outliers)
+    flag[[plan.assignment.rank[i] for i, k in enumerate(plan.keys) if k in out]] = True
+    return flag
+
+
+def _budget_summary(per_step: list, planners: list, steps: int, plan_s: list) -> dict:
+    stats = [p.delay_stats() for p in planners]
+    width = max(len(s["histogram"]) for s in stats)
+    hist = np.sum([np.pad(s["histogram"], (0, width - len(s["histogram"]))) for s in stats], axis=0)
+    med = lambda k: float(np.median([s[k] for s in per_step]))  # noqa: E731
+    return {"steps": steps, "rank_max_over_mean": med("rank"), "micro_max_over_mean": med("micro"),
+            "rank_max_over_mean_excluding_outlier_ranks": med("rank_normal"),
+            "micro_max_over_mean_excluding_outlier_ranks": med("micro_normal"),
+            "outlier_rank_share": med("outlier_ranks"),
+            "samples_per_rank_per_step": med("samples_per_rank"),
+            "mean_delay_steps": float(hist @ np.arange(hist.size) / hist.sum()),
+            "max_delay_steps": int(np.flatnonzero(hist)[-1]),
+            "plan_ms_per_group_median": float(np.median(plan_s) * 1e3)}
+
+
+def planning_time(work: Workload, setup: Setup, budget: float, repeats: int = 200) -> dict:
+    """Per-rank planning time at DP = 512, G = 8: each rank plans only its own group's batch."""
+    g, n = 8, setup.samples_per_rank
+    fixed = []
+    for _ in range(repeats):
+        cost, tokens = work.draw(g * n)
+        t0 = time.perf_counter()
+        assign_fixed(cost, tokens, g, setup.micro_batches, setup.token_budget)
+        fixed.append(time.perf_counter() - t0)
+    run = budget_mode(work, dataclasses.replace(setup, warmup=2), 512, g, budget, steps=4)
+    return {"dp": 512, "G": g, "fixed_ms": float(np.median(fixed) * 1e3),
+            "budget_ms": run["plan_ms_per_group_median"],
+            "note": "median over repeats; budget includes add() of the samples read that step"}
+
+
+# ---------------------------------------------------------------------------------- driver
+def run(setup: Setup, seed: int) -> dict:
+    cm = CostModel(model_dims())
+    out = {"results": [], "budgets": {}, "no_outlier_budget": [], "loader_sensitivity": []}
+    for mix_i, (mix, frac) in enumerate(MIXES.items()):
+        params = WorkloadParams(image_fraction=frac)
+        profile = Workload(params, cm, [seed, mix_i, 0]).draw(200_000)[0]  # [200k] sample costs
+        out["budgets"][mix] = budget = rank_budget(profile, setup.samples_per_rank)
+        for dp in DP_SIZES:
+            t0 = time.perf_counter()
+            out["results"] += [{"mix": mix, "dp": dp} | r
+                               for r in _one_dp(params, cm, setup, dp, budget, [seed, mix_i, dp])]
+            print(f"mix {mix} DP {dp}: {time.perf_counter() - t0:.1f} s", flush=True)
+        out["no_outlier_budget"] += _no_outlier_budget(params, cm, setup, profile, [seed, mix_i, 7])
+        out["loader_sensitivity"] += _loader_sensitivity(params, cm, profile, [seed, mix_i, 8])
+        for row in out["no_outlier_budget"][-2:] + out["loader_sensitivity"][-3:]:
+            row["mix"] = mix
+    out["planning"] = planning_time(Workload(WorkloadParams(image_fraction=0.5), cm, [seed, 9]),
+                                    setup, out["budgets"]["1:1"])
+    out["cost_model"] = cm
+    return out
+
+
+def _one_dp(params, cm, setup, dp, budget, seed) -> list[dict]:
+    rows = fixed_count(Workload(params, cm, seed + [1]), setup, dp, setup.fixed_batches[dp])
+    for g in (g for g in GROUP_SIZES if g <= dp):
+        work = Workload(params, cm, seed + [2, g])
+        rows.append({"mode": "budget", "G": g,
+                     **budget_mode(work, setup, dp, g, budget, setup.budget_steps[dp])})
+    return rows
+
+
+def _no_outlier_budget(params, cm, setup, profile, seed) -> list[dict]:
+    """Budget mode, G = 8, with samples per rank chosen so the budget exceeds any sample's cost."""
+    biggest = 1.1 * cm.llm_cost(np.array([params.max_tokens]))[0]  # +10%: encoders of such a sample
+    n = int(np.ceil(biggest / profile.mean()))
+    big = dataclasses.replace(setup, samples_per_rank=n, warmup=2)
+    rows = []
+    for dp, steps in ((512, 4), (4096, 2)):
+        loader = [_ratio(loader_order(dp * n, dp, setup.micro_batches).rank_sums(c))
+                  for c in (Workload(params, cm, seed + [dp]).draw(dp * n)[0] for _ in range(2))]
+        run = budget_mode(Workload(params, cm, seed + [dp, 1]), big, dp, 8,
+                          rank_budget(profile, n), steps)
+        rows.append({"dp": dp, "G": 8, "samples_per_rank": n,
+                     "loader_rank_max_over_mean": float(np.median(loader)), **run})
+    return rows
+
+
+def _loader_sensitivity(params, cm, profile, seed) -> list[dict]:
+    """Loader-order imbalance against samples per rank (fewer samples, more skew)."""
+    work, rows = Workload(params, cm, seed), []
+    for n in (8, 16, 32):
+        ratio = {dp: float(np.median([_ratio(work.draw(dp * n)[0].reshape(dp, n).sum(axis=1))
+                                      for _ in range(reps)]))
+                 for dp, reps in ((8, 100), (4096, 3))}
+        rows.append({"samples_per_rank": n, "loader_dp8": ratio[8], "loader_dp4096": ratio[4096],
+                     "outlier_sample_share": float(np.mean(profile > profile.mean() * n))})
+    return rows
+
+
+def check_targets(results: list) -> dict:
+    """The targets from the design brief, checked on this run's numbers."""
+    get = lambda mode, g, dp, key: [r[key] for r in results  # noqa: E731
+                                    if r["mode"] == mode and r["G"] == g and r["dp"] == dp]
+    budget8 = [r for r in results if r["mode"] == "budget" and r["G"] == 8]
+    return {
+        "budget_G8_rank_max_over_mean_le_1.05_all_ranks": all(r["rank_max_over_mean"] <= 1.05
+                                                              for r in budget8),
+        "budget_G8_rank_max_over_mean_le_1.05_excluding_outlier_ranks": all(
+            r["rank_max_over_mean_excluding_outlier_ranks"] <= 1.05 for r in budget8),
+        "budget_G8_mean_delay_lt_1_step": all(r["mean_delay_steps"] < 1 for r in budget8),
+        "loader_dp8_in_1.6_2.4": [round(x, 2) for x in get("loader", None, 8, "rank_max_over_mean")],
+        "loader_dp4096_in_2.8_7": [round(x, 2) for x in get("loader", None, 4096,
+                                                            "rank_max_over_mean")],
+    }
+
+
+def plot(results: list, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(MIXES), figsize=(5 * len(MIXES), 4), sharey=True)
+    series = [("loader", None, "rank_max_over_mean", "loader order", "k-o"),
+              ("fixed", 8, "rank_max_over_mean", "fixed, G=8", "C0-s"),
+              ("fixed", 64, "rank_max_over_mean", "fixed, G=64", "C0--^"),
+              ("budget", 8, "rank_max_over_mean", "budget, G=8 (all ranks)", "C3-s"),
+              ("budget", 8, "rank_max_over_mean_excluding_outlier_ranks",
+               "budget, G=8 (without outlier ranks)", "C2-s"),
+              ("budget", 1, "rank_max_over_mean_excluding_outlier_ranks",
+               "budget, G=1 (without outlier ranks)", "C2:v")]
+    for ax, mix in zip(axes, MIXES):
+        for mode, g, key, label, style in series:
+            pts = [(r["dp"], r[key]) for r in results
+                   if r["mix"] == mix and r["mode"] == mode and r["G"] == g]
+            ax.plot(*zip(*pts), style, label=label)
+        ax.axhline(1.05, color="grey", lw=0.8, ls=":")
+        ax.set(xscale="log", yscale="log", xlabel="data-parallel ranks", title=f"image:text {mix}")
+        ax.set_xticks(DP_SIZES, [str(d) for d in DP_SIZES])
+    axes[0].set_ylabel("max / mean modelled cost per rank")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    setup = Setup()
+    t0 = time.perf_counter()
+    out = run(setup, args.seed)
+    cm = out.pop("cost_model")
+    report = {
+        "command": ".venv/bin/python benchmarks/balance.py", "seed": args.seed,
+        "metric": "max/mean of modelled training FLOPs per rank over all DP ranks (and per "
+                  "micro-batch over all DP x M micro-batches); median over global batches/steps",
+        "generator": {mix: dataclasses.asdict(WorkloadParams(image_fraction=f))
+                      for mix, f in MIXES.items()},
+        "model_dims": dataclasses.asdict(model_dims()), "cost_coefficients": cm.coefficients,
+        "setup": dataclasses.asdict(setup), "rank_budget": out["budgets"],
+        "planning_time_per_rank_ms": out["planning"], "targets": check_targets(out["results"]),
+        "results": out["results"], "budget_without_outliers": out["no_outlier_budget"],
+        "loader_order_vs_samples_per_rank": out["loader_sensitivity"],
+        "runtime_s": round(time.perf_counter() - t0, 1)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "balance.json").write_text(json.dumps(report, indent=1))
+    plot(out["results"], args.out / "balance.png")
+    print(json.dumps({"targets": report["targets"], "planning": out["planning"],
+                      "runtime_s": report["runtime_s"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

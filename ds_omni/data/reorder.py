@@ -1,0 +1,448 @@
+"""Deterministic assignment of one group's samples to its G ranks and their M micro-batches.
+
+The ranks of a group gather only the metadata of the group's samples (cost, tokens, key) and each
+runs the same function on it, so all of them compute the same assignment without further talk.
+These are the pure parts; the collectives around them live with the loader.
+
+Two modes:
+- fixed count (`assign_fixed`): the group's samples of a fixed-size global batch are moved between
+  its ranks and micro-batches. Evens cost inside the group, not between groups.
+- budget (`BudgetPlanner`): every rank of every group is filled to the same cost budget (and each
+  micro-batch to a token budget) from a lookahead buffer, so cost is even across all groups. A
+  sample waits at most `max_wait` steps; a sample costlier than a whole rank's budget is an outlier,
+  planned alone on one rank and reported (sequence parallelism will spread it later).
+
+Greedy rule in both: samples in decreasing cost go to the least-loaded rank that has token room,
+then to that rank's least-loaded micro-batch with room (longest-processing-time first, LPT: within
+4/3 of the optimal makespan, close to optimal when samples are many and small against a rank's
+load); ties go to the lower index, so the answer depends only on the input.
+
+Dims: N samples (of the group or of one plan), G ranks of the group, M micro-batches per rank,
+B samples in the budget buffer.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ds_omni.errors import DataError
+
+BUDGET_STATE_VERSION = 1
+
+
+# ------------------------------------------------------------------------------ assignment
+@dataclass
+class Assignment:
+    """Where each sample of a group goes: a rank of the group and a micro-batch on that rank."""
+
+    rank: np.ndarray
+    """[N] int64 rank within the group, in [0, num_ranks)."""
+    micro: np.ndarray
+    """[N] int64 micro-batch on that rank, in [0, num_micro)."""
+    num_ranks: int
+    """G: ranks in the group."""
+    num_micro: int
+    """M: micro-batches per rank."""
+
+    def __post_init__(self):
+        self.rank = np.asarray(self.rank, dtype=np.int64)
+        self.micro = np.asarray(self.micro, dtype=np.int64)
+        if self.rank.shape != self.micro.shape:
+            raise ValueError(f"rank {self.rank.shape} and micro {self.micro.shape} differ in shape")
+        if self.rank.size and not (0 <= self.rank.min() and self.rank.max() < self.num_ranks
+                                   and 0 <= self.micro.min() and self.micro.max() < self.num_micro):
+            raise ValueError(f"assignment out of range: ranks must be in [0, {self.num_ranks}), "
+                             f"micro-batches in [0, {self.num_micro})")
+
+    def rank_sums(self, values: np.ndarray) -> np.ndarray:
+        """[G] sum of per-sample `values` [N] on each rank."""
+        return np.bincount(self.rank, weights=values, minlength=self.num_ranks)
+
+    def micro_sums(self, values: np.ndarray) -> np.ndarray:
+        """[G, M] sum of per-sample `values` [N] in each micro-batch."""
+        flat = self.rank * self.num_micro + self.micro  # [N]
+        sums = np.bincount(flat, weights=values, minlength=self.num_ranks * self.num_micro)
+        return sums.reshape(self.num_ranks, self.num_micro)  # [G*M] -> [G, M]
+
+    def members(self, rank: int) -> list[np.ndarray]:
+        """Sample indices (ascending) in each of `rank`'s M micro-batches."""
+        mine = np.flatnonzero(self.rank == rank)
+        return [mine[self.micro[mine] == m] for m in range(self.num_micro)]
+
+
+def loader_order(n: int, num_ranks: int, num_micro: int) -> Assignment:
+    """Baseline: rank r takes the r-th contiguous block of n/G samples, split in order into M parts."""
+    if n % num_ranks:
+        raise ValueError(f"loader order needs the {n} samples to divide evenly over {num_ranks} ranks")
+    per_rank = n // num_ranks
+    idx = np.arange(n)
+    return Assignment(idx // per_rank, (idx % per_rank) * num_micro // per_rank, num_ranks, num_micro)
+
+
+# ---------------------------------------------------------------------------------- packer
+class _Packer:
+    """Running loads of G ranks x M micro-batches for greedy placement (least-loaded first)."""
+
+    def __init__(self, num_ranks: int, num_micro: int, token_cap: float):
+        self.cap = token_cap
+        self.rank_cost = [0.0] * num_ranks
+        self.micro_cost = [[0.0] * num_micro for _ in range(num_ranks)]
+        self.micro_tok = [[0] * num_micro for _ in range(num_ranks)]
+        self.heap = [(0.0, r) for r in range(num_ranks)]  # open ranks, (cost, rank): ties -> low rank
+
+    def close(self, rank: int) -> None:
+        """Take `rank` out of greedy placement (it holds an outlier)."""
+        self.heap = [e for e in self.heap if e[1] != rank]
+        heapq.heapify(self.heap)
+
+    def _micro_with_room(self, r: int, tokens: int) -> int | None:
+        best = None
+        for m, (c, t) in enumerate(zip(self.micro_cost[r], self.micro_tok[r])):
+            if t + tokens <= self.cap and (best is None or c < self.micro_cost[r][best]):
+                best = m
+        return best
+
+    def put(self, r: int, m: int, cost: float, tokens: int) -> tuple[int, int]:
+        self.rank_cost[r] += cost
+        self.micro_cost[r][m] += cost
+        self.micro_tok[r][m] += tokens
+        return r, m
+
+    def place(self, cost: float, tokens: int, limit: float = math.inf) -> tuple[int, int] | None:
+        """Least-loaded open rank with token room, if its load stays <= limit; else None."""
+        skipped, found = [], None
+        while self.heap:
+            load, r = heapq.heappop(self.heap)
+            if load + cost > limit:  # the least-loaded rank with room is too full: all others are
+                skipped.append((load, r))
+                break
+            m = self._micro_with_room(r, tokens)
+            if m is None:
+                skipped.append((load, r))
+                continue
+            found = self.put(r, m, cost, tokens)
+            heapq.heappush(self.heap, (self.rank_cost[r], r))
+            break
+        for entry in skipped:
+            heapq.heappush(self.heap, entry)
+        return found
+
+    def place_anywhere(self, cost: float, tokens: int) -> tuple[int, int] | None:
+        """Least-loaded rank of all (open or closed) with token room, ignoring any cost limit."""
+        for r in sorted(range(len(self.rank_cost)), key=lambda r: (self.rank_cost[r], r)):
+            m = self._micro_with_room(r, tokens)
+            if m is not None:
+                return self.put(r, m, cost, tokens)
+        return None
+
+
+def _check_arrays(cost: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    cost = np.asarray(cost, dtype=np.float64)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if cost.ndim != 1 or cost.shape != tokens.shape:
+        raise ValueError(f"cost and tokens must be 1-D of equal length, got {cost.shape} and "
+                         f"{tokens.shape}")
+    if cost.size and (not np.isfinite(cost).all() or cost.min() < 0 or tokens.min() < 0):
+        raise DataError("sample costs must be finite and >= 0 and token counts >= 0; check the "
+                        "metadata the cost model was given")
+    return cost, tokens
+
+
+def _lpt_order(cost: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Indices by cost descending, then tokens descending, then index: fully deterministic."""
+    return np.lexsort((np.arange(cost.size), -tokens, -cost))
+
+
+# ------------------------------------------------------------------------------ fixed count
+def assign_fixed(cost: np.ndarray, tokens: np.ndarray, num_ranks: int, num_micro: int,
+                 max_tokens_per_micro: int | None = None) -> Assignment:
+    """Balanced assignment of all N samples (cost [N], tokens [N]) of a group to G ranks x M micros.
+
+    LPT on ranks, then on micro-batches within the rank; each micro-batch holds at most
+    `max_tokens_per_micro` tokens. The answer follows the samples, not their order: permuting the
+    input permutes the output alike (ties in cost and tokens go to the lower index).
+    """
+    cost, tokens = _check_arrays(cost, tokens)
+    cap = math.inf if max_tokens_per_micro is None else max_tokens_per_micro
+    packer = _Packer(num_ranks, num_micro, cap)
+    rank = np.empty(cost.size, dtype=np.int64)
+    micro = np.empty(cost.size, dtype=np.int64)
+    for i in _lpt_order(cost, tokens).tolist():
+        slot = packer.place(float(cost[i]), int(tokens[i]))
+        if slot is None:
+            raise _no_room(i, tokens, num_ranks, num_micro, cap)
+        rank[i], micro[i] = slot
+    return Assignment(rank, micro, num_ranks, num_micro)
+
+
+def _no_room(i: int, tokens: np.ndarray, g: int, m: int, cap: float) -> DataError:
+    if tokens[i] > cap:
+        return DataError(f"sample {i} has {tokens[i]} tokens, more than max_tokens_per_micro={cap}; "
+                         "raise the micro-batch token capacity (data.max_seq_len) or truncate it")
+    return DataError(f"no micro-batch has room for sample {i} ({tokens[i]} tokens): the group's "
+                     f"{tokens.size} samples hold {int(tokens.sum())} tokens for {g} ranks x {m} "
+                     f"micro-batches x {cap} tokens; raise max_tokens_per_micro or the number of "
+                     "micro-batches, or lower the global batch size")
+
+
+# ---------------------------------------------------------------------------------- budget
+def rank_budget(cost: np.ndarray, samples_per_rank: float) -> float:
+    """Per-rank cost budget whose expected samples per step match a fixed-count run.
+
+    `cost` [N] is a sample of the workload (e.g. the last few global batches); the budget is its mean
+    cost times the samples a rank would get in fixed-count mode. Budget mode fills ranks a little
+    below the budget, so it takes slightly fewer samples per step.
+    """
+    cost = np.asarray(cost, dtype=np.float64)
+    if cost.size == 0 or samples_per_rank <= 0:
+        raise ValueError(f"rank_budget needs sample costs and samples_per_rank > 0, got {cost.size} "
+                         f"costs and samples_per_rank={samples_per_rank}")
+    return float(cost.mean() * samples_per_rank)
+
+
+@dataclass
+class BudgetPlan:
+    """One step's plan for a group in budget mode (the same on every rank of the group)."""
+
+    step: int
+    """Planner step this plan was made at (0-based)."""
+    keys: list
+    """[n] keys of the planned samples, by (rank, micro-batch, arrival)."""
+    assignment: Assignment
+    """[n] rank and micro-batch of each planned sample."""
+    cost: np.ndarray
+    """[n] modelled cost of each planned sample."""
+    tokens: np.ndarray
+    """[n] tokens of each planned sample."""
+    delay: np.ndarray
+    """[n] steps each planned sample waited in the buffer (0: planned the step it arrived)."""
+    outliers: list
+    """Keys costlier than one rank's budget, each planned alone on a rank."""
+    forced: list
+    """Keys planned because they had waited max_wait steps."""
+
+    def micro_keys(self, rank: int) -> list[list]:
+        """Keys of each of `rank`'s M micro-batches."""
+        return [[self.keys[i] for i in idx] for idx in self.assignment.members(rank)]
+
+
+class BudgetPlanner:
+    """A group's lookahead buffer and its budget-mode plans; plain-data state.
+
+    Per step: the loader adds samples while `wants_more` (the buffer holds `lookahead` steps of
+    budget), then `plan` fills each of the G ranks up to `cost_budget` and each of their M
+    micro-batches up to `token_budget` tokens. Order of preference: samples that waited `max_wait`
+    steps (forced, even past the budget), outliers (one per rank), then the oldest samples placed by
+    LPT, then younger small samples that fill the remaining gaps. Nothing is dropped or duplicated.
+    Delay grows with `lookahead` (about lookahead - 1 steps on average); fill improves with it.
+    """
+
+    def __init__(self, num_ranks: int, num_micro: int, *, max_wait: int = 2,
+                 lookahead: float = 1.5):
+        if num_ranks < 1 or num_micro < 1 or max_wait < 0 or lookahead < 1:
+            raise ValueError(f"BudgetPlanner needs num_ranks >= 1, num_micro >= 1, max_wait >= 0, "
+                             f"lookahead >= 1; got {num_ranks}, {num_micro}, {max_wait}, {lookahead}")
+        self.num_ranks, self.num_micro = num_ranks, num_micro
+        self.max_wait, self.lookahead = max_wait, lookahead
+        self.step = 0
+        self._next_seq = 0
+        self._keys: list = []
+        self._key_set: set = set()
+        self._cost = np.zeros(0)  # [B]
+        self._tokens = np.zeros(0, dtype=np.int64)  # [B]
+        self._arrived = np.zeros(0, dtype=np.int64)  # [B] step it was added at
+        self._seq = np.zeros(0, dtype=np.int64)  # [B] arrival order
+        self._delay_hist = [0] * (max_wait + 1)  # planned samples per delay in steps
+        self._outliers = 0
+
+    # ------------------------------------------------------------------------------ buffer
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @property
+    def buffered_cost(self) -> float:
+        return float(self._cost.sum())
+
+    def wants_more(self, cost_budget: float) -> bool:
+        """True while the buffer holds less than `lookahead` steps of the group's budget."""
+        return self.buffered_cost < self.lookahead * self.num_ranks * cost_budget
+
+    def add(self, keys: list, cost: np.ndarray, tokens: np.ndarray) -> None:
+        """Buffer new samples; within one call their order does not matter (sorted by key)."""
+        cost, tokens = _check_arrays(cost, tokens)
+        if len(keys) != cost.size:
+            raise ValueError(f"add() got {len(keys)} keys for {cost.size} costs")
+        _check_keys(keys, self._key_set)
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        self._keys += [keys[i] for i in order]
+        self._key_set.update(keys)
+        n = len(keys)
+        self._cost = np.concatenate([self._cost, cost[order]])
+        self._tokens = np.concatenate([self._tokens, tokens[order]])
+        self._arrived = np.concatenate([self._arrived, np.full(n, self.step, dtype=np.int64)])
+        self._seq = np.concatenate([self._seq, self._next_seq + np.arange(n, dtype=np.int64)])
+        self._next_seq += n
+
+    # -------------------------------------------------------------------------------- plan
+    def plan(self, cost_budget: float, token_budget: int) -> BudgetPlan:
+        """Fill each rank to `cost_budget` and each micro-batch to `token_budget` tokens."""
+        if not cost_budget > 0 or token_budget < 1:
+            raise ValueError(f"plan() needs cost_budget > 0 and token_budget >= 1, got {cost_budget} "
+                             f"and {token_budget}")
+        self._check_tokens(token_budget)
+        forced = (self.step - self._arrived) >= self.max_wait  # [B]
+        outlier = self._cost > cost_budget  # [B]
+        packer = _Packer(self.num_ranks, self.num_micro, token_budget)
+        slots: dict[int, tuple[int, int]] = {}
+        self._place_outliers(packer, slots, outlier, forced, has_forced_normal=(forced & ~outlier).any())
+        self._place_normal(packer, slots, ~outlier, forced, cost_budget)
+        return self._commit(slots, outlier, forced)
+
+    def _check_tokens(self, token_budget: int) -> None:
+        too_long = np.flatnonzero(self._tokens > token_budget)
+        if too_long.size:
+            bad = [(self._keys[i], int(self._tokens[i])) for i in too_long[:5]]
+            raise DataError(f"sample(s) (key, tokens) {bad} exceed the token budget {token_budget} of "
+                            "a micro-batch; raise it (data.max_seq_len) or truncate them")
+
+    def _place_outliers(self, packer: _Packer, slots: dict, outlier: np.ndarray,
+                        forced: np.ndarray, has_forced_normal: bool) -> None:
+        """Each outlier alone on a rank; keep one rank for forced normal samples if possible."""
+        idx = np.flatnonzero(outlier)
+        idx = idx[np.lexsort((self._seq[idx], ~forced[idx]))]  # forced first, then oldest
+        room = self.num_ranks - (1 if has_forced_normal else 0)
+        take = max(room, int(forced[idx].sum()))  # forced outliers go even if they must share
+        for j, i in enumerate(idx[:take].tolist()):
+            r, tokens = j % self.num_ranks, int(self._tokens[i])
+            m = packer._micro_with_room(r, tokens)
+            if m is None:  # only when more than G forced outliers share ranks
+                raise DataError(f"outlier {self._keys[i]!r} waited {self.max_wait} steps and finds no "
+                                "token room: more outliers than ranks; raise max_wait or the group size")
+            slots[i] = packer.put(r, m, float(self._cost[i]), tokens)
+            if j < self.num_ranks:
+                packer.close(r)
+
+    def _place_normal(self, packer: _Packer, slots: dict, normal: np.ndarray, forced: np.ndarray,
+                      cost_budget: float) -> None:
+        cost, tokens = self._cost.tolist(), self._tokens.tolist()
+        must = np.flatnonzero(normal & forced)
+        for i in must[_lpt_order(self._cost[must], self._tokens[must])].tolist():
+            slot = packer.place(cost[i], tokens[i]) or packer.place_anywhere(cost[i], tokens[i])
+            if slot is None:
+                raise DataError(f"sample {self._keys[i]!r} has waited {self.max_wait} steps but no "
+                                "micro-batch has token room for it; raise the token budget or the "
+                                "number of micro-batches, or lower the lookahead")
+            slots[i] = slot
+        rest = np.flatnonzero(normal & ~forced)
+        rest = rest[np.argsort(self._seq[rest], kind="stable")]  # oldest first
+        open_budget = cost_budget * len(packer.heap) - sum(packer.rank_cost[r] for _, r in packer.heap)
+        head = rest[np.cumsum(self._cost[rest]) <= open_budget]  # the oldest that fit in total
+        for i in head[_lpt_order(self._cost[head], self._tokens[head])].tolist():
+            self._try(packer, slots, i, cost[i], tokens[i], cost_budget)
+        self._top_up(packer, slots, rest, cost, tokens, cost_budget)
+
+    def _top_up(self, packer: _Packer, slots: dict, rest: np.ndarray, cost: list, tokens: list,
+                cost_budget: float) -> None:
+        """Oldest-first, fill the ranks' remaining room with samples that still fit."""
+        if not packer.heap:
+            return
+        slack = cost_budget - packer.heap[0][0]  # room on the least-loaded open rank
+        for i in rest[self._cost[rest] <= slack].tolist():
+            if i not in slots:
+                self._try(packer, slots, i, cost[i], tokens[i], cost_budget)
+
+    @staticmethod
+    def _try(packer: _Packer, slots: dict, i: int, cost: float, tokens: int, limit: float) -> None:
+        slot = packer.place(cost, tokens, limit=limit)
+        if slot is not None:
+            slots[i] = slot
+
+    def _commit(self, slots: dict, outlier: np.ndarray, forced: np.ndarray) -> BudgetPlan:
+        chosen = np.fromiter(slots, dtype=np.int64, count=len(slots))  # [n] buffer indices
+        rank = np.array([slots[i][0] for i in chosen.tolist()], dtype=np.int64)
+        micro = np.array([slots[i][1] for i in chosen.tolist()], dtype=np.int64)
+        order = np.lexsort((self._seq[chosen], micro, rank))
+        chosen, rank, micro = chosen[order], rank[order], micro[order]
+        delay = self.step - self._arrived[chosen]
+        plan = BudgetPlan(
+            step=self.step, keys=[self._keys[i] for i in chosen.tolist()],
+            assignment=Assignment(rank, micro, self.num_ranks, self.num_micro),
+            cost=self._cost[chosen], tokens=self._tokens[chosen], delay=delay,
+            outliers=[self._keys[i] for i in chosen.tolist() if outlier[i]],
+            forced=[self._keys[i] for i in chosen.tolist() if forced[i]])
+        self._record(delay, len(plan.outliers))
+        self._remove(chosen)
+        self.step += 1
+        return plan
+
+    def _record(self, delay: np.ndarray, outliers: int) -> None:
+        counts = np.bincount(delay, minlength=len(self._delay_hist)) if delay.size else []
+        self._delay_hist += [0] * (len(counts) - len(self._delay_hist))
+        for d, c in enumerate(counts):
+            self._delay_hist[d] += int(c)
+        self._outliers += outliers
+
+    def _remove(self, chosen: np.ndarray) -> None:
+        keep = np.ones(len(self._keys), dtype=bool)
+        keep[chosen] = False
+        self._key_set.difference_update(self._keys[i] for i in chosen.tolist())
+        self._keys = [k for k, kept in zip(self._keys, keep.tolist()) if kept]
+        self._cost, self._tokens = self._cost[keep], self._tokens[keep]
+        self._arrived, self._seq = self._arrived[keep], self._seq[keep]
+
+    # ------------------------------------------------------------------------------- stats
+    def delay_stats(self) -> dict:
+        """Planned samples so far: mean and max delay in steps, histogram by delay, outliers."""
+        hist = np.asarray(self._delay_hist)
+        planned = int(hist.sum())
+        return {"planned": planned, "outliers": self._outliers, "histogram": hist.tolist(),
+                "mean_delay": float(hist @ np.arange(hist.size) / planned) if planned else 0.0,
+                "max_delay": int(np.flatnonzero(hist)[-1]) if planned else 0,
+                "buffered": len(self)}
+
+    # ------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """Plain JSON: buffer, step and statistics; same state -> same future plans."""
+        return {"version": BUDGET_STATE_VERSION, "num_ranks": self.num_ranks,
+                "num_micro": self.num_micro, "max_wait": self.max_wait,
+                "lookahead": self.lookahead, "step": self.step, "next_seq": self._next_seq,
+                "buffer": {"keys": list(self._keys), "cost": self._cost.tolist(),
+                           "tokens": self._tokens.tolist(), "arrived": self._arrived.tolist(),
+                           "seq": self._seq.tolist()},
+                "delay_hist": list(self._delay_hist), "outliers": self._outliers}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != BUDGET_STATE_VERSION:
+            raise DataError(f"budget planner state version {state.get('version')} is not supported "
+                            f"(expected {BUDGET_STATE_VERSION})")
+        if state["num_ranks"] != self.num_ranks:
+            raise DataError(f"budget planner state was written for groups of {state['num_ranks']} "
+                            f"ranks, this planner has {self.num_ranks}; keep the group size on "
+                            "resume or start the new groups with empty buffers")
+        self.num_micro, self.max_wait = state["num_micro"], state["max_wait"]
+        self.lookahead, self.step, self._next_seq = state["lookahead"], state["step"], state["next_seq"]
+        buf = state["buffer"]
+        self._keys = list(buf["keys"])
+        self._key_set = set(self._keys)
+        self._cost = np.asarray(buf["cost"], dtype=np.float64)
+        self._tokens = np.asarray(buf["tokens"], dtype=np.int64)
+        self._arrived = np.asarray(buf["arrived"], dtype=np.int64)
+        self._seq = np.asarray(buf["seq"], dtype=np.int64)
+        self._delay_hist, self._outliers = list(state["delay_hist"]), state["outliers"]
+
+
+def _check_keys(keys: list, buffered: set) -> None:
+    kinds = {type(k) for k in keys}
+    if not kinds <= {str, int} or len(kinds) > 1:
+        raise DataError(f"sample keys must all be str or all be int (JSON-able, sortable); got types "
+                        f"{sorted(t.__name__ for t in kinds)}")
+    if len(set(keys)) != len(keys):
+        raise DataError("add() got the same key twice in one call; keys must identify samples")
+    again = buffered.intersection(keys)
+    if again:
+        raise DataError(f"key(s) {sorted(again)[:5]} are already in the buffer; a sample may be "
+                        "added only once until it is planned")

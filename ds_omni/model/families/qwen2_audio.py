@@ -1,0 +1,260 @@
+"""Qwen2-Audio: a Whisper-style audio encoder, a linear projector, a Qwen2 LLM.
+
+A clip is cut or padded to the feature extractor's window (30 s, 3000 mel frames, for the released
+models; HF's processor cuts longer clips silently and so do we). The encoder always runs on the whole
+window, because its position table has exactly one row per window position, but its attention
+sees only the clip's frames, and only the embeddings of those frames are kept:
+L valid mel frames -> (L - 1) // 2 + 1 after the stride-2 conv -> (that - 2) // 2 + 1 after the
+2x average pool. So the number of embeddings depends on the clip's length.
+
+In the text a clip is `<|audio_bos|> <|AUDIO|> * n <|audio_eos|>`: the chat template writes the
+wrapper around one `<|AUDIO|>` and HF's processor repeats that token n times.
+
+Dims: N clips, M mel bins, F mel frames of the window, S = F / 2 encoder positions, E embeddings kept
+of all clips, C encoder width, D LLM width.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ds_omni.errors import DataError, ModelError
+from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
+from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
+
+AUDIO_BOS, AUDIO_EOS = "<|audio_bos|>", "<|audio_eos|>"
+WHISPER_RATE, WHISPER_HOP = 16000, 160  # WhisperFeatureExtractor defaults
+
+
+def num_embeddings(frames: int) -> int:
+    """Embeddings of a clip with `frames` valid mel frames (HF processor's formula)."""
+    return (((frames - 1) // 2 + 1) - 2) // 2 + 1
+
+
+class Qwen2AudioClipEncoder(ModalityEncoder):
+    """input_features [N, M, F] + feature_attention_mask [N, F] -> embeddings [E, D], clip by clip."""
+
+    modality = "audio"
+
+    def encode(self, inputs):
+        from transformers.masking_utils import create_bidirectional_mask
+        feats = inputs["input_features"]  # [N, M, F]
+        frames = inputs["feature_attention_mask"].sum(-1)  # [N] valid mel frames
+        conv_lengths, out_lengths = self.tower._get_feat_extract_output_lengths(frames)
+        positions = (feats.shape[-1] - 2) // 2 + 1  # S, after the stride-2 conv
+        valid = torch.arange(positions, device=feats.device)[None] < conv_lengths[:, None]  # [N, S]
+        # The same padding mask HF builds: keys past the clip's end are hidden from every query.
+        mask = create_bidirectional_mask(config=self.tower.config,
+                                         inputs_embeds=feats.new_zeros(feats.shape[0], positions, 1),
+                                         attention_mask=valid.long())
+        hidden = self.tower(feats, attention_mask=mask).last_hidden_state  # [N, S / 2, C]
+        keep = torch.arange(hidden.shape[1], device=feats.device)[None] < out_lengths[:, None]
+        return self.projector(hidden[keep])  # [N, S / 2, C] -> [E, C] -> [E, D], clips in order
+
+    def window_frames(self) -> int:
+        """F: the tower accepts only full windows (one position-table row per conv output)."""
+        tower = self.tower
+        return tower.config.max_source_positions * tower.conv1.stride[0] * tower.conv2.stride[0]
+
+    def dummy_inputs(self, device, dtype):
+        frames = self.window_frames()
+        # A silent, fully valid window: a clip of 0 frames would leave every key masked (NaN).
+        return {"input_features": torch.zeros(1, self.tower.config.num_mel_bins, frames,
+                                              device=device, dtype=dtype),
+                "feature_attention_mask": torch.ones(1, frames, device=device, dtype=torch.int32)}
+
+
+def read_clip(clip: Any, sampling_rate: int) -> np.ndarray:
+    """A mono float32 waveform [samples] from any accepted form; it must be at `sampling_rate`.
+
+    Accepted: {"array", "sampling_rate"} (HF datasets' Audio feature, also its decoder object), a
+    bare 1-D array (taken to be at `sampling_rate`), {"bytes"} / {"path"} / raw bytes / a path of
+    an audio file (decoded with soundfile, channels averaged).
+    """
+    array, rate = _waveform_and_rate(clip)
+    return _check_waveform(np.asarray(array), sampling_rate if rate is None else rate, sampling_rate)
+
+
+def _waveform_and_rate(clip: Any) -> tuple[Any, int | None]:
+    """(samples, rate or None when the form carries none)."""
+    if isinstance(clip, np.ndarray):
+        return clip, None
+    if isinstance(clip, (bytes, bytearray, str, Path)):
+        return _decode(clip)
+    if isinstance(clip, dict):
+        if clip.get("array") is not None:
+            return clip["array"], clip.get("sampling_rate")
+        source = clip.get("bytes") or clip.get("path")
+        if source is None:
+            raise DataError(f"audio dict has neither 'array' nor 'bytes' nor 'path' (keys "
+                            f"{sorted(clip)}); give one of them")
+        return _decode(source)
+    try:  # datasets' AudioDecoder answers the same two keys as its dicts
+        return clip["array"], clip["sampling_rate"]
+    except (TypeError, KeyError, IndexError):
+        raise DataError(f"cannot read audio from a {type(clip).__name__}; give a dict with 'array' "
+                        "and 'sampling_rate', a 1-D numpy array, bytes or a path") from None
+
+
+def _decode(source) -> tuple[np.ndarray, int]:
+    """Audio file bytes or path -> (waveform [samples], rate); stereo is averaged to mono."""
+    import soundfile as sf
+    if isinstance(source, (str, Path)) and not Path(source).is_file():
+        raise DataError(f"audio file {str(source)!r} does not exist")
+    try:
+        data, rate = sf.read(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else
+                             str(source), dtype="float32", always_2d=True)  # [samples, channels]
+    except (sf.SoundFileError, RuntimeError, OSError, TypeError) as e:
+        raise DataError(f"unreadable audio ({e}); give a file soundfile can decode (wav, flac, ogg, "
+                        "mp3) or an array with its sampling_rate") from None
+    return data.mean(axis=1), rate
+
+
+def _check_waveform(array: np.ndarray, rate: int, expected_rate: int) -> np.ndarray:
+    if int(rate) != expected_rate:
+        raise DataError(f"audio sampled at {rate} Hz but the model's feature extractor expects "
+                        f"{expected_rate} Hz; resample the data (e.g. cast the column to "
+                        f"datasets.Audio(sampling_rate={expected_rate}))")
+    if array.ndim != 1:
+        raise DataError(f"audio array has shape {array.shape}; expected mono [samples] (average "
+                        "the channels first)")
+    if array.size == 0:
+        raise DataError("audio clip is empty")
+    if not np.issubdtype(array.dtype, np.number):
+        raise DataError(f"audio array has dtype {array.dtype}; expected numbers (float samples)")
+    array = array.astype(np.float32, copy=False)
+    if not np.isfinite(array).all():
+        raise DataError("audio array holds NaN or infinite samples")
+    return array
+
+
+class WhisperClipProcessor(ItemProcessor):
+    """Raw clip -> log-mel window [M, F] and its frame mask [F], through HF's feature extractor."""
+
+    encoder = "audio"
+    modality = "audio"
+
+    def __init__(self, feature_extractor, placeholder_id: int, bos_id: int, eos_id: int):
+        self.feature_extractor = feature_extractor
+        self.placeholder_id = placeholder_id
+        self.bos_id, self.eos_id = bos_id, eos_id
+
+    def process(self, clip):
+        fe = self.feature_extractor
+        waveform = read_clip(clip, fe.sampling_rate)
+        # The call HF's Qwen2AudioProcessor makes: pad to the window, frame-level mask.
+        out = fe([waveform], sampling_rate=fe.sampling_rate, padding="max_length",
+                 return_attention_mask=True, return_tensors="pt")
+        mask = out["attention_mask"][0]  # [F]
+        frames = int(mask.sum())
+        n = self.count(frames)
+        if n < 1:
+            raise DataError(f"audio clip of {waveform.shape[0]} samples is too short: it yields no "
+                            f"embedding (needs more than {2 * fe.hop_length} samples)")
+        return EncodedItem(inputs={"input_features": out["input_features"][0],
+                                   "feature_attention_mask": mask},
+                           num_embeddings=n, meta={"frames": frames, "window_frames": mask.shape[0],
+                                                   "truncated": waveform.shape[0] > fe.n_samples})
+
+    def count(self, frames: int) -> int:
+        """Embeddings of a clip with `frames` valid mel frames."""
+        return num_embeddings(frames)
+
+    def tokens(self, item):
+        return [self.bos_id] + [self.placeholder_id] * item.num_embeddings + [self.eos_id]
+
+
+def feature_extractor(audio_config, model_dir: Path | None):
+    """The extractor saved with the model, else a Whisper one whose window fits the encoder."""
+    if model_dir is not None and (Path(model_dir) / "preprocessor_config.json").exists():
+        from transformers import AutoFeatureExtractor
+        fe = AutoFeatureExtractor.from_pretrained(str(model_dir))
+    else:
+        from transformers import WhisperFeatureExtractor
+        window_s = audio_config.max_source_positions * 2 * WHISPER_HOP / WHISPER_RATE
+        if window_s != int(window_s):
+            raise ModelError(f"audio max_source_positions={audio_config.max_source_positions} is not "
+                             "a whole number of seconds at 16 kHz / hop 160; save the model's "
+                             "preprocessor_config.json (WhisperFeatureExtractor) next to it")
+        fe = WhisperFeatureExtractor(feature_size=audio_config.num_mel_bins, chunk_length=int(window_s))
+    _check_extractor(fe, audio_config)
+    return fe
+
+
+def _check_extractor(fe, audio_config) -> None:
+    window = 2 * audio_config.max_source_positions
+    if fe.feature_size != audio_config.num_mel_bins or fe.nb_max_frames != window:
+        raise ModelError(f"the feature extractor makes {fe.feature_size} mel bins x "
+                         f"{fe.nb_max_frames} frames but the audio encoder takes "
+                         f"{audio_config.num_mel_bins} x {window}; fix preprocessor_config.json "
+                         "(feature_size, chunk_length) to match the model's audio_config")
+
+
+def wrapper_tokens(tokenizer) -> tuple[str, str]:
+    """The clip's opening and closing tokens, as Qwen2AudioProcessor picks them."""
+    return (getattr(tokenizer, "audio_bos_token", None) or AUDIO_BOS,
+            getattr(tokenizer, "audio_eos_token", None) or AUDIO_EOS)
+
+
+def token_id(tokenizer, token: str) -> int:
+    tid = tokenizer.convert_tokens_to_ids(token)
+    if tid is None or tid == tokenizer.unk_token_id:
+        raise ModelError(f"the tokenizer has no {token!r} token; Qwen2-Audio wraps each clip in "
+                         f"{AUDIO_BOS}...{AUDIO_EOS}: add them as special tokens (and resize the "
+                         "embeddings) or use the model's own tokenizer")
+    return tid
+
+
+def processor_tokenizer(tokenizer, audio_token: str):
+    """`tokenizer`, or a copy naming `audio_token` as its audio token.
+
+    Qwen2AudioProcessor takes its audio token from the tokenizer's `audio_token` attribute when
+    there is one, over its own argument; a tokenizer naming another token (ds_omni's demo tokenizer
+    names "<audio>") would make the saved processor expand the wrong token.
+    """
+    if getattr(tokenizer, "audio_token", audio_token) == audio_token:
+        return tokenizer
+    import copy
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.audio_token = audio_token
+    return tokenizer
+
+
+class Qwen2Audio(Family):
+    name = "qwen2_audio"
+    model_types = ("qwen2_audio",)
+    hf_class = "Qwen2AudioForConditionalGeneration"
+
+    def to_omni(self, hf_model, tokenizer=None) -> OmniModel:
+        inner = hf_model.model
+        encoder = Qwen2AudioClipEncoder(tower=inner.audio_tower, projector=inner.multi_modal_projector,
+                                    placeholder_id=hf_model.config.audio_token_id)
+        return OmniModel(encoders={"audio": encoder},
+                         backbone=backbone_of(inner.language_model, hf_model.lm_head),
+                         family=self, hf_model=hf_model)
+
+    def item_processors(self, hf_config, model_dir=None, tokenizer=None):
+        if tokenizer is None:
+            raise ModelError("qwen2_audio: the item processor needs the tokenizer (for the "
+                             f"{AUDIO_BOS}/{AUDIO_EOS} ids); pass tokenizer=")
+        bos, eos = (token_id(tokenizer, t) for t in wrapper_tokens(tokenizer))
+        fe = feature_extractor(hf_config.audio_config, model_dir)
+        return {"audio": WhisperClipProcessor(fe, hf_config.audio_token_id, bos, eos)}
+
+    def save_processor(self, out_dir, hf_config, tokenizer, model_dir=None):
+        from transformers import Qwen2AudioProcessor
+        audio_token = tokenizer.convert_ids_to_tokens(hf_config.audio_token_id)
+        bos, eos = wrapper_tokens(tokenizer)
+        Qwen2AudioProcessor(
+            feature_extractor=feature_extractor(hf_config.audio_config, model_dir),
+            tokenizer=processor_tokenizer(tokenizer, audio_token),
+            chat_template=getattr(tokenizer, "chat_template", None), audio_token=audio_token,
+            audio_bos_token=bos, audio_eos_token=eos).save_pretrained(str(out_dir))
+
+
+register(Qwen2Audio())

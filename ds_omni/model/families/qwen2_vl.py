@@ -1,0 +1,281 @@
+"""Qwen2-VL: a ViT over native-resolution patch grids, a patch merger, a Qwen2 LLM with M-RoPE.
+
+An image is resized (aspect kept) to multiples of patch_size * merge_size and cut into a t x h x w
+grid of patches (t = 1 for an image: the frame is repeated temporal_patch_size times inside each
+patch). The tower attends within each image only; the merger folds every merge_size x merge_size
+block of patches into one LLM embedding, so an image yields t*h*w / merge_size^2 embeddings, written
+in the text as <|vision_start|> <|image_pad|> * n <|vision_end|>. Images of any size share one
+micro-batch: their patches are concatenated and `image_grid_thw` says where each one ends.
+
+M-RoPE: every token has three positions (temporal, height, width). A text token has all three equal,
+counting on from the token before; an image's tokens sit at (s, s + row, s + col) with s the
+position where the image starts, and the text after it resumes at s + max(rows, cols).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ds_omni.errors import ModelError
+from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
+from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
+
+
+# ------------------------------------------------------------------------------------- encoder
+class Qwen2VLVisionEncoder(ModalityEncoder):
+    """pixel_values [P, C*T*p*p] + image_grid_thw [n, 3] -> embeddings [P / m^2, D], in image order.
+
+    Dims: P patches of all n images of the micro-batch, E tower width, m merge size, D LLM width.
+    The tower runs as HF's `Qwen2VisionTransformerPretrainedModel.forward` does, from the same
+    modules and the same HF helpers, so the numbers are HF's; the merger is the projector.
+    """
+
+    modality = "image"
+
+    def __init__(self, *, vision_config, **kw):
+        super().__init__(**kw)
+        self.vision_config = vision_config
+
+    def encode(self, inputs):
+        grid = inputs["image_grid_thw"]  # [n, 3]
+        hidden = self.tower_states(inputs["pixel_values"], grid)  # [P, E]
+        return self.projector(hidden)  # [P, E] -> [P / m^2, D]
+
+    def tower_states(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        """Patch states of the last block [P, E]; attention stays inside each image (cu_seqlens)."""
+        from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids
+        tower = self.tower
+        hidden = tower.patch_embed(pixel_values)  # [P, C*T*p*p] -> [P, E]
+        # 2-D rotary positions (row, col) of each patch, in the merger's block order
+        rotary = tower.rotary_pos_emb(hidden, get_vision_position_ids(
+            grid, self.vision_config.spatial_merge_size))
+        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, self.vision_config)
+        for block in tower.blocks:
+            hidden = block(hidden, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                           position_embeddings=rotary)
+        return hidden
+
+    def dummy_inputs(self, device, dtype):
+        """One image of one merge block (m x m patches), which yields one embedding."""
+        vc = self.vision_config
+        m = vc.spatial_merge_size
+        patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+        return {"pixel_values": torch.zeros(m * m, patch_dim, device=device, dtype=dtype),
+                "image_grid_thw": torch.tensor([[1, m, m]], device=device)}
+
+
+def vision_tower(visual: nn.Module) -> nn.ModuleDict:
+    """HF's vision transformer without its merger: the merger is registered as the projector, so
+    freezing "vision" and "projector" act on disjoint parameters, each registered once."""
+    return nn.ModuleDict({"patch_embed": visual.patch_embed,
+                          "rotary_pos_emb": visual.rotary_pos_emb, "blocks": visual.blocks})
+
+
+# ------------------------------------------------------------------------------------- items
+class Qwen2VLItemProcessor(ItemProcessor):
+    """PIL image -> its patches [p, C*T*p*p] and grid [3] through HF's Qwen2-VL image processor."""
+
+    def __init__(self, hf_processor, *, merge_size: int, image_token_id: int,
+                 vision_start_id: int, vision_end_id: int):
+        self.hf_processor = hf_processor
+        self.merge_size = merge_size
+        self.placeholder_id = image_token_id
+        self.vision_start_id = vision_start_id
+        self.vision_end_id = vision_end_id
+
+    def process(self, image):
+        out = self.hf_processor(images=[image], return_tensors="pt")
+        grid = out["image_grid_thw"][0]  # [3]: t, h, w in patches
+        patches = int(grid.prod())
+        return EncodedItem(inputs={"pixel_values": out["pixel_values"], "image_grid_thw": grid},
+                           num_embeddings=patches // self.merge_size ** 2,
+                           meta={"grid_thw": tuple(grid.tolist()), "patches": patches,
+                                 "placeholder_id": self.placeholder_id,
+                                 "merge_size": self.merge_size})
+
+    def tokens(self, item):
+        pads = [self.placeholder_id] * item.num_embeddings
+        return [self.vision_start_id, *pads, self.vision_end_id]
+
+    def collate(self, items):
+        """Patches of all images end to end [sum p, C*T*p*p]; grids [n, 3] say where each ends."""
+        return {"pixel_values": torch.cat([it.inputs["pixel_values"] for it in items]),
+                "image_grid_thw": torch.stack([it.inputs["image_grid_thw"] for it in items])}
+
+
+def qwen2_vl_image_processor(vision_config, model_dir: Path | None):
+    """HF's PIL Qwen2-VL image processor: with the settings saved in the model dir, if any.
+
+    The PIL one (not `AutoImageProcessor`, which picks the torchvision one when torchvision is
+    installed and resizes with another kernel) so pixels do not depend on what is installed.
+    """
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    saved = model_dir is not None and any((Path(model_dir) / f).is_file() for f in
+                                          ("processor_config.json", "preprocessor_config.json"))
+    if saved:
+        processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
+    else:
+        processor = Qwen2VLImageProcessorPil(patch_size=vision_config.patch_size,
+                                             temporal_patch_size=vision_config.temporal_patch_size,
+                                             merge_size=vision_config.spatial_merge_size)
+    check_patching(processor, vision_config, model_dir)
+    return processor
+
+
+def check_patching(processor, vision_config, model_dir) -> None:
+    """The image processor must cut patches the way the tower embeds and merges them."""
+    pairs = {"patch_size": "patch_size", "temporal_patch_size": "temporal_patch_size",
+             "merge_size": "spatial_merge_size"}
+    bad = {k: (getattr(processor, k), getattr(vision_config, v)) for k, v in pairs.items()
+           if getattr(processor, k) != getattr(vision_config, v)}
+    if bad:
+        facts = ", ".join(f"{k}={p} but the vision config has {c}" for k, (p, c) in bad.items())
+        raise ModelError(f"the image processor saved in {str(model_dir)!r} does not fit the model: "
+                         f"{facts}; fix its processor_config.json/preprocessor_config.json, or "
+                         "remove it to use the model config's values")
+
+
+# ------------------------------------------------------------------------------------- M-RoPE
+def mrope_position_ids(input_ids: torch.Tensor, grids: list, image_token_id: int,
+                       merge_size: int) -> torch.Tensor:
+    """[3, L] (temporal, height, width) positions of one sample, as HF's `get_rope_index` has them.
+
+    `grids`: the (t, h, w) patch grid of each image, in text order; image i owns the next
+    t*h*w / merge_size^2 `image_token_id` tokens. A sample without images gets 0..L-1 three times.
+    """
+    ids = input_ids.tolist()
+    pieces, pos, i, images = [], 0, 0, iter(grids)
+    while i < len(ids):
+        if ids[i] != image_token_id:
+            run = _text_run(ids, i, image_token_id)
+            pieces.append(torch.arange(pos, pos + run).expand(3, run))
+            pos, i = pos + run, i + run
+            continue
+        grid = next(images, None)
+        if grid is None:
+            raise ModelError(f"image token at position {i} has no image: the sample has "
+                             f"{len(grids)} images but more image placeholder tokens")
+        block = image_positions(grid, merge_size) + pos  # [3, n]
+        if ids[i:i + block.shape[1]] != [image_token_id] * block.shape[1]:
+            raise ModelError(f"the image at token {i} needs {block.shape[1]} consecutive image "
+                             "placeholder tokens, fewer are there")
+        pieces.append(block)
+        pos += max(int(grid[1]), int(grid[2])) // merge_size
+        i += block.shape[1]
+    if next(images, None) is not None:
+        raise ModelError(f"{len(grids)} images but fewer image placeholder runs in the sample")
+    return torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long)
+
+
+def _text_run(ids: list[int], start: int, image_token_id: int) -> int:
+    end = start
+    while end < len(ids) and ids[end] != image_token_id:
+        end += 1
+    return end - start
+
+
+def image_positions(grid, merge_size: int) -> torch.Tensor:
+    """[3, t * h' * w'] offsets (frame, row, col) of one image's merged tokens, row-major.
+
+    Dims: h' = h / merge_size, w' = w / merge_size (the merged grid).
+    """
+    t, h, w = int(grid[0]), int(grid[1]) // merge_size, int(grid[2]) // merge_size
+    frame, row, col = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w),
+                                     indexing="ij")
+    return torch.stack([frame, row, col]).reshape(3, -1)  # [3, t, h', w'] -> [3, t*h'*w']
+
+
+# ------------------------------------------------------------------------------------- family
+class Qwen2VL(Family):
+    name = "qwen2_vl"
+    model_types = ("qwen2_vl",)
+    hf_class = "Qwen2VLForConditionalGeneration"
+
+    def to_omni(self, hf_model, tokenizer=None) -> OmniModel:
+        config, inner = hf_model.config, hf_model.model
+        encoder = Qwen2VLVisionEncoder(
+            tower=vision_tower(inner.visual), projector=inner.visual.merger,
+            placeholder_id=config.image_token_id, vision_config=config.vision_config)
+        return OmniModel(encoders={"vision": encoder},
+                         backbone=backbone_of(inner.language_model, hf_model.lm_head),
+                         family=self, hf_model=hf_model)
+
+    def item_processors(self, hf_config, model_dir=None, tokenizer=None):
+        hf_proc = qwen2_vl_image_processor(hf_config.vision_config, model_dir)
+        return {"vision": Qwen2VLItemProcessor(
+            hf_proc, merge_size=hf_config.vision_config.spatial_merge_size,
+            image_token_id=hf_config.image_token_id,
+            vision_start_id=hf_config.vision_start_token_id,
+            vision_end_id=hf_config.vision_end_token_id)}
+
+    def position_ids(self, input_ids, items):
+        """[3, L] M-RoPE positions; an image's meta has its grid, placeholder id and merge size."""
+        images = [item.meta for enc, item in items if enc == "vision"]
+        if not images:  # text only: HF uses 0..L-1 on all three axes
+            return torch.arange(input_ids.shape[0]).expand(3, -1).contiguous()
+        return mrope_position_ids(input_ids, [m["grid_thw"] for m in images],
+                                  images[0]["placeholder_id"], images[0]["merge_size"])
+
+    def save_processor(self, out_dir, hf_config, tokenizer, model_dir=None):
+        """Write a Qwen2VLProcessor: tokenizer files plus processor_config.json.
+
+        HF's `Qwen2VLProcessor` cannot be built without torchvision (its constructor demands a
+        video processor, and HF's are torchvision-only), and torchvision is no ds_omni
+        dependency; so the files its `save_pretrained` writes are written here from the image
+        processor and a video processor entry. `AutoProcessor` loads them wherever HF's Qwen2-VL
+        processor itself can be used (with torchvision).
+        """
+        out = Path(out_dir)
+        image_processor = qwen2_vl_image_processor(hf_config.vision_config, model_dir)
+        _processor_tokenizer(tokenizer, hf_config).save_pretrained(str(out))
+        processor_config = {
+            "processor_class": "Qwen2VLProcessor",
+            "image_processor": json.loads(image_processor.to_json_string()),
+            "video_processor": video_processor_entry(hf_config.vision_config, model_dir),
+        }
+        (out / "processor_config.json").write_text(json.dumps(processor_config, indent=2,
+                                                              sort_keys=True) + "\n")
+
+
+def _processor_tokenizer(tokenizer, hf_config):
+    """The tokenizer with `image_token` / `video_token` naming the config's placeholder tokens.
+
+    Qwen2VLProcessor expands `tokenizer.image_token` when the tokenizer has one, else
+    "<|image_pad|>"; a tokenizer whose image_token is another token (the demo tokenizer's is
+    "<image>") would make the exported processor expand a token the model never replaces. A copy is
+    changed, never the caller's tokenizer.
+    """
+    want = {attr: tokenizer.convert_ids_to_tokens(token_id) for attr, token_id in
+            (("image_token", hf_config.image_token_id), ("video_token", hf_config.video_token_id))
+            if token_id is not None and token_id < len(tokenizer)}
+    if all(getattr(tokenizer, attr, None) == token for attr, token in want.items()):
+        return tokenizer
+    tokenizer = copy.deepcopy(tokenizer)
+    for attr, token in want.items():
+        setattr(tokenizer, attr, token)
+    return tokenizer
+
+
+def video_processor_entry(vision_config, model_dir: Path | None) -> dict:
+    """The video processor settings saved with the model (either layout), else the tower's
+    patching; HF fills in the class's other defaults when it loads them."""
+    saved = {}
+    if model_dir is not None:
+        saved = (_read_json(Path(model_dir) / "processor_config.json").get("video_processor")
+                 or _read_json(Path(model_dir) / "video_preprocessor_config.json"))
+    return saved or {"video_processor_type": "Qwen2VLVideoProcessor",
+                     "patch_size": vision_config.patch_size,
+                     "temporal_patch_size": vision_config.temporal_patch_size,
+                     "merge_size": vision_config.spatial_merge_size}
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+register(Qwen2VL())

@@ -1,0 +1,141 @@
+"""Tiny random HF model directories of each family, saved as users have them (weights, config,
+tokenizer, processor files). Shared by the family unit tests and the multi-process parity tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.family_checks import save_hf
+from tests.fixtures import TINY_LLAMA, TINY_VISION
+
+
+def demo_tokenizer():
+    from transformers import AutoTokenizer
+    from ds_omni.data.demo import ensure_builtin
+    return AutoTokenizer.from_pretrained(str(ensure_builtin("builtin:shapes", "tokenizer")))
+
+
+def _parts():
+    vision = {k: v for k, v in TINY_VISION.items() if k != "model_type"}
+    text = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    return vision, text
+
+
+def make_llava_dir(out: Path) -> Path:
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    tok = demo_tokenizer()
+    vision, text = _parts()
+    config = LlavaConfig(vision_config=CLIPVisionConfig(**vision),
+                         text_config=LlamaConfig(**text, vocab_size=len(tok)),
+                         image_token_index=tok.convert_tokens_to_ids("<image>"),
+                         vision_feature_layer=-2, image_seq_length=16)
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32},
+                                              crop_size={"height": 32, "width": 32}),
+        tokenizer=tok, patch_size=8, vision_feature_select_strategy="default",
+        image_token="<image>", num_additional_image_tokens=1)
+    torch.manual_seed(0)
+    return save_hf(LlavaForConditionalGeneration(config), tok, out, processor)
+
+
+def make_llava_next_dir(out: Path) -> Path:
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextConfig,
+                              LlavaNextForConditionalGeneration)
+    from ds_omni.model.families.llava_next import anyres_processor
+    tok = demo_tokenizer()
+    vision, text = _parts()
+    config = LlavaNextConfig(vision_config=CLIPVisionConfig(**vision),
+                             text_config=LlamaConfig(**text, vocab_size=len(tok)),
+                             image_token_index=tok.convert_tokens_to_ids("<image>"),
+                             image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]],
+                             vision_feature_layer=-2)
+    torch.manual_seed(0)
+    model = LlavaNextForConditionalGeneration(config)
+    with torch.no_grad():
+        model.model.image_newline.normal_()  # HF inits it to zeros-ish; make it count
+    return save_hf(model, tok, out, anyres_processor(config, tok, None))
+
+
+PATCH, MERGE = 4, 2  # 8-pixel merge blocks: a 32x32 image is 8x8 patches, 16 LLM tokens
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def qwen_tokenizer():
+    """The demo tokenizer plus Qwen2-VL's vision tokens, which it names as its image/video tokens
+    (the demo tokenizer's own image_token is "<image>", which Qwen2VLProcessor would expand)."""
+    tok = demo_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
+    tok.image_token, tok.video_token = "<|image_pad|>", "<|video_pad|>"
+    return tok
+
+
+def image_processor():
+    """HF's image processor for the tiny tower, with a pixel budget that keeps images small."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    return Qwen2VLImageProcessorPil(patch_size=PATCH, temporal_patch_size=2, merge_size=MERGE,
+                                    min_pixels=8 * 8, max_pixels=96 * 96)
+
+
+def make_qwen2_vl_dir(out: Path) -> Path:
+    """A tiny random Qwen2-VL saved as hub checkpoints are: weights, config, tokenizer and
+    preprocessor_config.json (the image processor's own save_pretrained)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    tok = qwen_tokenizer()
+    ids = dict(zip(QWEN_TOKENS, tok.convert_tokens_to_ids(QWEN_TOKENS)))
+    config = Qwen2VLConfig(
+        vision_config={"depth": 2, "embed_dim": 32, "num_heads": 4, "mlp_ratio": 2,
+                       "hidden_size": 64, "patch_size": PATCH, "spatial_merge_size": MERGE,
+                       "temporal_patch_size": 2},
+        # head_dim 16: 8 rotary frequencies split 2 (time) + 3 (height) + 3 (width)
+        text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": len(tok),
+                     "max_position_embeddings": 512, "bos_token_id": tok.bos_token_id,
+                     "eos_token_id": tok.eos_token_id,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                         "mrope_section": [2, 3, 3]}},
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"])
+    torch.manual_seed(0)
+    out = save_hf(Qwen2VLForConditionalGeneration(config), tok, out)
+    image_processor().save_pretrained(str(out))
+    return out
+
+
+RATE = 16000
+MELS, WINDOW_S = 16, 1
+AUDIO_TOKENS = {"audio_bos_token": "<|audio_bos|>", "audio_token": "<|AUDIO|>",
+                "audio_eos_token": "<|audio_eos|>"}
+
+
+def audio_tokenizer():
+    tok = demo_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": list(AUDIO_TOKENS.values())})
+    tok.audio_token = AUDIO_TOKENS["audio_token"]  # the demo tokenizer names "<audio>" otherwise
+    return tok
+
+
+def audio_hf_processor(tok):
+    from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor
+    return Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor(
+        feature_size=MELS, chunk_length=WINDOW_S), tokenizer=tok)
+
+
+def make_qwen2_audio_dir(out: Path) -> Path:
+    from transformers import (Qwen2AudioConfig, Qwen2AudioEncoderConfig, Qwen2AudioForConditionalGeneration,
+                              Qwen2Config)
+    tok = audio_tokenizer()
+    config = Qwen2AudioConfig(
+        audio_config=Qwen2AudioEncoderConfig(
+            num_mel_bins=MELS, d_model=32, encoder_layers=2, encoder_attention_heads=4,
+            encoder_ffn_dim=64, max_source_positions=WINDOW_S * RATE // 160 // 2),
+        text_config=Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                                max_position_embeddings=512, tie_word_embeddings=False),
+        audio_token_index=tok.convert_tokens_to_ids(AUDIO_TOKENS["audio_token"]))
+    torch.manual_seed(0)
+    return save_hf(Qwen2AudioForConditionalGeneration(config), tok,
+                   out, audio_hf_processor(tok))

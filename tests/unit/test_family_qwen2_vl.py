@@ -1,0 +1,214 @@
+"""Qwen2-VL: OmniModel parity with HF (logits, loss, gradients, M-RoPE positions), dynamic
+resolution in one micro-batch, exact round trip, the exported processor."""
+
+import io
+import json
+from unittest import mock
+
+import pytest
+import torch
+
+from ds_omni.data.demo import ensure_builtin, shapes_rows
+from ds_omni.errors import ModelError
+from tests.family_checks import (assert_logits_match, assert_loss_and_grads_match,
+                                 assert_round_trip, load_omni, processor_for)
+from tests.family_dirs import (MERGE, PATCH, QWEN_TOKENS, image_processor, make_qwen2_vl_dir,
+                               qwen_tokenizer)
+
+def hf_processor(model_dir):
+    """HF's Qwen2VLProcessor for `model_dir` (its saved image processor and tokenizer).
+
+    HF's constructor insists on a video processor and HF's video processors need torchvision, which
+    ds_omni does not depend on; images need none, so only the constructor's class check is skipped.
+    Image processing, placeholder expansion and mm_token_type_ids are HF's own code.
+    """
+    from transformers import AutoTokenizer, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.processing_utils import ProcessorMixin
+    images = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda *a: None):
+        return Qwen2VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=None)
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl_dir(tmp_path_factory):
+    return make_qwen2_vl_dir(tmp_path_factory.mktemp("qwen2_vl"))
+
+@pytest.fixture(scope="module")
+def built(qwen2_vl_dir):
+    return load_omni(qwen2_vl_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen2_vl_dir):
+    from transformers import Qwen2VLForConditionalGeneration
+    return Qwen2VLForConditionalGeneration.from_pretrained(str(qwen2_vl_dir))
+
+
+def _images():
+    """Shapes pictures at three resolutions: 32x32 (as made), 84 wide x 56 high, 40 x 24."""
+    from PIL import Image
+    rows = shapes_rows(3, seed=5)
+    img = [Image.open(io.BytesIO(r["image"]["bytes"])).convert("RGB") for r in rows]
+    return rows, [img[0], img[1].resize((84, 56)), img[2].resize((40, 24))]
+
+
+def _samples(built):
+    """(samples, images of each sample): one image, text only, two images of different sizes."""
+    proc = processor_for(built)
+    rows, img = _images()
+    two = [{"from": "human", "value": "<image><image>\nWhich one is larger?"},
+           {"from": "gpt", "value": "the first"}]
+    media = {"one": [img[0]], "text": [], "two": [img[1], img[2]]}
+    texts = {"one": rows[0]["conversations"], "text": "a caption with no image at all", "two": two}
+    samples = [proc(text=texts[k], media={"vision": media[k]} if media[k] else {}, sample_id=k,
+                    source="t") for k in ("one", "text", "two")]
+    return samples, media
+
+
+def _hf_inputs(hf_proc, media):
+    """What the HF processor gives the model for a sample: its tokens, the processor's pixels and
+    grids of its images, and the processor's mm_token_type_ids (without them HF falls back to 1-D
+    positions)."""
+    def inputs(sample):
+        ids = sample.input_ids[None]
+        out = {"input_ids": ids,
+               "mm_token_type_ids": torch.tensor(hf_proc.create_mm_token_type_ids(ids))}
+        if media[sample.sample_id]:
+            pix = hf_proc.image_processor(images=media[sample.sample_id], return_tensors="pt")
+            out.update(pixel_values=pix["pixel_values"], image_grid_thw=pix["image_grid_thw"])
+        return out
+    return inputs
+
+
+def test_logits_match_hf_with_mixed_resolutions(built, reference, qwen2_vl_dir):
+    samples, media = _samples(built)
+    grids = [tuple(item.meta["grid_thw"]) for s in samples for _, item in s.items]
+    assert len(set(grids)) == 3, grids  # three resolutions in one micro-batch
+    assert_logits_match(built, reference, samples, _hf_inputs(hf_processor(qwen2_vl_dir), media))
+
+
+def test_loss_and_gradients_match_hf(built, reference, qwen2_vl_dir):
+    samples, media = _samples(built)
+    assert_loss_and_grads_match(built, reference, samples,
+                                _hf_inputs(hf_processor(qwen2_vl_dir), media))
+
+
+def test_position_ids_match_hf_get_rope_index(built, reference, qwen2_vl_dir):
+    samples, media = _samples(built)
+    hf_inputs = _hf_inputs(hf_processor(qwen2_vl_dir), media)
+    for sample in samples:
+        inputs = hf_inputs(sample)
+        expected, _ = reference.model.get_rope_index(
+            inputs["input_ids"], inputs["mm_token_type_ids"],
+            image_grid_thw=inputs.get("image_grid_thw"))
+        assert sample.position_ids.shape == (3, sample.length)
+        assert torch.equal(sample.position_ids, expected[:, 0]), sample.sample_id
+    # the packed micro-batch carries each sample's positions, restarting at each sample
+    from ds_omni.data.packing import pack
+    mb = pack(samples, built.item_processors)
+    assert torch.equal(mb.position_ids[:, 0], torch.cat([s.position_ids for s in samples], dim=1))
+
+
+def test_image_tokens_match_the_hf_processor(built, qwen2_vl_dir):
+    hf_proc = hf_processor(qwen2_vl_dir)
+    items = built.item_processors["vision"]
+    wrapped = "<|vision_start|><|image_pad|><|vision_end|>"
+    for image in _images()[1]:
+        out = hf_proc(images=[image], text=[wrapped], return_tensors="pt")
+        item = items.process(image)
+        assert out["input_ids"][0].tolist() == items.tokens(item), image.size
+        assert int((out["input_ids"] == items.placeholder_id).sum()) == item.num_embeddings
+        assert torch.equal(out["pixel_values"], item.inputs["pixel_values"])
+        assert out["image_grid_thw"][0].tolist() == list(item.meta["grid_thw"])
+
+
+def test_every_hf_parameter_is_registered_once(built):
+    model = built.model
+    key_map = model.hf_key_map()
+    assert set(key_map) == set(model.hf_model.state_dict())
+    encoder = model.encoders["vision"]
+    tower = set(map(id, encoder.tower.parameters()))
+    projector = set(map(id, encoder.projector.parameters()))
+    assert tower and projector and not tower & projector
+    assert (sum(p.numel() for p in model.parameters())
+            == sum(p.numel() for p in model.hf_model.parameters()))
+
+
+def test_text_only_micro_batch_runs_the_encoder_on_a_dummy_image(built):
+    from ds_omni.data.packing import pack
+    samples, _ = _samples(built)
+    model = built.model
+    model.zero_grad()
+    out = model(pack([samples[1]], built.item_processors))
+    out.loss_sum.backward()
+    grads = [p.grad for p in model.encoders["vision"].parameters()]
+    assert all(g is not None and not g.any() for g in grads)  # ran (ZeRO-3 needs it), counted zero
+    model.zero_grad()
+
+
+def test_export_round_trip_is_exact(built, reference, tmp_path):
+    assert_round_trip(built, tmp_path / "export", reference)
+
+
+def test_exported_processor_is_a_qwen2_vl_processor(built, tmp_path):
+    out = tmp_path / "export"
+    from ds_omni.model.convert import export_hf
+    export_hf(built.model, out, built.tokenizer, model_dir=built.model_dir)
+    saved = json.loads((out / "processor_config.json").read_text())
+    vc = built.hf_config.vision_config
+    assert saved["processor_class"] == "Qwen2VLProcessor"
+    video = saved["video_processor"]
+    assert (video["patch_size"], video["temporal_patch_size"], video["merge_size"]) \
+        == (vc.patch_size, vc.temporal_patch_size, vc.spatial_merge_size)
+    hf_proc, items = hf_processor(out), built.item_processors["vision"]
+    image = _images()[1][1]
+    got = hf_proc(images=[image], text=["<|vision_start|><|image_pad|><|vision_end|>"],
+                  return_tensors="pt")
+    item = items.process(image)
+    assert got["input_ids"][0].tolist() == items.tokens(item)
+    assert torch.equal(got["pixel_values"], item.inputs["pixel_values"])
+    # a checkpoint's export saves the processor again from the one saved with it: unchanged
+    built.family.save_processor(tmp_path / "again", built.hf_config, built.tokenizer, out)
+    assert json.loads((tmp_path / "again" / "processor_config.json").read_text()) == saved
+
+
+def test_export_names_the_models_image_token_in_the_tokenizer(built, tmp_path):
+    """A tokenizer whose image_token is another token gets the model's one in the export (in a
+    copy: the caller's tokenizer is left alone)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(ensure_builtin("builtin:shapes", "tokenizer")))
+    tok.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
+    assert tok.image_token == "<image>"
+    built.family.save_processor(tmp_path, built.hf_config, tok, built.model_dir)
+    assert AutoTokenizer.from_pretrained(str(tmp_path)).image_token == "<|image_pad|>"
+    assert tok.image_token == "<image>"
+
+
+def test_placeholders_without_enough_image_tokens_are_a_clear_error(built):
+    from ds_omni.model.families.qwen2_vl import mrope_position_ids
+    image_id = built.item_processors["vision"].placeholder_id
+    ids = torch.tensor([1, 2] + [image_id] * 3 + [5])
+    with pytest.raises(ModelError, match="needs 4 consecutive image placeholder tokens"):
+        mrope_position_ids(ids, [(1, 4, 4)], image_id, MERGE)
+    with pytest.raises(ModelError, match="has no image"):
+        mrope_position_ids(ids, [], image_id, MERGE)
+
+
+def test_processor_config_that_does_not_fit_the_tower_is_a_clear_error(built, tmp_path):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from ds_omni.model.families.qwen2_vl import qwen2_vl_image_processor
+    Qwen2VLImageProcessorPil(patch_size=8, merge_size=MERGE).save_pretrained(str(tmp_path))
+    with pytest.raises(ModelError, match="patch_size=8 but the vision config has 4"):
+        qwen2_vl_image_processor(built.hf_config.vision_config, tmp_path)
+
+
+def test_freezing_parts(qwen2_vl_dir):
+    from ds_omni.data.packing import pack
+    built = load_omni(qwen2_vl_dir, freeze=["vision", "llm"])
+    model = built.model
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith("encoders.vision.projector.") for n in trainable)
+    model(pack(_samples(built)[0][:1], built.item_processors)).loss_sum.backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if n not in trainable)
