@@ -216,8 +216,10 @@ def _budget_step(plans: list, dp: int) -> dict:
     outlier = np.concatenate([_outlier_ranks(p) for p in plans])  # [DP] bool
     normal = rank[~outlier]
     micro_normal = micro.reshape(dp, -1)[~outlier]  # [DP * M] -> [DP, M] -> [normal ranks, M]
+    biggest = max((p.cost[~_outlier_ranks(p)[p.assignment.rank]].max(initial=0) for p in plans))
     return {"rank": _ratio(rank), "micro": _ratio(micro),
             "rank_normal": _ratio(normal), "micro_normal": _ratio(micro_normal),
+            "micro_floor": float(biggest / micro_normal.mean()),
             "outlier_ranks": float(outlier.mean()),
             "samples_per_rank": sum(len(p.keys) for p in plans) / dp}
 
@@ -237,6 +239,7 @@ def _budget_summary(per_step: list, planners: list, steps: int, plan_s: list) ->
     return {"steps": steps, "rank_max_over_mean": med("rank"), "micro_max_over_mean": med("micro"),
             "rank_max_over_mean_excluding_outlier_ranks": med("rank_normal"),
             "micro_max_over_mean_excluding_outlier_ranks": med("micro_normal"),
+            "micro_single_sample_floor_excluding_outlier_ranks": med("micro_floor"),
             "outlier_rank_share": med("outlier_ranks"),
             "samples_per_rank_per_step": med("samples_per_rank"),
             "mean_delay_steps": float(hist @ np.arange(hist.size) / hist.sum()),
@@ -336,10 +339,11 @@ def check_targets(results: list) -> dict:
     }
 
 
-def plot(results: list, path: Path) -> None:
+def plot(results: list, no_outlier: list, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
     fig, axes = plt.subplots(1, len(MIXES), figsize=(5 * len(MIXES), 4), sharey=True)
     series = [("loader", None, "rank_max_over_mean", "loader order", "k-o"),
               ("fixed", 8, "rank_max_over_mean", "fixed, G=8", "C0-s"),
@@ -354,9 +358,14 @@ def plot(results: list, path: Path) -> None:
             pts = [(r["dp"], r[key]) for r in results
                    if r["mix"] == mix and r["mode"] == mode and r["G"] == g]
             ax.plot(*zip(*pts), style, label=label)
+        pts = [(r["dp"], r["rank_max_over_mean"]) for r in no_outlier if r["mix"] == mix]
+        ax.plot(*zip(*pts), "C2*", ms=11, label="budget, G=8, budget >= costliest sample")
         ax.axhline(1.05, color="grey", lw=0.8, ls=":")
         ax.set(xscale="log", yscale="log", xlabel="data-parallel ranks", title=f"image:text {mix}")
         ax.set_xticks(DP_SIZES, [str(d) for d in DP_SIZES])
+        ax.set_yticks([1, 1.05, 1.5, 2, 3, 4, 5])
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
     axes[0].set_ylabel("max / mean modelled cost per rank")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
@@ -386,7 +395,7 @@ def main(argv=None) -> None:
         "runtime_s": round(time.perf_counter() - t0, 1)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "balance.json").write_text(json.dumps(report, indent=1))
-    plot(out["results"], args.out / "balance.png")
+    plot(out["results"], out["no_outlier_budget"], args.out / "balance.png")
     print(json.dumps({"targets": report["targets"], "planning": out["planning"],
                       "runtime_s": report["runtime_s"]}, indent=1))
 

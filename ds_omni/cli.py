@@ -141,6 +141,7 @@ def _quiet_libraries() -> None:
     import datasets
     import transformers
     datasets.disable_progress_bars()
+    datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0  # else every streaming run ends with 5 s
     transformers.utils.logging.disable_progress_bar()
 
 

@@ -124,10 +124,52 @@ class SourceConfig:
     """File format; "auto" infers it from the extension."""
     schema: SchemaConfig = field(default_factory=SchemaConfig)
     """Column mapping."""
+    on_exhausted: Literal["repeat", "stop", "drop"] = "repeat"
+    """When the source runs out: start another epoch, stop training, or leave the mix (the other
+    weights are renormalised)."""
+    on_bad_sample: Literal["error", "skip"] = "error"
+    """A corrupt or missing image, unreadable audio, empty text or mismatched markers: stop with a
+    message naming the sample, or skip it (counted in the metrics)."""
 
     def __post_init__(self):
         if self.weight < 0:
             raise ConfigError(f"data.sources[{self.name}].weight must be >= 0, got {self.weight}")
+
+
+@dataclass(kw_only=True)
+class WeightPoint:
+    """Mixing weights from a step on (a curriculum is a list of these)."""
+
+    step: int
+    """First global step (optimizer step) these weights apply to."""
+    weights: dict[str, float]
+    """Source name -> weight; sources left out keep their previous weight."""
+    ramp: Literal["step", "linear"] = "step"
+    """"linear": move linearly from the previous point's weights (at its step) to these."""
+
+
+@dataclass(kw_only=True)
+class ReorderConfig:
+    """Balancing of modelled cost over data-parallel ranks (decentralized grouped reordering)."""
+
+    mode: Literal["loader_order", "fixed", "budget"] = "fixed"
+    """loader_order: no balancing; fixed: a fixed number of samples per global batch, moved
+    between the ranks and micro-batches of a group; budget: every rank fills its micro-batches to
+    the same cost budget from a lookahead buffer its group shares."""
+    group_size: int = 8
+    """G: consecutive data-parallel ranks that share metadata (think: one node)."""
+    max_wait: int = 2
+    """budget: the most steps a sample may wait in the buffer."""
+    lookahead: float = 2.0
+    """budget: buffer size, in global batches' worth of samples per group."""
+    cost_budget: float | None = None
+    """budget: modelled cost per rank per step; default: the mean cost per sample of the first
+    buffer fill (over all ranks) x global_batch_size / dp."""
+
+    def __post_init__(self):
+        if self.group_size < 1 or self.max_wait < 0 or self.lookahead < 1:
+            raise ConfigError(f"data.reorder: need group_size >= 1, max_wait >= 0, lookahead >= 1; "
+                              f"got {self.group_size}, {self.max_wait}, {self.lookahead}")
 
 
 @dataclass(kw_only=True)
@@ -137,9 +179,17 @@ class DataConfig:
     sources: list[SourceConfig]
     """The sources to mix."""
     max_seq_len: int = 512
-    """Token budget of one packed sequence (one micro-batch row)."""
+    """The most tokens one sample may have (images and audio expanded)."""
+    pack_tokens: int | None = None
+    """Token budget of one packed micro-batch; default max_seq_len x train.micro_batch_size."""
     overlong: Literal["error", "truncate"] = "error"
     """What to do with a sample longer than max_seq_len."""
+    schedule: list[WeightPoint] = field(default_factory=list)
+    """Mixing weights that change during training (piecewise by step, optional linear ramps)."""
+    reorder: ReorderConfig = field(default_factory=ReorderConfig)
+    """Cost balancing over data-parallel ranks."""
+    chunk_rows: int = 1024
+    """Rows per chunk: the unit a rank streams and the data state counts in."""
     seed: int = 0
     """Seed of the sample order."""
 
@@ -151,6 +201,23 @@ class DataConfig:
             raise ConfigError(f"data.sources: names must be unique, got {names}")
         if self.max_seq_len < 8:
             raise ConfigError(f"data.max_seq_len must be >= 8, got {self.max_seq_len}")
+        if self.pack_tokens is not None and self.pack_tokens < self.max_seq_len:
+            raise ConfigError(f"data.pack_tokens={self.pack_tokens} is below data.max_seq_len="
+                              f"{self.max_seq_len}: a long sample would fit no micro-batch")
+        if self.chunk_rows < 1:
+            raise ConfigError(f"data.chunk_rows must be >= 1, got {self.chunk_rows}")
+        last = -1
+        for i, point in enumerate(self.schedule):
+            unknown = sorted(set(point.weights) - set(names))
+            if unknown:
+                raise ConfigError(f"data.schedule[{i}] names unknown source(s) {unknown}; sources "
+                                  f"are {names}")
+            if point.step <= last:
+                raise ConfigError(f"data.schedule steps must increase; [{i}].step={point.step} "
+                                  f"follows {last}")
+            if any(w < 0 for w in point.weights.values()):
+                raise ConfigError(f"data.schedule[{i}]: weights must be >= 0")
+            last = point.step
 
 
 # ------------------------------------------------------------------------------------ parallel
@@ -200,6 +267,8 @@ class TrainConfig:
     """Write metrics every N steps."""
     export_hf: bool = True
     """Export the final model as a HuggingFace directory."""
+    log_samples: bool = False
+    """Write the keys of every trained sample into metrics.jsonl (for audits and tests)."""
 
     def __post_init__(self):
         for name in ("steps", "global_batch_size", "micro_batch_size", "log_every"):

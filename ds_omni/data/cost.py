@@ -99,8 +99,9 @@ def _llm_fields(cfg: Any) -> dict:
     head_dim = getattr(cfg, "head_dim", None) or (hidden // heads if heads else None)
     inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
     plain = getattr(cfg, "model_type", "") in _PLAIN_MLP_LLMS
-    return {"hidden": hidden, "layers": int(_first(cfg, ("num_hidden_layers", "n_layer"), "LLM depth")),
-            "intermediate": int(inter), "vocab": int(_first(cfg, ("vocab_size",), "vocabulary size")),
+    layers = _first(cfg, ("num_hidden_layers", "n_layer"), "LLM depth")
+    return {"hidden": hidden, "layers": int(layers), "intermediate": int(inter),
+            "vocab": int(_first(cfg, ("vocab_size",), "vocabulary size")),
             "kv_hidden": int(kv_heads * head_dim) if kv_heads and head_dim else None,
             "mlp_matrices": 2 if plain else 3}
 
@@ -155,8 +156,8 @@ class CostModel:
         for name in self.encoder_names:
             e = d.encoders[name]
             fe = 1.0 if e.frozen else f
-            coef += [fe * e.layers * 4 * e.hidden,
-                     fe * e.layers * 2 * (4 * e.hidden ** 2 + e.mlp_matrices * e.hidden * e.intermediate)]
+            per_token = 4 * e.hidden ** 2 + e.mlp_matrices * e.hidden * e.intermediate  # weights
+            coef += [fe * e.layers * 4 * e.hidden, fe * e.layers * 2 * per_token]
         return np.asarray(coef, dtype=np.float64)
 
     @property

@@ -1,38 +1,71 @@
-"""The loader of one data-parallel rank: global batches planned identically on every rank.
+"""The loader of one data-parallel rank: streams, mixing, grouped reordering, packing, state.
 
-Every rank computes the same plan of the global batch (which source, which row) from the seed and
-the global stream state; each rank then reads and preprocesses only its own share. The state is
-global (not per rank), plain JSON and versioned, so a run resumes exactly, also under another
-data-parallel size.
+One global step, on every data-parallel rank:
+  1. read: the mixer picks a source for each of this rank's slots; each source's cursor streams
+     this rank's chunks (HF datasets streaming); each row is *measured* (tokens, targets, encoder
+     sequence lengths, modelled cost) without decoding its media;
+  2. plan: the G ranks of the group all-gather only these measurements and each computes the same
+     assignment of the group's samples to ranks and micro-batches (`reorder.py`): in "fixed" mode
+     the group's share of a fixed-size global batch is balanced, in "budget" mode every rank is
+     filled to one cost budget from a lookahead buffer the group shares;
+  3. load: each rank reads and preprocesses only the samples assigned to it (rows it read itself
+     come from memory, others by locator from storage: no payload crosses ranks) and packs each
+     micro-batch into one row.
 
-Plan of step k: each of the B slots picks a source by the mixing weights (a generator seeded with
-(seed, k)); each source hands out rows in a per-epoch permutation (seeded with (seed, source, epoch))
-and starts a new epoch when it runs out.
+The state is JSON: every rank's cursors and mixer, and each group's buffer. It is gathered to a
+single file, records the data-parallel size, and resumes under another one (elastic): unread
+chunk pieces and buffered samples are spread over the new ranks, so no sample is lost or read
+twice. A step that was interrupted was never recorded, so its samples are read again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from ds_omni.data.packing import MicroBatch, pack
+from ds_omni.config import DataConfig
+from ds_omni.data import reorder
+from ds_omni.data.cost import CostModel
+from ds_omni.data.mixer import Mixer, MixSchedule
+from ds_omni.data.packing import MicroBatch, empty_micro_batch, pack
 from ds_omni.data.processing import SampleProcessor
-from ds_omni.data.sources import Source
+from ds_omni.data.sources import Locator, Source
+from ds_omni.data.stream import SourceCursor, redistribute
 from ds_omni.errors import DataError
 
-LOADER_STATE_VERSION = 1
+LOADER_STATE_VERSION = 2
+
+
+class DataComm(Protocol):
+    """The collectives the loader needs (torch.distributed in training; threads in unit tests)."""
+
+    def group_all_gather(self, obj) -> list:
+        """`obj` of every rank of this rank's reorder group, in group-rank order."""
+
+    def world_all_gather(self, obj) -> list:
+        """`obj` of every data-parallel rank, in dp-rank order."""
+
+
+class LocalComm:
+    """One data-parallel rank alone."""
+
+    def group_all_gather(self, obj) -> list:
+        return [obj]
+
+    def world_all_gather(self, obj) -> list:
+        return [obj]
 
 
 @dataclass(frozen=True)
-class SampleRef:
-    """Where a sample lives: source name and row index."""
+class Measured:
+    """One read sample as the group sees it (no payload)."""
 
-    source: str
-    index: int
-
-    def __str__(self) -> str:
-        return f"{self.source}:{self.index}"
+    key: str  # "<epoch>/<source>:<file>:<row>": unique while the sample is in flight
+    tokens: int
+    targets: int
+    cost: float
 
 
 @dataclass
@@ -41,99 +74,325 @@ class StepBatch:
 
     step: int
     micro_batches: list[MicroBatch]
-    global_refs: list[SampleRef]  # the whole global batch, in plan order (same on every rank)
+    keys: list[str] = field(default_factory=list)  # this rank's samples, in micro-batch order
+    modelled_cost: float = 0.0  # this rank's summed modelled cost
+    stats: dict = field(default_factory=dict)  # skipped, outliers, delays, ...
+    error: str | None = None  # a data error on this rank: the trainer stops all ranks with it
+    stop: str | None = None  # a source ran out under on_exhausted="stop"
 
 
-class GlobalPlanner:
-    """Pure planning of global batches from the stream state (no I/O)."""
-
-    def __init__(self, sizes: dict[str, int], weights: dict[str, float], seed: int):
-        if not any(w > 0 for w in weights.values()):
-            raise DataError("all data source weights are 0; give at least one a positive weight")
-        self.names = list(sizes)
-        self.sizes = sizes
-        w = np.array([weights[n] for n in self.names], dtype=np.float64)
-        self.probs = w / w.sum()
-        self.seed = seed
-        self._perm_cache: dict[tuple[str, int], np.ndarray] = {}
-        self.state = {"step": 0, "sources": {n: {"epoch": 0, "cursor": 0} for n in self.names}}
-
-    def _permutation(self, name: str, epoch: int) -> np.ndarray:
-        key = (name, epoch)
-        if key not in self._perm_cache:
-            if len(self._perm_cache) > 2 * len(self.names):
-                self._perm_cache.clear()
-            src = self.names.index(name)
-            self._perm_cache[key] = np.random.default_rng([self.seed, src, epoch]).permutation(
-                self.sizes[name])
-        return self._perm_cache[key]
-
-    def next(self, batch_size: int) -> list[SampleRef]:
-        """The next global batch; advances the state."""
-        rng = np.random.default_rng([self.seed, 1_000_003, self.state["step"]])
-        choices = rng.choice(len(self.names), size=batch_size, p=self.probs)
-        refs = []
-        for c in choices:
-            name = self.names[c]
-            st = self.state["sources"][name]
-            refs.append(SampleRef(name, int(self._permutation(name, st["epoch"])[st["cursor"]])))
-            st["cursor"] += 1
-            if st["cursor"] == self.sizes[name]:
-                st["epoch"], st["cursor"] = st["epoch"] + 1, 0
-        self.state["step"] += 1
-        return refs
-
-
-def rank_share(refs: list, dp_rank: int, dp_size: int) -> list:
-    """Loader-order assignment: rank r takes the r-th contiguous block of the global batch."""
-    per_rank = len(refs) // dp_size
-    return refs[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+def key_locator(key: str) -> Locator:
+    return Locator.parse(key.split("/", 1)[1])
 
 
 class OmniLoader:
-    """Global batches -> this rank's packed micro-batches, with a JSON state."""
+    """This rank's loader. Call `next_step()` on every rank in lockstep (it communicates)."""
 
-    def __init__(self, sources: list[Source], processors: dict[str, SampleProcessor], *,
-                 global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 seed: int):
+    def __init__(self, sources: list[Source], processors: dict[str, SampleProcessor],
+                 cost_model: CostModel, cfg: DataConfig, *, global_batch_size: int,
+                 num_micro: int, dp_rank: int, dp_size: int, comm: DataComm | None = None):
         self.sources = {s.name: s for s in sources}
-        self.processors = processors  # source name -> its sample processor
+        self.processors = processors
         self.item_processors = next(iter(processors.values())).item_processors
-        self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
+        self.family = next(iter(processors.values())).family
+        self.cost_model, self.cfg = cost_model, cfg
+        self.global_batch_size, self.num_micro = global_batch_size, num_micro
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.planner = GlobalPlanner({s.name: len(s) for s in sources},
-                                     {s.name: s.cfg.weight for s in sources}, seed)
+        self.comm = comm or LocalComm()
+        self.mode = cfg.reorder.mode
+        self.group_size = 1 if self.mode == "loader_order" else min(cfg.reorder.group_size, dp_size)
+        if dp_size % self.group_size:
+            raise DataError(f"data.reorder.group_size={self.group_size} must divide the "
+                            f"data-parallel size {dp_size}")
+        if global_batch_size % dp_size:
+            raise DataError(f"the global batch of {global_batch_size} samples does not split over "
+                            f"{dp_size} data-parallel ranks")
+        self.group_rank = dp_rank % self.group_size
+        self.pack_tokens = cfg.pack_tokens or cfg.max_seq_len * max(1, global_batch_size // (
+            dp_size * num_micro))
+        self.schedule = MixSchedule({s.name: s.cfg.weight for s in sources}, cfg.schedule)
+        self.mixer = Mixer(self.schedule)
+        for s in sources:
+            s.fit_chunks(dp_size)
+        self.cursors = self._make_cursors()
+        self.planner = (reorder.BudgetPlanner(self.group_size, num_micro,
+                                              max_wait=cfg.reorder.max_wait,
+                                              lookahead=cfg.reorder.lookahead)
+                        if self.mode == "budget" else None)
+        self.cost_budget = cfg.reorder.cost_budget
+        self.step = 0
+        self._problem: dict[str, str] = {}
+        self.rows: dict[str, dict] = {}  # rows this rank read that are still in flight
+        self.skipped: dict[str, int] = {n: 0 for n in self.sources}
+
+    def _make_cursors(self) -> dict[str, SourceCursor]:
+        return {s.name: SourceCursor(s, i, self.dp_rank, self.dp_size, self.cfg.seed)
+                for i, s in enumerate(self.sources.values())}
+
+    # --------------------------------------------------------------------------- public API
+    def set_weights(self, weights: dict[str, float]) -> None:
+        """Change mixing weights from the next global batch on (call on every rank)."""
+        self.schedule.set_weights(weights, from_step=self.step)
 
     def next_step(self) -> StepBatch:
-        step = self.planner.state["step"]
-        refs = self.planner.next(self.global_batch_size)
-        mine = rank_share(refs, self.dp_rank, self.dp_size)
-        samples = [self._read(r) for r in mine]
-        mbs = self.micro_batch_size
-        micro = [pack(samples[i:i + mbs], self.item_processors)
-                 for i in range(0, len(samples), mbs)]
-        return StepBatch(step=step, micro_batches=micro, global_refs=refs)
+        """This rank's micro-batches. A data problem does not raise here (the other ranks would
+        wait in a collective): it is reported in `error` / `stop`, for the trainer to act on
+        after its all-reduce, on every rank at once."""
+        self._problem: dict[str, str] = {}
+        try:
+            mine, stats = self._plan_budget() if self.mode == "budget" else self._plan_fixed()
+        except DataError as e:  # the plan is the same on every rank of the group: all land here
+            mine, stats = [[] for _ in range(self.num_micro)], {}
+            self._problem.setdefault("error", str(e))
+        batch = self._load(mine, stats)
+        batch.error = batch.error or self._problem.get("error")
+        batch.stop = self._problem.get("stop")
+        self.step += 1
+        return batch
 
-    def _read(self, ref: SampleRef):
-        source = self.sources[ref.source]
-        text, media, sid = source.read(ref.index)
-        return self.processors[ref.source](text=text, media=media, sample_id=sid, source=ref.source)
+    # ------------------------------------------------------------------------------- reading
+    def _read(self, n: int) -> list[Measured]:
+        """Measure up to `n` new samples from this rank's streams (skipping bad ones by policy).
 
-    # ------------------------------------------------------------------------------- state
+        Fewer come back when every source has run dry, or after a problem, which is kept in
+        `_problem` rather than raised: the group's all-gather still needs this rank.
+        """
+        out = []
+        try:
+            self._read_into(out, n)
+        except _StopData as e:
+            self._problem.setdefault("stop", str(e))
+        except DataError as e:
+            self._problem.setdefault("error", str(e))
+        return out
+
+    def _read_into(self, out: list, n: int) -> None:
+        if self._problem:
+            return
+        for name in self._pick(n):
+            while name is not None:
+                m = self._read_one(name)
+                if m is not None:
+                    out.append(m)
+                    break
+                if name in self.mixer.dropped:  # exhausted and left the mix: another source
+                    name = next(iter(self._pick(1)), None)
+
+    def _pick(self, n: int) -> list[str]:
+        if self._dry():
+            return []
+        return self.mixer.pick(self.step, n)
+
+    def _dry(self) -> bool:
+        """Every source has left the mix (on_exhausted="drop")."""
+        return len(self.mixer.dropped) == len(self.sources)
+
+    def _read_one(self, name: str) -> Measured | None:
+        cursor, source = self.cursors[name], self.sources[name]
+        got = cursor.next()
+        if got is None:
+            self._exhausted(name)
+            return None
+        loc, row = got
+        text, media, sid = source.parts(row, loc)
+        try:
+            size = self.processors[name].measure(text=text, media=media, sample_id=sid, source=name)
+        except DataError:
+            if source.cfg.on_bad_sample == "error":
+                raise
+            self.skipped[name] += 1
+            return None
+        key = f"{cursor.epoch}/{loc}"
+        self.rows[key] = row
+        return Measured(key, size.tokens, size.targets, self._cost(size))
+
+    def _cost(self, size) -> float:
+        enc = [e for e, _ in size.encoder_seqs]
+        return float(self.cost_model.sample_costs(
+            np.array([size.tokens]), np.zeros(len(enc), dtype=np.int64), np.array(enc, dtype=str),
+            np.array([n for _, n in size.encoder_seqs], dtype=np.int64))[0])
+
+    def _exhausted(self, name: str) -> None:
+        policy = self.sources[name].cfg.on_exhausted
+        if policy == "repeat":
+            self.cursors[name].next_epoch()
+        elif policy == "drop":
+            self.mixer.drop(name)
+        else:
+            raise _StopData(f"data source '{name}' is exhausted (on_exhausted='stop')")
+
+    # ------------------------------------------------------------------------------ planning
+    def _plan_fixed(self) -> tuple[list[list[str]], dict]:
+        local = self._read(self.global_batch_size // self.dp_size)
+        group = [m for part in self.comm.group_all_gather(local) for m in part]
+        cost = np.array([m.cost for m in group])
+        tokens = np.array([m.tokens for m in group], dtype=np.int64)
+        if self.mode == "loader_order":
+            assignment = reorder.loader_order(len(group), self.group_size, self.num_micro)
+        else:
+            assignment = reorder.assign_fixed(cost, tokens, self.group_size, self.num_micro,
+                                              self.pack_tokens)
+        keys = [m.key for m in group]
+        mine = [[keys[i] for i in idx] for idx in assignment.members(self.group_rank)]
+        # rows read here but assigned elsewhere: their rank reads them itself
+        self._forget({m.key for m in local} - {k for mb in mine for k in mb})
+        return mine, {"group_rank_cost": assignment.rank_sums(cost).tolist(),
+                      "costs": {m.key: m.cost for m in group}}
+
+    def _plan_budget(self) -> tuple[list[list[str]], dict]:
+        samples_per_rank = self.global_batch_size // self.dp_size
+        if self.cost_budget is None:
+            self.cost_budget = self._first_budget(samples_per_rank)
+        while self.planner.wants_more(self.cost_budget):
+            new = [m for part in self.comm.group_all_gather(
+                self._read(max(1, samples_per_rank // 2))) for m in part]
+            if not new:  # the whole group ran dry (or hit a problem): plan what is buffered
+                break
+            self._buffer(new)
+        plan = self.planner.plan(self.cost_budget, self.pack_tokens)
+        costs = dict(zip(plan.keys, plan.cost.tolist()))
+        mine = plan.micro_keys(self.group_rank)
+        self._forget(set(plan.keys) - {k for mb in mine for k in mb})
+        return mine, {"group_rank_cost": plan.assignment.rank_sums(plan.cost).tolist(),
+                      "costs": costs, "outliers": len(plan.outliers),
+                      "mean_delay": float(plan.delay.mean()) if plan.delay.size else 0.0,
+                      "max_delay": int(plan.delay.max()) if plan.delay.size else 0}
+
+    def _first_budget(self, samples_per_rank: int) -> float:
+        """Mean modelled cost of a first read on every rank x samples per rank: the same number on
+        every rank of every group (the reads go into the buffer)."""
+        first = self._read(samples_per_rank)
+        self._buffer([m for part in self.comm.group_all_gather(first) for m in part])
+        everyone = [c for part in self.comm.world_all_gather([m.cost for m in first]) for c in part]
+        return reorder.rank_budget(np.array(everyone), samples_per_rank)
+
+    def _buffer(self, measured: list[Measured]) -> None:
+        self.planner.add([m.key for m in measured], np.array([m.cost for m in measured]),
+                         np.array([m.tokens for m in measured], dtype=np.int64))
+
+    def _forget(self, keys) -> None:
+        for k in keys:
+            self.rows.pop(k, None)
+
+    # ------------------------------------------------------------------------------- loading
+    def _load(self, mine: list[list[str]], stats: dict) -> StepBatch:
+        micro, keys, error = [], [], None
+        costs = stats.pop("costs", {})
+        for mb_keys in mine:
+            samples = []
+            for key in mb_keys:
+                try:
+                    samples.append(self._sample(key))
+                except DataError as e:
+                    if self.sources[key_locator(key).source].cfg.on_bad_sample == "error":
+                        error = error or str(e)
+                    else:
+                        self.skipped[key_locator(key).source] += 1
+                    continue
+                keys.append(key)
+            micro.append(pack(samples, self.item_processors) if samples else
+                         empty_micro_batch(self.family))
+        stats["skipped"] = dict(self.skipped)
+        return StepBatch(step=self.step, micro_batches=micro, keys=keys, stats=stats,
+                         modelled_cost=float(sum(costs.get(k, 0.0) for k in keys)), error=error)
+
+    def load_samples(self, keys: list[str]) -> list:
+        """The processed samples of `keys` (e.g. to replay another run's batch in one process)."""
+        return [self._sample(k) for k in keys]
+
+    def _sample(self, key: str):
+        loc = key_locator(key)
+        source = self.sources[loc.source]
+        row = self.rows.pop(key, None)
+        if row is None:
+            row = source.fetch(loc)
+        text, media, sid = source.parts(row, loc)
+        return self.processors[loc.source](text=text, media=media, sample_id=sid, source=loc.source)
+
+    def close(self) -> None:
+        """Close the open streams."""
+        for cursor in self.cursors.values():
+            cursor.close()
+
+    # --------------------------------------------------------------------------------- state
+    def local_state(self) -> dict:
+        return {"cursors": {n: c.state_dict() for n, c in self.cursors.items()},
+                "chunk_rows": {n: s.chunk_rows for n, s in self.sources.items()},
+                "mixer": self.mixer.state_dict(), "skipped": dict(self.skipped)}
+
     def state_dict(self) -> dict:
-        """Plain JSON: where the global stream stands, and the DP size it was written under."""
-        return {"version": LOADER_STATE_VERSION, "dp_size": self.dp_size, "seed": self.planner.seed,
-                "step": self.planner.state["step"],
-                "sources": {n: dict(s) for n, s in self.planner.state["sources"].items()}}
+        """The whole run's data state (call on every rank; every rank gets the same dict)."""
+        ranks = self.comm.world_all_gather(self.local_state())
+        planners = self.comm.world_all_gather(
+            self.planner.state_dict() if self.planner is not None and self.group_rank == 0 else None)
+        return {"version": LOADER_STATE_VERSION, "dp_size": self.dp_size,
+                "group_size": self.group_size, "mode": self.mode, "step": self.step,
+                "seed": self.cfg.seed, "schedule": self.schedule.state_dict(),
+                "cost_budget": self.cost_budget, "ranks": ranks,
+                "groups": [p for p in planners if p is not None]}
 
     def load_state_dict(self, state: dict) -> None:
+        self._check_state(state)
+        self.step = state["step"]
+        self.schedule.load_state_dict(state["schedule"])
+        self.cost_budget = state["cost_budget"] if self.cfg.reorder.cost_budget is None else \
+            self.cfg.reorder.cost_budget
+        old = state["ranks"]
+        for name, source in self.sources.items():  # the chunks the state counts in
+            source.set_chunk_rows(old[0]["chunk_rows"][name])
+        self.cursors = self._make_cursors()
+        for name, cursor in self.cursors.items():
+            olds = [r["cursors"][name] for r in old]
+            if state["dp_size"] == self.dp_size:
+                cursor.load_state_dict(olds[self.dp_rank])
+            else:
+                source = self.sources[name]
+                cursor.load_state_dict(redistribute(olds, self.dp_size, source.chunks,
+                                                    self.cfg.seed, cursor.index)[self.dp_rank])
+        same = state["dp_size"] == self.dp_size
+        if same:
+            self.mixer.load_state_dict(old[self.dp_rank]["mixer"])
+        else:  # credits are per rank and under one slot each: start them afresh; keep drops
+            self.mixer.dropped = set().union(*(r["mixer"]["dropped"] for r in old))
+        self.skipped = {n: sum(r["skipped"].get(n, 0) for r in old) if not same else
+                        old[self.dp_rank]["skipped"].get(n, 0) for n in self.sources}
+        if self.planner is not None:
+            self.planner.load_state_dict(self._group_buffer(state))
+        self.rows = {}
+
+    def _check_state(self, state: dict) -> None:
         if state.get("version") != LOADER_STATE_VERSION:
             raise DataError(f"loader state version {state.get('version')} is not supported "
-                            f"(expected {LOADER_STATE_VERSION})")
-        missing = sorted(set(self.planner.names) - set(state["sources"]))
+                            f"(this ds_omni reads version {LOADER_STATE_VERSION})")
+        missing = sorted(set(self.sources) - set(state["ranks"][0]["cursors"]))
         if missing:
-            raise DataError(f"loader state has no position for source(s) {missing}; it was written "
-                            "for other sources")
-        self.planner.state = {"step": state["step"],
-                              "sources": {n: dict(state["sources"][n]) for n in self.planner.names}}
+            raise DataError(f"the loader state has no position for source(s) {missing}; it was "
+                            "written for other data.sources")
+        if state["seed"] != self.cfg.seed:
+            raise DataError(f"the loader state was written with data.seed={state['seed']}, the "
+                            f"config says {self.cfg.seed}; resume with the same seed")
+
+    def _group_buffer(self, state: dict) -> dict:
+        """This group's planner state; under a new dp or group size, the old buffers are pooled
+        and dealt out to the new groups (waits kept), so every buffered sample is trained once."""
+        groups = state["groups"]
+        n_groups = self.dp_size // self.group_size
+        mine = self.dp_rank // self.group_size
+        if state["dp_size"] == self.dp_size and state["group_size"] == self.group_size:
+            return groups[mine]
+        if not groups:
+            return reorder.BudgetPlanner(self.group_size, self.num_micro).state_dict()
+        step = max(g["step"] for g in groups)
+        pooled = [(a - g["step"] + step, k, c, t) for g in groups for k, c, t, a in zip(
+            g["buffer"]["keys"], g["buffer"]["cost"], g["buffer"]["tokens"], g["buffer"]["arrived"])]
+        pooled.sort()
+        share = pooled[mine::n_groups]
+        base = groups[0]
+        return {**base, "num_ranks": self.group_size, "step": step,
+                "buffer": {"keys": [k for _, k, _, _ in share], "cost": [c for _, _, c, _ in share],
+                           "tokens": [t for _, _, _, t in share],
+                           "arrived": [a for a, _, _, _ in share]}}
+
+
+class _StopData(Exception):
+    """A source is exhausted under on_exhausted="stop"."""

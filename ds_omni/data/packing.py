@@ -73,3 +73,16 @@ def pack(samples: list[Sample], processors: dict[str, ItemProcessor]) -> MicroBa
         cu_seqlens=cu, max_seqlen=max(lengths),
         encoder_inputs={e: processors[e].collate(items) for e, items in by_encoder.items()},
         sample_ids=[s.sample_id for s in samples])
+
+
+def empty_micro_batch(family) -> MicroBatch:
+    """A one-token micro-batch with nothing to predict, for a rank with no sample left in it.
+
+    It still runs every module (and every encoder on its dummy input), so the number of forward
+    and backward passes, and ZeRO-3's parameter gathers, stay the same on all ranks.
+    """
+    one = torch.zeros(1, 1, dtype=torch.long)
+    positions = family.position_ids(one[0], [])  # [1] or [3, 1] (M-RoPE)
+    return MicroBatch(input_ids=one, targets=torch.full_like(one, IGNORE_INDEX),
+                      position_ids=positions.unsqueeze(-2),
+                      cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1)

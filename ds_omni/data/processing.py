@@ -11,10 +11,8 @@ placeholder tokens as its item yields embeddings (the family's item processor sa
 
 from __future__ import annotations
 
-import io
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,6 +45,15 @@ class Sample:
         return int(self.loss_mask[1:].sum())
 
 
+@dataclass(frozen=True)
+class SampleSize:
+    """What balancing needs to know of a sample, found without decoding its media."""
+
+    tokens: int
+    targets: int
+    encoder_seqs: tuple[tuple[str, int], ...]  # (encoder, sequence length) per encoder pass
+
+
 class SampleProcessor:
     """Turns rows into `Sample`s for one model (its tokenizer and its family's item processors).
 
@@ -70,24 +77,36 @@ class SampleProcessor:
     def __call__(self, *, text: Any, media: dict[str, list[Any]], sample_id: str,
                  source: str) -> Sample:
         """`text`: a conversation (list of {"from", "value"}) or a string; `media`: encoder -> items."""
-        where = f"source '{source}' sample {sample_id}"
-        for enc in media:
-            if enc not in self.item_processors:
-                raise DataError(f"{where} has {enc} items but the model has no {enc} encoder")
-        items = {enc: [self._process(enc, x, where) for x in xs] for enc, xs in media.items()}
-        ids, mask, ordered, items_end = self._tokenize(self._segments(text, where), items, where)
-        ids, mask = self._fit(ids, mask, items_end, where)
+        ids, mask, ordered = self._build(text, media, sample_id, source, measure=False)
         input_ids = torch.tensor(ids, dtype=torch.long)
         return Sample(sample_id=sample_id, source=source, input_ids=input_ids,
                       loss_mask=torch.tensor(mask, dtype=torch.bool),
                       position_ids=self.family.position_ids(input_ids, ordered), items=ordered)
 
+    def measure(self, *, text: Any, media: dict[str, list[Any]], sample_id: str,
+                source: str) -> SampleSize:
+        """The sample's token count, targets and encoder work, through the items' `measure`."""
+        ids, mask, ordered = self._build(text, media, sample_id, source, measure=True)
+        return SampleSize(tokens=len(ids), targets=sum(mask[1:]), encoder_seqs=tuple(
+            (enc, n) for enc, item in ordered for n in item.cost_seqs()))
+
     # ----------------------------------------------------------------------------- helpers
-    def _process(self, enc: str, item: Any, where: str) -> EncodedItem:
+    def _build(self, text, media, sample_id, source, measure: bool):
+        where = f"source '{source}' sample {sample_id}"
+        for enc in media:
+            if enc not in self.item_processors:
+                raise DataError(f"{where} has {enc} items but the model has no {enc} encoder")
+        items = {enc: [self._item(enc, x, where, measure) for x in xs] for enc, xs in media.items()}
+        ids, mask, ordered, items_end = self._tokenize(self._segments(text, where), items, where)
+        ids, mask = self._fit(ids, mask, items_end, where)
+        return ids, mask, ordered
+
+    def _item(self, enc: str, item: Any, where: str, measure: bool) -> EncodedItem:
         """One raw item through its processor; its DataError gets the sample's name (the item
         processor sees only the item)."""
+        proc = self.item_processors[enc]
         try:
-            return self.item_processors[enc].process(item)
+            return proc.measure(item) if measure else proc.process(item)
         except DataError as e:
             raise DataError(f"{where}: {e}") from None
 
@@ -155,22 +174,3 @@ class SampleProcessor:
                             "(items are never cut)")
         return ids[: self.max_seq_len], mask[: self.max_seq_len]
 
-
-def load_image(value: Any, root: str | None, where: str):
-    """An image from an HF Image value, a dict with bytes/path, raw bytes or a path -> RGB PIL."""
-    from PIL import Image, UnidentifiedImageError
-    if isinstance(value, Image.Image):
-        return value.convert("RGB")
-    if isinstance(value, dict):
-        value = value.get("bytes") or value.get("path")
-    try:
-        if isinstance(value, (bytes, bytearray)):
-            return Image.open(io.BytesIO(value)).convert("RGB")
-        if isinstance(value, str):
-            path = Path(root) / value if root and not Path(value).is_absolute() else Path(value)
-            if not path.exists():
-                raise DataError(f"{where}: image file {str(path)!r} does not exist")
-            return Image.open(path).convert("RGB")
-    except (UnidentifiedImageError, OSError) as e:
-        raise DataError(f"{where}: unreadable image ({e})") from None
-    raise DataError(f"{where}: cannot read an image from a {type(value).__name__}")

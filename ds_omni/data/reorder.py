@@ -249,13 +249,11 @@ class BudgetPlanner:
         self.num_ranks, self.num_micro = num_ranks, num_micro
         self.max_wait, self.lookahead = max_wait, lookahead
         self.step = 0
-        self._next_seq = 0
-        self._keys: list = []
+        self._keys: list = []  # in arrival order: position in the buffer is the age order
         self._key_set: set = set()
         self._cost = np.zeros(0)  # [B]
         self._tokens = np.zeros(0, dtype=np.int64)  # [B]
         self._arrived = np.zeros(0, dtype=np.int64)  # [B] step it was added at
-        self._seq = np.zeros(0, dtype=np.int64)  # [B] arrival order
         self._delay_hist = [0] * (max_wait + 1)  # planned samples per delay in steps
         self._outliers = 0
 
@@ -284,8 +282,6 @@ class BudgetPlanner:
         self._cost = np.concatenate([self._cost, cost[order]])
         self._tokens = np.concatenate([self._tokens, tokens[order]])
         self._arrived = np.concatenate([self._arrived, np.full(n, self.step, dtype=np.int64)])
-        self._seq = np.concatenate([self._seq, self._next_seq + np.arange(n, dtype=np.int64)])
-        self._next_seq += n
 
     # -------------------------------------------------------------------------------- plan
     def plan(self, cost_budget: float, token_budget: int) -> BudgetPlan:
@@ -298,7 +294,7 @@ class BudgetPlanner:
         outlier = self._cost > cost_budget  # [B]
         packer = _Packer(self.num_ranks, self.num_micro, token_budget)
         slots: dict[int, tuple[int, int]] = {}
-        self._place_outliers(packer, slots, outlier, forced, has_forced_normal=(forced & ~outlier).any())
+        self._place_outliers(packer, slots, outlier, forced, bool((forced & ~outlier).any()))
         self._place_normal(packer, slots, ~outlier, forced, cost_budget)
         return self._commit(slots, outlier, forced)
 
@@ -313,15 +309,16 @@ class BudgetPlanner:
                         forced: np.ndarray, has_forced_normal: bool) -> None:
         """Each outlier alone on a rank; keep one rank for forced normal samples if possible."""
         idx = np.flatnonzero(outlier)
-        idx = idx[np.lexsort((self._seq[idx], ~forced[idx]))]  # forced first, then oldest
+        idx = idx[np.lexsort((idx, ~forced[idx]))]  # forced first, then oldest
         room = self.num_ranks - (1 if has_forced_normal else 0)
         take = max(room, int(forced[idx].sum()))  # forced outliers go even if they must share
         for j, i in enumerate(idx[:take].tolist()):
             r, tokens = j % self.num_ranks, int(self._tokens[i])
             m = packer._micro_with_room(r, tokens)
             if m is None:  # only when more than G forced outliers share ranks
-                raise DataError(f"outlier {self._keys[i]!r} waited {self.max_wait} steps and finds no "
-                                "token room: more outliers than ranks; raise max_wait or the group size")
+                raise DataError(f"outlier {self._keys[i]!r} waited {self.max_wait} steps and finds "
+                                "no token room: more outliers than ranks; raise max_wait or the "
+                                "group size")
             slots[i] = packer.put(r, m, float(self._cost[i]), tokens)
             if j < self.num_ranks:
                 packer.close(r)
@@ -337,8 +334,7 @@ class BudgetPlanner:
                                 "micro-batch has token room for it; raise the token budget or the "
                                 "number of micro-batches, or lower the lookahead")
             slots[i] = slot
-        rest = np.flatnonzero(normal & ~forced)
-        rest = rest[np.argsort(self._seq[rest], kind="stable")]  # oldest first
+        rest = np.flatnonzero(normal & ~forced)  # oldest first
         open_budget = cost_budget * len(packer.heap) - sum(packer.rank_cost[r] for _, r in packer.heap)
         head = rest[np.cumsum(self._cost[rest]) <= open_budget]  # the oldest that fit in total
         for i in head[_lpt_order(self._cost[head], self._tokens[head])].tolist():
@@ -365,7 +361,7 @@ class BudgetPlanner:
         chosen = np.fromiter(slots, dtype=np.int64, count=len(slots))  # [n] buffer indices
         rank = np.array([slots[i][0] for i in chosen.tolist()], dtype=np.int64)
         micro = np.array([slots[i][1] for i in chosen.tolist()], dtype=np.int64)
-        order = np.lexsort((self._seq[chosen], micro, rank))
+        order = np.lexsort((chosen, micro, rank))
         chosen, rank, micro = chosen[order], rank[order], micro[order]
         delay = self.step - self._arrived[chosen]
         plan = BudgetPlan(
@@ -392,7 +388,7 @@ class BudgetPlanner:
         self._key_set.difference_update(self._keys[i] for i in chosen.tolist())
         self._keys = [k for k, kept in zip(self._keys, keep.tolist()) if kept]
         self._cost, self._tokens = self._cost[keep], self._tokens[keep]
-        self._arrived, self._seq = self._arrived[keep], self._seq[keep]
+        self._arrived = self._arrived[keep]
 
     # ------------------------------------------------------------------------------- stats
     def delay_stats(self) -> dict:
@@ -409,13 +405,13 @@ class BudgetPlanner:
         """Plain JSON: buffer, step and statistics; same state -> same future plans."""
         return {"version": BUDGET_STATE_VERSION, "num_ranks": self.num_ranks,
                 "num_micro": self.num_micro, "max_wait": self.max_wait,
-                "lookahead": self.lookahead, "step": self.step, "next_seq": self._next_seq,
+                "lookahead": self.lookahead, "step": self.step,
                 "buffer": {"keys": list(self._keys), "cost": self._cost.tolist(),
-                           "tokens": self._tokens.tolist(), "arrived": self._arrived.tolist(),
-                           "seq": self._seq.tolist()},
+                           "tokens": self._tokens.tolist(), "arrived": self._arrived.tolist()},
                 "delay_hist": list(self._delay_hist), "outliers": self._outliers}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume the buffer, step and statistics written by `state_dict` (same group size)."""
         if state.get("version") != BUDGET_STATE_VERSION:
             raise DataError(f"budget planner state version {state.get('version')} is not supported "
                             f"(expected {BUDGET_STATE_VERSION})")
@@ -423,15 +419,13 @@ class BudgetPlanner:
             raise DataError(f"budget planner state was written for groups of {state['num_ranks']} "
                             f"ranks, this planner has {self.num_ranks}; keep the group size on "
                             "resume or start the new groups with empty buffers")
-        self.num_micro, self.max_wait = state["num_micro"], state["max_wait"]
-        self.lookahead, self.step, self._next_seq = state["lookahead"], state["step"], state["next_seq"]
+        self.step = state["step"]  # num_micro, max_wait and lookahead stay as configured now
         buf = state["buffer"]
         self._keys = list(buf["keys"])
         self._key_set = set(self._keys)
         self._cost = np.asarray(buf["cost"], dtype=np.float64)
         self._tokens = np.asarray(buf["tokens"], dtype=np.int64)
         self._arrived = np.asarray(buf["arrived"], dtype=np.int64)
-        self._seq = np.asarray(buf["seq"], dtype=np.int64)
         self._delay_hist, self._outliers = list(state["delay_hist"]), state["outliers"]
 
 

@@ -28,7 +28,13 @@ class EncodedItem:
     num_embeddings: int
     """How many LLM embeddings (placeholder tokens) the item yields."""
     meta: dict[str, Any] = field(default_factory=dict)
-    """Size facts for the cost model and position ids (patches, grid, frames, ...)."""
+    """Size facts for position ids and logs (patches, grid, frames, ...)."""
+    encoder_seqs: list[int] = field(default_factory=list)
+    """Lengths of the sequences the encoder attends over for this item (one per image, per tile,
+    per audio window), for the cost model; empty means one sequence of num_embeddings."""
+
+    def cost_seqs(self) -> list[int]:
+        return self.encoder_seqs or [self.num_embeddings]
 
 
 class ItemProcessor:
@@ -41,6 +47,17 @@ class ItemProcessor:
 
     def process(self, item: Any) -> EncodedItem:
         raise NotImplementedError
+
+    def measure(self, item: Any) -> EncodedItem:
+        """The item's size (num_embeddings, encoder_seqs, meta) with `inputs` left empty.
+
+        Run on every sample a rank reads, before grouped reordering decides who trains on it, so
+        families override it with something cheaper than `process` where they can (a header read
+        instead of a decode). The default processes the item.
+        """
+        out = self.process(item)
+        return EncodedItem(inputs={}, num_embeddings=out.num_embeddings, meta=out.meta,
+                           encoder_seqs=out.encoder_seqs)
 
     def tokens(self, item: EncodedItem) -> list[int]:
         """The token ids standing for `item` in the text: one placeholder per embedding."""

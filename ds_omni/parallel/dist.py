@@ -46,6 +46,13 @@ def all_reduce_sum(values: list[float], group=None) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_max(values: list[float], group=None) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
 def comm_device() -> torch.device:
     """The device collectives run on: the accelerator DeepSpeed picked (CPU under gloo)."""
     from deepspeed.accelerator import get_accelerator

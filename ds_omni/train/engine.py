@@ -1,9 +1,10 @@
 """Training: config -> DeepSpeed engine -> steps -> checkpoints -> report and HF export.
 
 One step, on every data-parallel rank:
-  1. the loader plans the global batch (the same plan on every rank) and packs this rank's share;
-  2. the ranks all-reduce their target-token counts: the loss is normalised by the global count,
-     so the gradient equals one process running the whole global batch, whatever the split;
+  1. the loader reads, balances (grouped reordering) and packs this rank's micro-batches;
+  2. the ranks all-reduce their target-token counts (and any data error, so all stop together):
+     the loss is normalised by the global count, so the gradient equals one process running the
+     whole global batch, whatever the split;
   3. each micro-batch runs encode -> scatter into the text -> LLM -> summed token loss, then
      DeepSpeed's backward and step (which reduces gradients at the accumulation boundary).
 """
@@ -18,12 +19,13 @@ from pathlib import Path
 import torch
 
 from ds_omni.config import OmniConfig
-from ds_omni.data.loader import OmniLoader, StepBatch
-from ds_omni.data.processing import SampleProcessor
-from ds_omni.data.sources import Source, resolve_files
+from ds_omni.data.build import build_loader
+from ds_omni.data.loader import StepBatch
+from ds_omni.data.sources import resolve_files
 from ds_omni.ds_config import derive_ds_config, load_ds_json
-from ds_omni.errors import LaunchError
+from ds_omni.errors import DataError, LaunchError
 from ds_omni.parallel import dist
+from ds_omni.parallel.groups import TorchDataComm, data_groups
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.train import checkpoint
 from ds_omni.train.metrics import MetricsLogger, write_report
@@ -37,6 +39,11 @@ class StepResult:
     tokens: int
     targets: int
     samples: int
+    cost_max_over_mean: float  # modelled cost of the busiest rank / the mean rank (1.0 = even)
+
+
+class StopTraining(Exception):
+    """A data source ran out under on_exhausted="stop": end the run with a checkpoint."""
 
 
 def engine_loss(loss_sum: torch.Tensor, dp_size: int, global_targets: float) -> torch.Tensor:
@@ -45,35 +52,34 @@ def engine_loss(loss_sum: torch.Tensor, dp_size: int, global_targets: float) -> 
     DeepSpeed averages gradients over the dp ranks; multiplying by dp undoes that, so the reduced
     gradient is d(sum of all token losses of the global batch) / global target tokens.
     """
-    return loss_sum * (dp_size / global_targets)
+    return loss_sum * (dp_size / max(global_targets, 1.0))
 
 
 def train_step(engine, batch: StepBatch, dp_size: int, dp_group=None) -> StepResult:
-    local_targets = sum(mb.num_targets for mb in batch.micro_batches)
-    local_tokens = sum(mb.num_tokens for mb in batch.micro_batches)
-    global_targets, global_tokens = dist.all_reduce_sum([local_targets, local_tokens], dp_group)
+    """One optimizer step on this rank's micro-batches (every rank calls it, in lockstep)."""
+    local = [sum(mb.num_targets for mb in batch.micro_batches),
+             sum(mb.num_tokens for mb in batch.micro_batches), len(batch.keys),
+             batch.modelled_cost, float(batch.error is not None), float(batch.stop is not None)]
+    targets, tokens, samples, cost_sum, errors, stops = dist.all_reduce_sum(local, dp_group)
+    # a data problem on any rank stops every rank here, before a collective could hang
+    if errors:
+        raise DataError(batch.error or "another data-parallel rank hit a data error; its "
+                        "message is above")
+    if stops:
+        raise StopTraining(batch.stop or "a data source ran out on another rank")
+    if not samples:
+        raise StopTraining("every data source is exhausted (on_exhausted='drop')")
+    (cost_max,) = dist.all_reduce_max([batch.modelled_cost], dp_group)
     loss_sum = 0.0
     for mb in batch.micro_batches:
         out = engine(mb.to(engine.device))
-        engine.backward(engine_loss(out.loss_sum, dp_size, global_targets), scale_wrt_gas=False)
+        engine.backward(engine_loss(out.loss_sum, dp_size, targets), scale_wrt_gas=False)
         engine.step()
         loss_sum += float(out.loss_sum.detach())
     (global_loss_sum,) = dist.all_reduce_sum([loss_sum], dp_group)
-    return StepResult(loss=global_loss_sum / global_targets, tokens=int(global_tokens),
-                      targets=int(global_targets), samples=len(batch.global_refs))
-
-
-def build_loader(cfg: OmniConfig, built, dp_rank: int, dp_size: int) -> OmniLoader:
-    sources = [Source(s) for s in cfg.data.sources]
-    processors = {
-        s.name: SampleProcessor(
-            tokenizer=built.tokenizer, family=built.family, item_processors=built.item_processors,
-            markers={"vision": s.schema.image_marker, "audio": s.schema.audio_marker},
-            max_seq_len=cfg.data.max_seq_len, overlong=cfg.data.overlong)
-        for s in cfg.data.sources}
-    return OmniLoader(sources, processors, global_batch_size=cfg.train.global_batch_size,
-                      micro_batch_size=cfg.train.micro_batch_size, dp_rank=dp_rank,
-                      dp_size=dp_size, seed=cfg.data.seed)
+    return StepResult(loss=global_loss_sum / max(targets, 1.0), tokens=int(tokens),
+                      targets=int(targets), samples=int(samples),
+                      cost_max_over_mean=cost_max / (cost_sum / dp_size) if cost_sum else 1.0)
 
 
 def preflight(cfg: OmniConfig, ds_config_path: str) -> tuple[ParallelPlan, dict]:
@@ -94,11 +100,16 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     import deepspeed
     from ds_omni.model.build import build_model
     coords = plan.coords(rank)
-    # rank 0 makes builtin assets and dataset caches first; the others then only read them
+    group_size = 1 if cfg.data.reorder.mode == "loader_order" else min(
+        cfg.data.reorder.group_size, plan.dp)
+    dp_group, reorder_group = data_groups(plan, rank, group_size)
+    comm = TorchDataComm(dp_group, reorder_group, plan.dp, group_size)
+    # rank 0 makes builtin assets first; the others then only read them
     if rank != 0:
         dist.barrier()
     built = build_model(cfg.model)
-    loader = build_loader(cfg, built, coords.dp_rank, plan.dp)
+    loader = build_loader(cfg, built, dp_rank=coords.dp_rank, dp_size=plan.dp,
+                          num_micro=ds_config["gradient_accumulation_steps"], comm=comm)
     if rank == 0:
         dist.barrier()
     torch.manual_seed(cfg.train.seed + rank)
@@ -126,6 +137,7 @@ def run(cfg: OmniConfig, ds_config_path: str, *, resume: bool = False,
                            monitor=getattr(engine, "monitor", None))
     step = _loop(cfg, engine, loader, logger, plan, rank, start, stop_after)
     logger.close()
+    loader.close()
     return _finish(cfg, engine, loader, rank, step, plan)
 
 
@@ -135,13 +147,25 @@ def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after) -> int:
     while step < end:
         t0 = time.perf_counter()
         batch = loader.next_step()
-        result = train_step(engine, batch, plan.dp)
+        try:
+            result = train_step(engine, batch, plan.dp, loader.comm.dp_group)
+        except StopTraining as e:
+            if rank == 0:
+                print(f"ds-omni: stopping at step {step}: {e}")
+            break
         elapsed = time.perf_counter() - t0
         if step % cfg.train.log_every == 0 or step == end - 1:
-            logger.log({"step": step, "loss": result.loss, "lr": engine.get_lr()[0],
-                        "tokens": result.tokens, "targets": result.targets, "step_s": elapsed,
-                        "tokens_per_s": result.tokens / elapsed,
-                        "samples": [str(r) for r in batch.global_refs]})
+            record = {"step": step, "loss": result.loss, "lr": engine.get_lr()[0],
+                      "tokens": result.tokens, "targets": result.targets,
+                      "samples": result.samples, "step_s": elapsed,
+                      "tokens_per_s": result.tokens / elapsed,
+                      "cost_max_over_mean": result.cost_max_over_mean,
+                      **{f"data_{k}": v for k, v in batch.stats.items()
+                         if k in ("skipped", "outliers", "mean_delay", "max_delay")}}
+            if cfg.train.log_samples:
+                record["sample_keys"] = sorted(k for part in loader.comm.world_all_gather(
+                    batch.keys) for k in part)
+            logger.log(record)
         logger.advance()
         step += 1
         if cfg.train.save_every and step % cfg.train.save_every == 0 and step < end:

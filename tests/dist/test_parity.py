@@ -1,8 +1,9 @@
 """Data-parallel training equals one process running the same global batches.
 
-Oracle: plain PyTorch in one process (no DeepSpeed): same model init, same global batches, loss =
-sum of token losses / global target tokens, torch AdamW, the same gradient clipping. After two
-steps with gradient accumulation, the losses and every parameter must agree to fp32 precision.
+Oracle: plain PyTorch in one process (no DeepSpeed): same model init, the same global batches
+(the samples the ranks trained on, by key, loaded again in one process), loss = sum of token
+losses / global target tokens, torch AdamW, the same gradient clipping. After two steps with
+gradient accumulation, the losses and every parameter must agree to fp32 precision.
 
 Cases: the demo composition (LLaVA) under ZeRO 0-3; every other family under ZeRO-3 (images of
 several sizes, M-RoPE positions, audio clips), with text-only samples mixed in so that some ranks
@@ -51,34 +52,39 @@ def _train_ranks(rank, world, cases, out_dir):
             built, loader, engine = setup_training(
                 cfg, derive_ds_config(cfg, ds_config(stage), plan), rank, plan)
             assert engine.gradient_accumulation_steps() == 2
-            losses, empty = [], 0
+            losses, keys, empty = [], [], 0
             for _ in range(STEPS):
                 batch = loader.next_step()
                 empty += sum(not mb.encoder_inputs for mb in batch.micro_batches)
-                losses.append(train_step(engine, batch, plan.dp).loss)
+                keys.append(batch.keys)
+                losses.append(train_step(engine, batch, plan.dp, loader.comm.dp_group).loss)
             results[(name, stage)] = {"losses": losses, "params": _full_params(engine),
-                                      "empty_micro_batches": empty}
+                                      "keys": keys, "empty_micro_batches": empty}
     return results
 
 
-def _reference(case, out_dir):
+def _reference(case, out_dir, step_keys):
+    """One process, no DeepSpeed, on the samples the ranks trained on (`step_keys[step]`)."""
+    from ds_omni.data.build import build_loader
+    from ds_omni.data.packing import pack
     from ds_omni.model.build import build_model
-    from ds_omni.train.engine import build_loader
     cfg = _config(case, out_dir)
     built = build_model(cfg.model)
     model = built.model
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    loader = build_loader(cfg, built, dp_rank=0, dp_size=1)
+    loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=1)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(0.9, 0.95), eps=ADAM_EPS,
                             weight_decay=cfg.train.weight_decay)
     losses, with_grad = [], set()
-    for _ in range(STEPS):
-        batch = loader.next_step()
-        total = sum(mb.num_targets for mb in batch.micro_batches)
+    for keys in step_keys:
+        samples = loader.load_samples(keys)
+        micro_batches = [pack(samples[i:i + 3], built.item_processors)  # any split: same sums
+                         for i in range(0, len(samples), 3)]
+        total = sum(mb.num_targets for mb in micro_batches)
         opt.zero_grad()
         loss_sum = 0.0
-        for mb in batch.micro_batches:
+        for mb in micro_batches:
             out = model(mb)
             (out.loss_sum / total).backward()
             loss_sum += out.loss_sum.item()
@@ -121,7 +127,12 @@ def cases(tmp_path_factory):
 def test_data_parallel_matches_single_process(cases, tmp_path):
     results = run_on_ranks(_train_ranks, 2, args=(cases, str(tmp_path / "dp")), timeout=420)
     for name, case in cases.items():
-        ref_losses, ref_params, init, with_grad = _reference(case, str(tmp_path / f"ref_{name}"))
+        first = case["stages"][0]
+        step_keys = [sorted(k for r in results for k in r[(name, first)]["keys"][s])
+                     for s in range(STEPS)]
+        assert all(len(keys) == 8 and len(set(keys)) == 8 for keys in step_keys)
+        ref_losses, ref_params, init, with_grad = _reference(case, str(tmp_path / f"ref_{name}"),
+                                                             step_keys)
         for stage in case["stages"]:
             for rank_result in results:
                 got = rank_result[(name, stage)]

@@ -21,7 +21,7 @@ def write_configs(tmp_path: Path, stage: int = 2, **train) -> tuple[str, str, st
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "run"
     cfg, ds = tmp_path / "cfg.json", tmp_path / "ds.json"
-    cfg.write_text(json.dumps(tiny_config_dict(str(out), **train)))
+    cfg.write_text(json.dumps(tiny_config_dict(str(out), **{"log_samples": True, **train})))
     ds.write_text(json.dumps(ds_config(stage)))
     return str(cfg), str(ds), str(out)
 

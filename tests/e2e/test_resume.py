@@ -26,9 +26,9 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path):
     full, split = read_metrics(out_full), read_metrics(out)
     assert [r["step"] for r in split] == list(range(2 * N))
     assert split[-1]["loss"] == pytest.approx(full[-1]["loss"], abs=1e-6)
-    assert [r["samples"] for r in split] == [r["samples"] for r in full]
+    assert [r["sample_keys"] for r in split] == [r["sample_keys"] for r in full]
     state = json.loads((Path(out) / "checkpoints" / f"step{2 * N:08d}" / "loader_state.json").read_text())
-    assert state["version"] == 1 and state["dp_size"] == 2 and state["step"] == 2 * N
+    assert state["version"] == 2 and state["dp_size"] == 2 and state["step"] == 2 * N
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):

@@ -1,53 +1,159 @@
-"""The global planner: deterministic, resumable from JSON, elastic over the data-parallel size."""
+"""The loader on simulated data-parallel ranks (threads): balancing, policies, exact and elastic
+resume. Every check is on sample keys, so a lost or repeated sample fails it."""
 
+import collections
 import json
 
 import pytest
 
-from ds_omni.data.loader import GlobalPlanner, rank_share
-from ds_omni.errors import DataError
+from ds_omni.config import DataConfig, ReorderConfig, SchemaConfig, SourceConfig
+from ds_omni.data.build import cost_model_for
+from ds_omni.data.loader import OmniLoader, key_locator
+from ds_omni.data.processing import SampleProcessor
+from ds_omni.data.sources import Source
+from tests.data_files import conversation_rows, text_rows, write
+from tests.data_sim import on_ranks, thread_comms
+
+GLOBAL_BATCH, MICRO = 8, 2
 
 
-def _planner(seed=0, weights=None):
-    sizes = {"a": 50, "b": 7}
-    return GlobalPlanner(sizes, weights or {"a": 3.0, "b": 1.0}, seed)
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from ds_omni.model.build import build_model
+    from tests.fixtures import tiny_config
+    return build_model(tiny_config(str(tmp_path_factory.mktemp("m"))).model)
 
 
-def test_same_seed_same_stream_and_every_row_once_per_epoch():
-    p, q = _planner(), _planner()
-    stream = [r for _ in range(10) for r in p.next(8)]
-    assert stream == [r for _ in range(10) for r in q.next(8)]
-    b_rows = [r.index for r in stream if r.source == "b"]
-    for epoch_start in range(0, len(b_rows) - 7, 7):  # b (7 rows) cycles through whole epochs
-        assert sorted(b_rows[epoch_start:epoch_start + 7]) == list(range(7))
-    assert stream != [r for _ in range(10) for r in _planner(seed=1).next(8)]
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Two sources: 40 image conversations (parquet), 30 texts of varied length (jsonl)."""
+    tmp = tmp_path_factory.mktemp("data")
+    img_path, img_schema = write("parquet", conversation_rows(40), tmp / "img")
+    txt_path, txt_schema = write("json", text_rows(30), tmp / "txt")
+    return {"img": (img_path, img_schema), "txt": (txt_path, txt_schema)}
 
 
-def test_state_is_json_and_resumes_exactly():
-    p = _planner()
-    for _ in range(5):
-        p.next(8)
-    saved = json.loads(json.dumps(p.state))
-    expected = [p.next(8) for _ in range(5)]
-    q = _planner()
-    q.state = saved
-    assert [q.next(8) for _ in range(5)] == expected
+def _cfg(data, mode="fixed", group=2, exhausted="repeat", **kw) -> DataConfig:
+    return DataConfig(sources=[
+        SourceConfig(name=n, path=p, schema=SchemaConfig(**s), on_exhausted=exhausted,
+                     weight=2.0 if n == "img" else 1.0) for n, (p, s) in data.items()],
+        max_seq_len=128, chunk_rows=4, reorder=ReorderConfig(mode=mode, group_size=group), **kw)
 
 
-def test_mixing_follows_weights():
-    p = _planner(weights={"a": 3.0, "b": 1.0})
-    stream = [r for _ in range(500) for r in p.next(20)]
-    share_b = sum(r.source == "b" for r in stream) / len(stream)
-    assert abs(share_b - 0.25) < 0.01
+def _loaders(built, cfg: DataConfig, dp: int):
+    group = 1 if cfg.reorder.mode == "loader_order" else min(cfg.reorder.group_size, dp)
+    comms = thread_comms(dp, group)
+    procs = {s.name: SampleProcessor(tokenizer=built.tokenizer, family=built.family,
+                                     item_processors=built.item_processors,
+                                     markers={"vision": "<image>"}, max_seq_len=128)
+             for s in cfg.sources}
+    cost = cost_model_for(built, [])
+    return [OmniLoader([Source(s, cfg.chunk_rows) for s in cfg.sources], procs, cost, cfg,
+                       global_batch_size=GLOBAL_BATCH, num_micro=GLOBAL_BATCH // (dp * MICRO) or 1,
+                       dp_rank=r, dp_size=dp, comm=comms[r]) for r in range(dp)]
 
 
-def test_rank_shares_partition_the_global_batch():
-    refs = _planner().next(12)
-    for dp in (1, 2, 3, 4, 6):
-        shares = [rank_share(refs, r, dp) for r in range(dp)]
-        assert [x for s in shares for x in s] == refs
+def _steps(loaders, n):
+    """Run n steps on all ranks; per step, per rank, the StepBatch."""
+    return [on_ranks(lambda r: loaders[r].next_step(), len(loaders)) for _ in range(n)]
 
 
-def test_zero_weights_rejected():
-    with pytest.raises(DataError, match="weights are 0"):
-        GlobalPlanner({"a": 3}, {"a": 0.0}, 0)
+def _rows(keys):
+    return [str(key_locator(k)) for k in keys]
+
+
+@pytest.mark.parametrize("mode", ["loader_order", "fixed", "budget"])
+def test_every_sample_once_per_epoch(built, data, mode):
+    loaders = _loaders(built, _cfg(data, mode, exhausted="drop"), dp=4)
+    trained = []
+    for step in _steps(loaders, 12):
+        assert all(b.error is None for b in step)
+        assert all(len(b.micro_batches) == loaders[0].num_micro for b in step)
+        trained += [k for b in step for k in b.keys]
+    rows = collections.Counter(_rows(trained))
+    assert set(rows.values()) == {1} and len(rows) == 70  # 40 + 30, each exactly once
+
+
+def test_grouped_reordering_balances_modelled_cost(built, data):
+    def spread(mode):
+        loaders = _loaders(built, _cfg(data, mode, group=4), dp=4)
+        worst = []
+        for step in _steps(loaders, 6):
+            costs = [b.modelled_cost for b in step]
+            worst.append(max(costs) / (sum(costs) / len(costs)))
+        return sum(worst) / len(worst)
+    assert spread("fixed") < spread("loader_order")
+    assert spread("fixed") < 1.1
+
+
+def test_budget_mode_delays_are_bounded(built, data):
+    loaders = _loaders(built, _cfg(data, "budget"), dp=4)
+    for step in _steps(loaders, 10):
+        assert max(b.stats["max_delay"] for b in step) <= loaders[0].cfg.reorder.max_wait
+
+
+@pytest.mark.parametrize("mode", ["fixed", "budget"])
+def test_state_is_json_and_resumes_exactly(built, data, mode):
+    cfg = _cfg(data, mode)
+    a = _loaders(built, cfg, dp=2)
+    _steps(a, 3)
+    state = json.loads(json.dumps(on_ranks(lambda r: a[r].state_dict(), 2)[0]))
+    assert state["version"] == 2 and state["dp_size"] == 2
+    expected = [[b.keys for b in step] for step in _steps(a, 4)]
+    b = _loaders(built, cfg, dp=2)
+    for loader in b:
+        loader.load_state_dict(state)
+    assert [[x.keys for x in step] for step in _steps(b, 4)] == expected
+
+
+@pytest.mark.parametrize("mode,old_dp,new_dp", [("fixed", 2, 4), ("fixed", 4, 1),
+                                                ("budget", 2, 4), ("budget", 4, 2)])
+def test_elastic_resume_loses_and_repeats_nothing(built, data, mode, old_dp, new_dp):
+    cfg = _cfg(data, mode, exhausted="drop")
+    old = _loaders(built, cfg, old_dp)
+    trained = [k for step in _steps(old, 3) for b in step for k in b.keys]
+    state = json.loads(json.dumps(on_ranks(lambda r: old[r].state_dict(), old_dp)[0]))
+    new = _loaders(built, cfg, new_dp)
+    for loader in new:
+        loader.load_state_dict(state)
+    for _ in range(40):
+        step = _steps(new, 1)[0]
+        if not any(b.keys for b in step):
+            break
+        trained += [k for b in step for k in b.keys]
+    rows = collections.Counter(_rows(trained))
+    assert len(rows) == 70 and set(rows.values()) == {1}
+
+
+def test_bad_samples_skip_or_stop(built, tmp_path):
+    rows = conversation_rows(12)
+    rows[3]["image"] = {"bytes": b"corrupt", "path": None}
+    rows[7]["conversations"] = [{"from": "human", "value": "<image>"}]  # nothing to learn
+    path, schema = write("parquet", rows, tmp_path, files=1)
+    for policy in ("skip", "error"):
+        cfg = DataConfig(sources=[SourceConfig(name="bad", path=path, schema=SchemaConfig(**schema),
+                                               on_bad_sample=policy, on_exhausted="drop")],
+                         max_seq_len=128, chunk_rows=4)
+        loaders = _loaders(built, cfg, dp=1)
+        batches = [s[0] for s in _steps(loaders, 2)]
+        if policy == "skip":
+            assert sum(len(b.keys) for b in batches) == 10
+            assert batches[-1].stats["skipped"]["bad"] == 2
+        else:
+            errors = [b.error for b in batches if b.error]
+            assert errors and "source 'bad' sample bad/r" in errors[0]
+
+
+def test_stop_policy_reports_and_drop_policy_renormalises(built, data):
+    loaders = _loaders(built, _cfg(data, "fixed", exhausted="stop"), dp=2)
+    stops = [b.stop for step in _steps(loaders, 12) for b in step if b.stop]
+    assert stops and "is exhausted (on_exhausted='stop')" in stops[0]
+
+
+def test_live_weight_change_takes_effect_next_step(built, data):
+    loaders = _loaders(built, _cfg(data, "fixed"), dp=2)
+    _steps(loaders, 2)
+    for loader in loaders:
+        loader.set_weights({"img": 0.0})
+    later = [k for step in _steps(loaders, 3) for b in step for k in b.keys]
+    assert later and all(key_locator(k).source == "txt" for k in later)

@@ -5,7 +5,7 @@ import torch
 
 from ds_omni.data.packing import pack, sample_targets
 from ds_omni.data.processing import SampleProcessor
-from ds_omni.data.sources import Source
+from ds_omni.data.sources import Locator, Source
 from ds_omni.config import SourceConfig
 from ds_omni.errors import DataError
 from ds_omni.model.omni import IGNORE_INDEX
@@ -29,12 +29,18 @@ def _processor(built, max_seq_len=128, overlong="error"):
                            max_seq_len=max_seq_len, overlong=overlong)
 
 
+def _read(source, row: int):
+    """(text, media, sample id) of row `row` of the first file."""
+    loc = Locator(source.name, 0, row)
+    return source.parts(source.fetch(loc), loc)
+
+
 def _image(source):
-    return source.read(0)[1]["vision"][0]
+    return _read(source, 0)[1]["vision"][0]
 
 
 def test_only_assistant_text_is_trained_on(built, source):
-    text, media, sid = source.read(0)
+    text, media, sid = _read(source, 0)
     s = _processor(built)(text=text, media=media, sample_id=sid, source="shapes")
     tok = built.tokenizer
     trained = tok.decode(s.input_ids[s.loss_mask])
@@ -86,7 +92,7 @@ def test_overlong_error_or_truncate(built):
 def test_pack_keeps_samples_apart(built, source):
     proc = _processor(built)
     samples = [proc(text=t, media=m, sample_id=i, source="shapes")
-               for t, m, i in (source.read(k) for k in range(3))]
+               for t, m, i in (_read(source, k) for k in range(3))]
     mb = pack(samples, built.item_processors)
     lengths = [s.length for s in samples]
     assert mb.input_ids.shape == (1, sum(lengths))

@@ -216,7 +216,7 @@ def test_budget_balances_all_ranks_of_all_groups():
     for _ in range(35):
         cost, _ = _skewed(rng, 32 * 8)
         loader_ratios.append(_max_over_mean(loader_order(256, 32, 2).rank_sums(cost)))
-    assert np.median(ratios) <= 1.1 < np.median(loader_ratios)
+    assert np.median(ratios) <= 1.03 and np.median(loader_ratios) > 1.1
     samples = sum(len(p.keys) for plans in log["plans"] for p in plans[5:]) / (35 * 32)
     assert samples == pytest.approx(8, rel=0.15)  # rank_budget keeps the fixed-count batch size
 
@@ -237,23 +237,47 @@ def test_budget_is_deterministic_and_independent_of_order_within_add():
 
 
 def test_budget_state_round_trip_reproduces_future_plans():
+    """Overloaded on purpose (arrivals exceed the budget): a backlog, forced samples, outliers."""
     rng = np.random.default_rng(6)
     batches = [_skewed(rng, 20) for _ in range(30)]
+    budget = 0.15 * np.mean([c.sum() for c, _ in batches])  # 4 ranks take ~60% of arrivals
     a = BudgetPlanner(4, 2, max_wait=3)
     for step in range(12):
         a.add([f"k{step}-{i}" for i in range(20)], *batches[step])
-        a.plan(30000.0, 20000)
+        a.plan(budget, 20000)
+    assert len(a) > 20, "the saved state should carry a backlog"
     b = BudgetPlanner(4, 2, max_wait=3)
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
     assert b.state_dict() == a.state_dict()
+    forced = 0
     for step in range(12, 30):
         for p in (a, b):
             p.add([f"k{step}-{i}" for i in range(20)], *batches[step])
-        pa, pb = a.plan(30000.0, 20000), b.plan(30000.0, 20000)
+        pa, pb = a.plan(budget, 20000), b.plan(budget, 20000)
         assert (pa.keys, pa.outliers, pa.forced) == (pb.keys, pb.outliers, pb.forced)
         np.testing.assert_array_equal(pa.assignment.rank, pb.assignment.rank)
         np.testing.assert_array_equal(pa.assignment.micro, pb.assignment.micro)
-    assert a.delay_stats() == b.delay_stats()
+        assert pa.delay.max(initial=0) <= 3
+        forced += len(pa.forced)
+    assert forced > 0 and a.delay_stats() == b.delay_stats()
+
+
+def test_budget_outliers_go_oldest_first_and_forced_ones_never_wait_even_crowded():
+    p = BudgetPlanner(2, 1, max_wait=2)
+    big, tok = np.full(3, 100.0), np.full(3, 10)
+    p.add(["o0", "o1", "o2"], big, tok)
+    first = p.plan(10.0, 50)
+    assert first.outliers == ["o0", "o1"]
+    assert sorted(first.assignment.rank.tolist()) == [0, 1]  # each alone on its rank
+    p.add(["n0", "n1"], big[:2], tok[:2])
+    assert p.plan(10.0, 50).outliers == ["o2", "n0"]  # o2 (older) before n1; one rank each
+    p.add(["n2", "n3", "n4"], big, tok)
+    assert p.plan(10.0, 50).outliers == ["n1", "n2"]
+    q = BudgetPlanner(1, 2, max_wait=1)
+    q.add(["a", "b", "c", "d"], np.full(4, 100.0), np.full(4, 10))
+    assert q.plan(10.0, 50).outliers == ["a"]
+    crowded = q.plan(10.0, 50)  # three forced outliers, one rank: all go, none dropped
+    assert sorted(crowded.outliers) == ["b", "c", "d"] and len(q) == 0
 
 
 def test_budget_state_checks_version_and_group_size():

@@ -29,7 +29,7 @@ from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 from ds_omni.errors import ModelError
 from ds_omni.model.families import qwen2_audio
 from ds_omni.model.families.llava import (ClipImageProcessor, LlavaVisionEncoder, clip_image_processor,
-                                          has_cls)
+                                          has_cls, tower_seq_len)
 from ds_omni.model.family import Family, register
 from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
 
@@ -225,7 +225,7 @@ class Composed(Family):
             vc = hf_config.vision_config
             patches = (vc.image_size // vc.patch_size) ** 2
             out["vision"] = ClipImageProcessor(image_processor(vc, model_dir), patches,
-                                               hf_config.image_token_id)
+                                               hf_config.image_token_id, tower_seq_len(vc))
         if hf_config.audio_config is not None:
             out["audio"] = WhisperPositionsProcessor(
                 audio_extractor(hf_config.audio_config, model_dir), hf_config.audio_token_id)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ds_omni.data.media import image_size, load_image
 from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
 from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
 
@@ -46,17 +47,26 @@ class LlavaVisionEncoder(ModalityEncoder):
 
 
 class ClipImageProcessor(ItemProcessor):
-    """PIL image -> pixel_values [3, S, S] through the model's HF image processor."""
+    """Image -> pixel_values [3, S, S] through the model's HF image processor.
 
-    def __init__(self, hf_processor, num_embeddings: int, placeholder_id: int):
+    Every image is resized to the tower's input, so its size is known without decoding it:
+    `measure` only checks that the image header reads.
+    """
+
+    def __init__(self, hf_processor, num_embeddings: int, placeholder_id: int, seq_len: int):
         self.hf_processor = hf_processor
         self.num_embeddings = num_embeddings
         self.placeholder_id = placeholder_id
+        self.seq_len = seq_len  # the tower's sequence: patches (+ CLS)
 
     def process(self, image):
-        pixels = self.hf_processor(images=[image], return_tensors="pt")["pixel_values"][0]
+        pixels = self.hf_processor(images=[load_image(image)], return_tensors="pt")["pixel_values"][0]
         return EncodedItem(inputs={"pixel_values": pixels}, num_embeddings=self.num_embeddings,
-                           meta={"patches": self.num_embeddings})
+                           encoder_seqs=[self.seq_len])
+
+    def measure(self, image):
+        image_size(image)
+        return EncodedItem(inputs={}, num_embeddings=self.num_embeddings, encoder_seqs=[self.seq_len])
 
 
 def has_cls(vision_config) -> bool:
@@ -78,11 +88,14 @@ def clip_image_processor(vision_config, model_dir: Path | None):
     return SiglipImageProcessorPil(size={"height": size, "width": size})
 
 
+def tower_seq_len(vision_config) -> int:
+    """The tower's sequence per image: patches, plus CLS for CLIP."""
+    return (vision_config.image_size // vision_config.patch_size) ** 2 + has_cls(vision_config)
+
+
 def tokens_per_image(config) -> int:
-    """Hidden states per image (patches, plus CLS for CLIP) minus the one "default" drops."""
-    vc = config.vision_config
-    states = (vc.image_size // vc.patch_size) ** 2 + has_cls(vc)
-    return states - (config.vision_feature_select_strategy == "default")
+    """Hidden states per image minus the one "default" drops."""
+    return tower_seq_len(config.vision_config) - (config.vision_feature_select_strategy == "default")
 
 
 class Llava(Family):
@@ -104,7 +117,8 @@ class Llava(Family):
     def item_processors(self, hf_config, model_dir=None, tokenizer=None):
         hf_proc = clip_image_processor(hf_config.vision_config, model_dir)
         return {"vision": ClipImageProcessor(hf_proc, tokens_per_image(hf_config),
-                                             hf_config.image_token_id)}
+                                             hf_config.image_token_id,
+                                             tower_seq_len(hf_config.vision_config))}
 
     def save_processor(self, out_dir, hf_config, tokenizer, model_dir=None):
         from transformers import LlavaProcessor

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ds_omni.model.families.llava import LlavaVisionEncoder, select_features
+from ds_omni.model.families.llava import LlavaVisionEncoder, select_features, tower_seq_len
+from ds_omni.data.media import load_image
 from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
 from ds_omni.model.omni import OmniModel, backbone_of
 
@@ -55,12 +56,13 @@ class LlavaNextVisionEncoder(LlavaVisionEncoder):
 class AnyResImageProcessor(ItemProcessor):
     """PIL image -> its tiles [k, 3, S, S] and size; the embedding count from HF's processor."""
 
-    def __init__(self, hf_processor, placeholder_id: int):
+    def __init__(self, hf_processor, placeholder_id: int, tile_seq_len: int):
         self.hf_processor = hf_processor  # a LlavaNextProcessor
         self.placeholder_id = placeholder_id
+        self.tile_seq_len = tile_seq_len  # the tower's sequence per tile
 
     def process(self, image):
-        out = self.hf_processor.image_processor(images=[image], return_tensors="pt")
+        out = self.hf_processor.image_processor(images=[load_image(image)], return_tensors="pt")
         tiles = out["pixel_values"][0]  # [k, 3, S, S]
         height, width = out["image_sizes"][0].tolist()
         size = tiles.shape[-1]
@@ -69,7 +71,8 @@ class AnyResImageProcessor(ItemProcessor):
             n -= 1  # the processor counts CLS, which "default" drops
         return EncodedItem(inputs={"pixel_values": tiles, "image_sizes": out["image_sizes"][0]},
                            num_embeddings=n, meta={"tiles": tiles.shape[0], "height": height,
-                                                   "width": width})
+                                                   "width": width},
+                           encoder_seqs=[self.tile_seq_len] * tiles.shape[0])
 
     def collate(self, items):
         return {"pixel_values": torch.cat([it.inputs["pixel_values"] for it in items]),
@@ -117,7 +120,8 @@ class LlavaNext(Family):
 
     def item_processors(self, hf_config, model_dir=None, tokenizer=None):
         proc = anyres_processor(hf_config, tokenizer, model_dir)
-        return {"vision": AnyResImageProcessor(proc, hf_config.image_token_id)}
+        return {"vision": AnyResImageProcessor(proc, hf_config.image_token_id,
+                                               tower_seq_len(hf_config.vision_config))}
 
     def save_processor(self, out_dir, hf_config, tokenizer, model_dir=None):
         anyres_processor(hf_config, tokenizer, model_dir).save_pretrained(str(out_dir))

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ds_omni.data.media import read_clip
 from ds_omni.errors import DataError, ModelError
 from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
 from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
@@ -69,70 +70,6 @@ class Qwen2AudioClipEncoder(ModalityEncoder):
                 "feature_attention_mask": torch.ones(1, frames, device=device, dtype=torch.int32)}
 
 
-def read_clip(clip: Any, sampling_rate: int) -> np.ndarray:
-    """A mono float32 waveform [samples] from any accepted form; it must be at `sampling_rate`.
-
-    Accepted: {"array", "sampling_rate"} (HF datasets' Audio feature, also its decoder object), a
-    bare 1-D array (taken to be at `sampling_rate`), {"bytes"} / {"path"} / raw bytes / a path of
-    an audio file (decoded with soundfile, channels averaged).
-    """
-    array, rate = _waveform_and_rate(clip)
-    return _check_waveform(np.asarray(array), sampling_rate if rate is None else rate, sampling_rate)
-
-
-def _waveform_and_rate(clip: Any) -> tuple[Any, int | None]:
-    """(samples, rate or None when the form carries none)."""
-    if isinstance(clip, np.ndarray):
-        return clip, None
-    if isinstance(clip, (bytes, bytearray, str, Path)):
-        return _decode(clip)
-    if isinstance(clip, dict):
-        if clip.get("array") is not None:
-            return clip["array"], clip.get("sampling_rate")
-        source = clip.get("bytes") or clip.get("path")
-        if source is None:
-            raise DataError(f"audio dict has neither 'array' nor 'bytes' nor 'path' (keys "
-                            f"{sorted(clip)}); give one of them")
-        return _decode(source)
-    try:  # datasets' AudioDecoder answers the same two keys as its dicts
-        return clip["array"], clip["sampling_rate"]
-    except (TypeError, KeyError, IndexError):
-        raise DataError(f"cannot read audio from a {type(clip).__name__}; give a dict with 'array' "
-                        "and 'sampling_rate', a 1-D numpy array, bytes or a path") from None
-
-
-def _decode(source) -> tuple[np.ndarray, int]:
-    """Audio file bytes or path -> (waveform [samples], rate); stereo is averaged to mono."""
-    import soundfile as sf
-    if isinstance(source, (str, Path)) and not Path(source).is_file():
-        raise DataError(f"audio file {str(source)!r} does not exist")
-    try:
-        data, rate = sf.read(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else
-                             str(source), dtype="float32", always_2d=True)  # [samples, channels]
-    except (sf.SoundFileError, RuntimeError, OSError, TypeError) as e:
-        raise DataError(f"unreadable audio ({e}); give a file soundfile can decode (wav, flac, ogg, "
-                        "mp3) or an array with its sampling_rate") from None
-    return data.mean(axis=1), rate
-
-
-def _check_waveform(array: np.ndarray, rate: int, expected_rate: int) -> np.ndarray:
-    if int(rate) != expected_rate:
-        raise DataError(f"audio sampled at {rate} Hz but the model's feature extractor expects "
-                        f"{expected_rate} Hz; resample the data (e.g. cast the column to "
-                        f"datasets.Audio(sampling_rate={expected_rate}))")
-    if array.ndim != 1:
-        raise DataError(f"audio array has shape {array.shape}; expected mono [samples] (average "
-                        "the channels first)")
-    if array.size == 0:
-        raise DataError("audio clip is empty")
-    if not np.issubdtype(array.dtype, np.number):
-        raise DataError(f"audio array has dtype {array.dtype}; expected numbers (float samples)")
-    array = array.astype(np.float32, copy=False)
-    if not np.isfinite(array).all():
-        raise DataError("audio array holds NaN or infinite samples")
-    return array
-
-
 class WhisperClipProcessor(ItemProcessor):
     """Raw clip -> log-mel window [M, F] and its frame mask [F], through HF's feature extractor."""
 
@@ -159,7 +96,8 @@ class WhisperClipProcessor(ItemProcessor):
         return EncodedItem(inputs={"input_features": out["input_features"][0],
                                    "feature_attention_mask": mask},
                            num_embeddings=n, meta={"frames": frames, "window_frames": mask.shape[0],
-                                                   "truncated": waveform.shape[0] > fe.n_samples})
+                                                   "truncated": waveform.shape[0] > fe.n_samples},
+                           encoder_seqs=[mask.shape[0] // 2])
 
     def count(self, frames: int) -> int:
         """Embeddings of a clip with `frames` valid mel frames."""

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ds_omni.errors import ModelError
+from ds_omni.data.media import load_image
 from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
 from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
 
@@ -89,14 +90,14 @@ class Qwen2VLItemProcessor(ItemProcessor):
         self.vision_end_id = vision_end_id
 
     def process(self, image):
-        out = self.hf_processor(images=[image], return_tensors="pt")
+        out = self.hf_processor(images=[load_image(image)], return_tensors="pt")
         grid = out["image_grid_thw"][0]  # [3]: t, h, w in patches
         patches = int(grid.prod())
         return EncodedItem(inputs={"pixel_values": out["pixel_values"], "image_grid_thw": grid},
                            num_embeddings=patches // self.merge_size ** 2,
                            meta={"grid_thw": tuple(grid.tolist()), "patches": patches,
                                  "placeholder_id": self.placeholder_id,
-                                 "merge_size": self.merge_size})
+                                 "merge_size": self.merge_size}, encoder_seqs=[patches])
 
     def tokens(self, item):
         pads = [self.placeholder_id] * item.num_embeddings

@@ -1,0 +1,34 @@
+"""Config + model -> the loader of one data-parallel rank (sources, processors, cost model)."""
+
+from __future__ import annotations
+
+from ds_omni.config import OmniConfig
+from ds_omni.data.cost import CostModel, ModelDims
+from ds_omni.data.loader import DataComm, OmniLoader
+from ds_omni.data.processing import SampleProcessor
+from ds_omni.data.sources import Source
+
+
+def cost_model_for(built, freeze: list[str]) -> CostModel:
+    """FLOP-based cost model of the built model; frozen encoders cost a forward pass only."""
+    dims = ModelDims.from_hf_config(built.hf_config)
+    for name, enc in dims.encoders.items():
+        enc.frozen = name in freeze
+    return CostModel(dims)
+
+
+def sample_processors(cfg: OmniConfig, built) -> dict[str, SampleProcessor]:
+    """One sample processor per source (sources may mark images and audio differently)."""
+    return {s.name: SampleProcessor(
+        tokenizer=built.tokenizer, family=built.family, item_processors=built.item_processors,
+        markers={"vision": s.schema.image_marker, "audio": s.schema.audio_marker},
+        max_seq_len=cfg.data.max_seq_len, overlong=cfg.data.overlong) for s in cfg.data.sources}
+
+
+def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micro: int,
+                 comm: DataComm | None = None) -> OmniLoader:
+    sources = [Source(s, chunk_rows=cfg.data.chunk_rows) for s in cfg.data.sources]
+    return OmniLoader(sources, sample_processors(cfg, built),
+                      cost_model_for(built, cfg.model.freeze), cfg.data,
+                      global_batch_size=cfg.train.global_batch_size, num_micro=num_micro,
+                      dp_rank=dp_rank, dp_size=dp_size, comm=comm)

@@ -1,0 +1,118 @@
+"""Raw media -> what processors consume: RGB images and mono waveforms.
+
+Rows carry media as stored (HF `Image`/`Audio` structs of bytes and path, raw bytes, a path, or
+already decoded objects). Decoding happens in the item processors, on the rank that trains on the
+sample; every failure is a `DataError` that the sample processor prefixes with the sample's name.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ds_omni.errors import DataError
+
+
+def _image_source(value: Any):
+    """A file-like or path for PIL, from any stored form of an image."""
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        return io.BytesIO(value)
+    if isinstance(value, (str, Path)):
+        if not Path(value).is_file():
+            raise DataError(f"image file {str(value)!r} does not exist")
+        return str(value)
+    raise DataError(f"cannot read an image from a {type(value).__name__}; give bytes, a path, or "
+                    "a dict with 'bytes' or 'path'")
+
+
+def load_image(value: Any):
+    """An RGB PIL image from a PIL image, an HF Image struct, raw bytes or a path."""
+    from PIL import Image, UnidentifiedImageError
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    try:
+        with Image.open(_image_source(value)) as im:
+            return im.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise DataError(f"unreadable image ({e})") from None
+
+
+def image_size(value: Any) -> tuple[int, int]:
+    """(width, height) from the image header alone (no pixel decode)."""
+    from PIL import Image, UnidentifiedImageError
+    if isinstance(value, Image.Image):
+        return value.size
+    try:
+        with Image.open(_image_source(value)) as im:
+            return im.size
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise DataError(f"unreadable image ({e})") from None
+
+
+def read_clip(clip: Any, sampling_rate: int) -> np.ndarray:
+    """A mono float32 waveform [samples] from any accepted form; it must be at `sampling_rate`.
+
+    Accepted: {"array", "sampling_rate"} (HF datasets' Audio feature, also its decoder object), a
+    bare 1-D array (taken to be at `sampling_rate`), {"bytes"} / {"path"} / raw bytes / a path of
+    an audio file (decoded with soundfile, channels averaged).
+    """
+    array, rate = _waveform_and_rate(clip)
+    return _check_waveform(np.asarray(array), sampling_rate if rate is None else rate, sampling_rate)
+
+
+def _waveform_and_rate(clip: Any) -> tuple[Any, int | None]:
+    """(samples, rate or None when the form carries none)."""
+    if isinstance(clip, np.ndarray):
+        return clip, None
+    if isinstance(clip, (bytes, bytearray, str, Path)):
+        return _decode(clip)
+    if isinstance(clip, dict):
+        if clip.get("array") is not None:
+            return clip["array"], clip.get("sampling_rate")
+        source = clip.get("bytes") or clip.get("path")
+        if source is None:
+            raise DataError(f"audio dict has neither 'array' nor 'bytes' nor 'path' (keys "
+                            f"{sorted(clip)}); give one of them")
+        return _decode(source)
+    try:  # datasets' AudioDecoder answers the same two keys as its dicts
+        return clip["array"], clip["sampling_rate"]
+    except (TypeError, KeyError, IndexError):
+        raise DataError(f"cannot read audio from a {type(clip).__name__}; give a dict with 'array' "
+                        "and 'sampling_rate', a 1-D numpy array, bytes or a path") from None
+
+
+def _decode(source) -> tuple[np.ndarray, int]:
+    """Audio file bytes or path -> (waveform [samples], rate); stereo is averaged to mono."""
+    import soundfile as sf
+    if isinstance(source, (str, Path)) and not Path(source).is_file():
+        raise DataError(f"audio file {str(source)!r} does not exist")
+    try:
+        data, rate = sf.read(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else
+                             str(source), dtype="float32", always_2d=True)  # [samples, channels]
+    except (sf.SoundFileError, RuntimeError, OSError, TypeError) as e:
+        raise DataError(f"unreadable audio ({e}); give a file soundfile can decode (wav, flac, ogg, "
+                        "mp3) or an array with its sampling_rate") from None
+    return data.mean(axis=1), rate
+
+
+def _check_waveform(array: np.ndarray, rate: int, expected_rate: int) -> np.ndarray:
+    if int(rate) != expected_rate:
+        raise DataError(f"audio sampled at {rate} Hz but the model's feature extractor expects "
+                        f"{expected_rate} Hz; resample the data (e.g. cast the column to "
+                        f"datasets.Audio(sampling_rate={expected_rate}))")
+    if array.ndim != 1:
+        raise DataError(f"audio array has shape {array.shape}; expected mono [samples] (average "
+                        "the channels first)")
+    if array.size == 0:
+        raise DataError("audio clip is empty")
+    if not np.issubdtype(array.dtype, np.number):
+        raise DataError(f"audio array has dtype {array.dtype}; expected numbers (float samples)")
+    array = array.astype(np.float32, copy=False)
+    if not np.isfinite(array).all():
+        raise DataError("audio array holds NaN or infinite samples")
+    return array
