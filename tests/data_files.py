@@ -35,7 +35,6 @@ def write(fmt: str, rows: list[dict], out: Path, files: int = 2) -> tuple[str, d
         return _write_jsonl(parts, out, has_image, schema)
     if fmt == "webdataset":
         return _write_tar(parts, out, has_image)
-    import datasets
     if fmt == "disk":
         _dataset(rows, has_image).save_to_disk(str(out / "ds"))
         return str(out / "ds"), schema

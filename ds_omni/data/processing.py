@@ -11,6 +11,7 @@ placeholder tokens as its item yields embeddings (the family's item processor sa
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +73,12 @@ class SampleProcessor:
         self.overlong = overlong
         self.markers = {m: enc for enc, m in markers.items()}  # marker string -> encoder name
         self._split = re.compile("(" + "|".join(re.escape(m) for m in self.markers) + ")")
+        # A sample is tokenised twice (measured on the rank that reads it, processed on the rank
+        # that trains on it), and role prefixes and prompts repeat: remember recent pieces.
+        self._encode = functools.lru_cache(maxsize=8192)(self._encode_piece)
+
+    def _encode_piece(self, piece: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer(piece, add_special_tokens=False)["input_ids"])
 
     # ------------------------------------------------------------------------------ public
     def __call__(self, *, text: Any, media: dict[str, list[Any]], sample_id: str,
@@ -145,7 +152,7 @@ class SampleProcessor:
             for piece in self._split.split(text) if self.markers else [text]:
                 enc = self.markers.get(piece)
                 if enc is None:
-                    toks = self.tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
+                    toks = self._encode(piece) if piece else []
                     ids += toks
                     mask += [trained] * len(toks)
                     continue

@@ -103,11 +103,23 @@ class Source:
         self.fmt, self.files = resolve_files(cfg)
         self.chunk_rows = chunk_rows
         self._readers: dict[int, Any] = {}
+        self._streams: dict[int, Any] = {}  # file -> its HF IterableDataset (built once)
 
     # ----------------------------------------------------------------------------- layout
     @cached_property
     def file_rows(self) -> list[int]:
-        return [self._reader(i).num_rows for i in range(len(self.files))]
+        """Rows per file, from metadata where the format has it (nothing stays open)."""
+        return [self._count(i) for i in range(len(self.files))]
+
+    def _count(self, f: int) -> int:
+        if self.fmt == "parquet":
+            import pyarrow.parquet as pq
+            try:
+                return pq.read_metadata(self.files[f]).num_rows
+            except (OSError, ValueError) as e:
+                raise DataError(f"data source '{self.name}': cannot read {self.files[f]!r} as "
+                                f"parquet ({e})") from None
+        return self._reader(f).num_rows
 
     def set_chunk_rows(self, chunk_rows: int) -> None:
         self.chunk_rows = chunk_rows
@@ -133,15 +145,20 @@ class Source:
     # ----------------------------------------------------------------------------- reading
     def stream(self, chunk: Chunk, start: int) -> Iterator[tuple[Locator, dict]]:
         """Rows `start..chunk.stop` of `chunk`, through HF datasets streaming (media undecoded)."""
-        import datasets
-        if self.fmt == "disk":
-            ds = datasets.load_from_disk(self.files[0]).to_iterable_dataset()
-        else:
-            ds = datasets.load_dataset(self.fmt, data_files=[self.files[chunk.file]],
-                                       split="train", streaming=True)
-        rows = ds.decode(False).skip(start).take(chunk.stop - start)
+        rows = self._stream(chunk.file).skip(start).take(chunk.stop - start)
         for i, row in enumerate(rows, start=start):
             yield Locator(self.name, chunk.file, i), row
+
+    def _stream(self, f: int):
+        if f not in self._streams:
+            import datasets
+            if self.fmt == "disk":
+                ds = datasets.load_from_disk(self.files[0]).to_iterable_dataset()
+            else:
+                ds = datasets.load_dataset(self.fmt, data_files=[self.files[f]], split="train",
+                                           streaming=True)
+            self._streams[f] = ds.decode(False)
+        return self._streams[f]
 
     def fetch(self, loc: Locator) -> dict:
         """One row by locator (random access), in the same form `stream` gives."""

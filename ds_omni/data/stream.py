@@ -47,15 +47,18 @@ class SourceCursor:
         self.epoch, self.pos, self.offset = 0, 0, 0
         self.pending: list[list[int]] | None = None  # [[chunk index, first row], ...] after a dp change
         self._rows: Iterator | None = None
+        self._epoch_work: tuple[int, list] = (-1, [])  # this rank's chunk list of one epoch
 
     # ------------------------------------------------------------------------------ reading
     def _work(self) -> list[tuple[int, int]]:
         """(chunk index, first row) pieces of the current list: pending, or this epoch's chunks."""
         if self.pending is not None:
             return [(c, s) for c, s in self.pending]
-        chunks = rank_chunks(len(self.source.chunks), self.seed, self.index, self.epoch,
-                             self.rank, self.dp)
-        return [(c, self.source.chunks[c].start) for c in chunks]
+        if self._epoch_work[0] != self.epoch:
+            chunks = rank_chunks(len(self.source.chunks), self.seed, self.index, self.epoch,
+                                 self.rank, self.dp)
+            self._epoch_work = (self.epoch, [(c, self.source.chunks[c].start) for c in chunks])
+        return self._epoch_work[1]
 
     def next(self) -> tuple[Locator, dict] | None:
         """The next row, or None when this rank's share of the epoch is read."""

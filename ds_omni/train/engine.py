@@ -28,6 +28,7 @@ from ds_omni.parallel import dist
 from ds_omni.parallel.groups import TorchDataComm, data_groups
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.train import checkpoint
+from ds_omni.train.control import WeightsFile
 from ds_omni.train.metrics import MetricsLogger, write_report
 
 DEFAULT_DIST_TIMEOUT_S = 1800.0
@@ -144,8 +145,10 @@ def run(cfg: OmniConfig, ds_config_path: str, *, resume: bool = False,
 def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after) -> int:
     step = start
     end = cfg.train.steps if stop_after is None else min(cfg.train.steps, start + stop_after)
+    weights_file = WeightsFile(cfg.train.output_dir, rank)
     while step < end:
         t0 = time.perf_counter()
+        weights_file.poll(loader)
         batch = loader.next_step()
         try:
             result = train_step(engine, batch, plan.dp, loader.comm.dp_group)

@@ -30,7 +30,10 @@ def _full_params(engine) -> dict[str, torch.Tensor]:
 
 
 def _config(case: dict, out_dir: str):
-    cfg = tiny_config(out_dir, steps=STEPS)
+    cfg = tiny_config(out_dir, steps=STEPS, **case.get("train", {}))
+    if case.get("reorder"):
+        from ds_omni.config import ReorderConfig
+        cfg.data.reorder = ReorderConfig(**case["reorder"])
     if case.get("model_dir"):
         cfg.model.pretrained, cfg.model.tokenizer = case["model_dir"], None
         cfg.model.vision = cfg.model.llm = None
@@ -51,7 +54,6 @@ def _train_ranks(rank, world, cases, out_dir):
             plan = ParallelPlan.from_config(cfg.parallel, world)
             built, loader, engine = setup_training(
                 cfg, derive_ds_config(cfg, ds_config(stage), plan), rank, plan)
-            assert engine.gradient_accumulation_steps() == 2
             losses, keys, empty = [], [], 0
             for _ in range(STEPS):
                 batch = loader.next_step()
@@ -127,23 +129,38 @@ def cases(tmp_path_factory):
 def test_data_parallel_matches_single_process(cases, tmp_path):
     results = run_on_ranks(_train_ranks, 2, args=(cases, str(tmp_path / "dp")), timeout=420)
     for name, case in cases.items():
-        first = case["stages"][0]
-        step_keys = [sorted(k for r in results for k in r[(name, first)]["keys"][s])
-                     for s in range(STEPS)]
-        assert all(len(keys) == 8 and len(set(keys)) == 8 for keys in step_keys)
-        ref_losses, ref_params, init, with_grad = _reference(case, str(tmp_path / f"ref_{name}"),
-                                                             step_keys)
-        for stage in case["stages"]:
-            for rank_result in results:
-                got = rank_result[(name, stage)]
-                assert got["losses"] == pytest.approx(ref_losses, rel=1e-6, abs=1e-7), (name, stage)
-                assert got["params"].keys() == ref_params.keys()
-                for key, ref in ref_params.items():
-                    torch.testing.assert_close(got["params"][key], ref, rtol=1e-5, atol=1e-6,
-                                               msg=lambda m: f"{name} ZeRO-{stage} {key}: {m}")
-        # the parameters moved: the comparison is not between two untouched inits (only layers
-        # off the model's path, e.g. vision layers after the feature layer, get no gradient)
-        assert len(with_grad) > 0.7 * len(ref_params), name
-        assert not [k for k in with_grad if torch.equal(ref_params[k], init[k])], name
-        if case.get("sources"):  # text-only micro-batches really happened somewhere
-            assert sum(r[(name, case["stages"][0])]["empty_micro_batches"] for r in results) > 0, name
+        _check(name, case, results, tmp_path, samples_per_step=8)
+
+
+@pytest.mark.dist
+def test_budget_mode_in_two_groups_of_two_ranks(tmp_path):
+    """4 ranks, reorder groups of 2, budget mode: each rank's share varies per step."""
+    cases = {"budget": {"stages": [2], "reorder": {"mode": "budget", "group_size": 2},
+                        "train": {"micro_batch_size": 1}}}
+    results = run_on_ranks(_train_ranks, 4, args=(cases, str(tmp_path / "dp")), timeout=420)
+    _check("budget", cases["budget"], results, tmp_path, samples_per_step=None)
+
+
+def _check(name, case, results, tmp_path, samples_per_step):
+    first = case["stages"][0]
+    step_keys = [sorted(k for r in results for k in r[(name, first)]["keys"][s])
+                 for s in range(STEPS)]
+    assert all(len(keys) == len(set(keys)) > 0 for keys in step_keys)
+    if samples_per_step:
+        assert all(len(keys) == samples_per_step for keys in step_keys)
+    ref_losses, ref_params, init, with_grad = _reference(case, str(tmp_path / f"ref_{name}"),
+                                                         step_keys)
+    for stage in case["stages"]:
+        for rank_result in results:
+            got = rank_result[(name, stage)]
+            assert got["losses"] == pytest.approx(ref_losses, rel=1e-6, abs=1e-7), (name, stage)
+            assert got["params"].keys() == ref_params.keys()
+            for key, ref in ref_params.items():
+                torch.testing.assert_close(got["params"][key], ref, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{name} ZeRO-{stage} {key}: {m}")
+    # the parameters moved: the comparison is not between two untouched inits (only layers
+    # off the model's path, e.g. vision layers after the feature layer, get no gradient)
+    assert len(with_grad) > 0.7 * len(ref_params), name
+    assert not [k for k in with_grad if torch.equal(ref_params[k], init[k])], name
+    if case.get("sources"):  # text-only micro-batches really happened somewhere
+        assert sum(r[(name, case["stages"][0])]["empty_micro_batches"] for r in results) > 0, name

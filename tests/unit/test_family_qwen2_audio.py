@@ -14,8 +14,7 @@ import torch
 from ds_omni.errors import DataError, ModelError
 from tests.family_checks import (assert_logits_match, assert_loss_and_grads_match,
                                  assert_round_trip, load_omni, processor_for)
-from tests.family_dirs import (AUDIO_TOKENS, MELS, RATE, WINDOW_S, audio_hf_processor,
-                               audio_tokenizer, make_qwen2_audio_dir)
+from tests.family_dirs import (RATE, make_qwen2_audio_dir)
 
 
 

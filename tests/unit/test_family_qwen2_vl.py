@@ -12,8 +12,7 @@ from ds_omni.data.demo import ensure_builtin, shapes_rows
 from ds_omni.errors import ModelError
 from tests.family_checks import (assert_logits_match, assert_loss_and_grads_match,
                                  assert_round_trip, load_omni, processor_for)
-from tests.family_dirs import (MERGE, PATCH, QWEN_TOKENS, image_processor, make_qwen2_vl_dir,
-                               qwen_tokenizer)
+from tests.family_dirs import (MERGE, QWEN_TOKENS, make_qwen2_vl_dir)
 
 def hf_processor(model_dir):
     """HF's Qwen2VLProcessor for `model_dir` (its saved image processor and tokenizer).

@@ -157,3 +157,20 @@ def test_live_weight_change_takes_effect_next_step(built, data):
         loader.set_weights({"img": 0.0})
     later = [k for step in _steps(loaders, 3) for b in step for k in b.keys]
     assert later and all(key_locator(k).source == "txt" for k in later)
+
+
+def test_weights_file_changes_the_mix_while_running(built, data, tmp_path, capsys):
+    import os
+    from ds_omni.train.control import WeightsFile
+    loader = _loaders(built, _cfg(data, "fixed"), dp=1)[0]
+    control = WeightsFile(tmp_path, rank=0)
+    assert control.poll(loader) is None  # no file yet
+    (tmp_path / "mix_weights.json").write_text('{"img": 0}')
+    assert control.poll(loader) == {"img": 0}
+    assert all(key_locator(k).source == "txt" for k in loader.next_step().keys)
+    (tmp_path / "mix_weights.json").write_text('{"imgg": 1}')
+    os.utime(tmp_path / "mix_weights.json", (1e9, 2e9))  # a new modification time
+    assert control.poll(loader) is None
+    out = capsys.readouterr().out
+    assert "ignored" in out and "unknown source(s) ['imgg']" in out
+    assert all(key_locator(k).source == "txt" for k in loader.next_step().keys)  # still in force

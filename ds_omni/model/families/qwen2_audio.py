@@ -16,11 +16,8 @@ of all clips, C encoder width, D LLM width.
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 
 from ds_omni.data.media import read_clip

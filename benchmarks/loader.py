@@ -1,0 +1,241 @@
+"""Loader benchmarks: throughput against HF interleave_datasets + a torch DataLoader, and resident
+memory with 1, 10, 100 and 300 sources.
+
+    .venv/bin/python benchmarks/loader.py            # both; writes benchmarks/results/loader.json
+
+Throughput: the same local parquet sources (conversations with images), the same per-sample work
+(image decode and preprocessing through the model's HF image processor, tokenisation, placeholder
+expansion, packing into micro-batches) on both sides; samples/s over a fixed number of samples,
+median of repeats, each side in a fresh process. The baseline streams every source with
+`datasets.load_dataset(..., streaming=True)`, mixes with `interleave_datasets` and batches with a
+`torch.utils.data.DataLoader`; ds_omni is one data-parallel rank of `OmniLoader` ("fixed" mode).
+
+Memory: resident set size (the process and any DataLoader workers) after reading 5 global batches,
+minus that of the same process before building anything, for S sources of one small parquet
+file each; and the size of the JSON data state. Each point runs in a fresh process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+RESULTS = REPO / "benchmarks" / "results"
+BATCH, MICRO = 16, 4
+
+
+# ----------------------------------------------------------------------------------- data
+def make_sources(root: Path, n_sources: int, rows: int, image_size: int) -> list[dict]:
+    """n_sources parquet files of `rows` shape pictures (image_size px) with conversations."""
+    import datasets
+    from PIL import Image
+    import io
+    from ds_omni.data.demo import shapes_rows
+    root.mkdir(parents=True, exist_ok=True)
+    specs = []
+    base = shapes_rows(rows, seed=0)
+    if image_size != 32:  # larger pictures: realistic decode and resize work
+        for r in base:
+            im = Image.open(io.BytesIO(r["image"]["bytes"])).resize((image_size, image_size))
+            buf = io.BytesIO()
+            im.save(buf, format="JPEG", quality=90)
+            r["image"] = {"bytes": buf.getvalue(), "path": None}
+    features = datasets.Features({
+        "id": datasets.Value("string"), "image": datasets.Image(),
+        "conversations": datasets.List({"from": datasets.Value("string"),
+                                        "value": datasets.Value("string")})})
+    table = datasets.Dataset.from_list(base, features=features)
+    for s in range(n_sources):
+        path = root / f"src{s:03d}.parquet"
+        if not path.exists():
+            table.to_parquet(str(path))
+        specs.append({"name": f"src{s:03d}", "path": str(path), "weight": 1.0 + s % 3})
+    return specs
+
+
+def model_and_config(sources: list[dict]):
+    from ds_omni.config import OmniConfig, from_dict
+    from ds_omni.model.build import build_model
+    from tests.fixtures import tiny_config_dict
+    d = tiny_config_dict("/tmp/unused", global_batch_size=BATCH, micro_batch_size=MICRO)
+    d["data"]["sources"] = sources
+    d["data"]["chunk_rows"] = 256
+    cfg = from_dict(OmniConfig, d)
+    return cfg, build_model(cfg.model)
+
+
+# ------------------------------------------------------------------------------ the loaders
+def run_ds_omni(cfg, built, steps: int):
+    from ds_omni.data.build import build_loader
+    loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=BATCH // MICRO)
+    n = 0
+    for _ in range(steps):
+        batch = loader.next_step()
+        assert batch.error is None, batch.error
+        n += len(batch.keys)
+    return n, loader
+
+
+def run_baseline(cfg, built, steps: int, workers: int):
+    """interleave_datasets over streaming sources + DataLoader doing the same per-sample work."""
+    import datasets
+    import torch
+    from ds_omni.data.build import sample_processors
+    from ds_omni.data.packing import pack
+    from ds_omni.data.sources import Locator, Source
+    procs = sample_processors(cfg, built)
+    streams = [datasets.load_dataset("parquet", data_files=[s.path], split="train",
+                                     streaming=True).decode(False) for s in cfg.data.sources]
+    weights = [s.weight for s in cfg.data.sources]
+    mixed = datasets.interleave_datasets(streams, probabilities=[w / sum(weights) for w in weights],
+                                         seed=0, stopping_strategy="all_exhausted")
+    schema_source = Source(cfg.data.sources[0])
+
+    class Samples(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            info = torch.utils.data.get_worker_info()  # workers split the stream by position
+            me, every = (info.id, info.num_workers) if info else (0, 1)
+            for i, row in enumerate(mixed):
+                if i % every != me:
+                    continue
+                text, media, sid = schema_source.parts(row, Locator("s", 0, i))
+                yield procs[cfg.data.sources[0].name](text=text, media=media, sample_id=sid,
+                                                      source="s")
+
+    loader = torch.utils.data.DataLoader(
+        Samples(), batch_size=MICRO, num_workers=workers,
+        collate_fn=lambda samples: pack(samples, built.item_processors))
+    n, it = 0, iter(loader)
+    for _ in range(steps * (BATCH // MICRO)):
+        n += len(next(it).sample_ids)
+    return n, it  # the iterator owns the worker processes: keep it alive to measure them
+
+
+# ------------------------------------------------------------------------------- measuring
+def rss_mb(pid: int) -> float:
+    """Resident memory of `pid` and all its descendants, in MB."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += int(next(line.split()[1] for line in status.splitlines()
+                              if line.startswith("VmRSS")))
+            todo += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except (FileNotFoundError, StopIteration, ProcessLookupError):
+            continue
+    return total / 1024
+
+
+def quiet_datasets() -> None:
+    """No 5 s sleep when a stream is closed (datasets 5.x), on both sides of the comparison."""
+    import datasets
+    datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0
+    datasets.disable_progress_bars()
+
+
+def child_throughput(kind: str, workers: int, steps: int, root: str) -> dict:
+    quiet_datasets()
+    sources = make_sources(Path(root), 4, 2000, 128)
+    cfg, built = model_and_config(sources)
+    run = (lambda s: run_ds_omni(cfg, built, s)) if kind == "ds_omni" else \
+        (lambda s: run_baseline(cfg, built, s, workers))
+    run(2)  # warm up: file opening, first streams, worker start
+    t0 = time.perf_counter()
+    n, _ = run(steps)
+    return {"samples": n, "seconds": time.perf_counter() - t0}
+
+
+def child_memory(kind: str, n_sources: int, *rest) -> dict:
+    workers, root = (int(rest[0]), rest[1]) if len(rest) == 2 else (0, rest[0])
+    import gc
+    quiet_datasets()
+    sources = make_sources(Path(root), n_sources, 400, 32)
+    cfg, built = model_and_config(sources)
+    gc.collect()
+    before = rss_mb(os.getpid())
+    n, loader = run_ds_omni(cfg, built, 5) if kind == "ds_omni" else run_baseline(
+        cfg, built, 5, workers)
+    gc.collect()
+    after = rss_mb(os.getpid())
+    state = loader.state_dict() if kind == "ds_omni" else None
+    return {"rss_mb": after - before, "samples": n,
+            "state_bytes": len(json.dumps(state)) if state else None}
+
+
+def in_subprocess(args: list[str]) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True,
+                         text=True, cwd=REPO, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------ main
+def throughput(root: str, repeats: int, steps: int) -> dict:
+    rows = {}
+    for kind, workers in (("ds_omni", 0), ("baseline", 0), ("baseline", 2)):
+        runs = [in_subprocess(["throughput", kind, str(workers), str(steps), root])
+                for _ in range(repeats)]
+        rates = [r["samples"] / r["seconds"] for r in runs]
+        rows[f"{kind}_workers{workers}"] = {"samples_per_s": rates,
+                                            "median": statistics.median(rates)}
+        print(kind, workers, rows[f"{kind}_workers{workers}"], flush=True)
+    ours = rows["ds_omni_workers0"]["median"]
+    for name in ("baseline_workers0", "baseline_workers2"):
+        rows[name]["ds_omni_over_this"] = ours / rows[name]["median"]
+    return rows
+
+
+def memory(root: str) -> dict:
+    rows = {}
+    for n in (1, 10, 100, 300):
+        ours = in_subprocess(["memory", "ds_omni", str(n), root])
+        base0 = in_subprocess(["memory", "baseline", str(n), "0", root])
+        base2 = in_subprocess(["memory", "baseline", str(n), "2", root])
+        rows[str(n)] = {"ds_omni_rss_mb": ours["rss_mb"], "ds_omni_state_bytes": ours["state_bytes"],
+                        "baseline_0workers_rss_mb": base0["rss_mb"],
+                        "baseline_2workers_rss_mb": base2["rss_mb"],
+                        "ds_omni_over_baseline_2workers": ours["rss_mb"] / base2["rss_mb"]}
+        print(n, rows[str(n)], flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--child", nargs="+")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--only", choices=["throughput", "memory"])
+    args = p.parse_args()
+    if args.child:
+        kind, what, *rest = args.child
+        fn = child_throughput if kind == "throughput" else child_memory
+        print(json.dumps(fn(what, *[int(x) if x.isdigit() else x for x in rest])))
+        return
+    root = tempfile.mkdtemp(prefix="ds_omni_loader_bench_")
+    out = RESULTS / "loader.json"
+    result = json.loads(out.read_text()) if out.exists() else {}
+    if args.only != "memory":
+        result["throughput"] = throughput(str(Path(root) / "tp"), args.repeats, args.steps)
+    if args.only != "throughput":
+        result["memory"] = memory(str(Path(root) / "mem"))
+    result |= {"setup": {"global_batch": BATCH, "micro_batch": MICRO, "throughput_sources": 4,
+                        "throughput_image_px": 128, "memory_rows_per_source": 400,
+                        "cpu_count": os.cpu_count()}}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
