@@ -3,6 +3,7 @@
     ds-omni train   --config examples/tiny_llava.json --deepspeed ds_configs/zero2.json [--resume]
     ds-omni convert --checkpoint outputs/run/checkpoints --out outputs/run/hf
     ds-omni plan    --config examples/tiny_llava.json --deepspeed ds_configs/zero2.json --world-size 8
+    ds-omni calibrate-cost --config examples/tiny_llava.json --out cost_scales.json
     ds-omni data make-demo --out data/shapes
 
 Launch `train` with any launcher: `deepspeed --num_gpus 2 --module ds_omni train ...`,
@@ -46,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--deepspeed", required=True)
     pl.add_argument("--world-size", type=int, required=True)
     pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+
+    cc = sub.add_parser("calibrate-cost", help="time micro-batches on this machine and fit the "
+                                               "cost model's scales (data.reorder.cost_scales)")
+    cc.add_argument("--config", required=True)
+    cc.add_argument("--batches", type=int, default=30)
+    cc.add_argument("--out", required=True, help="JSON file for the fitted scales")
+    cc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
     d = sub.add_parser("data", help="data utilities")
     dsub = d.add_subparsers(dest="data_command", required=True)
@@ -104,6 +112,14 @@ def cmd_plan(args) -> None:
                      indent=1))
 
 
+def cmd_calibrate_cost(args) -> None:
+    from ds_omni.config import load_config
+    from ds_omni.data.calibrate import profile, write
+    result = profile(load_config(args.config, args.set), args.batches)
+    print(json.dumps(result, indent=1))
+    print(f"wrote {write(result, args.out)}; put its cost_scales in data.reorder.cost_scales")
+
+
 def cmd_data(args) -> None:
     from pathlib import Path
     from ds_omni.data import demo
@@ -148,7 +164,8 @@ def _quiet_libraries() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(_drop_local_rank(sys.argv[1:] if argv is None else argv))
     _quiet_libraries()
-    handler = {"train": cmd_train, "convert": cmd_convert, "plan": cmd_plan, "data": cmd_data}
+    handler = {"train": cmd_train, "convert": cmd_convert, "plan": cmd_plan, "data": cmd_data,
+               "calibrate-cost": cmd_calibrate_cost}
     try:
         handler[args.command](args)
     except DsOmniError as e:

@@ -165,6 +165,9 @@ class ReorderConfig:
     cost_budget: float | None = None
     """budget: modelled cost per rank per step; default: the mean cost per sample of the first
     buffer fill (over all ranks) x global_batch_size / dp."""
+    cost_scales: dict[str, float] | None = None
+    """Per-term scales of the cost model (llm_quad, llm_lin, vision_quad, ...), as written by
+    `ds-omni calibrate-cost`; default: FLOP formulas alone."""
 
     def __post_init__(self):
         if self.group_size < 1 or self.max_wait < 0 or self.lookahead < 1:

@@ -7,14 +7,19 @@ from ds_omni.data.cost import CostModel, ModelDims
 from ds_omni.data.loader import DataComm, OmniLoader
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.sources import Source
+from ds_omni.errors import ConfigError
 
 
-def cost_model_for(built, freeze: list[str]) -> CostModel:
-    """FLOP-based cost model of the built model; frozen encoders cost a forward pass only."""
+def cost_model_for(built, freeze: list[str], scales: dict[str, float] | None = None) -> CostModel:
+    """FLOP-based cost model of the built model (frozen encoders cost a forward pass only),
+    with measured per-term scales when calibrated."""
     dims = ModelDims.from_hf_config(built.hf_config)
     for name, enc in dims.encoders.items():
         enc.frozen = name in freeze
-    return CostModel(dims)
+    try:
+        return CostModel(dims, scales=scales)
+    except ValueError as e:
+        raise ConfigError(f"data.reorder.cost_scales: {e}") from None
 
 
 def sample_processors(cfg: OmniConfig, built) -> dict[str, SampleProcessor]:
@@ -29,6 +34,6 @@ def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micr
                  comm: DataComm | None = None) -> OmniLoader:
     sources = [Source(s, chunk_rows=cfg.data.chunk_rows) for s in cfg.data.sources]
     return OmniLoader(sources, sample_processors(cfg, built),
-                      cost_model_for(built, cfg.model.freeze), cfg.data,
+                      cost_model_for(built, cfg.model.freeze, cfg.data.reorder.cost_scales), cfg.data,
                       global_batch_size=cfg.train.global_batch_size, num_micro=num_micro,
                       dp_rank=dp_rank, dp_size=dp_size, comm=comm)

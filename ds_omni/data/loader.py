@@ -2,8 +2,8 @@
 
 One global step, on every data-parallel rank:
   1. read: the mixer picks a source for each of this rank's slots; each source's cursor streams
-     this rank's chunks (HF datasets streaming); each row is *measured* (tokens, targets, encoder
-     sequence lengths, modelled cost) without decoding its media;
+     this rank's chunks (HF datasets streaming); each row is *measured* (tokens, encoder sequence
+     lengths, modelled cost) without decoding its media;
   2. plan: the G ranks of the group all-gather only these measurements and each computes the same
      assignment of the group's samples to ranks and micro-batches (`reorder.py`): in "fixed" mode
      the group's share of a fixed-size global batch is balanced, in "budget" mode every rank is
@@ -30,7 +30,7 @@ from ds_omni.data import reorder
 from ds_omni.data.cost import CostModel
 from ds_omni.data.mixer import Mixer, MixSchedule
 from ds_omni.data.packing import MicroBatch, empty_micro_batch, pack
-from ds_omni.data.processing import SampleProcessor
+from ds_omni.data.processing import SampleProcessor, SampleSize
 from ds_omni.data.sources import Locator, Source
 from ds_omni.data.stream import SourceCursor, redistribute
 from ds_omni.errors import DataError
@@ -64,7 +64,6 @@ class Measured:
 
     key: str  # "<epoch>/<source>:<file>:<row>": unique while the sample is in flight
     tokens: int
-    targets: int
     cost: float
 
 
@@ -79,6 +78,17 @@ class StepBatch:
     stats: dict = field(default_factory=dict)  # skipped, outliers, delays, ...
     error: str | None = None  # a data error on this rank: the trainer stops all ranks with it
     stop: str | None = None  # a source ran out under on_exhausted="stop"
+
+
+def reorder_group_size(cfg: DataConfig, dp_size: int) -> int:
+    """G: ranks that share metadata (1 for loader order; never more than the dp ranks)."""
+    if cfg.reorder.mode == "loader_order":
+        return 1
+    group = min(cfg.reorder.group_size, dp_size)
+    if dp_size % group:
+        raise DataError(f"data.reorder.group_size={group} must divide the data-parallel size "
+                        f"{dp_size}; pick a divisor of {dp_size}")
+    return group
 
 
 def key_locator(key: str) -> Locator:
@@ -100,10 +110,7 @@ class OmniLoader:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.comm = comm or LocalComm()
         self.mode = cfg.reorder.mode
-        self.group_size = 1 if self.mode == "loader_order" else min(cfg.reorder.group_size, dp_size)
-        if dp_size % self.group_size:
-            raise DataError(f"data.reorder.group_size={self.group_size} must divide the "
-                            f"data-parallel size {dp_size}")
+        self.group_size = reorder_group_size(cfg, dp_size)
         if global_batch_size % dp_size:
             raise DataError(f"the global batch of {global_batch_size} samples does not split over "
                             f"{dp_size} data-parallel ranks")
@@ -157,23 +164,24 @@ class OmniLoader:
         Fewer come back when every source has run dry, or after a problem, which is kept in
         `_problem` rather than raised: the group's all-gather still needs this rank.
         """
-        out = []
+        sized: list[tuple[str, SampleSize]] = []
         try:
-            self._read_into(out, n)
+            self._read_into(sized, n)
         except _StopData as e:
             self._problem.setdefault("stop", str(e))
         except DataError as e:
             self._problem.setdefault("error", str(e))
-        return out
+        costs = self._costs([size for _, size in sized])
+        return [Measured(key, size.tokens, c) for (key, size), c in zip(sized, costs)]
 
     def _read_into(self, out: list, n: int) -> None:
         if self._problem:
             return
         for name in self._pick(n):
             while name is not None:
-                m = self._read_one(name)
-                if m is not None:
-                    out.append(m)
+                got = self._read_one(name)
+                if got is not None:
+                    out.append(got)
                     break
                 if name in self.mixer.dropped:  # exhausted and left the mix: another source
                     name = next(iter(self._pick(1)), None)
@@ -187,7 +195,7 @@ class OmniLoader:
         """Every source has left the mix (on_exhausted="drop")."""
         return len(self.mixer.dropped) == len(self.sources)
 
-    def _read_one(self, name: str) -> Measured | None:
+    def _read_one(self, name: str) -> tuple[str, SampleSize] | None:
         cursor, source = self.cursors[name], self.sources[name]
         got = cursor.next()
         if got is None:
@@ -204,13 +212,17 @@ class OmniLoader:
             return None
         key = f"{cursor.epoch}/{loc}"
         self.rows[key] = row
-        return Measured(key, size.tokens, size.targets, self._cost(size))
+        return key, size
 
-    def _cost(self, size) -> float:
-        enc = [e for e, _ in size.encoder_seqs]
-        return float(self.cost_model.sample_costs(
-            np.array([size.tokens]), np.zeros(len(enc), dtype=np.int64), np.array(enc, dtype=str),
-            np.array([n for _, n in size.encoder_seqs], dtype=np.int64))[0])
+    def _costs(self, sizes: list[SampleSize]) -> list[float]:
+        """Modelled cost of each sample, in one vectorised call."""
+        if not sizes:
+            return []
+        passes = [(i, enc, n) for i, size in enumerate(sizes) for enc, n in size.encoder_seqs]
+        return self.cost_model.sample_costs(
+            np.array([size.tokens for size in sizes]), np.array([i for i, _, _ in passes], dtype=np.int64),
+            np.array([e for _, e, _ in passes], dtype=str),
+            np.array([n for _, _, n in passes], dtype=np.int64)).tolist()
 
     def _exhausted(self, name: str) -> None:
         policy = self.sources[name].cfg.on_exhausted
@@ -236,8 +248,7 @@ class OmniLoader:
         mine = [[keys[i] for i in idx] for idx in assignment.members(self.group_rank)]
         # rows read here but assigned elsewhere: their rank reads them itself
         self._forget({m.key for m in local} - {k for mb in mine for k in mb})
-        return mine, {"group_rank_cost": assignment.rank_sums(cost).tolist(),
-                      "costs": {m.key: m.cost for m in group}}
+        return mine, {"costs": {m.key: m.cost for m in group}}
 
     def _plan_budget(self) -> tuple[list[list[str]], dict]:
         samples_per_rank = self.global_batch_size // self.dp_size
@@ -253,8 +264,7 @@ class OmniLoader:
         costs = dict(zip(plan.keys, plan.cost.tolist()))
         mine = plan.micro_keys(self.group_rank)
         self._forget(set(plan.keys) - {k for mb in mine for k in mb})
-        return mine, {"group_rank_cost": plan.assignment.rank_sums(plan.cost).tolist(),
-                      "costs": costs, "outliers": len(plan.outliers),
+        return mine, {"costs": costs, "outliers": len(plan.outliers),
                       "mean_delay": float(plan.delay.mean()) if plan.delay.size else 0.0,
                       "max_delay": int(plan.delay.max()) if plan.delay.size else 0}
 

@@ -51,7 +51,6 @@ class SampleSize:
     """What balancing needs to know of a sample, found without decoding its media."""
 
     tokens: int
-    targets: int
     encoder_seqs: tuple[tuple[str, int], ...]  # (encoder, sequence length) per encoder pass
 
 
@@ -92,9 +91,9 @@ class SampleProcessor:
 
     def measure(self, *, text: Any, media: dict[str, list[Any]], sample_id: str,
                 source: str) -> SampleSize:
-        """The sample's token count, targets and encoder work, through the items' `measure`."""
-        ids, mask, ordered = self._build(text, media, sample_id, source, measure=True)
-        return SampleSize(tokens=len(ids), targets=sum(mask[1:]), encoder_seqs=tuple(
+        """The sample's token count and encoder work, through the items' `measure`."""
+        ids, _, ordered = self._build(text, media, sample_id, source, measure=True)
+        return SampleSize(tokens=len(ids), encoder_seqs=tuple(
             (enc, n) for enc, item in ordered for n in item.cost_seqs()))
 
     # ----------------------------------------------------------------------------- helpers

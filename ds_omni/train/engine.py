@@ -20,7 +20,7 @@ import torch
 
 from ds_omni.config import OmniConfig
 from ds_omni.data.build import build_loader
-from ds_omni.data.loader import StepBatch
+from ds_omni.data.loader import StepBatch, reorder_group_size
 from ds_omni.data.sources import resolve_files
 from ds_omni.ds_config import derive_ds_config, load_ds_json
 from ds_omni.errors import DataError, LaunchError
@@ -91,6 +91,7 @@ def preflight(cfg: OmniConfig, ds_config_path: str) -> tuple[ParallelPlan, dict]
                           "set both to 1")
     ds_config = derive_ds_config(cfg, load_ds_json(ds_config_path), plan)
     checkpoint.check_writable(cfg.train.output_dir)
+    reorder_group_size(cfg.data, plan.dp)
     for source in cfg.data.sources:
         resolve_files(source)
     return plan, ds_config
@@ -101,8 +102,7 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     import deepspeed
     from ds_omni.model.build import build_model
     coords = plan.coords(rank)
-    group_size = 1 if cfg.data.reorder.mode == "loader_order" else min(
-        cfg.data.reorder.group_size, plan.dp)
+    group_size = reorder_group_size(cfg.data, plan.dp)
     dp_group, reorder_group = data_groups(plan, rank, group_size)
     comm = TorchDataComm(dp_group, reorder_group, plan.dp, group_size)
     # rank 0 makes builtin assets first; the others then only read them

@@ -19,6 +19,10 @@ from tests.fixtures import ADAM_EPS, ds_config, tiny_config
 from tests.harness import run_on_ranks
 
 STEPS = 2
+LR = 1e-3  # tiny_config's learning rate
+# Adam turns reduction-order noise in near-zero gradients into updates of up to the step size:
+# parameters must agree to within 0.2% of the total step size (4e-6)
+PARAM_ATOL = 2e-3 * LR * STEPS
 
 
 def _full_params(engine) -> dict[str, torch.Tensor]:
@@ -156,7 +160,7 @@ def _check(name, case, results, tmp_path, samples_per_step):
             assert got["losses"] == pytest.approx(ref_losses, rel=1e-6, abs=1e-7), (name, stage)
             assert got["params"].keys() == ref_params.keys()
             for key, ref in ref_params.items():
-                torch.testing.assert_close(got["params"][key], ref, rtol=1e-5, atol=1e-6,
+                torch.testing.assert_close(got["params"][key], ref, rtol=1e-5, atol=PARAM_ATOL,
                                            msg=lambda m: f"{name} ZeRO-{stage} {key}: {m}")
     # the parameters moved: the comparison is not between two untouched inits (only layers
     # off the model's path, e.g. vision layers after the feature layer, get no gradient)

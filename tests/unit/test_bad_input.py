@@ -69,3 +69,12 @@ def test_deepspeed_conflict(tmp_path, capsys):
                   {**ds_config(2), "train_micro_batch_size_per_gpu": 5})
     err = _train(capsys, "--config", c, "--deepspeed", d)
     assert "train_micro_batch_size_per_gpu=5 but the ds_omni config implies 2" in err
+
+
+def test_reorder_group_that_does_not_divide_the_ranks(tmp_path, capsys, monkeypatch):
+    cfg = tiny_config_dict(str(tmp_path / "out"), global_batch_size=12, micro_batch_size=1)
+    cfg["data"]["reorder"] = {"group_size": 4}
+    c, d = _write(tmp_path, cfg)
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    err = _train(capsys, "--config", c, "--deepspeed", d)
+    assert "data.reorder.group_size=4 must divide the data-parallel size 6" in err
