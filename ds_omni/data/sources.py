@@ -14,6 +14,7 @@ built lazily, only for the files a rank touches.
 from __future__ import annotations
 
 import bisect
+import functools
 import glob
 import json
 import tarfile
@@ -201,7 +202,9 @@ class Source:
 
 # ------------------------------------------------------------------------- random access
 class ParquetRows:
-    """Row i of a parquet file: read its row group (cached: neighbours are usually next)."""
+    """Row i of a parquet file: parquet's unit of reading is the row group, so the last few row
+    groups read stay cached (the rows a rank fetches come in runs from other ranks' chunks).
+    Files with small row groups (hundreds of rows, as `datasets` writes media) fetch cheaply."""
 
     def __init__(self, path: str):
         import pyarrow.parquet as pq
@@ -211,13 +214,11 @@ class ParquetRows:
         self.starts = [0]
         for g in range(meta.num_row_groups):
             self.starts.append(self.starts[-1] + meta.row_group(g).num_rows)
-        self._cached: tuple[int, Any] | None = None
+        self._group = functools.lru_cache(maxsize=4)(self.file.read_row_group)
 
     def row(self, i: int) -> dict:
         g = bisect.bisect_right(self.starts, i) - 1
-        if self._cached is None or self._cached[0] != g:
-            self._cached = (g, self.file.read_row_group(g))
-        return self._cached[1].slice(i - self.starts[g], 1).to_pylist()[0]
+        return self._group(g).slice(i - self.starts[g], 1).to_pylist()[0]
 
 
 class ArrowRows:
