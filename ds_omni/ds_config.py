@@ -44,11 +44,14 @@ def gradient_accumulation_steps(cfg: OmniConfig, plan: ParallelPlan) -> int:
 
 
 def derived_fields(cfg: OmniConfig, plan: ParallelPlan) -> dict:
-    return {
+    fields = {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": gradient_accumulation_steps(cfg, plan),
         "train_batch_size": cfg.train.global_batch_size,
     }
+    if plan.sp_enabled:
+        fields["sequence_parallel_size"] = plan.sp
+    return fields
 
 
 def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
@@ -56,6 +59,14 @@ def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
     out = copy.deepcopy(user)
     for key, value in derived_fields(cfg, plan).items():
         _merge(out, key, value, where=key)
+    if plan.sp_enabled and out.get("zero_optimization", {}).get("stage") == 3:
+        # one gradient reduction path under SP, so its scaling is known (engine.gradient_divisor)
+        zero = out["zero_optimization"]
+        if zero.get("reduce_scatter", True) is not True:
+            raise ConfigError("zero_optimization.reduce_scatter=false is not supported with ZeRO-3 "
+                              "and parallel.sp > 1 (DeepSpeed then scales gradients differently "
+                              "by bucket size); remove it or set it to true")
+        zero["reduce_scatter"] = True
     train = cfg.train
     optimizer = out.get("optimizer")
     if optimizer is not None:

@@ -29,7 +29,7 @@ from ds_omni.config import DataConfig
 from ds_omni.data import reorder
 from ds_omni.data.cost import CostModel
 from ds_omni.data.mixer import Mixer, MixSchedule
-from ds_omni.data.packing import MicroBatch, empty_micro_batch, pack
+from ds_omni.data.packing import MicroBatch, SeqShard, empty_micro_batch, pack
 from ds_omni.data.processing import SampleProcessor, SampleSize
 from ds_omni.data.sources import Locator, Source
 from ds_omni.data.stream import SourceCursor, redistribute
@@ -100,7 +100,8 @@ class OmniLoader:
 
     def __init__(self, sources: list[Source], processors: dict[str, SampleProcessor],
                  cost_model: CostModel, cfg: DataConfig, *, global_batch_size: int,
-                 num_micro: int, dp_rank: int, dp_size: int, comm: DataComm | None = None):
+                 num_micro: int, dp_rank: int, dp_size: int, comm: DataComm | None = None,
+                 sp_rank: int = 0, sp_size: int = 1):
         self.sources = {s.name: s for s in sources}
         self.processors = processors
         self.item_processors = next(iter(processors.values())).item_processors
@@ -108,6 +109,8 @@ class OmniLoader:
         self.cost_model, self.cfg = cost_model, cfg
         self.global_batch_size, self.num_micro = global_batch_size, num_micro
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        # the ranks of one SP group read the same rows; each packs its own shard of them
+        self.shard = (SeqShard(sp_rank, sp_size, self._item_cost) if sp_size > 1 else None)
         self.comm = comm or LocalComm()
         self.mode = cfg.reorder.mode
         self.group_size = reorder_group_size(cfg, dp_size)
@@ -300,11 +303,15 @@ class OmniLoader:
                         self.skipped[key_locator(key).source] += 1
                     continue
                 keys.append(key)
-            micro.append(pack(samples, self.item_processors) if samples else
-                         empty_micro_batch(self.family))
+            micro.append(pack(samples, self.item_processors, self.shard) if samples else
+                         empty_micro_batch(self.family, self.item_processors, self.shard))
         stats["skipped"] = dict(self.skipped)
         return StepBatch(step=self.step, micro_batches=micro, keys=keys, stats=stats,
                          modelled_cost=float(sum(costs.get(k, 0.0) for k in keys)), error=error)
+
+    def _item_cost(self, encoder: str, item) -> float:
+        """Modelled cost of encoding one item (what the reshard plan balances)."""
+        return float(self.cost_model.encoder_cost(encoder, np.array(item.cost_seqs())).sum())
 
     def load_samples(self, keys: list[str]) -> list:
         """The processed samples of `keys` (e.g. to replay another run's batch in one process)."""

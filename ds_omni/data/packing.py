@@ -3,18 +3,36 @@
 Positions restart at each sample, `cu_seqlens` marks sample boundaries for the attention kernel,
 and targets are shifted inside each sample (the last token of a sample predicts nothing).
 
-Dims: T packed tokens (sum of sample lengths), n samples.
+Under Ulysses sequence parallelism (`SeqShard`), every rank of the SP group packs the same row and
+keeps its own contiguous shard of it: the row is padded to a multiple of sp with a padding
+"sample" that has no targets (it attends only to itself), positions and targets are cut like the
+tokens, `cu_seqlens` stays global, and the rank collates only the encoder items the reshard plan
+(`ds_omni.parallel.reshard`) gives it to encode.
+
+Dims: T packed tokens (sum of sample lengths; padded to a multiple of sp under SP), S = T / sp,
+n samples.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from ds_omni.data.processing import Sample
-from ds_omni.model.family import ItemProcessor
+from ds_omni.model.family import EncodedItem, ItemProcessor
 from ds_omni.model.omni import IGNORE_INDEX
+from ds_omni.parallel.reshard import RankReshard, item_slots, plan_reshard
+
+
+@dataclass(frozen=True)
+class SeqShard:
+    """This rank's place in its Ulysses group, and the modelled cost of an encoder item."""
+
+    rank: int
+    size: int
+    item_cost: Callable[[str, EncodedItem], float]
 
 
 @dataclass
@@ -28,10 +46,13 @@ class MicroBatch:
     max_seqlen: int
     encoder_inputs: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     sample_ids: list[str] = field(default_factory=list)
+    reshard: RankReshard | None = None  # under SP: what this rank encodes, sends and receives
+    pad_tokens: int = 0  # padding tokens in this row (or shard)
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids.shape[1])
+        """Real tokens (padding excluded)."""
+        return int(self.input_ids.shape[1]) - self.pad_tokens
 
     @property
     def num_targets(self) -> int:
@@ -42,8 +63,8 @@ class MicroBatch:
         return MicroBatch(
             input_ids=move(self.input_ids), targets=move(self.targets),
             position_ids=move(self.position_ids), cu_seqlens=self.cu_seqlens,  # stays on CPU
-            max_seqlen=self.max_seqlen, sample_ids=self.sample_ids,
-            encoder_inputs={e: {k: move(v) for k, v in d.items()} for e, d in self.encoder_inputs.items()})
+            max_seqlen=self.max_seqlen, sample_ids=self.sample_ids, reshard=self.reshard,
+            pad_tokens=self.pad_tokens, encoder_inputs={e: {k: move(v) for k, v in d.items()} for e, d in self.encoder_inputs.items()})
 
 
 def sample_targets(sample: Sample) -> torch.Tensor:
@@ -54,28 +75,82 @@ def sample_targets(sample: Sample) -> torch.Tensor:
     return targets
 
 
-def pack(samples: list[Sample], processors: dict[str, ItemProcessor]) -> MicroBatch:
-    """Concatenate `samples` into one row [1, T] with per-sample positions and targets."""
+def pack(samples: list[Sample], processors: dict[str, ItemProcessor],
+         shard: SeqShard | None = None) -> MicroBatch:
+    """Concatenate `samples` into one row [1, T] with per-sample positions and targets.
+
+    With `shard` (sp > 1): this rank's shard [1, S] of the padded row (module docstring).
+    """
     if not samples:
         raise ValueError("pack() needs at least one sample")
     lengths = [s.length for s in samples]
-    cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    positions = torch.cat([s.position_ids for s in samples], dim=-1)  # [T] or [3, T]
-    by_encoder: dict[str, list] = {}
+    by_encoder: dict[str, list[EncodedItem]] = {}
     for s in samples:
         for enc, item in s.items:
             by_encoder.setdefault(enc, []).append(item)
-    return MicroBatch(
+    mb = MicroBatch(
         input_ids=torch.cat([s.input_ids for s in samples]).unsqueeze(0),
         targets=torch.cat([sample_targets(s) for s in samples]).unsqueeze(0),
-        position_ids=positions.unsqueeze(-2),  # [1, T] or [3, 1, T]
-        cu_seqlens=cu, max_seqlen=max(lengths),
-        encoder_inputs={e: processors[e].collate(items) for e, items in by_encoder.items()},
+        position_ids=torch.cat([s.position_ids for s in samples], dim=-1).unsqueeze(-2),  # [1, T] / [3, 1, T]
+        cu_seqlens=_cu_seqlens(lengths), max_seqlen=max(lengths),
         sample_ids=[s.sample_id for s in samples])
+    if shard is None or shard.size == 1:
+        mb.encoder_inputs = {e: processors[e].collate(items) for e, items in by_encoder.items()}
+        return mb
+    return shard_row(mb, by_encoder, processors, shard)
 
 
-def empty_micro_batch(family) -> MicroBatch:
+def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return cu
+
+
+def shard_row(row: MicroBatch, items: dict[str, list[EncodedItem]],
+              processors: dict[str, ItemProcessor], shard: SeqShard) -> MicroBatch:
+    """Rank `shard.rank`'s part of the whole `row` (every rank of the group computes the same plan)."""
+    row = pad_row(row, shard.size, pad_id=_pad_id(processors))
+    t = row.input_ids.shape[1]
+    s = t // shard.size
+    slots = item_slots(row.input_ids[0].numpy(), {e: processors[e].placeholder_id for e in items},
+                       {e: [it.num_embeddings for it in its] for e, its in items.items()},
+                       {e: [shard.item_cost(e, it) for it in its] for e, its in items.items()})
+    plan = plan_reshard(slots, shard.size, s, list(items))[shard.rank]
+    lo, hi = shard.rank * s, (shard.rank + 1) * s
+    real_end = t - row.pad_tokens
+    return MicroBatch(
+        input_ids=row.input_ids[:, lo:hi], targets=row.targets[:, lo:hi],
+        position_ids=row.position_ids[..., lo:hi], cu_seqlens=row.cu_seqlens,
+        max_seqlen=row.max_seqlen, sample_ids=row.sample_ids, reshard=plan,
+        pad_tokens=max(0, hi - max(lo, real_end)),
+        encoder_inputs={e: processors[e].collate([items[e][k] for k in idx])
+                        for e, idx in plan.encode.items()})
+
+
+def pad_row(row: MicroBatch, multiple: int, pad_id: int) -> MicroBatch:
+    """`row` padded to a multiple of `multiple` tokens by one more "sample" with no targets."""
+    t = row.input_ids.shape[1]
+    pad = -t % multiple
+    if pad == 0:
+        return row
+    positions = torch.arange(pad).expand(*row.position_ids.shape[:-1], pad)  # [1, p] or [3, 1, p]
+    cu = torch.cat([row.cu_seqlens, torch.tensor([t + pad], dtype=torch.int32)])
+    return MicroBatch(
+        input_ids=torch.cat([row.input_ids, torch.full((1, pad), pad_id)], dim=1),
+        targets=torch.cat([row.targets, torch.full((1, pad), IGNORE_INDEX)], dim=1),
+        position_ids=torch.cat([row.position_ids, positions], dim=-1), cu_seqlens=cu,
+        max_seqlen=max(row.max_seqlen, pad), sample_ids=row.sample_ids,
+        pad_tokens=row.pad_tokens + pad)
+
+
+def _pad_id(processors: dict[str, ItemProcessor]) -> int:
+    """A token id that is no placeholder (padding must not be taken for an image)."""
+    taken = {p.placeholder_id for p in processors.values()}
+    return min(set(range(len(taken) + 1)) - taken)
+
+
+def empty_micro_batch(family, processors: dict[str, ItemProcessor] | None = None,
+                      shard: SeqShard | None = None) -> MicroBatch:
     """A one-token micro-batch with nothing to predict, for a rank with no sample left in it.
 
     It still runs every module (and every encoder on its dummy input), so the number of forward
@@ -83,6 +158,9 @@ def empty_micro_batch(family) -> MicroBatch:
     """
     one = torch.zeros(1, 1, dtype=torch.long)
     positions = family.position_ids(one[0], [])  # [1] or [3, 1] (M-RoPE)
-    return MicroBatch(input_ids=one, targets=torch.full_like(one, IGNORE_INDEX),
-                      position_ids=positions.unsqueeze(-2),
-                      cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1)
+    mb = MicroBatch(input_ids=one, targets=torch.full_like(one, IGNORE_INDEX),
+                    position_ids=positions.unsqueeze(-2),
+                    cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1, pad_tokens=1)
+    if shard is None or shard.size == 1:
+        return mb
+    return shard_row(mb, {}, processors or {}, shard)

@@ -1,24 +1,38 @@
 """Attention over packed variable-length sequences, plugged into HF decoder layers.
 
 A micro-batch is one packed row of samples; `cu_seqlens` delimits them and no sample attends to
-another. The kernel is registered in transformers' `AttentionInterface` under `PACKED_ATTENTION`
-and set on the LLM backbone's config only, so encoders keep their own attention (unlike a global
-monkey-patch, which would also catch a ViT using the same key).
+another. The function `packed_attention` is registered in transformers' `AttentionInterface` under
+`PACKED_ATTENTION` and set on the LLM backbone's config only, so encoders keep their own attention
+(unlike a global monkey-patch, which would also catch a ViT using the same key). What it runs is
+decided by the `PackedAttention` object the backbone passes down with each call: one per model, so
+an encoder and the LLM, or two models, can hold different kernels and sequence-parallel groups in
+one process.
 
-Two paths give the same numbers:
+Two kernels give the same numbers:
 - flash-attn's varlen kernel when it is installed (the `gpu` extra) and `flash_attention_2` is asked;
 - SDPA, one causal call per sample: no T x T mask is built, at the cost of one kernel per sample.
 
-Dims: B batch (always 1 when packed), T packed tokens, H query heads, Hkv key/value heads, D head dim.
+Under Ulysses sequence parallelism each rank holds S = T / sp consecutive tokens of the row.
+DeepSpeed's `DistributedAttention` all-to-alls q, k, v from [1, S, H, D] to [1, T, H/sp, D]; the
+kernel then runs on the whole row with the *global* `cu_seqlens`, so samples still attend only to
+themselves, and the output goes back to [1, S, H, D]. DeepSpeed's piece is used as it is; what it
+lacks for packed rows (it knows nothing of `cu_seqlens`, and refuses fewer KV heads than ranks) is
+supplied here: the boundaries ride along as kernel arguments, and KV heads are repeated until the
+ranks split them evenly.
+
+Dims: B batch (always 1 when packed), T packed tokens, S tokens of one SP shard, H query heads,
+Hkv key/value heads, D head dim.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
 PACKED_ATTENTION = "ds_omni_packed"
-_USE_FLASH = {"value": False}
+KERNELS = ("sdpa", "eager", "flash_attention_2")
 
 
 def flash_attn_available() -> bool:
@@ -29,52 +43,89 @@ def flash_attn_available() -> bool:
     return torch.cuda.is_available()
 
 
-def set_kernel(attn_implementation: str) -> None:
-    """Choose the kernel behind `PACKED_ATTENTION` ("sdpa", "eager" or "flash_attention_2")."""
-    if attn_implementation == "flash_attention_2" and not flash_attn_available():
-        from ds_omni.errors import ConfigError
-        raise ConfigError("model.attn_implementation is 'flash_attention_2' but flash-attn is not "
-                          "installed or no GPU is visible; install the 'gpu' extra on a CUDA machine "
-                          "or use 'sdpa' (same numbers)")
-    _USE_FLASH["value"] = attn_implementation == "flash_attention_2"
+class PackedAttention:
+    """The packed-row attention of one model: its kernel, and its SP group when sequence-parallel."""
+
+    def __init__(self, kernel: str = "sdpa", sp_group=None):
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS}")
+        if kernel == "flash_attention_2" and not flash_attn_available():
+            from ds_omni.errors import ConfigError
+            raise ConfigError("model.attn_implementation is 'flash_attention_2' but flash-attn is "
+                              "not installed or no GPU is visible; install the 'gpu' extra on a CUDA "
+                              "machine or use 'sdpa' (same numbers)")
+        self.kernel = kernel
+        self.sp_group = sp_group
+        self._ulysses = None
+        if sp_group is not None:
+            from deepspeed.sequence.layer import DistributedAttention
+            # batch-first layout [B, S, H, D]: scatter heads (dim 2), gather the sequence (dim 1)
+            self._ulysses = DistributedAttention(self._local, sp_group, scatter_idx=2, gather_idx=1)
+            self.sp = torch.distributed.get_world_size(sp_group)
+
+    def __call__(self, q, k, v, cu_seqlens, max_seqlen, scaling, dropout):
+        """q [1, H, S, D], k/v [1, Hkv, S, D] (S = T without SP) -> out [1, S, H, D]."""
+        if self._ulysses is None:
+            return self._local(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                               cu_seqlens, max_seqlen, scaling, dropout)
+        k, v = (repeat_kv_for_sp(t, q.shape[1], self.sp) for t in (k, v))
+        # [1, H, S, D] -> [1, S, H, D]; DistributedAttention: -> [1, T, H/sp, D] -> kernel -> back
+        return self._ulysses(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None,
+                             cu_seqlens, max_seqlen, scaling, dropout)
+
+    def _local(self, q, k, v, cu_seqlens, max_seqlen, scaling, dropout):
+        """q [1, T, h, D], k/v [1, T, hkv, D] over the whole row -> [1, T, h, D]."""
+        if self.kernel == "flash_attention_2":
+            return _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout)
+        return _sdpa_per_sample(q, k, v, cu_seqlens, scaling, dropout)
+
+
+def repeat_kv_for_sp(kv: torch.Tensor, num_heads: int, sp: int) -> torch.Tensor:
+    """[1, Hkv, S, D] -> [1, Hkv * r, S, D], the fewest copies r so that sp ranks split KV heads
+    evenly (Hkv * r = lcm(Hkv, sp)); each query head keeps its KV head, since H is a multiple of
+    both. Gradients of the copies add up in backward."""
+    hkv = kv.shape[1]
+    r = sp // math.gcd(hkv, sp)
+    if r == 1:
+        return kv
+    assert num_heads % (hkv * r) == 0, (num_heads, hkv, sp)  # checked at start-up
+    return kv.repeat_interleave(r, dim=1)
 
 
 def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
-                     cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None, **kwargs):
-    """HF attention-interface function. q: [B, H, T, D], k/v: [B, Hkv, T, D] -> out [B, T, H, D]."""
+                     cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
+                     ds_omni_attention: PackedAttention | None = None, **kwargs):
+    """HF attention-interface function. q: [B, H, S, D], k/v: [B, Hkv, S, D] -> out [B, S, H, D]."""
     if cu_seqlens is None:  # called by HF itself (generate, a plain forward): its own SDPA path
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row, got batch {query.shape[0]}")
-    if _USE_FLASH["value"]:
-        out = _flash_varlen(query, key, value, cu_seqlens, max_seqlen, scaling, dropout)
-    else:
-        out = _sdpa_per_sample(query, key, value, cu_seqlens, scaling, dropout)
-    return out, None
+    kernel = ds_omni_attention or PackedAttention()
+    return kernel(query, key, value, cu_seqlens, max_seqlen, scaling, dropout), None
 
 
 def _sdpa_per_sample(q, k, v, cu_seqlens, scaling, dropout):
+    """[1, T, h, D] in, [1, T, h, D] out; one causal SDPA call per sample."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [1, h, T, D]
     bounds = cu_seqlens.tolist()
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
-        # [1, H, L, D] per sample, causal inside it
+        # [1, h, L, D] per sample, causal inside it
         outs.append(F.scaled_dot_product_attention(
             q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], is_causal=True,
             dropout_p=dropout, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]))
-    out = torch.cat(outs, dim=2)  # [1, H, T, D]
-    return out.transpose(1, 2).contiguous()  # [1, T, H, D]
+    out = torch.cat(outs, dim=2)  # [1, h, T, D]
+    return out.transpose(1, 2).contiguous()  # [1, T, h, D]
 
 
 def _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout):
     from flash_attn import flash_attn_varlen_func
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    # [1, H, T, D] -> [T, H, D]
-    q_, k_, v_ = (t[0].transpose(0, 1) for t in (q, k, v))
-    out = flash_attn_varlen_func(q_, k_, v_, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout,
-                                 softmax_scale=scaling, causal=True)
-    return out.unsqueeze(0)  # [1, T, H, D]
+    out = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen,  # [T, h, D]
+                                 dropout_p=dropout, softmax_scale=scaling, causal=True)
+    return out.unsqueeze(0)  # [1, T, h, D]
 
 
 def register() -> None:

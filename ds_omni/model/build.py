@@ -80,11 +80,48 @@ def build_model(cfg: ModelConfig) -> BuiltModel:
         model_dir = None
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.llm.pretrained or "", cfg.trust_remote_code)
         family, hf_model = compose(cfg, tokenizer)
-    from ds_omni.model.attention import set_kernel
-    set_kernel(cfg.attn_implementation)
     model = family.to_omni(hf_model, tokenizer)
+    model.set_attention(cfg.attn_implementation)
     model.freeze(cfg.freeze)
     model.to(getattr(torch, cfg.dtype))
     processors = family.item_processors(hf_model.config, model_dir, tokenizer=tokenizer)
     return BuiltModel(model=model, tokenizer=tokenizer, family=family, hf_config=hf_model.config,
                       item_processors=processors, model_dir=model_dir)
+
+
+def llm_text_config(cfg: ModelConfig):
+    """(family, the LLM's HF config), read from config files alone, before any model is built."""
+    from transformers import AutoConfig
+    import ds_omni.model.families  # noqa: F401  (registers the composed model type)
+    if cfg.pretrained:
+        model_dir = Path(cfg.pretrained)
+        family = family_for(read_model_type(model_dir))
+        hf = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=cfg.trust_remote_code)
+        return family, hf.get_text_config()
+    family = family_for("ds_omni_composed")
+    part = cfg.llm
+    if part.config is not None:
+        fields = dict(part.config)
+        return family, AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return family, AutoConfig.from_pretrained(part.pretrained, trust_remote_code=cfg.trust_remote_code)
+
+
+def check_sequence_parallel(cfg: ModelConfig, sp: int) -> None:
+    """The LLM can run Ulysses SP of degree `sp`: its family supports it and sp divides its heads.
+
+    KV heads need not divide: the kernel repeats them (`repeat_kv_for_sp`), which only needs sp to
+    divide the query heads.
+    """
+    family, text = llm_text_config(cfg)
+    if not family.sequence_parallel:
+        raise ModelError(f"parallel.sp={sp}: the {family.name!r} family does not support sequence "
+                         "parallelism yet; set parallel.sp to 1")
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads % sp:
+        ok = [d for d in range(1, heads + 1) if heads % d == 0]
+        where = f"the LLM of {cfg.pretrained!r}" if cfg.pretrained else "model.llm"
+        raise ModelError(f"parallel.sp={sp} must divide the LLM's attention heads: {where} "
+                         f"({text.model_type}) has {heads} query heads and {kv_heads} key/value "
+                         f"heads; Ulysses splits the heads over the sp ranks, so sp can be one of "
+                         f"{ok}")

@@ -74,6 +74,9 @@ class Family:
     name: str = ""
     model_types: tuple[str, ...] = ()
     hf_class: str = ""  # attribute of `transformers`
+    sequence_parallel: bool = True
+    """The LLM may run Ulysses SP: its decoder layers take `position_embeddings` and the packed
+    attention kwargs as HF's Llama/Qwen2 layers do. Set False for a family whose layers don't."""
 
     def hf_model_class(self):
         import transformers

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_omni.errors import ModelError
+from ds_omni.model.attention import PackedAttention
+from ds_omni.parallel.reshard import ReshardEmbeddings
 
 if TYPE_CHECKING:
     from ds_omni.data.packing import MicroBatch
@@ -68,16 +70,22 @@ class Backbone(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.rotary_emb = rotary_emb
+        self.attention = PackedAttention()  # kernel + SP group (`OmniModel.set_attention`)
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                 cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-        """hidden [1, T, D], position_ids [1, T] or [3, 1, T] (M-RoPE) -> normed hidden [1, T, D]."""
+        """hidden [1, S, D], position_ids [1, S] or [3, 1, S] (M-RoPE) -> normed hidden [1, S, D].
+
+        S = T, the whole row, or under sequence parallelism this rank's shard of it; `cu_seqlens`
+        always delimits the samples of the whole (padded) row.
+        """
         position_embeddings = self.rotary_emb(hidden, position_ids)
         text_positions = position_ids if position_ids.ndim == 2 else position_ids[0]
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=None, position_ids=text_positions,
                            position_embeddings=position_embeddings,
-                           cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+                           cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                           ds_omni_attention=self.attention)
         return self.norm(hidden)
 
 
@@ -116,10 +124,18 @@ class OmniModel(nn.Module):
         # The HF model object shares every parameter with this module; kept out of the module tree
         # so parameters are registered once, under the names above.
         object.__setattr__(self, "hf_model", hf_model)
+        self.sp_group = None  # the LLM's Ulysses group; encoders are never split (part 1)
+
+    def set_attention(self, kernel: str = "sdpa", sp_group=None) -> None:
+        """The LLM's packed-attention kernel and, for Ulysses SP, its sequence-parallel group."""
+        self.backbone.attention = PackedAttention(kernel, sp_group)
+        self.sp_group = sp_group
 
     # ---------------------------------------------------------------------------- forward
     def embed(self, batch: "MicroBatch") -> torch.Tensor:
         """Token embeddings with encoder outputs in place of placeholder tokens -> [1, T, D]."""
+        if batch.reshard is not None:
+            return self._embed_shard(batch)
         input_ids = batch.input_ids
         hidden = self.backbone.embed_tokens(input_ids)
         for name, encoder in self.encoders.items():
@@ -143,6 +159,43 @@ class OmniModel(nn.Module):
                     f"item needs exactly as many placeholders as it yields embeddings")
             hidden = hidden.masked_scatter(mask.unsqueeze(-1), feats)
         return hidden
+
+    def _embed_shard(self, batch: "MicroBatch") -> torch.Tensor:
+        """Under SP: this rank's shard [1, S, D] of the row's embeddings.
+
+        The rank encodes the items the reshard plan gives it (wherever their placeholders are),
+        then one all-to-all (`ReshardEmbeddings`) brings every row of this shard's placeholders
+        from the rank that encoded it.
+        """
+        plan = batch.reshard
+        hidden = self.backbone.embed_tokens(batch.input_ids)  # [1, S, D]
+        rows: dict[str, torch.Tensor] = {}
+        for name, encoder in self.encoders.items():
+            inputs = batch.encoder_inputs.get(name)
+            if inputs is None:  # nothing to encode here: the zero-weight dummy (ZeRO-3, as above)
+                hidden = hidden + 0.0 * encoder(encoder.dummy_inputs(hidden.device, hidden.dtype)).sum()
+                continue
+            feats = encoder(inputs).to(hidden.dtype)  # [n, D]
+            if feats.shape[0] != plan.encode_rows[name]:
+                raise ModelError(
+                    f"encoder '{name}' produced {feats.shape[0]} embeddings for this rank's items but "
+                    f"their placeholders number {plan.encode_rows[name]} (samples "
+                    f"{batch.sample_ids[:4]}); each item needs exactly as many placeholders as it "
+                    "yields embeddings")
+            rows[name] = feats
+        if not plan.group_rows:  # no item in the whole row: no rank exchanges anything
+            return hidden
+        ordered = [rows[name] for name in plan.order if name in rows]  # the plan's row order
+        local = torch.cat(ordered) if ordered else hidden.new_zeros((0, hidden.shape[-1]))  # [N_r, D]
+        if self._encoders_trainable() and not local.requires_grad:
+            # every rank must reach the backward all-to-all, also one that encoded nothing
+            local = local.detach().requires_grad_()
+        recv = ReshardEmbeddings.apply(local, plan, self.sp_group)  # [R, D]
+        where = torch.as_tensor(plan.recv_positions, dtype=torch.long, device=hidden.device)
+        return hidden[0].index_copy(0, where, recv).unsqueeze(0)
+
+    def _encoders_trainable(self) -> bool:
+        return torch.is_grad_enabled() and any(p.requires_grad for p in self.encoders.parameters())
 
     def hidden_states(self, batch: "MicroBatch") -> torch.Tensor:
         """Final normed hidden states [1, T, D]."""

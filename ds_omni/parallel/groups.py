@@ -36,11 +36,17 @@ def _group(ranks: list[int], world: int):
 
 
 class TorchDataComm:
-    """`DataComm` over torch.distributed: object all-gathers within groups."""
+    """`DataComm` over torch.distributed: object all-gathers within groups.
 
-    def __init__(self, dp_group=None, reorder_group=None, dp_size: int = 1, group_size: int = 1):
+    `token_group` spans the ranks whose micro-batches together hold the global batch's tokens once:
+    the dp group without SP; under SP the sequence x data group, since each SP rank holds a shard.
+    """
+
+    def __init__(self, dp_group=None, reorder_group=None, dp_size: int = 1, group_size: int = 1,
+                 seq_data_group=None, sp_size: int = 1):
         self.dp_group, self.reorder_group = dp_group, reorder_group
-        self.dp_size, self.group_size = dp_size, group_size
+        self.dp_size, self.group_size, self.sp_size = dp_size, group_size, sp_size
+        self.token_group = seq_data_group if sp_size > 1 else dp_group
 
     def group_all_gather(self, obj) -> list:
         return _all_gather(obj, self.reorder_group, self.group_size)
@@ -55,3 +61,73 @@ def _all_gather(obj, group, size: int) -> list:
     out = [None] * size
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def sequence_groups(plan: ParallelPlan, rank: int) -> "SequenceParallelMpu | None":
+    """This rank's Ulysses group and sequence x data group, as DeepSpeed's `mpu`; None when sp == 1.
+
+    SP groups are consecutive ranks (`ParallelPlan` puts sp innermost). The sequence x data group
+    holds every rank of this pipeline stage: ZeRO partitions and reduces over it, since SP ranks
+    hold the same parameters and each sees a different part of the data.
+    """
+    if not plan.sp_enabled:
+        return None, None
+    sp_pg = None
+    for members in plan.sp_group_ranks():
+        pg = dist.new_group(members)  # always a group of its own, even when it is the world
+        if rank in members:
+            sp_pg = pg
+    seq_data_pg = None
+    for stage in range(plan.pp):
+        members = [r for r in range(plan.world_size) if plan.coords(r).pp_stage == stage]
+        pg = dist.new_group(members)
+        if rank in members:
+            seq_data_pg = pg
+    alone = [dist.new_group([r]) for r in range(plan.world_size)][rank]
+    return SequenceParallelMpu(sp_pg, seq_data_pg, alone)
+
+
+class SequenceParallelMpu:
+    """The `mpu` DeepSpeed is given under Ulysses SP, so ZeRO reduces over data x sequence ranks.
+
+    It offers what DeepSpeed's own `deepspeed.runtime.sequence_parallel.parallel_state_sp` module
+    offers (DeepSpeed recognises that interface by `initialize_sequence_parallel`), held by an object
+    instead of module globals. DeepSpeed then averages gradients over the dp ranks and sums them over
+    the sp ranks (`engine._reduce_non_expert_gradients`, ZeRO's `average_tensor`), which is what
+    `engine.gradient_divisor` accounts for.
+    """
+
+    def __init__(self, sp_group, seq_data_group, model_parallel_group):
+        self._sp, self._seq_data, self._mp = sp_group, seq_data_group, model_parallel_group
+
+    def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
+        raise RuntimeError("ds_omni builds its sequence-parallel groups from the ParallelPlan")
+
+    def get_sequence_parallel_group(self):
+        return self._sp
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._sp)
+
+    def get_sequence_parallel_rank(self) -> int:
+        return dist.get_rank(self._sp)
+
+    def get_sequence_data_parallel_group(self):
+        return self._seq_data
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._seq_data)
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return dist.get_rank(self._seq_data)
+
+    # No tensor parallelism: each rank holds whole parameters. DeepSpeed's gradient clipping asks
+    # for these (its own parallel_state_sp lacks them, so ZeRO-0 with clipping fails there).
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_group(self):
+        return self._mp

@@ -1,12 +1,14 @@
 """Training: config -> DeepSpeed engine -> steps -> checkpoints -> report and HF export.
 
 One step, on every data-parallel rank:
-  1. the loader reads, balances (grouped reordering) and packs this rank's micro-batches;
+  1. the loader reads, balances (grouped reordering) and packs this rank's micro-batches; under
+     Ulysses SP the ranks of one SP group read the same rows and each keeps its shard of them;
   2. the ranks all-reduce their target-token counts (and any data error, so all stop together):
      the loss is normalised by the global count, so the gradient equals one process running the
      whole global batch, whatever the split;
-  3. each micro-batch runs encode -> scatter into the text -> LLM -> summed token loss, then
-     DeepSpeed's backward and step (which reduces gradients at the accumulation boundary).
+  3. each micro-batch runs encode -> (under SP: reshard onto the sequence shards) -> scatter into
+     the text -> LLM -> summed token loss, then DeepSpeed's backward and step (which reduces
+     gradients at the accumulation boundary, over data x sequence ranks).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from ds_omni.data.sources import resolve_files
 from ds_omni.ds_config import derive_ds_config, load_ds_json
 from ds_omni.errors import DataError, LaunchError
 from ds_omni.parallel import dist
-from ds_omni.parallel.groups import TorchDataComm, data_groups
+from ds_omni.model.build import check_sequence_parallel
+from ds_omni.parallel.groups import TorchDataComm, data_groups, sequence_groups
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.train import checkpoint
 from ds_omni.train.control import WeightsFile
@@ -47,21 +50,40 @@ class StopTraining(Exception):
     """A data source ran out under on_exhausted="stop": end the run with a checkpoint."""
 
 
-def engine_loss(loss_sum: torch.Tensor, dp_size: int, global_targets: float) -> torch.Tensor:
+def engine_loss(loss_sum: torch.Tensor, grad_divisor: int, global_targets: float) -> torch.Tensor:
     """The loss handed to `engine.backward` (without DeepSpeed's accumulation scaling).
 
-    DeepSpeed averages gradients over the dp ranks; multiplying by dp undoes that, so the reduced
-    gradient is d(sum of all token losses of the global batch) / global target tokens.
+    DeepSpeed sums the ranks' gradients and divides by `grad_divisor` ranks (`gradient_divisor`);
+    multiplying by it undoes that, so the reduced gradient is d(sum of all token losses of the
+    global batch) / global target tokens, whatever the plan.
     """
-    return loss_sum * (dp_size / max(global_targets, 1.0))
+    return loss_sum * (grad_divisor / max(global_targets, 1.0))
 
 
-def train_step(engine, batch: StepBatch, dp_size: int, dp_group=None) -> StepResult:
-    """One optimizer step on this rank's micro-batches (every rank calls it, in lockstep)."""
-    local = [sum(mb.num_targets for mb in batch.micro_batches),
-             sum(mb.num_tokens for mb in batch.micro_batches), len(batch.keys),
-             batch.modelled_cost, float(batch.error is not None), float(batch.stop is not None)]
-    targets, tokens, samples, cost_sum, errors, stops = dist.all_reduce_sum(local, dp_group)
+def gradient_divisor(engine, dp_size: int, sp_size: int) -> int:
+    """How many ranks DeepSpeed divides the summed gradient by.
+
+    Without SP: the dp ranks. Under SP, DeepSpeed 0.19.8 is not consistent: ZeRO 0-2 (and ZeRO-3's
+    contiguous all-reduce) divide by dp only, i.e. *sum* over the SP ranks of a group, but
+    ZeRO-3's reduce-scatter (`__avg_scatter_grads`, which ds_omni makes the one ZeRO-3 path under
+    SP by setting `zero_optimization.reduce_scatter`) averages over all dp x sp ranks.
+    """
+    if sp_size > 1 and engine.zero_optimization_stage() == 3:
+        return dp_size * sp_size
+    return dp_size
+
+
+def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=None) -> StepResult:
+    """One optimizer step on this rank's micro-batches (every rank calls it, in lockstep).
+
+    `on_reduced_grads(engine)`, if given, runs after the last backward and before the optimizer
+    step, when the gradients are reduced over the ranks (for tests that compare them).
+    """
+    dp_group, token_group, dp_size = comm.dp_group, comm.token_group, comm.dp_size
+    divisor = gradient_divisor(engine, dp_size, comm.sp_size)
+    local = [len(batch.keys), batch.modelled_cost, float(batch.error is not None),
+             float(batch.stop is not None)]
+    samples, cost_sum, errors, stops = dist.all_reduce_sum(local, dp_group)
     # a data problem on any rank stops every rank here, before a collective could hang
     if errors:
         raise DataError(batch.error or "another data-parallel rank hit a data error; its "
@@ -71,13 +93,18 @@ def train_step(engine, batch: StepBatch, dp_size: int, dp_group=None) -> StepRes
     if not samples:
         raise StopTraining("every data source is exhausted (on_exhausted='drop')")
     (cost_max,) = dist.all_reduce_max([batch.modelled_cost], dp_group)
+    targets, tokens = dist.all_reduce_sum([sum(mb.num_targets for mb in batch.micro_batches),
+                                           sum(mb.num_tokens for mb in batch.micro_batches)],
+                                          token_group)
     loss_sum = 0.0
-    for mb in batch.micro_batches:
+    for i, mb in enumerate(batch.micro_batches):
         out = engine(mb.to(engine.device))
-        engine.backward(engine_loss(out.loss_sum, dp_size, targets), scale_wrt_gas=False)
+        engine.backward(engine_loss(out.loss_sum, divisor, targets), scale_wrt_gas=False)
+        if on_reduced_grads is not None and i == len(batch.micro_batches) - 1:
+            on_reduced_grads(engine)
         engine.step()
         loss_sum += float(out.loss_sum.detach())
-    (global_loss_sum,) = dist.all_reduce_sum([loss_sum], dp_group)
+    (global_loss_sum,) = dist.all_reduce_sum([loss_sum], token_group)
     return StepResult(loss=global_loss_sum / max(targets, 1.0), tokens=int(tokens),
                       targets=int(targets), samples=int(samples),
                       cost_max_over_mean=cost_max / (cost_sum / dp_size) if cost_sum else 1.0)
@@ -86,9 +113,10 @@ def train_step(engine, batch: StepBatch, dp_size: int, dp_group=None) -> StepRes
 def preflight(cfg: OmniConfig, ds_config_path: str) -> tuple[ParallelPlan, dict]:
     """Every check that needs no process group, so a bad input fails on all ranks at once."""
     plan = ParallelPlan.from_config(cfg.parallel, dist.world_size_from_env())
-    if plan.sp_enabled or plan.pp_enabled:
-        raise LaunchError("parallel.sp > 1 and parallel.pp > 1 are not available in this version; "
-                          "set both to 1")
+    if plan.pp_enabled:
+        raise LaunchError("parallel.pp > 1 is not available in this version; set it to 1")
+    if plan.sp_enabled:
+        check_sequence_parallel(cfg.model, plan.sp)
     ds_config = derive_ds_config(cfg, load_ds_json(ds_config_path), plan)
     checkpoint.check_writable(cfg.train.output_dir)
     reorder_group_size(cfg.data, plan.dp)
@@ -101,21 +129,29 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     """(built model, loader, DeepSpeed engine) of this rank; call after `init_distributed`."""
     import deepspeed
     from ds_omni.model.build import build_model
+    from deepspeed.utils import groups as ds_groups
     coords = plan.coords(rank)
     group_size = reorder_group_size(cfg.data, plan.dp)
     dp_group, reorder_group = data_groups(plan, rank, group_size)
-    comm = TorchDataComm(dp_group, reorder_group, plan.dp, group_size)
+    mpu = sequence_groups(plan, rank)
+    comm = TorchDataComm(dp_group, reorder_group, plan.dp, group_size,
+                         mpu.get_sequence_data_parallel_group() if mpu else None, plan.sp)
     # rank 0 makes builtin assets first; the others then only read them
     if rank != 0:
         dist.barrier()
     built = build_model(cfg.model)
+    if plan.sp_enabled:  # the LLM's attention goes Ulysses; encoders keep theirs
+        built.model.set_attention(cfg.model.attn_implementation, mpu.get_sequence_parallel_group())
     loader = build_loader(cfg, built, dp_rank=coords.dp_rank, dp_size=plan.dp,
-                          num_micro=ds_config["gradient_accumulation_steps"], comm=comm)
+                          num_micro=ds_config["gradient_accumulation_steps"], comm=comm,
+                          sp_rank=coords.sp_rank, sp_size=plan.sp)
     if rank == 0:
         dist.barrier()
     torch.manual_seed(cfg.train.seed + rank)
     params = [p for p in built.model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(model=built.model, model_parameters=params, config=ds_config)
+    ds_groups.mpu = None  # DeepSpeed keeps the last engine's mpu in a module global: don't inherit it
+    engine, *_ = deepspeed.initialize(model=built.model, model_parameters=params, config=ds_config,
+                                      mpu=mpu)
     return built, loader, engine
 
 
@@ -151,7 +187,7 @@ def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after) -> int:
         weights_file.poll(loader)
         batch = loader.next_step()
         try:
-            result = train_step(engine, batch, plan.dp, loader.comm.dp_group)
+            result = train_step(engine, batch, loader.comm)
         except StopTraining as e:
             if rank == 0:
                 print(f"ds-omni: stopping at step {step}: {e}")
@@ -181,7 +217,7 @@ def _finish(cfg, engine, loader, rank, step, plan) -> dict:
     dist.barrier()
     report = {}
     if rank == 0:
-        extra = {"world_size": plan.world_size, "dp": plan.dp,
+        extra = {"world_size": plan.world_size, "dp": plan.dp, "sp": plan.sp,
                  "zero_stage": engine.zero_optimization_stage(), "final_step": step}
         if cfg.train.export_hf and step >= cfg.train.steps:
             from ds_omni.model.convert import export_checkpoint

@@ -22,7 +22,7 @@ def _train_and_save(rank, world, root):
         plan = ParallelPlan.from_config(cfg.parallel, world)
         built, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(stage), plan),
                                                rank, plan)
-        train_step(engine, loader.next_step(), plan.dp, loader.comm.dp_group)
+        train_step(engine, loader.next_step(), loader.comm)
         if rank == 0:
             checkpoint.save_model_meta(checkpoint.checkpoint_root(cfg.train.output_dir), built)
         checkpoint.save(engine, cfg.train.output_dir, 1, loader.state_dict(), rank)
@@ -57,7 +57,7 @@ def _frozen_ranks(rank, world, root, stage):
                                            rank, plan)
     before = _full_params(engine)
     for _ in range(2):
-        train_step(engine, loader.next_step(), plan.dp, loader.comm.dp_group)
+        train_step(engine, loader.next_step(), loader.comm)
     after = _full_params(engine)
     groups = engine.optimizer.fp16_groups if stage == 3 else engine.optimizer.bit16_groups
     in_optimizer = {id(p) for g in groups for p in g}

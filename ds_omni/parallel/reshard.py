@@ -1,0 +1,175 @@
+"""Adaptive resharding: encoder outputs -> the LLM sequence shards that hold their placeholders.
+
+Under LLM sequence parallelism (sp ranks split one packed row into sp contiguous token shards),
+every image / audio item of the row is encoded by exactly ONE rank of the SP group, chosen by
+modelled cost (longest-processing-time first, so encoder work is even), not by where its
+placeholders sit. After the projector, one all-to-all with uneven splits sends each embedding row
+to the rank whose shard holds that row's placeholder position; backward sends the gradients back
+the same way. An item cut by a shard boundary simply sends its rows to two ranks.
+
+The naive schemes move far more: every SP rank encoding every item of the row (sp x the encoder
+work, no traffic), or an all-gather of all embeddings (every rank receives every row).
+
+The plan is a pure function of metadata that every rank of the group already has (the packed row
+is the same on all of them), so all ranks compute the same plan without communicating; only
+`ReshardEmbeddings` talks.
+
+Dims: T padded row length (a multiple of sp), S = T / sp tokens per shard, N embedding rows of the
+row (all encoders), N_r rows rank r encodes, D LLM hidden size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ItemSlots:
+    """One encoder item of the packed row: which encoder, its cost, its placeholder positions."""
+
+    encoder: str
+    index: int  # position of the item among its encoder's items, in text order
+    positions: np.ndarray  # [n] global token positions its n embeddings replace, ascending
+    cost: float  # modelled encoder cost
+
+
+@dataclass(frozen=True)
+class RankReshard:
+    """What one SP rank does in the step's resharding (all lists are plain ints)."""
+
+    rank: int
+    order: list[str]  # encoders whose rows are concatenated, in this order, before sending
+    encode: dict[str, list[int]]  # encoder -> indices of the items this rank encodes, text order
+    encode_rows: dict[str, int]  # encoder -> embedding rows those items yield
+    group_rows: int  # rows of the whole row, all ranks: 0 means nothing to exchange
+    send_order: list[int]  # [N_r] local output rows, reordered by destination rank (stable)
+    send_counts: list[int]  # [sp] rows sent to each rank (self included)
+    recv_counts: list[int]  # [sp] rows received from each rank
+    recv_positions: list[int]  # [sum(recv_counts)] shard-local position of each received row
+
+    @property
+    def rows_out(self) -> int:
+        return sum(self.send_counts)
+
+    @property
+    def rows_in(self) -> int:
+        return sum(self.recv_counts)
+
+    def rows_moved(self) -> int:
+        """Rows that leave this rank (the ones sent to itself are a local copy)."""
+        return self.rows_out - self.send_counts[self.rank]
+
+
+def item_slots(input_ids: np.ndarray, placeholder_ids: dict[str, int],
+               item_sizes: dict[str, list[int]], item_costs: dict[str, list[float]]) -> list[ItemSlots]:
+    """Placeholder positions of every item: encoder e's k-th item owns the next n_k of e's slots.
+
+    input_ids [T] (the whole padded row); item_sizes[e][k] = embeddings of e's k-th item.
+    """
+    slots = []
+    for enc, sizes in item_sizes.items():
+        where = np.flatnonzero(input_ids == placeholder_ids[enc])
+        if len(where) != sum(sizes):
+            raise ValueError(f"encoder {enc!r}: the row has {len(where)} placeholder tokens but its "
+                             f"items yield {sum(sizes)} embeddings ({sizes})")
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        for k, n in enumerate(sizes):
+            slots.append(ItemSlots(enc, k, where[offsets[k]:offsets[k] + n], item_costs[enc][k]))
+    return slots
+
+
+def assign_items(slots: list[ItemSlots], sp: int, shard_len: int) -> list[int]:
+    """The rank that encodes each item: costliest first onto the least-loaded rank (LPT).
+
+    Ties in load go to the rank holding most of the item's placeholders, so a light row's items stay
+    where they are used and do not move at all.
+    """
+    load = np.zeros(sp)
+    owner = [0] * len(slots)
+    for i in sorted(range(len(slots)), key=lambda i: (-slots[i].cost, i)):
+        held = np.bincount(slots[i].positions // shard_len, minlength=sp)[:sp]
+        least = np.flatnonzero(np.isclose(load, load.min(), rtol=1e-9, atol=0.0))
+        owner[i] = int(least[np.argmax(held[least])])
+        load[owner[i]] += slots[i].cost
+    return owner
+
+
+def plan_reshard(slots: list[ItemSlots], sp: int, shard_len: int,
+                 encoder_order: list[str]) -> list[RankReshard]:
+    """Every rank's part of the all-to-all (pure: identical on all ranks of the group).
+
+    A rank's output rows are its items' embeddings concatenated in `encoder_order`, then text
+    order within an encoder (the order `OmniModel` runs its encoders in).
+    """
+    owner = assign_items(slots, sp, shard_len)
+    rank_order = {enc: i for i, enc in enumerate(encoder_order)}
+    by_rank: list[list[int]] = [[] for _ in range(sp)]
+    for i in sorted(range(len(slots)), key=lambda i: (rank_order[slots[i].encoder], slots[i].index)):
+        by_rank[owner[i]].append(i)
+    # rows of rank r in its output order, as global positions
+    out_positions = [np.concatenate([slots[i].positions for i in items]).astype(np.int64)
+                     if items else np.zeros(0, np.int64) for items in by_rank]
+    plans = []
+    for r in range(sp):
+        dest = out_positions[r] // shard_len
+        send_order = np.argsort(dest, kind="stable")
+        recv_positions = [out_positions[s][out_positions[s] // shard_len == r] - r * shard_len
+                          for s in range(sp)]
+        encode: dict[str, list[int]] = {}
+        encode_rows: dict[str, int] = {}
+        for i in by_rank[r]:
+            encode.setdefault(slots[i].encoder, []).append(slots[i].index)
+            encode_rows[slots[i].encoder] = encode_rows.get(slots[i].encoder, 0) + len(slots[i].positions)
+        plans.append(RankReshard(
+            rank=r, order=list(encoder_order), encode=encode, encode_rows=encode_rows,
+            group_rows=sum(len(p) for p in out_positions), send_order=send_order.tolist(),
+            send_counts=np.bincount(dest, minlength=sp).tolist(),
+            recv_counts=[len(p) for p in recv_positions],
+            recv_positions=np.concatenate(recv_positions).tolist()))
+    return plans
+
+
+def bytes_moved(plans: list[RankReshard], hidden: int, dtype_bytes: int) -> dict[str, int]:
+    """Bytes that cross ranks in one row's resharding, against the all-gather baseline.
+
+    all_gather: every rank receives every other rank's rows ((sp - 1) x N rows in all).
+    """
+    sp = len(plans)
+    rows = sum(p.rows_out for p in plans)
+    row_bytes = hidden * dtype_bytes
+    return {"reshard": sum(p.rows_moved() for p in plans) * row_bytes,
+            "all_gather": (sp - 1) * rows * row_bytes}
+
+
+# ------------------------------------------------------------------------ the collective
+class ReshardEmbeddings(torch.autograd.Function):
+    """[N_r, D] rows this rank encoded -> [sum(recv_counts), D] rows its shard needs.
+
+    Forward: one `all_to_all_single` with uneven splits over the SP group. Backward: the same
+    exchange reversed (gradients of received rows go back to the rank that encoded them).
+    """
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, plan: RankReshard, group) -> torch.Tensor:
+        ctx.plan, ctx.group = plan, group
+        order = torch.as_tensor(plan.send_order, dtype=torch.long, device=rows.device)
+        send = rows.index_select(0, order).contiguous()  # [N_r, D] grouped by destination
+        recv = rows.new_empty((plan.rows_in, rows.shape[1]))
+        dist.all_to_all_single(recv, send, output_split_sizes=plan.recv_counts,
+                               input_split_sizes=plan.send_counts, group=group)
+        return recv
+
+    @staticmethod
+    def backward(ctx, grad_recv: torch.Tensor):
+        plan = ctx.plan
+        grad_send = grad_recv.new_empty((plan.rows_out, grad_recv.shape[1]))
+        dist.all_to_all_single(grad_send, grad_recv.contiguous(),
+                               output_split_sizes=plan.send_counts,
+                               input_split_sizes=plan.recv_counts, group=ctx.group)
+        order = torch.as_tensor(plan.send_order, dtype=torch.long, device=grad_recv.device)
+        grad_rows = torch.empty_like(grad_send).index_copy_(0, order, grad_send)  # undo the sort
+        return grad_rows, None, None

@@ -1,0 +1,137 @@
+"""The correctness oracle of every parallel plan: one process, no DeepSpeed, the same global batch.
+
+- The global batch of each step comes from `dp` loaders in plain loader order, built here
+  (`reference_step_keys`), not from what the ranks report: reordering, sequence sharding,
+  resharding and packing under test cannot shape the batch they are judged against.
+- The reference trains plain PyTorch on it: the same init, loss = sum of token losses / global
+  target tokens, torch AdamW, the same clipping.
+- It compares the losses, the full gradients after the first backward (before clipping and Adam,
+  which would hide a uniform error in gradient size: Adam's first steps are close to
+  lr x sign(g)), and the parameters after the last step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tests.fixtures import ADAM_EPS
+
+# Gradients agree to rtol, plus an atol of this fraction of the largest gradient of the model:
+# gradients that are zero in exact arithmetic (a key bias cannot change a softmax) hold only float
+# noise of reduction order, ~1e-11 here.
+GRAD_RTOL, GRAD_ATOL_FRAC = 1e-4, 1e-6
+
+
+def full_params(engine) -> dict[str, torch.Tensor]:
+    import deepspeed
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()),
+                                           enabled=engine.zero_optimization_stage() == 3):
+        return {n: p.detach().clone().float() for n, p in params.items()}
+
+
+def full_grads(engine) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's whole reduced gradient (any ZeRO stage); call on all ranks."""
+    from deepspeed.utils import safe_get_full_grad
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            g = safe_get_full_grad(p)
+            if g is not None:
+                out[name] = g.detach().clone().float()
+    return out
+
+
+def reference_step_keys(cfg, built, dp: int, steps: int) -> list[list[str]]:
+    """Sorted sample keys of each step's global batch: `dp` loaders in loader order, one process."""
+    from ds_omni.data.build import build_loader
+    plain = _with_loader_order(cfg)
+    loaders = [build_loader(plain, built, dp_rank=r, dp_size=dp, num_micro=1) for r in range(dp)]
+    keys = [sorted(k for loader in loaders for k in loader.next_step().keys) for _ in range(steps)]
+    for loader in loaders:
+        loader.close()
+    return keys
+
+
+def _with_loader_order(cfg):
+    import copy
+    from ds_omni.config import ReorderConfig
+    plain = copy.deepcopy(cfg)
+    plain.data.reorder = ReorderConfig(mode="loader_order")
+    return plain
+
+
+@dataclass
+class Reference:
+    losses: list[float]
+    grads: dict[str, torch.Tensor]  # after the first backward
+    params: dict[str, torch.Tensor]  # after the last step
+    init: dict[str, torch.Tensor]
+    with_grad: set[str]
+
+
+def run_reference(cfg, step_keys: list[list[str]]) -> Reference:
+    """Train the global batches `step_keys` in one process."""
+    from ds_omni.data.build import build_loader
+    from ds_omni.data.packing import pack
+    from ds_omni.model.build import build_model
+    built = build_model(cfg.model)
+    model = built.model
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fetch = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(0.9, 0.95), eps=ADAM_EPS,
+                            weight_decay=cfg.train.weight_decay)
+    losses, grads, with_grad = [], {}, set()
+    for step, keys in enumerate(step_keys):
+        samples = fetch.load_samples(keys)
+        micro_batches = [pack(samples[i:i + 3], built.item_processors)  # any split: same sums
+                         for i in range(0, len(samples), 3)]
+        total = sum(mb.num_targets for mb in micro_batches)
+        opt.zero_grad()
+        loss_sum = 0.0
+        for mb in micro_batches:
+            out = model(mb)
+            (out.loss_sum / total).backward()
+            loss_sum += out.loss_sum.item()
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                     if p.grad is not None}
+        with_grad |= {n for n, p in model.named_parameters() if p.grad is not None and p.grad.any()}
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(loss_sum / total)
+    fetch.close()
+    return Reference(losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()},
+                     init, with_grad)
+
+
+def assert_matches(ref: Reference, got: dict, where: str, *, param_atol: float) -> None:
+    """`got` (one rank's losses, first-step gradients and final parameters) equals the reference."""
+    assert got["losses"] == pytest.approx(ref.losses, rel=1e-6, abs=1e-7), where
+    assert_grads_match(ref.grads, got["grads"], where)
+    assert got["params"].keys() == ref.params.keys(), where
+    for key, want in ref.params.items():
+        torch.testing.assert_close(got["params"][key], want, rtol=1e-5, atol=param_atol,
+                                   msg=lambda m: f"{where} {key}: {m}")
+
+
+def assert_grads_match(want: dict, got: dict, where: str) -> None:
+    nonzero = {k for k, g in want.items() if g.any()}
+    assert nonzero, where
+    missing = sorted(nonzero - set(got))
+    assert not missing, f"{where}: no gradient for {missing[:5]}"
+    atol = GRAD_ATOL_FRAC * max(float(want[k].abs().max()) for k in nonzero)
+    for key in nonzero:
+        torch.testing.assert_close(got[key], want[key], rtol=GRAD_RTOL, atol=atol,
+                                   msg=lambda m: f"{where} grad of {key}: {m}")
+
+
+def assert_moved(ref: Reference, where: str) -> None:
+    """The comparison is not between two untouched inits (only layers off the model's path, e.g.
+    vision layers after the feature layer, get no gradient)."""
+    assert len(ref.with_grad) > 0.7 * len(ref.params), where
+    assert not [k for k in ref.with_grad if torch.equal(ref.params[k], ref.init[k])], where
