@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--tag", help="checkpoint tag (default: latest)")
     c.add_argument("--out", required=True, help="output directory")
 
-    pl = sub.add_parser("plan", help="print the parallel plan and the derived DeepSpeed config")
+    pl = sub.add_parser("plan", help="print the parallel plan, its rank layout and the derived "
+                                     "DeepSpeed config")
     pl.add_argument("--config", required=True)
     pl.add_argument("--deepspeed", required=True)
     pl.add_argument("--world-size", type=int, required=True)
@@ -101,15 +102,35 @@ def cmd_convert(args) -> None:
 
 
 def cmd_plan(args) -> None:
+    """Print the plan, its rank layout and the derived DeepSpeed config; check what can be checked
+    without launching (the world size, the SP degree against the LLM's heads, the reorder group)."""
     from ds_omni.config import load_config
+    from ds_omni.data.loader import reorder_group_size
     from ds_omni.ds_config import derive_ds_config, load_ds_json
+    from ds_omni.model.build import check_sequence_parallel
     from ds_omni.parallel.plan import ParallelPlan
     cfg = load_config(args.config, args.set)
     plan = ParallelPlan.from_config(cfg.parallel, args.world_size)
-    print(json.dumps({"plan": {"world_size": plan.world_size, "dp": plan.dp, "sp": plan.sp,
-                               "pp": plan.pp},
-                      "deepspeed": derive_ds_config(cfg, load_ds_json(args.deepspeed), plan)},
-                     indent=1))
+    if plan.sp_enabled:
+        check_sequence_parallel(cfg.model, plan.sp)
+    print(_leaf_lines({"plan": {"world_size": plan.world_size, "dp": plan.dp, "sp": plan.sp,
+                                "pp": plan.pp},
+                       "layout": plan.layout(reorder_group_size(cfg.data, plan.dp)),
+                       "deepspeed": derive_ds_config(cfg, load_ds_json(args.deepspeed), plan)}))
+
+
+def _leaf_lines(obj, level: int = 0) -> str:
+    """Indented JSON with each leaf list or object (no container inside) on one line, so a layout
+    of 64 ranks prints a line per rank and per group rather than a line per number."""
+    children = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else ()
+    if not any(isinstance(c, (dict, list)) for c in children):
+        return json.dumps(obj)
+    inner = " " * (level + 1)
+    if isinstance(obj, dict):
+        body = [f"{inner}{json.dumps(k)}: {_leaf_lines(v, level + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(body) + "\n" + " " * level + "}"
+    body = [inner + _leaf_lines(v, level + 1) for v in obj]
+    return "[\n" + ",\n".join(body) + "\n" + " " * level + "]"
 
 
 def cmd_calibrate_cost(args) -> None:

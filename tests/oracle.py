@@ -135,3 +135,56 @@ def assert_moved(ref: Reference, where: str) -> None:
     vision layers after the feature layer, get no gradient)."""
     assert len(ref.with_grad) > 0.7 * len(ref.params), where
     assert not [k for k in ref.with_grad if torch.equal(ref.params[k], ref.init[k])], where
+
+
+# ----------------------------------------------------------------------------- the ranks' side
+PLANTS = ("loss_x2", "drop_sample")
+
+
+def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
+                  plant: str | None = None) -> dict:
+    """Train `steps` steps of `cfg` on this rank through the real DeepSpeed engine.
+
+    Returns the losses, every step's sample keys, counts of micro-batches with nothing to encode
+    here, and (on rank 0 only, to keep results small) the first step's reduced gradients and the
+    final parameters. `plant` puts in a known error: the oracle must see it.
+    """
+    from ds_omni.ds_config import derive_ds_config
+    from ds_omni.parallel.plan import ParallelPlan
+    from ds_omni.train import engine as train
+    plan = ParallelPlan.from_config(cfg.parallel, world)
+    built, loader, engine = train.setup_training(cfg, derive_ds_config(cfg, ds_json, plan), rank, plan)
+    out = {"losses": [], "keys": [], "nothing_to_encode": 0, "row_without_items": 0}
+    grads = {}
+    engine_loss = train.engine_loss
+    if plant == "loss_x2":
+        train.engine_loss = lambda *a: 2 * engine_loss(*a)
+    try:
+        for step in range(steps):
+            batch = loader.next_step()
+            if plant == "drop_sample" and rank == 0 and step == 0:
+                _drop_last_sample(batch.micro_batches[0])
+            _count_encoder_work(batch, out)
+            out["keys"].append(batch.keys)
+            grab = (lambda e: grads.update(full_grads(e))) if step == 0 else None
+            out["losses"].append(train.train_step(engine, batch, loader.comm, grab).loss)
+    finally:
+        train.engine_loss = engine_loss
+    params = full_params(engine)
+    loader.close()
+    if rank == 0:
+        out.update(grads=grads, params=params)
+    return out
+
+
+def _drop_last_sample(mb) -> None:
+    """The last sample of a (whole, unsharded) micro-batch no longer counts: its targets go."""
+    from ds_omni.model.omni import IGNORE_INDEX
+    assert mb.reshard is None, "plant drop_sample on data-parallel runs only"
+    mb.targets[:, int(mb.cu_seqlens[-2]):] = IGNORE_INDEX
+
+
+def _count_encoder_work(batch, out: dict) -> None:
+    for mb in batch.micro_batches:
+        out["nothing_to_encode"] += not mb.encoder_inputs
+        out["row_without_items"] += bool(mb.reshard is not None and not mb.reshard.group_rows)

@@ -98,7 +98,9 @@ def llm_text_config(cfg: ModelConfig):
         family = family_for(read_model_type(model_dir))
         hf = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=cfg.trust_remote_code)
         return family, hf.get_text_config()
-    family = family_for("ds_omni_composed")
+    # a vision-only composition with the mlp2x_gelu projector is built as LLaVA (compose.compose)
+    llava = cfg.audio is None and cfg.projector == "mlp2x_gelu"
+    family = family_for("llava" if llava else "ds_omni_composed")
     part = cfg.llm
     if part.config is not None:
         fields = dict(part.config)

@@ -13,19 +13,24 @@ from ds_omni.parallel.plan import ParallelPlan
 
 
 def data_groups(plan: ParallelPlan, rank: int, group_size: int):
-    """(this rank's data-parallel group, its reorder group); None stands for the default group."""
+    """(this rank's data-parallel group, its reorder group); None stands for the default group.
+
+    The members come from the plan (`ParallelPlan.reorder_group_ranks`), so the groups built here
+    are the ones `ds-omni plan` prints.
+    """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    dp_pg = reorder_pg = None
-    for dp_ranks in plan.dp_group_ranks():
-        pg = _group(dp_ranks, world)
-        if rank in dp_ranks:
-            dp_pg = pg
-        for start in range(0, len(dp_ranks), group_size):
-            members = dp_ranks[start:start + group_size]
-            sub = _group(members, world)
-            if rank in members:
-                reorder_pg = sub
-    return dp_pg, reorder_pg
+    return (_own_group(plan.dp_group_ranks(), rank, world),
+            _own_group(plan.reorder_group_ranks(group_size), rank, world))
+
+
+def _own_group(groups: list[list[int]], rank: int, world: int):
+    """Create every group of `groups` (all ranks must, in the same order); return `rank`'s."""
+    own = None
+    for members in groups:
+        pg = _group(members, world)
+        if rank in members:
+            own = pg
+    return own
 
 
 def _group(ranks: list[int], world: int):
@@ -71,7 +76,7 @@ def sequence_groups(plan: ParallelPlan, rank: int) -> "SequenceParallelMpu | Non
     hold the same parameters and each sees a different part of the data.
     """
     if not plan.sp_enabled:
-        return None, None
+        return None
     sp_pg = None
     for members in plan.sp_group_ranks():
         pg = dist.new_group(members)  # always a group of its own, even when it is the world

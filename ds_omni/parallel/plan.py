@@ -79,3 +79,25 @@ class ParallelPlan:
         """Ranks that split one sequence: one list per (pp, dp)."""
         return [[self.rank_of(RankCoords(p, d, s)) for s in range(self.sp)]
                 for p in range(self.pp) for d in range(self.dp)]
+
+    def reorder_group_ranks(self, group_size: int) -> list[list[int]]:
+        """Ranks whose loaders share sample metadata: G consecutive ranks of each dp group.
+
+        Consecutive dp ranks are near each other (one node), so the metadata exchange stays cheap.
+        """
+        if group_size < 1 or self.dp % group_size:
+            raise ValueError(f"a reorder group of {group_size} ranks does not divide the "
+                             f"data-parallel size {self.dp}")
+        return [dp_ranks[start:start + group_size] for dp_ranks in self.dp_group_ranks()
+                for start in range(0, self.dp, group_size)]
+
+    def layout(self, reorder_group_size: int = 1) -> dict:
+        """Every rank's (pp, dp, sp) coordinates and the groups it belongs to, as plain data.
+
+        What `ds-omni plan` prints, so a layout can be checked before any process is launched.
+        """
+        ranks = [{"rank": r, "pp": c.pp_stage, "dp": c.dp_rank, "sp": c.sp_rank}
+                 for r, c in enumerate(map(self.coords, range(self.world_size)))]
+        return {"ranks": ranks, "sp_groups": self.sp_group_ranks(),
+                "dp_groups": self.dp_group_ranks(), "reorder_group_size": reorder_group_size,
+                "reorder_groups": self.reorder_group_ranks(reorder_group_size)}

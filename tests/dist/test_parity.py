@@ -1,9 +1,11 @@
 """Data-parallel training equals one process running the same global batches.
 
-Oracle: plain PyTorch in one process (no DeepSpeed): same model init, the same global batches
-(the samples the ranks trained on, by key, loaded again in one process), loss = sum of token
-losses / global target tokens, torch AdamW, the same gradient clipping. After two steps with
-gradient accumulation, the losses and every parameter must agree to fp32 precision.
+Oracle (`tests/oracle.py`): plain PyTorch in one process (no DeepSpeed), the same init, global
+batches made there by dp loaders in loader order (not taken from the ranks), loss = sum of token
+losses / global target tokens, torch AdamW, the same clipping. After two steps with gradient
+accumulation the losses, the full reduced gradients of the first step and every parameter must
+agree to fp32 precision. `test_oracle_sees_planted_errors` shows it fails on a loss scaled 2x and
+on one dropped sample.
 
 Cases: the demo composition (LLaVA) under ZeRO 0-3; every other family under ZeRO-3 (images of
 several sizes, M-RoPE positions, audio clips), with text-only samples mixed in so that some ranks
@@ -13,9 +15,9 @@ have micro-batches with nothing to encode (where DeepSpeed's ZeRO-3 would otherw
 import json
 
 import pytest
-import torch
 
-from tests.fixtures import ADAM_EPS, ds_config, tiny_config
+from tests import oracle
+from tests.fixtures import ds_config, tiny_config
 from tests.harness import run_on_ranks
 
 STEPS = 2
@@ -23,14 +25,6 @@ LR = 1e-3  # tiny_config's learning rate
 # Adam turns reduction-order noise in near-zero gradients into updates of up to the step size:
 # parameters must agree to within 0.2% of the total step size (4e-6)
 PARAM_ATOL = 2e-3 * LR * STEPS
-
-
-def _full_params(engine) -> dict[str, torch.Tensor]:
-    import deepspeed
-    params = dict(engine.module.named_parameters())
-    with deepspeed.zero.GatheredParameters(list(params.values()),
-                                           enabled=engine.zero_optimization_stage() == 3):
-        return {n: p.detach().clone().float() for n, p in params.items()}
 
 
 def _config(case: dict, out_dir: str):
@@ -48,57 +42,13 @@ def _config(case: dict, out_dir: str):
 
 
 def _train_ranks(rank, world, cases, out_dir):
-    from ds_omni.ds_config import derive_ds_config
-    from ds_omni.parallel.plan import ParallelPlan
-    from ds_omni.train.engine import setup_training, train_step
     results = {}
     for name, case in cases.items():
         for stage in case["stages"]:
             cfg = _config(case, f"{out_dir}/{name}{stage}")
-            plan = ParallelPlan.from_config(cfg.parallel, world)
-            built, loader, engine = setup_training(
-                cfg, derive_ds_config(cfg, ds_config(stage), plan), rank, plan)
-            losses, keys, empty = [], [], 0
-            for _ in range(STEPS):
-                batch = loader.next_step()
-                empty += sum(not mb.encoder_inputs for mb in batch.micro_batches)
-                keys.append(batch.keys)
-                losses.append(train_step(engine, batch, plan.dp, loader.comm.dp_group).loss)
-            results[(name, stage)] = {"losses": losses, "params": _full_params(engine),
-                                      "keys": keys, "empty_micro_batches": empty}
+            results[(name, stage)] = oracle.train_on_rank(
+                rank, world, cfg, ds_config(stage), case.get("steps", STEPS), case.get("plant"))
     return results
-
-
-def _reference(case, out_dir, step_keys):
-    """One process, no DeepSpeed, on the samples the ranks trained on (`step_keys[step]`)."""
-    from ds_omni.data.build import build_loader
-    from ds_omni.data.packing import pack
-    from ds_omni.model.build import build_model
-    cfg = _config(case, out_dir)
-    built = build_model(cfg.model)
-    model = built.model
-    init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=1)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(0.9, 0.95), eps=ADAM_EPS,
-                            weight_decay=cfg.train.weight_decay)
-    losses, with_grad = [], set()
-    for keys in step_keys:
-        samples = loader.load_samples(keys)
-        micro_batches = [pack(samples[i:i + 3], built.item_processors)  # any split: same sums
-                         for i in range(0, len(samples), 3)]
-        total = sum(mb.num_targets for mb in micro_batches)
-        opt.zero_grad()
-        loss_sum = 0.0
-        for mb in micro_batches:
-            out = model(mb)
-            (out.loss_sum / total).backward()
-            loss_sum += out.loss_sum.item()
-        with_grad |= {n for n, p in model.named_parameters() if p.grad is not None and p.grad.any()}
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        losses.append(loss_sum / total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, init, with_grad
 
 
 def _text_source(tmp_path) -> dict:
@@ -126,45 +76,64 @@ def cases(tmp_path_factory):
                      "sources": vision},
         "qwen2_audio": {"stages": [3], "model_dir": str(family_dirs.make_qwen2_audio_dir(tmp / "a")),
                         "sources": [tones, text]},
+        # planted errors: the oracle must fail on these (one step is enough to see them)
+        **{plant: {"stages": [2], "plant": plant, "steps": 1} for plant in oracle.PLANTS},
     }
 
 
+@pytest.fixture(scope="module")
+def dp_results(cases, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp")
+    return run_on_ranks(_train_ranks, 2, args=(cases, str(out)), timeout=600)
+
+
 @pytest.mark.dist
-def test_data_parallel_matches_single_process(cases, tmp_path):
-    results = run_on_ranks(_train_ranks, 2, args=(cases, str(tmp_path / "dp")), timeout=420)
+def test_data_parallel_matches_single_process(cases, dp_results, tmp_path):
     for name, case in cases.items():
-        _check(name, case, results, tmp_path, samples_per_step=8)
+        if "plant" not in case:
+            _check(name, case, dp_results, tmp_path, dp=2)
+
+
+@pytest.mark.dist
+def test_oracle_sees_planted_errors(cases, dp_results, tmp_path):
+    # 2x loss scaling leaves the reported loss alone and Adam's first step nearly so: only the
+    # gradient comparison sees it. A dropped sample changes the loss itself.
+    for plant, caught_by in (("loss_x2", "grad of"), ("drop_sample", "ZeRO-2")):
+        with pytest.raises(AssertionError, match=caught_by):
+            _check(plant, cases[plant], dp_results, tmp_path, dp=2)
 
 
 @pytest.mark.dist
 def test_budget_mode_in_two_groups_of_two_ranks(tmp_path):
-    """4 ranks, reorder groups of 2, budget mode: each rank's share varies per step."""
+    """4 ranks, reorder groups of 2, budget mode: each rank's share varies per step.
+
+    Budget mode decides which samples make a global batch, so here the reference replays the keys
+    the ranks trained on; the checks of loss, gradients and parameters are the same.
+    """
     cases = {"budget": {"stages": [2], "reorder": {"mode": "budget", "group_size": 2},
                         "train": {"micro_batch_size": 1}}}
     results = run_on_ranks(_train_ranks, 4, args=(cases, str(tmp_path / "dp")), timeout=420)
-    _check("budget", cases["budget"], results, tmp_path, samples_per_step=None)
+    _check("budget", cases["budget"], results, tmp_path, dp=None)
 
 
-def _check(name, case, results, tmp_path, samples_per_step):
+def _check(name, case, results, tmp_path, dp):
+    """Compare every stage of case `name` with the oracle; dp=None replays the ranks' own keys."""
+    from ds_omni.model.build import build_model
     first = case["stages"][0]
-    step_keys = [sorted(k for r in results for k in r[(name, first)]["keys"][s])
-                 for s in range(STEPS)]
-    assert all(len(keys) == len(set(keys)) > 0 for keys in step_keys)
-    if samples_per_step:
-        assert all(len(keys) == samples_per_step for keys in step_keys)
-    ref_losses, ref_params, init, with_grad = _reference(case, str(tmp_path / f"ref_{name}"),
-                                                         step_keys)
+    steps = case.get("steps", STEPS)
+    rank_keys = [sorted(k for r in results for k in r[(name, first)]["keys"][s]) for s in range(steps)]
+    assert all(len(keys) == len(set(keys)) > 0 for keys in rank_keys)
+    cfg = _config(case, str(tmp_path / f"ref_{name}"))
+    if dp is None:
+        step_keys = rank_keys
+    else:
+        step_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), dp, steps)
+        assert rank_keys == step_keys, f"{name}: the ranks trained another global batch"
+    ref = oracle.run_reference(cfg, step_keys)
     for stage in case["stages"]:
-        for rank_result in results:
-            got = rank_result[(name, stage)]
-            assert got["losses"] == pytest.approx(ref_losses, rel=1e-6, abs=1e-7), (name, stage)
-            assert got["params"].keys() == ref_params.keys()
-            for key, ref in ref_params.items():
-                torch.testing.assert_close(got["params"][key], ref, rtol=1e-5, atol=PARAM_ATOL,
-                                           msg=lambda m: f"{name} ZeRO-{stage} {key}: {m}")
-    # the parameters moved: the comparison is not between two untouched inits (only layers
-    # off the model's path, e.g. vision layers after the feature layer, get no gradient)
-    assert len(with_grad) > 0.7 * len(ref_params), name
-    assert not [k for k in with_grad if torch.equal(ref_params[k], init[k])], name
+        got = results[0][(name, stage)]
+        oracle.assert_matches(ref, got, f"{name} ZeRO-{stage}", param_atol=PARAM_ATOL)
+        assert all(r[(name, stage)]["losses"] == got["losses"] for r in results), (name, stage)
+    oracle.assert_moved(ref, name)
     if case.get("sources"):  # text-only micro-batches really happened somewhere
-        assert sum(r[(name, case["stages"][0])]["empty_micro_batches"] for r in results) > 0, name
+        assert sum(r[(name, first)]["nothing_to_encode"] for r in results) > 0, name

@@ -78,3 +78,22 @@ def test_reorder_group_that_does_not_divide_the_ranks(tmp_path, capsys, monkeypa
     monkeypatch.setenv("WORLD_SIZE", "6")
     err = _train(capsys, "--config", c, "--deepspeed", d)
     assert "data.reorder.group_size=4 must divide the data-parallel size 6" in err
+
+
+def test_sp_on_one_process(tmp_path, capsys, monkeypatch):
+    cfg = tiny_config_dict(str(tmp_path / "out"))
+    cfg["parallel"] = {"sp": 2}
+    c, d = _write(tmp_path, cfg)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    err = _train(capsys, "--config", c, "--deepspeed", d)
+    assert "world size 1 is not divisible by parallel.sp x parallel.pp = 2 x 1 = 2" in err
+
+
+def test_sp_that_does_not_divide_the_heads(tmp_path, capsys, monkeypatch):
+    cfg = tiny_config_dict(str(tmp_path / "out"))
+    cfg["parallel"] = {"sp": 3}
+    c, d = _write(tmp_path, cfg)
+    monkeypatch.setenv("WORLD_SIZE", "3")  # fits the world: the heads (4) are what refuse it
+    err = _train(capsys, "--config", c, "--deepspeed", d)
+    assert "parallel.sp=3 must divide the LLM's attention heads" in err
+    assert "4 query heads and 2 key/value heads" in err and "[1, 2, 4]" in err

@@ -37,3 +37,45 @@ def test_groups_partition_the_world():
         assert all(len(g) == size for g in groups)
     assert plan.sp_group_ranks()[0] == [0, 1]
     assert plan.dp_group_ranks()[0] == [0, 2, 4]
+
+
+def test_layout_of_8_ranks_with_sp_2():
+    """dp 4 x sp 2, reorder groups of 2: SP pairs are neighbours, DP groups stride over them."""
+    layout = ParallelPlan.from_config(ParallelConfig(sp=2), 8).layout(reorder_group_size=2)
+    assert layout["ranks"] == [{"rank": r, "pp": 0, "dp": r // 2, "sp": r % 2} for r in range(8)]
+    assert layout["sp_groups"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout["dp_groups"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert layout["reorder_group_size"] == 2
+    assert layout["reorder_groups"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+
+
+def test_reorder_groups_are_consecutive_ranks_of_one_dp_group():
+    plan = ParallelPlan(world_size=24, dp=6, sp=2, pp=2)
+    groups = plan.reorder_group_ranks(3)
+    assert sorted(r for g in groups for r in g) == list(range(24))
+    for g in groups:
+        coords = [plan.coords(r) for r in g]
+        assert len({(c.pp_stage, c.sp_rank) for c in coords}) == 1  # inside one dp group
+        assert [c.dp_rank for c in coords] == list(range(coords[0].dp_rank, coords[0].dp_rank + 3))
+    with pytest.raises(ValueError, match="a reorder group of 4 ranks does not divide the "
+                                         "data-parallel size 6"):
+        plan.reorder_group_ranks(4)
+
+
+def test_data_groups_build_the_printed_layout(monkeypatch):
+    """The process groups `data_groups` creates are the layout's (new_group recorded, no backend)."""
+    from ds_omni.parallel import groups
+    monkeypatch.setattr(groups.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(groups.dist, "get_world_size", lambda group=None: 8)
+    monkeypatch.setattr(groups.dist, "new_group", lambda ranks: tuple(ranks))
+    plan = ParallelPlan(world_size=8, dp=4, sp=2)
+    layout = plan.layout(2)
+    for rank in range(8):
+        dp_pg, reorder_pg = groups.data_groups(plan, rank, 2)
+        assert [list(dp_pg)] == [g for g in layout["dp_groups"] if rank in g]
+        assert [list(reorder_pg)] == [g for g in layout["reorder_groups"] if rank in g]
+
+
+def test_no_sequence_groups_without_sp():
+    from ds_omni.parallel.groups import sequence_groups
+    assert sequence_groups(ParallelPlan(world_size=2, dp=2), 0) is None  # the engine tests `if mpu`

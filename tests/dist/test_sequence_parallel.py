@@ -1,0 +1,140 @@
+"""LLM Ulysses sequence parallelism with adaptive resharding equals one process, exactly.
+
+The acceptance test of decoupled encoder/LLM parallelism, part 1. Each case trains 3 optimizer
+steps through DeepSpeed on 2 ranks (sp=2) or 4 ranks (dp=2 x sp=2) and is compared with the
+oracle (`tests/oracle.py`): one process, plain PyTorch, on global batches that `dp` loaders in
+loader order produce there (not the ranks' keys). Loss (rel 1e-6), the full reduced gradients after
+the first backward, and the parameters after the last step (rel 1e-5) must agree.
+
+The 12 design cases cover every pair of (family, ZeRO stage) once, and every pair of the other axes
+(world, reordering) with each of those: family x stage x world x reordering in a pairwise design.
+- llava: the demo composition (CLIP + Llama, 4 query / 2 KV heads);
+- qwen2_vl: an HF directory (native-resolution images, 3-D M-RoPE positions), with a text-only
+  source mixed in, so that some rows have no image at all;
+- composed: CLIP + Whisper + Qwen2 with ONE KV head (fewer KV heads than sp ranks), images and
+  audio clips in the same rows, plus text-only rows.
+llava_next and qwen2_audio add one case each. Ranks are started once per world size and loop over
+their cases.
+"""
+
+import json
+
+import pytest
+
+from tests import oracle
+from tests.fixtures import TINY_VISION, ds_config, tiny_config
+from tests.harness import run_on_ranks
+
+STEPS = 3
+LR = 1e-3
+PARAM_ATOL = 2e-3 * LR * STEPS  # see test_parity.py: Adam and reduction-order noise
+
+WHISPER = {"model_type": "whisper", "d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 2,
+           "encoder_ffn_dim": 64, "decoder_layers": 1, "decoder_attention_heads": 2,
+           "decoder_ffn_dim": 32, "num_mel_bins": 80, "max_source_positions": 50}
+QWEN2_ONE_KV = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+                "max_position_embeddings": 512, "tie_word_embeddings": False}
+
+#          family      ZeRO world reorder
+DESIGN = [("llava", 0, 2, False), ("llava", 1, 4, True), ("llava", 2, 2, True), ("llava", 3, 4, False),
+          ("qwen2_vl", 0, 4, True), ("qwen2_vl", 1, 2, False), ("qwen2_vl", 2, 4, False),
+          ("qwen2_vl", 3, 2, True),
+          ("composed", 0, 2, True), ("composed", 1, 4, False), ("composed", 2, 2, False),
+          ("composed", 3, 4, True)]
+# the other two families train under SP too (any-resolution tiles; Whisper clips)
+EXTRA = [("llava_next", 2, 2, False), ("qwen2_audio", 3, 2, True)]
+
+
+def _text_source(tmp_path) -> dict:
+    rows = [{"id": f"t{i}", "text": f"A plain sentence number {i} with no picture."} for i in range(64)]
+    path = tmp_path / "text.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return {"name": "text", "path": str(path), "weight": 3.0,
+            "schema": {"text": "text", "image": None}}
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory) -> dict:
+    """Family name -> overrides of the tiny config (model and sources)."""
+    from tests import family_dirs
+    tmp = tmp_path_factory.mktemp("sp_families")
+    text = _text_source(tmp)
+    return {
+        "llava": {},
+        "qwen2_vl": {"model_dir": str(family_dirs.make_qwen2_vl_dir(tmp / "q")),
+                     "sources": [{"name": "shapes", "path": "builtin:shapes"}, text]},
+        "llava_next": {"model_dir": str(family_dirs.make_llava_next_dir(tmp / "n")),
+                       "sources": [{"name": "shapes", "path": "builtin:shapes"}, text]},
+        "qwen2_audio": {"model_dir": str(family_dirs.make_qwen2_audio_dir(tmp / "a")),
+                        "sources": [{"name": "tones", "path": "builtin:tones",
+                                     "schema": {"text": "conversations", "image": None,
+                                                "audio": "audio"}}, text]},
+        "composed": {"model": {"tokenizer": "builtin:shapes", "vision": {"config": dict(TINY_VISION)},
+                               "audio": {"config": WHISPER}, "llm": {"config": QWEN2_ONE_KV}},
+                     "sources": [{"name": "shapes_tones", "path": "builtin:shapes_tones",
+                                  "schema": {"text": "conversations", "image": "image",
+                                             "audio": "audio"}}, text],
+                     "max_seq_len": 160},
+    }
+
+
+def make_config(family: dict, out_dir: str, *, sp: int, reorder: bool):
+    from ds_omni.config import ModelConfig, ReorderConfig, SourceConfig, from_dict
+    cfg = tiny_config(out_dir, steps=STEPS)
+    cfg.parallel.sp = sp
+    if reorder:
+        cfg.data.reorder = ReorderConfig(mode="fixed", group_size=2)
+    if family.get("model_dir"):
+        cfg.model = ModelConfig(pretrained=family["model_dir"])
+    if family.get("model"):
+        cfg.model = from_dict(ModelConfig, family["model"], "model")
+    if family.get("sources"):
+        cfg.data.sources = [from_dict(SourceConfig, s) for s in family["sources"]]
+    cfg.data.max_seq_len = family.get("max_seq_len", cfg.data.max_seq_len)
+    return cfg
+
+
+def _case_name(case) -> str:
+    family, stage, world, reorder = case
+    return f"{family}-zero{stage}-w{world}-{'fixed' if reorder else 'loader_order'}"
+
+
+def _ranks(rank, world, cases, families, out_dir):
+    results = {}
+    for case in cases:
+        family, stage, _, reorder = case
+        cfg = make_config(families[family], f"{out_dir}/{_case_name(case)}", sp=2, reorder=reorder)
+        results[_case_name(case)] = oracle.train_on_rank(rank, world, cfg, ds_config(stage), STEPS)
+    return results
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_matches_single_process(world, families, tmp_path):
+    cases = [c for c in DESIGN + EXTRA if c[2] == world]
+    results = run_on_ranks(_ranks, world, args=(cases, families, str(tmp_path / "sp")), timeout=900)
+    dp = world // 2
+    for case in cases:
+        name = _case_name(case)
+        cfg = make_config(families[case[0]], str(tmp_path / f"ref_{name}"), sp=1, reorder=False)
+        _check_case(name, cfg, dp, [r[name] for r in results])
+
+
+def _check_case(name, cfg, dp, per_rank) -> None:
+    from ds_omni.model.build import build_model
+    want_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), dp, STEPS)
+    for step in range(STEPS):
+        # ranks of one SP group (consecutive: 0-1, 2-3) train on the same samples
+        assert per_rank[0]["keys"][step] == per_rank[1]["keys"][step], name
+        got = sorted(k for r in per_rank[::2] for k in r["keys"][step])
+        assert got == want_keys[step], f"{name} step {step}: the ranks trained another batch"
+    ref = oracle.run_reference(cfg, want_keys)
+    oracle.assert_matches(ref, per_rank[0], name, param_atol=PARAM_ATOL)
+    for r in per_rank[1:]:
+        assert r["losses"] == per_rank[0]["losses"], name
+    oracle.assert_moved(ref, name)
+    if not name.startswith("llava"):
+        # rows with no image or audio at all, and ranks with nothing to encode, really happened
+        assert sum(r["row_without_items"] for r in per_rank) > 0, name
+        assert sum(r["nothing_to_encode"] for r in per_rank) > 0, name

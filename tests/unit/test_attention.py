@@ -1,0 +1,82 @@
+"""Packed attention, tier 1: the per-sample kernel against plain attention over each sample, and
+the KV-head repetition Ulysses needs, with DeepSpeed's head scatter simulated by slicing heads per
+rank. (The SP all-to-all itself runs multi-process in tests/dist.)
+
+References repeat KV heads the way HF's `repeat_kv` does (query head h reads KV head h // (H / Hkv))
+and call SDPA on plain multi-head tensors, so they share no GQA code path with the kernel.
+
+Dims: T packed tokens, H query heads, Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ds_omni.model.attention import PackedAttention, packed_attention, repeat_kv_for_sp
+
+
+def _qkv(h: int, hkv: int, t: int, d: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, h, t, d, generator=g)  # [1, H, T, D]
+    k, v = (torch.randn(1, hkv, t, d, generator=g).requires_grad_() for _ in range(2))  # [1, Hkv, T, D]
+    return q, k, v
+
+
+def _mha(q, k, v, scale=None):
+    """Causal attention with KV heads repeated as HF's repeat_kv does: [1, H, L, D]."""
+    rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                          is_causal=True, scale=scale)
+
+
+@pytest.mark.parametrize("sp", [2, 4, 8])
+@pytest.mark.parametrize("hkv", [1, 2, 4, 8])
+def test_repeated_kv_keeps_each_query_heads_kv_head(hkv, sp):
+    """Each of sp ranks takes H/sp query heads and its share of the repeated KV heads (what
+    DistributedAttention's all-to-all hands it); together they give the GQA output and gradients."""
+    h, t, d = 8, 6, 4
+    q, k, v = _qkv(h, hkv, t, d, seed=10 * hkv + sp)
+    w = torch.randn(1, h, t, d)
+    ref = _mha(q, k, v)  # [1, H, T, D]
+    ref_grads = torch.autograd.grad((ref * w).sum(), (k, v))
+    kr, vr = (repeat_kv_for_sp(x, h, sp) for x in (k, v))  # [1, lcm(Hkv, sp), T, D]
+    assert kr.shape[1] == math.lcm(hkv, sp) and kr.shape[1] % sp == 0
+    hq, hk = h // sp, kr.shape[1] // sp  # heads per rank
+    outs = [_mha(q[:, r * hq:(r + 1) * hq], kr[:, r * hk:(r + 1) * hk], vr[:, r * hk:(r + 1) * hk])
+            for r in range(sp)]
+    out = torch.cat(outs, dim=1)  # [1, H, T, D]
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    for got, want in zip(torch.autograd.grad((out * w).sum(), (k, v)), ref_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # the copies' gradients add up
+
+
+def test_packed_attention_is_attention_over_each_sample():
+    h, hkv, d, cu = 4, 2, 8, [0, 5, 12, 20, 21]
+    q, k, v = _qkv(h, hkv, cu[-1], d, seed=0)
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32)
+    out = PackedAttention()(q, k, v, cu_seqlens, 8, 0.3, 0.0)  # [1, T, H, D]
+    ref = torch.cat([_mha(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scale=0.3)
+                     for a, b in zip(cu[:-1], cu[1:])], dim=2).transpose(1, 2)  # [1, T, H, D]
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    via_hf, weights = packed_attention(None, q, k, v, scaling=0.3, cu_seqlens=cu_seqlens, max_seqlen=8)
+    assert weights is None and torch.equal(via_hf, out)
+
+
+def test_no_sample_attends_to_another():
+    q, k, v = _qkv(4, 2, 12, 8, seed=1)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    out = PackedAttention()(q, k, v, cu, 7, None, 0.0)
+    k2, v2 = k.detach().clone(), v.detach().clone()
+    k2[:, :, :5] += 1.0  # change only the first sample's keys and values
+    v2[:, :, :5] -= 1.0
+    out2 = PackedAttention()(q, k2, v2, cu, 7, None, 0.0)
+    assert torch.equal(out[:, 5:], out2[:, 5:]) and not torch.allclose(out[:, :5], out2[:, :5])
+
+
+def test_unknown_kernel():
+    with pytest.raises(ValueError, match=r"unknown attention kernel 'flash'; choose one of"):
+        PackedAttention("flash")

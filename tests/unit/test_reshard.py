@@ -1,0 +1,320 @@
+"""Adaptive resharding, tier 1: the plan for every SP rank, checked by simulating its all-to-all in
+one process (ranks are a loop), and the SP shards `pack` cuts from a packed row.
+
+The oracle for the exchange never reads the plan's internals: each rank's output rows are built the
+way `OmniModel._embed_shard` builds them (its items' embeddings in `plan.order`, then text order),
+every row carries its own global token position as its value, and after the simulated exchange a
+shard must hold, at every placeholder, exactly that placeholder's position.
+
+Dims: T padded row length, S = T / sp, N_r rows rank r encodes.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from ds_omni.data.packing import SeqShard, empty_micro_batch, pack
+from ds_omni.model.omni import IGNORE_INDEX
+from ds_omni.parallel.reshard import ItemSlots, assign_items, bytes_moved, item_slots, plan_reshard
+
+PLACEHOLDER = {"vision": 7, "audio": 9}
+TEXT, PAD = 1, 0
+
+
+# --------------------------------------------------------------------------------- helpers
+def random_row(rng: np.random.Generator, sp: int):
+    """(input_ids [T], item sizes, item costs, encoder order): text runs and items at random.
+
+    Costs are n^2 of an item's n embeddings, so equal sizes tie; some rows get no item at all.
+    """
+    ids, sizes, costs = [], {}, {}
+    for _ in range(int(rng.integers(0, 9))):
+        ids += [TEXT] * int(rng.integers(0, 12))
+        enc = ("vision", "audio")[int(rng.integers(2))]
+        n = int(rng.integers(1, 20))
+        ids += [PLACEHOLDER[enc]] * n
+        sizes.setdefault(enc, []).append(n)
+        costs.setdefault(enc, []).append(float(n * n))
+    ids += [TEXT] * int(rng.integers(1, 6))
+    ids += [PAD] * (-len(ids) % sp)
+    order = [str(e) for e in rng.permutation(sorted(sizes))]  # the order packing met them in
+    return np.array(ids), sizes, costs, order
+
+
+def plans_of(ids, sizes, costs, order, sp):
+    slots = item_slots(ids, PLACEHOLDER, sizes, costs)
+    return slots, plan_reshard(slots, sp, len(ids) // sp, order)
+
+
+def simulate_exchange(slots: list[ItemSlots], plans, shard_len: int) -> list[torch.Tensor]:
+    """Each rank's shard [S] after one simulated all-to-all: a placeholder's slot holds the global
+    position of the row that landed there, every other slot -1."""
+    sp = len(plans)
+    by_key = {(s.encoder, s.index): s.positions for s in slots}
+    sent = []  # sent[src][dst]: rows rank src sends rank dst
+    for p in plans:
+        rows = [by_key[(e, k)] for e in p.order for k in p.encode.get(e, [])]
+        out = torch.as_tensor(np.concatenate(rows) if rows else np.zeros(0, np.int64))  # [N_r]
+        assert sorted(p.send_order) == list(range(len(out)))  # a permutation of the rows
+        send = out[torch.as_tensor(p.send_order, dtype=torch.long)]  # [N_r] grouped by destination
+        sent.append(torch.split(send, p.send_counts))
+    shards = []
+    for dst, p in enumerate(plans):
+        recv = torch.cat([sent[src][dst] for src in range(sp)])  # concatenated by source rank
+        shard = torch.full((shard_len,), -1, dtype=torch.long)
+        where = torch.as_tensor(p.recv_positions, dtype=torch.long)
+        shards.append(shard.index_copy(0, where, recv))  # as OmniModel puts them into its shard
+    return shards
+
+
+def owners(plans) -> dict[tuple[str, int], int]:
+    """(encoder, item index) -> the rank that encodes it; each item must appear once."""
+    out = {}
+    for p in plans:
+        for enc, idx in p.encode.items():
+            assert idx == sorted(idx), "a rank's items are collated in text order"
+            for k in idx:
+                assert (enc, k) not in out, f"{enc} item {k}: ranks {out[(enc, k)]} and {p.rank}"
+                out[(enc, k)] = p.rank
+    return out
+
+
+# ----------------------------------------------------------------------------- the plan
+@pytest.mark.parametrize("sp", [1, 2, 3, 4])
+def test_every_placeholder_gets_its_row_once(sp):
+    rng = np.random.default_rng(sp)
+    for _ in range(60):
+        ids, sizes, costs, order = random_row(rng, sp)
+        slots, plans = plans_of(ids, sizes, costs, order, sp)
+        s = len(ids) // sp
+        for src, p in enumerate(plans):  # the split sizes the two sides of all_to_all_single give
+            assert [q.recv_counts[src] for q in plans] == p.send_counts
+        shards = simulate_exchange(slots, plans, s)
+        expect = torch.as_tensor(np.where(np.isin(ids, list(PLACEHOLDER.values())),
+                                          np.arange(len(ids)), -1))  # [T]
+        assert torch.equal(torch.cat(shards), expect)
+        for r, p in enumerate(plans):  # duplicates would have been overwritten above: count them
+            assert p.rows_in == int((expect[r * s:(r + 1) * s] >= 0).sum())
+
+
+@pytest.mark.parametrize("sp", [1, 2, 3, 4])
+def test_every_item_is_encoded_by_one_rank(sp):
+    rng = np.random.default_rng(100 + sp)
+    for _ in range(60):
+        ids, sizes, costs, order = random_row(rng, sp)
+        _, plans = plans_of(ids, sizes, costs, order, sp)
+        owner = owners(plans)
+        assert sorted(owner) == sorted((e, k) for e, ns in sizes.items() for k in range(len(ns)))
+        for p in plans:
+            assert p.encode_rows == {e: sum(sizes[e][k] for k in idx)
+                                     for e, idx in p.encode.items()}
+            assert p.group_rows == sum(map(sum, sizes.values()))
+
+
+def test_an_item_cut_by_shard_boundaries_goes_to_each_shard():
+    ids = np.array([TEXT] * 5 + [PLACEHOLDER["vision"]] * 14 + [TEXT] * 5)  # 5..18 over S=8, sp=3
+    slots, plans = plans_of(ids, {"vision": [14]}, {"vision": [1.0]}, ["vision"], 3)
+    encoder = plans[owners(plans)[("vision", 0)]]
+    assert encoder.rank == 1  # a tie in load: the rank holding most of it (8 of 14)
+    assert encoder.send_counts == [3, 8, 3] and encoder.rows_moved() == 6
+    assert [p.recv_positions for p in plans] == [[5, 6, 7], list(range(8)), [0, 1, 2]]
+    assert torch.equal(torch.cat(simulate_exchange(slots, plans, 8))[5:19], torch.arange(5, 19))
+
+
+@pytest.mark.parametrize("sp", [1, 2, 4])
+def test_a_row_without_items_exchanges_nothing(sp):
+    ids = np.full(8, TEXT)
+    slots = item_slots(ids, PLACEHOLDER, {"vision": []}, {"vision": []})
+    plans = plan_reshard(slots, sp, 8 // sp, ["vision"])
+    assert slots == []
+    for p in plans:
+        assert (p.encode, p.group_rows, p.rows_out, p.rows_in) == ({}, 0, 0, 0)
+        assert p.send_counts == p.recv_counts == [0] * sp
+    assert bytes_moved(plans, hidden=64, dtype_bytes=2) == {"reshard": 0, "all_gather": 0}
+
+
+def test_ties_keep_each_item_on_the_rank_that_holds_it():
+    """Three equal items wholly on shards 1, 2, 3 (shard 0 is text): each is encoded where it sits
+    (not by rank 0 first, as plain LPT would), and nothing moves."""
+    ids = np.array([TEXT] * 8 + ([TEXT] * 3 + [PLACEHOLDER["vision"]] * 5) * 3)  # T = 32, S = 8
+    slots, plans = plans_of(ids, {"vision": [5] * 3}, {"vision": [25.0] * 3}, ["vision"], 4)
+    assert [owners(plans)[("vision", k)] for k in range(3)] == [1, 2, 3]
+    assert all(p.rows_moved() == 0 for p in plans)
+    assert bytes_moved(plans, hidden=64, dtype_bytes=2)["reshard"] == 0
+
+
+def test_balance_beats_locality():
+    """Two items on shard 0, one costly: the cheap one is encoded by the idle rank and moves."""
+    ids = np.array([PLACEHOLDER["vision"]] * 6 + [TEXT] * 10)  # S = 8: both items on shard 0
+    slots, plans = plans_of(ids, {"vision": [4, 2]}, {"vision": [16.0, 4.0]}, ["vision"], 2)
+    assert owners(plans) == {("vision", 0): 0, ("vision", 1): 1}
+    assert plans[1].send_counts == [2, 0] and plans[1].rows_moved() == 2
+
+
+@pytest.mark.parametrize("sp", [2, 3, 4])
+def test_lpt_bounds_the_busiest_encoder(sp):
+    """Greedy onto the least-loaded rank: max load <= mean load + the costliest item."""
+    rng = np.random.default_rng(200 + sp)
+    for _ in range(100):
+        n = int(rng.integers(1, 30))
+        costs = rng.pareto(1.5, n) + 0.01  # heavy-tailed, as image sizes are
+        slots = [ItemSlots("vision", k, np.array([k]), float(c)) for k, c in enumerate(costs)]
+        load = np.bincount(assign_items(slots, sp, shard_len=n), weights=costs, minlength=sp)
+        assert load.max() <= costs.sum() / sp + costs.max() + 1e-9
+
+
+@pytest.mark.parametrize("sp", [1, 2, 3, 4])
+def test_bytes_moved_counts_rows_off_their_encoder(sp):
+    rng = np.random.default_rng(300 + sp)
+    for _ in range(30):
+        ids, sizes, costs, order = random_row(rng, sp)
+        slots, plans = plans_of(ids, sizes, costs, order, sp)
+        s, owner = len(ids) // sp, owners(plans)
+        moved = sum(int((sl.positions // s != owner[(sl.encoder, sl.index)]).sum()) for sl in slots)
+        rows = sum(len(sl.positions) for sl in slots)
+        got = bytes_moved(plans, hidden=16, dtype_bytes=2)
+        assert got == {"reshard": moved * 32, "all_gather": (sp - 1) * rows * 32}
+        assert got["reshard"] <= got["all_gather"] or sp == 1
+
+
+def test_placeholder_count_must_match_the_items():
+    ids = np.array([PLACEHOLDER["vision"]] * 5 + [TEXT])
+    with pytest.raises(ValueError, match=r"row has 5 placeholder tokens but its items yield 6"):
+        item_slots(ids, PLACEHOLDER, {"vision": [3, 3]}, {"vision": [1.0, 1.0]})
+
+
+# ------------------------------------------------------------------------- packing shards
+def _cost(encoder: str, item) -> float:
+    return float(sum(n * n for n in item.cost_seqs()))
+
+
+@pytest.fixture(scope="module")
+def llava():
+    """(family, item processors, samples): the tiny composed LLaVA, one image sample per kind."""
+    from ds_omni.config import ModelConfig, from_dict
+    from ds_omni.model.build import build_model
+    from tests.family_checks import processor_for
+    from tests.fixtures import TINY_LLAMA, TINY_VISION
+    built = build_model(from_dict(ModelConfig, {"tokenizer": "builtin:shapes",
+                                                "vision": {"config": dict(TINY_VISION)},
+                                                "llm": {"config": dict(TINY_LLAMA)}}))
+    return built.family, built.item_processors, _samples(processor_for(built), [(32, 32)] * 3)
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl():
+    """(family, item processors, samples) of a tiny Qwen2-VL from its config alone (no weights):
+    3-D M-RoPE positions and images of different sizes."""
+    from transformers import Qwen2VLConfig
+    from ds_omni.data.processing import SampleProcessor
+    from ds_omni.model.family import family_for
+    from tests.family_dirs import MERGE, PATCH, QWEN_TOKENS, qwen_tokenizer
+    tok = qwen_tokenizer()
+    ids = dict(zip(QWEN_TOKENS, tok.convert_tokens_to_ids(QWEN_TOKENS)))
+    config = Qwen2VLConfig(
+        vision_config={"depth": 1, "embed_dim": 32, "num_heads": 4, "hidden_size": 64,
+                       "patch_size": PATCH, "spatial_merge_size": MERGE, "temporal_patch_size": 2},
+        text_config={"hidden_size": 64, "num_attention_heads": 4, "vocab_size": len(tok)},
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"])
+    family = family_for("qwen2_vl")
+    processors = family.item_processors(config, None, tokenizer=tok)
+    proc = SampleProcessor(tokenizer=tok, family=family, item_processors=processors,
+                           markers={"vision": "<image>"}, max_seq_len=4096)
+    return family, processors, _samples(proc, [(32, 32), (84, 56), (40, 24)])
+
+
+def _samples(proc, sizes):
+    """One image, plain text, two images, one image again (sizes: the three images' w x h)."""
+    from PIL import Image
+    from ds_omni.data.demo import shapes_rows
+    rows = shapes_rows(3, seed=5)
+    img = [Image.open(io.BytesIO(r["image"]["bytes"])).convert("RGB").resize(wh)
+           for r, wh in zip(rows, sizes)]
+    two = [{"from": "human", "value": "<image> or <image>?"}, {"from": "gpt", "value": "left"}]
+    texts = [rows[0]["conversations"], "a plain text sample", two, rows[1]["conversations"]]
+    media = [[img[0]], [], [img[1], img[2]], [img[2]]]
+    return [proc(text=t, media={"vision": m} if m else {}, sample_id=sid, source="s")
+            for t, m, sid in zip(texts, media, "abcd")]
+
+
+def assert_shards_rebuild_the_row(samples, processors, sp: int) -> int:
+    """The sp shards `pack` cuts are the unsharded row plus padding; returns the items cut."""
+    whole = pack(samples, processors)
+    t = whole.input_ids.shape[1]
+    pad = -t % sp
+    shards = [pack(samples, processors, SeqShard(r, sp, _cost)) for r in range(sp)]
+    ids = torch.cat([m.input_ids for m in shards], dim=1)  # [1, T + pad]
+    assert torch.equal(ids[:, :t], whole.input_ids)
+    assert not set(ids[0, t:].tolist()) & {p.placeholder_id for p in processors.values()}
+    targets = torch.cat([m.targets for m in shards], dim=1)
+    assert torch.equal(targets[:, :t], whole.targets)
+    assert bool((targets[:, t:] == IGNORE_INDEX).all())  # padding predicts nothing
+    positions = torch.cat([m.position_ids for m in shards], dim=-1)  # [1, T+pad] / [3, 1, T+pad]
+    assert torch.equal(positions[..., :t], whole.position_ids)
+    assert torch.equal(positions[..., t:], torch.arange(pad).expand_as(positions[..., t:]))
+    cu = whole.cu_seqlens.tolist() + ([t + pad] if pad else [])  # padding: one more sample
+    s = (t + pad) // sp
+    for r, m in enumerate(shards):
+        assert m.cu_seqlens.tolist() == cu and m.input_ids.shape[1] == s
+        assert m.max_seqlen == max(whole.max_seqlen, pad) and m.sample_ids == whole.sample_ids
+        assert m.num_tokens == min(s, max(0, t - r * s))  # real tokens of [r*S, (r+1)*S)
+    assert sum(m.num_tokens for m in shards) == whole.num_tokens == t
+    assert sum(m.num_targets for m in shards) == whole.num_targets
+    return _assert_items_split(samples, processors, shards)
+
+
+def _assert_items_split(samples, processors, shards) -> int:
+    """Each item is collated by one shard; each shard receives a row per placeholder it holds."""
+    items = {}
+    for s in samples:
+        for enc, item in s.items:
+            items.setdefault(enc, []).append(item)
+    owner = owners([m.reshard for m in shards])
+    assert sorted(owner) == sorted((e, k) for e, its in items.items() for k in range(len(its)))
+    for m in shards:
+        plan = m.reshard
+        assert sorted(m.encoder_inputs) == sorted(plan.encode)
+        for enc, idx in plan.encode.items():
+            want = processors[enc].collate([items[enc][k] for k in idx])
+            assert all(torch.equal(m.encoder_inputs[enc][key], want[key]) for key in want)
+        placeholders = torch.tensor([p.placeholder_id for p in processors.values()])
+        held = torch.isin(m.input_ids[0], placeholders)  # [S]
+        assert sorted(plan.recv_positions) == held.nonzero().flatten().tolist()
+    return _items_cut(torch.cat([m.input_ids for m in shards], 1)[0].numpy(), items, processors,
+                      shards[0].input_ids.shape[1])
+
+
+def _items_cut(ids, items, processors, shard_len: int) -> int:
+    """How many items of the padded row [T] have placeholders on two shards or more."""
+    slots = item_slots(ids, {e: processors[e].placeholder_id for e in items},
+                       {e: [it.num_embeddings for it in its] for e, its in items.items()},
+                       {e: [0.0] * len(its) for e, its in items.items()})
+    return sum(int(sl.positions[0] // shard_len != sl.positions[-1] // shard_len) for sl in slots)
+
+
+@pytest.mark.parametrize("sp", [2, 3])
+@pytest.mark.parametrize("model", ["llava", "qwen2_vl"])
+def test_shards_rebuild_the_packed_row(model, sp, request):
+    family, processors, samples = request.getfixturevalue(model)
+    assert samples[0].position_ids.dim() == (2 if model == "qwen2_vl" else 1)  # M-RoPE: [3, L]
+    cut = sum(assert_shards_rebuild_the_row(samples[:n], processors, sp) for n in (1, 2, 3, 4))
+    assert cut > 0, "the samples should put some item across a shard boundary"
+
+
+@pytest.mark.parametrize("sp", [2, 3])
+@pytest.mark.parametrize("model", ["llava", "qwen2_vl"])
+def test_empty_micro_batch_pads_to_sp(model, sp, request):
+    family, processors, _ = request.getfixturevalue(model)
+    shards = [empty_micro_batch(family, processors, SeqShard(r, sp, _cost)) for r in range(sp)]
+    whole = empty_micro_batch(family, processors)
+    for m in shards:
+        assert m.input_ids.shape == (1, 1)
+        assert m.position_ids.shape == whole.position_ids.shape  # [1, 1] or [3, 1, 1]
+        assert (m.num_tokens, m.num_targets, m.encoder_inputs) == (0, 0, {})
+        assert m.reshard.group_rows == 0 and m.cu_seqlens.tolist() == [0, 1, sp]
+    assert whole.num_tokens == 0 and whole.num_targets == 0
