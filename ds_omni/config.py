@@ -69,8 +69,10 @@ class ModelConfig:
     """Parts that get no gradient and no optimizer state: any of vision, audio, projector, llm."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype as built; DeepSpeed's bf16 section decides the training precision."""
-    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa"
-    """Attention kernel for packed sequences; flash_attention_2 needs the `gpu` extra."""
+    attn_implementation: Literal["auto", "varlen", "sdpa", "flash_attention_2", "eager"] = "auto"
+    """Attention kernel of the LLM over packed rows. auto: torch's varlen flash kernel on CUDA when
+    torch has it, else SDPA per sample; varlen: torch's (CUDA only); flash_attention_2: the
+    flash-attn package (the `gpu` extra); sdpa / eager: one SDPA call per sample (same numbers)."""
     trust_remote_code: bool = False
     """Allow custom modelling code from the model directory. Off unless you trust the directory."""
     seed: int = 0

@@ -8,9 +8,12 @@ decided by the `PackedAttention` object the backbone passes down with each call:
 an encoder and the LLM, or two models, can hold different kernels and sequence-parallel groups in
 one process.
 
-Two kernels give the same numbers:
+Three kernels give the same numbers (`choose_kernel` picks one for "auto"):
+- torch's own varlen kernel (`torch.nn.attention.varlen.varlen_attn`, FlashAttention-2 inside torch
+  since 2.10; CUDA only): "varlen", and what "auto" picks on a GPU;
 - flash-attn's varlen kernel when it is installed (the `gpu` extra) and `flash_attention_2` is asked;
-- SDPA, one causal call per sample: no T x T mask is built, at the cost of one kernel per sample.
+- SDPA, one causal call per sample: no T x T mask is built, at the cost of one kernel per sample
+  ("sdpa"; "eager" is the same path).
 
 Under Ulysses sequence parallelism each rank holds S = T / sp consecutive tokens of the row.
 DeepSpeed's `DistributedAttention` all-to-alls q, k, v from [1, S, H, D] to [1, T, H/sp, D]; the
@@ -26,13 +29,16 @@ Hkv key/value heads, D head dim.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 import torch.nn.functional as F
 
 PACKED_ATTENTION = "ds_omni_packed"
-KERNELS = ("sdpa", "eager", "flash_attention_2")
+KERNELS = ("auto", "varlen", "sdpa", "eager", "flash_attention_2")
+log = logging.getLogger(__name__)
+_logged: set[str] = set()
 
 
 def flash_attn_available() -> bool:
@@ -43,18 +49,41 @@ def flash_attn_available() -> bool:
     return torch.cuda.is_available()
 
 
+def torch_varlen_available() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def choose_kernel(asked: str, *, varlen: bool, flash_attn: bool) -> str:
+    """The kernel that runs for `asked`, given what this machine has (pure, for tests)."""
+    from ds_omni.errors import ConfigError
+    if asked == "auto":
+        return "varlen" if varlen else "sdpa"
+    if asked == "varlen" and not varlen:
+        raise ConfigError("model.attn_implementation is 'varlen' but torch's varlen kernel needs "
+                          "CUDA and torch >= 2.10; use 'auto' (falls back to SDPA, same numbers)")
+    if asked == "flash_attention_2" and not flash_attn:
+        raise ConfigError("model.attn_implementation is 'flash_attention_2' but flash-attn is "
+                          "not installed or no GPU is visible; install the 'gpu' extra on a CUDA "
+                          "machine or use 'auto' (same numbers)")
+    return "sdpa" if asked == "eager" else asked
+
+
 class PackedAttention:
     """The packed-row attention of one model: its kernel, and its SP group when sequence-parallel."""
 
     def __init__(self, kernel: str = "sdpa", sp_group=None):
         if kernel not in KERNELS:
             raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS}")
-        if kernel == "flash_attention_2" and not flash_attn_available():
-            from ds_omni.errors import ConfigError
-            raise ConfigError("model.attn_implementation is 'flash_attention_2' but flash-attn is "
-                              "not installed or no GPU is visible; install the 'gpu' extra on a CUDA "
-                              "machine or use 'sdpa' (same numbers)")
-        self.kernel = kernel
+        self.kernel = choose_kernel(kernel, varlen=kernel in ("auto", "varlen") and
+                                    torch_varlen_available(),
+                                    flash_attn=kernel == "flash_attention_2" and flash_attn_available())
+        if self.kernel not in _logged:
+            _logged.add(self.kernel)
+            log.info("ds_omni: packed attention kernel %r (asked %r)", self.kernel, kernel)
         self.sp_group = sp_group
         self._ulysses = None
         if sp_group is not None:
@@ -77,6 +106,8 @@ class PackedAttention:
         """q [1, T, h, D], k/v [1, T, hkv, D] over the whole row -> [1, T, h, D]."""
         if self.kernel == "flash_attention_2":
             return _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout)
+        if self.kernel == "varlen":
+            return _torch_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout)
         return _sdpa_per_sample(q, k, v, cu_seqlens, scaling, dropout)
 
 
@@ -126,6 +157,17 @@ def _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout):
     out = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen,  # [T, h, D]
                                  dropout_p=dropout, softmax_scale=scaling, causal=True)
     return out.unsqueeze(0)  # [1, T, h, D]
+
+
+def _torch_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout):
+    """torch's FlashAttention-2 varlen kernel: [1, T, h, D] in and out; causal per sample."""
+    from torch.nn.attention.varlen import varlen_attn
+    if dropout:
+        raise ValueError("torch's varlen kernel has no dropout; use attn_implementation 'sdpa'")
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    out = varlen_attn(q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen, scale=scaling,
+                      window_size=(-1, 0), enable_gqa=k.shape[2] != q.shape[2])  # [T, h, D]
+    return out.unsqueeze(0)
 
 
 def register() -> None:

@@ -80,3 +80,28 @@ def test_no_sample_attends_to_another():
 def test_unknown_kernel():
     with pytest.raises(ValueError, match=r"unknown attention kernel 'flash'; choose one of"):
         PackedAttention("flash")
+
+
+def test_auto_picks_torch_varlen_on_cuda_and_sdpa_elsewhere():
+    from ds_omni.errors import ConfigError
+    from ds_omni.model.attention import choose_kernel
+    assert choose_kernel("auto", varlen=True, flash_attn=True) == "varlen"
+    assert choose_kernel("auto", varlen=False, flash_attn=True) == "sdpa"
+    assert choose_kernel("flash_attention_2", varlen=True, flash_attn=True) == "flash_attention_2"
+    assert choose_kernel("eager", varlen=True, flash_attn=False) == "sdpa"
+    for asked, have in (("varlen", {"varlen": False, "flash_attn": True}),
+                        ("flash_attention_2", {"varlen": True, "flash_attn": False})):
+        with pytest.raises(ConfigError, match="use 'auto'"):
+            choose_kernel(asked, **have)
+
+
+def test_auto_on_this_machine_matches_sdpa():
+    """On CPU "auto" resolves to the per-sample SDPA path: same outputs as asking for "sdpa"."""
+    from ds_omni.model.attention import PackedAttention
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 10, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    auto = PackedAttention("auto")
+    assert auto.kernel == ("varlen" if torch.cuda.is_available() else "sdpa")
+    torch.testing.assert_close(auto(q, k, v, cu, 7, None, 0.0),
+                               PackedAttention("sdpa")(q, k, v, cu, 7, None, 0.0))
