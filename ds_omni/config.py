@@ -73,6 +73,9 @@ class ModelConfig:
     """Attention kernel of the LLM over packed rows. auto: torch's varlen flash kernel on CUDA when
     torch has it, else SDPA per sample; varlen: torch's (CUDA only); flash_attention_2: the
     flash-attn package (the `gpu` extra); sdpa / eager: one SDPA call per sample (same numbers)."""
+    activation_checkpointing: bool = False
+    """Recompute each LLM decoder layer in backward instead of keeping its activations: memory for
+    long rows at about a third more LLM compute (encoders are not checkpointed)."""
     trust_remote_code: bool = False
     """Allow custom modelling code from the model directory. Off unless you trust the directory."""
     seed: int = 0

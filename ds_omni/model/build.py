@@ -126,4 +126,5 @@ def check_sequence_parallel(cfg: ModelConfig, sp: int) -> None:
         raise ModelError(f"parallel.sp={sp} must divide the LLM's attention heads: {where} "
                          f"({text.model_type}) has {heads} query heads and {kv_heads} key/value "
                          f"heads; Ulysses splits the heads over the sp ranks, so sp can be one of "
+    model.backbone.checkpoint_layers = cfg.activation_checkpointing
                          f"{ok}")

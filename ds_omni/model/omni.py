@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ds_omni.errors import ModelError
 from ds_omni.model.attention import PackedAttention
@@ -71,6 +72,7 @@ class Backbone(nn.Module):
         self.lm_head = lm_head
         self.rotary_emb = rotary_emb
         self.attention = PackedAttention()  # kernel + SP group (`OmniModel.set_attention`)
+        self.checkpoint_layers = False  # recompute decoder layers in backward (ModelConfig)
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                 cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
@@ -81,11 +83,16 @@ class Backbone(nn.Module):
         """
         position_embeddings = self.rotary_emb(hidden, position_ids)
         text_positions = position_ids if position_ids.ndim == 2 else position_ids[0]
+        kwargs = dict(attention_mask=None, position_ids=text_positions,
+                      position_embeddings=position_embeddings, cu_seqlens=cu_seqlens,
+                      max_seqlen=max_seqlen, ds_omni_attention=self.attention)
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask=None, position_ids=text_positions,
-                           position_embeddings=position_embeddings,
-                           cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                           ds_omni_attention=self.attention)
+            if self.checkpoint_layers and torch.is_grad_enabled():
+                # non-reentrant: works with ZeRO-3's parameter hooks and re-runs the Ulysses
+                # all-to-alls in the same order on every rank
+                hidden = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+            else:
+                hidden = layer(hidden, **kwargs)
         return self.norm(hidden)
 
 

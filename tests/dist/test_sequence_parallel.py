@@ -42,6 +42,8 @@ DESIGN = [("llava", 0, 2, False), ("llava", 1, 4, True), ("llava", 2, 2, True), 
           ("qwen2_vl", 3, 2, True),
           ("composed", 0, 2, True), ("composed", 1, 4, False), ("composed", 2, 2, False),
           ("composed", 3, 4, True)]
+# ZeRO-3 + Ulysses + recomputed decoder layers (the all-to-alls run again in backward)
+CHECKPOINTED = {("llava", 3, 4, False)}
 # the other two families train under SP too (any-resolution tiles; Whisper clips)
 EXTRA = [("llava_next", 2, 2, False), ("qwen2_audio", 3, 2, True)]
 
@@ -105,6 +107,7 @@ def _ranks(rank, world, cases, families, out_dir):
     for case in cases:
         family, stage, _, reorder = case
         cfg = make_config(families[family], f"{out_dir}/{_case_name(case)}", sp=2, reorder=reorder)
+        cfg.model.activation_checkpointing = case in CHECKPOINTED
         results[_case_name(case)] = oracle.train_on_rank(rank, world, cfg, ds_config(stage), STEPS)
     return results
 
