@@ -82,6 +82,7 @@ def build_model(cfg: ModelConfig) -> BuiltModel:
         family, hf_model = compose(cfg, tokenizer)
     model = family.to_omni(hf_model, tokenizer)
     model.set_attention(cfg.attn_implementation)
+    model.backbone.checkpoint_layers = cfg.activation_checkpointing
     model.freeze(cfg.freeze)
     model.to(getattr(torch, cfg.dtype))
     processors = family.item_processors(hf_model.config, model_dir, tokenizer=tokenizer)
@@ -126,5 +127,4 @@ def check_sequence_parallel(cfg: ModelConfig, sp: int) -> None:
         raise ModelError(f"parallel.sp={sp} must divide the LLM's attention heads: {where} "
                          f"({text.model_type}) has {heads} query heads and {kv_heads} key/value "
                          f"heads; Ulysses splits the heads over the sp ranks, so sp can be one of "
-    model.backbone.checkpoint_layers = cfg.activation_checkpointing
                          f"{ok}")
