@@ -139,3 +139,40 @@ def make_qwen2_audio_dir(out: Path) -> Path:
     torch.manual_seed(0)
     return save_hf(Qwen2AudioForConditionalGeneration(config), tok,
                    out, audio_hf_processor(tok))
+
+
+SIGLIP_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "image_size": 32, "patch_size": 8}
+
+
+def siglip_llava_next_processor(tok, pinpoints):
+    """LLaVA-NeXT's processor as a user writes it for a SigLIP tower: SigLIP's mean/std, and no
+    CLS state per tile (num_additional_image_tokens=0)."""
+    from transformers import LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+        image_grid_pinpoints=pinpoints, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    return LlavaNextProcessor(image_processor=image_processor, tokenizer=tok, patch_size=8,
+                              vision_feature_select_strategy="full", image_token="<image>",
+                              num_additional_image_tokens=0)
+
+
+def make_llava_next_siglip_dir(out: Path) -> Path:
+    """LLaVA-NeXT on a SigLIP tower (no CLS state, so the "full" feature strategy keeps every
+    patch), saved with the processor a user would write for it."""
+    from transformers import (LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
+                              SiglipVisionConfig)
+    tok = demo_tokenizer()
+    _, text = _parts()
+    pinpoints = [[32, 64], [64, 32], [64, 64]]
+    config = LlavaNextConfig(vision_config=SiglipVisionConfig(**SIGLIP_VISION),
+                             text_config=LlamaConfig(**text, vocab_size=len(tok)),
+                             image_token_index=tok.convert_tokens_to_ids("<image>"),
+                             image_grid_pinpoints=pinpoints, vision_feature_layer=-1,
+                             vision_feature_select_strategy="full")
+    torch.manual_seed(0)
+    model = LlavaNextForConditionalGeneration(config)
+    with torch.no_grad():
+        model.model.image_newline.normal_()
+    return save_hf(model, tok, out, siglip_llava_next_processor(tok, pinpoints))

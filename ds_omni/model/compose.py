@@ -9,16 +9,17 @@ composition is ds_omni's `OmniComposedForConditionalGeneration` (families/compos
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ds_omni.config import ModelConfig, PartConfig
 from ds_omni.errors import ModelError
+from ds_omni.model.build import check_vocab_fits, read_model_type
 
 
 def part_config(part: PartConfig, what: str, trust_remote_code: bool = False):
     """The HF config of a part, from its directory or its config dict."""
     from transformers import AutoConfig
     if part.pretrained:
-        from ds_omni.model.build import read_model_type
-        from pathlib import Path
         read_model_type(Path(part.pretrained))  # clear error if not a model directory
         return AutoConfig.from_pretrained(part.pretrained, trust_remote_code=trust_remote_code)
     fields = dict(part.config)
@@ -41,9 +42,7 @@ def _llm_config(cfg: ModelConfig, tokenizer):
     text_config = part_config(cfg.llm, "llm", cfg.trust_remote_code)
     if cfg.llm.config is not None and "vocab_size" not in cfg.llm.config:
         text_config.vocab_size = len(tokenizer)
-    if text_config.vocab_size < len(tokenizer):
-        raise ModelError(f"the tokenizer has {len(tokenizer)} tokens but the LLM's vocab_size is "
-                         f"{text_config.vocab_size}; use the LLM's own tokenizer or a larger vocab_size")
+    check_vocab_fits(tokenizer, text_config.vocab_size, "model.llm")
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if getattr(tokenizer, name) is not None and not cfg.llm.pretrained:
             setattr(text_config, name, getattr(tokenizer, name))

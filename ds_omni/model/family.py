@@ -136,9 +136,20 @@ def family_for(model_type: str) -> Family:
     for family in _FAMILIES.values():
         if model_type in family.model_types:
             return family
-    known = sorted(t for f in _FAMILIES.values() for t in f.model_types)
-    raise ModelError(f"unknown model family: model_type {model_type!r} has no ds_omni adapter; "
-                     f"supported: {known}. A new family is one file in ds_omni/model/families/.")
+    raise ModelError(
+        f"unknown model family: model_type {model_type!r} has no ds_omni adapter; supported "
+        f"families: {', '.join(_describe(f) for f in _FAMILIES.values())}. To train a model of "
+        "another family, compose one from parts instead: model.llm (any causal LM, e.g. the "
+        "folder of its language model) plus model.vision (a CLIP or SigLIP tower) and/or "
+        "model.audio (a Whisper encoder), see the README's Models section; or add an adapter, "
+        "one file in ds_omni/model/families/")
+
+
+def _describe(family: Family) -> str:
+    """The family's name as the README gives it, with the model types it loads where they differ."""
+    if family.model_types == (family.name,):
+        return family.name
+    return f"{family.name} (model_type {' or '.join(map(repr, family.model_types))})"
 
 
 def _load_builtin_families() -> None:

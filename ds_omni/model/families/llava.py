@@ -1,11 +1,13 @@
 """LLaVA: a CLIP/SigLIP vision tower, a 2-layer MLP projector, a decoder-only LLM.
 
 Every image is resized to the tower's square input and yields (image_size / patch_size)^2
-embeddings (plus one with the "full" feature strategy, which keeps CLS).
+embeddings (plus one with the "full" feature strategy on a CLIP tower, which keeps CLS; SigLIP
+has no CLS).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -74,11 +76,42 @@ def has_cls(vision_config) -> bool:
     return vision_config.model_type.startswith("clip")
 
 
+def num_additional_image_tokens(vision_config) -> int:
+    """The tower's states per image beyond its patches, as HF's LLaVA processors count them."""
+    return int(has_cls(vision_config))
+
+
+def tower_normalization(vision_config) -> dict[str, list[float]]:
+    """The tower's pixel mean and std: CLIP's (OpenAI's) or SigLIP's (0.5, 0.5)."""
+    if has_cls(vision_config):
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil as Proc
+    else:
+        from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil as Proc
+    return {"image_mean": list(Proc.image_mean), "image_std": list(Proc.image_std)}
+
+
+def saved_image_processor(model_dir: Path | None):
+    """The HF image processor saved in `model_dir`, or None.
+
+    transformers < 5 saves it as preprocessor_config.json; 5.x nests it in processor_config.json
+    when the whole processor is saved.
+    """
+    if model_dir is None:
+        return None
+    model_dir = Path(model_dir)
+    processor_file = model_dir / "processor_config.json"
+    if not ((model_dir / "preprocessor_config.json").is_file() or (
+            processor_file.is_file() and "image_processor" in json.loads(processor_file.read_text()))):
+        return None
+    from transformers import AutoImageProcessor
+    return AutoImageProcessor.from_pretrained(str(model_dir))
+
+
 def clip_image_processor(vision_config, model_dir: Path | None):
     """The HF image processor saved in `model_dir`, else one matching the tower's input size."""
-    if model_dir is not None and (Path(model_dir) / "preprocessor_config.json").exists():
-        from transformers import AutoImageProcessor
-        return AutoImageProcessor.from_pretrained(str(model_dir))
+    saved = saved_image_processor(model_dir)
+    if saved is not None:
+        return saved
     size = vision_config.image_size
     if has_cls(vision_config):
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
@@ -127,7 +160,8 @@ class Llava(Family):
                        patch_size=hf_config.vision_config.patch_size,
                        vision_feature_select_strategy=hf_config.vision_feature_select_strategy,
                        image_token=tokenizer.convert_ids_to_tokens(hf_config.image_token_id),
-                       num_additional_image_tokens=1).save_pretrained(str(out_dir))
+                       num_additional_image_tokens=num_additional_image_tokens(
+                           hf_config.vision_config)).save_pretrained(str(out_dir))
 
 
 register(Llava())

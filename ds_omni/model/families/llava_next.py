@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ds_omni.model.families.llava import LlavaVisionEncoder, select_features, tower_seq_len
+from ds_omni.model.families.llava import (LlavaVisionEncoder, num_additional_image_tokens,
+                                          saved_image_processor, select_features,
+                                          tower_normalization, tower_seq_len)
 from ds_omni.data.media import load_image
 from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
 from ds_omni.model.omni import OmniModel, backbone_of
@@ -68,7 +70,7 @@ class AnyResImageProcessor(ItemProcessor):
         size = tiles.shape[-1]
         n = self.hf_processor._get_number_of_features(height, width, size, size)
         if self.hf_processor.vision_feature_select_strategy == "default":
-            n -= 1  # the processor counts CLS, which "default" drops
+            n -= 1  # the processor counts the extra (CLS) state, which "default" drops
         return EncodedItem(inputs={"pixel_values": tiles, "image_sizes": out["image_sizes"][0]},
                            num_embeddings=n, meta={"tiles": tiles.shape[0], "height": height,
                                                    "width": width},
@@ -81,24 +83,28 @@ class AnyResImageProcessor(ItemProcessor):
 
 
 def anyres_processor(hf_config, tokenizer, model_dir: Path | None):
-    """The LlavaNextProcessor saved with the model, else one matching the config."""
+    """A LlavaNextProcessor with the model's saved image processor, else one matching the tower.
+
+    The count of extra states per tile (CLS) always follows the tower, not a saved
+    processor_config.json: a SigLIP tower has none, and counting one puts a placeholder too many
+    per image.
+    """
     from transformers import LlavaNextProcessor
-    if model_dir is not None and (Path(model_dir) / "preprocessor_config.json").exists():
-        from transformers import AutoImageProcessor
-        image_processor = AutoImageProcessor.from_pretrained(str(model_dir))
-    else:
+    image_processor = saved_image_processor(model_dir)
+    if image_processor is None:
         from transformers.models.llava_next.image_processing_pil_llava_next import (
             LlavaNextImageProcessorPil)
         s = hf_config.vision_config.image_size
         image_processor = LlavaNextImageProcessorPil(
             size={"shortest_edge": s}, crop_size={"height": s, "width": s},
-            image_grid_pinpoints=hf_config.image_grid_pinpoints)
+            image_grid_pinpoints=hf_config.image_grid_pinpoints,
+            **tower_normalization(hf_config.vision_config))
     return LlavaNextProcessor(
         image_processor=image_processor, tokenizer=tokenizer,
         patch_size=hf_config.vision_config.patch_size,
         vision_feature_select_strategy=hf_config.vision_feature_select_strategy,
         image_token=tokenizer.convert_ids_to_tokens(hf_config.image_token_id),
-        num_additional_image_tokens=1)
+        num_additional_image_tokens=num_additional_image_tokens(hf_config.vision_config))
 
 
 class LlavaNext(Family):
