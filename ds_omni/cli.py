@@ -5,6 +5,7 @@
     ds-omni plan    --config examples/tiny_llava.json --deepspeed ds_configs/zero2.json --world-size 8
     ds-omni calibrate-cost --config examples/tiny_llava.json --out cost_scales.json
     ds-omni data make-demo --out data/shapes
+    ds-omni data check --config my.json [--sample 1000] [--json]
 
 Launch `train` with any launcher: `deepspeed --num_gpus 2 --module ds_omni train ...`,
 `torchrun --nproc_per_node 2 -m ds_omni train ...`, `accelerate launch -m ds_omni train ...`, or
@@ -64,6 +65,16 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", required=True, help="exported HF directory")
     ev.add_argument("--report", help="report.json to add the scores to")
     ev.add_argument("--n", type=int, default=64)
+    ck = dsub.add_parser("check", help="scan every source with the model's tokenizer and "
+                                       "processors and report its problems (exit 1 on errors)")
+    ck.add_argument("--config", required=True, help="ds_omni JSON config")
+    ck.add_argument("--sample", type=int, metavar="N", help="check N rows per source, spread over "
+                                                            "it (default: every row)")
+    ck.add_argument("--json", action="store_true", help="print the report as JSON")
+    ck.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                    help="threads decoding images")
+    ck.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ck.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     return p
 
 
@@ -141,9 +152,11 @@ def cmd_calibrate_cost(args) -> None:
     print(f"wrote {write(result, args.out)}; put its cost_scales in data.reorder.cost_scales")
 
 
-def cmd_data(args) -> None:
+def cmd_data(args) -> int:
     from pathlib import Path
     from ds_omni.data import demo
+    if args.data_command == "check":
+        return _data_check(args)
     if args.data_command == "make-demo":
         out = Path(args.out)
         demo.make_shapes_dataset(out / "dataset")
@@ -156,6 +169,24 @@ def cmd_data(args) -> None:
         report = Path(args.report)
         data = json.loads(report.read_text()) if report.exists() else {}
         report.write_text(json.dumps({**data, "caption_eval": scores}, indent=1))
+    return 0
+
+
+def _data_check(args) -> int:
+    """Start-up checks first (they explain a wrong schema better than a scan would), then a
+    scan of every source; exit status 1 when the data has errors."""
+    from ds_omni.config import load_config
+    from ds_omni.data.check import check_data, format_report, startup_check
+    from ds_omni.model.build import build_model
+    from ds_omni.errors import ConfigError
+    if args.sample is not None and args.sample < 1:
+        raise ConfigError(f"--sample must be >= 1, got {args.sample}")
+    cfg = load_config(args.config, args.set)
+    startup_check(cfg, media=False)  # the scan lists every missing file
+    report = check_data(cfg, build_model(cfg.model), sample=args.sample, workers=args.workers,
+                        progress=not args.no_progress)
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    return 1 if report["errors"] else 0
 
 
 def _drop_local_rank(argv: list[str]) -> list[str]:
@@ -188,11 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"train": cmd_train, "convert": cmd_convert, "plan": cmd_plan, "data": cmd_data,
                "calibrate-cost": cmd_calibrate_cost}
     try:
-        handler[args.command](args)
+        return handler[args.command](args) or 0
     except DsOmniError as e:
         print(f"ds-omni: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

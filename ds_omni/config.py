@@ -107,11 +107,15 @@ class SchemaConfig:
     id: str | None = "id"
     """Column with a stable sample id (used in logs and resume checks); default: row index."""
     root: str | None = None
-    """Directory that relative image/audio paths are resolved against."""
+    """Directory that relative image/audio paths are resolved against; default: the folder of
+    the data file the row comes from (the LLaVA convention), never the working directory."""
     image_marker: str = "<image>"
     """String in the text that marks where an image goes."""
     audio_marker: str = "<audio>"
     """String in the text that marks where an audio clip goes."""
+    conversation_strings: Literal["parse", "error", "text"] = "parse"
+    """Text that is a string holding a JSON conversation ('[{"from": ...}]'): parse it into
+    turns, stop with an error, or train on it as plain text (every token a target)."""
 
 
 @dataclass(kw_only=True)
@@ -129,12 +133,16 @@ class SourceConfig:
     """File format; "auto" infers it from the extension."""
     schema: SchemaConfig = field(default_factory=SchemaConfig)
     """Column mapping."""
+    json_field: str | None = None
+    """A .json file holding one object: the key whose list holds the rows (default: the
+    object's only list of objects). A top-level array needs nothing."""
     on_exhausted: Literal["repeat", "stop", "drop"] = "repeat"
     """When the source runs out: start another epoch, stop training, or leave the mix (the other
     weights are renormalised)."""
     on_bad_sample: Literal["error", "skip"] = "error"
     """A corrupt or missing image, unreadable audio, empty text or mismatched markers: stop with a
-    message naming the sample, or skip it (counted in the metrics)."""
+    message naming the sample, or skip it (its id and the reason go to
+    <output_dir>/skipped.jsonl, the count per source to the console, metrics and report)."""
 
     def __post_init__(self):
         if self.weight < 0:
@@ -200,6 +208,16 @@ class DataConfig:
     """Rows per chunk: the unit a rank streams and the data state counts in."""
     seed: int = 0
     """Seed of the sample order."""
+    image_aspect: Literal["crop", "pad", "resize"] = "crop"
+    """Images that are not square: "crop" leaves them to the model's processor (CLIP centre-crops
+    to a square, losing the ends of a wide image), "pad" pads them to a square with the
+    processor's mean colour first (LLaVA-1.5), "resize" stretches them to a square of the same
+    area."""
+    max_aspect_ratio: float = 5.0
+    """`ds-omni data check` counts images whose long side is more than this times the short one."""
+    max_bad_run: int = 1000
+    """With on_bad_sample="skip": this many bad rows in a row from one source on one rank (or a
+    whole source's worth, if fewer) is an error naming the source, not an endless search."""
 
     def __post_init__(self):
         if not self.sources:
@@ -214,6 +232,9 @@ class DataConfig:
                               f"{self.max_seq_len}: a long sample would fit no micro-batch")
         if self.chunk_rows < 1:
             raise ConfigError(f"data.chunk_rows must be >= 1, got {self.chunk_rows}")
+        if self.max_aspect_ratio < 1 or self.max_bad_run < 1:
+            raise ConfigError(f"data: need max_aspect_ratio >= 1 and max_bad_run >= 1; got "
+                              f"{self.max_aspect_ratio}, {self.max_bad_run}")
         last = -1
         for i, point in enumerate(self.schedule):
             unknown = sorted(set(point.weights) - set(names))

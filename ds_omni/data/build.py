@@ -27,7 +27,9 @@ def sample_processors(cfg: OmniConfig, built) -> dict[str, SampleProcessor]:
     return {s.name: SampleProcessor(
         tokenizer=built.tokenizer, family=built.family, item_processors=built.item_processors,
         markers={"vision": s.schema.image_marker, "audio": s.schema.audio_marker},
-        max_seq_len=cfg.data.max_seq_len, overlong=cfg.data.overlong) for s in cfg.data.sources}
+        max_seq_len=cfg.data.max_seq_len, overlong=cfg.data.overlong,
+        conversation_strings=s.schema.conversation_strings, image_aspect=cfg.data.image_aspect)
+        for s in cfg.data.sources}
 
 
 def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micro: int,

@@ -30,6 +30,7 @@ from ds_omni.data import reorder
 from ds_omni.data.cost import CostModel
 from ds_omni.data.mixer import Mixer, MixSchedule
 from ds_omni.data.packing import MicroBatch, SeqShard, empty_micro_batch, pack
+from ds_omni.data.problems import kind_of
 from ds_omni.data.processing import SampleProcessor, SampleSize
 from ds_omni.data.sources import Locator, Source
 from ds_omni.data.stream import SourceCursor, redistribute
@@ -134,6 +135,8 @@ class OmniLoader:
         self._problem: dict[str, str] = {}
         self.rows: dict[str, dict] = {}  # rows this rank read that are still in flight
         self.skipped: dict[str, int] = {n: 0 for n in self.sources}
+        self.skip_log: list[dict] = []  # skipped samples not yet written (see take_skipped)
+        self._bad_run: dict[str, int] = {n: 0 for n in self.sources}  # bad rows in a row
 
     def _make_cursors(self) -> dict[str, SourceCursor]:
         return {s.name: SourceCursor(s, i, self.dp_rank, self.dp_size, self.cfg.seed)
@@ -205,17 +208,38 @@ class OmniLoader:
             self._exhausted(name)
             return None
         loc, row = got
-        text, media, sid = source.parts(row, loc)
         try:
+            text, media, sid = source.parts(row, loc)
             size = self.processors[name].measure(text=text, media=media, sample_id=sid, source=name)
-        except DataError:
-            if source.cfg.on_bad_sample == "error":
-                raise
-            self.skipped[name] += 1
+        except DataError as e:
+            self._bad(name, source.sample_id(row, loc), source.explain(e, row), str(loc))
+            self._bad_run[name] += 1
+            bound = min(self.cfg.max_bad_run, len(source))
+            if self._bad_run[name] >= bound:
+                raise DataError(f"data source '{name}' gave {self._bad_run[name]} bad samples in a "
+                                f"row and no good one (data.max_bad_run={self.cfg.max_bad_run}, "
+                                f"{len(source)} rows); the last: {e}. Run `ds-omni data check` "
+                                "to see every problem of the source") from None
             return None
+        self._bad_run[name] = 0
         key = f"{cursor.epoch}/{loc}"
         self.rows[key] = row
         return key, size
+
+    def _bad(self, name: str, sample_id: str, error: DataError, locator: str) -> None:
+        """A bad sample: raise under on_bad_sample="error", else count and log it."""
+        if self.sources[name].cfg.on_bad_sample == "error":
+            raise DataError(f"{error}. To skip such samples instead, set data.sources[{name}]."
+                            "on_bad_sample to \"skip\" (their ids then go to "
+                            "<output_dir>/skipped.jsonl)") from None
+        self.skipped[name] += 1
+        self.skip_log.append({"id": sample_id, "source": name, "locator": locator,
+                              "step": self.step, "kind": kind_of(error), "reason": str(error)})
+
+    def take_skipped(self) -> list[dict]:
+        """The samples skipped since the last call (id, source, step, kind, reason)."""
+        out, self.skip_log = self.skip_log, []
+        return out
 
     def _costs(self, sizes: list[SampleSize]) -> list[float]:
         """Modelled cost of each sample, in one vectorised call."""
@@ -297,10 +321,11 @@ class OmniLoader:
                 try:
                     samples.append(self._sample(key))
                 except DataError as e:
-                    if self.sources[key_locator(key).source].cfg.on_bad_sample == "error":
-                        error = error or str(e)
-                    else:
-                        self.skipped[key_locator(key).source] += 1
+                    try:
+                        self._bad(key_locator(key).source, getattr(e, "sample_id", key), e,
+                                  str(key_locator(key)))
+                    except DataError as stop:
+                        error = error or str(stop)
                     continue
                 keys.append(key)
             micro.append(pack(samples, self.item_processors, self.shard) if samples else
@@ -323,8 +348,14 @@ class OmniLoader:
         row = self.rows.pop(key, None)
         if row is None:
             row = source.fetch(loc)
-        text, media, sid = source.parts(row, loc)
-        return self.processors[loc.source](text=text, media=media, sample_id=sid, source=loc.source)
+        try:
+            text, media, sid = source.parts(row, loc)
+            return self.processors[loc.source](text=text, media=media, sample_id=sid,
+                                               source=loc.source)
+        except DataError as e:
+            e = source.explain(e, row)
+            e.sample_id = source.sample_id(row, loc)
+            raise e from None
 
     def close(self) -> None:
         """Close the open streams."""

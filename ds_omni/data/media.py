@@ -116,3 +116,24 @@ def _check_waveform(array: np.ndarray, rate: int, expected_rate: int) -> np.ndar
     if not np.isfinite(array).all():
         raise DataError("audio array holds NaN or infinite samples")
     return array
+
+
+def square_image(value: Any, mode: str, fill: tuple[int, int, int]):
+    """An RGB image made square before the model's processor sees it.
+
+    "pad": centred on a square of its long side filled with `fill` (LLaVA-1.5's expand2square:
+    nothing is lost, the short side gets more padding than content for a very wide image);
+    "resize": stretched to a square of the same area (nothing lost, shapes distorted).
+    """
+    from PIL import Image
+    image = load_image(value)
+    w, h = image.size
+    if w == h:
+        return image
+    if mode == "resize":
+        side = max(1, round((w * h) ** 0.5))
+        return image.resize((side, side), Image.Resampling.BICUBIC)
+    side = max(w, h)
+    out = Image.new("RGB", (side, side), fill)
+    out.paste(image, ((side - w) // 2, (side - h) // 2))
+    return out

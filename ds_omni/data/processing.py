@@ -7,17 +7,25 @@ trained on):
 
 A plain-text column is trained on whole. Each `<image>` / `<audio>` marker becomes as many
 placeholder tokens as its item yields embeddings (the family's item processor says how many).
+
+A text that is a *string* holding a JSON conversation (a column written with `json.dumps`) would
+otherwise train as plain text with every token a target: it is parsed, or an error, as the
+schema's `conversation_strings` says. Images that are not square are padded or stretched to a
+square first when `data.image_aspect` asks (the processor would centre-crop them).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ds_omni.data.media import square_image
+from ds_omni.data.problems import SampleError
 from ds_omni.errors import DataError
 from ds_omni.model.family import EncodedItem, Family, ItemProcessor
 
@@ -64,8 +72,11 @@ class SampleProcessor:
     """
 
     def __init__(self, *, tokenizer, family: Family, item_processors: dict[str, ItemProcessor],
-                 markers: dict[str, str], max_seq_len: int, overlong: str = "error"):
+                 markers: dict[str, str], max_seq_len: int, overlong: str = "error",
+                 conversation_strings: str = "parse", image_aspect: str = "crop"):
         self.tokenizer = tokenizer
+        self.conversation_strings = conversation_strings
+        self.image_aspect = image_aspect
         self.family = family
         self.item_processors = item_processors
         self.max_seq_len = max_seq_len
@@ -101,7 +112,8 @@ class SampleProcessor:
         where = f"source '{source}' sample {sample_id}"
         for enc in media:
             if enc not in self.item_processors:
-                raise DataError(f"{where} has {enc} items but the model has no {enc} encoder")
+                raise SampleError(f"{where} has {enc} items but the model has no {enc} encoder",
+                                  "other")
         items = {enc: [self._item(enc, x, where, measure) for x in xs] for enc, xs in media.items()}
         ids, mask, ordered, items_end = self._tokenize(self._segments(text, where), items, where)
         ids, mask = self._fit(ids, mask, items_end, where)
@@ -112,32 +124,46 @@ class SampleProcessor:
         processor sees only the item)."""
         proc = self.item_processors[enc]
         try:
+            if self.image_aspect != "crop" and proc.modality == "image" and not (
+                    measure and _header_measure(proc)):
+                item = square_image(item, self.image_aspect, _mean_colour(proc))
             return proc.measure(item) if measure else proc.process(item)
         except DataError as e:
-            raise DataError(f"{where}: {e}") from None
+            from ds_omni.data.problems import kind_of
+            raise SampleError(f"{where}: {e}", kind_of(e)) from None
 
     def _segments(self, text, where) -> list[tuple[str, bool]]:
         """(text, trained-on) pieces in order."""
         eos = self.tokenizer.eos_token or ""
+        if isinstance(text, str) and self.conversation_strings != "text":
+            turns = conversation_string(text)
+            if turns is not None and self.conversation_strings == "error":
+                raise SampleError(f"{where}: the text is a string holding a JSON conversation; "
+                                  "trained as plain text every token would be a target. Store it "
+                                  "as a list, or set schema.conversation_strings to \"parse\"",
+                                  "conversation_string")
+            text = turns if turns is not None else text
         if isinstance(text, str):
             if not text.strip():
-                raise DataError(f"{where}: empty text")
+                raise SampleError(f"{where}: empty text", "text")
             return [(text + eos, True)]
         if not isinstance(text, list) or not text:
-            raise DataError(f"{where}: expected a conversation (a list of {{'from', 'value'}} turns) "
-                            f"or a string, got {type(text).__name__}")
+            raise SampleError(f"{where}: expected a conversation (a list of {{'from', 'value'}} "
+                              f"turns) or a string, got {type(text).__name__}", "text")
         segments = []
         for turn in text:
+            if not isinstance(turn, dict):
+                raise SampleError(f"{where}: bad turn {turn!r}; turns are objects", "text")
             role, value = turn.get("from") or turn.get("role"), turn.get("value") or turn.get("content")
             if role not in ROLE_PREFIX or not isinstance(value, str):
-                raise DataError(f"{where}: bad turn {turn!r}; turns need 'from' in "
-                                f"{sorted(ROLE_PREFIX)} and a string 'value'")
+                raise SampleError(f"{where}: bad turn {turn!r}; turns need 'from' in "
+                                  f"{sorted(ROLE_PREFIX)} and a string 'value'", "text")
             if role in ASSISTANT_ROLES:
                 segments += [(ROLE_PREFIX[role], False), (value + eos, True), ("\n", False)]
             else:
                 segments.append((ROLE_PREFIX[role] + value + "\n", False))
         if not any(trained and s.strip() for s, trained in segments):
-            raise DataError(f"{where}: no assistant turn to train on")
+            raise SampleError(f"{where}: no assistant turn to train on", "text")
         return segments
 
     def _tokenize(self, segments, items: dict[str, list[EncodedItem]], where):
@@ -156,8 +182,8 @@ class SampleProcessor:
                     mask += [trained] * len(toks)
                     continue
                 if used.get(enc, 0) >= len(items.get(enc, [])):
-                    raise DataError(f"{where}: more {piece} markers than {enc} items "
-                                    f"({len(items.get(enc, []))})")
+                    raise SampleError(f"{where}: more {piece} markers than {enc} items "
+                                      f"({len(items.get(enc, []))})", "markers", enc)
                 item = items[enc][used[enc]]
                 used[enc] += 1
                 ordered.append((enc, item))
@@ -167,16 +193,46 @@ class SampleProcessor:
                 items_end = len(ids)
         for enc, xs in items.items():
             if used[enc] != len(xs):
-                raise DataError(f"{where}: {len(xs)} {enc} items but {used[enc]} markers in the "
-                                "text; put one marker per item where it belongs")
+                raise SampleError(f"{where}: {len(xs)} {enc} items but {used[enc]} markers in the "
+                                  "text; put one marker per item where it belongs", "markers", enc)
         return ids, mask, ordered, items_end
 
     def _fit(self, ids, mask, items_end, where):
         if len(ids) <= self.max_seq_len:
             return ids, mask
         if self.overlong == "error" or items_end > self.max_seq_len:
-            raise DataError(f"{where} has {len(ids)} tokens, more than data.max_seq_len="
-                            f"{self.max_seq_len}; raise max_seq_len or set data.overlong='truncate' "
-                            "(items are never cut)")
+            raise SampleError(f"{where} has {len(ids)} tokens, more than data.max_seq_len="
+                              f"{self.max_seq_len}; raise max_seq_len or set data.overlong="
+                              "'truncate' (items are never cut); `ds-omni data check` lists them "
+                              "all", "overlong")
         return ids[: self.max_seq_len], mask[: self.max_seq_len]
 
+
+
+def conversation_string(text: str) -> list | None:
+    """The turns of a string that is a JSON conversation ('[{"from": ..., "value": ...}, ...]')."""
+    head = text.lstrip()[:1]
+    if head != "[":
+        return None
+    try:
+        turns = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(turns, list) and turns and all(
+            isinstance(t, dict) and ("from" in t or "role" in t) for t in turns):
+        return turns
+    return None
+
+
+def _header_measure(proc: ItemProcessor) -> bool:
+    """The processor measures from the image header alone (its size does not depend on the
+    aspect: every image becomes the tower's square), so measuring needs no squared copy."""
+    return type(proc).measure is not ItemProcessor.measure
+
+
+def _mean_colour(proc: ItemProcessor) -> tuple[int, int, int]:
+    """The processor's normalisation mean as an RGB colour (what "pad" fills with)."""
+    hf = getattr(proc, "hf_processor", None)
+    mean = getattr(hf, "image_mean", None) or getattr(getattr(hf, "image_processor", None),
+                                                       "image_mean", None) or (0.5, 0.5, 0.5)
+    return tuple(int(round(m * 255)) for m in mean)

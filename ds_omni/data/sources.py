@@ -7,8 +7,14 @@ undecoded). Every row has a `Locator` (source, file, row), so after grouped reor
 sample is assigned to reads that one row itself (`Source.fetch`): no payload crosses ranks.
 
 Random access per format: parquet by row group (pyarrow), arrow and save_to_disk through datasets'
-memory map, jsonl through a sparse line-offset index, tar through a member index; each index is
-built lazily, only for the files a rank touches.
+memory map, jsonl through a sparse line-offset index, a JSON array (or an object holding a list)
+through a sparse element-offset index (`json_docs.py`; such files also stream through it rather
+than HF, which would read them whole), tar through a member index (tars also stream through it:
+HF's builder fails on tars that mix image and text-only samples); each index is built lazily,
+only for the files a rank touches.
+
+Relative media paths resolve against `schema.root`, else the folder of the data file the row came
+from (LLaVA's convention), so a config does not depend on the directory it is launched from.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from typing import Any, Iterator
 
 from ds_omni.config import SourceConfig
 from ds_omni.data import demo
+from ds_omni.data.json_docs import JsonDocument, open_document
+from ds_omni.data.problems import SampleError
 from ds_omni.errors import DataError
 
 FORMAT_BY_SUFFIX = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow",
@@ -81,6 +89,30 @@ def resolve_files(cfg: SourceConfig) -> tuple[str, list[str]]:
                             f"{sorted(suffixes)}; set 'format'")
         fmt = fmts.pop()
     return fmt, files
+
+
+def columns(row: dict) -> list[str]:
+    """The columns of a row, with one level of nested objects as dotted names ("json.id")."""
+    out = []
+    for k, v in row.items():
+        out.append(k)
+        if isinstance(v, dict) and not {"bytes", "path"} & set(v):
+            out += [f"{k}.{n}" for n in v]
+    return out
+
+
+WEBDATASET_HINT = ("webdataset samples are keyed by file extension: images under 'jpg' or 'png', "
+                   "text inside a json member as 'json.conversations', the sample id as '__key__'")
+
+
+def missing_column(source: "Source", field: str, column: str, row: dict,
+                   one_row: bool = False) -> str:
+    """The message for a schema column a row does not have: the columns it does have."""
+    hint = f"; {WEBDATASET_HINT}" if source.fmt == "webdataset" else ""
+    whose = "this row" if one_row else "its rows"
+    return (f"schema.{field}={column!r} is not a column of {'this row of ' if one_row else ''}"
+            f"source '{source.name}'; {whose} {'has' if one_row else 'have'} {columns(row)}. "
+            f"If that is not right, set data.sources[{source.name}].schema.{field}{hint}")
 
 
 def lookup(row: dict, column: str) -> Any:
@@ -146,7 +178,10 @@ class Source:
     # ----------------------------------------------------------------------------- reading
     def stream(self, chunk: Chunk, start: int) -> Iterator[tuple[Locator, dict]]:
         """Rows `start..chunk.stop` of `chunk`, through HF datasets streaming (media undecoded)."""
-        rows = self._stream(chunk.file).skip(start).take(chunk.stop - start)
+        own = self._reader(chunk.file).doc if self.fmt == "json" else \
+            self._reader(chunk.file) if self.fmt == "webdataset" else None
+        rows = own.rows(start, chunk.stop) if own is not None else \
+            self._stream(chunk.file).skip(start).take(chunk.stop - start)
         for i, row in enumerate(rows, start=start):
             yield Locator(self.name, chunk.file, i), row
 
@@ -165,35 +200,72 @@ class Source:
         """One row by locator (random access), in the same form `stream` gives."""
         return self._reader(loc.file).row(loc.row)
 
+    def sample_id(self, row: dict, loc: Locator) -> str:
+        sid = lookup(row, self.cfg.schema.id) if self.cfg.schema.id else None
+        return f"{self.name}/{sid if sid is not None else loc}"
+
     def parts(self, row: dict, loc: Locator) -> tuple[Any, dict[str, list], str]:
-        """(text, {"vision": [raw images], "audio": [raw clips]}, sample id) through the schema."""
+        """(text, {"vision": [raw images], "audio": [raw clips]}, sample id) through the schema.
+
+        A missing text column, or a relative media path that names no file, is a `DataError`
+        naming the sample (a bad sample: the source's on_bad_sample policy applies)."""
         schema = self.cfg.schema
-        sid = lookup(row, schema.id) if schema.id else None
-        sid = f"{self.name}/{sid if sid is not None else loc}"
+        sid = self.sample_id(row, loc)
+        text = lookup(row, schema.text)
+        if text is None:
+            raise SampleError(f"sample {sid}: {missing_column(self, 'text', schema.text, row)}",
+                              "column")
         media: dict[str, list] = {}
         for encoder, column in (("vision", schema.image), ("audio", schema.audio)):
             value = lookup(row, column) if column else None
             if value is not None:
                 items = value if isinstance(value, list) else [value]
-                media[encoder] = [self._rooted(x) for x in items]
-        return lookup(row, schema.text), media, sid
+                media[encoder] = [self._rooted(x, loc, sid) for x in items]
+        return text, media, sid
 
-    def _rooted(self, item):
-        """A relative media path is relative to `schema.root`."""
-        root = self.cfg.schema.root
-        if root and isinstance(item, str) and not Path(item).is_absolute():
-            return str(Path(root) / item)
-        if root and isinstance(item, dict) and not item.get("bytes") and item.get("path") \
-                and not Path(item["path"]).is_absolute():
-            return {**item, "path": str(Path(root) / item["path"])}
-        return item
+    def media_root(self, file: int) -> Path:
+        """What relative media paths of rows of file `file` are relative to."""
+        if self.cfg.schema.root:
+            return Path(self.cfg.schema.root)
+        return Path(self.files[file]).resolve().parent
+
+    def _rooted(self, item, loc: Locator, sid: str):
+        """A relative media path, resolved against `media_root`; it must name a file."""
+        path = item if isinstance(item, str) else item.get("path") if isinstance(item, dict) and \
+            not item.get("bytes") and item.get("array") is None else None
+        if not path or Path(path).is_absolute():
+            return item
+        full = self.media_root(loc.file) / path
+        if not full.is_file():
+            how = (f"schema.root={self.cfg.schema.root!r}" if self.cfg.schema.root else
+                   "the folder of the data file, as schema.root is not set")
+            raise SampleError(f"sample {sid}: media file {path!r} not found: resolved against "
+                            f"{str(self.media_root(loc.file))!r} ({how}) to {str(full)!r}. If the "
+                            f"paths are relative to another folder, set data.sources[{self.name}]"
+                            ".schema.root to it", "media_missing")
+        return str(full) if isinstance(item, str) else {**item, "path": str(full)}
+
+    def explain(self, error: DataError, row: dict) -> DataError:
+        """`error` with the column hint added when markers found no items because the schema's
+        media column is not in the row (a wrong schema.image / schema.audio)."""
+        if not isinstance(error, SampleError) or error.kind != "markers" or error.encoder is None:
+            return error
+        field = "image" if error.encoder == "vision" else "audio"
+        column = getattr(self.cfg.schema, field)
+        if column and lookup(row, column) is not None:
+            return error
+        hint = missing_column(self, field, column, row, one_row=True) if column else \
+            f"schema.{field} is null; set it to the column holding the {field}s"
+        return SampleError(f"{error}. {hint}", error.kind, error.encoder)
 
     def _reader(self, f: int):
         if f not in self._readers:
             cls = {"parquet": ParquetRows, "json": JsonRows, "arrow": ArrowRows,
                    "webdataset": TarRows, "disk": DiskRows}[self.fmt]
+            kw = {"key": self.cfg.json_field, "row_hint": self.cfg.schema.text} \
+                if self.fmt == "json" else {}
             try:
-                self._readers[f] = cls(self.files[f])
+                self._readers[f] = cls(self.files[f], **kw)
             except (OSError, ValueError) as e:
                 raise DataError(f"data source '{self.name}': cannot read {self.files[f]!r} as "
                                 f"{self.fmt} ({e})") from None
@@ -246,10 +318,15 @@ def _undecoded(ds, i: int) -> dict:
 
 
 class JsonRows:
-    """Line i of a jsonl file: seek to the nearest remembered line start, read forward."""
+    """Line i of a jsonl file: seek to the nearest remembered line start, read forward; or row i
+    of a JSON document (an array, or an object holding a list) through its element index."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, key: str | None = None, row_hint: str | None = None):
         self.path = path
+        self.doc: JsonDocument | None = open_document(path, key, row_hint)
+        if self.doc is not None:
+            self.num_rows = self.doc.num_rows
+            return
         self.offsets = []  # byte offset of every JSON_INDEX_STRIDE-th non-empty line
         n, pos = 0, 0
         with open(path, "rb") as f:
@@ -262,6 +339,8 @@ class JsonRows:
         self.num_rows = n
 
     def row(self, i: int) -> dict:
+        if self.doc is not None:
+            return self.doc.row(i)
         with open(self.path, "rb") as f:
             f.seek(self.offsets[i // JSON_INDEX_STRIDE])
             skip = i % JSON_INDEX_STRIDE
@@ -295,13 +374,18 @@ class TarRows:
         self.num_rows = len(self.samples)
 
     def row(self, i: int) -> dict:
-        key, members = self.samples[i]
-        out: dict[str, Any] = {"__key__": key, "__url__": self.path}
+        return next(self.rows(i, i + 1))
+
+    def rows(self, start: int, stop: int) -> Iterator[dict]:
+        """Samples start..stop-1 through one open archive. (HF's webdataset builder infers one
+        set of columns from the first samples and fails when image and text-only samples mix.)"""
         with tarfile.open(self.path) as tf:
-            for m in members:
-                ext = m.name.split(".", 1)[1].lower() if "." in m.name else ""
-                out[ext] = _tar_value(ext, tf.extractfile(m).read(), m.name)
-        return out
+            for key, members in self.samples[start:stop]:
+                out: dict[str, Any] = {"__key__": key, "__url__": self.path}
+                for m in members:
+                    ext = m.name.split(".", 1)[1].lower() if "." in m.name else ""
+                    out[ext] = _tar_value(ext, tf.extractfile(m).read(), m.name)
+                yield out
 
 
 def _tar_value(ext: str, data: bytes, name: str):

@@ -23,7 +23,8 @@ import torch
 from ds_omni.config import OmniConfig
 from ds_omni.data.build import build_loader
 from ds_omni.data.loader import StepBatch, reorder_group_size
-from ds_omni.data.sources import resolve_files
+from ds_omni.data.check import startup_check
+from ds_omni.data.skipped import SKIPPED_FILE, flush_skipped, skipped_totals
 from ds_omni.ds_config import derive_ds_config, load_ds_json
 from ds_omni.errors import DataError, LaunchError
 from ds_omni.parallel import dist
@@ -120,8 +121,7 @@ def preflight(cfg: OmniConfig, ds_config_path: str) -> tuple[ParallelPlan, dict]
     ds_config = derive_ds_config(cfg, load_ds_json(ds_config_path), plan)
     checkpoint.check_writable(cfg.train.output_dir)
     reorder_group_size(cfg.data, plan.dp)
-    for source in cfg.data.sources:
-        resolve_files(source)
+    startup_check(cfg)  # files, schema columns, relative media roots of every source
     return plan, ds_config
 
 
@@ -168,6 +168,7 @@ def run(cfg: OmniConfig, ds_config_path: str, *, resume: bool = False,
         loader.load_state_dict(loader_state)
     elif rank == 0:
         (out / "metrics.jsonl").unlink(missing_ok=True)
+        (out / SKIPPED_FILE).unlink(missing_ok=True)
     if rank == 0:
         checkpoint.save_model_meta(checkpoint.checkpoint_root(out), built)
     logger = MetricsLogger(out, total_steps=cfg.train.steps, start_step=start, enabled=rank == 0,
@@ -205,6 +206,7 @@ def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after) -> int:
                 record["sample_keys"] = sorted(k for part in loader.comm.world_all_gather(
                     batch.keys) for k in part)
             logger.log(record)
+            flush_skipped(loader, cfg.train.output_dir, rank, step)
         logger.advance()
         step += 1
         if cfg.train.save_every and step % cfg.train.save_every == 0 and step < end:
@@ -214,10 +216,12 @@ def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after) -> int:
 
 def _finish(cfg, engine, loader, rank, step, plan) -> dict:
     checkpoint.save(engine, cfg.train.output_dir, step, loader.state_dict(), rank)
+    flush_skipped(loader, cfg.train.output_dir, rank, step)
+    skipped = skipped_totals(loader)
     dist.barrier()
     report = {}
     if rank == 0:
-        extra = {"world_size": plan.world_size, "dp": plan.dp, "sp": plan.sp,
+        extra = {"world_size": plan.world_size, "dp": plan.dp, "sp": plan.sp, "data_skipped": skipped,
                  "zero_stage": engine.zero_optimization_stage(), "final_step": step}
         if cfg.train.export_hf and step >= cfg.train.steps:
             from ds_omni.model.convert import export_checkpoint

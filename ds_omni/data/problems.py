@@ -1,0 +1,40 @@
+"""What can be wrong with one sample, as a kind that reports count and skipped.jsonl records.
+
+`SampleError` is a `DataError` (so the CLI prints it without a traceback) that also says which
+kind of problem it is; `ds-omni data check` tallies the kinds per source.
+"""
+
+from __future__ import annotations
+
+from ds_omni.errors import DataError
+
+KINDS = {
+    "column": "a schema column the row does not have",
+    "media_missing": "an image or audio file that does not exist",
+    "media_unreadable": "an image or audio clip that does not decode",
+    "markers": "markers in the text that do not match the items",
+    "text": "empty text, a malformed turn, or no assistant turn",
+    "conversation_string": "a conversation stored as a JSON string (schema.conversation_strings)",
+    "overlong": "more tokens than data.max_seq_len",
+    "other": "any other problem",
+}
+
+
+class SampleError(DataError):
+    """A bad sample: `kind` is one of KINDS; `encoder` names the encoder of a marker mismatch."""
+
+    def __init__(self, message: str, kind: str, encoder: str | None = None):
+        super().__init__(message)
+        self.kind, self.encoder = kind, encoder
+
+
+def kind_of(error: DataError) -> str:
+    """The kind of a sample's error (media errors raised below the sample layer are plain)."""
+    if isinstance(error, SampleError):
+        return error.kind
+    text = str(error)
+    if "does not exist" in text or "not found" in text:
+        return "media_missing"
+    if "unreadable" in text or "cannot read" in text:
+        return "media_unreadable"
+    return "other"
