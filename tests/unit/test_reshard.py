@@ -19,7 +19,7 @@ import torch
 
 from ds_omni.data.packing import SeqShard, empty_micro_batch, pack
 from ds_omni.model.omni import IGNORE_INDEX
-from ds_omni.parallel.reshard import ItemSlots, assign_items, bytes_moved, item_slots, plan_reshard
+from ds_omni.parallel.reshard import BALANCE_SLACK, ItemSlots, assign_items, bytes_moved, item_slots, plan_reshard
 
 PLACEHOLDER = {"vision": 7, "audio": 9}
 TEXT, PAD = 1, 0
@@ -157,14 +157,15 @@ def test_balance_beats_locality():
 
 @pytest.mark.parametrize("sp", [2, 3, 4])
 def test_lpt_bounds_the_busiest_encoder(sp):
-    """Greedy onto the least-loaded rank: max load <= mean load + the costliest item."""
+    """Greedy onto a rank near the least loaded: max load <= mean + the costliest item + slack."""
     rng = np.random.default_rng(200 + sp)
     for _ in range(100):
         n = int(rng.integers(1, 30))
         costs = rng.pareto(1.5, n) + 0.01  # heavy-tailed, as image sizes are
         slots = [ItemSlots("vision", k, np.array([k]), float(c)) for k, c in enumerate(costs)]
         load = np.bincount(assign_items(slots, sp, shard_len=n), weights=costs, minlength=sp)
-        assert load.max() <= costs.sum() / sp + costs.max() + 1e-9
+        mean = costs.sum() / sp
+        assert load.max() <= mean * (1 + BALANCE_SLACK) + costs.max() + 1e-9
 
 
 @pytest.mark.parametrize("sp", [1, 2, 3, 4])
@@ -318,3 +319,13 @@ def test_empty_micro_batch_pads_to_sp(model, sp, request):
         assert (m.num_tokens, m.num_targets, m.encoder_inputs) == (0, 0, {})
         assert m.reshard.group_rows == 0 and m.cu_seqlens.tolist() == [0, 1, sp]
     assert whole.num_tokens == 0 and whole.num_targets == 0
+
+
+def test_near_ties_stay_local_within_the_balance_slack():
+    """Loads 4.05 vs 4.0 when a small item on shard 0 comes up: plain LPT (slack 0) sends it to the
+    other rank and its rows move; within the slack it stays on the rank that holds it."""
+    v = PLACEHOLDER["vision"]
+    ids = np.array([v] * 3 + [v] * 1 + [TEXT] * 4 + [v] * 3 + [TEXT] * 5)  # S = 8
+    slots = item_slots(ids, PLACEHOLDER, {"vision": [3, 1, 3]}, {"vision": [4.05, 0.3, 4.0]})
+    assert assign_items(slots, 2, shard_len=8, slack=0.0) == [0, 1, 1]
+    assert assign_items(slots, 2, shard_len=8) == [0, 0, 1]
