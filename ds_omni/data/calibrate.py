@@ -32,13 +32,18 @@ class Measurements:
     length: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
 
-    def add(self, samples, seconds: float) -> None:
-        for s in samples:
-            for enc, item in s.items:
-                for n in item.cost_seqs():
-                    self.owner.append(len(self.tokens))
-                    self.encoder.append(enc)
-                    self.length.append(n)
+    def add(self, samples, seconds: float, dummies: dict[str, int] | None = None) -> None:
+        """One timed micro-batch; `dummies`: encoder -> length of the dummy pass the model ran for
+        each encoder with no item in it (counted as a pass of the micro-batch's first sample)."""
+        present = {enc for s in samples for enc, _ in s.items}
+        for i, s in enumerate(samples):
+            passes = [(enc, n) for enc, item in s.items for n in item.cost_seqs()]
+            if i == 0:
+                passes += [(enc, n) for enc, n in (dummies or {}).items() if enc not in present and n]
+            for enc, n in passes:
+                self.owner.append(len(self.tokens))
+                self.encoder.append(enc)
+                self.length.append(n)
             self.tokens.append(s.length)
             self.step.append(len(self.seconds))
         self.seconds.append(seconds)
@@ -51,6 +56,7 @@ def profile(cfg: OmniConfig, batches: int) -> dict:
     built = build_model(cfg.model)
     loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=1)
     m = Measurements()
+    dummies = {name: enc.dummy_len for name, enc in loader.cost_model.dims.encoders.items()}
     for i in range(batches + 1):
         batch = loader.next_step()
         t0 = time.perf_counter()
@@ -58,7 +64,7 @@ def profile(cfg: OmniConfig, batches: int) -> dict:
         elapsed = time.perf_counter() - t0
         built.model.zero_grad(set_to_none=True)
         if i:  # the first micro-batch pays for allocation and warm-up
-            m.add(loader.load_samples(batch.keys), elapsed)
+            m.add(loader.load_samples(batch.keys), elapsed, dummies)
     fitted = cost_model_for(built, cfg.model.freeze).calibrate(
         np.array(m.tokens), np.array(m.owner, dtype=np.int64), np.array(m.encoder, dtype=str),
         np.array(m.length, dtype=np.int64), np.array(m.seconds), np.array(m.step))

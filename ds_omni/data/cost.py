@@ -44,6 +44,10 @@ class EncoderDims:
     """Weight matrices of one MLP: 2 for plain (fc1, fc2), 3 for gated (gate, up, down)."""
     frozen: bool = False
     """A frozen encoder runs forward only (nothing before it needs its input gradient)."""
+    dummy_len: int = 0
+    """Sequence length of the dummy input the encoder runs on a micro-batch with none of its
+    items (every rank runs every encoder every step, so ZeRO-3 never hangs): a whole window for
+    Whisper (max_source_positions, as costly as a real clip), one image otherwise; 0 if unknown."""
 
 
 @dataclass(kw_only=True)
@@ -114,7 +118,19 @@ def _encoder_dims(cfg: Any, attr: str) -> EncoderDims:
              or int(hidden * _first(cfg, ("mlp_ratio",), f"{attr} MLP width")))
     gated = getattr(cfg, "model_type", "") in _GATED_ENCODERS
     return EncoderDims(hidden=hidden, layers=layers, intermediate=int(inter),
-                       mlp_matrices=3 if gated else 2)
+                       mlp_matrices=3 if gated else 2, dummy_len=_dummy_len(cfg))
+
+
+def _dummy_len(cfg: Any) -> int:
+    """The encoder sequence of the families' `dummy_inputs` (ds_omni.model.families)."""
+    if getattr(cfg, "max_source_positions", None):  # Whisper: a silent full window
+        return int(cfg.max_source_positions)
+    if getattr(cfg, "spatial_merge_size", None):  # Qwen2-VL: one merge block of patches
+        return int(cfg.spatial_merge_size) ** 2
+    if getattr(cfg, "image_size", None) and getattr(cfg, "patch_size", None):  # a ViT: one image
+        cls = str(getattr(cfg, "model_type", "")).startswith("clip")
+        return (int(cfg.image_size) // int(cfg.patch_size)) ** 2 + cls
+    return 0
 
 
 # ----------------------------------------------------------------------------------- model
@@ -183,6 +199,14 @@ class CostModel:
         p = np.asarray(lengths, dtype=np.float64)
         c = self.coefficients
         return c[f"{name}_quad"] * p * p + c[f"{name}_lin"] * p
+
+    def dummy_cost(self, present) -> float:
+        """Cost of the dummy passes of one micro-batch whose items use only the encoders named in
+        `present`: each other encoder still runs once (`EncoderDims.dummy_len`). Not a cost of
+        any sample: grouped reordering balances samples; this counts in a rank's modelled cost."""
+        absent = [name for name in self.encoder_names if name not in set(present)]
+        return float(sum(self.encoder_cost(name, np.array([self.dims.encoders[name].dummy_len]))[0]
+                         for name in absent))
 
     def sample_costs(self, tokens: np.ndarray, item_sample: np.ndarray | None = None,
                      item_encoder: np.ndarray | None = None,

@@ -20,10 +20,14 @@ twice. A step that was interrupted was never recorded, so its samples are read a
 
 from __future__ import annotations
 
+import copy
+import sys
+import traceback
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from ds_omni.config import DataConfig
 from ds_omni.data import reorder
@@ -150,13 +154,17 @@ class OmniLoader:
     def next_step(self) -> StepBatch:
         """This rank's micro-batches. A data problem does not raise here (the other ranks would
         wait in a collective): it is reported in `error` / `stop`, for the trainer to act on
-        after its all-reduce, on every rank at once."""
+        after its all-reduce, on every rank at once. Nor does any other exception of the data
+        path (a bug, a failing HF processor): it becomes `error` the same way."""
         self._problem: dict[str, str] = {}
+        self._step_start = self._position()
         try:
             mine, stats = self._plan_budget() if self.mode == "budget" else self._plan_fixed()
-        except DataError as e:  # the plan is the same on every rank of the group: all land here
+        except Exception as e:  # DataError: the plan is the same on every rank of the group
+            if isinstance(e, torch.distributed.DistError):  # a collective failed: nothing to tell
+                raise
             mine, stats = [[] for _ in range(self.num_micro)], {}
-            self._problem.setdefault("error", str(e))
+            self._problem.setdefault("error", self._failure(e, "planning the step"))
         batch = self._load(mine, stats)
         batch.error = batch.error or self._problem.get("error")
         batch.stop = self._problem.get("stop")
@@ -175,8 +183,8 @@ class OmniLoader:
             self._read_into(sized, n)
         except _StopData as e:
             self._problem.setdefault("stop", str(e))
-        except DataError as e:
-            self._problem.setdefault("error", str(e))
+        except Exception as e:
+            self._problem.setdefault("error", self._failure(e, "reading samples"))
         costs = self._costs([size for _, size in sized])
         return [Measured(key, size.tokens, c) for (key, size), c in zip(sized, costs)]
 
@@ -327,12 +335,17 @@ class OmniLoader:
                     except DataError as stop:
                         error = error or str(stop)
                     continue
+                except Exception as e:  # not a bad sample: a bug or a failing library
+                    error = error or self._failure(e, f"loading sample {key}")
+                    continue
                 keys.append(key)
             micro.append(pack(samples, self.item_processors, self.shard) if samples else
                          empty_micro_batch(self.family, self.item_processors, self.shard))
         stats["skipped"] = dict(self.skipped)
-        return StepBatch(step=self.step, micro_batches=micro, keys=keys, stats=stats,
-                         modelled_cost=float(sum(costs.get(k, 0.0) for k in keys)), error=error)
+        # the model runs a dummy through each encoder a micro-batch has no inputs for
+        dummies = sum(self.cost_model.dummy_cost(mb.encoder_inputs) for mb in micro)
+        return StepBatch(step=self.step, micro_batches=micro, keys=keys, stats=stats, error=error,
+                         modelled_cost=float(sum(costs.get(k, 0.0) for k in keys)) + dummies)
 
     def _item_cost(self, encoder: str, item) -> float:
         """Modelled cost of encoding one item (what the reshard plan balances)."""
@@ -356,6 +369,36 @@ class OmniLoader:
             e = source.explain(e, row)
             e.sample_id = source.sample_id(row, loc)
             raise e from None
+
+    def _failure(self, e: Exception, doing: str) -> str:
+        """The message of an exception raised while `doing`, for every rank; an unexpected one
+        (not a DataError) also prints its traceback here, on the rank where it happened."""
+        if isinstance(e, DataError):
+            return str(e)
+        print(f"ds-omni: the data loader of data-parallel rank {self.dp_rank} failed while "
+              f"{doing}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        return (f"the data loader of data-parallel rank {self.dp_rank} failed while {doing}: "
+                f"{type(e).__name__}: {e} (traceback in that rank's log)")
+
+    def rewind(self) -> None:
+        """Undo the last `next_step`, whose batch was not trained (the run stopped before it):
+        the position goes back to where that step began, so a resumed run reads its samples."""
+        start = self._step_start
+        self.step, self.cost_budget = start["step"], start["cost_budget"]
+        self.cursors = self._make_cursors()
+        for name, cursor in self.cursors.items():
+            cursor.load_state_dict(start["local"]["cursors"][name])
+        self.mixer.load_state_dict(start["local"]["mixer"])
+        self.skipped = dict(start["local"]["skipped"])
+        if self.planner is not None:
+            self.planner.load_state_dict(start["planner"])
+        self.rows = {}
+
+    def _position(self) -> dict:
+        """A copy of this rank's data position (what `rewind` goes back to)."""
+        return copy.deepcopy({"step": self.step, "cost_budget": self.cost_budget,
+                              "local": self.local_state(),
+                              "planner": self.planner.state_dict() if self.planner else None})
 
     def close(self) -> None:
         """Close the open streams."""

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -92,13 +93,29 @@ def export_hf(model: OmniModel, out_dir: str | Path, tokenizer, *, state_dict: d
     if state_dict is not None:
         load_omni_state(model, state_dict)
     hf_model = model.hf_model
-    hf_model.config._attn_implementation = "sdpa"
-    text_config = getattr(hf_model.config, "text_config", None)
-    if text_config is not None:
-        text_config._attn_implementation = "sdpa"
-    hf_model.save_pretrained(str(out), safe_serialization=True)
-    model.family.save_processor(out, hf_model.config, tokenizer, model_dir)
+    with _plain_attention(hf_model.config):
+        hf_model.save_pretrained(str(out), safe_serialization=True)
+        model.family.save_processor(out, hf_model.config, tokenizer, model_dir)
     return out
+
+
+@contextmanager
+def _plain_attention(config):
+    """The exported config names HF's SDPA, not ds_omni's packed attention; the live model's
+    config is the same object (its decoder layers read it at every call), so it gets its packed
+    attention back afterwards: switched for good, packed samples would attend to each other."""
+    subs = [getattr(config, name, None) for name in getattr(config, "sub_configs", None) or {}]
+    configs = [config] + [c for c in subs if c is not None]  # restored top first (it may cascade)
+    exported = [config, getattr(config, "text_config", None)]
+    saved = [c._attn_implementation for c in configs]
+    try:
+        for c in exported:
+            if c is not None:
+                c._attn_implementation = "sdpa"
+        yield
+    finally:
+        for c, attn in zip(configs, saved):
+            c._attn_implementation = attn
 
 
 def load_omni_state(model: OmniModel, state_dict: dict) -> None:

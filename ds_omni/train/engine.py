@@ -87,8 +87,7 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
     samples, cost_sum, errors, stops = dist.all_reduce_sum(local, dp_group)
     # a data problem on any rank stops every rank here, before a collective could hang
     if errors:
-        raise DataError(batch.error or "another data-parallel rank hit a data error; its "
-                        "message is above")
+        raise DataError(_first_error(batch, comm))
     if stops:
         raise StopTraining(batch.stop or "a data source ran out on another rank")
     if not samples:
@@ -109,6 +108,12 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
     return StepResult(loss=global_loss_sum / max(targets, 1.0), tokens=int(tokens),
                       targets=int(targets), samples=int(samples),
                       cost_max_over_mean=cost_max / (cost_sum / dp_size) if cost_sum else 1.0)
+
+
+def _first_error(batch: StepBatch, comm: TorchDataComm) -> str:
+    """This rank's data error, else another rank's (every rank calls this when any has one)."""
+    messages = [m for m in comm.world_all_gather(batch.error) if m]
+    return batch.error or (messages[0] if messages else "another rank hit a data error")
 
 
 def preflight(cfg: OmniConfig, ds_config_path: str) -> tuple[ParallelPlan, dict]:
@@ -152,7 +157,22 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     ds_groups.mpu = None  # DeepSpeed keeps the last engine's mpu in a module global: don't inherit it
     engine, *_ = deepspeed.initialize(model=built.model, model_parameters=params, config=ds_config,
                                       mpu=mpu)
+    align_lr_schedule(engine)
     return built, loader, engine
+
+
+def align_lr_schedule(engine) -> None:
+    """Make optimizer step k run at the LR schedule's iteration k.
+
+    DeepSpeed's schedulers (WarmupLR, WarmupDecayLR, WarmupCosineLR) put the LR of iteration -1
+    (the warm-up's start, 0 in the shipped configs) into the optimizer when they are built, and
+    the engine steps them after each optimizer step; so step k ran at iteration k - 1: steps 0
+    and 1 both at the start (with lr 0, two steps that learn nothing from their samples) and the
+    whole schedule one step late. One scheduler step before training puts it on time.
+    """
+    scheduler = engine.lr_scheduler
+    if getattr(scheduler, "last_batch_iteration", None) == -1:
+        scheduler.step()
 
 
 def run(cfg: OmniConfig, ds_config_path: str, *, resume: bool = False,
@@ -187,15 +207,17 @@ def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after) -> int:
         t0 = time.perf_counter()
         weights_file.poll(loader)
         batch = loader.next_step()
+        lr = engine.get_lr()[0]  # the LR this step uses (DeepSpeed moves it on after the step)
         try:
             result = train_step(engine, batch, loader.comm)
         except StopTraining as e:
             if rank == 0:
                 print(f"ds-omni: stopping at step {step}: {e}")
+            loader.rewind()  # this step was not trained: a resumed run reads its samples again
             break
         elapsed = time.perf_counter() - t0
         if step % cfg.train.log_every == 0 or step == end - 1:
-            record = {"step": step, "loss": result.loss, "lr": engine.get_lr()[0],
+            record = {"step": step, "loss": result.loss, "lr": lr,
                       "tokens": result.tokens, "targets": result.targets,
                       "samples": result.samples, "step_s": elapsed,
                       "tokens_per_s": result.tokens / elapsed,

@@ -4,7 +4,7 @@ get no gradient, no optimizer state and do not move."""
 import pytest
 import torch
 
-from tests.dist.test_parity import _full_params
+from tests.oracle import full_params as _full_params
 from tests.fixtures import ds_config, tiny_config
 from tests.harness import run_on_ranks
 

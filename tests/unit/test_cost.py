@@ -195,3 +195,17 @@ def test_calibrate_fills_unmeasured_terms_with_median_factor():
 def test_unknown_scale_term_is_an_error():
     with pytest.raises(ValueError, match="unknown cost term"):
         _model().with_scales({"video_lin": 1.0})
+
+
+def test_dummy_pass_of_an_absent_encoder_is_costed():
+    """A micro-batch without audio still runs the audio encoder once, on a dummy (every rank runs
+    every encoder every step, for ZeRO-3); for Whisper that is a whole window, as costly as a clip
+    (a clip's encoder sequence is max_source_positions long, whatever its duration)."""
+    cfg = tf.Qwen2AudioConfig(
+        audio_config=dict(d_model=32, encoder_layers=3, encoder_ffn_dim=40, encoder_attention_heads=4,
+                          num_mel_bins=16, max_source_positions=20),
+        text_config=TINY_LLAMA | {"model_type": "qwen2"})
+    cm = CostModel(ModelDims.from_hf_config(cfg))
+    clip = cm.encoder_cost("audio", np.array([20]))[0]
+    assert cm.dummy_cost(present=[]) == pytest.approx(clip) and clip > 0
+    assert cm.dummy_cost(present=["audio"]) == 0.0

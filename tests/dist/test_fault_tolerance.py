@@ -1,0 +1,109 @@
+"""Two ranks, one launch: the LR each optimizer step really uses, and a failure in one rank's data
+loader (not a DataError: a bug, a failing HF processor) stopping every rank at once."""
+
+import time
+
+import pytest
+
+from tests.fixtures import ds_config, tiny_config
+from tests.harness import run_on_ranks
+
+LR, WARMUP, STEPS = 1e-3, 2, 4
+SCHEDULER = {"type": "WarmupCosineLR", "params": {
+    "warmup_num_steps": "auto", "total_num_steps": "auto", "warmup_min_ratio": 0.0,
+    "cos_min_ratio": 0.1, "warmup_type": "linear"}}
+
+
+def _expected_lr(k: int) -> float:
+    """WarmupCosineLR's formula at iteration k (DeepSpeed's docs), written out independently."""
+    import math
+    if k < WARMUP:
+        return LR * k / WARMUP
+    progress = min(1.0, (k - WARMUP + 1) / (STEPS - WARMUP))
+    return LR * (0.1 + 0.9 * (1 + math.cos(math.pi * progress)) / 2)
+
+
+class _Broken:
+    """A sample processor whose measuring works but whose processing raises (as an HF one may)."""
+
+    def __init__(self, inner):
+        self.measure = inner.measure
+
+    def __call__(self, **_):
+        raise ValueError("processor exploded")
+
+
+class _Forgetful(dict):
+    """Rows read here are never kept, so every sample this rank trains is fetched by locator."""
+
+    def pop(self, key, default=None):
+        return default
+
+
+def _inject(loader, fault: str):
+    """Break one part of the loader; returns the function that mends it."""
+    source = next(iter(loader.sources.values()))
+    processor = loader.processors[source.name]
+    if fault == "read":
+        source.parts = lambda *a, **k: [][0]
+    elif fault == "fetch":
+        loader.rows = _Forgetful()
+        source.fetch = lambda loc: [][1]
+    else:
+        loader.processors[source.name] = _Broken(processor)
+
+    def mend():
+        source.__dict__.pop("parts", None)
+        source.__dict__.pop("fetch", None)
+        loader.rows = {}
+        loader.processors[source.name] = processor
+    return mend
+
+
+def _run(rank, world, root):
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from ds_omni.ds_config import derive_ds_config
+    from ds_omni.errors import DataError
+    from ds_omni.parallel.plan import ParallelPlan
+    from ds_omni.train.engine import _loop, setup_training, train_step
+    from ds_omni.train.metrics import MetricsLogger, read_metrics
+    cfg = tiny_config(root, steps=STEPS, warmup_steps=WARMUP, lr=LR)
+    plan = ParallelPlan.from_config(cfg.parallel, world)
+    ds = derive_ds_config(cfg, ds_config(2, scheduler=SCHEDULER), plan)
+    built, loader, engine = setup_training(cfg, ds, rank, plan)
+    used = []
+    hook = register_optimizer_step_pre_hook(
+        lambda opt, *_: used.append(opt.param_groups[0]["lr"]))
+    logger = MetricsLogger(root, total_steps=STEPS, start_step=0, enabled=rank == 0)
+    _loop(cfg, engine, loader, logger, plan, rank, 0, None)
+    logger.close()
+    hook.remove()
+    logged = [r["lr"] for r in read_metrics(root)] if rank == 0 else None
+
+    faults = {}
+    for fault in ("read", "fetch", "processor"):
+        mend = _inject(loader, fault) if rank == 1 else (lambda: None)
+        t0 = time.monotonic()
+        try:
+            train_step(engine, loader.next_step(), loader.comm)
+            faults[fault] = (None, time.monotonic() - t0)
+        except DataError as e:
+            faults[fault] = (str(e), time.monotonic() - t0)
+        mend()
+    return used, logged, faults
+
+
+@pytest.mark.dist
+def test_lr_actually_used_and_a_loader_failure_on_one_rank(tmp_path):
+    results = run_on_ranks(_run, 2, args=(str(tmp_path),), timeout=150)
+    used, logged, _ = results[0]
+    # step k runs at iteration k: only step 0 sits at the warm-up's start, and the log says so
+    assert used == pytest.approx([_expected_lr(k) for k in range(STEPS)], abs=1e-12)
+    assert used[1] > 0 and logged == used
+    assert results[1][0] == used
+    for fault, what in (("read", "IndexError"), ("fetch", "IndexError"),
+                        ("processor", "ValueError: processor exploded")):
+        for rank, (_, _, faults) in enumerate(results):
+            message, seconds = faults[fault]
+            assert message and what in message and "data-parallel rank 1" in message, (rank, fault)
+            assert seconds < 10, (rank, fault, seconds)

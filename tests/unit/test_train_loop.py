@@ -1,0 +1,76 @@
+"""The training loop's bookkeeping around a step, with a stand-in engine (no DeepSpeed)."""
+
+import pytest
+
+from ds_omni.config import DataConfig, ReorderConfig, SchemaConfig, SourceConfig
+from ds_omni.data.build import cost_model_for
+from ds_omni.data.loader import OmniLoader
+from ds_omni.data.processing import SampleProcessor
+from ds_omni.data.sources import Source
+from ds_omni.parallel.groups import TorchDataComm
+from ds_omni.train.engine import _loop
+from ds_omni.train.metrics import MetricsLogger, read_metrics
+from tests.data_files import text_rows, write
+from tests.fake_engine import FakeEngine
+from tests.fixtures import tiny_config
+
+STEPS, BATCH, MICRO = 5, 8, 2
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from ds_omni.model.build import build_model
+    return build_model(tiny_config(str(tmp_path_factory.mktemp("m"))).model)
+
+
+def _loader(built, path, schema, exhausted) -> OmniLoader:
+    cfg = DataConfig(sources=[SourceConfig(name="t", path=path, schema=SchemaConfig(**schema),
+                                           on_exhausted=exhausted)],
+                     max_seq_len=128, chunk_rows=4, reorder=ReorderConfig(mode="fixed"))
+    procs = {"t": SampleProcessor(tokenizer=built.tokenizer, family=built.family,
+                                  item_processors=built.item_processors, markers={},
+                                  max_seq_len=128)}
+    return OmniLoader([Source(s, cfg.chunk_rows) for s in cfg.sources], procs,
+                      cost_model_for(built, []), cfg, global_batch_size=BATCH,
+                      num_micro=BATCH // MICRO, dp_rank=0, dp_size=1, comm=TorchDataComm())
+
+
+def _train(out, engine, loader, start=0):
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_config(str(out), steps=STEPS, log_samples=True)
+    logger = MetricsLogger(out, total_steps=STEPS, start_step=start, enabled=True)
+    step = _loop(cfg, engine, loader, logger, None, 0, start, None)
+    logger.close()
+    return step
+
+
+def test_a_run_stopped_by_an_exhausted_source_resumes_without_losing_its_last_step(built, tmp_path):
+    """22 rows, 8 per step: the third step runs dry after 6 and stops the run; resumed (the source
+    now repeats), every step trains what an uninterrupted run with on_exhausted=repeat trains."""
+    path, schema = write("json", text_rows(22), tmp_path / "data", files=1)
+    _train(tmp_path / "full", FakeEngine(), _loader(built, path, schema, "repeat"))
+    stopped = _loader(built, path, schema, "stop")
+    step = _train(tmp_path / "run", FakeEngine(), stopped)
+    assert step == 2
+    state = stopped.state_dict()
+    resumed = _loader(built, path, schema, "repeat")
+    resumed.load_state_dict(state)
+    assert _train(tmp_path / "run", FakeEngine(), resumed, start=step) == STEPS
+    expected = [r["sample_keys"] for r in read_metrics(tmp_path / "full")]
+    assert [r["sample_keys"] for r in read_metrics(tmp_path / "run")] == expected
+
+
+def test_modelled_cost_counts_the_vision_dummy_of_micro_batches_without_images(built, tmp_path):
+    import io
+    import numpy as np
+    from PIL import Image
+    from ds_omni.data.demo import shapes_rows
+    path, schema = write("json", text_rows(8), tmp_path, files=1)
+    loader = _loader(built, path, schema, "repeat")
+    batch = loader.next_step()
+    tokens = np.array([s.length for s in loader.load_samples(batch.keys)])
+    image = Image.open(io.BytesIO(shapes_rows(1)[0]["image"]["bytes"]))
+    one_image = loader.cost_model.encoder_cost(  # what the tower runs for a real image
+        "vision", np.array(built.item_processors["vision"].measure(image).cost_seqs()))
+    expected = loader.cost_model.llm_cost(tokens).sum() + len(batch.micro_batches) * one_image.sum()
+    assert batch.modelled_cost == pytest.approx(expected, rel=1e-9)
