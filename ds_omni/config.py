@@ -292,6 +292,8 @@ class TrainConfig:
     """Checkpoints, metrics, report and the exported model go here."""
     save_every: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
+    keep_checkpoints: int = 0
+    """Keep only the newest N checkpoints (0: keep all)."""
     log_every: int = 1
     """Write metrics every N steps."""
     export_hf: bool = True
@@ -303,7 +305,7 @@ class TrainConfig:
         for name in ("steps", "global_batch_size", "micro_batch_size", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("save_every", "warmup_steps", "weight_decay"):
+        for name in ("save_every", "keep_checkpoints", "warmup_steps", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:

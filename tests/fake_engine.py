@@ -40,9 +40,11 @@ class FakeEngine:
     def zero_optimization_stage(self) -> int:
         return 0
 
-    def save_checkpoint(self, root, tag):
-        (Path(root) / tag / "engine.txt").write_text("engine")
-        (Path(root) / "latest").write_text(tag)
+    def save_checkpoint(self, root, tag, save_latest=True):
+        (Path(root) / tag).mkdir(parents=True, exist_ok=True)
+        (Path(root) / tag / "mp_rank_00_model_states.pt").write_bytes(b"weights" * 100)
+        if save_latest:
+            (Path(root) / "latest").write_text(tag)
 
     def load_checkpoint(self, root, tag, **_):
         return str(Path(root) / tag), {}

@@ -2,9 +2,13 @@
 
 Layout under `<output_dir>/checkpoints/`:
 
-    latest                      tag of the newest complete checkpoint (written last, by DeepSpeed)
+    latest                      tag of the newest complete checkpoint (moved last, atomically)
     model/                      HF config, tokenizer and processor: enough to export without the run
+    .step00000020.tmp/          a save in progress (or one a crash interrupted: never loaded)
     step00000010/               DeepSpeed files (model, optimizer, LR schedule) for any ZeRO stage
+        manifest.json           size and sha256 of every file: written last, so it marks the
+                                directory complete; `--resume` checks it and, if a newer directory
+                                fails, says why and takes the newest that passes
         loader_state.json       the data position (JSON, versioned, global over ranks)
         rng_rank{r}.pt          RNG states of rank r: torch CPU and CUDA, numpy, Python `random`
                                 (tensors and numbers only: loads with weights_only)
@@ -15,19 +19,26 @@ DeepSpeed's own files are pickles that DeepSpeed reads; load only checkpoints yo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ds_omni.errors import LaunchError
 from ds_omni.parallel.dist import barrier
 
 CHECKPOINT_DIR = "checkpoints"
 MODEL_META_DIR = "model"
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+TAG_RE = re.compile(r"step\d{8}")
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -59,20 +70,108 @@ def save_model_meta(root: Path, built) -> None:
     built.family.save_processor(meta, built.hf_config, built.tokenizer, built.model_dir)
 
 
-def save(engine, output_dir: str | Path, step: int, loader_state: dict, rank: int) -> Path:
-    """Write a complete checkpoint for `step`; every rank calls this."""
+def save(engine, output_dir: str | Path, step: int, loader_state: dict, rank: int,
+         keep: int = 0) -> Path:
+    """Write a complete checkpoint for `step` (every rank calls this), so that a crash at any
+    moment leaves the previous one usable.
+
+    Every file goes into `.<tag>.tmp/`; when all ranks have written and fsynced theirs, rank 0
+    adds `manifest.json` (size and sha256 of every file), renames the directory to `<tag>` and
+    only then moves `latest` (write, fsync, rename). `keep` > 0 removes all but the newest `keep`.
+    """
     root = checkpoint_root(output_dir)
     tag = tag_for(step)
-    # DeepSpeed writes `latest` after its files; ds_omni's files go in first so that a checkpoint
-    # named by `latest` is always whole.
-    (root / tag).mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), root / tag / f"rng_rank{rank}.pt")
+    tmp = root / f".{tag}.tmp"
     if rank == 0:
-        (root / tag / "loader_state.json").write_text(json.dumps(loader_state, indent=1))
-        (root / tag / "trainer_state.json").write_text(json.dumps({"step": step}))
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+        tmp.mkdir(parents=True)
     barrier()
-    engine.save_checkpoint(str(root), tag=tag)
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    if rank == 0:
+        (tmp / "loader_state.json").write_text(json.dumps(loader_state, indent=1))
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+    engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+    barrier()
+    digests = _digest_share(tmp, rank)  # each rank hashes and fsyncs a share of the files
+    if rank == 0:
+        files = {k: v for part in digests for k, v in part.items()}
+        _write_durably(tmp / MANIFEST, json.dumps(
+            {"version": MANIFEST_VERSION, "step": step, "files": files}, indent=1))
+        _publish(root, tmp, tag)
+        _write_latest(root, tag)
+        if keep:
+            prune(root, keep, upto=tag)
+    barrier()
     return root / tag
+
+
+def _digest_share(directory: Path, rank: int) -> list[dict]:
+    """{relative path: [size, sha256]} of every file, hashed (and fsynced) by the ranks in turns."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    mine = {}
+    for path in files[rank::world]:
+        mine[str(path.relative_to(directory))] = [path.stat().st_size, _sha256(path, sync=True)]
+    if world == 1:
+        return [mine]
+    out = [None] * world
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def _sha256(path: Path, sync: bool = False) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+        if sync:
+            os.fsync(f.fileno())
+    return h.hexdigest()
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(root: Path, tmp: Path, tag: str) -> None:
+    """The finished directory takes its name (an older save of the same step steps aside)."""
+    _fsync_dir(tmp)
+    final, old = root / tag, root / f".{tag}.old"
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_latest(root: Path, tag: str) -> None:
+    _write_durably(root / "latest.tmp", tag)
+    os.replace(root / "latest.tmp", root / "latest")
+    _fsync_dir(root)
+
+
+def prune(root: Path, keep: int, upto: str) -> list[str]:
+    """Remove all but the newest `keep` step directories up to `upto` (the one just written), and
+    leftovers of crashed saves. Newer ones (passed over at a resume) are left for inspection."""
+    tags = sorted(p.name for p in root.iterdir()
+                  if p.is_dir() and TAG_RE.fullmatch(p.name) and p.name <= upto)
+    doomed = tags[:-keep] + [p.name for p in root.iterdir()
+                             if p.name.startswith(".step") and p.name.endswith((".tmp", ".old"))]
+    for name in doomed:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return doomed
 
 
 def latest_tag(output_dir: str | Path) -> str | None:
@@ -80,13 +179,62 @@ def latest_tag(output_dir: str | Path) -> str | None:
     return latest.read_text().strip() if latest.is_file() else None
 
 
+def check_complete(directory: Path, legacy_ok: bool = False) -> str | None:
+    """Why the checkpoint in `directory` cannot be used, or None if its manifest checks out."""
+    manifest = directory / MANIFEST
+    if not manifest.is_file():
+        if legacy_ok and (directory / "trainer_state.json").is_file():
+            return None  # written before manifests, and named by `latest`: whole by construction
+        return "no manifest.json (its save did not finish)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        return f"manifest.json is unreadable ({e})"
+    for name, (size, digest) in sorted(files.items()):
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
+        if _sha256(path) != digest:
+            return f"{name} fails its sha256 checksum (the file is corrupted)"
+    return None
+
+
+def newest_complete(root: Path) -> tuple[str | None, list[str]]:
+    """(tag of the newest usable checkpoint or None, why each newer one was passed over)."""
+    latest = latest_tag(root.parent)
+    tags = sorted((p.name for p in root.iterdir() if p.is_dir() and TAG_RE.fullmatch(p.name)),
+                  reverse=True) if root.is_dir() else []
+    skipped = []
+    for tag in tags:
+        problem = check_complete(root / tag, legacy_ok=tag == latest)
+        if problem is None:
+            return tag, skipped
+        skipped.append(f"{tag}: {problem}")
+    return None, skipped
+
+
 def load(engine, output_dir: str | Path, rank: int) -> tuple[int, dict]:
-    """Restore the newest checkpoint; returns (step, loader state)."""
+    """Restore the newest complete checkpoint; returns (step, loader state).
+
+    Rank 0 checks the manifests (newest first) and every rank loads the one it picks; a newer
+    one that is incomplete or corrupted is reported and passed over.
+    """
     root = checkpoint_root(output_dir)
-    tag = latest_tag(output_dir)
+    choice = [newest_complete(root) if rank == 0 else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(choice, src=0)
+    tag, skipped = choice[0]
+    if rank == 0:
+        for note in skipped:
+            print(f"ds-omni: --resume: passing over checkpoint {note}")
     if tag is None:
-        raise LaunchError(f"--resume: no checkpoint in {str(root)!r} (no 'latest' file); start "
-                          "without --resume or point train.output_dir at the earlier run")
+        if not skipped:
+            raise LaunchError(f"--resume: no checkpoint in {str(root)!r}; start without --resume "
+                              "or point train.output_dir at the earlier run")
+        raise LaunchError(f"--resume: no complete checkpoint in {str(root)!r}: "
+                          + "; ".join(skipped))
     path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                      load_lr_scheduler_states=True)
     if path is None:

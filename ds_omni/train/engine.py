@@ -232,12 +232,14 @@ def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after) -> int:
         logger.advance()
         step += 1
         if cfg.train.save_every and step % cfg.train.save_every == 0 and step < end:
-            checkpoint.save(engine, cfg.train.output_dir, step, loader.state_dict(), rank)
+            checkpoint.save(engine, cfg.train.output_dir, step, loader.state_dict(), rank,
+                            keep=cfg.train.keep_checkpoints)
     return step
 
 
 def _finish(cfg, engine, loader, rank, step, plan) -> dict:
-    checkpoint.save(engine, cfg.train.output_dir, step, loader.state_dict(), rank)
+    checkpoint.save(engine, cfg.train.output_dir, step, loader.state_dict(), rank,
+                    keep=cfg.train.keep_checkpoints)
     flush_skipped(loader, cfg.train.output_dir, rank, step)
     skipped = skipped_totals(loader)
     dist.barrier()

@@ -1,10 +1,13 @@
 """ds_omni's part of a checkpoint, with a stand-in for DeepSpeed's engine (its files are DeepSpeed's)."""
 
+import os
 import random
 
 import numpy as np
+import pytest
 import torch
 
+from ds_omni.errors import LaunchError
 from ds_omni.train import checkpoint
 from tests.fake_engine import FakeEngine
 
@@ -25,3 +28,73 @@ def test_every_rng_resumes_where_it_was(tmp_path):
     assert _draws() == expected
     saved = torch.load(tmp_path / "checkpoints" / "step00000005" / "rng_rank0.pt", weights_only=True)
     assert {"torch", "numpy", "python"} <= set(saved)
+
+
+# A process that saves step 1, then is killed (SIGKILL, as a dying node) at `point` of saving step 2.
+_DIE_WHILE_SAVING = """
+import os, signal, sys
+from ds_omni.train import checkpoint
+from tests.fake_engine import FakeEngine
+
+def die(*_, **__):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+class DiesWriting(FakeEngine):
+    def save_checkpoint(self, root, tag, save_latest=True):
+        with open(os.path.join(root, tag, "mp_rank_00_model_states.pt"), "wb") as f:
+            f.write(b"half a tens")
+            f.flush()
+            die()
+
+out, point = sys.argv[1], sys.argv[2]
+checkpoint.save(FakeEngine(), out, 1, {"step": 1}, rank=0)
+if point == "publish":
+    checkpoint._publish = die
+elif point == "latest":
+    checkpoint._write_latest = die
+checkpoint.save(DiesWriting() if point == "engine" else FakeEngine(), out, 2, {"step": 2}, rank=0)
+"""
+
+
+def test_a_rank_killed_in_the_middle_of_a_save_leaves_a_usable_checkpoint(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    from tests.harness import REPO
+    points = {"engine": 1, "publish": 1, "latest": 2}  # the step a resume finds
+    procs = {p: subprocess.Popen([sys.executable, "-c", _DIE_WHILE_SAVING, str(tmp_path / p), p],
+                                 cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+             for p in points}
+    for point, proc in procs.items():
+        assert proc.wait(timeout=120) == -signal.SIGKILL, point
+    for point, step in points.items():
+        assert checkpoint.load(FakeEngine(), tmp_path / point, rank=0) == (step, {"step": step}), point
+        checkpoint.save(FakeEngine(), tmp_path / point, 2, {"step": 2}, rank=0)  # saving again works
+        assert checkpoint.load(FakeEngine(), tmp_path / point, rank=0)[0] == 2
+        assert not list((tmp_path / point / "checkpoints").glob(".step*")), point
+
+
+def test_a_corrupted_or_incomplete_newest_checkpoint_is_named_and_passed_over(tmp_path, capsys):
+    for step in (1, 2, 3):
+        checkpoint.save(FakeEngine(), tmp_path, step, {"step": step}, rank=0)
+    root = tmp_path / "checkpoints"
+    weights = root / "step00000003" / "mp_rank_00_model_states.pt"
+    data = bytearray(weights.read_bytes())
+    data[10] ^= 1  # one flipped bit, same size
+    weights.write_bytes(bytes(data))
+    (root / "step00000002" / "rng_rank0.pt").unlink()
+    assert checkpoint.load(FakeEngine(), tmp_path, rank=0) == (1, {"step": 1})
+    out = capsys.readouterr().out
+    assert "step00000003: mp_rank_00_model_states.pt fails its sha256 checksum" in out
+    assert "step00000002: rng_rank0.pt is missing" in out
+    (root / "step00000001" / "manifest.json").unlink()
+    with pytest.raises(LaunchError, match=r"no complete checkpoint in .*step00000001: no manifest"):
+        checkpoint.load(FakeEngine(), tmp_path, rank=0)
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    for step in range(1, 5):
+        checkpoint.save(FakeEngine(), tmp_path, step, {"step": step}, rank=0, keep=2)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step00000003", "step00000004"]
+    assert (root / "latest").read_text() == "step00000004"
