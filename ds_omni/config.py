@@ -294,6 +294,9 @@ class TrainConfig:
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = 0
     """Keep only the newest N checkpoints (0: keep all)."""
+    on_nonfinite: str = "stop"
+    """A step whose loss or gradients are NaN/inf: "stop" ends the run naming its samples; "skip"
+    drops its update (weights, optimizer state untouched) and records its samples in metrics."""
     log_every: int = 1
     """Write metrics every N steps."""
     export_hf: bool = True
@@ -310,6 +313,9 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ConfigError(f"train.on_nonfinite must be \"stop\" or \"skip\", got "
+                              f"{self.on_nonfinite!r}")
 
 
 @dataclass(kw_only=True)

@@ -21,6 +21,8 @@ class FakeEngine:
 
     def __init__(self, loss_per_target: float = 1.0):
         self.loss_per_target = loss_per_target
+        self.module = torch.nn.Linear(1, 1)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=0.1)
         self.trained: list[list[str]] = []
         self.steps = 0
 
@@ -39,6 +41,12 @@ class FakeEngine:
 
     def zero_optimization_stage(self) -> int:
         return 0
+
+    def fp16_enabled(self) -> bool:
+        return False
+
+    def bfloat16_enabled(self) -> bool:
+        return False
 
     def save_checkpoint(self, root, tag, save_latest=True):
         (Path(root) / tag).mkdir(parents=True, exist_ok=True)

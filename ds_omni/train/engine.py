@@ -34,6 +34,7 @@ from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.train import checkpoint
 from ds_omni.train.control import WeightsFile
 from ds_omni.train.metrics import MetricsLogger, write_report
+from ds_omni.train.nonfinite import NonFiniteError, NonFiniteGuard
 
 DEFAULT_DIST_TIMEOUT_S = 1800.0
 
@@ -45,6 +46,7 @@ class StepResult:
     targets: int
     samples: int
     cost_max_over_mean: float  # modelled cost of the busiest rank / the mean rank (1.0 = even)
+    nonfinite_keys: list[str] | None = None  # the samples of a step whose update was dropped
 
 
 class StopTraining(Exception):
@@ -74,11 +76,13 @@ def gradient_divisor(engine, dp_size: int, sp_size: int) -> int:
     return dp_size
 
 
-def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=None) -> StepResult:
+def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=None,
+               guard: NonFiniteGuard | None = None) -> StepResult:
     """One optimizer step on this rank's micro-batches (every rank calls it, in lockstep).
 
     `on_reduced_grads(engine)`, if given, runs after the last backward and before the optimizer
-    step, when the gradients are reduced over the ranks (for tests that compare them).
+    step, when the gradients are reduced over the ranks (for tests that compare them). `guard`
+    checks the losses and gradients before the optimizer step (`ds_omni.train.nonfinite`).
     """
     dp_group, token_group, dp_size = comm.dp_group, comm.token_group, comm.dp_size
     divisor = gradient_divisor(engine, dp_size, comm.sp_size)
@@ -96,18 +100,37 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
     targets, tokens = dist.all_reduce_sum([sum(mb.num_targets for mb in batch.micro_batches),
                                            sum(mb.num_tokens for mb in batch.micro_batches)],
                                           token_group)
-    loss_sum = 0.0
+    loss_sum, dropped = 0.0, None
     for i, mb in enumerate(batch.micro_batches):
         out = engine(mb.to(engine.device))
+        if guard is not None:
+            guard.watch_loss(out.loss_sum)
         engine.backward(engine_loss(out.loss_sum, divisor, targets), scale_wrt_gas=False)
-        if on_reduced_grads is not None and i == len(batch.micro_batches) - 1:
+        last = i == len(batch.micro_batches) - 1
+        if last and on_reduced_grads is not None:
             on_reduced_grads(engine)
-        engine.step()
+        if last and guard is not None and guard.tripped():
+            dropped = _nonfinite_step(guard, batch, comm)
+            with guard.dropped_update():
+                engine.step()
+        else:
+            engine.step()
         loss_sum += float(out.loss_sum.detach())
     (global_loss_sum,) = dist.all_reduce_sum([loss_sum], token_group)
     return StepResult(loss=global_loss_sum / max(targets, 1.0), tokens=int(tokens),
-                      targets=int(targets), samples=int(samples),
+                      targets=int(targets), samples=int(samples), nonfinite_keys=dropped,
                       cost_max_over_mean=cost_max / (cost_sum / dp_size) if cost_sum else 1.0)
+
+
+def _nonfinite_step(guard: NonFiniteGuard, batch: StepBatch, comm: TorchDataComm) -> list[str]:
+    """The step's sample keys (all ranks); under "stop", the error that names them."""
+    keys = sorted({k for part in comm.world_all_gather(batch.keys) for k in part})
+    if guard.policy == "stop":
+        raise NonFiniteError(
+            f"the loss or gradients of step {batch.step} are not finite (NaN/inf); nothing was "
+            f"updated. Its {len(keys)} samples: {keys}. To drop such steps and go on, set "
+            "train.on_nonfinite to \"skip\"")
+    return keys
 
 
 def _first_error(batch: StepBatch, comm: TorchDataComm) -> str:
@@ -203,25 +226,31 @@ def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after) -> int:
     step = start
     end = cfg.train.steps if stop_after is None else min(cfg.train.steps, start + stop_after)
     weights_file = WeightsFile(cfg.train.output_dir, rank)
+    guard = NonFiniteGuard(engine, cfg.train.on_nonfinite)
     while step < end:
         t0 = time.perf_counter()
         weights_file.poll(loader)
         batch = loader.next_step()
         lr = engine.get_lr()[0]  # the LR this step uses (DeepSpeed moves it on after the step)
         try:
-            result = train_step(engine, batch, loader.comm)
+            result = train_step(engine, batch, loader.comm, guard=guard)
         except StopTraining as e:
             if rank == 0:
                 print(f"ds-omni: stopping at step {step}: {e}")
             loader.rewind()  # this step was not trained: a resumed run reads its samples again
             break
         elapsed = time.perf_counter() - t0
-        if step % cfg.train.log_every == 0 or step == end - 1:
+        if result.nonfinite_keys and rank == 0:
+            print(f"ds-omni: step {step}: loss or gradients not finite; update dropped "
+                  f"(train.on_nonfinite=\"skip\"); its samples: {result.nonfinite_keys}")
+        if step % cfg.train.log_every == 0 or step == end - 1 or result.nonfinite_keys:
             record = {"step": step, "loss": result.loss, "lr": lr,
                       "tokens": result.tokens, "targets": result.targets,
                       "samples": result.samples, "step_s": elapsed,
                       "tokens_per_s": result.tokens / elapsed,
                       "cost_max_over_mean": result.cost_max_over_mean,
+                      **({"nonfinite_skipped": result.nonfinite_keys}
+                         if result.nonfinite_keys else {}),
                       **{f"data_{k}": v for k, v in batch.stats.items()
                          if k in ("skipped", "outliers", "mean_delay", "max_delay")}}
             if cfg.train.log_samples:
@@ -234,6 +263,7 @@ def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after) -> int:
         if cfg.train.save_every and step % cfg.train.save_every == 0 and step < end:
             checkpoint.save(engine, cfg.train.output_dir, step, loader.state_dict(), rank,
                             keep=cfg.train.keep_checkpoints)
+    guard.close()
     return step
 
 

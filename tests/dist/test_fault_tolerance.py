@@ -1,5 +1,6 @@
-"""Two ranks, one launch: the LR each optimizer step really uses, and a failure in one rank's data
-loader (not a DataError: a bug, a failing HF processor) stopping every rank at once."""
+"""Two ranks, one launch: the LR each optimizer step really uses; a failure in one rank's data
+loader (not a DataError: a bug, a failing HF processor) stopping every rank at once; a NaN loss on
+one rank never reaching the weights or optimizer state (ZeRO-2 and no ZeRO)."""
 
 import time
 
@@ -60,6 +61,73 @@ def _inject(loader, fault: str):
     return mend
 
 
+def _nan_once(engine, rank: int) -> None:
+    """Rank 1's next forward returns a NaN loss (as a diverging batch would)."""
+    from ds_omni.model.omni import LossOutput
+    module = engine.module
+    if rank != 1:
+        return
+    forward = module.forward
+
+    def nan_forward(mb):
+        del module.forward
+        out = forward(mb)
+        return LossOutput(out.loss_sum * float("nan"), out.num_targets)
+    module.forward = nan_forward
+
+
+def _snapshot(engine) -> list:
+    """Weights, fp32 master partitions, Adam moments and LR schedule position, copied."""
+    import torch
+    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    tensors = [p.detach().clone() for p in engine.module.parameters()]
+    tensors += [t.detach().clone() for t in getattr(engine.optimizer,
+                                                     "single_partition_of_fp32_groups", [])]
+    tensors += [v.clone() for st in base.state.values() for v in st.values() if torch.is_tensor(v)]
+    return [tensors, getattr(engine.lr_scheduler, "last_batch_iteration", None)]
+
+
+def _same(a, b) -> bool:
+    import torch
+    return a[1] == b[1] and len(a[0]) == len(b[0]) and all(
+        torch.allclose(x, y, rtol=0, atol=0, equal_nan=True) for x, y in zip(a[0], b[0]))
+
+
+def _nonfinite(rank, engine, loader, stage0):
+    """Per engine: "skip" drops the update and names the samples, the next step trains, "stop"
+    raises naming them (the engine is left mid-step: a run ends there); weights and optimizer
+    state untouched each time. Without the guard, no ZeRO takes the NaN into the weights."""
+    import torch
+    from ds_omni.train.engine import train_step
+    from ds_omni.train.nonfinite import NonFiniteError, NonFiniteGuard
+    out = {}
+    for name, eng in (("zero2", engine), ("zero0", stage0)):
+        guard = NonFiniteGuard(eng, "skip")
+        before = _snapshot(eng)
+        _nan_once(eng, rank)
+        result = train_step(eng, loader.next_step(), loader.comm, guard=guard)
+        out[f"{name}_skip"] = (bool(result.nonfinite_keys), _same(before, _snapshot(eng)))
+        result = train_step(eng, loader.next_step(), loader.comm, guard=guard)
+        after = _snapshot(eng)
+        out[f"{name}_next"] = (not _same(before, after) and result.nonfinite_keys is None
+                               and all(torch.isfinite(t).all() for t in after[0]))
+        if name == "zero0":
+            _nan_once(eng, rank)
+            train_step(eng, loader.next_step(), loader.comm)
+            out["unguarded_nan_weights"] = any(not torch.isfinite(p).all()
+                                               for p in eng.module.parameters())
+        before = _snapshot(eng)
+        _nan_once(eng, rank)
+        guard.policy = "stop"
+        try:
+            train_step(eng, loader.next_step(), loader.comm, guard=guard)
+            out[f"{name}_stop"] = None
+        except NonFiniteError as e:
+            out[f"{name}_stop"] = ("samples:" in str(e), _same(before, _snapshot(eng)))
+        guard.close()
+    return out
+
+
 def _run(rank, world, root):
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     from ds_omni.ds_config import derive_ds_config
@@ -90,20 +158,30 @@ def _run(rank, world, root):
         except DataError as e:
             faults[fault] = (str(e), time.monotonic() - t0)
         mend()
-    return used, logged, faults
+
+    plan0 = ParallelPlan.from_config(cfg.parallel, world)
+    cfg0 = tiny_config(root + "/zero0", steps=STEPS)
+    _, _, stage0 = setup_training(cfg0, derive_ds_config(cfg0, ds_config(0), plan0), rank, plan0)
+    return used, logged, faults, _nonfinite(rank, engine, loader, stage0)
 
 
 @pytest.mark.dist
-def test_lr_actually_used_and_a_loader_failure_on_one_rank(tmp_path):
+def test_lr_used_loader_failure_on_one_rank_and_nonfinite_steps(tmp_path):
     results = run_on_ranks(_run, 2, args=(str(tmp_path),), timeout=150)
-    used, logged, _ = results[0]
+    used, logged, _, _ = results[0]
     # step k runs at iteration k: only step 0 sits at the warm-up's start, and the log says so
     assert used == pytest.approx([_expected_lr(k) for k in range(STEPS)], abs=1e-12)
     assert used[1] > 0 and logged == used
     assert results[1][0] == used
     for fault, what in (("read", "IndexError"), ("fetch", "IndexError"),
                         ("processor", "ValueError: processor exploded")):
-        for rank, (_, _, faults) in enumerate(results):
+        for rank, (_, _, faults, _) in enumerate(results):
             message, seconds = faults[fault]
             assert message and what in message and "data-parallel rank 1" in message, (rank, fault)
             assert seconds < 10, (rank, fault, seconds)
+    for rank, (_, _, _, nonfinite) in enumerate(results):
+        for engine in ("zero2", "zero0"):
+            assert nonfinite[f"{engine}_skip"] == (True, True), (rank, engine)
+            assert nonfinite[f"{engine}_stop"] == (True, True), (rank, engine)
+            assert nonfinite[f"{engine}_next"], (rank, engine)
+        assert nonfinite["unguarded_nan_weights"]  # what the guard prevents

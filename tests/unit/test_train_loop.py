@@ -35,9 +35,9 @@ def _loader(built, path, schema, exhausted) -> OmniLoader:
                       num_micro=BATCH // MICRO, dp_rank=0, dp_size=1, comm=TorchDataComm())
 
 
-def _train(out, engine, loader, start=0):
+def _train(out, engine, loader, start=0, **train):
     out.mkdir(parents=True, exist_ok=True)
-    cfg = tiny_config(str(out), steps=STEPS, log_samples=True)
+    cfg = tiny_config(str(out), steps=STEPS, log_samples=True, **train)
     logger = MetricsLogger(out, total_steps=STEPS, start_step=start, enabled=True)
     step = _loop(cfg, engine, loader, logger, None, 0, start, None)
     logger.close()
@@ -74,3 +74,15 @@ def test_modelled_cost_counts_the_vision_dummy_of_micro_batches_without_images(b
         "vision", np.array(built.item_processors["vision"].measure(image).cost_seqs()))
     expected = loader.cost_model.llm_cost(tokens).sum() + len(batch.micro_batches) * one_image.sum()
     assert batch.modelled_cost == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_nonfinite_step_is_skipped_with_its_samples_recorded_or_stops_naming_them(built, tmp_path):
+    from ds_omni.train.nonfinite import NonFiniteError
+    path, schema = write("json", text_rows(8), tmp_path / "data", files=1)
+    nan = FakeEngine(loss_per_target=float("nan"))
+    _train(tmp_path / "skip", nan, _loader(built, path, schema, "repeat"), on_nonfinite="skip")
+    records = read_metrics(tmp_path / "skip")
+    assert len(records) == STEPS
+    assert all(r["nonfinite_skipped"] == r["sample_keys"] and r["sample_keys"] for r in records)
+    with pytest.raises(NonFiniteError, match=r"step 0 are not finite .* 8 samples: \['0/t:0:0'"):
+        _train(tmp_path / "stop", nan, _loader(built, path, schema, "repeat"))

@@ -1,0 +1,87 @@
+"""Non-finite loss or gradients: no NaN ever reaches the weights or the optimizer state.
+
+A `NonFiniteGuard` watches one engine: every micro-batch's loss, and every gradient as autograd
+computes it (a tensor hook per trainable parameter, so a NaN is seen on the rank that made it,
+before any reduction spreads it). The flag stays on the device; after the step's last backward
+`tripped()` all-reduces it once, so every rank decides the same, before the optimizer runs. Then
+`train.on_nonfinite` says what happens:
+
+- "stop": the run ends with an error naming the step's samples (nothing was updated);
+- "skip": the update is dropped: weights, optimizer state and LR schedule stay as they were, and
+  the step's samples are recorded in metrics.jsonl. Under ZeRO 1-3 DeepSpeed's own overflow path
+  drops it (ds_omni turns on its gradient check for bf16, which DeepSpeed leaves off); without
+  ZeRO (fp32) the optimizer's step is not called.
+
+With fp16, inf gradients are how the dynamic loss scaler finds its scale, and DeepSpeed already
+skips those steps: only the loss is watched there.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from ds_omni.errors import DsOmniError
+from ds_omni.parallel import dist
+
+POLICIES = ("stop", "skip")
+
+
+class NonFiniteError(DsOmniError):
+    """A step's loss or gradients were NaN/inf and train.on_nonfinite is "stop"."""
+
+
+class NonFiniteGuard:
+    def __init__(self, engine, policy: str = "stop"):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown on_nonfinite policy {policy!r}; choose one of {POLICIES}")
+        self.engine, self.policy = engine, policy
+        self.flag = torch.zeros((), dtype=torch.bool, device=engine.device)
+        self._hooks = []
+        if not engine.fp16_enabled():
+            self._hooks = [p.register_hook(self._watch) for p in engine.module.parameters()
+                           if p.requires_grad]
+        optimizer = getattr(engine, "optimizer", None)
+        if policy == "skip" and hasattr(optimizer, "check_grad_overflow"):
+            optimizer.check_grad_overflow = True  # ZeRO 1/2 under bf16 would apply a NaN step
+
+    def _watch(self, grad: torch.Tensor) -> None:
+        self.flag |= ~torch.isfinite(grad).all()
+
+    def watch_loss(self, loss: torch.Tensor) -> None:
+        self.flag |= ~torch.isfinite(loss.detach()).all()
+
+    def tripped(self) -> bool:
+        """Whether any rank saw a non-finite loss or gradient this step (collective; resets)."""
+        (bad,) = dist.all_reduce_max([float(self.flag)])
+        self.flag.zero_()
+        return bool(bad)
+
+    @contextmanager
+    def dropped_update(self):
+        """Run the engine's boundary `step()` inside this: the update is not applied."""
+        engine = self.engine
+        if engine.zero_optimization_stage() > 0:
+            yield  # DeepSpeed sees the non-finite gradient norm and skips the step itself
+            if engine.was_step_applied():
+                raise NonFiniteError("DeepSpeed applied an update the non-finite check had flagged; "
+                                     "set train.on_nonfinite to \"stop\" for this setup")
+            return
+        if engine.fp16_enabled() or engine.bfloat16_enabled():
+            raise NonFiniteError("train.on_nonfinite=\"skip\" needs ZeRO (stage >= 1) or fp32 "
+                                 "training; set it to \"stop\" or use a ZeRO config")
+        optimizer, scheduler = engine.optimizer, engine.lr_scheduler
+        optimizer.step = lambda *args, **kwargs: None  # this instance only, for this call
+        iteration = getattr(scheduler, "last_batch_iteration", None)
+        try:
+            yield
+        finally:
+            del optimizer.step
+        if iteration is not None:  # as under ZeRO: a dropped update does not advance the schedule
+            scheduler.step(iteration)
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
