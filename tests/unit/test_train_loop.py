@@ -23,10 +23,10 @@ def built(tmp_path_factory):
     return build_model(tiny_config(str(tmp_path_factory.mktemp("m"))).model)
 
 
-def _loader(built, path, schema, exhausted) -> OmniLoader:
+def _loader(built, path, schema, exhausted, mode="fixed") -> OmniLoader:
     cfg = DataConfig(sources=[SourceConfig(name="t", path=path, schema=SchemaConfig(**schema),
                                            on_exhausted=exhausted)],
-                     max_seq_len=128, chunk_rows=4, reorder=ReorderConfig(mode="fixed"))
+                     max_seq_len=128, chunk_rows=4, reorder=ReorderConfig(mode=mode))
     procs = {"t": SampleProcessor(tokenizer=built.tokenizer, family=built.family,
                                   item_processors=built.item_processors, markers={},
                                   max_seq_len=128)}
@@ -44,16 +44,18 @@ def _train(out, engine, loader, start=0, **train):
     return step
 
 
-def test_a_run_stopped_by_an_exhausted_source_resumes_without_losing_its_last_step(built, tmp_path):
+@pytest.mark.parametrize("mode", ["fixed", "budget"])
+def test_a_run_stopped_by_an_exhausted_source_resumes_without_losing_its_last_step(built, tmp_path,
+                                                                                  mode):
     """22 rows, 8 per step: the third step runs dry after 6 and stops the run; resumed (the source
     now repeats), every step trains what an uninterrupted run with on_exhausted=repeat trains."""
     path, schema = write("json", text_rows(22), tmp_path / "data", files=1)
-    _train(tmp_path / "full", FakeEngine(), _loader(built, path, schema, "repeat"))
-    stopped = _loader(built, path, schema, "stop")
+    _train(tmp_path / "full", FakeEngine(), _loader(built, path, schema, "repeat", mode))
+    stopped = _loader(built, path, schema, "stop", mode)
     step = _train(tmp_path / "run", FakeEngine(), stopped)
-    assert step == 2
+    assert step < STEPS
     state = stopped.state_dict()
-    resumed = _loader(built, path, schema, "repeat")
+    resumed = _loader(built, path, schema, "repeat", mode)
     resumed.load_state_dict(state)
     assert _train(tmp_path / "run", FakeEngine(), resumed, start=step) == STEPS
     expected = [r["sample_keys"] for r in read_metrics(tmp_path / "full")]
