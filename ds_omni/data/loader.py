@@ -375,10 +375,11 @@ class OmniLoader:
         (not a DataError) also prints its traceback here, on the rank where it happened."""
         if isinstance(e, DataError):
             return str(e)
-        print(f"ds-omni: the data loader of data-parallel rank {self.dp_rank} failed while "
-              f"{doing}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        return (f"the data loader of data-parallel rank {self.dp_rank} failed while {doing}: "
-                f"{type(e).__name__}: {e} (traceback in that rank's log)")
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        who = f"the data loader of rank {rank} (data-parallel rank {self.dp_rank})"
+        print(f"ds-omni: {who} failed while {doing}:\n{traceback.format_exc()}", file=sys.stderr,
+              flush=True)
+        return f"{who} failed while {doing}: {type(e).__name__}: {e} (traceback in that rank's log)"
 
     def rewind(self) -> None:
         """Undo the last `next_step`, whose batch was not trained (the run stopped before it):

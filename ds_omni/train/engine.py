@@ -89,6 +89,8 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
     local = [len(batch.keys), batch.modelled_cost, float(batch.error is not None),
              float(batch.stop is not None)]
     samples, cost_sum, errors, stops = dist.all_reduce_sum(local, dp_group)
+    if comm.sp_size > 1:  # SP peers share every forward: one's data problem must stop the others
+        errors, stops = dist.all_reduce_sum(local[2:], token_group)
     # a data problem on any rank stops every rank here, before a collective could hang
     if errors:
         raise DataError(_first_error(batch, comm))
@@ -134,8 +136,14 @@ def _nonfinite_step(guard: NonFiniteGuard, batch: StepBatch, comm: TorchDataComm
 
 
 def _first_error(batch: StepBatch, comm: TorchDataComm) -> str:
-    """This rank's data error, else another rank's (every rank calls this when any has one)."""
-    messages = [m for m in comm.world_all_gather(batch.error) if m]
+    """This rank's data error, else another rank's (every rank of the token group calls this
+    when any has one)."""
+    if comm.sp_size > 1:
+        messages = [None] * torch.distributed.get_world_size(comm.token_group)
+        torch.distributed.all_gather_object(messages, batch.error, group=comm.token_group)
+    else:
+        messages = comm.world_all_gather(batch.error)
+    messages = [m for m in messages if m]
     return batch.error or (messages[0] if messages else "another rank hit a data error")
 
 

@@ -128,6 +128,39 @@ def _nonfinite(rank, engine, loader, stage0):
     return out
 
 
+def _sp_fault(rank, world, root, built) -> tuple[str | None, float]:
+    """sp=2 (so dp=1): rank 1's processor fails; its SP peer must stop too, not wait in the
+    sequence-parallel collectives of a forward the other will never run."""
+    from ds_omni.data.build import build_loader
+    from ds_omni.data.loader import reorder_group_size
+    from ds_omni.errors import DataError
+    from ds_omni.parallel.groups import TorchDataComm, data_groups, sequence_groups
+    from ds_omni.parallel.plan import ParallelPlan
+    from ds_omni.train.engine import train_step
+    cfg = tiny_config(root + "/sp", steps=STEPS)
+    cfg.parallel.sp = 2
+    plan = ParallelPlan.from_config(cfg.parallel, world)
+    group_size = reorder_group_size(cfg.data, plan.dp)
+    dp_group, reorder_group = data_groups(plan, rank, group_size)
+    mpu = sequence_groups(plan, rank)
+    comm = TorchDataComm(dp_group, reorder_group, plan.dp, group_size,
+                         mpu.get_sequence_data_parallel_group(), plan.sp)
+    loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=2, comm=comm,
+                          sp_rank=rank, sp_size=2)
+    if rank == 1:
+        _inject(loader, "processor")
+
+    class NoEngine:  # the step must stop before it reaches the model
+        def zero_optimization_stage(self):
+            return 2
+    t0 = time.monotonic()
+    try:
+        train_step(NoEngine(), loader.next_step(), comm)
+        return None, time.monotonic() - t0
+    except DataError as e:
+        return str(e), time.monotonic() - t0
+
+
 def _run(rank, world, root):
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     from ds_omni.ds_config import derive_ds_config
@@ -162,6 +195,7 @@ def _run(rank, world, root):
     plan0 = ParallelPlan.from_config(cfg.parallel, world)
     cfg0 = tiny_config(root + "/zero0", steps=STEPS)
     _, _, stage0 = setup_training(cfg0, derive_ds_config(cfg0, ds_config(0), plan0), rank, plan0)
+    faults["sp"] = _sp_fault(rank, world, root, built)
     return used, logged, faults, _nonfinite(rank, engine, loader, stage0)
 
 
@@ -174,10 +208,11 @@ def test_lr_used_loader_failure_on_one_rank_and_nonfinite_steps(tmp_path):
     assert used[1] > 0 and logged == used
     assert results[1][0] == used
     for fault, what in (("read", "IndexError"), ("fetch", "IndexError"),
-                        ("processor", "ValueError: processor exploded")):
+                        ("processor", "ValueError: processor exploded"),
+                        ("sp", "ValueError: processor exploded")):
         for rank, (_, _, faults, _) in enumerate(results):
             message, seconds = faults[fault]
-            assert message and what in message and "data-parallel rank 1" in message, (rank, fault)
+            assert message and what in message and "loader of rank 1 " in message, (rank, fault)
             assert seconds < 10, (rank, fault, seconds)
     for rank, (_, _, _, nonfinite) in enumerate(results):
         for engine in ("zero2", "zero0"):
