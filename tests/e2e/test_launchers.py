@@ -37,13 +37,32 @@ def test_other_launchers_reproduce_the_deepspeed_run(kind, tmp_path, reference):
     assert [r["sample_keys"] for r in got] == [r["sample_keys"] for r in reference]
 
 
-def test_single_process_without_a_launcher(tmp_path):
+def test_single_process_without_a_launcher_skips_bad_samples_visibly(tmp_path):
+    """`ds-omni train` alone, the demo data mixed with a source holding one row of each problem
+    (`tests/data_layouts.write_problem_json`) under on_bad_sample="skip": it trains, and every
+    skipped sample is in skipped.jsonl, on the console and in the report, and never trained."""
+    from tests.data_layouts import write_problem_json
+    problems, kinds = write_problem_json(tmp_path / "data")
     cfg, ds, out = write_configs(tmp_path, steps=3)
+    config = json.loads(Path(cfg).read_text())
+    config["data"]["sources"].append({"name": "problems", "path": str(problems), "weight": 1.0,
+                                      "on_bad_sample": "skip",
+                                      "schema": {"text": "conversations", "image": "image"}})
+    Path(cfg).write_text(json.dumps(config))
     res = train("single", 1, cfg, ds)
     assert res.returncode == 0, res.stdout[-3000:]
     records = read_metrics(out)
     assert len(records) == 3 and records[-1]["loss"] < records[0]["loss"]
-    assert all(len(r["sample_keys"]) == 8 for r in records)
+    assert "bad sample" in res.stdout
+
+    skipped = [json.loads(x) for x in (Path(out) / "skipped.jsonl").read_text().splitlines()]
+    assert skipped and all(e["source"] == "problems" and e["reason"] for e in skipped)
+    ids = {e["id"].removeprefix("problems/") for e in skipped}  # sample ids carry their source
+    assert ids <= set(kinds) and {"missing", "corrupt", "markers"} <= ids
+    report = json.loads((Path(out) / "report.json").read_text())
+    assert report["data_skipped"]["problems"] == len(skipped)
+    trained = {k.split("/", 1)[1] for r in records for k in r["sample_keys"]}
+    assert not trained & {e["locator"] for e in skipped}
 
 
 def test_export_loads_in_transformers_and_generates(tmp_path):
