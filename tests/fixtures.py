@@ -42,3 +42,13 @@ def ds_config(stage: int, **extra) -> dict:
                                                       "betas": [0.9, 0.95], "eps": ADAM_EPS,
                                                       "torch_adam": True}},
             "gradient_clipping": 1.0, **extra}
+
+
+def text_source(tmp_path, weight: float = 3.0) -> dict:
+    """A jsonl source of 64 plain sentences: micro-batches with nothing to encode."""
+    import json
+    rows = [{"id": f"t{i}", "text": f"A plain sentence number {i} with no picture."} for i in range(64)]
+    path = tmp_path / "text.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return {"name": "text", "path": str(path), "weight": weight,
+            "schema": {"text": "text", "image": None}}

@@ -64,7 +64,9 @@ class MicroBatch:
             input_ids=move(self.input_ids), targets=move(self.targets),
             position_ids=move(self.position_ids), cu_seqlens=self.cu_seqlens,  # stays on CPU
             max_seqlen=self.max_seqlen, sample_ids=self.sample_ids, reshard=self.reshard,
-            pad_tokens=self.pad_tokens, encoder_inputs={e: {k: move(v) for k, v in d.items()} for e, d in self.encoder_inputs.items()})
+            pad_tokens=self.pad_tokens,
+            encoder_inputs={e: {k: move(v) for k, v in d.items()}
+                            for e, d in self.encoder_inputs.items()})
 
 
 def sample_targets(sample: Sample) -> torch.Tensor:
@@ -91,7 +93,8 @@ def pack(samples: list[Sample], processors: dict[str, ItemProcessor],
     mb = MicroBatch(
         input_ids=torch.cat([s.input_ids for s in samples]).unsqueeze(0),
         targets=torch.cat([sample_targets(s) for s in samples]).unsqueeze(0),
-        position_ids=torch.cat([s.position_ids for s in samples], dim=-1).unsqueeze(-2),  # [1, T] / [3, 1, T]
+        # [1, T] or [3, 1, T] (M-RoPE)
+        position_ids=torch.cat([s.position_ids for s in samples], dim=-1).unsqueeze(-2),
         cu_seqlens=_cu_seqlens(lengths), max_seqlen=max(lengths),
         sample_ids=[s.sample_id for s in samples])
     if shard is None or shard.size == 1:

@@ -12,12 +12,10 @@ several sizes, M-RoPE positions, audio clips), with text-only samples mixed in s
 have micro-batches with nothing to encode (where DeepSpeed's ZeRO-3 would otherwise hang).
 """
 
-import json
-
 import pytest
 
 from tests import oracle
-from tests.fixtures import ds_config, tiny_config
+from tests.fixtures import ds_config, text_source, tiny_config
 from tests.harness import run_on_ranks
 
 STEPS = 2
@@ -51,19 +49,11 @@ def _train_ranks(rank, world, cases, out_dir):
     return results
 
 
-def _text_source(tmp_path) -> dict:
-    rows = [{"id": f"t{i}", "text": f"A plain sentence number {i} with no picture."} for i in range(64)]
-    path = tmp_path / "text.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in rows))
-    return {"name": "text", "path": str(path), "weight": 3.0,
-            "schema": {"text": "text", "image": None}}
-
-
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     from tests import family_dirs
     tmp = tmp_path_factory.mktemp("families")
-    text = _text_source(tmp)
+    text = text_source(tmp)
     shapes = {"name": "shapes", "path": "builtin:shapes"}
     tones = {"name": "tones", "path": "builtin:tones",
              "schema": {"text": "conversations", "image": None, "audio": "audio"}}

@@ -18,12 +18,10 @@ llava_next and qwen2_audio add one case each. Ranks are started once per world s
 their cases.
 """
 
-import json
-
 import pytest
 
 from tests import oracle
-from tests.fixtures import TINY_VISION, ds_config, tiny_config
+from tests.fixtures import TINY_VISION, ds_config, text_source, tiny_config
 from tests.harness import run_on_ranks
 
 STEPS = 3
@@ -49,20 +47,12 @@ CHECKPOINTED = {("llava", 3, 4, False)}
 EXTRA = [("llava_next", 2, 2, False), ("qwen2_audio", 3, 2, True)]
 
 
-def _text_source(tmp_path) -> dict:
-    rows = [{"id": f"t{i}", "text": f"A plain sentence number {i} with no picture."} for i in range(64)]
-    path = tmp_path / "text.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in rows))
-    return {"name": "text", "path": str(path), "weight": 3.0,
-            "schema": {"text": "text", "image": None}}
-
-
 @pytest.fixture(scope="module")
 def families(tmp_path_factory) -> dict:
     """Family name -> overrides of the tiny config (model and sources)."""
     from tests import family_dirs
     tmp = tmp_path_factory.mktemp("sp_families")
-    text = _text_source(tmp)
+    text = text_source(tmp)
     return {
         "llava": {},
         "qwen2_vl": {"model_dir": str(family_dirs.make_qwen2_vl_dir(tmp / "q")),
