@@ -60,6 +60,12 @@ class ModalityEncoder(nn.Module):
         return self.encode({k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()})
 
 
+def _with_dummy_pass(hidden: torch.Tensor, encoder: ModalityEncoder) -> torch.Tensor:
+    """`hidden` plus zero times the encoder's output on its dummy input: the encoder runs (and
+    ZeRO-3 gathers its parameters) on a rank with nothing to encode, without changing a number."""
+    return hidden + 0.0 * encoder(encoder.dummy_inputs(hidden.device, hidden.dtype)).sum()
+
+
 class Backbone(nn.Module):
     """The LLM: embedding, decoder layers, final norm, head. Runs packed rows of samples."""
 
@@ -155,8 +161,7 @@ class OmniModel(nn.Module):
                                      f"in the batch (samples {batch.sample_ids[:4]}...)")
                 # Every rank runs every encoder every step, so ZeRO-3 gathers the same parameters
                 # on all ranks (no hang when some ranks have no images); the result counts zero.
-                dummy = encoder(encoder.dummy_inputs(hidden.device, hidden.dtype))
-                hidden = hidden + 0.0 * dummy.sum()
+                hidden = _with_dummy_pass(hidden, encoder)
                 continue
             feats = encoder(inputs).to(hidden.dtype)  # [N, D]
             if feats.shape[0] != n_slots:
@@ -180,7 +185,7 @@ class OmniModel(nn.Module):
         for name, encoder in self.encoders.items():
             inputs = batch.encoder_inputs.get(name)
             if inputs is None:  # nothing to encode here: the zero-weight dummy (ZeRO-3, as above)
-                hidden = hidden + 0.0 * encoder(encoder.dummy_inputs(hidden.device, hidden.dtype)).sum()
+                hidden = _with_dummy_pass(hidden, encoder)
                 continue
             feats = encoder(inputs).to(hidden.dtype)  # [n, D]
             if feats.shape[0] != plan.encode_rows[name]:
