@@ -1,5 +1,10 @@
 """Data balance: modelled cost imbalance over data-parallel ranks, loader order vs grouped reordering.
 
+Also budget mode with a per-sequence SP degree (`parallel.max_sequence_sp`, ByteScale's hybrid
+data parallelism: outliers run on aligned blocks of up to G ranks, `ds_omni.parallel.hdp`), on the
+multimodal mixes and on a text-only long-tail mix like ByteScale's (80 % of sequences <= 4K
+tokens, 1 % >= 128K carrying ~44 % of the tokens).
+
 For synthetic multimodal workloads (heavy-tailed text, 0-8 images, audio clips) costed by
 `CostModel` for a 7B LLM + ViT-L + Whisper-large-like encoder, this measures max/mean of the
 modelled cost per rank over ALL data-parallel ranks (it sets the step time) and per micro-batch, for
@@ -104,6 +109,29 @@ class Workload:
         return owner, np.round(np.exp(self.rng.uniform(lo, hi, owner.size))).astype(np.int64)
 
 
+@dataclass(kw_only=True)
+class LongTailParams:
+    """Text-only sequence lengths like ByteScale's production mix (log-uniform in each band)."""
+
+    bands: tuple = ((0.80, 128, 4096), (0.19, 4096, 16384), (0.01, 131072, 262144))
+    """(share of sequences, shortest, longest) per band."""
+
+
+class LongTailWorkload:
+    """Draws text-only sequences of the long-tail mix and prices them; owns its generator."""
+
+    def __init__(self, params: LongTailParams, cost_model: CostModel, seed):
+        self.p, self.cm = params, cost_model
+        self.rng = np.random.default_rng(seed)
+
+    def draw(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(cost [n], tokens [n]) of n fresh sequences."""
+        share, lo, hi = (np.array(x, dtype=np.float64) for x in zip(*self.p.bands))
+        band = self.rng.choice(share.size, size=n, p=share / share.sum())
+        tokens = np.exp(self.rng.uniform(np.log(lo[band]), np.log(hi[band]))).astype(np.int64)
+        return self.cm.llm_cost(tokens), tokens
+
+
 def model_dims() -> ModelDims:
     """A Llama-2-7B-like LLM, a ViT-L/14 (CLIP-L) and a Whisper-large-v3 encoder, all trained."""
     return ModelDims(hidden=4096, layers=32, intermediate=11008, vocab=32000, encoders={
@@ -189,8 +217,10 @@ class GroupStream:
         return out
 
 
-def budget_mode(work: Workload, setup: Setup, dp: int, g: int, budget: float, steps: int) -> dict:
-    """Every rank filled to `budget` from its group's lookahead buffer; stats over measured steps."""
+def budget_mode(work: Workload, setup: Setup, dp: int, g: int, budget: float, steps: int,
+                max_degree: int = 1) -> dict:
+    """Every rank filled to `budget` from its group's lookahead buffer; stats over measured steps.
+    `max_degree` > 1: outliers run on blocks of up to that many ranks (per-sequence SP)."""
     groups = dp // g
     planners = [BudgetPlanner(g, setup.micro_batches, max_wait=setup.max_wait,
                               lookahead=setup.lookahead) for _ in range(groups)]
@@ -203,7 +233,7 @@ def budget_mode(work: Workload, setup: Setup, dp: int, g: int, budget: float, st
             t0 = time.perf_counter()
             while planner.wants_more(budget):
                 planner.add(*stream.take(chunk))
-            plans.append(planner.plan(budget, setup.token_budget))
+            plans.append(planner.plan(budget, setup.token_budget, max_degree))
             plan_s.append(time.perf_counter() - t0)
         if step >= setup.warmup:
             per_step.append(_budget_step(plans, dp))
@@ -221,7 +251,9 @@ def _budget_step(plans: list, dp: int) -> dict:
             "rank_normal": _ratio(normal), "micro_normal": _ratio(micro_normal),
             "micro_floor": float(biggest / micro_normal.mean()),
             "outlier_ranks": float(outlier.mean()),
-            "samples_per_rank": sum(len(p.keys) for p in plans) / dp}
+            "samples_per_rank": sum(len(p.keys) for p in plans) / dp,
+            "block_share": sum(len(p.assignment.blocks) for p in plans) / max(1, sum(
+                len(p.keys) for p in plans))}
 
 
 def _outlier_ranks(plan) -> np.ndarray:
@@ -242,6 +274,7 @@ def _budget_summary(per_step: list, planners: list, steps: int, plan_s: list) ->
             "micro_single_sample_floor_excluding_outlier_ranks": med("micro_floor"),
             "outlier_rank_share": med("outlier_ranks"),
             "samples_per_rank_per_step": med("samples_per_rank"),
+            "sequences_on_blocks_share": med("block_share"),
             "mean_delay_steps": float(hist @ np.arange(hist.size) / hist.sum()),
             "max_delay_steps": int(np.flatnonzero(hist)[-1]),
             "plan_ms_per_group_median": float(np.median(plan_s) * 1e3)}
@@ -257,15 +290,19 @@ def planning_time(work: Workload, setup: Setup, budget: float, repeats: int = 20
         assign_fixed(cost, tokens, g, setup.micro_batches, setup.token_budget)
         fixed.append(time.perf_counter() - t0)
     run = budget_mode(work, dataclasses.replace(setup, warmup=2), 512, g, budget, steps=4)
+    hdp = budget_mode(work, dataclasses.replace(setup, warmup=2), 512, g, budget, steps=4,
+                      max_degree=g)
     return {"dp": 512, "G": g, "fixed_ms": float(np.median(fixed) * 1e3),
             "budget_ms": run["plan_ms_per_group_median"],
+            "budget_per_sequence_sp_ms": hdp["plan_ms_per_group_median"],
             "note": "median over repeats; budget includes add() of the samples read that step"}
 
 
 # ---------------------------------------------------------------------------------- driver
 def run(setup: Setup, seed: int) -> dict:
     cm = CostModel(model_dims())
-    out = {"results": [], "budgets": {}, "no_outlier_budget": [], "loader_sensitivity": []}
+    out = {"results": [], "budgets": {}, "no_outlier_budget": [], "loader_sensitivity": [],
+           "long_tail": long_tail(cm, setup, [seed, 11])}
     for mix_i, (mix, frac) in enumerate(MIXES.items()):
         params = WorkloadParams(image_fraction=frac)
         profile = Workload(params, cm, [seed, mix_i, 0]).draw(200_000)[0]  # [200k] sample costs
@@ -291,7 +328,47 @@ def _one_dp(params, cm, setup, dp, budget, seed) -> list[dict]:
         work = Workload(params, cm, seed + [2, g])
         rows.append({"mode": "budget", "G": g,
                      **budget_mode(work, setup, dp, g, budget, setup.budget_steps[dp])})
+    rows.append({"mode": "budget+per_sequence_sp", "G": 8, "max_degree": 8, **budget_mode(
+        Workload(params, cm, seed + [2, 8]), setup, dp, 8, budget, setup.budget_steps[dp], 8)})
     return rows
+
+
+LONG_TAIL_SAMPLES_PER_RANK = 32
+"""Long-tail mix: a rank's step holds 32 mean sequences (~85K tokens in ~16 micro-batches of up
+to 32K), so one block of G = 8 ranks has room for the costliest 256K-token sequence."""
+
+
+def long_tail(cm: CostModel, setup: Setup, seed) -> list[dict]:
+    """Loader order, budget mode and budget mode with per-sequence SP on the long-tail mix."""
+    params = LongTailParams()
+    profile_cost, profile_tokens = LongTailWorkload(params, cm, seed + [0]).draw(200_000)
+    n = LONG_TAIL_SAMPLES_PER_RANK
+    budget = rank_budget(profile_cost, n)
+    rows = []
+    for dp in DP_SIZES:
+        t0 = time.perf_counter()
+        loader = [_ratio(c.reshape(dp, n).sum(axis=1)) for c in
+                  (LongTailWorkload(params, cm, seed + [dp, 1]).draw(dp * n)[0] for _ in range(3))]
+        row = {"dp": dp, "G": 8, "samples_per_rank": n,
+               "loader_rank_max_over_mean": float(np.median(loader))}
+        for name, degree in (("budget", 1), ("budget+per_sequence_sp", 8)):
+            # without SP a whole 256K-token sequence must fit one rank's micro-batch
+            big = dataclasses.replace(setup, samples_per_rank=n, micro_batches=16, token_budget=(
+                setup.token_budget if degree > 1 else LongTailParams().bands[-1][-1]))
+            run = budget_mode(LongTailWorkload(params, cm, seed + [dp, 2]), big, dp, 8, budget,
+                              setup.budget_steps[dp], degree)
+            row[name] = {k: run[k] for k in ("rank_max_over_mean", "outlier_rank_share",
+                                             "sequences_on_blocks_share", "mean_delay_steps",
+                                             "max_delay_steps", "plan_ms_per_group_median")}
+        rows.append(row)
+        print(f"long tail DP {dp}: {time.perf_counter() - t0:.1f} s", flush=True)
+    long = profile_tokens >= 131072
+    return [{"profile": {"sequences_le_4k": float(np.mean(profile_tokens <= 4096)),
+                         "sequences_ge_128k": float(np.mean(long)),
+                         "tokens_share_ge_128k": float(profile_tokens[long].sum() /
+                                                       profile_tokens.sum()),
+                         "cost_share_ge_128k": float(profile_cost[long].sum() / profile_cost.sum()),
+                         "rank_budget": budget}}] + rows
 
 
 def _no_outlier_budget(params, cm, setup, profile, seed) -> list[dict]:
@@ -327,7 +404,10 @@ def check_targets(results: list) -> dict:
     get = lambda mode, g, dp, key: [r[key] for r in results  # noqa: E731
                                     if r["mode"] == mode and r["G"] == g and r["dp"] == dp]
     budget8 = [r for r in results if r["mode"] == "budget" and r["G"] == 8]
+    hdp = [r for r in results if r["mode"] == "budget+per_sequence_sp"]
     return {
+        "budget_G8_per_sequence_sp_rank_max_over_mean_le_1.05_all_ranks": all(
+            r["rank_max_over_mean"] <= 1.05 for r in hdp),
         "budget_G8_rank_max_over_mean_le_1.05_all_ranks": all(r["rank_max_over_mean"] <= 1.05
                                                               for r in budget8),
         "budget_G8_rank_max_over_mean_le_1.05_excluding_outlier_ranks": all(
@@ -391,6 +471,9 @@ def main(argv=None) -> None:
         "setup": dataclasses.asdict(setup), "rank_budget": out["budgets"],
         "planning_time_per_rank_ms": out["planning"], "targets": check_targets(out["results"]),
         "results": out["results"], "budget_without_outliers": out["no_outlier_budget"],
+        "long_tail": out["long_tail"],
+        "long_tail_per_sequence_sp_le_1.05": all(r["budget+per_sequence_sp"]["rank_max_over_mean"]
+                                                 <= 1.05 for r in out["long_tail"][1:]),
         "loader_order_vs_samples_per_rank": out["loader_sensitivity"],
         "runtime_s": round(time.perf_counter() - t0, 1)}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -227,9 +227,6 @@ class DataConfig:
             raise ConfigError(f"data.sources: names must be unique, got {names}")
         if self.max_seq_len < 8:
             raise ConfigError(f"data.max_seq_len must be >= 8, got {self.max_seq_len}")
-        if self.pack_tokens is not None and self.pack_tokens < self.max_seq_len:
-            raise ConfigError(f"data.pack_tokens={self.pack_tokens} is below data.max_seq_len="
-                              f"{self.max_seq_len}: a long sample would fit no micro-batch")
         if self.chunk_rows < 1:
             raise ConfigError(f"data.chunk_rows must be >= 1, got {self.chunk_rows}")
         if self.max_aspect_ratio < 1 or self.max_bad_run < 1:
@@ -260,11 +257,23 @@ class ParallelConfig:
     """Ulysses sequence-parallel degree of the LLM."""
     pp: int = 1
     """Pipeline stages."""
+    max_sequence_sp: int = 1
+    """Per-sequence SP degree (ByteScale's hybrid data parallelism): > 1 lets a sequence that
+    costs more than one rank's share of the step, or is longer than a micro-batch, run on a
+    Ulysses group of 2, 4, ... up to this many ranks (a power of two, inside a reorder group),
+    while every other sequence runs whole on one rank. Needs sp = 1, pp = 1 and reordering."""
 
     def __post_init__(self):
-        for name in ("sp", "pp"):
+        for name in ("sp", "pp", "max_sequence_sp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        d = self.max_sequence_sp
+        if d & (d - 1):
+            raise ConfigError(f"parallel.max_sequence_sp must be a power of two, got {d}")
+        if d > 1 and (self.sp > 1 or self.pp > 1):
+            raise ConfigError("parallel.max_sequence_sp > 1 chooses an SP degree per sequence; it "
+                              f"cannot be combined with a static parallel.sp={self.sp} or "
+                              f"parallel.pp={self.pp} in this version: set those to 1")
         if self.dp != "auto" and self.dp < 1:
             raise ConfigError(f"parallel.dp must be >= 1 or \"auto\", got {self.dp}")
 
@@ -333,6 +342,13 @@ class OmniConfig:
         if self.version != SCHEMA_VERSION:
             raise ConfigError(f"config version {self.version} is not supported; this ds_omni reads "
                               f"version {SCHEMA_VERSION}")
+        data, longest = self.data, self.parallel.max_sequence_sp
+        if data.pack_tokens is not None and data.pack_tokens * longest < data.max_seq_len:
+            hint = "" if longest > 1 else " (or let long ones run on several ranks: " \
+                "parallel.max_sequence_sp)"
+            raise ConfigError(f"data.pack_tokens={data.pack_tokens} x parallel.max_sequence_sp="
+                              f"{longest} is below data.max_seq_len={data.max_seq_len}: a long "
+                              f"sample would fit no micro-batch; raise pack_tokens{hint}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -52,3 +52,21 @@ def text_source(tmp_path, weight: float = 3.0) -> dict:
     path.write_text("\n".join(json.dumps(r) for r in rows))
     return {"name": "text", "path": str(path), "weight": weight,
             "schema": {"text": "text", "image": None}}
+
+
+def long_source(tmp_path, weight: float = 1.0, n: int = 16, words: int = 40) -> dict:
+    """A jsonl source of shapes images with long answers (about 4 tokens a word): sequences that
+    cost more than a rank's share of a tiny step, so per-sequence SP gives them a block."""
+    import json
+    from ds_omni.data.demo import shapes_rows
+    rows = []
+    for i, row in enumerate(shapes_rows(n, seed=7)):
+        image = tmp_path / f"long{i}.png"
+        image.write_bytes(row["image"]["bytes"])
+        caption = row["conversations"][1]["value"]
+        answer = " ".join([caption] * max(1, words // len(caption.split())))
+        rows.append({"id": f"long{i}", "image": image.name, "conversations": [
+            row["conversations"][0], {"from": "gpt", "value": answer}]})
+    path = tmp_path / "long.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return {"name": "long", "path": str(path), "weight": weight}

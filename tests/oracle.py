@@ -57,10 +57,12 @@ def reference_step_keys(cfg, built, dp: int, steps: int) -> list[list[str]]:
 
 
 def _with_loader_order(cfg):
+    """`cfg` for plain loaders: loader order, and no parallel plan (no long-sequence blocks)."""
     import copy
-    from ds_omni.config import ReorderConfig
+    from ds_omni.config import ParallelConfig, ReorderConfig
     plain = copy.deepcopy(cfg)
     plain.data.reorder = ReorderConfig(mode="loader_order")
+    plain.parallel = ParallelConfig()
     return plain
 
 
@@ -81,7 +83,7 @@ def run_reference(cfg, step_keys: list[list[str]]) -> Reference:
     built = build_model(cfg.model)
     model = built.model
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    fetch = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=1)
+    fetch = build_loader(_with_loader_order(cfg), built, dp_rank=0, dp_size=1, num_micro=1)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(0.9, 0.95), eps=ADAM_EPS,
                             weight_decay=cfg.train.weight_decay)
@@ -154,7 +156,8 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
     from ds_omni.train import engine as train
     plan = ParallelPlan.from_config(cfg.parallel, world)
     built, loader, engine = train.setup_training(cfg, derive_ds_config(cfg, ds_json, plan), rank, plan)
-    out = {"losses": [], "keys": [], "nothing_to_encode": 0, "row_without_items": 0}
+    out = {"losses": [], "keys": [], "nothing_to_encode": 0, "row_without_items": 0,
+           "block_rows": 0, "block_rows_with_items": 0}
     grads = {}
     engine_loss = train.engine_loss
     if plant == "loss_x2":
@@ -188,3 +191,5 @@ def _count_encoder_work(batch, out: dict) -> None:
     for mb in batch.micro_batches:
         out["nothing_to_encode"] += not mb.encoder_inputs
         out["row_without_items"] += bool(mb.reshard is not None and not mb.reshard.group_rows)
+        out["block_rows"] += mb.sp_block is not None
+        out["block_rows_with_items"] += bool(mb.sp_block is not None and mb.reshard.group_rows)

@@ -39,4 +39,5 @@ def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micr
     return OmniLoader(sources, sample_processors(cfg, built),
                       cost_model_for(built, cfg.model.freeze, cfg.data.reorder.cost_scales), cfg.data,
                       global_batch_size=cfg.train.global_batch_size, num_micro=num_micro,
-                      dp_rank=dp_rank, dp_size=dp_size, comm=comm, sp_rank=sp_rank, sp_size=sp_size)
+                      dp_rank=dp_rank, dp_size=dp_size, comm=comm, sp_rank=sp_rank, sp_size=sp_size,
+                      max_sequence_sp=cfg.parallel.max_sequence_sp)

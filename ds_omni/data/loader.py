@@ -39,6 +39,7 @@ from ds_omni.data.processing import SampleProcessor, SampleSize
 from ds_omni.data.sources import Locator, Source
 from ds_omni.data.stream import SourceCursor, redistribute
 from ds_omni.errors import DataError
+from ds_omni.parallel.hdp import check_degree
 
 LOADER_STATE_VERSION = 2
 
@@ -83,6 +84,9 @@ class StepBatch:
     stats: dict = field(default_factory=dict)  # skipped, outliers, delays, ...
     error: str | None = None  # a data error on this rank: the trainer stops all ranks with it
     stop: str | None = None  # a source ran out under on_exhausted="stop"
+    filler: MicroBatch | None = None
+    """Per-sequence SP: a zero-weight micro-batch the trainer appends until every rank runs as
+    many micro-batches as the busiest (their number varies with the step's long sequences)."""
 
 
 def reorder_group_size(cfg: DataConfig, dp_size: int) -> int:
@@ -106,7 +110,7 @@ class OmniLoader:
     def __init__(self, sources: list[Source], processors: dict[str, SampleProcessor],
                  cost_model: CostModel, cfg: DataConfig, *, global_batch_size: int,
                  num_micro: int, dp_rank: int, dp_size: int, comm: DataComm | None = None,
-                 sp_rank: int = 0, sp_size: int = 1):
+                 sp_rank: int = 0, sp_size: int = 1, max_sequence_sp: int = 1):
         self.sources = {s.name: s for s in sources}
         self.processors = processors
         self.item_processors = next(iter(processors.values())).item_processors
@@ -123,6 +127,9 @@ class OmniLoader:
             raise DataError(f"the global batch of {global_batch_size} samples does not split over "
                             f"{dp_size} data-parallel ranks")
         self.group_rank = dp_rank % self.group_size
+        self.max_degree = max_sequence_sp  # per-sequence SP: blocks of up to this many ranks
+        if max_sequence_sp > 1:
+            check_per_sequence(self.mode, self.group_size, max_sequence_sp)
         self.pack_tokens = cfg.pack_tokens or cfg.max_seq_len * max(1, global_batch_size // (
             dp_size * num_micro))
         self.schedule = MixSchedule({s.name: s.cfg.weight for s in sources}, cfg.schedule)
@@ -278,12 +285,14 @@ class OmniLoader:
             assignment = reorder.loader_order(len(group), self.group_size, self.num_micro)
         else:
             assignment = reorder.assign_fixed(cost, tokens, self.group_size, self.num_micro,
-                                              self.pack_tokens)
+                                              self.pack_tokens, self.max_degree)
         keys = [m.key for m in group]
         mine = [[keys[i] for i in idx] for idx in assignment.members(self.group_rank)]
+        rounds = self._rounds(assignment, keys)
         # rows read here but assigned elsewhere: their rank reads them itself
-        self._forget({m.key for m in local} - {k for mb in mine for k in mb})
-        return mine, {"costs": {m.key: m.cost for m in group}}
+        self._forget({m.key for m in local} - {k for mb in mine for k in mb} -
+                     {r[0] for r in rounds if r})
+        return mine, {"costs": {m.key: m.cost for m in group}, "rounds": rounds}
 
     def _plan_budget(self) -> tuple[list[list[str]], dict]:
         samples_per_rank = self.global_batch_size // self.dp_size
@@ -295,13 +304,25 @@ class OmniLoader:
             if not new:  # the whole group ran dry (or hit a problem): plan what is buffered
                 break
             self._buffer(new)
-        plan = self.planner.plan(self.cost_budget, self.pack_tokens)
+        plan = self.planner.plan(self.cost_budget, self.pack_tokens, self.max_degree)
         costs = dict(zip(plan.keys, plan.cost.tolist()))
         mine = plan.micro_keys(self.group_rank)
-        self._forget(set(plan.keys) - {k for mb in mine for k in mb})
-        return mine, {"costs": costs, "outliers": len(plan.outliers),
+        rounds = self._rounds(plan.assignment, plan.keys)
+        self._forget(set(plan.keys) - {k for mb in mine for k in mb} - {r[0] for r in rounds if r})
+        return mine, {"costs": costs, "outliers": len(plan.outliers), "rounds": rounds,
                       "mean_delay": float(plan.delay.mean()) if plan.delay.size else 0.0,
                       "max_delay": int(plan.delay.max()) if plan.delay.size else 0}
+
+    def _rounds(self, assignment: reorder.Assignment, keys: list) -> list:
+        """Per-sequence SP: for each round of the step's long sequences, (key, rank in the
+        block, block size, first data-parallel rank of the block) or None (an empty round)."""
+        base = self.dp_rank - self.group_rank  # the group's first data-parallel rank
+        out = []
+        for i in assignment.rounds(self.group_rank):
+            b = assignment.blocks.get(i)
+            out.append(None if b is None else (keys[i], self.group_rank - b.start, b.size,
+                                               base + b.start))
+        return out
 
     def _first_budget(self, samples_per_rank: int) -> float:
         """Mean modelled cost of a first read on every rank x samples per rank: the same number on
@@ -321,31 +342,63 @@ class OmniLoader:
 
     # ------------------------------------------------------------------------------- loading
     def _load(self, mine: list[list[str]], stats: dict) -> StepBatch:
-        micro, keys, error = [], [], None
+        micro, keys, problems = [], [], []
         costs = stats.pop("costs", {})
+        rounds = stats.pop("rounds", [])
+        long_keys, long_cost = {e[0] for e in rounds if e}, 0.0
+        for entry in rounds:  # per-sequence SP: the long sequences first, round by round
+            micro.append(self._long_micro_batch(entry, keys, problems))
+            if micro[-1].sp_block is not None:
+                long_cost += costs.get(entry[0], 0.0) / entry[2]  # this rank's share
         for mb_keys in mine:
-            samples = []
-            for key in mb_keys:
-                try:
-                    samples.append(self._sample(key))
-                except DataError as e:
-                    try:
-                        self._bad(key_locator(key).source, getattr(e, "sample_id", key), e,
-                                  str(key_locator(key)))
-                    except DataError as stop:
-                        error = error or str(stop)
-                    continue
-                except Exception as e:  # not a bad sample: a bug or a failing library
-                    error = error or self._failure(e, f"loading sample {key}")
-                    continue
-                keys.append(key)
+            samples = [s for s in (self._try_sample(k, keys, problems) for k in mb_keys) if s]
             micro.append(pack(samples, self.item_processors, self.shard) if samples else
                          empty_micro_batch(self.family, self.item_processors, self.shard))
         stats["skipped"] = dict(self.skipped)
         # the model runs a dummy through each encoder a micro-batch has no inputs for
         dummies = sum(self.cost_model.dummy_cost(mb.encoder_inputs) for mb in micro)
-        return StepBatch(step=self.step, micro_batches=micro, keys=keys, stats=stats, error=error,
-                         modelled_cost=float(sum(costs.get(k, 0.0) for k in keys)) + dummies)
+        normal_cost = sum(costs.get(k, 0.0) for k in keys if k not in long_keys)
+        return StepBatch(step=self.step, micro_batches=micro, keys=keys, stats=stats,
+                         error=problems[0] if problems else None,
+                         modelled_cost=float(normal_cost + long_cost) + dummies,
+                         filler=(empty_micro_batch(self.family, self.item_processors)
+                                 if self.max_degree > 1 else None))
+
+    def _try_sample(self, key: str, keys: list, problems: list, *, owner: bool = True):
+        """The processed sample of `key`, or None for a bad one (skipped by policy, or its error
+        put in `problems`). The `owner` of a sample reports it: its key goes to `keys`, and a
+        bad one to the skip log."""
+        try:
+            sample = self._sample(key)
+        except DataError as e:
+            if not owner:
+                return None
+            try:
+                self._bad(key_locator(key).source, getattr(e, "sample_id", key), e,
+                          str(key_locator(key)))
+            except DataError as stop:
+                problems.append(str(stop))
+            return None
+        except Exception as e:  # not a bad sample: a bug or a failing library
+            problems.append(self._failure(e, f"loading sample {key}"))
+            return None
+        if owner:
+            keys.append(key)
+        return sample
+
+    def _long_micro_batch(self, entry, keys: list, problems: list) -> MicroBatch:
+        """This rank's shard of one long sequence (its block's Ulysses group splits it), or an
+        empty micro-batch for a round this rank sits out. Every block member loads the sample
+        (by locator) and packs the same row; only the first reports its key."""
+        if entry is None:
+            return empty_micro_batch(self.family, self.item_processors)
+        key, rank_in_block, size, first_rank = entry
+        sample = self._try_sample(key, keys, problems, owner=rank_in_block == 0)
+        if sample is None:  # the same on every member: all sit this round out
+            return empty_micro_batch(self.family, self.item_processors)
+        mb = pack([sample], self.item_processors, SeqShard(rank_in_block, size, self._item_cost))
+        mb.sp_block = (first_rank, size)
+        return mb
 
     def _item_cost(self, encoder: str, item) -> float:
         """Modelled cost of encoding one item (what the reshard plan balances)."""
@@ -484,6 +537,18 @@ class OmniLoader:
                 "buffer": {"keys": [k for _, k, _, _ in share], "cost": [c for _, _, c, _ in share],
                            "tokens": [t for _, _, _, t in share],
                            "arrived": [a for a, _, _, _ in share]}}
+
+
+def check_per_sequence(mode: str, group_size: int, max_degree: int) -> None:
+    """Per-sequence SP places long sequences on blocks inside a reorder group."""
+    if mode == "loader_order":
+        raise DataError("parallel.max_sequence_sp > 1 needs grouped reordering to place long "
+                        "sequences; set data.reorder.mode to \"fixed\" or \"budget\"")
+    try:
+        check_degree(max_degree, group_size)
+    except ValueError as e:
+        raise DataError(f"{e} (the group has min(data.reorder.group_size, data-parallel ranks) "
+                        "ranks)") from None
 
 
 class _StopData(Exception):

@@ -48,6 +48,9 @@ class MicroBatch:
     sample_ids: list[str] = field(default_factory=list)
     reshard: RankReshard | None = None  # under SP: what this rank encodes, sends and receives
     pad_tokens: int = 0  # padding tokens in this row (or shard)
+    sp_block: tuple[int, int] | None = None
+    """Per-sequence SP: (first rank, size) of the block of ranks that splits this row, whose
+    Ulysses group the model uses for it; None: the static plan's (no SP, or parallel.sp)."""
 
     @property
     def num_tokens(self) -> int:
@@ -64,7 +67,7 @@ class MicroBatch:
             input_ids=move(self.input_ids), targets=move(self.targets),
             position_ids=move(self.position_ids), cu_seqlens=self.cu_seqlens,  # stays on CPU
             max_seqlen=self.max_seqlen, sample_ids=self.sample_ids, reshard=self.reshard,
-            pad_tokens=self.pad_tokens,
+            pad_tokens=self.pad_tokens, sp_block=self.sp_block,
             encoder_inputs={e: {k: move(v) for k, v in d.items()}
                             for e, d in self.encoder_inputs.items()})
 

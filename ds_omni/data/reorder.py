@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ds_omni.errors import DataError
+from ds_omni.parallel.hdp import Block, assign_rounds, place_blocks, rank_rounds
 
 BUDGET_STATE_VERSION = 1
 
@@ -47,6 +48,10 @@ class Assignment:
     """G: ranks in the group."""
     num_micro: int
     """M: micro-batches per rank."""
+    blocks: dict[int, Block] = field(default_factory=dict)
+    """Per-sequence SP (`ds_omni.parallel.hdp`): sample index -> the block of ranks that runs it as
+    a micro-batch of its own. Such a sample's `rank` is its block's start and its `micro` 0; it is
+    in no rank's `members`."""
 
     def __post_init__(self):
         self.rank = np.asarray(self.rank, dtype=np.int64)
@@ -58,19 +63,38 @@ class Assignment:
             raise ValueError(f"assignment out of range: ranks must be in [0, {self.num_ranks}), "
                              f"micro-batches in [0, {self.num_micro})")
 
+    def _normal(self) -> np.ndarray:
+        """[N] bool: the sample runs whole on one rank (not in a block)."""
+        normal = np.ones(self.rank.size, dtype=bool)
+        normal[list(self.blocks)] = False
+        return normal
+
     def rank_sums(self, values: np.ndarray) -> np.ndarray:
-        """[G] sum of per-sample `values` [N] on each rank."""
-        return np.bincount(self.rank, weights=values, minlength=self.num_ranks)
+        """[G] sum of per-sample `values` [N] on each rank; a block's sample splits evenly."""
+        values = np.asarray(values, dtype=np.float64)
+        normal = self._normal()
+        sums = np.bincount(self.rank[normal], weights=values[normal],
+                           minlength=self.num_ranks).astype(np.float64)  # (empty weights: ints)
+        for i, b in self.blocks.items():
+            sums[b.start:b.start + b.size] += values[i] / b.size
+        return sums
 
     def micro_sums(self, values: np.ndarray) -> np.ndarray:
-        """[G, M] sum of per-sample `values` [N] in each micro-batch."""
-        flat = self.rank * self.num_micro + self.micro  # [N]
-        sums = np.bincount(flat, weights=values, minlength=self.num_ranks * self.num_micro)
+        """[G, M] sum of per-sample `values` [N] in each of the M packed micro-batches (samples
+        in blocks run in micro-batches of their own and are left out)."""
+        normal = self._normal()
+        flat = self.rank[normal] * self.num_micro + self.micro[normal]  # [N normal]
+        sums = np.bincount(flat, weights=np.asarray(values, dtype=np.float64)[normal],
+                           minlength=self.num_ranks * self.num_micro)
         return sums.reshape(self.num_ranks, self.num_micro)  # [G*M] -> [G, M]
 
+    def rounds(self, rank: int) -> list[int | None]:
+        """The block sample `rank` runs in each long-sequence round (None: an empty one)."""
+        return rank_rounds(self.blocks, rank)
+
     def members(self, rank: int) -> list[np.ndarray]:
-        """Sample indices (ascending) in each of `rank`'s M micro-batches."""
-        mine = np.flatnonzero(self.rank == rank)
+        """Sample indices (ascending) in each of `rank`'s M packed micro-batches."""
+        mine = np.flatnonzero((self.rank == rank) & self._normal())
         return [mine[self.micro[mine] == m] for m in range(self.num_micro)]
 
 
@@ -93,6 +117,12 @@ class _Packer:
         self.micro_cost = [[0.0] * num_micro for _ in range(num_ranks)]
         self.micro_tok = [[0] * num_micro for _ in range(num_ranks)]
         self.heap = [(0.0, r) for r in range(num_ranks)]  # open ranks, (cost, rank): ties -> low rank
+
+    def preload(self, loads: np.ndarray) -> None:
+        """Ranks start with `loads` [G] already on them (their shares of long sequences)."""
+        self.rank_cost = [float(x) for x in loads]
+        self.heap = [(self.rank_cost[r], r) for _, r in self.heap]
+        heapq.heapify(self.heap)
 
     def close(self, rank: int) -> None:
         """Take `rank` out of greedy placement (it holds an outlier)."""
@@ -159,24 +189,45 @@ def _lpt_order(cost: np.ndarray, tokens: np.ndarray) -> np.ndarray:
 
 # ------------------------------------------------------------------------------ fixed count
 def assign_fixed(cost: np.ndarray, tokens: np.ndarray, num_ranks: int, num_micro: int,
-                 max_tokens_per_micro: int | None = None) -> Assignment:
+                 max_tokens_per_micro: int | None = None, max_degree: int = 1) -> Assignment:
     """Balanced assignment of all N samples (cost [N], tokens [N]) of a group to G ranks x M micros.
 
     LPT on ranks, then on micro-batches within the rank; each micro-batch holds at most
-    `max_tokens_per_micro` tokens. The answer follows the samples, not their order: permuting the
+    `max_tokens_per_micro` tokens. With `max_degree` > 1 (per-sequence SP), a sample costlier
+    than the group's mean rank load, or longer than a micro-batch, runs on a block of up to
+    `max_degree` ranks first (`ds_omni.parallel.hdp`). The answer follows the samples, not their order: permuting the
     input permutes the output alike (ties in cost and tokens go to the lower index).
     """
     cost, tokens = _check_arrays(cost, tokens)
     cap = math.inf if max_tokens_per_micro is None else max_tokens_per_micro
     packer = _Packer(num_ranks, num_micro, cap)
-    rank = np.empty(cost.size, dtype=np.int64)
-    micro = np.empty(cost.size, dtype=np.int64)
+    rank = np.zeros(cost.size, dtype=np.int64)
+    micro = np.zeros(cost.size, dtype=np.int64)
+    blocks = _fixed_blocks(cost, tokens, num_ranks, cap, max_degree, packer)
     for i in _lpt_order(cost, tokens).tolist():
+        if i in blocks:
+            rank[i] = blocks[i].start
+            continue
         slot = packer.place(float(cost[i]), int(tokens[i]))
         if slot is None:
             raise _no_room(i, tokens, num_ranks, num_micro, cap)
         rank[i], micro[i] = slot
-    return Assignment(rank, micro, num_ranks, num_micro)
+    return Assignment(rank, micro, num_ranks, num_micro, blocks)
+
+
+def _fixed_blocks(cost: np.ndarray, tokens: np.ndarray, num_ranks: int, cap: float,
+                  max_degree: int, packer: _Packer) -> dict[int, Block]:
+    """Per-sequence SP in fixed-count mode: samples above one rank's mean share of the group's
+    cost (or over the token cap) get blocks; the packer starts from the blocks' loads."""
+    if max_degree <= 1 or not cost.size:
+        return {}
+    share = float(cost.sum()) / num_ranks
+    long = np.flatnonzero((cost > share) | (tokens > cap))
+    loads = np.zeros(num_ranks)
+    placed = place_blocks(cost[long], tokens[long], loads, share, cap, max_degree,
+                          forced=np.ones(long.size, dtype=bool), limit=share)
+    packer.preload(loads)
+    return assign_rounds({int(long[j]): b for j, b in placed.items()})
 
 
 def _no_room(i: int, tokens: np.ndarray, g: int, m: int, cap: float) -> DataError:
@@ -228,6 +279,10 @@ class BudgetPlan:
     def micro_keys(self, rank: int) -> list[list]:
         """Keys of each of `rank`'s M micro-batches."""
         return [[self.keys[i] for i in idx] for idx in self.assignment.members(rank)]
+
+    def round_keys(self, rank: int) -> list:
+        """Key of the long sequence `rank` runs in each round, None for an empty round."""
+        return [None if i is None else self.keys[i] for i in self.assignment.rounds(rank)]
 
 
 class BudgetPlanner:
@@ -284,19 +339,47 @@ class BudgetPlanner:
         self._arrived = np.concatenate([self._arrived, np.full(n, self.step, dtype=np.int64)])
 
     # -------------------------------------------------------------------------------- plan
-    def plan(self, cost_budget: float, token_budget: int) -> BudgetPlan:
-        """Fill each rank to `cost_budget` and each micro-batch to `token_budget` tokens."""
+    def plan(self, cost_budget: float, token_budget: int, max_degree: int = 1) -> BudgetPlan:
+        """Fill each rank to `cost_budget` and each micro-batch to `token_budget` tokens.
+
+        With `max_degree` > 1 (per-sequence SP), outliers (costlier than `cost_budget` or longer
+        than `token_budget`) run on blocks of ranks (`ds_omni.parallel.hdp`) instead of alone on
+        one rank; the block ranks' remaining room is filled with normal samples like any other.
+        """
         if not cost_budget > 0 or token_budget < 1:
             raise ValueError(f"plan() needs cost_budget > 0 and token_budget >= 1, got {cost_budget} "
                              f"and {token_budget}")
-        self._check_tokens(token_budget)
         forced = (self.step - self._arrived) >= self.max_wait  # [B]
-        outlier = self._cost > cost_budget  # [B]
         packer = _Packer(self.num_ranks, self.num_micro, token_budget)
         slots: dict[int, tuple[int, int]] = {}
-        self._place_outliers(packer, slots, outlier, forced, bool((forced & ~outlier).any()))
+        if max_degree > 1:
+            outlier = (self._cost > cost_budget) | (self._tokens > token_budget)  # [B]
+            # what must go this step first (forced blocks, then forced normal samples), so the
+            # blocks that may wait take only the room left
+            blocks = self._place_blocks(packer, outlier & forced, cost_budget, token_budget,
+                                        max_degree)
+            self._place_forced(packer, slots, ~outlier & forced)
+            blocks |= self._place_blocks(packer, outlier & ~forced, cost_budget, token_budget,
+                                         max_degree)
+            blocks = assign_rounds(blocks)
+        else:
+            self._check_tokens(token_budget)
+            outlier, blocks = self._cost > cost_budget, {}  # [B]
+            self._place_outliers(packer, slots, outlier, forced, bool((forced & ~outlier).any()))
         self._place_normal(packer, slots, ~outlier, forced, cost_budget)
-        return self._commit(slots, outlier, forced)
+        return self._commit(slots, outlier, forced, blocks)
+
+    def _place_blocks(self, packer: _Packer, which: np.ndarray, cost_budget: float,
+                      token_budget: int, max_degree: int) -> dict[int, tuple[int, int]]:
+        """{buffer index: (start, size)} for the outliers `which` [B] that fit this step; forced
+        ones always go. Their shares join the packer's rank loads."""
+        idx = np.flatnonzero(which)
+        loads = np.array(packer.rank_cost)
+        placed = place_blocks(self._cost[idx], self._tokens[idx], loads, cost_budget, token_budget,
+                              max_degree, forced=self.step - self._arrived[idx] >= self.max_wait,
+                              limit=cost_budget)
+        packer.preload(loads)
+        return {int(idx[j]): b for j, b in placed.items()}
 
     def _check_tokens(self, token_budget: int) -> None:
         too_long = np.flatnonzero(self._tokens > token_budget)
@@ -326,7 +409,18 @@ class BudgetPlanner:
     def _place_normal(self, packer: _Packer, slots: dict, normal: np.ndarray, forced: np.ndarray,
                       cost_budget: float) -> None:
         cost, tokens = self._cost.tolist(), self._tokens.tolist()
-        must = np.flatnonzero(normal & forced)
+        self._place_forced(packer, slots, normal & forced)
+        rest = np.flatnonzero(normal & ~forced)  # oldest first
+        open_budget = cost_budget * len(packer.heap) - sum(packer.rank_cost[r] for _, r in packer.heap)
+        head = rest[np.cumsum(self._cost[rest]) <= open_budget]  # the oldest that fit in total
+        for i in head[_lpt_order(self._cost[head], self._tokens[head])].tolist():
+            self._try(packer, slots, i, cost[i], tokens[i], cost_budget)
+        self._top_up(packer, slots, rest, cost, tokens, cost_budget)
+
+    def _place_forced(self, packer: _Packer, slots: dict, which: np.ndarray) -> None:
+        """Samples `which` [B] that waited max_wait steps: LPT, past the budget if need be."""
+        cost, tokens = self._cost.tolist(), self._tokens.tolist()
+        must = np.array([i for i in np.flatnonzero(which).tolist() if i not in slots], dtype=np.int64)
         for i in must[_lpt_order(self._cost[must], self._tokens[must])].tolist():
             slot = packer.place(cost[i], tokens[i]) or packer.place_anywhere(cost[i], tokens[i])
             if slot is None:
@@ -334,12 +428,6 @@ class BudgetPlanner:
                                 "micro-batch has token room for it; raise the token budget or the "
                                 "number of micro-batches, or lower the lookahead")
             slots[i] = slot
-        rest = np.flatnonzero(normal & ~forced)  # oldest first
-        open_budget = cost_budget * len(packer.heap) - sum(packer.rank_cost[r] for _, r in packer.heap)
-        head = rest[np.cumsum(self._cost[rest]) <= open_budget]  # the oldest that fit in total
-        for i in head[_lpt_order(self._cost[head], self._tokens[head])].tolist():
-            self._try(packer, slots, i, cost[i], tokens[i], cost_budget)
-        self._top_up(packer, slots, rest, cost, tokens, cost_budget)
 
     def _top_up(self, packer: _Packer, slots: dict, rest: np.ndarray, cost: list, tokens: list,
                 cost_budget: float) -> None:
@@ -357,16 +445,20 @@ class BudgetPlanner:
         if slot is not None:
             slots[i] = slot
 
-    def _commit(self, slots: dict, outlier: np.ndarray, forced: np.ndarray) -> BudgetPlan:
+    def _commit(self, slots: dict, outlier: np.ndarray, forced: np.ndarray,
+                blocks: dict[int, Block]) -> BudgetPlan:
+        slots = slots | {i: (b.start, 0) for i, b in blocks.items()}
         chosen = np.fromiter(slots, dtype=np.int64, count=len(slots))  # [n] buffer indices
         rank = np.array([slots[i][0] for i in chosen.tolist()], dtype=np.int64)
         micro = np.array([slots[i][1] for i in chosen.tolist()], dtype=np.int64)
         order = np.lexsort((chosen, micro, rank))
         chosen, rank, micro = chosen[order], rank[order], micro[order]
         delay = self.step - self._arrived[chosen]
+        where = {int(i): j for j, i in enumerate(chosen.tolist())}
         plan = BudgetPlan(
             step=self.step, keys=[self._keys[i] for i in chosen.tolist()],
-            assignment=Assignment(rank, micro, self.num_ranks, self.num_micro),
+            assignment=Assignment(rank, micro, self.num_ranks, self.num_micro,
+                                  {where[i]: b for i, b in blocks.items()}),
             cost=self._cost[chosen], tokens=self._tokens[chosen], delay=delay,
             outliers=[self._keys[i] for i in chosen.tolist() if outlier[i]],
             forced=[self._keys[i] for i in chosen.tolist() if forced[i]])

@@ -81,17 +81,19 @@ class Backbone(nn.Module):
         self.checkpoint_layers = False  # recompute decoder layers in backward (ModelConfig)
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
-                cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+                cu_seqlens: torch.Tensor, max_seqlen: int,
+                attention: PackedAttention | None = None) -> torch.Tensor:
         """hidden [1, S, D], position_ids [1, S] or [3, 1, S] (M-RoPE) -> normed hidden [1, S, D].
 
         S = T, the whole row, or under sequence parallelism this rank's shard of it; `cu_seqlens`
-        always delimits the samples of the whole (padded) row.
+        always delimits the samples of the whole (padded) row. `attention` overrides the model's
+        for this row (per-sequence SP: the row's block group).
         """
         position_embeddings = self.rotary_emb(hidden, position_ids)
         text_positions = position_ids if position_ids.ndim == 2 else position_ids[0]
         kwargs = dict(attention_mask=None, position_ids=text_positions,
                       position_embeddings=position_embeddings, cu_seqlens=cu_seqlens,
-                      max_seqlen=max_seqlen, ds_omni_attention=self.attention)
+                      max_seqlen=max_seqlen, ds_omni_attention=attention or self.attention)
         for layer in self.layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
                 # non-reentrant: works with ZeRO-3's parameter hooks and re-runs the Ulysses
@@ -138,11 +140,30 @@ class OmniModel(nn.Module):
         # so parameters are registered once, under the names above.
         object.__setattr__(self, "hf_model", hf_model)
         self.sp_group = None  # the LLM's Ulysses group; encoders are never split (part 1)
+        # per-sequence SP: (first rank, size) -> (group, its attention), for this rank's blocks
+        self.blocks: dict[tuple[int, int], tuple[object, PackedAttention]] = {}
 
     def set_attention(self, kernel: str = "sdpa", sp_group=None) -> None:
         """The LLM's packed-attention kernel and, for Ulysses SP, its sequence-parallel group."""
         self.backbone.attention = PackedAttention(kernel, sp_group)
         self.sp_group = sp_group
+
+    def set_sequence_blocks(self, kernel: str, groups: dict[tuple[int, int], object]) -> None:
+        """Per-sequence SP: the Ulysses group of every block this rank can be in; a micro-batch
+        whose `sp_block` names one runs its attention and resharding over that group."""
+        self.blocks = {block: (group, PackedAttention(kernel, group))
+                       for block, group in groups.items()}
+
+    def _route(self, batch: "MicroBatch") -> tuple[object, PackedAttention | None]:
+        """(SP group, attention) of this micro-batch: its block's, else the model's own."""
+        block = getattr(batch, "sp_block", None)
+        if block is None:
+            return self.sp_group, None
+        if block not in self.blocks:
+            raise ModelError(f"micro-batch for SP block {block} (first rank, size) but this rank "
+                             f"has groups for {sorted(self.blocks)}; the loader and the model "
+                             "disagree on parallel.max_sequence_sp")
+        return self.blocks[block]
 
     # ---------------------------------------------------------------------------- forward
     def embed(self, batch: "MicroBatch") -> torch.Tensor:
@@ -180,6 +201,7 @@ class OmniModel(nn.Module):
         from the rank that encoded it.
         """
         plan = batch.reshard
+        sp_group, _ = self._route(batch)
         hidden = self.backbone.embed_tokens(batch.input_ids)  # [1, S, D]
         rows: dict[str, torch.Tensor] = {}
         for name, encoder in self.encoders.items():
@@ -202,7 +224,7 @@ class OmniModel(nn.Module):
         if self._encoders_trainable() and not local.requires_grad:
             # every rank must reach the backward all-to-all, also one that encoded nothing
             local = local.detach().requires_grad_()
-        recv = ReshardEmbeddings.apply(local, plan, self.sp_group)  # [R, D]
+        recv = ReshardEmbeddings.apply(local, plan, sp_group)  # [R, D]
         where = torch.as_tensor(plan.recv_positions, dtype=torch.long, device=hidden.device)
         return hidden[0].index_copy(0, where, recv).unsqueeze(0)
 
@@ -212,7 +234,7 @@ class OmniModel(nn.Module):
     def hidden_states(self, batch: "MicroBatch") -> torch.Tensor:
         """Final normed hidden states [1, T, D]."""
         return self.backbone(self.embed(batch), batch.position_ids, batch.cu_seqlens,
-                             batch.max_seqlen)
+                             batch.max_seqlen, attention=self._route(batch)[1])
 
     def logits(self, batch: "MicroBatch") -> torch.Tensor:
         """Logits for every position [1, T, V] (for parity checks and evaluation)."""

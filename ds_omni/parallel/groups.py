@@ -40,6 +40,22 @@ def _group(ranks: list[int], world: int):
     return dist.new_group(ranks)
 
 
+def sequence_blocks(world: int, rank: int, max_degree: int) -> dict[tuple[int, int], object]:
+    """Per-sequence SP: a process group for every aligned block of 2, 4, ... max_degree ranks,
+    created once at start-up by every rank in the same order; returns {(first rank, size): group}
+    for the blocks that contain `rank`. (A block of the whole world gets a group of its own too:
+    None would mean "no SP" to the model.)"""
+    out = {}
+    size = 2
+    while size <= max_degree:
+        for start in range(0, world, size):
+            group = dist.new_group(list(range(start, start + size)))
+            if start <= rank < start + size:
+                out[(start, size)] = group
+        size *= 2
+    return out
+
+
 class TorchDataComm:
     """`DataComm` over torch.distributed: object all-gathers within groups.
 

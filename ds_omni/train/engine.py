@@ -22,14 +22,14 @@ import torch
 
 from ds_omni.config import OmniConfig
 from ds_omni.data.build import build_loader
-from ds_omni.data.loader import StepBatch, reorder_group_size
+from ds_omni.data.loader import StepBatch, check_per_sequence, reorder_group_size
 from ds_omni.data.check import startup_check
 from ds_omni.data.skipped import SKIPPED_FILE, flush_skipped, skipped_totals
 from ds_omni.ds_config import derive_ds_config, load_ds_json
 from ds_omni.errors import DataError, LaunchError
 from ds_omni.parallel import dist
 from ds_omni.model.build import check_sequence_parallel
-from ds_omni.parallel.groups import TorchDataComm, data_groups, sequence_groups
+from ds_omni.parallel.groups import TorchDataComm, data_groups, sequence_blocks, sequence_groups
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.train import checkpoint
 from ds_omni.train.control import WeightsFile
@@ -98,17 +98,21 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
         raise StopTraining(batch.stop or "a data source ran out on another rank")
     if not samples:
         raise StopTraining("every data source is exhausted (on_exhausted='drop')")
-    (cost_max,) = dist.all_reduce_max([batch.modelled_cost], dp_group)
+    cost_max, n_micro = dist.all_reduce_max([batch.modelled_cost, len(batch.micro_batches)],
+                                            dp_group)
     targets, tokens = dist.all_reduce_sum([sum(mb.num_targets for mb in batch.micro_batches),
                                            sum(mb.num_tokens for mb in batch.micro_batches)],
                                           token_group)
+    micro_batches = _even_micro_batches(batch, int(n_micro))
     loss_sum, dropped = 0.0, None
-    for i, mb in enumerate(batch.micro_batches):
+    for i, mb in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        if batch.filler is not None:  # per-sequence SP: the step's length is ours, not the config's
+            engine.set_gradient_accumulation_boundary(last)
         out = engine(mb.to(engine.device))
         if guard is not None:
             guard.watch_loss(out.loss_sum)
         engine.backward(engine_loss(out.loss_sum, divisor, targets), scale_wrt_gas=False)
-        last = i == len(batch.micro_batches) - 1
         if last and on_reduced_grads is not None:
             on_reduced_grads(engine)
         if last and guard is not None and guard.tripped():
@@ -122,6 +126,18 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
     return StepResult(loss=global_loss_sum / max(targets, 1.0), tokens=int(tokens),
                       targets=int(targets), samples=int(samples), nonfinite_keys=dropped,
                       cost_max_over_mean=cost_max / (cost_sum / dp_size) if cost_sum else 1.0)
+
+
+def _even_micro_batches(batch: StepBatch, n_micro: int) -> list:
+    """The rank's micro-batches, topped up with zero-weight fillers to `n_micro`, the most any rank
+    has this step (per-sequence SP: ranks in more long-sequence rounds run more). Every rank then
+    runs the same number of forward and backward passes, which ZeRO-2's per-backward reductions
+    and ZeRO-3's parameter gathers need."""
+    missing = n_micro - len(batch.micro_batches)
+    if missing and batch.filler is None:
+        raise RuntimeError(f"this rank has {len(batch.micro_batches)} micro-batches and another "
+                           f"{n_micro}, but no filler: only per-sequence SP varies the count")
+    return batch.micro_batches + [batch.filler] * missing
 
 
 def _nonfinite_step(guard: NonFiniteGuard, batch: StepBatch, comm: TorchDataComm) -> list[str]:
@@ -154,6 +170,10 @@ def preflight(cfg: OmniConfig, ds_config_path: str) -> tuple[ParallelPlan, dict]
         raise LaunchError("parallel.pp > 1 is not available in this version; set it to 1")
     if plan.sp_enabled:
         check_sequence_parallel(cfg.model, plan.sp)
+    if cfg.parallel.max_sequence_sp > 1:
+        check_sequence_parallel(cfg.model, cfg.parallel.max_sequence_sp)
+        check_per_sequence(cfg.data.reorder.mode, reorder_group_size(cfg.data, plan.dp),
+                           cfg.parallel.max_sequence_sp)
     ds_config = derive_ds_config(cfg, load_ds_json(ds_config_path), plan)
     checkpoint.check_writable(cfg.train.output_dir)
     reorder_group_size(cfg.data, plan.dp)
@@ -170,6 +190,9 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     group_size = reorder_group_size(cfg.data, plan.dp)
     dp_group, reorder_group = data_groups(plan, rank, group_size)
     mpu = sequence_groups(plan, rank)
+    # per-sequence SP: a group for every block a long sequence may get, made once on every rank
+    blocks = (sequence_blocks(plan.world_size, rank, cfg.parallel.max_sequence_sp)
+              if cfg.parallel.max_sequence_sp > 1 else {})
     comm = TorchDataComm(dp_group, reorder_group, plan.dp, group_size,
                          mpu.get_sequence_data_parallel_group() if mpu else None, plan.sp)
     # rank 0 makes builtin assets first; the others then only read them
@@ -178,6 +201,8 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     built = build_model(cfg.model)
     if plan.sp_enabled:  # the LLM's attention goes Ulysses; encoders keep theirs
         built.model.set_attention(cfg.model.attn_implementation, mpu.get_sequence_parallel_group())
+    if blocks:
+        built.model.set_sequence_blocks(cfg.model.attn_implementation, blocks)
     loader = build_loader(cfg, built, dp_rank=coords.dp_rank, dp_size=plan.dp,
                           num_micro=ds_config["gradient_accumulation_steps"], comm=comm,
                           sp_rank=coords.sp_rank, sp_size=plan.sp)
