@@ -138,7 +138,8 @@ class ModelConfig:
                               "outside model.lora.trainable is frozen already; remove model.freeze")
 
     def frozen_parts(self) -> list[str]:
-        """Parts that get no gradient: `freeze`, or under LoRA those without adapters or training."""
+        """Parts without gradients: `freeze`, or under LoRA those with neither adapters nor
+        full training."""
         if self.lora is None:
             return list(self.freeze)
         return [p for p in FREEZABLE if p not in self.lora.parts + self.lora.trainable]
@@ -270,8 +271,8 @@ class DataConfig:
     """With on_bad_sample="skip": this many bad rows in a row from one source on one rank (or a
     whole source's worth, if fewer) is an error naming the source, not an endless search."""
     eval_sources: list[SourceConfig] = field(default_factory=list)
-    """Validation data (same fields as `sources`; weights and on_exhausted unused): every row of
-    every eval source, evaluated whole at each `train.eval_every` (see ds_omni/train/evaluate.py)."""
+    """Validation data (same fields as `sources`; weight and on_exhausted unused): every row of
+    every eval source, evaluated at each `train.eval_every` (ds_omni/train/evaluate.py)."""
 
     def __post_init__(self):
         eval_names = [s.name for s in self.eval_sources]

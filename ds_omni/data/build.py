@@ -37,7 +37,7 @@ def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micr
                  comm: DataComm | None = None, sp_rank: int = 0, sp_size: int = 1) -> OmniLoader:
     """The loader of one data-parallel rank; under SP (sp_size > 1) it packs shard `sp_rank`."""
     sources = [Source(s, chunk_rows=cfg.data.chunk_rows) for s in cfg.data.sources]
-    return OmniLoader(sources, sample_processors(cfg, built),
-                      cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales), cfg.data,
+    cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
+    return OmniLoader(sources, sample_processors(cfg, built), cost, cfg.data,
                       global_batch_size=cfg.train.global_batch_size, num_micro=num_micro,
                       dp_rank=dp_rank, dp_size=dp_size, comm=comm, sp_rank=sp_rank, sp_size=sp_size)

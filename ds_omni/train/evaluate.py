@@ -14,6 +14,8 @@ is kept; the model runs in eval mode (no dropout) and goes back to its mode afte
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ds_omni.data.packing import empty_micro_batch, pack
@@ -26,7 +28,8 @@ def eval_plan(num_rows: int, dp_rank: int, dp_size: int, per_micro: int) -> list
     """Row indices of each of this rank's eval micro-batches; every rank gets as many
     micro-batches as the rank with the most rows (empty ones where it has run out)."""
     mine = list(range(dp_rank, num_rows, dp_size))
-    rounds = -(-(-(-num_rows // dp_size)) // per_micro)  # ceil(ceil(rows / dp) / per_micro)
+    most = math.ceil(num_rows / dp_size)  # rank 0's rows
+    rounds = math.ceil(most / per_micro)
     return [mine[i * per_micro:(i + 1) * per_micro] for i in range(rounds)]
 
 

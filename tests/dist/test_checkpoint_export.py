@@ -1,5 +1,6 @@
 """Checkpoints of every ZeRO stage export to HF with exactly the trained weights; frozen parts
-get no gradient, no optimizer state and do not move."""
+get no gradient, no optimizer state and do not move; LoRA under ZeRO 2 and 3 trains only its
+adapters (and the parts kept trainable), resumes exactly and exports merged or as an adapter."""
 
 import pytest
 import torch
@@ -27,14 +28,21 @@ def _train_and_save(rank, world, root):
             checkpoint.save_model_meta(checkpoint.checkpoint_root(cfg.train.output_dir), built)
         checkpoint.save(engine, cfg.train.output_dir, 1, loader.state_dict(), rank)
         params[stage] = _full_params(engine)
-    return params
+    return {"plain": params, "lora": _lora_ranks(rank, world, root)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One launch of 2 ranks: the plain runs of every stage, then the LoRA runs."""
+    root = tmp_path_factory.mktemp("ckpt")
+    return root, run_on_ranks(_train_and_save, 2, args=(str(root),), timeout=420)[0]
 
 
 @pytest.mark.dist
-def test_every_zero_stage_exports_the_trained_weights(tmp_path):
+def test_every_zero_stage_exports_the_trained_weights(runs):
     from transformers import LlavaForConditionalGeneration
     from ds_omni.model.convert import export_checkpoint, model_from_meta
-    trained = run_on_ranks(_train_and_save, 2, args=(str(tmp_path),), timeout=240)[0]
+    tmp_path, trained = runs[0], runs[1]["plain"]
     for stage in STAGES:
         ckpt = tmp_path / f"zero{stage}" / "checkpoints"
         out = export_checkpoint(ckpt, tmp_path / f"hf{stage}")
@@ -81,8 +89,8 @@ LORA = dict(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"], trainable=["
 
 
 def _lora_ranks(rank, world, root):
-    """Per ZeRO stage (2, 3): train a step, save, train another; then a fresh engine resumes from
-    the checkpoint and trains that second step again."""
+    """Per ZeRO stage (2, 3): train a step, save, train another; under ZeRO-3 a fresh engine then
+    resumes from the checkpoint and trains that second step again."""
     from ds_omni.config import LoraConfig
     from ds_omni.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
@@ -102,34 +110,37 @@ def _lora_ranks(rank, world, root):
         checkpoint.save(engine, cfg.train.output_dir, 1, loader.state_dict(), rank)
         saved = _full_params(engine)
         second = train_step(engine, loader.next_step(), loader.comm).loss
-        after = _full_params(engine)
         groups = engine.optimizer.fp16_groups if stage == 3 else engine.optimizer.bit16_groups
         in_optimizer = {id(p) for g in groups for p in g}
-        names = {n for n, p in engine.module.named_parameters() if id(p) in in_optimizer}
-        _, loader2, engine2 = setup_training(cfg, ds, rank, plan)
-        step, state = checkpoint.load(engine2, cfg.train.output_dir, rank)
-        loader2.load_state_dict(state)
-        resumed = train_step(engine2, loader2.next_step(), loader2.comm).loss
-        out[stage] = dict(before=before, saved=saved, after=after, second=second, step=step,
-                          resumed=resumed, resumed_params=_full_params(engine2), in_optimizer=names)
+        out[stage] = dict(before=before, saved=saved, after=_full_params(engine), second=second,
+                          in_optimizer={n for n, p in engine.module.named_parameters()
+                                        if id(p) in in_optimizer})
+        if stage == 3:
+            _, loader, engine = setup_training(cfg, ds, rank, plan)
+            step, state = checkpoint.load(engine, cfg.train.output_dir, rank)
+            loader.load_state_dict(state)
+            out[stage].update(step=step, resumed=train_step(engine, loader.next_step(),
+                                                            loader.comm).loss,
+                              resumed_params=_full_params(engine))
     return out
 
 
 @pytest.mark.dist
-def test_lora_under_zero_2_and_3_trains_adapters_resumes_exactly_and_exports(tmp_path):
+def test_lora_under_zero_2_and_3_trains_adapters_resumes_exactly_and_exports(runs):
     """Only the adapters and the projector train (and have optimizer state); a resumed run
     repeats the second step exactly; the checkpoint exports merged (plain transformers) or as
     base + adapter directory (PeftModel.from_pretrained), both giving the trained model's logits."""
-    results = run_on_ranks(_lora_ranks, 2, args=(str(tmp_path),), timeout=300)[0]
+    tmp_path, results = runs[0], runs[1]["lora"]
     for stage, got in results.items():
         trained = {n for n in got["before"] if "lora_" in n or ".projector." in n}
         assert got["in_optimizer"] == trained and any("lora_B" in n for n in trained), stage
         moved = {n for n in got["before"] if not torch.equal(got["before"][n], got["after"][n])}
         assert moved and moved <= trained, (stage, sorted(moved - trained)[:3])
-        assert got["step"] == 1 and got["resumed"] == got["second"], stage
-        for name, want in got["after"].items():
-            torch.testing.assert_close(got["resumed_params"][name], want, rtol=0, atol=0)
         _check_lora_export(tmp_path, stage, got["saved"])
+    resumed = results[3]
+    assert resumed["step"] == 1 and resumed["resumed"] == resumed["second"]
+    for name, want in resumed["after"].items():
+        torch.testing.assert_close(resumed["resumed_params"][name], want, rtol=0, atol=0)
 
 
 def _check_lora_export(tmp_path, stage, saved):

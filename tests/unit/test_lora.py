@@ -116,3 +116,20 @@ def test_target_modules_that_match_nothing_name_the_layers_that_exist(llava_dir)
     with pytest.raises(ModelError, match=r"'qkv' matches no linear layer of the parts \['llm'\]"
                                          r".*'down_proj'.*'q_proj'"):
         build_model(ModelConfig(pretrained=str(llava_dir), lora=LoraConfig(target_modules=["qkv"])))
+
+
+@pytest.mark.parametrize("lora, match", [
+    ({"parts": ["llm", "eyes"]}, r"lora.parts: unknown part\(s\) \['eyes'\]"),
+    ({"trainable": ["llm"]}, r"\['llm'\] in both parts"),
+    ({"rank": 0}, "need rank >= 1"),
+    ({"target_modules": []}, "must not be empty")])
+def test_bad_lora_settings_name_the_field(lora, match):
+    from ds_omni.config import ConfigError, from_dict
+    with pytest.raises(ConfigError, match=match):
+        from_dict(LoraConfig, lora, "model.lora")
+
+
+def test_freeze_with_lora_is_an_error():
+    from ds_omni.config import ConfigError
+    with pytest.raises(ConfigError, match="remove model.freeze"):
+        ModelConfig(pretrained="x", freeze=["vision"], lora=LoraConfig())
