@@ -65,7 +65,15 @@ def setup(tmp_path_factory):
     return cfg, built, loader
 
 
-def test_one_process_eval_equals_the_oracle_in_eval_mode_and_restores_train_mode(setup):
+@pytest.fixture(scope="module")
+def reference_loss(setup):
+    cfg, built, _ = setup
+    return oracle.reference_eval_loss(cfg, {n: p.detach().clone()
+                                            for n, p in built.model.named_parameters()})
+
+
+def test_one_process_eval_equals_the_oracle_in_eval_mode_and_restores_train_mode(setup,
+                                                                                 reference_loss):
     cfg, built, loader = setup
     modes = []
     hook = built.model.backbone.register_forward_pre_hook(lambda m, _: modes.append(m.training))
@@ -77,10 +85,15 @@ def test_one_process_eval_equals_the_oracle_in_eval_mode_and_restores_train_mode
     assert modes == [False] * 3  # 5 rows, 2 per micro-batch, in eval mode
     assert built.model.training
     assert all(p.grad is None for p in built.model.parameters())
-    params = {n: p.detach().clone() for n, p in built.model.named_parameters()}
-    want = oracle.reference_eval_loss(cfg, params)
-    assert got["eval_loss"] == pytest.approx(want, rel=1e-6)
+    assert got["eval_loss"] == pytest.approx(reference_loss, rel=1e-6)
     assert got["eval_samples"] == 5 and got["eval_targets"] > 0
+
+
+def test_the_oracle_sees_one_dropped_eval_row(setup, reference_loss):
+    cfg, built, loader = setup
+    evaluator = Evaluator(cfg, built, loader)
+    evaluator.plan[-1] = evaluator.plan[-1][:-1]  # planted: the last row is not evaluated
+    assert evaluator.run(_Plain(built.model))["eval_loss"] != pytest.approx(reference_loss, rel=1e-6)
 
 
 def test_a_bad_eval_sample_stops_with_the_fix_or_is_left_out(setup, tmp_path):
