@@ -194,18 +194,16 @@ def _count_encoder_work(batch, out: dict) -> None:
 
 
 # ------------------------------------------------------------------------------- validation
-def reference_eval_loss(cfg, params: dict[str, torch.Tensor] | None = None) -> float:
-    """The eval loss of `cfg.data.eval_sources` in one process: every row, read by streaming each
-    source's chunks in order (not by the evaluator's locators), packed into one micro-batch, with
-    the model in eval mode and `params` (OmniModel names) loaded; sum of token losses / targets."""
+def reference_eval_losses(cfg, params_sets: list[dict[str, torch.Tensor]]) -> list[float]:
+    """The eval loss of `cfg.data.eval_sources` in one process, under each of `params_sets`
+    (OmniModel names): every row, read by streaming each source's chunks in order (not by the
+    evaluator's locators), packed into one micro-batch, the model in eval mode; sum of token
+    losses / targets."""
     from ds_omni.data.build import sample_processors
     from ds_omni.data.packing import pack
     from ds_omni.data.sources import Source
     from ds_omni.model.build import build_model
     built = build_model(cfg.model)
-    if params is not None:
-        missing, unexpected = built.model.load_state_dict(params, strict=False)
-        assert not unexpected and not set(missing) & set(params), (missing, unexpected)
     built.model.eval()
     processors = sample_processors(cfg, built, cfg.data.eval_sources)
     samples = []
@@ -216,6 +214,12 @@ def reference_eval_loss(cfg, params: dict[str, torch.Tensor] | None = None) -> f
                 text, media, sid = source.parts(row, loc)
                 samples.append(processors[scfg.name](text=text, media=media, sample_id=sid,
                                                      source=scfg.name))
-    with torch.no_grad():
-        out = built.model(pack(samples, built.item_processors))
-    return out.loss_sum.item() / out.num_targets
+    mb = pack(samples, built.item_processors)
+    losses = []
+    for params in params_sets:
+        missing, unexpected = built.model.load_state_dict(params, strict=False)
+        assert not unexpected and not set(missing) & set(params), (missing, unexpected)
+        with torch.no_grad():
+            out = built.model(mb)
+        losses.append(out.loss_sum.item() / out.num_targets)
+    return losses

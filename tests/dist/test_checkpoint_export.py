@@ -89,8 +89,8 @@ LORA = dict(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"], trainable=["
 
 
 def _lora_ranks(rank, world, root):
-    """Per ZeRO stage (2, 3): train a step, save, train another; under ZeRO-3 a fresh engine then
-    resumes from the checkpoint and trains that second step again."""
+    """Per ZeRO stage (2, 3): train a step and save; under ZeRO-3 train another, then a fresh
+    engine resumes from the checkpoint and trains that second step again."""
     from ds_omni.config import LoraConfig
     from ds_omni.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
@@ -108,39 +108,38 @@ def _lora_ranks(rank, world, root):
         if rank == 0:
             checkpoint.save_model_meta(checkpoint.checkpoint_root(cfg.train.output_dir), built)
         checkpoint.save(engine, cfg.train.output_dir, 1, loader.state_dict(), rank)
-        saved = _full_params(engine)
-        second = train_step(engine, loader.next_step(), loader.comm).loss
         groups = engine.optimizer.fp16_groups if stage == 3 else engine.optimizer.bit16_groups
         in_optimizer = {id(p) for g in groups for p in g}
-        out[stage] = dict(before=before, saved=saved, after=_full_params(engine), second=second,
+        out[stage] = dict(before=before, saved=_full_params(engine),
                           in_optimizer={n for n, p in engine.module.named_parameters()
                                         if id(p) in in_optimizer})
-        if stage == 3:
-            _, loader, engine = setup_training(cfg, ds, rank, plan)
-            step, state = checkpoint.load(engine, cfg.train.output_dir, rank)
-            loader.load_state_dict(state)
-            out[stage].update(step=step, resumed=train_step(engine, loader.next_step(),
-                                                            loader.comm).loss,
-                              resumed_params=_full_params(engine))
+    second = train_step(engine, loader.next_step(), loader.comm).loss
+    after = _full_params(engine)
+    _, loader, engine = setup_training(cfg, ds, rank, plan)
+    step, state = checkpoint.load(engine, cfg.train.output_dir, rank)
+    loader.load_state_dict(state)
+    resumed = train_step(engine, loader.next_step(), loader.comm).loss
+    out["resume"] = dict(step=step, second=second, after=after, resumed=resumed,
+                         resumed_params=_full_params(engine))
     return out
 
 
 @pytest.mark.dist
 def test_lora_under_zero_2_and_3_trains_adapters_resumes_exactly_and_exports(runs):
     """Only the adapters and the projector train (and have optimizer state); a resumed run
-    repeats the second step exactly; the checkpoint exports merged (plain transformers) or as
-    base + adapter directory (PeftModel.from_pretrained), both giving the trained model's logits."""
-    tmp_path, results = runs[0], runs[1]["lora"]
+    repeats the second step exactly (ZeRO-3); the checkpoint exports merged (plain transformers)
+    or as base + adapter directory (PeftModel.from_pretrained), both giving the trained logits."""
+    tmp_path, results = runs[0], dict(runs[1]["lora"])
+    resume = results.pop("resume")
     for stage, got in results.items():
         trained = {n for n in got["before"] if "lora_" in n or ".projector." in n}
         assert got["in_optimizer"] == trained and any("lora_B" in n for n in trained), stage
-        moved = {n for n in got["before"] if not torch.equal(got["before"][n], got["after"][n])}
+        moved = {n for n in got["before"] if not torch.equal(got["before"][n], got["saved"][n])}
         assert moved and moved <= trained, (stage, sorted(moved - trained)[:3])
         _check_lora_export(tmp_path, stage, got["saved"])
-    resumed = results[3]
-    assert resumed["step"] == 1 and resumed["resumed"] == resumed["second"]
-    for name, want in resumed["after"].items():
-        torch.testing.assert_close(resumed["resumed_params"][name], want, rtol=0, atol=0)
+    assert resume["step"] == 1 and resume["resumed"] == resume["second"]
+    for name, want in resume["after"].items():
+        torch.testing.assert_close(resume["resumed_params"][name], want, rtol=0, atol=0)
 
 
 def _check_lora_export(tmp_path, stage, saved):

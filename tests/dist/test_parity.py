@@ -128,12 +128,22 @@ def _check(name, case, results, tmp_path, dp):
         got = results[0][(name, stage)]
         oracle.assert_matches(ref, got, f"{name} ZeRO-{stage}", param_atol=PARAM_ATOL)
         assert all(r[(name, stage)]["losses"] == got["losses"] for r in results), (name, stage)
-        if case.get("eval_sources"):  # validation over 2 ranks = one process on the whole set
-            evals = [r[(name, stage)]["eval"] for r in results]
-            assert all(e == evals[0] for e in evals), (name, stage)
-            want = oracle.reference_eval_loss(cfg, got["params"])
-            assert evals[0]["eval_loss"] == pytest.approx(want, rel=1e-6), (name, stage)
-            assert evals[0]["eval_samples"] == 5
     oracle.assert_moved(ref, name)
+    if case.get("eval_sources"):
+        _check_eval(cfg, case["stages"], [r[(name, stage)] for r in results for stage in
+                                          case["stages"]], len(results))
     if case.get("sources"):  # text-only micro-batches really happened somewhere
         assert sum(r[(name, first)]["nothing_to_encode"] for r in results) > 0, name
+
+
+def _check_eval(cfg, stages, per_rank_stage, world) -> None:
+    """Validation after the last step, over the ranks: each stage's eval loss equals one process
+    evaluating the whole set with that stage's final parameters."""
+    got = [r["eval"] for r in per_rank_stage]  # rank-major: rank r, stage s at r * len + s
+    wants = oracle.reference_eval_losses(cfg, [per_rank_stage[s]["params"]
+                                               for s in range(len(stages))])
+    for s, (stage, want) in enumerate(zip(stages, wants)):
+        evals = got[s::len(stages)]
+        assert len(evals) == world and all(e == evals[0] for e in evals), stage
+        assert evals[0]["eval_loss"] == pytest.approx(want, rel=1e-6), f"eval, ZeRO-{stage}"
+        assert evals[0]["eval_samples"] == 5

@@ -68,8 +68,8 @@ def setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference_loss(setup):
     cfg, built, _ = setup
-    return oracle.reference_eval_loss(cfg, {n: p.detach().clone()
-                                            for n, p in built.model.named_parameters()})
+    return oracle.reference_eval_losses(cfg, [{n: p.detach().clone()
+                                               for n, p in built.model.named_parameters()}])[0]
 
 
 def test_one_process_eval_equals_the_oracle_in_eval_mode_and_restores_train_mode(setup,
