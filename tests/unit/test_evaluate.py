@@ -6,7 +6,7 @@ test_sequence_parallel.py under SP.)"""
 import pytest
 import torch
 
-from ds_omni.config import SourceConfig, from_dict
+from ds_omni.config import OmniConfig, SourceConfig, from_dict
 from ds_omni.errors import ConfigError, DataError
 from ds_omni.train.evaluate import Evaluator, eval_due, eval_plan
 from tests import oracle
@@ -32,7 +32,6 @@ def test_eval_is_due_every_n_steps_and_after_the_last():
 
 def test_eval_every_needs_eval_sources(tmp_path):
     data = tiny_config_dict(str(tmp_path), eval_every=5)
-    from ds_omni.config import OmniConfig
     with pytest.raises(ConfigError, match="data.eval_sources is empty"):
         from_dict(OmniConfig, data)
 
