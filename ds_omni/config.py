@@ -46,6 +46,46 @@ FREEZABLE = ("vision", "audio", "projector", "llm")
 
 
 @dataclass(kw_only=True)
+class LoraConfig:
+    """LoRA adapters through peft on the linear layers of some parts; the rest of the model is
+    frozen, except the parts named in `trainable` (ds_omni/model/lora.py)."""
+
+    rank: int = 8
+    """r: the adapters' inner dimension."""
+    alpha: float = 16.0
+    """lora_alpha: the update is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Linear layers that get adapters, by name or name suffix ("q_proj", "mlp.down_proj"), or
+    "all-linear" for every linear layer of `parts` (the LM head excepted)."""
+    parts: list[str] = field(default_factory=lambda: ["llm"])
+    """Parts whose layers get adapters: any of llm, projector, vision, audio."""
+    trainable: list[str] = field(default_factory=list)
+    """Parts trained in full next to the adapters (e.g. ["projector"]); all others are frozen."""
+    export: Literal["merged", "adapter"] = "merged"
+    """Final export: "merged" (adapters folded into the weights; plain transformers loads it) or
+    "adapter" (the base model with the `trainable` parts, plus adapter/ for PeftModel)."""
+
+    def __post_init__(self):
+        if self.rank < 1 or not self.alpha > 0 or not 0 <= self.dropout < 1:
+            raise ConfigError(f"model.lora: need rank >= 1, alpha > 0, 0 <= dropout < 1; got "
+                              f"{self.rank}, {self.alpha}, {self.dropout}")
+        for name in ("parts", "trainable"):
+            bad = sorted(set(getattr(self, name)) - set(FREEZABLE))
+            if bad:
+                raise ConfigError(f"model.lora.{name}: unknown part(s) {bad}; choose from "
+                                  f"{list(FREEZABLE)}")
+        if not self.parts or not self.target_modules:
+            raise ConfigError("model.lora: parts and target_modules must not be empty (defaults: "
+                              "[\"llm\"] and [\"all-linear\"])")
+        both = sorted(set(self.parts) & set(self.trainable))
+        if both:
+            raise ConfigError(f"model.lora: {both} in both parts (adapters) and trainable (full "
+                              "training); a part gets one or the other")
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     """The multimodal model: an HF MLLM directory, or a composition of encoders and an LLM."""
 
@@ -79,7 +119,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Allow custom modelling code from the model directory. Off unless you trust the directory."""
     seed: int = 0
-    """Seed for random initialisation of parts built from configs."""
+    """Seed for random initialisation of parts built from configs (and of LoRA adapters)."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters (peft) instead of the whole model; see `LoraConfig`."""
 
     def __post_init__(self):
         if (self.pretrained is None) == (self.llm is None):
@@ -91,6 +133,16 @@ class ModelConfig:
         bad = sorted(set(self.freeze) - set(FREEZABLE))
         if bad:
             raise ConfigError(f"model.freeze: unknown part(s) {bad}; choose from {list(FREEZABLE)}")
+        if self.lora and self.freeze:
+            raise ConfigError(f"model.freeze={self.freeze} with model.lora: under LoRA every part "
+                              "outside model.lora.trainable is frozen already; remove model.freeze")
+
+    def frozen_parts(self) -> list[str]:
+        """Parts without gradients: `freeze`, or under LoRA those with neither adapters nor
+        full training."""
+        if self.lora is None:
+            return list(self.freeze)
+        return [p for p in FREEZABLE if p not in self.lora.parts + self.lora.trainable]
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -218,8 +270,14 @@ class DataConfig:
     max_bad_run: int = 1000
     """With on_bad_sample="skip": this many bad rows in a row from one source on one rank (or a
     whole source's worth, if fewer) is an error naming the source, not an endless search."""
+    eval_sources: list[SourceConfig] = field(default_factory=list)
+    """Validation data (same fields as `sources`; weight and on_exhausted unused): every row of
+    every eval source, evaluated at each `train.eval_every` (ds_omni/train/evaluate.py)."""
 
     def __post_init__(self):
+        eval_names = [s.name for s in self.eval_sources]
+        if len(set(eval_names)) != len(eval_names):
+            raise ConfigError(f"data.eval_sources: names must be unique, got {eval_names}")
         if not self.sources:
             raise ConfigError("data.sources is empty: add at least one source")
         names = [s.name for s in self.sources]
@@ -312,12 +370,14 @@ class TrainConfig:
     """Export the final model as a HuggingFace directory."""
     log_samples: bool = False
     """Write the keys of every trained sample into metrics.jsonl (for audits and tests)."""
+    eval_every: int = 0
+    """Evaluate data.eval_sources every N steps and after the last (0: after the last only)."""
 
     def __post_init__(self):
         for name in ("steps", "global_batch_size", "micro_batch_size", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("save_every", "keep_checkpoints", "warmup_steps", "weight_decay"):
+        for name in ("save_every", "keep_checkpoints", "warmup_steps", "weight_decay", "eval_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -349,6 +409,10 @@ class OmniConfig:
             raise ConfigError(f"data.pack_tokens={data.pack_tokens} x parallel.max_sequence_sp="
                               f"{longest} is below data.max_seq_len={data.max_seq_len}: a long "
                               f"sample would fit no micro-batch; raise pack_tokens{hint}")
+        if self.train.eval_every and not self.data.eval_sources:
+            raise ConfigError(f"train.eval_every={self.train.eval_every} but data.eval_sources is "
+                              "empty: add the validation data there (same fields as data.sources), "
+                              "or set train.eval_every to 0")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -70,3 +70,14 @@ def long_source(tmp_path, weight: float = 1.0, n: int = 16, words: int = 40) -> 
     path = tmp_path / "long.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     return {"name": "long", "path": str(path), "weight": weight}
+
+
+def eval_sources(tmp_path) -> list[dict]:
+    """A validation set of 5 rows: 3 pictures with captions (jsonl + PNG files) and 2 sentences;
+    over 2 ranks at 2 samples per micro-batch one rank has a round with no sample left."""
+    from tests.data_files import conversation_rows, text_rows, write
+    shapes, shapes_schema = write("json", conversation_rows(3, seed=99, prefix="e"),
+                                  tmp_path / "eval_shapes", files=1)
+    text, text_schema = write("json", text_rows(2, prefix="et"), tmp_path / "eval_text", files=1)
+    return [{"name": "eval_shapes", "path": shapes, "schema": shapes_schema},
+            {"name": "eval_text", "path": text, "schema": text_schema}]

@@ -148,7 +148,7 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
     """Train `steps` steps of `cfg` on this rank through the real DeepSpeed engine.
 
     Returns the losses, every step's sample keys, counts of micro-batches with nothing to encode
-    here, and (on rank 0 only, to keep results small) the first step's reduced gradients and the
+    here, the eval result after the last step when the config has eval sources, and (on rank 0 only, to keep results small) the first step's reduced gradients and the
     final parameters. `plant` puts in a known error: the oracle must see it.
     """
     from ds_omni.ds_config import derive_ds_config
@@ -173,6 +173,9 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
             out["losses"].append(train.train_step(engine, batch, loader.comm, grab).loss)
     finally:
         train.engine_loss = engine_loss
+    if cfg.data.eval_sources:  # validation after the last step, on every rank
+        from ds_omni.train.evaluate import Evaluator
+        out["eval"] = Evaluator(cfg, built, loader).run(engine)
     params = full_params(engine)
     loader.close()
     if rank == 0:
@@ -193,3 +196,35 @@ def _count_encoder_work(batch, out: dict) -> None:
         out["row_without_items"] += bool(mb.reshard is not None and not mb.reshard.group_rows)
         out["block_rows"] += mb.sp_block is not None
         out["block_rows_with_items"] += bool(mb.sp_block is not None and mb.reshard.group_rows)
+
+
+# ------------------------------------------------------------------------------- validation
+def reference_eval_losses(cfg, params_sets: list[dict[str, torch.Tensor]]) -> list[float]:
+    """The eval loss of `cfg.data.eval_sources` in one process, under each of `params_sets`
+    (OmniModel names): every row, read by streaming each source's chunks in order (not by the
+    evaluator's locators), packed into one micro-batch, the model in eval mode; sum of token
+    losses / targets."""
+    from ds_omni.data.build import sample_processors
+    from ds_omni.data.packing import pack
+    from ds_omni.data.sources import Source
+    from ds_omni.model.build import build_model
+    built = build_model(cfg.model)
+    built.model.eval()
+    processors = sample_processors(cfg, built, cfg.data.eval_sources)
+    samples = []
+    for scfg in cfg.data.eval_sources:
+        source = Source(scfg)
+        for chunk in source.chunks:
+            for loc, row in source.stream(chunk, chunk.start):
+                text, media, sid = source.parts(row, loc)
+                samples.append(processors[scfg.name](text=text, media=media, sample_id=sid,
+                                                     source=scfg.name))
+    mb = pack(samples, built.item_processors)
+    losses = []
+    for params in params_sets:
+        missing, unexpected = built.model.load_state_dict(params, strict=False)
+        assert not unexpected and not set(missing) & set(params), (missing, unexpected)
+        with torch.no_grad():
+            out = built.model(mb)
+        losses.append(out.loss_sum.item() / out.num_targets)
+    return losses

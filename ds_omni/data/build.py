@@ -22,22 +22,23 @@ def cost_model_for(built, freeze: list[str], scales: dict[str, float] | None = N
         raise ConfigError(f"data.reorder.cost_scales: {e}") from None
 
 
-def sample_processors(cfg: OmniConfig, built) -> dict[str, SampleProcessor]:
-    """One sample processor per source (sources may mark images and audio differently)."""
+def sample_processors(cfg: OmniConfig, built, sources=None) -> dict[str, SampleProcessor]:
+    """One sample processor per source (sources may mark images and audio differently);
+    `sources` defaults to data.sources (data.eval_sources for validation)."""
     return {s.name: SampleProcessor(
         tokenizer=built.tokenizer, family=built.family, item_processors=built.item_processors,
         markers={"vision": s.schema.image_marker, "audio": s.schema.audio_marker},
         max_seq_len=cfg.data.max_seq_len, overlong=cfg.data.overlong,
         conversation_strings=s.schema.conversation_strings, image_aspect=cfg.data.image_aspect)
-        for s in cfg.data.sources}
+        for s in (cfg.data.sources if sources is None else sources)}
 
 
 def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micro: int,
                  comm: DataComm | None = None, sp_rank: int = 0, sp_size: int = 1) -> OmniLoader:
     """The loader of one data-parallel rank; under SP (sp_size > 1) it packs shard `sp_rank`."""
     sources = [Source(s, chunk_rows=cfg.data.chunk_rows) for s in cfg.data.sources]
-    return OmniLoader(sources, sample_processors(cfg, built),
-                      cost_model_for(built, cfg.model.freeze, cfg.data.reorder.cost_scales), cfg.data,
+    cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
+    return OmniLoader(sources, sample_processors(cfg, built), cost, cfg.data,
                       global_batch_size=cfg.train.global_batch_size, num_micro=num_micro,
                       dp_rank=dp_rank, dp_size=dp_size, comm=comm, sp_rank=sp_rank, sp_size=sp_size,
                       max_sequence_sp=cfg.parallel.max_sequence_sp)

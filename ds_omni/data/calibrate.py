@@ -65,7 +65,7 @@ def profile(cfg: OmniConfig, batches: int) -> dict:
         built.model.zero_grad(set_to_none=True)
         if i:  # the first micro-batch pays for allocation and warm-up
             m.add(loader.load_samples(batch.keys), elapsed, dummies)
-    fitted = cost_model_for(built, cfg.model.freeze).calibrate(
+    fitted = cost_model_for(built, cfg.model.frozen_parts()).calibrate(
         np.array(m.tokens), np.array(m.owner, dtype=np.int64), np.array(m.encoder, dtype=str),
         np.array(m.length, dtype=np.int64), np.array(m.seconds), np.array(m.step))
     predicted = np.bincount(m.step, weights=fitted.sample_costs(

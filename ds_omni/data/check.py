@@ -34,7 +34,7 @@ EXAMPLES = 5  # example messages kept per problem kind
 def startup_check(cfg: OmniConfig, media: bool = True) -> None:
     """Raise a `DataError` naming the source for what can be seen in its first rows: the
     schema's columns, and (with `media`) that relative media paths resolve."""
-    for scfg in cfg.data.sources:
+    for scfg in cfg.data.sources + cfg.data.eval_sources:
         source = Source(scfg, chunk_rows=cfg.data.chunk_rows)
         rows = [(Locator(source.name, 0, i), source.fetch(Locator(source.name, 0, i)))
                 for i in range(min(STARTUP_ROWS, source.file_rows[0]))]

@@ -125,6 +125,9 @@ def build_model(cfg: ModelConfig) -> BuiltModel:
         tokenizer = load_tokenizer(cfg.tokenizer or cfg.llm.pretrained or "", cfg.trust_remote_code)
         family, hf_model = compose(cfg, tokenizer)
     model = family.to_omni(hf_model, tokenizer)
+    if cfg.lora is not None:  # the adapters' init draws from the seeded global generator
+        from ds_omni.model.lora import apply_lora
+        model = apply_lora(model, cfg.lora, tokenizer)
     model.set_attention(cfg.attn_implementation)
     model.backbone.checkpoint_layers = cfg.activation_checkpointing
     model.freeze(cfg.freeze)

@@ -93,10 +93,22 @@ def export_hf(model: OmniModel, out_dir: str | Path, tokenizer, *, state_dict: d
     if state_dict is not None:
         load_omni_state(model, state_dict)
     hf_model = model.hf_model
+    lora_meta = getattr(model, "lora_meta", None)
     with _plain_attention(hf_model.config):
-        hf_model.save_pretrained(str(out), safe_serialization=True)
+        if lora_meta is None:
+            hf_model.save_pretrained(str(out), safe_serialization=True)
+        else:  # LoRA: merged into the weights, or the base weights plus peft's adapter directory
+            _save_lora(model, out, merged=lora_meta["export"] == "merged")
         model.family.save_processor(out, hf_model.config, tokenizer, model_dir)
     return out
+
+
+def _save_lora(model: OmniModel, out: Path, merged: bool) -> None:
+    from ds_omni.model import lora
+    model.hf_model.save_pretrained(str(out), state_dict=lora.hf_state(model, merged),
+                                   safe_serialization=True)
+    if not merged:
+        lora.save_adapter(model, out)
 
 
 @contextmanager
@@ -166,7 +178,10 @@ def model_from_meta(meta_dir: str | Path):
     config = AutoConfig.from_pretrained(str(meta_dir))
     family = family_for(config.model_type)
     tokenizer = AutoTokenizer.from_pretrained(str(meta_dir))
-    return family.to_omni(family.build_hf(config), tokenizer), tokenizer
+    model = family.to_omni(family.build_hf(config), tokenizer)
+    from ds_omni.model import lora
+    meta = lora.load_meta(meta_dir)
+    return (model if meta is None else lora.inject(model, meta, tokenizer)), tokenizer
 
 
 def export_checkpoint(ckpt_root: str | Path, out_dir: str | Path, tag: str | None = None) -> Path:

@@ -68,6 +68,8 @@ def save_model_meta(root: Path, built) -> None:
     meta.mkdir(parents=True, exist_ok=True)
     built.hf_config.save_pretrained(str(meta))
     built.family.save_processor(meta, built.hf_config, built.tokenizer, built.model_dir)
+    from ds_omni.model.lora import save_meta
+    save_meta(built.model, meta)  # LoRA: which layers carry adapters, how to export
 
 
 def save(engine, output_dir: str | Path, step: int, loader_state: dict, rank: int,

@@ -33,6 +33,7 @@ from ds_omni.parallel.groups import TorchDataComm, data_groups, sequence_blocks,
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.train import checkpoint
 from ds_omni.train.control import WeightsFile
+from ds_omni.train.evaluate import build_evaluator
 from ds_omni.train.metrics import MetricsLogger, write_report
 from ds_omni.train.nonfinite import NonFiniteError, NonFiniteGuard
 
@@ -249,13 +250,14 @@ def run(cfg: OmniConfig, ds_config_path: str, *, resume: bool = False,
         checkpoint.save_model_meta(checkpoint.checkpoint_root(out), built)
     logger = MetricsLogger(out, total_steps=cfg.train.steps, start_step=start, enabled=rank == 0,
                            monitor=getattr(engine, "monitor", None))
-    step = _loop(cfg, engine, loader, logger, plan, rank, start, stop_after)
+    step = _loop(cfg, engine, loader, logger, plan, rank, start, stop_after,
+                 build_evaluator(cfg, built, loader))
     logger.close()
     loader.close()
     return _finish(cfg, engine, loader, rank, step, plan)
 
 
-def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after) -> int:
+def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after, evaluator=None) -> int:
     step = start
     end = cfg.train.steps if stop_after is None else min(cfg.train.steps, start + stop_after)
     weights_file = WeightsFile(cfg.train.output_dir, rank)
@@ -276,14 +278,15 @@ def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after) -> int:
         if result.nonfinite_keys and rank == 0:
             print(f"ds-omni: step {step}: loss or gradients not finite; update dropped "
                   f"(train.on_nonfinite=\"skip\"); its samples: {result.nonfinite_keys}")
-        if step % cfg.train.log_every == 0 or step == end - 1 or result.nonfinite_keys:
+        evaluated = evaluator.run(engine) if evaluator and evaluator.due(step + 1) else {}
+        if step % cfg.train.log_every == 0 or step == end - 1 or result.nonfinite_keys or evaluated:
             record = {"step": step, "loss": result.loss, "lr": lr,
                       "tokens": result.tokens, "targets": result.targets,
                       "samples": result.samples, "step_s": elapsed,
                       "tokens_per_s": result.tokens / elapsed,
                       "cost_max_over_mean": result.cost_max_over_mean,
                       **({"nonfinite_skipped": result.nonfinite_keys}
-                         if result.nonfinite_keys else {}),
+                         if result.nonfinite_keys else {}), **evaluated,
                       **{f"data_{k}": v for k, v in batch.stats.items()
                          if k in ("skipped", "outliers", "mean_delay", "max_delay")}}
             if cfg.train.log_samples:

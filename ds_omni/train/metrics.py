@@ -1,8 +1,9 @@
 """Progress, metrics and the end-of-run report (rank 0 writes; other ranks stay quiet).
 
-- a progress bar with step, loss, tokens/s and ETA (tqdm);
-- `metrics.jsonl`: one JSON record per logged step (appended across resumes);
-- `report.json` and `loss_curve.png` at the end.
+- a progress bar with step, loss, tokens/s, ETA and the latest eval loss (tqdm);
+- `metrics.jsonl`: one JSON record per logged step (appended across resumes); a step after which
+  the eval set was evaluated carries `eval_loss` (after that step's update) and `eval_targets`;
+- `report.json` and `loss_curve.png` (training and eval loss) at the end.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ class MetricsLogger:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.monitor = monitor  # DeepSpeed's monitor (TensorBoard / CSV / W&B) when configured
         self.bar = None
+        self.eval_loss = None  # the latest, shown in the progress bar until the next
         if enabled:
             from tqdm.auto import tqdm
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
@@ -29,10 +31,16 @@ class MetricsLogger:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        self.eval_loss = record.get("eval_loss", self.eval_loss)
+        evaluated = {} if self.eval_loss is None else {"eval": f"{self.eval_loss:.4f}"}
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                             **evaluated)
         if self.monitor is not None and self.monitor.enabled:
-            self.monitor.write_events([("Train/loss", record["loss"], record["step"]),
-                                       ("Train/tokens_per_s", record["tokens_per_s"], record["step"])])
+            events = [("Train/loss", record["loss"], record["step"]),
+                      ("Train/tokens_per_s", record["tokens_per_s"], record["step"])]
+            if "eval_loss" in record:
+                events.append(("Eval/loss", record["eval_loss"], record["step"]))
+            self.monitor.write_events(events)
 
     def advance(self) -> None:
         if self.bar is not None:
@@ -59,6 +67,7 @@ def write_report(output_dir: str | Path, extra: dict) -> dict:
     if not records:
         return {}
     losses = [r["loss"] for r in records]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     head = max(1, len(losses) // 10)
     report = {
         "steps": records[-1]["step"] + 1,
@@ -68,6 +77,7 @@ def write_report(output_dir: str | Path, extra: dict) -> dict:
         "last_loss_mean10pct": statistics.fmean(losses[-head:]),
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
         "median_step_s": statistics.median(r["step_s"] for r in records),
+        **({"last_eval_loss": evals[-1], "best_eval_loss": min(evals)} if evals else {}),
         **extra,
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -80,7 +90,12 @@ def _plot(records: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.2)
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.2, label="train")
+    evals = [r for r in records if "eval_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", ms=3, lw=1.2,
+                label="eval")
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss per target token (log)")
     ax.set_yscale("log")

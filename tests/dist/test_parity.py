@@ -7,7 +7,8 @@ accumulation the losses, the full reduced gradients of the first step and every 
 agree to fp32 precision. `test_oracle_sees_planted_errors` shows it fails on a loss scaled 2x and
 on one dropped sample.
 
-Cases: the demo composition (LLaVA) under ZeRO 0-3; every other family under ZeRO-3 (images of
+Cases: the demo composition (LLaVA) under ZeRO 0-3, with a validation set of 5 rows evaluated
+after the last step over both ranks (its loss equals one process evaluating the whole set); every other family under ZeRO-3 (images of
 several sizes, M-RoPE positions, audio clips), with text-only samples mixed in so that some ranks
 have micro-batches with nothing to encode (where DeepSpeed's ZeRO-3 would otherwise hang).
 """
@@ -15,7 +16,7 @@ have micro-batches with nothing to encode (where DeepSpeed's ZeRO-3 would otherw
 import pytest
 
 from tests import oracle
-from tests.fixtures import ds_config, text_source, tiny_config
+from tests.fixtures import ds_config, eval_sources, text_source, tiny_config
 from tests.harness import run_on_ranks
 
 STEPS = 2
@@ -36,6 +37,9 @@ def _config(case: dict, out_dir: str):
     if case.get("sources"):
         from ds_omni.config import SourceConfig, from_dict
         cfg.data.sources = [from_dict(SourceConfig, s) for s in case["sources"]]
+    if case.get("eval_sources"):
+        from ds_omni.config import SourceConfig, from_dict
+        cfg.data.eval_sources = [from_dict(SourceConfig, s) for s in case["eval_sources"]]
     return cfg
 
 
@@ -59,7 +63,7 @@ def cases(tmp_path_factory):
              "schema": {"text": "conversations", "image": None, "audio": "audio"}}
     vision = [shapes, text]
     return {
-        "demo": {"stages": [0, 1, 2, 3]},
+        "demo": {"stages": [0, 1, 2, 3], "eval_sources": eval_sources(tmp)},
         "llava_next": {"stages": [3], "model_dir": str(family_dirs.make_llava_next_dir(tmp / "n")),
                        "sources": vision},
         "qwen2_vl": {"stages": [3], "model_dir": str(family_dirs.make_qwen2_vl_dir(tmp / "q")),
@@ -125,5 +129,21 @@ def _check(name, case, results, tmp_path, dp):
         oracle.assert_matches(ref, got, f"{name} ZeRO-{stage}", param_atol=PARAM_ATOL)
         assert all(r[(name, stage)]["losses"] == got["losses"] for r in results), (name, stage)
     oracle.assert_moved(ref, name)
+    if case.get("eval_sources"):
+        _check_eval(cfg, case["stages"], [r[(name, stage)] for r in results for stage in
+                                          case["stages"]], len(results))
     if case.get("sources"):  # text-only micro-batches really happened somewhere
         assert sum(r[(name, first)]["nothing_to_encode"] for r in results) > 0, name
+
+
+def _check_eval(cfg, stages, per_rank_stage, world) -> None:
+    """Validation after the last step, over the ranks: each stage's eval loss equals one process
+    evaluating the whole set with that stage's final parameters."""
+    got = [r["eval"] for r in per_rank_stage]  # rank-major: rank r, stage s at r * len + s
+    wants = oracle.reference_eval_losses(cfg, [per_rank_stage[s]["params"]
+                                               for s in range(len(stages))])
+    for s, (stage, want) in enumerate(zip(stages, wants)):
+        evals = got[s::len(stages)]
+        assert len(evals) == world and all(e == evals[0] for e in evals), stage
+        assert evals[0]["eval_loss"] == pytest.approx(want, rel=1e-6), f"eval, ZeRO-{stage}"
+        assert evals[0]["eval_samples"] == 5

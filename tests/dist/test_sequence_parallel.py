@@ -21,7 +21,7 @@ their cases.
 import pytest
 
 from tests import oracle
-from tests.fixtures import TINY_VISION, ds_config, text_source, tiny_config
+from tests.fixtures import TINY_VISION, ds_config, eval_sources, text_source, tiny_config
 from tests.harness import run_on_ranks
 
 STEPS = 3
@@ -43,6 +43,8 @@ DESIGN = [("llava", 3, 4, False), ("qwen2_vl", 0, 4, True), ("composed", 1, 4, F
           ("composed", 0, 2, True), ("composed", 2, 2, True), ("composed", 3, 2, False)]
 # ZeRO-3 + Ulysses + recomputed decoder layers (the all-to-alls run again in backward)
 CHECKPOINTED = {("llava", 3, 4, False)}
+# validation under ZeRO-3 + SP after the last step: equal to one process evaluating the whole set
+EVALUATED = {("qwen2_vl", 3, 2, True)}
 # the other two families train under SP too (any-resolution tiles; Whisper clips)
 EXTRA = [("llava_next", 2, 2, False), ("qwen2_audio", 3, 2, True)]
 
@@ -56,7 +58,8 @@ def families(tmp_path_factory) -> dict:
     return {
         "llava": {},
         "qwen2_vl": {"model_dir": str(family_dirs.make_qwen2_vl_dir(tmp / "q")),
-                     "sources": [{"name": "shapes", "path": "builtin:shapes"}, text]},
+                     "sources": [{"name": "shapes", "path": "builtin:shapes"}, text],
+                     "eval_sources": eval_sources(tmp)},
         "llava_next": {"model_dir": str(family_dirs.make_llava_next_dir(tmp / "n")),
                        "sources": [{"name": "shapes", "path": "builtin:shapes"}, text]},
         "qwen2_audio": {"model_dir": str(family_dirs.make_qwen2_audio_dir(tmp / "a")),
@@ -72,7 +75,7 @@ def families(tmp_path_factory) -> dict:
     }
 
 
-def make_config(family: dict, out_dir: str, *, sp: int, reorder: bool):
+def make_config(family: dict, out_dir: str, *, sp: int, reorder: bool, evaluate: bool = False):
     from ds_omni.config import ModelConfig, ReorderConfig, SourceConfig, from_dict
     cfg = tiny_config(out_dir, steps=STEPS)
     cfg.parallel.sp = sp
@@ -85,6 +88,8 @@ def make_config(family: dict, out_dir: str, *, sp: int, reorder: bool):
     if family.get("sources"):
         cfg.data.sources = [from_dict(SourceConfig, s) for s in family["sources"]]
     cfg.data.max_seq_len = family.get("max_seq_len", cfg.data.max_seq_len)
+    if evaluate:
+        cfg.data.eval_sources = [from_dict(SourceConfig, s) for s in family["eval_sources"]]
     return cfg
 
 
@@ -97,7 +102,8 @@ def _ranks(rank, world, cases, families, out_dir):
     results = {}
     for case in cases:
         family, stage, _, reorder = case
-        cfg = make_config(families[family], f"{out_dir}/{_case_name(case)}", sp=2, reorder=reorder)
+        cfg = make_config(families[family], f"{out_dir}/{_case_name(case)}", sp=2, reorder=reorder,
+                          evaluate=case in EVALUATED)
         cfg.model.activation_checkpointing = case in CHECKPOINTED
         results[_case_name(case)] = oracle.train_on_rank(rank, world, cfg, ds_config(stage), STEPS)
     return results
@@ -111,7 +117,8 @@ def test_sequence_parallel_matches_single_process(world, families, tmp_path):
     dp = world // 2
     for case in cases:
         name = _case_name(case)
-        cfg = make_config(families[case[0]], str(tmp_path / f"ref_{name}"), sp=1, reorder=False)
+        cfg = make_config(families[case[0]], str(tmp_path / f"ref_{name}"), sp=1, reorder=False,
+                          evaluate=case in EVALUATED)
         _check_case(name, cfg, dp, [r[name] for r in results])
 
 
@@ -127,6 +134,10 @@ def _check_case(name, cfg, dp, per_rank) -> None:
     oracle.assert_matches(ref, per_rank[0], name, param_atol=PARAM_ATOL)
     for r in per_rank[1:]:
         assert r["losses"] == per_rank[0]["losses"], name
+    if cfg.data.eval_sources:  # each rank evaluated its shard of its dp rank's rows
+        assert all(r["eval"] == per_rank[0]["eval"] for r in per_rank), name
+        (want,) = oracle.reference_eval_losses(cfg, [per_rank[0]["params"]])
+        assert per_rank[0]["eval"]["eval_loss"] == pytest.approx(want, rel=1e-6), name
     oracle.assert_moved(ref, name)
     if not name.startswith("llava"):
         # rows with no image or audio at all, and ranks with nothing to encode, really happened

@@ -40,20 +40,26 @@ def test_other_launchers_reproduce_the_deepspeed_run(kind, tmp_path, reference):
 def test_single_process_without_a_launcher_skips_bad_samples_visibly(tmp_path):
     """`ds-omni train` alone, the demo data mixed with a source holding one row of each problem
     (`tests/data_layouts.write_problem_json`) under on_bad_sample="skip": it trains, and every
-    skipped sample is in skipped.jsonl, on the console and in the report, and never trained."""
+    skipped sample is in skipped.jsonl, on the console and in the report, and never trained.
+    A validation set is evaluated every 2 steps: in metrics.jsonl, the progress bar, the report."""
     from tests.data_layouts import write_problem_json
+    from tests.fixtures import eval_sources
     problems, kinds = write_problem_json(tmp_path / "data")
     cfg, ds, out = write_configs(tmp_path, steps=3)
     config = json.loads(Path(cfg).read_text())
     config["data"]["sources"].append({"name": "problems", "path": str(problems), "weight": 1.0,
                                       "on_bad_sample": "skip",
                                       "schema": {"text": "conversations", "image": "image"}})
+    config["data"]["eval_sources"] = eval_sources(tmp_path)  # and validation every 2 steps
+    config["train"]["eval_every"] = 2
     Path(cfg).write_text(json.dumps(config))
     res = train("single", 1, cfg, ds)
     assert res.returncode == 0, res.stdout[-3000:]
     records = read_metrics(out)
     assert len(records) == 3 and records[-1]["loss"] < records[0]["loss"]
     assert "bad sample" in res.stdout
+    assert [r["step"] for r in records if "eval_loss" in r] == [1, 2]  # after steps 2 and 3
+    assert f"eval={records[-1]['eval_loss']:.4f}" in res.stdout
 
     skipped = [json.loads(x) for x in (Path(out) / "skipped.jsonl").read_text().splitlines()]
     assert skipped and all(e["source"] == "problems" and e["reason"] for e in skipped)
@@ -61,6 +67,7 @@ def test_single_process_without_a_launcher_skips_bad_samples_visibly(tmp_path):
     assert ids <= set(kinds) and {"missing", "corrupt", "markers"} <= ids
     report = json.loads((Path(out) / "report.json").read_text())
     assert report["data_skipped"]["problems"] == len(skipped)
+    assert report["last_eval_loss"] == records[-1]["eval_loss"]
     trained = {k.split("/", 1)[1] for r in records for k in r["sample_keys"]}
     assert not trained & {e["locator"] for e in skipped}
 
