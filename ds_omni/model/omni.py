@@ -60,10 +60,51 @@ class ModalityEncoder(nn.Module):
         return self.encode({k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()})
 
 
+def recompute_in_backward(tower: nn.Module) -> int:
+    """Make each transformer layer of `tower` recompute in backward; returns how many there are.
+
+    The layers are the modules HF marks as `GradientCheckpointingLayer` (CLIP, SigLIP, Whisper and
+    Qwen2-VL blocks all are), outermost ones only. Each layer's forward then runs under
+    non-reentrant `checkpoint` whenever gradients are on, in train or eval mode alike (HF's own
+    switch also needs train mode, which a model loaded with `from_pretrained` is not in). The
+    wrapper is set on the instance, not the class, so parameters, state-dict keys and module hooks
+    (ZeRO-3 gathers parameters in them) stay outside it, as with HF's gradient checkpointing.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    layers: dict[str, nn.Module] = {}
+    for name, module in tower.named_modules():
+        if isinstance(module, GradientCheckpointingLayer) and not any(
+                name.startswith(f"{outer}.") for outer in layers):
+            layers[name] = module
+    for layer in layers.values():
+        if not isinstance(layer.__dict__.get("forward"), _Recompute):
+            layer.forward = _Recompute(layer)
+    return len(layers)
+
+
+class _Recompute:
+    """A layer's forward under non-reentrant checkpointing (an object, not a closure, so a model
+    holding it still deep-copies and pickles)."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+
+    def __call__(self, *args, **kwargs):
+        forward = type(self.layer).forward.__get__(self.layer)
+        if torch.is_grad_enabled():
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
+
+
 def _with_dummy_pass(hidden: torch.Tensor, encoder: ModalityEncoder) -> torch.Tensor:
     """`hidden` plus zero times the encoder's output on its dummy input: the encoder runs (and
     ZeRO-3 gathers its parameters) on a rank with nothing to encode, without changing a number."""
     return hidden + 0.0 * encoder(encoder.dummy_inputs(hidden.device, hidden.dtype)).sum()
+
+
+def _part(encoder: ModalityEncoder) -> str:
+    """The part name of an encoder (as `model.freeze` and `activation_checkpointing` say it)."""
+    return "vision" if encoder.modality == "image" else "audio"
 
 
 class Backbone(nn.Module):
@@ -142,6 +183,24 @@ class OmniModel(nn.Module):
         self.sp_group = None  # the LLM's Ulysses group; encoders are never split (part 1)
         # per-sequence SP: (first rank, size) -> (group, its attention), for this rank's blocks
         self.blocks: dict[tuple[int, int], tuple[object, PackedAttention]] = {}
+
+    def set_checkpointing(self, parts: set[str], named: set[str] = frozenset()) -> None:
+        """Recompute in backward the layers of `parts` (of llm, vision, audio) this model has;
+        a part in `named` (written out by the user) that the model lacks is an error."""
+        have = {"llm"} | {_part(e) for e in self.encoders.values()}
+        missing = sorted(named - have)
+        if missing:
+            raise ModelError(f"model.activation_checkpointing names {missing} but this model has "
+                             f"no such part; it has {sorted(have)} (\"encoders\" means all of its "
+                             "encoders)")
+        self.backbone.checkpoint_layers = "llm" in parts
+        for name, encoder in self.encoders.items():
+            if _part(encoder) in parts and not recompute_in_backward(encoder.tower):
+                raise ModelError(
+                    f"model.activation_checkpointing: the {name} encoder "
+                    f"({type(encoder.tower).__name__}) has no layers marked as HF "
+                    "GradientCheckpointingLayer, so ds_omni cannot recompute them; leave "
+                    f"'{_part(encoder)}' out of the list")
 
     def set_attention(self, kernel: str = "sdpa", sp_group=None) -> None:
         """The LLM's packed-attention kernel and, for Ulysses SP, its sequence-parallel group."""
@@ -255,7 +314,7 @@ class OmniModel(nn.Module):
         parts: dict[str, list[nn.Module]] = {"vision": [], "audio": [], "projector": [],
                                               "llm": [self.backbone]}
         for encoder in self.encoders.values():
-            parts["vision" if encoder.modality == "image" else "audio"].append(encoder.tower)
+            parts[_part(encoder)].append(encoder.tower)
             parts["projector"].append(encoder.projector)
         return parts
 
