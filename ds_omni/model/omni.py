@@ -132,9 +132,11 @@ class Backbone(nn.Module):
         """
         position_embeddings = self.rotary_emb(hidden, position_ids)
         text_positions = position_ids if position_ids.ndim == 2 else position_ids[0]
+        attention = attention or self.attention
+        cu_seqlens = attention.boundaries(cu_seqlens, hidden.device)
         kwargs = dict(attention_mask=None, position_ids=text_positions,
                       position_embeddings=position_embeddings, cu_seqlens=cu_seqlens,
-                      max_seqlen=max_seqlen, ds_omni_attention=attention or self.attention)
+                      max_seqlen=max_seqlen, ds_omni_attention=attention)
         for layer in self.layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
                 # non-reentrant: works with ZeRO-3's parameter hooks and re-runs the Ulysses
@@ -229,12 +231,11 @@ class OmniModel(nn.Module):
         """Token embeddings with encoder outputs in place of placeholder tokens -> [1, T, D]."""
         if batch.reshard is not None:
             return self._embed_shard(batch)
-        input_ids = batch.input_ids
-        hidden = self.backbone.embed_tokens(input_ids)
+        hidden = self.backbone.embed_tokens(batch.input_ids)  # [1, T, D]
         for name, encoder in self.encoders.items():
             inputs = batch.encoder_inputs.get(name)
-            mask = input_ids == encoder.placeholder_id  # [1, T]
-            n_slots = int(mask.sum())
+            slots = batch.positions_of(encoder.placeholder_id)  # [n] (found on the host: no sync)
+            n_slots = slots.shape[0]
             if inputs is None:
                 if n_slots:
                     raise ModelError(f"{n_slots} '{name}' placeholder tokens but no {name} inputs "
@@ -249,7 +250,7 @@ class OmniModel(nn.Module):
                     f"encoder '{name}' produced {feats.shape[0]} embeddings but the text has "
                     f"{n_slots} '{name}' placeholder tokens (samples {batch.sample_ids[:4]}); each "
                     f"item needs exactly as many placeholders as it yields embeddings")
-            hidden = hidden.masked_scatter(mask.unsqueeze(-1), feats)
+            hidden = hidden[0].index_copy(0, slots, feats).unsqueeze(0)  # [T, D] -> [1, T, D]
         return hidden
 
     def _embed_shard(self, batch: "MicroBatch") -> torch.Tensor:
@@ -301,12 +302,13 @@ class OmniModel(nn.Module):
 
     def forward(self, batch: "MicroBatch") -> LossOutput:
         hidden = self.hidden_states(batch)
-        targets = batch.targets  # [1, T], next token at each position or IGNORE_INDEX
-        keep = targets != IGNORE_INDEX
         # Project only positions that carry a target: the [T, V] logits are the largest activation.
-        logits = self.backbone.lm_head(hidden[keep])  # [n, V]
-        loss_sum = F.cross_entropy(logits.float(), targets[keep], reduction="sum")
-        return LossOutput(loss_sum=loss_sum, num_targets=int(keep.sum()))
+        # Their indices come from the host, so nothing here waits for the device.
+        keep = batch.target_positions()  # [n]
+        logits = self.backbone.lm_head(hidden[0].index_select(0, keep))  # [n, V]
+        targets = batch.targets[0].index_select(0, keep)  # [n]: next token at each kept position
+        loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum")
+        return LossOutput(loss_sum=loss_sum, num_targets=keep.shape[0])
 
     # ---------------------------------------------------------------------------- structure
     def parts(self) -> dict[str, list[nn.Module]]:
