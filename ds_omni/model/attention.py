@@ -29,6 +29,8 @@ Hkv key/value heads, D head dim.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 
@@ -179,10 +181,43 @@ def _torch_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout):
     from torch.nn.attention.varlen import varlen_attn
     if dropout:
         raise ValueError("torch's varlen kernel has no dropout; use attn_implementation 'sdpa'")
+    kwargs, repeat, q_scale = varlen_call(_varlen_params(), q.shape[2], k.shape[2], scaling,
+                                          q.shape[-1])
+    if repeat > 1:  # [1, T, hkv, D] -> [1, T, h, D]: each query head keeps its KV head
+        k, v = (t.repeat_interleave(repeat, dim=2) for t in (k, v))
+    if q_scale != 1.0:
+        q = q * q_scale
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    out = varlen_attn(q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen, scale=scaling,
-                      window_size=(-1, 0), enable_gqa=k.shape[2] != q.shape[2])  # [T, h, D]
+    out = varlen_attn(q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen, **kwargs)  # [T, h, D]
     return out.unsqueeze(0)
+
+
+def varlen_call(params: frozenset[str], q_heads: int, kv_heads: int, scaling: float | None,
+                head_dim: int) -> tuple[dict, int, float]:
+    """How to call the installed `varlen_attn`, whose keywords changed between torch releases
+    (2.10: `is_causal` only; later: `window_size`, `scale`, `enable_gqa`): its keyword arguments,
+    how many times to repeat KV heads (when it takes no `enable_gqa`), and a factor for q (when it
+    takes no `scale` and `scaling` is not its default 1/sqrt(D))."""
+    kwargs: dict = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    repeat = 1
+    if kv_heads != q_heads:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            repeat = q_heads // kv_heads
+    q_scale = 1.0
+    if scaling is not None:
+        if "scale" in params:
+            kwargs["scale"] = scaling
+        elif not math.isclose(scaling * math.sqrt(head_dim), 1.0, rel_tol=1e-9):
+            q_scale = scaling * math.sqrt(head_dim)
+    return kwargs, repeat, q_scale
+
+
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def register() -> None:
