@@ -8,9 +8,19 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_mfu.py"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one intra-op thread is as fast alone and far faster on a busy shared host."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @functools.cache
@@ -53,3 +63,16 @@ def test_peak_by_device_name():
     assert bench.peak_tflops("NVIDIA H200") == bench.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert bench.peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert bench.peak_tflops("cpu") is None and bench.peak_tflops("cpu", 100.0) == 100.0
+
+
+def test_kernel_check_restores_the_kernel():
+    """The GPU run compares varlen with per-sample SDPA through `kernel_loss`: same loss for two
+    kernels that agree, and the model keeps "auto" after it."""
+    bench = _bench()
+    hf, omni = bench.build_models(bench.TINY, torch.device("cpu"), torch.float32)
+    step = bench.draw_steps(np.random.default_rng(0), bench.TINY, bench.Mix(text_median=60.0), 1,
+                            2, 256, 128)[0]
+    cpu = torch.device("cpu")
+    assert bench.kernel_loss(omni, step, bench.TINY, cpu, "eager") == pytest.approx(
+        bench.kernel_loss(omni, step, bench.TINY, cpu, "sdpa"), rel=1e-6)
+    assert omni.backbone.attention.kernel == ("varlen" if torch.cuda.is_available() else "sdpa")
