@@ -34,11 +34,17 @@ computes half the square) and 12 x layers x width x 577^2 per image for the bidi
 MFU = model FLOPs per second / the GPU's dense bf16 peak (`PEAK_BF16_TFLOPS`, by device name;
 `--peak-tflops` for another GPU). Padding is never counted, so MFU measures useful work.
 
-Runs without DeepSpeed (a GPU machine with torch >= 2.10, transformers and this repository is
-enough): both sides are a plain torch loop on one GPU, which is what a single-GPU DeepSpeed run
-adds nothing to but its optimizer. From the repository root:
+Runs without DeepSpeed: both sides are a plain torch loop on one GPU (on one GPU, DeepSpeed would
+add only its optimizer; both sides use torch's fused AdamW). It needs torch >= 2.10 (varlen
+kernel; 2.10's and later signatures both work), transformers, numpy and this repository, nothing
+else of ds_omni's dependencies (no datasets, no deepspeed). On the project's device machine
+(one H200, torch 2.11, no deepspeed, no network), from the repository root, about 2-3 minutes:
 
-    PYTHONPATH=$PWD python benchmarks/gpu_mfu.py --out $OUT/gpu_mfu.json   # on the device machine
+    PYTHONPATH=$PWD python benchmarks/gpu_mfu.py --out $OUT/gpu_mfu.json
+
+then copy the JSON to benchmarks/results/ and the figures into BENCHMARKS.md. A side that fails
+(out of memory, a kernel error) is recorded in the JSON with its error and the other still runs;
+`--micro-batch 2` lowers the baseline's memory if it runs out.
 
 Writes benchmarks/results/gpu_mfu.json (or --out).
 """
