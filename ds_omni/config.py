@@ -43,6 +43,7 @@ class PartConfig:
 
 
 FREEZABLE = ("vision", "audio", "projector", "llm")
+CHECKPOINTABLE = ("llm", "vision", "audio")
 
 
 @dataclass(kw_only=True)
@@ -113,9 +114,11 @@ class ModelConfig:
     """Attention kernel of the LLM over packed rows. auto: torch's varlen flash kernel on CUDA when
     torch has it, else SDPA per sample; varlen: torch's (CUDA only); flash_attention_2: the
     flash-attn package (the `gpu` extra); sdpa / eager: one SDPA call per sample (same numbers)."""
-    activation_checkpointing: bool = False
-    """Recompute each LLM decoder layer in backward instead of keeping its activations: memory for
-    long rows at about a third more LLM compute (encoders are not checkpointed)."""
+    activation_checkpointing: bool | list[Literal["llm", "encoders", "vision", "audio"]] = False
+    """Recompute transformer layers in backward instead of keeping their activations (memory for
+    long rows and many images, at about a third more compute of the parts named): true for every
+    part, or a list of "llm" (the decoder layers), "encoders" (every encoder's layers), "vision",
+    "audio". Non-reentrant, so it works under ZeRO-3; the numbers are the same as without it."""
     trust_remote_code: bool = False
     """Allow custom modelling code from the model directory. Off unless you trust the directory."""
     seed: int = 0
@@ -143,6 +146,14 @@ class ModelConfig:
         if self.lora is None:
             return list(self.freeze)
         return [p for p in FREEZABLE if p not in self.lora.parts + self.lora.trainable]
+
+    def checkpointed_parts(self) -> set[str]:
+        """The parts whose layers `activation_checkpointing` recomputes: of llm, vision, audio."""
+        asked = self.activation_checkpointing
+        if isinstance(asked, bool):
+            return set(CHECKPOINTABLE) if asked else set()
+        parts = set(asked) - {"encoders"}
+        return parts | ({"vision", "audio"} if "encoders" in asked else set())
 
 
 # ---------------------------------------------------------------------------------------- data

@@ -51,6 +51,7 @@ class MicroBatch:
     sp_block: tuple[int, int] | None = None
     """Per-sequence SP: (first rank, size) of the block of ranks that splits this row, whose
     Ulysses group the model uses for it; None: the static plan's (no SP, or parallel.sp)."""
+    host: "MicroBatch | None" = field(default=None, repr=False)  # the CPU batch `to` moved
 
     @property
     def num_tokens(self) -> int:
@@ -59,7 +60,22 @@ class MicroBatch:
 
     @property
     def num_targets(self) -> int:
-        return int((self.targets != IGNORE_INDEX).sum())
+        return int(((self.host or self).targets != IGNORE_INDEX).sum())
+
+    def positions_of(self, token_id: int) -> torch.Tensor:
+        """[n] indices into the row where `input_ids` is `token_id`, on this batch's device.
+
+        Found on the host copy, so a batch on a GPU needs no device-to-host sync (a boolean mask
+        on the device would: its count decides the shapes that follow).
+        """
+        return self._host_positions((self.host or self).input_ids[0] == token_id)
+
+    def target_positions(self) -> torch.Tensor:
+        """[n] indices of the positions that carry a target, on this batch's device (no sync)."""
+        return self._host_positions((self.host or self).targets[0] != IGNORE_INDEX)
+
+    def _host_positions(self, mask: torch.Tensor) -> torch.Tensor:
+        return mask.nonzero().squeeze(1).to(self.input_ids.device, non_blocking=True)
 
     def to(self, device) -> "MicroBatch":
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
@@ -67,7 +83,7 @@ class MicroBatch:
             input_ids=move(self.input_ids), targets=move(self.targets),
             position_ids=move(self.position_ids), cu_seqlens=self.cu_seqlens,  # stays on CPU
             max_seqlen=self.max_seqlen, sample_ids=self.sample_ids, reshard=self.reshard,
-            pad_tokens=self.pad_tokens, sp_block=self.sp_block,
+            pad_tokens=self.pad_tokens, sp_block=self.sp_block, host=self.host or self,
             encoder_inputs={e: {k: move(v) for k, v in d.items()}
                             for e, d in self.encoder_inputs.items()})
 

@@ -29,6 +29,8 @@ Hkv key/value heads, D head dim.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 
@@ -64,12 +66,21 @@ def choose_kernel(asked: str, *, varlen: bool, flash_attn: bool) -> str:
         return "varlen" if varlen else "sdpa"
     if asked == "varlen" and not varlen:
         raise ConfigError("model.attn_implementation is 'varlen' but torch's varlen kernel needs "
-                          "CUDA and torch >= 2.10; use 'auto' (falls back to SDPA, same numbers)")
+                          f"CUDA and torch >= 2.10 (this process: torch {torch.__version__}, CUDA "
+                          f"{'available' if torch.cuda.is_available() else 'not available'}); "
+                          "use 'auto' (falls back to SDPA, same numbers)")
     if asked == "flash_attention_2" and not flash_attn:
         raise ConfigError("model.attn_implementation is 'flash_attention_2' but flash-attn is "
                           "not installed or no GPU is visible; install the 'gpu' extra on a CUDA "
                           "machine or use 'auto' (same numbers)")
     return "sdpa" if asked == "eager" else asked
+
+
+def resolve_kernel(asked: str) -> str:
+    """The kernel `asked` runs on this machine; a clear error if it cannot run here (start-up
+    calls this before any process group exists, so a bad choice fails on every rank at once)."""
+    return choose_kernel(asked, varlen=asked in ("auto", "varlen") and torch_varlen_available(),
+                         flash_attn=asked == "flash_attention_2" and flash_attn_available())
 
 
 class PackedAttention:
@@ -78,9 +89,7 @@ class PackedAttention:
     def __init__(self, kernel: str = "sdpa", sp_group=None):
         if kernel not in KERNELS:
             raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS}")
-        self.kernel = choose_kernel(kernel, varlen=kernel in ("auto", "varlen") and
-                                    torch_varlen_available(),
-                                    flash_attn=kernel == "flash_attention_2" and flash_attn_available())
+        self.kernel = resolve_kernel(kernel)
         if self.kernel not in _logged:
             _logged.add(self.kernel)
             log.info("ds_omni: packed attention kernel %r (asked %r)", self.kernel, kernel)
@@ -91,6 +100,14 @@ class PackedAttention:
             # batch-first layout [B, S, H, D]: scatter heads (dim 2), gather the sequence (dim 1)
             self._ulysses = DistributedAttention(self._local, sp_group, scatter_idx=2, gather_idx=1)
             self.sp = torch.distributed.get_world_size(sp_group)
+
+    def boundaries(self, cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`cu_seqlens` where this kernel reads it: on the device (int32) for the varlen kernels,
+        moved once per micro-batch rather than once per layer; on the host for per-sample SDPA,
+        which slices by its values (reading them from a GPU would wait for the device)."""
+        if self.kernel in ("varlen", "flash_attention_2"):
+            return cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
+        return cu_seqlens
 
     def __call__(self, q, k, v, cu_seqlens, max_seqlen, scaling, dropout):
         """q [1, H, S, D], k/v [1, Hkv, S, D] (S = T without SP) -> out [1, S, H, D]."""
@@ -164,10 +181,43 @@ def _torch_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout):
     from torch.nn.attention.varlen import varlen_attn
     if dropout:
         raise ValueError("torch's varlen kernel has no dropout; use attn_implementation 'sdpa'")
+    kwargs, repeat, q_scale = varlen_call(_varlen_params(), q.shape[2], k.shape[2], scaling,
+                                          q.shape[-1])
+    if repeat > 1:  # [1, T, hkv, D] -> [1, T, h, D]: each query head keeps its KV head
+        k, v = (t.repeat_interleave(repeat, dim=2) for t in (k, v))
+    if q_scale != 1.0:
+        q = q * q_scale
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    out = varlen_attn(q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen, scale=scaling,
-                      window_size=(-1, 0), enable_gqa=k.shape[2] != q.shape[2])  # [T, h, D]
+    out = varlen_attn(q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen, **kwargs)  # [T, h, D]
     return out.unsqueeze(0)
+
+
+def varlen_call(params: frozenset[str], q_heads: int, kv_heads: int, scaling: float | None,
+                head_dim: int) -> tuple[dict, int, float]:
+    """How to call the installed `varlen_attn`, whose keywords changed between torch releases
+    (2.10: `is_causal` only; later: `window_size`, `scale`, `enable_gqa`): its keyword arguments,
+    how many times to repeat KV heads (when it takes no `enable_gqa`), and a factor for q (when it
+    takes no `scale` and `scaling` is not its default 1/sqrt(D))."""
+    kwargs: dict = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    repeat = 1
+    if kv_heads != q_heads:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            repeat = q_heads // kv_heads
+    q_scale = 1.0
+    if scaling is not None:
+        if "scale" in params:
+            kwargs["scale"] = scaling
+        elif not math.isclose(scaling * math.sqrt(head_dim), 1.0, rel_tol=1e-9):
+            q_scale = scaling * math.sqrt(head_dim)
+    return kwargs, repeat, q_scale
+
+
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def register() -> None:

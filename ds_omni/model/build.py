@@ -129,7 +129,9 @@ def build_model(cfg: ModelConfig) -> BuiltModel:
         from ds_omni.model.lora import apply_lora
         model = apply_lora(model, cfg.lora, tokenizer)
     model.set_attention(cfg.attn_implementation)
-    model.backbone.checkpoint_layers = cfg.activation_checkpointing
+    asked = cfg.activation_checkpointing
+    model.set_checkpointing(cfg.checkpointed_parts(),
+                            named=set() if isinstance(asked, bool) else set(asked) - {"encoders"})
     model.freeze(cfg.freeze)
     model.to(getattr(torch, cfg.dtype))
     processors = family.item_processors(hf_model.config, model_dir, tokenizer=tokenizer)

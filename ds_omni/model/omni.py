@@ -60,10 +60,51 @@ class ModalityEncoder(nn.Module):
         return self.encode({k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()})
 
 
+def recompute_in_backward(tower: nn.Module) -> int:
+    """Make each transformer layer of `tower` recompute in backward; returns how many there are.
+
+    The layers are the modules HF marks as `GradientCheckpointingLayer` (CLIP, SigLIP, Whisper and
+    Qwen2-VL blocks all are), outermost ones only. Each layer's forward then runs under
+    non-reentrant `checkpoint` whenever gradients are on, in train or eval mode alike (HF's own
+    switch also needs train mode, which a model loaded with `from_pretrained` is not in). The
+    wrapper is set on the instance, not the class, so parameters, state-dict keys and module hooks
+    (ZeRO-3 gathers parameters in them) stay outside it, as with HF's gradient checkpointing.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    layers: dict[str, nn.Module] = {}
+    for name, module in tower.named_modules():
+        if isinstance(module, GradientCheckpointingLayer) and not any(
+                name.startswith(f"{outer}.") for outer in layers):
+            layers[name] = module
+    for layer in layers.values():
+        if not isinstance(layer.__dict__.get("forward"), _Recompute):
+            layer.forward = _Recompute(layer)
+    return len(layers)
+
+
+class _Recompute:
+    """A layer's forward under non-reentrant checkpointing (an object, not a closure, so a model
+    holding it still deep-copies and pickles)."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+
+    def __call__(self, *args, **kwargs):
+        forward = type(self.layer).forward.__get__(self.layer)
+        if torch.is_grad_enabled():
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
+
+
 def _with_dummy_pass(hidden: torch.Tensor, encoder: ModalityEncoder) -> torch.Tensor:
     """`hidden` plus zero times the encoder's output on its dummy input: the encoder runs (and
     ZeRO-3 gathers its parameters) on a rank with nothing to encode, without changing a number."""
     return hidden + 0.0 * encoder(encoder.dummy_inputs(hidden.device, hidden.dtype)).sum()
+
+
+def _part(encoder: ModalityEncoder) -> str:
+    """The part name of an encoder (as `model.freeze` and `activation_checkpointing` say it)."""
+    return "vision" if encoder.modality == "image" else "audio"
 
 
 class Backbone(nn.Module):
@@ -91,9 +132,11 @@ class Backbone(nn.Module):
         """
         position_embeddings = self.rotary_emb(hidden, position_ids)
         text_positions = position_ids if position_ids.ndim == 2 else position_ids[0]
+        attention = attention or self.attention
+        cu_seqlens = attention.boundaries(cu_seqlens, hidden.device)
         kwargs = dict(attention_mask=None, position_ids=text_positions,
                       position_embeddings=position_embeddings, cu_seqlens=cu_seqlens,
-                      max_seqlen=max_seqlen, ds_omni_attention=attention or self.attention)
+                      max_seqlen=max_seqlen, ds_omni_attention=attention)
         for layer in self.layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
                 # non-reentrant: works with ZeRO-3's parameter hooks and re-runs the Ulysses
@@ -143,6 +186,24 @@ class OmniModel(nn.Module):
         # per-sequence SP: (first rank, size) -> (group, its attention), for this rank's blocks
         self.blocks: dict[tuple[int, int], tuple[object, PackedAttention]] = {}
 
+    def set_checkpointing(self, parts: set[str], named: set[str] = frozenset()) -> None:
+        """Recompute in backward the layers of `parts` (of llm, vision, audio) this model has;
+        a part in `named` (written out by the user) that the model lacks is an error."""
+        have = {"llm"} | {_part(e) for e in self.encoders.values()}
+        missing = sorted(named - have)
+        if missing:
+            raise ModelError(f"model.activation_checkpointing names {missing} but this model has "
+                             f"no such part; it has {sorted(have)} (\"encoders\" means all of its "
+                             "encoders)")
+        self.backbone.checkpoint_layers = "llm" in parts
+        for name, encoder in self.encoders.items():
+            if _part(encoder) in parts and not recompute_in_backward(encoder.tower):
+                raise ModelError(
+                    f"model.activation_checkpointing: the {name} encoder "
+                    f"({type(encoder.tower).__name__}) has no layers marked as HF "
+                    "GradientCheckpointingLayer, so ds_omni cannot recompute them; leave "
+                    f"'{_part(encoder)}' out of the list")
+
     def set_attention(self, kernel: str = "sdpa", sp_group=None) -> None:
         """The LLM's packed-attention kernel and, for Ulysses SP, its sequence-parallel group."""
         self.backbone.attention = PackedAttention(kernel, sp_group)
@@ -170,12 +231,11 @@ class OmniModel(nn.Module):
         """Token embeddings with encoder outputs in place of placeholder tokens -> [1, T, D]."""
         if batch.reshard is not None:
             return self._embed_shard(batch)
-        input_ids = batch.input_ids
-        hidden = self.backbone.embed_tokens(input_ids)
+        hidden = self.backbone.embed_tokens(batch.input_ids)  # [1, T, D]
         for name, encoder in self.encoders.items():
             inputs = batch.encoder_inputs.get(name)
-            mask = input_ids == encoder.placeholder_id  # [1, T]
-            n_slots = int(mask.sum())
+            slots = batch.positions_of(encoder.placeholder_id)  # [n] (found on the host: no sync)
+            n_slots = slots.shape[0]
             if inputs is None:
                 if n_slots:
                     raise ModelError(f"{n_slots} '{name}' placeholder tokens but no {name} inputs "
@@ -190,7 +250,7 @@ class OmniModel(nn.Module):
                     f"encoder '{name}' produced {feats.shape[0]} embeddings but the text has "
                     f"{n_slots} '{name}' placeholder tokens (samples {batch.sample_ids[:4]}); each "
                     f"item needs exactly as many placeholders as it yields embeddings")
-            hidden = hidden.masked_scatter(mask.unsqueeze(-1), feats)
+            hidden = hidden[0].index_copy(0, slots, feats).unsqueeze(0)  # [T, D] -> [1, T, D]
         return hidden
 
     def _embed_shard(self, batch: "MicroBatch") -> torch.Tensor:
@@ -242,12 +302,13 @@ class OmniModel(nn.Module):
 
     def forward(self, batch: "MicroBatch") -> LossOutput:
         hidden = self.hidden_states(batch)
-        targets = batch.targets  # [1, T], next token at each position or IGNORE_INDEX
-        keep = targets != IGNORE_INDEX
         # Project only positions that carry a target: the [T, V] logits are the largest activation.
-        logits = self.backbone.lm_head(hidden[keep])  # [n, V]
-        loss_sum = F.cross_entropy(logits.float(), targets[keep], reduction="sum")
-        return LossOutput(loss_sum=loss_sum, num_targets=int(keep.sum()))
+        # Their indices come from the host, so nothing here waits for the device.
+        keep = batch.target_positions()  # [n]
+        logits = self.backbone.lm_head(hidden[0].index_select(0, keep))  # [n, V]
+        targets = batch.targets[0].index_select(0, keep)  # [n]: next token at each kept position
+        loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum")
+        return LossOutput(loss_sum=loss_sum, num_targets=keep.shape[0])
 
     # ---------------------------------------------------------------------------- structure
     def parts(self) -> dict[str, list[nn.Module]]:
@@ -255,7 +316,7 @@ class OmniModel(nn.Module):
         parts: dict[str, list[nn.Module]] = {"vision": [], "audio": [], "projector": [],
                                               "llm": [self.backbone]}
         for encoder in self.encoders.values():
-            parts["vision" if encoder.modality == "image" else "audio"].append(encoder.tower)
+            parts[_part(encoder)].append(encoder.tower)
             parts["projector"].append(encoder.projector)
         return parts
 

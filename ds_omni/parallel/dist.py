@@ -13,6 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ds_omni.errors import LaunchError
+
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -24,17 +26,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+BACKENDS = {"cuda": "nccl", "cpu": "gloo"}  # accelerator -> process-group backend
+
+
+def backend_for(device_type: str, accelerator_default: str) -> str:
+    """The process-group backend: NCCL on CUDA GPUs, gloo on CPU, else the accelerator's own."""
+    return BACKENDS.get(device_type, accelerator_default)
+
+
+def local_device_index(device_type: str, local_rank: int, device_count: int) -> int:
+    """The accelerator this process drives: its LOCAL_RANK; a rank with no device of its own is
+    an error, not a second process on device 0."""
+    if local_rank >= device_count:
+        raise LaunchError(f"LOCAL_RANK={local_rank} but this node has {device_count} {device_type} "
+                          f"device(s) visible; start at most {device_count} processes per node "
+                          "(e.g. deepspeed --num_gpus / torchrun --nproc_per_node), or check "
+                          "CUDA_VISIBLE_DEVICES")
+    return local_rank
+
+
 def init_distributed(timeout_s: float = 1800.0) -> tuple[int, int]:
     """Join (or, alone, create) the default process group; returns (rank, world size).
 
-    `timeout_s` bounds every collective, so one failed rank cannot keep the others waiting long.
+    The backend follows the accelerator DeepSpeed picked (`backend_for`), with no user setting;
+    on a GPU the process first takes its own device, so the collectives that run before
+    `deepspeed.initialize` (barriers, token counts) do not all land on GPU 0. `timeout_s` bounds
+    every collective, so one failed rank cannot keep the others waiting long.
     """
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
+    accel = get_accelerator()
+    kind = accel.device_name()
+    if kind != "cpu":
+        accel.set_device(local_device_index(kind, int(os.environ.get("LOCAL_RANK", "0")),
+                                            accel.device_count()))
     if not dist.is_initialized():
-        deepspeed.init_distributed(timeout=timedelta(seconds=timeout_s), verbose=False)
+        deepspeed.init_distributed(backend_for(kind, accel.communication_backend_name()),
+                                   timeout=timedelta(seconds=timeout_s), verbose=False)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -28,6 +28,7 @@ from ds_omni.data.skipped import SKIPPED_FILE, flush_skipped, skipped_totals
 from ds_omni.ds_config import derive_ds_config, load_ds_json
 from ds_omni.errors import DataError, LaunchError
 from ds_omni.parallel import dist
+from ds_omni.model.attention import resolve_kernel
 from ds_omni.model.build import check_sequence_parallel
 from ds_omni.parallel.groups import TorchDataComm, data_groups, sequence_blocks, sequence_groups
 from ds_omni.parallel.plan import ParallelPlan
@@ -105,7 +106,7 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
                                            sum(mb.num_tokens for mb in batch.micro_batches)],
                                           token_group)
     micro_batches = _even_micro_batches(batch, int(n_micro))
-    loss_sum, dropped = 0.0, None
+    losses, dropped = [], None
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         if batch.filler is not None:  # per-sequence SP: the step's length is ours, not the config's
@@ -122,7 +123,8 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
                 engine.step()
         else:
             engine.step()
-        loss_sum += float(out.loss_sum.detach())
+        losses.append(out.loss_sum.detach())  # read once after the last step: no sync per micro-batch
+    loss_sum = float(torch.stack(losses).double().sum())
     (global_loss_sum,) = dist.all_reduce_sum([loss_sum], token_group)
     return StepResult(loss=global_loss_sum / max(targets, 1.0), tokens=int(tokens),
                       targets=int(targets), samples=int(samples), nonfinite_keys=dropped,
@@ -175,6 +177,7 @@ def preflight(cfg: OmniConfig, ds_config_path: str) -> tuple[ParallelPlan, dict]
         check_sequence_parallel(cfg.model, cfg.parallel.max_sequence_sp)
         check_per_sequence(cfg.data.reorder.mode, reorder_group_size(cfg.data, plan.dp),
                            cfg.parallel.max_sequence_sp)
+    resolve_kernel(cfg.model.attn_implementation)  # varlen on CPU, flash-attn missing: say so now
     ds_config = derive_ds_config(cfg, load_ds_json(ds_config_path), plan)
     checkpoint.check_writable(cfg.train.output_dir)
     reorder_group_size(cfg.data, plan.dp)

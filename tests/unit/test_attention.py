@@ -105,3 +105,18 @@ def test_auto_on_this_machine_matches_sdpa():
     assert auto.kernel == ("varlen" if torch.cuda.is_available() else "sdpa")
     torch.testing.assert_close(auto(q, k, v, cu, 7, None, 0.0),
                                PackedAttention("sdpa")(q, k, v, cu, 7, None, 0.0))
+
+
+def test_varlen_call_fits_the_installed_torch_signature():
+    """torch 2.10's varlen_attn takes `is_causal` only; later ones take window_size, scale and
+    enable_gqa. Either way the call is causal, keeps GQA pairs and applies the scale."""
+    from ds_omni.model.attention import varlen_call
+    base = {"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "return_aux"}
+    new = frozenset(base | {"scale", "window_size", "enable_gqa"})
+    old = frozenset(base | {"is_causal"})
+    assert varlen_call(new, 32, 8, 0.125, 64) == (
+        {"window_size": (-1, 0), "enable_gqa": True, "scale": 0.125}, 1, 1.0)
+    assert varlen_call(new, 8, 8, None, 64) == ({"window_size": (-1, 0)}, 1, 1.0)
+    assert varlen_call(old, 32, 8, 64 ** -0.5, 64) == ({"is_causal": True}, 4, 1.0)  # default scale
+    kwargs, repeat, q_scale = varlen_call(old, 32, 32, 0.1, 64)
+    assert kwargs == {"is_causal": True} and repeat == 1 and q_scale == pytest.approx(0.8)

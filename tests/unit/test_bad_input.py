@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from ds_omni.cli import main
 from tests.fixtures import ds_config, tiny_config_dict
 
@@ -97,3 +99,19 @@ def test_sp_that_does_not_divide_the_heads(tmp_path, capsys, monkeypatch):
     err = _train(capsys, "--config", c, "--deepspeed", d)
     assert "parallel.sp=3 must divide the LLM's attention heads" in err
     assert "4 query heads and 2 key/value heads" in err and "[1, 2, 4]" in err
+
+
+@pytest.mark.parametrize("kernel, says", [
+    ("varlen", "torch's varlen kernel needs CUDA and torch >= 2.10"),
+    ("flash_attention_2", "flash-attn is not installed or no GPU is visible")])
+def test_attention_kernel_this_machine_cannot_run(tmp_path, capsys, monkeypatch, kernel, says):
+    """Checked at start-up, before any process group: every rank stops at once, none waits."""
+    from ds_omni.model import attention
+    monkeypatch.setattr(attention, "torch_varlen_available", lambda: False)  # as on CPU
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
+    cfg = tiny_config_dict(str(tmp_path / "out"))
+    cfg["model"]["attn_implementation"] = kernel
+    c, d = _write(tmp_path, cfg)
+    err = _train(capsys, "--config", c, "--deepspeed", d)
+    assert f"model.attn_implementation is '{kernel}'" in err and says in err
+    assert "use 'auto'" in err
