@@ -82,6 +82,7 @@ def run_reference(cfg, step_keys: list[list[str]]) -> Reference:
     from ds_omni.model.build import build_model
     built = build_model(cfg.model)
     model = built.model
+    model.train()  # as the trainer does
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     fetch = build_loader(_with_loader_order(cfg), built, dp_rank=0, dp_size=1, num_micro=1)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -156,6 +157,9 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
     from ds_omni.train import engine as train
     plan = ParallelPlan.from_config(cfg.parallel, world)
     built, loader, engine = train.setup_training(cfg, derive_ds_config(cfg, ds_json, plan), rank, plan)
+    # HF's from_pretrained (the model_dir families) hands models over in eval mode
+    assert engine.module.training and all(m.training for m in engine.module.modules()), \
+        "the trainer must run the model in train mode (dropout on)"
     out = {"losses": [], "keys": [], "nothing_to_encode": 0, "row_without_items": 0,
            "block_rows": 0, "block_rows_with_items": 0}
     grads = {}

@@ -203,6 +203,7 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     if rank != 0:
         dist.barrier()
     built = build_model(cfg.model)
+    built.model.train()  # from_pretrained hands models over in eval mode: dropout would stay off
     if plan.sp_enabled:  # the LLM's attention goes Ulysses; encoders keep theirs
         built.model.set_attention(cfg.model.attn_implementation, mpu.get_sequence_parallel_group())
     if blocks:
