@@ -351,7 +351,8 @@ class OmniLoader:
             if micro[-1].sp_block is not None:
                 long_cost += costs.get(entry[0], 0.0) / entry[2]  # this rank's share
         for mb_keys in mine:
-            samples = [s for s in (self._try_sample(k, keys, problems) for k in mb_keys) if s]
+            samples = [s for s in (self._try_sample(k, keys, problems) for k in mb_keys)
+                       if s is not None]
             micro.append(pack(samples, self.item_processors, self.shard) if samples else
                          empty_micro_batch(self.family, self.item_processors, self.shard))
         stats["skipped"] = dict(self.skipped)
