@@ -15,14 +15,6 @@ from tests.family_checks import processor_for
 from tests.fixtures import TINY_LLAMA, TINY_VISION
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is as fast alone and far faster on a busy shared host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _built(dtype="float32"):
     return build_model(ModelConfig(tokenizer="builtin:shapes", vision=PartConfig(config=TINY_VISION),

@@ -14,14 +14,6 @@ import torch
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_mfu.py"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is as fast alone and far faster on a busy shared host."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @functools.cache
 def _bench():
