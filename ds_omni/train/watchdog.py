@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -96,7 +97,9 @@ class PeerView:
         same = prev is not None and (prev.step, prev.where) == (beat.step, beat.where)
         self.busy_since = _since(self.busy_since, beat.busy, same and prev.busy, now)
         self.blocked_since = _since(self.blocked_since, beat.blocked, same and prev.blocked, now)
-        self.failed_since = (self.failed_since or now) if beat.state == "failed" else None
+        failed = beat.state == "failed"
+        self.failed_since = (now if self.failed_since is None else self.failed_since) if failed \
+            else None
         self.beat = beat
 
 
@@ -186,6 +189,8 @@ class Watchdog:
         self._seq = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ds-omni-watchdog", daemon=True)
+        self._io: threading.Thread | None = None  # a store exchange that has not come back
+        self._signals = None  # (wake-up pipe, previous handler, previous wake-up fd)
         start = time.monotonic() if now is None else now
         self.me = PeerView(changed_at=start)
         self.peers = {r: PeerView(changed_at=start) for r in watched_peers(rank, world)}
@@ -194,10 +199,12 @@ class Watchdog:
 
     @classmethod
     def start(cls, rank: int, world: int, timeout_s: float, on_verdict=None) -> "Watchdog | None":
+        """Call from the main thread, after the process group exists."""
         if world < 2 or not timeout_s:
             return None
         dog = cls(rank, world, timeout_s, _connect(timeout_s), on_verdict)
         dog._publish(dog._beat())
+        dog._catch_sigterm()
         dog._thread.start()
         return dog
 
@@ -214,11 +221,12 @@ class Watchdog:
         """Stop watching; tell the peers this rank finished (or failed, with why)."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=2 * self.interval)
+            self._thread.join(timeout=2 * self.interval + 2)
+        self._release_sigterm()
         beat = self._beat()
         beat.state, beat.note = ("failed", failed[:500]) if failed else ("closed", "")
         try:
-            self._publish(beat)
+            self._with_deadline(lambda: self._publish(beat))
         except Exception:  # the store may be gone with its host: nothing left to tell
             pass
 
@@ -232,7 +240,7 @@ class Watchdog:
         self.store.set(f"beat/{self.rank}", beat.dumps())
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._wait():
             found = self.tick(time.monotonic())
             if found is not None and not self._stop.is_set():
                 self._end(*found)
@@ -243,28 +251,86 @@ class Watchdog:
         beat = self._beat()
         self.me.update(beat, now)
         try:
-            self._publish(beat)
-            aborted = self._read_abort()
+            aborted, texts = self._with_deadline(lambda: self._exchange(beat))
             if aborted:
                 return None, aborted
-            for rank, text in zip(self.peers, self._read_peers()):
+            for rank, text in zip(self.peers, texts):
                 self.peers[rank].update(Beat.loads(text) if text else None, now)
             self.store_lost_since = None
-        except Exception:  # a timeout or a closed connection: the store's host is in trouble
-            self.store_lost_since = self.store_lost_since or now
+        except Exception:  # no answer in time, or a closed connection: its host is in trouble
+            if self.store_lost_since is None:
+                self.store_lost_since = now
         return judge(now, self.timeout, self.me, self.peers, self.store_lost_since,
                      grace=2 * self.interval)
 
-    def _read_abort(self) -> str | None:
-        if not self.store.check([ABORT_KEY]):
-            return None
-        return self.store.get(ABORT_KEY).decode()
-
-    def _read_peers(self) -> list[bytes | None]:
+    def _exchange(self, beat: Beat) -> tuple[str | None, list[bytes | None]]:
+        """Publish this rank's beat; read the abort key and the watched ranks' beats."""
+        self._publish(beat)
+        if self.store.check([ABORT_KEY]):
+            return self.store.get(ABORT_KEY).decode(), []
         keys = [f"beat/{r}" for r in self.peers]
         present = [k for k in keys if self.store.check([k])]
         values = dict(zip(present, self.store.multi_get(present))) if present else {}
-        return [values.get(k) for k in keys]
+        return None, [values.get(k) for k in keys]
+
+    def _with_deadline(self, fn):
+        """fn() on a helper thread, given up after `interval` seconds: a TCPStore client whose
+        server is stopped blocks in recv() for ever, whatever its timeout says."""
+        if self._io is not None and self._io.is_alive():
+            raise TimeoutError("an earlier store request has not come back")
+        box = {}
+
+        def call():
+            try:
+                box["value"] = fn()
+            except BaseException as e:
+                box["error"] = e
+        self._io = threading.Thread(target=call, name="ds-omni-watchdog-io", daemon=True)
+        self._io.start()
+        self._io.join(max(self.interval, 1.0))
+        if self._io.is_alive():
+            raise TimeoutError("the store did not answer")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _catch_sigterm(self) -> None:
+        """A launcher ends the other ranks with SIGTERM when one rank dies: this thread wakes up
+        (through the signal's wake-up fd, whatever the main thread is blocked in), says which
+        peer is gone and ends the rank, instead of dying silently."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._signals = (read, write, previous, signal.set_wakeup_fd(write))
+
+    def _on_sigterm(self, *_) -> None:
+        """The main thread's part: nothing while the watchdog thread handles it."""
+        if not self._thread.is_alive():
+            os._exit(128 + signal.SIGTERM)
+
+    def _release_sigterm(self) -> None:
+        if self._signals is None:
+            return
+        read, write, previous, wakeup = self._signals
+        self._signals = None
+        signal.set_wakeup_fd(wakeup)
+        signal.signal(signal.SIGTERM, previous)
+        os.close(read)
+        os.close(write)
+
+    def _wait(self) -> bool:
+        """Sleep one interval (True: stop); ends the rank on a SIGTERM."""
+        if self._signals is None:
+            return self._stop.wait(self.interval)
+        ready, _, _ = select.select([self._signals[0]], [], [], self.interval)
+        if ready and signal.SIGTERM in os.read(self._signals[0], 64) and not self._stop.is_set():
+            why = self.diagnose() or "no watched rank looked dead"
+            print(f"ds-omni: rank {self.rank}: terminated (SIGTERM: a launcher sends it when "
+                  f"another rank has ended); {why}", file=sys.stderr, flush=True)
+            os._exit(128 + signal.SIGTERM)
+        return self._stop.is_set()
 
     def diagnose(self) -> str | None:
         """After a collective failed on this rank: which watched peer is gone or stopped (as this
@@ -298,7 +364,7 @@ class Watchdog:
                 pass
         if self.store_lost_since is None:
             try:  # the first verdict is the job's: the others read it instead of their own
-                self.store.compare_set(ABORT_KEY, "", why)
+                self._with_deadline(lambda: self.store.compare_set(ABORT_KEY, "", why))
             except Exception:
                 pass
         self.on_verdict(self.verdict)

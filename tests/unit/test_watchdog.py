@@ -138,3 +138,57 @@ def test_two_watchdogs_over_one_store_name_a_dead_peer_and_share_the_verdict():
     assert dogs[1].tick(16.0) == (None, ended[0].removeprefix("rank 0: "))
     dogs[0].close()
     assert Beat.loads(store.get("beat/0")).state == "closed"
+
+
+class _FrozenStore:
+    """A store whose server is stopped: every request blocks (TCPStore's recv has no timeout)."""
+
+    def __init__(self):
+        import threading
+        self.never = threading.Event()
+
+    def set(self, *_):
+        self.never.wait()
+
+    check = get = multi_get = compare_set = set
+
+
+def test_a_store_that_never_answers_is_a_verdict_not_a_stuck_watchdog():
+    import time
+    dog = Watchdog(1, 2, 1.0, _FrozenStore(), interval_s=0.2, now=0.0)
+    t0 = time.monotonic()
+    assert dog.tick(0.0) is None and dog.tick(0.5) is None  # the second does not even ask
+    culprit, why = dog.tick(1.0)
+    assert culprit is None and "the rendezvous store has not answered for 1 s" in why
+    assert time.monotonic() - t0 < 3  # each request given up after max(interval, 1 s)
+
+
+_SIGTERMED = """
+import os, socket, subprocess, sys, time
+from ds_omni.train.watchdog import Beat, Watchdog
+
+class Store(dict):  # enough of a store, without importing torch
+    set = dict.__setitem__
+    check = lambda self, keys: all(k in self for k in keys)
+    multi_get = lambda self, keys: [self[k] for k in keys]
+
+dead = subprocess.Popen([sys.executable, "-c", "pass"]); dead.wait()
+dog = Watchdog(0, 2, 60.0, Store(), interval_s=0.2)
+dog.peers[1].beat = Beat(seq=1, host=socket.gethostname(), pid=dead.pid)
+dog._catch_sigterm()
+dog._thread.start()
+print(dead.pid, flush=True)
+time.sleep(60)  # the main thread is busy: the watchdog thread must act on the signal
+"""
+
+
+def test_sigterm_from_a_launcher_names_the_peer_that_is_gone():
+    import signal
+    proc = subprocess.Popen([sys.executable, "-c", _SIGTERMED], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    dead_pid = proc.stdout.readline().strip()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert (f"ds-omni: rank 0: terminated (SIGTERM: a launcher sends it when another rank has "
+            f"ended); rank 1 is gone: pid {dead_pid} on this host has exited") in err
