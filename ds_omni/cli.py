@@ -246,7 +246,8 @@ def _quiet_libraries() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(_drop_local_rank(sys.argv[1:] if argv is None else argv))
     _quiet_libraries()
-    handler = {"train": cmd_train, "supervise": cmd_supervise, "convert": cmd_convert, "plan": cmd_plan, "data": cmd_data,
+    handler = {"train": cmd_train, "supervise": cmd_supervise, "convert": cmd_convert,
+               "plan": cmd_plan, "data": cmd_data,
                "calibrate-cost": cmd_calibrate_cost}
     try:
         return handler[args.command](args) or 0

@@ -236,7 +236,7 @@ def _run(cfg, ds_config, plan, rank, resume, stop_after, watchdog) -> dict:
     start = 0
     if resume:
         start, loader_state = checkpoint.load(engine, out, rank)
-        loader.load_state_dict(loader_state)
+        restore_loader(loader, loader_state)
     elif rank == 0:
         (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / SKIPPED_FILE).unlink(missing_ok=True)
@@ -254,6 +254,17 @@ def _run(cfg, ds_config, plan, rank, resume, stop_after, watchdog) -> dict:
 def _solo(watchdog):
     """A phase where one rank may work while the others wait (see `Watchdog.solo`)."""
     return watchdog.solo() if watchdog is not None else contextlib.nullcontext()
+
+
+def restore_loader(loader, state: dict) -> None:
+    """The data position of a checkpoint; a loader_state.json that parses but lacks what the
+    loader needs is damaged, and said so (not a KeyError from deep inside)."""
+    try:
+        loader.load_state_dict(state)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise LaunchError(f"--resume: the checkpoint's loader_state.json is damaged "
+                          f"({type(e).__name__}: {e}); move that checkpoint directory aside to resume from the one "
+                          "before it") from None
 
 
 def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after, watchdog=None) -> int:

@@ -136,7 +136,8 @@ def supervise(command: list[str], output_dir: str | Path, max_restarts: int, bac
     while attempt.returncode != 0:
         cause = attempt.cause
         if not attempt.retryable:
-            _say(f"not restarting: the command failed with an error a restart would repeat: {cause}")
+            _say("not restarting: the command failed with an error a restart would repeat: "
+                 + cause)
             return attempt.returncode
         if restarts >= max_restarts:
             _say(f"giving up after {restarts} restart(s) (--max-restarts {max_restarts}); "

@@ -135,10 +135,10 @@ def judge(now: float, timeout: float, me: PeerView, peers: dict[int, PeerView],
 
 
 def _store_host() -> str:
+    address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return f"torchrun's agent at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    return (f"rank 0 at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}, "
-            "which hosts it under this launcher")
+        return f"torchrun's agent at {address}"
+    return f"rank 0 at {address}, which hosts it under this launcher"
 
 
 def watched_peers(rank: int, world: int, count: int = WATCHED_PEERS) -> list[int]:
@@ -353,7 +353,8 @@ class Watchdog:
         seen = local_state(view.beat) if view is not None else ""
         kill = "stopped" in seen
         if seen:
-            why += f"; {seen}" + (", killing it so that the launcher can end the job" if kill else "")
+            why += f"; {seen}" + (", killing it so that the launcher can end the job"
+                                  if kill else "")
         self.verdict = f"rank {self.rank}: {why}"
         print(f"ds-omni: watchdog: {self.verdict}. Ending this rank (exit {EXIT_PEER_FAILURE}); "
               "`ds-omni supervise` restarts from the last checkpoint.", file=sys.stderr, flush=True)
