@@ -170,6 +170,8 @@ def local_state(beat: Beat | None) -> str:
     except OSError:
         return f"pid {beat.pid} on this host has exited"
     state = stat.rsplit(")", 1)[1].split()[0]
+    if state in ("Z", "X"):  # a zombie: dead, not yet reaped by its launcher
+        return f"pid {beat.pid} on this host has exited"
     if state in ("T", "t"):
         return f"pid {beat.pid} on this host is stopped (SIGSTOP or a debugger)"
     return f"pid {beat.pid} on this host is still running"
@@ -356,8 +358,9 @@ class Watchdog:
             why += f"; {seen}" + (", killing it so that the launcher can end the job"
                                   if kill else "")
         self.verdict = f"rank {self.rank}: {why}"
-        print(f"ds-omni: watchdog: {self.verdict}. Ending this rank (exit {EXIT_PEER_FAILURE}); "
-              "`ds-omni supervise` restarts from the last checkpoint.", file=sys.stderr, flush=True)
+        print(f"ds-omni: watchdog: {self.verdict}\nds-omni: watchdog: ending rank {self.rank} "
+              f"(exit {EXIT_PEER_FAILURE}); `ds-omni supervise` restarts a run from its last "
+              "checkpoint", file=sys.stderr, flush=True)
         if kill:
             try:
                 os.kill(view.beat.pid, signal.SIGKILL)  # a launcher's SIGTERM waits for SIGCONT
