@@ -3,7 +3,8 @@ and a stopped rank ends exactly as an uninterrupted run would.
 
 The uninterrupted run is `tests/oracle.py` in the test process (plain PyTorch on the global batches
 2 loaders make in loader order), not another launch: the same samples at every step, the same
-losses.
+losses. The soak also stands for the stop-and-resume test it replaced (a resume reproducing the
+oracle); `--stop-after` is checked by tests/e2e/test_sequence_parallel_run.py.
 """
 
 import json
@@ -45,14 +46,11 @@ def test_supervised_run_survives_a_killed_and_a_stopped_rank(tmp_path):
     frozen_at = os.stat(tmp_path / "fired-1").st_mtime
     assert restarts[1]["time"] - frozen_at < PEER_TIMEOUT + 15, restarts[1]["time"] - frozen_at
 
-    from ds_omni.model.build import build_model
-    ref_cfg = tiny_config(str(tmp_path / "ref"), steps=STEPS)
-    keys = oracle.reference_step_keys(ref_cfg, build_model(ref_cfg.model), 2, STEPS)
-    full = oracle.run_reference(ref_cfg, keys)
+    keys, losses = oracle.stream_reference(tiny_config(str(tmp_path / "ref"), steps=STEPS), 2, STEPS)
     got = read_metrics(out)
     assert [r["step"] for r in got] == list(range(STEPS))
     assert [r["sample_keys"] for r in got] == keys  # none lost, none seen twice
-    assert [r["loss"] for r in got] == pytest.approx(full.losses, rel=1e-5)
+    assert [r["loss"] for r in got] == pytest.approx(losses, rel=1e-5)
     root = Path(out) / "checkpoints"
     state = json.loads((root / f"step{STEPS:08d}" / "loader_state.json").read_text())
     assert state["version"] == 2 and state["dp_size"] == 2 and state["step"] == STEPS
