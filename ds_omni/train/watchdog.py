@@ -193,6 +193,7 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="ds-omni-watchdog", daemon=True)
         self._io: threading.Thread | None = None  # a store exchange that has not come back
         self._signals = None  # (wake-up pipe, previous handler, previous wake-up fd)
+        self._ending = threading.Lock()
         start = time.monotonic() if now is None else now
         self.me = PeerView(changed_at=start)
         self.peers = {r: PeerView(changed_at=start) for r in watched_peers(rank, world)}
@@ -308,9 +309,17 @@ class Watchdog:
         self._signals = (read, write, previous, signal.set_wakeup_fd(write))
 
     def _on_sigterm(self, *_) -> None:
-        """The main thread's part: nothing while the watchdog thread handles it."""
-        if not self._thread.is_alive():
-            os._exit(128 + signal.SIGTERM)
+        """The main thread's part, when it runs Python before the watchdog thread gets to it."""
+        self._terminated()
+
+    def _terminated(self) -> None:
+        """Say which watched rank is gone (once, whichever thread comes first) and end."""
+        if not self._ending.acquire(blocking=False):
+            return
+        why = self.diagnose() or "no watched rank looked dead"
+        print(f"ds-omni: rank {self.rank}: terminated (SIGTERM: a launcher sends it when "
+              f"another rank has ended); {why}", file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGTERM)
 
     def _release_sigterm(self) -> None:
         if self._signals is None:
@@ -327,11 +336,8 @@ class Watchdog:
         if self._signals is None:
             return self._stop.wait(self.interval)
         ready, _, _ = select.select([self._signals[0]], [], [], self.interval)
-        if ready and signal.SIGTERM in os.read(self._signals[0], 64) and not self._stop.is_set():
-            why = self.diagnose() or "no watched rank looked dead"
-            print(f"ds-omni: rank {self.rank}: terminated (SIGTERM: a launcher sends it when "
-                  f"another rank has ended); {why}", file=sys.stderr, flush=True)
-            os._exit(128 + signal.SIGTERM)
+        if ready and signal.SIGTERM in os.read(self._signals[0], 64):
+            self._terminated()
         return self._stop.is_set()
 
     def diagnose(self) -> str | None:
