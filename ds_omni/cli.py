@@ -1,6 +1,7 @@
 """`ds-omni` command line: parse, build a config, call one function.
 
     ds-omni train   --config examples/tiny_llava.json --deepspeed ds_configs/zero2.json [--resume]
+    ds-omni supervise --max-restarts 3 --backoff 10 -- deepspeed --num_gpus 2 --module ds_omni train ...
     ds-omni convert --checkpoint outputs/run/checkpoints --out outputs/run/hf
     ds-omni plan    --config examples/tiny_llava.json --deepspeed ds_configs/zero2.json --world-size 8
     ds-omni calibrate-cost --config examples/tiny_llava.json --out cost_scales.json
@@ -33,6 +34,17 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after N steps of this run")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set train.steps=10 (JSON value)")
+
+    sv = sub.add_parser("supervise", help="run a training command; after a failure, restart it "
+                                          "from its newest complete checkpoint")
+    sv.add_argument("--max-restarts", type=int, default=3, help="restarts before giving up")
+    sv.add_argument("--backoff", type=float, default=10.0,
+                    help="seconds before the first restart, doubling for each next one")
+    sv.add_argument("--output-dir", help="the run's train.output_dir (default: read from the "
+                                         "command's --config and --set)")
+    sv.add_argument("run_command", nargs=argparse.REMAINDER, metavar="command",
+                    help="-- then the training command, e.g. -- deepspeed --num_gpus 8 --module "
+                         "ds_omni train --config my.json --deepspeed ds_configs/zero2.json")
 
     c = sub.add_parser("convert", help="convert between HF directories, OmniModel directories "
                                           "and training checkpoints")
@@ -94,6 +106,24 @@ def cmd_train(args) -> None:
                  stop_after=args.stop_after)
     if report:
         print(json.dumps({k: v for k, v in report.items()}, indent=1))
+
+
+def cmd_supervise(args) -> int:
+    from ds_omni.errors import ConfigError
+    from ds_omni.train.supervise import output_dir_of, supervise
+    command = args.run_command[1:] if args.run_command[:1] == ["--"] else args.run_command
+    if not command:
+        raise ConfigError("ds-omni supervise: no command; pass it after --, e.g. ds-omni "
+                          "supervise -- deepspeed --num_gpus 2 --module ds_omni train --config ...")
+    if args.max_restarts < 0 or args.backoff < 0:
+        raise ConfigError("--max-restarts and --backoff must be >= 0")
+    import signal
+
+    def stop(signum, frame):  # a SIGTERM ends the run it supervises too (see run_attempt)
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, stop)
+    return supervise(command, args.output_dir or output_dir_of(command), args.max_restarts,
+                     args.backoff)
 
 
 def cmd_convert(args) -> None:
@@ -216,7 +246,8 @@ def _quiet_libraries() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(_drop_local_rank(sys.argv[1:] if argv is None else argv))
     _quiet_libraries()
-    handler = {"train": cmd_train, "convert": cmd_convert, "plan": cmd_plan, "data": cmd_data,
+    handler = {"train": cmd_train, "supervise": cmd_supervise, "convert": cmd_convert,
+               "plan": cmd_plan, "data": cmd_data,
                "calibrate-cost": cmd_calibrate_cost}
     try:
         return handler[args.command](args) or 0

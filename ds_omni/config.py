@@ -375,6 +375,9 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     """A step whose loss or gradients are NaN/inf: "stop" ends the run naming its samples; "skip"
     drops its update (weights, optimizer state untouched) and records its samples in metrics."""
+    peer_timeout_s: float = 90.0
+    """A rank that stops sending heartbeats (killed, stopped, node lost) or hangs outside any
+    collective while the others wait for it this long ends the whole job, naming it (0: off)."""
     log_every: int = 1
     """Write metrics every N steps."""
     export_hf: bool = True
@@ -388,7 +391,8 @@ class TrainConfig:
         for name in ("steps", "global_batch_size", "micro_batch_size", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("save_every", "keep_checkpoints", "warmup_steps", "weight_decay", "eval_every"):
+        for name in ("save_every", "keep_checkpoints", "warmup_steps", "weight_decay",
+                     "eval_every", "peer_timeout_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:

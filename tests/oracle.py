@@ -75,6 +75,38 @@ class Reference:
     with_grad: set[str]
 
 
+def stream_reference(cfg, dp: int, steps: int) -> tuple[list[list[str]], list[float]]:
+    """(`reference_step_keys`, the losses of `run_reference`) in one pass over the data: it trains
+    on the micro-batches the `dp` loaders pack in loader order instead of fetching every sample
+    again by key (the same sums: packing never mixes samples), so long runs stay cheap."""
+    from ds_omni.data.build import build_loader
+    from ds_omni.model.build import build_model
+    built = build_model(cfg.model)
+    plain = _with_loader_order(cfg)
+    loaders = [build_loader(plain, built, dp_rank=r, dp_size=dp, num_micro=1) for r in range(dp)]
+    params = [p for p in built.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(0.9, 0.95), eps=ADAM_EPS,
+                            weight_decay=cfg.train.weight_decay)
+    keys, losses = [], []
+    for _ in range(steps):
+        batches = [loader.next_step() for loader in loaders]
+        keys.append(sorted(k for b in batches for k in b.keys))
+        micro_batches = [mb for b in batches for mb in b.micro_batches]
+        total = sum(mb.num_targets for mb in micro_batches)
+        opt.zero_grad()
+        loss_sum = 0.0
+        for mb in micro_batches:
+            out = built.model(mb)
+            (out.loss_sum / total).backward()
+            loss_sum += out.loss_sum.item()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(loss_sum / total)
+    for loader in loaders:
+        loader.close()
+    return keys, losses
+
+
 def run_reference(cfg, step_keys: list[list[str]]) -> Reference:
     """Train the global batches `step_keys` in one process."""
     from ds_omni.data.build import build_loader

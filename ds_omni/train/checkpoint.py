@@ -12,7 +12,10 @@ Layout under `<output_dir>/checkpoints/`:
         loader_state.json       the data position (JSON, versioned, global over ranks)
         rng_rank{r}.pt          RNG states of rank r: torch CPU and CUDA, numpy, Python `random`
                                 (tensors and numbers only: loads with weights_only)
-        trainer_state.json      step counter
+        trainer_state.json      step counter, and what the run was (`run_fingerprint`: model
+                                family, every parameter's shape, ZeRO stage, ranks), so that
+                                `--resume` with another model or layout says what differs
+                                before DeepSpeed reads a byte
 
 DeepSpeed's own files are pickles that DeepSpeed reads; load only checkpoints you wrote.
 """
@@ -91,7 +94,8 @@ def save(engine, output_dir: str | Path, step: int, loader_state: dict, rank: in
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
         (tmp / "loader_state.json").write_text(json.dumps(loader_state, indent=1))
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step,
+                                                            "run": run_fingerprint(engine)}))
     engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
     barrier()
     digests = _digest_share(tmp, rank)  # each rank hashes and fsyncs a share of the files
@@ -237,6 +241,14 @@ def load(engine, output_dir: str | Path, rank: int) -> tuple[int, dict]:
                               "or point train.output_dir at the earlier run")
         raise LaunchError(f"--resume: no complete checkpoint in {str(root)!r}: "
                           + "; ".join(skipped))
+    trainer_state = _read_json(root / tag / "trainer_state.json")
+    problems = fingerprint_differences(trainer_state.get("run"), run_fingerprint(engine))
+    if problems:
+        raise LaunchError(f"--resume: checkpoint {str(root / tag)!r} was written by a different "
+                          "run: " + "; ".join(problems) + ". Resume with the model, DeepSpeed "
+                          "config and number of ranks it was written with, or set "
+                          "train.output_dir to a new directory to start afresh")
+    loader_state = _read_json(root / tag / "loader_state.json")
     path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                      load_lr_scheduler_states=True)
     if path is None:
@@ -244,12 +256,65 @@ def load(engine, output_dir: str | Path, rank: int) -> tuple[int, dict]:
     scheduler = engine.lr_scheduler
     if getattr(scheduler, "last_batch_iteration", -1) >= 0:  # the LR of the step that runs next
         scheduler.step(scheduler.last_batch_iteration)
-    step = json.loads((root / tag / "trainer_state.json").read_text())["step"]
-    loader_state = json.loads((root / tag / "loader_state.json").read_text())
+    step = trainer_state["step"]
     rng_file = root / tag / f"rng_rank{rank}.pt"
     if rng_file.exists():  # absent when resuming on more ranks than wrote the checkpoint
         set_rng_state(torch.load(rng_file, weights_only=True))
     return step, loader_state
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LaunchError(f"--resume: {str(path)!r} cannot be read ({e}); the checkpoint is "
+                          f"damaged: move {path.parent.name} out of {str(path.parent.parent)!r} "
+                          "to resume from the one before it") from None
+    if not isinstance(value, dict):
+        raise LaunchError(f"--resume: {str(path)!r} holds {type(value).__name__}, not an object; "
+                          f"the checkpoint is damaged: move {path.parent.name} aside to resume "
+                          "from the one before it")
+    return value
+
+
+def run_fingerprint(engine) -> dict:
+    """What a checkpoint must match to be resumed by `engine`: the model family, every
+    parameter's name and shape (ZeRO-3's full shape), the ZeRO stage and how many ranks wrote
+    DeepSpeed's shards."""
+    module = engine.module
+    return {"family": getattr(getattr(module, "family", None), "name", None),
+            "params": {n: list(getattr(p, "ds_shape", p.shape))
+                       for n, p in module.named_parameters()},
+            "zero_stage": engine.zero_optimization_stage(),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+
+
+def fingerprint_differences(saved: dict | None, now: dict, shown: int = 3) -> list[str]:
+    """What differs between the run that wrote a checkpoint and this one, in words (empty: it
+    may be resumed). A checkpoint from before fingerprints (`saved` None) is not checked."""
+    if not saved:
+        return []
+    out = []
+    if saved["family"] != now["family"]:
+        out.append(f"model family {saved['family']!r} in the checkpoint, {now['family']!r} now")
+    old, new = saved["params"], now["params"]
+    for names, what in ((sorted(set(old) - set(new)), "only in the checkpoint"),
+                        (sorted(set(new) - set(old)), "only in this model")):
+        if names:
+            out.append(f"{len(names)} parameter(s) {what} (e.g. {', '.join(names[:shown])})")
+    reshaped = [n for n in sorted(set(old) & set(new)) if old[n] != new[n]]
+    if reshaped:
+        out.append(f"{len(reshaped)} parameter(s) of another shape (e.g. " + ", ".join(
+            f"{n}: {old[n]} in the checkpoint, {new[n]} now" for n in reshaped[:shown]) + ")")
+    if saved["zero_stage"] != now["zero_stage"]:
+        out.append(f"ZeRO stage {saved['zero_stage']} in the checkpoint, {now['zero_stage']} now "
+                   "(DeepSpeed's optimizer files differ by stage)")
+    if saved["world_size"] != now["world_size"] and now["zero_stage"] > 0:
+        out.append(f"{saved['world_size']} rank(s) wrote it, this run has {now['world_size']}: "
+                   f"DeepSpeed cannot repartition ZeRO-{now['zero_stage']} optimizer state onto "
+                   "another number of ranks (the data position could move: ds_omni's loader "
+                   "state is elastic)")
+    return out
 
 
 def rng_state() -> dict:

@@ -13,7 +13,9 @@ One step, on every data-parallel rank:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,7 @@ from ds_omni.train.control import WeightsFile
 from ds_omni.train.evaluate import build_evaluator
 from ds_omni.train.metrics import MetricsLogger, write_report
 from ds_omni.train.nonfinite import NonFiniteError, NonFiniteGuard
+from ds_omni.train.watchdog import Watchdog
 
 DEFAULT_DIST_TIMEOUT_S = 1800.0
 
@@ -240,13 +243,30 @@ def run(cfg: OmniConfig, ds_config_path: str, *, resume: bool = False,
         stop_after: int | None = None) -> dict:
     """Train as `cfg` says; returns the report (on rank 0; {} elsewhere)."""
     plan, ds_config = preflight(cfg, ds_config_path)
-    rank, _ = dist.init_distributed(float(os.environ.get("DS_OMNI_DIST_TIMEOUT", DEFAULT_DIST_TIMEOUT_S)))
+    rank, world = dist.init_distributed(float(os.environ.get("DS_OMNI_DIST_TIMEOUT",
+                                                             DEFAULT_DIST_TIMEOUT_S)))
+    watchdog = Watchdog.start(rank, world, cfg.train.peer_timeout_s)
+    try:
+        report = _run(cfg, ds_config, plan, rank, resume, stop_after, watchdog)
+    except BaseException as e:
+        if watchdog is not None:
+            cause = watchdog.diagnose()
+            if cause:  # a collective failed because a peer died: say which
+                print(f"ds-omni: rank {rank}: {cause}", file=sys.stderr, flush=True)
+            watchdog.close(failed=f"{type(e).__name__}: {e}")
+        raise
+    if watchdog is not None:
+        watchdog.close()
+    return report
+
+
+def _run(cfg, ds_config, plan, rank, resume, stop_after, watchdog) -> dict:
     built, loader, engine = setup_training(cfg, ds_config, rank, plan)
     out = Path(cfg.train.output_dir)
     start = 0
     if resume:
         start, loader_state = checkpoint.load(engine, out, rank)
-        loader.load_state_dict(loader_state)
+        restore_loader(loader, loader_state)
     elif rank == 0:
         (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / SKIPPED_FILE).unlink(missing_ok=True)
@@ -254,19 +274,39 @@ def run(cfg: OmniConfig, ds_config_path: str, *, resume: bool = False,
         checkpoint.save_model_meta(checkpoint.checkpoint_root(out), built)
     logger = MetricsLogger(out, total_steps=cfg.train.steps, start_step=start, enabled=rank == 0,
                            monitor=getattr(engine, "monitor", None))
-    step = _loop(cfg, engine, loader, logger, plan, rank, start, stop_after,
+    step = _loop(cfg, engine, loader, logger, plan, rank, start, stop_after, watchdog,
                  build_evaluator(cfg, built, loader))
     logger.close()
     loader.close()
-    return _finish(cfg, engine, loader, rank, step, plan)
+    with _solo(watchdog):
+        return _finish(cfg, engine, loader, rank, step, plan)
 
 
-def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after, evaluator=None) -> int:
+def _solo(watchdog):
+    """A phase where one rank may work while the others wait (see `Watchdog.solo`)."""
+    return watchdog.solo() if watchdog is not None else contextlib.nullcontext()
+
+
+def restore_loader(loader, state: dict) -> None:
+    """The data position of a checkpoint; a loader_state.json that parses but lacks what the
+    loader needs is damaged, and said so (not a KeyError from deep inside)."""
+    try:
+        loader.load_state_dict(state)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise LaunchError(f"--resume: the checkpoint's loader_state.json is damaged "
+                          f"({type(e).__name__}: {e}); move that checkpoint directory aside to resume from the one "
+                          "before it") from None
+
+
+def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after, watchdog=None,
+          evaluator=None) -> int:
     step = start
     end = cfg.train.steps if stop_after is None else min(cfg.train.steps, start + stop_after)
     weights_file = WeightsFile(cfg.train.output_dir, rank)
     guard = NonFiniteGuard(engine, cfg.train.on_nonfinite)
     while step < end:
+        if watchdog is not None:
+            watchdog.step = step
         t0 = time.perf_counter()
         weights_file.poll(loader)
         batch = loader.next_step()
@@ -301,8 +341,9 @@ def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after, evaluator=
         logger.advance()
         step += 1
         if cfg.train.save_every and step % cfg.train.save_every == 0 and step < end:
-            checkpoint.save(engine, cfg.train.output_dir, step, loader.state_dict(), rank,
-                            keep=cfg.train.keep_checkpoints)
+            with _solo(watchdog):
+                checkpoint.save(engine, cfg.train.output_dir, step, loader.state_dict(), rank,
+                                keep=cfg.train.keep_checkpoints)
     guard.close()
     return step
 

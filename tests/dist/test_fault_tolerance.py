@@ -1,6 +1,7 @@
 """Two ranks, one launch: the LR each optimizer step really uses; a failure in one rank's data
 loader (not a DataError: a bug, a failing HF processor) stopping every rank at once; a NaN loss on
-one rank never reaching the weights or optimizer state (ZeRO-2 and no ZeRO)."""
+one rank never reaching the weights or optimizer state (ZeRO-2 and no ZeRO); a rank hung outside
+any collective named by both ranks' watchdogs within the peer timeout."""
 
 import time
 
@@ -161,6 +162,31 @@ def _sp_fault(rank, world, root, built) -> tuple[str | None, float]:
         return str(e), time.monotonic() - t0
 
 
+HANG_TIMEOUT = 2.0
+
+
+def _hang(rank, world) -> tuple[list[str], float]:
+    """Rank 1 hangs outside any collective (a wait standing in for a deadlock or a stuck read)
+    while rank 0 waits in an all-reduce. The watchdogs (real threads, the rendezvous store) must
+    name rank 1; the verdict releases the wait so that the test can go on instead of exiting."""
+    import threading
+    from ds_omni.parallel import dist
+    from ds_omni.train.watchdog import Watchdog
+    released, verdicts = threading.Event(), []
+
+    def end(verdict):
+        verdicts.append(verdict)
+        released.set()
+    dog = Watchdog.start(rank, world, HANG_TIMEOUT, on_verdict=end)
+    dog.step = 7
+    t0 = time.monotonic()
+    if rank == 1:
+        released.wait(60)
+    dist.all_reduce_sum([1.0])
+    dog.close()
+    return verdicts, time.monotonic() - t0
+
+
 def _run(rank, world, root):
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     from ds_omni.ds_config import derive_ds_config
@@ -196,6 +222,7 @@ def _run(rank, world, root):
     cfg0 = tiny_config(root + "/zero0", steps=STEPS)
     _, _, stage0 = setup_training(cfg0, derive_ds_config(cfg0, ds_config(0), plan0), rank, plan0)
     faults["sp"] = _sp_fault(rank, world, root, built)
+    faults["hang"] = _hang(rank, world)
     return used, logged, faults, _nonfinite(rank, engine, loader, stage0)
 
 
@@ -220,3 +247,8 @@ def test_lr_used_loader_failure_on_one_rank_and_nonfinite_steps(tmp_path):
             assert nonfinite[f"{engine}_stop"] == (True, True), (rank, engine)
             assert nonfinite[f"{engine}_next"], (rank, engine)
         assert nonfinite["unguarded_nan_weights"]  # what the guard prevents
+    for rank, (_, _, faults, _) in enumerate(results):
+        verdicts, seconds = faults["hang"]
+        assert len(verdicts) == 1 and "rank 1 is hung" in verdicts[0], (rank, verdicts)
+        assert "at step 7" in verdicts[0] and "wait" in verdicts[0]  # where it hangs
+        assert HANG_TIMEOUT <= seconds < HANG_TIMEOUT + 5, (rank, seconds)

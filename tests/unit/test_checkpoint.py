@@ -98,3 +98,56 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step00000003", "step00000004"]
     assert (root / "latest").read_text() == "step00000004"
+
+
+def test_resume_with_another_model_or_zero_stage_says_what_differs(tmp_path):
+    """Before DeepSpeed reads anything (its own error is a traceback from inside, or a silent
+    partial load with strict=False)."""
+    checkpoint.save(FakeEngine(), tmp_path, 1, {"step": 1}, rank=0)
+    wider = FakeEngine()
+    wider.module = torch.nn.Linear(2, 1)
+    with pytest.raises(LaunchError) as e:
+        checkpoint.load(wider, tmp_path, rank=0)
+    assert "was written by a different run: 1 parameter(s) of another shape (e.g. weight: [1, 1] " \
+           "in the checkpoint, [1, 2] now)" in str(e.value)
+    renamed = FakeEngine()
+    renamed.module = torch.nn.Sequential(torch.nn.Linear(1, 1))
+    renamed.zero_optimization_stage = lambda: 2
+    message = str(pytest.raises(LaunchError, checkpoint.load, renamed, tmp_path, rank=0).value)
+    assert "2 parameter(s) only in the checkpoint (e.g. bias, weight)" in message
+    assert "2 parameter(s) only in this model (e.g. 0.bias, 0.weight)" in message
+    assert "ZeRO stage 0 in the checkpoint, 2 now" in message
+    assert checkpoint.load(FakeEngine(), tmp_path, rank=0) == (1, {"step": 1})  # the same run
+
+
+def test_fingerprint_differences_of_family_and_ranks():
+    run = {"family": "llava", "params": {"w": [2]}, "zero_stage": 2, "world_size": 2}
+    assert checkpoint.fingerprint_differences(None, run) == []  # a checkpoint from before
+    assert checkpoint.fingerprint_differences(run, dict(run)) == []
+    other = {**run, "family": "qwen2_vl", "world_size": 1}
+    assert checkpoint.fingerprint_differences(run, other) == [
+        "model family 'llava' in the checkpoint, 'qwen2_vl' now",
+        "2 rank(s) wrote it, this run has 1: DeepSpeed cannot repartition ZeRO-2 optimizer state "
+        "onto another number of ranks (the data position could move: ds_omni's loader state is "
+        "elastic)"]
+    assert checkpoint.fingerprint_differences({**run, "zero_stage": 0},
+                                              {**run, "zero_stage": 0, "world_size": 4}) == []
+
+
+def test_a_damaged_loader_state_is_named(tmp_path):
+    """Bytes that still match the manifest (a checkpoint written by a buggy or older writer):
+    unreadable JSON, or JSON that lacks what the loader needs."""
+    from ds_omni.train.engine import restore_loader
+    checkpoint.save(FakeEngine(), tmp_path, 1, {"step": 1}, rank=0)
+    step_dir = tmp_path / "checkpoints" / "step00000001"
+    (step_dir / "manifest.json").unlink()  # a checkpoint from before manifests, named by latest
+    (step_dir / "loader_state.json").write_text('{"step": 1, "ranks": [')
+    with pytest.raises(LaunchError, match=r"loader_state.json' cannot be read \(Expecting value.*"
+                                          r"move step00000001 out of"):
+        checkpoint.load(FakeEngine(), tmp_path, rank=0)
+
+    class Loader:
+        def load_state_dict(self, state):
+            return state["ranks"][0]["cursors"]
+    with pytest.raises(LaunchError, match=r"loader_state.json is damaged \(KeyError: 'ranks'\)"):
+        restore_loader(Loader(), {"step": 1})

@@ -122,7 +122,8 @@ def test_the_loop_logs_eval_loss_in_metrics_bar_and_report(setup, tmp_path, caps
     cfg.data.eval_sources, cfg.train.eval_every = setup[0].data.eval_sources, 2
     logger = MetricsLogger(tmp_path, total_steps=5, start_step=0, enabled=True)
     evaluator = Evaluator(cfg, built, loader)
-    _loop(cfg, FakeEngine(loss_per_target=0.5), loader, logger, None, 0, 0, None, evaluator)
+    _loop(cfg, FakeEngine(loss_per_target=0.5), loader, logger, None, 0, 0, None,
+          evaluator=evaluator)
     logger.close()
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records if "eval_loss" in r] == [1, 3, 4]  # after steps 2, 4, 5

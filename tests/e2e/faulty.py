@@ -1,0 +1,83 @@
+"""`python -m tests.e2e.faulty train ...`: `ds-omni train` with faults planted, for tests only.
+
+    DS_OMNI_TEST_FAULTS="kill:1:save:20,stop:0:forward:35"  DS_OMNI_TEST_FAULT_DIR=/tmp/x
+
+Each fault is `action:rank:point:step`: at `point` of step `step`, rank `rank` kills itself with
+SIGKILL ("kill", a dying process or node), stops itself with SIGSTOP ("stop", a frozen node), or
+waits forever outside any collective ("hang", a deadlock). Points: "loader" (the step's batch was
+read), "forward", "backward", "optimizer" (DeepSpeed's engine calls), "save" (DeepSpeed has written
+its files of the checkpoint saved after `step` steps; its manifest is not written yet). A fault fires
+once per DS_OMNI_TEST_FAULT_DIR (a marker file there), so a supervised restart runs past it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+_STEP = [-1]
+
+
+def _faults() -> list[tuple[int, str, str, int, int]]:
+    out = []
+    for i, spec in enumerate(filter(None, os.environ.get("DS_OMNI_TEST_FAULTS", "").split(","))):
+        action, rank, point, step = spec.split(":")
+        out.append((i, action, point, int(rank), int(step)))
+    return out
+
+
+def _maybe_fire(point: str, step: int) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    for i, action, where, at_rank, at_step in _faults():
+        if (where, at_rank, at_step) != (point, rank, step):
+            continue
+        try:  # fire once: the first process to create the marker does
+            fd = os.open(Path(os.environ["DS_OMNI_TEST_FAULT_DIR"]) / f"fired-{i}",
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.close(fd)
+        except FileExistsError:
+            continue
+        print(f"faulty: rank {rank}: {action} at {point} of step {step}", flush=True)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            threading.Event().wait()
+
+
+def _wrap(owner, name: str, before=None, after=None) -> None:
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        if before:
+            before(*args)
+        out = inner(*args, **kwargs)
+        if after:
+            after(out, *args)
+        return out
+    setattr(owner, name, wrapper)
+
+
+def plant() -> None:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from ds_omni.data.loader import OmniLoader
+    from ds_omni.train import checkpoint
+
+    def loader_done(batch, *_):
+        _STEP[0] = batch.step
+        _maybe_fire("loader", batch.step)
+    _wrap(OmniLoader, "next_step", after=loader_done)
+    for point, name in (("forward", "forward"), ("backward", "backward"), ("optimizer", "step")):
+        _wrap(DeepSpeedEngine, name, before=lambda *_, p=point: _maybe_fire(p, _STEP[0]))
+    _wrap(checkpoint, "_digest_share",
+          before=lambda directory, *_: _maybe_fire("save", int(directory.name[5:13])))
+
+
+if __name__ == "__main__":
+    plant()
+    from ds_omni.cli import main
+    sys.exit(main())
