@@ -25,6 +25,7 @@ from ds_omni.data.build import build_loader
 from ds_omni.data.loader import StepBatch, reorder_group_size
 from ds_omni.data.check import startup_check
 from ds_omni.data.skipped import SKIPPED_FILE, flush_skipped, skipped_totals
+from ds_omni.data.templates import carry_template, training_template
 from ds_omni.ds_config import derive_ds_config, load_ds_json
 from ds_omni.errors import DataError, LaunchError
 from ds_omni.parallel import dist
@@ -176,6 +177,8 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     if rank != 0:
         dist.barrier()
     built = build_model(cfg.model)
+    # the tokenizer carries the template trained with into checkpoints and the HF export
+    carry_template(built.tokenizer, training_template(cfg.data.template, built))
     if plan.sp_enabled:  # the LLM's attention goes Ulysses; encoders keep theirs
         built.model.set_attention(cfg.model.attn_implementation, mpu.get_sequence_parallel_group())
     loader = build_loader(cfg, built, dp_rank=coords.dp_rank, dp_size=plan.dp,
