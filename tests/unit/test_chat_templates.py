@@ -156,13 +156,16 @@ def test_plain_export_reproduces_the_training_prompt(tmp_path):
     from ds_omni.data.demo import shapes_rows
     from ds_omni.data.templates import carry_template, training_template
     from ds_omni.model.build import build_model
-    from ds_omni.model.convert import export_hf
+    from ds_omni.model.convert import export_hf, model_from_meta
+    from ds_omni.train.checkpoint import MODEL_META_DIR, save_model_meta
     from tests.fixtures import tiny_config
     built = build_model(tiny_config(str(tmp_path)).model)
     template = training_template("auto", built)
     assert template.plain
-    carry_template(built.tokenizer, template)
-    export_hf(built.model, tmp_path / "hf", built.tokenizer)
+    carry_template(built.tokenizer, template)  # as `ds-omni train` does; then the way it exports:
+    save_model_meta(tmp_path / "ckpt", built)  # the checkpoint's model/ folder
+    _, meta_tokenizer = model_from_meta(tmp_path / "ckpt" / MODEL_META_DIR)
+    export_hf(built.model, tmp_path / "hf", meta_tokenizer)
     processor = AutoProcessor.from_pretrained(tmp_path / "hf")
     row = shapes_rows(1, seed=3)[0]
     image = Image.open(io.BytesIO(row["image"]["bytes"])).convert("RGB")
