@@ -88,21 +88,25 @@ def _jinja_str(text: str) -> str:
 
 
 def resolve_template(spec: str, tokenizer, media_text: dict[str, str] | None = None) -> ChatTemplate:
-    """The template `spec` ("auto", "model", "plain" or a Jinja file) means for `tokenizer`."""
+    """The template `spec` ("auto", "model", "plain" or a Jinja file) means for `tokenizer`.
+
+    A template that is the export of a "plain" run (it starts with `PLAIN_HEADER`) renders as
+    "plain" did, so training on from such an export keeps the tokenisation it had."""
     check_template_spec(spec)
     own = getattr(tokenizer, "chat_template", None)
     if isinstance(own, dict):  # several named templates: the default one is the chat format
         own = own.get("default")
-    if spec == "plain" or (spec == "auto" and not own) or (own and own.startswith(PLAIN_HEADER)
-                                                          and spec in ("auto", "model")):
+    if spec == "plain" or (spec == "auto" and not own):
         return ChatTemplate("plain", plain_template_source(media_text), "data.template=\"plain\"")
     if spec in ("auto", "model"):
         if not own:
             raise ConfigError("data.template=\"model\" but the tokenizer has no chat_template; set "
                               "data.template to \"plain\" (USER: ... ASSISTANT: ...) or to the path "
                               "of a Jinja chat template")
-        return ChatTemplate("model", own, "the tokenizer's chat_template")
-    return ChatTemplate("file", Path(spec).read_text(), f"data.template={spec!r}")
+        kind, source, origin = "model", own, "the tokenizer's chat_template"
+    else:
+        kind, source, origin = "file", Path(spec).read_text(), f"data.template={spec!r}"
+    return ChatTemplate("plain" if source.startswith(PLAIN_HEADER) else kind, source, origin)
 
 
 def training_template(spec: str, built) -> ChatTemplate:
@@ -122,7 +126,10 @@ def media_texts(item_processors: dict, tokenizer) -> dict[str, str]:
     from ds_omni.model.family import EncodedItem
     out = {}
     for proc in item_processors.values():
-        ids = proc.tokens(EncodedItem(inputs={}, num_embeddings=1))
+        try:
+            ids = proc.tokens(EncodedItem(inputs={}, num_embeddings=1))
+        except (KeyError, AttributeError, TypeError, ValueError):  # tokens that need a real item
+            continue  # the marker ("<image>") stands for it
         out[proc.modality] = tokenizer.decode(ids, skip_special_tokens=False)
     return out
 

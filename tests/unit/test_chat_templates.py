@@ -105,6 +105,9 @@ def test_image_markers_expand_inside_the_rendered_text():
     expanded = prompt.replace("<|image_pad|>", "<|image_pad|>" * 3)
     assert sample.input_ids.tolist() == tok(expanded, add_special_tokens=False)["input_ids"]
     assert [e for e, _ in sample.items] == ["vision"]
+    proc = _processor(tok, items={"vision": _Image(tok)})
+    size = proc.measure(text=turns, media={"vision": [3]}, sample_id="s1", source="chat")
+    assert size.tokens == sample.length
 
 
 def test_a_template_that_is_not_prefix_stable_is_an_error_naming_the_sample():
@@ -112,6 +115,15 @@ def test_a_template_that_is_not_prefix_stable_is_an_error_naming_the_sample():
     with pytest.raises(SampleError, match=r"sample s7: the tokenizer's chat_template is not "
                                           r"prefix-stable.*assistant turn 2"):
         _processor(tok)(text=_conversation(True), media={}, sample_id="s7", source="chat")
+
+
+def test_a_conversation_the_template_refuses_is_an_error_naming_the_sample():
+    tok = make_tokenizer("gemma3")
+    turns = [{"from": "human", "value": "What colour is the square?"},
+             {"from": "human", "value": "Answer briefly."}, {"from": "gpt", "value": "It is red."}]
+    with pytest.raises(SampleError, match="sample s9: the tokenizer's chat_template cannot render "
+                                          "this conversation .*roles must alternate"):
+        _processor(tok)(text=turns, media={}, sample_id="s9", source="chat")
 
 
 def test_a_token_across_a_turn_boundary_is_an_error(tmp_path):
