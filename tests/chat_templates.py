@@ -108,6 +108,19 @@ MISTRAL = """{%- if messages[0]["role"] == "system" %}
 {%- endfor %}
 """
 
+# llava-hf/llava-1.5-7b-hf: reads contents only as lists of parts (a string renders as nothing)
+LLAVA15 = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}"
+    "{{ message['role'].upper() + ': '}}{% endif %}{# Render all images first #}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}{# Render all text next #}"
+    "{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' '}}{% endfor %}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+
 # Qwen2-VL's template with the assistant text and its end-of-turn token in a generation block
 # (as templates written for assistant masks have them)
 QWEN2_VL_GENERATION = QWEN2_VL.replace(

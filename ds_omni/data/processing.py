@@ -188,8 +188,9 @@ class SampleProcessor:
                               f"turns) or a string, got {type(text).__name__}", "text")
         messages = to_messages(text, where)
         if not self.template.plain:
-            rendered, spans = render(self.template, self.tokenizer, messages, where)
-            return _cut(rendered, spans), True
+            modality = {m: self.item_processors[enc].modality for m, enc in self.markers.items()
+                        if enc in self.item_processors}
+            return render(self.template, self.tokenizer, messages, where, modality), True
         segments = []
         for m in messages:
             if m["role"] == "assistant":
@@ -241,16 +242,6 @@ class SampleProcessor:
                               "all", "overlong")
         return ids[: self.max_seq_len], mask[: self.max_seq_len]
 
-
-
-def _cut(text: str, spans: list[tuple[int, int]]) -> list[tuple[str, bool]]:
-    """`text` as (piece, trained) pieces: the spans trained, the rest not; empty pieces dropped."""
-    pieces, at = [], 0
-    for start, end in spans:
-        pieces += [(text[at:start], False), (text[start:end], True)]
-        at = end
-    pieces.append((text[at:], False))
-    return [(p, trained) for p, trained in pieces if p]
 
 
 def conversation_string(text: str) -> list | None:

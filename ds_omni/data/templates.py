@@ -18,6 +18,12 @@ of the whole rendering), which is checked on every sample, as is that the text c
 tokenises to the ids of the whole (`processing.py`); a template that fails either is an error that
 names the sample.
 
+Items: the `<image>` / `<audio>` markers stay in the message contents the template renders, and
+`processing.py` puts the family's placeholder tokens where they land, as the model's processor
+expands its image token in the rendered prompt. A template that reads contents only as lists of
+parts (LLaVA-1.5's, Idefics3's) gets HF's parts instead (text, and an image / audio part per
+marker), and what it writes for each item part is marked again.
+
 The template used in training is put on the tokenizer (`carry_template`), so every tokenizer saved
 afterwards (checkpoint, HF export) carries it and `apply_chat_template` on the export reproduces
 the training prompt. "plain" is carried as `plain_template_source`, its Jinja equivalent.
@@ -26,7 +32,7 @@ the training prompt. "plain" is carried as `plain_template_source`, its Jinja eq
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_omni.config import check_template_spec
@@ -49,6 +55,12 @@ class ChatTemplate:
     """The Jinja text; for "plain", its Jinja equivalent (what exports carry)."""
     origin: str = ""
     """Where it came from, for error messages."""
+    takes_strings: bool = True
+    """The template renders string contents; if not (LLaVA-1.5's, Idefics3's: they read only
+    lists of parts), contents are given as parts, markers becoming image / audio parts."""
+    media_text: dict[str, str] = field(default_factory=dict)
+    """Per modality, the text an item's part renders as, which the model's processor expands
+    ("<image>"); the source's marker takes its place before the item's tokens go in."""
 
     @property
     def plain(self) -> bool:
@@ -106,7 +118,26 @@ def resolve_template(spec: str, tokenizer, media_text: dict[str, str] | None = N
         kind, source, origin = "model", own, "the tokenizer's chat_template"
     else:
         kind, source, origin = "file", Path(spec).read_text(), f"data.template={spec!r}"
-    return ChatTemplate("plain" if source.startswith(PLAIN_HEADER) else kind, source, origin)
+    if source.startswith(PLAIN_HEADER):
+        return ChatTemplate("plain", source, origin)
+    return ChatTemplate(kind, source, origin, _takes_strings(source, tokenizer),
+                        {"image": "<image>", "audio": "<audio>", **(media_text or {})})
+
+
+PROBE = ("ds-omni-probe-question", "ds-omni-probe-answer")
+
+
+def _takes_strings(source: str, tokenizer) -> bool:
+    """The template writes string contents out (many multimodal ones iterate the content as a
+    list of parts, and a string's characters render as nothing)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+    probe = [{"role": "user", "content": PROBE[0]}, {"role": "assistant", "content": PROBE[1]}]
+    try:
+        text = render_jinja_template(conversations=[probe], chat_template=source,
+                                     **tokenizer.special_tokens_map)[0][0]
+    except Exception:  # noqa: BLE001  (the samples will say what the template refuses)
+        return True
+    return all(p in text for p in PROBE)
 
 
 def training_template(spec: str, built) -> ChatTemplate:
@@ -152,18 +183,56 @@ def to_messages(turns: list, where: str) -> list[dict]:
     return messages
 
 
-def render(template: ChatTemplate, tokenizer, messages: list[dict], where: str
-           ) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation rendered whole, and the character spans of its assistant turns."""
+def render(template: ChatTemplate, tokenizer, messages: list[dict], where: str,
+           markers: dict[str, str] | None = None) -> list[tuple[str, bool]]:
+    """The conversation rendered, as (text, trained) pieces: the assistant turns trained.
+
+    `markers`: marker string -> modality ("<image>" -> "image"); items stay marked by them in the
+    pieces, whatever the template writes for an item."""
+    markers = markers or {}
+    if not template.takes_strings:
+        messages = [{**m, "content": _parts(m["content"], markers)} for m in messages]
     if template.marks_generation:
         text, spans = _render(template, tokenizer, messages, where, generation=True)
-        if not spans:
-            raise SampleError(f"{where}: {template.origin} has {{% generation %}} blocks but "
-                              "marked no text of this conversation; wrap each assistant "
-                              "message in one", "text")
-        return text, spans
-    text, _ = _render(template, tokenizer, messages, where)
-    return text, _prefix_spans(template, tokenizer, messages, text, where)
+    else:
+        text, _ = _render(template, tokenizer, messages, where)
+        spans = _prefix_spans(template, tokenizer, messages, text, where)
+    if not spans:
+        raise SampleError(f"{where}: {template.origin} renders none of this conversation's "
+                          "assistant text (a template with {% generation %} blocks must wrap each "
+                          "assistant message in one)", "text")
+    pieces = _cut(text, spans)
+    if not template.takes_strings:
+        pieces = [(_marked(p, template.media_text, markers), t) for p, t in pieces]
+    return pieces
+
+
+def _parts(content: str, markers: dict[str, str]) -> list[dict]:
+    """A string content as HF's list of parts: text, and an image / audio part per marker."""
+    if not markers:
+        return [{"type": "text", "text": content}]
+    split = re.split("(" + "|".join(map(re.escape, markers)) + ")", content)
+    return [{"type": markers[s]} if s in markers else {"type": "text", "text": s}
+            for s in split if s]
+
+
+def _marked(text: str, media_text: dict[str, str], markers: dict[str, str]) -> str:
+    """The template's text for each item replaced by the item's marker."""
+    for marker, modality in markers.items():
+        written = media_text.get(modality)
+        if written and written != marker:
+            text = text.replace(written, marker)
+    return text
+
+
+def _cut(text: str, spans: list[tuple[int, int]]) -> list[tuple[str, bool]]:
+    """`text` as (piece, trained) pieces: the spans trained, the rest not; empty pieces dropped."""
+    pieces, at = [], 0
+    for start, end in spans:
+        pieces += [(text[at:start], False), (text[start:end], True)]
+        at = end
+    pieces.append((text[at:], False))
+    return [(p, trained) for p, trained in pieces if p]
 
 
 def _prefix_spans(template, tokenizer, messages, whole: str, where: str) -> list[tuple[int, int]]:

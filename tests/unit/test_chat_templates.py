@@ -30,17 +30,19 @@ def _messages(turns):
 
 
 class _Image(ItemProcessor):
-    """An image of `num_embeddings` placeholders, wrapped as Qwen2-VL writes it."""
+    """An image of `num_embeddings` placeholders, wrapped as Qwen2-VL writes it (or bare, as
+    LLaVA writes it)."""
 
-    def __init__(self, tokenizer):
-        self.start, self.pad, self.end = tokenizer.convert_tokens_to_ids(
-            ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+    def __init__(self, tokenizer, wrapped=True):
+        names = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"] if wrapped else ["<image>"]
+        ids = tokenizer.convert_tokens_to_ids(names)
+        self.wrap, self.pad = ([ids[0]], [ids[2]]) if wrapped else ([], []), ids[1 if wrapped else 0]
 
     def process(self, item):
         return EncodedItem(inputs={}, num_embeddings=item)
 
     def tokens(self, item):
-        return [self.start] + [self.pad] * item.num_embeddings + [self.end]
+        return self.wrap[0] + [self.pad] * item.num_embeddings + self.wrap[1]
 
 
 def _processor(tokenizer, template="auto", items=None):
@@ -108,6 +110,34 @@ def test_image_markers_expand_inside_the_rendered_text():
     proc = _processor(tok, items={"vision": _Image(tok)})
     size = proc.measure(text=turns, media={"vision": [3]}, sample_id="s1", source="chat")
     assert size.tokens == sample.length
+
+
+def test_a_template_that_reads_only_lists_of_parts_gets_parts():
+    """LLaVA-1.5's template renders a string content as nothing: contents go in as HF's parts
+    (the marker an image part), as its processor's users write them; ids and assistant mask are
+    HF's (its generation blocks), the image expanded as LlavaProcessor expands "<image>"."""
+    from tests.family_dirs import demo_tokenizer
+    from tests.chat_templates import LLAVA15
+    tok = demo_tokenizer()
+    tok.chat_template = LLAVA15
+    assert not resolve_template("auto", tok).takes_strings
+    caption = "A small green triangle on a white background."
+    turns = [{"from": "human", "value": "<image>\nDescribe the image."},
+             {"from": "gpt", "value": caption}]
+    sample = _processor(tok, items={"vision": _Image(tok, wrapped=False)})(
+        text=turns, media={"vision": [4]}, sample_id="s1", source="chat")
+    messages = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": "\nDescribe the image."}]},
+                {"role": "assistant", "content": [{"type": "text", "text": caption}]}]
+    prompt = tok.apply_chat_template(messages, tokenize=False)
+    assert prompt.startswith("USER: <image>\n\nDescribe")
+    expanded = tok(prompt.replace("<image>", "<image>" * 4), add_special_tokens=False)["input_ids"]
+    assert sample.input_ids.tolist() == expanded
+    hf = tok.apply_chat_template(messages, return_assistant_tokens_mask=True)
+    image_id = tok.convert_tokens_to_ids("<image>")
+    assert sample.loss_mask.tolist() == [bool(m) for i, m in zip(hf["input_ids"], hf["assistant_masks"])
+                                         for _ in range(4 if i == image_id else 1)]
+    assert tok.decode(sample.input_ids[sample.loss_mask]) == caption + " "
 
 
 def test_a_template_that_is_not_prefix_stable_is_an_error_naming_the_sample():
