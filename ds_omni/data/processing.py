@@ -28,7 +28,8 @@ import torch
 
 from ds_omni.data.media import square_image
 from ds_omni.data.problems import SampleError
-from ds_omni.data.templates import ChatTemplate, render, resolve_template, to_messages
+from ds_omni.data.templates import (ChatTemplate, first_difference, render,
+                                    resolve_template, to_messages)
 from ds_omni.errors import DataError
 from ds_omni.model.family import EncodedItem, Family, ItemProcessor
 
@@ -145,14 +146,14 @@ class SampleProcessor:
                                bos=False)[0]
         if whole == ids:
             return
-        at = next((k for k, (a, b) in enumerate(zip(whole, ids)) if a != b), min(len(whole), len(ids)))
+        at = first_difference(whole, ids)
         cut = self.tokenizer.decode(whole[max(0, at - 3):at + 3])
         raise SampleError(f"{where}: with {self.template.origin}, the text around token {at} "
                           f"({cut!r}) tokenises differently cut at a turn boundary than whole: "
                           "the template is not prefix-stable for this tokenizer (a token spans "
                           "the end of a prompt and the start of its answer). Use a template "
                           "that ends each prompt and each answer at a special token or a newline, "
-                          "or set data.template to \"plain\"", "text")
+                          "or set data.template to \"plain\"", "template")
 
     def _item(self, enc: str, item: Any, where: str, measure: bool) -> EncodedItem:
         """One raw item through its processor; its DataError gets the sample's name (the item
@@ -203,7 +204,8 @@ class SampleProcessor:
     def _tokenize(self, segments, items: dict[str, list[EncodedItem]], where, bos: bool = True):
         """Token ids, loss mask, the items in text order, and where the last item's tokens end.
         Pieces after the first are encoded as continuations when a chat template rendered them."""
-        ids = [self.tokenizer.bos_token_id] if bos and self.tokenizer.bos_token_id is not None else []
+        bos_id = self.tokenizer.bos_token_id if bos else None
+        ids = [bos_id] if bos_id is not None else []
         mask = [False] * len(ids)
         ordered: list[tuple[str, EncodedItem]] = []
         used = {enc: 0 for enc in items}

@@ -99,7 +99,8 @@ def _jinja_str(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def resolve_template(spec: str, tokenizer, media_text: dict[str, str] | None = None) -> ChatTemplate:
+def resolve_template(spec: str, tokenizer,
+                     media_text: dict[str, str] | None = None) -> ChatTemplate:
     """The template `spec` ("auto", "model", "plain" or a Jinja file) means for `tokenizer`.
 
     A template that is the export of a "plain" run (it starts with `PLAIN_HEADER`) renders as
@@ -112,9 +113,9 @@ def resolve_template(spec: str, tokenizer, media_text: dict[str, str] | None = N
         return ChatTemplate("plain", plain_template_source(media_text), "data.template=\"plain\"")
     if spec in ("auto", "model"):
         if not own:
-            raise ConfigError("data.template=\"model\" but the tokenizer has no chat_template; set "
-                              "data.template to \"plain\" (USER: ... ASSISTANT: ...) or to the path "
-                              "of a Jinja chat template")
+            raise ConfigError("data.template=\"model\" but the tokenizer has no chat_template; "
+                              "set data.template to \"plain\" (USER: ... ASSISTANT: ...) or to "
+                              "the path of a Jinja chat template")
         kind, source, origin = "model", own, "the tokenizer's chat_template"
     else:
         kind, source, origin = "file", Path(spec).read_text(), f"data.template={spec!r}"
@@ -142,7 +143,8 @@ def _takes_strings(source: str, tokenizer) -> bool:
 
 def training_template(spec: str, built) -> ChatTemplate:
     """The template a run with `data.template=spec` renders with, for a built model."""
-    return resolve_template(spec, built.tokenizer, media_texts(built.item_processors, built.tokenizer))
+    media = media_texts(built.item_processors, built.tokenizer)
+    return resolve_template(spec, built.tokenizer, media)
 
 
 def carry_template(tokenizer, template: ChatTemplate) -> None:
@@ -200,7 +202,7 @@ def render(template: ChatTemplate, tokenizer, messages: list[dict], where: str,
     if not spans:
         raise SampleError(f"{where}: {template.origin} renders none of this conversation's "
                           "assistant text (a template with {% generation %} blocks must wrap each "
-                          "assistant message in one)", "text")
+                          "assistant message in one)", "template")
     pieces = _cut(text, spans)
     if not template.takes_strings:
         pieces = [(_marked(p, template.media_text, markers), t) for p, t in pieces]
@@ -245,7 +247,8 @@ def _prefix_spans(template, tokenizer, messages, whole: str, where: str) -> list
         upto, _ = _render(template, tokenizer, messages[: i + 1], where)
         for part, name in ((prompt, "the prompt before"), (upto, "the conversation up to")):
             if not whole.startswith(part) or not upto.startswith(prompt):
-                raise SampleError(_not_prefix_stable(template, where, i, name, part, whole), "text")
+                raise SampleError(_not_prefix_stable(template, where, i, name, part, whole),
+                                  "template")
         end = len(upto.rstrip())
         if end > len(prompt):
             spans.append((len(prompt), end))
@@ -253,7 +256,7 @@ def _prefix_spans(template, tokenizer, messages, whole: str, where: str) -> list
 
 
 def _not_prefix_stable(template, where, i, name, part, whole) -> str:
-    at = next((k for k, (a, b) in enumerate(zip(part, whole)) if a != b), min(len(part), len(whole)))
+    at = first_difference(part, whole)
     return (f"{where}: {template.origin} is not prefix-stable: {name} assistant turn {i}, rendered "
             f"alone, is not the start of the whole conversation rendered (they part at character "
             f"{at}: {part[at:at + 40]!r} vs {whole[at:at + 40]!r}), so what trains would not be "
@@ -261,6 +264,11 @@ def _not_prefix_stable(template, where, i, name, part, whole) -> str:
             "same whatever follows them (some move the system prompt into the last user turn, or "
             "drop reasoning from earlier turns), mark the assistant text with {% generation %} "
             "blocks, or set data.template to another template or \"plain\"")
+
+
+def first_difference(a, b) -> int:
+    """The first index where sequences `a` and `b` differ (the shorter one's length if none)."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _render(template: ChatTemplate, tokenizer, messages, where, add_generation_prompt=False,
@@ -276,5 +284,5 @@ def _render(template: ChatTemplate, tokenizer, messages, where, add_generation_p
     except Exception as e:  # noqa: BLE001  (Jinja errors and the template's raise_exception)
         raise SampleError(f"{where}: {template.origin} cannot render this conversation "
                           f"({type(e).__name__}: {e}); fix the conversation's roles or set "
-                          "data.template to a template that takes it", "text") from None
+                          "data.template to a template that takes it", "template") from None
     return texts[0], list(spans[0]) if generation else []

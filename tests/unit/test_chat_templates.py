@@ -36,7 +36,8 @@ class _Image(ItemProcessor):
     def __init__(self, tokenizer, wrapped=True):
         names = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"] if wrapped else ["<image>"]
         ids = tokenizer.convert_tokens_to_ids(names)
-        self.wrap, self.pad = ([ids[0]], [ids[2]]) if wrapped else ([], []), ids[1 if wrapped else 0]
+        self.pad = ids[1] if wrapped else ids[0]
+        self.wrap = ([ids[0]], [ids[2]]) if wrapped else ([], [])
 
     def process(self, item):
         return EncodedItem(inputs={}, num_embeddings=item)
@@ -135,7 +136,8 @@ def test_a_template_that_reads_only_lists_of_parts_gets_parts():
     assert sample.input_ids.tolist() == expanded
     hf = tok.apply_chat_template(messages, return_assistant_tokens_mask=True)
     image_id = tok.convert_tokens_to_ids("<image>")
-    assert sample.loss_mask.tolist() == [bool(m) for i, m in zip(hf["input_ids"], hf["assistant_masks"])
+    hf_mask = zip(hf["input_ids"], hf["assistant_masks"])
+    assert sample.loss_mask.tolist() == [bool(m) for i, m in hf_mask
                                          for _ in range(4 if i == image_id else 1)]
     assert tok.decode(sample.input_ids[sample.loss_mask]) == caption + " "
 
