@@ -127,12 +127,15 @@ def cmd_supervise(args) -> int:
 
 
 def cmd_convert(args) -> None:
+    from ds_omni.data.templates import carry_template, training_template
     from ds_omni.model import convert
     if args.checkpoint:
         out = convert.export_checkpoint(args.checkpoint, args.out, args.tag)
         print(f"wrote HuggingFace model to {out}")
         return
     built = convert.load(args.hf or args.omni)
+    # a tokenizer without a template trains on "plain" (data.template "auto"): say so in the export
+    carry_template(built.tokenizer, training_template("auto", built))
     if args.hf:
         out = convert.save_omni(built.model, args.out, built.tokenizer, built.model_dir)
         print(f"wrote OmniModel ({built.family.name}: encoders {list(built.model.encoders)}, "

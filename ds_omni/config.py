@@ -284,6 +284,12 @@ class DataConfig:
     eval_sources: list[SourceConfig] = field(default_factory=list)
     """Validation data (same fields as `sources`; weight and on_exhausted unused): every row of
     every eval source, evaluated at each `train.eval_every` (ds_omni/train/evaluate.py)."""
+    template: str = "auto"
+    """Chat template conversations are rendered with: "model" (the tokenizer's own chat_template,
+    as apply_chat_template renders it; assistant turns and their end-of-turn token are trained
+    on), "plain" (USER: ... ASSISTANT: ..., for tokenizers without a template), the path of a
+    Jinja file, or "auto": "model" when the tokenizer has a template, else "plain". Checkpoints
+    and HF exports carry the template used."""
 
     def __post_init__(self):
         eval_names = [s.name for s in self.eval_sources]
@@ -298,6 +304,7 @@ class DataConfig:
             raise ConfigError(f"data.max_seq_len must be >= 8, got {self.max_seq_len}")
         if self.chunk_rows < 1:
             raise ConfigError(f"data.chunk_rows must be >= 1, got {self.chunk_rows}")
+        check_template_spec(self.template)
         if self.max_aspect_ratio < 1 or self.max_bad_run < 1:
             raise ConfigError(f"data: need max_aspect_ratio >= 1 and max_bad_run >= 1; got "
                               f"{self.max_aspect_ratio}, {self.max_bad_run}")
@@ -313,6 +320,17 @@ class DataConfig:
             if any(w < 0 for w in point.weights.values()):
                 raise ConfigError(f"data.schedule[{i}]: weights must be >= 0")
             last = point.step
+
+
+TEMPLATE_KEYWORDS = ("auto", "model", "plain")
+
+
+def check_template_spec(spec: str) -> None:
+    """`data.template` is a keyword or an existing file."""
+    if spec not in TEMPLATE_KEYWORDS and not Path(spec).is_file():
+        raise ConfigError(f"data.template={spec!r} is neither one of {list(TEMPLATE_KEYWORDS)} nor "
+                          "an existing Jinja file; give the path of a chat template file (e.g. a "
+                          "model's chat_template.jinja), or \"model\" for the tokenizer's own")
 
 
 # ------------------------------------------------------------------------------------ parallel

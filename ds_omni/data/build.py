@@ -7,6 +7,7 @@ from ds_omni.data.cost import CostModel, ModelDims
 from ds_omni.data.loader import DataComm, OmniLoader
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.sources import Source
+from ds_omni.data.templates import training_template
 from ds_omni.errors import ConfigError
 
 
@@ -25,12 +26,13 @@ def cost_model_for(built, freeze: list[str], scales: dict[str, float] | None = N
 def sample_processors(cfg: OmniConfig, built, sources=None) -> dict[str, SampleProcessor]:
     """One sample processor per source (sources may mark images and audio differently);
     `sources` defaults to data.sources (data.eval_sources for validation)."""
+    template = training_template(cfg.data.template, built)
     return {s.name: SampleProcessor(
         tokenizer=built.tokenizer, family=built.family, item_processors=built.item_processors,
         markers={"vision": s.schema.image_marker, "audio": s.schema.audio_marker},
         max_seq_len=cfg.data.max_seq_len, overlong=cfg.data.overlong,
-        conversation_strings=s.schema.conversation_strings, image_aspect=cfg.data.image_aspect)
-        for s in (cfg.data.sources if sources is None else sources)}
+        conversation_strings=s.schema.conversation_strings, image_aspect=cfg.data.image_aspect,
+        template=template) for s in (cfg.data.sources if sources is None else sources)}
 
 
 def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micro: int,

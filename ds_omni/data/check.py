@@ -23,6 +23,7 @@ from ds_omni.config import OmniConfig
 from ds_omni.data.media import image_size, load_image
 from ds_omni.data.problems import kind_of
 from ds_omni.data.processing import SampleProcessor, conversation_string
+from ds_omni.data.templates import training_template
 from ds_omni.data.sources import Locator, Source, columns, lookup, missing_column
 from ds_omni.errors import DataError
 
@@ -120,7 +121,8 @@ def _processor(cfg: OmniConfig, built, source: Source) -> SampleProcessor:
     return SampleProcessor(
         tokenizer=built.tokenizer, family=built.family, item_processors=built.item_processors,
         markers={"vision": source.cfg.schema.image_marker, "audio": source.cfg.schema.audio_marker},
-        max_seq_len=10 ** 9, conversation_strings="parse", image_aspect="crop")
+        max_seq_len=10 ** 9, conversation_strings="parse", image_aspect="crop",
+        template=training_template(cfg.data.template, built))
 
 
 class _SourceCheck:

@@ -14,6 +14,7 @@ KINDS = {
     "media_unreadable": "an image or audio clip that does not decode",
     "markers": "markers in the text that do not match the items",
     "text": "empty text, a malformed turn, or no assistant turn",
+    "template": "a conversation the chat template cannot render, or not prefix-stable",
     "conversation_string": "a conversation stored as a JSON string (schema.conversation_strings)",
     "overlong": "more tokens than data.max_seq_len",
     "other": "any other problem",

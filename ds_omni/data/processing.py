@@ -1,12 +1,14 @@
 """Raw rows -> `Sample`s: tokens with expanded placeholders, loss mask, positions, encoder items.
 
-Text template (one per conversation turn; only assistant text and its end-of-sequence token are
-trained on):
+A conversation is rendered with the run's chat template (`templates.py`): by default the
+tokenizer's own, whose assistant turns (their text and end-of-turn token) are trained on. The
+"plain" template, for tokenizers without one, is rendered here turn by turn:
 
     <s>USER: {human turn}\\nASSISTANT: {assistant turn}</s>\\n
 
-A plain-text column is trained on whole. Each `<image>` / `<audio>` marker becomes as many
-placeholder tokens as its item yields embeddings (the family's item processor says how many).
+(a system turn is its text and a newline; only assistant text and its end-of-sequence token are
+trained on). A plain-text column is trained on whole. Each `<image>` / `<audio>` marker becomes as
+many placeholder tokens as its item yields embeddings (the family's item processor says how many).
 
 A text that is a *string* holding a JSON conversation (a column written with `json.dumps`) would
 otherwise train as plain text with every token a target: it is parsed, or an error, as the
@@ -26,11 +28,12 @@ import torch
 
 from ds_omni.data.media import square_image
 from ds_omni.data.problems import SampleError
+from ds_omni.data.templates import (ChatTemplate, first_difference, render,
+                                    resolve_template, to_messages)
 from ds_omni.errors import DataError
 from ds_omni.model.family import EncodedItem, Family, ItemProcessor
 
-ROLE_PREFIX = {"human": "USER: ", "user": "USER: ", "gpt": "ASSISTANT: ", "assistant": "ASSISTANT: "}
-ASSISTANT_ROLES = ("gpt", "assistant")
+ROLE_PREFIX = {"user": "USER: ", "assistant": "ASSISTANT: ", "system": ""}
 
 
 @dataclass
@@ -69,12 +72,17 @@ class SampleProcessor:
     is split on the markers before tokenising and each marker is replaced by the tokens its item's
     processor gives (its placeholder token repeated once per embedding, plus any wrapper tokens),
     so the tokenizer needs no marker token of its own.
+
+    `template`: the chat template conversations are rendered with; default: the tokenizer's own,
+    or "plain" for a tokenizer without one (`templates.resolve_template("auto", ...)`).
     """
 
     def __init__(self, *, tokenizer, family: Family, item_processors: dict[str, ItemProcessor],
                  markers: dict[str, str], max_seq_len: int, overlong: str = "error",
-                 conversation_strings: str = "parse", image_aspect: str = "crop"):
+                 conversation_strings: str = "parse", image_aspect: str = "crop",
+                 template: ChatTemplate | None = None):
         self.tokenizer = tokenizer
+        self.template = template or resolve_template("auto", tokenizer)
         self.conversation_strings = conversation_strings
         self.image_aspect = image_aspect
         self.family = family
@@ -87,8 +95,16 @@ class SampleProcessor:
         # that trains on it), and role prefixes and prompts repeat: remember recent pieces.
         self._encode = functools.lru_cache(maxsize=8192)(self._encode_piece)
 
-    def _encode_piece(self, piece: str) -> tuple[int, ...]:
-        return tuple(self.tokenizer(piece, add_special_tokens=False)["input_ids"])
+    def _encode_piece(self, piece: str, continued: bool = False) -> tuple[int, ...]:
+        """`continued`: the piece follows other text, so a tokenizer that marks the start of its
+        input (SentencePiece's prefix space) must not mark it; encoded after a newline that is
+        then dropped, as transformers does for the same problem."""
+        encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+        if continued:
+            newline, ids = encode("\n"), encode("\n" + piece)
+            if ids[:len(newline)] == newline:
+                return tuple(ids[len(newline):])
+        return tuple(encode(piece))
 
     # ------------------------------------------------------------------------------ public
     def __call__(self, *, text: Any, media: dict[str, list[Any]], sample_id: str,
@@ -115,9 +131,29 @@ class SampleProcessor:
                 raise SampleError(f"{where} has {enc} items but the model has no {enc} encoder",
                                   "other")
         items = {enc: [self._item(enc, x, where, measure) for x in xs] for enc, xs in media.items()}
-        ids, mask, ordered, items_end = self._tokenize(self._segments(text, where), items, where)
+        segments, rendered = self._segments(text, where)
+        ids, mask, ordered, items_end = self._tokenize(segments, items, where, bos=not rendered)
+        if rendered:
+            self._check_cuts(segments, ids, items, where)
         ids, mask = self._fit(ids, mask, items_end, where)
         return ids, mask, ordered
+
+    def _check_cuts(self, segments, ids, items, where) -> None:
+        """The text cut where trained spans begin and end tokenises to the ids of the whole (as
+        `apply_chat_template` tokenises it), so the mask's edges are token edges and every prompt
+        tokenises as it will when served."""
+        whole = self._tokenize([("".join(s for s, _ in segments), False)], items, where,
+                               bos=False)[0]
+        if whole == ids:
+            return
+        at = first_difference(whole, ids)
+        cut = self.tokenizer.decode(whole[max(0, at - 3):at + 3])
+        raise SampleError(f"{where}: with {self.template.origin}, the text around token {at} "
+                          f"({cut!r}) tokenises differently cut at a turn boundary than whole: "
+                          "the template is not prefix-stable for this tokenizer (a token spans "
+                          "the end of a prompt and the start of its answer). Use a template "
+                          "that ends each prompt and each answer at a special token or a newline, "
+                          "or set data.template to \"plain\"", "template")
 
     def _item(self, enc: str, item: Any, where: str, measure: bool) -> EncodedItem:
         """One raw item through its processor; its DataError gets the sample's name (the item
@@ -132,8 +168,9 @@ class SampleProcessor:
             from ds_omni.data.problems import kind_of
             raise SampleError(f"{where}: {e}", kind_of(e)) from None
 
-    def _segments(self, text, where) -> list[tuple[str, bool]]:
-        """(text, trained-on) pieces in order."""
+    def _segments(self, text, where) -> tuple[list[tuple[str, bool]], bool]:
+        """(text, trained-on) pieces in order; and whether a chat template rendered them (its
+        text holds the bos token, if any)."""
         eos = self.tokenizer.eos_token or ""
         if isinstance(text, str) and self.conversation_strings != "text":
             turns = conversation_string(text)
@@ -146,29 +183,29 @@ class SampleProcessor:
         if isinstance(text, str):
             if not text.strip():
                 raise SampleError(f"{where}: empty text", "text")
-            return [(text + eos, True)]
+            return [(text + eos, True)], False
         if not isinstance(text, list) or not text:
             raise SampleError(f"{where}: expected a conversation (a list of {{'from', 'value'}} "
                               f"turns) or a string, got {type(text).__name__}", "text")
+        messages = to_messages(text, where)
+        if not self.template.plain:
+            modality = {m: self.item_processors[enc].modality for m, enc in self.markers.items()
+                        if enc in self.item_processors}
+            return render(self.template, self.tokenizer, messages, where, modality), True
         segments = []
-        for turn in text:
-            if not isinstance(turn, dict):
-                raise SampleError(f"{where}: bad turn {turn!r}; turns are objects", "text")
-            role, value = turn.get("from") or turn.get("role"), turn.get("value") or turn.get("content")
-            if role not in ROLE_PREFIX or not isinstance(value, str):
-                raise SampleError(f"{where}: bad turn {turn!r}; turns need 'from' in "
-                                  f"{sorted(ROLE_PREFIX)} and a string 'value'", "text")
-            if role in ASSISTANT_ROLES:
-                segments += [(ROLE_PREFIX[role], False), (value + eos, True), ("\n", False)]
+        for m in messages:
+            if m["role"] == "assistant":
+                segments += [(ROLE_PREFIX["assistant"], False), (m["content"] + eos, True),
+                             ("\n", False)]
             else:
-                segments.append((ROLE_PREFIX[role] + value + "\n", False))
-        if not any(trained and s.strip() for s, trained in segments):
-            raise SampleError(f"{where}: no assistant turn to train on", "text")
-        return segments
+                segments.append((ROLE_PREFIX[m["role"]] + m["content"] + "\n", False))
+        return segments, False
 
-    def _tokenize(self, segments, items: dict[str, list[EncodedItem]], where):
-        """Token ids, loss mask, the items in text order, and where the last item's tokens end."""
-        ids = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
+    def _tokenize(self, segments, items: dict[str, list[EncodedItem]], where, bos: bool = True):
+        """Token ids, loss mask, the items in text order, and where the last item's tokens end.
+        Pieces after the first are encoded as continuations when a chat template rendered them."""
+        bos_id = self.tokenizer.bos_token_id if bos else None
+        ids = [bos_id] if bos_id is not None else []
         mask = [False] * len(ids)
         ordered: list[tuple[str, EncodedItem]] = []
         used = {enc: 0 for enc in items}
@@ -177,7 +214,7 @@ class SampleProcessor:
             for piece in self._split.split(text) if self.markers else [text]:
                 enc = self.markers.get(piece)
                 if enc is None:
-                    toks = self._encode(piece) if piece else []
+                    toks = self._encode(piece, not bos and bool(ids)) if piece else []
                     ids += toks
                     mask += [trained] * len(toks)
                     continue

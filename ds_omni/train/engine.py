@@ -27,6 +27,7 @@ from ds_omni.data.build import build_loader
 from ds_omni.data.loader import StepBatch, check_per_sequence, reorder_group_size
 from ds_omni.data.check import startup_check
 from ds_omni.data.skipped import SKIPPED_FILE, flush_skipped, skipped_totals
+from ds_omni.data.templates import carry_template, training_template
 from ds_omni.ds_config import derive_ds_config, load_ds_json
 from ds_omni.errors import DataError, LaunchError
 from ds_omni.parallel import dist
@@ -207,6 +208,8 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
         dist.barrier()
     built = build_model(cfg.model)
     built.model.train()  # from_pretrained hands models over in eval mode: dropout would stay off
+    # the tokenizer carries the template trained with into checkpoints and the HF export
+    carry_template(built.tokenizer, training_template(cfg.data.template, built))
     if plan.sp_enabled:  # the LLM's attention goes Ulysses; encoders keep theirs
         built.model.set_attention(cfg.model.attn_implementation, mpu.get_sequence_parallel_group())
     if blocks:

@@ -40,6 +40,7 @@ def _config(case: dict, out_dir: str):
     if case.get("eval_sources"):
         from ds_omni.config import SourceConfig, from_dict
         cfg.data.eval_sources = [from_dict(SourceConfig, s) for s in case["eval_sources"]]
+    cfg.data.max_seq_len = case.get("max_seq_len", cfg.data.max_seq_len)
     return cfg
 
 
@@ -68,8 +69,9 @@ def cases(tmp_path_factory):
                        "sources": vision},
         "qwen2_vl": {"stages": [3], "model_dir": str(family_dirs.make_qwen2_vl_dir(tmp / "q")),
                      "sources": vision},
+        # its processor saved Qwen2-Audio's ChatML template: samples render with it (longer)
         "qwen2_audio": {"stages": [3], "model_dir": str(family_dirs.make_qwen2_audio_dir(tmp / "a")),
-                        "sources": [tones, text]},
+                        "sources": [tones, text], "max_seq_len": 192},
         # planted errors: the oracle must fail on these (one step is enough to see them)
         **{plant: {"stages": [2], "plant": plant, "steps": 1} for plant in oracle.PLANTS},
     }

@@ -65,7 +65,9 @@ def families(tmp_path_factory) -> dict:
         "qwen2_audio": {"model_dir": str(family_dirs.make_qwen2_audio_dir(tmp / "a")),
                         "sources": [{"name": "tones", "path": "builtin:tones",
                                      "schema": {"text": "conversations", "image": None,
-                                                "audio": "audio"}}, text]},
+                                                "audio": "audio"}}, text],
+                        # its processor saved Qwen2-Audio's ChatML template: samples render with it
+                        "max_seq_len": 192},
         "composed": {"model": {"tokenizer": "builtin:shapes", "vision": {"config": dict(TINY_VISION)},
                                "audio": {"config": WHISPER}, "llm": {"config": QWEN2_ONE_KV}},
                      "sources": [{"name": "shapes_tones", "path": "builtin:shapes_tones",

@@ -90,9 +90,15 @@ def test_export_loads_in_transformers_and_generates(tmp_path):
     hf_state = model.state_dict()
     assert torch.equal(hf_state["lm_head.weight"], trained["backbone.lm_head.weight"])
     row = shapes_rows(1, seed=7)[0]
-    inputs = processor(images=[Image.open(io.BytesIO(row["image"]["bytes"]))],
-                       text="<s>USER: <image>\nWhat is in the picture?\nASSISTANT: ",
+    image = Image.open(io.BytesIO(row["image"]["bytes"]))
+    inputs = processor(images=[image], text="<s>USER: <image>\nWhat is in the picture?\nASSISTANT: ",
                        return_tensors="pt")
+    # the export carries the template trained with ("plain": the demo tokenizer has none)
+    chat = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image", "image": image},
+                                      {"type": "text", "text": "\nWhat is in the picture?"}]}],
+        add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt")
+    assert torch.equal(chat["input_ids"], inputs["input_ids"])
     generated = model.generate(**inputs, max_new_tokens=5, do_sample=False)
     assert generated.shape[1] == inputs["input_ids"].shape[1] + 5
 

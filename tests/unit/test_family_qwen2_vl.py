@@ -211,3 +211,37 @@ def test_freezing_parts(qwen2_vl_dir):
     assert trainable and all(n.startswith("encoders.vision.projector.") for n in trainable)
     model(pack(_samples(built)[0][:1], built.item_processors)).loss_sum.backward()
     assert all(p.grad is None for n, p in model.named_parameters() if n not in trainable)
+
+
+def test_trained_on_its_chat_template_a_sample_is_the_exported_processors_prompt(built, tmp_path):
+    """With Qwen2-VL's own template (system prompt, two images of different sizes), a sample has
+    the ids HF's processor makes of `apply_chat_template`'s prompt on the exported directory, and
+    the mask covers the answer and its end of turn."""
+    import copy
+    from ds_omni.data.processing import SampleProcessor
+    from ds_omni.data.templates import carry_template, resolve_template
+    from ds_omni.model.convert import export_hf
+    from tests.chat_templates import QWEN2_VL
+    tok = copy.deepcopy(built.tokenizer)
+    tok.chat_template = QWEN2_VL
+    template = resolve_template("auto", tok)
+    carry_template(tok, template)
+    export_hf(built.model, tmp_path, tok, model_dir=built.model_dir)
+    _, img = _images()
+    turns = [{"from": "system", "value": "Answer briefly."},
+             {"from": "human", "value": "<image><image>\nWhich one is larger?"},
+             {"from": "gpt", "value": "the first"}]
+    sample = SampleProcessor(tokenizer=tok, family=built.family,
+                             item_processors=built.item_processors, markers={"vision": "<image>"},
+                             max_seq_len=4096, template=template)(
+        text=turns, media={"vision": img[1:]}, sample_id="two", source="t")
+    hf_proc = hf_processor(tmp_path)
+    assert hf_proc.tokenizer.chat_template == QWEN2_VL
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                             {"type": "text", "text": "\nWhich one is larger?"}]},
+                {"role": "assistant", "content": "the first"}]
+    prompt = hf_proc.tokenizer.apply_chat_template(messages, tokenize=False)
+    out = hf_proc(text=[prompt], images=img[1:], return_tensors="pt")
+    assert sample.input_ids.tolist() == out["input_ids"][0].tolist()
+    assert tok.decode(sample.input_ids[sample.loss_mask]) == "the first<|im_end|>"
