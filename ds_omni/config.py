@@ -120,7 +120,7 @@ class SchemaConfig:
 
 @dataclass(kw_only=True)
 class SourceConfig:
-    """One data source, streamed through HF `datasets`."""
+    """One data source: local files read chunk by chunk."""
 
     name: str
     """Short name, used in metrics and error messages."""
