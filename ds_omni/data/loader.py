@@ -2,8 +2,9 @@
 
 One global step, on every data-parallel rank:
   1. read: the mixer picks a source for each of this rank's slots; each source's cursor streams
-     this rank's chunks (read from its position: a parquet row group, a jsonl byte offset); each row is *measured* (tokens, encoder sequence
-     lengths, modelled cost) without decoding its media;
+     this rank's chunks (each read from its own position: a parquet row group, a jsonl byte
+     offset); each row is *measured* (tokens, encoder sequence lengths, modelled cost) without
+     decoding its media;
   2. plan: the G ranks of the group all-gather only these measurements and each computes the same
      assignment of the group's samples to ranks and micro-batches (`reorder.py`): in "fixed" mode
      the group's share of a fixed-size global batch is balanced, in "budget" mode every rank is
