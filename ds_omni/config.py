@@ -218,6 +218,9 @@ class DataConfig:
     max_bad_run: int = 1000
     """With on_bad_sample="skip": this many bad rows in a row from one source on one rank (or a
     whole source's worth, if fewer) is an error naming the source, not an endless search."""
+    prefetch_steps: int = 1
+    """Steps whose batches a background thread reads, processes and packs while the current step
+    trains (same samples, same order); 0 loads each step when it is due."""
 
     def __post_init__(self):
         if not self.sources:
@@ -232,6 +235,9 @@ class DataConfig:
                               f"{self.max_seq_len}: a long sample would fit no micro-batch")
         if self.chunk_rows < 1:
             raise ConfigError(f"data.chunk_rows must be >= 1, got {self.chunk_rows}")
+        if self.prefetch_steps < 0:
+            raise ConfigError(f"data.prefetch_steps must be >= 0 (0: no prefetch), got "
+                              f"{self.prefetch_steps}")
         if self.max_aspect_ratio < 1 or self.max_bad_run < 1:
             raise ConfigError(f"data: need max_aspect_ratio >= 1 and max_bad_run >= 1; got "
                               f"{self.max_aspect_ratio}, {self.max_bad_run}")

@@ -1,6 +1,6 @@
 """Progress, metrics and the end-of-run report (rank 0 writes; other ranks stay quiet).
 
-- a progress bar with step, loss, tokens/s and ETA (tqdm);
+- a progress bar with step, loss, tokens/s, the share of the step spent waiting for data, ETA;
 - `metrics.jsonl`: one JSON record per logged step (appended across resumes);
 - `report.json` and `loss_curve.png` at the end.
 """
@@ -29,7 +29,9 @@ class MetricsLogger:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                             **({"data_wait": f"{record['data_wait_s'] / record['step_s']:.0%}"}
+                                if "data_wait_s" in record and record.get("step_s") else {}))
         if self.monitor is not None and self.monitor.enabled:
             self.monitor.write_events([("Train/loss", record["loss"], record["step"]),
                                        ("Train/tokens_per_s", record["tokens_per_s"], record["step"])])
