@@ -35,6 +35,8 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path):
     assert [r["step"] for r in split] == list(range(2 * N))
     assert [r["sample_keys"] for r in split] == keys
     assert [r["loss"] for r in split] == pytest.approx(full.losses, rel=1e-5)
+    # the next step was loaded on the prefetch thread (on by default) while each step trained
+    assert all(0 <= r["data_wait_s"] <= r["step_s"] for r in split)
     state = json.loads((Path(out) / "checkpoints" / f"step{2 * N:08d}" / "loader_state.json").read_text())
     assert state["version"] == 2 and state["dp_size"] == 2 and state["step"] == 2 * N
 
