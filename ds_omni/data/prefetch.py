@@ -12,7 +12,8 @@ Collectives: the thread's all-gathers go over the loader's own gloo groups (`ste
 start-up), so they never interleave with the training step's collectives on one group. Stopping
 the thread is in lockstep over the ranks: it finishes every step it was allowed (the steps taken
 + prefetch_steps, the same number on every rank), so no rank's thread is left in an all-gather
-its peers never enter. On an error the thread is abandoned (a daemon: it cannot hold the process).
+its peers never enter. On an error the thread gets a minute to do the same, then is abandoned (a
+daemon: it cannot hold the process).
 
 A thread, not worker processes: decoding (PIL), tokenising (tokenizers) and the array work of
 the HF processors release the GIL, as do torch's kernels on the training side; the Python glue
@@ -30,6 +31,8 @@ import torch
 
 from ds_omni.data.loader import OmniLoader, StepBatch
 from ds_omni.errors import DataError
+
+ABORT_WAIT_S = 60.0  # how long a failing run waits for the thread's last allowed steps
 
 
 @dataclass
@@ -109,21 +112,21 @@ class Prefetcher:
             self.taken = None
 
     def close(self, abort: bool = False) -> None:
-        """Stop the thread: after the steps it was allowed (every rank the same), or, with
-        `abort` (an error is on its way), at once. Then the loader is put back at the position
-        of the steps taken (not after an abort: the run is ending)."""
+        """Stop the thread after the steps it was allowed (the same number on every rank, so every
+        all-gather it began completes) and put the loader back at the position of the steps
+        taken. `abort` (an error is on its way): wait at most ABORT_WAIT_S and leave the loader
+        as it is."""
         thread = self._thread
         with self._cond:
             self._closing = True
-            if abort:
-                self._limit = 0
             self._cond.notify_all()
         if thread is not None:
-            thread.join(5.0 if abort else self.timeout_s)
+            thread.join(min(ABORT_WAIT_S, self.timeout_s) if abort else self.timeout_s)
             if thread.is_alive():
                 if abort:
                     return
-                raise DataError(f"the data prefetch thread did not stop within {self.timeout_s:.0f} s")
+                raise DataError(f"the data prefetch thread did not stop within "
+                                f"{self.timeout_s:.0f} s")
         self._thread, self._closing, self._error = None, False, None
         self._made.clear()
         if not abort:
