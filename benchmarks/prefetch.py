@@ -5,8 +5,9 @@
 One data-parallel rank with the loader of `benchmarks/loader.py` (4 parquet sources, 256x256
 JPEGs, global batch 16 in micro-batches of 4: image decoding, the HF image processor, tokenising
 and packing per step). The training step is the tiny LLaVA's forward and backward on the step's
-micro-batches, slowed by a fixed number of matmuls so that it takes about as long as loading a
-step (both measured first). The trainer holds one core (`torch.set_num_threads(1)`); the loader
+first micro-batch, slowed by a fixed number of matmuls (which release the GIL, as a GPU step's
+host thread does while it waits for the device) so that it takes about as long as loading a step
+(both measured first). The trainer holds one core (`torch.set_num_threads(1)`); the loader
 thread has the other.
 
 Per repeat, the same N steps with `data.prefetch_steps` 0 then 1 (fresh loaders, the same
@@ -35,9 +36,11 @@ IMAGE_PX = 256  # decoding these makes a step's loading about as long as the tin
 
 
 def train_step(model, batch, work, matmuls: int) -> None:
-    """Forward and backward of every micro-batch, then `matmuls` 1-thread matmuls."""
-    for mb in batch.micro_batches:
-        model(mb).loss_sum.backward()
+    """Forward and backward of the first micro-batch, then `matmuls` 1-thread matmuls.
+
+    The tiny model on CPU is all interpreter and dispatch (it holds the GIL); a GPU step's host
+    thread mostly waits for the device. The matmuls stand for that: they release the GIL."""
+    model(batch.micro_batches[0]).loss_sum.backward()
     for _ in range(matmuls):
         work @ work
 
