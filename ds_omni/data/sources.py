@@ -277,7 +277,7 @@ class ParquetRows:
     def __init__(self, path: str):
         import pyarrow.parquet as pq
         self.path = path
-        meta = pq.read_metadata(path)
+        self.meta = meta = pq.read_metadata(path)  # parsed once: each chunk's handle reuses it
         self.num_rows = meta.num_rows
         self.starts = [0]
         for g in range(meta.num_row_groups):
@@ -287,7 +287,7 @@ class ParquetRows:
     @cached_property
     def file(self):
         import pyarrow.parquet as pq
-        return pq.ParquetFile(self.path)
+        return pq.ParquetFile(self.path, metadata=self.meta)
 
     def _read_group(self, g: int):
         return self.file.read_row_group(g)
@@ -303,7 +303,7 @@ class ParquetRows:
         first = bisect.bisect_right(self.starts, start) - 1
         last = bisect.bisect_right(self.starts, stop - 1) - 1
         pos = self.starts[first]  # the row the next batch begins at
-        with pq.ParquetFile(self.path) as f:
+        with pq.ParquetFile(self.path, metadata=self.meta) as f:
             for batch in f.iter_batches(batch_size=STREAM_BATCH, row_groups=range(first, last + 1),
                                         use_threads=False):
                 lo, hi = max(start - pos, 0), min(stop - pos, batch.num_rows)
