@@ -77,8 +77,8 @@ def make_large_sources(root: Path, n_sources: int, rows: int, image_size: int,
                        row_group: int | None = LARGE_ROW_GROUP) -> list[dict]:
     """n_sources parquet files of `rows` rows each (2,000 pictures repeated, ids unique), in row
     groups of `row_group` rows (None: `datasets`' own, up to 100 MB), written once and reused."""
-    specs = [{"name": f"src{s:03d}", "path": str(root / f"src{s:03d}.parquet"), "weight": 1.0 + s % 3}
-             for s in range(n_sources)]
+    specs = [{"name": f"src{s:03d}", "path": str(root / f"src{s:03d}.parquet"),
+              "weight": 1.0 + s % 3} for s in range(n_sources)]
     if all(Path(s["path"]).exists() for s in specs):
         return specs
     import datasets
@@ -184,7 +184,8 @@ def child_throughput(kind: str, workers: int, steps: int, root: str, rows: int =
     run(2)  # warm up: file opening, first streams, worker start
     t0, c0 = time.perf_counter(), time.process_time()
     n, loader = run(steps)
-    out = {"samples": n, "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
+    out = {"samples": n, "seconds": time.perf_counter() - t0,
+           "cpu_seconds": time.process_time() - c0}
     if kind == "ds_omni":
         loader.close()
     return out
@@ -366,7 +367,8 @@ def plot(result: dict, path: Path) -> None:
     if "large_files" in result:
         per = result["large_files"]["rows_per_file"]
         rows = sorted(per, key=int)
-        for key, label in (("ds_omni_median", "ds_omni"), ("baseline_median", "interleave, 0 workers")):
+        for key, label in (("ds_omni_median", "ds_omni"),
+                           ("baseline_median", "interleave, 0 workers")):
             c.plot([int(r) for r in rows], [per[r][key] for r in rows], marker="o", label=label)
         c.set_xscale("log")
         c.set_ylim(bottom=0)
