@@ -183,7 +183,7 @@ class SchemaConfig:
 
 @dataclass(kw_only=True)
 class SourceConfig:
-    """One data source, streamed through HF `datasets`."""
+    """One data source: local files read chunk by chunk."""
 
     name: str
     """Short name, used in metrics and error messages."""
@@ -290,6 +290,9 @@ class DataConfig:
     on), "plain" (USER: ... ASSISTANT: ..., for tokenizers without a template), the path of a
     Jinja file, or "auto": "model" when the tokenizer has a template, else "plain". Checkpoints
     and HF exports carry the template used."""
+    prefetch_steps: int = 1
+    """Steps whose batches a background thread reads, processes and packs while the current step
+    trains (same samples, same order); 0 loads each step when it is due."""
 
     def __post_init__(self):
         eval_names = [s.name for s in self.eval_sources]
@@ -305,6 +308,9 @@ class DataConfig:
         if self.chunk_rows < 1:
             raise ConfigError(f"data.chunk_rows must be >= 1, got {self.chunk_rows}")
         check_template_spec(self.template)
+        if self.prefetch_steps < 0:
+            raise ConfigError(f"data.prefetch_steps must be >= 0 (0: no prefetch), got "
+                              f"{self.prefetch_steps}")
         if self.max_aspect_ratio < 1 or self.max_bad_run < 1:
             raise ConfigError(f"data: need max_aspect_ratio >= 1 and max_bad_run >= 1; got "
                               f"{self.max_aspect_ratio}, {self.max_bad_run}")

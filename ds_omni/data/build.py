@@ -36,11 +36,13 @@ def sample_processors(cfg: OmniConfig, built, sources=None) -> dict[str, SampleP
 
 
 def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micro: int,
-                 comm: DataComm | None = None, sp_rank: int = 0, sp_size: int = 1) -> OmniLoader:
-    """The loader of one data-parallel rank; under SP (sp_size > 1) it packs shard `sp_rank`."""
+                 comm: DataComm | None = None, sp_rank: int = 0, sp_size: int = 1,
+                 step_comm: DataComm | None = None) -> OmniLoader:
+    """The loader of one data-parallel rank; under SP (sp_size > 1) it packs shard `sp_rank`.
+    `step_comm`: other groups for the all-gathers of its steps (a prefetch thread runs them)."""
     sources = [Source(s, chunk_rows=cfg.data.chunk_rows) for s in cfg.data.sources]
     cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
     return OmniLoader(sources, sample_processors(cfg, built), cost, cfg.data,
                       global_batch_size=cfg.train.global_batch_size, num_micro=num_micro,
                       dp_rank=dp_rank, dp_size=dp_size, comm=comm, sp_rank=sp_rank, sp_size=sp_size,
-                      max_sequence_sp=cfg.parallel.max_sequence_sp)
+                      max_sequence_sp=cfg.parallel.max_sequence_sp, step_comm=step_comm)

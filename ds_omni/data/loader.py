@@ -2,8 +2,9 @@
 
 One global step, on every data-parallel rank:
   1. read: the mixer picks a source for each of this rank's slots; each source's cursor streams
-     this rank's chunks (HF datasets streaming); each row is *measured* (tokens, encoder sequence
-     lengths, modelled cost) without decoding its media;
+     this rank's chunks (each read from its own position: a parquet row group, a jsonl byte
+     offset); each row is *measured* (tokens, encoder sequence lengths, modelled cost) without
+     decoding its media;
   2. plan: the G ranks of the group all-gather only these measurements and each computes the same
      assignment of the group's samples to ranks and micro-batches (`reorder.py`): in "fixed" mode
      the group's share of a fixed-size global batch is balanced, in "budget" mode every rank is
@@ -110,7 +111,8 @@ class OmniLoader:
     def __init__(self, sources: list[Source], processors: dict[str, SampleProcessor],
                  cost_model: CostModel, cfg: DataConfig, *, global_batch_size: int,
                  num_micro: int, dp_rank: int, dp_size: int, comm: DataComm | None = None,
-                 sp_rank: int = 0, sp_size: int = 1, max_sequence_sp: int = 1):
+                 sp_rank: int = 0, sp_size: int = 1, max_sequence_sp: int = 1,
+                 step_comm: DataComm | None = None):
         self.sources = {s.name: s for s in sources}
         self.processors = processors
         self.item_processors = next(iter(processors.values())).item_processors
@@ -121,6 +123,8 @@ class OmniLoader:
         # the ranks of one SP group read the same rows; each packs its own shard of them
         self.shard = (SeqShard(sp_rank, sp_size, self._item_cost) if sp_size > 1 else None)
         self.comm = comm or LocalComm()
+        # the all-gathers of `next_step`: groups of their own when steps run on a prefetch thread
+        self.step_comm = step_comm or self.comm
         self.mode = cfg.reorder.mode
         self.group_size = reorder_group_size(cfg, dp_size)
         if global_batch_size % dp_size:
@@ -278,7 +282,7 @@ class OmniLoader:
     # ------------------------------------------------------------------------------ planning
     def _plan_fixed(self) -> tuple[list[list[str]], dict]:
         local = self._read(self.global_batch_size // self.dp_size)
-        group = [m for part in self.comm.group_all_gather(local) for m in part]
+        group = [m for part in self.step_comm.group_all_gather(local) for m in part]
         cost = np.array([m.cost for m in group])
         tokens = np.array([m.tokens for m in group], dtype=np.int64)
         if self.mode == "loader_order":
@@ -299,7 +303,7 @@ class OmniLoader:
         if self.cost_budget is None:
             self.cost_budget = self._first_budget(samples_per_rank)
         while self.planner.wants_more(self.cost_budget):
-            new = [m for part in self.comm.group_all_gather(
+            new = [m for part in self.step_comm.group_all_gather(
                 self._read(max(1, samples_per_rank // 2))) for m in part]
             if not new:  # the whole group ran dry (or hit a problem): plan what is buffered
                 break
@@ -328,8 +332,9 @@ class OmniLoader:
         """Mean modelled cost of a first read on every rank x samples per rank: the same number on
         every rank of every group (the reads go into the buffer)."""
         first = self._read(samples_per_rank)
-        self._buffer([m for part in self.comm.group_all_gather(first) for m in part])
-        everyone = [c for part in self.comm.world_all_gather([m.cost for m in first]) for c in part]
+        self._buffer([m for part in self.step_comm.group_all_gather(first) for m in part])
+        everyone = [c for part in self.step_comm.world_all_gather([m.cost for m in first])
+                    for c in part]
         return reorder.rank_budget(np.array(everyone), samples_per_rank)
 
     def _buffer(self, measured: list[Measured]) -> None:
@@ -438,16 +443,19 @@ class OmniLoader:
     def rewind(self) -> None:
         """Undo the last `next_step`, whose batch was not trained (the run stopped before it):
         the position goes back to where that step began, so a resumed run reads its samples."""
-        start = self._step_start
-        self.step, self.cost_budget = start["step"], start["cost_budget"]
+        self.restore(self._step_start)
+
+    def restore(self, position: dict) -> None:
+        """Go back (or forward) to a position `_position` returned."""
+        self.step, self.cost_budget = position["step"], position["cost_budget"]
         self.cursors = self._make_cursors()
         for name, cursor in self.cursors.items():
-            cursor.load_state_dict(start["local"]["cursors"][name])
-        self.mixer.load_state_dict(start["local"]["mixer"])
-        self.skipped = dict(start["local"]["skipped"])
+            cursor.load_state_dict(position["local"]["cursors"][name])
+        self.mixer.load_state_dict(copy.deepcopy(position["local"]["mixer"]))
+        self.skipped = dict(position["local"]["skipped"])
         if self.planner is not None:
-            self.planner.load_state_dict(start["planner"])
-        self.rows = {}
+            self.planner.load_state_dict(copy.deepcopy(position["planner"]))
+        self.rows, self.skip_log = {}, []
 
     def _position(self) -> dict:
         """A copy of this rank's data position (what `rewind` goes back to)."""
@@ -466,15 +474,17 @@ class OmniLoader:
                 "chunk_rows": {n: s.chunk_rows for n, s in self.sources.items()},
                 "mixer": self.mixer.state_dict(), "skipped": dict(self.skipped)}
 
-    def state_dict(self) -> dict:
-        """The whole run's data state (call on every rank; every rank gets the same dict)."""
-        ranks = self.comm.world_all_gather(self.local_state())
+    def state_dict(self, position: dict | None = None) -> dict:
+        """The whole run's data state (call on every rank; every rank gets the same dict), now or
+        at a `position` of this loader's (`_position()`: the prefetcher's steps taken)."""
+        position = position or self._position()
+        ranks = self.comm.world_all_gather(position["local"])
         planners = self.comm.world_all_gather(
-            self.planner.state_dict() if self.planner is not None and self.group_rank == 0 else None)
+            position["planner"] if self.planner is not None and self.group_rank == 0 else None)
         return {"version": LOADER_STATE_VERSION, "dp_size": self.dp_size,
-                "group_size": self.group_size, "mode": self.mode, "step": self.step,
+                "group_size": self.group_size, "mode": self.mode, "step": position["step"],
                 "seed": self.cfg.seed, "schedule": self.schedule.state_dict(),
-                "cost_budget": self.cost_budget, "ranks": ranks,
+                "cost_budget": position["cost_budget"], "ranks": ranks,
                 "groups": [p for p in planners if p is not None]}
 
     def load_state_dict(self, state: dict) -> None:

@@ -78,7 +78,13 @@ class MicroBatch:
         return mask.nonzero().squeeze(1).to(self.input_ids.device, non_blocking=True)
 
     def to(self, device) -> "MicroBatch":
-        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+    def pin_memory(self) -> "MicroBatch":
+        """The same on page-locked host memory (CUDA only), so `to` copies asynchronously."""
+        return self._map(torch.Tensor.pin_memory)
+
+    def _map(self, move) -> "MicroBatch":
         return MicroBatch(
             input_ids=move(self.input_ids), targets=move(self.targets),
             position_ids=move(self.position_ids), cu_seqlens=self.cu_seqlens,  # stays on CPU

@@ -1,17 +1,22 @@
-"""Data sources: local files streamed with HF `datasets`, plus random access by locator.
+"""Data sources: local files read by chunk and by locator, with media left undecoded.
 
 A source is a list of files of one format (parquet, jsonl, arrow, webdataset tar, or one
 `save_to_disk` directory), cut into fixed chunks of rows. A data-parallel rank reads its own chunks
-sequentially through HF `datasets` streaming (`load_dataset(..., streaming=True)` with media left
-undecoded). Every row has a `Locator` (source, file, row), so after grouped reordering the rank a
-sample is assigned to reads that one row itself (`Source.fetch`): no payload crosses ranks.
+sequentially, each from where it starts (`Source.stream`). Every row has a `Locator` (source, file,
+row), so after grouped reordering the rank a sample is assigned to reads that one row itself
+(`Source.fetch`): no payload crosses ranks.
 
-Random access per format: parquet by row group (pyarrow), arrow and save_to_disk through datasets'
-memory map, jsonl through a sparse line-offset index, a JSON array (or an object holding a list)
-through a sparse element-offset index (`json_docs.py`; such files also stream through it rather
-than HF, which would read them whole), tar through a member index (tars also stream through it:
-HF's builder fails on tars that mix image and text-only samples); each index is built lazily,
-only for the files a rank touches.
+Both go through one reader per file, so a chunk costs its own rows, not the rows before it (HF
+streaming's `skip(start)` reads every skipped row: R^2 / 2C row reads per epoch for a file of R
+rows in chunks of C). Per format: parquet by row group (pyarrow: a chunk decodes the row groups
+it overlaps, from the first one's start), arrow and save_to_disk through datasets' memory map,
+jsonl through a sparse line-offset index (seek, then skip at most JSON_INDEX_STRIDE - 1 unparsed
+lines), a JSON array (or an object holding a list) through a sparse element-offset index
+(`json_docs.py`), tar through a member index (HF's builder fails on tars that mix image and
+text-only samples); each index is built lazily, only for the files a rank touches. Rows come
+as `datasets` streaming with `decode(False)` gives them (media as bytes/path structs), except
+that a jsonl row is what `json.loads` makes of its line (HF would add the keys other rows of
+its block have, as None).
 
 Relative media paths resolve against `schema.root`, else the folder of the data file the row came
 from (LLaVA's convention), so a config does not depend on the directory it is launched from.
@@ -38,6 +43,7 @@ from ds_omni.errors import DataError
 FORMAT_BY_SUFFIX = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow",
                     ".tar": "webdataset"}
 JSON_INDEX_STRIDE = 256  # jsonl: remember every 256th line start
+STREAM_BATCH = 256  # rows made into Python objects at a time when a chunk is read
 
 
 @dataclass(frozen=True)
@@ -136,7 +142,6 @@ class Source:
         self.fmt, self.files = resolve_files(cfg)
         self.chunk_rows = chunk_rows
         self._readers: dict[int, Any] = {}
-        self._streams: dict[int, Any] = {}  # file -> its HF IterableDataset (built once)
 
     # ----------------------------------------------------------------------------- layout
     @cached_property
@@ -177,24 +182,10 @@ class Source:
 
     # ----------------------------------------------------------------------------- reading
     def stream(self, chunk: Chunk, start: int) -> Iterator[tuple[Locator, dict]]:
-        """Rows `start..chunk.stop` of `chunk`, through HF datasets streaming (media undecoded)."""
-        own = self._reader(chunk.file).doc if self.fmt == "json" else \
-            self._reader(chunk.file) if self.fmt == "webdataset" else None
-        rows = own.rows(start, chunk.stop) if own is not None else \
-            self._stream(chunk.file).skip(start).take(chunk.stop - start)
+        """Rows `start..chunk.stop` of `chunk`, read from `start` on (media undecoded)."""
+        rows = self._reader(chunk.file).rows(start, chunk.stop)
         for i, row in enumerate(rows, start=start):
             yield Locator(self.name, chunk.file, i), row
-
-    def _stream(self, f: int):
-        if f not in self._streams:
-            import datasets
-            if self.fmt == "disk":
-                ds = datasets.load_from_disk(self.files[0]).to_iterable_dataset()
-            else:
-                ds = datasets.load_dataset(self.fmt, data_files=[self.files[f]], split="train",
-                                           streaming=True)
-            self._streams[f] = ds.decode(False)
-        return self._streams[f]
 
     def fetch(self, loc: Locator) -> dict:
         """One row by locator (random access), in the same form `stream` gives."""
@@ -274,27 +265,57 @@ class Source:
 
 # ------------------------------------------------------------------------- random access
 class ParquetRows:
-    """Row i of a parquet file: parquet's unit of reading is the row group, so the last few row
-    groups read stay cached (the rows a rank fetches come in runs from other ranks' chunks).
-    Files with small row groups (hundreds of rows, as `datasets` writes media) fetch cheaply."""
+    """Rows of a parquet file by row group, parquet's unit of reading.
+
+    `row(i)`: the last few row groups read stay cached (the rows a rank fetches come in runs from
+    other ranks' chunks); files with small row groups (hundreds of rows, as `datasets` writes
+    media) fetch cheaply. `rows(start, stop)`: decodes the row groups that hold them, batch by
+    batch, through a handle of its own, and makes Python rows of `start..stop` only; a chunk
+    inside one huge row group (pyarrow's default is 1Mi rows) still decodes that group up to
+    `stop`, in Arrow's C++, not row by row."""
 
     def __init__(self, path: str):
         import pyarrow.parquet as pq
-        self.file = pq.ParquetFile(path)
-        meta = self.file.metadata
+        self.path = path
+        self.meta = meta = pq.read_metadata(path)  # parsed once: each chunk's handle reuses it
         self.num_rows = meta.num_rows
         self.starts = [0]
         for g in range(meta.num_row_groups):
             self.starts.append(self.starts[-1] + meta.row_group(g).num_rows)
-        self._group = functools.lru_cache(maxsize=4)(self.file.read_row_group)
+        self._group = functools.lru_cache(maxsize=4)(self._read_group)
+
+    @cached_property
+    def file(self):
+        import pyarrow.parquet as pq
+        return pq.ParquetFile(self.path, metadata=self.meta)
+
+    def _read_group(self, g: int):
+        return self.file.read_row_group(g)
 
     def row(self, i: int) -> dict:
         g = bisect.bisect_right(self.starts, i) - 1
         return self._group(g).slice(i - self.starts[g], 1).to_pylist()[0]
 
+    def rows(self, start: int, stop: int) -> Iterator[dict]:
+        import pyarrow.parquet as pq
+        if start >= stop:
+            return
+        first = bisect.bisect_right(self.starts, start) - 1
+        last = bisect.bisect_right(self.starts, stop - 1) - 1
+        pos = self.starts[first]  # the row the next batch begins at
+        with pq.ParquetFile(self.path, metadata=self.meta) as f:
+            for batch in f.iter_batches(batch_size=STREAM_BATCH, row_groups=range(first, last + 1),
+                                        use_threads=False):
+                lo, hi = max(start - pos, 0), min(stop - pos, batch.num_rows)
+                if lo < hi:
+                    yield from batch.slice(lo, hi - lo).to_pylist()
+                pos += batch.num_rows
+                if pos >= stop:
+                    return
+
 
 class ArrowRows:
-    """Row i of a datasets .arrow file, through datasets' memory map."""
+    """Rows of a datasets .arrow file, through datasets' memory map."""
 
     def __init__(self, path: str):
         import datasets
@@ -303,6 +324,11 @@ class ArrowRows:
 
     def row(self, i: int) -> dict:
         return _undecoded(self.ds, i)
+
+    def rows(self, start: int, stop: int) -> Iterator[dict]:
+        table = self.ds.with_format("arrow")
+        for a in range(start, stop, STREAM_BATCH):
+            yield from table[a:min(a + STREAM_BATCH, stop)].to_pylist()
 
 
 class DiskRows(ArrowRows):
@@ -341,16 +367,28 @@ class JsonRows:
     def row(self, i: int) -> dict:
         if self.doc is not None:
             return self.doc.row(i)
+        return next(self.rows(i, i + 1))
+
+    def rows(self, start: int, stop: int) -> Iterator[dict]:
+        """Lines start..stop-1: seek to the nearest remembered line start, skip unparsed lines."""
+        if self.doc is not None:
+            yield from self.doc.rows(start, stop)
+            return
+        if start >= stop:
+            return
+        if start >= self.num_rows:
+            raise IndexError(start)
         with open(self.path, "rb") as f:
-            f.seek(self.offsets[i // JSON_INDEX_STRIDE])
-            skip = i % JSON_INDEX_STRIDE
+            f.seek(self.offsets[start // JSON_INDEX_STRIDE])
+            i = start - start % JSON_INDEX_STRIDE
             for line in f:
                 if not line.strip():
                     continue
-                if skip == 0:
-                    return json.loads(line)
-                skip -= 1
-        raise IndexError(i)
+                if i >= start:
+                    yield json.loads(line)
+                i += 1
+                if i >= stop:
+                    return
 
 
 MEDIA_EXTENSIONS = {"jpg", "jpeg", "png", "webp", "bmp", "gif", "tiff", "wav", "flac", "mp3",

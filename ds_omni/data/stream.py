@@ -1,7 +1,7 @@
 """A data-parallel rank's read position in one source, and how it moves to another DP size.
 
 Each epoch of a source permutes its chunks with a seed of (data seed, source, epoch); rank r of dp
-reads chunks r, r + dp, r + 2 dp, ... of that order, each from start to end through HF streaming.
+reads chunks r, r + dp, r + 2 dp, ... of that order, each from start to end (`Source.stream`).
 So the position is three numbers: epoch, index into the rank's chunk list, row offset in the chunk.
 The file list itself is not state: every rank derives it from the config.
 

@@ -23,21 +23,32 @@ def data_groups(plan: ParallelPlan, rank: int, group_size: int):
             _own_group(plan.reorder_group_ranks(group_size), rank, world))
 
 
-def _own_group(groups: list[list[int]], rank: int, world: int):
+def loader_step_comm(plan: ParallelPlan, rank: int, group_size: int) -> "TorchDataComm":
+    """The data-parallel and reorder groups again, as new gloo groups of their own (never the
+    default group), for the all-gathers of loader steps run on a prefetch thread: two threads must
+    not issue collectives on one group, and gloo keeps host-side objects off the accelerator."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return TorchDataComm(_own_group(plan.dp_group_ranks(), rank, world, fresh=True),
+                         _own_group(plan.reorder_group_ranks(group_size), rank, world, fresh=True),
+                         plan.dp, group_size)
+
+
+def _own_group(groups: list[list[int]], rank: int, world: int, fresh: bool = False):
     """Create every group of `groups` (all ranks must, in the same order); return `rank`'s."""
     own = None
     for members in groups:
-        pg = _group(members, world)
+        pg = _group(members, world, fresh)
         if rank in members:
             own = pg
     return own
 
 
-def _group(ranks: list[int], world: int):
-    """The default group for the whole world, else a new one (every rank creates every group)."""
-    if len(ranks) == world:
+def _group(ranks: list[int], world: int, fresh: bool = False):
+    """The default group for the whole world, else a new one (every rank creates every group);
+    `fresh`: always a new gloo group (none at all in a single process)."""
+    if world == 1 or (len(ranks) == world and not fresh):
         return None
-    return dist.new_group(ranks)
+    return dist.new_group(ranks, backend="gloo") if fresh else dist.new_group(ranks)
 
 
 def sequence_blocks(world: int, rank: int, max_degree: int) -> dict[tuple[int, int], object]:

@@ -26,6 +26,7 @@ from ds_omni.config import OmniConfig
 from ds_omni.data.build import build_loader
 from ds_omni.data.loader import StepBatch, check_per_sequence, reorder_group_size
 from ds_omni.data.check import startup_check
+from ds_omni.data.prefetch import Prefetcher
 from ds_omni.data.skipped import SKIPPED_FILE, flush_skipped, skipped_totals
 from ds_omni.data.templates import carry_template, training_template
 from ds_omni.ds_config import derive_ds_config, load_ds_json
@@ -33,7 +34,8 @@ from ds_omni.errors import DataError, LaunchError
 from ds_omni.parallel import dist
 from ds_omni.model.attention import resolve_kernel
 from ds_omni.model.build import check_sequence_parallel
-from ds_omni.parallel.groups import TorchDataComm, data_groups, sequence_blocks, sequence_groups
+from ds_omni.parallel.groups import (TorchDataComm, data_groups, loader_step_comm, sequence_blocks,
+                                    sequence_groups)
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.train import checkpoint
 from ds_omni.train.control import WeightsFile
@@ -203,6 +205,7 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
               if cfg.parallel.max_sequence_sp > 1 else {})
     comm = TorchDataComm(dp_group, reorder_group, plan.dp, group_size,
                          mpu.get_sequence_data_parallel_group() if mpu else None, plan.sp)
+    step_comm = loader_step_comm(plan, rank, group_size) if cfg.data.prefetch_steps else None
     # rank 0 makes builtin assets first; the others then only read them
     if rank != 0:
         dist.barrier()
@@ -216,7 +219,7 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
         built.model.set_sequence_blocks(cfg.model.attn_implementation, blocks)
     loader = build_loader(cfg, built, dp_rank=coords.dp_rank, dp_size=plan.dp,
                           num_micro=ds_config["gradient_accumulation_steps"], comm=comm,
-                          sp_rank=coords.sp_rank, sp_size=plan.sp)
+                          sp_rank=coords.sp_rank, sp_size=plan.sp, step_comm=step_comm)
     if rank == 0:
         dist.barrier()
     torch.manual_seed(cfg.train.seed + rank)
@@ -303,8 +306,22 @@ def restore_loader(loader, state: dict) -> None:
 
 def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after, watchdog=None,
           evaluator=None) -> int:
-    step = start
+    """Train from `start`; the loader's next steps are made ahead on a thread
+    (`data.prefetch_steps`), and it is left at the position of the steps trained."""
     end = cfg.train.steps if stop_after is None else min(cfg.train.steps, start + stop_after)
+    feed = Prefetcher(loader, cfg.data.prefetch_steps, until=end, timeout_s=float(
+        os.environ.get("DS_OMNI_DIST_TIMEOUT", DEFAULT_DIST_TIMEOUT_S)))
+    try:
+        step = _steps(cfg, engine, feed, logger, rank, start, end, watchdog, evaluator)
+    except BaseException:
+        feed.close(abort=True)
+        raise
+    feed.close()
+    return step
+
+
+def _steps(cfg, engine, loader, logger, rank, start, end, watchdog, evaluator) -> int:
+    step = start
     weights_file = WeightsFile(cfg.train.output_dir, rank)
     guard = NonFiniteGuard(engine, cfg.train.on_nonfinite)
     while step < end:
@@ -330,6 +347,7 @@ def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after, watchdog=N
             record = {"step": step, "loss": result.loss, "lr": lr,
                       "tokens": result.tokens, "targets": result.targets,
                       "samples": result.samples, "step_s": elapsed,
+                      "data_wait_s": loader.last_wait_s,
                       "tokens_per_s": result.tokens / elapsed,
                       "cost_max_over_mean": result.cost_max_over_mean,
                       **({"nonfinite_skipped": result.nonfinite_keys}

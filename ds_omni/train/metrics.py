@@ -1,6 +1,7 @@
 """Progress, metrics and the end-of-run report (rank 0 writes; other ranks stay quiet).
 
-- a progress bar with step, loss, tokens/s, ETA and the latest eval loss (tqdm);
+- a progress bar with step, loss, tokens/s, the share of the step spent waiting for data, ETA
+  and the latest eval loss (tqdm);
 - `metrics.jsonl`: one JSON record per logged step (appended across resumes); a step after which
   the eval set was evaluated carries `eval_loss` (after that step's update) and `eval_targets`;
 - `report.json` and `loss_curve.png` (training and eval loss) at the end.
@@ -33,8 +34,10 @@ class MetricsLogger:
             f.write(json.dumps(record) + "\n")
         self.eval_loss = record.get("eval_loss", self.eval_loss)
         evaluated = {} if self.eval_loss is None else {"eval": f"{self.eval_loss:.4f}"}
+        waited = ({"data_wait": f"{record['data_wait_s'] / record['step_s']:.0%}"}
+                  if "data_wait_s" in record and record.get("step_s") else {})
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                             **evaluated)
+                             **waited, **evaluated)
         if self.monitor is not None and self.monitor.enabled:
             events = [("Train/loss", record["loss"], record["step"]),
                       ("Train/tokens_per_s", record["tokens_per_s"], record["step"])]

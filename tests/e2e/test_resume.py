@@ -51,6 +51,8 @@ def test_supervised_run_survives_a_killed_and_a_stopped_rank(tmp_path):
     assert [r["step"] for r in got] == list(range(STEPS))
     assert [r["sample_keys"] for r in got] == keys  # none lost, none seen twice
     assert [r["loss"] for r in got] == pytest.approx(losses, rel=1e-5)
+    # the next step was loaded on the prefetch thread (on by default) while each step trained
+    assert all(0 <= r["data_wait_s"] <= r["step_s"] for r in got)
     root = Path(out) / "checkpoints"
     state = json.loads((root / f"step{STEPS:08d}" / "loader_state.json").read_text())
     assert state["version"] == 2 and state["dp_size"] == 2 and state["step"] == STEPS

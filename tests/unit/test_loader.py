@@ -40,9 +40,12 @@ def _cfg(data, mode="fixed", group=2, exhausted="repeat", **kw) -> DataConfig:
         max_seq_len=128, chunk_rows=4, reorder=ReorderConfig(mode=mode, group_size=group), **kw)
 
 
-def _loaders(built, cfg: DataConfig, dp: int):
+def _loaders(built, cfg: DataConfig, dp: int, own_step_comms: bool = False):
+    """dp loaders; `own_step_comms`: their steps all-gather over exchanges of their own (as a
+    prefetch thread's do over groups of their own)."""
     group = 1 if cfg.reorder.mode == "loader_order" else min(cfg.reorder.group_size, dp)
     comms = thread_comms(dp, group)
+    step_comms = thread_comms(dp, group) if own_step_comms else comms
     procs = {s.name: SampleProcessor(tokenizer=built.tokenizer, family=built.family,
                                      item_processors=built.item_processors,
                                      markers={"vision": "<image>"}, max_seq_len=128)
@@ -50,7 +53,8 @@ def _loaders(built, cfg: DataConfig, dp: int):
     cost = cost_model_for(built, [])
     return [OmniLoader([Source(s, cfg.chunk_rows) for s in cfg.sources], procs, cost, cfg,
                        global_batch_size=GLOBAL_BATCH, num_micro=GLOBAL_BATCH // (dp * MICRO) or 1,
-                       dp_rank=r, dp_size=dp, comm=comms[r]) for r in range(dp)]
+                       dp_rank=r, dp_size=dp, comm=comms[r], step_comm=step_comms[r])
+            for r in range(dp)]
 
 
 def _steps(loaders, n):
@@ -174,3 +178,69 @@ def test_weights_file_changes_the_mix_while_running(built, data, tmp_path, capsy
     out = capsys.readouterr().out
     assert "ignored" in out and "unknown source(s) ['imgg']" in out
     assert all(key_locator(k).source == "txt" for k in loader.next_step().keys)  # still in force
+
+
+def _batch_tensors(batch):
+    return [(mb.input_ids, mb.targets, mb.position_ids, mb.cu_seqlens,
+             sorted((e, k, v.shape, float(v.double().sum())) for e, d in mb.encoder_inputs.items()
+                    for k, v in d.items())) for mb in batch.micro_batches]
+
+
+@pytest.mark.parametrize("mode", ["fixed", "budget"])
+def test_prefetch_gives_the_same_steps_and_the_state_of_the_steps_taken(built, data, mode):
+    """2 ranks, 2 steps ahead, against loaders called step by step: the same micro-batches; the
+    state, a weight change, a rewind and the end all at the steps taken, not the prefetched ones."""
+    import torch
+    from ds_omni.data.prefetch import Prefetcher
+    cfg = _cfg(data, mode)
+    plain = _loaders(built, cfg, dp=2)
+    feeds = [Prefetcher(loader, 2) for loader in _loaders(built, cfg, dp=2, own_step_comms=True)]
+
+    def both(n):
+        a, b = _steps(plain, n), _steps(feeds, n)
+        for x, y in zip(a, b):
+            assert [s.keys for s in x] == [s.keys for s in y]
+            for bx, by in zip(x, y):
+                for tx, ty in zip(_batch_tensors(bx), _batch_tensors(by)):
+                    assert all(torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v
+                               for u, v in zip(tx, ty))
+        return a
+    both(3)
+    for f in feeds:  # the threads go 2 steps ahead ...
+        with f._cond:
+            assert f._cond.wait_for(lambda: len(f._made) == 2, timeout=30)
+    assert [f.loader.step for f in feeds] == [5, 5]
+    states = on_ranks(lambda r: (plain[r].state_dict(), feeds[r].state_dict()), 2)
+    assert states[0][1] == states[0][0] and states[0][1]["step"] == 3  # ... the state is not
+    on_ranks(lambda r: (plain[r].set_weights({"img": 0.0}), feeds[r].set_weights({"img": 0.0})), 2)
+    after = both(2)
+    if mode == "fixed":  # (budget mode first trains what it has buffered)
+        assert all(key_locator(k).source == "txt" for b in after[0] for k in b.keys)
+    on_ranks(lambda r: (plain[r].rewind(), feeds[r].rewind()), 2)
+    both(2)
+    on_ranks(lambda r: feeds[r].close(), 2)
+    assert not any(f._thread for f in feeds)
+    assert [f.loader.step for f in feeds] == [p.step for p in plain] == [6, 6]
+    ends = on_ranks(lambda r: (plain[r].state_dict(), feeds[r].loader.state_dict()), 2)
+    assert ends[0][0] == ends[0][1]
+
+
+def test_prefetch_thread_errors_reach_the_trainer_and_close_does_not_hang(built, data):
+    from ds_omni.data.prefetch import Prefetcher
+    loader = _loaders(built, _cfg(data, "fixed"), dp=1)[0]
+    real, calls = loader.next_step, []
+
+    def failing():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("planted failure")
+        return real()
+    loader.next_step = failing
+    feed = Prefetcher(loader, 3)
+    feed.next_step(), feed.next_step()
+    with pytest.raises(RuntimeError, match="planted failure"):
+        feed.next_step()
+    feed.close(abort=True)
+    assert feed._thread is None
+    with pytest.raises(ValueError, match="needs process groups of its own"):
+        Prefetcher(_loaders(built, _cfg(data, "fixed"), dp=2)[0], 1)

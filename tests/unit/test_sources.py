@@ -1,4 +1,5 @@
-"""Every format: HF streaming and random access by locator give the same rows; chunks cover all."""
+"""Every format: chunk reads equal HF streaming's rows and random access by locator; chunks
+cover all; a chunk read costs its own rows, not the rows before it."""
 
 import pytest
 
@@ -31,6 +32,57 @@ def test_stream_and_fetch_agree(tmp_path, fmt):
             ids.append(sid)
         assert [(l.file, l.row) for l in locs] == [(chunk.file, r) for r in range(first, chunk.stop)]
     assert len(set(ids)) == len(ids)
+
+
+def _hf_file(src, f):
+    """File f as HF streaming reads it (what chunks were read with before)."""
+    import datasets
+    datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0
+    ds = datasets.load_from_disk(src.files[0]).to_iterable_dataset() if src.fmt == "disk" else \
+        datasets.load_dataset(src.fmt, data_files=[src.files[f]], split="train", streaming=True)
+    return ds.decode(False)
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "json", "arrow", "disk"])
+def test_chunk_reads_equal_hf_streaming(tmp_path, monkeypatch, fmt):
+    """The same rows as HF streaming's skip/take, for chunks that start mid row group (parquet
+    row groups of 4 rows, chunks of 6) and mid jsonl index stride."""
+    import pyarrow.parquet as pq
+    from ds_omni.data import sources
+    rows = conversation_rows(23)
+    path, schema = write(fmt, rows, tmp_path)
+    if fmt == "parquet":  # small row groups, so chunks start and end inside them
+        for f in tmp_path.glob("*.parquet"):
+            pq.write_table(pq.read_table(f), f, row_group_size=4)
+    src = Source(SourceConfig(name="s", path=path, schema=SchemaConfig(**schema)), chunk_rows=6)
+    monkeypatch.setattr(sources, "JSON_INDEX_STRIDE", 4)
+    hf = {f: _hf_file(src, f) for f in range(len(src.files))}
+    for chunk in src.chunks:
+        for first in sorted({chunk.start + 1, chunk.stop - 1, chunk.stop}):
+            ours = [row for _, row in src.stream(chunk, first)]
+            theirs = list(hf[chunk.file].skip(first).take(chunk.stop - first))
+            assert ours == theirs, (fmt, chunk, first)
+
+
+def test_parquet_chunk_decodes_only_its_row_groups(tmp_path, monkeypatch):
+    """A chunk at the end of a many-row-group file decodes its own row groups, not the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(1000)]}), tmp_path / "a.parquet",
+                   row_group_size=100)
+    src = Source(SourceConfig(name="s", path=str(tmp_path / "a.parquet"),
+                              schema=SchemaConfig(text="text", image=None)), chunk_rows=150)
+    decoded = []
+    real = pq.ParquetFile.iter_batches
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", lambda self, **kw: (
+        decoded.append(b.num_rows) or b for b in real(self, **kw)))
+    last = src.chunks[-1]  # rows 900..999
+    assert [r["text"] for _, r in src.stream(last, 950)] == [f"row {i}" for i in range(950, 1000)]
+    assert sum(decoded) == 100
+    decoded.clear()
+    assert [r["text"] for _, r in src.stream(src.chunks[3], 460)] == \
+        [f"row {i}" for i in range(460, 600)]
+    assert sum(decoded) == 200  # row groups 400..499 and 500..599
 
 
 def test_images_decode_from_every_stored_form(tmp_path):

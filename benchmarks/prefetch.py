@@ -1,0 +1,123 @@
+"""Prefetch benchmark: how much of the loading time the training step hides, prefetch on vs off.
+
+    .venv/bin/python benchmarks/prefetch.py          # writes benchmarks/results/prefetch.json
+
+One data-parallel rank with the loader of `benchmarks/loader.py` (4 parquet sources, 256x256
+JPEGs, global batch 16 in micro-batches of 4: image decoding, the HF image processor, tokenising
+and packing per step). The training step is the tiny LLaVA's forward and backward on the step's
+first micro-batch, slowed by a fixed number of matmuls (which release the GIL, as a GPU step's
+host thread does while it waits for the device) so that it takes about as long as loading a step
+(both measured first). The trainer holds one core (`torch.set_num_threads(1)`); the loader
+thread has the other.
+
+Per repeat, the same N steps with `data.prefetch_steps` 0 then 1 (fresh loaders, the same
+samples: checked); the loading time is what the trainer waits for data with prefetch off (all of
+it). Hidden = (wall time off - wall time on) / loading time off; also 1 - (wait on / wait off).
+The figures are medians over repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+RESULTS = REPO / "benchmarks" / "results"
+MICRO = 4
+IMAGE_PX = 256  # decoding these makes a step's loading about as long as the tiny model's step
+
+
+def train_step(model, batch, work, matmuls: int) -> None:
+    """Forward and backward of the first micro-batch, then `matmuls` 1-thread matmuls.
+
+    The tiny model on CPU is all interpreter and dispatch (it holds the GIL); a GPU step's host
+    thread mostly waits for the device. The matmuls stand for that: they release the GIL."""
+    model(batch.micro_batches[0]).loss_sum.backward()
+    for _ in range(matmuls):
+        work @ work
+
+
+def timed_steps(cfg, built, prefetch: int, steps: int, work, matmuls: int) -> dict:
+    from ds_omni.data.build import build_loader
+    from ds_omni.data.prefetch import Prefetcher
+    loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=cfg.train.global_batch_size
+                          // MICRO)
+    feed = Prefetcher(loader, prefetch)
+    for _ in range(2):  # warm-up: files opened, first streams
+        train_step(built.model, feed.next_step(), work, matmuls)
+    keys, wait = [], 0.0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        batch = feed.next_step()
+        wait += feed.last_wait_s
+        train_step(built.model, batch, work, matmuls)
+        keys.append(batch.keys)
+    wall = time.perf_counter() - t0
+    feed.close()
+    return {"wall_s": wall, "data_wait_s": wait, "keys": keys}
+
+
+def calibrate(cfg, built, work) -> dict:
+    """Seconds to load one step, to train one (unslowed), and per matmul; the matmuls that make
+    a step as long as its loading."""
+    off = timed_steps(cfg, built, 0, 6, work, 0)
+    load = off["data_wait_s"] / 6
+    step = (off["wall_s"] - off["data_wait_s"]) / 6
+    t0 = time.perf_counter()
+    for _ in range(50):
+        work @ work
+    per_mm = (time.perf_counter() - t0) / 50
+    return {"load_s_per_step": load, "model_s_per_step": step, "s_per_matmul": per_mm,
+            "matmuls": max(0, round((load - step) / per_mm))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps", type=int, default=15)
+    args = p.parse_args()
+    import torch
+    from loader import make_sources, model_and_config, quiet_datasets
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    quiet_datasets()
+    root = tempfile.mkdtemp(prefix="ds_omni_prefetch_bench_")
+    cfg, built = model_and_config(make_sources(Path(root), 4, 2000, IMAGE_PX))
+    work = torch.randn(384, 384)
+    cal = calibrate(cfg, built, work)
+    print(cal, flush=True)
+    runs = {"off": [], "on": []}
+    for _ in range(args.repeats):
+        for name, prefetch in (("off", 0), ("on", 1)):
+            runs[name].append(timed_steps(cfg, built, prefetch, args.steps, work, cal["matmuls"]))
+        assert runs["on"][-1]["keys"] == runs["off"][-1]["keys"], "prefetch changed the samples"
+        print({k: round(v[-1]["wall_s"], 2) for k, v in runs.items()}, flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+    pairs = list(zip(runs["off"], runs["on"]))
+    result = {
+        "calibration": cal, "steps": args.steps, "repeats": args.repeats,
+        "wall_s": {k: [r["wall_s"] for r in v] for k, v in runs.items()},
+        "data_wait_s": {k: [r["data_wait_s"] for r in v] for k, v in runs.items()},
+        "hidden_fraction_wall": statistics.median(
+            (off["wall_s"] - on["wall_s"]) / off["data_wait_s"] for off, on in pairs),
+        "hidden_fraction_wait": statistics.median(
+            1 - on["data_wait_s"] / off["data_wait_s"] for off, on in pairs),
+        "speedup_on_over_off": statistics.median(off["wall_s"] / on["wall_s"] for off, on in pairs),
+        "setup": {"global_batch": cfg.train.global_batch_size, "micro_batch": MICRO,
+                  "sources": 4, "image_px": IMAGE_PX, "trainer_threads": 1}}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "prefetch.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("wall_s", "data_wait_s")},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()
