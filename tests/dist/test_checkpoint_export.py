@@ -28,14 +28,16 @@ def _train_and_save(rank, world, root):
             checkpoint.save_model_meta(checkpoint.checkpoint_root(cfg.train.output_dir), built)
         checkpoint.save(engine, cfg.train.output_dir, 1, loader.state_dict(), rank)
         params[stage] = _full_params(engine)
-    return {"plain": params, "lora": _lora_ranks(rank, world, root)}
+    return {"plain": params, "lora": _lora_ranks(rank, world, root),
+            "frozen": {stage: _frozen_ranks(rank, world, f"{root}/frozen{stage}", stage)
+                       for stage in (2, 3)}}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One launch of 2 ranks: the plain runs of every stage, then the LoRA runs."""
+    """One launch of 2 ranks: the plain runs of every stage, the LoRA runs, the frozen-part runs."""
     root = tmp_path_factory.mktemp("ckpt")
-    return root, run_on_ranks(_train_and_save, 2, args=(str(root),), timeout=420)[0]
+    return root, run_on_ranks(_train_and_save, 2, args=(str(root),), timeout=600)[0]
 
 
 @pytest.mark.dist
@@ -75,9 +77,8 @@ def _frozen_ranks(rank, world, root, stage):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("stage", [2, 3])
-def test_frozen_parts_have_no_optimizer_state_and_stay_put(tmp_path, stage):
-    before, after, in_optimizer = run_on_ranks(_frozen_ranks, 2, args=(str(tmp_path), stage),
-                                               timeout=180)[0]
+def test_frozen_parts_have_no_optimizer_state_and_stay_put(runs, stage):
+    before, after, in_optimizer = runs[1]["frozen"][stage]
     frozen = [n for n in before if n.startswith("encoders.vision.")]
     assert frozen and not (set(frozen) & in_optimizer)
     assert in_optimizer == {n for n in before if n.startswith("backbone.")}
