@@ -217,7 +217,7 @@ class OmniModel(nn.Module):
 
     def _route(self, batch: "MicroBatch") -> tuple[object, PackedAttention | None]:
         """(SP group, attention) of this micro-batch: its block's, else the model's own."""
-        block = getattr(batch, "sp_block", None)
+        block = batch.sp_block
         if block is None:
             return self.sp_group, None
         if block not in self.blocks:
