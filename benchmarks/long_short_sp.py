@@ -44,6 +44,7 @@ def vision_encoder():
     config = Qwen2VLConfig(vision_config=VISION, text_config={
         "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+        "bos_token_id": 1, "eos_token_id": 2,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                             "mrope_section": [2, 3, 3]}})
     inner = Qwen2VLForConditionalGeneration(config).model
