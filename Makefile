@@ -25,8 +25,7 @@ $(STAMP): pyproject.toml constraints.txt
 	  else $(PYTHON) -m venv $(VENV); fi; fi
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt -e ".[dev]"
-	@# build DeepSpeed's CPU shared-memory op once (else the first run spends ~60 s on it)
-	$(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)"
+	@# (DeepSpeed's CPU shared-memory op is not built: ds_omni starts without it, see parallel/dist.py)
 	@rm -f $(VENV)/.ds_omni-setup-*
 	@touch $@
 

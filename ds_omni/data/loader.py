@@ -364,6 +364,9 @@ class OmniLoader:
             micro.append(pack(samples, self.item_processors, self.shard) if samples else
                          empty_micro_batch(self.family, self.item_processors, self.shard))
         stats["skipped"] = dict(self.skipped)
+        # long-short SP: items this rank's groups encode together (rank 0's figure is logged)
+        stats["long_items"] = sum(len(v) for mb in micro if mb.reshard
+                                  for v in mb.reshard.split.values())
         # the model runs a dummy through each encoder a micro-batch has no inputs for
         dummies = sum(self.cost_model.dummy_cost(mb.encoder_inputs) for mb in micro)
         normal_cost = sum(costs.get(k, 0.0) for k in keys if k not in long_keys)

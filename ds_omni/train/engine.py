@@ -368,7 +368,8 @@ def _steps(cfg, engine, loader, logger, rank, start, end, watchdog, evaluator) -
                       **({"nonfinite_skipped": result.nonfinite_keys}
                          if result.nonfinite_keys else {}), **evaluated,
                       **{f"data_{k}": v for k, v in batch.stats.items()
-                         if k in ("skipped", "outliers", "mean_delay", "max_delay")}}
+                         if k in ("skipped", "outliers", "mean_delay", "max_delay",
+                                  "long_items")}}
             if cfg.train.log_samples:
                 record["sample_keys"] = sorted(k for part in loader.comm.world_all_gather(
                     batch.keys) for k in part)

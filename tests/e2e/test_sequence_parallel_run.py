@@ -22,9 +22,11 @@ STEPS = 4
 
 def test_sp2_resumes_exports_and_matches_one_process(tmp_path):
     cfg, ds, out = write_configs(tmp_path / "sp", stage=3, steps=STEPS, export_hf=True)
-    first = train("deepspeed", 2, cfg, ds, "--set", "parallel.sp=2", "--stop-after", "2")
+    # every image encoded by both ranks, a piece each (long-short SP with threshold 0)
+    split = ("--set", "parallel.sp=2", "--set", "parallel.encoder_sp=0")
+    first = train("deepspeed", 2, cfg, ds, *split, "--stop-after", "2")
     assert first.returncode == 0, first.stdout[-3000:]
-    second = train("deepspeed", 2, cfg, ds, "--set", "parallel.sp=2", "--resume")
+    second = train("deepspeed", 2, cfg, ds, *split, "--resume")
     assert second.returncode == 0, second.stdout[-3000:]
 
     from ds_omni.model.build import build_model
@@ -35,6 +37,7 @@ def test_sp2_resumes_exports_and_matches_one_process(tmp_path):
     assert [r["step"] for r in got] == list(range(STEPS))
     assert [r["sample_keys"] for r in got] == want_keys
     assert [r["loss"] for r in got] == pytest.approx(want.losses, rel=1e-5)
+    assert all(r["data_long_items"] > 0 for r in got)
     report = json.loads((Path(out) / "report.json").read_text())
     assert report["sp"] == 2 and report["dp"] == 1
     from transformers import AutoConfig
