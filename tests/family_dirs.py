@@ -3,6 +3,7 @@ tokenizer, processor files). Shared by the family unit tests and the multi-proce
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -102,7 +103,15 @@ def make_qwen2_vl_dir(out: Path) -> Path:
     torch.manual_seed(0)
     out = save_hf(Qwen2VLForConditionalGeneration(config), tok, out)
     image_processor().save_pretrained(str(out))
+    (out / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR))
     return out
+
+
+# HF's Qwen2VLVideoProcessor settings for the tiny tower (saved as its save_pretrained would; the
+# class itself needs torchvision): frames of 8x8 to 32x32 pixels, at most 6 frames.
+VIDEO_PROCESSOR = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": PATCH,
+                   "temporal_patch_size": 2, "merge_size": MERGE, "max_frames": 6,
+                   "size": {"shortest_edge": 8 * 8, "longest_edge": 32 * 32}}
 
 
 RATE = 16000

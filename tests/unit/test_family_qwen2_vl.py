@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ds_omni.data.demo import ensure_builtin, shapes_rows
+from ds_omni.data.processing import SampleProcessor
 from ds_omni.errors import ModelError
 from tests.family_checks import (assert_logits_match, assert_loss_and_grads_match,
                                  assert_round_trip, load_omni, processor_for)
@@ -245,3 +246,69 @@ def test_trained_on_its_chat_template_a_sample_is_the_exported_processors_prompt
     out = hf_proc(text=[prompt], images=img[1:], return_tensors="pt")
     assert sample.input_ids.tolist() == out["input_ids"][0].tolist()
     assert tok.decode(sample.input_ids[sample.loss_mask]) == "the first<|im_end|>"
+
+
+# ------------------------------------------------------------------------------------- video
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    """An mp4 of 12 frames at 4 fps (40x24), and an mkv of one frame (32x32; the container keeps
+    no frame count, and one frame leaves the temporal patch to a repeated frame)."""
+    from tests.data_files import write_video
+    out = tmp_path_factory.mktemp("videos")
+    return {"mp4": str(write_video(out / "a.mp4", 12, 40, 24, fps=4, seed=1)),
+            "mkv": str(write_video(out / "b.mkv", 1, 32, 32, fps=2, seed=2, codec="ffv1"))}
+
+
+def _video_samples(built, videos):
+    """A video; a video then an image in one turn (the text's order, not the columns'); text
+    only; the mkv. Images and videos share the vision encoder of one packed micro-batch."""
+    proc = SampleProcessor(tokenizer=built.tokenizer, family=built.family,
+                           item_processors=built.item_processors,
+                           markers={"vision": "<image>", "video": "<video>"}, max_seq_len=4096)
+    _, img = _images()
+    turns = lambda q: [{"from": "human", "value": q}, {"from": "gpt", "value": "a square moves"}]
+    rows = {"video": (turns("<video>\nWhat moves?"), {"video": [videos["mp4"]]}),
+            "mixed": (turns("<video> and <image>: same shape?"),
+                      {"vision": [img[1]], "video": [videos["mp4"]]}),
+            "text": ("a caption with no video at all", {}),
+            "short": (turns("<video>\nAnd here?"), {"video": [videos["mkv"]]})}
+    samples = [proc(text=t, media=m, sample_id=k, source="t") for k, (t, m) in rows.items()]
+    return samples, {k: m for k, (_, m) in rows.items()}
+
+
+def _hf_video_inputs(hf_proc, media, samples):
+    """HF's inputs of each sample: its image processor's pixels for images, ds_omni's patches for
+    videos (HF's video processor needs torchvision; `test_video_patches_...` checks the layout),
+    pixel_values_videos + video_grid_thw, and the processor's mm_token_type_ids (video = 2)."""
+    videos = {s.sample_id: [it for _, it in s.items if it.meta["placeholder_id"] == hf_proc.video_token_id]
+              for s in samples}
+
+    def inputs(sample):
+        out = _hf_inputs(hf_proc, {k: m.get("vision", []) for k, m in media.items()})(sample)
+        if videos[sample.sample_id]:
+            items = videos[sample.sample_id]
+            out.update(pixel_values_videos=torch.cat([it.inputs["pixel_values"] for it in items]),
+                       video_grid_thw=torch.stack([it.inputs["image_grid_thw"] for it in items]))
+        return out
+    return inputs
+
+
+def test_video_logits_positions_loss_and_gradients_match_hf(built, reference, qwen2_vl_dir, videos):
+    samples, media = _video_samples(built, videos)
+    hf_proc = hf_processor(qwen2_vl_dir)
+    assert hf_proc.video_token_id == built.hf_config.video_token_id
+    grids = {s.sample_id: [it.meta["grid_thw"] for _, it in s.items] for s in samples}
+    # 3 s at 2 fps: 6 frames -> 3 temporal patches of 6x10 (40x24 is within the saved 64..1024
+    # pixels); one frame -> one temporal patch (the frame twice)
+    assert grids["video"] == [(3, 6, 10)] and grids["short"] == [(1, 8, 8)], grids
+    assert [enc for enc, _ in samples[1].items] == ["vision", "vision"]
+    assert samples[1].items[0][1].meta["frames"] == 6  # the video comes first in the text
+    inputs = _hf_video_inputs(hf_proc, media, samples)
+    for sample in samples:
+        hf = inputs(sample)
+        expected, _ = reference.model.get_rope_index(
+            hf["input_ids"], hf["mm_token_type_ids"], image_grid_thw=hf.get("image_grid_thw"),
+            video_grid_thw=hf.get("video_grid_thw"))
+        assert torch.equal(sample.position_ids, expected[:, 0]), sample.sample_id
+    assert_logits_match(built, reference, samples, inputs)
+    assert_loss_and_grads_match(built, reference, samples, inputs)
