@@ -295,9 +295,9 @@ def mrope_position_ids(input_ids: torch.Tensor, grids: list, placeholder_ids,
     spaces them by one, whatever the frame rate). A sample without items gets 0..L-1 three times.
     """
     ids = input_ids.tolist()
+    slots = {placeholder_ids} if isinstance(placeholder_ids, int) else set(placeholder_ids)
     if isinstance(placeholder_ids, int):
         placeholder_ids = [placeholder_ids] * len(grids)
-    slots = set(placeholder_ids) or {-1}
     pieces, pos, i, items = [], 0, 0, iter(zip(grids, placeholder_ids))
     while i < len(ids):
         if ids[i] not in slots:
