@@ -137,7 +137,7 @@ class _SourceCheck:
         self.bad = 0  # rows training would not use
         self.kinds: dict[str, int] = {}
         self.examples: dict[str, list[str]] = {}
-        self.modalities = {"image": 0, "audio": 0, "text_only": 0}
+        self.modalities = {"image": 0, "audio": 0, "video": 0, "text_only": 0}
         self.tokens: list[int] = []
         self.items: dict[int, int] = {}
         self.extreme_aspect = 0
@@ -177,6 +177,7 @@ class _SourceCheck:
         images = media.get("vision", [])
         self.modalities["image"] += bool(images)
         self.modalities["audio"] += bool(media.get("audio"))
+        self.modalities["video"] += bool(media.get("video"))
         self.modalities["text_only"] += not media
         self.items[sum(len(v) for v in media.values())] = \
             self.items.get(sum(len(v) for v in media.values()), 0) + 1
@@ -200,7 +201,7 @@ class _SourceCheck:
 
     def result(self) -> dict:
         schema = self.source.cfg.schema
-        fields = {f: getattr(schema, f) for f in ("text", "image", "audio", "id")}
+        fields = {f: getattr(schema, f) for f in ("text", "image", "audio", "video", "id")}
         return {
             "format": self.source.fmt, "files": len(self.source.files),
             "rows": len(self.source), "checked": self.rows,
