@@ -180,17 +180,19 @@ class Qwen2VLVideoItemProcessor(ItemProcessor):
     modality = "video"
 
     def __init__(self, settings: VideoSettings, *, video_token_id: int, vision_start_id: int,
-                 vision_end_id: int):
+                 vision_end_id: int, tokens_per_second: int | None = None):
         self.settings = settings
         self.placeholder_id = video_token_id
         self.vision_start_id = vision_start_id
         self.vision_end_id = vision_end_id
+        self.tokens_per_second = tokens_per_second  # Qwen2.5-VL's time axis; None: Qwen2-VL's
 
     def with_options(self, video) -> "Qwen2VLVideoItemProcessor":
         """A copy that samples and sizes frames as `data.video` says."""
         return Qwen2VLVideoItemProcessor(
             self.settings.with_options(video), video_token_id=self.placeholder_id,
-            vision_start_id=self.vision_start_id, vision_end_id=self.vision_end_id)
+            vision_start_id=self.vision_start_id, vision_end_id=self.vision_end_id,
+            tokens_per_second=self.tokens_per_second)
 
     def _plan(self, info: VideoInfo) -> tuple[list[int], tuple[int, int, int], tuple[int, int]]:
         """(frame indices, grid (t, h, w) in patches, resized (height, width)) of a video."""
@@ -201,24 +203,35 @@ class Qwen2VLVideoItemProcessor(ItemProcessor):
         t = -(-len(indices) // s.temporal_patch_size)
         return indices, (t, height // s.patch_size, width // s.patch_size), (height, width)
 
-    def _item(self, grid: tuple[int, int, int], frames: int, inputs: dict) -> EncodedItem:
+    def _item(self, grid: tuple[int, int, int], info: VideoInfo, frames: int,
+              inputs: dict) -> EncodedItem:
         t, h, w = grid
         m = self.settings.merge_size
+        # HF's `second_per_grid_ts` (Qwen2.5-VL's M-RoPE time axis): seconds per temporal patch
+        # at the rate frames were kept (VideoMetadata.sampled_fps: 24 when the rate is unknown)
+        sampled_fps = frames / info.frames * info.fps if info.fps else 24.0
+        seconds = self.settings.temporal_patch_size / sampled_fps
+        # HF multiplies in fp32 (the processor's second_per_grid_ts is a float32 tensor)
+        interval = 1.0 if self.tokens_per_second is None else float(
+            torch.tensor(seconds, dtype=torch.float32) * self.tokens_per_second)
         return EncodedItem(inputs=inputs, num_embeddings=t * h * w // m ** 2,
                            meta={"grid_thw": grid, "patches": t * h * w, "frames": frames,
-                                 "placeholder_id": self.placeholder_id, "merge_size": m},
+                                 "placeholder_id": self.placeholder_id, "merge_size": m,
+                                 "seconds_per_grid": seconds, "time_interval": interval},
                            encoder_seqs=[h * w] * t)  # the tower attends within each slice
 
     def measure(self, video):
-        indices, grid, _ = self._plan(video_info(video))
-        return self._item(grid, len(indices), {})
+        info = video_info(video)
+        indices, grid, _ = self._plan(info)
+        return self._item(grid, info, len(indices), {})
 
     def process(self, video):
-        indices, grid, size = self._plan(video_info(video))
+        info = video_info(video)
+        indices, grid, size = self._plan(info)
         frames = read_frames(video, indices)  # [n, H, W, 3] uint8
         patches = video_patches(self.settings, frames, size)
-        return self._item(grid, len(indices), {"pixel_values": patches,
-                                               "image_grid_thw": torch.tensor(grid)})
+        return self._item(grid, info, len(indices), {"pixel_values": patches,
+                                                     "image_grid_thw": torch.tensor(grid)})
 
     def tokens(self, item):
         return [self.vision_start_id, *[self.placeholder_id] * item.num_embeddings,
@@ -286,30 +299,32 @@ def check_patching(processor, vision_config, model_dir) -> None:
 
 # ------------------------------------------------------------------------------------- M-RoPE
 def mrope_position_ids(input_ids: torch.Tensor, grids: list, placeholder_ids,
-                       merge_size: int) -> torch.Tensor:
+                       merge_size: int, time_intervals: list | None = None) -> torch.Tensor:
     """[3, L] (temporal, height, width) positions of one sample, as HF's `get_rope_index` has them.
 
     `grids`: the (t, h, w) patch grid of each image or video, in text order; item i owns the next
     t*h*w / merge_size^2 tokens of its placeholder, `placeholder_ids[i]` (one id: the same for
-    all; a video's is the video token). A video's slices sit at temporal offsets 0..t-1 (Qwen2-VL
-    spaces them by one, whatever the frame rate). A sample without items gets 0..L-1 three times.
+    all; a video's is the video token). A video's slices sit at temporal offsets k *
+    `time_intervals[i]` (Qwen2-VL: 1, whatever the frame rate; Qwen2.5-VL: tokens per second x
+    seconds per slice). A sample without items gets 0..L-1 three times.
     """
     ids = input_ids.tolist()
     slots = {placeholder_ids} if isinstance(placeholder_ids, int) else set(placeholder_ids)
     if isinstance(placeholder_ids, int):
         placeholder_ids = [placeholder_ids] * len(grids)
-    pieces, pos, i, items = [], 0, 0, iter(zip(grids, placeholder_ids))
+    intervals = time_intervals or [1.0] * len(grids)
+    pieces, pos, i, items = [], 0, 0, iter(zip(grids, placeholder_ids, intervals))
     while i < len(ids):
         if ids[i] not in slots:
             run = _text_run(ids, i, slots)
             pieces.append(torch.arange(pos, pos + run).expand(3, run))
             pos, i = pos + run, i + run
             continue
-        grid, token = next(items, (None, None))
+        grid, token, interval = next(items, (None, None, None))
         if grid is None:
             raise ModelError(f"image token at position {i} has no image: the sample has "
                              f"{len(grids)} images but more image placeholder tokens")
-        block = image_positions(grid, merge_size) + pos  # [3, n]
+        block = image_positions(grid, merge_size, interval) + pos  # [3, n]
         if ids[i:i + block.shape[1]] != [token] * block.shape[1]:
             raise ModelError(f"the image at token {i} needs {block.shape[1]} consecutive image "
                              "placeholder tokens, fewer are there")
@@ -328,14 +343,15 @@ def _text_run(ids: list[int], start: int, slots: set[int]) -> int:
     return end - start
 
 
-def image_positions(grid, merge_size: int) -> torch.Tensor:
-    """[3, t * h' * w'] offsets (frame, row, col) of one image's merged tokens, row-major.
+def image_positions(grid, merge_size: int, time_interval=1.0) -> torch.Tensor:
+    """[3, t * h' * w'] offsets (frame, row, col) of one image's merged tokens, row-major; frame
+    k's time offset is floor(k * time_interval), as HF computes it.
 
     Dims: h' = h / merge_size, w' = w / merge_size (the merged grid).
     """
     t, h, w = int(grid[0]), int(grid[1]) // merge_size, int(grid[2]) // merge_size
-    frame, row, col = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w),
-                                     indexing="ij")
+    frames = (torch.arange(t) * time_interval).long()
+    frame, row, col = torch.meshgrid(frames, torch.arange(h), torch.arange(w), indexing="ij")
     return torch.stack([frame, row, col]).reshape(3, -1)  # [3, t, h', w'] -> [3, t*h'*w']
 
 
@@ -344,10 +360,12 @@ class Qwen2VL(Family):
     name = "qwen2_vl"
     model_types = ("qwen2_vl",)
     hf_class = "Qwen2VLForConditionalGeneration"
+    processor_class = "Qwen2VLProcessor"
+    vision_encoder = Qwen2VLVisionEncoder
 
     def to_omni(self, hf_model, tokenizer=None) -> OmniModel:
         config, inner = hf_model.config, hf_model.model
-        encoder = Qwen2VLVisionEncoder(
+        encoder = self.vision_encoder(
             tower=vision_tower(inner.visual), projector=inner.visual.merger,
             placeholder_id=config.image_token_id, vision_config=config.vision_config,
             more_placeholder_ids=(config.video_token_id,))  # videos run through the same tower
@@ -366,7 +384,12 @@ class Qwen2VL(Family):
                 VideoSettings.from_saved(video_processor_entry(vc, model_dir), vc),
                 video_token_id=hf_config.video_token_id,
                 vision_start_id=hf_config.vision_start_token_id,
-                vision_end_id=hf_config.vision_end_token_id)}
+                vision_end_id=hf_config.vision_end_token_id,
+                tokens_per_second=self.tokens_per_second(vc))}
+
+    def tokens_per_second(self, vision_config) -> int | None:
+        """M-RoPE time steps per second of video; None: one step per temporal patch (Qwen2-VL)."""
+        return None
 
     def position_ids(self, input_ids, items):
         """[3, L] M-RoPE positions; an image's or video's meta has its grid, placeholder id and
@@ -375,7 +398,8 @@ class Qwen2VL(Family):
         if not images:  # text only: HF uses 0..L-1 on all three axes
             return torch.arange(input_ids.shape[0]).expand(3, -1).contiguous()
         return mrope_position_ids(input_ids, [m["grid_thw"] for m in images],
-                                  [m["placeholder_id"] for m in images], images[0]["merge_size"])
+                                  [m["placeholder_id"] for m in images], images[0]["merge_size"],
+                                  [m.get("time_interval", 1.0) for m in images])
 
     def save_processor(self, out_dir, hf_config, tokenizer, model_dir=None):
         """Write a Qwen2VLProcessor: tokenizer files plus processor_config.json.
@@ -390,7 +414,7 @@ class Qwen2VL(Family):
         image_processor = qwen2_vl_image_processor(hf_config.vision_config, model_dir)
         _processor_tokenizer(tokenizer, hf_config).save_pretrained(str(out))
         processor_config = {
-            "processor_class": "Qwen2VLProcessor",
+            "processor_class": self.processor_class,
             "image_processor": json.loads(image_processor.to_json_string()),
             "video_processor": video_processor_entry(hf_config.vision_config, model_dir),
         }
@@ -434,4 +458,35 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+class Qwen2_5VLVisionEncoder(Qwen2VLVisionEncoder):
+    """Qwen2.5-VL's tower: window attention (full attention in `fullatt_block_indexes`) over
+    patches reordered into windows, RMSNorm, gated MLPs. Its forward is HF's own, so the window
+    order and its undoing around the merger are HF's; the module it runs is the same as the
+    registered tower (patch_embed, rotary_pos_emb, blocks) + projector (merger)."""
+
+    def encode(self, inputs):  # [P, C*T*p*p] -> [P / m^2, D]
+        return self.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output
+
+
+class Qwen2_5VL(Qwen2VL):
+    """Qwen2.5-VL: Qwen2-VL's layout (image processor, tokens, M-RoPE) with a windowed ViT and
+    a video time axis in seconds (`tokens_per_second` x seconds per temporal patch)."""
+
+    name = "qwen2_5_vl"
+    model_types = ("qwen2_5_vl",)
+    hf_class = "Qwen2_5_VLForConditionalGeneration"
+    processor_class = "Qwen2_5_VLProcessor"
+    vision_encoder = Qwen2_5VLVisionEncoder
+
+    def to_omni(self, hf_model, tokenizer=None) -> OmniModel:
+        omni = super().to_omni(hf_model, tokenizer)
+        # the whole ViT, unregistered: its parameters are registered once, as tower + projector
+        object.__setattr__(omni.encoders["vision"], "visual", hf_model.model.visual)
+        return omni
+
+    def tokens_per_second(self, vision_config) -> int | None:
+        return int(vision_config.tokens_per_second)
+
+
 register(Qwen2VL())
+register(Qwen2_5VL())
