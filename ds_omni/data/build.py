@@ -25,12 +25,18 @@ def cost_model_for(built, freeze: list[str], scales: dict[str, float] | None = N
 
 
 def item_processors(cfg: OmniConfig, built, sources) -> dict:
-    """The model's item processors, the video one sampling frames as `data.video` says; with a
-    video column in `sources`, a missing decoder is an error now, not at the first video."""
+    """The model's item processors, the video one sampling frames as `data.video` says. With a
+    video column in `sources`, a model without videos or a missing decoder is an error now, not
+    at the first video."""
     procs = dict(built.item_processors)
-    if "video" in procs:
+    if hasattr(procs.get("video"), "with_options"):
         procs["video"] = procs["video"].with_options(cfg.data.video)
-    if any(s.schema.video for s in sources):
+    with_video = [s.name for s in sources if s.schema.video]
+    if with_video and "video" not in procs:
+        raise ConfigError(f"data sources {with_video} have a schema.video column but this model "
+                          f"({built.family.name}) takes no videos; set their schema.video to null, "
+                          "or train a family that does (qwen2_vl, qwen2_5_vl)")
+    if with_video:
         video_decoder()
     return procs
 

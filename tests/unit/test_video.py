@@ -130,8 +130,13 @@ def test_video_without_a_decoder_is_a_config_error_naming_the_package(monkeypatc
         _processor().measure(str(tmp_path / "v.mp4"))
     from types import SimpleNamespace
     cfg = SimpleNamespace(data=DataConfig(sources=[SourceConfig(name="v", path="x")]))
-    built = SimpleNamespace(item_processors={"video": _processor()})
+    built = SimpleNamespace(item_processors={"video": _processor()},
+                            family=SimpleNamespace(name="llava"))
     item_processors(cfg, built, cfg.data.sources)  # no video column: no decoder needed
+    videos = [SourceConfig(name="v", path="x", schema=SchemaConfig(video="clip"))]
     with pytest.raises(ConfigError, match="pip install av"):  # at start-up, not at the first video
-        item_processors(cfg, built, [SourceConfig(name="v", path="x",
-                                                  schema=SchemaConfig(video="clip"))])
+        item_processors(cfg, built, videos)
+    built.item_processors = {}
+    with pytest.raises(ConfigError, match=r"\['v'\] have a schema.video column but this model "
+                                          r"\(llava\) takes no videos"):
+        item_processors(cfg, built, videos)
