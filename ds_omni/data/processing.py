@@ -31,7 +31,7 @@ from ds_omni.data.problems import SampleError
 from ds_omni.data.templates import (ChatTemplate, first_difference, render,
                                     resolve_template, to_messages)
 from ds_omni.errors import DataError
-from ds_omni.model.family import EncodedItem, Family, ItemProcessor
+from ds_omni.model.family import EncodedItem, Family, ItemProcessor, feeds
 
 ROLE_PREFIX = {"user": "USER: ", "assistant": "ASSISTANT: ", "system": ""}
 _KIND_NAMES = {"vision": "images", "audio": "audio clips", "video": "videos"}
@@ -227,7 +227,7 @@ class SampleProcessor:
                                       f"({len(items.get(enc, []))})", "markers", enc)
                 item = items[enc][used[enc]]
                 used[enc] += 1
-                ordered.append((self.item_processors[enc].encoder, item))
+                ordered.append((feeds(self.item_processors, enc), item))
                 toks = self.item_processors[enc].tokens(item)
                 ids += toks
                 mask += [False] * len(toks)
