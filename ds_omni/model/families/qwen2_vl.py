@@ -7,9 +7,17 @@ block of patches into one LLM embedding, so an image yields t*h*w / merge_size^2
 in the text as <|vision_start|> <|image_pad|> * n <|vision_end|>. Images of any size share one
 micro-batch: their patches are concatenated and `image_grid_thw` says where each one ends.
 
+A video is the same for the tower: frames sampled from the file (`data.video`), every
+temporal_patch_size consecutive frames one temporal patch, so a t x h x w grid with t > 1, written
+as <|vision_start|> <|video_pad|> * n <|vision_end|>. Images and videos of a micro-batch go
+through the tower together, in text order. Qwen2.5-VL (window attention in the tower, video time
+in seconds) is a subclass below.
+
 M-RoPE: every token has three positions (temporal, height, width). A text token has all three equal,
 counting on from the token before; an image's tokens sit at (s, s + row, s + col) with s the
-position where the image starts, and the text after it resumes at s + max(rows, cols).
+position where the image starts, and the text after it resumes at s + max(rows, cols). A video's
+temporal patch k sits at time s + k (Qwen2-VL) or s + floor(k x tokens_per_second x seconds per
+temporal patch) (Qwen2.5-VL).
 """
 
 from __future__ import annotations
@@ -110,12 +118,11 @@ class Qwen2VLItemProcessor(ItemProcessor):
                 "image_grid_thw": torch.stack([it.inputs["image_grid_thw"] for it in items])}
 
 
-from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD  # noqa: E402
-
 VIDEO_DEFAULTS = {"min_pixels": 128 * 28 * 28, "max_pixels": 768 * 28 * 28, "min_frames": 4,
-                  "max_frames": 768, "image_mean": OPENAI_CLIP_MEAN, "image_std": OPENAI_CLIP_STD}
+                  "max_frames": 768}
 """HF's `Qwen2VLVideoProcessor` class defaults (that module needs torchvision, so they are
-written down here); a video processor saved with the model overrides them."""
+written down here; mean and std are CLIP's); a video processor saved with the model overrides
+them."""
 
 
 @dataclass(frozen=True)
@@ -138,16 +145,17 @@ class VideoSettings:
     @classmethod
     def from_saved(cls, saved: dict, vision_config) -> "VideoSettings":
         """From a saved video processor entry (`video_processor_entry`) and the tower's patching."""
+        from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
         size = saved.get("size") or {}
-        get = lambda key, size_key=None: (size.get(size_key) if size_key else None) or \
-            saved.get(key) or VIDEO_DEFAULTS[key]  # noqa: E731
+        pixels = {k: size.get(edge) or saved.get(k) or VIDEO_DEFAULTS[k]
+                  for k, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge"))}
+        frames = {k: saved.get(k) or VIDEO_DEFAULTS[k] for k in ("min_frames", "max_frames")}
         return cls(patch_size=vision_config.patch_size,
                    temporal_patch_size=vision_config.temporal_patch_size,
                    merge_size=vision_config.spatial_merge_size,
-                   min_pixels=int(get("min_pixels", "shortest_edge")),
-                   max_pixels=int(get("max_pixels", "longest_edge")),
-                   min_frames=int(get("min_frames")), max_frames=int(get("max_frames")),
-                   image_mean=tuple(get("image_mean")), image_std=tuple(get("image_std")))
+                   **{k: int(v) for k, v in (pixels | frames).items()},
+                   image_mean=tuple(saved.get("image_mean") or OPENAI_CLIP_MEAN),
+                   image_std=tuple(saved.get("image_std") or OPENAI_CLIP_STD))
 
     def with_options(self, video) -> "VideoSettings":
         """`data.video` (a `VideoConfig`) laid over these settings: what it leaves None stays."""
