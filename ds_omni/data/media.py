@@ -217,7 +217,7 @@ def read_frames(value: Any, indices: list[int]) -> np.ndarray:
     """Frames `indices` (ascending, repeats allowed) as RGB uint8 [n, H, W, 3], decoded in order
     up to the last one asked for."""
     av = video_decoder()
-    wanted = sorted(set(indices))
+    wanted, last = set(indices), max(indices)
     got: dict[int, np.ndarray] = {}
     container, stream = _open_video(value)
     with container:
@@ -225,7 +225,7 @@ def read_frames(value: Any, indices: list[int]) -> np.ndarray:
             for i, frame in enumerate(container.decode(stream)):
                 if i in wanted:
                     got[i] = frame.to_ndarray(format="rgb24")  # [H, W, 3]
-                if i >= wanted[-1]:
+                if i >= last:
                     break
         except av.FFmpegError as e:
             raise DataError(f"unreadable video ({e})") from None
