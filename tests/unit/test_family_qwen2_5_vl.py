@@ -58,6 +58,7 @@ def test_images_and_videos_match_hf(built, reference, model_dir, videos):  # noq
 
 def test_round_trip_is_exact_and_every_parameter_registered_once(built, reference, tmp_path):
     model = built.model
+    assert model.encoders["vision"].attention_heads() is None  # no encoder-SP pieces (windows)
     assert set(model.hf_key_map()) == set(model.hf_model.state_dict())
     assert (sum(p.numel() for p in model.parameters())
             == sum(p.numel() for p in model.hf_model.parameters()))

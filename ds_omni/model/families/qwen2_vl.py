@@ -500,6 +500,11 @@ class Qwen2_5VLVisionEncoder(Qwen2VLVisionEncoder):
     def encode(self, inputs):  # [P, C*T*p*p] -> [P / m^2, D]
         return self.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output
 
+    def attention_heads(self):
+        """None: no pieces for long-short SP (its windows reorder patches across the whole item,
+        which Qwen2-VL's piece path does not do), so a long item runs whole on one rank."""
+        return None
+
 
 class Qwen2_5VL(Qwen2VL):
     """Qwen2.5-VL: Qwen2-VL's layout (image processor, tokens, M-RoPE) with a windowed ViT and
