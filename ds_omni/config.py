@@ -167,18 +167,32 @@ class SchemaConfig:
     """Column with image bytes, an HF Image, or a path relative to `root`; one or a list."""
     audio: str | None = None
     """Column with audio: {"array", "sampling_rate"}, bytes, or a path relative to `root`."""
+    video: str | None = None
+    """Column with video files (bytes, {"bytes"/"path"}, or a path relative to `root`; one or a
+    list), decoded with PyAV and sampled as `data.video` says."""
     id: str | None = "id"
     """Column with a stable sample id (used in logs and resume checks); default: row index."""
     root: str | None = None
-    """Directory that relative image/audio paths are resolved against; default: the folder of
+    """Directory that relative image/audio/video paths are resolved against; default: the folder of
     the data file the row comes from (the LLaVA convention), never the working directory."""
     image_marker: str = "<image>"
     """String in the text that marks where an image goes."""
     audio_marker: str = "<audio>"
     """String in the text that marks where an audio clip goes."""
+    video_marker: str = "<video>"
+    """String in the text that marks where a video goes."""
     conversation_strings: Literal["parse", "error", "text"] = "parse"
     """Text that is a string holding a JSON conversation ('[{"from": ...}]'): parse it into
     turns, stop with an error, or train on it as plain text (every token a target)."""
+
+    def media_columns(self) -> dict[str, str | None]:
+        """Kind of item (the keys of a family's item processors) -> the column holding them."""
+        return {"vision": self.image, "audio": self.audio, "video": self.video}
+
+    def markers(self) -> dict[str, str]:
+        """Kind of item -> the marker string placing one in the text."""
+        return {"vision": self.image_marker, "audio": self.audio_marker,
+                "video": self.video_marker}
 
 
 @dataclass(kw_only=True)
@@ -252,6 +266,34 @@ class ReorderConfig:
 
 
 @dataclass(kw_only=True)
+class VideoConfig:
+    """How videos are sampled into frames and sized (the model's video processor does the rest)."""
+
+    fps: float = 2.0
+    """Frames sampled per second of video (evenly spaced), within the video processor's
+    min_frames..max_frames and rounded down to a multiple of the temporal patch size."""
+    num_frames: int | None = None
+    """A fixed number of evenly spaced frames per video instead of `fps` (rounded to a multiple
+    of the temporal patch size); a video with fewer frames is a bad sample."""
+    max_frames: int | None = None
+    """The most frames sampled from one video; default: the model's video processor's."""
+    min_pixels: int | None = None
+    """Fewest pixels per frame after resizing; default: the model's video processor's."""
+    max_pixels: int | None = None
+    """Most pixels per frame after resizing; default: the model's video processor's."""
+
+    def __post_init__(self):
+        bad = {k: v for k, v in (("fps", self.fps), ("num_frames", self.num_frames),
+                                 ("max_frames", self.max_frames), ("min_pixels", self.min_pixels),
+                                 ("max_pixels", self.max_pixels)) if v is not None and v <= 0}
+        if bad:
+            raise ConfigError(f"data.video: {bad} must be > 0")
+        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
+            raise ConfigError(f"data.video: min_pixels={self.min_pixels} is more than max_pixels="
+                              f"{self.max_pixels}")
+
+
+@dataclass(kw_only=True)
 class DataConfig:
     """Where samples come from and how they are packed."""
 
@@ -276,6 +318,8 @@ class DataConfig:
     to a square, losing the ends of a wide image), "pad" pads them to a square with the
     processor's mean colour first (LLaVA-1.5), "resize" stretches them to a square of the same
     area."""
+    video: VideoConfig = field(default_factory=VideoConfig)
+    """Frame sampling and frame size of videos (`schema.video` columns, `<video>` markers)."""
     max_aspect_ratio: float = 5.0
     """`ds-omni data check` counts images whose long side is more than this times the short one."""
     max_bad_run: int = 1000

@@ -92,3 +92,21 @@ def _write_tar(parts, out: Path, has_image: bool):
                     tf.addfile(info, io.BytesIO(data))
     text = "json.conversations" if has_image else "json.text"
     return str(out / "*.tar"), {"text": text, "image": "png" if has_image else None, "id": "json.id"}
+
+
+def write_video(path: Path, frames: int, width: int, height: int, fps: int = 4, seed: int = 0,
+                codec: str = "mpeg4") -> Path:
+    """A video of random RGB frames from `seed` (mp4/mpeg4: the container stores the frame count;
+    mkv/ffv1: lossless, and it doesn't, so readers count packets)."""
+    import av
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height = width, height
+        stream.pix_fmt = "yuv420p" if codec == "mpeg4" else "bgr0"
+        for _ in range(frames):
+            image = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
+        container.mux(stream.encode())
+    return path

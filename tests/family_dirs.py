@@ -3,6 +3,7 @@ tokenizer, processor files). Shared by the family unit tests and the multi-proce
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -102,7 +103,15 @@ def make_qwen2_vl_dir(out: Path) -> Path:
     torch.manual_seed(0)
     out = save_hf(Qwen2VLForConditionalGeneration(config), tok, out)
     image_processor().save_pretrained(str(out))
+    (out / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR))
     return out
+
+
+# HF's Qwen2VLVideoProcessor settings for the tiny tower (saved as its save_pretrained would; the
+# class itself needs torchvision): frames of 8x8 to 32x32 pixels, at most 6 frames.
+VIDEO_PROCESSOR = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": PATCH,
+                   "temporal_patch_size": 2, "merge_size": MERGE, "max_frames": 6,
+                   "size": {"shortest_edge": 8 * 8, "longest_edge": 32 * 32}}
 
 
 RATE = 16000
@@ -176,3 +185,29 @@ def make_llava_next_siglip_dir(out: Path) -> Path:
     with torch.no_grad():
         model.model.image_newline.normal_()
     return save_hf(model, tok, out, siglip_llava_next_processor(tok, pinpoints))
+
+
+def make_qwen2_5_vl_dir(out: Path) -> Path:
+    """A tiny random Qwen2.5-VL: windows of 2x2 merged tokens (16 pixels), full attention in the
+    second block, 4 M-RoPE time steps per second of video; the processor files of the Qwen2-VL dir."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    tok = qwen_tokenizer()
+    ids = dict(zip(QWEN_TOKENS, tok.convert_tokens_to_ids(QWEN_TOKENS)))
+    config = Qwen2_5_VLConfig(
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 4,
+                       "out_hidden_size": 64, "patch_size": PATCH, "spatial_merge_size": MERGE,
+                       "temporal_patch_size": 2, "window_size": 16, "fullatt_block_indexes": [1],
+                       "tokens_per_second": 4},
+        text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": len(tok),
+                     "max_position_embeddings": 512, "bos_token_id": tok.bos_token_id,
+                     "eos_token_id": tok.eos_token_id,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                         "mrope_section": [2, 3, 3]}},
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"])
+    torch.manual_seed(0)
+    out = save_hf(Qwen2_5_VLForConditionalGeneration(config), tok, out)
+    image_processor().save_pretrained(str(out))
+    (out / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR))
+    return out

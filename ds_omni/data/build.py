@@ -7,6 +7,7 @@ import logging
 from ds_omni.config import OmniConfig
 from ds_omni.data.cost import CostModel, ModelDims
 from ds_omni.data.loader import DataComm, OmniLoader
+from ds_omni.data.media import video_decoder
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.sources import Source
 from ds_omni.data.templates import training_template
@@ -28,16 +29,35 @@ def cost_model_for(built, freeze: list[str], scales: dict[str, float] | None = N
         raise ConfigError(f"data.reorder.cost_scales: {e}") from None
 
 
+def item_processors(cfg: OmniConfig, built, sources) -> dict:
+    """The model's item processors, the video one sampling frames as `data.video` says. With a
+    video column in `sources`, a model without videos or a missing decoder is an error now, not
+    at the first video."""
+    procs = dict(built.item_processors)
+    if hasattr(procs.get("video"), "with_options"):
+        procs["video"] = procs["video"].with_options(cfg.data.video)
+    with_video = [s.name for s in sources if s.schema.video]
+    if with_video and "video" not in procs:
+        raise ConfigError(f"data sources {with_video} have a schema.video column but this model "
+                          f"({built.family.name}) takes no videos; set their schema.video to null, "
+                          "or train a family that does (qwen2_vl, qwen2_5_vl)")
+    if with_video:
+        video_decoder()
+    return procs
+
+
 def sample_processors(cfg: OmniConfig, built, sources=None) -> dict[str, SampleProcessor]:
     """One sample processor per source (sources may mark images and audio differently);
     `sources` defaults to data.sources (data.eval_sources for validation)."""
     template = training_template(cfg.data.template, built)
+    sources = cfg.data.sources if sources is None else sources
+    procs = item_processors(cfg, built, sources)
     return {s.name: SampleProcessor(
-        tokenizer=built.tokenizer, family=built.family, item_processors=built.item_processors,
-        markers={"vision": s.schema.image_marker, "audio": s.schema.audio_marker},
+        tokenizer=built.tokenizer, family=built.family, item_processors=procs,
+        markers=s.schema.markers(),
         max_seq_len=cfg.data.max_seq_len, overlong=cfg.data.overlong,
         conversation_strings=s.schema.conversation_strings, image_aspect=cfg.data.image_aspect,
-        template=template) for s in (cfg.data.sources if sources is None else sources)}
+        template=template) for s in sources}
 
 
 def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micro: int,

@@ -23,6 +23,7 @@ from ds_omni.config import OmniConfig
 from ds_omni.data.media import image_size, load_image
 from ds_omni.data.problems import kind_of
 from ds_omni.data.processing import SampleProcessor, conversation_string
+from ds_omni.data.build import item_processors
 from ds_omni.data.templates import training_template
 from ds_omni.data.sources import Locator, Source, columns, lookup, missing_column
 from ds_omni.errors import DataError
@@ -49,7 +50,8 @@ def _check_columns(source: Source, rows: list[tuple[Locator, dict]]) -> None:
     schema, where = source.cfg.schema, f"data source '{source.name}'"
     if all(lookup(row, schema.text) is None for _, row in rows):
         raise DataError(f"{where}: {missing_column(source, 'text', schema.text, rows[0][1])}")
-    for field, marker in (("image", schema.image_marker), ("audio", schema.audio_marker)):
+    for field, marker in (("image", schema.image_marker), ("audio", schema.audio_marker),
+                          ("video", schema.video_marker)):
         column = getattr(schema, field)
         marked = any(marker in str(lookup(row, schema.text)) for _, row in rows)
         if marked and (not column or all(lookup(row, column) is None for _, row in rows)):
@@ -119,8 +121,9 @@ def _processor(cfg: OmniConfig, built, source: Source) -> SampleProcessor:
     """Measures every sample whole (no length limit) so over-long ones are counted, not raised;
     conversation strings are parsed here and counted separately."""
     return SampleProcessor(
-        tokenizer=built.tokenizer, family=built.family, item_processors=built.item_processors,
-        markers={"vision": source.cfg.schema.image_marker, "audio": source.cfg.schema.audio_marker},
+        tokenizer=built.tokenizer, family=built.family,
+        item_processors=item_processors(cfg, built, [source.cfg]),
+        markers=source.cfg.schema.markers(),
         max_seq_len=10 ** 9, conversation_strings="parse", image_aspect="crop",
         template=training_template(cfg.data.template, built))
 
@@ -134,7 +137,7 @@ class _SourceCheck:
         self.bad = 0  # rows training would not use
         self.kinds: dict[str, int] = {}
         self.examples: dict[str, list[str]] = {}
-        self.modalities = {"image": 0, "audio": 0, "text_only": 0}
+        self.modalities = {"image": 0, "audio": 0, "video": 0, "text_only": 0}
         self.tokens: list[int] = []
         self.items: dict[int, int] = {}
         self.extreme_aspect = 0
@@ -174,6 +177,7 @@ class _SourceCheck:
         images = media.get("vision", [])
         self.modalities["image"] += bool(images)
         self.modalities["audio"] += bool(media.get("audio"))
+        self.modalities["video"] += bool(media.get("video"))
         self.modalities["text_only"] += not media
         self.items[sum(len(v) for v in media.values())] = \
             self.items.get(sum(len(v) for v in media.values()), 0) + 1
@@ -197,7 +201,7 @@ class _SourceCheck:
 
     def result(self) -> dict:
         schema = self.source.cfg.schema
-        fields = {f: getattr(schema, f) for f in ("text", "image", "audio", "id")}
+        fields = {f: getattr(schema, f) for f in ("text", "image", "audio", "video", "id")}
         return {
             "format": self.source.fmt, "files": len(self.source.files),
             "rows": len(self.source), "checked": self.rows,

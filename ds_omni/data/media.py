@@ -1,4 +1,4 @@
-"""Raw media -> what processors consume: RGB images and mono waveforms.
+"""Raw media -> what processors consume: RGB images, mono waveforms and video frames.
 
 Rows carry media as stored (HF `Image`/`Audio` structs of bytes and path, raw bytes, a path, or
 already decoded objects). Decoding happens in the item processors, on the rank that trains on the
@@ -8,6 +8,7 @@ sample; every failure is a `DataError` that the sample processor prefixes with t
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +138,123 @@ def square_image(value: Any, mode: str, fill: tuple[int, int, int]):
     out = Image.new("RGB", (side, side), fill)
     out.paste(image, ((side - w) // 2, (side - h) // 2))
     return out
+
+
+# ------------------------------------------------------------------------------------- video
+VIDEO_FIX = "pip install av (PyAV: FFmpeg in a wheel, no system libraries), or pip install 'ds_omni[video]'"
+
+
+def video_decoder():
+    """PyAV, imported on first use; missing, it is a `ConfigError` (not a bad sample: skipping
+    would drop every video) that names the package to install."""
+    try:
+        import av
+    except ImportError:
+        from ds_omni.errors import ConfigError
+        raise ConfigError(f"the data has videos but no video decoder is installed; {VIDEO_FIX}") \
+            from None
+    return av
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What a video's header says: frame count, frame rate (None if unknown) and frame size."""
+
+    frames: int
+    fps: float | None
+    width: int
+    height: int
+
+
+def _video_source(value: Any):
+    """A path or file-like for PyAV, from any stored form of a video."""
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        return io.BytesIO(value)
+    if isinstance(value, (str, Path)):
+        if not Path(value).is_file():
+            raise DataError(f"video file {str(value)!r} does not exist")
+        return str(value)
+    raise DataError(f"cannot read a video from a {type(value).__name__}; give bytes, a path, or "
+                    "a dict with 'bytes' or 'path'")
+
+
+def _open_video(value: Any):
+    """(container, its first video stream); an unreadable file is a `DataError`."""
+    av = video_decoder()
+    try:
+        container = av.open(_video_source(value))
+    except (av.FFmpegError, OSError, ValueError) as e:
+        raise DataError(f"unreadable video ({e})") from None
+    if not container.streams.video:
+        container.close()
+        raise DataError("the file has no video stream")
+    return container, container.streams.video[0]
+
+
+def video_info(value: Any) -> VideoInfo:
+    """Frame count, rate and size from the container alone (no frame decoded; a container that
+    does not store its frame count has its packets counted)."""
+    av = video_decoder()
+    container, stream = _open_video(value)
+    with container:
+        rate = stream.average_rate or stream.guessed_rate
+        frames = stream.frames
+        try:
+            if not frames:
+                frames = sum(1 for packet in container.demux(stream) if packet.size)
+        except av.FFmpegError as e:
+            raise DataError(f"unreadable video ({e})") from None
+        info = VideoInfo(frames=int(frames), fps=float(rate) if rate else None,
+                         width=stream.codec_context.width, height=stream.codec_context.height)
+    if info.frames < 1:
+        raise DataError("the video has no frames")
+    return info
+
+
+def read_frames(value: Any, indices: list[int]) -> np.ndarray:
+    """Frames `indices` (ascending, repeats allowed) as RGB uint8 [n, H, W, 3], decoded in order
+    up to the last one asked for."""
+    av = video_decoder()
+    wanted, last = set(indices), max(indices)
+    got: dict[int, np.ndarray] = {}
+    container, stream = _open_video(value)
+    with container:
+        try:
+            for i, frame in enumerate(container.decode(stream)):
+                if i in wanted:
+                    got[i] = frame.to_ndarray(format="rgb24")  # [H, W, 3]
+                if i >= last:
+                    break
+        except av.FFmpegError as e:
+            raise DataError(f"unreadable video ({e})") from None
+    if len(got) != len(wanted):
+        raise DataError(f"the video decodes to fewer frames than its header says: frame "
+                        f"{max(set(wanted) - set(got))} is missing")
+    return np.stack([got[i] for i in indices])  # [n, H, W, 3]
+
+
+def frame_indices(info: VideoInfo, *, fps: float | None, num_frames: int | None,
+                  min_frames: int, max_frames: int, multiple: int) -> list[int]:
+    """Evenly spaced frames to keep, as HF's Qwen2-VL video processor samples them
+    (`sample_frames`): `num_frames` rounded to a multiple of `multiple` (the temporal patch
+    size), or `fps` frames per second of video kept within min_frames..max_frames and the video's
+    own frames, rounded down to a multiple. A clip shorter than `multiple` frames keeps them all
+    (the processor repeats the last one)."""
+    total = info.frames
+    if num_frames is not None:
+        n = max(multiple, round(num_frames / multiple) * multiple)
+        if n > total:
+            raise DataError(f"the video has {total} frames but data.video.num_frames asks for {n}; "
+                            "lower num_frames, or sample by data.video.fps instead")
+    else:
+        if info.fps is None:
+            raise DataError("the video's frame rate is unknown, so it cannot be sampled by fps; set "
+                            "data.video.num_frames instead")
+        cap = min(max_frames, total) // multiple * multiple
+        n = min(max(total / info.fps * fps, min_frames), cap, total) // multiple * multiple
+    if n < 1:
+        return list(range(total))
+    import torch  # HF's exact arithmetic (a float step), so frames are the ones HF would pick
+    return torch.arange(0, total, total / int(n)).int().tolist()

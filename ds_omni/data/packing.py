@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from ds_omni.data.processing import Sample
-from ds_omni.model.family import EncodedItem, ItemProcessor
+from ds_omni.model.family import EncodedItem, ItemProcessor, placeholder_ids
 from ds_omni.model.omni import IGNORE_INDEX
 from ds_omni.parallel.long_short import LongItems
 from ds_omni.parallel.reshard import RankReshard, item_slots, plan_reshard
@@ -70,13 +70,15 @@ class MicroBatch:
     def num_targets(self) -> int:
         return int(((self.host or self).targets != IGNORE_INDEX).sum())
 
-    def positions_of(self, token_id: int) -> torch.Tensor:
-        """[n] indices into the row where `input_ids` is `token_id`, on this batch's device.
+    def positions_of(self, token_ids: int | tuple[int, ...]) -> torch.Tensor:
+        """[n] indices into the row where `input_ids` is one of `token_ids`, ascending, on this
+        batch's device.
 
         Found on the host copy, so a batch on a GPU needs no device-to-host sync (a boolean mask
         on the device would: its count decides the shapes that follow).
         """
-        return self._host_positions((self.host or self).input_ids[0] == token_id)
+        ids = (self.host or self).input_ids[0]
+        return self._host_positions(torch.isin(ids, torch.tensor(token_ids).reshape(-1)))
 
     def target_positions(self) -> torch.Tensor:
         """[n] indices of the positions that carry a target, on this batch's device (no sync)."""
@@ -151,7 +153,7 @@ def shard_row(row: MicroBatch, items: dict[str, list[EncodedItem]],
     row = pad_row(row, shard.size, pad_id=_pad_id(processors))
     t = row.input_ids.shape[1]
     s = t // shard.size
-    slots = item_slots(row.input_ids[0].numpy(), {e: processors[e].placeholder_id for e in items},
+    slots = item_slots(row.input_ids[0].numpy(), {e: placeholder_ids(processors, e) for e in items},
                        {e: [it.num_embeddings for it in its] for e, its in items.items()},
                        {e: [shard.item_cost(e, it) for it in its] for e, its in items.items()})
     plan = plan_reshard(slots, shard.size, s, list(items), shard.long_items)[shard.rank]

@@ -31,9 +31,10 @@ from ds_omni.data.problems import SampleError
 from ds_omni.data.templates import (ChatTemplate, first_difference, render,
                                     resolve_template, to_messages)
 from ds_omni.errors import DataError
-from ds_omni.model.family import EncodedItem, Family, ItemProcessor
+from ds_omni.model.family import EncodedItem, Family, ItemProcessor, feeds
 
 ROLE_PREFIX = {"user": "USER: ", "assistant": "ASSISTANT: ", "system": ""}
+_KIND_NAMES = {"vision": "images", "audio": "audio clips", "video": "videos"}
 
 
 @dataclass
@@ -45,7 +46,8 @@ class Sample:
     input_ids: torch.Tensor  # [L]
     loss_mask: torch.Tensor  # [L] bool: this token is predicted (from the one before it)
     position_ids: torch.Tensor  # [L] or [3, L]
-    items: list[tuple[str, EncodedItem]] = field(default_factory=list)  # (encoder, item), text order
+    # (encoder, item) in text order; the encoder its processor feeds (a video's may be "vision")
+    items: list[tuple[str, EncodedItem]] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -109,7 +111,8 @@ class SampleProcessor:
     # ------------------------------------------------------------------------------ public
     def __call__(self, *, text: Any, media: dict[str, list[Any]], sample_id: str,
                  source: str) -> Sample:
-        """`text`: a conversation (list of {"from", "value"}) or a string; `media`: encoder -> items."""
+        """`text`: a conversation (list of {"from", "value"}) or a string; `media`: kind of item
+        ("vision", "audio", "video": the keys of `item_processors` and `markers`) -> items."""
         ids, mask, ordered = self._build(text, media, sample_id, source, measure=False)
         input_ids = torch.tensor(ids, dtype=torch.long)
         return Sample(sample_id=sample_id, source=source, input_ids=input_ids,
@@ -128,8 +131,9 @@ class SampleProcessor:
         where = f"source '{source}' sample {sample_id}"
         for enc in media:
             if enc not in self.item_processors:
-                raise SampleError(f"{where} has {enc} items but the model has no {enc} encoder",
-                                  "other")
+                raise SampleError(f"{where} has {_KIND_NAMES.get(enc, enc)} but this model "
+                                  f"({self.family.name}) takes none; leave that column out of "
+                                  "the source's schema or pick a model that takes them", "other")
         items = {enc: [self._item(enc, x, where, measure) for x in xs] for enc, xs in media.items()}
         segments, rendered = self._segments(text, where)
         ids, mask, ordered, items_end = self._tokenize(segments, items, where, bos=not rendered)
@@ -223,7 +227,7 @@ class SampleProcessor:
                                       f"({len(items.get(enc, []))})", "markers", enc)
                 item = items[enc][used[enc]]
                 used[enc] += 1
-                ordered.append((enc, item))
+                ordered.append((feeds(self.item_processors, enc), item))
                 toks = self.item_processors[enc].tokens(item)
                 ids += toks
                 mask += [False] * len(toks)

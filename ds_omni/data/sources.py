@@ -42,6 +42,7 @@ from ds_omni.errors import DataError
 
 FORMAT_BY_SUFFIX = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow",
                     ".tar": "webdataset"}
+FIELD_OF_KIND = {"vision": "image", "audio": "audio", "video": "video"}  # schema field per kind
 JSON_INDEX_STRIDE = 256  # jsonl: remember every 256th line start
 STREAM_BATCH = 256  # rows made into Python objects at a time when a chunk is read
 
@@ -196,7 +197,8 @@ class Source:
         return f"{self.name}/{sid if sid is not None else loc}"
 
     def parts(self, row: dict, loc: Locator) -> tuple[Any, dict[str, list], str]:
-        """(text, {"vision": [raw images], "audio": [raw clips]}, sample id) through the schema.
+        """(text, {"vision": [raw images], "audio": [raw clips], "video": [raw videos]}, sample id)
+        through the schema.
 
         A missing text column, or a relative media path that names no file, is a `DataError`
         naming the sample (a bad sample: the source's on_bad_sample policy applies)."""
@@ -207,11 +209,11 @@ class Source:
             raise SampleError(f"sample {sid}: {missing_column(self, 'text', schema.text, row)}",
                               "column")
         media: dict[str, list] = {}
-        for encoder, column in (("vision", schema.image), ("audio", schema.audio)):
+        for kind, column in schema.media_columns().items():
             value = lookup(row, column) if column else None
             if value is not None:
                 items = value if isinstance(value, list) else [value]
-                media[encoder] = [self._rooted(x, loc, sid) for x in items]
+                media[kind] = [self._rooted(x, loc, sid) for x in items]
         return text, media, sid
 
     def media_root(self, file: int) -> Path:
@@ -241,7 +243,7 @@ class Source:
         media column is not in the row (a wrong schema.image / schema.audio)."""
         if not isinstance(error, SampleError) or error.kind != "markers" or error.encoder is None:
             return error
-        field = "image" if error.encoder == "vision" else "audio"
+        field = FIELD_OF_KIND.get(error.encoder, error.encoder)
         column = getattr(self.cfg.schema, field)
         if column and lookup(row, column) is not None:
             return error

@@ -38,9 +38,14 @@ class EncodedItem:
 
 
 class ItemProcessor:
-    """Raw item (PIL image, audio array) -> `EncodedItem`; a list of them -> encoder inputs."""
+    """Raw item (PIL image, audio array, video) -> `EncodedItem`; a list of them -> encoder inputs.
 
-    encoder: str = "vision"
+    A family's `item_processors` are keyed by the kind of item ("vision" for images, "audio",
+    "video"); `encoder` names the OmniModel encoder its items feed (None: the encoder named by
+    its key), which collates them all with the processor keyed by that encoder's name (so a video
+    processor feeding "vision" makes inputs the image processor's `collate` accepts)."""
+
+    encoder: str | None = None
     modality: str = "image"
     placeholder_id: int = -1
     """Token id that each of the item's embeddings replaces."""
@@ -66,6 +71,18 @@ class ItemProcessor:
     def collate(self, items: list[EncodedItem]) -> dict[str, torch.Tensor]:
         """Default: stack each input along a new leading dim."""
         return {k: torch.stack([it.inputs[k] for it in items]) for k in items[0].inputs}
+
+
+def feeds(processors: dict[str, ItemProcessor], kind: str) -> str:
+    """The encoder that items of `kind` (a key of `processors`) feed."""
+    return processors[kind].encoder or kind
+
+
+def placeholder_ids(processors: dict[str, ItemProcessor], encoder: str) -> tuple[int, ...]:
+    """Every token id whose embeddings `encoder` yields: the placeholders of the processors that
+    feed it (an image and a video processor may feed one vision encoder)."""
+    return tuple(sorted({p.placeholder_id for k, p in processors.items()
+                         if feeds(processors, k) == encoder}))
 
 
 class Family:

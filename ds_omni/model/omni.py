@@ -44,11 +44,14 @@ class ModalityEncoder(nn.Module):
 
     modality: str = "image"
 
-    def __init__(self, *, tower: nn.Module, projector: nn.Module, placeholder_id: int):
+    def __init__(self, *, tower: nn.Module, projector: nn.Module, placeholder_id: int,
+                 more_placeholder_ids: tuple[int, ...] = ()):
         super().__init__()
         self.tower = tower
         self.projector = projector
         self.placeholder_id = placeholder_id
+        # other tokens its embeddings replace (Qwen2-VL: videos, through the same tower)
+        self.placeholder_ids = (placeholder_id, *more_placeholder_ids)
 
     def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
@@ -277,7 +280,7 @@ class OmniModel(nn.Module):
         hidden = self.backbone.embed_tokens(batch.input_ids)  # [1, T, D]
         for name, encoder in self.encoders.items():
             inputs = batch.encoder_inputs.get(name)
-            slots = batch.positions_of(encoder.placeholder_id)  # [n] (found on the host: no sync)
+            slots = batch.positions_of(encoder.placeholder_ids)  # [n] (found on the host: no sync)
             n_slots = slots.shape[0]
             hidden = _top_up_calls(hidden, encoder, batch, name, runs=1)
             if inputs is None:

@@ -72,15 +72,16 @@ class RankReshard:
         return self.rows_out - self.send_counts[self.rank]
 
 
-def item_slots(input_ids: np.ndarray, placeholder_ids: dict[str, int],
+def item_slots(input_ids: np.ndarray, placeholder_ids: dict[str, int | tuple[int, ...]],
                item_sizes: dict[str, list[int]], item_costs: dict[str, list[float]]) -> list[ItemSlots]:
-    """Placeholder positions of every item: encoder e's k-th item owns the next n_k of e's slots.
+    """Placeholder positions of every item: encoder e's k-th item owns the next n_k of e's slots
+    (tokens equal to any of e's placeholder ids: Qwen2-VL's images and videos share an encoder).
 
     input_ids [T] (the whole padded row); item_sizes[e][k] = embeddings of e's k-th item.
     """
     slots = []
     for enc, sizes in item_sizes.items():
-        where = np.flatnonzero(input_ids == placeholder_ids[enc])
+        where = np.flatnonzero(np.isin(input_ids, placeholder_ids[enc]))
         if len(where) != sum(sizes):
             raise ValueError(f"encoder {enc!r}: the row has {len(where)} placeholder tokens but its "
                              f"items yield {sum(sizes)} embeddings ({sizes})")

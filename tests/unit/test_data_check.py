@@ -40,7 +40,7 @@ def test_clean_sources_pass(tmp_path, layouts, capsys):
     assert report["errors"] == []
     llava, wds, pq = (report["sources"][n] for n in ("llava", "wds", "pq"))
     assert (llava["rows"], llava["checked"], llava["modalities"]) == (
-        8, 8, {"image": 6, "audio": 0, "text_only": 2})
+        8, 8, {"image": 6, "audio": 0, "video": 0, "text_only": 2})
     assert llava["items_per_sample"] == {"0": 2, "1": 6}
     assert wds["modalities"]["text_only"] == 4 and pq["rows"] == 6 and pq["bad_rows"] == 0
     assert set(llava["columns"]) == {"id", "image", "conversations"}

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ds_omni.data.demo import ensure_builtin, shapes_rows
+from ds_omni.data.processing import SampleProcessor
 from ds_omni.errors import ModelError
 from tests.family_checks import (assert_logits_match, assert_loss_and_grads_match,
                                  assert_round_trip, load_omni, processor_for)
@@ -245,3 +246,143 @@ def test_trained_on_its_chat_template_a_sample_is_the_exported_processors_prompt
     out = hf_proc(text=[prompt], images=img[1:], return_tensors="pt")
     assert sample.input_ids.tolist() == out["input_ids"][0].tolist()
     assert tok.decode(sample.input_ids[sample.loss_mask]) == "the first<|im_end|>"
+
+
+# ------------------------------------------------------------------------------------- video
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    """An mp4 of 12 frames at 4 fps (40x24), and an mkv of one frame (32x32; the container keeps
+    no frame count, and one frame leaves the temporal patch to a repeated frame)."""
+    from tests.data_files import write_video
+    out = tmp_path_factory.mktemp("videos")
+    return {"mp4": str(write_video(out / "a.mp4", 12, 40, 24, fps=4, seed=1)),
+            "mkv": str(write_video(out / "b.mkv", 1, 32, 32, fps=2, seed=2, codec="ffv1"))}
+
+
+def _video_samples(built, videos):
+    """A video; a video then an image in one turn (the text's order, not the columns'); text
+    only; the mkv. Images and videos share the vision encoder of one packed micro-batch."""
+    proc = SampleProcessor(tokenizer=built.tokenizer, family=built.family,
+                           item_processors=built.item_processors,
+                           markers={"vision": "<image>", "video": "<video>"}, max_seq_len=4096)
+    _, img = _images()
+    turns = lambda q: [{"from": "human", "value": q}, {"from": "gpt", "value": "a square moves"}]
+    rows = {"video": (turns("<video>\nWhat moves?"), {"video": [videos["mp4"]]}),
+            "mixed": (turns("<video> and <image>: same shape?"),
+                      {"vision": [img[1]], "video": [videos["mp4"]]}),
+            "text": ("a caption with no video at all", {}),
+            "short": (turns("<video>\nAnd here?"), {"video": [videos["mkv"]]})}
+    samples = [proc(text=t, media=m, sample_id=k, source="t") for k, (t, m) in rows.items()]
+    return samples, {k: m for k, (_, m) in rows.items()}
+
+
+def _hf_video_inputs(hf_proc, media, samples):
+    """HF's inputs of each sample: its image processor's pixels for images, ds_omni's patches for
+    videos (HF's video processor needs torchvision; `test_video_patches_...` checks the layout),
+    pixel_values_videos + video_grid_thw, and the processor's mm_token_type_ids (video = 2)."""
+    videos = {s.sample_id: [it for _, it in s.items if it.meta["placeholder_id"] == hf_proc.video_token_id]
+              for s in samples}
+
+    def inputs(sample):
+        out = _hf_inputs(hf_proc, {k: m.get("vision", []) for k, m in media.items()})(sample)
+        if videos[sample.sample_id]:
+            items = videos[sample.sample_id]
+            out.update(pixel_values_videos=torch.cat([it.inputs["pixel_values"] for it in items]),
+                       video_grid_thw=torch.stack([it.inputs["image_grid_thw"] for it in items]))
+        return out
+    return inputs
+
+
+def test_video_logits_positions_loss_and_gradients_match_hf(built, reference, qwen2_vl_dir, videos):
+    samples, media = _video_samples(built, videos)
+    hf_proc = hf_processor(qwen2_vl_dir)
+    assert hf_proc.video_token_id == built.hf_config.video_token_id
+    grids = {s.sample_id: [it.meta["grid_thw"] for _, it in s.items] for s in samples}
+    # 3 s at 2 fps: 6 frames -> 3 temporal patches of 6x10 (40x24 is within the saved 64..1024
+    # pixels); one frame -> one temporal patch (the frame twice)
+    assert grids["video"] == [(3, 6, 10)] and grids["short"] == [(1, 8, 8)], grids
+    assert [enc for enc, _ in samples[1].items] == ["vision", "vision"]
+    assert samples[1].items[0][1].meta["frames"] == 6  # the video comes first in the text
+    inputs = _hf_video_inputs(hf_proc, media, samples)
+    for sample in samples:
+        hf = inputs(sample)
+        expected, _ = reference.model.get_rope_index(
+            hf["input_ids"], hf["mm_token_type_ids"], image_grid_thw=hf.get("image_grid_thw"),
+            video_grid_thw=hf.get("video_grid_thw"))
+        assert torch.equal(sample.position_ids, expected[:, 0]), sample.sample_id
+    assert_logits_match(built, reference, samples, inputs)
+    assert_loss_and_grads_match(built, reference, samples, inputs)
+
+
+def test_videos_are_carried_to_the_sequence_shards_holding_their_placeholders(built, videos):
+    """Under SP=2 each image and video of a packed row is encoded by one rank, and the exchange
+    the reshard plans make (played here in one process) gives every shard exactly the rows the
+    whole row's embedding has there."""
+    from ds_omni.data.packing import SeqShard, pack
+    samples, _ = _video_samples(built, videos)
+    procs = built.item_processors
+    encoder = built.model.encoders["vision"]
+    with torch.no_grad():
+        whole = built.model.embed(pack(samples, procs))[0]  # [T, D]
+        shards = [pack(samples, procs, SeqShard(r, 2, lambda e, it: float(it.meta["patches"])))
+                  for r in range(2)]
+        sent = []  # per rank: its encoded rows, grouped by destination
+        for mb in shards:
+            rows = encoder(mb.encoder_inputs["vision"]) if mb.encoder_inputs else whole[:0]
+            rows = rows[mb.reshard.send_order]
+            sent.append(rows.split(mb.reshard.send_counts))
+        assert all(mb.encoder_inputs for mb in shards)  # the items are split over both ranks
+        for r, mb in enumerate(shards):
+            got = built.model.backbone.embed_tokens(mb.input_ids)[0].clone()  # [S, D]
+            got[mb.reshard.recv_positions] = torch.cat([sent[s][r] for s in range(2)])
+            lo = r * got.shape[0]
+            real = min(got.shape[0], whole.shape[0] - lo)
+            torch.testing.assert_close(got[:real], whole[lo:lo + real], rtol=0, atol=1e-6)
+    videos_rows = sum(int((mb.input_ids == built.hf_config.video_token_id).sum()) for mb in shards)
+    assert videos_rows == sum(it.num_embeddings for s in samples for _, it in s.items
+                              if it.meta["placeholder_id"] == built.hf_config.video_token_id)
+
+
+def test_a_video_source_trains_through_the_loader(built, videos, tmp_path):
+    """A jsonl source with a video column (paths relative to the file) through the real loader:
+    its step carries every video, sampled as data.video says, the cost model counts their
+    patches, and the tower gets gradients from them."""
+    import shutil
+    from types import SimpleNamespace
+    from ds_omni.config import DataConfig, SchemaConfig, SourceConfig, VideoConfig
+    from ds_omni.data.build import cost_model_for, sample_processors
+    from ds_omni.data.loader import OmniLoader
+    from ds_omni.data.sources import Source
+    from ds_omni.parallel.groups import TorchDataComm
+    shutil.copy(videos["mp4"], tmp_path / "clip.mp4")
+    turns = [{"from": "human", "value": "<video>\nWhat moves?"}, {"from": "gpt", "value": "a dot"}]
+    rows = [{"id": f"v{i}", "conversations": turns, "clip": "clip.mp4"} for i in range(3)]
+    rows.append({"id": "t", "conversations": [turns[0] | {"value": "Hi"}, turns[1]], "clip": None})
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = DataConfig(sources=[SourceConfig(name="v", path=str(tmp_path / "rows.jsonl"),
+                                            schema=SchemaConfig(image=None, video="clip"))],
+                      max_seq_len=256, chunk_rows=4, video=VideoConfig(num_frames=4))
+
+    def step(scales=None):
+        loader = OmniLoader([Source(s, data.chunk_rows) for s in data.sources],
+                            sample_processors(SimpleNamespace(data=data), built),
+                            cost_model_for(built, [], scales), data, global_batch_size=4,
+                            num_micro=2, dp_rank=0, dp_size=1, comm=TorchDataComm())
+        return loader.next_step()
+    batch = step()
+    video_id = built.hf_config.video_token_id
+    per_video = 2 * 6 * 10 // MERGE ** 2  # 4 frames -> 2 temporal patches of 6x10
+    assert sum(int((mb.input_ids == video_id).sum()) for mb in batch.micro_batches) == 3 * per_video
+    no_vision = step({"vision_quad": 0.0, "vision_lin": 0.0})
+    cost = cost_model_for(built, [])
+    assert batch.modelled_cost - no_vision.modelled_cost >= \
+        3 * cost.encoder_cost("vision", [60, 60]).sum() * (1 - 1e-9)
+    model = built.model
+    model.zero_grad()
+    for mb in batch.micro_batches:
+        out = model(mb)
+        assert torch.isfinite(out.loss_sum)
+        out.loss_sum.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0
+               for p in model.encoders["vision"].tower.parameters())
+    model.zero_grad()

@@ -7,9 +7,17 @@ block of patches into one LLM embedding, so an image yields t*h*w / merge_size^2
 in the text as <|vision_start|> <|image_pad|> * n <|vision_end|>. Images of any size share one
 micro-batch: their patches are concatenated and `image_grid_thw` says where each one ends.
 
+A video is the same for the tower: frames sampled from the file (`data.video`), every
+temporal_patch_size consecutive frames one temporal patch, so a t x h x w grid with t > 1, written
+as <|vision_start|> <|video_pad|> * n <|vision_end|>. Images and videos of a micro-batch go
+through the tower together, in text order. Qwen2.5-VL (window attention in the tower, video time
+in seconds) is a subclass below.
+
 M-RoPE: every token has three positions (temporal, height, width). A text token has all three equal,
 counting on from the token before; an image's tokens sit at (s, s + row, s + col) with s the
-position where the image starts, and the text after it resumes at s + max(rows, cols).
+position where the image starts, and the text after it resumes at s + max(rows, cols). A video's
+temporal patch k sits at time s + k (Qwen2-VL) or s + floor(k x tokens_per_second x seconds per
+temporal patch) (Qwen2.5-VL).
 """
 
 from __future__ import annotations
@@ -17,13 +25,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ds_omni.errors import ModelError
-from ds_omni.data.media import load_image
+from ds_omni.errors import DataError, ModelError
+from ds_omni.data.media import VideoInfo, frame_indices, load_image, read_frames, video_info
 from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
 from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
 from ds_omni.parallel import long_short
@@ -134,6 +143,161 @@ class Qwen2VLItemProcessor(ItemProcessor):
                 "image_grid_thw": torch.stack([it.inputs["image_grid_thw"] for it in items])}
 
 
+VIDEO_DEFAULTS = {"min_pixels": 128 * 28 * 28, "max_pixels": 768 * 28 * 28, "min_frames": 4,
+                  "max_frames": 768}
+"""HF's `Qwen2VLVideoProcessor` class defaults (that module needs torchvision, so they are
+written down here; mean and std are CLIP's); a video processor saved with the model overrides
+them."""
+
+
+@dataclass(frozen=True)
+class VideoSettings:
+    """How one model's videos become patches: HF's video processor settings, with the frame
+    sampling and sizes of `data.video` laid over them."""
+
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+    min_frames: int
+    max_frames: int
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    fps: float | None = 2.0
+    num_frames: int | None = None
+
+    @classmethod
+    def from_saved(cls, saved: dict, vision_config) -> "VideoSettings":
+        """From a saved video processor entry (`video_processor_entry`) and the tower's patching."""
+        from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+        size = saved.get("size") or {}
+        pixels = {k: size.get(edge) or saved.get(k) or VIDEO_DEFAULTS[k]
+                  for k, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge"))}
+        frames = {k: saved.get(k) or VIDEO_DEFAULTS[k] for k in ("min_frames", "max_frames")}
+        return cls(patch_size=vision_config.patch_size,
+                   temporal_patch_size=vision_config.temporal_patch_size,
+                   merge_size=vision_config.spatial_merge_size,
+                   **{k: int(v) for k, v in (pixels | frames).items()},
+                   image_mean=tuple(saved.get("image_mean") or OPENAI_CLIP_MEAN),
+                   image_std=tuple(saved.get("image_std") or OPENAI_CLIP_STD))
+
+    def with_options(self, video) -> "VideoSettings":
+        """`data.video` (a `VideoConfig`) laid over these settings: what it leaves None stays."""
+        overrides = {k: getattr(video, k) for k in ("max_frames", "min_pixels", "max_pixels")
+                     if getattr(video, k) is not None}
+        return replace(self, fps=video.fps, num_frames=video.num_frames, **overrides)
+
+    def frame_size(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) a frame is resized to: multiples of patch x merge, aspect kept."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+        try:
+            return smart_resize(height, width, factor=self.patch_size * self.merge_size,
+                                min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        except ValueError as e:  # an aspect ratio over 200
+            raise DataError(f"video frames of {width}x{height}: {e}") from None
+
+
+class Qwen2VLVideoItemProcessor(ItemProcessor):
+    """A video -> its patches [p, C*T*p*p] and grid [3], for the same tower as images.
+
+    Frames are sampled (`media.frame_indices`), resized to multiples of patch x merge, normalised,
+    and every `temporal_patch_size` consecutive frames form one temporal patch (the last frame is
+    repeated to fill the last one), in the layout of HF's `Qwen2VLVideoProcessor`. The tower
+    treats the grid's t slices as it treats images (attention within each slice), so video items
+    share the image encoder and its micro-batch inputs; only the placeholder token differs.
+    Dims: n sampled frames, t = ceil(n / T) temporal patches, h x w patches per frame.
+    """
+
+    encoder = "vision"
+    modality = "video"
+
+    def __init__(self, settings: VideoSettings, *, video_token_id: int, vision_start_id: int,
+                 vision_end_id: int, tokens_per_second: int | None = None):
+        self.settings = settings
+        self.placeholder_id = video_token_id
+        self.vision_start_id = vision_start_id
+        self.vision_end_id = vision_end_id
+        self.tokens_per_second = tokens_per_second  # Qwen2.5-VL's time axis; None: Qwen2-VL's
+
+    def with_options(self, video) -> "Qwen2VLVideoItemProcessor":
+        """A copy that samples and sizes frames as `data.video` says."""
+        return Qwen2VLVideoItemProcessor(
+            self.settings.with_options(video), video_token_id=self.placeholder_id,
+            vision_start_id=self.vision_start_id, vision_end_id=self.vision_end_id,
+            tokens_per_second=self.tokens_per_second)
+
+    def _plan(self, info: VideoInfo) -> tuple[list[int], tuple[int, int, int], tuple[int, int]]:
+        """(frame indices, grid (t, h, w) in patches, resized (height, width)) of a video."""
+        s = self.settings
+        indices = frame_indices(info, fps=s.fps, num_frames=s.num_frames, min_frames=s.min_frames,
+                                max_frames=s.max_frames, multiple=s.temporal_patch_size)
+        height, width = s.frame_size(info.height, info.width)
+        t = -(-len(indices) // s.temporal_patch_size)
+        return indices, (t, height // s.patch_size, width // s.patch_size), (height, width)
+
+    def _item(self, grid: tuple[int, int, int], info: VideoInfo, frames: int,
+              inputs: dict) -> EncodedItem:
+        t, h, w = grid
+        m = self.settings.merge_size
+        # HF's `second_per_grid_ts` (Qwen2.5-VL's M-RoPE time axis): seconds per temporal patch
+        # at the rate frames were kept (VideoMetadata.sampled_fps: 24 when the rate is unknown)
+        sampled_fps = frames / info.frames * info.fps if info.fps else 24.0
+        seconds = self.settings.temporal_patch_size / sampled_fps
+        # HF multiplies in fp32 (the processor's second_per_grid_ts is a float32 tensor)
+        interval = 1.0 if self.tokens_per_second is None else float(
+            torch.tensor(seconds, dtype=torch.float32) * self.tokens_per_second)
+        return EncodedItem(inputs=inputs, num_embeddings=t * h * w // m ** 2,
+                           meta={"grid_thw": grid, "patches": t * h * w, "frames": frames,
+                                 "placeholder_id": self.placeholder_id, "merge_size": m,
+                                 "seconds_per_grid": seconds, "time_interval": interval},
+                           encoder_seqs=[h * w] * t)  # the tower attends within each slice
+
+    def measure(self, video):
+        info = video_info(video)
+        indices, grid, _ = self._plan(info)
+        return self._item(grid, info, len(indices), {})
+
+    def process(self, video):
+        info = video_info(video)
+        indices, grid, size = self._plan(info)
+        frames = read_frames(video, indices)  # [n, H, W, 3] uint8
+        patches = video_patches(self.settings, frames, size)
+        return self._item(grid, info, len(indices), {"pixel_values": patches,
+                                                     "image_grid_thw": torch.tensor(grid)})
+
+    def tokens(self, item):
+        return [self.vision_start_id, *[self.placeholder_id] * item.num_embeddings,
+                self.vision_end_id]
+
+
+def video_patches(s: VideoSettings, frames, size: tuple[int, int]) -> torch.Tensor:
+    """RGB frames [n, H, W, 3] uint8 -> patches [t*h*w, C*T*p*p] (HF's video patch layout).
+
+    Arithmetic of HF's torchvision-based `Qwen2VLVideoProcessor` on CPU: a uint8 bicubic resize
+    with antialias (torchvision's native uint8 kernel, which is torch's), then (x - 255 mean) /
+    (255 std) in fp32.
+    """
+    import torch.nn.functional as F
+    video = torch.from_numpy(frames).permute(0, 3, 1, 2)  # [n, H, W, C] -> [n, C, H, W]
+    if tuple(video.shape[-2:]) != size:
+        video = F.interpolate(video.contiguous(), size=size, mode="bicubic", align_corners=False,
+                              antialias=True)  # uint8 in, uint8 out
+    scale = 1.0 / (1 / 255)
+    mean = (torch.tensor(s.image_mean) * scale).view(1, -1, 1, 1)
+    std = (torch.tensor(s.image_std) * scale).view(1, -1, 1, 1)
+    video = (video.float() - mean) / std  # [n, C, H', W']
+    tp, p, m = s.temporal_patch_size, s.patch_size, s.merge_size
+    if pad := -video.shape[0] % tp:  # repeat the last frame to fill the last temporal patch
+        video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
+    n, c, height, width = video.shape
+    t, h, w = n // tp, height // p, width // p
+    patches = video.reshape(t, tp, c, h // m, m, p, w // m, m, p)
+    # [t, T, C, h/m, m, p, w/m, m, p] -> [t, h/m, w/m, m, m, C, T, p, p]: merge blocks contiguous
+    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return patches.reshape(t * h * w, c * tp * p * p).contiguous()
+
+
 def qwen2_vl_image_processor(vision_config, model_dir: Path | None):
     """HF's PIL Qwen2-VL image processor: with the settings saved in the model dir, if any.
 
@@ -167,52 +331,60 @@ def check_patching(processor, vision_config, model_dir) -> None:
 
 
 # ------------------------------------------------------------------------------------- M-RoPE
-def mrope_position_ids(input_ids: torch.Tensor, grids: list, image_token_id: int,
-                       merge_size: int) -> torch.Tensor:
+def mrope_position_ids(input_ids: torch.Tensor, grids: list, placeholder_ids,
+                       merge_size: int, time_intervals: list | None = None) -> torch.Tensor:
     """[3, L] (temporal, height, width) positions of one sample, as HF's `get_rope_index` has them.
 
-    `grids`: the (t, h, w) patch grid of each image, in text order; image i owns the next
-    t*h*w / merge_size^2 `image_token_id` tokens. A sample without images gets 0..L-1 three times.
+    `grids`: the (t, h, w) patch grid of each image or video, in text order; item i owns the next
+    t*h*w / merge_size^2 tokens of its placeholder, `placeholder_ids[i]` (one id: the same for
+    all; a video's is the video token). A video's slices sit at temporal offsets k *
+    `time_intervals[i]` (Qwen2-VL: 1, whatever the frame rate; Qwen2.5-VL: tokens per second x
+    seconds per slice). A sample without items gets 0..L-1 three times.
     """
     ids = input_ids.tolist()
-    pieces, pos, i, images = [], 0, 0, iter(grids)
+    slots = {placeholder_ids} if isinstance(placeholder_ids, int) else set(placeholder_ids)
+    if isinstance(placeholder_ids, int):
+        placeholder_ids = [placeholder_ids] * len(grids)
+    intervals = time_intervals or [1.0] * len(grids)
+    pieces, pos, i, items = [], 0, 0, iter(zip(grids, placeholder_ids, intervals))
     while i < len(ids):
-        if ids[i] != image_token_id:
-            run = _text_run(ids, i, image_token_id)
+        if ids[i] not in slots:
+            run = _text_run(ids, i, slots)
             pieces.append(torch.arange(pos, pos + run).expand(3, run))
             pos, i = pos + run, i + run
             continue
-        grid = next(images, None)
+        grid, token, interval = next(items, (None, None, None))
         if grid is None:
             raise ModelError(f"image token at position {i} has no image: the sample has "
                              f"{len(grids)} images but more image placeholder tokens")
-        block = image_positions(grid, merge_size) + pos  # [3, n]
-        if ids[i:i + block.shape[1]] != [image_token_id] * block.shape[1]:
+        block = image_positions(grid, merge_size, interval) + pos  # [3, n]
+        if ids[i:i + block.shape[1]] != [token] * block.shape[1]:
             raise ModelError(f"the image at token {i} needs {block.shape[1]} consecutive image "
                              "placeholder tokens, fewer are there")
         pieces.append(block)
         pos += max(int(grid[1]), int(grid[2])) // merge_size
         i += block.shape[1]
-    if next(images, None) is not None:
+    if next(items, None) is not None:
         raise ModelError(f"{len(grids)} images but fewer image placeholder runs in the sample")
     return torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long)
 
 
-def _text_run(ids: list[int], start: int, image_token_id: int) -> int:
+def _text_run(ids: list[int], start: int, slots: set[int]) -> int:
     end = start
-    while end < len(ids) and ids[end] != image_token_id:
+    while end < len(ids) and ids[end] not in slots:
         end += 1
     return end - start
 
 
-def image_positions(grid, merge_size: int) -> torch.Tensor:
-    """[3, t * h' * w'] offsets (frame, row, col) of one image's merged tokens, row-major.
+def image_positions(grid, merge_size: int, time_interval=1.0) -> torch.Tensor:
+    """[3, t * h' * w'] offsets (frame, row, col) of one image's merged tokens, row-major; frame
+    k's time offset is floor(k * time_interval), as HF computes it.
 
     Dims: h' = h / merge_size, w' = w / merge_size (the merged grid).
     """
     t, h, w = int(grid[0]), int(grid[1]) // merge_size, int(grid[2]) // merge_size
-    frame, row, col = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w),
-                                     indexing="ij")
+    frames = (torch.arange(t) * time_interval).long()
+    frame, row, col = torch.meshgrid(frames, torch.arange(h), torch.arange(w), indexing="ij")
     return torch.stack([frame, row, col]).reshape(3, -1)  # [3, t, h', w'] -> [3, t*h'*w']
 
 
@@ -221,31 +393,46 @@ class Qwen2VL(Family):
     name = "qwen2_vl"
     model_types = ("qwen2_vl",)
     hf_class = "Qwen2VLForConditionalGeneration"
+    processor_class = "Qwen2VLProcessor"
+    vision_encoder = Qwen2VLVisionEncoder
 
     def to_omni(self, hf_model, tokenizer=None) -> OmniModel:
         config, inner = hf_model.config, hf_model.model
-        encoder = Qwen2VLVisionEncoder(
+        encoder = self.vision_encoder(
             tower=vision_tower(inner.visual), projector=inner.visual.merger,
-            placeholder_id=config.image_token_id, vision_config=config.vision_config)
+            placeholder_id=config.image_token_id, vision_config=config.vision_config,
+            more_placeholder_ids=(config.video_token_id,))  # videos run through the same tower
         return OmniModel(encoders={"vision": encoder},
                          backbone=backbone_of(inner.language_model, hf_model.lm_head),
                          family=self, hf_model=hf_model)
 
     def item_processors(self, hf_config, model_dir=None, tokenizer=None):
-        hf_proc = qwen2_vl_image_processor(hf_config.vision_config, model_dir)
+        vc = hf_config.vision_config
+        hf_proc = qwen2_vl_image_processor(vc, model_dir)
         return {"vision": Qwen2VLItemProcessor(
-            hf_proc, merge_size=hf_config.vision_config.spatial_merge_size,
-            image_token_id=hf_config.image_token_id,
+            hf_proc, merge_size=vc.spatial_merge_size, image_token_id=hf_config.image_token_id,
             vision_start_id=hf_config.vision_start_token_id,
-            vision_end_id=hf_config.vision_end_token_id)}
+            vision_end_id=hf_config.vision_end_token_id),
+            "video": Qwen2VLVideoItemProcessor(
+                VideoSettings.from_saved(video_processor_entry(vc, model_dir), vc),
+                video_token_id=hf_config.video_token_id,
+                vision_start_id=hf_config.vision_start_token_id,
+                vision_end_id=hf_config.vision_end_token_id,
+                tokens_per_second=self.tokens_per_second(vc))}
+
+    def tokens_per_second(self, vision_config) -> int | None:
+        """M-RoPE time steps per second of video; None: one step per temporal patch (Qwen2-VL)."""
+        return None
 
     def position_ids(self, input_ids, items):
-        """[3, L] M-RoPE positions; an image's meta has its grid, placeholder id and merge size."""
+        """[3, L] M-RoPE positions; an image's or video's meta has its grid, placeholder id and
+        merge size."""
         images = [item.meta for enc, item in items if enc == "vision"]
         if not images:  # text only: HF uses 0..L-1 on all three axes
             return torch.arange(input_ids.shape[0]).expand(3, -1).contiguous()
         return mrope_position_ids(input_ids, [m["grid_thw"] for m in images],
-                                  images[0]["placeholder_id"], images[0]["merge_size"])
+                                  [m["placeholder_id"] for m in images], images[0]["merge_size"],
+                                  [m.get("time_interval", 1.0) for m in images])
 
     def save_processor(self, out_dir, hf_config, tokenizer, model_dir=None):
         """Write a Qwen2VLProcessor: tokenizer files plus processor_config.json.
@@ -260,7 +447,7 @@ class Qwen2VL(Family):
         image_processor = qwen2_vl_image_processor(hf_config.vision_config, model_dir)
         _processor_tokenizer(tokenizer, hf_config).save_pretrained(str(out))
         processor_config = {
-            "processor_class": "Qwen2VLProcessor",
+            "processor_class": self.processor_class,
             "image_processor": json.loads(image_processor.to_json_string()),
             "video_processor": video_processor_entry(hf_config.vision_config, model_dir),
         }
@@ -304,4 +491,40 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+class Qwen2_5VLVisionEncoder(Qwen2VLVisionEncoder):
+    """Qwen2.5-VL's tower: window attention (full attention in `fullatt_block_indexes`) over
+    patches reordered into windows, RMSNorm, gated MLPs. Its forward is HF's own, so the window
+    order and its undoing around the merger are HF's; the module it runs is the same as the
+    registered tower (patch_embed, rotary_pos_emb, blocks) + projector (merger)."""
+
+    def encode(self, inputs):  # [P, C*T*p*p] -> [P / m^2, D]
+        return self.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output
+
+    def attention_heads(self):
+        """None: no pieces for long-short SP (its windows reorder patches across the whole item,
+        which Qwen2-VL's piece path does not do), so a long item runs whole on one rank."""
+        return None
+
+
+class Qwen2_5VL(Qwen2VL):
+    """Qwen2.5-VL: Qwen2-VL's layout (image processor, tokens, M-RoPE) with a windowed ViT and
+    a video time axis in seconds (`tokens_per_second` x seconds per temporal patch)."""
+
+    name = "qwen2_5_vl"
+    model_types = ("qwen2_5_vl",)
+    hf_class = "Qwen2_5_VLForConditionalGeneration"
+    processor_class = "Qwen2_5_VLProcessor"
+    vision_encoder = Qwen2_5VLVisionEncoder
+
+    def to_omni(self, hf_model, tokenizer=None) -> OmniModel:
+        omni = super().to_omni(hf_model, tokenizer)
+        # the whole ViT, unregistered: its parameters are registered once, as tower + projector
+        object.__setattr__(omni.encoders["vision"], "visual", hf_model.model.visual)
+        return omni
+
+    def tokens_per_second(self, vision_config) -> int | None:
+        return int(vision_config.tokens_per_second)
+
+
 register(Qwen2VL())
+register(Qwen2_5VL())
