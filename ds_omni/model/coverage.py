@@ -57,7 +57,8 @@ def _ids(tok, *tokens: str) -> list[int]:
 def _processor_class(model_type: str):
     import transformers
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
-    return getattr(transformers, PROCESSOR_MAPPING_NAMES[model_type])
+    from ds_omni.model.families.generic import processor_type
+    return getattr(transformers, PROCESSOR_MAPPING_NAMES[processor_type(model_type)])
 
 
 def _config(model_type: str, **fields):
@@ -167,7 +168,75 @@ def _idefics3(model_type: str):
                                      tokenizer=tok, image_seq_len=4)
 
 
+def _vipllava():
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    tok = demo_tokenizer(["<image>"], {"image_token": "<image>"})
+    config = _config("vipllava", vision_config=CLIP, text_config=_text(tok, "llama"),
+                     image_token_index=_ids(tok, "<image>")[0], vision_feature_layer=[-2, -1])
+    images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return config, _processor_class("vipllava")(image_processor=images, tokenizer=tok, patch_size=8,
+                                                vision_feature_select_strategy="default",
+                                                num_additional_image_tokens=1)
+
+
+def _llava_next():
+    from ds_omni.model.families.llava_next import anyres_processor
+    tok = demo_tokenizer(["<image>"], {"image_token": "<image>"})
+    config = _config("llava_next", vision_config=CLIP, text_config=_text(tok, "llama"),
+                     image_token_index=_ids(tok, "<image>")[0], vision_feature_layer=-2,
+                     image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]])
+    return config, anyres_processor(config, tok, None)
+
+
+def _glm4v(model_type: str = "glm4v", text_type: str = "glm4v_text"):
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+    names = ["<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|video|>"]
+    tok = demo_tokenizer(names, {"image_token": "<|image|>", "video_token": "<|video|>"})
+    ids = dict(zip(names, _ids(tok, *names)))
+    vision = {"depth": 2, "hidden_size": 32, "out_hidden_size": 32, "intermediate_size": 64,
+              "num_heads": 4, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "image_size": 32}
+    text = _text(tok, text_type, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+        "partial_rotary_factor": 1.0})
+    config = _config(model_type, vision_config=vision, text_config=text,
+                     image_start_token_id=ids["<|begin_of_image|>"],
+                     image_end_token_id=ids["<|end_of_image|>"],
+                     image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"])
+    images = Glm4vImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                    size={"shortest_edge": 8 * 8, "longest_edge": 48 * 48})
+    return config, lenient_processor(_processor_class(model_type), image_processor=images,
+                                     tokenizer=tok)
+
+
+def _paddleocr_vl():
+    from transformers.models.paddleocr_vl.image_processing_pil_paddleocr_vl import (
+        PaddleOCRVLImageProcessorPil)
+    names = ["<|IMAGE_START|>", "<|IMAGE_END|>", "<|IMAGE_PLACEHOLDER|>", "<|video_pad|>"]
+    tok = demo_tokenizer(names, {"image_token": "<|IMAGE_PLACEHOLDER|>"})
+    ids = dict(zip(names, _ids(tok, *names)))
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "image_size": 32, "patch_size": 4,
+              "spatial_merge_size": 2}
+    text = _text(tok, "paddleocr_vl_text", rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+    config = _config("paddleocr_vl", vision_config=vision, text_config=text,
+                     vision_start_token_id=ids["<|IMAGE_START|>"],
+                     vision_end_token_id=ids["<|IMAGE_END|>"],
+                     image_token_id=ids["<|IMAGE_PLACEHOLDER|>"], video_token_id=ids["<|video_pad|>"])
+    images = PaddleOCRVLImageProcessorPil(patch_size=4, temporal_patch_size=1, merge_size=2,
+                                          min_pixels=8 * 8, max_pixels=48 * 48)
+    return config, lenient_processor(_processor_class("paddleocr_vl"), image_processor=images,
+                                     tokenizer=tok)
+
+
 RECIPES: dict[str, Callable] = {
+    "vipllava": _vipllava,
+    "llava_next": _llava_next,
+    "glm4v": _glm4v,
+    "glm46v": lambda: _glm4v("glm46v", "glm4v_text"),
+    "glmga": lambda: _glm4v("glmga", "glm4v_text"),
+    "paddleocr_vl": _paddleocr_vl,
     "qwen2_vl": lambda: _qwen_vl("qwen2_vl"),
     "qwen2_5_vl": lambda: _qwen_vl("qwen2_5_vl"),
     "llava": _llava,
@@ -285,13 +354,30 @@ def sweep(model_types: list[str] | None = None) -> dict[str, Result]:
 def static_problem(model_type: str) -> str | None:
     """Why the generic adapter refuses `model_type`, from its classes and its default config."""
     from ds_omni.model.families.generic import class_problem, config_problem
-    problem = class_problem(model_type)
+    problem = class_problem(model_type) or processor_problem(model_type)
     if problem is not None:
         return problem
     try:
         return config_problem(_config(model_type))
     except Exception as e:  # noqa: BLE001  (a config class that cannot build its own defaults)
         return f"its default config does not build ({type(e).__name__})"
+
+
+def processor_problem(model_type: str) -> str | None:
+    """Why HF's processor of `model_type` (which the generic adapter cuts images with) is not at
+    hand, or None."""
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    from ds_omni.model.families.generic import processor_type
+    name = PROCESSOR_MAPPING_NAMES.get(processor_type(model_type))
+    if name is None:
+        return "transformers maps no processor to it, so nothing says how its images become tokens"
+    try:
+        _processor_class(model_type).get_attributes()  # a placeholder class raises here
+    except ImportError as e:
+        needs = [w.strip(".,`") for w in str(e).split() if w.lower() in (
+            "torchvision", "timm", "num2words", "librosa")]
+        return f"HF's {name} needs {needs[0] if needs else 'a package'} (not installed here)"
+    return None
 
 
 def classify(model_type: str, work: Path) -> Result:

@@ -224,10 +224,13 @@ def processor_marker(hf_processor, config) -> str:
     else:
         raise ModelError(f"{type(hf_processor).__name__} has no image_token; the generic adapter "
                          "cannot tell where an image goes")
-    start, end = (getattr(config, f"vision_{k}_token_id", None) for k in ("start", "end"))
-    if start is not None and end is not None and attr == "image_token":
-        tok = hf_processor.tokenizer
-        marker = tok.convert_ids_to_tokens(start) + marker + tok.convert_ids_to_tokens(end)
+    if attr != "image_token":
+        return marker
+    for kind in ("vision", "image"):
+        start, end = (getattr(config, f"{kind}_{k}_token_id", None) for k in ("start", "end"))
+        if start is not None and end is not None:
+            tok = hf_processor.tokenizer
+            return tok.convert_ids_to_tokens(start) + marker + tok.convert_ids_to_tokens(end)
     return marker
 
 
@@ -247,11 +250,11 @@ def load_hf_processor(model_type: str, model_dir: Path | None, tokenizer):
                          "processor to cut images and count their tokens. Save it next to the "
                          "weights (processor.save_pretrained)")
     try:
-        cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[model_type])
+        cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[processor_type(model_type)])
     except (KeyError, ImportError) as e:
         raise ModelError(f"transformers has no usable processor for {model_type!r} ({e}); "
                          "install what it names (e.g. torchvision) or compose the model from parts")
-    image_processor = _pil_image_processor(model_type, model_dir)
+    image_processor = _pil_image_processor(processor_type(model_type), model_dir)
     kwargs = {k: v for k, v in saved.items()
               if k in inspect.signature(cls.__init__).parameters and k not in (
                   "image_processor", "tokenizer", "video_processor", "feature_extractor")}
@@ -260,6 +263,16 @@ def load_hf_processor(model_type: str, model_dir: Path | None, tokenizer):
     parts = {a: None for a in cls.get_attributes()}
     parts.update(image_processor=image_processor, tokenizer=tokenizer)
     return lenient(**parts, **kwargs)
+
+
+def processor_type(model_type: str) -> str:
+    """The model type HF's processor mappings know `model_type` by: itself, else the folder of
+    its model class (an alias such as "glmga" shares "glm46v"'s processor)."""
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    if model_type in PROCESSOR_MAPPING_NAMES:
+        return model_type
+    hf_class = hf_class_of(model_type)
+    return inspect.getmodule(hf_class).__name__.split(".")[-2] if hf_class else model_type
 
 
 def _saved_processor_config(model_dir: Path | None) -> dict | None:
