@@ -230,7 +230,36 @@ def _paddleocr_vl():
                                      tokenizer=tok)
 
 
+def _qwen2_5_omni_thinker():
+    """The thinker (the text-producing half) of Qwen2.5-Omni, on images."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    named = {"image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>", "audio_token": "<|AUDIO|>",
+             "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
+             "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
+    tok = demo_tokenizer(list(named.values()), named)
+    ids = {k: _ids(tok, v)[0] for k, v in named.items()}
+    vision = {"depth": 2, "hidden_size": 32, "out_hidden_size": 32, "intermediate_size": 64,
+              "num_heads": 4, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "window_size": 16, "fullatt_block_indexes": [1]}
+    audio = {"num_mel_bins": 16, "d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 4,
+             "encoder_ffn_dim": 64, "output_dim": 32, "n_window": 4, "max_source_positions": 64}
+    text = _text(tok, "qwen2_5_omni_text", rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+    config = _config("qwen2_5_omni_thinker", vision_config=vision, audio_config=audio,
+                     text_config=text, image_token_index=ids["image_token"],
+                     video_token_index=ids["video_token"], audio_token_index=ids["audio_token"],
+                     audio_start_token_id=ids["audio_bos_token"],
+                     audio_end_token_id=ids["audio_eos_token"],
+                     vision_start_token_id=ids["vision_bos_token"],
+                     vision_end_token_id=ids["vision_eos_token"])
+    images = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                      min_pixels=8 * 8, max_pixels=48 * 48)
+    return config, lenient_processor(_processor_class("qwen2_5_omni_thinker"),
+                                     image_processor=images, tokenizer=tok)
+
+
 RECIPES: dict[str, Callable] = {
+    "qwen2_5_omni_thinker": _qwen2_5_omni_thinker,
     "vipllava": _vipllava,
     "llava_next": _llava_next,
     "glm4v": _glm4v,
@@ -324,7 +353,9 @@ def hf_inputs(processor, built, sample, imgs) -> dict:
     must number what HF's processor expands them to."""
     from ds_omni.model.families.generic import image_token_id, processor_marker
     ids = sample.input_ids[None]
-    out = {"input_ids": ids}
+    # the processor's attention mask too: without one, some families (Qwen2.5-Omni's thinker)
+    # silently fall back to 1-D positions
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if imgs:
         marker = processor_marker(processor, built.hf_config)
         hf = processor(text=[marker * len(imgs)], images=imgs, return_tensors="pt")

@@ -40,7 +40,7 @@ merges by the same rule under another name (Idefics3's `inputs_merger`) fits too
 BACKBONE_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 EXTRA_TOKEN_INPUTS = ("token_type_ids", "mm_token_type_ids")
 """Per-token processor outputs: rebuilt from the token ids per sample, never carried per item."""
-_VISION_NAMES = ("vision", "visual", "image_encoder")
+_TOWER_NAMES = ("vision", "visual", "image_encoder", "audio")
 _LLM_NAMES = ("language_model", "text_model", "llm")
 
 
@@ -166,13 +166,13 @@ def flat_features(out) -> torch.Tensor:
 
 
 def split_modules(inner: nn.Module) -> tuple[nn.ModuleDict, nn.Module]:
-    """(tower, projector): the vision modules, and every other non-LLM module or parameter of
+    """(tower, projector): the encoder modules, and every other non-LLM module or parameter of
     `inner` (projector, image_newline, ...), so each HF parameter is registered exactly once."""
     tower, rest, llm = nn.ModuleDict(), nn.ModuleDict(), llm_name(inner)
     for name, child in inner.named_children():
         if name == llm:
             continue
-        (tower if any(v in name for v in _VISION_NAMES) else rest)[name] = child
+        (tower if any(v in name for v in _TOWER_NAMES) else rest)[name] = child
     params = dict(inner.named_parameters(recurse=False))
     projector = _Projector(rest, nn.ParameterDict(params))
     return tower, projector
@@ -295,29 +295,31 @@ def _pil_image_processor(model_type: str, model_dir: Path):
 
 
 # ------------------------------------------------------------------------------ positions
-class _ConfigView:
-    """An object with a model's config whose methods are the model class's: HF's position helpers
-    (`get_rope_index`) read only `self.config` and call sibling helpers, so no model is needed."""
-
-    def __init__(self, cls, config):
-        self._cls = cls
-        self.config = config
-
-    def __getattr__(self, name):
-        return getattr(self._cls, name).__get__(self)
+def rope_model(inner_cls, config):
+    """An instance of the model's inner class with its config, on the meta device (no memory):
+    HF's `get_rope_index` reads only the config and what `__init__` derives from it, so the
+    positions come from HF's own code without the weights."""
+    with torch.device("meta"):
+        return inner_cls(config)
 
 
-def rope_positions(view: _ConfigView, input_ids: torch.Tensor, items, image_token_id: int,
+def rope_positions(model, input_ids: torch.Tensor, items, image_token_id: int,
                    video_token_id: int | None) -> torch.Tensor:
-    """[3, L] positions of one sample from HF's own `get_rope_index`; text only: 0..L-1 x 3."""
+    """[3, L] positions of one sample from HF's own `get_rope_index`; text only: 0..L-1 x 3.
+
+    `mm_token_type_ids` (1 on image tokens, 2 on video tokens) is what HF's processors make for
+    the families whose `get_rope_index` takes it; the others find images by their tokens.
+    """
     grids = [item.meta["image_grid_thw"][0] for enc, item in items if "image_grid_thw" in item.meta]
     if not grids:
         return torch.arange(input_ids.shape[0]).expand(3, -1).contiguous()
-    types = (input_ids == image_token_id).int()  # [L]: 1 on image tokens
-    if video_token_id is not None:
-        types = types + 2 * (input_ids == video_token_id).int()
-    pos, _ = view.get_rope_index(input_ids[None], mm_token_type_ids=types[None],
-                                 image_grid_thw=torch.tensor(grids))
+    kwargs = {"image_grid_thw": torch.tensor(grids)}
+    if "mm_token_type_ids" in inspect.signature(model.get_rope_index).parameters:
+        types = (input_ids == image_token_id).int()  # [L]
+        if video_token_id is not None:
+            types = types + 2 * (input_ids == video_token_id).int()
+        kwargs["mm_token_type_ids"] = types[None]
+    pos, _ = model.get_rope_index(input_ids[None], **kwargs)
     return pos[:, 0]  # [3, 1, L] -> [3, L]
 
 
@@ -331,7 +333,7 @@ class GenericFamily(Family):
         self._hf = hf_class_of(model_type)
         self.hf_class = self._hf.__name__
         self._inner = inner_class(self._hf)
-        self._rope: _ConfigView | None = None
+        self._rope: nn.Module | None = None  # a weightless instance for HF's positions
         self.dummy: dict[str, torch.Tensor] | None = None
 
     def hf_model_class(self):
@@ -363,8 +365,9 @@ class GenericFamily(Family):
                          family=self, hf_model=hf_model)
 
     def _set_rope(self, config) -> None:
-        if self._inner is not None and hasattr(self._inner, "get_rope_index"):
-            self._rope = _ConfigView(self._inner, config)
+        if self._inner is not None and hasattr(self._inner, "get_rope_index") and (
+                self._rope is None or self._rope.config is not config):
+            self._rope = rope_model(self._inner, config)
 
     def item_processors(self, hf_config, model_dir=None, tokenizer=None):
         hf_proc = load_hf_processor(self.name, model_dir, tokenizer)
