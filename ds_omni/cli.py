@@ -194,11 +194,13 @@ def cmd_calibrate_cost(args) -> None:
 
 
 def cmd_families(args) -> None:
+    import contextlib
     import json
     import logging
     from ds_omni.model import coverage
     logging.getLogger("transformers").setLevel(logging.ERROR)  # the tiny configs' warnings
-    results = coverage.sweep(args.model_types or None)
+    with contextlib.redirect_stdout(sys.stderr):  # libraries' log lines would corrupt --json
+        results = coverage.sweep(args.model_types or None)
     if args.json:
         print(json.dumps({t: r.as_dict() for t, r in results.items()}, indent=1))
     else:
