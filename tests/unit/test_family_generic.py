@@ -120,3 +120,22 @@ def test_cli_families_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"gemma3", "mllama"}
     assert out["gemma3"]["supported"] is False and "causal" in out["gemma3"]["reason"]
+
+
+@pytest.mark.parametrize("sp", [2, 3])
+def test_sequence_shards_carry_generic_items(tmp_path, sp):
+    """Under SP the generic items (per-image inputs, HF's 3-D positions) are cut and collated per
+    shard like a dedicated family's: the shards rebuild the row, every item is encoded by one shard
+    and every placeholder is received where it sits, also for an image cut by a shard boundary."""
+    from ds_omni.data.processing import SampleProcessor
+    from tests.unit.test_reshard import _samples, assert_shards_rebuild_the_row
+    config, processor = coverage.RECIPES["qwen2_5_vl"]()
+    coverage.save_processor_parts(processor, tmp_path)
+    family = family_for("qwen2_5_vl")
+    processors = family.item_processors(config, tmp_path, tokenizer=processor.tokenizer)
+    proc = SampleProcessor(tokenizer=processor.tokenizer, family=family,
+                           item_processors=processors, markers={"vision": "<image>"},
+                           max_seq_len=4096)
+    samples = _samples(proc, [(32, 32), (84, 56), (40, 24)])
+    assert samples[0].position_ids.shape[0] == 3  # M-RoPE from HF's get_rope_index
+    assert assert_shards_rebuild_the_row(samples, processors, sp) >= 1  # images cut across shards
