@@ -15,7 +15,6 @@ from __future__ import annotations
 import inspect
 import io
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -40,7 +39,8 @@ class Result:
 # ------------------------------------------------------------------------------ recipes
 def demo_tokenizer(tokens: list[str], named: dict[str, str] | None = None):
     """The demo tokenizer plus the family's special tokens; `named` ones become attributes
-    (`tok.image_token`, `tok.image_token_id`) that survive save_pretrained, as processors read them."""
+    (`tok.image_token`, `tok.image_token_id`) that survive save_pretrained, as processors read
+    them."""
     from transformers import AutoTokenizer
     from ds_omni.data.demo import ensure_builtin
     path = str(ensure_builtin("builtin:shapes", "tokenizer"))
@@ -116,7 +116,8 @@ def _llava():
     tok = demo_tokenizer(["<image>"], {"image_token": "<image>"})
     config = _config("llava", vision_config=CLIP, text_config=_text(tok, "llama"),
                      image_token_index=_ids(tok, "<image>")[0], vision_feature_layer=-2)
-    images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    images = CLIPImageProcessorPil(size={"shortest_edge": 32},
+                                   crop_size={"height": 32, "width": 32})
     return config, _processor_class("llava")(image_processor=images, tokenizer=tok, patch_size=8,
                                              vision_feature_select_strategy="default",
                                              num_additional_image_tokens=1)
@@ -125,7 +126,8 @@ def _llava():
 def _llava_onevision():
     from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
         LlavaOnevisionImageProcessorPil)
-    tok = demo_tokenizer(["<image>", "<video>"], {"image_token": "<image>", "video_token": "<video>"})
+    tok = demo_tokenizer(["<image>", "<video>"],
+                         {"image_token": "<image>", "video_token": "<video>"})
     pinpoints = [[32, 32], [32, 64], [64, 32], [64, 64]]
     config = _config("llava_onevision", vision_config=SIGLIP, text_config=_text(tok),
                      image_token_index=_ids(tok, "<image>")[0],
@@ -161,8 +163,10 @@ def _idefics3(model_type: str):
               "num_attention_heads": 4, "image_size": 32, "patch_size": 8}
     config = _config(model_type, vision_config=vision, text_config=_text(tok, "llama"),
                      image_token_id=_ids(tok, "<image>")[0], scale_factor=2)
-    module = importlib.import_module(f"transformers.models.{model_type}.image_processing_pil_{model_type}")
-    cls = getattr(module, {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}[model_type] + "ImageProcessorPil")
+    module = importlib.import_module(
+        f"transformers.models.{model_type}.image_processing_pil_{model_type}")
+    prefix = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}[model_type]
+    cls = getattr(module, f"{prefix}ImageProcessorPil")
     images = cls(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
     return config, lenient_processor(_processor_class(model_type), image_processor=images,
                                      tokenizer=tok, image_seq_len=4)
@@ -173,7 +177,8 @@ def _vipllava():
     tok = demo_tokenizer(["<image>"], {"image_token": "<image>"})
     config = _config("vipllava", vision_config=CLIP, text_config=_text(tok, "llama"),
                      image_token_index=_ids(tok, "<image>")[0], vision_feature_layer=[-2, -1])
-    images = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    images = CLIPImageProcessorPil(size={"shortest_edge": 32},
+                                   crop_size={"height": 32, "width": 32})
     return config, _processor_class("vipllava")(image_processor=images, tokenizer=tok, patch_size=8,
                                                 vision_feature_select_strategy="default",
                                                 num_additional_image_tokens=1)
@@ -223,7 +228,8 @@ def _paddleocr_vl():
     config = _config("paddleocr_vl", vision_config=vision, text_config=text,
                      vision_start_token_id=ids["<|IMAGE_START|>"],
                      vision_end_token_id=ids["<|IMAGE_END|>"],
-                     image_token_id=ids["<|IMAGE_PLACEHOLDER|>"], video_token_id=ids["<|video_pad|>"])
+                     image_token_id=ids["<|IMAGE_PLACEHOLDER|>"],
+                     video_token_id=ids["<|video_pad|>"])
     images = PaddleOCRVLImageProcessorPil(patch_size=4, temporal_patch_size=1, merge_size=2,
                                           min_pixels=8 * 8, max_pixels=48 * 48)
     return config, lenient_processor(_processor_class("paddleocr_vl"), image_processor=images,

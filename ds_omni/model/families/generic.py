@@ -14,7 +14,10 @@ share a batch layout the family may not support; the cost is one tower call per 
 
 Where a family deviates (an attention mask that is not causal, vision features injected into the
 LLM's layers, sliding-window layers), `config_problem` says so and the model is refused rather than
-trained with other numbers; a dedicated file in `families/` is then the fix.
+trained with other numbers; a dedicated file in `families/` is then the fix. The dedicated files
+of LLaVA, LLaVA-NeXT and Qwen2-VL predate this one and stay (each says why): the generic path is
+exact for them too, but they batch the tower over a micro-batch's images, build their processor
+from the config when a folder has none, and Qwen2-VL's carries video.
 
 Dims: n images of a micro-batch, N embeddings of all of them, D LLM width, L tokens of one sample.
 """
@@ -102,14 +105,15 @@ def config_problem(config) -> str | None:
     if getattr(vision, "deepstack_visual_indexes", None):
         return ("vision features are added into the LLM's first layers (deepstack); the backbone "
                 "runs the decoder layers alone")
-    if getattr(text, "sliding_window", None) and (
-            getattr(text, "use_sliding_window", True)
-            and "sliding_attention" in (getattr(text, "layer_types", None) or ["sliding_attention"])):
+    layer_types = getattr(text, "layer_types", None) or ["sliding_attention"]
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) and (
+            "sliding_attention" in layer_types):
         return (f"its LLM uses sliding-window attention (window {text.sliding_window}); ds_omni's "
                 "packed attention attends to the whole sample")
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
     if layer_types - {"full_attention"}:
-        return f"its LLM has layers of types {sorted(layer_types)}; the generic backbone runs full attention"
+        return (f"its LLM has layers of types {sorted(layer_types)}; the generic backbone runs "
+                "full attention")
     return None
 
 
@@ -176,6 +180,17 @@ def split_modules(inner: nn.Module) -> tuple[nn.ModuleDict, nn.Module]:
     params = dict(inner.named_parameters(recurse=False))
     projector = _Projector(rest, nn.ParameterDict(params))
     return tower, projector
+
+
+def gather_with(module: nn.Module, params) -> None:
+    """Parameters that HF's code reads as attributes (LLaVA-OneVision's `image_newline`), not
+    through a submodule's forward: ZeRO-3 gathers them when `module` runs (DeepSpeed's external
+    parameters), else they would stay partitioned there."""
+    params = list(params)
+    if params:
+        from deepspeed.runtime.zero import register_external_parameter
+        for param in params:
+            register_external_parameter(module, param)
 
 
 class _Projector(nn.Module):
@@ -359,6 +374,7 @@ class GenericFamily(Family):
         encoder = GenericVisionEncoder(
             tower=tower, projector=projector, placeholder_id=image_token_id(hf_model.config),
             features_fn=inner.get_image_features, family=self)
+        gather_with(encoder, projector.params.values())
         self._set_rope(hf_model.config)
         return OmniModel(encoders={"vision": encoder},
                          backbone=backbone_of(llm, hf_model.lm_head),
@@ -391,10 +407,11 @@ class GenericFamily(Family):
 
     def save_processor(self, out_dir, hf_config, tokenizer, model_dir=None):
         tokenizer.save_pretrained(str(out_dir))
+        if model_dir is None or Path(out_dir).resolve() == Path(model_dir).resolve():
+            return
         for name in ("processor_config.json", "preprocessor_config.json", "chat_template.jinja"):
-            src = Path(model_dir) / name if model_dir is not None else None
-            if src is not None and src.is_file() and Path(out_dir).resolve() != Path(model_dir).resolve():
-                (Path(out_dir) / name).write_text(src.read_text())
+            if (Path(model_dir) / name).is_file():
+                (Path(out_dir) / name).write_text((Path(model_dir) / name).read_text())
 
 
 def image_token_id(config) -> int:
