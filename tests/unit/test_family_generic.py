@@ -140,3 +140,15 @@ def test_sequence_shards_carry_generic_items(tmp_path, sp):
     assert samples[0].position_ids.shape[0] == 3  # M-RoPE from HF's get_rope_index
     cut = sum(assert_shards_rebuild_the_row(samples[:n], processors, sp) for n in (1, 2, 3, 4))
     assert cut > 0, "some image should sit across a shard boundary"
+
+
+def test_sample_longer_than_a_sliding_window_is_an_error():
+    """Packed attention has no window: a Mistral-style layer is exact only while samples fit in
+    its window; past it, an error instead of silently attending beyond the window."""
+    from ds_omni.model.attention import packed_attention
+    q = k = v = torch.randn(1, 2, 6, 4)  # [B, H, T, D]
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    out, _ = packed_attention(None, q, k, v, cu_seqlens=cu, max_seqlen=4, sliding_window=4)
+    assert out.shape == (1, 6, 2, 4)
+    with pytest.raises(ValueError, match="sample of 4 tokens.*window 3.*data.max_seq_len"):
+        packed_attention(None, q, k, v, cu_seqlens=cu, max_seqlen=4, sliding_window=3)
