@@ -355,8 +355,20 @@ class ParallelConfig:
     costs more than one rank's share of the step, or is longer than a micro-batch, run on a
     Ulysses group of 2, 4, ... up to this many ranks (a power of two, inside a reorder group),
     while every other sequence runs whole on one rank. Needs sp = 1, pp = 1 and reordering."""
+    encoder_sp: float | Literal["auto", "off"] = "auto"
+    """Long-short SP for encoders, inside every group of ranks that shares one row (parallel.sp, or a
+    per-sequence block): an image or audio item whose modelled encoder cost is above this threshold
+    is encoded by the whole group, with Ulysses attention inside the encoder; the others run whole,
+    one rank each. "auto": above one rank's share of the row's encoder work; a number: a cost in
+    the cost model's units (`ds-omni data check` prints item costs); "off": never split."""
 
     def __post_init__(self):
+        if isinstance(self.encoder_sp, str) and self.encoder_sp not in ("auto", "off"):
+            raise ConfigError(f"parallel.encoder_sp must be \"auto\", \"off\" or a cost threshold "
+                              f"(a number >= 0), got {self.encoder_sp!r}")
+        if not isinstance(self.encoder_sp, str) and not self.encoder_sp >= 0:
+            raise ConfigError(f"parallel.encoder_sp must be a cost threshold >= 0, \"auto\" or "
+                              f"\"off\", got {self.encoder_sp}")
         for name in ("sp", "pp", "max_sequence_sp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")

@@ -39,6 +39,8 @@ def _child(fn, rank, world_size, port, workdir, timeout, args):
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     try:
         import deepspeed
+        from ds_omni.parallel.dist import skip_shm_op
+        skip_shm_op()  # training never uses it: no 30-60 s build at the first launch
         deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=timeout),
                                    verbose=False)
         result = fn(rank, world_size, *args)

@@ -193,7 +193,7 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
     assert engine.module.training and all(m.training for m in engine.module.modules()), \
         "the trainer must run the model in train mode (dropout on)"
     out = {"losses": [], "keys": [], "nothing_to_encode": 0, "row_without_items": 0,
-           "block_rows": 0, "block_rows_with_items": 0}
+           "block_rows": 0, "block_rows_with_items": 0, "long_items": 0}
     grads = {}
     engine_loss = train.engine_loss
     if plant == "loss_x2":
@@ -232,6 +232,8 @@ def _count_encoder_work(batch, out: dict) -> None:
         out["row_without_items"] += bool(mb.reshard is not None and not mb.reshard.group_rows)
         out["block_rows"] += mb.sp_block is not None
         out["block_rows_with_items"] += bool(mb.sp_block is not None and mb.reshard.group_rows)
+        # items the whole SP group encoded, each rank its piece (long-short SP)
+        out["long_items"] += sum(map(len, mb.reshard.split.values())) if mb.reshard else 0
 
 
 # ------------------------------------------------------------------------------- validation

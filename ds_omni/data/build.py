@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from ds_omni.config import OmniConfig
 from ds_omni.data.cost import CostModel, ModelDims
 from ds_omni.data.loader import DataComm, OmniLoader
@@ -9,6 +11,9 @@ from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.sources import Source
 from ds_omni.data.templates import training_template
 from ds_omni.errors import ConfigError
+from ds_omni.parallel.long_short import LongItems
+
+log = logging.getLogger(__name__)
 
 
 def cost_model_for(built, freeze: list[str], scales: dict[str, float] | None = None) -> CostModel:
@@ -45,4 +50,24 @@ def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micr
     return OmniLoader(sources, sample_processors(cfg, built), cost, cfg.data,
                       global_batch_size=cfg.train.global_batch_size, num_micro=num_micro,
                       dp_rank=dp_rank, dp_size=dp_size, comm=comm, sp_rank=sp_rank, sp_size=sp_size,
-                      max_sequence_sp=cfg.parallel.max_sequence_sp, step_comm=step_comm)
+                      max_sequence_sp=cfg.parallel.max_sequence_sp, step_comm=step_comm,
+                      long_items=long_items_of(cfg, built.model, max(sp_size,
+                                                                     cfg.parallel.max_sequence_sp)))
+
+
+def long_items_of(cfg: OmniConfig, model, group: int) -> LongItems | None:
+    """Which items a group of ranks sharing a row encodes together (`parallel.encoder_sp`); an
+    encoder whose heads don't split over the group keeps its long items whole (said once)."""
+    if cfg.parallel.encoder_sp == "off" or group < 2:
+        return None
+    heads = {name: h for name, enc in model.encoders.items() if (h := enc.attention_heads())}
+    for name, enc in model.encoders.items():
+        if name not in heads:
+            log.info("long-short SP: the %s encoder (%s) cannot encode a piece of an item; its "
+                     "long items run whole on one rank", name, type(enc.tower).__name__)
+        elif heads[name] % group:
+            log.info("long-short SP: the %s encoder has %d attention heads, which groups of %d "
+                     "ranks cannot split; its long items run whole on one rank there",
+                     name, heads[name], group)
+    threshold = None if cfg.parallel.encoder_sp == "auto" else float(cfg.parallel.encoder_sp)
+    return LongItems(threshold, heads)

@@ -41,6 +41,7 @@ from ds_omni.data.sources import Locator, Source
 from ds_omni.data.stream import SourceCursor, redistribute
 from ds_omni.errors import DataError
 from ds_omni.parallel.hdp import check_degree
+from ds_omni.parallel.long_short import LongItems
 
 LOADER_STATE_VERSION = 2
 
@@ -112,7 +113,7 @@ class OmniLoader:
                  cost_model: CostModel, cfg: DataConfig, *, global_batch_size: int,
                  num_micro: int, dp_rank: int, dp_size: int, comm: DataComm | None = None,
                  sp_rank: int = 0, sp_size: int = 1, max_sequence_sp: int = 1,
-                 step_comm: DataComm | None = None):
+                 step_comm: DataComm | None = None, long_items: LongItems | None = None):
         self.sources = {s.name: s for s in sources}
         self.processors = processors
         self.item_processors = next(iter(processors.values())).item_processors
@@ -121,7 +122,9 @@ class OmniLoader:
         self.global_batch_size, self.num_micro = global_batch_size, num_micro
         self.dp_rank, self.dp_size = dp_rank, dp_size
         # the ranks of one SP group read the same rows; each packs its own shard of them
-        self.shard = (SeqShard(sp_rank, sp_size, self._item_cost) if sp_size > 1 else None)
+        self.long_items = long_items  # encoder items a whole SP group encodes (long-short SP)
+        self.shard = (SeqShard(sp_rank, sp_size, self._item_cost, long_items) if sp_size > 1
+                      else None)
         self.comm = comm or LocalComm()
         # the all-gathers of `next_step`: groups of their own when steps run on a prefetch thread
         self.step_comm = step_comm or self.comm
@@ -402,7 +405,8 @@ class OmniLoader:
         sample = self._try_sample(key, keys, problems, owner=rank_in_block == 0)
         if sample is None:  # the same on every member: all sit this round out
             return empty_micro_batch(self.family, self.item_processors)
-        mb = pack([sample], self.item_processors, SeqShard(rank_in_block, size, self._item_cost))
+        mb = pack([sample], self.item_processors,
+                  SeqShard(rank_in_block, size, self._item_cost, self.long_items))
         mb.sp_block = (first_rank, size)
         return mb
 

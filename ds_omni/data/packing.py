@@ -23,6 +23,7 @@ import torch
 from ds_omni.data.processing import Sample
 from ds_omni.model.family import EncodedItem, ItemProcessor
 from ds_omni.model.omni import IGNORE_INDEX
+from ds_omni.parallel.long_short import LongItems
 from ds_omni.parallel.reshard import RankReshard, item_slots, plan_reshard
 
 
@@ -33,6 +34,7 @@ class SeqShard:
     rank: int
     size: int
     item_cost: Callable[[str, EncodedItem], float]
+    long_items: LongItems | None = None  # which items the whole group encodes (None: none)
 
 
 @dataclass
@@ -52,6 +54,12 @@ class MicroBatch:
     """Per-sequence SP: (first rank, size) of the block of ranks that splits this row, whose
     Ulysses group the model uses for it; None: the static plan's (no SP, or parallel.sp)."""
     host: "MicroBatch | None" = field(default=None, repr=False)  # the CPU batch `to` moved
+    split_inputs: dict[str, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
+    """Under SP: encoder -> inputs of each long item of the row (`reshard.split`), one by one; every
+    rank of the group has them all and encodes its piece of each."""
+    encode_calls: dict[str, int] | None = None
+    """ZeRO-3: how many times each encoder runs on this micro-batch, the same on every rank
+    (`train_step` sets it; the model tops up with zero-weight dummy runs). None: no top-up."""
 
     @property
     def num_tokens(self) -> int:
@@ -91,7 +99,10 @@ class MicroBatch:
             max_seqlen=self.max_seqlen, sample_ids=self.sample_ids, reshard=self.reshard,
             pad_tokens=self.pad_tokens, sp_block=self.sp_block, host=self.host or self,
             encoder_inputs={e: {k: move(v) for k, v in d.items()}
-                            for e, d in self.encoder_inputs.items()})
+                            for e, d in self.encoder_inputs.items()},
+            split_inputs={e: [{k: move(v) for k, v in d.items()} for d in items]
+                          for e, items in self.split_inputs.items()},
+            encode_calls=self.encode_calls)
 
 
 def sample_targets(sample: Sample) -> torch.Tensor:
@@ -143,7 +154,7 @@ def shard_row(row: MicroBatch, items: dict[str, list[EncodedItem]],
     slots = item_slots(row.input_ids[0].numpy(), {e: processors[e].placeholder_id for e in items},
                        {e: [it.num_embeddings for it in its] for e, its in items.items()},
                        {e: [shard.item_cost(e, it) for it in its] for e, its in items.items()})
-    plan = plan_reshard(slots, shard.size, s, list(items))[shard.rank]
+    plan = plan_reshard(slots, shard.size, s, list(items), shard.long_items)[shard.rank]
     lo, hi = shard.rank * s, (shard.rank + 1) * s
     real_end = t - row.pad_tokens
     return MicroBatch(
@@ -152,7 +163,9 @@ def shard_row(row: MicroBatch, items: dict[str, list[EncodedItem]],
         max_seqlen=row.max_seqlen, sample_ids=row.sample_ids, reshard=plan,
         pad_tokens=max(0, hi - max(lo, real_end)),
         encoder_inputs={e: processors[e].collate([items[e][k] for k in idx])
-                        for e, idx in plan.encode.items()})
+                        for e, idx in plan.encode.items()},
+        split_inputs={e: [processors[e].collate([items[e][k]]) for k, _ in long]
+                      for e, long in plan.split.items()})
 
 
 def pad_row(row: MicroBatch, multiple: int, pad_id: int) -> MicroBatch:

@@ -24,6 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_omni.errors import ModelError
 from ds_omni.model.attention import PackedAttention
+from ds_omni.parallel import long_short
+from ds_omni.parallel.long_short import EncoderShard
 from ds_omni.parallel.reshard import ReshardEmbeddings
 
 if TYPE_CHECKING:
@@ -56,8 +58,34 @@ class ModalityEncoder(nn.Module):
         raise NotImplementedError
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.encode(self._cast(inputs))
+
+    def _cast(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         dtype = next(self.tower.parameters()).dtype  # float inputs follow the tower (fp32 / bf16)
-        return self.encode({k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()})
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+
+    # Long items (`ds_omni.parallel.long_short`): families that can encode a piece of one item
+    # override the three methods below.
+    def attention_heads(self) -> int | None:
+        """The tower's attention heads (Ulysses splits them over the group); None: this encoder
+        cannot encode a piece of an item, so its long items run whole on one rank."""
+        return None
+
+    def piece_tokens(self, inputs: dict[str, torch.Tensor], rows: tuple[int, ...]) -> tuple[int, ...]:
+        """Bounds [P + 1] of the pieces of the one item in `inputs`, in the tower's sequence, that
+        yield its embedding rows cut at `rows` [P + 1]; they cover the whole sequence."""
+        raise NotImplementedError
+
+    def encode_piece(self, inputs: dict[str, torch.Tensor], shard: "EncoderShard") -> torch.Tensor:
+        """This rank's embedding rows [rows[r + 1] - rows[r], D] of the one item in `inputs`."""
+        raise NotImplementedError
+
+    def forward_piece(self, inputs: dict[str, torch.Tensor], rows: tuple[int, ...], group,
+                      rank: int) -> torch.Tensor:
+        """Rank `rank`'s rows of a long item encoded by the whole `group` (collective)."""
+        inputs = self._cast(inputs)
+        shard = EncoderShard(group, rank, len(rows) - 1, tuple(self.piece_tokens(inputs, rows)))
+        return self.encode_piece(inputs, shard)
 
 
 def recompute_in_backward(tower: nn.Module) -> int:
@@ -92,6 +120,10 @@ class _Recompute:
     def __call__(self, *args, **kwargs):
         forward = type(self.layer).forward.__get__(self.layer)
         if torch.is_grad_enabled():
+            context_fn = long_short.recompute_context()  # a long item's piece: recompute in its group
+            if context_fn is not None:
+                return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn,
+                                  **kwargs)
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return forward(*args, **kwargs)
 
@@ -100,6 +132,17 @@ def _with_dummy_pass(hidden: torch.Tensor, encoder: ModalityEncoder) -> torch.Te
     """`hidden` plus zero times the encoder's output on its dummy input: the encoder runs (and
     ZeRO-3 gathers its parameters) on a rank with nothing to encode, without changing a number."""
     return hidden + 0.0 * encoder(encoder.dummy_inputs(hidden.device, hidden.dtype)).sum()
+
+
+def _top_up_calls(hidden: torch.Tensor, encoder: ModalityEncoder, batch: "MicroBatch", name: str,
+                  runs: int) -> torch.Tensor:
+    """Under ZeRO-3 every rank must run `encoder` as often as any other on this micro-batch
+    (`MicroBatch.encode_calls`): the ranks of a group with long items run it once more per item,
+    so a rank that will run it only `runs` times adds zero-weight dummy runs."""
+    want = (batch.encode_calls or {}).get(name, runs)
+    for _ in range(want - runs):
+        hidden = _with_dummy_pass(hidden, encoder)
+    return hidden
 
 
 def _part(encoder: ModalityEncoder) -> str:
@@ -236,6 +279,7 @@ class OmniModel(nn.Module):
             inputs = batch.encoder_inputs.get(name)
             slots = batch.positions_of(encoder.placeholder_id)  # [n] (found on the host: no sync)
             n_slots = slots.shape[0]
+            hidden = _top_up_calls(hidden, encoder, batch, name, runs=1)
             if inputs is None:
                 if n_slots:
                     raise ModelError(f"{n_slots} '{name}' placeholder tokens but no {name} inputs "
@@ -266,10 +310,17 @@ class OmniModel(nn.Module):
         rows: dict[str, torch.Tensor] = {}
         for name, encoder in self.encoders.items():
             inputs = batch.encoder_inputs.get(name)
-            if inputs is None:  # nothing to encode here: the zero-weight dummy (ZeRO-3, as above)
+            long = plan.split.get(name, [])
+            hidden = _top_up_calls(hidden, encoder, batch, name, runs=1 + len(long))
+            if inputs is None:  # no whole item here: the zero-weight dummy (ZeRO-3, as above)
                 hidden = _with_dummy_pass(hidden, encoder)
+            # whole items [n, D], then this rank's piece of each long item (a group collective)
+            feats = ([encoder(inputs)] if inputs is not None else []) + [
+                encoder.forward_piece(item, bounds, sp_group, plan.rank)
+                for item, (_, bounds) in zip(batch.split_inputs.get(name, []), long)]
+            if not feats:
                 continue
-            feats = encoder(inputs).to(hidden.dtype)  # [n, D]
+            feats = torch.cat(feats).to(hidden.dtype)
             if feats.shape[0] != plan.encode_rows[name]:
                 raise ModelError(
                     f"encoder '{name}' produced {feats.shape[0]} embeddings for this rank's items but "

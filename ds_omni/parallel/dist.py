@@ -63,10 +63,24 @@ def init_distributed(timeout_s: float = 1800.0) -> tuple[int, int]:
     if kind != "cpu":
         accel.set_device(local_device_index(kind, int(os.environ.get("LOCAL_RANK", "0")),
                                             accel.device_count()))
+    else:
+        skip_shm_op()
     if not dist.is_initialized():
         deepspeed.init_distributed(backend_for(kind, accel.communication_backend_name()),
                                    timeout=timedelta(seconds=timeout_s), verbose=False)
     return dist.get_rank(), dist.get_world_size()
+
+
+def skip_shm_op() -> None:
+    """On CPU, DeepSpeed's process-group wrapper JIT-compiles a shared-memory all-reduce op at
+    start-up (30-60 s, the first time on a machine) that only its *inference* all-reduce uses;
+    ZeRO and the pipeline engine never call it. Marked unavailable, start-up skips the build and
+    every collective goes through torch.distributed (gloo), as it does anyway in training."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
 def all_reduce_sum(values: list[float], group=None) -> list[float]:

@@ -10,6 +10,9 @@ the same way. An item cut by a shard boundary simply sends its rows to two ranks
 The naive schemes move far more: every SP rank encoding every item of the row (sp x the encoder
 work, no traffic), or an all-gather of all embeddings (every rank receives every row).
 
+Long items (`ds_omni.parallel.long_short`): an item the plan marks long is encoded by every rank of
+the group, rank r yielding its embedding rows [a_r, b_r); each piece is sent on like a short item.
+
 The plan is a pure function of metadata that every rank of the group already has (the packed row
 is the same on all of them), so all ranks compute the same plan without communicating; only
 `ReshardEmbeddings` talks.
@@ -20,11 +23,13 @@ row (all encoders), N_r rows rank r encodes, D LLM hidden size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from ds_omni.parallel.long_short import LongItems, split_rows
 
 
 @dataclass(frozen=True)
@@ -44,12 +49,15 @@ class RankReshard:
     rank: int
     order: list[str]  # encoders whose rows are concatenated, in this order, before sending
     encode: dict[str, list[int]]  # encoder -> indices of the items this rank encodes, text order
-    encode_rows: dict[str, int]  # encoder -> embedding rows those items yield
+    encode_rows: dict[str, int]  # encoder -> embedding rows those items (and its pieces) yield
     group_rows: int  # rows of the whole row, all ranks: 0 means nothing to exchange
     send_order: list[int]  # [N_r] local output rows, reordered by destination rank (stable)
     send_counts: list[int]  # [sp] rows sent to each rank (self included)
     recv_counts: list[int]  # [sp] rows received from each rank
     recv_positions: list[int]  # [sum(recv_counts)] shard-local position of each received row
+    split: dict[str, list[tuple[int, tuple[int, ...]]]] = field(default_factory=dict)
+    """encoder -> its long items (index, row bounds [sp + 1]), text order: every rank of the group
+    encodes its piece of each; a rank's rows are its whole items', then its pieces', per encoder."""
 
     @property
     def rows_out(self) -> int:
@@ -107,21 +115,34 @@ def assign_items(slots: list[ItemSlots], sp: int, shard_len: int,
     return owner
 
 
-def plan_reshard(slots: list[ItemSlots], sp: int, shard_len: int,
-                 encoder_order: list[str]) -> list[RankReshard]:
+def plan_reshard(slots: list[ItemSlots], sp: int, shard_len: int, encoder_order: list[str],
+                 long_items: LongItems | None = None) -> list[RankReshard]:
     """Every rank's part of the all-to-all (pure: identical on all ranks of the group).
 
-    A rank's output rows are its items' embeddings concatenated in `encoder_order`, then text
-    order within an encoder (the order `OmniModel` runs its encoders in).
+    A rank's output rows, per encoder in `encoder_order` (the order `OmniModel` runs its encoders
+    in): its whole items' embeddings in text order, then its pieces of the long items in text order.
+    `long_items` None: no item is split.
     """
-    owner = assign_items(slots, sp, shard_len)
+    total = sum(s.cost for s in slots)
+    long = [i for i, s in enumerate(slots) if long_items is not None and long_items.is_long(
+        s.encoder, s.cost, len(s.positions), sp, total)]
+    pieces = {i: split_rows(len(slots[i].positions), sp) for i in long}
+    short = [i for i in range(len(slots)) if i not in pieces]
+    owner = dict(zip(short, assign_items([slots[i] for i in short], sp, shard_len)))
     rank_order = {enc: i for i, enc in enumerate(encoder_order)}
-    by_rank: list[list[int]] = [[] for _ in range(sp)]
-    for i in sorted(range(len(slots)), key=lambda i: (rank_order[slots[i].encoder], slots[i].index)):
-        by_rank[owner[i]].append(i)
+    in_order = sorted(range(len(slots)), key=lambda i: (rank_order[slots[i].encoder],
+                                                        i in pieces, slots[i].index))
     # rows of rank r in its output order, as global positions
-    out_positions = [np.concatenate([slots[i].positions for i in items]).astype(np.int64)
-                     if items else np.zeros(0, np.int64) for items in by_rank]
+    out_positions = []
+    for r in range(sp):
+        rows = [slots[i].positions[pieces[i][r]:pieces[i][r + 1]] if i in pieces
+                else slots[i].positions for i in in_order if i in pieces or owner[i] == r]
+        out_positions.append(np.concatenate(rows).astype(np.int64) if rows
+                             else np.zeros(0, np.int64))
+    split: dict[str, list[tuple[int, tuple[int, ...]]]] = {}
+    for i in in_order:
+        if i in pieces:
+            split.setdefault(slots[i].encoder, []).append((slots[i].index, tuple(pieces[i])))
     plans = []
     for r in range(sp):
         dest = out_positions[r] // shard_len
@@ -130,15 +151,19 @@ def plan_reshard(slots: list[ItemSlots], sp: int, shard_len: int,
                           for s in range(sp)]
         encode: dict[str, list[int]] = {}
         encode_rows: dict[str, int] = {}
-        for i in by_rank[r]:
-            encode.setdefault(slots[i].encoder, []).append(slots[i].index)
-            encode_rows[slots[i].encoder] = encode_rows.get(slots[i].encoder, 0) + len(slots[i].positions)
+        for i in in_order:
+            enc = slots[i].encoder
+            if i in pieces:
+                encode_rows[enc] = encode_rows.get(enc, 0) + pieces[i][r + 1] - pieces[i][r]
+            elif owner[i] == r:
+                encode.setdefault(enc, []).append(slots[i].index)
+                encode_rows[enc] = encode_rows.get(enc, 0) + len(slots[i].positions)
         plans.append(RankReshard(
             rank=r, order=list(encoder_order), encode=encode, encode_rows=encode_rows,
             group_rows=sum(len(p) for p in out_positions), send_order=send_order.tolist(),
             send_counts=np.bincount(dest, minlength=sp).tolist(),
             recv_counts=[len(p) for p in recv_positions],
-            recv_positions=np.concatenate(recv_positions).tolist()))
+            recv_positions=np.concatenate(recv_positions).tolist(), split=split))
     return plans
 
 

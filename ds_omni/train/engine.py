@@ -14,6 +14,7 @@ One step, on every data-parallel rank:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -112,6 +113,8 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
                                            sum(mb.num_tokens for mb in batch.micro_batches)],
                                           token_group)
     micro_batches = _even_micro_batches(batch, int(n_micro))
+    if engine.zero_optimization_stage() == 3 and (comm.sp_size > 1 or batch.filler is not None):
+        _even_encoder_calls(engine.module, micro_batches, dp_group)
     losses, dropped = [], None
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -137,6 +140,18 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
                       cost_max_over_mean=cost_max / (cost_sum / dp_size) if cost_sum else 1.0)
 
 
+def _even_encoder_calls(model, micro_batches: list, group) -> None:
+    """Set every micro-batch's `encode_calls` to the most runs of each encoder any rank makes in
+    that round. Long-short SP runs an encoder once more per long item on the ranks that share the
+    item's row; ZeRO-3 gathers the encoder's parameters at every run, on all ranks together."""
+    names = list(model.encoders)
+    runs = [1 + len(mb.reshard.split.get(name, [])) if mb.reshard is not None else 1
+            for mb in micro_batches for name in names]
+    most = dist.all_reduce_max(runs, group) if runs else []
+    for i, mb in enumerate(micro_batches):
+        mb.encode_calls = {name: int(most[i * len(names) + j]) for j, name in enumerate(names)}
+
+
 def _even_micro_batches(batch: StepBatch, n_micro: int) -> list:
     """The rank's micro-batches, topped up with zero-weight fillers to `n_micro`, the most any rank
     has this step (per-sequence SP: ranks in more long-sequence rounds run more). Every rank then
@@ -146,7 +161,7 @@ def _even_micro_batches(batch: StepBatch, n_micro: int) -> list:
     if missing and batch.filler is None:
         raise RuntimeError(f"this rank has {len(batch.micro_batches)} micro-batches and another "
                            f"{n_micro}, but no filler: only per-sequence SP varies the count")
-    return batch.micro_batches + [batch.filler] * missing
+    return batch.micro_batches + [dataclasses.replace(batch.filler) for _ in range(missing)]
 
 
 def _nonfinite_step(guard: NonFiniteGuard, batch: StepBatch, comm: TorchDataComm) -> list[str]:

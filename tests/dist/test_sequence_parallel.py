@@ -16,6 +16,10 @@ only 4 cases on 4 ranks; `test_design_covers_every_pair` checks that.
   audio clips in the same rows, plus text-only rows.
 llava_next and qwen2_audio add one case each.
 
+Long-short SP inside the encoders (`parallel.encoder_sp`): SPLIT_ALL cases encode every image and
+clip over both ranks of its SP group, the others run the "auto" threshold; the 2-rank launch first
+checks each encoder kind's split item against the item encoded whole (tests/encoder_pieces.py).
+
 The per-sequence SP degree (`parallel.max_sequence_sp`, ByteScale's hybrid data parallelism) is
 checked the same way in the same launches (PER_SEQUENCE, at the end of this file): no static SP,
 long sequences on blocks of 2 or 4 ranks. Ranks are started once per world size and loop over
@@ -52,6 +56,11 @@ CHECKPOINTED = {("llava", 3, 4, False)}
 EVALUATED = {("qwen2_vl", 3, 2, True)}
 # the other two families train under SP too (any-resolution tiles; Whisper clips)
 EXTRA = [("llava_next", 2, 2, False), ("qwen2_audio", 3, 2, True)]
+# long-short SP for encoders with threshold 0: EVERY image and clip is encoded by both ranks of its
+# SP group, a piece each (Ulysses inside the tower); under ZeRO-3 the other groups' ranks top up
+# with dummy encoder runs. The other cases run the default "auto" threshold.
+SPLIT_ALL = {("llava", 3, 4, False), ("qwen2_vl", 1, 2, False), ("composed", 3, 2, False),
+             ("composed", 1, 4, False), ("qwen2_audio", 3, 2, True)}
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +114,41 @@ def _case_name(case) -> str:
     return f"{family}-zero{stage}-w{world}-{'fixed' if reorder else 'loader_order'}"
 
 
+def _encoder_pieces(families, out_dir) -> dict:
+    """Every encoder kind, one long item split over 2 ranks against the item encoded whole
+    (tests/encoder_pieces.py); the Qwen2-VL tower also with its layers recomputed in backward."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from ds_omni.model.build import build_model
+    from tests.encoder_pieces import check_pieces
+    rng = np.random.default_rng(0)
+    raw = {"image": Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)),
+           "audio": {"array": 0.1 * rng.standard_normal(16000).astype(np.float32),
+                     "sampling_rate": 16000}}
+    out = {}
+    for family in ("llava", "composed", "qwen2_vl", "qwen2_audio"):
+        torch.manual_seed(0)  # the same random towers on both ranks
+        built = build_model(make_config(families[family], out_dir, sp=1, reorder=False).model)
+        for name, encoder in built.model.encoders.items():
+            out[f"{family}/{name}"] = check_pieces(built, name, raw[encoder.modality])
+        if family == "qwen2_vl":
+            out["qwen2_vl/vision/recomputed"] = check_pieces(built, "vision", raw["image"],
+                                                             checkpointed=True)
+        if family == "llava":
+            out["llava/vision/frozen"] = check_pieces(built, "vision", raw["image"], frozen=True)
+    return out
+
+
 def _ranks(rank, world, cases, families, out_dir, per_sequence_cases, long):
-    results = {}
+    results = {"pieces": _encoder_pieces(families, out_dir) if world == 2 else {}}
     for case in cases:
         family, stage, _, reorder = case
         cfg = make_config(families[family], f"{out_dir}/{_case_name(case)}", sp=2, reorder=reorder,
                           evaluate=case in EVALUATED)
         cfg.model.activation_checkpointing = case in CHECKPOINTED
+        if case in SPLIT_ALL:
+            cfg.parallel.encoder_sp = 0.0
         results[_case_name(case)] = oracle.train_on_rank(rank, world, cfg, ds_config(stage), STEPS)
     for family, stage, _ in per_sequence_cases:  # the same launch: ranks start once per world
         name = f"per_sequence-{family}-zero{stage}-w{world}"
@@ -130,11 +167,18 @@ def test_sequence_parallel_matches_single_process(world, families, tmp_path):
     results = run_on_ranks(_ranks, world, timeout=900, args=(
         cases, families, str(tmp_path / "sp"), per_sequence, long))
     dp = world // 2
+    for name, got in results[0]["pieces"].items():
+        assert got["piece_rows"] < got["rows"], name  # the item really was split
+        assert got["row_diff"] <= 1e-6 * got["row_scale"], (name, got)
+        assert got["grad_diff"] <= 1e-5 * got["grad_scale"], (name, got)
+    assert len(results[0]["pieces"]) == (7 if world == 2 else 0)
     for case in cases:
         name = _case_name(case)
         cfg = make_config(families[case[0]], str(tmp_path / f"ref_{name}"), sp=1, reorder=False,
                           evaluate=case in EVALUATED)
         _check_case(name, cfg, dp, [r[name] for r in results])
+        if case in SPLIT_ALL:  # items really were split over the group
+            assert sum(r[name]["long_items"] for r in results) > 0, name
     for family, stage, _ in per_sequence:
         name = f"per_sequence-{family}-zero{stage}-w{world}"
         cfg = per_sequence_config(families, family, str(tmp_path / f"ref_{name}"), world, long)

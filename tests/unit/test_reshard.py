@@ -19,6 +19,7 @@ import torch
 
 from ds_omni.data.packing import SeqShard, empty_micro_batch, pack
 from ds_omni.model.omni import IGNORE_INDEX
+from ds_omni.parallel.long_short import LongItems, is_long, split_rows
 from ds_omni.parallel.reshard import BALANCE_SLACK, ItemSlots, assign_items, bytes_moved, item_slots, plan_reshard
 
 PLACEHOLDER = {"vision": 7, "audio": 9}
@@ -45,9 +46,9 @@ def random_row(rng: np.random.Generator, sp: int):
     return np.array(ids), sizes, costs, order
 
 
-def plans_of(ids, sizes, costs, order, sp):
+def plans_of(ids, sizes, costs, order, sp, long_items=None):
     slots = item_slots(ids, PLACEHOLDER, sizes, costs)
-    return slots, plan_reshard(slots, sp, len(ids) // sp, order)
+    return slots, plan_reshard(slots, sp, len(ids) // sp, order, long_items)
 
 
 def simulate_exchange(slots: list[ItemSlots], plans, shard_len: int) -> list[torch.Tensor]:
@@ -57,7 +58,10 @@ def simulate_exchange(slots: list[ItemSlots], plans, shard_len: int) -> list[tor
     by_key = {(s.encoder, s.index): s.positions for s in slots}
     sent = []  # sent[src][dst]: rows rank src sends rank dst
     for p in plans:
-        rows = [by_key[(e, k)] for e in p.order for k in p.encode.get(e, [])]
+        rows = []  # as the model concatenates them: per encoder, whole items, then its pieces
+        for e in p.order:
+            rows += [by_key[(e, k)] for k in p.encode.get(e, [])]
+            rows += [by_key[(e, k)][bounds[p.rank]:bounds[p.rank + 1]] for k, bounds in p.split.get(e, [])]
         out = torch.as_tensor(np.concatenate(rows) if rows else np.zeros(0, np.int64))  # [N_r]
         assert sorted(p.send_order) == list(range(len(out)))  # a permutation of the rows
         send = out[torch.as_tensor(p.send_order, dtype=torch.long)]  # [N_r] grouped by destination
@@ -329,3 +333,76 @@ def test_near_ties_stay_local_within_the_balance_slack():
     slots = item_slots(ids, PLACEHOLDER, {"vision": [3, 1, 3]}, {"vision": [4.05, 0.3, 4.0]})
     assert assign_items(slots, 2, shard_len=8, slack=0.0) == [0, 1, 1]
     assert assign_items(slots, 2, shard_len=8) == [0, 0, 1]
+
+
+# ------------------------------------------------------------------- long items (long-short SP)
+EVERY = LongItems(threshold=0.0, heads={"vision": 4, "audio": 4})  # every item with >= sp rows
+AUTO = LongItems(threshold=None, heads={"vision": 4, "audio": 4})
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("policy", [EVERY, AUTO], ids=["every", "auto"])
+def test_long_items_every_placeholder_gets_its_row_once(sp, policy):
+    rng = np.random.default_rng(200 + sp)
+    split = 0
+    for _ in range(60):
+        ids, sizes, costs, order = random_row(rng, sp)
+        slots, plans = plans_of(ids, sizes, costs, order, sp, policy)
+        shards = simulate_exchange(slots, plans, len(ids) // sp)
+        expect = np.where(np.isin(ids, list(PLACEHOLDER.values())), np.arange(len(ids)), -1)
+        assert torch.equal(torch.cat(shards), torch.as_tensor(expect))
+        long = {(e, k) for e, items in plans[0].split.items() for k, _ in items}
+        assert all(p.split == plans[0].split for p in plans)  # every rank runs the same pieces
+        assert not long & set(owners(plans)), "a long item is also encoded whole"
+        assert set(owners(plans)) | long == {(e, k) for e, ns in sizes.items() for k in range(len(ns))}
+        for p in plans:  # rows: whole items' plus its piece of each long item
+            want = {e: sum(sizes[e][k] for k in idx) for e, idx in p.encode.items()}
+            for e, items in p.split.items():
+                want[e] = want.get(e, 0) + sum(b[p.rank + 1] - b[p.rank] for _, b in items)
+            assert p.encode_rows == want
+        split += len(long)
+    assert split > 20  # the cases above really split items
+
+
+def test_one_long_item_is_split_evenly_over_the_group():
+    ids = np.array([TEXT] * 3 + [PLACEHOLDER["vision"]] * 10 + [TEXT] * 3)
+    _, plans = plans_of(ids, {"vision": [10]}, {"vision": [100.0]}, ["vision"], 4, AUTO)
+    assert [p.split for p in plans] == [{"vision": [(0, (0, 3, 6, 8, 10))]}] * 4
+    assert [p.encode for p in plans] == [{}] * 4
+    assert [p.encode_rows["vision"] for p in plans] == [3, 3, 2, 2]
+
+
+def test_auto_splits_only_what_no_placement_can_balance():
+    ids = np.array([PLACEHOLDER["vision"]] * 12 + [TEXT] * 4)
+    # two equal items on 2 ranks: one each is balanced, nothing is split
+    _, plans = plans_of(ids, {"vision": [6, 6]}, {"vision": [36.0, 36.0]}, ["vision"], 2, AUTO)
+    assert plans[0].split == {}
+    # one item costs more than a rank's share: it alone is split, the small one runs whole
+    _, plans = plans_of(ids, {"vision": [10, 2]}, {"vision": [100.0, 4.0]}, ["vision"], 2, AUTO)
+    assert plans[0].split == {"vision": [(0, (0, 5, 10))]}
+    assert sorted(owners(plans)) == [("vision", 1)]
+    # a number: items above it are split
+    limit = LongItems(threshold=50.0, heads={"vision": 4})
+    _, plans = plans_of(ids, {"vision": [6, 6]}, {"vision": [36.0, 64.0]}, ["vision"], 2, limit)
+    assert plans[0].split == {"vision": [(1, (0, 3, 6))]}
+
+
+def test_items_that_cannot_be_split_stay_whole():
+    ids = np.array([PLACEHOLDER["vision"]] * 8 + [PLACEHOLDER["audio"]] * 3 + [TEXT])
+    sizes, costs = {"vision": [8], "audio": [3]}, {"vision": [64.0], "audio": [9.0]}
+    # vision: 6 heads do not split over 4 ranks; audio: 3 rows for 4 ranks
+    policy = LongItems(threshold=0.0, heads={"vision": 6, "audio": 4})
+    _, plans = plans_of(ids, sizes, costs, ["vision", "audio"], 4, policy)
+    assert plans[0].split == {} and len(owners(plans)) == 2
+    # an encoder that cannot encode a piece at all (no heads given) keeps every item whole
+    _, plans = plans_of(ids, sizes, costs, ["vision", "audio"], 2, LongItems(0.0, {"audio": 4}))
+    assert plans[0].split == {"audio": [(0, (0, 2, 3))]}
+
+
+def test_split_rows_and_threshold_math():
+    assert split_rows(10, 4) == [0, 3, 6, 8, 10]
+    assert split_rows(4, 4) == [0, 1, 2, 3, 4]
+    assert not is_long(5.0, rows=3, size=4, threshold=0.0, group_cost=5.0)  # fewer rows than ranks
+    assert not is_long(5.0, rows=8, size=1, threshold=0.0, group_cost=5.0)  # no group
+    assert is_long(5.1, rows=8, size=2, threshold=None, group_cost=10.0)
+    assert not is_long(5.0, rows=8, size=2, threshold=None, group_cost=10.0)

@@ -16,6 +16,7 @@ Dims: N items, F mel frames of the window, S = F / 2 encoder positions, C encode
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -32,6 +33,8 @@ from ds_omni.model.families.llava import (ClipImageProcessor, LlavaVisionEncoder
                                           has_cls, tower_seq_len)
 from ds_omni.model.family import Family, register
 from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
+from ds_omni.parallel import long_short
+from ds_omni.parallel.long_short import EncoderShard
 
 MODEL_TYPE = "ds_omni_composed"
 IMAGE_PROCESSOR_DIR, FEATURE_EXTRACTOR_DIR = "image_processor", "feature_extractor"
@@ -81,11 +84,21 @@ def whisper_positions(frames: torch.Tensor) -> torch.Tensor:
     return (frames - 1) // 2 + 1
 
 
-def audio_features(tower, projector, input_features, feature_attention_mask) -> torch.Tensor:
-    """[N, M, F] mel windows -> [E, D]: each clip's own positions, projected, clips in order."""
-    hidden = tower(input_features).last_hidden_state  # [N, S, C]
+def audio_features(tower, projector, input_features, feature_attention_mask,
+                   shard: EncoderShard | None = None) -> torch.Tensor:
+    """[N, M, F] mel windows -> [E, D]: each clip's own positions, projected, clips in order.
+
+    With `shard` (one long clip): this rank's rows, from its piece of the window's positions."""
+    first = 0
+    with contextlib.ExitStack() as pieces:
+        if shard is not None:
+            pieces.enter_context(long_short.sharded(tower.config, shard))
+            pieces.enter_context(long_short.cut_input(tower.layers[0], shard, dim=1))
+            first = shard.lo
+        hidden = tower(input_features).last_hidden_state  # [N, S, C]
     lengths = whisper_positions(feature_attention_mask.sum(-1))  # [N]
-    keep = torch.arange(hidden.shape[1], device=hidden.device)[None] < lengths[:, None]  # [N, S]
+    rows = first + torch.arange(hidden.shape[1], device=hidden.device)
+    keep = rows[None] < lengths[:, None]  # [N, S]
     return projector(hidden[keep])
 
 
@@ -164,6 +177,17 @@ class ComposedAudioEncoder(ModalityEncoder):
     def encode(self, inputs):
         return audio_features(self.tower, self.projector, inputs["input_features"],
                               inputs["feature_attention_mask"])
+
+    # A long clip: one row per position; the last piece also takes the padded tail.
+    def attention_heads(self):
+        return self.tower.config.encoder_attention_heads
+
+    def piece_tokens(self, inputs, rows):
+        return (*rows[:-1], self.tower.config.max_source_positions)
+
+    def encode_piece(self, inputs, shard):
+        return audio_features(self.tower, self.projector, inputs["input_features"],
+                              inputs["feature_attention_mask"], shard)
 
     def dummy_inputs(self, device, dtype):
         cfg = self.tower.config

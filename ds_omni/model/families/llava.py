@@ -20,6 +20,7 @@ import torch
 from ds_omni.data.media import image_size, load_image
 from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
 from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
+from ds_omni.parallel import long_short
 
 
 def select_features(hidden_states: tuple[torch.Tensor, ...], layer: int | list[int],
@@ -47,6 +48,26 @@ class LlavaVisionEncoder(ModalityEncoder):
         out = self.tower(inputs["pixel_values"], output_hidden_states=True, return_dict=True)
         feats = select_features(out.hidden_states, self.feature_layer, self.select_strategy)
         return self.projector(feats).flatten(0, 1)  # [N, P, D] -> [N * P, D]
+
+    # A long image: each rank of the group runs the tower on a piece of its 1 + P tokens.
+    def attention_heads(self):
+        return self.tower.config.num_attention_heads
+
+    def piece_tokens(self, inputs, rows):
+        cls = int(self.select_strategy == "default")  # row i is token i + 1 when CLS is dropped
+        return (0, *(r + cls for r in rows[1:]))
+
+    def encode_piece(self, inputs, shard):
+        with long_short.sharded(self.tower.config, shard), \
+                long_short.cut_input(long_short.first_layer(self.tower), shard, dim=1):
+            out = self.tower(inputs["pixel_values"], output_hidden_states=True, return_dict=True)
+        full = shard.tokens[-1]
+        # states before the first layer are whole; the others are this rank's piece [1, L_r, C]
+        states = tuple(h if h.shape[1] != full else shard.cut(h, 1) for h in out.hidden_states)
+        feats = select_features(states, self.feature_layer, "full")
+        if self.select_strategy == "default" and shard.rank == 0:
+            feats = feats[:, 1:]  # CLS sits in the first piece
+        return self.projector(feats).flatten(0, 1)  # [1, rows_r, D] -> [rows_r, D]
 
     def dummy_inputs(self, device, dtype):
         return {"pixel_values": torch.zeros(1, 3, self.image_size, self.image_size,

@@ -43,6 +43,9 @@ class LlavaNextVisionEncoder(LlavaVisionEncoder):
         super().__init__(**kw)
         object.__setattr__(self, "_pack", pack_fn)  # HF's unpad-and-pack (a bound method)
 
+    def attention_heads(self):
+        return None  # an image's tiles are packed (unpadded) after the tower: long images run whole
+
     def encode(self, inputs):
         out = self.tower(inputs["pixel_values"], output_hidden_states=True, return_dict=True)
         feats = select_features(out.hidden_states, self.feature_layer, self.select_strategy)

@@ -19,6 +19,7 @@ of all clips, C encoder width, D LLM width.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ from ds_omni.data.media import read_clip
 from ds_omni.errors import DataError, ModelError
 from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
 from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
+from ds_omni.parallel import long_short
+from ds_omni.parallel.long_short import EncoderShard
 
 AUDIO_BOS, AUDIO_EOS = "<|audio_bos|>", "<|audio_eos|>"
 WHISPER_RATE, WHISPER_HOP = 16000, 160  # WhisperFeatureExtractor defaults
@@ -42,20 +45,43 @@ class Qwen2AudioClipEncoder(ModalityEncoder):
 
     modality = "audio"
 
-    def encode(self, inputs):
+    def encode(self, inputs, shard: EncoderShard | None = None):
+        """With `shard` (one long clip): this rank's rows, its layers running on a piece of the
+        window's S positions and attending over all of them through Ulysses attention."""
         from transformers.masking_utils import create_bidirectional_mask
         feats = inputs["input_features"]  # [N, M, F]
         frames = inputs["feature_attention_mask"].sum(-1)  # [N] valid mel frames
         conv_lengths, out_lengths = self.tower._get_feat_extract_output_lengths(frames)
-        positions = (feats.shape[-1] - 2) // 2 + 1  # S, after the stride-2 conv
+        positions = self.positions(feats)  # S, after the stride-2 conv
         valid = torch.arange(positions, device=feats.device)[None] < conv_lengths[:, None]  # [N, S]
         # The same padding mask HF builds: keys past the clip's end are hidden from every query.
         mask = create_bidirectional_mask(config=self.tower.config,
                                          inputs_embeds=feats.new_zeros(feats.shape[0], positions, 1),
                                          attention_mask=valid.long())
-        hidden = self.tower(feats, attention_mask=mask).last_hidden_state  # [N, S / 2, C]
-        keep = torch.arange(hidden.shape[1], device=feats.device)[None] < out_lengths[:, None]
+        first = 0
+        with contextlib.ExitStack() as pieces:
+            if shard is not None:
+                pieces.enter_context(long_short.sharded(self.tower.config, shard))
+                pieces.enter_context(long_short.cut_input(self.tower.layers[0], shard, dim=1))
+                first = shard.lo // 2  # the piece's first pooled row
+            hidden = self.tower(feats, attention_mask=mask).last_hidden_state  # [N, S / 2, C]
+        rows = first + torch.arange(hidden.shape[1], device=feats.device)
+        keep = rows[None] < out_lengths[:, None]
         return self.projector(hidden[keep])  # [N, S / 2, C] -> [E, C] -> [E, D], clips in order
+
+    @staticmethod
+    def positions(feats: torch.Tensor) -> int:
+        return (feats.shape[-1] - 2) // 2 + 1  # S: positions after the stride-2 conv
+
+    # A long clip: each pooled row is 2 positions; the last piece also takes the padded tail.
+    def attention_heads(self):
+        return self.tower.config.encoder_attention_heads
+
+    def piece_tokens(self, inputs, rows):
+        return (*(2 * r for r in rows[:-1]), self.positions(inputs["input_features"]))
+
+    def encode_piece(self, inputs, shard):
+        return self.encode(inputs, shard)
 
     def window_frames(self) -> int:
         """F: the tower accepts only full windows (one position-table row per conv output)."""

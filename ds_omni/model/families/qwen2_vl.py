@@ -14,6 +14,7 @@ position where the image starts, and the text after it resumes at s + max(rows, 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -25,6 +26,8 @@ from ds_omni.errors import ModelError
 from ds_omni.data.media import load_image
 from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
 from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
+from ds_omni.parallel import long_short
+from ds_omni.parallel.long_short import EncoderShard
 
 
 # ------------------------------------------------------------------------------------- encoder
@@ -47,8 +50,13 @@ class Qwen2VLVisionEncoder(ModalityEncoder):
         hidden = self.tower_states(inputs["pixel_values"], grid)  # [P, E]
         return self.projector(hidden)  # [P, E] -> [P / m^2, D]
 
-    def tower_states(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-        """Patch states of the last block [P, E]; attention stays inside each image (cu_seqlens)."""
+    def tower_states(self, pixel_values: torch.Tensor, grid: torch.Tensor,
+                     shard: EncoderShard | None = None) -> torch.Tensor:
+        """Patch states of the last block [P, E]; attention stays inside each image (cu_seqlens).
+
+        With `shard` (one long image): this rank's piece [P_r, E], its blocks attending over the
+        whole image through Ulysses attention.
+        """
         from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids
         tower = self.tower
         hidden = tower.patch_embed(pixel_values)  # [P, C*T*p*p] -> [P, E]
@@ -56,10 +64,27 @@ class Qwen2VLVisionEncoder(ModalityEncoder):
         rotary = tower.rotary_pos_emb(hidden, get_vision_position_ids(
             grid, self.vision_config.spatial_merge_size))
         cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, self.vision_config)
-        for block in tower.blocks:
-            hidden = block(hidden, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                           position_embeddings=rotary)
+        context = contextlib.nullcontext()
+        if shard is not None:
+            hidden = shard.cut(hidden, 0)
+            rotary = tuple(shard.cut(t, 0) for t in rotary)  # (cos, sin), each [P, d] -> [P_r, d]
+            context = long_short.sharded(tower.blocks[0].attn.config, shard)  # the blocks' config
+        with context:
+            for block in tower.blocks:
+                hidden = block(hidden, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                               position_embeddings=rotary)
         return hidden
+
+    # A long image: pieces are whole merge blocks (m x m patches, one embedding each).
+    def attention_heads(self):
+        return getattr(self.vision_config, "num_heads", None) or self.vision_config.num_attention_heads
+
+    def piece_tokens(self, inputs, rows):
+        return tuple(r * self.vision_config.spatial_merge_size ** 2 for r in rows)
+
+    def encode_piece(self, inputs, shard):
+        hidden = self.tower_states(inputs["pixel_values"], inputs["image_grid_thw"], shard)
+        return self.projector(hidden)  # [P_r, E] -> [P_r / m^2, D]
 
     def dummy_inputs(self, device, dtype):
         """One image of one merge block (m x m patches), which yields one embedding."""

@@ -1,0 +1,233 @@
+"""Long-short sequence parallelism for encoders: a long item is encoded by a group of ranks.
+
+MegaScale-Omni's remedy for encoder stragglers: short items run whole, each on one rank of the
+group (`ds_omni.parallel.reshard` spreads them by cost); an item whose modelled cost is above a
+threshold is split over every rank of the group. Each rank runs the encoder's layers on a
+contiguous piece of the item's token sequence; inside attention, Ulysses all-to-alls trade the
+sequence split for a head split (every rank attends over the whole item with H / P heads) and
+back. Everything outside attention (MLP, norms, the projector) is per token, so the pieces need no
+other exchange: a rank's piece yields the item's embedding rows [a_r, b_r), which the reshard
+all-to-all then sends to whichever rank holds their placeholders, like any other rows.
+
+This module holds both halves:
+- pure math: `split_rows` (which embedding rows each rank yields) and `is_long` (the threshold);
+- the runtime: `EncoderShard` (a rank's piece of one item), `sharded` (the context in which an HF
+  encoder's attention becomes Ulysses attention) and `ulysses_attention` (registered in
+  transformers' `AttentionInterface` under `ENCODER_ULYSSES`).
+
+The attention name contains "flash" on purpose: HF vision towers that pack several images into one
+sequence (Qwen2-VL) then hand the attention function the item's `cu_seqlens` instead of cutting
+q, k, v by it themselves, which they could not do on a piece.
+
+Dims: B batch (1 for a split item), H heads, P ranks of the group, L the item's encoder tokens,
+L_r the tokens of rank r's piece (uneven: pieces follow embedding rows), D head dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ENCODER_ULYSSES = "ds_omni_flash_encoder_ulysses"
+
+
+# ------------------------------------------------------------------------------ pure math
+def split_rows(rows: int, size: int) -> list[int]:
+    """[size + 1] bounds cutting an item's `rows` embedding rows into `size` contiguous pieces whose
+    lengths differ by at most one (the longer ones first)."""
+    base, extra = divmod(rows, size)
+    bounds = [0]
+    for r in range(size):
+        bounds.append(bounds[-1] + base + (r < extra))
+    return bounds
+
+
+def is_long(cost: float, rows: int, size: int, threshold: float | None, group_cost: float) -> bool:
+    """Whether an item is encoded by the whole group rather than by one rank.
+
+    threshold: a modelled cost (the item's cost must exceed it), or None for "auto": the item costs
+    more than one rank's share of the row's encoder work (`group_cost / size`), the point past which
+    no placement of whole items can balance the group. An item with fewer rows than ranks stays
+    whole.
+    """
+    if size < 2 or rows < size:
+        return False
+    limit = group_cost / size if threshold is None else threshold
+    return cost > limit
+
+
+@dataclass(frozen=True)
+class LongItems:
+    """Which items a group encodes together: the threshold (None: "auto", see `is_long`) and the
+    attention heads of every encoder that can be split (Ulysses needs heads divisible by the group)."""
+
+    threshold: float | None
+    heads: dict[str, int]
+
+    def splittable(self, encoder: str, size: int) -> bool:
+        return encoder in self.heads and self.heads[encoder] % size == 0
+
+    def is_long(self, encoder: str, cost: float, rows: int, size: int, group_cost: float) -> bool:
+        return self.splittable(encoder, size) and is_long(cost, rows, size, self.threshold,
+                                                          group_cost)
+
+
+# ------------------------------------------------------------------------------ the runtime
+@dataclass(frozen=True)
+class EncoderShard:
+    """Rank `rank`'s piece of one item split over a group of `size` ranks.
+
+    `tokens` [size + 1]: bounds of every rank's piece of the item's encoder sequence (uneven).
+    """
+
+    group: object
+    rank: int
+    size: int
+    tokens: tuple[int, ...]
+
+    @property
+    def lo(self) -> int:
+        return self.tokens[self.rank]
+
+    @property
+    def hi(self) -> int:
+        return self.tokens[self.rank + 1]
+
+    def counts(self) -> list[int]:
+        return [self.tokens[r + 1] - self.tokens[r] for r in range(self.size)]
+
+    def cut(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's piece of a tensor laid out over the whole item's sequence along `dim`."""
+        return full.narrow(dim, self.lo, self.hi - self.lo)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """[B, H, L_r, D] (all heads, this rank's tokens) <-> [B, H / P, L, D] (its heads, all tokens).
+
+    One `all_to_all_single` with uneven splits (pieces differ in length); backward is the same
+    exchange the other way. `to_heads=False` runs the inverse.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, shard: EncoderShard, to_heads: bool) -> torch.Tensor:
+        ctx.shard, ctx.to_heads = shard, to_heads
+        return _exchange(x, shard, to_heads)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange(grad.contiguous(), ctx.shard, not ctx.to_heads), None, None
+
+
+def _exchange(x: torch.Tensor, shard: EncoderShard, to_heads: bool) -> torch.Tensor:
+    p, counts = shard.size, shard.counts()
+    if to_heads:  # x [B, H, L_r, D]: send head chunk j to rank j; receive every rank's tokens
+        b, h, _, d = x.shape
+        send = torch.stack(x.chunk(p, dim=1))  # [P, B, H/P, L_r, D]
+        recv_sizes = [b * (h // p) * n * d for n in counts]
+        recv = x.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(recv, send.reshape(-1).contiguous(), recv_sizes,
+                               [send[0].numel()] * p, group=shard.group)
+        parts = [chunk.view(b, h // p, n, d) for chunk, n in zip(recv.split(recv_sizes), counts)]
+        return torch.cat(parts, dim=2)  # [B, H/P, L, D]
+    b, hp, _, d = x.shape  # x [B, H/P, L, D]: send token piece j to rank j; receive all heads
+    send = torch.cat([piece.reshape(-1) for piece in x.split(counts, dim=2)])
+    n_local = counts[shard.rank]
+    recv = x.new_empty(p * b * hp * n_local * d)
+    dist.all_to_all_single(recv, send.contiguous(), [b * hp * n_local * d] * p,
+                           [b * hp * n * d for n in counts], group=shard.group)
+    return torch.cat(recv.view(p, b, hp, n_local, d).unbind(0), dim=1)  # [B, H, L_r, D]
+
+
+_current: list[tuple[object, EncoderShard]] = []  # (config, shard) of the encode running now
+
+
+@contextlib.contextmanager
+def sharded(config, shard: EncoderShard):
+    """Within: attention modules reading `config` run `ulysses_attention` over `shard`'s group."""
+    register()
+    before = config._attn_implementation
+    config._attn_implementation = ENCODER_ULYSSES
+    _current.append((config, shard))
+    try:
+        yield
+    finally:
+        _current.pop()
+        config._attn_implementation = before
+
+
+@contextlib.contextmanager
+def cut_input(layer: torch.nn.Module, shard: EncoderShard, dim: int):
+    """Within: `layer` (an HF encoder's first layer) runs on this rank's piece of its input hidden
+    states (cut along `dim`), so every later layer does too; embeddings before it run whole."""
+    def hook(module, args, kwargs):
+        if args:
+            return (shard.cut(args[0], dim), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": shard.cut(kwargs["hidden_states"], dim)}
+    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def first_layer(tower: torch.nn.Module) -> torch.nn.Module:
+    """The first of an HF encoder's layers (the first `ModuleList` named `layers`)."""
+    for name, module in tower.named_modules():
+        if name.rsplit(".", 1)[-1] == "layers" and isinstance(module, torch.nn.ModuleList):
+            return module[0]
+    raise ValueError(f"{type(tower).__name__} has no `layers` list to cut the sequence at")
+
+
+def recompute_context():
+    """For activation checkpointing: a `context_fn` that re-enters the shard in force now (if
+    any) when a layer is recomputed in backward, where `sharded` has long been left."""
+    if not _current:
+        return None
+    config, shard = _current[-1]
+    return lambda: (contextlib.nullcontext(), sharded(config, shard))
+
+
+def current() -> EncoderShard | None:
+    return _current[-1][1] if _current else None
+
+
+def ulysses_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
+                      cu_seq_lens_q=None, is_causal=False, **kwargs):
+    """HF attention interface: q, k, v [B, H, L_r, D] -> output [B, L_r, H, D], weights None.
+
+    Attends over the whole item: `attention_mask` (if any) is the whole item's [B, 1, L, L];
+    `cu_seq_lens_q` (Qwen2-VL: frames of one video item) keeps sub-sequences apart.
+    """
+    shard = current()
+    if shard is None:
+        raise RuntimeError(f"{ENCODER_ULYSSES} attention ran outside `long_short.sharded`; it is set "
+                           "on an encoder's config only while ds_omni encodes a split item")
+    q, k, v = (_SeqToHeads.apply(t, shard, True) for t in (query, key, value))  # [B, H/P, L, D]
+    if cu_seq_lens_q is not None and len(cu_seq_lens_q) > 2:
+        bounds = cu_seq_lens_q.tolist()
+        out = torch.cat([F.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scale=scaling, is_causal=is_causal)
+            for a, b in zip(bounds[:-1], bounds[1:])], dim=2)
+    else:
+        mask = attention_mask
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
+                                             is_causal=is_causal and mask is None)
+    out = _SeqToHeads.apply(out, shard, False)  # [B, H, L_r, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def heads_split(num_heads: int, size: int) -> bool:
+    """Ulysses needs the heads to divide evenly over the group."""
+    return num_heads % size == 0
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+    AttentionInterface.register(ENCODER_ULYSSES, ulysses_attention)
+
