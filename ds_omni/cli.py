@@ -69,6 +69,14 @@ def _parser() -> argparse.ArgumentParser:
     cc.add_argument("--out", required=True, help="JSON file for the fitted scales")
     cc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
+    fm = sub.add_parser("families", help="which transformers vision-language model types ds_omni "
+                                         "trains exactly (builds a tiny model of each and checks "
+                                         "it against HF)")
+    fm.add_argument("--json", action="store_true",
+                    help='print {model_type: {"supported": bool, "reason": str}}')
+    fm.add_argument("model_types", nargs="*", help="only these model types (default: every one "
+                                                   "of transformers' image-text-to-text mapping)")
+
     d = sub.add_parser("data", help="data utilities")
     dsub = d.add_subparsers(dest="data_command", required=True)
     mk = dsub.add_parser("make-demo", help="write the embedded demo dataset and tokenizer")
@@ -185,6 +193,20 @@ def cmd_calibrate_cost(args) -> None:
     print(f"wrote {write(result, args.out)}; put its cost_scales in data.reorder.cost_scales")
 
 
+def cmd_families(args) -> None:
+    import contextlib
+    import json
+    import logging
+    from ds_omni.model import coverage
+    logging.getLogger("transformers").setLevel(logging.ERROR)  # the tiny configs' warnings
+    with contextlib.redirect_stdout(sys.stderr):  # libraries' log lines would corrupt --json
+        results = coverage.sweep(args.model_types or None)
+    if args.json:
+        print(json.dumps({t: r.as_dict() for t, r in results.items()}, indent=1))
+    else:
+        print(coverage.table(results))
+
+
 def cmd_data(args) -> int:
     from pathlib import Path
     from ds_omni.data import demo
@@ -250,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(_drop_local_rank(sys.argv[1:] if argv is None else argv))
     _quiet_libraries()
     handler = {"train": cmd_train, "supervise": cmd_supervise, "convert": cmd_convert,
-               "plan": cmd_plan, "data": cmd_data,
+               "plan": cmd_plan, "data": cmd_data, "families": cmd_families,
                "calibrate-cost": cmd_calibrate_cost}
     try:
         return handler[args.command](args) or 0

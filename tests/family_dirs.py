@@ -61,6 +61,18 @@ def make_llava_next_dir(out: Path) -> Path:
     return save_hf(model, tok, out, anyres_processor(config, tok, None))
 
 
+def make_generic_dir(out: Path, model_type: str) -> Path:
+    """A tiny random model of any family the coverage sweep has a recipe for, saved with its
+    processor (loaded by the generic adapter)."""
+    from ds_omni.model.coverage import RECIPES, save_processor_parts
+    from ds_omni.model.family import family_for
+    config, processor = RECIPES[model_type]()
+    torch.manual_seed(0)
+    family_for(model_type).build_hf(config).save_pretrained(str(out), safe_serialization=True)
+    save_processor_parts(processor, out)
+    return out
+
+
 PATCH, MERGE = 4, 2  # 8-pixel merge blocks: a 32x32 image is 8x8 patches, 16 LLM tokens
 QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 

@@ -150,8 +150,20 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
                                       scaling=scaling, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row, got batch {query.shape[0]}")
+    check_window(kwargs.get("sliding_window"), max_seqlen)
     kernel = ds_omni_attention or PackedAttention()
     return kernel(query, key, value, cu_seqlens, max_seqlen, scaling, dropout), None
+
+
+def check_window(sliding_window: int | None, max_seqlen: int | None) -> None:
+    """The kernels attend over the whole sample: exact for a sliding-window layer (Mistral's) only
+    while no sample is longer than its window, so a longer one is an error, not other numbers."""
+    if sliding_window and max_seqlen and max_seqlen > sliding_window:
+        raise ValueError(
+            f"a sample of {max_seqlen} tokens reaches a sliding-window attention layer of window "
+            f"{sliding_window}; ds_omni's packed attention has no window, so it would attend past "
+            f"it and train other numbers than the model's own. Set data.max_seq_len to at most "
+            f"{sliding_window}, or use a model without a sliding window")
 
 
 def _sdpa_per_sample(q, k, v, cu_seqlens, scaling, dropout):

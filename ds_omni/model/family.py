@@ -153,9 +153,14 @@ def family_for(model_type: str) -> Family:
     for family in _FAMILIES.values():
         if model_type in family.model_types:
             return family
+    from ds_omni.model.families import generic
+    if generic.hf_class_of(model_type) is not None:  # any image-text-to-text model of transformers
+        return generic.generic_family(model_type)  # a fresh one: it keeps its model's config
     raise ModelError(
         f"unknown model family: model_type {model_type!r} has no ds_omni adapter; supported "
-        f"families: {', '.join(_describe(f) for f in _FAMILIES.values())}. To train a model of "
+        f"families: {', '.join(_describe(f) for f in _FAMILIES.values())}, plus every model type "
+        "of transformers' image-text-to-text mapping through the generic adapter (`ds-omni "
+        "families` lists which are exact). To train a model of "
         "another family, compose one from parts instead: model.llm (any causal LM, e.g. the "
         "folder of its language model) plus model.vision (a CLIP or SigLIP tower) and/or "
         "model.audio (a Whisper encoder), see the README's Models section; or add an adapter, "

@@ -8,7 +8,8 @@ agree to fp32 precision. `test_oracle_sees_planted_errors` shows it fails on a l
 on one dropped sample.
 
 Cases: the demo composition (LLaVA) under ZeRO 0-3, with a validation set of 5 rows evaluated
-after the last step over both ranks (its loss equals one process evaluating the whole set); every other family under ZeRO-3 (images of
+after the last step over both ranks (its loss equals one process evaluating the whole set); every other family under ZeRO-3 (the
+generic adapter through LLaVA-OneVision; images of
 several sizes, M-RoPE positions, audio clips), with text-only samples mixed in so that some ranks
 have micro-batches with nothing to encode (where DeepSpeed's ZeRO-3 would otherwise hang).
 """
@@ -69,6 +70,9 @@ def cases(tmp_path_factory):
                        "sources": vision},
         "qwen2_vl": {"stages": [3], "model_dir": str(family_dirs.make_qwen2_vl_dir(tmp / "q")),
                      "sources": vision},
+        # the generic adapter: per-image get_image_features, image_newline gathered by ZeRO-3
+        "llava_onevision": {"stages": [3], "sources": vision, "model_dir": str(
+            family_dirs.make_generic_dir(tmp / "ov", "llava_onevision"))},
         # its processor saved Qwen2-Audio's ChatML template: samples render with it (longer)
         "qwen2_audio": {"stages": [3], "model_dir": str(family_dirs.make_qwen2_audio_dir(tmp / "a")),
                         "sources": [tones, text], "max_seq_len": 192},

@@ -3,6 +3,11 @@
 Every image is resized to the tower's square input and yields (image_size / patch_size)^2
 embeddings (plus one with the "full" feature strategy on a CLIP tower, which keeps CLS; SigLIP
 has no CLS).
+
+Why a dedicated file, when the generic adapter is exact for LLaVA too (`ds-omni families`): it
+batches the tower over all images of a micro-batch (the generic path calls it once per image),
+builds the image processor from the config when a folder has none, and compositions of a CLIP or
+SigLIP tower with any LLM are built as LLaVA.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ downscaled overview tile; the tiles' patch features are unpadded back to the ima
 and a learned `image_newline` embedding ends each row. So the number of embeddings depends on the
 image size: the item processor asks HF's processor for it, per image.
 
+Why a dedicated file (the generic adapter is exact for LLaVA-NeXT too): one tower call over all
+tiles of a micro-batch instead of one per image, and a processor built from the config when the
+folder has none.
+
 Dims: n images, K tiles of all images, S tower input size, P patches per tile, D LLM width.
 """
 

@@ -10,6 +10,9 @@ L valid mel frames -> (L - 1) // 2 + 1 after the stride-2 conv -> (that - 2) // 
 In the text a clip is `<|audio_bos|> <|AUDIO|> * n <|audio_eos|>`: the chat template writes the
 wrapper around one `<|AUDIO|>` and HF's processor repeats that token n times.
 
+Why a dedicated file: the generic adapter (`generic.py`) covers image-text-to-text models only;
+Qwen2-Audio is audio-text-to-text.
+
 Dims: N clips, M mel bins, F mel frames of the window, S = F / 2 encoder positions, E embeddings kept
 of all clips, C encoder width, D LLM width.
 """

@@ -1,0 +1,443 @@
+"""Which transformers vision-language families ds_omni trains exactly: the coverage sweep.
+
+For every model type in transformers' `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`: a type whose
+classes or config rule the generic adapter out gets that reason; a type with a tiny recipe here is
+built at random from its config class (hidden 32, one or two layers, tiny images; no hub), saved
+with its processor, loaded through `build_model` (the real loading path), and checked:
+- logits of one packed row (an image, a text-only sample, two images of different sizes) against
+  the HF model run one sample at a time on its own processor's inputs: max |diff| <= 1e-5 (fp32);
+- the export round trip: `export_hf` then plain `from_pretrained` gives bitwise-equal tensors.
+A type without a recipe is reported unverified. `ds-omni families` prints this same table.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+LOGITS_ATOL = 1e-5
+TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "max_position_embeddings": 1024, "tie_word_embeddings": False}
+
+
+@dataclass
+class Result:
+    supported: bool
+    reason: str
+
+    def as_dict(self) -> dict:
+        return {"supported": self.supported, "reason": self.reason}
+
+
+# ------------------------------------------------------------------------------ recipes
+def demo_tokenizer(tokens: list[str], named: dict[str, str] | None = None):
+    """The demo tokenizer plus the family's special tokens; `named` ones become attributes
+    (`tok.image_token`, `tok.image_token_id`) that survive save_pretrained, as processors read
+    them."""
+    from transformers import AutoTokenizer
+    from ds_omni.data.demo import ensure_builtin
+    path = str(ensure_builtin("builtin:shapes", "tokenizer"))
+    tok = AutoTokenizer.from_pretrained(path, extra_special_tokens=named or {})
+    new = [t for t in tokens if t not in tok.get_vocab()]
+    tok.add_special_tokens({"additional_special_tokens": new}, replace_extra_special_tokens=False)
+    return tok
+
+
+def _ids(tok, *tokens: str) -> list[int]:
+    return tok.convert_tokens_to_ids(list(tokens))
+
+
+def _processor_class(model_type: str):
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    from ds_omni.model.families.generic import processor_type
+    return getattr(transformers, PROCESSOR_MAPPING_NAMES[processor_type(model_type)])
+
+
+def _config(model_type: str, **fields):
+    from transformers import AutoConfig
+    return AutoConfig.for_model(model_type, **fields)
+
+
+SIGLIP = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 32, "patch_size": 8}
+CLIP = {**SIGLIP, "model_type": "clip_vision_model"}
+
+
+def _text(tok, model_type: str = "qwen2", **extra) -> dict:
+    return {"model_type": model_type, **TEXT, "vocab_size": len(tok),
+            "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, **extra}
+
+
+def lenient_processor(cls, **parts):
+    """An HF processor without the parts images do not need (video processors need torchvision)."""
+    lenient = type(cls.__name__, (cls,), {"check_argument_for_proper_class":
+                                          lambda self, name, arg: type(arg)})
+    full = {a: None for a in cls.get_attributes()}
+    full.update(parts)
+    return lenient(**full)
+
+
+def _qwen_vl(model_type: str):
+    """Qwen2.5-VL-like: ViT over patch grids + merger, M-RoPE LLM."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    names = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok = demo_tokenizer(names)
+    tok.image_token, tok.video_token = "<|image_pad|>", "<|video_pad|>"
+    ids = dict(zip(names, tok.convert_tokens_to_ids(names)))
+    config_cls = transformers.AutoConfig.for_model(model_type).__class__
+    vision = {"depth": 2, "hidden_size": 32, "out_hidden_size": 32, "intermediate_size": 64,
+              "num_heads": 4, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "window_size": 16, "fullatt_block_indexes": [1], "embed_dim": 32}
+    text = {**TEXT, "vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "mrope_section": [1, 1, 2]}}
+    config = config_cls(vision_config=vision, text_config=text,
+                        vision_start_token_id=ids["<|vision_start|>"],
+                        vision_end_token_id=ids["<|vision_end|>"],
+                        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"])
+    images = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                      min_pixels=8 * 8, max_pixels=48 * 48)
+    proc_cls = getattr(transformers, transformers.models.auto.processing_auto.
+                       PROCESSOR_MAPPING_NAMES[model_type])
+    return config, lenient_processor(proc_cls, image_processor=images, tokenizer=tok)
+
+
+def _llava():
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    tok = demo_tokenizer(["<image>"], {"image_token": "<image>"})
+    config = _config("llava", vision_config=CLIP, text_config=_text(tok, "llama"),
+                     image_token_index=_ids(tok, "<image>")[0], vision_feature_layer=-2)
+    images = CLIPImageProcessorPil(size={"shortest_edge": 32},
+                                   crop_size={"height": 32, "width": 32})
+    return config, _processor_class("llava")(image_processor=images, tokenizer=tok, patch_size=8,
+                                             vision_feature_select_strategy="default",
+                                             num_additional_image_tokens=1)
+
+
+def _llava_onevision():
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil)
+    tok = demo_tokenizer(["<image>", "<video>"],
+                         {"image_token": "<image>", "video_token": "<video>"})
+    pinpoints = [[32, 32], [32, 64], [64, 32], [64, 64]]
+    config = _config("llava_onevision", vision_config=SIGLIP, text_config=_text(tok),
+                     image_token_index=_ids(tok, "<image>")[0],
+                     video_token_index=_ids(tok, "<video>")[0], image_grid_pinpoints=pinpoints)
+    images = LlavaOnevisionImageProcessorPil(size={"height": 32, "width": 32},
+                                             image_grid_pinpoints=pinpoints)
+    return config, lenient_processor(_processor_class("llava_onevision"), image_processor=images,
+                                     tokenizer=tok, num_image_tokens=16,
+                                     vision_feature_select_strategy="full")
+
+
+def _internvl():
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+    named = {"start_image_token": "<img>", "end_image_token": "</img>",
+             "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+    tok = demo_tokenizer(list(named.values()), named)
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "image_size": [32, 32], "patch_size": [8, 8]}
+    config = _config("internvl", vision_config=vision, text_config=_text(tok),
+                     image_token_id=_ids(tok, "<IMG_CONTEXT>")[0], downsample_ratio=0.5)
+    images = GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, crop_to_patches=True,
+                                      min_patches=1, max_patches=4)
+    return config, lenient_processor(_processor_class("internvl"), image_processor=images,
+                                     tokenizer=tok, image_seq_length=4)
+
+
+def _idefics3(model_type: str):
+    import importlib
+    tokens = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+              *[f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]]
+    tok = demo_tokenizer(tokens)
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "image_size": 32, "patch_size": 8}
+    config = _config(model_type, vision_config=vision, text_config=_text(tok, "llama"),
+                     image_token_id=_ids(tok, "<image>")[0], scale_factor=2)
+    module = importlib.import_module(
+        f"transformers.models.{model_type}.image_processing_pil_{model_type}")
+    prefix = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}[model_type]
+    cls = getattr(module, f"{prefix}ImageProcessorPil")
+    images = cls(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    return config, lenient_processor(_processor_class(model_type), image_processor=images,
+                                     tokenizer=tok, image_seq_len=4)
+
+
+def _vipllava():
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    tok = demo_tokenizer(["<image>"], {"image_token": "<image>"})
+    config = _config("vipllava", vision_config=CLIP, text_config=_text(tok, "llama"),
+                     image_token_index=_ids(tok, "<image>")[0], vision_feature_layer=[-2, -1])
+    images = CLIPImageProcessorPil(size={"shortest_edge": 32},
+                                   crop_size={"height": 32, "width": 32})
+    return config, _processor_class("vipllava")(image_processor=images, tokenizer=tok, patch_size=8,
+                                                vision_feature_select_strategy="default",
+                                                num_additional_image_tokens=1)
+
+
+def _llava_next():
+    from ds_omni.model.families.llava_next import anyres_processor
+    tok = demo_tokenizer(["<image>"], {"image_token": "<image>"})
+    config = _config("llava_next", vision_config=CLIP, text_config=_text(tok, "llama"),
+                     image_token_index=_ids(tok, "<image>")[0], vision_feature_layer=-2,
+                     image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]])
+    return config, anyres_processor(config, tok, None)
+
+
+def _glm4v(model_type: str = "glm4v", text_type: str = "glm4v_text"):
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+    names = ["<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|video|>"]
+    tok = demo_tokenizer(names, {"image_token": "<|image|>", "video_token": "<|video|>"})
+    ids = dict(zip(names, _ids(tok, *names)))
+    vision = {"depth": 2, "hidden_size": 32, "out_hidden_size": 32, "intermediate_size": 64,
+              "num_heads": 4, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "image_size": 32}
+    text = _text(tok, text_type, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+        "partial_rotary_factor": 1.0})
+    config = _config(model_type, vision_config=vision, text_config=text,
+                     image_start_token_id=ids["<|begin_of_image|>"],
+                     image_end_token_id=ids["<|end_of_image|>"],
+                     image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"])
+    images = Glm4vImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                    size={"shortest_edge": 8 * 8, "longest_edge": 48 * 48})
+    return config, lenient_processor(_processor_class(model_type), image_processor=images,
+                                     tokenizer=tok)
+
+
+def _paddleocr_vl():
+    from transformers.models.paddleocr_vl.image_processing_pil_paddleocr_vl import (
+        PaddleOCRVLImageProcessorPil)
+    names = ["<|IMAGE_START|>", "<|IMAGE_END|>", "<|IMAGE_PLACEHOLDER|>", "<|video_pad|>"]
+    tok = demo_tokenizer(names, {"image_token": "<|IMAGE_PLACEHOLDER|>"})
+    ids = dict(zip(names, _ids(tok, *names)))
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "image_size": 32, "patch_size": 4,
+              "spatial_merge_size": 2}
+    text = _text(tok, "paddleocr_vl_text", rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+    config = _config("paddleocr_vl", vision_config=vision, text_config=text,
+                     vision_start_token_id=ids["<|IMAGE_START|>"],
+                     vision_end_token_id=ids["<|IMAGE_END|>"],
+                     image_token_id=ids["<|IMAGE_PLACEHOLDER|>"],
+                     video_token_id=ids["<|video_pad|>"])
+    images = PaddleOCRVLImageProcessorPil(patch_size=4, temporal_patch_size=1, merge_size=2,
+                                          min_pixels=8 * 8, max_pixels=48 * 48)
+    return config, lenient_processor(_processor_class("paddleocr_vl"), image_processor=images,
+                                     tokenizer=tok)
+
+
+def _qwen2_5_omni_thinker():
+    """The thinker (the text-producing half) of Qwen2.5-Omni, on images."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    named = {"image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>", "audio_token": "<|AUDIO|>",
+             "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
+             "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
+    tok = demo_tokenizer(list(named.values()), named)
+    ids = {k: _ids(tok, v)[0] for k, v in named.items()}
+    vision = {"depth": 2, "hidden_size": 32, "out_hidden_size": 32, "intermediate_size": 64,
+              "num_heads": 4, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "window_size": 16, "fullatt_block_indexes": [1]}
+    audio = {"num_mel_bins": 16, "d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 4,
+             "encoder_ffn_dim": 64, "output_dim": 32, "n_window": 4, "max_source_positions": 64}
+    text = _text(tok, "qwen2_5_omni_text", rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]})
+    config = _config("qwen2_5_omni_thinker", vision_config=vision, audio_config=audio,
+                     text_config=text, image_token_index=ids["image_token"],
+                     video_token_index=ids["video_token"], audio_token_index=ids["audio_token"],
+                     audio_start_token_id=ids["audio_bos_token"],
+                     audio_end_token_id=ids["audio_eos_token"],
+                     vision_start_token_id=ids["vision_bos_token"],
+                     vision_end_token_id=ids["vision_eos_token"])
+    images = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                      min_pixels=8 * 8, max_pixels=48 * 48)
+    return config, lenient_processor(_processor_class("qwen2_5_omni_thinker"),
+                                     image_processor=images, tokenizer=tok)
+
+
+RECIPES: dict[str, Callable] = {
+    "qwen2_5_omni_thinker": _qwen2_5_omni_thinker,
+    "vipllava": _vipllava,
+    "llava_next": _llava_next,
+    "glm4v": _glm4v,
+    "glm46v": lambda: _glm4v("glm46v", "glm4v_text"),
+    "glmga": lambda: _glm4v("glmga", "glm4v_text"),
+    "paddleocr_vl": _paddleocr_vl,
+    "qwen2_vl": lambda: _qwen_vl("qwen2_vl"),
+    "qwen2_5_vl": lambda: _qwen_vl("qwen2_5_vl"),
+    "llava": _llava,
+    "llava_onevision": _llava_onevision,
+    "internvl": _internvl,
+    "idefics3": lambda: _idefics3("idefics3"),
+    "smolvlm": lambda: _idefics3("smolvlm"),
+}
+
+
+# ------------------------------------------------------------------------------ checks
+def images() -> list:
+    """Three demo pictures at different sizes (32x32, 56 high x 84 wide, 24 x 40)."""
+    from PIL import Image
+    from ds_omni.data.demo import shapes_rows
+    rows = shapes_rows(3, seed=5)
+    img = [Image.open(io.BytesIO(r["image"]["bytes"])).convert("RGB") for r in rows]
+    return [img[0], img[1].resize((84, 56)), img[2].resize((40, 24))]
+
+
+def save_processor_parts(processor, out: Path) -> None:
+    """Tokenizer, image processor and the processor's own settings, as `save_pretrained` writes
+    them for a processor with all its parts."""
+    import json
+    processor.tokenizer.save_pretrained(str(out))
+    settings = {k: v for k, v in processor.to_dict().items()
+                if k not in processor.get_attributes() and k != "chat_template"}
+    settings["image_processor"] = json.loads(processor.image_processor.to_json_string())
+    (out / "processor_config.json").write_text(json.dumps(settings, indent=1, default=str))
+
+
+def check_family(model_type: str, recipe: Callable, work: Path) -> Result:
+    """Build, convert and compare one family (module docstring); the result says what failed."""
+    from ds_omni.config import ModelConfig
+    from ds_omni.model.build import build_model
+    torch.manual_seed(0)
+    config, processor = recipe()
+    family_dir = work / model_type
+    from ds_omni.model.family import family_for
+    hf_model = family_for(model_type).build_hf(config).eval()
+    hf_model.save_pretrained(str(family_dir), safe_serialization=True)
+    save_processor_parts(processor, family_dir)
+    built = build_model(ModelConfig(pretrained=str(family_dir)))
+    reference = type(hf_model).from_pretrained(str(family_dir)).eval()
+    worst = logits_gap(built, reference, processor)
+    if worst > LOGITS_ATOL:
+        return Result(False, f"logits differ from HF by {worst:.2g} (> {LOGITS_ATOL})")
+    from ds_omni.model.convert import export_hf
+    export_hf(built.model, work / f"{model_type}_export", built.tokenizer, model_dir=family_dir)
+    exported = type(hf_model).from_pretrained(str(work / f"{model_type}_export"))
+    ref, exp = reference.state_dict(), exported.state_dict()
+    bad = [k for k in ref if k not in exp or not torch.equal(ref[k], exp[k])]
+    if bad or ref.keys() != exp.keys():
+        return Result(False, f"export round trip changes {bad[:3] or 'the keys'}")
+    return Result(True, f"exact (max |logits diff| {worst:.1g}; bitwise round trip)")
+
+
+def logits_gap(built, reference, processor) -> float:
+    """Max |ours - HF| over a packed row of 3 samples: one image, text only, two images."""
+    from ds_omni.data.packing import pack
+    from ds_omni.data.processing import SampleProcessor
+    img = images()
+    media = {"one": [img[0]], "text": [], "two": [img[1], img[2]]}
+    texts = {"one": "<image> a red circle", "text": "a caption without an image",
+             "two": "<image><image> which is larger?"}
+    proc = SampleProcessor(tokenizer=built.tokenizer, family=built.family,
+                           item_processors=built.item_processors, markers={"vision": "<image>"},
+                           max_seq_len=4096)
+    samples = [proc(text=texts[k], media={"vision": media[k]} if media[k] else {}, sample_id=k,
+                    source="sweep") for k in media]
+    with torch.no_grad():
+        mb = pack(samples, built.item_processors)
+        ours = built.model.logits(mb)[0]
+        cu = mb.cu_seqlens.tolist()
+        worst = 0.0
+        for s, a, b in zip(samples, cu[:-1], cu[1:]):
+            ref = reference(**hf_inputs(processor, built, s, media[s.sample_id])).logits[0]
+            worst = max(worst, (ref - ours[a:b]).abs().max().item())
+    return worst
+
+
+def hf_inputs(processor, built, sample, imgs) -> dict:
+    """What HF's processor gives the model for `sample`: its pixels (all the sample's images in
+    one call), and its per-token type ids; the token ids are the sample's, whose image tokens
+    must number what HF's processor expands them to."""
+    from ds_omni.model.families.generic import image_token_id, processor_marker
+    ids = sample.input_ids[None]
+    # the processor's attention mask too: without one, some families (Qwen2.5-Omni's thinker)
+    # silently fall back to 1-D positions
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if imgs:
+        marker = processor_marker(processor, built.hf_config)
+        hf = processor(text=[marker * len(imgs)], images=imgs, return_tensors="pt")
+        token = image_token_id(built.hf_config)
+        if int((hf["input_ids"] == token).sum()) != int((ids == token).sum()):
+            raise AssertionError("HF's processor expands the images to another number of tokens")
+        out.update({k: v for k, v in hf.items()
+                    if k not in ("input_ids", "attention_mask", "token_type_ids",
+                                 "mm_token_type_ids")})
+    make_types = getattr(processor, "create_mm_token_type_ids", None)
+    if make_types is not None and len(inspect.signature(make_types).parameters) == 1:
+        out["mm_token_type_ids"] = torch.tensor(processor.create_mm_token_type_ids(ids.tolist()))
+    return out
+
+
+# ------------------------------------------------------------------------------ sweep
+def sweep(model_types: list[str] | None = None) -> dict[str, Result]:
+    """{model_type: Result} for every type of the mapping (or those given), in mapping order."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for model_type in model_types or list(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+            out[model_type] = classify(model_type, Path(tmp))
+    return out
+
+
+def static_problem(model_type: str) -> str | None:
+    """Why the generic adapter refuses `model_type`, from its classes and its default config."""
+    from ds_omni.model.families.generic import class_problem, config_problem
+    problem = class_problem(model_type) or processor_problem(model_type)
+    if problem is not None:
+        return problem
+    try:
+        return config_problem(_config(model_type))
+    except Exception as e:  # noqa: BLE001  (a config class that cannot build its own defaults)
+        return f"its default config does not build ({type(e).__name__})"
+
+
+def processor_problem(model_type: str) -> str | None:
+    """Why HF's processor of `model_type` (which the generic adapter cuts images with) is not at
+    hand, or None."""
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    from ds_omni.model.families.generic import processor_type
+    name = PROCESSOR_MAPPING_NAMES.get(processor_type(model_type))
+    if name is None:
+        return "transformers maps no processor to it, so nothing says how its images become tokens"
+    try:
+        _processor_class(model_type).get_attributes()  # a placeholder class raises here
+    except ImportError as e:
+        needs = [w.strip(".,`") for w in str(e).split() if w.lower() in (
+            "torchvision", "timm", "num2words", "librosa")]
+        return f"HF's {name} needs {needs[0] if needs else 'a package'} (not installed here)"
+    return None
+
+
+def classify(model_type: str, work: Path) -> Result:
+    """The table row of `model_type`: checked exact by its recipe, or why not."""
+    recipe = RECIPES.get(model_type)
+    if recipe is None:
+        problem = static_problem(model_type)
+        if problem is not None:
+            return Result(False, problem)
+        return Result(False, "not verified: the sweep has no tiny recipe for it yet (the generic "
+                             "adapter loads it; exactness unchecked)")
+    try:
+        return check_family(model_type, recipe, work)
+    except Exception as e:  # noqa: BLE001  (every failure is a row of the table)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return Result(False, f"{type(e).__name__}: {first[:300]}")
+
+
+def table(results: dict[str, Result]) -> str:
+    width = max(map(len, results), default=10)
+    lines = [f"{'model_type':{width}}  supported  reason"]
+    lines += [f"{t:{width}}  {'yes' if r.supported else 'no':9}  {r.reason}"
+              for t, r in results.items()]
+    done = sum(r.supported for r in results.values())
+    lines.append(f"{done} of {len(results)} supported ({100 * done / max(len(results), 1):.0f} %)")
+    return "\n".join(lines)

@@ -1,0 +1,423 @@
+"""The generic adapter: any transformers image-text-to-text model built on the common pattern.
+
+Most vision-language models of transformers 5.x share one shape: `model.model` holds a vision tower
+and a projector reached through `get_image_features(pixel_values, ...)`, whose output replaces the
+image placeholder tokens (`get_placeholder_mask`), and a decoder-only `language_model` (embedding,
+layers, norm, rotary embedding) under `model.lm_head`. For such a model nothing family-specific has
+to be written: HF's own processor says how an image becomes pixels and tokens, HF's own
+`get_image_features` encodes it, and HF's own `get_rope_index` gives 3-D positions where the family
+has them. This module only routes those calls through ds_omni's per-item representation.
+
+Trade-off: each image is encoded by its own `get_image_features` call (exactly the inputs HF's
+processor made for it alone), so images of different sizes, tile counts and padding never have to
+share a batch layout the family may not support; the cost is one tower call per image.
+
+Where a family deviates (an attention mask that is not causal, vision features injected into the
+LLM's layers, sliding-window layers), `config_problem` says so and the model is refused rather than
+trained with other numbers; a dedicated file in `families/` is then the fix. The dedicated files
+of LLaVA, LLaVA-NeXT and Qwen2-VL predate this one and stay (each says why): the generic path is
+exact for them too, but they batch the tower over a micro-batch's images, build their processor
+from the config when a folder has none, and Qwen2-VL's carries video.
+
+Dims: n images of a micro-batch, N embeddings of all of them, D LLM width, L tokens of one sample.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ds_omni.data.media import load_image
+from ds_omni.errors import ModelError
+from ds_omni.model.family import EncodedItem, Family, ItemProcessor
+from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
+
+HOOKS = ("get_image_features",)
+"""What the generic path calls. HF's `get_placeholder_mask` (image token == placeholder, checked
+against the feature count) is what `OmniModel.embed` does itself on the host, so a family that
+merges by the same rule under another name (Idefics3's `inputs_merger`) fits too."""
+BACKBONE_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
+EXTRA_TOKEN_INPUTS = ("token_type_ids", "mm_token_type_ids")
+"""Per-token processor outputs: rebuilt from the token ids per sample, never carried per item."""
+_TOWER_NAMES = ("vision", "visual", "image_encoder", "audio")
+_LLM_NAMES = ("language_model", "text_model", "llm")
+
+
+def llm_name(inner: nn.Module) -> str:
+    """The attribute of `inner` holding its decoder-only LLM."""
+    for name in _LLM_NAMES:
+        if isinstance(getattr(inner, name, None), nn.Module):
+            return name
+    raise ModelError(f"{type(inner).__name__} has none of {list(_LLM_NAMES)}: the generic adapter "
+                     "cannot find its language model")
+
+
+# ------------------------------------------------------------------------------ what fits
+def hf_class_of(model_type: str):
+    """The transformers class that the image-text-to-text mapping names for `model_type`."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type)
+    if name is None:
+        return None
+    try:
+        return getattr(transformers, name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def inner_class(hf_class):
+    """The `...Model` class inside `...ForConditionalGeneration` (it holds the hooks), or None."""
+    module = inspect.getmodule(hf_class)
+    for suffix in ("ForConditionalGeneration", "ForCausalLM"):
+        if hf_class.__name__.endswith(suffix):
+            return getattr(module, hf_class.__name__[:-len(suffix)] + "Model", None)
+    return None
+
+
+def class_problem(model_type: str) -> str | None:
+    """Why the generic adapter cannot take `model_type` from its classes alone, or None."""
+    hf_class = hf_class_of(model_type)
+    if hf_class is None:
+        return "not in transformers' image-text-to-text mapping (or its class does not import)"
+    inner = inner_class(hf_class)
+    if inner is None:
+        return (f"{hf_class.__name__} has no inner ...Model holding the vision tower and the "
+                "language model")
+    missing = [h for h in HOOKS if not hasattr(inner, h)]
+    if missing:
+        return f"{inner.__name__} has no {' / '.join(missing)} (image-feature hooks)"
+    forward = inspect.signature(hf_class.forward).parameters
+    if "token_type_ids" in forward and "mm_token_type_ids" not in forward:
+        return ("its attention mask depends on token_type_ids (image tokens attend to each other "
+                "both ways); ds_omni's packed attention is causal")
+    return None
+
+
+def config_problem(config) -> str | None:
+    """Why a model with this HF config would not be exact through the generic path, or None."""
+    text = config.get_text_config()
+    vision = getattr(config, "vision_config", None)
+    if getattr(vision, "deepstack_visual_indexes", None):
+        return ("vision features are added into the LLM's first layers (deepstack); the backbone "
+                "runs the decoder layers alone")
+    layer_types = getattr(text, "layer_types", None) or ["sliding_attention"]
+    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) and (
+            "sliding_attention" in layer_types):
+        return (f"its LLM uses sliding-window attention (window {text.sliding_window}); ds_omni's "
+                "packed attention attends to the whole sample")
+    layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if layer_types - {"full_attention"}:
+        return (f"its LLM has layers of types {sorted(layer_types)}; the generic backbone runs "
+                "full attention")
+    return None
+
+
+def generic_family(model_type: str) -> "GenericFamily":
+    """The generic adapter for `model_type`; a clear error when the model lacks the hooks."""
+    problem = class_problem(model_type)
+    if problem is not None:
+        raise ModelError(
+            f"model_type {model_type!r} cannot be loaded by ds_omni's generic adapter: {problem}. "
+            "Compose the model from parts instead (model.llm plus model.vision, see the README's "
+            "Models section), or add a dedicated adapter, one file in ds_omni/model/families/ "
+            "(see generic.py and qwen2_vl.py)")
+    return GenericFamily(model_type)
+
+
+# ------------------------------------------------------------------------------ encoder
+class GenericVisionEncoder(ModalityEncoder):
+    """Per-image inputs (keys "<item>.<name>") -> the images' embeddings [N, D], in item order.
+
+    Each image runs HF's `get_image_features` on the inputs HF's processor made for it alone.
+    """
+
+    modality = "image"
+
+    def __init__(self, *, features_fn, family: "GenericFamily", **kw):
+        super().__init__(**kw)
+        object.__setattr__(self, "_features", features_fn)  # HF's bound method (not a submodule)
+        object.__setattr__(self, "_family", family)  # holds the dummy image's inputs
+
+    def encode(self, inputs):
+        per_item: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in inputs.items():
+            index, name = key.split(".", 1)
+            per_item.setdefault(int(index), {})[name] = value
+        return torch.cat([flat_features(self._features(**per_item[i]))
+                          for i in sorted(per_item)])  # n x [N_i, D] -> [N, D]
+
+    def dummy_inputs(self, device, dtype):
+        """A small blank image as HF's processor makes it (`GenericFamily.item_processors`)."""
+        dummy = self._family.dummy
+        if dummy is None:
+            raise ModelError("the generic vision encoder has no dummy input yet: build the item "
+                             "processors (family.item_processors) before training")
+        return {f"0.{k}": v.to(device) for k, v in dummy.items()}
+
+
+def flat_features(out) -> torch.Tensor:
+    """What `get_image_features` returns (an output with `pooler_output`, a tensor, or a tuple of
+    per-image tensors) -> [N, D], as HF's forward flattens it before `masked_scatter`."""
+    feats = getattr(out, "pooler_output", out)
+    if isinstance(feats, (list, tuple)):
+        return torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
+    return feats.reshape(-1, feats.shape[-1])
+
+
+def split_modules(inner: nn.Module) -> tuple[nn.ModuleDict, nn.Module]:
+    """(tower, projector): the encoder modules, and every other non-LLM module or parameter of
+    `inner` (projector, image_newline, ...), so each HF parameter is registered exactly once."""
+    tower, rest, llm = nn.ModuleDict(), nn.ModuleDict(), llm_name(inner)
+    for name, child in inner.named_children():
+        if name == llm:
+            continue
+        (tower if any(v in name for v in _TOWER_NAMES) else rest)[name] = child
+    params = dict(inner.named_parameters(recurse=False))
+    projector = _Projector(rest, nn.ParameterDict(params))
+    return tower, projector
+
+
+def gather_with(module: nn.Module, params) -> None:
+    """Parameters that HF's code reads as attributes (LLaVA-OneVision's `image_newline`), not
+    through a submodule's forward: ZeRO-3 gathers them when `module` runs (DeepSpeed's external
+    parameters), else they would stay partitioned there."""
+    params = list(params)
+    if params:
+        from deepspeed.runtime.zero import register_external_parameter
+        for param in params:
+            register_external_parameter(module, param)
+
+
+class _Projector(nn.Module):
+    def __init__(self, modules: nn.ModuleDict, params: nn.ParameterDict):
+        super().__init__()
+        self.modules_ = modules
+        self.params = params
+
+
+# ------------------------------------------------------------------------------ items
+class GenericItemProcessor(ItemProcessor):
+    """Image -> the pixel inputs and the token ids HF's processor makes for that image alone."""
+
+    def __init__(self, hf_processor, marker: str, placeholder_id: int, bos_id: int | None):
+        self.hf_processor = hf_processor
+        self.marker = marker  # the text HF's processor expands into the image's tokens
+        self.placeholder_id = placeholder_id
+        self.bos_id = bos_id
+
+    def process(self, image):
+        out = self.hf_processor(text=[self.marker], images=[load_image(image)], return_tensors="pt")
+        ids = out["input_ids"][0].tolist()
+        if self.bos_id is not None and ids[:1] == [self.bos_id]:
+            ids = ids[1:]  # the tokenizer's own start token, not part of the image
+        inputs = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)
+                  and k not in ("input_ids", "attention_mask", *EXTRA_TOKEN_INPUTS)}
+        n = ids.count(self.placeholder_id)
+        meta = {"tokens": ids, **{k: v.tolist() for k, v in inputs.items()
+                                  if k in ("image_grid_thw", "image_sizes")}}
+        return EncodedItem(inputs=inputs, num_embeddings=n, meta=meta)
+
+    def tokens(self, item):
+        return list(item.meta["tokens"])
+
+    def collate(self, items):
+        return {f"{i}.{k}": v for i, it in enumerate(items) for k, v in it.inputs.items()}
+
+
+def processor_marker(hf_processor, config) -> str:
+    """The text an image is written as before the processor expands it (with the wrappers a chat
+    template adds around it where the family has start/end tokens of its own)."""
+    for attr in ("boi_token", "image_token"):
+        marker = getattr(hf_processor, attr, None)
+        if marker:
+            break
+    else:
+        raise ModelError(f"{type(hf_processor).__name__} has no image_token; the generic adapter "
+                         "cannot tell where an image goes")
+    if attr != "image_token":
+        return marker
+    for kind in ("vision", "image"):
+        start, end = (getattr(config, f"{kind}_{k}_token_id", None) for k in ("start", "end"))
+        if start is not None and end is not None:
+            tok = hf_processor.tokenizer
+            return tok.convert_ids_to_tokens(start) + marker + tok.convert_ids_to_tokens(end)
+    return marker
+
+
+def load_hf_processor(model_type: str, model_dir: Path | None, tokenizer):
+    """HF's processor of `model_type` from the files saved in `model_dir`, with `tokenizer`.
+
+    Built from its parts rather than by `AutoProcessor`: the image processor's PIL variant (the
+    torchvision one resizes with another kernel, and torchvision is no dependency) and no video
+    processor (HF's need torchvision; images need none).
+    """
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    saved = _saved_processor_config(model_dir)
+    if saved is None:
+        raise ModelError(f"{str(model_dir)!r} has no saved processor (processor_config.json or "
+                         "preprocessor_config.json): the generic adapter needs the model's own HF "
+                         "processor to cut images and count their tokens. Save it next to the "
+                         "weights (processor.save_pretrained)")
+    try:
+        cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[processor_type(model_type)])
+    except (KeyError, ImportError) as e:
+        raise ModelError(f"transformers has no usable processor for {model_type!r} ({e}); "
+                         "install what it names (e.g. torchvision) or compose the model from parts")
+    image_processor = _pil_image_processor(processor_type(model_type), model_dir)
+    kwargs = {k: v for k, v in saved.items()
+              if k in inspect.signature(cls.__init__).parameters and k not in (
+                  "image_processor", "tokenizer", "video_processor", "feature_extractor")}
+    lenient = type(cls.__name__, (cls,), {"check_argument_for_proper_class":
+                                          lambda self, name, arg: type(arg)})
+    parts = {a: None for a in cls.get_attributes()}
+    parts.update(image_processor=image_processor, tokenizer=tokenizer)
+    return lenient(**parts, **kwargs)
+
+
+def processor_type(model_type: str) -> str:
+    """The model type HF's processor mappings know `model_type` by: itself, else the folder of
+    its model class (an alias such as "glmga" shares "glm46v"'s processor)."""
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    if model_type in PROCESSOR_MAPPING_NAMES:
+        return model_type
+    hf_class = hf_class_of(model_type)
+    return inspect.getmodule(hf_class).__name__.split(".")[-2] if hf_class else model_type
+
+
+def _saved_processor_config(model_dir: Path | None) -> dict | None:
+    if model_dir is None:
+        return None
+    files = [Path(model_dir) / f for f in ("processor_config.json", "preprocessor_config.json")]
+    found = [json.loads(f.read_text()) for f in files if f.is_file()]
+    return {k: v for d in found for k, v in d.items()} if found else None
+
+
+def _pil_image_processor(model_type: str, model_dir: Path):
+    from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPPING_NAMES,
+                                                                get_image_processor_class_from_name)
+    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or {}
+    name = names.get("pil") if isinstance(names, dict) else None
+    if name is None:
+        from transformers import AutoImageProcessor
+        return AutoImageProcessor.from_pretrained(str(model_dir))
+    return get_image_processor_class_from_name(name).from_pretrained(str(model_dir))
+
+
+# ------------------------------------------------------------------------------ positions
+def rope_model(inner_cls, config):
+    """An instance of the model's inner class with its config, on the meta device (no memory):
+    HF's `get_rope_index` reads only the config and what `__init__` derives from it, so the
+    positions come from HF's own code without the weights."""
+    with torch.device("meta"):
+        return inner_cls(config)
+
+
+def rope_positions(model, input_ids: torch.Tensor, items, image_token_id: int,
+                   video_token_id: int | None) -> torch.Tensor:
+    """[3, L] positions of one sample from HF's own `get_rope_index`; text only: 0..L-1 x 3.
+
+    `mm_token_type_ids` (1 on image tokens, 2 on video tokens) is what HF's processors make for
+    the families whose `get_rope_index` takes it; the others find images by their tokens.
+    """
+    grids = [item.meta["image_grid_thw"][0] for enc, item in items if "image_grid_thw" in item.meta]
+    if not grids:
+        return torch.arange(input_ids.shape[0]).expand(3, -1).contiguous()
+    kwargs = {"image_grid_thw": torch.tensor(grids)}
+    if "mm_token_type_ids" in inspect.signature(model.get_rope_index).parameters:
+        types = (input_ids == image_token_id).int()  # [L]
+        if video_token_id is not None:
+            types = types + 2 * (input_ids == video_token_id).int()
+        kwargs["mm_token_type_ids"] = types[None]
+    pos, _ = model.get_rope_index(input_ids[None], **kwargs)
+    return pos[:, 0]  # [3, 1, L] -> [3, L]
+
+
+# ------------------------------------------------------------------------------ family
+class GenericFamily(Family):
+    """One instance per model type (the HF class and position helper differ)."""
+
+    def __init__(self, model_type: str):
+        self.name = model_type
+        self.model_types = (model_type,)
+        self._hf = hf_class_of(model_type)
+        self.hf_class = self._hf.__name__
+        self._inner = inner_class(self._hf)
+        self._rope: nn.Module | None = None  # a weightless instance for HF's positions
+        self.dummy: dict[str, torch.Tensor] | None = None
+
+    def hf_model_class(self):
+        return self._hf
+
+    def check_config(self, config) -> None:
+        problem = config_problem(config)
+        if problem is not None:
+            raise ModelError(f"{config.model_type!r} model cannot run through ds_omni's generic "
+                             f"adapter exactly: {problem}. A dedicated adapter (one file in "
+                             "ds_omni/model/families/) is needed for it")
+
+    def to_omni(self, hf_model, tokenizer=None) -> OmniModel:
+        self.check_config(hf_model.config)
+        inner = hf_model.model
+        llm = getattr(inner, llm_name(inner))
+        missing = [p for p in BACKBONE_PARTS if not hasattr(llm, p)]
+        if missing:
+            raise ModelError(f"{type(llm).__name__} has no {missing}: the generic "
+                             "adapter needs a decoder-only LLM with embed_tokens, layers, norm and "
+                             "rotary_emb")
+        tower, projector = split_modules(inner)
+        encoder = GenericVisionEncoder(
+            tower=tower, projector=projector, placeholder_id=image_token_id(hf_model.config),
+            features_fn=inner.get_image_features, family=self)
+        gather_with(encoder, projector.params.values())
+        self._set_rope(hf_model.config)
+        return OmniModel(encoders={"vision": encoder},
+                         backbone=backbone_of(llm, hf_model.lm_head),
+                         family=self, hf_model=hf_model)
+
+    def _set_rope(self, config) -> None:
+        if self._inner is not None and hasattr(self._inner, "get_rope_index") and (
+                self._rope is None or self._rope.config is not config):
+            self._rope = rope_model(self._inner, config)
+
+    def item_processors(self, hf_config, model_dir=None, tokenizer=None):
+        hf_proc = load_hf_processor(self.name, model_dir, tokenizer)
+        proc = GenericItemProcessor(hf_proc, processor_marker(hf_proc, hf_config),
+                                    image_token_id(hf_config), tokenizer.bos_token_id)
+        from PIL import Image
+        self.dummy = proc.process(Image.new("RGB", (32, 32))).inputs
+        self._set_rope(hf_config)
+        return {"vision": proc}
+
+    def position_ids(self, input_ids, items):
+        """0..L-1, or [3, L] from HF's `get_rope_index` for a family that has one."""
+        if self._inner is None or not hasattr(self._inner, "get_rope_index"):
+            return torch.arange(input_ids.shape[0])
+        if self._rope is None:
+            raise ModelError(f"{self.name}: 3-D positions need the model's config; build the "
+                             "model or its item processors through this family first")
+        config = self._rope.config
+        return rope_positions(self._rope, input_ids, items, image_token_id(config),
+                              getattr(config, "video_token_id", None))
+
+    def save_processor(self, out_dir, hf_config, tokenizer, model_dir=None):
+        tokenizer.save_pretrained(str(out_dir))
+        if model_dir is None or Path(out_dir).resolve() == Path(model_dir).resolve():
+            return
+        for name in ("processor_config.json", "preprocessor_config.json", "chat_template.jinja"):
+            if (Path(model_dir) / name).is_file():
+                (Path(out_dir) / name).write_text((Path(model_dir) / name).read_text())
+
+
+def image_token_id(config) -> int:
+    for attr in ("image_token_id", "image_token_index"):
+        value = getattr(config, attr, None)
+        if value is not None:
+            return int(value)
+    raise ModelError(f"{config.model_type!r} config has no image_token_id; the generic adapter "
+                     "cannot find the image placeholder token")
