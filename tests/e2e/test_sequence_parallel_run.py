@@ -1,4 +1,5 @@
-"""Ulysses SP through the real launcher: sp=2 on 2 ranks, ZeRO-3, stop, resume, export.
+"""Ulysses SP through the real launcher: sp=2 on 2 ranks, ZeRO-3, stop, resume (with data workers),
+export.
 
 One SP group of 2 ranks trains the same global batches as one process alone (dp=1 in both), so
 across a stop and a resume the run must reproduce, step for step, the oracle of
@@ -24,7 +25,9 @@ def test_sp2_resumes_exports_and_matches_one_process(tmp_path):
     cfg, ds, out = write_configs(tmp_path / "sp", stage=3, steps=STEPS, export_hf=True)
     first = train("deepspeed", 2, cfg, ds, "--set", "parallel.sp=2", "--stop-after", "2")
     assert first.returncode == 0, first.stdout[-3000:]
-    second = train("deepspeed", 2, cfg, ds, "--set", "parallel.sp=2", "--resume")
+    # resumed with the loading in a worker process per rank: the same steps
+    second = train("deepspeed", 2, cfg, ds, "--set", "parallel.sp=2", "--set", "data.workers=1",
+                   "--resume")
     assert second.returncode == 0, second.stdout[-3000:]
 
     from ds_omni.model.build import build_model
