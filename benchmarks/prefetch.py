@@ -60,16 +60,32 @@ def timed_steps(cfg, built, prefetch: int, steps: int, work, matmuls: int,
     for _ in range(2):  # warm-up: files opened, first streams (and the worker started)
         train_step(built.model, feed.next_step(), work, matmuls)
     keys, wait = [], 0.0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         batch = feed.next_step()
         wait += feed.last_wait_s
         train_step(built.model, batch, work, matmuls)
         keys.append(batch.keys)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     feed.close()
     loader.close()
-    return {"wall_s": wall, "data_wait_s": wait, "keys": keys}
+    return {"wall_s": wall, "data_wait_s": wait, "keys": keys, "trainer_cpu_s": cpu}
+
+
+def loading_cpu(cfg, built, workers: int, steps: int = 6) -> float:
+    """CPU seconds the training process spends per step on loading alone (no training; all its
+    threads, not the worker's): what `data.workers` moves out of it."""
+    from ds_omni.data.build import build_loader
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=workers))
+    loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=cfg.train.global_batch_size
+                          // MICRO)
+    loader.next_step()  # warm-up (and the worker started)
+    cpu0 = time.process_time()
+    for _ in range(steps):
+        loader.next_step()
+    cpu = (time.process_time() - cpu0) / steps
+    loader.close()
+    return cpu
 
 
 def calibrate(cfg, built, work) -> dict:
@@ -101,6 +117,8 @@ def main() -> None:
     work = torch.randn(384, 384)
     cal = calibrate(cfg, built, work)
     print(cal, flush=True)
+    cpu = {"in_process": loading_cpu(cfg, built, 0), "workers_1": loading_cpu(cfg, built, 1)}
+    print(cpu, flush=True)
     runs = {"off": [], "on": [], "workers": []}
     load = [os.getloadavg()[0]]
     for _ in range(args.repeats):
@@ -113,9 +131,14 @@ def main() -> None:
         print({k: round(v[-1]["wall_s"], 2) for k, v in runs.items()}, flush=True)
     shutil.rmtree(root, ignore_errors=True)
     result = {"calibration": cal, "steps": args.steps, "repeats": args.repeats,
+              "trainer_cpu_s_per_step_loading_only": cpu,
               "load_average_1min": load,
               "wall_s": {k: [r["wall_s"] for r in v] for k, v in runs.items()},
               "data_wait_s": {k: [r["data_wait_s"] for r in v] for k, v in runs.items()},
+              # CPU time of the training process (all its threads; not the worker's): what the
+              # loading takes from the trainer, a figure the machine's load barely moves
+              "trainer_cpu_s_per_step": {k: statistics.median(r["trainer_cpu_s"] for r in v) /
+                                         args.steps for k, v in runs.items()},
               "setup": {"global_batch": cfg.train.global_batch_size, "micro_batch": MICRO,
                         "sources": 4, "image_px": IMAGE_PX, "trainer_threads": 1}}
     for name, tag in (("on", ""), ("workers", "_workers")):
