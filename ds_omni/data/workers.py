@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import io
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import pickle
-import queue
 import signal
 import traceback
 from dataclasses import dataclass
@@ -39,8 +39,6 @@ from ds_omni.data.cost import CostModel
 from ds_omni.data.packing import MicroBatch, SeqShard, empty_micro_batch, pack
 from ds_omni.data.processing import Sample, SampleProcessor
 from ds_omni.errors import DataError
-
-POLL_S = 0.5  # how often a waiting side checks that the other is still alive
 
 
 class ItemCost:
@@ -108,73 +106,85 @@ class Packer:
 
 
 class WorkerPool:
-    """`n` spawned processes, each running `fn` (picklable, sent once) on the jobs of `map`."""
+    """`n` spawned processes, each running `fn` (picklable, sent once) on the jobs of `map`.
+
+    A step's jobs go to the workers in contiguous parts, one message each way per worker: every
+    hand-off between the trainer's threads and a worker waits for the GIL (up to its 5 ms switch
+    interval while the step's host thread holds it), so there are as few as possible."""
 
     def __init__(self, fn, n: int, *, timeout_s: float = 1800.0):
         if n < 1:
             raise ValueError(f"a worker pool needs at least one worker, got {n}")
         ctx = mp.get_context("spawn")  # not fork: the trainer has threads (gloo, prefetch)
-        self.timeout_s, self._round = timeout_s, 0
-        self._tasks, self._results = ctx.Queue(), ctx.Queue()
-        self._procs = [ctx.Process(target=_serve, args=(fn, self._tasks, self._results),
-                                   name=f"ds-omni-data-worker-{i}", daemon=True)
-                       for i in range(n)]
-        for p in self._procs:  # they start importing now, while the model is being built
-            p.start()
+        self.timeout_s = timeout_s
+        self._conns, self._procs = [], []
+        for i in range(n):  # they start importing now, while the model is being built
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(fn, theirs), name=f"ds-omni-data-worker-{i}",
+                               daemon=True)
+            proc.start()
+            theirs.close()
+            self._conns.append(mine)
+            self._procs.append(proc)
 
     def map(self, jobs: list) -> list:
         """`fn(job)` for each job, in order. A dead worker or an exception in `fn` raises."""
         if self._procs is None:
             raise DataError("the data worker pool is closed")
-        self._round += 1
-        for i, job in enumerate(jobs):
-            self._tasks.put((self._round, i, job))
-        out: dict[int, Any] = {}
-        waited = 0.0
-        while len(out) < len(jobs):
+        n = len(self._procs)
+        bounds = [len(jobs) * i // n for i in range(n + 1)]
+        busy = [(c, p, jobs[a:b]) for c, p, a, b in zip(self._conns, self._procs, bounds,
+                                                          bounds[1:]) if b > a]
+        for conn, proc, part in busy:
             try:
-                rnd, i, ok, payload = self._results.get(timeout=POLL_S)
-            except queue.Empty:
-                self._check_alive()
-                waited += POLL_S
-                if waited > self.timeout_s:
-                    raise DataError(f"the data workers returned no micro-batch in "
-                                    f"{self.timeout_s:.0f} s") from None
-                continue
-            if rnd != self._round:  # left over from a round an error interrupted
-                continue
-            if not ok:
-                raise DataError(f"a data worker failed: {payload}")
-            out[i] = pickle.loads(payload)
-        return [out[i] for i in range(len(jobs))]
+                conn.send_bytes(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL))
+            except OSError:
+                self._died(proc)
+        replies = [self._receive(conn, proc) for conn, proc, _ in busy]
+        failed = [payload for ok, payload in replies if not ok]
+        if failed:
+            raise DataError(f"a data worker failed: {failed[0]}")
+        return [out for _, payload in replies for out in payload]
 
-    def _check_alive(self) -> None:
-        for p in self._procs:
-            if p.exitcode is not None:
-                self.close(wait_s=0)
-                raise DataError(
-                    f"data worker process {p.name} (pid {p.pid}) died with {_exit_text(p.exitcode)}"
-                    " (its own error, if any, is in this rank's log above). If the machine ran "
-                    "out of memory, lower data.workers or the batch size; a script that trains "
-                    "must do so under `if __name__ == \"__main__\":` (workers import it); "
-                    "data.workers 0 loads in the training process")
+    def _receive(self, conn, proc) -> tuple[bool, Any]:
+        ready = mp.connection.wait([conn, proc.sentinel], timeout=self.timeout_s)
+        if not ready:
+            self.close(wait_s=0)
+            raise DataError(f"the data workers returned no micro-batch in {self.timeout_s:.0f} s")
+        try:
+            return pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            self._died(proc)
+
+    def _died(self, proc) -> None:
+        proc.join(1.0)
+        self.close(wait_s=0)
+        raise DataError(
+            f"data worker process {proc.name} (pid {proc.pid}) died with "
+            f"{_exit_text(proc.exitcode)} (its own error, if any, is in this rank's log above). If "
+            "the machine ran out of memory, lower data.workers or the batch size; a script that "
+            "trains must do so under `if __name__ == \"__main__\":` (workers import it); "
+            "data.workers 0 loads in the training process")
 
     def close(self, wait_s: float = 5.0) -> None:
         """Tell the workers to stop; end those still running after `wait_s`."""
         procs, self._procs = self._procs, None
         if not procs:
             return
-        for _ in procs:
-            self._tasks.put(None)
-        for p in procs:
-            p.join(wait_s)
-            if p.is_alive():
-                p.terminate()
-                p.join(1.0)
-        self._tasks.cancel_join_thread()
-        self._results.cancel_join_thread()
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(None))
+            except OSError:
+                pass
+        for proc in procs:
+            proc.join(wait_s)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(1.0)
+        for conn in self._conns:
+            conn.close()
 
-    def __del__(self):  # no queue work here: it may run while the interpreter shuts down
+    def __del__(self):  # nothing that can block: it may run while the interpreter shuts down
         for p in getattr(self, "_procs", None) or []:
             p.terminate()
 
@@ -210,26 +220,26 @@ def _exit_text(code: int) -> str:
     return f"exit code {code}"
 
 
-def _serve(fn, tasks, results) -> None:
-    """A worker's loop: jobs in, pickled results out, until told to stop or orphaned."""
+def _serve(fn, conn) -> None:
+    """A worker's loop: parts of a step in, their pickled results out, until told to stop or
+    orphaned."""
     torch.set_num_threads(1)  # the training process keeps the other cores
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; we follow it
     parent = mp.parent_process()
+    watch = [conn] + ([parent.sentinel] if parent is not None else [])
     while True:
-        try:
-            task = tasks.get(timeout=POLL_S)
-        except queue.Empty:
-            if parent is not None and not parent.is_alive():
-                os._exit(0)
-            continue
-        if task is None:
+        if conn not in mp.connection.wait(watch):  # the training process is gone
             break
-        rnd, i, job = task
         try:
-            results.put((rnd, i, True, dumps(fn(job))))
+            part = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            break
+        if part is None:
+            break
+        try:
+            reply = dumps((True, [fn(job) for job in part]))
         except Exception as e:
-            results.put((rnd, i, False, f"{type(e).__name__}: {e} (in worker pid {os.getpid()}):"
-                                        f"\n{traceback.format_exc()}"))
-    results.close()
-    results.join_thread()  # what was put has been sent
+            reply = pickle.dumps((False, f"{type(e).__name__}: {e} (in worker pid {os.getpid()}):"
+                                         f"\n{traceback.format_exc()}"))
+        conn.send_bytes(reply)
     os._exit(0)  # no interpreter shutdown: libraries' exit handlers (datasets sleeps 5 s) are moot
