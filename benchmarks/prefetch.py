@@ -1,4 +1,5 @@
-"""Prefetch benchmark: how much of the loading time the training step hides, prefetch on vs off.
+"""Prefetch benchmark: how much of the loading time the training step hides: prefetch off, on
+(a thread), and on with one worker process (`data.workers` 1).
 
     .venv/bin/python benchmarks/prefetch.py          # writes benchmarks/results/prefetch.json
 
@@ -8,18 +9,21 @@ and packing per step). The training step is the tiny LLaVA's forward and backwar
 first micro-batch, slowed by a fixed number of matmuls (which release the GIL, as a GPU step's
 host thread does while it waits for the device) so that it takes about as long as loading a step
 (both measured first). The trainer holds one core (`torch.set_num_threads(1)`); the loader
-thread has the other.
+thread (and its worker) has the other.
 
-Per repeat, the same N steps with `data.prefetch_steps` 0 then 1 (fresh loaders, the same
-samples: checked); the loading time is what the trainer waits for data with prefetch off (all of
-it). Hidden = (wall time off - wall time on) / loading time off; also 1 - (wait on / wait off).
-The figures are medians over repeats.
+Per repeat, the same N steps with `data.prefetch_steps` 0, then 1, then 1 with `data.workers` 1
+(fresh loaders, the same samples: checked); the loading time is what the trainer waits for data
+with prefetch off (all of it). Hidden = (wall time off - wall time on) / loading time off; also
+1 - (wait on / wait off). The figures are medians over repeats; the machine's load average
+(`os.getloadavg`) is recorded with them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -45,24 +49,43 @@ def train_step(model, batch, work, matmuls: int) -> None:
         work @ work
 
 
-def timed_steps(cfg, built, prefetch: int, steps: int, work, matmuls: int) -> dict:
+def timed_steps(cfg, built, prefetch: int, steps: int, work, matmuls: int,
+                workers: int = 0) -> dict:
     from ds_omni.data.build import build_loader
     from ds_omni.data.prefetch import Prefetcher
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=workers))
     loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=cfg.train.global_batch_size
                           // MICRO)
     feed = Prefetcher(loader, prefetch)
-    for _ in range(2):  # warm-up: files opened, first streams
+    for _ in range(2):  # warm-up: files opened, first streams (and the worker started)
         train_step(built.model, feed.next_step(), work, matmuls)
     keys, wait = [], 0.0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         batch = feed.next_step()
         wait += feed.last_wait_s
         train_step(built.model, batch, work, matmuls)
         keys.append(batch.keys)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     feed.close()
-    return {"wall_s": wall, "data_wait_s": wait, "keys": keys}
+    loader.close()
+    return {"wall_s": wall, "data_wait_s": wait, "keys": keys, "trainer_cpu_s": cpu}
+
+
+def loading_cpu(cfg, built, workers: int, steps: int = 6) -> float:
+    """CPU seconds the training process spends per step on loading alone (no training; all its
+    threads, not the worker's): what `data.workers` moves out of it."""
+    from ds_omni.data.build import build_loader
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=workers))
+    loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=cfg.train.global_batch_size
+                          // MICRO)
+    loader.next_step()  # warm-up (and the worker started)
+    cpu0 = time.process_time()
+    for _ in range(steps):
+        loader.next_step()
+    cpu = (time.process_time() - cpu0) / steps
+    loader.close()
+    return cpu
 
 
 def calibrate(cfg, built, work) -> dict:
@@ -94,25 +117,38 @@ def main() -> None:
     work = torch.randn(384, 384)
     cal = calibrate(cfg, built, work)
     print(cal, flush=True)
-    runs = {"off": [], "on": []}
+    cpu = {"in_process": loading_cpu(cfg, built, 0), "workers_1": loading_cpu(cfg, built, 1)}
+    print(cpu, flush=True)
+    runs = {"off": [], "on": [], "workers": []}
+    load = [os.getloadavg()[0]]
     for _ in range(args.repeats):
-        for name, prefetch in (("off", 0), ("on", 1)):
-            runs[name].append(timed_steps(cfg, built, prefetch, args.steps, work, cal["matmuls"]))
-        assert runs["on"][-1]["keys"] == runs["off"][-1]["keys"], "prefetch changed the samples"
+        for name, prefetch, workers in (("off", 0, 0), ("on", 1, 0), ("workers", 1, 1)):
+            runs[name].append(timed_steps(cfg, built, prefetch, args.steps, work, cal["matmuls"],
+                                          workers))
+        assert runs["on"][-1]["keys"] == runs["off"][-1]["keys"] == runs["workers"][-1]["keys"], \
+            "prefetch or the workers changed the samples"
+        load.append(os.getloadavg()[0])
         print({k: round(v[-1]["wall_s"], 2) for k, v in runs.items()}, flush=True)
     shutil.rmtree(root, ignore_errors=True)
-    pairs = list(zip(runs["off"], runs["on"]))
-    result = {
-        "calibration": cal, "steps": args.steps, "repeats": args.repeats,
-        "wall_s": {k: [r["wall_s"] for r in v] for k, v in runs.items()},
-        "data_wait_s": {k: [r["data_wait_s"] for r in v] for k, v in runs.items()},
-        "hidden_fraction_wall": statistics.median(
-            (off["wall_s"] - on["wall_s"]) / off["data_wait_s"] for off, on in pairs),
-        "hidden_fraction_wait": statistics.median(
-            1 - on["data_wait_s"] / off["data_wait_s"] for off, on in pairs),
-        "speedup_on_over_off": statistics.median(off["wall_s"] / on["wall_s"] for off, on in pairs),
-        "setup": {"global_batch": cfg.train.global_batch_size, "micro_batch": MICRO,
-                  "sources": 4, "image_px": IMAGE_PX, "trainer_threads": 1}}
+    result = {"calibration": cal, "steps": args.steps, "repeats": args.repeats,
+              "trainer_cpu_s_per_step_loading_only": cpu,
+              "load_average_1min": load,
+              "wall_s": {k: [r["wall_s"] for r in v] for k, v in runs.items()},
+              "data_wait_s": {k: [r["data_wait_s"] for r in v] for k, v in runs.items()},
+              # CPU time of the training process (all its threads; not the worker's): what the
+              # loading takes from the trainer, a figure the machine's load barely moves
+              "trainer_cpu_s_per_step": {k: statistics.median(r["trainer_cpu_s"] for r in v) /
+                                         args.steps for k, v in runs.items()},
+              "setup": {"global_batch": cfg.train.global_batch_size, "micro_batch": MICRO,
+                        "sources": 4, "image_px": IMAGE_PX, "trainer_threads": 1}}
+    for name, tag in (("on", ""), ("workers", "_workers")):
+        pairs = list(zip(runs["off"], runs[name]))
+        result[f"hidden_fraction_wall{tag}"] = statistics.median(
+            (off["wall_s"] - on["wall_s"]) / off["data_wait_s"] for off, on in pairs)
+        result[f"hidden_fraction_wait{tag}"] = statistics.median(
+            1 - on["data_wait_s"] / off["data_wait_s"] for off, on in pairs)
+        result[f"speedup_on_over_off{tag}"] = statistics.median(
+            off["wall_s"] / on["wall_s"] for off, on in pairs)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "prefetch.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("wall_s", "data_wait_s")},

@@ -34,11 +34,12 @@ from ds_omni.config import DataConfig
 from ds_omni.data import reorder
 from ds_omni.data.cost import CostModel
 from ds_omni.data.mixer import Mixer, MixSchedule
-from ds_omni.data.packing import MicroBatch, SeqShard, empty_micro_batch, pack
+from ds_omni.data.packing import MicroBatch, SeqShard, empty_micro_batch
 from ds_omni.data.problems import kind_of
 from ds_omni.data.processing import SampleProcessor, SampleSize
 from ds_omni.data.sources import Locator, Source
 from ds_omni.data.stream import SourceCursor, redistribute
+from ds_omni.data.workers import ItemCost, Packed, PackJob, Packer, SampleFailure, WorkerPool
 from ds_omni.errors import DataError
 from ds_omni.parallel.hdp import check_degree
 from ds_omni.parallel.long_short import LongItems
@@ -122,9 +123,13 @@ class OmniLoader:
         self.global_batch_size, self.num_micro = global_batch_size, num_micro
         self.dp_rank, self.dp_size = dp_rank, dp_size
         # the ranks of one SP group read the same rows; each packs its own shard of them
+        self._item_cost = ItemCost(cost_model)
         self.long_items = long_items  # encoder items a whole SP group encodes (long-short SP)
         self.shard = (SeqShard(sp_rank, sp_size, self._item_cost, long_items) if sp_size > 1
                       else None)
+        # decoding, HF processing and packing: here, or in `data.workers` processes
+        self.packer = Packer(processors, self._item_cost, long_items)
+        self.pool = WorkerPool(self.packer, cfg.workers) if cfg.workers else None
         self.comm = comm or LocalComm()
         # the all-gathers of `next_step`: groups of their own when steps run on a prefetch thread
         self.step_comm = step_comm or self.comm
@@ -350,19 +355,19 @@ class OmniLoader:
 
     # ------------------------------------------------------------------------------- loading
     def _load(self, mine: list[list[str]], stats: dict) -> StepBatch:
-        micro, keys, problems = [], [], []
+        keys, problems = [], []
         costs = stats.pop("costs", {})
         rounds = stats.pop("rounds", [])
+        # per-sequence SP: the long sequences first, round by round; then the normal micro-batches
+        shard = self.shard and (self.shard.rank, self.shard.size)
+        todo = [self._long_job(entry) for entry in rounds] + [
+            self._job([(k, True) for k in mb_keys], shard) for mb_keys in mine]
+        micro = self._report(todo, self._pack([job for job, _, _ in todo], problems), keys,
+                             problems)
         long_keys, long_cost = {e[0] for e in rounds if e}, 0.0
-        for entry in rounds:  # per-sequence SP: the long sequences first, round by round
-            micro.append(self._long_micro_batch(entry, keys, problems))
-            if micro[-1].sp_block is not None:
+        for entry, mb in zip(rounds, micro):
+            if mb.sp_block is not None:
                 long_cost += costs.get(entry[0], 0.0) / entry[2]  # this rank's share
-        for mb_keys in mine:
-            samples = [s for s in (self._try_sample(k, keys, problems) for k in mb_keys)
-                       if s is not None]
-            micro.append(pack(samples, self.item_processors, self.shard) if samples else
-                         empty_micro_batch(self.family, self.item_processors, self.shard))
         stats["skipped"] = dict(self.skipped)
         # long-short SP: items this rank's groups encode together (rank 0's figure is logged)
         stats["long_items"] = sum(len(v) for mb in micro if mb.reshard
@@ -376,46 +381,79 @@ class OmniLoader:
                          filler=(empty_micro_batch(self.family, self.item_processors)
                                  if self.max_degree > 1 else None))
 
-    def _try_sample(self, key: str, keys: list, problems: list, *, owner: bool = True):
-        """The processed sample of `key`, or None for a bad one (skipped by policy, or its error
-        put in `problems`). The `owner` of a sample reports it: its key goes to `keys`, and a
-        bad one to the skip log."""
-        try:
-            sample = self._sample(key)
-        except DataError as e:
-            if not owner:
-                return None
+    def _job(self, members: list[tuple[str, bool]], shard, shard_empty: bool = True,
+             sp_block: tuple[int, int] | None = None):
+        """(PackJob, its samples' (key, owner, row, problem reading it), the sp_block it gets
+        if a sample is packed) of one micro-batch."""
+        parts, samples = [], []
+        for key, owner in members:
+            loc, row = key_locator(key), None
             try:
-                self._bad(key_locator(key).source, getattr(e, "sample_id", key), e,
-                          str(key_locator(key)))
-            except DataError as stop:
-                problems.append(str(stop))
-            return None
-        except Exception as e:  # not a bad sample: a bug or a failing library
-            problems.append(self._failure(e, f"loading sample {key}"))
-            return None
-        if owner:
-            keys.append(key)
-        return sample
+                row = self.rows.pop(key, None)
+                if row is None:
+                    row = self.sources[loc.source].fetch(loc)
+                text, media, sid = self.sources[loc.source].parts(row, loc)
+            except Exception as e:
+                samples.append((key, owner, row, e if isinstance(e, DataError) else SampleFailure(
+                    f"{type(e).__name__}: {e}", traceback.format_exc())))
+                continue
+            parts.append((loc.source, text, media, sid))
+            samples.append((key, owner, row, None))
+        return PackJob(parts, shard, shard_empty), samples, sp_block
 
-    def _long_micro_batch(self, entry, keys: list, problems: list) -> MicroBatch:
+    def _long_job(self, entry):
         """This rank's shard of one long sequence (its block's Ulysses group splits it), or an
         empty micro-batch for a round this rank sits out. Every block member loads the sample
         (by locator) and packs the same row; only the first reports its key."""
         if entry is None:
-            return empty_micro_batch(self.family, self.item_processors)
+            return PackJob([], None), [], None
         key, rank_in_block, size, first_rank = entry
-        sample = self._try_sample(key, keys, problems, owner=rank_in_block == 0)
-        if sample is None:  # the same on every member: all sit this round out
-            return empty_micro_batch(self.family, self.item_processors)
-        mb = pack([sample], self.item_processors,
-                  SeqShard(rank_in_block, size, self._item_cost, self.long_items))
-        mb.sp_block = (first_rank, size)
-        return mb
+        return self._job([(key, rank_in_block == 0)], (rank_in_block, size), shard_empty=False,
+                         sp_block=(first_rank, size))
 
-    def _item_cost(self, encoder: str, item) -> float:
-        """Modelled cost of encoding one item (what the reshard plan balances)."""
-        return float(self.cost_model.encoder_cost(encoder, np.array(item.cost_seqs())).sum())
+    def _pack(self, jobs: list[PackJob], problems: list) -> list[Packed]:
+        """The jobs made here or by the workers; a failed worker is this step's error (every rank
+        then stops with it), with empty micro-batches in place."""
+        if self.pool is None:
+            return [self.packer(job) for job in jobs]
+        try:
+            return self.pool.map(jobs)
+        except DataError as e:
+            problems.append(f"data-parallel rank {self.dp_rank}: {e}")
+            return [Packed(empty_micro_batch(self.family, self.item_processors, self.shard),
+                           [None] * len(job.parts)) for job in jobs]
+
+    def _report(self, todo, packed: list[Packed], keys: list, problems: list) -> list[MicroBatch]:
+        """The micro-batches, with each sample reported in order: the key of a packed one (by its
+        owner), a bad one skipped by policy or its error put in `problems`. A long sequence's
+        micro-batch is marked (sp_block) when its sample was packed."""
+        micro = []
+        for (_, samples, sp_block), made in zip(todo, packed):
+            worker_problems = iter(made.problems)
+            packed_any = False
+            for key, owner, row, problem in samples:
+                problem = problem or next(worker_problems)
+                packed_any |= problem is None
+                self._account(key, owner, row, problem, keys, problems)
+            made.micro_batch.sp_block = sp_block if packed_any else None
+            micro.append(made.micro_batch)
+        return micro
+
+    def _account(self, key: str, owner: bool, row, problem, keys: list, problems: list) -> None:
+        if problem is None:
+            if owner:
+                keys.append(key)
+        elif isinstance(problem, SampleFailure):  # not a bad sample: a bug or a failing library
+            problems.append(self._failure(problem, f"loading sample {key}"))
+        elif owner:
+            loc = key_locator(key)
+            source = self.sources[loc.source]
+            error = source.explain(problem, row) if row is not None else problem
+            sample_id = source.sample_id(row, loc) if row is not None else key
+            try:
+                self._bad(loc.source, sample_id, error, str(loc))
+            except DataError as stop:
+                problems.append(str(stop))
 
     def load_samples(self, keys: list[str]) -> list:
         """The processed samples of `keys` (e.g. to replay another run's batch in one process)."""
@@ -436,16 +474,19 @@ class OmniLoader:
             e.sample_id = source.sample_id(row, loc)
             raise e from None
 
-    def _failure(self, e: Exception, doing: str) -> str:
+    def _failure(self, e: Exception | SampleFailure, doing: str) -> str:
         """The message of an exception raised while `doing`, for every rank; an unexpected one
-        (not a DataError) also prints its traceback here, on the rank where it happened."""
+        (not a DataError) also prints its traceback here, on the rank where it happened (a
+        `SampleFailure` brings that of the process it happened in)."""
         if isinstance(e, DataError):
             return str(e)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         who = f"the data loader of rank {rank} (data-parallel rank {self.dp_rank})"
-        print(f"ds-omni: {who} failed while {doing}:\n{traceback.format_exc()}", file=sys.stderr,
-              flush=True)
-        return f"{who} failed while {doing}: {type(e).__name__}: {e} (traceback in that rank's log)"
+        failed = isinstance(e, SampleFailure)
+        print(f"ds-omni: {who} failed while {doing}:\n"
+              f"{e.traceback if failed else traceback.format_exc()}", file=sys.stderr, flush=True)
+        what = e.message if failed else f"{type(e).__name__}: {e}"
+        return f"{who} failed while {doing}: {what} (traceback in that rank's log)"
 
     def rewind(self) -> None:
         """Undo the last `next_step`, whose batch was not trained (the run stopped before it):
@@ -471,9 +512,12 @@ class OmniLoader:
                               "planner": self.planner.state_dict() if self.planner else None})
 
     def close(self) -> None:
-        """Close the open streams."""
+        """Close the open streams and stop the data workers."""
         for cursor in self.cursors.values():
             cursor.close()
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
     # --------------------------------------------------------------------------------- state
     def local_state(self) -> dict:

@@ -15,9 +15,10 @@ the thread is in lockstep over the ranks: it finishes every step it was allowed 
 its peers never enter. On an error the thread gets a minute to do the same, then is abandoned (a
 daemon: it cannot hold the process).
 
-A thread, not worker processes: decoding (PIL), tokenising (tokenizers) and the array work of
-the HF processors release the GIL, as do torch's kernels on the training side; the Python glue
-of both sides shares one core's worth of interpreter.
+The thread keeps what talks to the other ranks (reading, measuring, the all-gathers, the
+state); the heavy part of a step (decoding, the HF processors, packing) holds the GIL long
+enough to slow the training step's host thread, so with `data.workers` > 0 the loader hands it
+to worker processes (`workers.py`) and the thread only waits for them.
 """
 
 from __future__ import annotations

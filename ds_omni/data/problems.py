@@ -28,6 +28,9 @@ class SampleError(DataError):
         super().__init__(message)
         self.kind, self.encoder = kind, encoder
 
+    def __reduce__(self):  # a data worker sends it back to the loader
+        return type(self), (str(self), self.kind, self.encoder), self.__dict__
+
 
 def kind_of(error: DataError) -> str:
     """The kind of a sample's error (media errors raised below the sample layer are plain)."""

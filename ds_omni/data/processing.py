@@ -97,6 +97,13 @@ class SampleProcessor:
         # that trains on it), and role prefixes and prompts repeat: remember recent pieces.
         self._encode = functools.lru_cache(maxsize=8192)(self._encode_piece)
 
+    def __getstate__(self) -> dict:  # sent to data workers: the cache stays behind
+        return {k: v for k, v in self.__dict__.items() if k != "_encode"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._encode = functools.lru_cache(maxsize=8192)(self._encode_piece)
+
     def _encode_piece(self, piece: str, continued: bool = False) -> tuple[int, ...]:
         """`continued`: the piece follows other text, so a tokenizer that marks the start of its
         input (SentencePiece's prefix space) must not mark it; encoded after a newline that is

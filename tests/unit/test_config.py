@@ -36,6 +36,7 @@ def test_unknown_top_level_key(tmp_path):
     ("train", "lr", True, r"train.lr must be float, got True"),
     ("model", "dtype", "fp8", r"model.dtype must be one of \['float32', 'bfloat16'\], got 'fp8'"),
     ("data", "max_seq_len", 2, r"data.max_seq_len must be >= 8, got 2"),
+    ("data", "workers", -1, r"data.workers must be >= 0 \(0: load in the training process\), got -1"),
     ("model", "freeze", ["eyes"], r"model.freeze: unknown part\(s\) \['eyes'\]"),
 ])
 def test_bad_values_name_field_and_value(tmp_path, section, key, value, match):

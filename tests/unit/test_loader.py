@@ -3,12 +3,17 @@ resume. Every check is on sample keys, so a lost or repeated sample fails it."""
 
 import collections
 import json
+import os
+import re
+import signal
+import time
 
 import pytest
 
 from ds_omni.config import DataConfig, ReorderConfig, SchemaConfig, SourceConfig
 from ds_omni.data.build import cost_model_for
 from ds_omni.data.loader import OmniLoader, key_locator
+from ds_omni.data.prefetch import Prefetcher
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.sources import Source
 from tests.data_files import conversation_rows, text_rows, write
@@ -244,3 +249,67 @@ def test_prefetch_thread_errors_reach_the_trainer_and_close_does_not_hang(built,
     assert feed._thread is None
     with pytest.raises(ValueError, match="needs process groups of its own"):
         Prefetcher(_loaders(built, _cfg(data, "fixed"), dp=2)[0], 1)
+
+
+# ------------------------------------------------------------ data worker processes (data.workers)
+def _worker_loader(built, tmp, workers: int) -> OmniLoader:
+    """Images (two of them corrupt: skipped by policy) and texts, 8 samples a step."""
+    rows = conversation_rows(24)
+    for i in (3, 17):
+        rows[i]["image"] = {"bytes": b"corrupt", "path": None}
+    img, img_schema = write("parquet", rows, tmp / "img")
+    txt, txt_schema = write("json", text_rows(20), tmp / "txt")
+    cfg = DataConfig(sources=[
+        SourceConfig(name="img", path=img, schema=SchemaConfig(**img_schema), weight=2.0,
+                     on_bad_sample="skip"),
+        SourceConfig(name="txt", path=txt, schema=SchemaConfig(**txt_schema))],
+        max_seq_len=128, chunk_rows=4, workers=workers)
+    procs = {s.name: SampleProcessor(tokenizer=built.tokenizer, family=built.family,
+                                     item_processors=built.item_processors,
+                                     markers={"vision": "<image>"}, max_seq_len=128)
+             for s in cfg.sources}
+    return OmniLoader([Source(s, cfg.chunk_rows) for s in cfg.sources], procs,
+                      cost_model_for(built, []), cfg, global_batch_size=8, num_micro=2,
+                      dp_rank=0, dp_size=1)
+
+
+def _logged(loader):
+    return [{**e, "reason": re.sub(" at 0x[0-9a-f]+", "", e["reason"])}
+            for e in loader.take_skipped()]
+
+
+def _all_tensors(batch):
+    return [[mb.input_ids, mb.targets, mb.position_ids, mb.cu_seqlens,
+             *[t for enc in sorted(mb.encoder_inputs) for _, t in sorted(
+                 mb.encoder_inputs[enc].items())]] for mb in batch.micro_batches]
+
+
+def test_workers_make_the_same_steps_and_a_dead_worker_is_a_clear_error(built, tmp_path):
+    """One worker process (behind the prefetch thread) against loading in-process: the same
+    micro-batches, skipped samples and state; a failure in it, and its death, are errors."""
+    import torch
+    here = _worker_loader(built, tmp_path / "a", workers=0)
+    feed = Prefetcher(_worker_loader(built, tmp_path / "b", workers=1), 1)  # thread + worker
+    for _ in range(6):  # every row once, and again: the corrupt images are met twice
+        a, b = here.next_step(), feed.next_step()
+        assert a.error is None and b.error is None, (a.error, b.error)
+        assert a.keys == b.keys and a.stats == b.stats
+        for ta, tb in zip(_all_tensors(a), _all_tensors(b), strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(ta, tb, strict=True))
+        assert _logged(here) == _logged(feed)
+    assert here.skipped == feed.skipped and here.skipped["img"] >= 2
+    assert here.state_dict() == feed.state_dict()
+
+    pool = feed.loader.pool
+    with pytest.raises(Exception, match="a data worker failed: AttributeError"):
+        pool.map(["not a job"])  # an exception in the worker comes back with its traceback
+    feed.close()
+    assert feed.loader.pool is pool  # the pool outlives the prefetch thread: it is the loader's
+    os.kill(pool._procs[0].pid, signal.SIGKILL)
+    t0 = time.perf_counter()
+    batch = feed.loader.next_step()  # no hang: this step's error, which stops every rank
+    assert time.perf_counter() - t0 < 10
+    assert "data worker process" in batch.error and "died with signal SIGKILL" in batch.error
+    assert "lower data.workers" in batch.error
+    feed.loader.close()
+    assert feed.loader.pool is None

@@ -1,0 +1,247 @@
+"""Data worker processes: the heavy part of loading a step, off the training process.
+
+A loader step has a light part that talks to the other ranks (reading rows, measuring them,
+the grouped reordering's all-gathers, the state) and a heavy part that does not: decoding the
+media, the HF image/audio processors, tokenising and packing each micro-batch. With
+`data.workers` = N > 0 the heavy part runs in N spawned processes; the light part, and with it
+every collective and every piece of loader state, stays in the training process (on the
+prefetch thread). A worker is a pure function of its job (`PackJob` -> `Packed`), so the
+batches are the same with or without workers, and resuming needs nothing from them.
+
+The GIL is why: decoding and the HF processors hold it long enough that a thread doing them
+slows the training step's own host thread (benchmarks/prefetch.py: 49 % of the loading hidden
+with a thread, in wall time).
+
+Results come back pickled, tensors as numpy arrays (`dumps`): one copy, no shared-memory file per
+tensor, and a tenth of the unpickling time of torch's own tensor pickling, which the training
+process pays.
+A worker that dies (killed, out of memory) is a `DataError` naming it and its exit code at
+the next step that needs it, never a hang; workers exit when told, and by themselves when the
+training process is gone.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ds_omni.data.cost import CostModel
+from ds_omni.data.packing import MicroBatch, SeqShard, empty_micro_batch, pack
+from ds_omni.data.processing import Sample, SampleProcessor
+from ds_omni.errors import DataError
+from ds_omni.parallel.long_short import LongItems
+
+
+class ItemCost:
+    """Modelled cost of encoding one item (what the reshard plan balances); picklable."""
+
+    def __init__(self, cost_model: CostModel):
+        self.cost_model = cost_model
+
+    def __call__(self, encoder: str, item) -> float:
+        return float(self.cost_model.encoder_cost(encoder, np.array(item.cost_seqs())).sum())
+
+
+@dataclass
+class PackJob:
+    """One micro-batch to make: its samples' raw parts, in order, and how to pack them."""
+
+    parts: list[tuple[str, Any, dict, str]]  # (source, text, media, sample id) per sample
+    shard: tuple[int, int] | None = None  # (rank, size) in the Ulysses group that splits the row
+    shard_empty: bool = True  # a micro-batch with no good sample is sharded too (else whole)
+
+
+@dataclass
+class SampleFailure:
+    """An unexpected exception (not a bad sample) while processing a sample, as text: its
+    traceback is that of the process it happened in."""
+
+    message: str
+    traceback: str
+
+
+@dataclass
+class Packed:
+    """A made micro-batch, and per sample of the job: None (packed) or why it was left out."""
+
+    micro_batch: MicroBatch
+    problems: list[DataError | SampleFailure | None]
+
+
+class Packer:
+    """Processes and packs micro-batches (`PackJob` -> `Packed`): what a worker runs, and what
+    the loader runs itself without workers."""
+
+    def __init__(self, processors: dict[str, SampleProcessor], item_cost: ItemCost,
+                 long_items: LongItems | None = None):
+        self.processors, self.item_cost, self.long_items = processors, item_cost, long_items
+        first = next(iter(processors.values()))
+        self.item_processors, self.family = first.item_processors, first.family
+
+    def __call__(self, job: PackJob) -> Packed:
+        got = [self._process(*p) for p in job.parts]
+        samples = [s for s in got if isinstance(s, Sample)]
+        shard = SeqShard(*job.shard, self.item_cost, self.long_items) if job.shard else None
+        mb = (pack(samples, self.item_processors, shard) if samples else
+              empty_micro_batch(self.family, self.item_processors,
+                                shard if job.shard_empty else None))
+        return Packed(mb, [None if isinstance(s, Sample) else s for s in got])
+
+    def _process(self, source: str, text, media: dict, sample_id: str):
+        try:
+            return self.processors[source](text=text, media=media, sample_id=sample_id,
+                                           source=source)
+        except DataError as e:
+            return e
+        except Exception as e:  # a bug or a failing library: the loader reports it
+            return SampleFailure(f"{type(e).__name__}: {e}", traceback.format_exc())
+
+
+class WorkerPool:
+    """`n` spawned processes, each running `fn` (picklable, sent once) on the jobs of `map`.
+
+    A step's jobs go to the workers in contiguous parts, one message each way per worker: every
+    hand-off between the trainer's threads and a worker waits for the GIL (up to its 5 ms switch
+    interval while the step's host thread holds it), so there are as few as possible."""
+
+    def __init__(self, fn, n: int, *, timeout_s: float = 1800.0):
+        if n < 1:
+            raise ValueError(f"a worker pool needs at least one worker, got {n}")
+        ctx = mp.get_context("spawn")  # not fork: the trainer has threads (gloo, prefetch)
+        self.timeout_s = timeout_s
+        self._conns, self._procs = [], []
+        for i in range(n):  # they start importing now, while the model is being built
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(fn, theirs), name=f"ds-omni-data-worker-{i}",
+                               daemon=True)
+            proc.start()
+            theirs.close()
+            self._conns.append(mine)
+            self._procs.append(proc)
+
+    def map(self, jobs: list) -> list:
+        """`fn(job)` for each job, in order. A dead worker or an exception in `fn` raises."""
+        if self._procs is None:
+            raise DataError("the data worker pool is closed")
+        n = len(self._procs)
+        bounds = [len(jobs) * i // n for i in range(n + 1)]
+        busy = [(c, p, jobs[a:b]) for c, p, a, b in zip(self._conns, self._procs, bounds,
+                                                          bounds[1:]) if b > a]
+        for conn, proc, part in busy:
+            try:
+                conn.send_bytes(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL))
+            except OSError:
+                self._died(proc)
+        replies = [self._receive(conn, proc) for conn, proc, _ in busy]
+        failed = [payload for ok, payload in replies if not ok]
+        if failed:
+            raise DataError(f"a data worker failed: {failed[0]}")
+        return [out for _, payload in replies for out in payload]
+
+    def _receive(self, conn, proc) -> tuple[bool, Any]:
+        ready = mp.connection.wait([conn, proc.sentinel], timeout=self.timeout_s)
+        if not ready:
+            self.close(wait_s=0)
+            raise DataError(f"the data workers returned no micro-batch in {self.timeout_s:.0f} s")
+        try:
+            return pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            self._died(proc)
+
+    def _died(self, proc) -> None:
+        proc.join(1.0)
+        self.close(wait_s=0)
+        raise DataError(
+            f"data worker process {proc.name} (pid {proc.pid}) died with "
+            f"{_exit_text(proc.exitcode)} (its own error, if any, is in this rank's log above). If "
+            "the machine ran out of memory, lower data.workers or the batch size; a script that "
+            "trains must do so under `if __name__ == \"__main__\":` (workers import it); "
+            "data.workers 0 loads in the training process")
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Tell the workers to stop; end those still running after `wait_s`."""
+        procs, self._procs = self._procs, None
+        if not procs:
+            return
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(None))
+            except OSError:
+                pass
+        for proc in procs:
+            proc.join(wait_s)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(1.0)
+        for conn in self._conns:
+            conn.close()
+
+    def __del__(self):  # nothing that can block: it may run while the interpreter shuts down
+        for p in getattr(self, "_procs", None) or []:
+            p.terminate()
+
+
+class _Pickler(pickle.Pickler):
+    """Plain CPU tensors as numpy arrays (a tensor that is a view sends only what it shows)."""
+
+    def reducer_override(self, obj):
+        if type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad \
+                and obj.layout == torch.strided and obj.dtype in _NUMPY_DTYPES:
+            return torch.from_numpy, (obj.numpy().copy() if not obj.is_contiguous() else
+                                      obj.numpy(),)
+        return NotImplemented
+
+
+_NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
+                 torch.int16, torch.int8, torch.uint8, torch.bool}
+
+
+def dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}" + (
+                " (killed: often the out-of-memory killer)" if -code == signal.SIGKILL else "")
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _serve(fn, conn) -> None:
+    """A worker's loop: parts of a step in, their pickled results out, until told to stop or
+    orphaned."""
+    torch.set_num_threads(1)  # the training process keeps the other cores
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; we follow it
+    parent = mp.parent_process()
+    watch = [conn] + ([parent.sentinel] if parent is not None else [])
+    while True:
+        if conn not in mp.connection.wait(watch):  # the training process is gone
+            break
+        try:
+            part = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            break
+        if part is None:
+            break
+        try:
+            reply = dumps((True, [fn(job) for job in part]))
+        except Exception as e:
+            reply = pickle.dumps((False, f"{type(e).__name__}: {e} (in worker pid {os.getpid()}):"
+                                         f"\n{traceback.format_exc()}"))
+        conn.send_bytes(reply)
+    os._exit(0)  # no interpreter shutdown: libraries' exit handlers (datasets sleeps 5 s) are moot
