@@ -1,7 +1,7 @@
 """Soak: 500 steps of the demo config on 2 ranks under `ds-omni supervise`, a rank killed about
 every 100 steps, against the same 500 steps run without a fault.
 
-    .venv/bin/python benchmarks/soak.py      # writes benchmarks/results/soak.json (~15 min, 2 cores)
+    .venv/bin/python benchmarks/soak.py   # writes benchmarks/results/soak.json (~20 min, 2 cores)
 
 The demo config (`examples/tiny_llava.json`, `ds_configs/zero2.json`: ZeRO-2, warm-up + cosine
 LR, prefetch on) with `train.steps` 500, a checkpoint every 50 steps (the last 2 kept), sample ids

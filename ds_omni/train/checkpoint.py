@@ -35,12 +35,15 @@ DeepSpeed's own files are pickles that DeepSpeed reads; load only checkpoints yo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import random
 import re
 import shutil
+from argparse import Namespace
 from pathlib import Path
 
 import numpy as np
@@ -361,9 +364,6 @@ def universal_tag(root: Path, tag: str, rank: int) -> str:
 def to_universal(directory: Path, target: Path) -> None:
     """DeepSpeed's `ds_to_universal` of one checkpoint directory, into a temporary folder that
     takes its name when complete (a crash mid-way leaves nothing a later resume would use)."""
-    import contextlib
-    import io
-    from argparse import Namespace
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
     tmp = directory / f".{target.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -372,7 +372,7 @@ def to_universal(directory: Path, target: Path) -> None:
                      inject_missing_state=True)  # ds_omni is not Megatron: no client info
     log = io.StringIO()
     try:
-        with contextlib.redirect_stdout(log):
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):  # its progress
             ds_to_universal(args)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -278,8 +278,12 @@ def _to_the_end(engine, loader) -> tuple[list[list[str]], list[float]]:
             losses.append(train_step(engine, batch, loader.comm).loss)
         except StopTraining:
             break
-        keys.append(sorted(k for part in loader.comm.world_all_gather(batch.keys) for k in part))
+        keys.append(_step_keys(loader, batch))
     return keys, losses
+
+
+def _step_keys(loader, batch) -> list[str]:
+    return sorted(k for part in loader.comm.world_all_gather(batch.keys) for k in part)
 
 
 def _resize_save(rank, world, root, sources) -> dict:
@@ -293,7 +297,7 @@ def _resize_save(rank, world, root, sources) -> dict:
         for _ in range(SAVED_AT):
             batch = loader.next_step()
             train_step(engine, batch, loader.comm)
-            keys.append(sorted(k for part in loader.comm.world_all_gather(batch.keys) for k in part))
+            keys.append(_step_keys(loader, batch))
         checkpoint.save(engine, cfg.train.output_dir, SAVED_AT, loader.state_dict(), rank)
         saved = _full_state(engine)
         rest, _ = _to_the_end(engine, loader)
