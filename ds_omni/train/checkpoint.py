@@ -353,11 +353,19 @@ def resharding_needed(saved_ranks: int, world: int) -> bool:
 
 
 def universal_tag(root: Path, tag: str, rank: int) -> str:
-    """`<tag>/universal`, converted by rank 0 if no earlier resume did (every rank calls this)."""
+    """`<tag>/universal`, converted by rank 0 if no earlier resume did (every rank calls this;
+    a failed conversion raises on every rank, not only on rank 0)."""
     target = root / tag / UNIVERSAL_DIR
+    problem = [None]
     if rank == 0 and not target.is_dir():
-        to_universal(root / tag, target)
-    barrier()
+        try:
+            to_universal(root / tag, target)
+        except LaunchError as e:
+            problem[0] = str(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise LaunchError(problem[0])
     return f"{tag}/{UNIVERSAL_DIR}"
 
 

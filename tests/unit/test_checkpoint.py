@@ -161,7 +161,7 @@ def test_a_failed_universal_conversion_says_how_to_resume(tmp_path):
     with pytest.raises(LaunchError, match=r"converting .*step00000001' to a universal checkpoint "
                                           r"\(to load it on another number of ranks\) failed: "
                                           r".*Resume with the number of ranks that wrote it \(2\)"):
-        checkpoint.to_universal(step, step / checkpoint.UNIVERSAL_DIR)
+        checkpoint.universal_tag(tmp_path, "step00000001", rank=0)
     assert sorted(p.name for p in step.iterdir()) == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
 
