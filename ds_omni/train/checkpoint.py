@@ -388,6 +388,7 @@ def to_universal(directory: Path, target: Path) -> None:
                           f"(to load it on another number of ranks) failed: {type(e).__name__}: "
                           f"{e}. Resume with the number of ranks that wrote it "
                           f"({shard_ranks(directory)})") from None
+    (directory / "latest_universal").unlink(missing_ok=True)  # names the temporary folder
     _fsync_dir(tmp)
     os.replace(tmp, target)
     _fsync_dir(directory)
