@@ -1,10 +1,10 @@
 """Two ranks, one launch: the LR each optimizer step really uses; a failure in one rank's data
 loader (not a DataError: a bug, a failing HF processor) stopping every rank at once; a NaN loss on
 one rank never reaching the weights or optimizer state (ZeRO-2 and no ZeRO); a rank hung outside
-any collective named by both ranks' watchdogs within the peer timeout; checkpoints of ZeRO 1 and
-3 runs (budget-mode reordering, a changing mixing schedule) that one rank then resumes (2 -> 1):
+any collective named by both ranks' watchdogs within the peer timeout; the checkpoint of a ZeRO-3
+run (budget-mode reordering, a changing mixing schedule) that one rank then resumes (2 -> 1):
 fp32 weights, Adam moments, step count and LR as saved, and every sample of the data trained
-once, as in the uninterrupted 2-rank run."""
+once, as in an uninterrupted run."""
 
 import math
 import time
@@ -231,7 +231,9 @@ def _run(rank, world, root, sources):
         rank, world, root, sources)
 
 
-RESIZE_STAGES, SAVED_AT = (1, 3), 2
+# ZeRO-3 in the suite (its partitioned parameters are the harder case); ZeRO 1 too, and 1 -> 2
+# and 4 -> 2, by hand: tests/dist/resize_check.py
+RESIZE_STAGES, SAVED_AT = (3,), 2
 
 
 def _resize_config(root: str, sources: list[dict], stage: int):
@@ -287,12 +289,12 @@ def _step_keys(loader, batch) -> list[str]:
     return sorted(k for part in loader.comm.world_all_gather(batch.keys) for k in part)
 
 
-def _resize_save(rank, world, root, sources) -> dict:
+def _resize_save(rank, world, root, sources, stages=RESIZE_STAGES) -> dict:
     """Per stage: train SAVED_AT steps and save."""
     from ds_omni.train import checkpoint
     from ds_omni.train.engine import train_step
     out = {}
-    for stage in RESIZE_STAGES:
+    for stage in stages:
         cfg, loader, engine = _resize_engine(rank, world, root, sources, stage)
         keys = []
         for _ in range(SAVED_AT):
@@ -304,12 +306,12 @@ def _resize_save(rank, world, root, sources) -> dict:
     return out
 
 
-def _resize_load(rank, world, root, sources) -> dict:
+def _resize_load(rank, world, root, sources, stages=RESIZE_STAGES) -> dict:
     """Per stage, on `world` ranks: resume the checkpoint, note its state, train to the end."""
     from ds_omni.train import checkpoint
     from ds_omni.train.engine import restore_loader
     out = {}
-    for stage in RESIZE_STAGES:
+    for stage in stages:
         cfg, loader, engine = _resize_engine(rank, world, root, sources, stage)
         step, state = checkpoint.load(engine, cfg.train.output_dir, rank)
         restore_loader(loader, state)
@@ -362,15 +364,15 @@ def test_lr_used_loader_failure_on_one_rank_and_nonfinite_steps(tmp_path):
 
 
 def _check_resize(saved: dict, resumed: dict, sources: list[dict]) -> None:
-    """2 -> 1 under ZeRO 1 and 3: right after the load, every parameter's fp32 value and Adam
-    moments equal the saved ones, as do the step counts and the LR; then training goes on, and
-    the samples before the save plus those after the resume are what an uninterrupted run of
-    this data trains (on_exhausted="drop": every row once, taken from the files, not from a
-    loader): none lost, none repeated."""
+    """2 -> 1 (ZeRO-3 here; other stages and counts: resize_check.py): right after the load,
+    every parameter's fp32 value and Adam moments equal the saved ones, as do the step counts and
+    the LR; then training goes on, and the samples before the save plus those after the resume
+    are what an uninterrupted run of this data trains (on_exhausted="drop": every row once, taken
+    from the files, not from a loader): none lost, none repeated."""
     import collections
     rows = collections.Counter(f"0/{s['name']}:0:{i}" for s in sources  # epoch/source:file:row
                                for i in range(s["rows"]))
-    for stage in RESIZE_STAGES:
+    for stage in saved:
         want, got = saved[stage], resumed[stage]
         assert got["step"] == SAVED_AT, stage
         assert set(got["loaded"]["params"]) == set(want["saved"]["params"])
