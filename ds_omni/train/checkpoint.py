@@ -16,18 +16,34 @@ Layout under `<output_dir>/checkpoints/`:
                                 family, every parameter's shape, ZeRO stage, ranks), so that
                                 `--resume` with another model or layout says what differs
                                 before DeepSpeed reads a byte
+        universal/              made at the first `--resume` on another number of ranks: the
+                                same state as DeepSpeed's universal checkpoint (one folder per
+                                parameter: fp32 weights, Adam moments), which any number of
+                                ranks loads and re-partitions
+
+Resuming on another number of ranks: ZeRO (and bf16 without ZeRO) keeps the fp32 weights and
+the optimizer state in one shard per rank, cut for the number of ranks that wrote them. `load`
+sees that (`resharding_needed`), converts the checkpoint once with DeepSpeed's `ds_to_universal`
+(rank 0, in a temporary folder renamed when done) and loads it with DeepSpeed's universal
+loading, which re-partitions both exactly (measured: fp32 weights and Adam moments bit-equal after
+2 -> 1, 1 -> 2 and 4 -> 2 under ZeRO 1 and 3 on CPU/gloo). The data position is ds_omni's own and
+elastic (`OmniLoader.load_state_dict` deals the unread rows out to the new ranks); RNG states of
+ranks that did not exist before are left as seeded.
 
 DeepSpeed's own files are pickles that DeepSpeed reads; load only checkpoints you wrote.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import random
 import re
 import shutil
+from argparse import Namespace
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +58,10 @@ MODEL_META_DIR = "model"
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 TAG_RE = re.compile(r"step\d{8}")
+UNIVERSAL_DIR = "universal"
+# DeepSpeed's optimizer shards: ZeRO 1-2 and bf16 ("bf16_zero_pp_rank_R_..."), ZeRO-3 also
+# ("zero_pp_rank_R_mp_rank_00_optim_states.pt"); one per rank that wrote the checkpoint
+_SHARD_RE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt")
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -245,12 +265,18 @@ def load(engine, output_dir: str | Path, rank: int) -> tuple[int, dict]:
     problems = fingerprint_differences(trainer_state.get("run"), run_fingerprint(engine))
     if problems:
         raise LaunchError(f"--resume: checkpoint {str(root / tag)!r} was written by a different "
-                          "run: " + "; ".join(problems) + ". Resume with the model, DeepSpeed "
-                          "config and number of ranks it was written with, or set "
-                          "train.output_dir to a new directory to start afresh")
+                          "run: " + "; ".join(problems) + ". Resume with the model and DeepSpeed "
+                          "config it was written with, or set train.output_dir to a new "
+                          "directory to start afresh")
     loader_state = _read_json(root / tag / "loader_state.json")
-    path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
-                                     load_lr_scheduler_states=True)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    saved_ranks = shard_ranks(root / tag)
+    universal = resharding_needed(saved_ranks, world)
+    if universal and rank == 0:
+        print(f"ds-omni: --resume: {saved_ranks} rank(s) wrote {tag}, this run has {world}: "
+              "loading it as a universal checkpoint (optimizer state re-partitioned)", flush=True)
+    load_tag = universal_tag(root, tag, rank) if universal else tag
+    path = _engine_load(engine, root, load_tag, universal)
     if path is None:
         raise LaunchError(f"--resume: DeepSpeed could not load checkpoint {str(root / tag)!r}")
     scheduler = engine.lr_scheduler
@@ -309,12 +335,79 @@ def fingerprint_differences(saved: dict | None, now: dict, shown: int = 3) -> li
     if saved["zero_stage"] != now["zero_stage"]:
         out.append(f"ZeRO stage {saved['zero_stage']} in the checkpoint, {now['zero_stage']} now "
                    "(DeepSpeed's optimizer files differ by stage)")
-    if saved["world_size"] != now["world_size"] and now["zero_stage"] > 0:
-        out.append(f"{saved['world_size']} rank(s) wrote it, this run has {now['world_size']}: "
-                   f"DeepSpeed cannot repartition ZeRO-{now['zero_stage']} optimizer state onto "
-                   "another number of ranks (the data position could move: ds_omni's loader "
-                   "state is elastic)")
     return out
+
+
+def shard_ranks(directory: Path) -> int:
+    """How many ranks wrote the optimizer shards in a DeepSpeed checkpoint directory (0: its
+    optimizer state is whole, in the model states file: no ZeRO, fp32)."""
+    ranks = {int(m.group(1)) for p in directory.glob("*optim_states.pt")
+             if (m := _SHARD_RE.fullmatch(p.name))}
+    return max(ranks) + 1 if ranks else 0
+
+
+def resharding_needed(saved_ranks: int, world: int) -> bool:
+    """A checkpoint whose optimizer is sharded for another number of ranks loads only through a
+    universal checkpoint (DeepSpeed's own loading would fail or mis-assign the shards)."""
+    return saved_ranks > 0 and saved_ranks != world
+
+
+def universal_tag(root: Path, tag: str, rank: int) -> str:
+    """`<tag>/universal`, converted by rank 0 if no earlier resume did (every rank calls this;
+    a failed conversion raises on every rank, not only on rank 0)."""
+    target = root / tag / UNIVERSAL_DIR
+    problem = [None]
+    if rank == 0 and not target.is_dir():
+        try:
+            to_universal(root / tag, target)
+        except LaunchError as e:
+            problem[0] = str(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise LaunchError(problem[0])
+    return f"{tag}/{UNIVERSAL_DIR}"
+
+
+def to_universal(directory: Path, target: Path) -> None:
+    """DeepSpeed's `ds_to_universal` of one checkpoint directory, into a temporary folder that
+    takes its name when complete (a crash mid-way leaves nothing a later resume would use)."""
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+    tmp = directory / f".{target.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    args = Namespace(input_folder=str(directory), output_folder=str(tmp), num_extract_workers=1,
+                     num_merge_workers=1, keep_temp_folder=False, strict=True,
+                     inject_missing_state=True)  # ds_omni is not Megatron: no client info
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):  # its progress
+            ds_to_universal(args)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise LaunchError(f"--resume: converting {str(directory)!r} to a universal checkpoint "
+                          f"(to load it on another number of ranks) failed: {type(e).__name__}: "
+                          f"{e}. Resume with the number of ranks that wrote it "
+                          f"({shard_ranks(directory)})") from None
+    (directory / "latest_universal").unlink(missing_ok=True)  # names the temporary folder
+    _fsync_dir(tmp)
+    os.replace(tmp, target)
+    _fsync_dir(directory)
+
+
+def _engine_load(engine, root: Path, tag: str, universal: bool):
+    """DeepSpeed's load; `universal` switches the engine's universal loading on for this load
+    only (the engine reads it from its config at load time)."""
+    config = getattr(engine, "_config", None)
+    before = getattr(config, "load_universal_checkpoint", False)
+    if config is not None:
+        config.load_universal_checkpoint = universal
+    try:
+        path, _ = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+    finally:
+        if config is not None:
+            config.load_universal_checkpoint = before
+    return path
 
 
 def rng_state() -> dict:

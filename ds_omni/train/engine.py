@@ -286,7 +286,8 @@ def _run(cfg, ds_config, plan, rank, resume, stop_after, watchdog) -> dict:
     out = Path(cfg.train.output_dir)
     start = 0
     if resume:
-        start, loader_state = checkpoint.load(engine, out, rank)
+        with _solo(watchdog):  # rank 0 may convert it first (another number of ranks)
+            start, loader_state = checkpoint.load(engine, out, rank)
         restore_loader(loader, loader_state)
     elif rank == 0:
         (out / "metrics.jsonl").unlink(missing_ok=True)

@@ -1,11 +1,16 @@
 """Two ranks, one launch: the LR each optimizer step really uses; a failure in one rank's data
 loader (not a DataError: a bug, a failing HF processor) stopping every rank at once; a NaN loss on
 one rank never reaching the weights or optimizer state (ZeRO-2 and no ZeRO); a rank hung outside
-any collective named by both ranks' watchdogs within the peer timeout."""
+any collective named by both ranks' watchdogs within the peer timeout; the checkpoint of a ZeRO-3
+run (budget-mode reordering, a changing mixing schedule) that one rank then resumes (2 -> 1):
+fp32 weights, Adam moments, step count and LR as saved, and every sample of the data trained
+once, as in an uninterrupted run."""
 
+import math
 import time
 
 import pytest
+import torch
 
 from tests.fixtures import ds_config, tiny_config
 from tests.harness import run_on_ranks
@@ -18,7 +23,6 @@ SCHEDULER = {"type": "WarmupCosineLR", "params": {
 
 def _expected_lr(k: int) -> float:
     """WarmupCosineLR's formula at iteration k (DeepSpeed's docs), written out independently."""
-    import math
     if k < WARMUP:
         return LR * k / WARMUP
     progress = min(1.0, (k - WARMUP + 1) / (STEPS - WARMUP))
@@ -187,7 +191,7 @@ def _hang(rank, world) -> tuple[list[str], float]:
     return verdicts, time.monotonic() - t0
 
 
-def _run(rank, world, root):
+def _run(rank, world, root, sources):
     from torch.optim.optimizer import register_optimizer_step_pre_hook
     from ds_omni.ds_config import derive_ds_config
     from ds_omni.errors import DataError
@@ -223,13 +227,118 @@ def _run(rank, world, root):
     _, _, stage0 = setup_training(cfg0, derive_ds_config(cfg0, ds_config(0), plan0), rank, plan0)
     faults["sp"] = _sp_fault(rank, world, root, built)
     faults["hang"] = _hang(rank, world)
-    return used, logged, faults, _nonfinite(rank, engine, loader, stage0)
+    return used, logged, faults, _nonfinite(rank, engine, loader, stage0), _resize_save(
+        rank, world, root, sources)
+
+
+# ZeRO-3 in the suite (its partitioned parameters are the harder case); ZeRO 1 too, and 1 -> 2
+# and 4 -> 2, by hand: tests/dist/resize_check.py
+RESIZE_STAGES, SAVED_AT = (3,), 2
+
+
+def _resize_config(root: str, sources: list[dict], stage: int):
+    """A run that ends when its data does (8 pictures + 14 sentences, on_exhausted="drop"), with
+    budget-mode reordering and mixing weights that change at step 1 and ramp up to step 3."""
+    from ds_omni.config import ReorderConfig, SourceConfig, WeightPoint, from_dict
+    cfg = tiny_config(f"{root}/resize{stage}", steps=8, warmup_steps=WARMUP, lr=LR)
+    cfg.data.sources = [from_dict(SourceConfig, {**{k: v for k, v in s.items() if k != "rows"},
+                                                 "on_exhausted": "drop"}) for s in sources]
+    cfg.data.reorder = ReorderConfig(mode="budget", group_size=2)
+    cfg.data.schedule = [WeightPoint(step=1, weights={"img": 0.5}),
+                         WeightPoint(step=3, weights={"img": 3.0}, ramp="linear")]
+    return cfg
+
+
+def _resize_engine(rank, world, root, sources, stage):
+    from ds_omni.ds_config import derive_ds_config
+    from ds_omni.parallel.plan import ParallelPlan
+    from ds_omni.train.engine import setup_training
+    cfg = _resize_config(root, sources, stage)
+    plan = ParallelPlan.from_config(cfg.parallel, world)
+    ds = derive_ds_config(cfg, ds_config(stage, scheduler=SCHEDULER), plan)
+    return cfg, *setup_training(cfg, ds, rank, plan)[1:]
+
+
+def _full_state(engine) -> dict:
+    """Every trained parameter's whole fp32 value and Adam moments (gathered from the ranks'
+    partitions), the optimizer's step counts and the LR the next step uses."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    base = engine.optimizer.optimizer
+    return {"params": {n: [safe_get_full_fp32_param(p)] + [
+                safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")]
+                for n, p in engine.module.named_parameters() if p.requires_grad},
+            "adam_steps": sorted({float(st["step"]) for st in base.state.values()}),
+            "lr": engine.get_lr()[0]}
+
+
+def _to_the_end(engine, loader) -> tuple[list[list[str]], list[float]]:
+    """Train until every source is exhausted; each step's sample keys (all ranks) and loss."""
+    from ds_omni.train.engine import StopTraining, train_step
+    keys, losses = [], []
+    while len(keys) < 20:
+        batch = loader.next_step()
+        try:
+            losses.append(train_step(engine, batch, loader.comm).loss)
+        except StopTraining:
+            break
+        keys.append(_step_keys(loader, batch))
+    return keys, losses
+
+
+def _step_keys(loader, batch) -> list[str]:
+    return sorted(k for part in loader.comm.world_all_gather(batch.keys) for k in part)
+
+
+def _resize_save(rank, world, root, sources, stages=RESIZE_STAGES) -> dict:
+    """Per stage: train SAVED_AT steps and save."""
+    from ds_omni.train import checkpoint
+    from ds_omni.train.engine import train_step
+    out = {}
+    for stage in stages:
+        cfg, loader, engine = _resize_engine(rank, world, root, sources, stage)
+        keys = []
+        for _ in range(SAVED_AT):
+            batch = loader.next_step()
+            train_step(engine, batch, loader.comm)
+            keys.append(_step_keys(loader, batch))
+        checkpoint.save(engine, cfg.train.output_dir, SAVED_AT, loader.state_dict(), rank)
+        out[stage] = {"before": keys, "saved": _full_state(engine)}
+    return out
+
+
+def _resize_load(rank, world, root, sources, stages=RESIZE_STAGES) -> dict:
+    """Per stage, on `world` ranks: resume the checkpoint, note its state, train to the end."""
+    from ds_omni.train import checkpoint
+    from ds_omni.train.engine import restore_loader
+    out = {}
+    for stage in stages:
+        cfg, loader, engine = _resize_engine(rank, world, root, sources, stage)
+        step, state = checkpoint.load(engine, cfg.train.output_dir, rank)
+        restore_loader(loader, state)
+        loaded = _full_state(engine)
+        keys, losses = _to_the_end(engine, loader)
+        moved = any(not torch.equal(a[0], b[0]) for a, b in zip(
+            loaded["params"].values(), _full_state(engine)["params"].values()))
+        out[stage] = {"step": step, "loaded": loaded, "after": keys, "losses": losses,
+                      "moved": moved}
+    return out
+
+
+def _resize_sources(tmp_path) -> list[dict]:
+    from tests.data_files import conversation_rows, text_rows, write
+    img, img_schema = write("json", conversation_rows(8, seed=5), tmp_path / "img", files=1)
+    txt, txt_schema = write("json", text_rows(14), tmp_path / "txt", files=1)
+    return [{"name": "img", "path": img, "schema": img_schema, "weight": 2.0, "rows": 8},
+            {"name": "txt", "path": txt, "schema": txt_schema, "rows": 14}]
 
 
 @pytest.mark.dist
 def test_lr_used_loader_failure_on_one_rank_and_nonfinite_steps(tmp_path):
-    results = run_on_ranks(_run, 2, args=(str(tmp_path),), timeout=150)
-    used, logged, _, _ = results[0]
+    sources = _resize_sources(tmp_path)
+    results = run_on_ranks(_run, 2, args=(str(tmp_path), sources), timeout=200)
+    resumed = run_on_ranks(_resize_load, 1, args=(str(tmp_path), sources), timeout=120)[0]
+    _check_resize(results[0][4], resumed, sources)
+    used, logged, _, _, _ = results[0]
     # step k runs at iteration k: only step 0 sits at the warm-up's start, and the log says so
     assert used == pytest.approx([_expected_lr(k) for k in range(STEPS)], abs=1e-12)
     assert used[1] > 0 and logged == used
@@ -237,18 +346,43 @@ def test_lr_used_loader_failure_on_one_rank_and_nonfinite_steps(tmp_path):
     for fault, what in (("read", "IndexError"), ("fetch", "IndexError"),
                         ("processor", "ValueError: processor exploded"),
                         ("sp", "ValueError: processor exploded")):
-        for rank, (_, _, faults, _) in enumerate(results):
+        for rank, (_, _, faults, _, _) in enumerate(results):
             message, seconds = faults[fault]
             assert message and what in message and "loader of rank 1 " in message, (rank, fault)
             assert seconds < 10, (rank, fault, seconds)
-    for rank, (_, _, _, nonfinite) in enumerate(results):
+    for rank, (_, _, _, nonfinite, _) in enumerate(results):
         for engine in ("zero2", "zero0"):
             assert nonfinite[f"{engine}_skip"] == (True, True), (rank, engine)
             assert nonfinite[f"{engine}_stop"] == (True, True), (rank, engine)
             assert nonfinite[f"{engine}_next"], (rank, engine)
         assert nonfinite["unguarded_nan_weights"]  # what the guard prevents
-    for rank, (_, _, faults, _) in enumerate(results):
+    for rank, (_, _, faults, _, _) in enumerate(results):
         verdicts, seconds = faults["hang"]
         assert len(verdicts) == 1 and "rank 1 is hung" in verdicts[0], (rank, verdicts)
         assert "at step 7" in verdicts[0] and "wait" in verdicts[0]  # where it hangs
         assert HANG_TIMEOUT <= seconds < HANG_TIMEOUT + 5, (rank, seconds)
+
+
+def _check_resize(saved: dict, resumed: dict, sources: list[dict]) -> None:
+    """2 -> 1 (ZeRO-3 here; other stages and counts: resize_check.py): right after the load,
+    every parameter's fp32 value and Adam moments equal the saved ones, as do the step counts and
+    the LR; then training goes on, and the samples before the save plus those after the resume
+    are what an uninterrupted run of this data trains (on_exhausted="drop": every row once, taken
+    from the files, not from a loader): none lost, none repeated."""
+    import collections
+    rows = collections.Counter(f"0/{s['name']}:0:{i}" for s in sources  # epoch/source:file:row
+                               for i in range(s["rows"]))
+    for stage in saved:
+        want, got = saved[stage], resumed[stage]
+        assert got["step"] == SAVED_AT, stage
+        assert set(got["loaded"]["params"]) == set(want["saved"]["params"])
+        for name, tensors in want["saved"]["params"].items():
+            for what, a, b in zip(("fp32", "exp_avg", "exp_avg_sq"), tensors,
+                                  got["loaded"]["params"][name]):
+                torch.testing.assert_close(b, a, rtol=0, atol=1e-6,
+                                           msg=lambda m: f"ZeRO-{stage} {name} {what}: {m}")
+        assert got["loaded"]["adam_steps"] == want["saved"]["adam_steps"] == [SAVED_AT], stage
+        assert got["loaded"]["lr"] == pytest.approx(want["saved"]["lr"], abs=1e-12), stage
+        assert got["moved"] and got["losses"] and all(map(math.isfinite, got["losses"])), stage
+        trained = collections.Counter(k for step in want["before"] + got["after"] for k in step)
+        assert trained == rows, (stage, sorted((trained - rows) + (rows - trained)))

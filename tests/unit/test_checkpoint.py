@@ -126,12 +126,44 @@ def test_fingerprint_differences_of_family_and_ranks():
     assert checkpoint.fingerprint_differences(run, dict(run)) == []
     other = {**run, "family": "qwen2_vl", "world_size": 1}
     assert checkpoint.fingerprint_differences(run, other) == [
-        "model family 'llava' in the checkpoint, 'qwen2_vl' now",
-        "2 rank(s) wrote it, this run has 1: DeepSpeed cannot repartition ZeRO-2 optimizer state "
-        "onto another number of ranks (the data position could move: ds_omni's loader state is "
-        "elastic)"]
+        "model family 'llava' in the checkpoint, 'qwen2_vl' now"]  # ranks: resharded at load
     assert checkpoint.fingerprint_differences({**run, "zero_stage": 0},
                                               {**run, "zero_stage": 0, "world_size": 4}) == []
+
+
+def test_a_checkpoint_sharded_for_another_number_of_ranks_is_resharded(tmp_path):
+    """The ranks that wrote the optimizer shards are counted from DeepSpeed's file names (ZeRO
+    1-2, ZeRO-3, bf16 without ZeRO); only sharded state written by another count needs the
+    universal conversion (whole state, in the model file, loads on any number of ranks)."""
+    names = {"zero1": [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(4)],
+             "zero3": ["zero_pp_rank_0_mp_rank_00_model_states.pt",
+                       "zero_pp_rank_1_mp_rank_00_model_states.pt",
+                       "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                       "zero_pp_rank_1_mp_rank_00_optim_states.pt"],
+             "bf16": ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"],
+             "whole": ["mp_rank_00_model_states.pt"]}
+    for kind, files in names.items():
+        (tmp_path / kind).mkdir()
+        for name in files + ["rng_rank0.pt", "loader_state.json"]:
+            (tmp_path / kind / name).write_bytes(b"x")
+    ranks = {kind: checkpoint.shard_ranks(tmp_path / kind) for kind in names}
+    assert ranks == {"zero1": 4, "zero3": 2, "bf16": 1, "whole": 0}
+    assert checkpoint.resharding_needed(4, 2) and checkpoint.resharding_needed(1, 2)
+    assert not checkpoint.resharding_needed(2, 2) and not checkpoint.resharding_needed(0, 8)
+
+
+def test_a_failed_universal_conversion_says_how_to_resume(tmp_path):
+    """Not a traceback from inside DeepSpeed's converter, and nothing left half-written."""
+    step = tmp_path / "step00000001"
+    step.mkdir()
+    (step / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"not a checkpoint")
+    (step / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(LaunchError, match=r"converting .*step00000001' to a universal checkpoint "
+                                          r"\(to load it on another number of ranks\) failed: "
+                                          r".*Resume with the number of ranks that wrote it \(2\)"):
+        checkpoint.universal_tag(tmp_path, "step00000001", rank=0)
+    assert sorted(p.name for p in step.iterdir()) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
 
 
 def test_a_damaged_loader_state_is_named(tmp_path):
