@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ds_omni.config import OmniConfig
-from ds_omni.data.build import build_loader
+from ds_omni.data.build import build_loader, cost_model_for
 from ds_omni.data.loader import StepBatch, check_per_sequence, reorder_group_size
 from ds_omni.data.check import startup_check
 from ds_omni.data.prefetch import Prefetcher
@@ -33,10 +33,13 @@ from ds_omni.ds_config import derive_ds_config, load_ds_json
 from ds_omni.errors import DataError, LaunchError
 from ds_omni.parallel import dist
 from ds_omni.model.attention import resolve_kernel
-from ds_omni.model.build import check_sequence_parallel
+from ds_omni.model.build import check_sequence_parallel, llm_text_config
 from ds_omni.parallel.groups import (TorchDataComm, data_groups, loader_step_comm, sequence_blocks,
                                     sequence_groups)
+from ds_omni.parallel.pipeline import (around_optimizer_step, build_pipeline_module,
+                                      check_pipeline, engine_inputs, is_pipeline)
 from ds_omni.parallel.plan import ParallelPlan
+from ds_omni.parallel.stages import StagePlan, stage_plan_for
 from ds_omni.train import checkpoint
 from ds_omni.train.control import WeightsFile
 from ds_omni.train.evaluate import build_evaluator
@@ -92,8 +95,26 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
     step, when the gradients are reduced over the ranks (for tests that compare them). `guard`
     checks the losses and gradients before the optimizer step (`ds_omni.train.nonfinite`).
     """
-    dp_group, token_group, dp_size = comm.dp_group, comm.token_group, comm.dp_size
-    divisor = gradient_divisor(engine, dp_size, comm.sp_size)
+    samples, cost_sum, cost_max, n_micro, targets, tokens = _step_totals(batch, comm)
+    scale = engine_loss(1.0, gradient_divisor(engine, comm.dp_size, comm.sp_size), targets)
+    if is_pipeline(engine):
+        loss_sum, dropped = _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard)
+        loss_group = None  # only the last stage has losses: the world's sum is the global one
+    else:
+        loss_sum, dropped = _micro_batch_steps(engine, batch, comm, scale, int(n_micro),
+                                               on_reduced_grads, guard)
+        loss_group = comm.token_group
+    (global_loss_sum,) = dist.all_reduce_sum([loss_sum], loss_group)
+    return StepResult(loss=global_loss_sum / max(targets, 1.0), tokens=int(tokens),
+                      targets=int(targets), samples=int(samples), nonfinite_keys=dropped,
+                      cost_max_over_mean=cost_max / (cost_sum / comm.dp_size) if cost_sum else 1.0)
+
+
+def _step_totals(batch: StepBatch, comm: TorchDataComm) -> tuple[float, ...]:
+    """(samples, modelled cost sum, its max, most micro-batches, target tokens, tokens) over the
+    data-parallel ranks; a data problem or stop on any rank stops every rank here, before a
+    collective of the step could hang."""
+    dp_group, token_group = comm.dp_group, comm.token_group
     local = [len(batch.keys), batch.modelled_cost, float(batch.error is not None),
              float(batch.stop is not None)]
     samples, cost_sum, errors, stops = dist.all_reduce_sum(local, dp_group)
@@ -111,7 +132,14 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
     targets, tokens = dist.all_reduce_sum([sum(mb.num_targets for mb in batch.micro_batches),
                                            sum(mb.num_tokens for mb in batch.micro_batches)],
                                           token_group)
-    micro_batches = _even_micro_batches(batch, int(n_micro))
+    return samples, cost_sum, cost_max, n_micro, targets, tokens
+
+
+def _micro_batch_steps(engine, batch, comm, scale, n_micro, on_reduced_grads, guard):
+    """Forward and backward of each micro-batch, the step at the boundary; returns (this rank's
+    summed token loss, the samples of a dropped update or None). `scale` turns a summed loss into
+    the loss DeepSpeed is given (`engine_loss`)."""
+    micro_batches = _even_micro_batches(batch, n_micro)
     losses, dropped = [], None
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -120,7 +148,7 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
         out = engine(mb.to(engine.device))
         if guard is not None:
             guard.watch_loss(out.loss_sum)
-        engine.backward(engine_loss(out.loss_sum, divisor, targets), scale_wrt_gas=False)
+        engine.backward(out.loss_sum * scale, scale_wrt_gas=False)
         if last and on_reduced_grads is not None:
             on_reduced_grads(engine)
         if last and guard is not None and guard.tripped():
@@ -130,11 +158,43 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
         else:
             engine.step()
         losses.append(out.loss_sum.detach())  # read once after the last step: no sync per micro-batch
-    loss_sum = float(torch.stack(losses).double().sum())
-    (global_loss_sum,) = dist.all_reduce_sum([loss_sum], token_group)
-    return StepResult(loss=global_loss_sum / max(targets, 1.0), tokens=int(tokens),
-                      targets=int(targets), samples=int(samples), nonfinite_keys=dropped,
-                      cost_max_over_mean=cost_max / (cost_sum / dp_size) if cost_sum else 1.0)
+    return float(torch.stack(losses).double().sum()), dropped
+
+
+def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
+    """The step through DeepSpeed's pipeline schedule (`train_batch`: every micro-batch, the
+    reductions and the optimizer step); returns (this rank's summed token loss, which only the
+    last stage has, else 0; the samples of a dropped update or None)."""
+    module, gas = engine.module, engine.gradient_accumulation_steps()
+    if len(batch.micro_batches) != gas:
+        raise LaunchError(f"the pipeline engine runs {gas} micro-batches a step but the loader made "
+                          f"{len(batch.micro_batches)}; under parallel.pp > 1 use "
+                          "data.reorder.mode \"fixed\" or \"loader_order\"")
+    loss = module.loss_fn
+    loss.scale = gas * scale  # the engine divides the last stage's loss by the accumulation steps
+    module.step_inputs.batches = [mb.to(engine.device) for mb in batch.micro_batches]
+    dropped = []
+
+    def optimizer_step(eng, step):
+        if on_reduced_grads is not None:
+            on_reduced_grads(eng)
+        if guard is not None:
+            for loss_sum in loss.sums:
+                guard.watch_loss(loss_sum)
+            if guard.tripped():
+                dropped.extend(_nonfinite_step(guard, batch, comm))
+                with guard.dropped_update():
+                    step()
+                return
+        step()
+
+    around_optimizer_step(engine, optimizer_step)
+    try:
+        engine.train_batch(data_iter=iter(engine_inputs(batch.micro_batches)))
+        sums = loss.sums
+        return float(torch.stack(sums).double().sum()) if sums else 0.0, dropped or None
+    finally:
+        loss.sums, module.step_inputs.batches = [], []
 
 
 def _even_micro_batches(batch: StepBatch, n_micro: int) -> list:
@@ -175,8 +235,6 @@ def _first_error(batch: StepBatch, comm: TorchDataComm) -> str:
 def preflight(cfg: OmniConfig, ds_config_path: str) -> tuple[ParallelPlan, dict]:
     """Every check that needs no process group, so a bad input fails on all ranks at once."""
     plan = ParallelPlan.from_config(cfg.parallel, dist.world_size_from_env())
-    if plan.pp_enabled:
-        raise LaunchError("parallel.pp > 1 is not available in this version; set it to 1")
     if plan.sp_enabled:
         check_sequence_parallel(cfg.model, plan.sp)
     if cfg.parallel.max_sequence_sp > 1:
@@ -185,6 +243,8 @@ def preflight(cfg: OmniConfig, ds_config_path: str) -> tuple[ParallelPlan, dict]
                            cfg.parallel.max_sequence_sp)
     resolve_kernel(cfg.model.attn_implementation)  # varlen on CPU, flash-attn missing: say so now
     ds_config = derive_ds_config(cfg, load_ds_json(ds_config_path), plan)
+    if plan.pp_enabled:
+        check_pipeline(cfg, ds_config, llm_text_config(cfg.model)[1].num_hidden_layers)
     checkpoint.check_writable(cfg.train.output_dir)
     reorder_group_size(cfg.data, plan.dp)
     startup_check(cfg)  # files, schema columns, relative media roots of every source
@@ -223,12 +283,23 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     if rank == 0:
         dist.barrier()
     torch.manual_seed(cfg.train.seed + rank)
-    params = [p for p in built.model.parameters() if p.requires_grad]
     ds_groups.mpu = None  # DeepSpeed keeps the last engine's mpu in a module global: don't inherit it
-    engine, *_ = deepspeed.initialize(model=built.model, model_parameters=params, config=ds_config,
+    module = built.model
+    if plan.pp_enabled:  # this rank's stage of the pipeline, split where the cost model says
+        module = build_pipeline_module(built.model, plan, stage_plan(cfg, built, plan))
+    params = [p for p in module.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config,
                                       mpu=mpu)
     align_lr_schedule(engine)
     return built, loader, engine
+
+
+def stage_plan(cfg: OmniConfig, built, plan: ParallelPlan) -> StagePlan:
+    """Pipeline stage boundaries for a full micro-batch (micro_batch_size samples of
+    data.max_seq_len tokens, one item per encoder each), from the loader's cost model."""
+    cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
+    return stage_plan_for(cost, plan.pp, cfg.parallel.encoder_placement,
+                          cfg.train.micro_batch_size, cfg.data.max_seq_len)
 
 
 def align_lr_schedule(engine) -> None:

@@ -1,0 +1,198 @@
+"""The LLM backbone over pipeline stages, on DeepSpeed's pipeline engine (`PipelineModule`).
+
+The pipeline's layers are the OmniModel's own modules (so parameters, checkpoints of the whole
+model and the oracle's names stay the same), wrapped so each takes and returns what DeepSpeed's
+engine can send between stages, a tuple of tensors:
+
+    EmbedStage    (index [1], position_ids, cu_seqlens) -> (hidden [1, T, D], position_ids, cu_seqlens)
+    DecoderStage  (hidden, position_ids, cu_seqlens)    -> (hidden, position_ids, cu_seqlens)
+    HeadStage     (hidden, position_ids, cu_seqlens)    -> normed hidden [1, T, D]
+    PipeLoss      (normed hidden, targets [1, T])       -> scaled sum of token losses
+
+Only `hidden` is a float tensor, so it is the one tensor the engine sends a gradient back for.
+`position_ids` ([1, T], or [3, 1, T] for M-RoPE) and `cu_seqlens` [n + 1] travel with it, so a
+stage needs nothing but what it receives (lengths vary per micro-batch: `dynamic_shape=True`).
+The encoders' inputs vary in kind and number per family and micro-batch, so they do not travel
+through the engine: the step's micro-batches are held by `StepInputs`, and the first stage looks
+its micro-batch up by the index the engine hands it ("stage0" placement: stage 0 encodes).
+
+Gradient scale: the engine divides the last stage's loss by the accumulation steps and averages
+gradients over the data-parallel ranks; `PipeLoss.scale` undoes both and divides by the global
+target-token count, so the gradient equals one process running the whole global batch.
+
+Dims: T packed tokens of a micro-batch, D LLM hidden size, n samples in the row.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ds_omni.errors import LaunchError, ModelError
+from ds_omni.model.omni import IGNORE_INDEX, OmniModel, summed_token_loss
+from ds_omni.parallel.stages import StagePlan, check_stages
+
+
+class StepInputs:
+    """The micro-batches of the step being trained (on the device), which the first stage reads
+    its encoder inputs and token ids from; set before each `train_batch`."""
+
+    def __init__(self):
+        self.batches: list = []
+
+
+class EmbedStage(nn.Module):
+    """Token embeddings with encoder outputs in place of their placeholders (`OmniModel.embed`).
+
+    It registers the modules `embed` uses, so their parameters belong to the first stage.
+    """
+
+    def __init__(self, model: OmniModel, step_inputs: StepInputs):
+        super().__init__()
+        self.embed_tokens = model.backbone.embed_tokens
+        self.encoders = model.encoders
+        object.__setattr__(self, "omni", model)  # not a submodule: its layers live on other stages
+        object.__setattr__(self, "step_inputs", step_inputs)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        index, position_ids, cu_seqlens = inputs
+        batch = self.step_inputs.batches[int(index[0])]
+        return self.omni.embed(batch), position_ids, cu_seqlens  # hidden [1, T, D]
+
+
+class DecoderStage(nn.Module):
+    """One LLM decoder layer over the packed row it receives."""
+
+    def __init__(self, model: OmniModel, index: int):
+        super().__init__()
+        backbone = model.backbone
+        self.layer = backbone.layers[index]
+        self.rotary_emb = backbone.rotary_emb  # no parameters; registered so it moves with the stage
+        object.__setattr__(self, "backbone", backbone)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, position_ids, cu_seqlens = inputs
+        # the longest sample, from the boundaries (a host read on a GPU, once per layer and row)
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        kwargs = self.backbone.layer_kwargs(hidden, position_ids, cu_seqlens.cpu(), max_seqlen)
+        return self.backbone.run_layer(self.layer, hidden, kwargs), position_ids, cu_seqlens
+
+
+class HeadStage(nn.Module):
+    """The final norm; holds the LM head, which `PipeLoss` applies to the target positions only."""
+
+    def __init__(self, model: OmniModel):
+        super().__init__()
+        self.norm = model.backbone.norm
+        self.lm_head = model.backbone.lm_head
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        hidden, _, _ = inputs
+        return self.norm(hidden)  # [1, T, D]
+
+
+class PipeLoss:
+    """The last stage's loss: the micro-batch's summed token loss times `scale` (module
+    docstring); it keeps each unscaled sum for the step's reported loss."""
+
+    def __init__(self, head: HeadStage):
+        self.head = head
+        self.scale = 1.0
+        self.sums: list[torch.Tensor] = []
+
+    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        keep = (targets[0] != IGNORE_INDEX).nonzero().squeeze(1)  # [n]
+        loss_sum = summed_token_loss(self.head.lm_head, hidden, targets, keep)
+        self.sums.append(loss_sum.detach())
+        return loss_sum * self.scale
+
+
+def pipeline_layers(model: OmniModel, step_inputs: StepInputs) -> tuple[list[nn.Module], PipeLoss]:
+    """[embedding, decoder layers..., head] and the loss of the last stage."""
+    backbone = model.backbone
+    if backbone.lm_head.weight is backbone.embed_tokens.weight:
+        raise ModelError("the LLM ties its LM head to its token embedding (tie_word_embeddings), "
+                         "which would put one weight on the first and the last pipeline stage; "
+                         "this version does not support that: set parallel.pp to 1 or use an LLM "
+                         "with tie_word_embeddings=false")
+    head = HeadStage(model)
+    layers = [EmbedStage(model, step_inputs)]
+    layers += [DecoderStage(model, i) for i in range(len(backbone.layers))]
+    return layers + [head], PipeLoss(head)
+
+
+def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan):
+    """The `PipelineModule` of this rank's stage, split at `stage_plan.parts`; its `loss_fn` is
+    the `PipeLoss`, its `step_inputs` the `StepInputs` the step fills."""
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+    step_inputs = StepInputs()
+    layers, loss = pipeline_layers(model, step_inputs)
+    if stage_plan.parts[-1] != len(layers):
+        raise ModelError(f"the stage plan splits {stage_plan.parts[-1]} layers but the pipeline "
+                         f"has {len(layers)}")
+
+    class CostSplitModule(PipelineModule):
+        """DeepSpeed's PipelineModule, split where ds_omni's cost model says."""
+
+        def _partition_layers(self, method="uniform"):
+            self.parts = list(stage_plan.parts)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    # ranks: pipe outermost, then data (ds_omni's ParallelPlan with sp = 1)
+    topology = PipeDataParallelTopology(num_pp=plan.pp, num_dp=plan.dp)
+    module = CostSplitModule(layers=layers, topology=topology, loss_fn=loss,
+                             partition_method="ds_omni", dynamic_shape=True)
+    module.step_inputs = step_inputs
+    module.family = model.family  # what checkpoints record
+    return module
+
+
+def engine_inputs(micro_batches: list) -> list[tuple]:
+    """What the engine's data iterator yields per micro-batch: ((index, position_ids, cu_seqlens),
+    targets). The first stage reads the inputs, the last the targets."""
+    return [((torch.tensor([i]), mb.position_ids, mb.cu_seqlens), mb.targets)
+            for i, mb in enumerate(micro_batches)]
+
+
+def around_optimizer_step(engine, wrap) -> None:
+    """Make the engine's optimizer step (the end of `train_batch`, when every backward is done
+    and the gradients are reduced) call `wrap(engine, step)`, where `step()` runs the original:
+    a test reads the reduced gradients there, the non-finite guard may skip the update."""
+    from deepspeed.runtime.pipe import schedule
+    original = type(engine)._INSTRUCTION_MAP[schedule.OptimizerStep]
+
+    def optimizer_step(self, *args, **kwargs):
+        wrap(self, lambda: original(self, *args, **kwargs))
+
+    # the engine looks instructions up on itself: this instance's map shadows the class's
+    engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP,
+                               schedule.OptimizerStep: optimizer_step}
+
+
+def is_pipeline(engine) -> bool:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    return isinstance(engine, PipelineEngine)
+
+
+
+def check_pipeline(cfg, ds_config: dict, decoder_layers: int) -> None:
+    """What parallel.pp > 1 cannot run with, said before any process group exists."""
+    pp = cfg.parallel.pp
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1):
+        raise LaunchError(f"parallel.pp={pp} with ZeRO stage {stage}: DeepSpeed's pipeline engine "
+                          "runs with ZeRO 0 or 1 only (it partitions the model itself); use "
+                          "ds_configs/zero1.json (or zero_optimization.stage 0/1) or set parallel.pp to 1")
+    check_stages(decoder_layers, pp)
+    unsupported = {"data.reorder.mode \"budget\" (its micro-batch count varies per rank; the "
+                   "pipeline schedule runs a fixed number)": cfg.data.reorder.mode == "budget",
+                   "data.eval_sources (validation)": bool(cfg.data.eval_sources),
+                   "train.export_hf (export of a pipeline checkpoint)": cfg.train.export_hf,
+                   "parallel.encoder_placement \"uniform\"":
+                       cfg.parallel.encoder_placement == "uniform"}
+    for what, used in unsupported.items():
+        if used:
+            raise LaunchError(f"parallel.pp={pp}: {what} is not available with the pipeline engine "
+                              "in this version; turn it off or set parallel.pp to 1")
