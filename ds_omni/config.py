@@ -372,10 +372,6 @@ class ParallelConfig:
             raise ConfigError("parallel.max_sequence_sp > 1 chooses an SP degree per sequence; it "
                               f"cannot be combined with a static parallel.sp={self.sp} or "
                               f"parallel.pp={self.pp} in this version: set those to 1")
-        if self.pp > 1 and self.sp > 1:
-            raise ConfigError(f"parallel.pp={self.pp} with parallel.sp={self.sp}: the pipeline "
-                              "engine runs without Ulysses sequence parallelism in this version; "
-                              "set one of them to 1")
         if self.dp != "auto" and self.dp < 1:
             raise ConfigError(f"parallel.dp must be >= 1 or \"auto\", got {self.dp}")
 

@@ -186,6 +186,10 @@ def check_pipeline(cfg, ds_config: dict, decoder_layers: int) -> None:
                           "runs with ZeRO 0 or 1 only (it partitions the model itself); use "
                           "ds_configs/zero1.json (or zero_optimization.stage 0/1) or set parallel.pp to 1")
     check_stages(decoder_layers, pp)
+    if cfg.parallel.sp > 1:
+        raise LaunchError(f"parallel.pp={pp} with parallel.sp={cfg.parallel.sp}: the pipeline "
+                          "engine runs without Ulysses sequence parallelism in this version; set "
+                          "one of them to 1")
     unsupported = {"data.reorder.mode \"budget\" (its micro-batch count varies per rank; the "
                    "pipeline schedule runs a fixed number)": cfg.data.reorder.mode == "budget",
                    "data.eval_sources (validation)": bool(cfg.data.eval_sources),

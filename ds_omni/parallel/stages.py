@@ -138,13 +138,15 @@ def stage_plan_for(cost, stages: int, placement: str, samples: int, tokens: int)
 
 
 def describe(stage_plan: StagePlan) -> list[dict]:
-    """Per stage: its decoder layers, whether it has the embedding / head, and its predicted
-    time (modelled cost relative to the slowest stage = 1.0), as `ds-omni plan` prints it."""
+    """Per stage: its decoder layers ("first-last"), whether it has the embedding / head, its
+    share of encoder work, and its predicted time per micro-batch: modelled training GFLOPs
+    (calibrated scales turn them into seconds) and relative to the slowest stage (1.0)."""
     times = stage_plan.stage_time
     slowest = max(times) or 1.0
     n = len(times)
-    return [{"stage": s, "decoder_layers": [r.start, r.stop - 1] if len(r) else [],
+    return [{"stage": s, "decoder_layers": f"{r.start}-{r.stop - 1}" if len(r) else "none",
              "embedding": s == 0, "head": s == n - 1,
              "encoder_share": round(stage_plan.encoder_shares()[s], 4),
-             "predicted_time": round(times[s] / slowest, 4)}
+             "predicted_gflop": round(times[s] / 1e9, 6),
+             "relative_time": round(times[s] / slowest, 4)}
             for s, r in enumerate(stage_plan.decoder_layers(s) for s in range(n))]

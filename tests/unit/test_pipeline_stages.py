@@ -1,0 +1,98 @@
+"""Pipeline stage boundaries from the cost model, and bad pipeline input (pure: no process group)."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from ds_omni.cli import main
+from ds_omni.parallel.stages import describe, partition, plan_stages, water_fill
+from tests.fixtures import ds_config, tiny_config_dict
+
+
+def _largest(costs, parts):
+    return max(sum(costs[a:b]) for a, b in zip(parts[:-1], parts[1:]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_partition_is_the_best_contiguous_split(seed):
+    rng = np.random.default_rng(seed)
+    costs = list(rng.uniform(0.1, 5.0, size=int(rng.integers(3, 9))))
+    stages = int(rng.integers(1, len(costs) + 1))
+    parts = partition(costs, stages)
+    assert parts[0] == 0 and parts[-1] == len(costs) and len(parts) == stages + 1
+    assert all(a < b for a, b in zip(parts[:-1], parts[1:]))  # no empty stage
+    brute = min(_largest(costs, [0, *cut, len(costs)])
+                for cut in itertools.combinations(range(1, len(costs)), stages - 1))
+    assert _largest(costs, parts) == pytest.approx(brute)
+
+
+def test_water_fill_raises_the_least_loaded_stages_first():
+    assert water_fill([4.0, 1.0, 2.0], 2.0) == pytest.approx([0.0, 1.5, 0.5])  # level 2.5
+    assert water_fill([4.0, 1.0, 2.0], 8.0) == pytest.approx([1.0, 4.0, 3.0])  # level 5 everywhere
+    assert water_fill([1.0, 1.0], 0.0) == [0.0, 0.0]
+
+
+def test_stage0_moves_decoder_layers_off_the_encoding_stage():
+    # 8 equal decoder layers (cost 1), light head, encoder work worth 4 layers
+    plan = plan_stages(1.0, 8, 0.5, 4.0, stages=2, placement="stage0")
+    assert plan.parts == [0, 3, 10]  # stage 0: embedding + 2 decoders + encoders = 6; stage 1: 6.5
+    assert plan.stage_time == pytest.approx([6.0, 6.5])
+    assert list(plan.decoder_layers(0)) == [0, 1] and list(plan.decoder_layers(1)) == list(range(2, 8))
+    # without encoder work the split is even in layers
+    assert plan_stages(1.0, 8, 0.0, 0.0, 2, "stage0").parts == [0, 5, 10]
+
+
+def test_uniform_spreads_encoder_work_and_beats_stage0_on_image_heavy_steps():
+    uniform = plan_stages(1.0, 8, 0.5, 4.0, stages=2, placement="uniform")
+    assert sum(uniform.encoder_time) == pytest.approx(4.0)
+    # the slowest stage: max(largest layer split, (all layers + all encoder work) / stages)
+    assert max(uniform.stage_time) == pytest.approx((8.5 + 4.0) / 2)
+    assert max(uniform.stage_time) < max(plan_stages(1.0, 8, 0.5, 4.0, 2, "stage0").stage_time)
+    rows = describe(uniform)
+    assert [r["decoder_layers"] for r in rows] == ["0-3", "4-7"]
+    assert sum(r["encoder_share"] for r in rows) == pytest.approx(1.0)
+    assert max(r["relative_time"] for r in rows) == 1.0
+
+
+def _plan(tmp_path, capsys, parallel: dict, zero: int = 1, world: int = 2) -> tuple[int, str]:
+    cfg = tiny_config_dict(str(tmp_path / "out"))
+    cfg["parallel"] = parallel
+    c, d = tmp_path / "cfg.json", tmp_path / "ds.json"
+    c.write_text(json.dumps(cfg))
+    d.write_text(json.dumps(ds_config(zero)))
+    code = main(["plan", "--config", str(c), "--deepspeed", str(d), "--world-size", str(world)])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+@pytest.mark.parametrize("parallel,zero,world,match", [
+    ({"pp": 2}, 2, 2, "ZeRO 0 or 1 only"),
+    ({"pp": 3}, 1, 3, "only 2 decoder layers"),
+    ({"pp": 2, "dp": 2}, 1, 2, "needs parallel.dp x sp x pp = 2 x 1 x 2 = 4 processes but 2"),
+    ({"pp": 2, "sp": 2}, 1, 4, "without Ulysses sequence parallelism"),
+])
+def test_bad_pipeline_plans_fail_before_launch(tmp_path, capsys, parallel, zero, world, match):
+    code, out = _plan(tmp_path, capsys, parallel, zero, world)
+    assert code == 2 and match in out and "Traceback" not in out, out
+
+
+def test_plan_prints_stages_and_their_predicted_time(tmp_path, capsys):
+    code, out = _plan(tmp_path, capsys, {"pp": 2})
+    assert code in (0, None), out
+    stages = json.loads(out)["pipeline"]["stages"]
+    assert [s["stage"] for s in stages] == [0, 1] and stages[0]["embedding"] and stages[1]["head"]
+    assert stages[0]["encoder_share"] == 1.0 and all(s["predicted_gflop"] > 0 for s in stages)
+
+
+def test_train_refuses_pipeline_with_zero2_before_any_process_group(tmp_path, capsys, monkeypatch):
+    cfg = tiny_config_dict(str(tmp_path / "out"))
+    cfg["parallel"] = {"pp": 2}
+    c, d = tmp_path / "cfg.json", tmp_path / "ds.json"
+    c.write_text(json.dumps(cfg))
+    d.write_text(json.dumps(ds_config(2)))
+    monkeypatch.setenv("WORLD_SIZE", "2")  # no rendezvous exists: a collective would fail, not pass
+    assert main(["train", "--config", str(c), "--deepspeed", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.pp=2 with ZeRO stage 2" in err and "Traceback" not in err
