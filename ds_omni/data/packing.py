@@ -52,6 +52,9 @@ class MicroBatch:
     """Per-sequence SP: (first rank, size) of the block of ranks that splits this row, whose
     Ulysses group the model uses for it; None: the static plan's (no SP, or parallel.sp)."""
     host: "MicroBatch | None" = field(default=None, repr=False)  # the CPU batch `to` moved
+    items: dict[str, list[EncodedItem]] = field(default_factory=dict, repr=False)
+    """The row's encoder items (host tensors), by encoder, in placeholder order: what a rank that
+    encodes only some of them (the joint pipeline's uniform placement) collates from."""
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +93,7 @@ class MicroBatch:
             position_ids=move(self.position_ids), cu_seqlens=self.cu_seqlens,  # stays on CPU
             max_seqlen=self.max_seqlen, sample_ids=self.sample_ids, reshard=self.reshard,
             pad_tokens=self.pad_tokens, sp_block=self.sp_block, host=self.host or self,
+            items=self.items,
             encoder_inputs={e: {k: move(v) for k, v in d.items()}
                             for e, d in self.encoder_inputs.items()})
 
@@ -124,6 +128,7 @@ def pack(samples: list[Sample], processors: dict[str, ItemProcessor],
         sample_ids=[s.sample_id for s in samples])
     if shard is None or shard.size == 1:
         mb.encoder_inputs = {e: processors[e].collate(items) for e, items in by_encoder.items()}
+        mb.items = by_encoder
         return mb
     return shard_row(mb, by_encoder, processors, shard)
 

@@ -102,6 +102,17 @@ def _with_dummy_pass(hidden: torch.Tensor, encoder: ModalityEncoder) -> torch.Te
     return hidden + 0.0 * encoder(encoder.dummy_inputs(hidden.device, hidden.dtype)).sum()
 
 
+def _insert(hidden: torch.Tensor, slots: torch.Tensor, feats: torch.Tensor, name: str,
+            batch: "MicroBatch") -> torch.Tensor:
+    """hidden [1, T, D] with the rows of feats [N, D] at positions slots [N]."""
+    if feats.shape[0] != slots.shape[0]:
+        raise ModelError(
+            f"encoder '{name}' produced {feats.shape[0]} embeddings but the text has "
+            f"{slots.shape[0]} '{name}' placeholder tokens (samples {batch.sample_ids[:4]}); each "
+            f"item needs exactly as many placeholders as it yields embeddings")
+    return hidden[0].index_copy(0, slots, feats.to(hidden.dtype)).unsqueeze(0)  # [T, D] -> [1, T, D]
+
+
 def _part(encoder: ModalityEncoder) -> str:
     """The part name of an encoder (as `model.freeze` and `activation_checkpointing` say it)."""
     return "vision" if encoder.modality == "image" else "audio"
@@ -263,13 +274,18 @@ class OmniModel(nn.Module):
                 # on all ranks (no hang when some ranks have no images); the result counts zero.
                 hidden = _with_dummy_pass(hidden, encoder)
                 continue
-            feats = encoder(inputs).to(hidden.dtype)  # [N, D]
-            if feats.shape[0] != n_slots:
-                raise ModelError(
-                    f"encoder '{name}' produced {feats.shape[0]} embeddings but the text has "
-                    f"{n_slots} '{name}' placeholder tokens (samples {batch.sample_ids[:4]}); each "
-                    f"item needs exactly as many placeholders as it yields embeddings")
-            hidden = hidden[0].index_copy(0, slots, feats).unsqueeze(0)  # [T, D] -> [1, T, D]
+            hidden = _insert(hidden, slots, encoder(inputs), name, batch)
+        return hidden
+
+    def embed_rows(self, batch: "MicroBatch", rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Token embeddings with `rows` (encoder name -> [N, D], encoded elsewhere: the joint
+        pipeline) in place of the placeholder tokens -> [1, T, D]."""
+        hidden = self.backbone.embed_tokens(batch.input_ids)  # [1, T, D]
+        for name, encoder in self.encoders.items():
+            slots = batch.positions_of(encoder.placeholder_id)
+            if name in rows or slots.shape[0]:
+                hidden = _insert(hidden, slots, rows.get(name, hidden.new_zeros((0, 1))), name,
+                                 batch)
         return hidden
 
     def _embed_shard(self, batch: "MicroBatch") -> torch.Tensor:

@@ -30,15 +30,18 @@ from torch import nn
 
 from ds_omni.errors import LaunchError, ModelError
 from ds_omni.model.omni import IGNORE_INDEX, OmniModel, summed_token_loss
+from ds_omni.parallel.joint import JointEncoding, plan_joint, sum_over_pipeline
 from ds_omni.parallel.stages import StagePlan, check_stages
 
 
 class StepInputs:
     """The micro-batches of the step being trained (on the device), which the first stage reads
-    its encoder inputs and token ids from; set before each `train_batch`."""
+    its encoder inputs and token ids from, and under "uniform" placement the step's
+    `JointEncoding` (the rows every stage encoded); set before each `train_batch`."""
 
     def __init__(self):
         self.batches: list = []
+        self.joint: JointEncoding | None = None
 
 
 class EmbedStage(nn.Module):
@@ -56,8 +59,13 @@ class EmbedStage(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         index, position_ids, cu_seqlens = inputs
-        batch = self.step_inputs.batches[int(index[0])]
-        return self.omni.embed(batch), position_ids, cu_seqlens  # hidden [1, T, D]
+        micro = int(index[0])
+        batch, joint = self.step_inputs.batches[micro], self.step_inputs.joint
+        if joint is None:  # "stage0": encode here
+            return self.omni.embed(batch), position_ids, cu_seqlens  # hidden [1, T, D]
+        rows = {name: joint.rows_for(micro, name) for name in self.encoders}
+        hidden = self.omni.embed_rows(batch, {k: v for k, v in rows.items() if v is not None})
+        return hidden, position_ids, cu_seqlens
 
 
 class DecoderStage(nn.Module):
@@ -121,9 +129,42 @@ def pipeline_layers(model: OmniModel, step_inputs: StepInputs) -> tuple[list[nn.
     return layers + [head], PipeLoss(head)
 
 
-def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan):
+class JointSetup:
+    """What a step needs to run "uniform" placement on this rank (`ds_omni.parallel.joint`)."""
+
+    def __init__(self, model: OmniModel, processors: dict, item_cost, stage: int, stages: int,
+                 group):
+        self.encoders, self.processors, self.item_cost = model.encoders, processors, item_cost
+        self.stage, self.stages, self.group = stage, stages, group
+        self.hidden = model.backbone.embed_tokens.embedding_dim
+        self.params = [p for p in model.encoders.parameters() if p.requires_grad]
+
+    def start(self, micro_batches: list, device) -> JointEncoding:
+        """Plan the step's items, encode this stage's share, send the rows to stage 0."""
+        plan = plan_joint([mb.items for mb in micro_batches], self.item_cost, self.stages)
+        dtype = self.encoders_dtype()
+        joint = JointEncoding(plan, self.stage, self.group, self.hidden, device, dtype)
+        joint.encode(self.encoders, micro_batches, self.processors)
+        return joint
+
+    def encoders_dtype(self) -> torch.dtype:
+        return next(self.encoders.parameters()).dtype
+
+    def finish(self, joint: JointEncoding) -> None:
+        """After stage 0's last backward: the encoders' backward and the sum of their gradients
+        over the pipeline's ranks (every rank of the pipeline calls this)."""
+        joint.backward()
+        for p in self.params:  # an item-less rank still ran the dummy: only off-path ones lack one
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        sum_over_pipeline(self.params, self.group)
+
+
+def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placement: str = "stage0",
+                          processors: dict | None = None, item_cost=None):
     """The `PipelineModule` of this rank's stage, split at `stage_plan.parts`; its `loss_fn` is
-    the `PipeLoss`, its `step_inputs` the `StepInputs` the step fills."""
+    the `PipeLoss`, its `step_inputs` the `StepInputs` the step fills, its `joint` the
+    `JointSetup` under "uniform" placement (else None)."""
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
     step_inputs = StepInputs()
@@ -146,6 +187,21 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan):
                              partition_method="ds_omni", dynamic_shape=True)
     module.step_inputs = step_inputs
     module.family = model.family  # what checkpoints record
+    # DeepSpeed's ZeRO-0 clipping (runtime.utils.clip_grad_norm_) counts a parameter of a stage
+    # other than the first only if it is marked model-parallel: without this, the gradient norm
+    # would hold stage 0's gradients alone
+    for p in module.parameters():
+        p.model_parallel = True
+    module.joint = None
+    if placement == "uniform":
+        stage = module.stage_id
+        if stage != 0:  # every stage holds the encoders; the norm counts stage 0's copy only
+            module.add_module("joint_encoders", model.encoders)
+            model.encoders.to(next(module.parameters()).device)
+            for p in model.encoders.parameters():
+                p.ds_pipe_replicated, p.model_parallel = True, False
+        module.joint = JointSetup(model, processors, item_cost, stage, plan.pp,
+                                  module._grid.get_pipe_parallel_group())
     return module
 
 
@@ -156,19 +212,18 @@ def engine_inputs(micro_batches: list) -> list[tuple]:
             for i, mb in enumerate(micro_batches)]
 
 
-def around_optimizer_step(engine, wrap) -> None:
-    """Make the engine's optimizer step (the end of `train_batch`, when every backward is done
-    and the gradients are reduced) call `wrap(engine, step)`, where `step()` runs the original:
-    a test reads the reduced gradients there, the non-finite guard may skip the update."""
-    from deepspeed.runtime.pipe import schedule
-    original = type(engine)._INSTRUCTION_MAP[schedule.OptimizerStep]
+def around_instructions(engine, wraps: dict) -> None:
+    """Make the engine's pipeline instructions of the types in `wraps` (e.g. `OptimizerStep`:
+    the end of `train_batch`, every backward done and gradients reduced) call
+    `wrap(engine, run)`, where `run()` executes the original instruction."""
+    cls_map = type(engine)._INSTRUCTION_MAP
 
-    def optimizer_step(self, *args, **kwargs):
-        wrap(self, lambda: original(self, *args, **kwargs))
+    def wrapped(kind, wrap):
+        original = cls_map[kind]
+        return lambda self, *args, **kwargs: wrap(self, lambda: original(self, *args, **kwargs))
 
     # the engine looks instructions up on itself: this instance's map shadows the class's
-    engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP,
-                               schedule.OptimizerStep: optimizer_step}
+    engine._INSTRUCTION_MAP = {**cls_map, **{k: wrapped(k, w) for k, w in wraps.items()}}
 
 
 def is_pipeline(engine) -> bool:
@@ -193,9 +248,7 @@ def check_pipeline(cfg, ds_config: dict, decoder_layers: int) -> None:
     unsupported = {"data.reorder.mode \"budget\" (its micro-batch count varies per rank; the "
                    "pipeline schedule runs a fixed number)": cfg.data.reorder.mode == "budget",
                    "data.eval_sources (validation)": bool(cfg.data.eval_sources),
-                   "train.export_hf (export of a pipeline checkpoint)": cfg.train.export_hf,
-                   "parallel.encoder_placement \"uniform\"":
-                       cfg.parallel.encoder_placement == "uniform"}
+                   "train.export_hf (export of a pipeline checkpoint)": cfg.train.export_hf}
     for what, used in unsupported.items():
         if used:
             raise LaunchError(f"parallel.pp={pp}: {what} is not available with the pipeline engine "

@@ -7,10 +7,9 @@ the step's encoder work:
 
 - "stage0" (Megatron-LM, NeMo, torchtitan): stage 0 encodes everything, so the embedding layer
   carries the whole encoder cost and the boundaries move decoder layers off stage 0 to make room.
-- "uniform" (MegaScale-Omni's joint pipeline): every stage encodes a share. Shares are poured
-  like water into the stages with the least layer work first, so the slowest stage is
-  max(slowest layer split, (all layer work + all encoder work) / stages); the split that
-  minimises the slowest stage's layer work is then also the best split here.
+- "uniform" (MegaScale-Omni's joint pipeline): every stage's ranks encode an equal share (by
+  modelled cost) of the step's items before the schedule starts (`ds_omni.parallel.joint`), so
+  each stage carries 1/P of the encoder work and the split only balances layer work.
 
 A pipeline runs at the pace of its slowest stage, so the split minimises the largest stage time
 (an exact dynamic programme over contiguous splits: L layers, P stages, O(P L^2)).
@@ -61,21 +60,6 @@ def partition(costs: list[float], stages: int) -> list[int]:
     return parts[::-1]
 
 
-def water_fill(loads: list[float], total: float) -> list[float]:
-    """Shares [P] of `total` work, added to `loads` [P] so the largest sum is as small as it can
-    be: the least-loaded stages are raised to a common level first."""
-    loads_arr = np.asarray(loads, dtype=np.float64)
-    if total <= 0:
-        return [0.0] * len(loads)
-    order = np.sort(loads_arr)
-    level = order[-1]
-    for k in range(1, len(order) + 1):  # the level when the k least-loaded stages take water
-        level = (order[:k].sum() + total) / k
-        if k == len(order) or level <= order[k]:
-            break
-    return [float(max(0.0, level - x)) for x in loads_arr]
-
-
 @dataclass(frozen=True)
 class StagePlan:
     """Boundaries over the pipeline's layers and what each stage is predicted to cost."""
@@ -113,8 +97,7 @@ def plan_stages(decoder_cost: float, num_decoders: int, head_cost: float, encode
         sums = _stage_sums(layers, parts)
         return StagePlan(parts, sums, [encoder_cost] + [0.0] * (stages - 1))
     parts = partition(layers, stages)
-    sums = _stage_sums(layers, parts)
-    return StagePlan(parts, sums, water_fill(sums, encoder_cost))
+    return StagePlan(parts, _stage_sums(layers, parts), [encoder_cost / stages] * stages)
 
 
 def _stage_sums(costs: list[float], parts: list[int]) -> list[float]:

@@ -36,7 +36,7 @@ from ds_omni.model.attention import resolve_kernel
 from ds_omni.model.build import check_sequence_parallel, llm_text_config
 from ds_omni.parallel.groups import (TorchDataComm, data_groups, loader_step_comm, sequence_blocks,
                                     sequence_groups)
-from ds_omni.parallel.pipeline import (around_optimizer_step, build_pipeline_module,
+from ds_omni.parallel.pipeline import (around_instructions, build_pipeline_module,
                                       check_pipeline, engine_inputs, is_pipeline)
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.parallel.stages import StagePlan, stage_plan_for
@@ -165,6 +165,7 @@ def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
     """The step through DeepSpeed's pipeline schedule (`train_batch`: every micro-batch, the
     reductions and the optimizer step); returns (this rank's summed token loss, which only the
     last stage has, else 0; the samples of a dropped update or None)."""
+    from deepspeed.runtime.pipe import schedule
     module, gas = engine.module, engine.gradient_accumulation_steps()
     if len(batch.micro_batches) != gas:
         raise LaunchError(f"the pipeline engine runs {gas} micro-batches a step but the loader made "
@@ -172,10 +173,19 @@ def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
                           "data.reorder.mode \"fixed\" or \"loader_order\"")
     loss = module.loss_fn
     loss.scale = gas * scale  # the engine divides the last stage's loss by the accumulation steps
-    module.step_inputs.batches = [mb.to(engine.device) for mb in batch.micro_batches]
+    inputs = module.step_inputs
+    inputs.batches = [mb.to(engine.device) for mb in batch.micro_batches]
     dropped = []
+    wraps = {}
+    if module.joint is not None:  # "uniform": every stage encodes its share now
+        inputs.joint = module.joint.start(inputs.batches, engine.device)
 
-    def optimizer_step(eng, step):
+        def encoders_backward(eng, run):  # after the last backward, before reductions
+            module.joint.finish(inputs.joint)
+            run()
+        wraps[schedule.ReduceTiedGrads] = encoders_backward
+
+    def optimizer_step(eng, step):  # every backward done, gradients reduced
         if on_reduced_grads is not None:
             on_reduced_grads(eng)
         if guard is not None:
@@ -188,13 +198,14 @@ def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
                 return
         step()
 
-    around_optimizer_step(engine, optimizer_step)
+    wraps[schedule.OptimizerStep] = optimizer_step
+    around_instructions(engine, wraps)
     try:
         engine.train_batch(data_iter=iter(engine_inputs(batch.micro_batches)))
         sums = loss.sums
         return float(torch.stack(sums).double().sum()) if sums else 0.0, dropped or None
     finally:
-        loss.sums, module.step_inputs.batches = [], []
+        loss.sums, inputs.batches, inputs.joint = [], [], None
 
 
 def _even_micro_batches(batch: StepBatch, n_micro: int) -> list:
@@ -286,7 +297,11 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     ds_groups.mpu = None  # DeepSpeed keeps the last engine's mpu in a module global: don't inherit it
     module = built.model
     if plan.pp_enabled:  # this rank's stage of the pipeline, split where the cost model says
-        module = build_pipeline_module(built.model, plan, stage_plan(cfg, built, plan))
+        cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
+        module = build_pipeline_module(
+            built.model, plan, stage_plan(cfg, built, plan), cfg.parallel.encoder_placement,
+            built.item_processors,
+            lambda name, item: float(cost.encoder_cost(name, item.cost_seqs()).sum()))
     params = [p for p in module.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config,
                                       mpu=mpu)
