@@ -100,6 +100,15 @@ def plan_stages(decoder_cost: float, num_decoders: int, head_cost: float, encode
     return StagePlan(parts, _stage_sums(layers, parts), [encoder_cost / stages] * stages)
 
 
+def step_stage_times(stage_plan: StagePlan, encoder_cost: float, placement: str) -> list[float]:
+    """[P] predicted stage times of a step whose encoder work is `encoder_cost`, on the fixed
+    boundaries of `stage_plan` (made for a typical mix): the mix of a step may differ from it."""
+    stages = len(stage_plan.layer_time)
+    shares = ([encoder_cost] + [0.0] * (stages - 1) if placement == "stage0"
+              else [encoder_cost / stages] * stages)
+    return [a + b for a, b in zip(stage_plan.layer_time, shares)]
+
+
 def _stage_sums(costs: list[float], parts: list[int]) -> list[float]:
     return [float(sum(costs[lo:hi])) for lo, hi in zip(parts[:-1], parts[1:])]
 

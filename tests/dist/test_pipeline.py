@@ -4,8 +4,11 @@ One 2-rank launch (PP=2, dp=1) trains each case 3 steps inside the ranks; the or
 (`tests/oracle.py`: plain PyTorch, one process, global batches built independently) must match
 the loss (1e-6 relative), the first step's reduced gradients and the final parameters (1e-5
 relative, fp32). Each stage returns its own parameters under the OmniModel's names; together they
-must be the whole model. The data mixes captioned pictures with plain sentences, so some
-micro-batches carry no image and token counts differ from one micro-batch to the next.
+must be the whole model, and under "uniform" placement (every stage holds the encoders) every
+copy of an encoder parameter must be the same. The data mixes captioned pictures (with a clip of
+beeps for the image+audio model) with plain sentences, so some micro-batches carry no item and
+token counts differ from one micro-batch to the next. Cases on the same model and data share one
+reference run.
 """
 
 import pytest
@@ -18,55 +21,81 @@ STEPS = 3
 LR = 1e-3
 PARAM_ATOL = 2e-3 * LR * STEPS  # as in test_parity: reduction-order noise through Adam
 
+COMPOSED = {"tokenizer": "builtin:shapes",
+            "vision": {"config": {"model_type": "clip_vision_model", "hidden_size": 32,
+                                  "intermediate_size": 64, "num_hidden_layers": 1,
+                                  "num_attention_heads": 4, "image_size": 32, "patch_size": 8}},
+            "audio": {"config": {"model_type": "whisper", "d_model": 32, "encoder_layers": 1,
+                                 "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+                                 "decoder_layers": 1, "decoder_attention_heads": 2,
+                                 "decoder_ffn_dim": 32, "num_mel_bins": 80,
+                                 "max_source_positions": 50}},
+            "llm": {"config": {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 3, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "max_position_embeddings": 512,
+                               "tie_word_embeddings": False}}}
 
-def _config(case: dict, out_dir: str):
-    from ds_omni.config import ParallelConfig, SourceConfig, from_dict
+#        case             model       placement  ZeRO
+CASES = [("llava_stage0", "llava", "stage0", 0), ("llava_uniform", "llava", "uniform", 1),
+         ("composed_uniform", "composed", "uniform", 0)]
+
+
+def _config(model: dict, placement: str, out_dir: str):
+    from ds_omni.config import ModelConfig, ParallelConfig, SourceConfig, from_dict
     cfg = tiny_config(out_dir, steps=STEPS)
-    cfg.data.sources = [from_dict(SourceConfig, s) for s in case["sources"]]
-    cfg.parallel = ParallelConfig(pp=2, encoder_placement=case["placement"])
+    if model.get("model"):
+        cfg.model = from_dict(ModelConfig, model["model"], "model")
+    cfg.data.sources = [from_dict(SourceConfig, s) for s in model["sources"]]
+    cfg.data.max_seq_len = model.get("max_seq_len", cfg.data.max_seq_len)
+    cfg.parallel = ParallelConfig(pp=2, encoder_placement=placement)
     return cfg
 
 
-def _train_ranks(rank, world, cases, out_dir):
-    return {name: oracle.train_on_rank(rank, world, _config(case, f"{out_dir}/{name}"),
-                                       ds_config(case["zero"]), STEPS)
-            for name, case in cases.items()}
+def _train_ranks(rank, world, models, out_dir):
+    return {name: oracle.train_on_rank(rank, world, _config(models[model], placement,
+                                                            f"{out_dir}/{name}"),
+                                       ds_config(zero), STEPS)
+            for name, model, placement, zero in CASES}
 
 
 @pytest.fixture(scope="module")
-def cases(tmp_path_factory):
+def models(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pipeline")
-    mixed = [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]
-    return {"llava_stage0": {"placement": "stage0", "zero": 0, "sources": mixed},
-            "llava_uniform": {"placement": "uniform", "zero": 1, "sources": mixed}}
+    text = text_source(tmp)
+    tones = {"name": "shapes_tones", "path": "builtin:shapes_tones",
+             "schema": {"text": "conversations", "image": "image", "audio": "audio"}}
+    return {"llava": {"sources": [{"name": "shapes", "path": "builtin:shapes"}, text]},
+            "composed": {"model": COMPOSED, "sources": [tones, text], "max_seq_len": 160}}
 
 
 @pytest.mark.dist
-def test_pipeline_matches_single_process(cases, tmp_path):
+def test_pipeline_matches_single_process(models, tmp_path):
     from ds_omni.model.build import build_model
-    results = run_on_ranks(_train_ranks, 2, args=(cases, str(tmp_path / "pp")), timeout=300)
-    for name, case in cases.items():
-        cfg = _config(case, str(tmp_path / f"ref_{name}"))
-        step_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), 1, STEPS)
+    results = run_on_ranks(_train_ranks, 2, args=(models, str(tmp_path / "pp")), timeout=420)
+    refs = {}
+    for name, model, placement, _ in CASES:
+        cfg = _config(models[model], placement, str(tmp_path / f"ref_{model}"))
+        if model not in refs:  # the reference knows no parallel plan: one per model and data
+            step_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), 1, STEPS)
+            refs[model] = step_keys, oracle.run_reference(cfg, step_keys)
+            oracle.assert_moved(refs[model][1], model)
+        step_keys, ref = refs[model]
         for r in results:
             assert [sorted(k) for k in r[name]["keys"]] == step_keys, name
-        stages = [r[name] for r in results]
-        _check_replicas(case, *stages)
-        got = {"losses": stages[0]["losses"],
-               "grads": {**stages[0]["grads"], **stages[1]["grads"]},
-               "params": {**stages[0]["params"], **stages[1]["params"]}}
-        assert stages[1]["losses"] == got["losses"], name
-        ref = oracle.run_reference(cfg, step_keys)
+        first, second = (r[name] for r in results)
+        _check_replicas(placement, first, second)
+        assert second["losses"] == first["losses"], name
+        got = {"losses": first["losses"], "grads": {**first["grads"], **second["grads"]},
+               "params": {**first["params"], **second["params"]}}
         oracle.assert_matches(ref, got, f"{name} PP=2", param_atol=PARAM_ATOL)
-        oracle.assert_moved(ref, name)
         assert sum(r[name]["nothing_to_encode"] for r in results) > 0, name
 
 
-def _check_replicas(case, first, second) -> None:
+def _check_replicas(placement, first, second) -> None:
     """Only "uniform" holds a parameter on two stages: the encoders, every copy the same."""
     import torch
     shared = set(first["params"]) & set(second["params"])
-    if case["placement"] == "stage0":
+    if placement == "stage0":
         assert not shared, f"a parameter on 2 stages: {sorted(shared)[:3]}"
         return
     assert shared and all(k.startswith("encoders.") for k in shared), sorted(shared)[:3]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ds_omni.cli import main
-from ds_omni.parallel.stages import describe, partition, plan_stages
+from ds_omni.parallel.stages import describe, partition, plan_stages, step_stage_times
 from tests.fixtures import ds_config, tiny_config_dict
 
 
@@ -38,12 +38,19 @@ def test_stage0_moves_decoder_layers_off_the_encoding_stage():
     assert plan_stages(1.0, 8, 0.0, 0.0, 2, "stage0").parts == [0, 5, 10]
 
 
-def test_uniform_shares_encoder_work_and_beats_stage0_on_image_heavy_steps():
+def test_uniform_shares_encoder_work_and_beats_stage0_when_the_mix_swings():
     uniform = plan_stages(1.0, 8, 0.5, 4.0, stages=2, placement="uniform")
     assert uniform.encoder_time == pytest.approx([2.0, 2.0])
     assert uniform.parts == [0, 5, 10]  # layers alone decide the split
     assert uniform.stage_time == pytest.approx([4.0 + 2.0, 4.5 + 2.0])
-    assert max(uniform.stage_time) < max(plan_stages(1.0, 8, 0.5, 4.0, 2, "stage0").stage_time)
+    stage0 = plan_stages(1.0, 8, 0.5, 4.0, 2, "stage0")
+    # on the mix they were planned for, both balance (stage 0 gives up decoder layers) ...
+    assert max(uniform.stage_time) == max(stage0.stage_time) == 6.5
+    # ... but the boundaries stay while the mix swings: 3x the images, then none
+    assert max(step_stage_times(stage0, 12.0, "stage0")) == 14.0
+    assert max(step_stage_times(uniform, 12.0, "uniform")) == 10.5
+    assert max(step_stage_times(stage0, 0.0, "stage0")) == 6.5
+    assert max(step_stage_times(uniform, 0.0, "uniform")) == 4.5
     rows = describe(uniform)
     assert [r["decoder_layers"] for r in rows] == ["0-3", "4-7"]
     assert sum(r["encoder_share"] for r in rows) == pytest.approx(1.0)
@@ -90,3 +97,19 @@ def test_train_refuses_pipeline_with_zero2_before_any_process_group(tmp_path, ca
     assert main(["train", "--config", str(c), "--deepspeed", str(d)]) == 2
     err = capsys.readouterr().err
     assert "parallel.pp=2 with ZeRO stage 2" in err and "Traceback" not in err
+
+
+def test_joint_plan_balances_items_and_finds_every_row():
+    from types import SimpleNamespace
+    from ds_omni.parallel.joint import assign_items, plan_joint
+    assert assign_items([5.0, 1.0, 4.0, 2.0, 2.0], 2) == [0, 1, 1, 1, 0]  # 7 and 7
+    # 3 micro-batches: 2 images + 1 clip, nothing, 1 image (rows: embeddings per item)
+    item = lambda rows: SimpleNamespace(num_embeddings=rows)  # noqa: E731
+    micro = [{"vision": [item(4), item(2)], "audio": [item(3)]}, {}, {"vision": [item(1)]}]
+    plan = plan_joint(micro, lambda enc, it: float(it.num_embeddings), stages=2)
+    assert plan.stage_of == [0, 1, 1, 0]  # costs 4 + 1 | 2 + 3
+    assert plan.rows_per_stage == [5, 5]
+    index = plan.row_index()
+    # stage-major rows: stage 0 has items 0, 3 (rows 0-3, 4); stage 1 items 1, 2 (rows 5-6, 7-9)
+    assert index == {(0, "vision"): [0, 1, 2, 3, 5, 6], (0, "audio"): [7, 8, 9], (2, "vision"): [4]}
+    assert sorted(r for rows in index.values() for r in rows) == list(range(10))
