@@ -165,47 +165,53 @@ def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
     """The step through DeepSpeed's pipeline schedule (`train_batch`: every micro-batch, the
     reductions and the optimizer step); returns (this rank's summed token loss, which only the
     last stage has, else 0; the samples of a dropped update or None)."""
-    from deepspeed.runtime.pipe import schedule
     module, gas = engine.module, engine.gradient_accumulation_steps()
     if len(batch.micro_batches) != gas:
         raise LaunchError(f"the pipeline engine runs {gas} micro-batches a step but the loader made "
                           f"{len(batch.micro_batches)}; under parallel.pp > 1 use "
                           "data.reorder.mode \"fixed\" or \"loader_order\"")
-    loss = module.loss_fn
+    loss, inputs = module.loss_fn, module.step_inputs
     loss.scale = gas * scale  # the engine divides the last stage's loss by the accumulation steps
-    inputs = module.step_inputs
     inputs.batches = [mb.to(engine.device) for mb in batch.micro_batches]
     dropped = []
-    wraps = {}
-    if module.joint is not None:  # "uniform": every stage encodes its share now
-        inputs.joint = module.joint.start(inputs.batches, engine.device)
-
-        def encoders_backward(eng, run):  # after the last backward, before reductions
-            module.joint.finish(inputs.joint)
-            run()
-        wraps[schedule.ReduceTiedGrads] = encoders_backward
-
-    def optimizer_step(eng, step):  # every backward done, gradients reduced
-        if on_reduced_grads is not None:
-            on_reduced_grads(eng)
-        if guard is not None:
-            for loss_sum in loss.sums:
-                guard.watch_loss(loss_sum)
-            if guard.tripped():
-                dropped.extend(_nonfinite_step(guard, batch, comm))
-                with guard.dropped_update():
-                    step()
-                return
-        step()
-
-    wraps[schedule.OptimizerStep] = optimizer_step
-    around_instructions(engine, wraps)
     try:
+        if module.joint is not None:  # "uniform": every stage encodes its share now
+            inputs.joint = module.joint.start(inputs.batches, engine.device)
+        around_instructions(engine, _pipeline_hooks(module, batch, comm, on_reduced_grads, guard,
+                                                    dropped))
         engine.train_batch(data_iter=iter(engine_inputs(batch.micro_batches)))
         sums = loss.sums
         return float(torch.stack(sums).double().sum()) if sums else 0.0, dropped or None
     finally:
         loss.sums, inputs.batches, inputs.joint = [], [], None
+
+
+def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list) -> dict:
+    """What runs inside `train_batch`: the encoders' backward of "uniform" placement after the
+    last backward (before any reduction), and before the optimizer step the reduced-gradient
+    callback and the non-finite guard (which may drop the update, recording its samples)."""
+    from deepspeed.runtime.pipe import schedule
+    hooks = {}
+    if module.joint is not None:
+        def encoders_backward(engine, run):
+            module.joint.finish(module.step_inputs.joint)
+            run()
+        hooks[schedule.ReduceTiedGrads] = encoders_backward
+
+    def optimizer_step(engine, run):
+        if on_reduced_grads is not None:
+            on_reduced_grads(engine)
+        if guard is not None:
+            for loss_sum in module.loss_fn.sums:
+                guard.watch_loss(loss_sum)
+            if guard.tripped():
+                dropped.extend(_nonfinite_step(guard, batch, comm))
+                with guard.dropped_update():
+                    run()
+                return
+        run()
+    hooks[schedule.OptimizerStep] = optimizer_step
+    return hooks
 
 
 def _even_micro_batches(batch: StepBatch, n_micro: int) -> list:

@@ -1,5 +1,13 @@
-"""DP2 x PP2 on 4 ranks against one process (manual check; too slow for the suite's budget)."""
-import sys, time
+"""DP2 x PP2 on 4 ranks against one process, both placements (a manual check, outside the suite:
+4 ranks take about 3 minutes on 2 cores, past the suite's budget).
+
+    PYTHONPATH=. .venv/bin/python tests/dist/check_pipeline_dp2.py
+
+Same oracle and tolerances as `tests/dist/test_pipeline.py`; the reference trains the global
+batches of 2 data-parallel loaders.
+"""
+import time
+
 from tests.dist import test_pipeline as tp
 
 def ranks(rank, world, models, out_dir, cases):
