@@ -173,7 +173,7 @@ def _pipeline_stages(cfg, plan, ds_config: dict) -> dict:
     from ds_omni.parallel.pipeline import check_pipeline
     from ds_omni.parallel.stages import describe
     from ds_omni.train.engine import stage_plan
-    check_pipeline(cfg, ds_config, llm_text_config(cfg.model)[1].num_hidden_layers)
+    check_pipeline(cfg, ds_config, llm_text_config(cfg.model)[1])
     with torch.device("meta"):
         built = build_model(cfg.model)
     stages = stage_plan(cfg, built, plan)

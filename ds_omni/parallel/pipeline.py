@@ -34,6 +34,11 @@ from ds_omni.parallel.joint import JointEncoding, plan_joint, sum_over_pipeline
 from ds_omni.parallel.stages import StagePlan, check_stages
 
 
+TIED = ("the LLM ties its LM head to its token embedding (tie_word_embeddings), which would put "
+        "one weight on the first and the last pipeline stage; this version does not support that: "
+        "set parallel.pp to 1 or use an LLM with tie_word_embeddings=false")
+
+
 class StepInputs:
     """The micro-batches of the step being trained (on the device), which the first stage reads
     its encoder inputs and token ids from, and under "uniform" placement the step's
@@ -119,10 +124,7 @@ def pipeline_layers(model: OmniModel, step_inputs: StepInputs) -> tuple[list[nn.
     """[embedding, decoder layers..., head] and the loss of the last stage."""
     backbone = model.backbone
     if backbone.lm_head.weight is backbone.embed_tokens.weight:
-        raise ModelError("the LLM ties its LM head to its token embedding (tie_word_embeddings), "
-                         "which would put one weight on the first and the last pipeline stage; "
-                         "this version does not support that: set parallel.pp to 1 or use an LLM "
-                         "with tie_word_embeddings=false")
+        raise ModelError(TIED)
     head = HeadStage(model)
     layers = [EmbedStage(model, step_inputs)]
     layers += [DecoderStage(model, i) for i in range(len(backbone.layers))]
@@ -232,15 +234,18 @@ def is_pipeline(engine) -> bool:
 
 
 
-def check_pipeline(cfg, ds_config: dict, decoder_layers: int) -> None:
-    """What parallel.pp > 1 cannot run with, said before any process group exists."""
+def check_pipeline(cfg, ds_config: dict, llm_config) -> None:
+    """What parallel.pp > 1 cannot run with, said before any process group exists
+    (`llm_config`: the LLM's HF config)."""
     pp = cfg.parallel.pp
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     if stage not in (0, 1):
         raise LaunchError(f"parallel.pp={pp} with ZeRO stage {stage}: DeepSpeed's pipeline engine "
                           "runs with ZeRO 0 or 1 only (it partitions the model itself); use "
                           "ds_configs/zero1.json (or zero_optimization.stage 0/1) or set parallel.pp to 1")
-    check_stages(decoder_layers, pp)
+    check_stages(llm_config.num_hidden_layers, pp)
+    if getattr(llm_config, "tie_word_embeddings", False):
+        raise LaunchError(TIED)
     if cfg.parallel.sp > 1:
         raise LaunchError(f"parallel.pp={pp} with parallel.sp={cfg.parallel.sp}: the pipeline "
                           "engine runs without Ulysses sequence parallelism in this version; set "

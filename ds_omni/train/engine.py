@@ -261,7 +261,7 @@ def preflight(cfg: OmniConfig, ds_config_path: str) -> tuple[ParallelPlan, dict]
     resolve_kernel(cfg.model.attn_implementation)  # varlen on CPU, flash-attn missing: say so now
     ds_config = derive_ds_config(cfg, load_ds_json(ds_config_path), plan)
     if plan.pp_enabled:
-        check_pipeline(cfg, ds_config, llm_text_config(cfg.model)[1].num_hidden_layers)
+        check_pipeline(cfg, ds_config, llm_text_config(cfg.model)[1])
     checkpoint.check_writable(cfg.train.output_dir)
     reorder_group_size(cfg.data, plan.dp)
     startup_check(cfg)  # files, schema columns, relative media roots of every source

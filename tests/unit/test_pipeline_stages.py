@@ -57,9 +57,11 @@ def test_uniform_shares_encoder_work_and_beats_stage0_when_the_mix_swings():
     assert max(r["relative_time"] for r in rows) == 1.0
 
 
-def _plan(tmp_path, capsys, parallel: dict, zero: int = 1, world: int = 2) -> tuple[int, str]:
+def _plan(tmp_path, capsys, parallel: dict, zero: int = 1, world: int = 2,
+          tied: bool = False) -> tuple[int, str]:
     cfg = tiny_config_dict(str(tmp_path / "out"))
     cfg["parallel"] = parallel
+    cfg["model"]["llm"]["config"]["tie_word_embeddings"] = tied
     c, d = tmp_path / "cfg.json", tmp_path / "ds.json"
     c.write_text(json.dumps(cfg))
     d.write_text(json.dumps(ds_config(zero)))
@@ -68,14 +70,16 @@ def _plan(tmp_path, capsys, parallel: dict, zero: int = 1, world: int = 2) -> tu
     return code, captured.out + captured.err
 
 
-@pytest.mark.parametrize("parallel,zero,world,match", [
-    ({"pp": 2}, 2, 2, "ZeRO 0 or 1 only"),
-    ({"pp": 3}, 1, 3, "only 2 decoder layers"),
-    ({"pp": 2, "dp": 2}, 1, 2, "needs parallel.dp x sp x pp = 2 x 1 x 2 = 4 processes but 2"),
-    ({"pp": 2, "sp": 2}, 1, 4, "without Ulysses sequence parallelism"),
+@pytest.mark.parametrize("parallel,zero,world,tied,match", [
+    ({"pp": 2}, 2, 2, False, "ZeRO 0 or 1 only"),
+    ({"pp": 3}, 1, 3, False, "only 2 decoder layers"),
+    ({"pp": 2, "dp": 2}, 1, 2, False, "needs parallel.dp x sp x pp = 2 x 1 x 2 = 4 processes but 2"),
+    ({"pp": 2, "sp": 2}, 1, 4, False, "without Ulysses sequence parallelism"),
+    ({"pp": 2}, 1, 2, True, "ties its LM head to its token embedding"),
 ])
-def test_bad_pipeline_plans_fail_before_launch(tmp_path, capsys, parallel, zero, world, match):
-    code, out = _plan(tmp_path, capsys, parallel, zero, world)
+def test_bad_pipeline_plans_fail_before_launch(tmp_path, capsys, parallel, zero, world, tied,
+                                               match):
+    code, out = _plan(tmp_path, capsys, parallel, zero, world, tied)
     assert code == 2 and match in out and "Traceback" not in out, out
 
 
