@@ -26,6 +26,7 @@ Dims: T packed tokens of a micro-batch, D LLM hidden size, n samples in the row.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ds_omni.errors import LaunchError, ModelError
@@ -152,6 +153,13 @@ class JointSetup:
     def encoders_dtype(self) -> torch.dtype:
         return next(self.encoders.parameters()).dtype
 
+    def sync_replicas(self) -> None:
+        """Every stage's encoders from stage 0's (after loading a checkpoint: DeepSpeed saves a
+        stage's layers, and the encoders are a layer of stage 0 only)."""
+        src = dist.get_global_rank(self.group, 0)
+        for p in self.encoders.parameters():
+            dist.broadcast(p.data, src=src, group=self.group)
+
     def finish(self, joint: JointEncoding) -> None:
         """After stage 0's last backward: the encoders' backward and the sum of their gradients
         over the pipeline's ranks (every rank of the pipeline calls this)."""
@@ -182,6 +190,12 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
             self.parts = list(stage_plan.parts)
             stage = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+        def whole_model_shapes(self) -> dict[str, list[int]]:
+            """Every stage's parameter shapes by pipeline name (layer index first): the same
+            on every rank, so a checkpoint's fingerprint describes the whole run."""
+            return {f"{i}.{n}": list(p.shape) for i, layer in enumerate(self._layer_specs)
+                    for n, p in layer.named_parameters()}
 
     # ranks: pipe outermost, then data (ds_omni's ParallelPlan with sp = 1)
     topology = PipeDataParallelTopology(num_pp=plan.pp, num_dp=plan.dp)

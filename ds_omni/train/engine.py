@@ -365,6 +365,8 @@ def _run(cfg, ds_config, plan, rank, resume, stop_after, watchdog) -> dict:
     if resume:
         start, loader_state = checkpoint.load(engine, out, rank)
         restore_loader(loader, loader_state)
+        if getattr(engine.module, "joint", None) is not None:  # "uniform": stage 0 holds them
+            engine.module.joint.sync_replicas()
     elif rank == 0:
         (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / SKIPPED_FILE).unlink(missing_ok=True)
