@@ -9,6 +9,8 @@ One step, on every data-parallel rank:
   3. each micro-batch runs encode -> (under SP: reshard onto the sequence shards) -> scatter into
      the text -> LLM -> summed token loss, then DeepSpeed's backward and step (which reduces
      gradients at the accumulation boundary, over data x sequence ranks).
+Under parallel.pp > 1 step 3 is DeepSpeed's pipeline schedule (`train_batch`) over the stages of
+`ds_omni.parallel.pipeline`; every stage's ranks load the same micro-batches, so 1-2 are the same.
 """
 
 from __future__ import annotations
