@@ -153,7 +153,9 @@ class JointEncoding:
         through them (every rank of the pipeline calls this)."""
         grad_rows = None
         if self.stage == 0:
-            grad_rows = self.rows.grad if self.rows.grad is not None else torch.zeros_like(self.rows)
+            grad_rows = self.rows.grad
+            if grad_rows is None:  # no micro-batch used a row (cannot happen with items)
+                grad_rows = torch.zeros_like(self.rows)
         grad_local = self._exchange(grad_rows, to_stage0=False)
         tensors = [self.local] + self.dummies
         grads = [grad_local] + [torch.ones_like(d) for d in self.dummies]

@@ -4,7 +4,8 @@ The pipeline's layers are the OmniModel's own modules (so parameters, checkpoint
 model and the oracle's names stay the same), wrapped so each takes and returns what DeepSpeed's
 engine can send between stages, a tuple of tensors:
 
-    EmbedStage    (index [1], position_ids, cu_seqlens) -> (hidden [1, T, D], position_ids, cu_seqlens)
+    EmbedStage    (index [1], position_ids, cu_seqlens) -> (hidden [1, T, D], position_ids,
+                                                          cu_seqlens)
     DecoderStage  (hidden, position_ids, cu_seqlens)    -> (hidden, position_ids, cu_seqlens)
     HeadStage     (hidden, position_ids, cu_seqlens)    -> normed hidden [1, T, D]
     PipeLoss      (normed hidden, targets [1, T])       -> scaled sum of token losses
@@ -81,7 +82,7 @@ class DecoderStage(nn.Module):
         super().__init__()
         backbone = model.backbone
         self.layer = backbone.layers[index]
-        self.rotary_emb = backbone.rotary_emb  # no parameters; registered so it moves with the stage
+        self.rotary_emb = backbone.rotary_emb  # no parameters; registered: it moves with the stage
         object.__setattr__(self, "backbone", backbone)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -256,7 +257,8 @@ def check_pipeline(cfg, ds_config: dict, llm_config) -> None:
     if stage not in (0, 1):
         raise LaunchError(f"parallel.pp={pp} with ZeRO stage {stage}: DeepSpeed's pipeline engine "
                           "runs with ZeRO 0 or 1 only (it partitions the model itself); use "
-                          "ds_configs/zero1.json (or zero_optimization.stage 0/1) or set parallel.pp to 1")
+                          "ds_configs/zero1.json (or zero_optimization.stage 0/1) or set "
+                          "parallel.pp to 1")
     check_stages(llm_config.num_hidden_layers, pp)
     if getattr(llm_config, "tie_word_embeddings", False):
         raise LaunchError(TIED)

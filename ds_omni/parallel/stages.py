@@ -65,7 +65,7 @@ class StagePlan:
     """Boundaries over the pipeline's layers and what each stage is predicted to cost."""
 
     parts: list[int]  # [P + 1]
-    layer_time: list[float]  # [P] modelled cost of each stage's layers (embedding + decoders + head)
+    layer_time: list[float]  # [P] modelled cost of each stage's layers (embedding, decoders, head)
     encoder_time: list[float]  # [P] modelled cost of each stage's share of encoder work
 
     @property

@@ -169,8 +169,8 @@ def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
     last stage has, else 0; the samples of a dropped update or None)."""
     module, gas = engine.module, engine.gradient_accumulation_steps()
     if len(batch.micro_batches) != gas:
-        raise LaunchError(f"the pipeline engine runs {gas} micro-batches a step but the loader made "
-                          f"{len(batch.micro_batches)}; under parallel.pp > 1 use "
+        raise LaunchError(f"the pipeline engine runs {gas} micro-batches a step but the loader "
+                          f"made {len(batch.micro_batches)}; under parallel.pp > 1 use "
                           "data.reorder.mode \"fixed\" or \"loader_order\"")
     loss, inputs = module.loss_fn, module.step_inputs
     loss.scale = gas * scale  # the engine divides the last stage's loss by the accumulation steps
