@@ -154,7 +154,7 @@ class JointEncoding:
         grad_rows = None
         if self.stage == 0:
             grad_rows = self.rows.grad
-            if grad_rows is None:  # no micro-batch used a row (cannot happen with items)
+            if grad_rows is None:  # a step without items: no row was used
                 grad_rows = torch.zeros_like(self.rows)
         grad_local = self._exchange(grad_rows, to_stage0=False)
         tensors = [self.local] + self.dummies
