@@ -165,10 +165,30 @@ def cmd_plan(args) -> None:
     plan = ParallelPlan.from_config(cfg.parallel, args.world_size)
     if plan.sp_enabled:
         check_sequence_parallel(cfg.model, plan.sp)
-    print(_leaf_lines({"plan": {"world_size": plan.world_size, "dp": plan.dp, "sp": plan.sp,
-                                "pp": plan.pp},
-                       "layout": plan.layout(reorder_group_size(cfg.data, plan.dp)),
-                       "deepspeed": derive_ds_config(cfg, load_ds_json(args.deepspeed), plan)}))
+    ds_config = derive_ds_config(cfg, load_ds_json(args.deepspeed), plan)
+    out = {"plan": {"world_size": plan.world_size, "dp": plan.dp, "sp": plan.sp, "pp": plan.pp},
+           "layout": plan.layout(reorder_group_size(cfg.data, plan.dp)), "deepspeed": ds_config}
+    if plan.pp_enabled:
+        out["pipeline"] = _pipeline_stages(cfg, plan, ds_config)
+    print(_leaf_lines(out))
+
+
+def _pipeline_stages(cfg, plan, ds_config: dict) -> dict:
+    """Stage boundaries and each stage's predicted time, from the cost model of the model built
+    on the meta device (its sizes only: no weights are made or read)."""
+    import torch
+    from ds_omni.model.build import build_model, llm_text_config
+    from ds_omni.parallel.pipeline import check_pipeline
+    from ds_omni.parallel.stages import describe
+    from ds_omni.train.engine import stage_plan
+    check_pipeline(cfg, ds_config, llm_text_config(cfg.model)[1])
+    with torch.device("meta"):
+        built = build_model(cfg.model)
+    stages = stage_plan(cfg, built, plan)
+    return {"encoder_placement": cfg.parallel.encoder_placement,
+            "workload": f"micro-batches of {cfg.train.micro_batch_size} samples x "
+                        f"{cfg.data.max_seq_len} tokens, one item per encoder each",
+            "stages": describe(stages)}
 
 
 def _leaf_lines(obj, level: int = 0) -> str:

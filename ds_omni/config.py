@@ -402,7 +402,12 @@ class ParallelConfig:
     sp: int = 1
     """Ulysses sequence-parallel degree of the LLM."""
     pp: int = 1
-    """Pipeline stages."""
+    """Pipeline stages of the LLM (DeepSpeed's pipeline engine; ZeRO 0/1 only, sp = 1). Stage
+    boundaries come from the cost model (`ds-omni plan` prints them and each stage's time)."""
+    encoder_placement: Literal["stage0", "uniform"] = "stage0"
+    """Under pp > 1, where the encoders run: "stage0" on the first stage's ranks (as Megatron-LM
+    and NeMo do); "uniform" on every stage's ranks, each encoding a share of the step's items
+    balanced by modelled cost (MegaScale-Omni's joint pipeline)."""
     max_sequence_sp: int = 1
     """Per-sequence SP degree (ByteScale's hybrid data parallelism): > 1 lets a sequence that
     costs more than one rank's share of the step, or is longer than a micro-batch, run on a

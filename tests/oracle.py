@@ -214,9 +214,18 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
         out["eval"] = Evaluator(cfg, built, loader).run(engine)
     params = full_params(engine)
     loader.close()
-    if rank == 0:
-        out.update(grads=grads, params=params)
+    if rank == 0 or (plan.pp_enabled and plan.coords(rank).dp_rank == 0):  # every stage's own
+        names = omni_names(engine, built)
+        out.update(grads={names[k]: g for k, g in grads.items()},
+                   params={names[k]: p for k, p in params.items()})
     return out
+
+
+def omni_names(engine, built) -> dict[str, str]:
+    """The engine module's parameter names -> the OmniModel's (a pipeline stage names them by
+    layer index), found by tensor identity."""
+    ours = {id(p): n for n, p in built.model.named_parameters()}
+    return {n: ours[id(p)] for n, p in engine.module.named_parameters()}
 
 
 def _drop_last_sample(mb) -> None:

@@ -60,6 +60,9 @@ class MicroBatch:
     encode_calls: dict[str, int] | None = None
     """ZeRO-3: how many times each encoder runs on this micro-batch, the same on every rank
     (`train_step` sets it; the model tops up with zero-weight dummy runs). None: no top-up."""
+    items: dict[str, list[EncodedItem]] = field(default_factory=dict, repr=False)
+    """The row's encoder items (host tensors), by encoder, in placeholder order: what a rank that
+    encodes only some of them (the joint pipeline's uniform placement) collates from."""
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +103,7 @@ class MicroBatch:
             position_ids=move(self.position_ids), cu_seqlens=self.cu_seqlens,  # stays on CPU
             max_seqlen=self.max_seqlen, sample_ids=self.sample_ids, reshard=self.reshard,
             pad_tokens=self.pad_tokens, sp_block=self.sp_block, host=self.host or self,
+            items=self.items,
             encoder_inputs={e: {k: move(v) for k, v in d.items()}
                             for e, d in self.encoder_inputs.items()},
             split_inputs={e: [{k: move(v) for k, v in d.items()} for d in items]
@@ -137,6 +141,7 @@ def pack(samples: list[Sample], processors: dict[str, ItemProcessor],
         sample_ids=[s.sample_id for s in samples])
     if shard is None or shard.size == 1:
         mb.encoder_inputs = {e: processors[e].collate(items) for e, items in by_encoder.items()}
+        mb.items = by_encoder
         return mb
     return shard_row(mb, by_encoder, processors, shard)
 

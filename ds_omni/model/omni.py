@@ -148,6 +148,17 @@ def _top_up_calls(hidden: torch.Tensor, encoder: ModalityEncoder, batch: "MicroB
     return hidden
 
 
+def _insert(hidden: torch.Tensor, slots: torch.Tensor, feats: torch.Tensor, name: str,
+            batch: "MicroBatch") -> torch.Tensor:
+    """hidden [1, T, D] with the rows of feats [N, D] at positions slots [N]."""
+    if feats.shape[0] != slots.shape[0]:
+        raise ModelError(
+            f"encoder '{name}' produced {feats.shape[0]} embeddings but the text has "
+            f"{slots.shape[0]} '{name}' placeholder tokens (samples {batch.sample_ids[:4]}); each "
+            f"item needs exactly as many placeholders as it yields embeddings")
+    return hidden[0].index_copy(0, slots, feats.to(hidden.dtype)).unsqueeze(0)  # [T, D] -> [1, T, D]
+
+
 def _part(encoder: ModalityEncoder) -> str:
     """The part name of an encoder (as `model.freeze` and `activation_checkpointing` say it)."""
     return "vision" if encoder.modality == "image" else "audio"
@@ -176,21 +187,31 @@ class Backbone(nn.Module):
         always delimits the samples of the whole (padded) row. `attention` overrides the model's
         for this row (per-sequence SP: the row's block group).
         """
+        kwargs = self.layer_kwargs(hidden, position_ids, cu_seqlens, max_seqlen, attention)
+        for layer in self.layers:
+            hidden = self.run_layer(layer, hidden, kwargs)
+        return self.norm(hidden)
+
+    def layer_kwargs(self, hidden: torch.Tensor, position_ids: torch.Tensor,
+                     cu_seqlens: torch.Tensor, max_seqlen: int,
+                     attention: PackedAttention | None = None) -> dict:
+        """What every decoder layer of a row is called with (a pipeline stage makes it again
+        from the position ids and `cu_seqlens` it receives)."""
         position_embeddings = self.rotary_emb(hidden, position_ids)
         text_positions = position_ids if position_ids.ndim == 2 else position_ids[0]
         attention = attention or self.attention
         cu_seqlens = attention.boundaries(cu_seqlens, hidden.device)
-        kwargs = dict(attention_mask=None, position_ids=text_positions,
-                      position_embeddings=position_embeddings, cu_seqlens=cu_seqlens,
-                      max_seqlen=max_seqlen, ds_omni_attention=attention)
-        for layer in self.layers:
-            if self.checkpoint_layers and torch.is_grad_enabled():
-                # non-reentrant: works with ZeRO-3's parameter hooks and re-runs the Ulysses
-                # all-to-alls in the same order on every rank
-                hidden = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
-            else:
-                hidden = layer(hidden, **kwargs)
-        return self.norm(hidden)
+        return dict(attention_mask=None, position_ids=text_positions,
+                    position_embeddings=position_embeddings, cu_seqlens=cu_seqlens,
+                    max_seqlen=max_seqlen, ds_omni_attention=attention)
+
+    def run_layer(self, layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """One decoder layer [1, S, D] -> [1, S, D], recomputed in backward if so configured."""
+        if self.checkpoint_layers and torch.is_grad_enabled():
+            # non-reentrant: works with ZeRO-3's parameter hooks and re-runs the Ulysses
+            # all-to-alls in the same order on every rank
+            return checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+        return layer(hidden, **kwargs)
 
 
 def backbone_of(decoder_model: nn.Module, lm_head: nn.Module) -> Backbone:
@@ -204,6 +225,15 @@ def backbone_of(decoder_model: nn.Module, lm_head: nn.Module) -> Backbone:
     decoder_model.config._attn_implementation = PACKED_ATTENTION
     return Backbone(embed_tokens=decoder_model.embed_tokens, layers=decoder_model.layers,
                     norm=decoder_model.norm, lm_head=lm_head, rotary_emb=decoder_model.rotary_emb)
+
+
+def summed_token_loss(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                      keep: torch.Tensor) -> torch.Tensor:
+    """Sum of the token losses of a row: hidden [1, T, D], targets [1, T], keep [n] (the positions
+    that carry a target). Only those are projected: the [T, V] logits are the largest activation."""
+    logits = lm_head(hidden[0].index_select(0, keep))  # [n, V]
+    wanted = targets[0].index_select(0, keep)  # [n]: next token at each kept position
+    return F.cross_entropy(logits.float(), wanted, reduction="sum")
 
 
 class LossOutput(NamedTuple):
@@ -291,13 +321,18 @@ class OmniModel(nn.Module):
                 # on all ranks (no hang when some ranks have no images); the result counts zero.
                 hidden = _with_dummy_pass(hidden, encoder)
                 continue
-            feats = encoder(inputs).to(hidden.dtype)  # [N, D]
-            if feats.shape[0] != n_slots:
-                raise ModelError(
-                    f"encoder '{name}' produced {feats.shape[0]} embeddings but the text has "
-                    f"{n_slots} '{name}' placeholder tokens (samples {batch.sample_ids[:4]}); each "
-                    f"item needs exactly as many placeholders as it yields embeddings")
-            hidden = hidden[0].index_copy(0, slots, feats).unsqueeze(0)  # [T, D] -> [1, T, D]
+            hidden = _insert(hidden, slots, encoder(inputs), name, batch)
+        return hidden
+
+    def embed_rows(self, batch: "MicroBatch", rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Token embeddings with `rows` (encoder name -> [N, D], encoded elsewhere: the joint
+        pipeline) in place of the placeholder tokens -> [1, T, D]."""
+        hidden = self.backbone.embed_tokens(batch.input_ids)  # [1, T, D]
+        for name, encoder in self.encoders.items():
+            slots = batch.positions_of(encoder.placeholder_ids)
+            if name in rows or slots.shape[0]:
+                hidden = _insert(hidden, slots, rows.get(name, hidden.new_zeros((0, 1))), name,
+                                 batch)
         return hidden
 
     def _embed_shard(self, batch: "MicroBatch") -> torch.Tensor:
@@ -359,9 +394,7 @@ class OmniModel(nn.Module):
         # Project only positions that carry a target: the [T, V] logits are the largest activation.
         # Their indices come from the host, so nothing here waits for the device.
         keep = batch.target_positions()  # [n]
-        logits = self.backbone.lm_head(hidden[0].index_select(0, keep))  # [n, V]
-        targets = batch.targets[0].index_select(0, keep)  # [n]: next token at each kept position
-        loss_sum = F.cross_entropy(logits.float(), targets, reduction="sum")
+        loss_sum = summed_token_loss(self.backbone.lm_head, hidden, batch.targets, keep)
         return LossOutput(loss_sum=loss_sum, num_targets=keep.shape[0])
 
     # ---------------------------------------------------------------------------- structure

@@ -308,9 +308,10 @@ def run_fingerprint(engine) -> dict:
     parameter's name and shape (ZeRO-3's full shape), the ZeRO stage and how many ranks wrote
     DeepSpeed's shards."""
     module = engine.module
+    whole = getattr(module, "whole_model_shapes", None)  # a pipeline stage: the whole pipeline's
     return {"family": getattr(getattr(module, "family", None), "name", None),
-            "params": {n: list(getattr(p, "ds_shape", p.shape))
-                       for n, p in module.named_parameters()},
+            "params": whole() if whole else {n: list(getattr(p, "ds_shape", p.shape))
+                                             for n, p in module.named_parameters()},
             "zero_stage": engine.zero_optimization_stage(),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1}
 

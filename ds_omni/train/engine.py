@@ -9,6 +9,8 @@ One step, on every data-parallel rank:
   3. each micro-batch runs encode -> (under SP: reshard onto the sequence shards) -> scatter into
      the text -> LLM -> summed token loss, then DeepSpeed's backward and step (which reduces
      gradients at the accumulation boundary, over data x sequence ranks).
+Under parallel.pp > 1 step 3 is DeepSpeed's pipeline schedule (`train_batch`) over the stages of
+`ds_omni.parallel.pipeline`; every stage's ranks load the same micro-batches, so 1-2 are the same.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ds_omni.config import OmniConfig
-from ds_omni.data.build import build_loader
+from ds_omni.data.build import build_loader, cost_model_for
 from ds_omni.data.loader import StepBatch, check_per_sequence, reorder_group_size
 from ds_omni.data.check import startup_check
 from ds_omni.data.prefetch import Prefetcher
@@ -34,10 +36,13 @@ from ds_omni.ds_config import derive_ds_config, load_ds_json
 from ds_omni.errors import DataError, LaunchError
 from ds_omni.parallel import dist
 from ds_omni.model.attention import resolve_kernel
-from ds_omni.model.build import check_sequence_parallel
+from ds_omni.model.build import check_sequence_parallel, llm_text_config
 from ds_omni.parallel.groups import (TorchDataComm, data_groups, loader_step_comm, sequence_blocks,
                                     sequence_groups)
+from ds_omni.parallel.pipeline import (around_instructions, build_pipeline_module,
+                                      check_pipeline, engine_inputs, is_pipeline)
 from ds_omni.parallel.plan import ParallelPlan
+from ds_omni.parallel.stages import StagePlan, stage_plan_for
 from ds_omni.train import checkpoint
 from ds_omni.train.control import WeightsFile
 from ds_omni.train.evaluate import build_evaluator
@@ -93,8 +98,26 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
     step, when the gradients are reduced over the ranks (for tests that compare them). `guard`
     checks the losses and gradients before the optimizer step (`ds_omni.train.nonfinite`).
     """
-    dp_group, token_group, dp_size = comm.dp_group, comm.token_group, comm.dp_size
-    divisor = gradient_divisor(engine, dp_size, comm.sp_size)
+    samples, cost_sum, cost_max, n_micro, targets, tokens = _step_totals(batch, comm)
+    scale = engine_loss(1.0, gradient_divisor(engine, comm.dp_size, comm.sp_size), targets)
+    if is_pipeline(engine):
+        loss_sum, dropped = _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard)
+        loss_group = None  # only the last stage has losses: the world's sum is the global one
+    else:
+        loss_sum, dropped = _micro_batch_steps(engine, batch, comm, scale, int(n_micro),
+                                               on_reduced_grads, guard)
+        loss_group = comm.token_group
+    (global_loss_sum,) = dist.all_reduce_sum([loss_sum], loss_group)
+    return StepResult(loss=global_loss_sum / max(targets, 1.0), tokens=int(tokens),
+                      targets=int(targets), samples=int(samples), nonfinite_keys=dropped,
+                      cost_max_over_mean=cost_max / (cost_sum / comm.dp_size) if cost_sum else 1.0)
+
+
+def _step_totals(batch: StepBatch, comm: TorchDataComm) -> tuple[float, ...]:
+    """(samples, modelled cost sum, its max, most micro-batches, target tokens, tokens) over the
+    data-parallel ranks; a data problem or stop on any rank stops every rank here, before a
+    collective of the step could hang."""
+    dp_group, token_group = comm.dp_group, comm.token_group
     local = [len(batch.keys), batch.modelled_cost, float(batch.error is not None),
              float(batch.stop is not None)]
     samples, cost_sum, errors, stops = dist.all_reduce_sum(local, dp_group)
@@ -112,9 +135,16 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
     targets, tokens = dist.all_reduce_sum([sum(mb.num_targets for mb in batch.micro_batches),
                                            sum(mb.num_tokens for mb in batch.micro_batches)],
                                           token_group)
-    micro_batches = _even_micro_batches(batch, int(n_micro))
+    return samples, cost_sum, cost_max, n_micro, targets, tokens
+
+
+def _micro_batch_steps(engine, batch, comm, scale, n_micro, on_reduced_grads, guard):
+    """Forward and backward of each micro-batch, the step at the boundary; returns (this rank's
+    summed token loss, the samples of a dropped update or None). `scale` turns a summed loss into
+    the loss DeepSpeed is given (`engine_loss`)."""
+    micro_batches = _even_micro_batches(batch, n_micro)
     if engine.zero_optimization_stage() == 3 and (comm.sp_size > 1 or batch.filler is not None):
-        _even_encoder_calls(engine.module, micro_batches, dp_group)
+        _even_encoder_calls(engine.module, micro_batches, comm.dp_group)
     losses, dropped = [], None
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -123,7 +153,7 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
         out = engine(mb.to(engine.device))
         if guard is not None:
             guard.watch_loss(out.loss_sum)
-        engine.backward(engine_loss(out.loss_sum, divisor, targets), scale_wrt_gas=False)
+        engine.backward(out.loss_sum * scale, scale_wrt_gas=False)
         if last and on_reduced_grads is not None:
             on_reduced_grads(engine)
         if last and guard is not None and guard.tripped():
@@ -133,11 +163,60 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
         else:
             engine.step()
         losses.append(out.loss_sum.detach())  # read once after the last step: no sync per micro-batch
-    loss_sum = float(torch.stack(losses).double().sum())
-    (global_loss_sum,) = dist.all_reduce_sum([loss_sum], token_group)
-    return StepResult(loss=global_loss_sum / max(targets, 1.0), tokens=int(tokens),
-                      targets=int(targets), samples=int(samples), nonfinite_keys=dropped,
-                      cost_max_over_mean=cost_max / (cost_sum / dp_size) if cost_sum else 1.0)
+    return float(torch.stack(losses).double().sum()), dropped
+
+
+def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
+    """The step through DeepSpeed's pipeline schedule (`train_batch`: every micro-batch, the
+    reductions and the optimizer step); returns (this rank's summed token loss, which only the
+    last stage has, else 0; the samples of a dropped update or None)."""
+    module, gas = engine.module, engine.gradient_accumulation_steps()
+    if len(batch.micro_batches) != gas:
+        raise LaunchError(f"the pipeline engine runs {gas} micro-batches a step but the loader "
+                          f"made {len(batch.micro_batches)}; under parallel.pp > 1 use "
+                          "data.reorder.mode \"fixed\" or \"loader_order\"")
+    loss, inputs = module.loss_fn, module.step_inputs
+    loss.scale = gas * scale  # the engine divides the last stage's loss by the accumulation steps
+    inputs.batches = [mb.to(engine.device) for mb in batch.micro_batches]
+    dropped = []
+    try:
+        if module.joint is not None:  # "uniform": every stage encodes its share now
+            inputs.joint = module.joint.start(inputs.batches, engine.device)
+        around_instructions(engine, _pipeline_hooks(module, batch, comm, on_reduced_grads, guard,
+                                                    dropped))
+        engine.train_batch(data_iter=iter(engine_inputs(batch.micro_batches)))
+        sums = loss.sums
+        return float(torch.stack(sums).double().sum()) if sums else 0.0, dropped or None
+    finally:
+        loss.sums, inputs.batches, inputs.joint = [], [], None
+
+
+def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list) -> dict:
+    """What runs inside `train_batch`: the encoders' backward of "uniform" placement after the
+    last backward (before any reduction), and before the optimizer step the reduced-gradient
+    callback and the non-finite guard (which may drop the update, recording its samples)."""
+    from deepspeed.runtime.pipe import schedule
+    hooks = {}
+    if module.joint is not None:
+        def encoders_backward(engine, run):
+            module.joint.finish(module.step_inputs.joint)
+            run()
+        hooks[schedule.ReduceTiedGrads] = encoders_backward
+
+    def optimizer_step(engine, run):
+        if on_reduced_grads is not None:
+            on_reduced_grads(engine)
+        if guard is not None:
+            for loss_sum in module.loss_fn.sums:
+                guard.watch_loss(loss_sum)
+            if guard.tripped():
+                dropped.extend(_nonfinite_step(guard, batch, comm))
+                with guard.dropped_update():
+                    run()
+                return
+        run()
+    hooks[schedule.OptimizerStep] = optimizer_step
+    return hooks
 
 
 def _even_encoder_calls(model, micro_batches: list, group) -> None:
@@ -190,8 +269,6 @@ def _first_error(batch: StepBatch, comm: TorchDataComm) -> str:
 def preflight(cfg: OmniConfig, ds_config_path: str) -> tuple[ParallelPlan, dict]:
     """Every check that needs no process group, so a bad input fails on all ranks at once."""
     plan = ParallelPlan.from_config(cfg.parallel, dist.world_size_from_env())
-    if plan.pp_enabled:
-        raise LaunchError("parallel.pp > 1 is not available in this version; set it to 1")
     if plan.sp_enabled:
         check_sequence_parallel(cfg.model, plan.sp)
     if cfg.parallel.max_sequence_sp > 1:
@@ -200,6 +277,8 @@ def preflight(cfg: OmniConfig, ds_config_path: str) -> tuple[ParallelPlan, dict]
                            cfg.parallel.max_sequence_sp)
     resolve_kernel(cfg.model.attn_implementation)  # varlen on CPU, flash-attn missing: say so now
     ds_config = derive_ds_config(cfg, load_ds_json(ds_config_path), plan)
+    if plan.pp_enabled:
+        check_pipeline(cfg, ds_config, llm_text_config(cfg.model)[1])
     checkpoint.check_writable(cfg.train.output_dir)
     reorder_group_size(cfg.data, plan.dp)
     startup_check(cfg)  # files, schema columns, relative media roots of every source
@@ -238,12 +317,27 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     if rank == 0:
         dist.barrier()
     torch.manual_seed(cfg.train.seed + rank)
-    params = [p for p in built.model.parameters() if p.requires_grad]
     ds_groups.mpu = None  # DeepSpeed keeps the last engine's mpu in a module global: don't inherit it
-    engine, *_ = deepspeed.initialize(model=built.model, model_parameters=params, config=ds_config,
+    module = built.model
+    if plan.pp_enabled:  # this rank's stage of the pipeline, split where the cost model says
+        cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
+        module = build_pipeline_module(
+            built.model, plan, stage_plan(cfg, built, plan), cfg.parallel.encoder_placement,
+            built.item_processors,
+            lambda name, item: float(cost.encoder_cost(name, item.cost_seqs()).sum()))
+    params = [p for p in module.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config,
                                       mpu=mpu)
     align_lr_schedule(engine)
     return built, loader, engine
+
+
+def stage_plan(cfg: OmniConfig, built, plan: ParallelPlan) -> StagePlan:
+    """Pipeline stage boundaries for a full micro-batch (micro_batch_size samples of
+    data.max_seq_len tokens, one item per encoder each), from the loader's cost model."""
+    cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
+    return stage_plan_for(cost, plan.pp, cfg.parallel.encoder_placement,
+                          cfg.train.micro_batch_size, cfg.data.max_seq_len)
 
 
 def align_lr_schedule(engine) -> None:
@@ -289,6 +383,8 @@ def _run(cfg, ds_config, plan, rank, resume, stop_after, watchdog) -> dict:
         with _solo(watchdog):  # rank 0 may convert it first (another number of ranks)
             start, loader_state = checkpoint.load(engine, out, rank)
         restore_loader(loader, loader_state)
+        if getattr(engine.module, "joint", None) is not None:  # "uniform": stage 0 holds them
+            engine.module.joint.sync_replicas()
     elif rank == 0:
         (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / SKIPPED_FILE).unlink(missing_ok=True)

@@ -11,12 +11,14 @@ Cases: the demo composition (LLaVA) under ZeRO 0-3, with a validation set of 5 r
 after the last step over both ranks (its loss equals one process evaluating the whole set); every other family under ZeRO-3 (the
 generic adapter through LLaVA-OneVision; images of
 several sizes, M-RoPE positions, audio clips), with text-only samples mixed in so that some ranks
-have micro-batches with nothing to encode (where DeepSpeed's ZeRO-3 would otherwise hang).
+have micro-batches with nothing to encode (where DeepSpeed's ZeRO-3 would otherwise hang). The
+same launch trains the pipeline cases (PP=2, both encoder placements; `tests/dist/pipeline.py`).
 """
 
 import pytest
 
 from tests import oracle
+from tests.dist import pipeline
 from tests.fixtures import ds_config, eval_sources, text_source, tiny_config
 from tests.harness import run_on_ranks
 
@@ -25,6 +27,8 @@ LR = 1e-3  # tiny_config's learning rate
 # Adam turns reduction-order noise in near-zero gradients into updates of up to the step size:
 # parameters must agree to within 0.2% of the total step size (4e-6)
 PARAM_ATOL = 2e-3 * LR * STEPS
+# pipeline cases: 4 micro-batches of one sample a step (text-only ones among them)
+PP_BATCH = {"global_batch_size": 4, "micro_batch_size": 1}
 
 
 def _config(case: dict, out_dir: str):
@@ -35,6 +39,12 @@ def _config(case: dict, out_dir: str):
     if case.get("model_dir"):
         cfg.model.pretrained, cfg.model.tokenizer = case["model_dir"], None
         cfg.model.vision = cfg.model.llm = None
+    if case.get("model"):
+        from ds_omni.config import ModelConfig, from_dict
+        cfg.model = from_dict(ModelConfig, case["model"], "model")
+    if case.get("placement"):  # the LLM over 2 pipeline stages
+        from ds_omni.config import ParallelConfig
+        cfg.parallel = ParallelConfig(pp=2, encoder_placement=case["placement"])
     if case.get("sources"):
         from ds_omni.config import SourceConfig, from_dict
         cfg.data.sources = [from_dict(SourceConfig, s) for s in case["sources"]]
@@ -76,6 +86,12 @@ def cases(tmp_path_factory):
         # its processor saved Qwen2-Audio's ChatML template: samples render with it (longer)
         "qwen2_audio": {"stages": [3], "model_dir": str(family_dirs.make_qwen2_audio_dir(tmp / "a")),
                         "sources": [tones, text], "max_seq_len": 192},
+        # PP=2 (dp=1): both placements, both models (test_pipeline_matches_single_process)
+        "pp_llava_stage0": {"stages": [1], "placement": "stage0", "sources": vision, "steps": 3,
+                            "train": PP_BATCH},
+        "pp_composed_uniform": {"stages": [0], "placement": "uniform", "model": pipeline.COMPOSED,
+                                "sources": [pipeline.SHAPES_TONES, text], "max_seq_len": 160,
+                                "steps": 3, "train": PP_BATCH},
         # planted errors: the oracle must fail on these (one step is enough to see them)
         **{plant: {"stages": [2], "plant": plant, "steps": 1} for plant in oracle.PLANTS},
     }
@@ -84,14 +100,23 @@ def cases(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dp_results(cases, tmp_path_factory):
     out = tmp_path_factory.mktemp("dp")
-    return run_on_ranks(_train_ranks, 2, args=(cases, str(out)), timeout=600)
+    return run_on_ranks(_train_ranks, 2, args=(cases, str(out)), timeout=900)
 
 
 @pytest.mark.dist
 def test_data_parallel_matches_single_process(cases, dp_results, tmp_path):
     for name, case in cases.items():
-        if "plant" not in case:
+        if "plant" not in case and "placement" not in case:
             _check(name, case, dp_results, tmp_path, dp=2)
+
+
+@pytest.mark.dist
+def test_pipeline_matches_single_process(cases, dp_results, tmp_path):
+    for name, case in cases.items():
+        if "placement" in case:
+            stage = case["stages"][0]
+            per_rank = [{name: r[(name, stage)]} for r in dp_results]
+            pipeline.check(name, case, per_rank, _config(case, str(tmp_path / f"ref_{name}")))
 
 
 @pytest.mark.dist

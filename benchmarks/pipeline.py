@@ -1,0 +1,137 @@
+"""Joint pipeline: step time of PP=2 on 2 ranks, encoders on stage 0 against uniform placement.
+
+    .venv/bin/python benchmarks/pipeline.py        # about 5-15 minutes on 2 shared cores
+
+Two ranks on CPU over gloo, one pipeline of 2 stages (dp=1, ZeRO-1), through the real
+`setup_training` / `train_step`. The model has a vision tower heavy enough for encoder work to
+matter (CLIP, 4 layers of width 128 on 64x64 images: 64 patches each) and a 4-layer LLM of width
+256. Stage boundaries come from the cost model for a full micro-batch with one image per sample
+(what `ds-omni plan` prints), so "stage0" gives stage 0 fewer decoder layers. Mixes (image
+samples : text-only samples): 9:1 (image-heavy), 1:1 and 1:9; a training run whose mix swings
+between 1:9 and 9:1 from step to step meets each of them with the same boundaries.
+
+All six engines (3 mixes x 2 placements) live in one launch and take one step each per round,
+in an order that rotates; the figure per mix is the median over rounds of the paired ratio
+stage0 / uniform of the step time (the slower rank's). Writes benchmarks/results/pipeline.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+RESULTS = REPO / "benchmarks" / "results"
+VISION = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+          "num_attention_heads": 4, "image_size": 64, "patch_size": 8}
+LLM = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+       "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 1024}
+MIXES = {"image_heavy_9to1": 9.0, "even_1to1": 1.0, "text_heavy_1to9": 1 / 9}  # image : text
+PLACEMENTS = ("stage0", "uniform")
+GLOBAL_BATCH, MICRO = 16, 2
+
+
+def config(mix: str, placement: str, out_dir: str, text: dict, steps: int):
+    from ds_omni.config import OmniConfig, from_dict
+    from tests.fixtures import tiny_config_dict
+    d = tiny_config_dict(f"{out_dir}/{mix}_{placement}", steps=steps,
+                         global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO)
+    d["model"]["vision"]["config"].update(VISION)
+    d["model"]["llm"]["config"].update(LLM)
+    d["data"]["sources"] = [{"name": "shapes", "path": "builtin:shapes", "weight": MIXES[mix]},
+                            dict(text, weight=1.0)]
+    d["data"]["max_seq_len"] = 256
+    d["parallel"] = {"pp": 2, "encoder_placement": placement}
+    return from_dict(OmniConfig, d)
+
+
+def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: int) -> dict:
+    import torch
+    from ds_omni.ds_config import derive_ds_config
+    from ds_omni.parallel.plan import ParallelPlan
+    from ds_omni.train.engine import setup_training
+    from tests.fixtures import ds_config
+    torch.set_num_threads(1)
+    runs = {}
+    for mix in MIXES:
+        for placement in PLACEMENTS:
+            cfg = config(mix, placement, out_dir, text, warmup + rounds)
+            plan = ParallelPlan.from_config(cfg.parallel, world)
+            _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan),
+                                               rank, plan)
+            runs[(mix, placement)] = (loader, engine)
+    labels = list(runs)
+    log = {f"{m}/{p}": [] for m, p in labels}
+    for i in range(warmup + rounds):
+        for mix, placement in labels[i % len(labels):] + labels[:i % len(labels)]:
+            loader, engine = runs[(mix, placement)]
+            log[f"{mix}/{placement}"].append(one_step(loader, engine))
+    parts = {f"{m}/{p}": list(e.module.parts) for (m, p), (_, e) in runs.items()}
+    return {"log": log, "parts": parts}
+
+
+def one_step(loader, engine) -> dict:
+    import torch.distributed as dist
+    from ds_omni.train.engine import train_step
+    batch = loader.next_step()
+    dist.barrier()
+    t0 = time.perf_counter()
+    result = train_step(engine, batch, loader.comm)
+    images = sum(len(mb.items.get("vision", [])) for mb in batch.micro_batches)
+    return {"step_s": time.perf_counter() - t0, "loss": result.loss, "images": images,
+            "tokens": result.tokens}
+
+
+def summarise(per_rank: list[dict], warmup: int) -> dict:
+    logs = [r["log"] for r in per_rank]
+    out = {}
+    for mix in MIXES:
+        steps = {p: [max(log[f"{mix}/{p}"][i]["step_s"] for log in logs)
+                     for i in range(warmup, len(logs[0][f"{mix}/{p}"]))] for p in PLACEMENTS}
+        ratios = [a / b for a, b in zip(steps["stage0"], steps["uniform"])]
+        out[mix] = {**{f"{p}_step_s_median": statistics.median(steps[p]) for p in PLACEMENTS},
+                    "stage0_over_uniform_median_of_paired_ratios": statistics.median(ratios),
+                    "images_per_step": statistics.mean(
+                        s["images"] for s in logs[0][f"{mix}/stage0"][warmup:]),
+                    "stage_boundaries": {p: per_rank[0]["parts"][f"{mix}/{p}"]
+                                         for p in PLACEMENTS}}
+    for p in PLACEMENTS:  # a run swinging between the mixes meets each of these step times
+        times = [out[m][f"{p}_step_s_median"] for m in MIXES]
+        out[f"{p}_max_over_mean_across_mixes"] = max(times) / statistics.mean(times)
+    return out
+
+
+def main(argv=None) -> None:
+    from tests.fixtures import text_source
+    from tests.harness import run_on_ranks
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ds_omni_ppbench_") as tmp:
+        text = text_source(Path(tmp))
+        per_rank = run_on_ranks(ranks, 2, args=(tmp, text, args.rounds, args.warmup),
+                                timeout=3000)
+    report = {"command": ".venv/bin/python benchmarks/pipeline.py", "world": 2, "pp": 2,
+              "zero_stage": 1, "vision": VISION, "llm": LLM, "mixes_image_to_text": MIXES,
+              "global_batch_size": GLOBAL_BATCH, "micro_batch_size": MICRO,
+              "rounds": args.rounds, "warmup": args.warmup, **summarise(per_rank, args.warmup),
+              "runtime_s": round(time.perf_counter() - t0, 1)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pipeline.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({m: report[m]["stage0_over_uniform_median_of_paired_ratios"] for m in MIXES}
+                     | {f"{p}_max_over_mean_across_mixes": report[f"{p}_max_over_mean_across_mixes"]
+                        for p in PLACEMENTS}))
+
+
+if __name__ == "__main__":
+    main()

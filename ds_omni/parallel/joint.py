@@ -1,0 +1,197 @@
+"""Encoder-LLM joint pipeline ("uniform" encoder placement): every stage encodes a share.
+
+With the encoders on stage 0, an image-heavy step makes stage 0 the pipeline's bottleneck while
+the other stages wait. Here the ranks of one pipeline (one rank per stage, same data-parallel
+coordinate, so the same micro-batches) split the step's encoder items by modelled cost, encode
+their share before the schedule starts, and one all-to-all over the pipeline's ranks brings every
+embedding row to stage 0, where the first stage's layer reads its micro-batch's rows from them.
+Backward mirrors it: once stage 0's last backward is done, the rows' gradients go back by the same
+all-to-all and each rank runs backward through what it encoded; the encoders' parameter gradients
+are then summed over the pipeline's ranks (every stage holds the encoders, as DeepSpeed holds
+tied weights) before DeepSpeed reduces gradients over the data-parallel ranks.
+
+Stage 0 holds the received rows as one leaf tensor: each micro-batch's backward adds into its
+gradient, so the exchange back happens once per step, not once per micro-batch.
+
+Dims: N rows (embeddings) of the step's items, N_s those stage s encodes, D LLM hidden size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+# ------------------------------------------------------------------------------------- pure
+@dataclass(frozen=True)
+class Item:
+    """One encoder item of the step: micro-batch, encoder, place among that micro-batch's items
+    of that encoder, embedding rows it yields, modelled cost."""
+
+    micro: int
+    encoder: str
+    index: int
+    rows: int
+    cost: float
+
+
+def assign_items(costs: list[float], stages: int) -> list[int]:
+    """Stage of each item: longest first, each to the stage with the least cost so far (ties:
+    the lower stage). Deterministic, so every rank of a pipeline computes the same."""
+    load = [0.0] * stages
+    out = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        stage = min(range(stages), key=lambda s: (load[s], s))
+        out[i] = stage
+        load[stage] += costs[i]
+    return out
+
+
+@dataclass(frozen=True)
+class JointPlan:
+    """Who encodes which item, and where each item's rows sit in the rows stage 0 receives
+    (stage-major: stage 0's rows, then stage 1's, ...; within a stage in item order)."""
+
+    items: list[Item]
+    stage_of: list[int]
+    stages: int
+
+    @property
+    def rows_per_stage(self) -> list[int]:
+        out = [0] * self.stages
+        for item, stage in zip(self.items, self.stage_of):
+            out[stage] += item.rows
+        return out
+
+    def items_of(self, stage: int) -> list[Item]:
+        return [it for it, s in zip(self.items, self.stage_of) if s == stage]
+
+    def row_index(self) -> dict[tuple[int, str], list[int]]:
+        """(micro-batch, encoder) -> indices of its rows in the received rows, in item order
+        (the order of its placeholders)."""
+        start = [0] * self.stages
+        for s in range(1, self.stages):
+            start[s] = start[s - 1] + self.rows_per_stage[s - 1]
+        at: dict[int, int] = {}  # item position -> its first row
+        for s in range(self.stages):
+            offset = start[s]
+            for i, (item, stage) in enumerate(zip(self.items, self.stage_of)):
+                if stage == s:
+                    at[i] = offset
+                    offset += item.rows
+        out: dict[tuple[int, str], list[int]] = {}
+        for i, item in enumerate(self.items):
+            out.setdefault((item.micro, item.encoder), []).extend(range(at[i], at[i] + item.rows))
+        return out
+
+
+def plan_joint(micro_items: list[dict[str, list]], item_cost, stages: int) -> JointPlan:
+    """The plan of a step whose micro-batches hold `micro_items` (encoder -> EncodedItems each);
+    `item_cost(encoder, item)` is the cost model's."""
+    items = [Item(m, enc, k, it.num_embeddings, float(item_cost(enc, it)))
+             for m, by_encoder in enumerate(micro_items) for enc, its in by_encoder.items()
+             for k, it in enumerate(its)]
+    return JointPlan(items, assign_items([it.cost for it in items], stages), stages)
+
+
+# ---------------------------------------------------------------------------------- runtime
+class JointEncoding:
+    """One step of uniform encoder placement on one rank (module docstring)."""
+
+    def __init__(self, plan: JointPlan, stage: int, group, hidden: int, device, dtype):
+        self.plan, self.stage, self.group = plan, stage, group
+        self.hidden, self.device, self.dtype = hidden, device, dtype
+        self.local: torch.Tensor | None = None  # [N_s, D] this rank's rows, with their graph
+        self.dummies: list[torch.Tensor] = []  # zero-weight passes of encoders with no item here
+        self.rows: torch.Tensor | None = None  # stage 0: [N, D] every row, a leaf
+        self.index = {k: torch.tensor(v, dtype=torch.long, device=device)
+                      for k, v in plan.row_index().items()} if stage == 0 else {}
+
+    def encode(self, encoders, micro_batches, processors) -> None:
+        """Encode this stage's share and send every row to stage 0."""
+        mine = self.plan.items_of(self.stage)
+        pieces = []
+        for name, encoder in encoders.items():
+            items = [micro_batches[it.micro].items[name][it.index] for it in mine
+                     if it.encoder == name]
+            if not items:  # every encoder runs on every rank: its parameters all get a gradient
+                dummy = encoder(encoder.dummy_inputs(self.device, self.dtype))
+                self.dummies.append(0.0 * dummy.sum())
+                continue
+            inputs = processors[name].collate(items)
+            pieces.append((name, encoder({k: v.to(self.device) for k, v in inputs.items()})))
+        # rows in item order: an item's rows come from its encoder's output, in order
+        self.local = self._in_item_order(mine, dict(pieces))
+        self.rows = self._exchange(self.local.detach(), to_stage0=True)
+        if self.rows is not None:
+            self.rows.requires_grad_()
+
+    def _in_item_order(self, mine: list[Item], outputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        taken = {name: 0 for name in outputs}
+        parts = []
+        for it in mine:
+            start = taken[it.encoder]
+            parts.append(outputs[it.encoder][start:start + it.rows])
+            taken[it.encoder] = start + it.rows
+        for name, out in outputs.items():
+            if taken[name] != out.shape[0]:
+                raise RuntimeError(f"encoder '{name}' produced {out.shape[0]} embeddings for "
+                                   f"items whose placeholders number {taken[name]}")
+        if not parts:
+            return torch.zeros((0, self.hidden), device=self.device, dtype=self.dtype)
+        return torch.cat(parts).to(self.dtype)  # [N_s, D]
+
+    def rows_for(self, micro: int, encoder: str) -> torch.Tensor | None:
+        """Stage 0: [n, D] the rows of `micro`'s placeholders of `encoder`, or None."""
+        index = self.index.get((micro, encoder))
+        return None if index is None else self.rows.index_select(0, index)
+
+    def backward(self) -> None:
+        """After stage 0's last backward: rows' gradients back to their encoders, backward
+        through them (every rank of the pipeline calls this)."""
+        grad_rows = None
+        if self.stage == 0:
+            grad_rows = self.rows.grad
+            if grad_rows is None:  # a step without items: no row was used
+                grad_rows = torch.zeros_like(self.rows)
+        grad_local = self._exchange(grad_rows, to_stage0=False)
+        tensors = [self.local] + self.dummies
+        grads = [grad_local] + [torch.ones_like(d) for d in self.dummies]
+        keep = [(t, g) for t, g in zip(tensors, grads) if t.requires_grad]
+        if keep:
+            torch.autograd.backward([t for t, _ in keep], [g for _, g in keep])
+
+    def _exchange(self, send: torch.Tensor | None, to_stage0: bool) -> torch.Tensor | None:
+        """All-to-all over the pipeline's ranks: every stage's rows to stage 0 (`to_stage0`), or
+        stage 0's row gradients back to the stages that encoded them."""
+        counts = self.plan.rows_per_stage
+        d = self.hidden
+        if to_stage0:
+            in_splits = [counts[self.stage] if s == 0 else 0 for s in range(self.plan.stages)]
+            out_splits = counts if self.stage == 0 else [0] * self.plan.stages
+        else:
+            in_splits = counts if self.stage == 0 else [0] * self.plan.stages
+            out_splits = [counts[self.stage] if s == 0 else 0 for s in range(self.plan.stages)]
+            if send is None:
+                send = torch.zeros((0, d), device=self.device, dtype=self.dtype)
+        recv = torch.empty((sum(out_splits), d), device=self.device, dtype=self.dtype)
+        dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=out_splits,
+                               input_split_sizes=in_splits, group=self.group)
+        if to_stage0 and self.stage != 0:
+            return None
+        return recv
+
+
+def sum_over_pipeline(params: list[torch.nn.Parameter], group) -> None:
+    """Sum the encoders' gradients over the pipeline's ranks (each holds its share's part)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -1,0 +1,276 @@
+"""The LLM backbone over pipeline stages, on DeepSpeed's pipeline engine (`PipelineModule`).
+
+The pipeline's layers are the OmniModel's own modules (so parameters, checkpoints of the whole
+model and the oracle's names stay the same), wrapped so each takes and returns what DeepSpeed's
+engine can send between stages, a tuple of tensors:
+
+    EmbedStage    (index [1], position_ids, cu_seqlens) -> (hidden [1, T, D], position_ids,
+                                                          cu_seqlens)
+    DecoderStage  (hidden, position_ids, cu_seqlens)    -> (hidden, position_ids, cu_seqlens)
+    HeadStage     (hidden, position_ids, cu_seqlens)    -> normed hidden [1, T, D]
+    PipeLoss      (normed hidden, targets [1, T])       -> scaled sum of token losses
+
+Only `hidden` is a float tensor, so it is the one tensor the engine sends a gradient back for.
+`position_ids` ([1, T], or [3, 1, T] for M-RoPE) and `cu_seqlens` [n + 1] travel with it, so a
+stage needs nothing but what it receives (lengths vary per micro-batch: `dynamic_shape=True`).
+The encoders' inputs vary in kind and number per family and micro-batch, so they do not travel
+through the engine: the step's micro-batches are held by `StepInputs`, and the first stage looks
+its micro-batch up by the index the engine hands it ("stage0" placement: stage 0 encodes).
+
+Gradient scale: the engine divides the last stage's loss by the accumulation steps and averages
+gradients over the data-parallel ranks; `PipeLoss.scale` undoes both and divides by the global
+target-token count, so the gradient equals one process running the whole global batch.
+
+Dims: T packed tokens of a micro-batch, D LLM hidden size, n samples in the row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ds_omni.errors import LaunchError, ModelError
+from ds_omni.model.omni import IGNORE_INDEX, OmniModel, summed_token_loss
+from ds_omni.parallel.joint import JointEncoding, plan_joint, sum_over_pipeline
+from ds_omni.parallel.stages import StagePlan, check_stages
+
+
+TIED = ("the LLM ties its LM head to its token embedding (tie_word_embeddings), which would put "
+        "one weight on the first and the last pipeline stage; this version does not support that: "
+        "set parallel.pp to 1 or use an LLM with tie_word_embeddings=false")
+
+
+class StepInputs:
+    """The micro-batches of the step being trained (on the device), which the first stage reads
+    its encoder inputs and token ids from, and under "uniform" placement the step's
+    `JointEncoding` (the rows every stage encoded); set before each `train_batch`."""
+
+    def __init__(self):
+        self.batches: list = []
+        self.joint: JointEncoding | None = None
+
+
+class EmbedStage(nn.Module):
+    """Token embeddings with encoder outputs in place of their placeholders (`OmniModel.embed`).
+
+    It registers the modules `embed` uses, so their parameters belong to the first stage.
+    """
+
+    def __init__(self, model: OmniModel, step_inputs: StepInputs):
+        super().__init__()
+        self.embed_tokens = model.backbone.embed_tokens
+        self.encoders = model.encoders
+        object.__setattr__(self, "omni", model)  # not a submodule: its layers live on other stages
+        object.__setattr__(self, "step_inputs", step_inputs)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        index, position_ids, cu_seqlens = inputs
+        micro = int(index[0])
+        batch, joint = self.step_inputs.batches[micro], self.step_inputs.joint
+        if joint is None:  # "stage0": encode here
+            return self.omni.embed(batch), position_ids, cu_seqlens  # hidden [1, T, D]
+        rows = {name: joint.rows_for(micro, name) for name in self.encoders}
+        hidden = self.omni.embed_rows(batch, {k: v for k, v in rows.items() if v is not None})
+        return hidden, position_ids, cu_seqlens
+
+
+class DecoderStage(nn.Module):
+    """One LLM decoder layer over the packed row it receives."""
+
+    def __init__(self, model: OmniModel, index: int):
+        super().__init__()
+        backbone = model.backbone
+        self.layer = backbone.layers[index]
+        self.rotary_emb = backbone.rotary_emb  # no parameters; registered: it moves with the stage
+        object.__setattr__(self, "backbone", backbone)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, position_ids, cu_seqlens = inputs
+        # the longest sample, from the boundaries (a host read on a GPU, once per layer and row)
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        kwargs = self.backbone.layer_kwargs(hidden, position_ids, cu_seqlens.cpu(), max_seqlen)
+        return self.backbone.run_layer(self.layer, hidden, kwargs), position_ids, cu_seqlens
+
+
+class HeadStage(nn.Module):
+    """The final norm; holds the LM head, which `PipeLoss` applies to the target positions only."""
+
+    def __init__(self, model: OmniModel):
+        super().__init__()
+        self.norm = model.backbone.norm
+        self.lm_head = model.backbone.lm_head
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        hidden, _, _ = inputs
+        return self.norm(hidden)  # [1, T, D]
+
+
+class PipeLoss:
+    """The last stage's loss: the micro-batch's summed token loss times `scale` (module
+    docstring); it keeps each unscaled sum for the step's reported loss."""
+
+    def __init__(self, head: HeadStage):
+        self.head = head
+        self.scale = 1.0
+        self.sums: list[torch.Tensor] = []
+
+    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        keep = (targets[0] != IGNORE_INDEX).nonzero().squeeze(1)  # [n]
+        loss_sum = summed_token_loss(self.head.lm_head, hidden, targets, keep)
+        self.sums.append(loss_sum.detach())
+        return loss_sum * self.scale
+
+
+def pipeline_layers(model: OmniModel, step_inputs: StepInputs) -> tuple[list[nn.Module], PipeLoss]:
+    """[embedding, decoder layers..., head] and the loss of the last stage."""
+    backbone = model.backbone
+    if backbone.lm_head.weight is backbone.embed_tokens.weight:
+        raise ModelError(TIED)
+    head = HeadStage(model)
+    layers = [EmbedStage(model, step_inputs)]
+    layers += [DecoderStage(model, i) for i in range(len(backbone.layers))]
+    return layers + [head], PipeLoss(head)
+
+
+class JointSetup:
+    """What a step needs to run "uniform" placement on this rank (`ds_omni.parallel.joint`)."""
+
+    def __init__(self, model: OmniModel, processors: dict, item_cost, stage: int, stages: int,
+                 group):
+        self.encoders, self.processors, self.item_cost = model.encoders, processors, item_cost
+        self.stage, self.stages, self.group = stage, stages, group
+        self.hidden = model.backbone.embed_tokens.embedding_dim
+        self.params = [p for p in model.encoders.parameters() if p.requires_grad]
+
+    def start(self, micro_batches: list, device) -> JointEncoding:
+        """Plan the step's items, encode this stage's share, send the rows to stage 0."""
+        plan = plan_joint([mb.items for mb in micro_batches], self.item_cost, self.stages)
+        dtype = self.encoders_dtype()
+        joint = JointEncoding(plan, self.stage, self.group, self.hidden, device, dtype)
+        joint.encode(self.encoders, micro_batches, self.processors)
+        return joint
+
+    def encoders_dtype(self) -> torch.dtype:
+        return next(self.encoders.parameters()).dtype
+
+    def sync_replicas(self) -> None:
+        """Every stage's encoders from stage 0's (after loading a checkpoint: DeepSpeed saves a
+        stage's layers, and the encoders are a layer of stage 0 only)."""
+        src = dist.get_global_rank(self.group, 0)
+        for p in self.encoders.parameters():
+            dist.broadcast(p.data, src=src, group=self.group)
+
+    def finish(self, joint: JointEncoding) -> None:
+        """After stage 0's last backward: the encoders' backward and the sum of their gradients
+        over the pipeline's ranks (every rank of the pipeline calls this)."""
+        joint.backward()
+        for p in self.params:  # an item-less rank still ran the dummy: only off-path ones lack one
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        sum_over_pipeline(self.params, self.group)
+
+
+def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placement: str = "stage0",
+                          processors: dict | None = None, item_cost=None):
+    """The `PipelineModule` of this rank's stage, split at `stage_plan.parts`; its `loss_fn` is
+    the `PipeLoss`, its `step_inputs` the `StepInputs` the step fills, its `joint` the
+    `JointSetup` under "uniform" placement (else None)."""
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+    step_inputs = StepInputs()
+    layers, loss = pipeline_layers(model, step_inputs)
+    if stage_plan.parts[-1] != len(layers):
+        raise ModelError(f"the stage plan splits {stage_plan.parts[-1]} layers but the pipeline "
+                         f"has {len(layers)}")
+
+    class CostSplitModule(PipelineModule):
+        """DeepSpeed's PipelineModule, split where ds_omni's cost model says."""
+
+        def _partition_layers(self, method="uniform"):
+            self.parts = list(stage_plan.parts)
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+        def whole_model_shapes(self) -> dict[str, list[int]]:
+            """Every stage's parameter shapes by pipeline name (layer index first): the same
+            on every rank, so a checkpoint's fingerprint describes the whole run."""
+            return {f"{i}.{n}": list(p.shape) for i, layer in enumerate(self._layer_specs)
+                    for n, p in layer.named_parameters()}
+
+    # ranks: pipe outermost, then data (ds_omni's ParallelPlan with sp = 1)
+    topology = PipeDataParallelTopology(num_pp=plan.pp, num_dp=plan.dp)
+    module = CostSplitModule(layers=layers, topology=topology, loss_fn=loss,
+                             partition_method="ds_omni", dynamic_shape=True)
+    module.step_inputs = step_inputs
+    module.family = model.family  # what checkpoints record
+    # DeepSpeed's ZeRO-0 clipping (runtime.utils.clip_grad_norm_) counts a parameter of a stage
+    # other than the first only if it is marked model-parallel: without this, the gradient norm
+    # would hold stage 0's gradients alone
+    for p in module.parameters():
+        p.model_parallel = True
+    module.joint = None
+    if placement == "uniform":
+        stage = module.stage_id
+        if stage != 0:  # every stage holds the encoders; the norm counts stage 0's copy only
+            module.add_module("joint_encoders", model.encoders)
+            model.encoders.to(next(module.parameters()).device)
+            for p in model.encoders.parameters():
+                p.ds_pipe_replicated, p.model_parallel = True, False
+        module.joint = JointSetup(model, processors, item_cost, stage, plan.pp,
+                                  module._grid.get_pipe_parallel_group())
+    return module
+
+
+def engine_inputs(micro_batches: list) -> list[tuple]:
+    """What the engine's data iterator yields per micro-batch: ((index, position_ids, cu_seqlens),
+    targets). The first stage reads the inputs, the last the targets."""
+    return [((torch.tensor([i]), mb.position_ids, mb.cu_seqlens), mb.targets)
+            for i, mb in enumerate(micro_batches)]
+
+
+def around_instructions(engine, wraps: dict) -> None:
+    """Make the engine's pipeline instructions of the types in `wraps` (e.g. `OptimizerStep`:
+    the end of `train_batch`, every backward done and gradients reduced) call
+    `wrap(engine, run)`, where `run()` executes the original instruction."""
+    cls_map = type(engine)._INSTRUCTION_MAP
+
+    def wrapped(kind, wrap):
+        original = cls_map[kind]
+        return lambda self, *args, **kwargs: wrap(self, lambda: original(self, *args, **kwargs))
+
+    # the engine looks instructions up on itself: this instance's map shadows the class's
+    engine._INSTRUCTION_MAP = {**cls_map, **{k: wrapped(k, w) for k, w in wraps.items()}}
+
+
+def is_pipeline(engine) -> bool:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    return isinstance(engine, PipelineEngine)
+
+
+
+def check_pipeline(cfg, ds_config: dict, llm_config) -> None:
+    """What parallel.pp > 1 cannot run with, said before any process group exists
+    (`llm_config`: the LLM's HF config)."""
+    pp = cfg.parallel.pp
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1):
+        raise LaunchError(f"parallel.pp={pp} with ZeRO stage {stage}: DeepSpeed's pipeline engine "
+                          "runs with ZeRO 0 or 1 only (it partitions the model itself); use "
+                          "ds_configs/zero1.json (or zero_optimization.stage 0/1) or set "
+                          "parallel.pp to 1")
+    check_stages(llm_config.num_hidden_layers, pp)
+    if getattr(llm_config, "tie_word_embeddings", False):
+        raise LaunchError(TIED)
+    if cfg.parallel.sp > 1:
+        raise LaunchError(f"parallel.pp={pp} with parallel.sp={cfg.parallel.sp}: the pipeline "
+                          "engine runs without Ulysses sequence parallelism in this version; set "
+                          "one of them to 1")
+    unsupported = {"data.reorder.mode \"budget\" (its micro-batch count varies per rank; the "
+                   "pipeline schedule runs a fixed number)": cfg.data.reorder.mode == "budget",
+                   "data.eval_sources (validation)": bool(cfg.data.eval_sources),
+                   "train.export_hf (export of a pipeline checkpoint)": cfg.train.export_hf}
+    for what, used in unsupported.items():
+        if used:
+            raise LaunchError(f"parallel.pp={pp}: {what} is not available with the pipeline engine "
+                              "in this version; turn it off or set parallel.pp to 1")

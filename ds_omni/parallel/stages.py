@@ -1,0 +1,144 @@
+"""Pipeline stage boundaries from modelled cost, and the predicted time of each stage (pure).
+
+The pipeline's layers are, in order: the embedding layer (token embedding; with the encoders on
+stage 0, all encoder work too), the LLM's decoder layers, and the head (final norm, LM head, loss).
+A stage is a contiguous run of them. Its time is the sum of its layers' costs plus its share of
+the step's encoder work:
+
+- "stage0" (Megatron-LM, NeMo, torchtitan): stage 0 encodes everything, so the embedding layer
+  carries the whole encoder cost and the boundaries move decoder layers off stage 0 to make room.
+- "uniform" (MegaScale-Omni's joint pipeline): every stage's ranks encode an equal share (by
+  modelled cost) of the step's items before the schedule starts (`ds_omni.parallel.joint`), so
+  each stage carries 1/P of the encoder work and the split only balances layer work.
+
+A pipeline runs at the pace of its slowest stage, so the split minimises the largest stage time
+(an exact dynamic programme over contiguous splits: L layers, P stages, O(P L^2)).
+
+Dims: L pipeline layers (decoder layers + 2), P stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ds_omni.errors import LaunchError
+
+PLACEMENTS = ("stage0", "uniform")
+
+
+def check_stages(num_layers: int, stages: int) -> None:
+    """Each stage needs a decoder layer: the embedding and head layers are too light to be one."""
+    if stages > num_layers:
+        raise LaunchError(
+            f"parallel.pp={stages} pipeline stages but the LLM has only {num_layers} decoder "
+            f"layers; each stage needs at least one: set parallel.pp <= {num_layers}")
+
+
+def partition(costs: list[float], stages: int) -> list[int]:
+    """Boundaries [P + 1] (DeepSpeed's `parts`: stage s runs layers parts[s]:parts[s+1]) of the
+    contiguous split of `costs` [L] into `stages` non-empty runs with the smallest largest sum;
+    ties go to the split with the earliest boundaries."""
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot split {n} layers into {stages} non-empty stages")
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(costs, dtype=np.float64))])
+    # best[s][i]: the smallest largest stage sum of the first i layers in s stages
+    best = np.full((stages + 1, n + 1), np.inf)
+    cut = np.zeros((stages + 1, n + 1), dtype=np.int64)
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], prefix[i] - prefix[j])
+                if value < best[s][i] - 1e-12 * max(1.0, value):
+                    best[s][i], cut[s][i] = value, j
+    parts = [n]
+    for s in range(stages, 0, -1):
+        parts.append(int(cut[s][parts[-1]]))
+    return parts[::-1]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Boundaries over the pipeline's layers and what each stage is predicted to cost."""
+
+    parts: list[int]  # [P + 1]
+    layer_time: list[float]  # [P] modelled cost of each stage's layers (embedding, decoders, head)
+    encoder_time: list[float]  # [P] modelled cost of each stage's share of encoder work
+
+    @property
+    def stage_time(self) -> list[float]:
+        return [a + b for a, b in zip(self.layer_time, self.encoder_time)]
+
+    def decoder_layers(self, stage: int) -> range:
+        """The LLM decoder layers (0-based) stage `stage` runs."""
+        lo, hi = self.parts[stage], self.parts[stage + 1]
+        num_decoders = self.parts[-1] - 2
+        return range(max(lo - 1, 0), min(hi - 1, num_decoders))
+
+    def encoder_shares(self) -> list[float]:
+        """Fraction of the step's encoder work each stage should do."""
+        total = sum(self.encoder_time)
+        return [t / total for t in self.encoder_time] if total else [0.0] * len(self.encoder_time)
+
+
+def plan_stages(decoder_cost: float, num_decoders: int, head_cost: float, encoder_cost: float,
+                stages: int, placement: str, embed_cost: float = 0.0) -> StagePlan:
+    """The split of [embedding, decoder x num_decoders, head] into `stages` with the smallest
+    slowest-stage time, encoder work placed as `placement` says (module docstring)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"unknown encoder placement {placement!r}; choose one of {PLACEMENTS}")
+    check_stages(num_decoders, stages)
+    layers = [embed_cost] + [decoder_cost] * num_decoders + [head_cost]
+    if placement == "stage0":
+        parts = partition([layers[0] + encoder_cost] + layers[1:], stages)
+        sums = _stage_sums(layers, parts)
+        return StagePlan(parts, sums, [encoder_cost] + [0.0] * (stages - 1))
+    parts = partition(layers, stages)
+    return StagePlan(parts, _stage_sums(layers, parts), [encoder_cost / stages] * stages)
+
+
+def step_stage_times(stage_plan: StagePlan, encoder_cost: float, placement: str) -> list[float]:
+    """[P] predicted stage times of a step whose encoder work is `encoder_cost`, on the fixed
+    boundaries of `stage_plan` (made for a typical mix): the mix of a step may differ from it."""
+    stages = len(stage_plan.layer_time)
+    shares = ([encoder_cost] + [0.0] * (stages - 1) if placement == "stage0"
+              else [encoder_cost / stages] * stages)
+    return [a + b for a, b in zip(stage_plan.layer_time, shares)]
+
+
+def _stage_sums(costs: list[float], parts: list[int]) -> list[float]:
+    return [float(sum(costs[lo:hi])) for lo, hi in zip(parts[:-1], parts[1:])]
+
+
+def stage_plan_for(cost, stages: int, placement: str, samples: int, tokens: int) -> StagePlan:
+    """The stage plan of a micro-batch of `samples` samples of `tokens` tokens, each with one item
+    per encoder of the size the cost model runs as a dummy (one image, one audio window).
+
+    `cost` is the loader's `CostModel` (FLOPs, scaled where calibrated): its LLM terms are split
+    into L equal decoder layers and the LM head (2 h V FLOPs a token, forward).
+    """
+    d = cost.dims
+    coef = cost.coefficients
+    row = samples * (coef["llm_quad"] * tokens ** 2 + coef["llm_lin"] * tokens)
+    head = samples * tokens * cost.train_factor * 2 * d.hidden * d.vocab * cost.scales["llm_lin"]
+    encoder = samples * sum(float(cost.encoder_cost(name, [max(e.dummy_len, 1)])[0])
+                            for name, e in d.encoders.items())
+    return plan_stages((row - head) / d.layers, d.layers, head, encoder, stages, placement)
+
+
+def describe(stage_plan: StagePlan) -> list[dict]:
+    """Per stage: its decoder layers ("first-last"), whether it has the embedding / head, its
+    share of encoder work, and its predicted time per micro-batch: modelled training GFLOPs
+    (calibrated scales turn them into seconds) and relative to the slowest stage (1.0)."""
+    times = stage_plan.stage_time
+    slowest = max(times) or 1.0
+    n = len(times)
+    return [{"stage": s, "decoder_layers": f"{r.start}-{r.stop - 1}" if len(r) else "none",
+             "embedding": s == 0, "head": s == n - 1,
+             "encoder_share": round(stage_plan.encoder_shares()[s], 4),
+             "predicted_gflop": round(times[s] / 1e9, 6),
+             "relative_time": round(times[s] / slowest, 4)}
+            for s, r in enumerate(stage_plan.decoder_layers(s) for s in range(n))]

@@ -1,0 +1,65 @@
+"""Checks of the LLM over pipeline stages (DeepSpeed's pipeline engine) against one process.
+
+The cases train in `test_parity.py`'s 2-rank launch (PP=2, dp=1, 3 steps each; one launch for
+all): the tiny LLaVA with its encoder on stage 0 (ZeRO-1) and the image+audio composition with
+"uniform" placement (ZeRO-0; 3 decoder layers, so the cost model's split is uneven). The oracle
+(`tests/oracle.py`: plain PyTorch, one process, global batches built independently) must match the
+loss (1e-6 relative), the first step's reduced gradients and the final parameters (1e-5 relative,
+fp32). Each stage returns its own parameters under the OmniModel's names; together they must be
+the whole model, and under "uniform" (every stage holds the encoders) every copy of an encoder
+parameter must be the same. The data mixes captioned pictures (with a clip of beeps for the
+composition) with plain sentences, so some micro-batches carry no item and token counts differ
+from one micro-batch to the next. `check_pipeline_dp2.py` runs DP2 x PP2 on 4 ranks (by hand).
+"""
+
+from tests import oracle
+
+LR = 1e-3  # tiny_config's learning rate
+
+COMPOSED = {"tokenizer": "builtin:shapes",
+            "vision": {"config": {"model_type": "clip_vision_model", "hidden_size": 32,
+                                  "intermediate_size": 64, "num_hidden_layers": 1,
+                                  "num_attention_heads": 4, "image_size": 32, "patch_size": 8}},
+            "audio": {"config": {"model_type": "whisper", "d_model": 32, "encoder_layers": 1,
+                                 "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+                                 "decoder_layers": 1, "decoder_attention_heads": 2,
+                                 "decoder_ffn_dim": 32, "num_mel_bins": 80,
+                                 "max_source_positions": 50}},
+            "llm": {"config": {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 3, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "max_position_embeddings": 512,
+                               "tie_word_embeddings": False}}}
+SHAPES_TONES = {"name": "shapes_tones", "path": "builtin:shapes_tones",
+                "schema": {"text": "conversations", "image": "image", "audio": "audio"}}
+
+
+def check(name: str, case: dict, results: list, cfg, dp: int = 1) -> None:
+    """Case `name` of `results` (one dict per rank) equals the reference of `cfg`."""
+    from ds_omni.model.build import build_model
+    steps = case["steps"]
+    step_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), dp, steps)
+    got_keys = [sorted(k for r in results[:dp] for k in r[name]["keys"][s]) for s in range(steps)]
+    assert got_keys == step_keys, f"{name}: the ranks trained another global batch"
+    assert all(r[name]["losses"] == results[0][name]["losses"] for r in results), name
+    first, second = results[0][name], results[dp][name]  # data-parallel rank 0 of each stage
+    _check_replicas(case["placement"], first, second)
+    got = {"losses": first["losses"], "grads": {**first["grads"], **second["grads"]},
+           "params": {**first["params"], **second["params"]}}
+    ref = oracle.run_reference(cfg, step_keys)
+    # Adam turns reduction-order noise into updates: 0.2 % of the total step size (test_parity)
+    oracle.assert_matches(ref, got, f"{name} PP=2 dp={dp}", param_atol=2e-3 * LR * steps)
+    oracle.assert_moved(ref, name)
+    assert sum(r[name]["nothing_to_encode"] for r in results) > 0, name
+
+
+def _check_replicas(placement, first, second) -> None:
+    """Only "uniform" holds a parameter on two stages: the encoders, every copy the same."""
+    import torch
+    shared = set(first["params"]) & set(second["params"])
+    if placement == "stage0":
+        assert not shared, f"a parameter on 2 stages: {sorted(shared)[:3]}"
+        return
+    assert shared and all(k.startswith("encoders.") for k in shared), sorted(shared)[:3]
+    assert {k for k in first["params"] if k.startswith("encoders.")} == shared
+    for key in shared:
+        assert torch.equal(first["params"][key], second["params"][key]), key

@@ -1,0 +1,119 @@
+"""Pipeline stage boundaries from the cost model, and bad pipeline input (pure: no process group)."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from ds_omni.cli import main
+from ds_omni.parallel.stages import describe, partition, plan_stages, step_stage_times
+from tests.fixtures import ds_config, tiny_config_dict
+
+
+def _largest(costs, parts):
+    return max(sum(costs[a:b]) for a, b in zip(parts[:-1], parts[1:]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_partition_is_the_best_contiguous_split(seed):
+    rng = np.random.default_rng(seed)
+    costs = list(rng.uniform(0.1, 5.0, size=int(rng.integers(3, 9))))
+    stages = int(rng.integers(1, len(costs) + 1))
+    parts = partition(costs, stages)
+    assert parts[0] == 0 and parts[-1] == len(costs) and len(parts) == stages + 1
+    assert all(a < b for a, b in zip(parts[:-1], parts[1:]))  # no empty stage
+    brute = min(_largest(costs, [0, *cut, len(costs)])
+                for cut in itertools.combinations(range(1, len(costs)), stages - 1))
+    assert _largest(costs, parts) == pytest.approx(brute)
+
+
+def test_stage0_moves_decoder_layers_off_the_encoding_stage():
+    # 8 equal decoder layers (cost 1), light head, encoder work worth 4 layers
+    plan = plan_stages(1.0, 8, 0.5, 4.0, stages=2, placement="stage0")
+    assert plan.parts == [0, 3, 10]  # stage 0: embedding + 2 decoders + encoders = 6; stage 1: 6.5
+    assert plan.stage_time == pytest.approx([6.0, 6.5])
+    assert list(plan.decoder_layers(0)) == [0, 1] and list(plan.decoder_layers(1)) == list(range(2, 8))
+    # without encoder work the split is even in layers
+    assert plan_stages(1.0, 8, 0.0, 0.0, 2, "stage0").parts == [0, 5, 10]
+
+
+def test_uniform_shares_encoder_work_and_beats_stage0_when_the_mix_swings():
+    uniform = plan_stages(1.0, 8, 0.5, 4.0, stages=2, placement="uniform")
+    assert uniform.encoder_time == pytest.approx([2.0, 2.0])
+    assert uniform.parts == [0, 5, 10]  # layers alone decide the split
+    assert uniform.stage_time == pytest.approx([4.0 + 2.0, 4.5 + 2.0])
+    stage0 = plan_stages(1.0, 8, 0.5, 4.0, 2, "stage0")
+    # on the mix they were planned for, both balance (stage 0 gives up decoder layers) ...
+    assert max(uniform.stage_time) == max(stage0.stage_time) == 6.5
+    # ... but the boundaries stay while the mix swings: 3x the images, then none
+    assert max(step_stage_times(stage0, 12.0, "stage0")) == 14.0
+    assert max(step_stage_times(uniform, 12.0, "uniform")) == 10.5
+    assert max(step_stage_times(stage0, 0.0, "stage0")) == 6.5
+    assert max(step_stage_times(uniform, 0.0, "uniform")) == 4.5
+    rows = describe(uniform)
+    assert [r["decoder_layers"] for r in rows] == ["0-3", "4-7"]
+    assert sum(r["encoder_share"] for r in rows) == pytest.approx(1.0)
+    assert max(r["relative_time"] for r in rows) == 1.0
+
+
+def _plan(tmp_path, capsys, parallel: dict, zero: int = 1, world: int = 2,
+          tied: bool = False) -> tuple[int, str]:
+    cfg = tiny_config_dict(str(tmp_path / "out"))
+    cfg["parallel"] = parallel
+    cfg["model"]["llm"]["config"]["tie_word_embeddings"] = tied
+    c, d = tmp_path / "cfg.json", tmp_path / "ds.json"
+    c.write_text(json.dumps(cfg))
+    d.write_text(json.dumps(ds_config(zero)))
+    code = main(["plan", "--config", str(c), "--deepspeed", str(d), "--world-size", str(world)])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+@pytest.mark.parametrize("parallel,zero,world,tied,match", [
+    ({"pp": 2}, 2, 2, False, "ZeRO 0 or 1 only"),
+    ({"pp": 3}, 1, 3, False, "only 2 decoder layers"),
+    ({"pp": 2, "dp": 2}, 1, 2, False, "needs parallel.dp x sp x pp = 2 x 1 x 2 = 4 processes but 2"),
+    ({"pp": 2, "sp": 2}, 1, 4, False, "without Ulysses sequence parallelism"),
+    ({"pp": 2}, 1, 2, True, "ties its LM head to its token embedding"),
+])
+def test_bad_pipeline_plans_fail_before_launch(tmp_path, capsys, parallel, zero, world, tied,
+                                               match):
+    code, out = _plan(tmp_path, capsys, parallel, zero, world, tied)
+    assert code == 2 and match in out and "Traceback" not in out, out
+
+
+def test_plan_prints_stages_and_their_predicted_time(tmp_path, capsys):
+    code, out = _plan(tmp_path, capsys, {"pp": 2})
+    assert code in (0, None), out
+    stages = json.loads(out)["pipeline"]["stages"]
+    assert [s["stage"] for s in stages] == [0, 1] and stages[0]["embedding"] and stages[1]["head"]
+    assert stages[0]["encoder_share"] == 1.0 and all(s["predicted_gflop"] > 0 for s in stages)
+
+
+def test_train_refuses_pipeline_with_zero2_before_any_process_group(tmp_path, capsys, monkeypatch):
+    cfg = tiny_config_dict(str(tmp_path / "out"))
+    cfg["parallel"] = {"pp": 2}
+    c, d = tmp_path / "cfg.json", tmp_path / "ds.json"
+    c.write_text(json.dumps(cfg))
+    d.write_text(json.dumps(ds_config(2)))
+    monkeypatch.setenv("WORLD_SIZE", "2")  # no rendezvous exists: a collective would fail, not pass
+    assert main(["train", "--config", str(c), "--deepspeed", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.pp=2 with ZeRO stage 2" in err and "Traceback" not in err
+
+
+def test_joint_plan_balances_items_and_finds_every_row():
+    from types import SimpleNamespace
+    from ds_omni.parallel.joint import assign_items, plan_joint
+    assert assign_items([5.0, 1.0, 4.0, 2.0, 2.0], 2) == [0, 1, 1, 1, 0]  # 7 and 7
+    # 3 micro-batches: 2 images + 1 clip, nothing, 1 image (rows: embeddings per item)
+    item = lambda rows: SimpleNamespace(num_embeddings=rows)  # noqa: E731
+    micro = [{"vision": [item(4), item(2)], "audio": [item(3)]}, {}, {"vision": [item(1)]}]
+    plan = plan_joint(micro, lambda enc, it: float(it.num_embeddings), stages=2)
+    assert plan.stage_of == [0, 1, 1, 0]  # costs 4 + 1 | 2 + 3
+    assert plan.rows_per_stage == [5, 5]
+    index = plan.row_index()
+    # stage-major rows: stage 0 has items 0, 3 (rows 0-3, 4); stage 1 items 1, 2 (rows 5-6, 7-9)
+    assert index == {(0, "vision"): [0, 1, 2, 3, 5, 6], (0, "audio"): [7, 8, 9], (2, "vision"): [4]}
+    assert sorted(r for rows in index.values() for r in rows) == list(range(10))
