@@ -418,7 +418,8 @@ class ParallelConfig:
     per-sequence block): an image or audio item whose modelled encoder cost is above this threshold
     is encoded by the whole group, with Ulysses attention inside the encoder; the others run whole,
     one rank each. "auto": above one rank's share of the row's encoder work; a number: a cost in
-    the cost model's units (`ds-omni data check` prints item costs); "off": never split."""
+    the cost model's units (an item's modelled training FLOPs, rescaled by
+    data.reorder.cost_scales when calibrated); "off": never split."""
 
     def __post_init__(self):
         if isinstance(self.encoder_sp, str) and self.encoder_sp not in ("auto", "off"):
