@@ -17,18 +17,18 @@ import numpy as np
 from ds_omni.errors import DataError
 
 
-def _image_source(value: Any):
-    """A file-like or path for PIL, from any stored form of an image."""
+def _media_source(value: Any, kind: str = "image"):
+    """A file-like or path (for PIL or PyAV), from any stored form of an image or a video."""
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
     if isinstance(value, (bytes, bytearray)):
         return io.BytesIO(value)
     if isinstance(value, (str, Path)):
         if not Path(value).is_file():
-            raise DataError(f"image file {str(value)!r} does not exist")
+            raise DataError(f"{kind} file {str(value)!r} does not exist")
         return str(value)
-    raise DataError(f"cannot read an image from a {type(value).__name__}; give bytes, a path, or "
-                    "a dict with 'bytes' or 'path'")
+    raise DataError(f"cannot read {'an' if kind == 'image' else 'a'} {kind} from a "
+                    f"{type(value).__name__}; give bytes, a path, or a dict with 'bytes' or 'path'")
 
 
 def load_image(value: Any):
@@ -37,7 +37,7 @@ def load_image(value: Any):
     if isinstance(value, Image.Image):
         return value.convert("RGB")
     try:
-        with Image.open(_image_source(value)) as im:
+        with Image.open(_media_source(value)) as im:
             return im.convert("RGB")
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise DataError(f"unreadable image ({e})") from None
@@ -49,7 +49,7 @@ def image_size(value: Any) -> tuple[int, int]:
     if isinstance(value, Image.Image):
         return value.size
     try:
-        with Image.open(_image_source(value)) as im:
+        with Image.open(_media_source(value)) as im:
             return im.size
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise DataError(f"unreadable image ({e})") from None
@@ -166,25 +166,11 @@ class VideoInfo:
     height: int
 
 
-def _video_source(value: Any):
-    """A path or file-like for PyAV, from any stored form of a video."""
-    if isinstance(value, dict):
-        value = value.get("bytes") or value.get("path")
-    if isinstance(value, (bytes, bytearray)):
-        return io.BytesIO(value)
-    if isinstance(value, (str, Path)):
-        if not Path(value).is_file():
-            raise DataError(f"video file {str(value)!r} does not exist")
-        return str(value)
-    raise DataError(f"cannot read a video from a {type(value).__name__}; give bytes, a path, or "
-                    "a dict with 'bytes' or 'path'")
-
-
 def _open_video(value: Any):
     """(container, its first video stream); an unreadable file is a `DataError`."""
     av = video_decoder()
     try:
-        container = av.open(_video_source(value))
+        container = av.open(_media_source(value, "video"))
     except (av.FFmpegError, OSError, ValueError) as e:
         raise DataError(f"unreadable video ({e})") from None
     if not container.streams.video:
