@@ -22,6 +22,7 @@ twice. A step that was interrupted was never recorded, so its samples are read a
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ from ds_omni.parallel.hdp import check_degree
 from ds_omni.parallel.long_short import LongItems
 
 LOADER_STATE_VERSION = 2
+QUIET_STEPS = 50  # steps without a long item before a numeric parallel.encoder_sp is questioned
+log = logging.getLogger(__name__)
 
 
 class DataComm(Protocol):
@@ -125,6 +128,7 @@ class OmniLoader:
         # the ranks of one SP group read the same rows; each packs its own shard of them
         self._item_cost = ItemCost(cost_model)
         self.long_items = long_items  # encoder items a whole SP group encodes (long-short SP)
+        self._steps_without_long_items = 0
         self.shard = (SeqShard(sp_rank, sp_size, self._item_cost, long_items) if sp_size > 1
                       else None)
         # decoding, HF processing and packing: here, or in `data.workers` processes
@@ -372,6 +376,7 @@ class OmniLoader:
         # long-short SP: items this rank's groups encode together (rank 0's figure is logged)
         stats["long_items"] = sum(len(v) for mb in micro if mb.reshard
                                   for v in mb.reshard.split.values())
+        self._check_long_items(stats["long_items"])
         # the model runs a dummy through each encoder a micro-batch has no inputs for
         dummies = sum(self.cost_model.dummy_cost(mb.encoder_inputs) for mb in micro)
         normal_cost = sum(costs.get(k, 0.0) for k in keys if k not in long_keys)
@@ -454,6 +459,19 @@ class OmniLoader:
                 self._bad(loc.source, sample_id, error, str(loc))
             except DataError as stop:
                 problems.append(str(stop))
+
+    def _check_long_items(self, count: int) -> None:
+        """A numeric `parallel.encoder_sp` that no item has reached in QUIET_STEPS steps is said
+        once: most likely it is set far above the items' costs (so nothing is ever split)."""
+        if count:
+            self._steps_without_long_items = -1  # it works: never say it
+        elif self._steps_without_long_items >= 0 and (self.shard or self.max_degree > 1) and (
+                self.long_items is not None and self.long_items.threshold is not None):
+            self._steps_without_long_items += 1
+            if self._steps_without_long_items == QUIET_STEPS:
+                log.warning("parallel.encoder_sp=%g: no image or clip has cost more than that in %d "
+                            "steps, so every item was encoded whole; lower it, or use \"auto\"",
+                            self.long_items.threshold, QUIET_STEPS)
 
     def load_samples(self, keys: list[str]) -> list:
         """The processed samples of `keys` (e.g. to replay another run's batch in one process)."""

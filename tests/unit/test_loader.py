@@ -313,3 +313,31 @@ def test_workers_make_the_same_steps_and_a_dead_worker_is_a_clear_error(built, t
     assert "lower data.workers" in batch.error
     feed.loader.close()
     assert feed.loader.pool is None
+
+
+def test_a_numeric_encoder_sp_that_no_item_reaches_is_said_once(caplog):
+    """Long-short SP with a threshold above every item's cost splits nothing: after QUIET_STEPS
+    steps without a long item the loader says so, once; a step with one silences it for good."""
+    import logging
+    from ds_omni.data import loader as loader_mod
+    from ds_omni.parallel.long_short import LongItems
+
+    def fresh(threshold):
+        ld = loader_mod.OmniLoader.__new__(loader_mod.OmniLoader)
+        ld.shard, ld.max_degree, ld._steps_without_long_items = object(), 1, 0
+        ld.long_items = LongItems(threshold, {"vision": 4})
+        return ld
+
+    with caplog.at_level(logging.WARNING, logger=loader_mod.__name__):
+        quiet = fresh(1e12)
+        for _ in range(2 * loader_mod.QUIET_STEPS):
+            quiet._check_long_items(0)
+        busy = fresh(1.0)
+        busy._check_long_items(3)
+        for _ in range(2 * loader_mod.QUIET_STEPS):
+            busy._check_long_items(0)
+        auto = fresh(None)
+        for _ in range(2 * loader_mod.QUIET_STEPS):
+            auto._check_long_items(0)
+    said = [r.getMessage() for r in caplog.records if "encoder_sp" in r.getMessage()]
+    assert len(said) == 1 and "parallel.encoder_sp=1e+12" in said[0] and "auto" in said[0]
