@@ -123,23 +123,32 @@ class _SeqToHeads(torch.autograd.Function):
 
 
 def _exchange(x: torch.Tensor, shard: EncoderShard, to_heads: bool) -> torch.Tensor:
+    return _to_heads(x, shard) if to_heads else _to_tokens(x, shard)
+
+
+def _to_heads(x: torch.Tensor, shard: EncoderShard) -> torch.Tensor:
+    """[B, H, L_r, D] -> [B, H/P, L, D]: head chunk j goes to rank j; every rank's tokens come in."""
     p, counts = shard.size, shard.counts()
-    if to_heads:  # x [B, H, L_r, D]: send head chunk j to rank j; receive every rank's tokens
-        b, h, _, d = x.shape
-        send = torch.stack(x.chunk(p, dim=1))  # [P, B, H/P, L_r, D]
-        recv_sizes = [b * (h // p) * n * d for n in counts]
-        recv = x.new_empty(sum(recv_sizes))
-        dist.all_to_all_single(recv, send.reshape(-1).contiguous(), recv_sizes,
-                               [send[0].numel()] * p, group=shard.group)
-        parts = [chunk.view(b, h // p, n, d) for chunk, n in zip(recv.split(recv_sizes), counts)]
-        return torch.cat(parts, dim=2)  # [B, H/P, L, D]
-    b, hp, _, d = x.shape  # x [B, H/P, L, D]: send token piece j to rank j; receive all heads
+    b, h, _, d = x.shape
+    send = torch.stack(x.chunk(p, dim=1))  # [P, B, H/P, L_r, D]
+    recv_sizes = [b * (h // p) * n * d for n in counts]
+    recv = x.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(recv, send.reshape(-1).contiguous(), recv_sizes,
+                           [send[0].numel()] * p, group=shard.group)
+    parts = [chunk.view(b, h // p, n, d) for chunk, n in zip(recv.split(recv_sizes), counts)]
+    return torch.cat(parts, dim=2)
+
+
+def _to_tokens(x: torch.Tensor, shard: EncoderShard) -> torch.Tensor:
+    """[B, H/P, L, D] -> [B, H, L_r, D]: token piece j goes to rank j; every rank's heads come in."""
+    p, counts = shard.size, shard.counts()
+    b, hp, _, d = x.shape
     send = torch.cat([piece.reshape(-1) for piece in x.split(counts, dim=2)])
     n_local = counts[shard.rank]
     recv = x.new_empty(p * b * hp * n_local * d)
     dist.all_to_all_single(recv, send.contiguous(), [b * hp * n_local * d] * p,
                            [b * hp * n * d for n in counts], group=shard.group)
-    return torch.cat(recv.view(p, b, hp, n_local, d).unbind(0), dim=1)  # [B, H, L_r, D]
+    return torch.cat(recv.view(p, b, hp, n_local, d).unbind(0), dim=1)
 
 
 _current: list[tuple[object, EncoderShard]] = []  # (config, shard) of the encode running now
@@ -220,11 +229,6 @@ def ulysses_attention(module, query, key, value, attention_mask=None, scaling=No
                                              is_causal=is_causal and mask is None)
     out = _SeqToHeads.apply(out, shard, False)  # [B, H, L_r, D]
     return out.transpose(1, 2).contiguous(), None
-
-
-def heads_split(num_heads: int, size: int) -> bool:
-    """Ulysses needs the heads to divide evenly over the group."""
-    return num_heads % size == 0
 
 
 def register() -> None:
