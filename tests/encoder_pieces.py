@@ -17,23 +17,24 @@ import torch.distributed as dist
 from ds_omni.parallel.long_short import split_rows
 
 
-def item_inputs(built, encoder: str, raw) -> dict[str, torch.Tensor]:
+def item_inputs(built, processor: str, raw) -> dict[str, torch.Tensor]:
     """Encoder inputs of one raw item, collated as a micro-batch of one."""
-    processor = built.item_processors[encoder]
-    return processor.collate([processor.process(raw)])
+    items = built.item_processors[processor]
+    return items.collate([items.process(raw)])
 
 
 def check_pieces(built, encoder: str, raw, group=None, checkpointed: bool = False,
-                 frozen: bool = False) -> dict:
+                 frozen: bool = False, processor: str | None = None) -> dict:
     """Encode `raw` split over `group` (all ranks: the default) and whole; return the largest
     differences of rows and gradients (the caller asserts on them) and the row counts.
     `checkpointed`: the tower's layers recompute in backward; `frozen`: the tower is frozen (only
-    the projector has gradients, and the split tower's backward exchanges nothing)."""
+    the projector has gradients, and the split tower's backward exchanges nothing); `processor`:
+    the item processor that makes the item (default: the encoder's name; "video" for a video)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     module = built.model.encoders[encoder]
     module.zero_grad(set_to_none=True)
     module.tower.requires_grad_(not frozen)
-    inputs = item_inputs(built, encoder, raw)
+    inputs = item_inputs(built, processor or encoder, raw)
     whole_module = copy.deepcopy(module)
     whole = whole_module(inputs)  # [n, D]
     weights = torch.randn(whole.shape, generator=torch.Generator().manual_seed(7))

@@ -120,7 +120,10 @@ def _encoder_pieces(families, out_dir) -> dict:
     import numpy as np
     import torch
     from PIL import Image
+    import torch.distributed as dist
+    from pathlib import Path
     from ds_omni.model.build import build_model
+    from tests.data_files import write_video
     from tests.encoder_pieces import check_pieces
     rng = np.random.default_rng(0)
     raw = {"image": Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)),
@@ -135,6 +138,10 @@ def _encoder_pieces(families, out_dir) -> dict:
         if family == "qwen2_vl":
             out["qwen2_vl/vision/recomputed"] = check_pieces(built, "vision", raw["image"],
                                                              checkpointed=True)
+            # a video: 6 temporal patches, whose frames the pieces' attention keeps apart
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            video = write_video(Path(out_dir) / f"long_rank{dist.get_rank()}.mp4", 12, 40, 24)
+            out["qwen2_vl/video"] = check_pieces(built, "vision", str(video), processor="video")
         if family == "llava":
             out["llava/vision/frozen"] = check_pieces(built, "vision", raw["image"], frozen=True)
     return out
@@ -171,7 +178,7 @@ def test_sequence_parallel_matches_single_process(world, families, tmp_path):
         assert got["piece_rows"] < got["rows"], name  # the item really was split
         assert got["row_diff"] <= 1e-6 * got["row_scale"], (name, got)
         assert got["grad_diff"] <= 1e-5 * got["grad_scale"], (name, got)
-    assert len(results[0]["pieces"]) == (7 if world == 2 else 0)
+    assert len(results[0]["pieces"]) == (8 if world == 2 else 0)
     for case in cases:
         name = _case_name(case)
         cfg = make_config(families[case[0]], str(tmp_path / f"ref_{name}"), sp=1, reorder=False,
