@@ -97,12 +97,19 @@ def make_qwen2_vl_dir(out: Path) -> Path:
     """A tiny random Qwen2-VL saved as hub checkpoints are: weights, config, tokenizer and
     preprocessor_config.json (the image processor's own save_pretrained)."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    return _qwen_vl_dir(out, Qwen2VLConfig, Qwen2VLForConditionalGeneration,
+                        {"depth": 2, "embed_dim": 32, "num_heads": 4, "mlp_ratio": 2,
+                         "hidden_size": 64, "patch_size": PATCH, "spatial_merge_size": MERGE,
+                         "temporal_patch_size": 2})
+
+
+def _qwen_vl_dir(out: Path, config_class, model_class, vision_config: dict) -> Path:
+    """A Qwen2-VL-style model (tiny text config, `vision_config`) with the tokenizer, image and
+    video processor files of these tests."""
     tok = qwen_tokenizer()
     ids = dict(zip(QWEN_TOKENS, tok.convert_tokens_to_ids(QWEN_TOKENS)))
-    config = Qwen2VLConfig(
-        vision_config={"depth": 2, "embed_dim": 32, "num_heads": 4, "mlp_ratio": 2,
-                       "hidden_size": 64, "patch_size": PATCH, "spatial_merge_size": MERGE,
-                       "temporal_patch_size": 2},
+    config = config_class(
+        vision_config=vision_config,
         # head_dim 16: 8 rotary frequencies split 2 (time) + 3 (height) + 3 (width)
         text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": len(tok),
@@ -113,7 +120,7 @@ def make_qwen2_vl_dir(out: Path) -> Path:
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"])
     torch.manual_seed(0)
-    out = save_hf(Qwen2VLForConditionalGeneration(config), tok, out)
+    out = save_hf(model_class(config), tok, out)
     image_processor().save_pretrained(str(out))
     (out / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR))
     return out
@@ -203,23 +210,8 @@ def make_qwen2_5_vl_dir(out: Path) -> Path:
     """A tiny random Qwen2.5-VL: windows of 2x2 merged tokens (16 pixels), full attention in the
     second block, 4 M-RoPE time steps per second of video; the processor files of the Qwen2-VL dir."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    tok = qwen_tokenizer()
-    ids = dict(zip(QWEN_TOKENS, tok.convert_tokens_to_ids(QWEN_TOKENS)))
-    config = Qwen2_5_VLConfig(
-        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 4,
-                       "out_hidden_size": 64, "patch_size": PATCH, "spatial_merge_size": MERGE,
-                       "temporal_patch_size": 2, "window_size": 16, "fullatt_block_indexes": [1],
-                       "tokens_per_second": 4},
-        text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": len(tok),
-                     "max_position_embeddings": 512, "bos_token_id": tok.bos_token_id,
-                     "eos_token_id": tok.eos_token_id,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                         "mrope_section": [2, 3, 3]}},
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"])
-    torch.manual_seed(0)
-    out = save_hf(Qwen2_5_VLForConditionalGeneration(config), tok, out)
-    image_processor().save_pretrained(str(out))
-    (out / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR))
-    return out
+    return _qwen_vl_dir(out, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                        {"depth": 2, "hidden_size": 32, "intermediate_size": 48, "num_heads": 4,
+                         "out_hidden_size": 64, "patch_size": PATCH, "spatial_merge_size": MERGE,
+                         "temporal_patch_size": 2, "window_size": 16,
+                         "fullatt_block_indexes": [1], "tokens_per_second": 4})
