@@ -227,13 +227,25 @@ def check_complete(directory: Path, legacy_ok: bool = False) -> str | None:
     return None
 
 
+def step_tags(root: Path) -> list[str]:
+    """The step directories under `root`, newest first (complete or not)."""
+    return sorted((p.name for p in root.iterdir() if p.is_dir() and TAG_RE.fullmatch(p.name)),
+                  reverse=True) if root.is_dir() else []
+
+
+def require_checkpoints(output_dir: str | Path) -> None:
+    """--resume with nothing to resume from: said before any process group or model is made."""
+    root = checkpoint_root(output_dir)
+    if not step_tags(root):
+        raise LaunchError(f"--resume: no checkpoint in {str(root)!r}; start without --resume "
+                          "or point train.output_dir at the earlier run")
+
+
 def newest_complete(root: Path) -> tuple[str | None, list[str]]:
     """(tag of the newest usable checkpoint or None, why each newer one was passed over)."""
     latest = latest_tag(root.parent)
-    tags = sorted((p.name for p in root.iterdir() if p.is_dir() and TAG_RE.fullmatch(p.name)),
-                  reverse=True) if root.is_dir() else []
     skipped = []
-    for tag in tags:
+    for tag in step_tags(root):
         problem = check_complete(root / tag, legacy_ok=tag == latest)
         if problem is None:
             return tag, skipped

@@ -358,6 +358,8 @@ def run(cfg: OmniConfig, ds_config_path: str, *, resume: bool = False,
         stop_after: int | None = None) -> dict:
     """Train as `cfg` says; returns the report (on rank 0; {} elsewhere)."""
     plan, ds_config = preflight(cfg, ds_config_path)
+    if resume:
+        checkpoint.require_checkpoints(cfg.train.output_dir)
     rank, world = dist.init_distributed(float(os.environ.get("DS_OMNI_DIST_TIMEOUT",
                                                              DEFAULT_DIST_TIMEOUT_S)))
     watchdog = Watchdog.start(rank, world, cfg.train.peer_timeout_s)

@@ -16,15 +16,21 @@ def _losses(out: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """2 ranks through the deepspeed launcher: the run the other launchers must reproduce.
+def deepspeed_run(tmp_path_factory) -> Path:
+    """2 ranks through the deepspeed launcher, exporting to HF at the end: the run the other
+    launchers must reproduce, and the export under test (one launch serves both).
     (tests/dist/test_parity.py checks such runs against one process without DeepSpeed.)"""
-    cfg, ds, out = write_configs(tmp_path_factory.mktemp("deepspeed"), steps=3)
+    cfg, ds, out = write_configs(tmp_path_factory.mktemp("deepspeed"), steps=3, export_hf=True)
     res = train("deepspeed", 2, cfg, ds)
     assert res.returncode == 0, res.stdout[-3000:]
     report = json.loads((Path(out) / "report.json").read_text())
     assert report["world_size"] == 2 and report["dp"] == 2
-    return read_metrics(out)
+    return Path(out)
+
+
+@pytest.fixture(scope="module")
+def reference(deepspeed_run):
+    return read_metrics(str(deepspeed_run))
 
 
 @pytest.mark.parametrize("kind", ["torchrun", "accelerate"])
@@ -72,10 +78,8 @@ def test_single_process_without_a_launcher_skips_bad_samples_visibly(tmp_path):
     assert not trained & {e["locator"] for e in skipped}
 
 
-def test_export_loads_in_transformers_and_generates(tmp_path):
-    cfg, ds, out = write_configs(tmp_path, steps=2, export_hf=True)
-    res = train("deepspeed", 2, cfg, ds)
-    assert res.returncode == 0, res.stdout[-3000:]
+def test_export_loads_in_transformers_and_generates(deepspeed_run):
+    out = deepspeed_run
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
     from ds_omni.data.demo import shapes_rows

@@ -30,7 +30,8 @@ def test_every_rng_resumes_where_it_was(tmp_path):
     assert {"torch", "numpy", "python"} <= set(saved)
 
 
-# A process that saves step 1, then is killed (SIGKILL, as a dying node) at `point` of saving step 2.
+# One process imports once, then forks a child per point: the child saves step 1, then is killed
+# (SIGKILL, as a dying node) at that point of saving step 2. The parent prints how each child ended.
 _DIE_WHILE_SAVING = """
 import os, signal, sys
 from ds_omni.train import checkpoint
@@ -46,27 +47,37 @@ class DiesWriting(FakeEngine):
             f.flush()
             die()
 
-out, point = sys.argv[1], sys.argv[2]
-checkpoint.save(FakeEngine(), out, 1, {"step": 1}, rank=0)
-if point == "publish":
-    checkpoint._publish = die
-elif point == "latest":
-    checkpoint._write_latest = die
-checkpoint.save(DiesWriting() if point == "engine" else FakeEngine(), out, 2, {"step": 2}, rank=0)
+def save_and_die(out, point):
+    checkpoint.save(FakeEngine(), out, 1, {"step": 1}, rank=0)
+    if point == "publish":
+        checkpoint._publish = die
+    elif point == "latest":
+        checkpoint._write_latest = die
+    checkpoint.save(DiesWriting() if point == "engine" else FakeEngine(), out, 2, {"step": 2}, rank=0)
+
+root = sys.argv[1]
+for point in sys.argv[2:]:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            save_and_die(os.path.join(root, point), point)
+        finally:
+            os._exit(0)  # reached only if the save was not killed
+    status = os.waitpid(pid, 0)[1]
+    print(point, os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL)
 """
 
 
 def test_a_rank_killed_in_the_middle_of_a_save_leaves_a_usable_checkpoint(tmp_path):
-    import signal
     import subprocess
     import sys
     from tests.harness import REPO
     points = {"engine": 1, "publish": 1, "latest": 2}  # the step a resume finds
-    procs = {p: subprocess.Popen([sys.executable, "-c", _DIE_WHILE_SAVING, str(tmp_path / p), p],
-                                 cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-             for p in points}
-    for point, proc in procs.items():
-        assert proc.wait(timeout=120) == -signal.SIGKILL, point
+    res = subprocess.run([sys.executable, "-c", _DIE_WHILE_SAVING, str(tmp_path), *points],
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == [w for p in points for w in (p, "True")]  # each child was killed
     for point, step in points.items():
         assert checkpoint.load(FakeEngine(), tmp_path / point, rank=0) == (step, {"step": step}), point
         checkpoint.save(FakeEngine(), tmp_path / point, 2, {"step": 2}, rank=0)  # saving again works
