@@ -186,6 +186,18 @@ def split_levels(rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Te
     return rows[:, :width], rows[:, width:].reshape(rows.shape[0], -1, width)  # [N, k, D]
 
 
+def checked_rows(feats: torch.Tensor, encoder: ModalityEncoder, width: int,
+                 name: str) -> torch.Tensor:
+    """feats, checked to be [N, (1 + k) D] for the encoder's k deepstack levels."""
+    want = (1 + encoder.deepstack) * width
+    if feats.shape[-1] != want:
+        raise ModelError(f"encoder '{name}' yields rows of width {feats.shape[-1]}, but the LLM's "
+                         f"width {width} with the encoder's {encoder.deepstack} deepstack levels "
+                         f"makes {want}; its family adapter must set the encoder's `deepstack` to "
+                         "the number of feature levels its tower returns")
+    return feats
+
+
 def join_deepstack(parts: list[Deepstack]) -> Deepstack | None:
     """One `Deepstack` of several encoders' (None when there are none)."""
     if not parts:
@@ -386,7 +398,8 @@ class OmniModel(nn.Module):
                 # on all ranks (no hang when some ranks have no images); the result counts zero.
                 hidden = _with_dummy_pass(hidden, encoder)
                 continue
-            main, extra = split_levels(encoder(inputs), hidden.shape[-1])  # [N, D], [N, k, D]
+            feats = checked_rows(encoder(inputs), encoder, hidden.shape[-1], name)
+            main, extra = split_levels(feats, hidden.shape[-1])  # [N, D], [N, k, D]
             hidden = _insert(hidden, slots, main, name, batch)
             if extra is not None:
                 levels.append(Deepstack(slots, extra))
@@ -426,7 +439,7 @@ class OmniModel(nn.Module):
                 for item, (_, bounds) in zip(batch.split_inputs.get(name, []), long)]
             if not feats:
                 continue
-            feats = torch.cat(feats).to(hidden.dtype)
+            feats = checked_rows(torch.cat(feats).to(hidden.dtype), encoder, hidden.shape[-1], name)
             if feats.shape[0] != plan.encode_rows[name]:
                 raise ModelError(
                     f"encoder '{name}' produced {feats.shape[0]} embeddings for this rank's items but "
@@ -439,7 +452,8 @@ class OmniModel(nn.Module):
         width = hidden.shape[-1]
         ordered = [rows[name] for name in plan.order if name in rows]  # the plan's row order
         # [N_r, (1 + k) D]; a rank that encoded nothing still sends rows of the group's width
-        local = torch.cat(ordered) if ordered else hidden.new_zeros((0, (1 + self.deepstack) * width))
+        empty = hidden.new_zeros((0, (1 + self.deepstack) * width))
+        local = torch.cat(ordered) if ordered else empty
         if self._encoders_trainable() and not local.requires_grad:
             # every rank must reach the backward all-to-all, also one that encoded nothing
             local = local.detach().requires_grad_()

@@ -115,3 +115,12 @@ def test_pipeline_engine_refuses_deepstack(qwen3_vl):
         pipeline_layers(built.model, StepInputs())
     with pytest.raises(ModelError, match="deepstack"):
         built.model.embed(pack(samples, built.item_processors))
+
+
+def test_rows_of_another_width_than_the_levels_declared_are_an_error(qwen3_vl, monkeypatch):
+    """An adapter that declares fewer levels than its tower returns is told so, not run with the
+    levels dropped."""
+    built, samples = qwen3_vl
+    monkeypatch.setattr(built.model.encoders["vision"], "deepstack", 1)
+    with pytest.raises(ModelError, match=r"width 96.*1 deepstack levels makes 64.*`deepstack`"):
+        built.model.logits(pack(samples, built.item_processors))
