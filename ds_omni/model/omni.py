@@ -181,9 +181,10 @@ class Deepstack(NamedTuple):
 
 def split_levels(rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """rows [N, (1 + k) D] -> (main [N, D], levels [N, k, D] or None when k = 0)."""
-    if rows.shape[-1] == width:
+    k = rows.shape[-1] // width - 1
+    if k == 0:
         return rows, None
-    return rows[:, :width], rows[:, width:].reshape(rows.shape[0], -1, width)  # [N, k, D]
+    return rows[:, :width], rows[:, width:].reshape(rows.shape[0], k, width)  # [N, k, D]
 
 
 def checked_rows(feats: torch.Tensor, encoder: ModalityEncoder, width: int,

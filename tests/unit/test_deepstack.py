@@ -22,7 +22,7 @@ from ds_omni.model import coverage, omni
 @pytest.fixture(scope="module")
 def qwen3_vl(tmp_path_factory):
     """(built model, samples): a tiny Qwen3-VL through `build_model`, and the sweep's samples
-    (one image, text only, two images of other sizes)."""
+    (one image, text only, two images of other sizes) plus a long text-only one."""
     from ds_omni.config import ModelConfig
     from ds_omni.data.processing import SampleProcessor
     from ds_omni.model.build import build_model
@@ -40,7 +40,8 @@ def qwen3_vl(tmp_path_factory):
     samples = [proc(text=t, media={"vision": m} if m else {}, sample_id=str(i), source="s")
                for i, (t, m) in enumerate([("<image> a red circle", [img[0]]),
                                            ("a caption without an image", []),
-                                           ("<image><image> which is larger?", img[1:])])]
+                                           ("<image><image> which is larger?", img[1:]),
+                                           ("a long caption without an image " * 6, [])])]
     return built, samples
 
 
@@ -69,11 +70,13 @@ class FakeExchange:
         return torch.cat([self.sent[src][plan.rank] for src in sorted(self.sent)])
 
 
-@pytest.mark.parametrize("sp", [2, 4])
-def test_sharded_embedding_carries_the_levels_like_the_whole_row(qwen3_vl, monkeypatch, sp):
-    """The SP shards' embeddings and deepstack levels, put side by side, are the whole row's, and
-    a rank that encoded nothing still sends rows of the levels' width."""
+@pytest.mark.parametrize("sp, n", [(2, 4), (4, 3)])
+def test_sharded_embedding_carries_the_levels_like_the_whole_row(qwen3_vl, monkeypatch, sp, n):
+    """The SP shards' embeddings and deepstack levels, put side by side, are the whole row's; a
+    rank that encoded nothing still sends rows of the levels' width, and one whose shard holds no
+    image token receives none (the first n samples in one row)."""
     built, samples = qwen3_vl
+    samples = samples[:n]
     model, k = built.model, built.model.deepstack
     assert k == 2
     whole = pack(samples, built.item_processors)
@@ -90,8 +93,10 @@ def test_sharded_embedding_carries_the_levels_like_the_whole_row(qwen3_vl, monke
         got = torch.cat([dense(*model.embed_deepstack(shard), k) for shard in shards])
     t = want.shape[0]
     assert torch.equal(got[:t], want)
-    if sp == 4:  # 3 items on 4 ranks: one encodes nothing, yet receives rows of its shard
+    if n == 3:  # 3 items on 4 ranks: one encodes nothing, yet receives rows of its shard
         assert any(not s.reshard.encode and s.reshard.rows_in for s in shards)
+    else:  # the long text-only sample fills the last shard: it receives no row
+        assert shards[-1].reshard.encode and not shards[-1].reshard.rows_in
     assert (want[:, 32:] != 0).any(dim=1).sum() == sum(
         it.num_embeddings for s in samples for _, it in s.items)  # levels on every image token
 
