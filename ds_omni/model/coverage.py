@@ -264,6 +264,70 @@ def _qwen2_5_omni_thinker():
                                      image_processor=images, tokenizer=tok)
 
 
+# -- deepstack families: vision features also added into the LLM's first layers (Qwen3-VL)
+DEEPSTACK_VISION = {"depth": 2, "hidden_size": 32, "out_hidden_size": 32, "intermediate_size": 64,
+                    "num_heads": 4, "patch_size": 4, "spatial_merge_size": 2,
+                    "temporal_patch_size": 2, "num_position_embeddings": 16,
+                    "deepstack_visual_indexes": [0, 1]}
+"""Two levels from a two-block tower, added after LLM layers 0 and 1 (the recipes' LLMs have
+two layers, so the last level lands just before the final norm)."""
+QWEN3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+              "mrope_interleaved": True}
+
+
+def _qwen3_vl(model_type: str, **text_extra):
+    """Qwen3-VL (and its MoE LLM variant): a Qwen2-VL-like patch ViT with learned position
+    embeddings and deepstack mergers, an interleaved M-RoPE Qwen3 LLM."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    names = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok = demo_tokenizer(names, {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
+    ids = dict(zip(names, _ids(tok, *names)))
+    text = _text(tok, f"{model_type}_text", num_hidden_layers=2, rope_parameters=QWEN3_ROPE,
+                 **text_extra)
+    config = _config(model_type, vision_config=DEEPSTACK_VISION, text_config=text,
+                     vision_start_token_id=ids["<|vision_start|>"],
+                     vision_end_token_id=ids["<|vision_end|>"],
+                     image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"])
+    images = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                      min_pixels=8 * 8, max_pixels=48 * 48)
+    return config, lenient_processor(_processor_class(model_type), image_processor=images,
+                                     tokenizer=tok)
+
+
+def _qwen3_omni_moe_thinker():
+    """The thinker of Qwen3-Omni (MoE LLM, deepstack vision tower, an audio tower), on images."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    named = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+             "audio_token": "<|audio_pad|>", "vision_bos_token": "<|vision_start|>",
+             "vision_eos_token": "<|vision_end|>", "audio_bos_token": "<|audio_start|>",
+             "audio_eos_token": "<|audio_end|>"}
+    tok = demo_tokenizer(list(named.values()), named)
+    ids = {k: _ids(tok, v)[0] for k, v in named.items()}
+    audio = {"num_mel_bins": 16, "d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 4,
+             "encoder_ffn_dim": 64, "output_dim": 32, "n_window": 4, "max_source_positions": 64,
+             "downsample_hidden_size": 8}
+    text = _text(tok, "qwen3_omni_moe_text", num_hidden_layers=2, rope_parameters=QWEN3_ROPE,
+                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    config = _config("qwen3_omni_moe_thinker", vision_config=DEEPSTACK_VISION,
+                     audio_config=audio, text_config=text, image_token_id=ids["image_token"],
+                     video_token_id=ids["video_token"], audio_token_id=ids["audio_token"],
+                     audio_start_token_id=ids["audio_bos_token"],
+                     vision_start_token_id=ids["vision_bos_token"],
+                     vision_end_token_id=ids["vision_eos_token"])
+    images = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                      min_pixels=8 * 8, max_pixels=48 * 48)
+    return config, lenient_processor(_processor_class("qwen3_omni_moe_thinker"),
+                                     image_processor=images, tokenizer=tok)
+
+
+DEEPSTACK_RECIPES: dict[str, Callable] = {
+    "qwen3_vl": lambda: _qwen3_vl("qwen3_vl"),
+    "qwen3_vl_moe": lambda: _qwen3_vl("qwen3_vl_moe", num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=16),
+    "qwen3_omni_moe_thinker": _qwen3_omni_moe_thinker,
+}
+
+
 RECIPES: dict[str, Callable] = {
     "qwen2_5_omni_thinker": _qwen2_5_omni_thinker,
     "vipllava": _vipllava,
@@ -279,6 +343,7 @@ RECIPES: dict[str, Callable] = {
     "internvl": _internvl,
     "idefics3": lambda: _idefics3("idefics3"),
     "smolvlm": lambda: _idefics3("smolvlm"),
+    **DEEPSTACK_RECIPES,
 }
 
 

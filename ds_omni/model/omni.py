@@ -9,8 +9,14 @@ family adapters in `ds_omni.model.families` map HF models onto it.
 The modules are the HF model's own modules, registered here under family-neutral names, so
 parameters are shared (not copied) and export back to HF is exact.
 
+Deepstack (Qwen3-VL and its kin): the vision tower also yields k levels of features per image
+token, which the LLM adds to its hidden states at the image positions after decoder layers
+0..k-1. Such an encoder's output rows are [N, (1 + k) D], the main embedding then the k levels
+side by side, so every path that moves rows (resharding under SP) carries the levels with them;
+`Deepstack` holds them, at their row positions, for the backbone.
+
 Dims: T packed tokens of a micro-batch, N embeddings of one encoder in a micro-batch,
-D LLM hidden size, V vocabulary.
+D LLM hidden size, V vocabulary, k deepstack levels.
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ if TYPE_CHECKING:
     from ds_omni.model.family import Family
 
 IGNORE_INDEX = -100
+DEEPSTACK_ALONE = (
+    "this model's vision features are also added into the LLM's first decoder layers (deepstack, "
+    "Qwen3-VL), which the LLM on DeepSpeed's pipeline engine does not carry between stages in "
+    "this version; set parallel.pp to 1 (ZeRO and sequence parallelism carry them)")
 
 
 class ModalityEncoder(nn.Module):
@@ -43,6 +53,9 @@ class ModalityEncoder(nn.Module):
     """
 
     modality: str = "image"
+    deepstack: int = 0
+    """k deepstack levels its rows carry after the main embedding ([N, (1 + k) D]; module
+    docstring); 0 for every encoder but Qwen3-VL-like towers."""
 
     def __init__(self, *, tower: nn.Module, projector: nn.Module, placeholder_id: int,
                  more_placeholder_ids: tuple[int, ...] = ()):
@@ -148,6 +161,53 @@ def _top_up_calls(hidden: torch.Tensor, encoder: ModalityEncoder, batch: "MicroB
     return hidden
 
 
+class Deepstack(NamedTuple):
+    """Deepstack levels at their rows (module docstring): the backbone adds level i to the hidden
+    states at `positions` after decoder layer i, as HF's `_deepstack_process` does."""
+
+    positions: torch.Tensor  # [n] row positions (of this rank's shard under SP), any order
+    levels: torch.Tensor  # [n, k, D]
+
+    @property
+    def depth(self) -> int:
+        return self.levels.shape[1]
+
+    def add(self, hidden: torch.Tensor, level: int) -> torch.Tensor:
+        """hidden [1, S, D] with level `level` added at the positions (HF's exact sum: the rows
+        read, added, written back)."""
+        rows = hidden[0].index_select(0, self.positions) + self.levels[:, level].to(hidden.dtype)
+        return hidden[0].index_copy(0, self.positions, rows).unsqueeze(0)
+
+
+def split_levels(rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """rows [N, (1 + k) D] -> (main [N, D], levels [N, k, D] or None when k = 0)."""
+    k = rows.shape[-1] // width - 1
+    if k == 0:
+        return rows, None
+    return rows[:, :width], rows[:, width:].reshape(rows.shape[0], k, width)  # [N, k, D]
+
+
+def checked_rows(feats: torch.Tensor, encoder: ModalityEncoder, width: int,
+                 name: str) -> torch.Tensor:
+    """feats, checked to be [N, (1 + k) D] for the encoder's k deepstack levels."""
+    want = (1 + encoder.deepstack) * width
+    if feats.shape[-1] != want:
+        raise ModelError(f"encoder '{name}' yields rows of width {feats.shape[-1]}, but the LLM's "
+                         f"width {width} with the encoder's {encoder.deepstack} deepstack levels "
+                         f"makes {want}; its family adapter must set the encoder's `deepstack` to "
+                         "the number of feature levels its tower returns")
+    return feats
+
+
+def join_deepstack(parts: list[Deepstack]) -> Deepstack | None:
+    """One `Deepstack` of several encoders' (None when there are none)."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    return Deepstack(torch.cat([p.positions for p in parts]), torch.cat([p.levels for p in parts]))
+
+
 def _insert(hidden: torch.Tensor, slots: torch.Tensor, feats: torch.Tensor, name: str,
             batch: "MicroBatch") -> torch.Tensor:
     """hidden [1, T, D] with the rows of feats [N, D] at positions slots [N]."""
@@ -180,16 +240,20 @@ class Backbone(nn.Module):
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                 cu_seqlens: torch.Tensor, max_seqlen: int,
-                attention: PackedAttention | None = None) -> torch.Tensor:
+                attention: PackedAttention | None = None,
+                deepstack: Deepstack | None = None) -> torch.Tensor:
         """hidden [1, S, D], position_ids [1, S] or [3, 1, S] (M-RoPE) -> normed hidden [1, S, D].
 
         S = T, the whole row, or under sequence parallelism this rank's shard of it; `cu_seqlens`
         always delimits the samples of the whole (padded) row. `attention` overrides the model's
-        for this row (per-sequence SP: the row's block group).
+        for this row (per-sequence SP: the row's block group). `deepstack`: level i is added
+        after layer i (levels past the last layer are unused, as in HF).
         """
         kwargs = self.layer_kwargs(hidden, position_ids, cu_seqlens, max_seqlen, attention)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             hidden = self.run_layer(layer, hidden, kwargs)
+            if deepstack is not None and i < deepstack.depth:
+                hidden = deepstack.add(hidden, i)
         return self.norm(hidden)
 
     def layer_kwargs(self, hidden: torch.Tensor, position_ids: torch.Tensor,
@@ -258,6 +322,11 @@ class OmniModel(nn.Module):
         # The HF model object shares every parameter with this module; kept out of the module tree
         # so parameters are registered once, under the names above.
         object.__setattr__(self, "hf_model", hf_model)
+        depths = {encoder.deepstack for encoder in encoders.values()}
+        if len(depths) > 1:
+            raise ModelError(f"encoders with different numbers of deepstack levels {sorted(depths)}"
+                             "; the rows they send to the LLM must have one width")
+        self.deepstack = depths.pop() if depths else 0  # k levels of every encoder's rows
         self.sp_group = None  # the LLM's Ulysses group; encoders are never split (part 1)
         # per-sequence SP: (first rank, size) -> (group, its attention), for this rank's blocks
         self.blocks: dict[tuple[int, int], tuple[object, PackedAttention]] = {}
@@ -304,10 +373,19 @@ class OmniModel(nn.Module):
 
     # ---------------------------------------------------------------------------- forward
     def embed(self, batch: "MicroBatch") -> torch.Tensor:
-        """Token embeddings with encoder outputs in place of placeholder tokens -> [1, T, D]."""
+        """Token embeddings with encoder outputs in place of placeholder tokens -> [1, T, D]
+        (for a model without deepstack levels: those need `embed_deepstack`)."""
+        if self.deepstack:
+            raise ModelError(DEEPSTACK_ALONE)
+        return self.embed_deepstack(batch)[0]
+
+    def embed_deepstack(self, batch: "MicroBatch") -> tuple[torch.Tensor, Deepstack | None]:
+        """(token embeddings [1, T, D] with encoder outputs in place of placeholder tokens, the
+        deepstack levels at those placeholders or None)."""
         if batch.reshard is not None:
             return self._embed_shard(batch)
         hidden = self.backbone.embed_tokens(batch.input_ids)  # [1, T, D]
+        levels: list[Deepstack] = []
         for name, encoder in self.encoders.items():
             inputs = batch.encoder_inputs.get(name)
             slots = batch.positions_of(encoder.placeholder_ids)  # [n] (found on the host: no sync)
@@ -321,8 +399,12 @@ class OmniModel(nn.Module):
                 # on all ranks (no hang when some ranks have no images); the result counts zero.
                 hidden = _with_dummy_pass(hidden, encoder)
                 continue
-            hidden = _insert(hidden, slots, encoder(inputs), name, batch)
-        return hidden
+            feats = checked_rows(encoder(inputs), encoder, hidden.shape[-1], name)
+            main, extra = split_levels(feats, hidden.shape[-1])  # [N, D], [N, k, D]
+            hidden = _insert(hidden, slots, main, name, batch)
+            if extra is not None:
+                levels.append(Deepstack(slots, extra))
+        return hidden, join_deepstack(levels)
 
     def embed_rows(self, batch: "MicroBatch", rows: dict[str, torch.Tensor]) -> torch.Tensor:
         """Token embeddings with `rows` (encoder name -> [N, D], encoded elsewhere: the joint
@@ -335,12 +417,12 @@ class OmniModel(nn.Module):
                                  batch)
         return hidden
 
-    def _embed_shard(self, batch: "MicroBatch") -> torch.Tensor:
-        """Under SP: this rank's shard [1, S, D] of the row's embeddings.
+    def _embed_shard(self, batch: "MicroBatch") -> tuple[torch.Tensor, Deepstack | None]:
+        """Under SP: this rank's shard [1, S, D] of the row's embeddings (and deepstack levels).
 
         The rank encodes the items the reshard plan gives it (wherever their placeholders are),
         then one all-to-all (`ReshardEmbeddings`) brings every row of this shard's placeholders
-        from the rank that encoded it.
+        from the rank that encoded it; a deepstack model's rows [N, (1 + k) D] carry their levels.
         """
         plan = batch.reshard
         sp_group, _ = self._route(batch)
@@ -358,7 +440,7 @@ class OmniModel(nn.Module):
                 for item, (_, bounds) in zip(batch.split_inputs.get(name, []), long)]
             if not feats:
                 continue
-            feats = torch.cat(feats).to(hidden.dtype)
+            feats = checked_rows(torch.cat(feats).to(hidden.dtype), encoder, hidden.shape[-1], name)
             if feats.shape[0] != plan.encode_rows[name]:
                 raise ModelError(
                     f"encoder '{name}' produced {feats.shape[0]} embeddings for this rank's items but "
@@ -367,23 +449,29 @@ class OmniModel(nn.Module):
                     "yields embeddings")
             rows[name] = feats
         if not plan.group_rows:  # no item in the whole row: no rank exchanges anything
-            return hidden
+            return hidden, None
+        width = hidden.shape[-1]
         ordered = [rows[name] for name in plan.order if name in rows]  # the plan's row order
-        local = torch.cat(ordered) if ordered else hidden.new_zeros((0, hidden.shape[-1]))  # [N_r, D]
+        # [N_r, (1 + k) D]; a rank that encoded nothing still sends rows of the group's width
+        empty = hidden.new_zeros((0, (1 + self.deepstack) * width))
+        local = torch.cat(ordered) if ordered else empty
         if self._encoders_trainable() and not local.requires_grad:
             # every rank must reach the backward all-to-all, also one that encoded nothing
             local = local.detach().requires_grad_()
-        recv = ReshardEmbeddings.apply(local, plan, sp_group)  # [R, D]
+        recv = ReshardEmbeddings.apply(local, plan, sp_group)  # [R, (1 + k) D]
         where = torch.as_tensor(plan.recv_positions, dtype=torch.long, device=hidden.device)
-        return hidden[0].index_copy(0, where, recv).unsqueeze(0)
+        main, extra = split_levels(recv, width)  # [R, D], [R, k, D]
+        hidden = hidden[0].index_copy(0, where, main).unsqueeze(0)
+        return hidden, None if extra is None else Deepstack(where, extra)
 
     def _encoders_trainable(self) -> bool:
         return torch.is_grad_enabled() and any(p.requires_grad for p in self.encoders.parameters())
 
     def hidden_states(self, batch: "MicroBatch") -> torch.Tensor:
         """Final normed hidden states [1, T, D]."""
-        return self.backbone(self.embed(batch), batch.position_ids, batch.cu_seqlens,
-                             batch.max_seqlen, attention=self._route(batch)[1])
+        hidden, deepstack = self.embed_deepstack(batch)
+        return self.backbone(hidden, batch.position_ids, batch.cu_seqlens, batch.max_seqlen,
+                             attention=self._route(batch)[1], deepstack=deepstack)
 
     def logits(self, batch: "MicroBatch") -> torch.Tensor:
         """Logits for every position [1, T, V] (for parity checks and evaluation)."""

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_omni.errors import LaunchError, ModelError
-from ds_omni.model.omni import IGNORE_INDEX, OmniModel, summed_token_loss
+from ds_omni.model.omni import DEEPSTACK_ALONE, IGNORE_INDEX, OmniModel, summed_token_loss
 from ds_omni.parallel.joint import JointEncoding, plan_joint, sum_over_pipeline
 from ds_omni.parallel.stages import StagePlan, check_stages
 
@@ -127,6 +127,8 @@ def pipeline_layers(model: OmniModel, step_inputs: StepInputs) -> tuple[list[nn.
     backbone = model.backbone
     if backbone.lm_head.weight is backbone.embed_tokens.weight:
         raise ModelError(TIED)
+    if model.deepstack:
+        raise ModelError(DEEPSTACK_ALONE)
     head = HeadStage(model)
     layers = [EmbedStage(model, step_inputs)]
     layers += [DecoderStage(model, i) for i in range(len(backbone.layers))]

@@ -12,9 +12,11 @@ Trade-off: each image is encoded by its own `get_image_features` call (exactly t
 processor made for it alone), so images of different sizes, tile counts and padding never have to
 share a batch layout the family may not support; the cost is one tower call per image.
 
-Where a family deviates (an attention mask that is not causal, vision features injected into the
-LLM's layers, sliding-window layers), `config_problem` says so and the model is refused rather than
-trained with other numbers; a dedicated file in `families/` is then the fix. The dedicated files
+Vision features that a family also adds into the LLM's first layers (deepstack: Qwen3-VL) travel
+as extra columns of the image rows (`ds_omni.model.omni.Deepstack`). Where a family deviates (an
+attention mask that is not causal, sliding-window layers, embeddings or logits scaled outside the
+modules), `config_problem` says so and the model is refused rather than trained with other
+numbers; a dedicated file in `families/` is then the fix. The dedicated files
 of LLaVA, LLaVA-NeXT and Qwen2-VL predate this one and stay (each says why): the generic path is
 exact for them too, but they batch the tower over a micro-batch's images, build their processor
 from the config when a folder has none, and Qwen2-VL's carries video.
@@ -101,10 +103,15 @@ def class_problem(model_type: str) -> str | None:
 def config_problem(config) -> str | None:
     """Why a model with this HF config would not be exact through the generic path, or None."""
     text = config.get_text_config()
-    vision = getattr(config, "vision_config", None)
-    if getattr(vision, "deepstack_visual_indexes", None):
-        return ("vision features are added into the LLM's first layers (deepstack); the backbone "
-                "runs the decoder layers alone")
+    if hasattr(config, "deepstack_layer_map"):
+        return ("its vision features are summed into the LLM's hidden states at the layers its "
+                "deepstack_layer_map names (Granite 4 Vision); ds_omni carries deepstack levels "
+                "added after layers 0..k-1 only (Qwen3-VL's)")
+    scaled = {k: getattr(text, k) for k in ("embedding_multiplier", "logits_scaling")
+              if getattr(text, k, 1) != 1}
+    if scaled:
+        return (f"its LLM scales embeddings or logits outside its modules ({scaled}, Granite); "
+                "the generic backbone applies neither")
     layer_types = getattr(text, "layer_types", None) or ["sliding_attention"]
     if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) and (
             "sliding_attention" in layer_types):
@@ -162,11 +169,25 @@ class GenericVisionEncoder(ModalityEncoder):
 
 def flat_features(out) -> torch.Tensor:
     """What `get_image_features` returns (an output with `pooler_output`, a tensor, or a tuple of
-    per-image tensors) -> [N, D], as HF's forward flattens it before `masked_scatter`."""
-    feats = getattr(out, "pooler_output", out)
+    per-image tensors) -> [N, D], as HF's forward flattens it before `masked_scatter`; with k
+    deepstack levels (`deepstack_features`, Qwen3-VL) -> [N, (1 + k) D], the levels side by side
+    after the main rows (`ds_omni.model.omni.Deepstack`)."""
+    main = _flat(getattr(out, "pooler_output", out))
+    levels = getattr(out, "deepstack_features", None) or []
+    return torch.cat([main, *map(_flat, levels)], dim=-1) if levels else main
+
+
+def _flat(feats) -> torch.Tensor:
+    """A tensor or a tuple of per-image tensors -> [N, D]."""
     if isinstance(feats, (list, tuple)):
         return torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
     return feats.reshape(-1, feats.shape[-1])
+
+
+def deepstack_levels(config) -> int:
+    """How many deepstack levels the vision tower of this HF config yields (0: none)."""
+    vision = getattr(config, "vision_config", None)
+    return len(getattr(vision, "deepstack_visual_indexes", None) or ())
 
 
 def split_modules(inner: nn.Module) -> tuple[nn.ModuleDict, nn.Module]:
@@ -329,7 +350,10 @@ def rope_positions(model, input_ids: torch.Tensor, items, image_token_id: int,
     if not grids:
         return torch.arange(input_ids.shape[0]).expand(3, -1).contiguous()
     kwargs = {"image_grid_thw": torch.tensor(grids)}
-    if "mm_token_type_ids" in inspect.signature(model.get_rope_index).parameters:
+    params = inspect.signature(model.get_rope_index).parameters
+    if "attention_mask" in params:  # all ones: one sample; Qwen3-Omni's fails without it
+        kwargs["attention_mask"] = torch.ones_like(input_ids)[None]
+    if "mm_token_type_ids" in params:
         types = (input_ids == image_token_id).int()  # [L]
         if video_token_id is not None:
             types = types + 2 * (input_ids == video_token_id).int()
@@ -374,6 +398,7 @@ class GenericFamily(Family):
         encoder = GenericVisionEncoder(
             tower=tower, projector=projector, placeholder_id=image_token_id(hf_model.config),
             features_fn=inner.get_image_features, family=self)
+        encoder.deepstack = deepstack_levels(hf_model.config)  # Qwen3-VL: levels after the rows
         gather_with(encoder, projector.params.values())
         self._set_rope(hf_model.config)
         return OmniModel(encoders={"vision": encoder},

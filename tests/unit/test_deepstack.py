@@ -1,0 +1,131 @@
+"""Deepstack (Qwen3-VL): vision features that the LLM adds after its first decoder layers.
+
+The coverage sweep checks a packed row against HF's own forward (`coverage.RECIPES["qwen3_vl"]`);
+these tests check what the sweep cannot see: the levels travel with their rows when LLM sequence
+parallelism cuts the row into shards (each item encoded by one rank, its rows sent by one
+all-to-all, simulated here by looping over the ranks), training reaches the deepstack mergers, and
+the pipeline engine, which does not carry the levels, refuses the model.
+
+Dims: T row length (padded to a multiple of sp), S = T / sp, D LLM width, k deepstack levels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_omni.data.packing import SeqShard, pack
+from ds_omni.errors import ModelError
+from ds_omni.model import coverage, omni
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    """(built model, samples): a tiny Qwen3-VL through `build_model`, and the sweep's samples
+    (one image, text only, two images of other sizes) plus a long text-only one."""
+    from ds_omni.config import ModelConfig
+    from ds_omni.data.processing import SampleProcessor
+    from ds_omni.model.build import build_model
+    from ds_omni.model.family import family_for
+    folder = tmp_path_factory.mktemp("qwen3_vl")
+    torch.manual_seed(0)
+    config, processor = coverage.RECIPES["qwen3_vl"]()
+    family_for("qwen3_vl").build_hf(config).save_pretrained(str(folder))
+    coverage.save_processor_parts(processor, folder)
+    built = build_model(ModelConfig(pretrained=str(folder)))
+    proc = SampleProcessor(tokenizer=built.tokenizer, family=built.family,
+                           item_processors=built.item_processors, markers={"vision": "<image>"},
+                           max_seq_len=4096)
+    img = coverage.images()
+    samples = [proc(text=t, media={"vision": m} if m else {}, sample_id=str(i), source="s")
+               for i, (t, m) in enumerate([("<image> a red circle", [img[0]]),
+                                           ("a caption without an image", []),
+                                           ("<image><image> which is larger?", img[1:]),
+                                           ("a long caption without an image " * 6, [])])]
+    return built, samples
+
+
+def dense(hidden: torch.Tensor, deepstack: omni.Deepstack | None, k: int) -> torch.Tensor:
+    """[T, (1 + k) D]: each position's embedding and its k levels (zero where it has none)."""
+    levels = hidden.new_zeros((hidden.shape[1], k, hidden.shape[2]))  # [T, k, D]
+    if deepstack is not None:
+        levels[deepstack.positions] = deepstack.levels
+    return torch.cat([hidden[0], levels.flatten(1)], dim=1)
+
+
+class FakeExchange:
+    """`ReshardEmbeddings` for sp ranks in one process: a first pass over the ranks records what
+    each sends (and gets zeros back), a second delivers what the ranks sent, concatenated by source
+    rank as `all_to_all_single` does."""
+
+    def __init__(self):
+        self.sent: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.deliver = False
+
+    def apply(self, rows: torch.Tensor, plan, group) -> torch.Tensor:
+        if not self.deliver:
+            order = torch.as_tensor(plan.send_order, dtype=torch.long)
+            self.sent[plan.rank] = torch.split(rows[order], plan.send_counts)  # by destination
+            return rows.new_zeros((plan.rows_in, rows.shape[1]))
+        return torch.cat([self.sent[src][plan.rank] for src in sorted(self.sent)])
+
+
+@pytest.mark.parametrize("sp, n", [(2, 4), (4, 3)])
+def test_sharded_embedding_carries_the_levels_like_the_whole_row(qwen3_vl, monkeypatch, sp, n):
+    """The SP shards' embeddings and deepstack levels, put side by side, are the whole row's; a
+    rank that encoded nothing still sends rows of the levels' width, and one whose shard holds no
+    image token receives none (the first n samples in one row)."""
+    built, samples = qwen3_vl
+    samples = samples[:n]
+    model, k = built.model, built.model.deepstack
+    assert k == 2
+    whole = pack(samples, built.item_processors)
+    with torch.no_grad():
+        want = dense(*model.embed_deepstack(whole), k)  # [T, (1 + k) D]
+        shards = [pack(samples, built.item_processors,
+                       SeqShard(r, sp, lambda enc, item: float(item.num_embeddings)))
+                  for r in range(sp)]
+        exchange = FakeExchange()
+        monkeypatch.setattr(omni, "ReshardEmbeddings", exchange)
+        for shard in shards:
+            model.embed_deepstack(shard)
+        exchange.deliver = True
+        got = torch.cat([dense(*model.embed_deepstack(shard), k) for shard in shards])
+    t = want.shape[0]
+    assert torch.equal(got[:t], want)
+    if n == 3:  # 3 items on 4 ranks: one encodes nothing, yet receives rows of its shard
+        assert any(not s.reshard.encode and s.reshard.rows_in for s in shards)
+    else:  # the long text-only sample fills the last shard: it receives no row
+        assert shards[-1].reshard.encode and not shards[-1].reshard.rows_in
+    assert (want[:, 32:] != 0).any(dim=1).sum() == sum(
+        it.num_embeddings for s in samples for _, it in s.items)  # levels on every image token
+
+
+def test_training_reaches_the_deepstack_mergers(qwen3_vl):
+    """Level 0 (added after the first of the two LLM layers) gets gradients; the last level, added
+    after the last layer, reaches only the image positions, which predict no target (as in HF)."""
+    built, samples = qwen3_vl
+    model = built.model
+    model.zero_grad()
+    model(pack(samples, built.item_processors)).loss_sum.backward()
+    first, last = model.encoders["vision"].tower["visual"].deepstack_merger_list
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in first.parameters())
+    assert all(not p.grad.any() for p in last.parameters())
+
+
+def test_pipeline_engine_refuses_deepstack(qwen3_vl):
+    from ds_omni.parallel.pipeline import StepInputs, pipeline_layers
+    built, samples = qwen3_vl
+    with pytest.raises(ModelError, match="deepstack.*parallel.pp to 1"):
+        pipeline_layers(built.model, StepInputs())
+    with pytest.raises(ModelError, match="deepstack"):
+        built.model.embed(pack(samples, built.item_processors))
+
+
+def test_rows_of_another_width_than_the_levels_declared_are_an_error(qwen3_vl, monkeypatch):
+    """An adapter that declares fewer levels than its tower returns is told so, not run with the
+    levels dropped."""
+    built, samples = qwen3_vl
+    monkeypatch.setattr(built.model.encoders["vision"], "deepstack", 1)
+    with pytest.raises(ModelError, match=r"width 96.*1 deepstack levels makes 64.*`deepstack`"):
+        built.model.logits(pack(samples, built.item_processors))
