@@ -12,7 +12,8 @@ after the last step over both ranks (its loss equals one process evaluating the 
 generic adapter through LLaVA-OneVision; images of
 several sizes, M-RoPE positions, audio clips), with text-only samples mixed in so that some ranks
 have micro-batches with nothing to encode (where DeepSpeed's ZeRO-3 would otherwise hang). The
-same launch trains the pipeline cases (PP=2, both encoder placements; `tests/dist/pipeline.py`).
+same launch trains the pipeline cases (PP=2, both encoder placements; `tests/dist/pipeline.py`),
+which also save a checkpoint before their last step, resume from it and export it to HF.
 """
 
 import pytest
@@ -61,7 +62,8 @@ def _train_ranks(rank, world, cases, out_dir):
         for stage in case["stages"]:
             cfg = _config(case, f"{out_dir}/{name}{stage}")
             results[(name, stage)] = oracle.train_on_rank(
-                rank, world, cfg, ds_config(stage), case.get("steps", STEPS), case.get("plant"))
+                rank, world, cfg, ds_config(stage), case.get("steps", STEPS), case.get("plant"),
+                case.get("resume_at"))
     return results
 
 
@@ -88,10 +90,10 @@ def cases(tmp_path_factory):
                         "sources": [tones, text], "max_seq_len": 192},
         # PP=2 (dp=1): both placements, both models (test_pipeline_matches_single_process)
         "pp_llava_stage0": {"stages": [1], "placement": "stage0", "sources": vision, "steps": 3,
-                            "train": PP_BATCH},
+                            "train": PP_BATCH, "resume_at": 2},
         "pp_composed_uniform": {"stages": [0], "placement": "uniform", "model": pipeline.COMPOSED,
                                 "sources": [pipeline.SHAPES_TONES, text], "max_seq_len": 160,
-                                "steps": 3, "train": PP_BATCH},
+                                "steps": 3, "train": PP_BATCH, "resume_at": 2},
         # planted errors: the oracle must fail on these (one step is enough to see them)
         **{plant: {"stages": [2], "plant": plant, "steps": 1} for plant in oracle.PLANTS},
     }

@@ -141,13 +141,16 @@ def test_a_checkpoint_sharded_for_another_number_of_ranks_is_resharded(tmp_path)
                        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                        "zero_pp_rank_1_mp_rank_00_optim_states.pt"],
              "bf16": ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"],
-             "whole": ["mp_rank_00_model_states.pt"]}
+             "whole": ["mp_rank_00_model_states.pt"],
+             # a pipeline of 2 stages, dp 1: one shard per stage (mp_rank), both dp rank 0
+             "pp2": ["zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                     "zero_pp_rank_0_mp_rank_01_optim_states.pt"]}
     for kind, files in names.items():
         (tmp_path / kind).mkdir()
         for name in files + ["rng_rank0.pt", "loader_state.json"]:
             (tmp_path / kind / name).write_bytes(b"x")
     ranks = {kind: checkpoint.shard_ranks(tmp_path / kind) for kind in names}
-    assert ranks == {"zero1": 4, "zero3": 2, "bf16": 1, "whole": 0}
+    assert ranks == {"zero1": 4, "zero3": 2, "bf16": 1, "whole": 0, "pp2": 2}
     assert checkpoint.resharding_needed(4, 2) and checkpoint.resharding_needed(1, 2)
     assert not checkpoint.resharding_needed(2, 2) and not checkpoint.resharding_needed(0, 8)
 
