@@ -109,6 +109,8 @@ def summarise(per_rank: list[dict], warmup: int) -> dict:
             entry.update({f"{p}_{clock}_median": statistics.median(steps[p]) for p in PLACEMENTS})
             entry[f"stage0_over_uniform_{clock}_median_of_paired_ratios"] = \
                 statistics.median(ratios)
+        entry["cpu_s_median_per_stage"] = {p: [statistics.median(
+            s["cpu_s"] for s in log[f"{mix}/{p}"][warmup:]) for log in logs] for p in PLACEMENTS}
         entry["images_per_step"] = statistics.mean(
             s["images"] for s in logs[0][f"{mix}/stage0"][warmup:])
         entry["stage_boundaries"] = {p: per_rank[0]["parts"][f"{mix}/{p}"] for p in PLACEMENTS}

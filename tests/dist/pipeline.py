@@ -13,7 +13,8 @@ from one micro-batch to the next. Each case also saves a checkpoint before its l
 after it resumes from that checkpoint and trains the step again: the same samples, losses and
 parameters, bit for bit; the final checkpoint exports (DeepSpeed's per-layer files) to an HF
 directory that transformers loads, with exactly the trained weights.
-`check_pipeline_dp2.py` runs DP2 x PP2 on 4 ranks (by hand).
+DP2 x PP2 (both placements) trains in `test_parity.py`'s 4-rank launch, checked the same way
+(`dp=2`: the reference trains the global batches of 2 data-parallel loaders).
 """
 
 from tests import oracle
