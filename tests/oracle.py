@@ -177,12 +177,14 @@ PLANTS = ("loss_x2", "drop_sample")
 
 
 def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
-                  plant: str | None = None) -> dict:
+                  plant: str | None = None, resume_at: int | None = None) -> dict:
     """Train `steps` steps of `cfg` on this rank through the real DeepSpeed engine.
 
     Returns the losses, every step's sample keys, counts of micro-batches with nothing to encode
     here, the eval result after the last step when the config has eval sources, and (on rank 0 only, to keep results small) the first step's reduced gradients and the
-    final parameters. `plant` puts in a known error: the oracle must see it.
+    final parameters. `plant` puts in a known error: the oracle must see it. `resume_at`: save a
+    checkpoint before that step, and after the last step resume from it and train the rest again
+    (`_resume_and_rerun`); the final parameters are then the rerun's.
     """
     from ds_omni.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
@@ -200,6 +202,8 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
         train.engine_loss = lambda *a: 2 * engine_loss(*a)
     try:
         for step in range(steps):
+            if step == resume_at:
+                _save(cfg, built, engine, loader, step, rank)
             batch = loader.next_step()
             if plant == "drop_sample" and rank == 0 and step == 0:
                 _drop_last_sample(batch.micro_batches[0])
@@ -213,12 +217,40 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
         from ds_omni.train.evaluate import Evaluator
         out["eval"] = Evaluator(cfg, built, loader).run(engine)
     params = full_params(engine)
+    if resume_at is not None:
+        out["resumed"] = _resume_and_rerun(cfg, built, engine, loader, resume_at, steps, rank)
+        first, params = params, full_params(engine)
+        out["resumed"]["params_differ"] = [n for n, p in params.items()
+                                           if not torch.equal(p, first[n])]
     loader.close()
     if rank == 0 or (plan.pp_enabled and plan.coords(rank).dp_rank == 0):  # every stage's own
         names = omni_names(engine, built)
         out.update(grads={names[k]: g for k, g in grads.items()},
                    params={names[k]: p for k, p in params.items()})
     return out
+
+
+def _save(cfg, built, engine, loader, step: int, rank: int) -> None:
+    """A checkpoint as training writes it (with the model/ directory an export needs)."""
+    from ds_omni.train import checkpoint
+    if rank == 0:
+        checkpoint.save_model_meta(checkpoint.checkpoint_root(cfg.train.output_dir), built)
+    checkpoint.save(engine, cfg.train.output_dir, step, loader.state_dict(), rank)
+
+
+def _resume_and_rerun(cfg, built, engine, loader, at: int, steps: int, rank: int) -> dict:
+    """Resume from the checkpoint saved before step `at` as `--resume` does (weights, optimizer,
+    LR, RNG, data position), train steps `at`.. again and save the final checkpoint; returns the
+    rerun's losses and sample keys."""
+    from ds_omni.train import engine as train
+    got = {"start": train.resume_from(engine, loader, cfg.train.output_dir, rank), "losses": [],
+           "keys": [], "output_dir": cfg.train.output_dir}
+    for _ in range(at, steps):
+        batch = loader.next_step()
+        got["keys"].append(batch.keys)
+        got["losses"].append(train.train_step(engine, batch, loader.comm).loss)
+    _save(cfg, built, engine, loader, steps, rank)
+    return got
 
 
 def omni_names(engine, built) -> dict[str, str]:

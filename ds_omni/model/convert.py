@@ -8,7 +8,7 @@
   that `from_pretrained` loads, with tokenizer and processor.
 - `consolidate_checkpoint`: a DeepSpeed checkpoint of any ZeRO stage -> one fp32 state dict in
   OmniModel keys (ZeRO-3 partitions and ZeRO-1/2 optimizer shards merged by DeepSpeed's own
-  `zero_to_fp32`).
+  `zero_to_fp32`; a pipeline checkpoint's per-layer files read through the pipeline's layers).
 - `export_checkpoint`: the two together: one command from a training run to an HF model.
 """
 
@@ -23,6 +23,7 @@ import torch
 from ds_omni.errors import ModelError
 from ds_omni.model.family import family_for
 from ds_omni.model.omni import OmniModel
+from ds_omni.parallel.pipeline import is_pipeline_checkpoint, load_layer_files
 
 
 OMNI_WEIGHTS = "omni.safetensors"
@@ -146,14 +147,25 @@ def load_omni_state(model: OmniModel, state_dict: dict) -> None:
     model.load_state_dict(state_dict, strict=True)
 
 
-def consolidate_checkpoint(ckpt_root: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
-    """fp32 state dict (OmniModel keys) of a DeepSpeed checkpoint written under `ckpt_root`."""
+def consolidate_checkpoint(ckpt_root: str | Path, tag: str | None = None,
+                           model: OmniModel | None = None) -> dict[str, torch.Tensor]:
+    """fp32 state dict (OmniModel keys) of a DeepSpeed checkpoint written under `ckpt_root`.
+
+    A pipeline checkpoint (parallel.pp > 1) keeps the weights in one file per pipeline layer,
+    read through `model` (default: rebuilt from the checkpoint's model/ directory); they are the
+    weights the stages trained with (bf16 ones under bf16: the fp32 master copy stays in the
+    optimizer shards, as for ZeRO-0)."""
     root = Path(ckpt_root)
     tag = tag or _latest(root)
     files = list((root / tag).glob("*model_states.pt"))
     if not files:
         raise ModelError(f"{str(root / tag)!r} holds no DeepSpeed model states")
-    if list((root / tag).glob("*optim_states.pt")):  # ZeRO 1/2/3: merge partitions
+    if is_pipeline_checkpoint(root / tag):
+        from ds_omni.train.checkpoint import MODEL_META_DIR
+        model = model if model is not None else model_from_meta(root / MODEL_META_DIR)[0]
+        load_layer_files(model, root / tag)
+        state = model.state_dict()
+    elif list((root / tag).glob("*optim_states.pt")):  # ZeRO 1/2/3: merge partitions
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
     else:  # no ZeRO: every rank held the whole model; rank 0's copy is it
@@ -192,7 +204,7 @@ def export_checkpoint(ckpt_root: str | Path, out_dir: str | Path, tag: str | Non
     if not (meta / "config.json").is_file():
         raise ModelError(f"{str(meta)!r} is missing: {str(root)!r} was not written by ds-omni train")
     model, tokenizer = model_from_meta(meta)
-    state = consolidate_checkpoint(root, tag)
+    state = consolidate_checkpoint(root, tag, model)
     out = export_hf(model, out_dir, tokenizer, state_dict=state, model_dir=meta)
     (out / "ds_omni_export.json").write_text(json.dumps(
         {"checkpoint": str(root.resolve()), "tag": tag or _latest(root)}, indent=1))

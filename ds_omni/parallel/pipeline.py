@@ -26,6 +26,8 @@ Dims: T packed tokens of a micro-batch, D LLM hidden size, n samples in the row.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -133,6 +135,38 @@ def pipeline_layers(model: OmniModel, step_inputs: StepInputs) -> tuple[list[nn.
     layers = [EmbedStage(model, step_inputs)]
     layers += [DecoderStage(model, i) for i in range(len(backbone.layers))]
     return layers + [head], PipeLoss(head)
+
+
+def layer_file(directory: Path, index: int) -> Path:
+    """The file DeepSpeed's `PipelineModule.save_state_dict` writes for pipeline layer `index`
+    (its topology has pipe and data axes only, so the name carries no rank)."""
+    return directory / f"layer_{index:02d}-model_states.pt"
+
+
+def is_pipeline_checkpoint(directory: Path) -> bool:
+    return layer_file(directory, 0).is_file()
+
+
+def load_layer_files(model: OmniModel, directory: Path) -> None:
+    """Set `model`'s weights from a pipeline checkpoint directory: file i is the state dict of
+    pipeline layer i (`pipeline_layers`), whose modules are the OmniModel's own, so loading it
+    into a layer built over `model` puts every weight under its OmniModel name. Under "uniform"
+    placement stage 0's encoders are the saved ones (the other stages' copies are not layers)."""
+    layers, _ = pipeline_layers(model, StepInputs())
+    found = sorted(p.name for p in directory.glob("layer_*-model_states.pt"))
+    if len(found) != len(layers) or not all(layer_file(directory, i).is_file()
+                                            for i in range(len(layers))):
+        raise ModelError(f"{str(directory)!r} holds {len(found)} pipeline layer files but this "
+                         f"model has {len(layers)} pipeline layers (embedding, "
+                         f"{len(layers) - 2} decoder layers, head): was the checkpoint written "
+                         "for another model, or is it incomplete?")
+    for i, layer in enumerate(layers):
+        state = torch.load(layer_file(directory, i), map_location="cpu", weights_only=True)
+        try:
+            layer.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            raise ModelError(f"{layer_file(directory, i).name} does not fit pipeline layer {i} "
+                             f"({type(layer).__name__}) of this model: {e}") from None
 
 
 class JointSetup:
@@ -266,12 +300,13 @@ def check_pipeline(cfg, ds_config: dict, llm_config) -> None:
         raise LaunchError(TIED)
     if cfg.parallel.sp > 1:
         raise LaunchError(f"parallel.pp={pp} with parallel.sp={cfg.parallel.sp}: the pipeline "
-                          "engine runs without Ulysses sequence parallelism in this version; set "
-                          "one of them to 1")
+                          "engine runs without Ulysses sequence parallelism (DeepSpeed builds its "
+                          "groups from the pipeline's own grid of pipe, data and model axes and "
+                          "refuses an mpu, so no SP group gets its gradients summed; README, "
+                          "\"PP x SP\"); set one of them to 1")
     unsupported = {"data.reorder.mode \"budget\" (its micro-batch count varies per rank; the "
                    "pipeline schedule runs a fixed number)": cfg.data.reorder.mode == "budget",
-                   "data.eval_sources (validation)": bool(cfg.data.eval_sources),
-                   "train.export_hf (export of a pipeline checkpoint)": cfg.train.export_hf}
+                   "data.eval_sources (validation)": bool(cfg.data.eval_sources)}
     for what, used in unsupported.items():
         if used:
             raise LaunchError(f"parallel.pp={pp}: {what} is not available with the pipeline engine "

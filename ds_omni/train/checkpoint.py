@@ -61,7 +61,7 @@ TAG_RE = re.compile(r"step\d{8}")
 UNIVERSAL_DIR = "universal"
 # DeepSpeed's optimizer shards: ZeRO 1-2 and bf16 ("bf16_zero_pp_rank_R_..."), ZeRO-3 also
 # ("zero_pp_rank_R_mp_rank_00_optim_states.pt"); one per rank that wrote the checkpoint
-_SHARD_RE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt")
+_SHARD_RE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -284,6 +284,12 @@ def load(engine, output_dir: str | Path, rank: int) -> tuple[int, dict]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     saved_ranks = shard_ranks(root / tag)
     universal = resharding_needed(saved_ranks, world)
+    if universal and hasattr(engine.module, "whole_model_shapes"):  # a pipeline stage
+        raise LaunchError(f"--resume: {saved_ranks} rank(s) wrote the pipeline checkpoint {tag}, "
+                          f"this run has {world}; a pipeline checkpoint (parallel.pp > 1) resumes "
+                          "on the ranks and parallel.pp that wrote it only. Resume with those, or "
+                          "export it (ds-omni convert --checkpoint) and start a new run from the "
+                          "HF directory")
     if universal and rank == 0:
         print(f"ds-omni: --resume: {saved_ranks} rank(s) wrote {tag}, this run has {world}: "
               "loading it as a universal checkpoint (optimizer state re-partitioned)", flush=True)
@@ -353,10 +359,12 @@ def fingerprint_differences(saved: dict | None, now: dict, shown: int = 3) -> li
 
 def shard_ranks(directory: Path) -> int:
     """How many ranks wrote the optimizer shards in a DeepSpeed checkpoint directory (0: its
-    optimizer state is whole, in the model states file: no ZeRO, fp32)."""
-    ranks = {int(m.group(1)) for p in directory.glob("*optim_states.pt")
-             if (m := _SHARD_RE.fullmatch(p.name))}
-    return max(ranks) + 1 if ranks else 0
+    optimizer state is whole, in the model states file: no ZeRO, fp32). A shard is named by its
+    data-parallel rank and its model-parallel rank (a pipeline stage), so the ranks are the
+    distinct pairs: a pipeline of 2 stages on 2 ranks writes `zero_pp_rank_0_mp_rank_00` and
+    `zero_pp_rank_0_mp_rank_01`."""
+    return len({m.groups() for p in directory.glob("*optim_states.pt")
+                if (m := _SHARD_RE.fullmatch(p.name))})
 
 
 def resharding_needed(saved_ranks: int, world: int) -> bool:

@@ -383,10 +383,7 @@ def _run(cfg, ds_config, plan, rank, resume, stop_after, watchdog) -> dict:
     start = 0
     if resume:
         with _solo(watchdog):  # rank 0 may convert it first (another number of ranks)
-            start, loader_state = checkpoint.load(engine, out, rank)
-        restore_loader(loader, loader_state)
-        if getattr(engine.module, "joint", None) is not None:  # "uniform": stage 0 holds them
-            engine.module.joint.sync_replicas()
+            start = resume_from(engine, loader, out, rank)
     elif rank == 0:
         (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / SKIPPED_FILE).unlink(missing_ok=True)
@@ -405,6 +402,16 @@ def _run(cfg, ds_config, plan, rank, resume, stop_after, watchdog) -> dict:
 def _solo(watchdog):
     """A phase where one rank may work while the others wait (see `Watchdog.solo`)."""
     return watchdog.solo() if watchdog is not None else contextlib.nullcontext()
+
+
+def resume_from(engine, loader, output_dir, rank: int) -> int:
+    """Load the newest complete checkpoint of `output_dir` into `engine` and `loader` (the data
+    position); returns its step. Every rank calls this."""
+    start, loader_state = checkpoint.load(engine, output_dir, rank)
+    restore_loader(loader, loader_state)
+    if getattr(engine.module, "joint", None) is not None:  # "uniform": stage 0 holds them
+        engine.module.joint.sync_replicas()
+    return start
 
 
 def restore_loader(loader, state: dict) -> None:

@@ -9,7 +9,12 @@ fp32). Each stage returns its own parameters under the OmniModel's names; togeth
 the whole model, and under "uniform" (every stage holds the encoders) every copy of an encoder
 parameter must be the same. The data mixes captioned pictures (with a clip of beeps for the
 composition) with plain sentences, so some micro-batches carry no item and token counts differ
-from one micro-batch to the next. `check_pipeline_dp2.py` runs DP2 x PP2 on 4 ranks (by hand).
+from one micro-batch to the next. Each case also saves a checkpoint before its last step, and
+after it resumes from that checkpoint and trains the step again: the same samples, losses and
+parameters, bit for bit; the final checkpoint exports (DeepSpeed's per-layer files) to an HF
+directory that transformers loads, with exactly the trained weights.
+DP2 x PP2 (both placements) trains in `test_parity.py`'s 4-rank launch, checked the same way
+(`dp=2`: the reference trains the global batches of 2 data-parallel loaders).
 """
 
 from tests import oracle
@@ -50,6 +55,39 @@ def check(name: str, case: dict, results: list, cfg, dp: int = 1) -> None:
     oracle.assert_matches(ref, got, f"{name} PP=2 dp={dp}", param_atol=2e-3 * LR * steps)
     oracle.assert_moved(ref, name)
     assert sum(r[name]["nothing_to_encode"] for r in results) > 0, name
+    if "resume_at" in case:
+        _check_resume(name, case, results)
+        _check_export(name, results[0][name]["resumed"]["output_dir"], got["params"])
+
+
+def _check_resume(name, case, results) -> None:
+    """Resumed from the checkpoint saved before step `resume_at`, the ranks trained the same
+    samples to the same losses and parameters, bit for bit."""
+    at = case["resume_at"]
+    for r in results:
+        again = r[name]["resumed"]
+        assert again["start"] == at, (name, again["start"])
+        assert again["keys"] == r[name]["keys"][at:], f"{name}: resumed at another data position"
+        assert again["losses"] == r[name]["losses"][at:], f"{name}: resumed losses differ"
+        assert not again["params_differ"], f"{name}: resumed parameters differ: " \
+                                           f"{again['params_differ'][:3]}"
+
+
+def _check_export(name, output_dir, params) -> None:
+    """`ds-omni convert --checkpoint` of the final pipeline checkpoint (per-layer files) is an HF
+    directory that transformers loads, holding exactly the trained weights."""
+    from pathlib import Path
+    import torch
+    from ds_omni.model.convert import export_checkpoint, model_from_meta
+    ckpt = Path(output_dir) / "checkpoints"
+    out = export_checkpoint(ckpt, Path(output_dir) / "hf")
+    omni, _ = model_from_meta(ckpt / "model")
+    hf_state = type(omni.hf_model).from_pretrained(out).state_dict()
+    key_map = omni.hf_key_map()
+    assert set(hf_state) == set(key_map) and set(params) <= set(key_map.values()), name
+    for hf_key, omni_key in key_map.items():
+        if omni_key in params:  # buffers (no parameter) are not trained
+            assert torch.equal(hf_state[hf_key], params[omni_key]), (name, hf_key)
 
 
 def _check_replicas(placement, first, second) -> None:

@@ -12,7 +12,9 @@ after the last step over both ranks (its loss equals one process evaluating the 
 generic adapter through LLaVA-OneVision; images of
 several sizes, M-RoPE positions, audio clips), with text-only samples mixed in so that some ranks
 have micro-batches with nothing to encode (where DeepSpeed's ZeRO-3 would otherwise hang). The
-same launch trains the pipeline cases (PP=2, both encoder placements; `tests/dist/pipeline.py`).
+same launch trains the pipeline cases (PP=2, both encoder placements; `tests/dist/pipeline.py`),
+which also save a checkpoint before their last step, resume from it and export it to HF. A
+4-rank launch trains budget mode in two reorder groups and DP2 x PP2 in both placements.
 """
 
 import pytest
@@ -61,7 +63,8 @@ def _train_ranks(rank, world, cases, out_dir):
         for stage in case["stages"]:
             cfg = _config(case, f"{out_dir}/{name}{stage}")
             results[(name, stage)] = oracle.train_on_rank(
-                rank, world, cfg, ds_config(stage), case.get("steps", STEPS), case.get("plant"))
+                rank, world, cfg, ds_config(stage), case.get("steps", STEPS), case.get("plant"),
+                case.get("resume_at"))
     return results
 
 
@@ -88,10 +91,10 @@ def cases(tmp_path_factory):
                         "sources": [tones, text], "max_seq_len": 192},
         # PP=2 (dp=1): both placements, both models (test_pipeline_matches_single_process)
         "pp_llava_stage0": {"stages": [1], "placement": "stage0", "sources": vision, "steps": 3,
-                            "train": PP_BATCH},
+                            "train": PP_BATCH, "resume_at": 2},
         "pp_composed_uniform": {"stages": [0], "placement": "uniform", "model": pipeline.COMPOSED,
                                 "sources": [pipeline.SHAPES_TONES, text], "max_seq_len": 160,
-                                "steps": 3, "train": PP_BATCH},
+                                "steps": 3, "train": PP_BATCH, "resume_at": 2},
         # planted errors: the oracle must fail on these (one step is enough to see them)
         **{plant: {"stages": [2], "plant": plant, "steps": 1} for plant in oracle.PLANTS},
     }
@@ -128,17 +131,41 @@ def test_oracle_sees_planted_errors(cases, dp_results, tmp_path):
             _check(plant, cases[plant], dp_results, tmp_path, dp=2)
 
 
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """One launch of 4 ranks: budget mode in two reorder groups of 2, and DP2 x PP2 in both
+    encoder placements (ZeRO-1 with "stage0", ZeRO-0 with "uniform")."""
+    tmp = tmp_path_factory.mktemp("four")
+    vision = [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]
+    pp = {"sources": vision, "steps": 3, "train": PP_BATCH}
+    cases = {"budget": {"stages": [2], "reorder": {"mode": "budget", "group_size": 2},
+                        "train": {"micro_batch_size": 1}},
+             "dp2_pp_stage0": {"stages": [1], "placement": "stage0", **pp},
+             "dp2_pp_uniform": {"stages": [0], "placement": "uniform", **pp}}
+    return cases, run_on_ranks(_train_ranks, 4, args=(cases, str(tmp / "dp")), timeout=600)
+
+
 @pytest.mark.dist
-def test_budget_mode_in_two_groups_of_two_ranks(tmp_path):
+def test_budget_mode_in_two_groups_of_two_ranks(four_ranks, tmp_path):
     """4 ranks, reorder groups of 2, budget mode: each rank's share varies per step.
 
     Budget mode decides which samples make a global batch, so here the reference replays the keys
     the ranks trained on; the checks of loss, gradients and parameters are the same.
     """
-    cases = {"budget": {"stages": [2], "reorder": {"mode": "budget", "group_size": 2},
-                        "train": {"micro_batch_size": 1}}}
-    results = run_on_ranks(_train_ranks, 4, args=(cases, str(tmp_path / "dp")), timeout=420)
+    cases, results = four_ranks
     _check("budget", cases["budget"], results, tmp_path, dp=None)
+
+
+@pytest.mark.dist
+def test_dp2_x_pp2_matches_single_process(four_ranks, tmp_path):
+    """2 pipelines of 2 stages: the reference trains the global batches of 2 data-parallel
+    loaders; every stage's data-parallel ranks must agree."""
+    cases, results = four_ranks
+    for name, case in cases.items():
+        if "placement" in case:
+            per_rank = [{name: r[(name, case["stages"][0])]} for r in results]
+            pipeline.check(name, case, per_rank, _config(case, str(tmp_path / f"ref_{name}")),
+                           dp=2)
 
 
 def _check(name, case, results, tmp_path, dp):

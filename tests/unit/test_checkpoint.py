@@ -2,6 +2,7 @@
 
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -152,13 +153,16 @@ def test_a_checkpoint_sharded_for_another_number_of_ranks_is_resharded(tmp_path)
                        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                        "zero_pp_rank_1_mp_rank_00_optim_states.pt"],
              "bf16": ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"],
-             "whole": ["mp_rank_00_model_states.pt"]}
+             "whole": ["mp_rank_00_model_states.pt"],
+             # a pipeline of 2 stages, dp 1: one shard per stage (mp_rank), both dp rank 0
+             "pp2": ["zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                     "zero_pp_rank_0_mp_rank_01_optim_states.pt"]}
     for kind, files in names.items():
         (tmp_path / kind).mkdir()
         for name in files + ["rng_rank0.pt", "loader_state.json"]:
             (tmp_path / kind / name).write_bytes(b"x")
     ranks = {kind: checkpoint.shard_ranks(tmp_path / kind) for kind in names}
-    assert ranks == {"zero1": 4, "zero3": 2, "bf16": 1, "whole": 0}
+    assert ranks == {"zero1": 4, "zero3": 2, "bf16": 1, "whole": 0, "pp2": 2}
     assert checkpoint.resharding_needed(4, 2) and checkpoint.resharding_needed(1, 2)
     assert not checkpoint.resharding_needed(2, 2) and not checkpoint.resharding_needed(0, 8)
 
@@ -194,3 +198,27 @@ def test_a_damaged_loader_state_is_named(tmp_path):
             return state["ranks"][0]["cursors"]
     with pytest.raises(LaunchError, match=r"loader_state.json is damaged \(KeyError: 'ranks'\)"):
         restore_loader(Loader(), {"step": 1})
+
+
+def test_a_pipeline_checkpoint_on_another_number_of_ranks_says_what_to_do(tmp_path):
+    """DeepSpeed's universal checkpoints do not cover its pipeline engine: a pipeline checkpoint
+    written by 4 ranks (2 stages x dp 2) is refused on 1 rank, before DeepSpeed reads a byte."""
+    class PipelineStage(torch.nn.Linear):
+        def whole_model_shapes(self):
+            return {"0.weight": [1, 1], "0.bias": [1]}
+
+    class PipelineEngine(FakeEngine):
+        def __init__(self):
+            super().__init__()
+            self.module = PipelineStage(1, 1)
+
+        def save_checkpoint(self, root, tag, save_latest=True):
+            super().save_checkpoint(root, tag, save_latest)
+            for dp, stage in ((0, 0), (1, 0), (0, 1), (1, 1)):
+                (Path(root) / tag / f"zero_pp_rank_{dp}_mp_rank_{stage:02d}_optim_states.pt"
+                 ).write_bytes(b"x")
+
+    checkpoint.save(PipelineEngine(), tmp_path, 3, {"step": 3}, rank=0)
+    with pytest.raises(LaunchError, match="4 rank.*wrote the pipeline checkpoint step00000003, "
+                                          "this run has 1.*ds-omni convert --checkpoint"):
+        checkpoint.load(PipelineEngine(), tmp_path, rank=0)

@@ -117,3 +117,30 @@ def test_joint_plan_balances_items_and_finds_every_row():
     # stage-major rows: stage 0 has items 0, 3 (rows 0-3, 4); stage 1 items 1, 2 (rows 5-6, 7-9)
     assert index == {(0, "vision"): [0, 1, 2, 3, 5, 6], (0, "audio"): [7, 8, 9], (2, "vision"): [4]}
     assert sorted(r for rows in index.values() for r in rows) == list(range(10))
+
+
+def test_a_pipeline_checkpoint_with_a_layer_file_missing_says_so(tmp_path):
+    """Export reads DeepSpeed's per-layer files through the pipeline's layers (the dist parity
+    launch checks a real one); an incomplete or foreign checkpoint is a clear error, not a
+    KeyError from inside torch."""
+    import torch
+    from ds_omni.errors import ModelError
+    from ds_omni.model.build import build_model
+    from ds_omni.parallel.pipeline import (StepInputs, layer_file, load_layer_files,
+                                           pipeline_layers)
+    from tests.fixtures import tiny_config
+    cfg = tiny_config(str(tmp_path / "run"))
+    trained, fresh = build_model(cfg.model).model, build_model(cfg.model).model
+    with torch.no_grad():  # weights no fresh build has
+        for p in trained.parameters():
+            p.add_(1.0)
+    layers, _ = pipeline_layers(trained, StepInputs())
+    for i, layer in enumerate(layers):  # what PipelineModule.save_state_dict writes
+        torch.save(layer.state_dict(), layer_file(tmp_path, i))
+    load_layer_files(fresh, tmp_path)
+    assert all(torch.equal(p, q) for p, q in zip(trained.state_dict().values(),
+                                                  fresh.state_dict().values()))
+    layer_file(tmp_path, len(layers) - 1).unlink()
+    with pytest.raises(ModelError, match=f"holds {len(layers) - 1} pipeline layer files but "
+                                         f"this model has {len(layers)}"):
+        load_layer_files(fresh, tmp_path)
