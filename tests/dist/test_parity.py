@@ -18,6 +18,7 @@ same launch trains the pipeline cases (PP=2, both encoder placements; `tests/dis
 import pytest
 
 from tests import oracle
+from tests.data_files import skewed_source
 from tests.dist import pipeline
 from tests.fixtures import ds_config, eval_sources, text_source, tiny_config
 from tests.harness import run_on_ranks
@@ -45,6 +46,8 @@ def _config(case: dict, out_dir: str):
     if case.get("placement"):  # the LLM over 2 pipeline stages
         from ds_omni.config import ParallelConfig
         cfg.parallel = ParallelConfig(pp=2, encoder_placement=case["placement"])
+    if case.get("pool"):
+        cfg.parallel.encoder_pool = "dp"
     if case.get("sources"):
         from ds_omni.config import SourceConfig, from_dict
         cfg.data.sources = [from_dict(SourceConfig, s) for s in case["sources"]]
@@ -74,6 +77,8 @@ def cases(tmp_path_factory):
     tones = {"name": "tones", "path": "builtin:tones",
              "schema": {"text": "conversations", "image": None, "audio": "audio"}}
     vision = [shapes, text]
+    skewed = skewed_source(tmp / "skewed")
+    skewed_audio = skewed_source(tmp / "skewed_audio", audio=True)
     return {
         "demo": {"stages": [0, 1, 2, 3], "eval_sources": eval_sources(tmp)},
         "llava_next": {"stages": [3], "model_dir": str(family_dirs.make_llava_next_dir(tmp / "n")),
@@ -86,6 +91,13 @@ def cases(tmp_path_factory):
         # its processor saved Qwen2-Audio's ChatML template: samples render with it (longer)
         "qwen2_audio": {"stages": [3], "model_dir": str(family_dirs.make_qwen2_audio_dir(tmp / "a")),
                         "sources": [tones, text], "max_seq_len": 192},
+        # the encoder pool: rank 0's rows hold every image (and clip), rank 1's are text alone;
+        # each round, half of rank 0's items are encoded on rank 1 and their rows sent back
+        "pool_llava": {"stages": [1], "pool": True, "sources": [skewed], "steps": 3,
+                       "reorder": {"mode": "loader_order"}},
+        "pool_composed": {"stages": [3], "pool": True, "model": pipeline.COMPOSED,
+                          "sources": [skewed_audio], "steps": 3, "max_seq_len": 160,
+                          "reorder": {"mode": "loader_order"}},
         # PP=2 (dp=1): both placements, both models (test_pipeline_matches_single_process)
         "pp_llava_stage0": {"stages": [1], "placement": "stage0", "sources": vision, "steps": 3,
                             "train": PP_BATCH},
@@ -165,6 +177,8 @@ def _check(name, case, results, tmp_path, dp):
                                           case["stages"]], len(results))
     if case.get("sources"):  # text-only micro-batches really happened somewhere
         assert sum(r[(name, first)]["nothing_to_encode"] for r in results) > 0, name
+    if case.get("pool"):  # the text-only rank really encoded the other rank's items
+        assert [r[(name, first)]["pool_items_moved"] > 0 for r in results] == [False, True], name
 
 
 def _check_eval(cfg, stages, per_rank_stage, world) -> None:
