@@ -23,6 +23,7 @@ the group; every rank then computes the same plan of every round (pure, `plan_ro
    ZeRO-3 keeps equal call counts), and `ReshardEmbeddings` (the SP resharding's autograd
    all-to-all, over this group) sends every embedding row to the rank whose row holds its
    placeholder; backward sends the gradients back to the encoding rank.
+A round whose plan moves nothing runs as without the pool (no exchange).
 
 Dims: N rows (embeddings) of the round's items, N_r those rank r encodes.
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 from math import prod
 
 import numpy as np
@@ -88,12 +90,18 @@ class PoolPlan:
     ranks: int
     encoder_order: list[str]
 
+    @cached_property
+    def _by_owner(self) -> list[list[int]]:
+        at = {e: k for k, e in enumerate(self.encoder_order)}
+        out: list[list[int]] = [[] for _ in range(self.ranks)]
+        for i in sorted(range(len(self.items)), key=lambda i: (
+                at[self.items[i].encoder], self.items[i].home, self.items[i].index)):
+            out[self.owner[i]].append(i)
+        return out
+
     def encodes(self, rank: int) -> list[int]:
         """Items `rank` encodes, in its output order: by encoder, then (home, index)."""
-        at = {e: k for k, e in enumerate(self.encoder_order)}
-        mine = [i for i, o in enumerate(self.owner) if o == rank]
-        return sorted(mine, key=lambda i: (at[self.items[i].encoder], self.items[i].home,
-                                           self.items[i].index))
+        return self._by_owner[rank]
 
     def moved(self) -> list[int]:
         """Items encoded away from home."""
@@ -217,7 +225,10 @@ class EncoderPool:
 
     def place(self, mb, plan: PoolPlan):
         """`mb` with the inputs of the items this rank encodes in `plan`, and the embedding
-        exchange that brings its own placeholders' rows home (collective)."""
+        exchange that brings its own placeholders' rows home (collective); `mb` itself when no
+        item of the round moves (every rank knows: no exchange at all)."""
+        if not plan.moved():
+            return mb
         received = exchange_inputs(plan, self.rank, mb.items, self.group, self.device)
         mine = plan.encodes(self.rank)
         self.items_moved += sum(plan.items[i].home != self.rank for i in mine)

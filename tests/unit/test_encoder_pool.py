@@ -6,7 +6,7 @@ import pytest
 
 from ds_omni.config import ParallelConfig
 from ds_omni.errors import ConfigError
-from ds_omni.parallel.encoder_pool import PoolItem, assign_pool, plan_round
+from ds_omni.parallel.encoder_pool import EncoderPool, PoolItem, assign_pool, plan_round
 
 
 def _items(per_rank: list[list[tuple[str, int, float]]]) -> list[PoolItem]:
@@ -31,6 +31,10 @@ def test_skewed_round_spreads_over_all_ranks():
 def test_balanced_round_keeps_items_home():
     items = _items([[("vision", 4, 1.0)], [("vision", 4, 1.0)], [("audio", 3, 1.02)]])
     assert assign_pool(items, 3) == [0, 1, 2]
+    # nothing moves: the micro-batch runs as without the pool, with no collective
+    pool = EncoderPool(None, 0, 3, {}, {"vision": (5,), "audio": (6,)}, None, "cpu")
+    batch = object()
+    assert pool.place(batch, plan_round(items, 3, ["vision", "audio"])) is batch
 
 
 def test_busiest_rank_bound_and_determinism():
