@@ -7,8 +7,8 @@ accumulation the losses, the full reduced gradients of the first step and every 
 agree to fp32 precision. `test_oracle_sees_planted_errors` shows it fails on a loss scaled 2x and
 on one dropped sample.
 
-Cases: the demo composition (LLaVA) under ZeRO 0, 2, 3 (ZeRO-1: the pool case below), with a validation set of 5 rows evaluated
-after the last step over both ranks (its loss equals one process evaluating the whole set); every other family under ZeRO-3 (the
+Cases: the demo composition (LLaVA) under ZeRO 0, 2, 3 (ZeRO-1: the pool case below), with a
+validation set of 5 rows evaluated after the last step over both ranks (its loss equals one process evaluating the whole set); every other family under ZeRO-3 (the
 generic adapter through LLaVA-OneVision; images of
 several sizes, M-RoPE positions, audio clips), with text-only samples mixed in so that some ranks
 have micro-batches with nothing to encode (where DeepSpeed's ZeRO-3 would otherwise hang). The
