@@ -420,8 +420,25 @@ class ParallelConfig:
     one rank each. "auto": above one rank's share of the row's encoder work; a number: a cost in
     the cost model's units (an item's modelled training FLOPs, rescaled by
     data.reorder.cost_scales when calibrated); "off": never split."""
+    encoder_pool: Literal["off", "dp"] = "off"
+    """Where each micro-batch round's images and clips are encoded: "off", by the rank whose row
+    holds them; "dp", spread over all data-parallel ranks by modelled cost (LPT; an item stays
+    home unless moving it evens the round), its inputs sent to the encoding rank and its
+    embeddings sent back (two all-to-alls a round). Pays under ZeRO-3, whose parameter gathers
+    make every round wait for the busiest rank's encoder; ZeRO 0-2 ranks meet once a step, where
+    data.reorder already evens the whole cost. Needs sp = 1, pp = 1 and max_sequence_sp = 1."""
 
     def __post_init__(self):
+        if self.encoder_pool not in ("off", "dp"):
+            raise ConfigError(f"parallel.encoder_pool must be \"off\" or \"dp\", got "
+                              f"{self.encoder_pool!r}")
+        if self.encoder_pool == "dp" and (self.sp > 1 or self.pp > 1 or self.max_sequence_sp > 1):
+            raise ConfigError(
+                "parallel.encoder_pool=\"dp\" spreads the items of rows that one rank holds "
+                "whole; it cannot be combined with sequence or pipeline parallelism in this "
+                f"version (sp={self.sp}, pp={self.pp}, max_sequence_sp={self.max_sequence_sp}): "
+                "set encoder_pool to \"off\" (encoder_sp and encoder_placement balance encoders "
+                "there) or those degrees to 1")
         if isinstance(self.encoder_sp, str) and self.encoder_sp not in ("auto", "off"):
             raise ConfigError(f"parallel.encoder_sp must be \"auto\", \"off\" or a cost threshold "
                               f"(a number >= 0), got {self.encoder_sp!r}")

@@ -110,3 +110,44 @@ def write_video(path: Path, frames: int, width: int, height: int, fps: int = 4, 
             container.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
         container.mux(stream.encode())
     return path
+
+
+def skewed_source(out: Path, *, audio: bool = False, dp: int = 2, rows: int = 32,
+                  seed: int = 0) -> dict:
+    """A parquet source whose rows that data-parallel rank 0 reads (in loader order, epoch 0)
+    carry a picture (and, with `audio`, a clip of beeps), and whose other ranks' rows are text
+    alone: every round, rank 0 holds all the encoder work. The media rows sit in the chunks that
+    `rank_chunks` deals to rank 0 (the loader fits the source into 4 chunks per rank)."""
+    import random
+
+    import datasets
+
+    from ds_omni.data.demo import TONE_QUESTION, _beeps
+    from ds_omni.data.stream import rank_chunks
+    per_chunk = rows // (dp * 4)
+    media_chunks = set(rank_chunks(rows // per_chunk, seed, 0, 0, 0, dp))
+    rng = random.Random(seed)
+    out_rows = []
+    for i, row in enumerate(shapes_rows(rows, seed)):
+        row["id"] = f"skew{i}"
+        if audio:
+            row["audio"] = {"bytes": _beeps(1 + i % 3, "low", rng), "path": None}
+            row["conversations"][0]["value"] = f"<image>\n<audio>\n{TONE_QUESTION}"
+        if i // per_chunk not in media_chunks:
+            row.update(image=None, conversations=[
+                {"from": "human", "value": f"Say sentence {i}."},
+                {"from": "gpt", "value": f"A plain sentence number {i} with no picture."}])
+            if audio:
+                row["audio"] = None
+        out_rows.append(row)
+    features = {"id": datasets.Value("string"), "image": datasets.Image(),
+                "conversations": datasets.List({"from": datasets.Value("string"),
+                                                "value": datasets.Value("string")})}
+    if audio:
+        features["audio"] = {"bytes": datasets.Value("binary"), "path": datasets.Value("string")}
+    out.mkdir(parents=True, exist_ok=True)
+    datasets.Dataset.from_list(out_rows, features=datasets.Features(features)).to_parquet(
+        str(out / "skewed.parquet"))
+    return {"name": "skewed", "path": str(out / "skewed.parquet"),
+            "schema": {"text": "conversations", "image": "image",
+                       "audio": "audio" if audio else None}}

@@ -213,6 +213,8 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
             out["losses"].append(train.train_step(engine, batch, loader.comm, grab).loss)
     finally:
         train.engine_loss = engine_loss
+    pool = getattr(engine.module, "encoder_pool", None)  # items encoded for another rank
+    out["pool_items_moved"] = pool.items_moved if pool is not None else 0
     if cfg.data.eval_sources:  # validation after the last step, on every rank
         from ds_omni.train.evaluate import Evaluator
         out["eval"] = Evaluator(cfg, built, loader).run(engine)

@@ -63,6 +63,9 @@ class MicroBatch:
     items: dict[str, list[EncodedItem]] = field(default_factory=dict, repr=False)
     """The row's encoder items (host tensors), by encoder, in placeholder order: what a rank that
     encodes only some of them (the joint pipeline's uniform placement) collates from."""
+    pooled: bool = False
+    """`parallel.encoder_pool`: `encoder_inputs` are the items the pool gave this rank (any
+    rank's), and `reshard` brings this row's rows home over the model's pool group."""
 
     @property
     def num_tokens(self) -> int:
@@ -108,7 +111,7 @@ class MicroBatch:
                             for e, d in self.encoder_inputs.items()},
             split_inputs={e: [{k: move(v) for k, v in d.items()} for d in items]
                           for e, items in self.split_inputs.items()},
-            encode_calls=self.encode_calls)
+            encode_calls=self.encode_calls, pooled=self.pooled)
 
 
 def sample_targets(sample: Sample) -> torch.Tensor:

@@ -330,6 +330,7 @@ class OmniModel(nn.Module):
         self.sp_group = None  # the LLM's Ulysses group; encoders are never split (part 1)
         # per-sequence SP: (first rank, size) -> (group, its attention), for this rank's blocks
         self.blocks: dict[tuple[int, int], tuple[object, PackedAttention]] = {}
+        self.encoder_pool = None  # parallel.encoder_pool: ds_omni.parallel.encoder_pool.EncoderPool
 
     def set_checkpointing(self, parts: set[str], named: set[str] = frozenset()) -> None:
         """Recompute in backward the layers of `parts` (of llm, vision, audio) this model has;
@@ -359,6 +360,11 @@ class OmniModel(nn.Module):
         whose `sp_block` names one runs its attention and resharding over that group."""
         self.blocks = {block: (group, PackedAttention(kernel, group))
                        for block, group in groups.items()}
+
+    def set_encoder_pool(self, pool) -> None:
+        """`parallel.encoder_pool`: the pool that places each round's items (its group carries
+        the embedding exchange of pooled micro-batches)."""
+        self.encoder_pool = pool
 
     def _route(self, batch: "MicroBatch") -> tuple[object, PackedAttention | None]:
         """(SP group, attention) of this micro-batch: its block's, else the model's own."""
@@ -418,14 +424,16 @@ class OmniModel(nn.Module):
         return hidden
 
     def _embed_shard(self, batch: "MicroBatch") -> tuple[torch.Tensor, Deepstack | None]:
-        """Under SP: this rank's shard [1, S, D] of the row's embeddings (and deepstack levels).
+        """Under SP: this rank's shard [1, S, D] of the row's embeddings (and deepstack levels);
+        a pooled micro-batch (`parallel.encoder_pool`): the whole row [1, T, D], its rows
+        exchanged over the pool group.
 
         The rank encodes the items the reshard plan gives it (wherever their placeholders are),
         then one all-to-all (`ReshardEmbeddings`) brings every row of this shard's placeholders
         from the rank that encoded it; a deepstack model's rows [N, (1 + k) D] carry their levels.
         """
         plan = batch.reshard
-        sp_group, _ = self._route(batch)
+        sp_group = self.encoder_pool.group if batch.pooled else self._route(batch)[0]
         hidden = self.backbone.embed_tokens(batch.input_ids)  # [1, S, D]
         rows: dict[str, torch.Tensor] = {}
         for name, encoder in self.encoders.items():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import sys
 import time
@@ -37,6 +38,7 @@ from ds_omni.errors import DataError, LaunchError
 from ds_omni.parallel import dist
 from ds_omni.model.attention import resolve_kernel
 from ds_omni.model.build import check_sequence_parallel, llm_text_config
+from ds_omni.parallel.encoder_pool import EncoderPool
 from ds_omni.parallel.groups import (TorchDataComm, data_groups, loader_step_comm, sequence_blocks,
                                     sequence_groups)
 from ds_omni.parallel.pipeline import (around_instructions, build_pipeline_module,
@@ -51,6 +53,7 @@ from ds_omni.train.nonfinite import NonFiniteError, NonFiniteGuard
 from ds_omni.train.watchdog import Watchdog
 
 DEFAULT_DIST_TIMEOUT_S = 1800.0
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -145,9 +148,13 @@ def _micro_batch_steps(engine, batch, comm, scale, n_micro, on_reduced_grads, gu
     micro_batches = _even_micro_batches(batch, n_micro)
     if engine.zero_optimization_stage() == 3 and (comm.sp_size > 1 or batch.filler is not None):
         _even_encoder_calls(engine.module, micro_batches, comm.dp_group)
+    pool = getattr(engine.module, "encoder_pool", None)
+    rounds = pool.plan_step(micro_batches) if pool is not None else None
     losses, dropped = [], None
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
+        if rounds is not None:  # parallel.encoder_pool: this round's items over all dp ranks
+            mb = pool.place(mb, rounds[i])
         if batch.filler is not None:  # per-sequence SP: the step's length is ours, not the config's
             engine.set_gradient_accumulation_boundary(last)
         out = engine(mb.to(engine.device))
@@ -311,6 +318,8 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
         built.model.set_attention(cfg.model.attn_implementation, mpu.get_sequence_parallel_group())
     if blocks:
         built.model.set_sequence_blocks(cfg.model.attn_implementation, blocks)
+    if cfg.parallel.encoder_pool == "dp":
+        built.model.set_encoder_pool(encoder_pool_for(cfg, built, plan, rank, dp_group))
     loader = build_loader(cfg, built, dp_rank=coords.dp_rank, dp_size=plan.dp,
                           num_micro=ds_config["gradient_accumulation_steps"], comm=comm,
                           sp_rank=coords.sp_rank, sp_size=plan.sp, step_comm=step_comm)
@@ -330,6 +339,23 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
                                       mpu=mpu)
     align_lr_schedule(engine)
     return built, loader, engine
+
+
+def encoder_pool_for(cfg: OmniConfig, built, plan: ParallelPlan, rank: int,
+                     dp_group) -> EncoderPool | None:
+    """`parallel.encoder_pool="dp"`: this rank's pool over the data-parallel group, priced by the
+    loader's cost model; None (said once) when there is one data-parallel rank."""
+    if plan.dp == 1:
+        if rank == 0:
+            log.warning("parallel.encoder_pool=\"dp\" with one data-parallel rank: there is no "
+                        "other rank to share encoder work with; the pool is off")
+        return None
+    cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
+    encoders = built.model.encoders
+    return EncoderPool(dp_group, plan.coords(rank).dp_rank, plan.dp, built.item_processors,
+                       {name: enc.placeholder_ids for name, enc in encoders.items()},
+                       lambda name, item: float(cost.encoder_cost(name, item.cost_seqs()).sum()),
+                       dist.comm_device())
 
 
 def stage_plan(cfg: OmniConfig, built, plan: ParallelPlan) -> StagePlan:

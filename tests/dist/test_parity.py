@@ -7,19 +7,23 @@ accumulation the losses, the full reduced gradients of the first step and every 
 agree to fp32 precision. `test_oracle_sees_planted_errors` shows it fails on a loss scaled 2x and
 on one dropped sample.
 
-Cases: the demo composition (LLaVA) under ZeRO 0-3, with a validation set of 5 rows evaluated
-after the last step over both ranks (its loss equals one process evaluating the whole set); every other family under ZeRO-3 (the
+Cases: the demo composition (LLaVA) under ZeRO 0, 2, 3 (ZeRO-1: the pool case below), with a
+validation set of 5 rows evaluated after the last step over both ranks (its loss equals one process evaluating the whole set); every other family under ZeRO-3 (the
 generic adapter through LLaVA-OneVision; images of
 several sizes, M-RoPE positions, audio clips), with text-only samples mixed in so that some ranks
 have micro-batches with nothing to encode (where DeepSpeed's ZeRO-3 would otherwise hang). The
 same launch trains the pipeline cases (PP=2, both encoder placements; `tests/dist/pipeline.py`),
-which also save a checkpoint before their last step, resume from it and export it to HF. A
-4-rank launch trains budget mode in two reorder groups and DP2 x PP2 in both placements.
+which also save a checkpoint before their last step, resume from it and export it to HF, and the
+encoder pool cases (`parallel.encoder_pool: "dp"`, LLaVA ZeRO-1 and the image+audio composition
+ZeRO-3, 3 steps): rank 0's rows hold every image and clip, rank 1's are text alone, so each round
+rank 1 encodes some of rank 0's items and sends their rows back. A 4-rank launch trains budget
+mode in two reorder groups and DP2 x PP2 in both placements.
 """
 
 import pytest
 
 from tests import oracle
+from tests.data_files import skewed_source
 from tests.dist import pipeline
 from tests.fixtures import ds_config, eval_sources, text_source, tiny_config
 from tests.harness import run_on_ranks
@@ -47,6 +51,8 @@ def _config(case: dict, out_dir: str):
     if case.get("placement"):  # the LLM over 2 pipeline stages
         from ds_omni.config import ParallelConfig
         cfg.parallel = ParallelConfig(pp=2, encoder_placement=case["placement"])
+    if case.get("pool"):
+        cfg.parallel.encoder_pool = "dp"
     if case.get("sources"):
         from ds_omni.config import SourceConfig, from_dict
         cfg.data.sources = [from_dict(SourceConfig, s) for s in case["sources"]]
@@ -77,8 +83,11 @@ def cases(tmp_path_factory):
     tones = {"name": "tones", "path": "builtin:tones",
              "schema": {"text": "conversations", "image": None, "audio": "audio"}}
     vision = [shapes, text]
+    skewed = skewed_source(tmp / "skewed")
+    skewed_audio = skewed_source(tmp / "skewed_audio", audio=True)
     return {
-        "demo": {"stages": [0, 1, 2, 3], "eval_sources": eval_sources(tmp)},
+        # ZeRO-1 of the demo composition: pool_llava (the same model, pool on, skewed data)
+        "demo": {"stages": [0, 2, 3], "eval_sources": eval_sources(tmp)},
         "llava_next": {"stages": [3], "model_dir": str(family_dirs.make_llava_next_dir(tmp / "n")),
                        "sources": vision},
         "qwen2_vl": {"stages": [3], "model_dir": str(family_dirs.make_qwen2_vl_dir(tmp / "q")),
@@ -89,6 +98,13 @@ def cases(tmp_path_factory):
         # its processor saved Qwen2-Audio's ChatML template: samples render with it (longer)
         "qwen2_audio": {"stages": [3], "model_dir": str(family_dirs.make_qwen2_audio_dir(tmp / "a")),
                         "sources": [tones, text], "max_seq_len": 192},
+        # the encoder pool: rank 0's rows hold every image (and clip), rank 1's are text alone;
+        # each round, half of rank 0's items are encoded on rank 1 and their rows sent back
+        "pool_llava": {"stages": [1], "pool": True, "sources": [skewed], "steps": 3,
+                       "reorder": {"mode": "loader_order"}},
+        "pool_composed": {"stages": [3], "pool": True, "model": pipeline.COMPOSED,
+                          "sources": [skewed_audio], "steps": 3, "max_seq_len": 160,
+                          "reorder": {"mode": "loader_order"}},
         # PP=2 (dp=1): both placements, both models (test_pipeline_matches_single_process)
         "pp_llava_stage0": {"stages": [1], "placement": "stage0", "sources": vision, "steps": 3,
                             "train": PP_BATCH, "resume_at": 2},
@@ -110,7 +126,9 @@ def dp_results(cases, tmp_path_factory):
 def test_data_parallel_matches_single_process(cases, dp_results, tmp_path):
     for name, case in cases.items():
         if "plant" not in case and "placement" not in case:
-            _check(name, case, dp_results, tmp_path, dp=2)
+            # the pool cases read in loader order, which the ranks' keys are: replay them (the
+            # pool moves encoder work, never samples)
+            _check(name, case, dp_results, tmp_path, dp=None if case.get("pool") else 2)
 
 
 @pytest.mark.dist
@@ -192,6 +210,8 @@ def _check(name, case, results, tmp_path, dp):
                                           case["stages"]], len(results))
     if case.get("sources"):  # text-only micro-batches really happened somewhere
         assert sum(r[(name, first)]["nothing_to_encode"] for r in results) > 0, name
+    if case.get("pool"):  # the text-only rank really encoded the other rank's items
+        assert [r[(name, first)]["pool_items_moved"] > 0 for r in results] == [False, True], name
 
 
 def _check_eval(cfg, stages, per_rank_stage, world) -> None:

@@ -1,0 +1,141 @@
+"""Encoder pool: the encoder phase of a skewed round, pooled over all ranks against encoded at home.
+
+    .venv/bin/python benchmarks/encoder_pool.py [--world 2] [--rounds 8]   # a few minutes
+
+`world` ranks on CPU over gloo. Each round rank 0's micro-batch holds 2 x world images (16 x 16
+patches each) and the other ranks' micro-batches are text alone: the skew of the pool cases in
+`tests/dist/test_parity.py`. The images are encoded forward and backward by a Qwen2-VL vision
+tower (4 blocks, width 256, 8 heads; `long_short_sp.py`'s) through the family's encoder module:
+- off (`parallel.encoder_pool: "off"`, the baseline): every rank encodes its own row's items, so
+  rank 0 encodes all of them and the others run the zero-weight dummy pass ZeRO-3 makes them run;
+- dp (`"dp"`): what training runs, `EncoderPool`'s pieces: `plan_round` over every rank's items,
+  `exchange_inputs` (the moving items' patches, one all-to-all of bytes), the encoder on this
+  rank's share, `ReshardEmbeddings` (rows home), backward through both exchanges.
+The round's time is the slowest rank's (a barrier before, an all-reduce max of each rank's time
+after); both variants run each round in alternating order, and the figure is the median over
+rounds of the paired ratio off / dp. Two clocks: wall time, and each rank's CPU time
+(`time.process_time`, one thread per rank), which is what a round would take with a core (or a
+GPU) per rank, which a shared 2-core machine cannot give the wall clock.
+Writes benchmarks/results/encoder_pool_w{world}.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+RESULTS = REPO / "benchmarks" / "results"
+GRID = (1, 16, 16)  # image grid (t, h, w) in patches
+
+
+def round_items(world: int, rank: int) -> list:
+    """This rank's items of a round (`EncodedItem`s): rank 0 has them all."""
+    import torch
+    from benchmarks.long_short_sp import VISION
+    from ds_omni.model.family import EncodedItem
+    if rank != 0:
+        return []
+    patch_dim = 3 * VISION["temporal_patch_size"] * VISION["patch_size"] ** 2
+    n = GRID[0] * GRID[1] * GRID[2]
+    gen = torch.Generator().manual_seed(0)
+    return [EncodedItem(inputs={"pixel_values": torch.randn(n, patch_dim, generator=gen),
+                                "image_grid_thw": torch.tensor(GRID)}, num_embeddings=n // 4)
+            for _ in range(2 * world)]
+
+
+def collate(items) -> dict:
+    """Qwen2-VL's collate: patches end to end, grids stacked."""
+    import torch
+    return {"pixel_values": torch.cat([it.inputs["pixel_values"] for it in items]),
+            "image_grid_thw": torch.stack([it.inputs["image_grid_thw"] for it in items])}
+
+
+def encode_off(encoder, items) -> None:
+    import torch
+    if items:
+        encoder(collate(items)).square().sum().backward()
+    else:  # nothing at home: the zero-weight dummy pass (ZeRO-3 runs it)
+        (0.0 * encoder(encoder.dummy_inputs(torch.device("cpu"), torch.float32)).sum()).backward()
+
+
+def encode_pooled(encoder, items, rank: int, world: int) -> None:
+    """One round as `EncoderPool.place` and `OmniModel._embed_shard` run it."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from ds_omni.model.family import EncodedItem
+    from ds_omni.parallel.encoder_pool import exchange_inputs, item_meta, plan_round
+    from ds_omni.parallel.reshard import ReshardEmbeddings
+    mine = [item_meta(rank, "vision", k, it, float(it.num_embeddings)) for k, it in enumerate(items)]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)  # training gathers once per step, not per round
+    plan = plan_round([it for r in everyone for it in r], world, ["vision"])
+    received = exchange_inputs(plan, rank, {"vision": items}, None, torch.device("cpu"))
+    todo = [items[plan.items[i].index] if plan.items[i].home == rank
+            else EncodedItem(inputs=received[i], num_embeddings=plan.items[i].rows)
+            for i in plan.encodes(rank)]
+    starts = np.cumsum([0] + [it.rows for it in mine])
+    reshard = plan.reshard(rank, {("vision", it.index): np.arange(starts[k], starts[k + 1])
+                                  for k, it in enumerate(mine)})
+    assert todo, "every rank encodes a share of a skewed round"
+    rows = ReshardEmbeddings.apply(encoder(collate(todo)), reshard, None)  # [rows home, D]
+    rows.square().sum().backward()  # also on a rank with no row home: the backward all-to-all
+
+
+def ranks(rank: int, world: int, rounds: int, warmup: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from benchmarks.long_short_sp import vision_encoder
+    torch.set_num_threads(1)
+    encoder = vision_encoder()
+    items = round_items(world, rank)
+    variants = {"off": lambda: encode_off(encoder, items),
+                "dp": lambda: encode_pooled(encoder, items, rank, world)}
+    times = {clock: {name: [] for name in variants} for clock in ("wall", "cpu")}
+    for r in range(warmup + rounds):
+        for name in (list(variants) if r % 2 == 0 else list(reversed(variants))):
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            variants[name]()
+            elapsed = torch.tensor([time.perf_counter() - start, time.process_time() - start_cpu],
+                                   dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest / busiest rank's
+            encoder.zero_grad(set_to_none=True)
+            if r >= warmup:
+                times["wall"][name].append(float(elapsed[0]))
+                times["cpu"][name].append(float(elapsed[1]))
+    return {"times": times}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from tests.harness import run_on_ranks
+    (res, *_) = run_on_ranks(ranks, args.world, args=(args.rounds, args.warmup), timeout=3000)
+    out = {"world": args.world, "rounds": args.rounds, "grid": GRID,
+           "images_on_rank0": 2 * args.world, "load_avg": os.getloadavg()[0]}
+    for clock, t in res["times"].items():
+        ratios = [o / p for o, p in zip(t["off"], t["dp"])]
+        out[clock] = {"median_round_s": {k: statistics.median(v) for k, v in t.items()},
+                      "speedup_median": statistics.median(ratios), "ratios": ratios}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"encoder_pool_w{args.world}.json").write_text(json.dumps(out, indent=1))
+    print(json.dumps({k: out[k] if k not in ("wall", "cpu") else
+                      {m: out[k][m] for m in ("median_round_s", "speedup_median")}
+                      for k in ("world", "wall", "cpu", "load_avg")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
