@@ -282,6 +282,48 @@ RECIPES: dict[str, Callable] = {
 }
 
 
+# -------------------------------------------------- recipes: sliding windows, bidirectional blocks
+# Small windows (4 tokens) so that every sample of the sweep is longer than its window.
+def _gemma3(model_type: str = "gemma3"):
+    """Gemma 3: image tokens attend to each other both ways; sliding and full layers, each with its
+    own rope table; query_pre_attn_scalar scaling; tied, scaled embeddings."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    named = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+             "image_token": "<image_soft_token>"}
+    tok = demo_tokenizer(list(named.values()), named)
+    ids = {k: _ids(tok, v)[0] for k, v in named.items()}
+    text = _text(tok, "gemma3_text", num_hidden_layers=2, sliding_window=4,
+                 layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=12,
+                 tie_word_embeddings=True)
+    config = _config(model_type, vision_config=SIGLIP, text_config=text, mm_tokens_per_image=4,
+                     boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
+                     image_token_index=ids["image_token"], tie_word_embeddings=True)
+    images = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    return config, _processor_class(model_type)(image_processor=images, tokenizer=tok,
+                                                image_seq_length=4)
+
+
+def _paligemma():
+    """PaliGemma: the whole prompt (image and text before the first trained token) attends both
+    ways; 1-indexed positions; Gemma's scaled embeddings."""
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+    tok = demo_tokenizer(["<image>"], {"image_token": "<image>"})
+    images = SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    images.image_seq_length = 16  # (32 / 8) ** 2 patches, as PaliGemma's saved processors say
+    processor = _processor_class("paligemma")(image_processor=images, tokenizer=tok)
+    # (the processor adds its location and segmentation tokens: the vocabulary counts them)
+    config = _config("paligemma", vision_config={**SIGLIP, "projection_dim": 32},
+                     text_config=_text(tok, "gemma", num_hidden_layers=2), projection_dim=32,
+                     image_token_index=_ids(tok, "<image>")[0])
+    return config, processor
+
+
+RECIPES.update({
+    "gemma3": _gemma3,
+    "paligemma": _paligemma,
+})
+
+
 # ------------------------------------------------------------------------------ checks
 def images() -> list:
     """Three demo pictures at different sizes (32x32, 56 high x 84 wide, 24 x 40)."""
@@ -370,11 +412,26 @@ def hf_inputs(processor, built, sample, imgs) -> dict:
             raise AssertionError("HF's processor expands the images to another number of tokens")
         out.update({k: v for k, v in hf.items()
                     if k not in ("input_ids", "attention_mask", "token_type_ids",
-                                 "mm_token_type_ids")})
+                                 "mm_token_type_ids", "labels")})
+    forward = inspect.signature(built.family.hf_model_class().forward).parameters
     make_types = getattr(processor, "create_mm_token_type_ids", None)
-    if make_types is not None and len(inspect.signature(make_types).parameters) == 1:
+    if "token_type_ids" in forward and "mm_token_type_ids" not in forward:
+        out["token_type_ids"] = hf_token_types(processor, ids, sample)
+    elif make_types is not None and len(inspect.signature(make_types).parameters) == 1:
         out["mm_token_type_ids"] = torch.tensor(processor.create_mm_token_type_ids(ids.tolist()))
     return out
+
+
+def hf_token_types(processor, ids: torch.Tensor, sample) -> torch.Tensor:
+    """[1, L] `token_type_ids` as HF's processor makes them for a family whose attention mask
+    reads them: PaliGemma's 1 on the suffix (its `suffix` argument: the text from the first trained
+    token on), the others' (Gemma 3) 1 on image tokens."""
+    if type(processor).__name__.startswith("PaliGemma"):
+        trained = sample.loss_mask.nonzero()
+        types = torch.zeros_like(ids)
+        types[:, int(trained[0]) if len(trained) else ids.shape[1]:] = 1
+        return types
+    return torch.tensor(processor.create_mm_token_type_ids(ids.tolist()))
 
 
 # ------------------------------------------------------------------------------ sweep

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_omni.errors import ModelError
 from ds_omni.model.attention import PackedAttention
+from ds_omni.model.layer_types import for_layer, rotary_tables
 from ds_omni.parallel import long_short
 from ds_omni.parallel.long_short import EncoderShard
 from ds_omni.parallel.reshard import ReshardEmbeddings
@@ -180,33 +181,37 @@ class Backbone(nn.Module):
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                 cu_seqlens: torch.Tensor, max_seqlen: int,
-                attention: PackedAttention | None = None) -> torch.Tensor:
+                attention: PackedAttention | None = None,
+                blocks: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [1, S, D], position_ids [1, S] or [3, 1, S] (M-RoPE) -> normed hidden [1, S, D].
 
         S = T, the whole row, or under sequence parallelism this rank's shard of it; `cu_seqlens`
         always delimits the samples of the whole (padded) row. `attention` overrides the model's
-        for this row (per-sequence SP: the row's block group).
+        for this row (per-sequence SP: the row's block group); `blocks` [m, 2]: the row's spans
+        attended both ways (`MicroBatch.blocks`).
         """
-        kwargs = self.layer_kwargs(hidden, position_ids, cu_seqlens, max_seqlen, attention)
+        kwargs = self.layer_kwargs(hidden, position_ids, cu_seqlens, max_seqlen, attention, blocks)
         for layer in self.layers:
             hidden = self.run_layer(layer, hidden, kwargs)
         return self.norm(hidden)
 
     def layer_kwargs(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                      cu_seqlens: torch.Tensor, max_seqlen: int,
-                     attention: PackedAttention | None = None) -> dict:
+                     attention: PackedAttention | None = None,
+                     blocks: torch.Tensor | None = None) -> dict:
         """What every decoder layer of a row is called with (a pipeline stage makes it again
         from the position ids and `cu_seqlens` it receives)."""
-        position_embeddings = self.rotary_emb(hidden, position_ids)
+        position_embeddings = rotary_tables(self.rotary_emb, hidden, position_ids)
         text_positions = position_ids if position_ids.ndim == 2 else position_ids[0]
         attention = attention or self.attention
         cu_seqlens = attention.boundaries(cu_seqlens, hidden.device)
         return dict(attention_mask=None, position_ids=text_positions,
                     position_embeddings=position_embeddings, cu_seqlens=cu_seqlens,
-                    max_seqlen=max_seqlen, ds_omni_attention=attention)
+                    max_seqlen=max_seqlen, ds_omni_attention=attention, ds_omni_blocks=blocks)
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """One decoder layer [1, S, D] -> [1, S, D], recomputed in backward if so configured."""
+        kwargs = for_layer(layer, kwargs)
         if self.checkpoint_layers and torch.is_grad_enabled():
             # non-reentrant: works with ZeRO-3's parameter hooks and re-runs the Ulysses
             # all-to-alls in the same order on every rank
@@ -383,7 +388,8 @@ class OmniModel(nn.Module):
     def hidden_states(self, batch: "MicroBatch") -> torch.Tensor:
         """Final normed hidden states [1, T, D]."""
         return self.backbone(self.embed(batch), batch.position_ids, batch.cu_seqlens,
-                             batch.max_seqlen, attention=self._route(batch)[1])
+                             batch.max_seqlen, attention=self._route(batch)[1],
+                             blocks=batch.blocks)
 
     def logits(self, batch: "MicroBatch") -> torch.Tensor:
         """Logits for every position [1, T, V] (for parity checks and evaluation)."""
