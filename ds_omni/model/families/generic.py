@@ -126,6 +126,11 @@ def config_problem(config) -> str | None:
             hf_class is None or hf_folder(hf_class) not in BIDIRECTIONAL):
         # (PaliGemma sets it, but its forward's prefix mask decides, as BIDIRECTIONAL builds it)
         return "its LLM attends both ways everywhere (use_bidirectional_attention); not a decoder"
+    cap = getattr(text, "final_logit_softcapping", None)
+    if cap and hf_class is not None and "final_logit_softcapping" in inspect.getsource(
+            hf_class.forward):
+        return (f"its head soft-caps the logits (final_logit_softcapping {cap}); the backbone's "
+                "head is the plain linear layer")
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
     if layer_types - {"full_attention", "sliding_attention"}:
         return (f"its LLM has layers of types {sorted(layer_types)}; the generic backbone runs "
