@@ -313,7 +313,7 @@ def _paligemma():
     processor = _processor_class("paligemma")(image_processor=images, tokenizer=tok)
     # (the processor adds its location and segmentation tokens: the vocabulary counts them)
     config = _config("paligemma", vision_config={**SIGLIP, "projection_dim": 32},
-                     text_config=_text(tok, "gemma", num_hidden_layers=2), projection_dim=32,
+                     text_config=_text(tok, "gemma"), projection_dim=32,
                      image_token_index=_ids(tok, "<image>")[0])
     return config, processor
 
@@ -324,12 +324,12 @@ def _idefics2():
         Idefics2ImageProcessorPil)
     named = {"image_token": "<image>", "image_boundary_token": "<fake_token_around_image>"}
     tok = demo_tokenizer([*named.values(), "<end_of_utterance>"], named)
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
               "num_attention_heads": 4, "image_size": 32, "patch_size": 8}
     perceiver = {"resampler_n_latents": 4, "resampler_depth": 1, "resampler_n_heads": 4,
                  "resampler_head_dim": 8, "num_key_value_heads": 2}
     config = _config("idefics2", vision_config=vision, perceiver_config=perceiver,
-                     text_config=_text(tok, "mistral", num_hidden_layers=2, sliding_window=4),
+                     text_config=_text(tok, "mistral", sliding_window=4),
                      image_token_id=_ids(tok, "<image>")[0])
     images = Idefics2ImageProcessorPil(size={"longest_edge": 32, "shortest_edge": 32},
                                        do_image_splitting=False)
@@ -337,18 +337,16 @@ def _idefics2():
                                      tokenizer=tok, image_seq_len=4)
 
 
-def _cohere2_text(tok) -> dict:
-    return _text(tok, "cohere2", num_hidden_layers=2, sliding_window=4,
-                 layer_types=["sliding_attention", "full_attention"])
 
 
 def _aya_vision():
-    """Aya Vision: SigLIP tiles, pixel-shuffle projector; Cohere2 LLM (sliding and full layers)."""
+    """Aya Vision: SigLIP tiles, pixel-shuffle projector; Cohere2 LLM (a sliding layer)."""
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
     names = ["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>",
              "<|IMG_LINE_BREAK|>", "TILE", "TILE_GLOBAL"]
     tok = demo_tokenizer(names, {"image_token": "<image>"})
-    config = _config("aya_vision", vision_config=SIGLIP, text_config=_cohere2_text(tok),
+    text = _text(tok, "cohere2", sliding_window=4, layer_types=["sliding_attention"])
+    config = _config("aya_vision", vision_config=SIGLIP, text_config=text,
                      image_token_index=_ids(tok, "<|IMG_PATCH|>")[0], downsample_factor=2)
     images = GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, crop_to_patches=True,
                                       min_patches=1, max_patches=4)
@@ -358,8 +356,7 @@ def _aya_vision():
 
 
 def _exaone4_5():
-    """EXAONE 4.5: a Qwen2.5-VL-style windowed ViT; EXAONE 4 LLM (sliding layers with rope, full
-    layers without)."""
+    """EXAONE 4.5: a Qwen2.5-VL-style windowed ViT; EXAONE 4 LLM (a sliding layer)."""
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     named = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
@@ -367,8 +364,7 @@ def _exaone4_5():
     vision = {"depth": 2, "hidden_size": 32, "out_hidden_size": 32, "intermediate_size": 64,
               "num_heads": 4, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2,
               "window_size": 16, "fullatt_block_indexes": [1], "num_key_value_heads": 2}
-    text = _text(tok, "exaone4", num_hidden_layers=2, sliding_window=4,
-                 layer_types=["sliding_attention", "full_attention"])
+    text = _text(tok, "exaone4", sliding_window=4, layer_types=["sliding_attention"])
     config = _config("exaone4_5", vision_config=vision, text_config=text,
                      image_token_id=_ids(tok, "<|image_pad|>")[0],
                      video_token_id=_ids(tok, "<|video_pad|>")[0])
