@@ -60,6 +60,9 @@ class MicroBatch:
     encode_calls: dict[str, int] | None = None
     """ZeRO-3: how many times each encoder runs on this micro-batch, the same on every rank
     (`train_step` sets it; the model tops up with zero-weight dummy runs). None: no top-up."""
+    blocks: torch.Tensor | None = None
+    """[m, 2] (start, end) spans of the whole row whose tokens attend to each other both ways
+    (Gemma 3's images); host tensor, the same on every rank of an SP group. None: causal."""
     items: dict[str, list[EncodedItem]] = field(default_factory=dict, repr=False)
     """The row's encoder items (host tensors), by encoder, in placeholder order: what a rank that
     encodes only some of them (the joint pipeline's uniform placement) collates from."""
@@ -106,7 +109,7 @@ class MicroBatch:
             position_ids=move(self.position_ids), cu_seqlens=self.cu_seqlens,  # stays on CPU
             max_seqlen=self.max_seqlen, sample_ids=self.sample_ids, reshard=self.reshard,
             pad_tokens=self.pad_tokens, sp_block=self.sp_block, host=self.host or self,
-            items=self.items,
+            items=self.items, blocks=self.blocks,
             encoder_inputs={e: {k: move(v) for k, v in d.items()}
                             for e, d in self.encoder_inputs.items()},
             split_inputs={e: [{k: move(v) for k, v in d.items()} for d in items]
@@ -141,12 +144,21 @@ def pack(samples: list[Sample], processors: dict[str, ItemProcessor],
         # [1, T] or [3, 1, T] (M-RoPE)
         position_ids=torch.cat([s.position_ids for s in samples], dim=-1).unsqueeze(-2),
         cu_seqlens=_cu_seqlens(lengths), max_seqlen=max(lengths),
-        sample_ids=[s.sample_id for s in samples])
+        sample_ids=[s.sample_id for s in samples], blocks=_row_blocks(samples))
     if shard is None or shard.size == 1:
         mb.encoder_inputs = {e: processors[e].collate(items) for e, items in by_encoder.items()}
         mb.items = by_encoder
         return mb
     return shard_row(mb, by_encoder, processors, shard)
+
+
+def _row_blocks(samples: list[Sample]) -> torch.Tensor | None:
+    """The samples' bidirectional spans moved to row positions [m, 2], or None if none has one."""
+    spans, offset = [], 0
+    for s in samples:
+        spans += [(offset + a, offset + b) for a, b in s.blocks]
+        offset += s.length
+    return torch.tensor(spans, dtype=torch.long) if spans else None
 
 
 def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
@@ -170,7 +182,7 @@ def shard_row(row: MicroBatch, items: dict[str, list[EncodedItem]],
     return MicroBatch(
         input_ids=row.input_ids[:, lo:hi], targets=row.targets[:, lo:hi],
         position_ids=row.position_ids[..., lo:hi], cu_seqlens=row.cu_seqlens,
-        max_seqlen=row.max_seqlen, sample_ids=row.sample_ids, reshard=plan,
+        max_seqlen=row.max_seqlen, sample_ids=row.sample_ids, reshard=plan, blocks=row.blocks,
         pad_tokens=max(0, hi - max(lo, real_end)),
         encoder_inputs={e: processors[e].collate([items[e][k] for k in idx])
                         for e, idx in plan.encode.items()},
@@ -191,7 +203,7 @@ def pad_row(row: MicroBatch, multiple: int, pad_id: int) -> MicroBatch:
         targets=torch.cat([row.targets, torch.full((1, pad), IGNORE_INDEX)], dim=1),
         position_ids=torch.cat([row.position_ids, positions], dim=-1), cu_seqlens=cu,
         max_seqlen=max(row.max_seqlen, pad), sample_ids=row.sample_ids,
-        pad_tokens=row.pad_tokens + pad)
+        pad_tokens=row.pad_tokens + pad, blocks=row.blocks)
 
 
 def _pad_id(processors: dict[str, ItemProcessor]) -> int:

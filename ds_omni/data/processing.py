@@ -48,6 +48,8 @@ class Sample:
     position_ids: torch.Tensor  # [L] or [3, L]
     # (encoder, item) in text order; the encoder its processor feeds (a video's may be "vision")
     items: list[tuple[str, EncodedItem]] = field(default_factory=list)
+    # (start, end) spans attended both ways (`Family.attention_blocks`); empty: causal
+    blocks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -122,9 +124,10 @@ class SampleProcessor:
         ("vision", "audio", "video": the keys of `item_processors` and `markers`) -> items."""
         ids, mask, ordered = self._build(text, media, sample_id, source, measure=False)
         input_ids = torch.tensor(ids, dtype=torch.long)
-        return Sample(sample_id=sample_id, source=source, input_ids=input_ids,
-                      loss_mask=torch.tensor(mask, dtype=torch.bool),
-                      position_ids=self.family.position_ids(input_ids, ordered), items=ordered)
+        loss_mask = torch.tensor(mask, dtype=torch.bool)
+        return Sample(sample_id=sample_id, source=source, input_ids=input_ids, loss_mask=loss_mask,
+                      position_ids=self.family.position_ids(input_ids, ordered), items=ordered,
+                      blocks=self.family.attention_blocks(input_ids, loss_mask))
 
     def measure(self, *, text: Any, media: dict[str, list[Any]], sample_id: str,
                 source: str) -> SampleSize:

@@ -15,6 +15,17 @@ Three kernels give the same numbers (`choose_kernel` picks one for "auto"):
 - SDPA, one causal call per sample: no T x T mask is built, at the cost of one kernel per sample
   ("sdpa"; "eager" is the same path).
 
+Two deviations from plain causal attention inside a sample, both as HF computes them:
+- a sliding-window layer (Mistral, Qwen2's `max_window_layers`, Gemma 3's `layer_types`; the layer
+  itself passes its `sliding_window`, None on full layers): token q sees keys k with
+  q - window < k <= q. The varlen kernels take it as `window_size=(window - 1, 0)`; SDPA gets a
+  banded mask for a sample longer than the window (shorter ones stay on the mask-free causal call);
+- bidirectional blocks (Gemma 3's image tokens, PaliGemma's prefix): spans of the row, given as
+  `blocks` [m, 2] (start, end) by the model, whose tokens also see each other's later tokens; on a
+  sliding layer the window still applies on top, as in HF's `create_masks_for_vision_model`. The
+  varlen kernels cannot express this mask, so "auto" runs such rows on SDPA (logged once) and an
+  explicit "varlen" / "flash_attention_2" is an error.
+
 Under Ulysses sequence parallelism each rank holds S = T / sp consecutive tokens of the row.
 DeepSpeed's `DistributedAttention` all-to-alls q, k, v from [1, S, H, D] to [1, T, H/sp, D]; the
 kernel then runs on the whole row with the *global* `cu_seqlens`, so samples still attend only to
@@ -90,6 +101,7 @@ class PackedAttention:
         if kernel not in KERNELS:
             raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS}")
         self.kernel = resolve_kernel(kernel)
+        self.asked = kernel
         if self.kernel not in _logged:
             _logged.add(self.kernel)
             log.info("ds_omni: packed attention kernel %r (asked %r)", self.kernel, kernel)
@@ -109,23 +121,46 @@ class PackedAttention:
             return cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
         return cu_seqlens
 
-    def __call__(self, q, k, v, cu_seqlens, max_seqlen, scaling, dropout):
-        """q [1, H, S, D], k/v [1, Hkv, S, D] (S = T without SP) -> out [1, S, H, D]."""
+    def __call__(self, q, k, v, cu_seqlens, max_seqlen, scaling, dropout, window=None,
+                 blocks=None):
+        """q [1, H, S, D], k/v [1, Hkv, S, D] (S = T without SP) -> out [1, S, H, D].
+
+        `window`: the layer's sliding window (None: full); `blocks` [m, 2]: bidirectional spans of
+        the whole row (None: none). Both are over the whole row, which Ulysses gathers per head.
+        """
         if self._ulysses is None:
             return self._local(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                               cu_seqlens, max_seqlen, scaling, dropout)
+                               cu_seqlens, max_seqlen, scaling, dropout, window, blocks)
         k, v = (repeat_kv_for_sp(t, q.shape[1], self.sp) for t in (k, v))
         # [1, H, S, D] -> [1, S, H, D]; DistributedAttention: -> [1, T, H/sp, D] -> kernel -> back
         return self._ulysses(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None,
-                             cu_seqlens, max_seqlen, scaling, dropout)
+                             cu_seqlens, max_seqlen, scaling, dropout, window, blocks)
 
-    def _local(self, q, k, v, cu_seqlens, max_seqlen, scaling, dropout):
+    def _local(self, q, k, v, cu_seqlens, max_seqlen, scaling, dropout, window=None,
+               blocks=None):
         """q [1, T, h, D], k/v [1, T, hkv, D] over the whole row -> [1, T, h, D]."""
-        if self.kernel == "flash_attention_2":
-            return _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout)
-        if self.kernel == "varlen":
-            return _torch_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout)
-        return _sdpa_per_sample(q, k, v, cu_seqlens, scaling, dropout)
+        kernel = self.kernel
+        if blocks is not None and len(blocks) and kernel != "sdpa":
+            kernel = self._blocks_fallback()
+        if kernel == "flash_attention_2":
+            return _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout, window)
+        if kernel == "varlen":
+            return _torch_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout, window)
+        return _sdpa_per_sample(q, k, v, cu_seqlens, scaling, dropout, window, blocks)
+
+    def _blocks_fallback(self) -> str:
+        """The kernel for a row with bidirectional blocks: SDPA when "auto" chose a varlen kernel
+        (logged once), else an error naming the fix."""
+        if self.asked != "auto":
+            raise ValueError(
+                f"model.attn_implementation is {self.asked!r}, but this model's image tokens (or "
+                "prompt prefix) attend to each other both ways, a mask the varlen kernels cannot "
+                "express; use 'auto' or 'sdpa' (per-sample SDPA with the model's own mask)")
+        if "blocks" not in _logged:
+            _logged.add("blocks")
+            log.info("ds_omni: rows with bidirectional image blocks run on per-sample SDPA (the "
+                     "%r kernel has no such mask)", self.kernel)
+        return "sdpa"
 
 
 def repeat_kv_for_sp(kv: torch.Tensor, num_heads: int, sp: int) -> torch.Tensor:
@@ -142,59 +177,94 @@ def repeat_kv_for_sp(kv: torch.Tensor, num_heads: int, sp: int) -> torch.Tensor:
 
 def packed_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
                      cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
-                     ds_omni_attention: PackedAttention | None = None, **kwargs):
-    """HF attention-interface function. q: [B, H, S, D], k/v: [B, Hkv, S, D] -> out [B, S, H, D]."""
+                     ds_omni_attention: PackedAttention | None = None,
+                     ds_omni_blocks: torch.Tensor | None = None, **kwargs):
+    """HF attention-interface function. q: [B, H, S, D], k/v: [B, Hkv, S, D] -> out [B, S, H, D].
+
+    The layer passes its own `sliding_window` (None on full-attention layers); the backbone passes
+    the row's bidirectional blocks as `ds_omni_blocks` ([m, 2], or None)."""
     if cu_seqlens is None:  # called by HF itself (generate, a plain forward): its own SDPA path
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row, got batch {query.shape[0]}")
-    check_window(kwargs.get("sliding_window"), max_seqlen)
+    check_softcap(kwargs.get("softcap"))
     kernel = ds_omni_attention or PackedAttention()
-    return kernel(query, key, value, cu_seqlens, max_seqlen, scaling, dropout), None
+    return kernel(query, key, value, cu_seqlens, max_seqlen, scaling, dropout,
+                  kwargs.get("sliding_window"), ds_omni_blocks), None
 
 
-def check_window(sliding_window: int | None, max_seqlen: int | None) -> None:
-    """The kernels attend over the whole sample: exact for a sliding-window layer (Mistral's) only
-    while no sample is longer than its window, so a longer one is an error, not other numbers."""
-    if sliding_window and max_seqlen and max_seqlen > sliding_window:
+def check_softcap(softcap: float | None) -> None:
+    """Gemma 2's attention-logit softcapping is not in any packed kernel: an error, not other
+    numbers."""
+    if softcap is not None:
         raise ValueError(
-            f"a sample of {max_seqlen} tokens reaches a sliding-window attention layer of window "
-            f"{sliding_window}; ds_omni's packed attention has no window, so it would attend past "
-            f"it and train other numbers than the model's own. Set data.max_seq_len to at most "
-            f"{sliding_window}, or use a model without a sliding window")
+            f"this model's attention layers soft-cap their logits (softcap {softcap}, Gemma 2 "
+            "style); ds_omni's packed kernels have no softcapping, so they would train other "
+            "numbers than the model's own. Use a model without attn_logit_softcapping")
 
 
-def _sdpa_per_sample(q, k, v, cu_seqlens, scaling, dropout):
-    """[1, T, h, D] in, [1, T, h, D] out; one causal SDPA call per sample."""
+def sample_mask(length: int, window: int | None = None,
+                blocks: list[tuple[int, int]] = ()) -> torch.Tensor | None:
+    """[L, L] bool (True: q may attend to k) of one sample, as HF's masks compose it:
+    (causal OR same block) AND (k > q - window); None when that is plain causal (the caller
+    then runs SDPA's mask-free causal path). `blocks`: (start, end) spans inside the sample."""
+    banded = window is not None and window < length
+    if not banded and not blocks:
+        return None
+    q = torch.arange(length)[:, None]  # [L, 1]
+    k = torch.arange(length)[None, :]  # [1, L]
+    allowed = k <= q  # [L, L]
+    for start, end in blocks:
+        allowed[start:end, start:end] = True
+    if banded:
+        allowed &= k > q - window
+    return allowed
+
+
+def sample_blocks(blocks, start: int, end: int) -> list[tuple[int, int]]:
+    """The spans of `blocks` ([m, 2] over the row, or None) inside sample [start, end), made
+    relative to its first token."""
+    if blocks is None:
+        return []
+    return [(max(a, start) - start, min(b, end) - start) for a, b in blocks.tolist()
+            if a < end and b > start]
+
+
+def _sdpa_per_sample(q, k, v, cu_seqlens, scaling, dropout, window=None, blocks=None):
+    """[1, T, h, D] in, [1, T, h, D] out; one SDPA call per sample: causal, or with the sample's
+    mask (`sample_mask`) where a window or a block makes it other than causal."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [1, h, T, D]
     bounds = cu_seqlens.tolist()
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
-        # [1, h, L, D] per sample, causal inside it
+        mask = sample_mask(end - start, window, sample_blocks(blocks, start, end))  # [L, L]
+        # [1, h, L, D] per sample
         outs.append(F.scaled_dot_product_attention(
-            q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], is_causal=True,
-            dropout_p=dropout, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]))
+            q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], is_causal=mask is None,
+            attn_mask=None if mask is None else mask.to(q.device), dropout_p=dropout,
+            scale=scaling, enable_gqa=k.shape[1] != q.shape[1]))
     out = torch.cat(outs, dim=2)  # [1, h, T, D]
     return out.transpose(1, 2).contiguous()  # [1, T, h, D]
 
 
-def _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout):
+def _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout, window=None):
     from flash_attn import flash_attn_varlen_func
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     out = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen,  # [T, h, D]
-                                 dropout_p=dropout, softmax_scale=scaling, causal=True)
+                                 dropout_p=dropout, softmax_scale=scaling, causal=True,
+                                 window_size=(window - 1, 0) if window else (-1, -1))
     return out.unsqueeze(0)  # [1, T, h, D]
 
 
-def _torch_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout):
+def _torch_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout, window=None):
     """torch's FlashAttention-2 varlen kernel: [1, T, h, D] in and out; causal per sample."""
     from torch.nn.attention.varlen import varlen_attn
     if dropout:
         raise ValueError("torch's varlen kernel has no dropout; use attn_implementation 'sdpa'")
     kwargs, repeat, q_scale = varlen_call(_varlen_params(), q.shape[2], k.shape[2], scaling,
-                                          q.shape[-1])
+                                          q.shape[-1], window)
     if repeat > 1:  # [1, T, hkv, D] -> [1, T, h, D]: each query head keeps its KV head
         k, v = (t.repeat_interleave(repeat, dim=2) for t in (k, v))
     if q_scale != 1.0:
@@ -205,12 +275,20 @@ def _torch_varlen(q, k, v, cu_seqlens, max_seqlen, scaling, dropout):
 
 
 def varlen_call(params: frozenset[str], q_heads: int, kv_heads: int, scaling: float | None,
-                head_dim: int) -> tuple[dict, int, float]:
+                head_dim: int, window: int | None = None) -> tuple[dict, int, float]:
     """How to call the installed `varlen_attn`, whose keywords changed between torch releases
     (2.10: `is_causal` only; later: `window_size`, `scale`, `enable_gqa`): its keyword arguments,
     how many times to repeat KV heads (when it takes no `enable_gqa`), and a factor for q (when it
-    takes no `scale` and `scaling` is not its default 1/sqrt(D))."""
-    kwargs: dict = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    takes no `scale` and `scaling` is not its default 1/sqrt(D)). A sliding `window` (HF's: the
+    query and window - 1 keys before it) is `window_size=(window - 1, 0)`."""
+    if window and "window_size" not in params:
+        raise ValueError(f"this torch's varlen kernel ({torch.__version__}) has no window_size, "
+                         f"so it cannot run a sliding-window layer (window {window}); use "
+                         "attn_implementation 'sdpa' (same numbers) or torch >= 2.11")
+    if "window_size" in params:
+        kwargs: dict = {"window_size": (window - 1 if window else -1, 0)}
+    else:
+        kwargs = {"is_causal": True}
     repeat = 1
     if kv_heads != q_heads:
         if "enable_gqa" in params:

@@ -94,6 +94,9 @@ class Family:
     sequence_parallel: bool = True
     """The LLM may run Ulysses SP: its decoder layers take `position_embeddings` and the packed
     attention kwargs as HF's Llama/Qwen2 layers do. Set False for a family whose layers don't."""
+    bidirectional: str | None = None
+    """How some tokens attend both ways (`attention_blocks`; generic.BIDIRECTIONAL), or None: the
+    LLM is causal. The pipeline engine does not carry such blocks between stages."""
 
     def hf_model_class(self):
         import transformers
@@ -136,6 +139,12 @@ class Family:
     def position_ids(self, input_ids: torch.Tensor, items: list[tuple[str, EncodedItem]]) -> torch.Tensor:
         """Positions of one sample's tokens [L] (or [3, L] for M-RoPE); default 0..L-1."""
         return torch.arange(input_ids.shape[0])
+
+    def attention_blocks(self, input_ids: torch.Tensor,
+                         loss_mask: torch.Tensor) -> list[tuple[int, int]]:
+        """Spans (start, end) of one sample whose tokens attend to each other both ways on top of
+        causal attention (Gemma 3's image tokens, PaliGemma's prefix); default none."""
+        return []
 
     def save_processor(self, out_dir: Path, hf_config, tokenizer, model_dir: Path | None) -> None:
         """Write the HF processor next to an exported model so users can `generate`."""

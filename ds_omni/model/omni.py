@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_omni.errors import ModelError
 from ds_omni.model.attention import PackedAttention
+from ds_omni.model.layer_types import for_layer, rotary_tables
 from ds_omni.parallel import long_short
 from ds_omni.parallel.long_short import EncoderShard
 from ds_omni.parallel.reshard import ReshardEmbeddings
@@ -241,15 +242,17 @@ class Backbone(nn.Module):
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                 cu_seqlens: torch.Tensor, max_seqlen: int,
                 attention: PackedAttention | None = None,
-                deepstack: Deepstack | None = None) -> torch.Tensor:
+                deepstack: Deepstack | None = None,
+                blocks: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [1, S, D], position_ids [1, S] or [3, 1, S] (M-RoPE) -> normed hidden [1, S, D].
 
         S = T, the whole row, or under sequence parallelism this rank's shard of it; `cu_seqlens`
         always delimits the samples of the whole (padded) row. `attention` overrides the model's
-        for this row (per-sequence SP: the row's block group). `deepstack`: level i is added
-        after layer i (levels past the last layer are unused, as in HF).
+        for this row (per-sequence SP: the row's block group); `blocks` [m, 2]: the row's spans
+        attended both ways (`MicroBatch.blocks`). `deepstack`: level i is added after layer i
+        (levels past the last layer are unused, as in HF).
         """
-        kwargs = self.layer_kwargs(hidden, position_ids, cu_seqlens, max_seqlen, attention)
+        kwargs = self.layer_kwargs(hidden, position_ids, cu_seqlens, max_seqlen, attention, blocks)
         for i, layer in enumerate(self.layers):
             hidden = self.run_layer(layer, hidden, kwargs)
             if deepstack is not None and i < deepstack.depth:
@@ -258,19 +261,21 @@ class Backbone(nn.Module):
 
     def layer_kwargs(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                      cu_seqlens: torch.Tensor, max_seqlen: int,
-                     attention: PackedAttention | None = None) -> dict:
+                     attention: PackedAttention | None = None,
+                     blocks: torch.Tensor | None = None) -> dict:
         """What every decoder layer of a row is called with (a pipeline stage makes it again
         from the position ids and `cu_seqlens` it receives)."""
-        position_embeddings = self.rotary_emb(hidden, position_ids)
+        position_embeddings = rotary_tables(self.rotary_emb, hidden, position_ids)
         text_positions = position_ids if position_ids.ndim == 2 else position_ids[0]
         attention = attention or self.attention
         cu_seqlens = attention.boundaries(cu_seqlens, hidden.device)
         return dict(attention_mask=None, position_ids=text_positions,
                     position_embeddings=position_embeddings, cu_seqlens=cu_seqlens,
-                    max_seqlen=max_seqlen, ds_omni_attention=attention)
+                    max_seqlen=max_seqlen, ds_omni_attention=attention, ds_omni_blocks=blocks)
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """One decoder layer [1, S, D] -> [1, S, D], recomputed in backward if so configured."""
+        kwargs = for_layer(layer, kwargs)
         if self.checkpoint_layers and torch.is_grad_enabled():
             # non-reentrant: works with ZeRO-3's parameter hooks and re-runs the Ulysses
             # all-to-alls in the same order on every rank
@@ -479,7 +484,8 @@ class OmniModel(nn.Module):
         """Final normed hidden states [1, T, D]."""
         hidden, deepstack = self.embed_deepstack(batch)
         return self.backbone(hidden, batch.position_ids, batch.cu_seqlens, batch.max_seqlen,
-                             attention=self._route(batch)[1], deepstack=deepstack)
+                             attention=self._route(batch)[1], deepstack=deepstack,
+                             blocks=batch.blocks)
 
     def logits(self, batch: "MicroBatch") -> torch.Tensor:
         """Logits for every position [1, T, V] (for parity checks and evaluation)."""

@@ -131,6 +131,10 @@ def pipeline_layers(model: OmniModel, step_inputs: StepInputs) -> tuple[list[nn.
         raise ModelError(TIED)
     if model.deepstack:
         raise ModelError(DEEPSTACK_ALONE)
+    if model.family.bidirectional:
+        raise ModelError(f"{model.family.name}'s LLM lets some tokens attend both ways "
+                         f"({model.family.bidirectional}), a mask the pipeline stages do not "
+                         "carry yet; set parallel.pp to 1 (ZeRO and sequence parallelism keep it)")
     head = HeadStage(model)
     layers = [EmbedStage(model, step_inputs)]
     layers += [DecoderStage(model, i) for i in range(len(backbone.layers))]

@@ -14,7 +14,8 @@ only 4 cases on 4 ranks; `test_design_covers_every_pair` checks that.
   source mixed in, so that some rows have no image at all;
 - composed: CLIP + Whisper + Qwen2 with ONE KV head (fewer KV heads than sp ranks), images and
   audio clips in the same rows, plus text-only rows.
-llava_next and qwen2_audio add one case each.
+llava_next, qwen2_audio and gemma3 (bidirectional image blocks, sliding windows) add one case
+each.
 
 Long-short SP inside the encoders (`parallel.encoder_sp`): SPLIT_ALL cases encode every image and
 clip over both ranks of its SP group, the others run the "auto" threshold; the 2-rank launch first
@@ -55,7 +56,10 @@ CHECKPOINTED = {("llava", 3, 4, False)}
 # validation under ZeRO-3 + SP after the last step: equal to one process evaluating the whole set
 EVALUATED = {("qwen2_vl", 3, 2, True)}
 # the other two families train under SP too (any-resolution tiles; Whisper clips)
-EXTRA = [("llava_next", 2, 2, False), ("qwen2_audio", 3, 2, True)]
+EXTRA = [("llava_next", 2, 2, False), ("qwen2_audio", 3, 2, True),
+         # Gemma 3 through the generic adapter: image blocks attended both ways and 4-token
+         # sliding windows, over the whole row that Ulysses gathers per head
+         ("gemma3", 1, 2, False)]
 # long-short SP for encoders with threshold 0: EVERY image and clip is encoded by both ranks of its
 # SP group, a piece each (Ulysses inside the tower); under ZeRO-3 the other groups' ranks top up
 # with dummy encoder runs. The other cases run the default "auto" threshold.
@@ -74,6 +78,8 @@ def families(tmp_path_factory) -> dict:
         "qwen2_vl": {"model_dir": str(family_dirs.make_qwen2_vl_dir(tmp / "q")),
                      "sources": [{"name": "shapes", "path": "builtin:shapes"}, text],
                      "eval_sources": eval_sources(tmp)},
+        "gemma3": {"model_dir": str(family_dirs.make_generic_dir(tmp / "g3", "gemma3")),
+                   "sources": [{"name": "shapes", "path": "builtin:shapes"}, text]},
         "llava_next": {"model_dir": str(family_dirs.make_llava_next_dir(tmp / "n")),
                        "sources": [{"name": "shapes", "path": "builtin:shapes"}, text]},
         "qwen2_audio": {"model_dir": str(family_dirs.make_qwen2_audio_dir(tmp / "a")),

@@ -120,3 +120,107 @@ def test_varlen_call_fits_the_installed_torch_signature():
     assert varlen_call(old, 32, 8, 64 ** -0.5, 64) == ({"is_causal": True}, 4, 1.0)  # default scale
     kwargs, repeat, q_scale = varlen_call(old, 32, 32, 0.1, 64)
     assert kwargs == {"is_causal": True} and repeat == 1 and q_scale == pytest.approx(0.8)
+
+
+def test_varlen_call_takes_the_layers_sliding_window():
+    """HF's window W lets a query see itself and W - 1 keys before it: window_size (W - 1, 0); a
+    torch whose varlen kernel has no window_size refuses a sliding layer instead of ignoring it."""
+    from ds_omni.model.attention import varlen_call
+    base = {"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k"}
+    new = frozenset(base | {"scale", "window_size", "enable_gqa"})
+    assert varlen_call(new, 8, 8, None, 64, window=4) == ({"window_size": (3, 0)}, 1, 1.0)
+    with pytest.raises(ValueError, match="no window_size.*window 4.*'sdpa'"):
+        varlen_call(frozenset(base | {"is_causal"}), 8, 8, None, 64, window=4)
+
+
+def _hf_mask(fn, length: int) -> torch.Tensor:
+    """[L, L] bool of an HF mask function (b, h, q, kv) -> bool, on broadcast index grids."""
+    zero = torch.tensor(0)
+    return fn(zero, zero, torch.arange(length)[:, None], torch.arange(length)[None, :])
+
+
+@pytest.mark.parametrize("window", [None, 3, 20])
+def test_sample_mask_is_hfs_vision_mask(window):
+    """Gemma 3's masks from HF's own mask functions: full layers OR(causal, block), sliding ones
+    AND(window, OR(causal, block)); blocks are runs of image tokens (`token_type_ids == 1`)."""
+    from transformers.masking_utils import (and_masks, blockwise_overlay, causal_mask_function,
+                                            or_masks, sliding_window_overlay)
+    from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+    from ds_omni.model.attention import sample_mask
+    from ds_omni.model.families.generic import image_runs
+    types = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 1, 0, 1, 0, 1, 1, 1, 1, 0]])  # [1, L]
+    blocks = get_block_sequence_ids_for_mask(types)
+    fn = or_masks(causal_mask_function, blockwise_overlay(blocks))
+    if window:
+        fn = and_masks(fn, sliding_window_overlay(window))
+    runs = image_runs(torch.where(types[0] == 1, 7, 3), 7)
+    assert runs == [(1, 4), (6, 8), (11, 15)]  # a lone image token is causal either way
+    assert torch.equal(sample_mask(16, window, runs), _hf_mask(fn, 16))
+    assert (sample_mask(16, window, []) is None) == (window in (None, 20))  # causal: no mask
+
+
+def test_sliding_window_and_blocks_per_sample():
+    """A window smaller than a sample bands it; samples stay apart; blocks open both ways inside
+    their sample only; equal to SDPA with the explicit mask over each sample."""
+    from ds_omni.model.attention import sample_mask
+    h, hkv, d, cu = 4, 2, 8, [0, 9, 10, 21]
+    q, k, v = _qkv(h, hkv, cu[-1], d, seed=3)
+    blocks = torch.tensor([[2, 6], [12, 17]])  # one in sample 0, one in sample 2
+    out = PackedAttention()(q, k, v, torch.tensor(cu, dtype=torch.int32), 11, 0.3, 0.0,
+                            window=3, blocks=blocks)  # [1, T, H, D]
+    refs = []
+    for (a, b), span in zip(zip(cu[:-1], cu[1:]), ([(2, 6)], [], [(2, 7)])):
+        mask = sample_mask(b - a, 3, span)
+        rep = h // hkv
+        refs.append(F.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, a:b].repeat_interleave(rep, 1),
+            v[:, :, a:b].repeat_interleave(rep, 1), attn_mask=mask, scale=0.3))
+    torch.testing.assert_close(out, torch.cat(refs, dim=2).transpose(1, 2), rtol=0, atol=1e-6)
+    plain = PackedAttention()(q, k, v, torch.tensor(cu, dtype=torch.int32), 11, 0.3, 0.0)
+    assert not torch.allclose(out, plain)
+
+
+def test_a_row_with_blocks_leaves_the_varlen_kernels():
+    """The varlen kernels cannot express blocks: "auto" runs such a row on SDPA, an explicit
+    varlen kernel is an error naming the fix (its choice is simulated: no GPU here)."""
+    auto = PackedAttention("auto")
+    auto.kernel = "varlen"
+    assert auto._blocks_fallback() == "sdpa"
+    asked = PackedAttention("sdpa")
+    asked.kernel, asked.asked = "varlen", "varlen"
+    with pytest.raises(ValueError, match="both ways.*use 'auto' or 'sdpa'"):
+        asked._blocks_fallback()
+
+
+def test_softcapping_is_refused():
+    q, k, v = _qkv(2, 2, 4, 4, seed=4)
+    with pytest.raises(ValueError, match="softcap 50.0.*attn_logit_softcapping"):
+        packed_attention(None, q, k, v, cu_seqlens=torch.tensor([0, 4]), max_seqlen=4,
+                         softcap=50.0)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+def test_sliding_window_layers_match_hf(model_type):
+    """A tiny Mistral (every layer windowed) and Qwen2 (windows from layer `max_window_layers`
+    on, as its config derives `layer_types`) over a packed row of samples longer than the window:
+    the backbone's hidden states equal HF's own forward run on each sample alone (fp32)."""
+    from transformers import AutoConfig, AutoModel
+    from ds_omni.model.omni import backbone_of
+    extra = {"use_sliding_window": True, "max_window_layers": 1} if model_type == "qwen2" else {}
+    config = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=8, vocab_size=50,
+                                  sliding_window=3, attn_implementation="sdpa", **extra)
+    torch.manual_seed(0)
+    hf = AutoModel.from_config(config).eval()
+    if model_type == "qwen2":
+        assert hf.config.layer_types == ["full_attention", "sliding_attention"]
+    lengths = [9, 2, 12]
+    ids = torch.randint(0, 50, (sum(lengths),))
+    with torch.no_grad():
+        refs = [hf(input_ids=part[None]).last_hidden_state[0] for part in ids.split(lengths)]
+        backbone = backbone_of(hf, torch.nn.Identity())
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        cu = torch.tensor([0, 9, 11, 23], dtype=torch.int32)
+        ours = backbone(backbone.embed_tokens(ids[None]), positions, cu, 12)[0]
+    torch.testing.assert_close(ours, torch.cat(refs), rtol=0, atol=1e-5)

@@ -21,7 +21,7 @@ from ds_omni.model.family import family_for
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 MUST_PASS = ("qwen2_vl", "qwen2_5_vl", "internvl", "llava_onevision", "idefics3", "smolvlm",
-             "llava", "llava_next", "qwen2_5_omni_thinker", "qwen3_vl")
+             "llava", "llava_next", "qwen2_5_omni_thinker", "qwen3_vl", "gemma3", "paligemma")
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,7 @@ def test_readme_table_is_the_sweep(results):
 def test_known_gaps_have_their_reasons(results):
     assert "Granite" in results["granite_docling"].reason
     assert "deepstack_layer_map" in results["granite4_vision"].reason
-    assert "token_type_ids" in results["gemma3"].reason
-    assert "token_type_ids" in results["paligemma"].reason
+    assert "token_type_ids" in results["gemma3n"].reason
     assert "get_image_features" in results["mllama"].reason
 
 
@@ -105,9 +104,9 @@ def test_family_without_image_hooks_is_a_clear_error():
         family_for("mllama")
 
 
-def test_family_whose_mask_is_not_causal_is_refused():
-    with pytest.raises(ModelError, match="token_type_ids.*causal"):
-        family_for("gemma3")
+def test_family_with_an_unknown_token_type_mask_is_refused():
+    with pytest.raises(ModelError, match="token_type_ids.*Gemma 3's image blocks"):
+        family_for("gemma3n")
 
 
 def test_embeddings_scaled_outside_the_modules_are_refused():
@@ -120,10 +119,10 @@ def test_embeddings_scaled_outside_the_modules_are_refused():
 
 def test_cli_families_json(capsys):
     from ds_omni.cli import main
-    assert main(["families", "--json", "gemma3", "mllama"]) == 0
+    assert main(["families", "--json", "gemma3n", "mllama"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"gemma3", "mllama"}
-    assert out["gemma3"]["supported"] is False and "causal" in out["gemma3"]["reason"]
+    assert set(out) == {"gemma3n", "mllama"}
+    assert out["gemma3n"]["supported"] is False and "token_type_ids" in out["gemma3n"]["reason"]
 
 
 @pytest.mark.parametrize("sp", [2, 3])
@@ -146,13 +145,37 @@ def test_sequence_shards_carry_generic_items(tmp_path, sp):
     assert cut > 0, "some image should sit across a shard boundary"
 
 
-def test_sample_longer_than_a_sliding_window_is_an_error():
-    """Packed attention has no window: a Mistral-style layer is exact only while samples fit in
-    its window; past it, an error instead of silently attending beyond the window."""
-    from ds_omni.model.attention import packed_attention
-    q = k = v = torch.randn(1, 2, 6, 4)  # [B, H, T, D]
-    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
-    out, _ = packed_attention(None, q, k, v, cu_seqlens=cu, max_seqlen=4, sliding_window=4)
-    assert out.shape == (1, 6, 2, 4)
-    with pytest.raises(ValueError, match="sample of 4 tokens.*window 3.*data.max_seq_len"):
-        packed_attention(None, q, k, v, cu_seqlens=cu, max_seqlen=4, sliding_window=3)
+@pytest.mark.parametrize("model_type", ["gemma3", "paligemma"])
+def test_bidirectional_blocks_ride_along_packing_and_shards(tmp_path, model_type):
+    """Gemma 3's blocks are its images' token runs, PaliGemma's the prompt before the first
+    trained token; packed, they move to row positions, and every SP shard carries the whole
+    row's blocks (Ulysses' kernel sees the whole row), also past a padded end."""
+    from ds_omni.data.packing import SeqShard, pack
+    from ds_omni.data.processing import SampleProcessor
+    from tests.unit.test_reshard import _cost, _samples
+    config, processor = coverage.RECIPES[model_type]()
+    coverage.save_processor_parts(processor, tmp_path)
+    family = family_for(model_type)
+    processors = family.item_processors(config, tmp_path, tokenizer=processor.tokenizer)
+    proc = SampleProcessor(tokenizer=processor.tokenizer, family=family,
+                           item_processors=processors, markers={"vision": "<image>"},
+                           max_seq_len=4096)
+    samples = _samples(proc, [(32, 32), (84, 56), (40, 24)])
+    image = generic.image_token_id(config)
+    for s in samples:
+        if model_type == "gemma3":
+            runs = s.input_ids == image
+            assert sum(b - a for a, b in s.blocks) == int(runs.sum()) and all(
+                bool(runs[a:b].all()) for a, b in s.blocks)
+        else:
+            first = int(s.loss_mask.nonzero()[0])
+            assert s.blocks == ([(0, first)] if first > 1 else [])  # one token: causal anyway
+            assert bool((s.input_ids[:first] == image).any()) == (s.sample_id != "b")
+    whole = pack(samples, processors)
+    offsets = whole.cu_seqlens.tolist()
+    expect = [(o + a, o + b) for s, o in zip(samples, offsets) for a, b in s.blocks]
+    assert whole.blocks.tolist() == [list(x) for x in expect]
+    for sp in (2, 3):
+        for r in range(sp):
+            assert torch.equal(pack(samples, processors, SeqShard(r, sp, _cost)).blocks,
+                               whole.blocks)

@@ -12,14 +12,18 @@ Trade-off: each image is encoded by its own `get_image_features` call (exactly t
 processor made for it alone), so images of different sizes, tile counts and padding never have to
 share a batch layout the family may not support; the cost is one tower call per image.
 
-Vision features that a family also adds into the LLM's first layers (deepstack: Qwen3-VL) travel
-as extra columns of the image rows (`ds_omni.model.omni.Deepstack`). Where a family deviates (an
-attention mask that is not causal, sliding-window layers, embeddings or logits scaled outside the
-modules), `config_problem` says so and the model is refused rather than trained with other
-numbers; a dedicated file in `families/` is then the fix. The dedicated files
-of LLaVA, LLaVA-NeXT and Qwen2-VL predate this one and stay (each says why): the generic path is
-exact for them too, but they batch the tower over a micro-batch's images, build their processor
-from the config when a folder has none, and Qwen2-VL's carries video.
+Two deviations from a causal LLM are followed as HF computes them: sliding-window layers (each HF
+attention layer passes its own window to the packed kernel) and bidirectional blocks built from
+`token_type_ids` (`BIDIRECTIONAL`: Gemma 3's image tokens see each other both ways, PaliGemma's
+whole prompt prefix does), which ride along each row as `MicroBatch.blocks`. Vision features that
+a family also adds into the LLM's first layers (deepstack: Qwen3-VL) travel as extra columns of
+the image rows (`ds_omni.model.omni.Deepstack`). Where a family deviates otherwise (another
+`token_type_ids` mask, features injected at other layers, embeddings or logits scaled outside the
+modules, layers that are not attention), `class_problem` / `config_problem` say so and the model is
+refused rather than trained with other numbers; a dedicated file in `families/` is then the fix.
+The dedicated files of LLaVA, LLaVA-NeXT and Qwen2-VL predate this one and stay (each says why):
+the generic path is exact for them too, but they batch the tower over a micro-batch's images,
+build their processor from the config when a folder has none, and Qwen2-VL's carries video.
 
 Dims: n images of a micro-batch, N embeddings of all of them, D LLM width, L tokens of one sample.
 """
@@ -45,6 +49,12 @@ merges by the same rule under another name (Idefics3's `inputs_merger`) fits too
 BACKBONE_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 EXTRA_TOKEN_INPUTS = ("token_type_ids", "mm_token_type_ids")
 """Per-token processor outputs: rebuilt from the token ids per sample, never carried per item."""
+BIDIRECTIONAL = {"gemma3": "images", "paligemma": "prefix"}
+"""HF model folder -> how its `token_type_ids` mask opens causal attention, as its forward builds
+it: "images", each run of image tokens is one block (`get_block_sequence_ids_for_mask`); "prefix",
+everything before the first trained token is one block (PaliGemma's prompt, `token_type_ids == 0`)."""
+POSITION_OFFSET = {"paligemma": 1}
+"""HF model folder -> what its forward adds to 0-based positions (PaliGemma's are 1-indexed)."""
 _TOWER_NAMES = ("vision", "visual", "image_encoder", "audio")
 _LLM_NAMES = ("language_model", "text_model", "llm")
 
@@ -81,6 +91,11 @@ def inner_class(hf_class):
     return None
 
 
+def hf_folder(hf_class) -> str:
+    """The transformers model folder of `hf_class` ("gemma3" for ShieldGemma 2's class too)."""
+    return inspect.getmodule(hf_class).__name__.split(".")[-2]
+
+
 def class_problem(model_type: str) -> str | None:
     """Why the generic adapter cannot take `model_type` from its classes alone, or None."""
     hf_class = hf_class_of(model_type)
@@ -94,9 +109,10 @@ def class_problem(model_type: str) -> str | None:
     if missing:
         return f"{inner.__name__} has no {' / '.join(missing)} (image-feature hooks)"
     forward = inspect.signature(hf_class.forward).parameters
-    if "token_type_ids" in forward and "mm_token_type_ids" not in forward:
-        return ("its attention mask depends on token_type_ids (image tokens attend to each other "
-                "both ways); ds_omni's packed attention is causal")
+    if "token_type_ids" in forward and "mm_token_type_ids" not in forward and (
+            hf_folder(hf_class) not in BIDIRECTIONAL):
+        return ("its attention mask depends on token_type_ids in its own way; ds_omni's packed "
+                "attention builds only Gemma 3's image blocks and PaliGemma's prefix")
     return None
 
 
@@ -112,15 +128,20 @@ def config_problem(config) -> str | None:
     if scaled:
         return (f"its LLM scales embeddings or logits outside its modules ({scaled}, Granite); "
                 "the generic backbone applies neither")
-    layer_types = getattr(text, "layer_types", None) or ["sliding_attention"]
-    if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) and (
-            "sliding_attention" in layer_types):
-        return (f"its LLM uses sliding-window attention (window {text.sliding_window}); ds_omni's "
-                "packed attention attends to the whole sample")
+    hf_class = hf_class_of(config.model_type)
+    if getattr(text, "use_bidirectional_attention", False) and (
+            hf_class is None or hf_folder(hf_class) not in BIDIRECTIONAL):
+        # (PaliGemma sets it, but its forward's prefix mask decides, as BIDIRECTIONAL builds it)
+        return "its LLM attends both ways everywhere (use_bidirectional_attention); not a decoder"
+    cap = getattr(text, "final_logit_softcapping", None)
+    if cap and hf_class is not None and "final_logit_softcapping" in inspect.getsource(
+            hf_class.forward):
+        return (f"its head soft-caps the logits (final_logit_softcapping {cap}); the backbone's "
+                "head is the plain linear layer")
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
-    if layer_types - {"full_attention"}:
+    if layer_types - {"full_attention", "sliding_attention"}:
         return (f"its LLM has layers of types {sorted(layer_types)}; the generic backbone runs "
-                "full attention")
+                "full and sliding-window attention only")
     return None
 
 
@@ -372,6 +393,9 @@ class GenericFamily(Family):
         self._hf = hf_class_of(model_type)
         self.hf_class = self._hf.__name__
         self._inner = inner_class(self._hf)
+        self.bidirectional = BIDIRECTIONAL.get(hf_folder(self._hf))
+        self._offset = POSITION_OFFSET.get(hf_folder(self._hf), 0)
+        self._image_id: int | None = None  # set with the config (`_set_rope`)
         self._rope: nn.Module | None = None  # a weightless instance for HF's positions
         self.dummy: dict[str, torch.Tensor] | None = None
 
@@ -406,6 +430,7 @@ class GenericFamily(Family):
                          family=self, hf_model=hf_model)
 
     def _set_rope(self, config) -> None:
+        self._image_id = image_token_id(config)
         if self._inner is not None and hasattr(self._inner, "get_rope_index") and (
                 self._rope is None or self._rope.config is not config):
             self._rope = rope_model(self._inner, config)
@@ -422,13 +447,26 @@ class GenericFamily(Family):
     def position_ids(self, input_ids, items):
         """0..L-1, or [3, L] from HF's `get_rope_index` for a family that has one."""
         if self._inner is None or not hasattr(self._inner, "get_rope_index"):
-            return torch.arange(input_ids.shape[0])
+            return torch.arange(input_ids.shape[0]) + self._offset
         if self._rope is None:
             raise ModelError(f"{self.name}: 3-D positions need the model's config; build the "
                              "model or its item processors through this family first")
         config = self._rope.config
         return rope_positions(self._rope, input_ids, items, image_token_id(config),
                               getattr(config, "video_token_id", None))
+
+    def attention_blocks(self, input_ids, loss_mask):
+        """The sample's spans attended both ways (`BIDIRECTIONAL`); none for a causal family."""
+        if self.bidirectional == "images":
+            if self._image_id is None:
+                raise ModelError(f"{self.name}: image blocks need the model's config; build the "
+                                 "model or its item processors through this family first")
+            return image_runs(input_ids, self._image_id)
+        if self.bidirectional == "prefix":
+            trained = loss_mask.nonzero()
+            end = int(trained[0]) if len(trained) else int(input_ids.shape[0])
+            return [(0, end)] if end > 1 else []
+        return []
 
     def save_processor(self, out_dir, hf_config, tokenizer, model_dir=None):
         tokenizer.save_pretrained(str(out_dir))
@@ -437,6 +475,14 @@ class GenericFamily(Family):
         for name in ("processor_config.json", "preprocessor_config.json", "chat_template.jinja"):
             if (Path(model_dir) / name).is_file():
                 (Path(out_dir) / name).write_text((Path(model_dir) / name).read_text())
+
+
+def image_runs(input_ids: torch.Tensor, token_id: int) -> list[tuple[int, int]]:
+    """(start, end) of each run of `token_id` in `input_ids` [L], longer than one token."""
+    hit = torch.cat([torch.zeros(1, dtype=torch.bool), input_ids == token_id,
+                     torch.zeros(1, dtype=torch.bool)]).int()  # [L + 2]
+    edges = (hit[1:] - hit[:-1]).nonzero().squeeze(1).tolist()  # starts and ends, alternating
+    return [(a, b) for a, b in zip(edges[::2], edges[1::2]) if b - a > 1]
 
 
 def image_token_id(config) -> int:

@@ -1,0 +1,50 @@
+"""Per-layer-type rotary tables, for LLMs whose layers differ by type (Gemma 3's local and global).
+
+Such an LLM's rotary embedding takes a `layer_type` and gives each type its own table (Gemma 3:
+rope base 10k on sliding layers, 1M on full ones); HF's own forward computes one per type and
+hands each layer its type's. The backbone does the same: `rotary_tables` makes the tables of a row
+once, `for_layer` picks a layer's. An LLM with one table is untouched.
+
+Dims: S tokens of the row (or SP shard), d rotary dim.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+
+class PerLayerType(dict):
+    """{layer type: (cos, sin)}, each [1, S, d] (a dict, so a pipeline stage can tell it apart)."""
+
+
+def takes_layer_type(rotary: nn.Module) -> bool:
+    return "layer_type" in inspect.signature(rotary.forward).parameters
+
+
+def rotary_tables(rotary: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor):
+    """(cos, sin) of the row, or `PerLayerType` when the rotary embedding has one per type."""
+    if not takes_layer_type(rotary):
+        return rotary(hidden, position_ids)
+    types = getattr(rotary, "layer_types", None) or rotary.config.layer_types
+    return PerLayerType({t: rotary(hidden, position_ids, t) for t in sorted(set(types))})
+
+
+def layer_type(layer: nn.Module) -> str:
+    """A decoder layer's type ("sliding_attention", "full_attention", ...), as its config says."""
+    for holder in (layer, getattr(layer, "self_attn", None)):
+        for attr in ("attention_type", "layer_type"):
+            if isinstance(getattr(holder, attr, None), str):
+                return getattr(holder, attr)
+    attn = getattr(layer, "self_attn", layer)
+    return attn.config.layer_types[attn.layer_idx]
+
+
+def for_layer(layer: nn.Module, kwargs: dict) -> dict:
+    """`kwargs` with the layer's own rotary table where the row has one per layer type."""
+    tables = kwargs.get("position_embeddings")
+    if not isinstance(tables, PerLayerType):
+        return kwargs
+    return {**kwargs, "position_embeddings": tables[layer_type(layer)]}
