@@ -21,7 +21,7 @@ from ds_omni.model.family import family_for
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 MUST_PASS = ("qwen2_vl", "qwen2_5_vl", "internvl", "llava_onevision", "idefics3", "smolvlm",
-             "llava", "llava_next", "qwen2_5_omni_thinker")
+             "llava", "llava_next", "qwen2_5_omni_thinker", "mistral3")
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ merges by the same rule under another name (Idefics3's `inputs_merger`) fits too
 BACKBONE_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 EXTRA_TOKEN_INPUTS = ("token_type_ids", "mm_token_type_ids")
 """Per-token processor outputs: rebuilt from the token ids per sample, never carried per item."""
-_TOWER_NAMES = ("vision", "visual", "image_encoder", "audio")
+_TOWER_NAMES = ("vision", "visual", "image_encoder", "tower", "audio")
 _LLM_NAMES = ("language_model", "text_model", "llm")
 
 
@@ -232,7 +232,9 @@ class GenericItemProcessor(ItemProcessor):
 def processor_marker(hf_processor, config) -> str:
     """The text an image is written as before the processor expands it (with the wrappers a chat
     template adds around it where the family has start/end tokens of its own)."""
-    for attr in ("boi_token", "image_token"):
+    # the placeholder a chat template writes, where it differs from the expanded image token
+    # (Qianfan-OCR's "<image>" becomes "<img><IMG_CONTEXT>...</img>")
+    for attr in ("image_placeholder_token", "boi_token", "image_token"):
         marker = getattr(hf_processor, attr, None)
         if marker:
             break
@@ -256,8 +258,6 @@ def load_hf_processor(model_type: str, model_dir: Path | None, tokenizer):
     torchvision one resizes with another kernel, and torchvision is no dependency) and no video
     processor (HF's need torchvision; images need none).
     """
-    import transformers
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
     saved = _saved_processor_config(model_dir)
     if saved is None:
         raise ModelError(f"{str(model_dir)!r} has no saved processor (processor_config.json or "
@@ -265,7 +265,8 @@ def load_hf_processor(model_type: str, model_dir: Path | None, tokenizer):
                          "processor to cut images and count their tokens. Save it next to the "
                          "weights (processor.save_pretrained)")
     try:
-        cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[processor_type(model_type)])
+        cls = processor_class(model_type)
+        cls.get_attributes()  # a placeholder class (a backend is missing) raises here
     except (KeyError, ImportError) as e:
         raise ModelError(f"transformers has no usable processor for {model_type!r} ({e}); "
                          "install what it names (e.g. torchvision) or compose the model from parts")
@@ -278,6 +279,53 @@ def load_hf_processor(model_type: str, model_dir: Path | None, tokenizer):
     parts = {a: None for a in cls.get_attributes()}
     parts.update(image_processor=image_processor, tokenizer=tokenizer)
     return lenient(**parts, **kwargs)
+
+
+def processor_class(model_type: str):
+    """HF's processor class of `model_type` (a placeholder that raises ImportError on use when a
+    backend it names is missing).
+
+    A processor module that imports its torchvision image processor only for the arithmetic the
+    PIL variant repeats (Pixtral's, which Mistral3 uses, takes `get_resize_output_image_size`
+    from it) is imported with the PIL module standing in, so it needs no torchvision; the PyPI
+    torchvision wheel is a CUDA build that does not load next to a CPU torch.
+    """
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    name = PROCESSOR_MAPPING_NAMES[processor_type(model_type)]
+    cls = getattr(transformers, name)
+    try:
+        cls.get_attributes()
+        return cls
+    except ImportError as e:
+        if "torchvision" not in str(e).lower():
+            return cls
+    return getattr(_import_with_pil_stand_in(transformers._class_to_module[name]), name, cls)
+
+
+def _import_with_pil_stand_in(module: str):
+    """Import `transformers.<module>` with the family's PIL image processor module standing in,
+    during the import only, for its torchvision one (which would fail to import)."""
+    import importlib
+    import sys
+    package = "transformers." + module.rsplit(".", 1)[0]  # transformers.models.pixtral
+    family = package.rsplit(".", 1)[1]
+    fast = f"{package}.image_processing_{family}"
+    try:
+        pil = importlib.import_module(f"{package}.image_processing_pil_{family}")
+    except ImportError:
+        return None
+    before = sys.modules.get(fast)
+    sys.modules[fast] = pil
+    try:
+        return importlib.import_module(f"transformers.{module}")
+    except ImportError:
+        return None
+    finally:
+        if before is None:
+            sys.modules.pop(fast, None)
+        else:
+            sys.modules[fast] = before
 
 
 def processor_type(model_type: str) -> str:
