@@ -262,7 +262,7 @@ def _qwen2_5_omni_thinker():
                                      image_processor=images, tokenizer=tok)
 
 
-# ---- recipes for the families first checked by the second sweep (llava-likes, OCR models, MoE LLMs)
+# ---- recipes added by the second sweep (LLaVA-likes, OCR models, MoE LLMs, 4-axis rope)
 def _pixtral(model_type: str, text_type: str, tokens: dict[str, str]):
     """Mistral3 (Mistral Small 3.x) and LightOnOCR: a Pixtral tower (2-D RoPE over any aspect
     ratio, one [IMG_BREAK] per row of patches), a patch merger, a Mistral or Qwen3 LLM."""
@@ -283,7 +283,8 @@ def _pixtral(model_type: str, text_type: str, tokens: dict[str, str]):
 def _llava_video(model_type: str):
     """LLaVA-NeXT-Video (any-resolution tiles) and Video-LLaVA (separate image and video towers),
     on images."""
-    tok = demo_tokenizer(["<image>", "<video>"], {"image_token": "<image>", "video_token": "<video>"})
+    tok = demo_tokenizer(["<image>", "<video>"],
+                         {"image_token": "<image>", "video_token": "<video>"})
     fields = {"image_token_index": _ids(tok, "<image>")[0],
               "video_token_index": _ids(tok, "<video>")[0]}
     if model_type == "llava_next_video":
@@ -414,6 +415,52 @@ def _qwen_vision_llm(model_type: str):
                                      tokenizer=tok)
 
 
+def _hunyuan_vl():
+    """HunYuan-VL: a NaViT-style tower, images wrapped in <img_start>/<img_end>, 4-axis rope."""
+    from transformers.models.hunyuan_vl.image_processing_pil_hunyuan_vl import (
+        HunYuanVLImageProcessorPil)
+    named = {"image_token": "<img>", "image_start_token": "<img_start>",
+             "image_end_token": "<img_end>", "pad_token": "<pad>"}
+    tok = demo_tokenizer([*named.values(), "<img_nl>"], named)
+    ids = {k: _ids(tok, v)[0] for k, v in named.items()}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+              "num_hidden_layers": 2, "out_hidden_size": 32, "patch_size": 4,
+              "spatial_merge_size": 2, "text_hidden_size": 32, "max_image_size": 64,
+              "min_image_size": 8}
+    text = _text(tok, "hunyuan_vl_text", rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 1, 1]})
+    config = _config("hunyuan_vl", vision_config=vision, text_config=text,
+                     image_token_id=ids["image_token"], im_start_id=ids["image_start_token"],
+                     im_end_id=ids["image_end_token"], im_newline_id=_ids(tok, "<img_nl>")[0])
+    images = HunYuanVLImageProcessorPil(patch_size=4, merge_size=2, min_pixels=8 * 8,
+                                        max_pixels=48 * 48)
+    return config, lenient_processor(_processor_class("hunyuan_vl"), image_processor=images,
+                                     tokenizer=tok)
+
+
+def _cosmos3_edge():
+    """Cosmos3-Edge: a SigLIP2-style tower with a merger, Qwen-style pads, M-RoPE LLM."""
+    from transformers.models.cosmos3_edge.image_processing_pil_cosmos3_edge import (
+        Cosmos3EdgeImageProcessorPil)
+    names = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok = demo_tokenizer(names, {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
+    ids = dict(zip(names, _ids(tok, *names)))
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "patch_size": 4, "num_patches": 64,
+              "spatial_merge_size": 2}
+    text = _text(tok, "cosmos3_edge_text", rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]})
+    config = _config("cosmos3_edge", vision_config=vision, text_config=text,
+                     projector_hidden_size=64, image_token_id=ids["<|image_pad|>"],
+                     video_token_id=ids["<|video_pad|>"],
+                     vision_start_token_id=ids["<|vision_start|>"],
+                     vision_end_token_id=ids["<|vision_end|>"])
+    images = Cosmos3EdgeImageProcessorPil(patch_size=4, merge_size=2,
+                                          size={"shortest_edge": 8 * 8, "longest_edge": 48 * 48})
+    return config, lenient_processor(_processor_class("cosmos3_edge"), image_processor=images,
+                                     tokenizer=tok)
+
+
 NOT_EXACT = {
     "ovis2": "besides image tokens, its visual indicator tokens (<IMG_START>, <IMG_GRID>, ...) "
              "are replaced by embeddings of the visual table; the generic adapter replaces image "
@@ -439,7 +486,8 @@ RECIPES: dict[str, Callable] = {
     "smolvlm": lambda: _idefics3("smolvlm"),
     # the second sweep's recipes
     "mistral3": lambda: _pixtral("mistral3", "mistral", {
-        "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}),
+        "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
+        "image_end_token": "[IMG_END]"}),
     "lighton_ocr": lambda: _pixtral("lighton_ocr", "qwen3", {
         "image_token": "<|image_pad|>", "image_break_token": "<|vision_pad|>",
         "image_end_token": "<|vision_end|>"}),
@@ -453,6 +501,8 @@ RECIPES: dict[str, Callable] = {
     "glm4v_moe": _glm4v_moe,
     "hyperclovax_vision_v2": lambda: _qwen_vision_llm("hyperclovax_vision_v2"),
     "video_llama_3": lambda: _qwen_vision_llm("video_llama_3"),
+    "hunyuan_vl": _hunyuan_vl,
+    "cosmos3_edge": _cosmos3_edge,
 }
 
 

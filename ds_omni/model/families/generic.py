@@ -229,6 +229,11 @@ class GenericItemProcessor(ItemProcessor):
         return {f"{i}.{k}": v for i, it in enumerate(items) for k, v in it.inputs.items()}
 
 
+_WRAPPER_IDS = (("vision_start_token_id", "vision_end_token_id"),
+                ("image_start_token_id", "image_end_token_id"),
+                ("im_start_id", "im_end_id"))  # HunYuan-VL's <img_start>, <img_end>
+
+
 def processor_marker(hf_processor, config) -> str:
     """The text an image is written as before the processor expands it (with the wrappers a chat
     template adds around it where the family has start/end tokens of its own)."""
@@ -243,8 +248,8 @@ def processor_marker(hf_processor, config) -> str:
                          "cannot tell where an image goes")
     if attr != "image_token":
         return marker
-    for kind in ("vision", "image"):
-        start, end = (getattr(config, f"{kind}_{k}_token_id", None) for k in ("start", "end"))
+    for names in _WRAPPER_IDS:
+        start, end = (getattr(config, name, None) for name in names)
         if start is not None and end is not None:
             tok = hf_processor.tokenizer
             return tok.convert_ids_to_tokens(start) + marker + tok.convert_ids_to_tokens(end)
@@ -366,16 +371,24 @@ def rope_model(inner_cls, config):
         return inner_cls(config)
 
 
+def rope_axes(config) -> int:
+    """How many position rows the LLM's rotary embedding takes: one per `mrope_section` (3 for
+    Qwen2-VL's t/h/w, 4 for HunYuan-VL's), 3 where the config does not say."""
+    rope = getattr(config.get_text_config(), "rope_parameters", None) or {}
+    return len(rope.get("mrope_section") or (0, 0, 0))
+
+
 def rope_positions(model, input_ids: torch.Tensor, items, image_token_id: int,
                    video_token_id: int | None) -> torch.Tensor:
-    """[3, L] positions of one sample from HF's own `get_rope_index`; text only: 0..L-1 x 3.
+    """[R, L] positions of one sample from HF's own `get_rope_index` (R rope axes); text only:
+    0..L-1 on every axis.
 
     `mm_token_type_ids` (1 on image tokens, 2 on video tokens) is what HF's processors make for
     the families whose `get_rope_index` takes it; the others find images by their tokens.
     """
     grids = [item.meta["image_grid_thw"][0] for enc, item in items if "image_grid_thw" in item.meta]
     if not grids:
-        return torch.arange(input_ids.shape[0]).expand(3, -1).contiguous()
+        return torch.arange(input_ids.shape[0]).expand(rope_axes(model.config), -1).contiguous()
     kwargs = {"image_grid_thw": torch.tensor(grids)}
     if "mm_token_type_ids" in inspect.signature(model.get_rope_index).parameters:
         types = (input_ids == image_token_id).int()  # [L]
@@ -383,7 +396,7 @@ def rope_positions(model, input_ids: torch.Tensor, items, image_token_id: int,
             types = types + 2 * (input_ids == video_token_id).int()
         kwargs["mm_token_type_ids"] = types[None]
     pos, _ = model.get_rope_index(input_ids[None], **kwargs)
-    return pos[:, 0]  # [3, 1, L] -> [3, L]
+    return pos[:, 0]  # [R, 1, L] -> [R, L]
 
 
 # ------------------------------------------------------------------------------ family
@@ -443,7 +456,7 @@ class GenericFamily(Family):
         return {"vision": proc}
 
     def position_ids(self, input_ids, items):
-        """0..L-1, or [3, L] from HF's `get_rope_index` for a family that has one."""
+        """0..L-1, or [R, L] from HF's `get_rope_index` for a family that has one."""
         if self._inner is None or not hasattr(self._inner, "get_rope_index"):
             return torch.arange(input_ids.shape[0])
         if self._rope is None:
