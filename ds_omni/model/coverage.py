@@ -465,6 +465,9 @@ NOT_EXACT = {
     "ovis2": "besides image tokens, its visual indicator tokens (<IMG_START>, <IMG_GRID>, ...) "
              "are replaced by embeddings of the visual table; the generic adapter replaces image "
              "tokens only",
+    "ernie4_5_vl_moe": "its MoE layers send image tokens to vision experts by "
+                       "moe_mm_token_type_ids; the generic backbone runs the decoder layers "
+                       "without it (every token would take the text experts)",
 }
 """Families whose recipe was tried and that the generic adapter is not exact for, with why."""
 
