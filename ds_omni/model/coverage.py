@@ -461,6 +461,21 @@ def _cosmos3_edge():
                                      tokenizer=tok)
 
 
+def _got_ocr2():
+    """GOT-OCR 2.0: a SAM-style windowed tower whose 64x64 grid two stride-2 convolutions bring to
+    the processor's fixed 256 tokens (one-pixel patches keep the tiny tower cheap)."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+    tok = demo_tokenizer(["<img>", "</img>", "<imgpad>"])
+    vision = {"hidden_size": 32, "output_channels": 16, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "image_size": 64, "patch_size": 1, "window_size": 8,
+              "global_attn_indexes": [], "mlp_dim": 64}
+    config = _config("got_ocr2", vision_config=vision, text_config=_text(tok),
+                     image_token_index=_ids(tok, "<imgpad>")[0])
+    images = GotOcr2ImageProcessorPil(size={"height": 64, "width": 64}, crop_to_patches=False)
+    return config, lenient_processor(_processor_class("got_ocr2"), image_processor=images,
+                                     tokenizer=tok)
+
+
 NOT_EXACT = {
     "ovis2": "besides image tokens, its visual indicator tokens (<IMG_START>, <IMG_GRID>, ...) "
              "are replaced by embeddings of the visual table; the generic adapter replaces image "
@@ -506,6 +521,7 @@ RECIPES: dict[str, Callable] = {
     "video_llama_3": lambda: _qwen_vision_llm("video_llama_3"),
     "hunyuan_vl": _hunyuan_vl,
     "cosmos3_edge": _cosmos3_edge,
+    "got_ocr2": _got_ocr2,
 }
 
 
