@@ -483,8 +483,20 @@ NOT_EXACT = {
     "ernie4_5_vl_moe": "its MoE layers send image tokens to vision experts by "
                        "moe_mm_token_type_ids; the generic backbone runs the decoder layers "
                        "without it (every token would take the text experts)",
+    "blip": "BlipForConditionalGeneration has no inner ...Model: its text decoder is a BERT-style "
+            "decoder with cross-attention to the image, not a decoder-only LLM fed embeddings",
+    "blip-2": "Blip2ForConditionalGeneration has no inner ...Model: its LLM is a whole "
+              "...ForCausalLM (OPT or T5) with its own head, which the generic backbone cannot "
+              "split",
+    "florence2": "its language model is an encoder-decoder (BART); ds_omni's backbone is "
+                 "decoder-only",
+    "fuyu": "its Persimmon LLM has no `norm` (it is `final_layernorm`); the generic backbone "
+            "needs embed_tokens, layers, norm and rotary_emb",
+    "pp_chart2table": "HF's processor has no image token to expand (the chat template writes the "
+                      "image's tokens itself), so nothing says how one image becomes tokens",
 }
-"""Families whose recipe was tried and that the generic adapter is not exact for, with why."""
+"""Families tried (a recipe, or their classes built on the meta device) that the generic adapter
+is not exact for, with why."""
 
 
 RECIPES: dict[str, Callable] = {
