@@ -55,7 +55,7 @@ it: "images", each run of image tokens is one block (`get_block_sequence_ids_for
 everything before the first trained token is one block (PaliGemma's prompt, `token_type_ids == 0`)."""
 POSITION_OFFSET = {"paligemma": 1}
 """HF model folder -> what its forward adds to 0-based positions (PaliGemma's are 1-indexed)."""
-_TOWER_NAMES = ("vision", "visual", "image_encoder", "audio")
+_TOWER_NAMES = ("vision", "visual", "image_encoder", "tower", "audio")
 _LLM_NAMES = ("language_model", "text_model", "llm")
 
 
@@ -271,10 +271,17 @@ class GenericItemProcessor(ItemProcessor):
         return {f"{i}.{k}": v for i, it in enumerate(items) for k, v in it.inputs.items()}
 
 
+_WRAPPER_IDS = (("vision_start_token_id", "vision_end_token_id"),
+                ("image_start_token_id", "image_end_token_id"),
+                ("im_start_id", "im_end_id"))  # HunYuan-VL's <img_start>, <img_end>
+
+
 def processor_marker(hf_processor, config) -> str:
     """The text an image is written as before the processor expands it (with the wrappers a chat
     template adds around it where the family has start/end tokens of its own)."""
-    for attr in ("boi_token", "image_token"):
+    # the placeholder a chat template writes, where it differs from the expanded image token
+    # (Qianfan-OCR's "<image>" becomes "<img><IMG_CONTEXT>...</img>")
+    for attr in ("image_placeholder_token", "boi_token", "image_token"):
         marker = getattr(hf_processor, attr, None)
         if marker:
             break
@@ -283,8 +290,8 @@ def processor_marker(hf_processor, config) -> str:
                          "cannot tell where an image goes")
     if attr != "image_token":
         return marker
-    for kind in ("vision", "image"):
-        start, end = (getattr(config, f"{kind}_{k}_token_id", None) for k in ("start", "end"))
+    for names in _WRAPPER_IDS:
+        start, end = (getattr(config, name, None) for name in names)
         if start is not None and end is not None:
             tok = hf_processor.tokenizer
             return tok.convert_ids_to_tokens(start) + marker + tok.convert_ids_to_tokens(end)
@@ -298,8 +305,6 @@ def load_hf_processor(model_type: str, model_dir: Path | None, tokenizer):
     torchvision one resizes with another kernel, and torchvision is no dependency) and no video
     processor (HF's need torchvision; images need none).
     """
-    import transformers
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
     saved = _saved_processor_config(model_dir)
     if saved is None:
         raise ModelError(f"{str(model_dir)!r} has no saved processor (processor_config.json or "
@@ -307,7 +312,8 @@ def load_hf_processor(model_type: str, model_dir: Path | None, tokenizer):
                          "processor to cut images and count their tokens. Save it next to the "
                          "weights (processor.save_pretrained)")
     try:
-        cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[processor_type(model_type)])
+        cls = processor_class(model_type)
+        cls.get_attributes()  # a placeholder class (a backend is missing) raises here
     except (KeyError, ImportError) as e:
         raise ModelError(f"transformers has no usable processor for {model_type!r} ({e}); "
                          "install what it names (e.g. torchvision) or compose the model from parts")
@@ -320,6 +326,53 @@ def load_hf_processor(model_type: str, model_dir: Path | None, tokenizer):
     parts = {a: None for a in cls.get_attributes()}
     parts.update(image_processor=image_processor, tokenizer=tokenizer)
     return lenient(**parts, **kwargs)
+
+
+def processor_class(model_type: str):
+    """HF's processor class of `model_type` (a placeholder that raises ImportError on use when a
+    backend it names is missing).
+
+    A processor module that imports its torchvision image processor only for the arithmetic the
+    PIL variant repeats (Pixtral's, which Mistral3 uses, takes `get_resize_output_image_size`
+    from it) is imported with the PIL module standing in, so it needs no torchvision; the PyPI
+    torchvision wheel is a CUDA build that does not load next to a CPU torch.
+    """
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    name = PROCESSOR_MAPPING_NAMES[processor_type(model_type)]
+    cls = getattr(transformers, name)
+    try:
+        cls.get_attributes()
+        return cls
+    except ImportError as e:
+        if "torchvision" not in str(e).lower():
+            return cls
+    return getattr(_import_with_pil_stand_in(transformers._class_to_module[name]), name, cls)
+
+
+def _import_with_pil_stand_in(module: str):
+    """Import `transformers.<module>` with the family's PIL image processor module standing in,
+    during the import only, for its torchvision one (which would fail to import)."""
+    import importlib
+    import sys
+    package = "transformers." + module.rsplit(".", 1)[0]  # transformers.models.pixtral
+    family = package.rsplit(".", 1)[1]
+    fast = f"{package}.image_processing_{family}"
+    try:
+        pil = importlib.import_module(f"{package}.image_processing_pil_{family}")
+    except ImportError:
+        return None
+    before = sys.modules.get(fast)
+    sys.modules[fast] = pil
+    try:
+        return importlib.import_module(f"transformers.{module}")
+    except ImportError:
+        return None
+    finally:
+        if before is None:
+            sys.modules.pop(fast, None)
+        else:
+            sys.modules[fast] = before
 
 
 def processor_type(model_type: str) -> str:
@@ -360,16 +413,24 @@ def rope_model(inner_cls, config):
         return inner_cls(config)
 
 
+def rope_axes(config) -> int:
+    """How many position rows the LLM's rotary embedding takes: one per `mrope_section` (3 for
+    Qwen2-VL's t/h/w, 4 for HunYuan-VL's), 3 where the config does not say."""
+    rope = getattr(config.get_text_config(), "rope_parameters", None) or {}
+    return len(rope.get("mrope_section") or (0, 0, 0))
+
+
 def rope_positions(model, input_ids: torch.Tensor, items, image_token_id: int,
                    video_token_id: int | None) -> torch.Tensor:
-    """[3, L] positions of one sample from HF's own `get_rope_index`; text only: 0..L-1 x 3.
+    """[R, L] positions of one sample from HF's own `get_rope_index` (R rope axes); text only:
+    0..L-1 on every axis.
 
     `mm_token_type_ids` (1 on image tokens, 2 on video tokens) is what HF's processors make for
     the families whose `get_rope_index` takes it; the others find images by their tokens.
     """
     grids = [item.meta["image_grid_thw"][0] for enc, item in items if "image_grid_thw" in item.meta]
     if not grids:
-        return torch.arange(input_ids.shape[0]).expand(3, -1).contiguous()
+        return torch.arange(input_ids.shape[0]).expand(rope_axes(model.config), -1).contiguous()
     kwargs = {"image_grid_thw": torch.tensor(grids)}
     params = inspect.signature(model.get_rope_index).parameters
     if "attention_mask" in params:  # all ones: one sample; Qwen3-Omni's fails without it
@@ -380,7 +441,7 @@ def rope_positions(model, input_ids: torch.Tensor, items, image_token_id: int,
             types = types + 2 * (input_ids == video_token_id).int()
         kwargs["mm_token_type_ids"] = types[None]
     pos, _ = model.get_rope_index(input_ids[None], **kwargs)
-    return pos[:, 0]  # [3, 1, L] -> [3, L]
+    return pos[:, 0]  # [R, 1, L] -> [R, L]
 
 
 # ------------------------------------------------------------------------------ family
@@ -445,7 +506,7 @@ class GenericFamily(Family):
         return {"vision": proc}
 
     def position_ids(self, input_ids, items):
-        """0..L-1, or [3, L] from HF's `get_rope_index` for a family that has one."""
+        """0..L-1, or [R, L] from HF's `get_rope_index` for a family that has one."""
         if self._inner is None or not hasattr(self._inner, "get_rope_index"):
             return torch.arange(input_ids.shape[0]) + self._offset
         if self._rope is None:
