@@ -12,7 +12,8 @@ fixed-count reordering (`assign_fixed`) and budget mode (`BudgetPlanner`) at sev
 group sizes G, next to loader order on the same workload, plus the planning time per rank.
 
 Writes benchmarks/results/balance.json and balance.png.
-Run: .venv/bin/python benchmarks/balance.py   (about 2-3 minutes on 2 CPU cores)
+Run: .venv/bin/python benchmarks/balance.py   (about 25 minutes on 2 shared CPU cores)
+     .venv/bin/python benchmarks/balance.py --planning-only   (planning time alone, ~1 minute)
 """
 
 from __future__ import annotations
@@ -226,18 +227,20 @@ def budget_mode(work: Workload, setup: Setup, dp: int, g: int, budget: float, st
                               lookahead=setup.lookahead) for _ in range(groups)]
     chunk = max(1, g * setup.samples_per_rank // 4)  # each rank reads a quarter of its share
     streams = [GroupStream(work, block=g * setup.samples_per_rank * 4) for _ in range(groups)]
-    per_step, plan_s = [], []
+    per_step, plan_s, plan_cpu_s = [], [], []
     for step in range(setup.warmup + steps):
         plans = []
         for planner, stream in zip(planners, streams):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             while planner.wants_more(budget):
                 planner.add(*stream.take(chunk))
             plans.append(planner.plan(budget, setup.token_budget, max_degree))
             plan_s.append(time.perf_counter() - t0)
+            plan_cpu_s.append(time.process_time() - c0)
         if step >= setup.warmup:
             per_step.append(_budget_step(plans, dp))
-    return _budget_summary(per_step, planners, steps, plan_s)
+    return _budget_summary(per_step, planners, steps, plan_s) | {
+        "plan_cpu_ms_per_group_median": float(np.median(plan_cpu_s) * 1e3)}
 
 
 def _budget_step(plans: list, dp: int) -> dict:
@@ -280,22 +283,34 @@ def _budget_summary(per_step: list, planners: list, steps: int, plan_s: list) ->
             "plan_ms_per_group_median": float(np.median(plan_s) * 1e3)}
 
 
-def planning_time(work: Workload, setup: Setup, budget: float, repeats: int = 200) -> dict:
-    """Per-rank planning time at DP = 512, G = 8: each rank plans only its own group's batch."""
+def planning_time(work: Workload, setup: Setup, budget: float, long_tail_seed,
+                  repeats: int = 200) -> dict:
+    """Per-rank planning time at DP = 512, G = 8: each rank plans only its own group's batch.
+    Wall time (perf_counter) and CPU time of the process (process_time), medians."""
     g, n = 8, setup.samples_per_rank
-    fixed = []
+    fixed, fixed_cpu = [], []
     for _ in range(repeats):
         cost, tokens = work.draw(g * n)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         assign_fixed(cost, tokens, g, setup.micro_batches, setup.token_budget)
         fixed.append(time.perf_counter() - t0)
-    run = budget_mode(work, dataclasses.replace(setup, warmup=2), 512, g, budget, steps=4)
-    hdp = budget_mode(work, dataclasses.replace(setup, warmup=2), 512, g, budget, steps=4,
-                      max_degree=g)
+        fixed_cpu.append(time.process_time() - c0)
+    short = dataclasses.replace(setup, warmup=2)
+    runs = {"budget": budget_mode(work, short, 512, g, budget, steps=4),
+            "budget_per_sequence_sp": budget_mode(work, short, 512, g, budget, steps=4,
+                                                  max_degree=g)}
+    cm, params = work.cm, LongTailParams()
+    lt_budget = rank_budget(LongTailWorkload(params, cm, long_tail_seed + [0]).draw(200_000)[0],
+                            LONG_TAIL_SAMPLES_PER_RANK)
+    for name, degree in (("long_tail_budget", 1), ("long_tail_budget_per_sequence_sp", g)):
+        runs[name] = budget_mode(LongTailWorkload(params, cm, long_tail_seed + [512, 2]),
+                                 _long_tail_setup(short, degree), 512, g, lt_budget, 4, degree)
     return {"dp": 512, "G": g, "fixed_ms": float(np.median(fixed) * 1e3),
-            "budget_ms": run["plan_ms_per_group_median"],
-            "budget_per_sequence_sp_ms": hdp["plan_ms_per_group_median"],
-            "note": "median over repeats; budget includes add() of the samples read that step"}
+            "fixed_cpu_ms": float(np.median(fixed_cpu) * 1e3),
+            **{f"{k}_ms": r["plan_ms_per_group_median"] for k, r in runs.items()},
+            **{f"{k}_cpu_ms": r["plan_cpu_ms_per_group_median"] for k, r in runs.items()},
+            "note": "median over repeats; budget includes add() of the samples read that step; "
+                    "_ms: wall (perf_counter), _cpu_ms: CPU time of this process (process_time)"}
 
 
 # ---------------------------------------------------------------------------------- driver
@@ -316,10 +331,15 @@ def run(setup: Setup, seed: int) -> dict:
         out["loader_sensitivity"] += _loader_sensitivity(params, cm, profile, [seed, mix_i, 8])
         for row in out["no_outlier_budget"][-2:] + out["loader_sensitivity"][-3:]:
             row["mix"] = mix
-    out["planning"] = planning_time(Workload(WorkloadParams(image_fraction=0.5), cm, [seed, 9]),
-                                    setup, out["budgets"]["1:1"])
+    out["planning"] = run_planning(cm, setup, out["budgets"]["1:1"], seed)
     out["cost_model"] = cm
     return out
+
+
+def run_planning(cm: CostModel, setup: Setup, budget: float, seed: int) -> dict:
+    """The planning-time measurement alone (also `--planning-only`)."""
+    return planning_time(Workload(WorkloadParams(image_fraction=0.5), cm, [seed, 9]), setup,
+                         budget, [seed, 11])
 
 
 def _one_dp(params, cm, setup, dp, budget, seed) -> list[dict]:
@@ -352,14 +372,13 @@ def long_tail(cm: CostModel, setup: Setup, seed) -> list[dict]:
         row = {"dp": dp, "G": 8, "samples_per_rank": n,
                "loader_rank_max_over_mean": float(np.median(loader))}
         for name, degree in (("budget", 1), ("budget+per_sequence_sp", 8)):
-            # without SP a whole 256K-token sequence must fit one rank's micro-batch
-            big = dataclasses.replace(setup, samples_per_rank=n, micro_batches=16, token_budget=(
-                setup.token_budget if degree > 1 else LongTailParams().bands[-1][-1]))
-            run = budget_mode(LongTailWorkload(params, cm, seed + [dp, 2]), big, dp, 8, budget,
+            run = budget_mode(LongTailWorkload(params, cm, seed + [dp, 2]),
+                              _long_tail_setup(setup, degree), dp, 8, budget,
                               setup.budget_steps[dp], degree)
             row[name] = {k: run[k] for k in ("rank_max_over_mean", "outlier_rank_share",
                                              "sequences_on_blocks_share", "mean_delay_steps",
-                                             "max_delay_steps", "plan_ms_per_group_median")}
+                                             "max_delay_steps", "plan_ms_per_group_median",
+                                             "plan_cpu_ms_per_group_median")}
         rows.append(row)
         print(f"long tail DP {dp}: {time.perf_counter() - t0:.1f} s", flush=True)
     long = profile_tokens >= 131072
@@ -369,6 +388,14 @@ def long_tail(cm: CostModel, setup: Setup, seed) -> list[dict]:
                                                        profile_tokens.sum()),
                          "cost_share_ge_128k": float(profile_cost[long].sum() / profile_cost.sum()),
                          "rank_budget": budget}}] + rows
+
+
+def _long_tail_setup(setup: Setup, degree: int) -> Setup:
+    """32 sequences per rank in 16 micro-batches; without SP (degree 1) a whole 256K-token
+    sequence must fit one rank's micro-batch."""
+    return dataclasses.replace(
+        setup, samples_per_rank=LONG_TAIL_SAMPLES_PER_RANK, micro_batches=16,
+        token_budget=setup.token_budget if degree > 1 else LongTailParams().bands[-1][-1])
 
 
 def _no_outlier_budget(params, cm, setup, profile, seed) -> list[dict]:
@@ -452,12 +479,28 @@ def plot(results: list, no_outlier: list, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _planning_only(setup: Setup, path: Path) -> None:
+    if not path.exists():
+        raise SystemExit(f"{path} does not exist; run benchmarks/balance.py without "
+                         "--planning-only first")
+    report = json.loads(path.read_text())
+    report["planning_time_per_rank_ms"] = run_planning(
+        CostModel(model_dims()), setup, report["rank_budget"]["1:1"], report["seed"])
+    path.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report["planning_time_per_rank_ms"], indent=1))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--planning-only", action="store_true",
+                    help="rerun only the planning-time measurement and update that entry of the "
+                         "existing balance.json (about a minute)")
     args = ap.parse_args(argv)
     setup = Setup()
+    if args.planning_only:
+        return _planning_only(setup, args.out / "balance.json")
     t0 = time.perf_counter()
     out = run(setup, args.seed)
     cm = out.pop("cost_model")

@@ -130,10 +130,15 @@ class _Packer:
         heapq.heapify(self.heap)
 
     def _micro_with_room(self, r: int, tokens: int) -> int | None:
-        best = None
-        for m, (c, t) in enumerate(zip(self.micro_cost[r], self.micro_tok[r])):
-            if t + tokens <= self.cap and (best is None or c < self.micro_cost[r][best]):
-                best = m
+        """Least-loaded micro-batch of rank r with room for `tokens` (ties: lowest index)."""
+        costs, toks, cap = self.micro_cost[r], self.micro_tok[r], self.cap
+        m = costs.index(min(costs))  # the first least-loaded one: usually it has room
+        if toks[m] + tokens <= cap:
+            return m
+        best, best_cost = None, math.inf
+        for m, (c, t) in enumerate(zip(costs, toks)):
+            if t + tokens <= cap and c < best_cost:
+                best, best_cost = m, c
         return best
 
     def put(self, r: int, m: int, cost: float, tokens: int) -> tuple[int, int]:
@@ -144,6 +149,8 @@ class _Packer:
 
     def place(self, cost: float, tokens: int, limit: float = math.inf) -> tuple[int, int] | None:
         """Least-loaded open rank with token room, if its load stays <= limit; else None."""
+        if not self.heap or self.heap[0][0] + cost > limit:  # the common miss, without a pop
+            return None
         skipped, found = [], None
         while self.heap:
             load, r = heapq.heappop(self.heap)
@@ -414,7 +421,8 @@ class BudgetPlanner:
         open_budget = cost_budget * len(packer.heap) - sum(packer.rank_cost[r] for _, r in packer.heap)
         head = rest[np.cumsum(self._cost[rest]) <= open_budget]  # the oldest that fit in total
         for i in head[_lpt_order(self._cost[head], self._tokens[head])].tolist():
-            self._try(packer, slots, i, cost[i], tokens[i], cost_budget)
+            if slot := packer.place(cost[i], tokens[i], limit=cost_budget):
+                slots[i] = slot
         self._top_up(packer, slots, rest, cost, tokens, cost_budget)
 
     def _place_forced(self, packer: _Packer, slots: dict, which: np.ndarray) -> None:
@@ -436,32 +444,26 @@ class BudgetPlanner:
             return
         slack = cost_budget - packer.heap[0][0]  # room on the least-loaded open rank
         for i in rest[self._cost[rest] <= slack].tolist():
-            if i not in slots:
-                self._try(packer, slots, i, cost[i], tokens[i], cost_budget)
-
-    @staticmethod
-    def _try(packer: _Packer, slots: dict, i: int, cost: float, tokens: int, limit: float) -> None:
-        slot = packer.place(cost, tokens, limit=limit)
-        if slot is not None:
-            slots[i] = slot
+            if i not in slots and (slot := packer.place(cost[i], tokens[i], limit=cost_budget)):
+                slots[i] = slot
 
     def _commit(self, slots: dict, outlier: np.ndarray, forced: np.ndarray,
                 blocks: dict[int, Block]) -> BudgetPlan:
         slots = slots | {i: (b.start, 0) for i, b in blocks.items()}
         chosen = np.fromiter(slots, dtype=np.int64, count=len(slots))  # [n] buffer indices
-        rank = np.array([slots[i][0] for i in chosen.tolist()], dtype=np.int64)
-        micro = np.array([slots[i][1] for i in chosen.tolist()], dtype=np.int64)
-        order = np.lexsort((chosen, micro, rank))
-        chosen, rank, micro = chosen[order], rank[order], micro[order]
+        where = np.array(list(slots.values()), dtype=np.int64).reshape(-1, 2)  # [n, (rank, micro)]
+        order = np.lexsort((chosen, where[:, 1], where[:, 0]))
+        chosen, rank, micro = chosen[order], where[order, 0], where[order, 1]
         delay = self.step - self._arrived[chosen]
-        where = {int(i): j for j, i in enumerate(chosen.tolist())}
+        position = dict(zip(chosen.tolist(), range(chosen.size)))  # buffer index -> plan index
+        keys = self._keys
         plan = BudgetPlan(
-            step=self.step, keys=[self._keys[i] for i in chosen.tolist()],
+            step=self.step, keys=[keys[i] for i in chosen.tolist()],
             assignment=Assignment(rank, micro, self.num_ranks, self.num_micro,
-                                  {where[i]: b for i, b in blocks.items()}),
+                                  {position[i]: b for i, b in blocks.items()}),
             cost=self._cost[chosen], tokens=self._tokens[chosen], delay=delay,
-            outliers=[self._keys[i] for i in chosen.tolist() if outlier[i]],
-            forced=[self._keys[i] for i in chosen.tolist() if forced[i]])
+            outliers=[keys[i] for i in chosen[outlier[chosen]].tolist()],
+            forced=[keys[i] for i in chosen[forced[chosen]].tolist()])
         self._record(delay, len(plan.outliers))
         self._remove(chosen)
         self.step += 1
@@ -477,7 +479,7 @@ class BudgetPlanner:
     def _remove(self, chosen: np.ndarray) -> None:
         keep = np.ones(len(self._keys), dtype=bool)
         keep[chosen] = False
-        self._key_set.difference_update(self._keys[i] for i in chosen.tolist())
+        self._key_set.difference_update([self._keys[i] for i in chosen.tolist()])
         self._keys = [k for k, kept in zip(self._keys, keep.tolist()) if kept]
         self._cost, self._tokens = self._cost[keep], self._tokens[keep]
         self._arrived = self._arrived[keep]
