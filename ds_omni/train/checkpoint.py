@@ -241,6 +241,22 @@ def newest_complete(root: Path) -> tuple[str | None, list[str]]:
     return None, skipped
 
 
+def check_resumable(output_dir: str | Path) -> None:
+    """Before any process group or model exists: --resume with no complete checkpoint at all is
+    an error now, not after the model is built and DeepSpeed started."""
+    root = checkpoint_root(output_dir)
+    tag, skipped = newest_complete(root)
+    if tag is None:
+        raise _nothing_to_resume(root, skipped)
+
+
+def _nothing_to_resume(root: Path, skipped: list[str]) -> LaunchError:
+    if not skipped:
+        return LaunchError(f"--resume: no checkpoint in {str(root)!r}; start without --resume "
+                           "or point train.output_dir at the earlier run")
+    return LaunchError(f"--resume: no complete checkpoint in {str(root)!r}: " + "; ".join(skipped))
+
+
 def load(engine, output_dir: str | Path, rank: int) -> tuple[int, dict]:
     """Restore the newest complete checkpoint; returns (step, loader state).
 
@@ -256,11 +272,7 @@ def load(engine, output_dir: str | Path, rank: int) -> tuple[int, dict]:
         for note in skipped:
             print(f"ds-omni: --resume: passing over checkpoint {note}")
     if tag is None:
-        if not skipped:
-            raise LaunchError(f"--resume: no checkpoint in {str(root)!r}; start without --resume "
-                              "or point train.output_dir at the earlier run")
-        raise LaunchError(f"--resume: no complete checkpoint in {str(root)!r}: "
-                          + "; ".join(skipped))
+        raise _nothing_to_resume(root, skipped)
     trainer_state = _read_json(root / tag / "trainer_state.json")
     problems = fingerprint_differences(trainer_state.get("run"), run_fingerprint(engine))
     if problems:
