@@ -52,6 +52,12 @@ def _maybe_fire(point: str, step: int) -> None:
             threading.Event().wait()
 
 
+def fired_at(directory: str | Path, count: int) -> list[float]:
+    """When each of the first `count` faults fired (its marker's time), for tests to bound what
+    followed."""
+    return [os.stat(Path(directory) / f"fired-{i}").st_mtime for i in range(count)]
+
+
 def _wrap(owner, name: str, before=None, after=None) -> None:
     inner = getattr(owner, name)
 

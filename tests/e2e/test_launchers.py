@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from ds_omni.train.metrics import read_metrics
-from tests.e2e.launch import train, write_configs
+from tests.e2e.faulty import fired_at
+from tests.e2e.launch import BIN, launcher_cmd, run, train, write_configs
 
 pytestmark = pytest.mark.e2e
 
@@ -50,8 +51,6 @@ TORCHRUN_FAULTS = "kill:1:loader:2"
 def test_torchrun_reproduces_the_deepspeed_run_across_a_killed_rank(tmp_path, reference):
     """Under `ds-omni supervise`: the kill ends the whole torchrun job within a bounded time,
     naming the dead rank; the resumed job ends as the uninterrupted deepspeed run."""
-    from tests.e2e.launch import BIN, launcher_cmd, run
-    from tests.e2e.test_resume import fault_times
     cfg, ds, out = write_configs(tmp_path / "run", steps=3, save_every=1)
     training = launcher_cmd("torchrun", 2)[:-1] + ["tests.e2e.faulty", "train", "--config", cfg,
                                                    "--deepspeed", ds]
@@ -61,7 +60,7 @@ def test_torchrun_reproduces_the_deepspeed_run_across_a_killed_rank(tmp_path, re
     assert res.returncode == 0, res.stdout[-5000:]
     [restart] = [json.loads(x) for x in (Path(out) / "restarts.jsonl").read_text().splitlines()]
     assert "rank 1 is gone" in restart["cause"] and "has exited" in restart["cause"], restart
-    assert restart["time"] - fault_times(tmp_path, 1)[0] < 30, restart
+    assert restart["time"] - fired_at(tmp_path, 1)[0] < 30, restart
     assert restart["resume_from"] == "step00000001", restart  # batch 2 is made once 1 is taken
     _same_run(out, reference)
 

@@ -10,13 +10,13 @@ tests/e2e/test_launchers.py.
 """
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from ds_omni.train.metrics import read_metrics
 from tests import oracle
+from tests.e2e.faulty import fired_at
 from tests.e2e.launch import BIN, launcher_cmd, run, write_configs
 from tests.fixtures import tiny_config
 
@@ -28,11 +28,6 @@ STEPS, SAVE_EVERY, PEER_TIMEOUT = 60, 10, 10
 # 30, and freezes (SIGSTOP) in the forward of step 40: only the watchdog can end that job (nothing
 # exits). Both come right after a save, so no step is trained twice for them.
 FAULTS = "kill:1:save:20,kill:0:optimizer:30,stop:0:forward:40"
-
-
-def fault_times(directory: Path, count: int) -> list[float]:
-    """When each planted fault fired (its marker file, tests/e2e/faulty.py)."""
-    return [os.stat(directory / f"fired-{i}").st_mtime for i in range(count)]
 
 
 @pytest.mark.timeout(1500)  # ~4 launches
@@ -55,7 +50,7 @@ def test_supervised_run_survives_killed_and_stopped_ranks(tmp_path):
     assert "rank 0 sent no heartbeat" in stopped and "is stopped (SIGSTOP" in stopped, stopped
     # every process of each job ended (the launcher returned) within a bounded time: a dead peer
     # is seen at once, a frozen one within the peer timeout; plus the launcher's teardown
-    for fired, restart in zip(fault_times(tmp_path, 3), restarts):
+    for fired, restart in zip(fired_at(tmp_path, 3), restarts):
         assert restart["time"] - fired < PEER_TIMEOUT + 20, (restart, restart["time"] - fired)
 
     keys, losses = oracle.stream_reference(tiny_config(str(tmp_path / "ref"), steps=STEPS), 2, STEPS)
