@@ -10,10 +10,12 @@ in-suite 60-step soak), one at a different point of the step each time: SIGKILL 
 forward (step 100), of rank 0 (the store's host) in a backward (200), of rank 1 in the middle of
 a save (after step 300, before its manifest: the job falls back to step 250), of rank 0 in the
 optimizer step (400); and a SIGSTOP of rank 1 (a frozen node, only the watchdog can end that job)
-in the loader at step 450. With prefetch on (the demo's default) a fault "at step N" of a forward,
-backward or optimizer step fires while step N-1 trains (the loader has already made step N's
-batch), so the job falls back to 50, 150, 250, 350 and 400. The uninterrupted run is a plain
-launch of the same config.
+in the loader at step 450. A fault of a forward, backward or optimizer step "at step N" fires in
+that step's training, right after the checkpoint of step N; one in the loader fires while the
+loader makes step N's batch, which with prefetch on (the demo's default) happens on the prefetch
+thread while step N-1 trains. So the job falls back to 100, 200, 250, 400 and 400. (Results
+written before tests/e2e/faulty.py counted steps this way fired a step early and fell back to 50,
+150, 250, 350 and 400.) The uninterrupted run is a plain launch of the same config.
 
 Compared: every step's sample ids (none lost, none repeated), the sample count, every step's loss
 and the final loss; also the restarts, their causes and the wall time of both runs.

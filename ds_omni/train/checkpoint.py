@@ -233,14 +233,6 @@ def step_tags(root: Path) -> list[str]:
                   reverse=True) if root.is_dir() else []
 
 
-def require_checkpoints(output_dir: str | Path) -> None:
-    """--resume with nothing to resume from: said before any process group or model is made."""
-    root = checkpoint_root(output_dir)
-    if not step_tags(root):
-        raise LaunchError(f"--resume: no checkpoint in {str(root)!r}; start without --resume "
-                          "or point train.output_dir at the earlier run")
-
-
 def newest_complete(root: Path) -> tuple[str | None, list[str]]:
     """(tag of the newest usable checkpoint or None, why each newer one was passed over)."""
     latest = latest_tag(root.parent)
@@ -251,6 +243,26 @@ def newest_complete(root: Path) -> tuple[str | None, list[str]]:
             return tag, skipped
         skipped.append(f"{tag}: {problem}")
     return None, skipped
+
+
+def check_resumable(output_dir: str | Path) -> None:
+    """Before any process group or model exists: --resume with no finished save at all (no step
+    directory with a manifest) is an error now, not after the model is built and DeepSpeed
+    started. Cheap (no checksums, every rank may call it): `load` verifies the files."""
+    root = checkpoint_root(output_dir)
+    latest = latest_tag(output_dir)
+    tags = step_tags(root)
+    if not any((root / t / MANIFEST).is_file() or (
+            t == latest and (root / t / "trainer_state.json").is_file()) for t in tags):
+        raise _nothing_to_resume(root, [f"{t}: no manifest.json (its save did not finish)"
+                                        for t in tags])
+
+
+def _nothing_to_resume(root: Path, skipped: list[str]) -> LaunchError:
+    if not skipped:
+        return LaunchError(f"--resume: no checkpoint in {str(root)!r}; start without --resume "
+                           "or point train.output_dir at the earlier run")
+    return LaunchError(f"--resume: no complete checkpoint in {str(root)!r}: " + "; ".join(skipped))
 
 
 def load(engine, output_dir: str | Path, rank: int) -> tuple[int, dict]:
@@ -268,11 +280,7 @@ def load(engine, output_dir: str | Path, rank: int) -> tuple[int, dict]:
         for note in skipped:
             print(f"ds-omni: --resume: passing over checkpoint {note}")
     if tag is None:
-        if not skipped:
-            raise LaunchError(f"--resume: no checkpoint in {str(root)!r}; start without --resume "
-                              "or point train.output_dir at the earlier run")
-        raise LaunchError(f"--resume: no complete checkpoint in {str(root)!r}: "
-                          + "; ".join(skipped))
+        raise _nothing_to_resume(root, skipped)
     trainer_state = _read_json(root / tag / "trainer_state.json")
     problems = fingerprint_differences(trainer_state.get("run"), run_fingerprint(engine))
     if problems:

@@ -273,7 +273,8 @@ def _first_error(batch: StepBatch, comm: TorchDataComm) -> str:
     return batch.error or (messages[0] if messages else "another rank hit a data error")
 
 
-def preflight(cfg: OmniConfig, ds_config_path: str) -> tuple[ParallelPlan, dict]:
+def preflight(cfg: OmniConfig, ds_config_path: str,
+              resume: bool = False) -> tuple[ParallelPlan, dict]:
     """Every check that needs no process group, so a bad input fails on all ranks at once."""
     plan = ParallelPlan.from_config(cfg.parallel, dist.world_size_from_env())
     if plan.sp_enabled:
@@ -287,6 +288,8 @@ def preflight(cfg: OmniConfig, ds_config_path: str) -> tuple[ParallelPlan, dict]
     if plan.pp_enabled:
         check_pipeline(cfg, ds_config, llm_text_config(cfg.model)[1])
     checkpoint.check_writable(cfg.train.output_dir)
+    if resume:
+        checkpoint.check_resumable(cfg.train.output_dir)
     reorder_group_size(cfg.data, plan.dp)
     startup_check(cfg)  # files, schema columns, relative media roots of every source
     return plan, ds_config
@@ -383,9 +386,7 @@ def align_lr_schedule(engine) -> None:
 def run(cfg: OmniConfig, ds_config_path: str, *, resume: bool = False,
         stop_after: int | None = None) -> dict:
     """Train as `cfg` says; returns the report (on rank 0; {} elsewhere)."""
-    plan, ds_config = preflight(cfg, ds_config_path)
-    if resume:
-        checkpoint.require_checkpoints(cfg.train.output_dir)
+    plan, ds_config = preflight(cfg, ds_config_path, resume)
     rank, world = dist.init_distributed(float(os.environ.get("DS_OMNI_DIST_TIMEOUT",
                                                              DEFAULT_DIST_TIMEOUT_S)))
     watchdog = Watchdog.start(rank, world, cfg.train.peer_timeout_s)

@@ -4,10 +4,13 @@
 
 Each fault is `action:rank:point:step`: at `point` of step `step`, rank `rank` kills itself with
 SIGKILL ("kill", a dying process or node), stops itself with SIGSTOP ("stop", a frozen node), or
-waits forever outside any collective ("hang", a deadlock). Points: "loader" (the step's batch was
-read), "forward", "backward", "optimizer" (DeepSpeed's engine calls), "save" (DeepSpeed has written
-its files of the checkpoint saved after `step` steps; its manifest is not written yet). A fault fires
-once per DS_OMNI_TEST_FAULT_DIR (a marker file there), so a supervised restart runs past it.
+waits forever outside any collective ("hang", a deadlock). Points: "loader" (inside the loader: the
+step's samples are read and measured, their processing and packing starts; with prefetch on, the
+default, that is on the prefetch thread while the step before trains), "forward", "backward",
+"optimizer" (DeepSpeed's engine calls of that training step, on the main thread), "save" (DeepSpeed
+has written its files of the checkpoint saved after `step` steps; its manifest is not written yet).
+A fault fires once per DS_OMNI_TEST_FAULT_DIR (a marker file there), so a supervised restart runs
+past it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import sys
 import threading
 from pathlib import Path
 
-_STEP = [-1]
+_STEP = [-1]  # the step the main thread trains
 
 
 def _faults() -> list[tuple[int, str, str, int, int]]:
@@ -49,6 +52,12 @@ def _maybe_fire(point: str, step: int) -> None:
             threading.Event().wait()
 
 
+def fired_at(directory: str | Path, count: int) -> list[float]:
+    """When each of the first `count` faults fired (its marker's time), for tests to bound what
+    followed."""
+    return [os.stat(Path(directory) / f"fired-{i}").st_mtime for i in range(count)]
+
+
 def _wrap(owner, name: str, before=None, after=None) -> None:
     inner = getattr(owner, name)
 
@@ -65,12 +74,12 @@ def _wrap(owner, name: str, before=None, after=None) -> None:
 def plant() -> None:
     from deepspeed.runtime.engine import DeepSpeedEngine
     from ds_omni.data.loader import OmniLoader
-    from ds_omni.train import checkpoint
+    from ds_omni.train import checkpoint, engine
 
-    def loader_done(batch, *_):
+    def training(_engine, batch, *_):
         _STEP[0] = batch.step
-        _maybe_fire("loader", batch.step)
-    _wrap(OmniLoader, "next_step", after=loader_done)
+    _wrap(engine, "train_step", before=training)
+    _wrap(OmniLoader, "_pack", before=lambda loader, *_: _maybe_fire("loader", loader.step))
     for point, name in (("forward", "forward"), ("backward", "backward"), ("optimizer", "step")):
         _wrap(DeepSpeedEngine, name, before=lambda *_, p=point: _maybe_fire(p, _STEP[0]))
     _wrap(checkpoint, "_digest_share",

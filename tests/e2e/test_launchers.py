@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from ds_omni.train.metrics import read_metrics
-from tests.e2e.launch import train, write_configs
+from tests.e2e.faulty import fired_at
+from tests.e2e.launch import BIN, launcher_cmd, run, train, write_configs
 
 pytestmark = pytest.mark.e2e
 
@@ -33,14 +34,41 @@ def reference(deepspeed_run):
     return read_metrics(str(deepspeed_run))
 
 
-@pytest.mark.parametrize("kind", ["torchrun", "accelerate"])
-def test_other_launchers_reproduce_the_deepspeed_run(kind, tmp_path, reference):
-    cfg, ds, out = write_configs(tmp_path, steps=3)
-    res = train(kind, 2, cfg, ds)
-    assert res.returncode == 0, res.stdout[-3000:]
+def _same_run(out: str, reference: list[dict]) -> None:
     got = read_metrics(out)
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in reference], rel=1e-6)
     assert [r["sample_keys"] for r in got] == [r["sample_keys"] for r in reference]
+
+
+def test_accelerate_reproduces_the_deepspeed_run(tmp_path, reference):
+    cfg, ds, out = write_configs(tmp_path, steps=3)
+    res = train("accelerate", 2, cfg, ds)
+    assert res.returncode == 0, res.stdout[-3000:]
+    _same_run(out, reference)
+
+
+# torchrun's part of the kill points (the deepspeed launcher's: tests/e2e/test_resume.py and
+# test_sequence_parallel_run.py): rank 1 dies (SIGKILL) inside its loader, processing the batch of
+# step 2 (on the prefetch thread, while step 1 trains). Under torchrun the rendezvous store is its
+# agent's, not rank 0's.
+TORCHRUN_FAULTS = "kill:1:loader:2"
+
+
+def test_torchrun_reproduces_the_deepspeed_run_across_a_killed_rank(tmp_path, reference):
+    """Under `ds-omni supervise`: the kill ends the whole torchrun job within a bounded time,
+    naming the dead rank; the resumed job ends as the uninterrupted deepspeed run."""
+    cfg, ds, out = write_configs(tmp_path / "run", steps=3, save_every=1)
+    training = launcher_cmd("torchrun", 2)[:-1] + ["tests.e2e.faulty", "train", "--config", cfg,
+                                                   "--deepspeed", ds]
+    res = run([str(BIN / "ds-omni"), "supervise", "--max-restarts", "1", "--backoff", "0", "--",
+               *training], timeout=600,
+              env={"DS_OMNI_TEST_FAULTS": TORCHRUN_FAULTS, "DS_OMNI_TEST_FAULT_DIR": str(tmp_path)})
+    assert res.returncode == 0, res.stdout[-5000:]
+    [restart] = [json.loads(x) for x in (Path(out) / "restarts.jsonl").read_text().splitlines()]
+    assert "rank 1 is gone" in restart["cause"] and "has exited" in restart["cause"], restart
+    assert restart["time"] - fired_at(tmp_path, 1)[0] < 30, restart
+    assert restart["resume_from"] == "step00000001", restart  # batch 2 is made once 1 is taken
+    _same_run(out, reference)
 
 
 def test_single_process_without_a_launcher_skips_bad_samples_visibly(tmp_path):

@@ -34,14 +34,6 @@ def test_missing_deepspeed_file(tmp_path, capsys):
     assert "DeepSpeed config" in err and "does not exist" in err
 
 
-def test_resume_without_checkpoint(tmp_path, capsys):
-    """Said before any process group or model is made (the output directory has no step yet)."""
-    c, d = _write(tmp_path, tiny_config_dict(str(tmp_path / "out")))
-    (tmp_path / "out" / "checkpoints" / ".step00000001.tmp").mkdir(parents=True)  # never published
-    err = _train(capsys, "--config", c, "--deepspeed", d, "--resume")
-    assert "--resume: no checkpoint in" in err and "start without --resume" in err
-
-
 def test_unknown_key(tmp_path, capsys):
     cfg = tiny_config_dict(str(tmp_path / "out"))
     cfg["data"]["shuffle_buffer"] = 10

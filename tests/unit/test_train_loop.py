@@ -88,3 +88,21 @@ def test_a_nonfinite_step_is_skipped_with_its_samples_recorded_or_stops_naming_t
     assert all(r["nonfinite_skipped"] == r["sample_keys"] and r["sample_keys"] for r in records)
     with pytest.raises(NonFiniteError, match=r"step 0 are not finite .* 8 samples: \['0/t:0:0'"):
         _train(tmp_path / "stop", nan, _loader(built, path, schema, "repeat"))
+
+
+def test_stop_after_ends_the_run_there_and_a_resume_goes_on_as_if_uninterrupted(built, tmp_path):
+    """`ds-omni train --stop-after N`: N steps of this run, the loader left at that position."""
+    path, schema = write("json", text_rows(60), tmp_path / "data", files=1)
+    _train(tmp_path / "full", FakeEngine(), _loader(built, path, schema, "repeat"))
+    first = _loader(built, path, schema, "repeat")
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = tiny_config(str(out), steps=STEPS, log_samples=True)
+    logger = MetricsLogger(out, total_steps=STEPS, start_step=0, enabled=True)
+    assert _loop(cfg, FakeEngine(), first, logger, None, 0, 0, stop_after=2) == 2
+    logger.close()
+    resumed = _loader(built, path, schema, "repeat")
+    resumed.load_state_dict(first.state_dict())
+    assert _train(out, FakeEngine(), resumed, start=2) == STEPS
+    expected = [r["sample_keys"] for r in read_metrics(tmp_path / "full")]
+    assert [r["sample_keys"] for r in read_metrics(out)] == expected
