@@ -26,6 +26,7 @@ def test_skewed_round_spreads_over_all_ranks():
     plan = plan_round(items, 4, ["vision"])
     assert plan.loads() == [2.0, 2.0, 2.0, 2.0]
     assert len(plan.moved()) == 6  # two stay home, the rest travel
+    assert [plan.moved_to(r) for r in range(4)] == [0, 2, 2, 2]  # metrics: data_pool_moved
 
 
 def test_balanced_round_keeps_items_home():
