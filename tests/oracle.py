@@ -211,10 +211,14 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
             out["keys"].append(batch.keys)
             grab = (lambda e: grads.update(full_grads(e))) if step == 0 else None
             out["losses"].append(train.train_step(engine, batch, loader.comm, grab).loss)
+            out.setdefault("pool_moved", []).append(  # the metric data_pool_moved
+                train.pool_metrics(engine.module).get("data_pool_moved"))
     finally:
         train.engine_loss = engine_loss
     pool = getattr(engine.module, "encoder_pool", None)  # items encoded for another rank
     out["pool_items_moved"] = pool.items_moved if pool is not None else 0
+    if pool is not None:  # the per-step metric adds up to the items this rank encoded for others
+        assert sum(out["pool_moved"]) == pool.items_moved, (out["pool_moved"], pool.items_moved)
     if cfg.data.eval_sources:  # validation after the last step, on every rank
         from ds_omni.train.evaluate import Evaluator
         out["eval"] = Evaluator(cfg, built, loader).run(engine)

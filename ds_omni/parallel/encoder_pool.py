@@ -107,6 +107,10 @@ class PoolPlan:
         """Items encoded away from home."""
         return [i for i, it in enumerate(self.items) if self.owner[i] != it.home]
 
+    def moved_to(self, rank: int) -> int:
+        """How many items `rank` encodes for another rank."""
+        return sum(self.owner[i] == rank for i in self.moved())
+
     def loads(self) -> list[float]:
         out = [0.0] * self.ranks
         for it, o in zip(self.items, self.owner):
@@ -205,6 +209,7 @@ class EncoderPool:
         self.item_cost, self.device, self.slack = item_cost, device, slack
         self.encoder_order = list(placeholder_ids)
         self.items_moved = 0  # items this rank encoded for another rank, since start
+        self.step_moved = 0  # the same, in the last planned step (metrics: data_pool_moved)
 
     def _metadata(self, micro_batches: list) -> list[list[PoolItem]]:
         return [[item_meta(self.rank, enc, k, it, self.item_cost(enc, it))
@@ -220,8 +225,10 @@ class EncoderPool:
         if len(rounds) != 1:
             raise RuntimeError(f"parallel.encoder_pool: the ranks have {sorted(rounds)} "
                                "micro-batches this step; the pool needs the same number on each")
-        return [plan_round([it for r in everyone for it in r[m]], self.size, self.encoder_order,
-                           self.slack) for m in range(len(mine))]
+        plans = [plan_round([it for r in everyone for it in r[m]], self.size, self.encoder_order,
+                            self.slack) for m in range(len(mine))]
+        self.step_moved = sum(p.moved_to(self.rank) for p in plans)
+        return plans
 
     def place(self, mb, plan: PoolPlan):
         """`mb` with the inputs of the items this rank encodes in `plan`, and the embedding

@@ -502,7 +502,8 @@ def _steps(cfg, engine, loader, logger, rank, start, end, watchdog, evaluator) -
                          if result.nonfinite_keys else {}), **evaluated,
                       **{f"data_{k}": v for k, v in batch.stats.items()
                          if k in ("skipped", "outliers", "mean_delay", "max_delay",
-                                  "long_items")}}
+                                  "long_items")},
+                      **pool_metrics(engine.module)}
             if cfg.train.log_samples:
                 record["sample_keys"] = sorted(k for part in loader.comm.world_all_gather(
                     batch.keys) for k in part)
@@ -516,6 +517,13 @@ def _steps(cfg, engine, loader, logger, rank, start, end, watchdog, evaluator) -
                                 keep=cfg.train.keep_checkpoints)
     guard.close()
     return step
+
+
+def pool_metrics(module) -> dict:
+    """`parallel.encoder_pool`: the items this rank encoded for other ranks in the step just run
+    (`data_pool_moved`); nothing without the pool."""
+    pool = getattr(module, "encoder_pool", None)
+    return {"data_pool_moved": pool.step_moved} if pool is not None else {}
 
 
 def _finish(cfg, engine, loader, rank, step, plan) -> dict:

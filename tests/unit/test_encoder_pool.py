@@ -26,6 +26,7 @@ def test_skewed_round_spreads_over_all_ranks():
     plan = plan_round(items, 4, ["vision"])
     assert plan.loads() == [2.0, 2.0, 2.0, 2.0]
     assert len(plan.moved()) == 6  # two stay home, the rest travel
+    assert [plan.moved_to(r) for r in range(4)] == [0, 2, 2, 2]  # metrics: data_pool_moved
 
 
 def test_balanced_round_keeps_items_home():
@@ -97,3 +98,23 @@ def test_config_refuses_pool_with_model_parallelism():
             ParallelConfig(encoder_pool="dp", **bad)
     with pytest.raises(ConfigError, match="encoder_pool must be"):
         ParallelConfig(encoder_pool="world")
+
+
+
+def test_metric_is_the_items_encoded_for_others(monkeypatch):
+    """`plan_step` (its all-gather simulated) counts what this rank encodes for others: the
+    `data_pool_moved` of metrics.jsonl."""
+    from types import SimpleNamespace
+
+    from ds_omni.parallel import encoder_pool
+    from ds_omni.train.engine import pool_metrics
+    rank0 = [[PoolItem(0, "vision", k, 4, 1.0) for k in range(n)] for n in (8, 1)]
+
+    def all_gather_object(out, mine, group):
+        out[:] = [rank0, mine, [[], []], [[], []]]
+    monkeypatch.setattr(encoder_pool.dist, "all_gather_object", all_gather_object)
+    pool = EncoderPool(None, 1, 4, {}, {"vision": (5,)}, None, "cpu")
+    # round 1: 2 of rank 0's 8 items come to rank 1; round 2: rank 0 keeps its one item
+    pool.plan_step([SimpleNamespace(items={}), SimpleNamespace(items={})])
+    assert pool_metrics(SimpleNamespace(encoder_pool=pool)) == {"data_pool_moved": 2}
+    assert pool_metrics(SimpleNamespace(encoder_pool=None)) == {}
