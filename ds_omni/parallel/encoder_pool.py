@@ -210,6 +210,7 @@ class EncoderPool:
         self.encoder_order = list(placeholder_ids)
         self.items_moved = 0  # items this rank encoded for another rank, since start
         self.step_moved = 0  # the same, in the last planned step (metrics: data_pool_moved)
+        self.step_moved_group = 0  # items encoded away from home by any rank, last step
 
     def _metadata(self, micro_batches: list) -> list[list[PoolItem]]:
         return [[item_meta(self.rank, enc, k, it, self.item_cost(enc, it))
@@ -228,6 +229,7 @@ class EncoderPool:
         plans = [plan_round([it for r in everyone for it in r[m]], self.size, self.encoder_order,
                             self.slack) for m in range(len(mine))]
         self.step_moved = sum(p.moved_to(self.rank) for p in plans)
+        self.step_moved_group = sum(len(p.moved()) for p in plans)  # every rank's, same plans
         return plans
 
     def place(self, mb, plan: PoolPlan):

@@ -521,9 +521,12 @@ def _steps(cfg, engine, loader, logger, rank, start, end, watchdog, evaluator) -
 
 def pool_metrics(module) -> dict:
     """`parallel.encoder_pool`: the items this rank encoded for other ranks in the step just run
-    (`data_pool_moved`); nothing without the pool."""
+    (`data_pool_moved`) and those all ranks did (`data_pool_moved_group`, the same on every rank:
+    rank 0's log shows the pool at work even when rank 0 itself moves nothing); nothing without
+    the pool."""
     pool = getattr(module, "encoder_pool", None)
-    return {"data_pool_moved": pool.step_moved} if pool is not None else {}
+    return {"data_pool_moved": pool.step_moved,
+            "data_pool_moved_group": pool.step_moved_group} if pool is not None else {}
 
 
 def _finish(cfg, engine, loader, rank, step, plan) -> dict:
