@@ -223,12 +223,10 @@ def sample_mask(length: int, window: int | None = None,
     return allowed
 
 
-def sample_blocks(blocks, start: int, end: int) -> list[tuple[int, int]]:
-    """The spans of `blocks` ([m, 2] over the row, or None) inside sample [start, end), made
+def sample_blocks(spans: list[list[int]], start: int, end: int) -> list[tuple[int, int]]:
+    """The row's bidirectional `spans` ((start, end) pairs) inside sample [start, end), made
     relative to its first token."""
-    if blocks is None:
-        return []
-    return [(max(a, start) - start, min(b, end) - start) for a, b in blocks.tolist()
+    return [(max(a, start) - start, min(b, end) - start) for a, b in spans
             if a < end and b > start]
 
 
@@ -237,9 +235,10 @@ def _sdpa_per_sample(q, k, v, cu_seqlens, scaling, dropout, window=None, blocks=
     mask (`sample_mask`) where a window or a block makes it other than causal."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [1, h, T, D]
     bounds = cu_seqlens.tolist()
+    spans = blocks.tolist() if blocks is not None else []  # [m, 2] read once, not per sample
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
-        mask = sample_mask(end - start, window, sample_blocks(blocks, start, end))  # [L, L]
+        mask = sample_mask(end - start, window, sample_blocks(spans, start, end))  # [L, L]
         # [1, h, L, D] per sample
         outs.append(F.scaled_dot_product_attention(
             q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], is_causal=mask is None,
