@@ -26,7 +26,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,26 +91,14 @@ def encode_pooled(encoder, items, rank: int, world: int) -> None:
 
 def ranks(rank: int, world: int, rounds: int, warmup: int) -> dict:
     import torch
-    import torch.distributed as dist
-    from benchmarks.long_short_sp import vision_encoder
+    from benchmarks.long_short_sp import slowest_rank_rounds, vision_encoder
     torch.set_num_threads(1)
     encoder = vision_encoder()
     items = round_items(world, rank)
     variants = {"off": lambda: encode_off(encoder, items),
                 "dp": lambda: encode_pooled(encoder, items, rank, world)}
-    times = {clock: {name: [] for name in variants} for clock in ("wall", "cpu")}
-    for r in range(warmup + rounds):
-        for name in (list(variants) if r % 2 == 0 else list(reversed(variants))):
-            dist.barrier()
-            start, start_cpu = time.perf_counter(), time.process_time()
-            variants[name]()
-            elapsed = torch.tensor([time.perf_counter() - start, time.process_time() - start_cpu],
-                                   dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest / busiest rank's
-            encoder.zero_grad(set_to_none=True)
-            if r >= warmup:
-                times["wall"][name].append(float(elapsed[0]))
-                times["cpu"][name].append(float(elapsed[1]))
+    times = slowest_rank_rounds(variants, rounds, warmup,
+                                after=lambda: encoder.zero_grad(set_to_none=True))
     return {"times": times}
 
 

@@ -93,29 +93,40 @@ def encode_step(encoder, items, plan, group) -> None:
     torch.cat(feats).square().mean().backward()
 
 
-def ranks(rank: int, world: int, rounds: int, warmup: int) -> dict:
+def slowest_rank_rounds(variants: dict, rounds: int, warmup: int, after) -> dict:
+    """{clock: {variant: [seconds per round]}}, clock "wall" (the slowest rank's) and "cpu" (the
+    busiest rank's): every round runs each variant once, in alternating order, between barriers;
+    `after()` follows each run; the first `warmup` rounds are not kept. A collective: every rank
+    calls it with the same variants."""
     import torch
     import torch.distributed as dist
+    times = {clock: {name: [] for name in variants} for clock in ("wall", "cpu")}
+    for r in range(warmup + rounds):
+        for name in (list(variants) if r % 2 == 0 else list(reversed(variants))):
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            variants[name]()
+            elapsed = torch.tensor([time.perf_counter() - start, time.process_time() - start_cpu],
+                                   dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest / busiest rank's
+            after()
+            if r >= warmup:
+                times["wall"][name].append(float(elapsed[0]))
+                times["cpu"][name].append(float(elapsed[1]))
+    return times
+
+
+def ranks(rank: int, world: int, rounds: int, warmup: int) -> dict:
+    import torch
     from ds_omni.parallel.long_short import LongItems
     torch.set_num_threads(1)
     encoder = vision_encoder()
     items = images(world)
     policies = {"whole": None, "long_short": LongItems(None, {"vision": VISION["num_heads"]})}
     plans = {name: plan_of(items, world, rank, p) for name, p in policies.items()}
-    times = {clock: {name: [] for name in policies} for clock in ("wall", "cpu")}
-    for r in range(warmup + rounds):
-        order = list(policies) if r % 2 == 0 else list(reversed(policies))
-        for name in order:
-            dist.barrier()
-            start, start_cpu = time.perf_counter(), time.process_time()
-            encode_step(encoder, items, plans[name], None)
-            elapsed = torch.tensor([time.perf_counter() - start, time.process_time() - start_cpu],
-                                   dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest / busiest rank's
-            encoder.zero_grad(set_to_none=True)
-            if r >= warmup:
-                times["wall"][name].append(float(elapsed[0]))
-                times["cpu"][name].append(float(elapsed[1]))
+    times = slowest_rank_rounds(
+        {name: (lambda name=name: encode_step(encoder, items, plans[name], None))
+         for name in policies}, rounds, warmup, after=lambda: encoder.zero_grad(set_to_none=True))
     return {"times": times, "split": {n: p.split for n, p in plans.items()}}
 
 
