@@ -21,13 +21,13 @@ from tests.e2e.launch import BIN, launcher_cmd, run, write_configs
 from tests.fixtures import tiny_config
 
 pytestmark = pytest.mark.e2e
-STEPS, SAVE_EVERY, PEER_TIMEOUT = 60, 10, 10
+STEPS, SAVE_EVERY, PEER_TIMEOUT = 25, 5, 10
 # the deepspeed launcher's part of the kill points (see the module docstring); rank 0 hosts
-# the rendezvous store under this launcher. Rank 1 dies (SIGKILL) in the save after step 20,
-# before its manifest: the job falls back to step 10. Rank 0 dies in the optimizer step of step
-# 30, and freezes (SIGSTOP) in the forward of step 40: only the watchdog can end that job (nothing
+# the rendezvous store under this launcher. Rank 1 dies (SIGKILL) in the save after step 10,
+# before its manifest: the job falls back to step 5. Rank 0 dies in the optimizer step of step
+# 15, and freezes (SIGSTOP) in the forward of step 20: only the watchdog can end that job (nothing
 # exits). Both come right after a save, so no step is trained twice for them.
-FAULTS = "kill:1:save:20,kill:0:optimizer:30,stop:0:forward:40"
+FAULTS = "kill:1:save:10,kill:0:optimizer:15,stop:0:forward:20"
 
 
 @pytest.mark.timeout(1500)  # ~4 launches
@@ -43,7 +43,7 @@ def test_supervised_run_survives_killed_and_stopped_ranks(tmp_path):
 
     restarts = [json.loads(x) for x in (Path(out) / "restarts.jsonl").read_text().splitlines()]
     assert [r["resume_from"] for r in restarts] == [
-        "step00000010", "step00000030", "step00000040"], restarts
+        "step00000005", "step00000015", "step00000020"], restarts
     in_save, in_optimizer, stopped = (r["cause"] for r in restarts)
     assert "rank 1 is gone" in in_save and "has exited" in in_save, in_save
     assert "rank 0 is gone" in in_optimizer and "has exited" in in_optimizer, in_optimizer
@@ -64,7 +64,7 @@ def test_supervised_run_survives_killed_and_stopped_ranks(tmp_path):
     state = json.loads((root / f"step{STEPS:08d}" / "loader_state.json").read_text())
     assert state["version"] == 2 and state["dp_size"] == 2 and state["step"] == STEPS
     assert sorted(p.name for p in root.iterdir() if p.name.startswith(("step", ".step"))) == [
-        "step00000050", "step00000060"]  # keep_checkpoints=2; the half-written save is gone
+        "step00000020", "step00000025"]  # keep_checkpoints=2; the half-written save is gone
 
 
 def test_resume_without_checkpoint_is_a_clear_error_before_anything_starts(tmp_path, capsys,
