@@ -5,7 +5,7 @@ forward itself, where a backbone that runs the modules would not see it:
 - Granite's LLM multiplies the embeddings it is given by `embedding_multiplier` (after the image
   features are merged in, so those are scaled too: the multiply follows the `inputs_embeds` branch);
 - the head's logits are divided by `logits_scaling` (Granite), multiplied by `output_multiplier`
-  (Muse), soft-capped as `cap * tanh(logits / cap)` (`final_logit_softcapping`: Gemma 2 / 4,
+  (Muse) or `logit_scale` (Cohere), soft-capped as `cap * tanh(logits / cap)` (`final_logit_softcapping`: Gemma 2 / 4,
   Mistral Large 4, Muse), or set to the dtype's minimum on tokens the model must not emit
   (Chameleon's VQ image tokens in text mode).
 `rules_of` reads them from the HF classes' own forward code and the config, so a rule applies
@@ -31,7 +31,7 @@ SUPPRESSED = "vocabulary_mapping.image_tokens"  # Chameleon: `logits[:, :, image
 class LogitRule(NamedTuple):
     """What HF's forward does to the head's logits [n, V], in its order (the identity by default)."""
 
-    multiplier: float = 1.0  # logits * m (Muse's output_multiplier, before the cap)
+    multiplier: float = 1.0  # logits * m (Muse's output_multiplier, Cohere's logit_scale)
     divisor: float = 1.0  # logits / s (Granite's logits_scaling)
     softcap: float | None = None  # cap * tanh(logits / cap), as HF: divide, tanh, multiply
     suppressed: tuple[int, ...] = ()  # token ids whose logits are the dtype's minimum
@@ -64,7 +64,7 @@ def logit_rule(owner_cls, text_config, suppressed: tuple[int, ...] = ()) -> Logi
         value = getattr(text_config, name, None)
         return value if value and name in code else default
 
-    return LogitRule(multiplier=float(used("output_multiplier", 1.0)),
+    return LogitRule(multiplier=float(used("output_multiplier", None) or used("logit_scale", 1.0)),
                      divisor=float(used("logits_scaling", 1.0)),
                      softcap=used("final_logit_softcapping", None),
                      suppressed=tuple(suppressed) if SUPPRESSED in code else ())

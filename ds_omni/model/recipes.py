@@ -540,6 +540,10 @@ NOT_EXACT = {
                     "saved keys keep a `model.` prefix (its key mapping is for "
                     "ShieldGemma2ForImageClassification) and every weight loads as missing; "
                     "its model is Gemma 3's, which is exact",
+    "emu3": "HF pads the images of one call to the largest and its VQ-VAE's convolutions see the "
+            "padding, so an image's codes depend on the other images of the sample (its tiny "
+            "recipe's logits differ by 0.6 from the second, smaller image on); ds_omni encodes "
+            "each image alone",
     "pp_chart2table": "HF's processor has no image token to expand (the chat template writes the "
                       "image's tokens itself), so nothing says how one image becomes tokens",
 }
@@ -774,3 +778,30 @@ def _gemma4():
 
 SCALED_RECIPES["gemma4"] = _gemma4
 RECIPES["gemma4"] = _gemma4
+
+
+
+def _cohere_compass():
+    """Cohere Compass (North Vision): a Qwen3-VL-like deepstack tower; a Cohere LLM with M-RoPE
+    per layer type whose forward multiplies the logits by logit_scale."""
+    from transformers.models.cohere_compass.image_processing_pil_cohere_compass import (
+        CohereCompassImageProcessorPil)
+    names = ["<|VISION_START|>", "<|VISION_END|>", "<|IMAGE_PAD|>", "<|VIDEO_PAD|>"]
+    tok = demo_tokenizer(names, {"image_token": "<|IMAGE_PAD|>", "video_token": "<|VIDEO_PAD|>"})
+    ids = dict(zip(names, _ids(tok, *names)))
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
+    text = _text(tok, "cohere_compass_text", num_hidden_layers=2, sliding_window=4,
+                 layer_types=["sliding_attention", "full_attention"], logit_scale=0.5,
+                 rope_parameters={"sliding_attention": rope, "full_attention": rope})
+    config = config_for("cohere_compass", vision_config=DEEPSTACK_VISION, text_config=text,
+                        image_token_id=ids["<|IMAGE_PAD|>"], video_token_id=ids["<|VIDEO_PAD|>"],
+                        vision_start_token_id=ids["<|VISION_START|>"],
+                        vision_end_token_id=ids["<|VISION_END|>"])
+    images = CohereCompassImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                            size={"shortest_edge": 8 * 8, "longest_edge": 48 * 48})
+    return config, lenient_processor(processor_class_for("cohere_compass"),
+                                     image_processor=images, tokenizer=tok)
+
+
+SCALED_RECIPES["cohere_compass"] = _cohere_compass
+RECIPES["cohere_compass"] = _cohere_compass
