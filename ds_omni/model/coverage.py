@@ -84,9 +84,9 @@ def check_family(model_type: str, recipe: Callable, work: Path) -> Result:
     return Result(True, f"exact (max |logits diff| {worst:.1g}; bitwise round trip)")
 
 
-def logits_gap(built, reference, processor) -> float:
-    """Max |ours - HF| over a packed row of 3 samples: one image, text only, two images."""
-    from ds_omni.data.packing import pack
+def sweep_samples(built) -> tuple[list, dict]:
+    """The sweep's 3 samples (one image, text only, two images of different sizes) as the built
+    model's processors make them, and each one's images by sample id."""
     from ds_omni.data.processing import SampleProcessor
     img = images()
     media = {"one": [img[0]], "text": [], "two": [img[1], img[2]]}
@@ -97,6 +97,13 @@ def logits_gap(built, reference, processor) -> float:
                            max_seq_len=4096)
     samples = [proc(text=texts[k], media={"vision": media[k]} if media[k] else {}, sample_id=k,
                     source="sweep") for k in media]
+    return samples, media
+
+
+def logits_gap(built, reference, processor) -> float:
+    """Max |ours - HF| over a packed row of 3 samples: one image, text only, two images."""
+    from ds_omni.data.packing import pack
+    samples, media = sweep_samples(built)
     with torch.no_grad():
         mb = pack(samples, built.item_processors)
         ours = built.model.logits(mb)[0]
