@@ -5,8 +5,8 @@ forward itself, where a backbone that runs the modules would not see it:
 - Granite's LLM multiplies the embeddings it is given by `embedding_multiplier` (after the image
   features are merged in, so those are scaled too: the multiply follows the `inputs_embeds` branch);
 - the head's logits are divided by `logits_scaling` (Granite), multiplied by `output_multiplier`
-  (Muse) or `logit_scale` (Cohere), soft-capped as `cap * tanh(logits / cap)` (`final_logit_softcapping`: Gemma 2 / 4,
-  Mistral Large 4, Muse), or set to the dtype's minimum on tokens the model must not emit
+  (Muse) or `logit_scale` (Cohere), soft-capped as `cap * tanh(logits / cap)`
+  (`final_logit_softcapping`: Gemma 2 / 4, Mistral Large 4, Muse), or set to the dtype's minimum on tokens the model must not emit
   (Chameleon's VQ image tokens in text mode).
 `rules_of` reads them from the HF classes' own forward code and the config, so a rule applies
 exactly where HF's forward applies it (a Granite LLM inside LLaVA gets the embedding multiplier,
@@ -29,7 +29,7 @@ SUPPRESSED = "vocabulary_mapping.image_tokens"  # Chameleon: `logits[:, :, image
 
 
 class LogitRule(NamedTuple):
-    """What HF's forward does to the head's logits [n, V], in its order (the identity by default)."""
+    """What HF's forward does to the head's logits [n, V], in its order (default: nothing)."""
 
     multiplier: float = 1.0  # logits * m (Muse's output_multiplier, Cohere's logit_scale)
     divisor: float = 1.0  # logits / s (Granite's logits_scaling)

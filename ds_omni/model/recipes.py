@@ -702,8 +702,9 @@ def _granite_docling():
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "image_size": 32, "patch_size": 8, "out_hidden_size": 32,
               "scale_factor": 2, "deepstack_visual_indexes": [0, 1]}
-    text = _text(tok, "granite_docling_text", num_hidden_layers=2, embedding_multiplier=12.0, logits_scaling=4.0,
-                 residual_multiplier=0.263, attention_multiplier=0.125, pad_token_id=0)
+    text = _text(tok, "granite_docling_text", num_hidden_layers=2, embedding_multiplier=12.0,
+                 logits_scaling=4.0, residual_multiplier=0.263, attention_multiplier=0.125,
+                 pad_token_id=0)
     config = config_for("granite_docling", vision_config=vision, text_config=text,
                         image_token_id=_ids(tok, "<image>")[0], tie_word_embeddings=False,
                         pad_token_id=0)
