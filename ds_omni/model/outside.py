@@ -6,9 +6,9 @@ forward itself, where a backbone that runs the modules would not see it:
   features are merged in, so those are scaled too: the multiply follows the `inputs_embeds` branch);
 - the head's logits are divided by `logits_scaling` (Granite), multiplied by `output_multiplier`
   (Muse) or `logit_scale` (Cohere), soft-capped as `cap * tanh(logits / cap)`
-  (`final_logit_softcapping`: Gemma 2 / 4, Mistral Large 4, Muse), or set to the dtype's minimum on tokens the model must not emit
-  (Chameleon's VQ image tokens in text mode).
-`rules_of` reads them from the HF classes' own forward code and the config, so a rule applies
+  (`final_logit_softcapping`: Gemma 2 / 4, Mistral Large 4, Muse), or set to the dtype's minimum
+  on tokens the model must not emit (Chameleon's VQ image tokens in text mode).
+`embed_scale` and `logit_rule` read them from the HF classes' own forward code and the config, so a rule applies
 exactly where HF's forward applies it (a Granite LLM inside LLaVA gets the embedding multiplier,
 which its own forward applies, but not the logit scaling, which only Granite's causal-LM head
 does). `LogitRule` applies the head's in HF's order; `problem` says what is found but not known.
