@@ -8,8 +8,8 @@ forward itself, where a backbone that runs the modules would not see it:
   (Muse) or `logit_scale` (Cohere), soft-capped as `cap * tanh(logits / cap)`
   (`final_logit_softcapping`: Gemma 2 / 4, Mistral Large 4, Muse), or set to the dtype's minimum
   on tokens the model must not emit (Chameleon's VQ image tokens in text mode).
-`embed_scale` and `logit_rule` read them from the HF classes' own forward code and the config, so a rule applies
-exactly where HF's forward applies it (a Granite LLM inside LLaVA gets the embedding multiplier,
+`embed_scale` and `logit_rule` read them from the HF classes' own forward code and the config,
+so a rule applies exactly where HF's forward applies it (a Granite LLM inside LLaVA gets the embedding multiplier,
 which its own forward applies, but not the logit scaling, which only Granite's causal-LM head
 does). `LogitRule` applies the head's in HF's order; `problem` says what is found but not known.
 
