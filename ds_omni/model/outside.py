@@ -78,14 +78,16 @@ def embed_scale(llm_cls, text_config) -> float:
     return float(value)
 
 
-def problem(owner_cls, llm_cls, text_config) -> str | None:
-    """Why ds_omni cannot follow what these forwards do outside the modules, or None."""
+def problem(owner_cls, text_config) -> str | None:
+    """Why ds_omni cannot follow what the forwards of `owner_cls` (the head's) and of the LLM
+    `text_config` configures do outside the modules, or None."""
     mup = getattr(text_config, "logits_mup_width_multiplier", None)
     if mup not in (None, 1):
         return (f"its forward divides the final hidden states by logits_mup_width_multiplier "
                 f"({mup}, Inkling's muP) before the head; the backbone's head does not")
     value = getattr(text_config, "embedding_multiplier", None)
-    if value not in (None, 1) and llm_cls is not None and embed_scale(llm_cls, text_config) == 1:
+    llm_cls = text_model_class(text_config) if value not in (None, 1) else None  # (imports it)
+    if llm_cls is not None and embed_scale(llm_cls, text_config) == 1:
         return (f"its config sets embedding_multiplier {value} but its LLM's forward does not "
                 "apply it the way Granite's does (inputs_embeds * embedding_multiplier)")
     code = _source(owner_cls)

@@ -133,7 +133,7 @@ def config_problem(config) -> str | None:
         return problem
     hf_class = hf_class_of(config.model_type)
     from ds_omni.model import outside  # multipliers, soft-capping: followed where known
-    problem = outside.problem(hf_class, outside.text_model_class(text), text)
+    problem = outside.problem(hf_class, text)
     if problem is not None:
         return problem
     if getattr(text, "use_bidirectional_attention", False) and (
