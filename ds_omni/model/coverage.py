@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from ds_omni.model.recipes import (  # noqa: F401  (RECIPES: also read as coverage.RECIPES)
-    NOT_EXACT, RECIPES, config_for, processor_class_for)
+    NO_RECIPE, NOT_EXACT, RECIPES, config_for, processor_class_for)
 
 LOGITS_ATOL = 1e-5
 
@@ -223,8 +223,9 @@ def classify(model_type: str, work: Path) -> Result:
         problem = static_problem(model_type)
         if problem is not None:
             return Result(False, problem)
-        return Result(False, "not verified: the sweep has no tiny recipe for it yet (the generic "
-                             "adapter loads it; exactness unchecked)")
+        return Result(False, NO_RECIPE.get(model_type, "not verified: the sweep has no tiny recipe "
+                                           "for it yet (the generic adapter loads it; exactness "
+                                           "unchecked)"))
     try:
         return check_family(model_type, recipe, work)
     except Exception as e:  # noqa: BLE001  (every failure is a row of the table)
