@@ -32,14 +32,14 @@ def test_logit_rule_is_hfs_op_sequence():
 
 def test_rules_are_read_from_the_classes_that_apply_them():
     """A Granite LLM's embedding multiplier is its own forward's; logit scaling and logit_scale
-    are the head owner's forward's (Granite's causal LM, Cohere's; LLaVA's head applies none)."""
+    are the head owner's forward's (Granite's causal LM, Cohere's; LLaVA-NeXT's applies none)."""
     from transformers import (AutoConfig, CohereForCausalLM, GraniteForCausalLM, GraniteModel,
-                              LlamaForCausalLM)
+                              LlavaNextForConditionalGeneration)
     granite = AutoConfig.for_model("granite", embedding_multiplier=12.0, logits_scaling=4.0)
     assert outside.embed_scale(GraniteModel, granite) == 12.0
     assert outside.logit_rule(GraniteForCausalLM, granite) == outside.LogitRule(divisor=4.0)
-    # the same numbers in a config whose classes do not use them change nothing
-    assert outside.logit_rule(LlamaForCausalLM, granite) == outside.LogitRule()
+    # Granite Vision 3 (LLaVA-NeXT around a Granite LLM): HF's LLaVA-NeXT head scales nothing
+    assert outside.logit_rule(LlavaNextForConditionalGeneration, granite) == outside.LogitRule()
     cohere = AutoConfig.for_model("cohere", logit_scale=0.0625)
     assert outside.logit_rule(CohereForCausalLM, cohere).multiplier == 0.0625
 
