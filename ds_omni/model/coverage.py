@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from ds_omni.model.recipes import (  # noqa: F401  (RECIPES: also read as coverage.RECIPES)
-    NOT_EXACT, RECIPES, config_for, processor_class_for)
+    NO_RECIPE, NOT_EXACT, RECIPES, config_for, processor_class_for)
 
 LOGITS_ATOL = 1e-5
 
@@ -84,9 +84,9 @@ def check_family(model_type: str, recipe: Callable, work: Path) -> Result:
     return Result(True, f"exact (max |logits diff| {worst:.1g}; bitwise round trip)")
 
 
-def logits_gap(built, reference, processor) -> float:
-    """Max |ours - HF| over a packed row of 3 samples: one image, text only, two images."""
-    from ds_omni.data.packing import pack
+def sweep_samples(built) -> tuple[list, dict]:
+    """The sweep's 3 samples (one image, text only, two images of different sizes) as the built
+    model's processors make them, and each one's images by sample id."""
     from ds_omni.data.processing import SampleProcessor
     img = images()
     media = {"one": [img[0]], "text": [], "two": [img[1], img[2]]}
@@ -97,6 +97,13 @@ def logits_gap(built, reference, processor) -> float:
                            max_seq_len=4096)
     samples = [proc(text=texts[k], media={"vision": media[k]} if media[k] else {}, sample_id=k,
                     source="sweep") for k in media]
+    return samples, media
+
+
+def logits_gap(built, reference, processor) -> float:
+    """Max |ours - HF| over a packed row of 3 samples: one image, text only, two images."""
+    from ds_omni.data.packing import pack
+    samples, media = sweep_samples(built)
     with torch.no_grad():
         mb = pack(samples, built.item_processors)
         ours = built.model.logits(mb)[0]
@@ -216,8 +223,9 @@ def classify(model_type: str, work: Path) -> Result:
         problem = static_problem(model_type)
         if problem is not None:
             return Result(False, problem)
-        return Result(False, "not verified: the sweep has no tiny recipe for it yet (the generic "
-                             "adapter loads it; exactness unchecked)")
+        return Result(False, NO_RECIPE.get(model_type, "not verified: the sweep has no tiny recipe "
+                                           "for it yet (the generic adapter loads it; exactness "
+                                           "unchecked)"))
     try:
         return check_family(model_type, recipe, work)
     except Exception as e:  # noqa: BLE001  (every failure is a row of the table)

@@ -21,6 +21,7 @@ D LLM hidden size, V vocabulary, k deepstack levels.
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -31,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from ds_omni.errors import ModelError
 from ds_omni.model.attention import PackedAttention
 from ds_omni.model.layer_types import for_layer, rotary_tables
+from ds_omni.model.outside import LogitRule
 from ds_omni.parallel import long_short
 from ds_omni.parallel.long_short import EncoderShard
 from ds_omni.parallel.reshard import ReshardEmbeddings
@@ -226,16 +228,24 @@ def _part(encoder: ModalityEncoder) -> str:
 
 
 class Backbone(nn.Module):
-    """The LLM: embedding, decoder layers, final norm, head. Runs packed rows of samples."""
+    """The LLM: embedding, decoder layers, final norm, head. Runs packed rows of samples.
+
+    `embed_scale` and `logit_rule` are what the HF forwards do outside these modules
+    (`ds_omni.model.outside`: Granite's multipliers, logit soft-capping, suppressed tokens);
+    `scale_embeddings` and `head` apply them wherever the backbone's numbers are made.
+    """
 
     def __init__(self, *, embed_tokens: nn.Module, layers: nn.ModuleList, norm: nn.Module,
-                 lm_head: nn.Module, rotary_emb: nn.Module):
+                 lm_head: nn.Module, rotary_emb: nn.Module, embed_scale: float = 1.0,
+                 logit_rule: LogitRule = LogitRule()):
         super().__init__()
         self.embed_tokens = embed_tokens
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head
         self.rotary_emb = rotary_emb
+        self.embed_scale = embed_scale
+        self.logit_rule = logit_rule
         self.attention = PackedAttention()  # kernel + SP group (`OmniModel.set_attention`)
         self.checkpoint_layers = False  # recompute decoder layers in backward (ModelConfig)
 
@@ -252,12 +262,21 @@ class Backbone(nn.Module):
         attended both ways (`MicroBatch.blocks`). `deepstack`: level i is added after layer i
         (levels past the last layer are unused, as in HF).
         """
+        hidden = self.scale_embeddings(hidden)
         kwargs = self.layer_kwargs(hidden, position_ids, cu_seqlens, max_seqlen, attention, blocks)
         for i, layer in enumerate(self.layers):
             hidden = self.run_layer(layer, hidden, kwargs)
             if deepstack is not None and i < deepstack.depth:
                 hidden = deepstack.add(hidden, i)
         return self.norm(hidden)
+
+    def scale_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The merged embeddings (image rows included) as the LLM's forward scales them."""
+        return hidden * self.embed_scale if self.embed_scale != 1 else hidden
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D] -> logits [..., V], with what HF's forward applies after the head."""
+        return self.logit_rule(self.lm_head(hidden))
 
     def layer_kwargs(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                      cu_seqlens: torch.Tensor, max_seqlen: int,
@@ -269,9 +288,15 @@ class Backbone(nn.Module):
         text_positions = position_ids if position_ids.ndim == 2 else position_ids[0]
         attention = attention or self.attention
         cu_seqlens = attention.boundaries(cu_seqlens, hidden.device)
-        return dict(attention_mask=None, position_ids=text_positions,
-                    position_embeddings=position_embeddings, cu_seqlens=cu_seqlens,
-                    max_seqlen=max_seqlen, ds_omni_attention=attention, ds_omni_blocks=blocks)
+        kwargs = dict(attention_mask=None, position_ids=text_positions,
+                      position_embeddings=position_embeddings, cu_seqlens=cu_seqlens,
+                      max_seqlen=max_seqlen, ds_omni_attention=attention, ds_omni_blocks=blocks)
+        if self.layers and "shared_kv_states" in inspect.signature(
+                type(self.layers[0]).forward).parameters:
+            # Gemma 4's layers store their keys and values there (for later layers that reuse
+            # them; `config_problem` refuses models that have such layers)
+            kwargs["shared_kv_states"] = {}
+        return kwargs
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """One decoder layer [1, S, D] -> [1, S, D], recomputed in backward if so configured."""
@@ -279,28 +304,53 @@ class Backbone(nn.Module):
         if self.checkpoint_layers and torch.is_grad_enabled():
             # non-reentrant: works with ZeRO-3's parameter hooks and re-runs the Ulysses
             # all-to-alls in the same order on every rank
-            return checkpoint(layer, hidden, use_reentrant=False, **kwargs)
-        return layer(hidden, **kwargs)
+            out = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+        else:
+            out = layer(hidden, **kwargs)
+        return out[0] if isinstance(out, tuple) else out  # (hidden,): Chameleon's older layers
 
 
-def backbone_of(decoder_model: nn.Module, lm_head: nn.Module) -> Backbone:
+NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
+"""Where HF's decoder models keep their final norm (Persimmon, Fuyu's LLM: `final_layernorm`)."""
+
+
+def final_norm(decoder_model: nn.Module) -> nn.Module | None:
+    """The final norm of an HF decoder model, under any name of `NORM_NAMES`, or None."""
+    for name in NORM_NAMES:
+        if isinstance(getattr(decoder_model, name, None), nn.Module):
+            return getattr(decoder_model, name)
+    return None
+
+
+def backbone_of(decoder_model: nn.Module, lm_head: nn.Module,
+                owner: nn.Module | None = None) -> Backbone:
     """The backbone of an HF decoder-only model (LlamaModel, Qwen2Model, ...) and its head.
 
+    `owner`: the HF model whose forward applies the head (its logit rule is followed,
+    `ds_omni.model.outside`); the embedding scale is the decoder model's own forward's.
     Its attention switches to the packed kernel (`ds_omni.model.attention`); the switch is on this
     config alone, so encoders keep theirs.
     """
+    from ds_omni.model import outside
     from ds_omni.model.attention import PACKED_ATTENTION, register
     register()
-    decoder_model.config._attn_implementation = PACKED_ATTENTION
+    config = decoder_model.config
+    config._attn_implementation = PACKED_ATTENTION
+    rule = LogitRule() if owner is None else outside.logit_rule(
+        type(owner), owner.config.get_text_config(), outside.suppressed_ids(owner))
     return Backbone(embed_tokens=decoder_model.embed_tokens, layers=decoder_model.layers,
-                    norm=decoder_model.norm, lm_head=lm_head, rotary_emb=decoder_model.rotary_emb)
+                    norm=final_norm(decoder_model), lm_head=lm_head,
+                    rotary_emb=decoder_model.rotary_emb,
+                    embed_scale=outside.embed_scale(type(decoder_model), config),
+                    logit_rule=rule)
 
 
-def summed_token_loss(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+def summed_token_loss(head, hidden: torch.Tensor, targets: torch.Tensor,
                       keep: torch.Tensor) -> torch.Tensor:
     """Sum of the token losses of a row: hidden [1, T, D], targets [1, T], keep [n] (the positions
-    that carry a target). Only those are projected: the [T, V] logits are the largest activation."""
-    logits = lm_head(hidden[0].index_select(0, keep))  # [n, V]
+    that carry a target), `head` the backbone's (`Backbone.head`: the LM head and its logit rule).
+    Only those are projected: the [T, V] logits are the largest activation."""
+    logits = head(hidden[0].index_select(0, keep))  # [n, V]
     wanted = targets[0].index_select(0, keep)  # [n]: next token at each kept position
     return F.cross_entropy(logits.float(), wanted, reduction="sum")
 
@@ -489,14 +539,14 @@ class OmniModel(nn.Module):
 
     def logits(self, batch: "MicroBatch") -> torch.Tensor:
         """Logits for every position [1, T, V] (for parity checks and evaluation)."""
-        return self.backbone.lm_head(self.hidden_states(batch))
+        return self.backbone.head(self.hidden_states(batch))
 
     def forward(self, batch: "MicroBatch") -> LossOutput:
         hidden = self.hidden_states(batch)
         # Project only positions that carry a target: the [T, V] logits are the largest activation.
         # Their indices come from the host, so nothing here waits for the device.
         keep = batch.target_positions()  # [n]
-        loss_sum = summed_token_loss(self.backbone.lm_head, hidden, batch.targets, keep)
+        loss_sum = summed_token_loss(self.backbone.head, hidden, batch.targets, keep)
         return LossOutput(loss_sum=loss_sum, num_targets=keep.shape[0])
 
     # ---------------------------------------------------------------------------- structure

@@ -532,16 +532,31 @@ NOT_EXACT = {
               "split",
     "florence2": "its language model is an encoder-decoder (BART); ds_omni's backbone is "
                  "decoder-only",
-    "fuyu": "its Persimmon LLM has no `norm` (it is `final_layernorm`); the generic backbone "
-            "needs embed_tokens, layers, norm and rotary_emb",
-    "chameleon": "its forward sets the logits of the VQ image tokens to the dtype's minimum (no "
-                 "image generation in text mode); ds_omni's head returns them as computed, so the "
-                 "loss's softmax differs",
+    "fuyu": "HF's PIL image processor for it fails in its own patchify_image (a numpy transpose "
+            "on a torch tensor, transformers 5.24) and its torchvision one does not load next to "
+            "a CPU torch; its Persimmon LLM (final norm `final_layernorm`) fits the backbone",
+    "shieldgemma2": "transformers cannot load a ShieldGemma 2 checkpoint into the class its "
+                    "image-text-to-text mapping names (Gemma3ForConditionalGeneration): the "
+                    "saved keys keep a `model.` prefix (its key mapping is for "
+                    "ShieldGemma2ForImageClassification) and every weight loads as missing; "
+                    "its model is Gemma 3's, which is exact",
+    "emu3": "HF pads the images of one call to the largest and its VQ-VAE's convolutions see the "
+            "padding, so an image's codes depend on the other images of the sample (its tiny "
+            "recipe's logits differ by 0.6 from the second, smaller image on); ds_omni encodes "
+            "each image alone",
     "pp_chart2table": "HF's processor has no image token to expand (the chat template writes the "
                       "image's tokens itself), so nothing says how one image becomes tokens",
 }
 """Families tried (a recipe, or their classes built on the meta device) that the generic adapter
 is not exact for, with why."""
+
+NO_RECIPE = {
+    "deepseek_ocr2": "not verified: its vision encoder's learned queries are fixed at 256 for the "
+                     "1024-pixel global view and 144 per 768-pixel tile (query_1024_resolution, "
+                     "query_768_resolution), so the smallest check runs its SAM tower over "
+                     "1024-pixel images, too slow for the sweep (the generic adapter loads it)",
+}
+"""Types the sweep has no tiny recipe for, with why (the others say "no recipe yet")."""
 
 
 RECIPES: dict[str, Callable] = {
@@ -681,3 +696,121 @@ RECIPES.update({
     "aya_vision": _aya_vision,
     "exaone4_5": _exaone4_5,
 })
+
+
+# ---------------------------------- recipes: multipliers and soft-capping outside the modules
+def _granite_docling():
+    """Granite-Docling: Idefics3-like tiles, a Granite LLM (embedding_multiplier on the merged
+    embeddings, logits divided by logits_scaling, residual / attention multipliers in modules)."""
+    from transformers.models.granite_docling.image_processing_pil_granite_docling import (
+        GraniteDoclingImageProcessorPil)
+    tokens = ["<fake_token_around_image>", "<image>", "<global-img>",
+              *[f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]]
+    tok = demo_tokenizer(tokens, {"image_token": "<image>"})
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "image_size": 32, "patch_size": 8, "out_hidden_size": 32,
+              "scale_factor": 2, "deepstack_visual_indexes": [0, 1]}
+    text = _text(tok, "granite_docling_text", num_hidden_layers=2, embedding_multiplier=12.0,
+                 logits_scaling=4.0, residual_multiplier=0.263, attention_multiplier=0.125,
+                 pad_token_id=0)
+    config = config_for("granite_docling", vision_config=vision, text_config=text,
+                        image_token_id=_ids(tok, "<image>")[0], tie_word_embeddings=False,
+                        pad_token_id=0)
+    images = GraniteDoclingImageProcessorPil(size={"height": 32, "width": 32}, max_patches=4)
+    return config, lenient_processor(processor_class_for("granite_docling"),
+                                     image_processor=images, tokenizer=tok, image_seq_len=4)
+
+
+SCALED_RECIPES: dict[str, Callable] = {
+    "granite_docling": _granite_docling,
+}
+RECIPES.update(SCALED_RECIPES)
+
+
+
+# ------------------------------------------- recipes: tokens the head must not emit (Chameleon)
+def _vq_name(code: int) -> str:
+    """Chameleon's vocabulary name of VQ code `code`: its digits as letters A-J, then "Z"."""
+    return "IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(code)) + "Z"
+
+
+def _chameleon():
+    """Chameleon: a VQ-VAE turns an image into codes, whose token embeddings replace <image>; in
+    text mode its forward sets the VQ tokens' logits to the dtype's minimum."""
+    from transformers.models.chameleon.image_processing_pil_chameleon import (
+        ChameleonImageProcessorPil)
+    codes = 16
+    named = {"image_token": "<image>", "boi_token": "<racm3:break>", "eoi_token": "<eoss>"}
+    tok = demo_tokenizer([*named.values(), *map(_vq_name, range(codes))], named)
+    vq = {"embed_dim": 8, "num_embeddings": codes, "latent_channels": 8, "resolution": 32,
+          "base_channels": 32, "channel_multiplier": [1, 1, 1, 1], "num_res_blocks": 1,
+          "attn_resolutions": []}
+    text = {k: v for k, v in _text(tok, "chameleon").items() if k not in ("model_type", "head_dim")}
+    config = config_for("chameleon", **text, vq_config=vq, vocabulary_map=tok.get_vocab())
+    images = ChameleonImageProcessorPil(size={"shortest_edge": 32},
+                                        crop_size={"height": 32, "width": 32})
+    return config, processor_class_for("chameleon")(image_processor=images, tokenizer=tok,
+                                                    image_seq_length=16)
+
+
+SCALED_RECIPES["chameleon"] = _chameleon
+RECIPES["chameleon"] = _chameleon
+
+
+def _gemma4():
+    """Gemma 4 (its smaller models' shape: causal image tokens): a 2-D rope ViT with pooled soft
+    tokens, sliding and full layers (each with its own rope and head size), the logits soft-capped
+    by final_logit_softcapping; no per-layer input embeddings, no shared KV layers."""
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+    named = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+             "image_token": "<image_soft_token>", "boa_token": "<start_of_audio>",
+             "eoa_token": "<end_of_audio>", "audio_token": "<audio_soft_token>"}
+    tok = demo_tokenizer([*named.values(), "<|video|>"], named)
+    tok.image_token_id = _ids(tok, "<image_soft_token>")[0]
+    tok.audio_token_id = _ids(tok, "<audio_soft_token>")[0]
+    ids = {k: _ids(tok, v)[0] for k, v in named.items()}
+    text = _text(tok, "gemma4_text", num_hidden_layers=2, sliding_window=4,
+                 layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=3.0,
+                 hidden_size_per_layer_input=0, tie_word_embeddings=True, global_head_dim=16)
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 8,
+              "patch_size": 4, "position_embedding_size": 64}
+    config = config_for("gemma4", text_config=text, vision_config=vision, audio_config=None,
+                        boi_token_id=ids["boi_token"], eoi_token_id=ids["eoi_token"],
+                        image_token_id=ids["image_token"], boa_token_id=ids["boa_token"],
+                        eoa_token_index=ids["eoa_token"], audio_token_id=ids["audio_token"],
+                        video_token_id=_ids(tok, "<|video|>")[0], tie_word_embeddings=True)
+    images = Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=3)
+    return config, lenient_processor(processor_class_for("gemma4"), image_processor=images,
+                                     tokenizer=tok, image_seq_length=70)
+
+
+SCALED_RECIPES["gemma4"] = _gemma4
+RECIPES["gemma4"] = _gemma4
+
+
+
+def _cohere_compass():
+    """Cohere Compass (North Vision): a Qwen3-VL-like deepstack tower; a Cohere LLM with M-RoPE
+    per layer type whose forward multiplies the logits by logit_scale."""
+    from transformers.models.cohere_compass.image_processing_pil_cohere_compass import (
+        CohereCompassImageProcessorPil)
+    names = ["<|VISION_START|>", "<|VISION_END|>", "<|IMAGE_PAD|>", "<|VIDEO_PAD|>"]
+    tok = demo_tokenizer(names, {"image_token": "<|IMAGE_PAD|>", "video_token": "<|VIDEO_PAD|>"})
+    ids = dict(zip(names, _ids(tok, *names)))
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
+    text = _text(tok, "cohere_compass_text", num_hidden_layers=2, sliding_window=4,
+                 layer_types=["sliding_attention", "full_attention"], logit_scale=0.5,
+                 rope_parameters={"sliding_attention": rope, "full_attention": rope})
+    config = config_for("cohere_compass", vision_config=DEEPSTACK_VISION, text_config=text,
+                        image_token_id=ids["<|IMAGE_PAD|>"], video_token_id=ids["<|VIDEO_PAD|>"],
+                        vision_start_token_id=ids["<|VISION_START|>"],
+                        vision_end_token_id=ids["<|VISION_END|>"])
+    images = CohereCompassImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                            size={"shortest_edge": 8 * 8, "longest_edge": 48 * 48})
+    return config, lenient_processor(processor_class_for("cohere_compass"),
+                                     image_processor=images, tokenizer=tok)
+
+
+SCALED_RECIPES["cohere_compass"] = _cohere_compass
+RECIPES["cohere_compass"] = _cohere_compass

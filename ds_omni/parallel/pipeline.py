@@ -71,10 +71,12 @@ class EmbedStage(nn.Module):
         micro = int(index[0])
         batch, joint = self.step_inputs.batches[micro], self.step_inputs.joint
         if joint is None:  # "stage0": encode here
-            return self.omni.embed(batch), position_ids, cu_seqlens  # hidden [1, T, D]
-        rows = {name: joint.rows_for(micro, name) for name in self.encoders}
-        hidden = self.omni.embed_rows(batch, {k: v for k, v in rows.items() if v is not None})
-        return hidden, position_ids, cu_seqlens
+            hidden = self.omni.embed(batch)  # [1, T, D]
+        else:
+            rows = {name: joint.rows_for(micro, name) for name in self.encoders}
+            hidden = self.omni.embed_rows(batch, {k: v for k, v in rows.items() if v is not None})
+        # what `Backbone.forward` does first (Granite's embedding multiplier)
+        return self.omni.backbone.scale_embeddings(hidden), position_ids, cu_seqlens
 
 
 class DecoderStage(nn.Module):
@@ -96,12 +98,17 @@ class DecoderStage(nn.Module):
 
 
 class HeadStage(nn.Module):
-    """The final norm; holds the LM head, which `PipeLoss` applies to the target positions only."""
+    """The final norm; holds the LM head, which `PipeLoss` applies to the target positions only
+    (`logits`: with the backbone's logit rule, `Backbone.head`)."""
 
     def __init__(self, model: OmniModel):
         super().__init__()
         self.norm = model.backbone.norm
         self.lm_head = model.backbone.lm_head
+        self.logit_rule = model.backbone.logit_rule
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logit_rule(self.lm_head(hidden))
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         hidden, _, _ = inputs
@@ -119,7 +126,7 @@ class PipeLoss:
 
     def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         keep = (targets[0] != IGNORE_INDEX).nonzero().squeeze(1)  # [n]
-        loss_sum = summed_token_loss(self.head.lm_head, hidden, targets, keep)
+        loss_sum = summed_token_loss(self.head.logits, hidden, targets, keep)
         self.sums.append(loss_sum.detach())
         return loss_sum * self.scale
 

@@ -240,7 +240,7 @@ class Composed(Family):
                 tower=hf_model.audio_tower, projector=hf_model.audio_projector,
                 placeholder_id=cfg.audio_token_id)
         lm = hf_model.language_model
-        return OmniModel(encoders=encoders, backbone=backbone_of(lm.model, lm.lm_head),
+        return OmniModel(encoders=encoders, backbone=backbone_of(lm.model, lm.lm_head, lm),
                          family=self, hf_model=hf_model)
 
     def item_processors(self, hf_config, model_dir=None, tokenizer=None):

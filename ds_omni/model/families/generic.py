@@ -17,10 +17,12 @@ attention layer passes its own window to the packed kernel) and bidirectional bl
 `token_type_ids` (`BIDIRECTIONAL`: Gemma 3's image tokens see each other both ways, PaliGemma's
 whole prompt prefix does), which ride along each row as `MicroBatch.blocks`. Vision features that
 a family also adds into the LLM's first layers (deepstack: Qwen3-VL) travel as extra columns of
-the image rows (`ds_omni.model.omni.Deepstack`). Where a family deviates otherwise (another
-`token_type_ids` mask, features injected at other layers, embeddings or logits scaled outside the
-modules, layers that are not attention), `class_problem` / `config_problem` say so and the model is
-refused rather than trained with other numbers; a dedicated file in `families/` is then the fix.
+the image rows (`ds_omni.model.omni.Deepstack`). Numbers its forwards apply outside the modules
+(Granite's multipliers, logit soft-capping, Chameleon's suppressed tokens) the backbone applies too
+(`ds_omni.model.outside`). Where a family deviates otherwise (another `token_type_ids` mask,
+features injected at other layers, Gemma 4's per-layer inputs, layers that are not attention),
+`class_problem` / `config_problem` say so and the model is refused rather than trained with
+other numbers; a dedicated file in `families/` is then the fix.
 The dedicated files of LLaVA, LLaVA-NeXT and Qwen2-VL predate this one and stay (each says why):
 the generic path is exact for them too, but they batch the tower over a micro-batch's images,
 build their processor from the config when a folder has none, and Qwen2-VL's carries video.
@@ -40,7 +42,7 @@ from torch import nn
 from ds_omni.data.media import load_image
 from ds_omni.errors import ModelError
 from ds_omni.model.family import EncodedItem, Family, ItemProcessor
-from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
+from ds_omni.model.omni import NORM_NAMES, ModalityEncoder, OmniModel, backbone_of, final_norm
 
 HOOKS = ("get_image_features",)
 """What the generic path calls. HF's `get_placeholder_mask` (image token == placeholder, checked
@@ -55,15 +57,18 @@ it: "images", each run of image tokens is one block (`get_block_sequence_ids_for
 everything before the first trained token is one block (PaliGemma's prompt, `token_type_ids == 0`)."""
 POSITION_OFFSET = {"paligemma": 1}
 """HF model folder -> what its forward adds to 0-based positions (PaliGemma's are 1-indexed)."""
-_TOWER_NAMES = ("vision", "visual", "image_encoder", "tower", "audio")
+_TOWER_NAMES = ("vision", "visual", "image_encoder", "tower", "audio", "vqmodel")
 _LLM_NAMES = ("language_model", "text_model", "llm")
 
 
 def llm_name(inner: nn.Module) -> str:
-    """The attribute of `inner` holding its decoder-only LLM."""
+    """The attribute of `inner` holding its decoder-only LLM; "" when `inner` is the LLM itself
+    (Chameleon, Emu3: embed_tokens, layers and norm sit next to the image tokenizer)."""
     for name in _LLM_NAMES:
         if isinstance(getattr(inner, name, None), nn.Module):
             return name
+    if all(hasattr(inner, p) for p in ("embed_tokens", "layers", "rotary_emb")):
+        return ""
     raise ModelError(f"{type(inner).__name__} has none of {list(_LLM_NAMES)}: the generic adapter "
                      "cannot find its language model")
 
@@ -123,25 +128,38 @@ def config_problem(config) -> str | None:
         return ("its vision features are summed into the LLM's hidden states at the layers its "
                 "deepstack_layer_map names (Granite 4 Vision); ds_omni carries deepstack levels "
                 "added after layers 0..k-1 only (Qwen3-VL's)")
-    scaled = {k: getattr(text, k) for k in ("embedding_multiplier", "logits_scaling")
-              if getattr(text, k, 1) != 1}
-    if scaled:
-        return (f"its LLM scales embeddings or logits outside its modules ({scaled}, Granite); "
-                "the generic backbone applies neither")
+    problem = per_layer_problem(text)
+    if problem is not None:
+        return problem
     hf_class = hf_class_of(config.model_type)
+    from ds_omni.model import outside  # multipliers, soft-capping: followed where known
+    problem = outside.problem(hf_class, text)
+    if problem is not None:
+        return problem
     if getattr(text, "use_bidirectional_attention", False) and (
             hf_class is None or hf_folder(hf_class) not in BIDIRECTIONAL):
         # (PaliGemma sets it, but its forward's prefix mask decides, as BIDIRECTIONAL builds it)
         return "its LLM attends both ways everywhere (use_bidirectional_attention); not a decoder"
-    cap = getattr(text, "final_logit_softcapping", None)
-    if cap and hf_class is not None and "final_logit_softcapping" in inspect.getsource(
-            hf_class.forward):
-        return (f"its head soft-caps the logits (final_logit_softcapping {cap}); the backbone's "
-                "head is the plain linear layer")
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
     if layer_types - {"full_attention", "sliding_attention"}:
         return (f"its LLM has layers of types {sorted(layer_types)}; the generic backbone runs "
                 "full and sliding-window attention only")
+    return None
+
+
+def per_layer_problem(text) -> str | None:
+    """Why Gemma 4's per-layer extras keep this LLM off the generic backbone, or None."""
+    if getattr(text, "hidden_size_per_layer_input", 0):
+        return ("its LLM feeds every decoder layer its own per-layer input embeddings "
+                "(hidden_size_per_layer_input, Gemma 4's PLE); the backbone calls its layers "
+                "without them")
+    if getattr(text, "num_kv_shared_layers", 0):
+        return ("its last num_kv_shared_layers decoder layers reuse the keys and values of "
+                "earlier ones (Gemma 4); ds_omni has not checked that sharing under packing, "
+                "SP and pipeline stages")
+    if getattr(text, "use_bidirectional_attention", None) == "vision":
+        return ("its image tokens attend to each other both ways (use_bidirectional_attention "
+                "\"vision\", Gemma 4); ds_omni builds such blocks for Gemma 3 and PaliGemma only")
     return None
 
 
@@ -215,8 +233,9 @@ def split_modules(inner: nn.Module) -> tuple[nn.ModuleDict, nn.Module]:
     """(tower, projector): the encoder modules, and every other non-LLM module or parameter of
     `inner` (projector, image_newline, ...), so each HF parameter is registered exactly once."""
     tower, rest, llm = nn.ModuleDict(), nn.ModuleDict(), llm_name(inner)
+    own = {llm} if llm else {*BACKBONE_PARTS, *NORM_NAMES}  # "": the LLM's parts are children
     for name, child in inner.named_children():
-        if name == llm:
+        if name in own:
             continue
         (tower if any(v in name for v in _TOWER_NAMES) else rest)[name] = child
     params = dict(inner.named_parameters(recurse=False))
@@ -283,7 +302,7 @@ def processor_marker(hf_processor, config) -> str:
     # (Qianfan-OCR's "<image>" becomes "<img><IMG_CONTEXT>...</img>")
     for attr in ("image_placeholder_token", "boi_token", "image_token"):
         marker = getattr(hf_processor, attr, None)
-        if marker:
+        if marker and (attr != "boi_token" or _boi_expands(hf_processor, marker)):
             break
     else:
         raise ModelError(f"{type(hf_processor).__name__} has no image_token; the generic adapter "
@@ -296,6 +315,18 @@ def processor_marker(hf_processor, config) -> str:
             tok = hf_processor.tokenizer
             return tok.convert_ids_to_tokens(start) + marker + tok.convert_ids_to_tokens(end)
     return marker
+
+
+def _boi_expands(hf_processor, boi: str) -> bool:
+    """Whether the processor expands its begin-of-image token into the image's tokens (Gemma 3's
+    does; Gemma 4's has one too but expands its image token), tried on a blank image."""
+    from PIL import Image
+    try:
+        out = hf_processor(text=[boi], images=[Image.new("RGB", (32, 32))], return_tensors="pt")
+    except ValueError:  # "the number of image tokens ... should be the same as ... images"
+        return False
+    image_id = hf_processor.tokenizer.convert_tokens_to_ids(hf_processor.image_token)
+    return bool((out["input_ids"] == image_id).any())
 
 
 def load_hf_processor(model_type: str, model_dir: Path | None, tokenizer):
@@ -473,8 +504,9 @@ class GenericFamily(Family):
     def to_omni(self, hf_model, tokenizer=None) -> OmniModel:
         self.check_config(hf_model.config)
         inner = hf_model.model
-        llm = getattr(inner, llm_name(inner))
-        missing = [p for p in BACKBONE_PARTS if not hasattr(llm, p)]
+        llm = getattr(inner, llm_name(inner)) if llm_name(inner) else inner
+        missing = [p for p in BACKBONE_PARTS if not hasattr(llm, p) and not (
+            p == "norm" and final_norm(llm) is not None)]  # Persimmon's `final_layernorm`
         if missing:
             raise ModelError(f"{type(llm).__name__} has no {missing}: the generic "
                              "adapter needs a decoder-only LLM with embed_tokens, layers, norm and "
@@ -487,7 +519,7 @@ class GenericFamily(Family):
         gather_with(encoder, projector.params.values())
         self._set_rope(hf_model.config)
         return OmniModel(encoders={"vision": encoder},
-                         backbone=backbone_of(llm, hf_model.lm_head),
+                         backbone=backbone_of(llm, hf_model.lm_head, hf_model),
                          family=self, hf_model=hf_model)
 
     def _set_rope(self, config) -> None:

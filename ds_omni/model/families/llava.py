@@ -170,7 +170,7 @@ class Llava(Family):
             select_strategy=config.vision_feature_select_strategy,
             image_size=config.vision_config.image_size)
         return OmniModel(encoders={"vision": encoder},
-                         backbone=backbone_of(inner.language_model, hf_model.lm_head),
+                         backbone=backbone_of(inner.language_model, hf_model.lm_head, hf_model),
                          family=self, hf_model=hf_model)
 
     def item_processors(self, hf_config, model_dir=None, tokenizer=None):

@@ -128,7 +128,7 @@ class LlavaNext(Family):
             select_strategy=config.vision_feature_select_strategy,
             image_size=config.vision_config.image_size, pack_fn=inner.pack_image_features)
         return OmniModel(encoders={"vision": encoder},
-                         backbone=backbone_of(inner.language_model, hf_model.lm_head),
+                         backbone=backbone_of(inner.language_model, hf_model.lm_head, hf_model),
                          family=self, hf_model=hf_model)
 
     def item_processors(self, hf_config, model_dir=None, tokenizer=None):

@@ -199,7 +199,7 @@ class Qwen2Audio(Family):
         encoder = Qwen2AudioClipEncoder(tower=inner.audio_tower, projector=inner.multi_modal_projector,
                                     placeholder_id=hf_model.config.audio_token_id)
         return OmniModel(encoders={"audio": encoder},
-                         backbone=backbone_of(inner.language_model, hf_model.lm_head),
+                         backbone=backbone_of(inner.language_model, hf_model.lm_head, hf_model),
                          family=self, hf_model=hf_model)
 
     def item_processors(self, hf_config, model_dir=None, tokenizer=None):

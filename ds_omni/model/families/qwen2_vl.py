@@ -403,7 +403,7 @@ class Qwen2VL(Family):
             placeholder_id=config.image_token_id, vision_config=config.vision_config,
             more_placeholder_ids=(config.video_token_id,))  # videos run through the same tower
         return OmniModel(encoders={"vision": encoder},
-                         backbone=backbone_of(inner.language_model, hf_model.lm_head),
+                         backbone=backbone_of(inner.language_model, hf_model.lm_head, hf_model),
                          family=self, hf_model=hf_model)
 
     def item_processors(self, hf_config, model_dir=None, tokenizer=None):
