@@ -182,7 +182,10 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
     """HF attention-interface function. q: [B, H, S, D], k/v: [B, Hkv, S, D] -> out [B, S, H, D].
 
     The layer passes its own `sliding_window` (None on full-attention layers); the backbone passes
-    the row's bidirectional blocks as `ds_omni_blocks` ([m, 2], or None)."""
+    the row's bidirectional blocks as `ds_omni_blocks` ([m, 2], or None); a layer run per sample
+    (`ds_omni.model.per_sample`) gets its sample's boundaries as `ds_omni_cu_seqlens`."""
+    if cu_seqlens is None and kwargs.get("ds_omni_cu_seqlens") is not None:
+        cu_seqlens, max_seqlen = kwargs.pop("ds_omni_cu_seqlens"), kwargs.pop("ds_omni_max_seqlen")
     if cu_seqlens is None:  # called by HF itself (generate, a plain forward): its own SDPA path
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,

@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from ds_omni.errors import ModelError
 from ds_omni.model.attention import PackedAttention
 from ds_omni.model.layer_types import for_layer, rotary_tables
+from ds_omni.model.per_sample import run_per_sample, runs_per_sample
 from ds_omni.parallel import long_short
 from ds_omni.parallel.long_short import EncoderShard
 from ds_omni.parallel.reshard import ReshardEmbeddings
@@ -274,13 +275,15 @@ class Backbone(nn.Module):
                     max_seqlen=max_seqlen, ds_omni_attention=attention, ds_omni_blocks=blocks)
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """One decoder layer [1, S, D] -> [1, S, D], recomputed in backward if so configured."""
+        """One decoder layer [1, S, D] -> [1, S, D], recomputed in backward if so configured; a
+        layer whose token mixing is not attention runs once per sample (`model.per_sample`)."""
         kwargs = for_layer(layer, kwargs)
+        run = (lambda h, **kw: run_per_sample(layer, h, kw)) if runs_per_sample(layer) else layer
         if self.checkpoint_layers and torch.is_grad_enabled():
             # non-reentrant: works with ZeRO-3's parameter hooks and re-runs the Ulysses
             # all-to-alls in the same order on every rank
-            return checkpoint(layer, hidden, use_reentrant=False, **kwargs)
-        return layer(hidden, **kwargs)
+            return checkpoint(run, hidden, use_reentrant=False, **kwargs)
+        return run(hidden, **kwargs)
 
 
 def backbone_of(decoder_model: nn.Module, lm_head: nn.Module) -> Backbone:
@@ -290,8 +293,10 @@ def backbone_of(decoder_model: nn.Module, lm_head: nn.Module) -> Backbone:
     config alone, so encoders keep theirs.
     """
     from ds_omni.model.attention import PACKED_ATTENTION, register
+    from ds_omni.model.per_sample import mark
     register()
     decoder_model.config._attn_implementation = PACKED_ATTENTION
+    mark(decoder_model.layers, decoder_model.config)
     return Backbone(embed_tokens=decoder_model.embed_tokens, layers=decoder_model.layers,
                     norm=decoder_model.norm, lm_head=lm_head, rotary_emb=decoder_model.rotary_emb)
 

@@ -681,3 +681,37 @@ RECIPES.update({
     "aya_vision": _aya_vision,
     "exaone4_5": _exaone4_5,
 })
+
+
+# ---- LLMs with layers run once per sample (`ds_omni.model.per_sample`): linear attention
+GATED_DELTA = {"layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2,
+               "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+               "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4,
+               "rope_parameters": {**QWEN3_ROPE, "partial_rotary_factor": 0.5}}
+"""A Qwen3.5 LLM: a gated delta net layer, then a full-attention one (partial rotary)."""
+
+
+def _qwen3_5(model_type: str, **text_extra):
+    """Qwen3.5 (and its MoE LLM variant): a Qwen3-VL-like tower without deepstack, an LLM of
+    gated delta net and attention layers."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    names = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok = demo_tokenizer(names, {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
+    ids = dict(zip(names, _ids(tok, *names)))
+    vision = {k: v for k, v in DEEPSTACK_VISION.items() if k != "deepstack_visual_indexes"}
+    text = _text(tok, f"{model_type}_text", **GATED_DELTA, **text_extra)
+    config = config_for(model_type, vision_config=vision, text_config=text,
+                        vision_start_token_id=ids["<|vision_start|>"],
+                        vision_end_token_id=ids["<|vision_end|>"],
+                        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"])
+    images = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                      min_pixels=8 * 8, max_pixels=48 * 48)
+    return config, lenient_processor(processor_class_for(model_type), image_processor=images,
+                                     tokenizer=tok)
+
+
+RECIPES.update({
+    "qwen3_5": lambda: _qwen3_5("qwen3_5"),
+    "qwen3_5_moe": lambda: _qwen3_5("qwen3_5_moe", num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=16, shared_expert_intermediate_size=16),
+})

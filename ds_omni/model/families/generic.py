@@ -139,7 +139,8 @@ def config_problem(config) -> str | None:
         return (f"its head soft-caps the logits (final_logit_softcapping {cap}); the backbone's "
                 "head is the plain linear layer")
     layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
-    if layer_types - {"full_attention", "sliding_attention"}:
+    from ds_omni.model.per_sample import PER_SAMPLE  # layers run once per sample
+    if layer_types - {"full_attention", "sliding_attention", *PER_SAMPLE}:
         return (f"its LLM has layers of types {sorted(layer_types)}; the generic backbone runs "
                 "full and sliding-window attention only")
     return None
