@@ -298,7 +298,20 @@ def backbone_of(decoder_model: nn.Module, lm_head: nn.Module) -> Backbone:
     decoder_model.config._attn_implementation = PACKED_ATTENTION
     mark(decoder_model.layers, decoder_model.config)
     return Backbone(embed_tokens=decoder_model.embed_tokens, layers=decoder_model.layers,
-                    norm=decoder_model.norm, lm_head=lm_head, rotary_emb=decoder_model.rotary_emb)
+                    norm=final_norm(decoder_model), lm_head=lm_head,
+                    rotary_emb=decoder_model.rotary_emb)
+
+
+FINAL_NORMS = ("norm", "embedding_norm")
+"""Where a decoder model keeps the norm after its last layer (LFM names it `embedding_norm`)."""
+
+
+def final_norm(decoder_model: nn.Module) -> nn.Module | None:
+    """The norm an HF decoder model applies after its last layer, or None."""
+    for name in FINAL_NORMS:
+        if isinstance(getattr(decoder_model, name, None), nn.Module):
+            return getattr(decoder_model, name)
+    return None
 
 
 def summed_token_loss(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,

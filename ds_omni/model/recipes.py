@@ -715,3 +715,31 @@ RECIPES.update({
     "qwen3_5_moe": lambda: _qwen3_5("qwen3_5_moe", num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=16, shared_expert_intermediate_size=16),
 })
+
+
+def _lfm3_vl():
+    """LFM3-VL: a NaViT-style tower of convolution and attention blocks; an LFM3 LLM of gated
+    short-convolution, sliding-window and full-attention layers (its final norm is named
+    `embedding_norm`)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    names = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok = demo_tokenizer(names, {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
+    ids = dict(zip(names, _ids(tok, *names)))
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "patch_size": 4,
+              "spatial_merge_size": 2, "temporal_patch_size": 2}
+    text = _text(tok, "lfm3", num_hidden_layers=3, pad_token_id=tok.pad_token_id,
+                 layer_types=["conv", "sliding_attention", "full_attention"], sliding_window=4,
+                 conv_L_cache=3)
+    config = config_for("lfm3_vl", vision_config=vision, text_config=text,
+                        projector_hidden_size=64, image_token_id=ids["<|image_pad|>"],
+                        video_token_id=ids["<|video_pad|>"],
+                        vision_start_token_id=ids["<|vision_start|>"],
+                        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    images = Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                      min_pixels=8 * 8, max_pixels=48 * 48)
+    return config, lenient_processor(processor_class_for("lfm3_vl"), image_processor=images,
+                                     tokenizer=tok)
+
+
+RECIPES["lfm3_vl"] = _lfm3_vl

@@ -40,7 +40,7 @@ from torch import nn
 from ds_omni.data.media import load_image
 from ds_omni.errors import ModelError
 from ds_omni.model.family import EncodedItem, Family, ItemProcessor
-from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
+from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of, final_norm
 
 HOOKS = ("get_image_features",)
 """What the generic path calls. HF's `get_placeholder_mask` (image token == placeholder, checked
@@ -475,7 +475,8 @@ class GenericFamily(Family):
         self.check_config(hf_model.config)
         inner = hf_model.model
         llm = getattr(inner, llm_name(inner))
-        missing = [p for p in BACKBONE_PARTS if not hasattr(llm, p)]
+        missing = [p for p in BACKBONE_PARTS if not hasattr(llm, p) and not (
+            p == "norm" and final_norm(llm) is not None)]  # LFM's `embedding_norm`
         if missing:
             raise ModelError(f"{type(llm).__name__} has no {missing}: the generic "
                              "adapter needs a decoder-only LLM with embed_tokens, layers, norm and "
