@@ -1,16 +1,21 @@
-"""Decoder layers whose token mixing is not attention, run once per sample of a packed row.
+"""Decoder layers whose token mixing is not plain attention, run once per sample of a packed row.
 
 A packed row holds several samples, and ds_omni's packed attention keeps them apart through
-`cu_seqlens`. A layer that mixes tokens another way (a recurrence, a convolution over time) knows
-nothing of `cu_seqlens`: run over the whole row, its state would flow from one sample into the
-next. Such a layer runs here once per sample: the row's hidden states [1, T, D] are cut at
+`cu_seqlens`. A layer that mixes tokens another way (a recurrence, a convolution over time, an
+indexer scoring every earlier token) knows nothing of `cu_seqlens`: run over the whole row, its
+state would flow from one sample into the next. Such a layer runs here once per sample: the row's hidden states [1, T, D] are cut at
 `cu_seqlens`, each piece gets its own slice of the position embeddings and position ids (what HF's
 own forward hands the layer for one unpadded sequence: no mask, no cache), and the outputs are
 joined. Attention inside such a layer still runs on the packed kernel, over a row of one sample.
 Attention layers stay on the packed kernel over the whole row.
 
-Which layer types go per sample, and why (`PER_SAMPLE`): keyed on the type the LLM's config gives
-each layer (`layer_types`), so one mechanism serves every family that names its layers so. The
+Which layer types go per sample, and why (`PER_SAMPLE`; `AS_ATTENTION`: the types that stay on
+the packed kernel; `NOT_SUPPORTED`: the ones refused, with why): keyed on the type the LLM's
+config gives each layer (`layer_types`), so one mechanism serves every family that names its
+layers so. An indexed (top-k sparse) layer also reads HF's causal mask (`WITH_MASK`): its sample
+runs on SDPA with the mask narrowed to the top-k pick, exact at any length (below k the pick is
+every earlier token, i.e. causal attention), at the price of an [L, L] mask per sample and no
+varlen kernel. The
 cost is one call of such a layer per sample (kernels of short samples are small); the gain is that
 any such layer is exact without knowing its internals. HF's torch fallbacks of these layers take no
 `cu_seqlens` (the fla / causal-conv1d kernels do, on CUDA only), so per sample is also the only
@@ -34,10 +39,43 @@ PER_SAMPLE = {
     "linear_attention": "a gated delta net (Qwen3.5, MiniCPM-V 4.6): a causal convolution over "
                         "time and a recurrent state",
     "conv": "a gated short convolution over time (LFM)",
+    "indexed_attention": "a DeepSeek-V3.2-style indexer that picks each query's top-k keys among "
+                         "all earlier tokens, and attention masked to that pick",
 }
 """Layer type (as `config.layer_types` names it) -> what in it mixes tokens across a sample."""
+WITH_MASK = ("indexed_attention",)
+"""Per-sample types whose layer reads HF's causal mask (the indexer masks its scores with it and
+adds its top-k pick to it): each sample gets the boolean causal mask HF builds for one unpadded
+sequence, and the attention inside runs on SDPA with the mask the layer hands it (so the top-k
+pick holds at any sample length, not only below k, where it is plain causal attention)."""
+AS_ATTENTION = {
+    "full_attention": "causal attention",
+    "sliding_attention": "causal attention in a sliding window",
+    "reference_sliding_attention": "causal attention while training: its window applies to "
+                                   "decoded tokens only, past a prefill that is kept whole, and a "
+                                   "training forward is all prefill (no cache)",
+}
+"""Layer types that run on the packed kernel over the whole row."""
+NOT_SUPPORTED = {
+    "hybrid": "Inkling 2's layers also take block states (attention over the outputs of earlier "
+              "blocks) and relative-distance and convolution masks that its model's forward "
+              "builds; the backbone hands a layer only the hidden states of the one before",
+    "hybrid_sliding": "as 'hybrid', with a sliding window",
+}
+"""Layer types no backbone path runs, with why."""
 _ROW_ONLY = ("cu_seqlens", "max_seqlen", "ds_omni_blocks")
 """Per-row keyword arguments of `Backbone.layer_kwargs` that a per-sample call replaces."""
+
+
+def layer_types_problem(layer_types) -> str | None:
+    """Why an LLM with these `config.layer_types` cannot run on the backbone, or None."""
+    unknown = sorted(set(layer_types or ()) - set(PER_SAMPLE) - set(AS_ATTENTION))
+    if not unknown:
+        return None
+    why = "; ".join(f"{t}: {NOT_SUPPORTED[t]}" for t in unknown if t in NOT_SUPPORTED)
+    return (f"its LLM has layers of types {unknown}, which the generic backbone does not run "
+            f"({why or 'unknown to it'}); it runs {sorted(AS_ATTENTION)} on the packed kernel and "
+            f"{sorted(PER_SAMPLE)} once per sample")
 
 
 def per_sample_types(config) -> list[str]:
@@ -68,7 +106,8 @@ def sp_problem(types: list[str]) -> str | None:
 
 
 def run_per_sample(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """hidden [1, T, D] -> [1, T, D]: `layer` called once per sample of the row (module docstring)."""
+    """hidden [1, T, D] -> [1, T, D]: `layer` called once per sample of the row (module
+    docstring)."""
     attention = kwargs.get("ds_omni_attention")
     if attention is not None and attention.sp_group is not None:
         raise ModelError(f"a decoder layer of type {layer.ds_omni_per_sample!r} cannot run on a "
@@ -84,6 +123,8 @@ def run_per_sample(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torc
             continue
         one = torch.tensor([0, b - a])  # the sample's own boundaries, where the kernel reads them
         one = attention.boundaries(one, hidden.device) if attention is not None else one
+        if layer.ds_omni_per_sample in WITH_MASK:
+            rest["attention_mask"] = causal_mask(b - a, hidden.device)
         outs.append(layer(hidden[:, a:b], **sample_kwargs(rest, a, b, hidden.shape[1]),
                           ds_omni_cu_seqlens=one, ds_omni_max_seqlen=b - a))
     return torch.cat(outs, dim=1)  # L_i x [1, L_i, D] -> [1, T, D]
@@ -109,3 +150,9 @@ def _cut(t: torch.Tensor, start: int, end: int, total: int, dim: int) -> torch.T
                          f"where the row has {total} tokens; its family passes it in a layout "
                          "ds_omni does not cut")
     return t.narrow(dim, start, end - start)
+
+
+def causal_mask(length: int, device) -> torch.Tensor:
+    """[1, 1, L, L] bool, True where a query may see a key: HF's SDPA causal mask of one unpadded
+    sequence (`create_causal_mask` without the causal skip)."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]

@@ -138,12 +138,8 @@ def config_problem(config) -> str | None:
             hf_class.forward):
         return (f"its head soft-caps the logits (final_logit_softcapping {cap}); the backbone's "
                 "head is the plain linear layer")
-    layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
-    from ds_omni.model.per_sample import PER_SAMPLE  # layers run once per sample
-    if layer_types - {"full_attention", "sliding_attention", *PER_SAMPLE}:
-        return (f"its LLM has layers of types {sorted(layer_types)}; the generic backbone runs "
-                "full and sliding-window attention only")
-    return None
+    from ds_omni.model.per_sample import layer_types_problem
+    return layer_types_problem(getattr(text, "layer_types", None))
 
 
 def generic_family(model_type: str) -> "GenericFamily":
