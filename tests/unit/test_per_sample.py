@@ -148,3 +148,16 @@ def test_a_training_step_on_a_packed_row_equals_hf_per_sample(tmp_path):
     for name, g in ref_grads.items():  # ours are d(loss sum)/targets: HF's summed ones, scaled
         torch.testing.assert_close(grads[keys[name]] * mb.num_targets, g, rtol=1e-4, atol=1e-6,
                                    msg=name)
+    _pipeline_stages_run_it_too(built.model, mb)
+
+
+def _pipeline_stages_run_it_too(model, mb):
+    """The pipeline engine's decoder stages (one layer each, the whole row) give the backbone's
+    hidden states."""
+    from ds_omni.parallel.pipeline import DecoderStage
+    with torch.no_grad():
+        hidden = model.embed(mb)
+        whole = model.backbone(hidden, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
+        for i in range(len(model.backbone.layers)):
+            hidden, _, _ = DecoderStage(model, i)((hidden, mb.position_ids, mb.cu_seqlens))
+    torch.testing.assert_close(model.backbone.norm(hidden), whole, rtol=0, atol=0)
