@@ -276,7 +276,8 @@ class Backbone(nn.Module):
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """One decoder layer [1, S, D] -> [1, S, D], recomputed in backward if so configured; a
-        layer whose token mixing is not attention runs once per sample (`model.per_sample`)."""
+        layer whose token mixing is not attention runs once per sample
+        (`ds_omni.model.per_sample`)."""
         kwargs = for_layer(layer, kwargs)
         run = (lambda h, **kw: run_per_sample(layer, h, kw)) if runs_per_sample(layer) else layer
         if self.checkpoint_layers and torch.is_grad_enabled():
@@ -297,8 +298,12 @@ def backbone_of(decoder_model: nn.Module, lm_head: nn.Module) -> Backbone:
     register()
     decoder_model.config._attn_implementation = PACKED_ATTENTION
     mark(decoder_model.layers, decoder_model.config)
+    norm = final_norm(decoder_model)
+    if norm is None:
+        raise ModelError(f"{type(decoder_model).__name__} has none of {list(FINAL_NORMS)}: the "
+                         "backbone needs the norm its model applies after the last layer")
     return Backbone(embed_tokens=decoder_model.embed_tokens, layers=decoder_model.layers,
-                    norm=final_norm(decoder_model), lm_head=lm_head,
+                    norm=norm, lm_head=lm_head,
                     rotary_emb=decoder_model.rotary_emb)
 
 

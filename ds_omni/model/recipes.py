@@ -1,5 +1,5 @@
 """Tiny recipes for the coverage sweep (`ds_omni.model.coverage`): per model type, a random HF
-config (hidden 32, one or two LLM layers, tiny towers) and a processor built from parts, no hub.
+config (hidden 32, one to three LLM layers, tiny towers) and a processor built from parts, no hub.
 
 A recipe returns (config, processor). The sweep saves both, loads them through the real loading
 path and compares against HF; `NOT_EXACT` names the types tried and found not exact, with why.
