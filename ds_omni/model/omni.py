@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from ds_omni.errors import ModelError
 from ds_omni.model.attention import PackedAttention
 from ds_omni.model.layer_types import for_layer, rotary_tables
-from ds_omni.model.per_sample import run_per_sample, runs_per_sample
+from ds_omni.model.per_sample import ROW_BOUNDS, run_per_sample, runs_per_sample
 from ds_omni.parallel import long_short
 from ds_omni.parallel.long_short import EncoderShard
 from ds_omni.parallel.reshard import ReshardEmbeddings
@@ -269,17 +269,24 @@ class Backbone(nn.Module):
         position_embeddings = rotary_tables(self.rotary_emb, hidden, position_ids)
         text_positions = position_ids if position_ids.ndim == 2 else position_ids[0]
         attention = attention or self.attention
+        # the samples' bounds on the host, for layers run per sample (read once per row, not once
+        # per such layer from a device copy)
+        bounds = {ROW_BOUNDS: cu_seqlens.tolist()} if any(map(runs_per_sample, self.layers)) else {}
         cu_seqlens = attention.boundaries(cu_seqlens, hidden.device)
         return dict(attention_mask=None, position_ids=text_positions,
                     position_embeddings=position_embeddings, cu_seqlens=cu_seqlens,
-                    max_seqlen=max_seqlen, ds_omni_attention=attention, ds_omni_blocks=blocks)
+                    max_seqlen=max_seqlen, ds_omni_attention=attention, ds_omni_blocks=blocks,
+                    **bounds)
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """One decoder layer [1, S, D] -> [1, S, D], recomputed in backward if so configured; a
         layer whose token mixing is not attention runs once per sample
         (`ds_omni.model.per_sample`)."""
         kwargs = for_layer(layer, kwargs)
-        run = (lambda h, **kw: run_per_sample(layer, h, kw)) if runs_per_sample(layer) else layer
+        if runs_per_sample(layer):
+            run = lambda h, **kw: run_per_sample(layer, h, kw)  # noqa: E731
+        else:
+            run, kwargs = layer, {k: v for k, v in kwargs.items() if k != ROW_BOUNDS}
         if self.checkpoint_layers and torch.is_grad_enabled():
             # non-reentrant: works with ZeRO-3's parameter hooks and re-runs the Ulysses
             # all-to-alls in the same order on every rank

@@ -3,10 +3,11 @@
 A packed row holds several samples, and ds_omni's packed attention keeps them apart through
 `cu_seqlens`. A layer that mixes tokens another way (a recurrence, a convolution over time, an
 indexer scoring every earlier token) knows nothing of `cu_seqlens`: run over the whole row, its
-state would flow from one sample into the next. Such a layer runs here once per sample: the row's hidden states [1, T, D] are cut at
-`cu_seqlens`, each piece gets its own slice of the position embeddings and position ids (what HF's
-own forward hands the layer for one unpadded sequence: no mask, no cache), and the outputs are
-joined. Attention inside such a layer still runs on the packed kernel, over a row of one sample.
+state would flow from one sample into the next. Such a layer runs here once per sample: the row's
+hidden states [1, T, D] are cut at `cu_seqlens`, each piece gets its own slice of the position
+embeddings and position ids (what HF's own forward hands the layer for one unpadded sequence: no
+mask, no cache) and its own bidirectional spans, if any, and the outputs are joined. Attention
+inside such a layer still runs on the packed kernel, over a row of one sample.
 Attention layers stay on the packed kernel over the whole row.
 
 Which layer types go per sample, and why (`PER_SAMPLE`; `AS_ATTENTION`: the types that stay on
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from ds_omni.errors import ModelError
+from ds_omni.model.attention import sample_blocks
 
 PER_SAMPLE = {
     "linear_attention": "a gated delta net (Qwen3.5, MiniCPM-V 4.6): a causal convolution over "
@@ -63,7 +65,10 @@ NOT_SUPPORTED = {
     "hybrid_sliding": "as 'hybrid', with a sliding window",
 }
 """Layer types no backbone path runs, with why."""
-_ROW_ONLY = ("cu_seqlens", "max_seqlen", "ds_omni_blocks")
+ROW_BOUNDS = "ds_omni_row_bounds"
+"""`Backbone.layer_kwargs`' key for the row's `cu_seqlens` as a host list (the kernel's copy may
+sit on the device)."""
+_ROW_ONLY = ("cu_seqlens", "max_seqlen", "ds_omni_blocks", ROW_BOUNDS)
 """Per-row keyword arguments of `Backbone.layer_kwargs` that a per-sample call replaces."""
 
 
@@ -112,17 +117,21 @@ def run_per_sample(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torc
     if attention is not None and attention.sp_group is not None:
         raise ModelError(f"a decoder layer of type {layer.ds_omni_per_sample!r} cannot run on a "
                          "sequence shard: " + sp_problem([layer.ds_omni_per_sample]))
-    bounds = kwargs["cu_seqlens"].tolist()
+    bounds = kwargs.get(ROW_BOUNDS) or kwargs["cu_seqlens"].tolist()
     if bounds[-1] != hidden.shape[1]:
         raise ModelError(f"the row's samples end at {bounds[-1]} but the hidden states hold "
                          f"{hidden.shape[1]} tokens; a per-sample layer needs the whole row")
     rest = {k: v for k, v in kwargs.items() if k not in _ROW_ONLY}
+    blocks = kwargs.get("ds_omni_blocks")
+    spans = blocks.tolist() if blocks is not None else []  # [m, 2] row positions
     outs = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         if b == a:
             continue
         one = torch.tensor([0, b - a])  # the sample's own boundaries, where the kernel reads them
         one = attention.boundaries(one, hidden.device) if attention is not None else one
+        inside = sample_blocks(spans, a, b)  # the sample's bidirectional spans, made relative
+        rest["ds_omni_blocks"] = torch.tensor(inside) if inside else None
         if layer.ds_omni_per_sample in WITH_MASK:
             rest["attention_mask"] = causal_mask(b - a, hidden.device)
         outs.append(layer(hidden[:, a:b], **sample_kwargs(rest, a, b, hidden.shape[1]),

@@ -18,7 +18,13 @@ class RunningSum(nn.Module):
 
     ds_omni_per_sample = "linear_attention"
 
+    def __init__(self):
+        super().__init__()
+        self.blocks = []  # the bidirectional spans each call was handed
+
     def forward(self, hidden, position_embeddings=None, position_ids=None, **kwargs):
+        blocks = kwargs.get("ds_omni_blocks")
+        self.blocks.append(None if blocks is None else blocks.tolist())
         cos, _ = position_embeddings
         return hidden.cumsum(dim=1) + cos[..., :1] + position_ids[..., None]
 
@@ -34,11 +40,14 @@ def _row(lengths):
 
 
 def test_a_recurrent_layer_runs_once_per_sample():
-    """Each sample's output is the layer's on that sample alone; over the whole row (the planted
-    error) the state of the first sample flows into the second."""
+    """Each sample's output is the layer's on that sample alone, and it is handed its own
+    bidirectional spans; over the whole row (the planted error) the state of the first sample
+    flows into the second."""
     layer = RunningSum()
     hidden, kwargs = _row([3, 5, 2])
-    out = per_sample.run_per_sample(layer, hidden, kwargs)
+    out = per_sample.run_per_sample(layer, hidden, {**kwargs, "ds_omni_blocks": torch.tensor(
+        [[4, 6]])})
+    assert layer.blocks == [None, [[1, 3]], None]
     for a, b in ((0, 3), (3, 8), (8, 10)):
         cos = kwargs["position_embeddings"][0][:, a:b]
         alone = layer(hidden[:, a:b], position_embeddings=(cos, cos),
