@@ -170,3 +170,25 @@ def _pipeline_stages_run_it_too(model, mb):
         for i in range(len(model.backbone.layers)):
             hidden, _, _ = DecoderStage(model, i)((hidden, mb.position_ids, mb.cu_seqlens))
     torch.testing.assert_close(model.backbone.norm(hidden), whole, rtol=0, atol=0)
+
+
+def test_an_indexed_layer_attends_to_its_top_k_pick_only():
+    """A per-sample call that hands a mask and a top-k pick (`indices`, as DeepSeek-V3.2-style
+    layers do for kernels other than eager / SDPA) attends to the picked earlier keys only; with
+    the pick ignored (the planted error) later queries see more keys."""
+    from types import SimpleNamespace
+    from ds_omni.model.attention import packed_attention
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))  # [1, H, L, D]
+    picks = torch.tensor([[[0, 0], [0, 1], [1, 2], [0, 3], [2, 4]]])  # [1, L, 2]
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=1, training=False)
+    call = dict(scaling=0.5, ds_omni_cu_seqlens=torch.tensor([0, 5]), ds_omni_max_seqlen=5)
+    out, _ = packed_attention(module, q, k, v, per_sample.causal_mask(5, "cpu"), indices=picks,
+                              **call)
+    allowed = torch.zeros(5, 5, dtype=torch.bool)
+    allowed[torch.arange(5)[:, None], picks[0]] = True
+    scores = (q @ k.transpose(-1, -2) * 0.5).masked_fill(~allowed, float("-inf"))
+    want = (scores.softmax(-1) @ v).transpose(1, 2)  # [1, L, H, D]
+    torch.testing.assert_close(out, want)
+    causal, _ = packed_attention(module, q, k, v, per_sample.causal_mask(5, "cpu"), **call)
+    assert not torch.allclose(causal[:, 2:], want[:, 2:])
