@@ -146,8 +146,9 @@ def test_a_training_step_on_a_packed_row_equals_hf_per_sample(tmp_path):
     keys = built.model.hf_key_map()
     grads = {}
     built.model.backbone.checkpoint_layers = True  # the per-sample layer under recompute too
-    result = train_step(PlainEngine(built.model), StepBatch(step=0, micro_batches=[mb], keys=list(media)),
-                        TorchDataComm(), on_reduced_grads=lambda e: grads.update(
+    step = StepBatch(step=0, micro_batches=[mb], keys=list(media))
+    result = train_step(PlainEngine(built.model), step, TorchDataComm(),
+                        on_reduced_grads=lambda e: grads.update(
                             {k: p.grad.clone() for k, p in e.module.named_parameters()
                              if p.grad is not None}))
     assert result.targets == mb.num_targets > 0
