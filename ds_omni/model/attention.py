@@ -182,7 +182,13 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
     """HF attention-interface function. q: [B, H, S, D], k/v: [B, Hkv, S, D] -> out [B, S, H, D].
 
     The layer passes its own `sliding_window` (None on full-attention layers); the backbone passes
-    the row's bidirectional blocks as `ds_omni_blocks` ([m, 2], or None)."""
+    the row's bidirectional blocks as `ds_omni_blocks` ([m, 2], or None); a layer run per sample
+    (`ds_omni.model.per_sample`) gets its sample's boundaries as `ds_omni_cu_seqlens`."""
+    if cu_seqlens is None and kwargs.get("ds_omni_cu_seqlens") is not None:
+        cu_seqlens, max_seqlen = kwargs.pop("ds_omni_cu_seqlens"), kwargs.pop("ds_omni_max_seqlen")
+        if attention_mask is not None:  # one sample whose layer reads a mask: HF's SDPA with it
+            return sdpa_with_top_k(module, query, key, value, attention_mask, scaling, dropout,
+                                   kwargs)
     if cu_seqlens is None:  # called by HF itself (generate, a plain forward): its own SDPA path
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -193,6 +199,20 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
     kernel = ds_omni_attention or PackedAttention()
     return kernel(query, key, value, cu_seqlens, max_seqlen, scaling, dropout,
                   kwargs.get("sliding_window"), ds_omni_blocks), None
+
+
+def sdpa_with_top_k(module, query, key, value, mask, scaling, dropout, kwargs: dict):
+    """HF's SDPA on one sample (q [1, H, L, D]) with the layer's boolean `mask` [1, 1, L, L];
+    a DeepSeek-V3.2-style layer's top-k pick (`indices` [1, L, k], which HF turns into a mask on
+    its eager and SDPA paths only and hands other kernels as is) narrowed into it as HF does."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    indices = kwargs.pop("indices", None)
+    if indices is not None:
+        unpicked = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device)[None]
+        unpicked = unpicked.scatter(-1, indices.long(), False).unsqueeze(1)  # [1, 1, L, L]
+        mask = mask & ~unpicked
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout,
+                                  scaling=scaling, **kwargs)
 
 
 def check_softcap(softcap: float | None) -> None:

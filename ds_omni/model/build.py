@@ -168,6 +168,10 @@ def check_sequence_parallel(cfg: ModelConfig, sp: int) -> None:
     if not family.sequence_parallel:
         raise ModelError(f"parallel.sp={sp}: the {family.name!r} family does not support sequence "
                          "parallelism yet; set parallel.sp to 1")
+    from ds_omni.model.per_sample import per_sample_types, sp_problem
+    problem = sp_problem(per_sample_types(text))
+    if problem is not None:
+        raise ModelError(f"parallel.sp={sp}: {problem}")
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     if heads % sp:

@@ -34,6 +34,8 @@ def rotary_tables(rotary: nn.Module, hidden: torch.Tensor, position_ids: torch.T
 
 def layer_type(layer: nn.Module) -> str:
     """A decoder layer's type ("sliding_attention", "full_attention", ...), as its config says."""
+    if getattr(layer, "ds_omni_per_sample", None) is not None:  # `per_sample.mark` found it
+        return layer.ds_omni_per_sample
     for holder in (layer, getattr(layer, "self_attn", None)):
         for attr in ("attention_type", "layer_type"):
             if isinstance(getattr(holder, attr, None), str):
@@ -43,8 +45,9 @@ def layer_type(layer: nn.Module) -> str:
 
 
 def for_layer(layer: nn.Module, kwargs: dict) -> dict:
-    """`kwargs` with the layer's own rotary table where the row has one per layer type."""
+    """`kwargs` with the layer's own rotary table where the row has one per layer type (None for
+    a type without one: LFM's convolution layers, as HF's `position_embeddings.get(type)`)."""
     tables = kwargs.get("position_embeddings")
     if not isinstance(tables, PerLayerType):
         return kwargs
-    return {**kwargs, "position_embeddings": tables[layer_type(layer)]}
+    return {**kwargs, "position_embeddings": tables.get(layer_type(layer))}

@@ -33,6 +33,7 @@ from ds_omni.errors import ModelError
 from ds_omni.model.attention import PackedAttention
 from ds_omni.model.layer_types import for_layer, rotary_tables
 from ds_omni.model.outside import LogitRule
+from ds_omni.model.per_sample import ROW_BOUNDS, run_per_sample, runs_per_sample
 from ds_omni.parallel import long_short
 from ds_omni.parallel.long_short import EncoderShard
 from ds_omni.parallel.reshard import ReshardEmbeddings
@@ -287,10 +288,14 @@ class Backbone(nn.Module):
         position_embeddings = rotary_tables(self.rotary_emb, hidden, position_ids)
         text_positions = position_ids if position_ids.ndim == 2 else position_ids[0]
         attention = attention or self.attention
+        # the samples' bounds on the host, for layers run per sample (read once per row, not once
+        # per such layer from a device copy)
+        bounds = {ROW_BOUNDS: cu_seqlens.tolist()} if any(map(runs_per_sample, self.layers)) else {}
         cu_seqlens = attention.boundaries(cu_seqlens, hidden.device)
         kwargs = dict(attention_mask=None, position_ids=text_positions,
                       position_embeddings=position_embeddings, cu_seqlens=cu_seqlens,
-                      max_seqlen=max_seqlen, ds_omni_attention=attention, ds_omni_blocks=blocks)
+                      max_seqlen=max_seqlen, ds_omni_attention=attention, ds_omni_blocks=blocks,
+                      **bounds)
         if self.layers and "shared_kv_states" in inspect.signature(
                 type(self.layers[0]).forward).parameters:
             # Gemma 4's layers store their keys and values there (for later layers that reuse
@@ -299,19 +304,26 @@ class Backbone(nn.Module):
         return kwargs
 
     def run_layer(self, layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """One decoder layer [1, S, D] -> [1, S, D], recomputed in backward if so configured."""
+        """One decoder layer [1, S, D] -> [1, S, D], recomputed in backward if so configured; a
+        layer whose token mixing is not attention runs once per sample
+        (`ds_omni.model.per_sample`)."""
         kwargs = for_layer(layer, kwargs)
+        if runs_per_sample(layer):
+            run = lambda h, **kw: run_per_sample(layer, h, kw)  # noqa: E731
+        else:
+            run, kwargs = layer, {k: v for k, v in kwargs.items() if k != ROW_BOUNDS}
         if self.checkpoint_layers and torch.is_grad_enabled():
             # non-reentrant: works with ZeRO-3's parameter hooks and re-runs the Ulysses
             # all-to-alls in the same order on every rank
-            out = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+            out = checkpoint(run, hidden, use_reentrant=False, **kwargs)
         else:
-            out = layer(hidden, **kwargs)
+            out = run(hidden, **kwargs)
         return out[0] if isinstance(out, tuple) else out  # (hidden,): Chameleon's older layers
 
 
-NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f")
-"""Where HF's decoder models keep their final norm (Persimmon, Fuyu's LLM: `final_layernorm`)."""
+NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "embedding_norm")
+"""Where HF's decoder models keep their final norm (Persimmon, Fuyu's LLM: `final_layernorm`;
+LFM: `embedding_norm`)."""
 
 
 def final_norm(decoder_model: nn.Module) -> nn.Module | None:
@@ -333,13 +345,19 @@ def backbone_of(decoder_model: nn.Module, lm_head: nn.Module,
     """
     from ds_omni.model import outside
     from ds_omni.model.attention import PACKED_ATTENTION, register
+    from ds_omni.model.per_sample import mark
     register()
     config = decoder_model.config
     config._attn_implementation = PACKED_ATTENTION
+    mark(decoder_model.layers, config)
+    norm = final_norm(decoder_model)
+    if norm is None:
+        raise ModelError(f"{type(decoder_model).__name__} has none of {list(NORM_NAMES)}: the "
+                         "backbone needs the norm its model applies after the last layer")
     rule = LogitRule() if owner is None else outside.logit_rule(
         type(owner), owner.config.get_text_config(), outside.suppressed_ids(owner))
     return Backbone(embed_tokens=decoder_model.embed_tokens, layers=decoder_model.layers,
-                    norm=final_norm(decoder_model), lm_head=lm_head,
+                    norm=norm, lm_head=lm_head,
                     rotary_emb=decoder_model.rotary_emb,
                     embed_scale=outside.embed_scale(type(decoder_model), config),
                     logit_rule=rule)

@@ -55,6 +55,8 @@ def test_known_gaps_have_their_reasons(results):
     assert "get_image_features" in results["mllama"].reason
     assert "visual indicator" in results["ovis2"].reason
     assert "torchvision-only" in results["lfm2_vl"].reason
+    assert "hyper-connections" in results["hy_v4_vl"].reason
+    assert "block states" in results["inkling2"].reason
 
 
 def test_pixtral_processor_needs_no_torchvision():

@@ -140,11 +140,8 @@ def config_problem(config) -> str | None:
             hf_class is None or hf_folder(hf_class) not in BIDIRECTIONAL):
         # (PaliGemma sets it, but its forward's prefix mask decides, as BIDIRECTIONAL builds it)
         return "its LLM attends both ways everywhere (use_bidirectional_attention); not a decoder"
-    layer_types = set(getattr(text, "layer_types", None) or ["full_attention"])
-    if layer_types - {"full_attention", "sliding_attention"}:
-        return (f"its LLM has layers of types {sorted(layer_types)}; the generic backbone runs "
-                "full and sliding-window attention only")
-    return None
+    from ds_omni.model.per_sample import layer_types_problem
+    return layer_types_problem(getattr(text, "layer_types", None))
 
 
 def per_layer_problem(text) -> str | None:
@@ -506,7 +503,7 @@ class GenericFamily(Family):
         inner = hf_model.model
         llm = getattr(inner, llm_name(inner)) if llm_name(inner) else inner
         missing = [p for p in BACKBONE_PARTS if not hasattr(llm, p) and not (
-            p == "norm" and final_norm(llm) is not None)]  # Persimmon's `final_layernorm`
+            p == "norm" and final_norm(llm) is not None)]  # Persimmon's `final_layernorm`, LFM's `embedding_norm`
         if missing:
             raise ModelError(f"{type(llm).__name__} has no {missing}: the generic "
                              "adapter needs a decoder-only LLM with embed_tokens, layers, norm and "
