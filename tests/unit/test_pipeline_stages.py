@@ -144,3 +144,18 @@ def test_a_pipeline_checkpoint_with_a_layer_file_missing_says_so(tmp_path):
     with pytest.raises(ModelError, match=f"holds {len(layers) - 1} pipeline layer files but "
                                          f"this model has {len(layers)}"):
         load_layer_files(fresh, tmp_path)
+
+
+def test_plan_for_short_samples_moves_decoder_layers_off_the_encoding_stage(tmp_path, capsys):
+    """parallel.stage_tokens: boundaries planned for samples of that length, not max_seq_len;
+    shorter samples weigh the LLM less against the encoder, so stage 0 (all the encoding, under
+    "stage0") becomes the slower stage of the same split, which a deeper LLM would move layers
+    off (`test_stage0_moves_decoder_layers_off_the_encoding_stage`)."""
+    rows = {}
+    for tokens in (0, 8):
+        code, out = _plan(tmp_path, capsys, {"pp": 2, "stage_tokens": tokens})
+        assert code in (0, None), out
+        rows[tokens] = json.loads(out)["pipeline"]
+    assert "x 128 tokens" in rows[0]["workload"] and "x 8 tokens" in rows[8]["workload"]
+    relative = {t: [s["relative_time"] for s in r["stages"]] for t, r in rows.items()}
+    assert relative[0][0] < 0.9 and relative[8] == [1.0, pytest.approx(0.83, abs=0.05)]
