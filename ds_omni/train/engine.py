@@ -161,7 +161,7 @@ def _micro_batch_steps(engine, batch, comm, scale, n_micro, on_reduced_grads, gu
         out = engine(mb.to(engine.device))
         if guard is not None:
             guard.watch_loss(out.loss_sum)
-        if last and not engine.module.encoder_dummies:  # before the boundary's reduction
+        if last and not getattr(engine.module, "encoder_dummies", True):  # before the reduction
             fill_missing_grads(engine.module.encoders.parameters())
         engine.backward(out.loss_sum * scale, scale_wrt_gas=False)
         if last and on_reduced_grads is not None:
