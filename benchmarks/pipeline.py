@@ -1,6 +1,7 @@
 """Joint pipeline: step time of PP=2 on 2 ranks, encoders on stage 0 against uniform placement.
 
-    .venv/bin/python benchmarks/pipeline.py        # about 10-20 minutes on 2 shared cores
+    .venv/bin/python benchmarks/pipeline.py        # about 8-15 minutes on 2 shared cores
+    .venv/bin/python benchmarks/pipeline.py --zero 0   # the same under ZeRO-0: pipeline_zero0.json
 
 Two ranks on CPU over gloo, one pipeline of 2 stages (dp=1, ZeRO-1), through the real
 `setup_training` / `train_step`. The vision tower is a realistic share of the work: as in a real
@@ -67,7 +68,8 @@ def config(mix: str, placement: str, out_dir: str, text: dict, steps: int):
     return from_dict(OmniConfig, d)
 
 
-def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: int) -> dict:
+def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: int,
+          zero: int = 1, mixes: tuple = tuple(MIXES)) -> dict:
     import torch
     from ds_omni.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
@@ -75,12 +77,12 @@ def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: 
     from tests.fixtures import ds_config
     torch.set_num_threads(1)
     runs, predicted = {}, {}
-    for mix in MIXES:
+    for mix in mixes:
         for placement in PLACEMENTS:
             cfg = config(mix, placement, out_dir, text, warmup + rounds)
             plan = ParallelPlan.from_config(cfg.parallel, world)
             built, loader, engine = setup_training(
-                cfg, derive_ds_config(cfg, ds_config(1), plan), rank, plan)
+                cfg, derive_ds_config(cfg, ds_config(zero), plan), rank, plan)
             runs[(mix, placement)] = (loader, engine)
             predicted[placement] = [t / 1e9 for t in stage_plan(cfg, built, plan).stage_time]
     labels = list(runs)
@@ -109,7 +111,8 @@ def one_step(loader, engine) -> dict:
 def summarise(per_rank: list[dict], warmup: int) -> dict:
     logs = [r["log"] for r in per_rank]
     out = {}
-    for mix in MIXES:
+    mixes = [m for m in MIXES if f"{m}/stage0" in logs[0]]
+    for mix in mixes:
         entry = {}
         for clock in ("step_s", "cpu_s"):  # wall: the slower rank; CPU: the busiest stage
             steps = {p: [max(log[f"{mix}/{p}"][i][clock] for log in logs)
@@ -128,7 +131,7 @@ def summarise(per_rank: list[dict], warmup: int) -> dict:
     out["predicted_stage_gflop_per_micro_batch"] = per_rank[0]["predicted_stage_gflop"]
     for p in PLACEMENTS:  # a run swinging between the mixes meets each of these step times
         for clock in ("step_s", "cpu_s"):
-            times = [out[m][f"{p}_{clock}_median"] for m in MIXES]
+            times = [out[m][f"{p}_{clock}_median"] for m in mixes]
             out[f"{p}_{clock}_max_over_mean_across_mixes"] = max(times) / statistics.mean(times)
     return out
 
@@ -140,23 +143,28 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--zero", type=int, default=1, choices=(0, 1),
+                    help="ZeRO stage (1: pipeline.json; 0: pipeline_zero0.json)")
+    ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
     args = ap.parse_args(argv)
     t0, load_before = time.perf_counter(), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ds_omni_ppbench_") as tmp:
         text = text_source(Path(tmp))
-        per_rank = run_on_ranks(ranks, 2, args=(tmp, text, args.rounds, args.warmup),
+        per_rank = run_on_ranks(ranks, 2, args=(tmp, text, args.rounds, args.warmup, args.zero,
+                                                   tuple(args.mixes)),
                                 timeout=3000)
     report = {"command": ".venv/bin/python benchmarks/pipeline.py", "world": 2, "pp": 2,
               "variants": VARIANTS,
               "load_average_before": load_before,
-              "zero_stage": 1, "vision": VISION, "llm": LLM, "mixes_image_to_text": MIXES,
+              "zero_stage": args.zero, "vision": VISION, "llm": LLM, "mixes_image_to_text": MIXES,
               "global_batch_size": GLOBAL_BATCH, "micro_batch_size": MICRO,
               "rounds": args.rounds, "warmup": args.warmup, **summarise(per_rank, args.warmup),
               "runtime_s": round(time.perf_counter() - t0, 1), "load_average_after": os.getloadavg()}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pipeline.json").write_text(json.dumps(report, indent=1))
+    name = "pipeline.json" if args.zero == 1 else f"pipeline_zero{args.zero}.json"
+    (args.out / name).write_text(json.dumps(report, indent=1))
     print(json.dumps({f"{m} {b} {c}": report[m][f"{b}_over_uniform_{c}_median_of_paired_ratios"]
-                      for m in MIXES for c in ("step_s", "cpu_s")
+                      for m in MIXES if m in report for c in ("step_s", "cpu_s")
                       for b in ("stage0", "stage0_full_len")}
                      | {k: v for k, v in report.items() if "max_over_mean" in k}, indent=1))
 

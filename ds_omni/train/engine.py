@@ -246,8 +246,8 @@ def encoder_dummies_needed(ds_config: dict, pipeline: bool) -> bool:
     if pipeline:
         return False
     zero = ds_config.get("zero_optimization", {})
-    stage = int(zero.get("stage", 0))
-    if stage >= 2 or zero.get("overlap_comm", False):
+    stage = zero.get("stage", 0)
+    if not isinstance(stage, int) or stage >= 2 or zero.get("overlap_comm", False):
         return True
     if stage == 1:
         return bool(ds_config.get("data_types", {}).get("grad_accum_dtype"))

@@ -84,11 +84,21 @@ def test_bad_pipeline_plans_fail_before_launch(tmp_path, capsys, parallel, zero,
 
 
 def test_plan_prints_stages_and_their_predicted_time(tmp_path, capsys):
-    code, out = _plan(tmp_path, capsys, {"pp": 2})
-    assert code in (0, None), out
-    stages = json.loads(out)["pipeline"]["stages"]
+    """Then with parallel.stage_tokens: boundaries planned for samples of that length, not
+    max_seq_len; shorter samples weigh the LLM less against the encoders, so stage 0 (all the
+    encoding, under "stage0") becomes the slower stage of the same split, which a deeper LLM
+    would move layers off (`test_stage0_moves_decoder_layers_off_the_encoding_stage`)."""
+    rows = {}
+    for tokens in (0, 8):
+        code, out = _plan(tmp_path, capsys, {"pp": 2, "stage_tokens": tokens})
+        assert code in (0, None), out
+        rows[tokens] = json.loads(out)["pipeline"]
+    stages = rows[0]["stages"]
     assert [s["stage"] for s in stages] == [0, 1] and stages[0]["embedding"] and stages[1]["head"]
     assert stages[0]["encoder_share"] == 1.0 and all(s["predicted_gflop"] > 0 for s in stages)
+    assert "x 128 tokens" in rows[0]["workload"] and "x 8 tokens" in rows[8]["workload"]
+    relative = {t: [s["relative_time"] for s in r["stages"]] for t, r in rows.items()}
+    assert relative[0][0] < 0.9 and relative[8] == [1.0, pytest.approx(0.83, abs=0.05)]
 
 
 def test_train_refuses_pipeline_with_zero2_before_any_process_group(tmp_path, capsys, monkeypatch):
@@ -145,17 +155,3 @@ def test_a_pipeline_checkpoint_with_a_layer_file_missing_says_so(tmp_path):
                                          f"this model has {len(layers)}"):
         load_layer_files(fresh, tmp_path)
 
-
-def test_plan_for_short_samples_moves_decoder_layers_off_the_encoding_stage(tmp_path, capsys):
-    """parallel.stage_tokens: boundaries planned for samples of that length, not max_seq_len;
-    shorter samples weigh the LLM less against the encoder, so stage 0 (all the encoding, under
-    "stage0") becomes the slower stage of the same split, which a deeper LLM would move layers
-    off (`test_stage0_moves_decoder_layers_off_the_encoding_stage`)."""
-    rows = {}
-    for tokens in (0, 8):
-        code, out = _plan(tmp_path, capsys, {"pp": 2, "stage_tokens": tokens})
-        assert code in (0, None), out
-        rows[tokens] = json.loads(out)["pipeline"]
-    assert "x 128 tokens" in rows[0]["workload"] and "x 8 tokens" in rows[8]["workload"]
-    relative = {t: [s["relative_time"] for s in r["stages"]] for t, r in rows.items()}
-    assert relative[0][0] < 0.9 and relative[8] == [1.0, pytest.approx(0.83, abs=0.05)]
