@@ -84,21 +84,17 @@ def test_bad_pipeline_plans_fail_before_launch(tmp_path, capsys, parallel, zero,
 
 
 def test_plan_prints_stages_and_their_predicted_time(tmp_path, capsys):
-    """Then with parallel.stage_tokens: boundaries planned for samples of that length, not
-    max_seq_len; shorter samples weigh the LLM less against the encoders, so stage 0 (all the
-    encoding, under "stage0") becomes the slower stage of the same split, which a deeper LLM
-    would move layers off (`test_stage0_moves_decoder_layers_off_the_encoding_stage`)."""
-    rows = {}
-    for tokens in (0, 8):
-        code, out = _plan(tmp_path, capsys, {"pp": 2, "stage_tokens": tokens})
-        assert code in (0, None), out
-        rows[tokens] = json.loads(out)["pipeline"]
-    stages = rows[0]["stages"]
+    """Planned for samples of parallel.stage_tokens (8) tokens, not max_seq_len (128): so short a
+    sample weighs the LLM little against the encoders, and stage 0 (all the encoding, under
+    "stage0") is the slower stage; planned for 128 tokens, stage 1 (head) is."""
+    code, out = _plan(tmp_path, capsys, {"pp": 2, "stage_tokens": 8})
+    assert code in (0, None), out
+    pipeline = json.loads(out)["pipeline"]
+    stages = pipeline["stages"]
     assert [s["stage"] for s in stages] == [0, 1] and stages[0]["embedding"] and stages[1]["head"]
     assert stages[0]["encoder_share"] == 1.0 and all(s["predicted_gflop"] > 0 for s in stages)
-    assert "x 128 tokens" in rows[0]["workload"] and "x 8 tokens" in rows[8]["workload"]
-    relative = {t: [s["relative_time"] for s in r["stages"]] for t, r in rows.items()}
-    assert relative[0][0] < 0.9 and relative[8] == [1.0, pytest.approx(0.83, abs=0.05)]
+    assert "2 samples x 8 tokens" in pipeline["workload"]
+    assert [s["relative_time"] for s in stages] == [1.0, pytest.approx(0.83, abs=0.05)]
 
 
 def test_train_refuses_pipeline_with_zero2_before_any_process_group(tmp_path, capsys, monkeypatch):
