@@ -1,6 +1,7 @@
 """Joint pipeline: step time of PP=2 on 2 ranks, encoders on stage 0 against uniform placement.
 
-    .venv/bin/python benchmarks/pipeline.py        # about 10-20 minutes on 2 shared cores
+    .venv/bin/python benchmarks/pipeline.py        # about 8-15 minutes on 2 shared cores
+    .venv/bin/python benchmarks/pipeline.py --zero 0   # the same under ZeRO-0: pipeline_zero0.json
 
 Two ranks on CPU over gloo, one pipeline of 2 stages (dp=1, ZeRO-1), through the real
 `setup_training` / `train_step`. The vision tower is a realistic share of the work: as in a real
@@ -8,17 +9,20 @@ VLM (a CLIP-L tower next to a 7B LLM costs about 1.5 LLM layers per image; small
 several), one image through the tower (CLIP, 6 layers of width 256, 64x64 images: 65 tokens,
 ~0.6 GFLOP forward) costs about as much as 5 of the LLM's decoder layers (width 256, ~0.12 GFLOP
 each over one sample of ~100 tokens).
-Stage boundaries come from the cost model for a full micro-batch with one image per sample (what
-`ds-omni plan` prints), so "stage0" gives stage 0 fewer decoder layers. Mixes (image samples :
+Stage boundaries come from the cost model for a micro-batch with one image per sample (what
+`ds-omni plan` prints), planned for samples of 96 tokens (`parallel.stage_tokens`: one image's 65
+tokens and a caption); "stage0_full_len" keeps the boundaries planned for full-length samples
+(data.max_seq_len = 256, the default), which give stage 0 a decoder layer too many for this data
+and were what the first runs measured. Mixes (image samples :
 text-only samples): 9:1 (image-heavy), 1:1 and 1:9; a training run whose mix swings between 1:9
 and 9:1 from step to step meets each of them with the same boundaries.
 
-All six engines (3 mixes x 2 placements) live in one launch and take one step each per round,
+All nine engines (3 mixes x 3 variants) live in one launch and take one step each per round,
 in an order that rotates. Two clocks per step: the wall time (the slower rank's) and the busiest
 stage's CPU time (each rank's `time.process_time` over the step, one thread per rank: what the
 stage computed, which the load of other jobs on a shared machine does not stretch the way it
 stretches wall time). The figure per mix and clock is the median over rounds of the paired ratio
-stage0 / uniform. Writes benchmarks/results/pipeline.json.
+stage0 / uniform (and stage0_full_len / uniform). Writes benchmarks/results/pipeline.json.
 """
 
 from __future__ import annotations
@@ -41,7 +45,11 @@ VISION = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 6,
 LLM = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
        "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 1024}
 MIXES = {"image_heavy_9to1": 9.0, "even_1to1": 1.0, "text_heavy_1to9": 1 / 9}  # image : text
-PLACEMENTS = ("stage0", "uniform")
+# variant -> (parallel.encoder_placement, parallel.stage_tokens): boundaries planned for a sample
+# of one image (65 tokens) and its caption, 96 tokens; "stage0_full_len" keeps the boundaries
+# planned for full-length samples (max_seq_len 256, the default), which the first runs measured
+VARIANTS = {"stage0": ("stage0", 96), "uniform": ("uniform", 96), "stage0_full_len": ("stage0", 0)}
+PLACEMENTS = tuple(VARIANTS)
 GLOBAL_BATCH, MICRO = 16, 2
 
 
@@ -55,25 +63,28 @@ def config(mix: str, placement: str, out_dir: str, text: dict, steps: int):
     d["data"]["sources"] = [{"name": "shapes", "path": "builtin:shapes", "weight": MIXES[mix]},
                             dict(text, weight=1.0)]
     d["data"]["max_seq_len"] = 256
-    d["parallel"] = {"pp": 2, "encoder_placement": placement}
+    where, tokens = VARIANTS[placement]
+    d["parallel"] = {"pp": 2, "encoder_placement": where, "stage_tokens": tokens}
     return from_dict(OmniConfig, d)
 
 
-def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: int) -> dict:
+def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: int,
+          zero: int = 1, mixes: tuple = tuple(MIXES)) -> dict:
     import torch
     from ds_omni.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
-    from ds_omni.train.engine import setup_training
+    from ds_omni.train.engine import setup_training, stage_plan
     from tests.fixtures import ds_config
     torch.set_num_threads(1)
-    runs = {}
-    for mix in MIXES:
+    runs, predicted = {}, {}
+    for mix in mixes:
         for placement in PLACEMENTS:
             cfg = config(mix, placement, out_dir, text, warmup + rounds)
             plan = ParallelPlan.from_config(cfg.parallel, world)
-            _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan),
-                                               rank, plan)
+            built, loader, engine = setup_training(
+                cfg, derive_ds_config(cfg, ds_config(zero), plan), rank, plan)
             runs[(mix, placement)] = (loader, engine)
+            predicted[placement] = [t / 1e9 for t in stage_plan(cfg, built, plan).stage_time]
     labels = list(runs)
     log = {f"{m}/{p}": [] for m, p in labels}
     for i in range(warmup + rounds):
@@ -81,7 +92,7 @@ def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: 
             loader, engine = runs[(mix, placement)]
             log[f"{mix}/{placement}"].append(one_step(loader, engine))
     parts = {f"{m}/{p}": list(e.module.parts) for (m, p), (_, e) in runs.items()}
-    return {"log": log, "parts": parts}
+    return {"log": log, "parts": parts, "predicted_stage_gflop": predicted}
 
 
 def one_step(loader, engine) -> dict:
@@ -100,24 +111,27 @@ def one_step(loader, engine) -> dict:
 def summarise(per_rank: list[dict], warmup: int) -> dict:
     logs = [r["log"] for r in per_rank]
     out = {}
-    for mix in MIXES:
+    mixes = [m for m in MIXES if f"{m}/stage0" in logs[0]]
+    for mix in mixes:
         entry = {}
         for clock in ("step_s", "cpu_s"):  # wall: the slower rank; CPU: the busiest stage
             steps = {p: [max(log[f"{mix}/{p}"][i][clock] for log in logs)
                          for i in range(warmup, len(logs[0][f"{mix}/{p}"]))] for p in PLACEMENTS}
-            ratios = [a / b for a, b in zip(steps["stage0"], steps["uniform"])]
             entry.update({f"{p}_{clock}_median": statistics.median(steps[p]) for p in PLACEMENTS})
-            entry[f"stage0_over_uniform_{clock}_median_of_paired_ratios"] = \
-                statistics.median(ratios)
+            for base in ("stage0", "stage0_full_len"):
+                ratios = [a / b for a, b in zip(steps[base], steps["uniform"])]
+                entry[f"{base}_over_uniform_{clock}_median_of_paired_ratios"] = \
+                    statistics.median(ratios)
         entry["cpu_s_median_per_stage"] = {p: [statistics.median(
             s["cpu_s"] for s in log[f"{mix}/{p}"][warmup:]) for log in logs] for p in PLACEMENTS}
         entry["images_per_step"] = statistics.mean(
             s["images"] for s in logs[0][f"{mix}/stage0"][warmup:])
         entry["stage_boundaries"] = {p: per_rank[0]["parts"][f"{mix}/{p}"] for p in PLACEMENTS}
         out[mix] = entry
+    out["predicted_stage_gflop_per_micro_batch"] = per_rank[0]["predicted_stage_gflop"]
     for p in PLACEMENTS:  # a run swinging between the mixes meets each of these step times
         for clock in ("step_s", "cpu_s"):
-            times = [out[m][f"{p}_{clock}_median"] for m in MIXES]
+            times = [out[m][f"{p}_{clock}_median"] for m in mixes]
             out[f"{p}_{clock}_max_over_mean_across_mixes"] = max(times) / statistics.mean(times)
     return out
 
@@ -129,22 +143,29 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--zero", type=int, default=1, choices=(0, 1),
+                    help="ZeRO stage (1: pipeline.json; 0: pipeline_zero0.json)")
+    ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
     args = ap.parse_args(argv)
     t0, load_before = time.perf_counter(), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ds_omni_ppbench_") as tmp:
         text = text_source(Path(tmp))
-        per_rank = run_on_ranks(ranks, 2, args=(tmp, text, args.rounds, args.warmup),
+        per_rank = run_on_ranks(ranks, 2, args=(tmp, text, args.rounds, args.warmup, args.zero,
+                                                   tuple(args.mixes)),
                                 timeout=3000)
     report = {"command": ".venv/bin/python benchmarks/pipeline.py", "world": 2, "pp": 2,
+              "variants": VARIANTS,
               "load_average_before": load_before,
-              "zero_stage": 1, "vision": VISION, "llm": LLM, "mixes_image_to_text": MIXES,
+              "zero_stage": args.zero, "vision": VISION, "llm": LLM, "mixes_image_to_text": MIXES,
               "global_batch_size": GLOBAL_BATCH, "micro_batch_size": MICRO,
               "rounds": args.rounds, "warmup": args.warmup, **summarise(per_rank, args.warmup),
               "runtime_s": round(time.perf_counter() - t0, 1), "load_average_after": os.getloadavg()}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pipeline.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps({f"{m} {c}": report[m][f"stage0_over_uniform_{c}_median_of_paired_ratios"]
-                      for m in MIXES for c in ("step_s", "cpu_s")}
+    name = "pipeline.json" if args.zero == 1 else f"pipeline_zero{args.zero}.json"
+    (args.out / name).write_text(json.dumps(report, indent=1))
+    print(json.dumps({f"{m} {b} {c}": report[m][f"{b}_over_uniform_{c}_median_of_paired_ratios"]
+                      for m in MIXES if m in report for c in ("step_s", "cpu_s")
+                      for b in ("stage0", "stage0_full_len")}
                      | {k: v for k, v in report.items() if "max_over_mean" in k}, indent=1))
 
 

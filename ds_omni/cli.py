@@ -180,14 +180,14 @@ def _pipeline_stages(cfg, plan, ds_config: dict) -> dict:
     from ds_omni.model.build import build_model, llm_text_config
     from ds_omni.parallel.pipeline import check_pipeline
     from ds_omni.parallel.stages import describe
-    from ds_omni.train.engine import stage_plan
+    from ds_omni.train.engine import stage_plan, stage_tokens
     check_pipeline(cfg, ds_config, llm_text_config(cfg.model)[1])
     with torch.device("meta"):
         built = build_model(cfg.model)
     stages = stage_plan(cfg, built, plan)
     return {"encoder_placement": cfg.parallel.encoder_placement,
             "workload": f"micro-batches of {cfg.train.micro_batch_size} samples x "
-                        f"{cfg.data.max_seq_len} tokens, one item per encoder each",
+                        f"{stage_tokens(cfg)} tokens, one item per encoder each",
             "stages": describe(stages)}
 
 

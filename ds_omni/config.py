@@ -408,6 +408,11 @@ class ParallelConfig:
     """Under pp > 1, where the encoders run: "stage0" on the first stage's ranks (as Megatron-LM
     and NeMo do); "uniform" on every stage's ranks, each encoding a share of the step's items
     balanced by modelled cost (MegaScale-Omni's joint pipeline)."""
+    stage_tokens: int = 0
+    """Under pp > 1, the tokens of a typical sample (one item per encoder) that the stage
+    boundaries are planned for; 0: data.max_seq_len. Full-length samples weigh the LLM most, so
+    for short samples (image captions) "stage0" would keep too many decoder layers on stage 0:
+    give their typical length (e.g. the mean `tokens` per sample of a few logged steps)."""
     max_sequence_sp: int = 1
     """Per-sequence SP degree (ByteScale's hybrid data parallelism): > 1 lets a sequence that
     costs more than one rank's share of the step, or is longer than a micro-batch, run on a
@@ -445,6 +450,9 @@ class ParallelConfig:
         if not isinstance(self.encoder_sp, str) and not self.encoder_sp >= 0:
             raise ConfigError(f"parallel.encoder_sp must be a cost threshold >= 0, \"auto\" or "
                               f"\"off\", got {self.encoder_sp}")
+        if self.stage_tokens < 0:
+            raise ConfigError(f"parallel.stage_tokens must be >= 0 (0: data.max_seq_len), got "
+                              f"{self.stage_tokens}")
         for name in ("sp", "pp", "max_sequence_sp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")

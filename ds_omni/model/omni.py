@@ -404,6 +404,10 @@ class OmniModel(nn.Module):
         # per-sequence SP: (first rank, size) -> (group, its attention), for this rank's blocks
         self.blocks: dict[tuple[int, int], tuple[object, PackedAttention]] = {}
         self.encoder_pool = None  # parallel.encoder_pool: ds_omni.parallel.encoder_pool.EncoderPool
+        # every micro-batch runs every encoder, on a zero-weight dummy where it has no item (ZeRO-2
+        # and -3 need it); False where one reduction a step only needs a gradient, which a zero
+        # one gives (`ds_omni.train.engine.encoder_dummies_needed`)
+        self.encoder_dummies = True
 
     def set_checkpointing(self, parts: set[str], named: set[str] = frozenset()) -> None:
         """Recompute in backward the layers of `parts` (of llm, vision, audio) this model has;
@@ -474,9 +478,11 @@ class OmniModel(nn.Module):
                 if n_slots:
                     raise ModelError(f"{n_slots} '{name}' placeholder tokens but no {name} inputs "
                                      f"in the batch (samples {batch.sample_ids[:4]}...)")
-                # Every rank runs every encoder every step, so ZeRO-3 gathers the same parameters
-                # on all ranks (no hang when some ranks have no images); the result counts zero.
-                hidden = _with_dummy_pass(hidden, encoder)
+                # Every rank runs every encoder every micro-batch, so ZeRO-3 gathers the same
+                # parameters on all ranks (no hang when some ranks have no images); the result
+                # counts zero. Off (`encoder_dummies`) where a zero gradient does the same.
+                if self.encoder_dummies:
+                    hidden = _with_dummy_pass(hidden, encoder)
                 continue
             feats = checked_rows(encoder(inputs), encoder, hidden.shape[-1], name)
             main, extra = split_levels(feats, hidden.shape[-1])  # [N, D], [N, k, D]
@@ -513,7 +519,7 @@ class OmniModel(nn.Module):
             inputs = batch.encoder_inputs.get(name)
             long = plan.split.get(name, [])
             hidden = _top_up_calls(hidden, encoder, batch, name, runs=1 + len(long))
-            if inputs is None:  # no whole item here: the zero-weight dummy (ZeRO-3, as above)
+            if inputs is None and self.encoder_dummies:  # no whole item here: the dummy (above)
                 hidden = _with_dummy_pass(hidden, encoder)
             # whole items [n, D], then this rank's piece of each long item (a group collective)
             feats = ([encoder(inputs)] if inputs is not None else []) + [

@@ -109,13 +109,17 @@ class JointEncoding:
         self.index = {k: torch.tensor(v, dtype=torch.long, device=device)
                       for k, v in plan.row_index().items()} if stage == 0 else {}
 
-    def encode(self, encoders, micro_batches, processors) -> None:
-        """Encode this stage's share and send every row to stage 0."""
+    def encode(self, encoders, micro_batches, processors, dummies: bool = True) -> None:
+        """Encode this stage's share and send every row to stage 0; `dummies`: an encoder with
+        no item here runs once on its dummy at zero weight (else its gradient is left to be
+        zero-filled: `OmniModel.encoder_dummies`)."""
         mine = self.plan.items_of(self.stage)
         pieces = []
         for name, encoder in encoders.items():
             items = [micro_batches[it.micro].items[name][it.index] for it in mine
                      if it.encoder == name]
+            if not items and not dummies:
+                continue
             if not items:  # every encoder runs on every rank: its parameters all get a gradient
                 dummy = encoder(encoder.dummy_inputs(self.device, self.dtype))
                 self.dummies.append(0.0 * dummy.sum())

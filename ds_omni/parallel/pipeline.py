@@ -185,7 +185,8 @@ class JointSetup:
 
     def __init__(self, model: OmniModel, processors: dict, item_cost, stage: int, stages: int,
                  group):
-        self.encoders, self.processors, self.item_cost = model.encoders, processors, item_cost
+        self.model, self.encoders = model, model.encoders
+        self.processors, self.item_cost = processors, item_cost
         self.stage, self.stages, self.group = stage, stages, group
         self.hidden = model.backbone.embed_tokens.embedding_dim
         self.params = [p for p in model.encoders.parameters() if p.requires_grad]
@@ -195,7 +196,7 @@ class JointSetup:
         plan = plan_joint([mb.items for mb in micro_batches], self.item_cost, self.stages)
         dtype = self.encoders_dtype()
         joint = JointEncoding(plan, self.stage, self.group, self.hidden, device, dtype)
-        joint.encode(self.encoders, micro_batches, self.processors)
+        joint.encode(self.encoders, micro_batches, self.processors, self.model.encoder_dummies)
         return joint
 
     def encoders_dtype(self) -> torch.dtype:
@@ -212,10 +213,17 @@ class JointSetup:
         """After stage 0's last backward: the encoders' backward and the sum of their gradients
         over the pipeline's ranks (every rank of the pipeline calls this)."""
         joint.backward()
-        for p in self.params:  # an item-less rank still ran the dummy: only off-path ones lack one
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        fill_missing_grads(self.params)  # an encoder with no item here, or off the path
         sum_over_pipeline(self.params, self.group)
+
+
+def fill_missing_grads(params) -> None:
+    """A zero gradient for each of `params` that has none: what a zero-weight dummy pass would
+    have given it, so every rank reduces the same parameters (DeepSpeed's ZeRO-0/1 reduce, in
+    parameter order, only those that have a gradient)."""
+    for p in params:
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placement: str = "stage0",

@@ -42,7 +42,8 @@ from ds_omni.parallel.encoder_pool import EncoderPool
 from ds_omni.parallel.groups import (TorchDataComm, data_groups, loader_step_comm, sequence_blocks,
                                     sequence_groups)
 from ds_omni.parallel.pipeline import (around_instructions, build_pipeline_module,
-                                      check_pipeline, engine_inputs, is_pipeline)
+                                      check_pipeline, engine_inputs, fill_missing_grads,
+                                      is_pipeline)
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.parallel.stages import StagePlan, stage_plan_for
 from ds_omni.train import checkpoint
@@ -160,6 +161,8 @@ def _micro_batch_steps(engine, batch, comm, scale, n_micro, on_reduced_grads, gu
         out = engine(mb.to(engine.device))
         if guard is not None:
             guard.watch_loss(out.loss_sum)
+        if last and not getattr(engine.module, "encoder_dummies", True):  # before the reduction
+            fill_missing_grads(engine.module.encoders.parameters())
         engine.backward(out.loss_sum * scale, scale_wrt_gas=False)
         if last and on_reduced_grads is not None:
             on_reduced_grads(engine)
@@ -204,11 +207,13 @@ def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list)
     callback and the non-finite guard (which may drop the update, recording its samples)."""
     from deepspeed.runtime.pipe import schedule
     hooks = {}
-    if module.joint is not None:
-        def encoders_backward(engine, run):
+
+    def encoders_backward(engine, run):
+        if module.joint is not None:
             module.joint.finish(module.step_inputs.joint)
-            run()
-        hooks[schedule.ReduceTiedGrads] = encoders_backward
+        fill_missing_grads(module.parameters())  # an encoder with no item in the whole step
+        run()
+    hooks[schedule.ReduceTiedGrads] = encoders_backward
 
     def optimizer_step(engine, run):
         if on_reduced_grads is not None:
@@ -224,6 +229,29 @@ def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list)
         run()
     hooks[schedule.OptimizerStep] = optimizer_step
     return hooks
+
+
+def encoder_dummies_needed(ds_config: dict, pipeline: bool) -> bool:
+    """Whether every micro-batch must run every encoder, on a zero-weight dummy where it has no
+    item (`OmniModel.encoder_dummies`), for DeepSpeed's collectives to line up over the ranks.
+
+    ZeRO-3 gathers an encoder's parameters at each run, all ranks together; ZeRO-2 reduces at
+    every backward, ZeRO-1 with `overlap_comm` (or a `grad_accum_dtype`) at the last, both in the
+    order gradient hooks fire, so every rank's backward must reach the same parameters.
+    Otherwise ZeRO-0/1 reduce once a step, in parameter order, each parameter that has a
+    gradient (the pipeline engine always: ZeRO 0/1, after its last backward), so an encoder with
+    no item only needs a gradient, and a zero one (`fill_missing_grads`) is exactly what its
+    dummy would give. bf16 ZeRO-0 (DeepSpeed's BF16_Optimizer) keeps them: untested without.
+    """
+    if pipeline:
+        return False
+    zero = ds_config.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if not isinstance(stage, int) or stage >= 2 or zero.get("overlap_comm", False):
+        return True
+    if stage == 1:
+        return bool(ds_config.get("data_types", {}).get("grad_accum_dtype"))
+    return bool(ds_config.get("bf16", {}).get("enabled", False))
 
 
 def _even_encoder_calls(model, micro_batches: list, group) -> None:
@@ -331,6 +359,7 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     torch.manual_seed(cfg.train.seed + rank)
     ds_groups.mpu = None  # DeepSpeed keeps the last engine's mpu in a module global: don't inherit it
     module = built.model
+    module.encoder_dummies = encoder_dummies_needed(ds_config, plan.pp_enabled)
     if plan.pp_enabled:  # this rank's stage of the pipeline, split where the cost model says
         cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
         module = build_pipeline_module(
@@ -362,11 +391,16 @@ def encoder_pool_for(cfg: OmniConfig, built, plan: ParallelPlan, rank: int,
 
 
 def stage_plan(cfg: OmniConfig, built, plan: ParallelPlan) -> StagePlan:
-    """Pipeline stage boundaries for a full micro-batch (micro_batch_size samples of
-    data.max_seq_len tokens, one item per encoder each), from the loader's cost model."""
+    """Pipeline stage boundaries for a typical micro-batch (micro_batch_size samples of
+    `stage_tokens` tokens, one item per encoder each), from the loader's cost model."""
     cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
     return stage_plan_for(cost, plan.pp, cfg.parallel.encoder_placement,
-                          cfg.train.micro_batch_size, cfg.data.max_seq_len)
+                          cfg.train.micro_batch_size, stage_tokens(cfg))
+
+
+def stage_tokens(cfg: OmniConfig) -> int:
+    """Tokens of the typical sample the stage boundaries are planned for."""
+    return cfg.parallel.stage_tokens or cfg.data.max_seq_len
 
 
 def align_lr_schedule(engine) -> None:

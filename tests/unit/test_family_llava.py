@@ -79,6 +79,37 @@ def test_mismatched_placeholders_are_a_clear_error(built):
         built.model(pack([sample], built.item_processors))
 
 
+def test_without_dummies_a_text_only_row_skips_the_encoder_and_a_zero_grad_stands_in(built):
+    """`encoder_dummies` off (ZeRO-0/1, the pipeline): the same loss and, once the missing
+    gradients are zero-filled, the same gradients as the zero-weight dummy pass, with the vision
+    tower never run."""
+    from ds_omni.data.packing import pack
+    from ds_omni.parallel.pipeline import fill_missing_grads
+    model, mb = built.model, pack([_samples(built)[1]], built.item_processors)
+    runs = []
+    hook = model.encoders["vision"].register_forward_hook(lambda *_: runs.append(1))
+    losses, grads = [], []
+    try:
+        for dummies in (True, False):
+            model.encoder_dummies = dummies
+            model.zero_grad(set_to_none=True)
+            loss = model(mb).loss_sum
+            loss.backward()
+            fill_missing_grads(model.parameters())
+            losses.append(loss.detach())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    finally:
+        model.encoder_dummies = True
+        model.zero_grad(set_to_none=True)
+        hook.remove()
+    assert runs == [1] and torch.equal(losses[0], losses[1])  # the dummy ran once, with dummies
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name
+    vision = [n for n in grads[1] if n.startswith("encoders.vision.")]
+    assert vision and not any(grads[1][n].any() for n in vision)
+
+
 def test_freezing_parts(llava_dir):
     built = load_omni(llava_dir, freeze=["vision", "llm"])
     model = built.model

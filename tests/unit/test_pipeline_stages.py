@@ -84,11 +84,17 @@ def test_bad_pipeline_plans_fail_before_launch(tmp_path, capsys, parallel, zero,
 
 
 def test_plan_prints_stages_and_their_predicted_time(tmp_path, capsys):
-    code, out = _plan(tmp_path, capsys, {"pp": 2})
+    """Planned for samples of parallel.stage_tokens (8) tokens, not max_seq_len (128): so short a
+    sample weighs the LLM little against the encoders, and stage 0 (all the encoding, under
+    "stage0") is the slower stage; planned for 128 tokens, stage 1 (head) is."""
+    code, out = _plan(tmp_path, capsys, {"pp": 2, "stage_tokens": 8})
     assert code in (0, None), out
-    stages = json.loads(out)["pipeline"]["stages"]
+    pipeline = json.loads(out)["pipeline"]
+    stages = pipeline["stages"]
     assert [s["stage"] for s in stages] == [0, 1] and stages[0]["embedding"] and stages[1]["head"]
     assert stages[0]["encoder_share"] == 1.0 and all(s["predicted_gflop"] > 0 for s in stages)
+    assert "2 samples x 8 tokens" in pipeline["workload"]
+    assert [s["relative_time"] for s in stages] == [1.0, pytest.approx(0.83, abs=0.05)]
 
 
 def test_train_refuses_pipeline_with_zero2_before_any_process_group(tmp_path, capsys, monkeypatch):
@@ -144,3 +150,4 @@ def test_a_pipeline_checkpoint_with_a_layer_file_missing_says_so(tmp_path):
     with pytest.raises(ModelError, match=f"holds {len(layers) - 1} pipeline layer files but "
                                          f"this model has {len(layers)}"):
         load_layer_files(fresh, tmp_path)
+
