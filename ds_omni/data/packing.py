@@ -68,7 +68,8 @@ class MicroBatch:
     (Gemma 3's images); host tensor, the same on every rank of an SP group. None: causal."""
     items: dict[str, list[EncodedItem]] = field(default_factory=dict, repr=False)
     """The row's encoder items (host tensors), by encoder, in placeholder order: what a rank that
-    encodes only some of them (the joint pipeline's uniform placement) collates from."""
+    encodes only some of them (the joint pipeline's uniform placement, the encoder pool) collates
+    from; under SP the whole row's items."""
     row_positions: dict[tuple[str, int], "np.ndarray"] | None = None
     """Under SP: (encoder, index) -> the item's placeholder positions in the whole padded row
     (`reshard.item_slots`), for the encoder pool; None: the row is `input_ids` itself."""

@@ -7,6 +7,19 @@ the ranks meet at every module's parameter gather, so each round waits for its b
 with sp = 1 nothing else spreads that work (resharding, `parallel.reshard`, balances only inside a
 row's SP group).
 
+Under static SP (sp > 1) the pool is every rank (dp x sp, pp = 1): a round holds one row per
+SP group, each sharded over its group. Long items (`long_short`) stay split over their row's
+group: the group's members carry a share of their cost each, before any placement. Every short
+item of every row goes to ONE rank of the whole pool by the same LPT, preferring a rank of the
+row's own group (its inputs are there), then the one whose shard holds most of its
+placeholders. Why the whole pool and not the dp group of one SP rank: the rows' images sit on
+ALL of their group's ranks, and ZeRO-3 gathers over all dp x sp ranks, so the straggler is the
+busiest of them. One all-to-all over the pool then sends each embedding row to the shard
+holding its placeholder (`PoolPlan.reshard`: an item straddling a shard boundary sends rows to
+both, as in `reshard.plan_reshard`); a moved item's inputs come from the member of its home
+group at the encoding rank's place in its own group. "Moved" means encoded outside the row's
+group (the metrics). Per-sequence SP (groups of mixed sizes per round) is not supported yet.
+
 Which ranks pool: the data-parallel group (at sp = pp = 1, the world), not the reorder group. The
 straggler that ZeRO-3 waits for is the busiest of ALL the ranks that gather together, which is the
 whole data-parallel group; pooling inside reorder groups of G ranks would leave the imbalance
@@ -25,7 +38,8 @@ the group; every rank then computes the same plan of every round (pure, `plan_ro
    placeholder; backward sends the gradients back to the encoding rank.
 A round whose plan moves nothing runs as without the pool (no exchange).
 
-Dims: N rows (embeddings) of the round's items, N_r those rank r encodes.
+Dims: N rows (embeddings) of the round's items, N_r those rank r encodes (its whole items',
+then its pieces of its row's long items), S a shard's tokens under SP.
 """
 
 from __future__ import annotations

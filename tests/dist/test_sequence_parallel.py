@@ -6,9 +6,10 @@ oracle (`tests/oracle.py`): one process, plain PyTorch, on global batches that `
 loader order produce there (not the ranks' keys). Loss (rel 1e-6), the full reduced gradients after
 the first backward, and the parameters after the last step (rel 1e-5) must agree.
 
-The 12 design cases cover every pair of values of every two axes (family x stage, family x world,
-family x reordering, stage x world, stage x reordering, world x reordering) at least once, with
-only 4 cases on 4 ranks; `test_design_covers_every_pair` checks that.
+The 11 design cases and the encoder pool's 2 (POOL) cover every pair of values of every two axes
+(family x stage, family x world, family x reordering, stage x world, stage x reordering, world x
+reordering) at least once, with only 5 cases on 4 ranks; `test_design_covers_every_pair` checks
+that.
 - llava: the demo composition (CLIP + Llama, 4 query / 2 KV heads);
 - qwen2_vl: an HF directory (native-resolution images, 3-D M-RoPE positions), with a text-only
   source mixed in, so that some rows have no image at all;
@@ -23,8 +24,8 @@ checks each encoder kind's split item against the item encoded whole (tests/enco
 
 The per-sequence SP degree (`parallel.max_sequence_sp`, ByteScale's hybrid data parallelism) is
 checked the same way in the same launches (PER_SEQUENCE, at the end of this file): no static SP,
-long sequences on blocks of 2 or 4 ranks. Ranks are started once per world size and loop over
-all their cases.
+long sequences on blocks of 2 or 4 ranks; and the encoder pool under SP (`parallel.encoder_pool`,
+POOL) in the 4-rank launch. Ranks are started once per world size and loop over all their cases.
 """
 
 import pytest
@@ -46,7 +47,8 @@ QWEN2_ONE_KV = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 1
                 "max_position_embeddings": 512, "tie_word_embeddings": False}
 
 #          family      ZeRO world reorder   (4-rank cases are the costly ones: as few as cover)
-DESIGN = [("llava", 3, 4, False), ("qwen2_vl", 0, 4, True), ("composed", 1, 4, False),
+# (composed, ZeRO-1, 4 ranks) is the encoder pool case POOL below, which counts towards the pairs
+DESIGN = [("llava", 3, 4, False), ("qwen2_vl", 0, 4, True),
           ("llava", 2, 4, True),
           ("llava", 0, 2, False), ("llava", 1, 2, True),
           ("qwen2_vl", 1, 2, False), ("qwen2_vl", 2, 2, False), ("qwen2_vl", 3, 2, True),
@@ -64,7 +66,7 @@ EXTRA = [("llava_next", 2, 2, False), ("qwen2_audio", 3, 2, True),
 # SP group, a piece each (Ulysses inside the tower); under ZeRO-3 the other groups' ranks top up
 # with dummy encoder runs. The other cases run the default "auto" threshold.
 SPLIT_ALL = {("llava", 3, 4, False), ("qwen2_vl", 1, 2, False), ("composed", 3, 2, False),
-             ("composed", 1, 4, False), ("qwen2_audio", 3, 2, True)}
+             ("qwen2_audio", 3, 2, True)}
 
 
 @pytest.fixture(scope="module")
@@ -232,10 +234,11 @@ def _check_case(name, cfg, dp, per_rank) -> None:
 
 def test_design_covers_every_pair():
     from itertools import combinations, product
-    values = [sorted({c[axis] for c in DESIGN}) for axis in range(4)]
+    design = DESIGN + [(family, stage, 4, False) for family, stage in POOL]
+    values = [sorted({c[axis] for c in design}) for axis in range(4)]
     assert values == [["composed", "llava", "qwen2_vl"], [0, 1, 2, 3], [2, 4], [False, True]]
     for a, b in combinations(range(4), 2):
-        missing = set(product(values[a], values[b])) - {(c[a], c[b]) for c in DESIGN}
+        missing = set(product(values[a], values[b])) - {(c[a], c[b]) for c in design}
         assert not missing, (a, b, missing)
 
 
@@ -283,7 +286,7 @@ def _check_per_sequence(name, cfg, world, per_rank) -> None:
 # goes to rank 2 or 3; steps 1-2 have 4 images (and 4 clips) a row, spread over all 4 ranks.
 # Every short item's rows go to the shard(s) holding its placeholders. Loader order: the pool
 # moves encoder work, never samples, so the ranks' own keys are the global batches to replay.
-POOL = [("llava", 1), ("composed", 3)]
+POOL = [("llava", 3), ("composed", 1)]
 
 
 def skewed_sources(tmp_path) -> dict:
