@@ -113,11 +113,13 @@ def write_video(path: Path, frames: int, width: int, height: int, fps: int = 4, 
 
 
 def skewed_source(out: Path, *, audio: bool = False, dp: int = 2, rows: int = 32,
-                  seed: int = 0) -> dict:
+                  seed: int = 0, text_rows: tuple[int, ...] = ()) -> dict:
     """A parquet source whose rows that data-parallel rank 0 reads (in loader order, epoch 0)
     carry a picture (and, with `audio`, a clip of beeps), and whose other ranks' rows are text
     alone: every round, rank 0 holds all the encoder work. The media rows sit in the chunks that
-    `rank_chunks` deals to rank 0 (the loader fits the source into 4 chunks per rank)."""
+    `rank_chunks` deals to rank 0 (the loader fits the source into 4 chunks per rank).
+    `text_rows`: rows (by number) of rank 0's that are text too, so that a micro-batch of its
+    can carry one item alone (under SP, "auto" long-short then splits it over the row's group)."""
     import random
 
     import datasets
@@ -133,7 +135,7 @@ def skewed_source(out: Path, *, audio: bool = False, dp: int = 2, rows: int = 32
         if audio:
             row["audio"] = {"bytes": _beeps(1 + i % 3, "low", rng), "path": None}
             row["conversations"][0]["value"] = f"<image>\n<audio>\n{TONE_QUESTION}"
-        if i // per_chunk not in media_chunks:
+        if i // per_chunk not in media_chunks or i in text_rows:
             row.update(image=None, conversations=[
                 {"from": "human", "value": f"Say sentence {i}."},
                 {"from": "gpt", "value": f"A plain sentence number {i} with no picture."}])

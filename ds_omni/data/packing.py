@@ -16,7 +16,7 @@ n samples.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -25,6 +25,9 @@ from ds_omni.model.family import EncodedItem, ItemProcessor, placeholder_ids
 from ds_omni.model.omni import IGNORE_INDEX
 from ds_omni.parallel.long_short import LongItems
 from ds_omni.parallel.reshard import RankReshard, item_slots, plan_reshard
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,11 @@ class MicroBatch:
     (Gemma 3's images); host tensor, the same on every rank of an SP group. None: causal."""
     items: dict[str, list[EncodedItem]] = field(default_factory=dict, repr=False)
     """The row's encoder items (host tensors), by encoder, in placeholder order: what a rank that
-    encodes only some of them (the joint pipeline's uniform placement) collates from."""
+    encodes only some of them (the joint pipeline's uniform placement, the encoder pool) collates
+    from; under SP the whole row's items."""
+    row_positions: dict[tuple[str, int], "np.ndarray"] | None = None
+    """Under SP: (encoder, index) -> the item's placeholder positions in the whole padded row
+    (`reshard.item_slots`), for the encoder pool; None: the row is `input_ids` itself."""
     pooled: bool = False
     """`parallel.encoder_pool`: `encoder_inputs` are the items the pool gave this rank (any
     rank's), and `reshard` brings this row's rows home over the model's pool group."""
@@ -114,7 +121,7 @@ class MicroBatch:
                             for e, d in self.encoder_inputs.items()},
             split_inputs={e: [{k: move(v) for k, v in d.items()} for d in items]
                           for e, items in self.split_inputs.items()},
-            encode_calls=self.encode_calls, pooled=self.pooled)
+            encode_calls=self.encode_calls, row_positions=self.row_positions, pooled=self.pooled)
 
 
 def sample_targets(sample: Sample) -> torch.Tensor:
@@ -187,7 +194,8 @@ def shard_row(row: MicroBatch, items: dict[str, list[EncodedItem]],
         encoder_inputs={e: processors[e].collate([items[e][k] for k in idx])
                         for e, idx in plan.encode.items()},
         split_inputs={e: [processors[e].collate([items[e][k]]) for k, _ in long]
-                      for e, long in plan.split.items()})
+                      for e, long in plan.split.items()},
+        items=items, row_positions={(sl.encoder, sl.index): sl.positions for sl in slots})
 
 
 def pad_row(row: MicroBatch, multiple: int, pad_id: int) -> MicroBatch:

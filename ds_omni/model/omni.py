@@ -77,8 +77,15 @@ class ModalityEncoder(nn.Module):
         """The smallest valid input, run when a rank has nothing to encode (see `forward`)."""
         raise NotImplementedError
 
-    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.encode(self._cast(inputs))
+    def forward(self, inputs: dict[str, torch.Tensor], piece: tuple | None = None) -> torch.Tensor:
+        """Embeddings of the items in `inputs`; with `piece` (rows, group, rank), this rank's
+        rows of the one long item in `inputs` (`forward_piece`)."""
+        if piece is None:
+            return self.encode(self._cast(inputs))
+        rows, group, rank = piece
+        inputs = self._cast(inputs)
+        shard = EncoderShard(group, rank, len(rows) - 1, tuple(self.piece_tokens(inputs, rows)))
+        return self.encode_piece(inputs, shard)
 
     def _cast(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         dtype = next(self.tower.parameters()).dtype  # float inputs follow the tower (fp32 / bf16)
@@ -102,10 +109,12 @@ class ModalityEncoder(nn.Module):
 
     def forward_piece(self, inputs: dict[str, torch.Tensor], rows: tuple[int, ...], group,
                       rank: int) -> torch.Tensor:
-        """Rank `rank`'s rows of a long item encoded by the whole `group` (collective)."""
-        inputs = self._cast(inputs)
-        shard = EncoderShard(group, rank, len(rows) - 1, tuple(self.piece_tokens(inputs, rows)))
-        return self.encode_piece(inputs, shard)
+        """Rank `rank`'s rows of a long item encoded by the whole `group` (collective).
+
+        Through the module's call, as a whole-item run: ZeRO-3 records the modules each forward
+        enters and needs the same record on every rank, also on ranks that top up with dummy
+        runs while this one encodes a piece."""
+        return self(inputs, piece=(rows, group, rank))
 
 
 def recompute_in_backward(tower: nn.Module) -> int:
@@ -504,15 +513,16 @@ class OmniModel(nn.Module):
 
     def _embed_shard(self, batch: "MicroBatch") -> tuple[torch.Tensor, Deepstack | None]:
         """Under SP: this rank's shard [1, S, D] of the row's embeddings (and deepstack levels);
-        a pooled micro-batch (`parallel.encoder_pool`): the whole row [1, T, D], its rows
-        exchanged over the pool group.
+        a pooled micro-batch (`parallel.encoder_pool`): the same (the whole row [1, T, D] at
+        sp = 1), its rows exchanged over the pool group (long items still split in the row's group).
 
         The rank encodes the items the reshard plan gives it (wherever their placeholders are),
         then one all-to-all (`ReshardEmbeddings`) brings every row of this shard's placeholders
         from the rank that encoded it; a deepstack model's rows [N, (1 + k) D] carry their levels.
         """
         plan = batch.reshard
-        sp_group = self.encoder_pool.group if batch.pooled else self._route(batch)[0]
+        sp_group = self._route(batch)[0]  # the row's group: it splits the long items
+        exchange_group = self.encoder_pool.group if batch.pooled else sp_group
         hidden = self.backbone.embed_tokens(batch.input_ids)  # [1, S, D]
         rows: dict[str, torch.Tensor] = {}
         for name, encoder in self.encoders.items():
@@ -523,7 +533,7 @@ class OmniModel(nn.Module):
                 hidden = _with_dummy_pass(hidden, encoder)
             # whole items [n, D], then this rank's piece of each long item (a group collective)
             feats = ([encoder(inputs)] if inputs is not None else []) + [
-                encoder.forward_piece(item, bounds, sp_group, plan.rank)
+                encoder.forward_piece(item, bounds, sp_group, plan.piece_rank)
                 for item, (_, bounds) in zip(batch.split_inputs.get(name, []), long)]
             if not feats:
                 continue
@@ -545,7 +555,7 @@ class OmniModel(nn.Module):
         if self._encoders_trainable() and not local.requires_grad:
             # every rank must reach the backward all-to-all, also one that encoded nothing
             local = local.detach().requires_grad_()
-        recv = ReshardEmbeddings.apply(local, plan, sp_group)  # [R, (1 + k) D]
+        recv = ReshardEmbeddings.apply(local, plan, exchange_group)  # [R, (1 + k) D]
         where = torch.as_tensor(plan.recv_positions, dtype=torch.long, device=hidden.device)
         main, extra = split_levels(recv, width)  # [R, D], [R, k, D]
         hidden = hidden[0].index_copy(0, where, main).unsqueeze(0)

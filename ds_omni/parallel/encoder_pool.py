@@ -7,6 +7,19 @@ the ranks meet at every module's parameter gather, so each round waits for its b
 with sp = 1 nothing else spreads that work (resharding, `parallel.reshard`, balances only inside a
 row's SP group).
 
+Under static SP (sp > 1) the pool is every rank (dp x sp, pp = 1): a round holds one row per
+SP group, each sharded over its group. Long items (`long_short`) stay split over their row's
+group: the group's members carry a share of their cost each, before any placement. Every short
+item of every row goes to ONE rank of the whole pool by the same LPT, preferring a rank of the
+row's own group (its inputs are there), then the one whose shard holds most of its
+placeholders. Why the whole pool and not the dp group of one SP rank: the rows' images sit on
+ALL of their group's ranks, and ZeRO-3 gathers over all dp x sp ranks, so the straggler is the
+busiest of them. One all-to-all over the pool then sends each embedding row to the shard
+holding its placeholder (`PoolPlan.reshard`: an item straddling a shard boundary sends rows to
+both, as in `reshard.plan_reshard`); a moved item's inputs come from the member of its home
+group at the encoding rank's place in its own group. "Moved" means encoded outside the row's
+group (the metrics). Per-sequence SP (groups of mixed sizes per round) is not supported yet.
+
 Which ranks pool: the data-parallel group (at sp = pp = 1, the world), not the reorder group. The
 straggler that ZeRO-3 waits for is the busiest of ALL the ranks that gather together, which is the
 whole data-parallel group; pooling inside reorder groups of G ranks would leave the imbalance
@@ -25,7 +38,8 @@ the group; every rank then computes the same plan of every round (pure, `plan_ro
    placeholder; backward sends the gradients back to the encoding rank.
 A round whose plan moves nothing runs as without the pool (no exchange).
 
-Dims: N rows (embeddings) of the round's items, N_r those rank r encodes.
+Dims: N rows (embeddings) of the round's items, N_r those rank r encodes (its whole items',
+then its pieces of its row's long items), S a shard's tokens under SP.
 """
 
 from __future__ import annotations
@@ -46,9 +60,10 @@ from ds_omni.parallel.reshard import BALANCE_SLACK, RankReshard, item_slots
 # ------------------------------------------------------------------------------------- pure
 @dataclass(frozen=True)
 class PoolItem:
-    """One encoder item of a round: the rank whose row holds its placeholders, its encoder, its
-    place among that row's items of that encoder, the embedding rows it yields, its cost, and
-    its inputs' (key, shape, dtype) so a receiving rank can rebuild them."""
+    """One encoder item of a round: its home (the first pool rank of the group holding its row:
+    at sp = 1 the rank itself), its encoder, its place among that row's items of that encoder,
+    the embedding rows it yields, its cost, its inputs' (key, shape, dtype) so a receiving rank
+    can rebuild them, and under SP how many of its rows sit on each shard of the home group."""
 
     home: int
     encoder: str
@@ -56,39 +71,84 @@ class PoolItem:
     rows: int
     cost: float
     inputs: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+    shards: tuple[int, ...] = ()
+    """[size of the home group] its rows on each shard, in order (placeholders may straddle a
+    shard boundary); () stands for (rows,): a group of one rank."""
 
     @property
     def nbytes(self) -> int:
         return sum(prod(shape) * _dtype(dtype).itemsize for _, shape, dtype in self.inputs)
 
+    @property
+    def group(self) -> range:
+        """The pool ranks of its row's group (they all hold its inputs)."""
+        return range(self.home, self.home + max(1, len(self.shards)))
 
-def assign_pool(items: list[PoolItem], ranks: int, slack: float = BALANCE_SLACK) -> list[int]:
+    def held(self, rank: int) -> int:
+        """Its rows whose placeholders sit on `rank`'s shard."""
+        if rank not in self.group:
+            return 0
+        return self.shards[rank - self.home] if self.shards else self.rows
+
+    def destinations(self) -> np.ndarray:
+        """[rows] the pool rank whose shard holds each of its rows, in row order."""
+        return np.repeat(np.asarray(self.group), self.shards or (self.rows,)).astype(np.int64)
+
+
+def assign_pool(items: list[PoolItem], ranks: int, slack: float = BALANCE_SLACK,
+                base: np.ndarray | None = None) -> list[int]:
     """The encoding rank of each item: costliest first (LPT), onto a rank whose load is within
-    `slack` x the mean rank load of the least loaded, preferring the item's home rank (its
-    inputs and rows then stay put), then the least loaded, then the lowest rank.
+    `slack` x the mean rank load of the least loaded, preferring a rank of the item's home group
+    (its inputs are there), then the one holding most of its placeholders (its rows then stay
+    put), then the least loaded, then the lowest rank. `base` [ranks]: load the ranks carry
+    before (their pieces of long items).
 
-    The busiest rank's load stays <= mean + costliest item + slack x mean. Deterministic: every
-    rank computes the same owners from the same items.
+    Without `base`, the busiest rank's load stays <= mean + costliest item + slack x mean.
+    Deterministic: every rank computes the same owners from the same items.
     """
-    load = np.zeros(ranks)
+    load = np.zeros(ranks) if base is None else np.array(base, dtype=np.float64)
     owner = [0] * len(items)
-    tolerance = slack * sum(it.cost for it in items) / ranks
+    tolerance = slack * (sum(it.cost for it in items) + load.sum()) / ranks
     for i in sorted(range(len(items)), key=lambda i: (-items[i].cost, i)):
+        it = items[i]
         ok = np.flatnonzero(load <= load.min() + tolerance * (1 + 1e-9))
-        owner[i] = int(min(ok, key=lambda r: (r != items[i].home, load[r], r)))
-        load[owner[i]] += items[i].cost
+        owner[i] = int(min(ok, key=lambda r: (r not in it.group, -it.held(r), load[r], r)))
+        load[owner[i]] += it.cost
     return owner
 
 
 @dataclass(frozen=True)
+class HomeRow:
+    """What a pool rank knows of its own row (under SP, its group's padded row): the group's
+    first pool rank and size, the shard length, every item's placeholder positions in the whole
+    row, and the long items its group splits (`RankReshard.split`)."""
+
+    start: int
+    size: int
+    shard_len: int
+    positions: dict[tuple[str, int], np.ndarray]  # (encoder, index) -> [n] ascending positions
+    split: dict[str, list[tuple[int, tuple[int, ...]]]] = dataclasses.field(default_factory=dict)
+
+    def piece(self, encoder: str, index: int, bounds: tuple[int, ...], member: int) -> np.ndarray:
+        """Positions of the rows group member `member` yields of a long item."""
+        return self.positions[(encoder, index)][bounds[member]:bounds[member + 1]]
+
+    def mine(self, positions: np.ndarray, rank: int) -> np.ndarray:
+        """Shard-local positions of those of `positions` on `rank`'s shard."""
+        j = rank - self.start
+        return positions[positions // self.shard_len == j] - j * self.shard_len
+
+
+@dataclass(frozen=True)
 class PoolPlan:
-    """One round: every rank's items (home-rank-major, then encoder order, then index) and the
-    rank that encodes each."""
+    """One round: every row's short items (home-major, then encoder order, then index), the rank
+    that encodes each, and the long items that the rows' own groups split (not placed)."""
 
     items: list[PoolItem]
     owner: list[int]
     ranks: int
     encoder_order: list[str]
+    long: list[PoolItem] = dataclasses.field(default_factory=list)
 
     @cached_property
     def _by_owner(self) -> list[list[int]]:
@@ -104,59 +164,99 @@ class PoolPlan:
         return self._by_owner[rank]
 
     def moved(self) -> list[int]:
-        """Items encoded away from home."""
-        return [i for i, it in enumerate(self.items) if self.owner[i] != it.home]
+        """Items encoded away from home (outside their row's group)."""
+        return [i for i, it in enumerate(self.items) if self.owner[i] not in it.group]
 
     def moved_to(self, rank: int) -> int:
-        """How many items `rank` encodes for another rank."""
+        """How many items `rank` encodes for another group's row."""
         return sum(self.owner[i] == rank for i in self.moved())
 
     def loads(self) -> list[float]:
-        out = [0.0] * self.ranks
+        """Modelled encoder cost per rank: its items and its pieces of long items."""
+        out = list(_base(self.long, self.ranks))
         for it, o in zip(self.items, self.owner):
             out[o] += it.cost
         return out
 
-    def sends(self, src: int, dst: int) -> list[int]:
-        """Items whose inputs go from home `src` to encoding rank `dst` (dst's output order)."""
-        return [i for i in self.encodes(dst) if self.items[i].home == src and src != dst]
+    def sender(self, i: int) -> int:
+        """The member of item i's home group that sends its inputs to an encoding rank outside
+        the group: the one at the encoding rank's place in its own group (spreads the sends)."""
+        group = self.items[i].group
+        return group[self.owner[i] % len(group)]
 
-    def reshard(self, rank: int, positions: dict[tuple[str, int], np.ndarray]) -> RankReshard:
-        """`rank`'s part of the embedding exchange; `positions[(encoder, index)]` are the row
-        positions of this rank's own items' placeholders."""
-        mine = self.encodes(rank)
-        dest = np.array([self.items[i].home for i in mine for _ in range(self.items[i].rows)],
-                        dtype=np.int64)
-        received = [[i for i in self.encodes(src) if self.items[i].home == rank]
-                    for src in range(self.ranks)]
-        recv_positions = [positions[(self.items[i].encoder, self.items[i].index)]
-                          for part in received for i in part]
-        encode_rows: dict[str, int] = {}
+    def sends(self, src: int, dst: int) -> list[int]:
+        """Items whose inputs go from `src` to encoding rank `dst` (dst's output order)."""
+        return [i for i in self.encodes(dst)
+                if dst not in self.items[i].group and self.sender(i) == src]
+
+    def group_rows(self) -> int:
+        return sum(it.rows for it in self.items) + sum(it.rows for it in self.long)
+
+    def reshard(self, rank: int, row: HomeRow) -> RankReshard:
+        """`rank`'s part of the embedding exchange over the pool: its output rows (per encoder:
+        its whole items in `encodes` order, then its pieces of its row's long items) go to the
+        ranks holding their placeholders; it receives its shard's rows from whoever made them."""
+        out_dest, encode_rows = [], {}
+        for enc in self.encoder_order:
+            for i in self.encodes(rank):
+                if self.items[i].encoder == enc:
+                    out_dest.append(self.items[i].destinations())
+                    encode_rows[enc] = encode_rows.get(enc, 0) + self.items[i].rows
+            for index, bounds in row.split.get(enc, []):
+                piece = row.piece(enc, index, bounds, rank - row.start)
+                out_dest.append(row.start + piece // row.shard_len)
+                encode_rows[enc] = encode_rows.get(enc, 0) + len(piece)
+        dest = np.concatenate(out_dest) if out_dest else np.zeros(0, np.int64)
+        received = [self._received(src, rank, row) for src in range(self.ranks)]
+        recv = [p for part in received for p in part]
         encode: dict[str, list[int]] = {}
-        for i in mine:
-            it = self.items[i]
-            encode_rows[it.encoder] = encode_rows.get(it.encoder, 0) + it.rows
-            encode.setdefault(it.encoder, []).append(i)
+        for i in self.encodes(rank):
+            encode.setdefault(self.items[i].encoder, []).append(i)
         return RankReshard(
             rank=rank, order=list(self.encoder_order), encode=encode, encode_rows=encode_rows,
-            group_rows=sum(it.rows for it in self.items),
-            send_order=np.argsort(dest, kind="stable").tolist(),
+            group_rows=self.group_rows(), send_order=np.argsort(dest, kind="stable").tolist(),
             send_counts=np.bincount(dest, minlength=self.ranks).tolist(),
-            recv_counts=[sum(self.items[i].rows for i in part) for part in received],
-            recv_positions=(np.concatenate(recv_positions).astype(np.int64).tolist()
-                            if recv_positions else []))
+            recv_counts=[sum(map(len, part)) for part in received],
+            recv_positions=np.concatenate(recv).astype(np.int64).tolist() if recv else [],
+            split=row.split, group_rank=rank - row.start)
+
+    def _received(self, src: int, rank: int, row: HomeRow) -> list[np.ndarray]:
+        """Shard-local positions of the rows `src` sends `rank`, in `src`'s output order."""
+        out = []
+        for enc in self.encoder_order:
+            for i in self.encodes(src):
+                it = self.items[i]
+                if it.encoder == enc and it.home == row.start:
+                    out.append(row.mine(row.positions[(enc, it.index)], rank))
+            if src in range(row.start, row.start + row.size):
+                out += [row.mine(row.piece(enc, index, bounds, src - row.start), rank)
+                        for index, bounds in row.split.get(enc, [])]
+        return out
+
+
+def _base(long: list[PoolItem], ranks: int) -> np.ndarray:
+    """[ranks] each rank's share of the long items its group splits (cost / group size each)."""
+    load = np.zeros(ranks)
+    for it in long:
+        load[it.group.start:it.group.stop] += it.cost / len(it.group)
+    return load
 
 
 def plan_round(items: list[PoolItem], ranks: int, encoder_order: list[str],
-               slack: float = BALANCE_SLACK) -> PoolPlan:
-    return PoolPlan(items, assign_pool(items, ranks, slack), ranks, encoder_order)
+               slack: float = BALANCE_SLACK, long: list[PoolItem] = ()) -> PoolPlan:
+    """One round's plan: `items` are the short items of every row (placed over all `ranks`),
+    `long` the items each row's own group splits (they only weigh on its members' loads)."""
+    long = list(long)
+    return PoolPlan(items, assign_pool(items, ranks, slack, _base(long, ranks)), ranks,
+                    encoder_order, long)
 
 
-def item_meta(home: int, encoder: str, index: int, item, cost: float) -> PoolItem:
+def item_meta(home: int, encoder: str, index: int, item, cost: float,
+              shards: tuple[int, ...] = ()) -> PoolItem:
     """The metadata of an `EncodedItem` that other ranks need (no tensor data)."""
     inputs = tuple((k, tuple(v.shape), str(v.dtype).removeprefix("torch."))
                    for k, v in sorted(item.inputs.items()))
-    return PoolItem(home, encoder, index, item.num_embeddings, float(cost), inputs)
+    return PoolItem(home, encoder, index, item.num_embeddings, float(cost), inputs, shards)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -200,47 +300,71 @@ def exchange_inputs(plan: PoolPlan, rank: int, local: dict[str, list], group,
 
 
 class EncoderPool:
-    """The encoder pool of one rank (module docstring): plans a step, places each round."""
+    """The encoder pool of one rank (module docstring): plans a step, places each round.
+
+    `rank` and `size` are its place in the pool `group`; `sp` the size of the groups that share
+    one row (static SP: consecutive pool ranks, as `ParallelPlan.coords` lays them out).
+    """
 
     def __init__(self, group, rank: int, size: int, processors: dict, placeholder_ids: dict,
-                 item_cost, device, slack: float = BALANCE_SLACK):
-        self.group, self.rank, self.size = group, rank, size
+                 item_cost, device, slack: float = BALANCE_SLACK, sp: int = 1):
+        self.group, self.rank, self.size, self.sp = group, rank, size, sp
         self.processors, self.placeholder_ids = processors, placeholder_ids
         self.item_cost, self.device, self.slack = item_cost, device, slack
         self.encoder_order = list(placeholder_ids)
-        self.items_moved = 0  # items this rank encoded for another rank, since start
+        self.items_moved = 0  # items this rank encoded for another group's row, since start
         self.step_moved = 0  # the same, in the last planned step (metrics: data_pool_moved)
         self.step_moved_group = 0  # items encoded away from home by any rank, last step
 
-    def _metadata(self, micro_batches: list) -> list[list[PoolItem]]:
-        return [[item_meta(self.rank, enc, k, it, self.item_cost(enc, it))
-                 for enc in self.encoder_order for k, it in enumerate(mb.items.get(enc, []))]
-                for mb in micro_batches]
+    def _metadata(self, mb) -> tuple[list[PoolItem], list[PoolItem]]:
+        """(short items, long items) of this rank's row in one round; only the first rank of
+        the row's group reports them (the others hold the same row)."""
+        if not any(mb.items.values()):
+            return [], []
+        row = self.home_row(mb)
+        if row.start != self.rank:
+            return [], []
+        long = {(e, k) for e, pieces in row.split.items() for k, _ in pieces}
+        short, longs = [], []
+        for enc in self.encoder_order:
+            for k, it in enumerate(mb.items.get(enc, [])):
+                cost = self.item_cost(enc, it)
+                if (enc, k) in long:
+                    longs.append(PoolItem(row.start, enc, k, it.num_embeddings, float(cost),
+                                          shards=(0,) * row.size))
+                    continue
+                shards = (tuple(np.bincount(row.positions[(enc, k)] // row.shard_len,
+                                            minlength=row.size).tolist())
+                          if row.size > 1 else ())
+                short.append(item_meta(row.start, enc, k, it, cost, shards))
+        return short, longs
 
     def plan_step(self, micro_batches: list) -> list[PoolPlan]:
         """Every round's plan, from one all-gather of the group's item metadata."""
-        mine = self._metadata(micro_batches)
+        mine = [self._metadata(mb) for mb in micro_batches]
         everyone = [None] * self.size
         dist.all_gather_object(everyone, mine, group=self.group)
         rounds = {len(r) for r in everyone}
         if len(rounds) != 1:
             raise RuntimeError(f"parallel.encoder_pool: the ranks have {sorted(rounds)} "
                                "micro-batches this step; the pool needs the same number on each")
-        plans = [plan_round([it for r in everyone for it in r[m]], self.size, self.encoder_order,
-                            self.slack) for m in range(len(mine))]
+        plans = [plan_round([it for r in everyone for it in r[m][0]], self.size,
+                            self.encoder_order, self.slack,
+                            [it for r in everyone for it in r[m][1]]) for m in range(len(mine))]
         self.step_moved = sum(p.moved_to(self.rank) for p in plans)
         self.step_moved_group = sum(len(p.moved()) for p in plans)  # every rank's, same plans
         return plans
 
     def place(self, mb, plan: PoolPlan):
         """`mb` with the inputs of the items this rank encodes in `plan`, and the embedding
-        exchange that brings its own placeholders' rows home (collective); `mb` itself when no
-        item of the round moves (every rank knows: no exchange at all)."""
+        exchange that brings its shard's rows from wherever they were encoded (collective);
+        `mb` itself when no item of the round leaves its group (every rank knows: no pool
+        exchange at all; under SP the row's own resharding then runs)."""
         if not plan.moved():
             return mb
         received = exchange_inputs(plan, self.rank, mb.items, self.group, self.device)
         mine = plan.encodes(self.rank)
-        self.items_moved += sum(plan.items[i].home != self.rank for i in mine)
+        self.items_moved += sum(self.rank not in plan.items[i].group for i in mine)
         inputs = {}
         for enc in self.encoder_order:
             items = [_encoded(plan.items[i], mb.items, received.get(i), self.rank)
@@ -248,19 +372,26 @@ class EncoderPool:
             if items:
                 inputs[enc] = self.processors[enc].collate(items)
         return dataclasses.replace(mb, encoder_inputs=inputs, pooled=True,
-                                   reshard=plan.reshard(self.rank, self._positions(mb)))
+                                   reshard=plan.reshard(self.rank, self.home_row(mb)))
 
-    def _positions(self, mb) -> dict[tuple[str, int], np.ndarray]:
+    def home_row(self, mb) -> HomeRow:
+        """This rank's row as the plan needs it: under SP (`mb.reshard` from `shard_row`) its
+        group's padded row; at sp = 1 the micro-batch's own row."""
+        if mb.reshard is not None:
+            return HomeRow(self.rank - mb.reshard.rank, self.sp, int(mb.input_ids.shape[1]),
+                           mb.row_positions, mb.reshard.split)
+        ids = (mb.host or mb).input_ids[0]
         items = {e: its for e, its in mb.items.items() if its}
-        slots = item_slots((mb.host or mb).input_ids[0].numpy(),
-                           {e: self.placeholder_ids[e] for e in items},
+        slots = item_slots(ids.numpy(), {e: self.placeholder_ids[e] for e in items},
                            {e: [it.num_embeddings for it in its] for e, its in items.items()},
                            {e: [0.0] * len(its) for e, its in items.items()})
-        return {(s.encoder, s.index): s.positions for s in slots}
+        return HomeRow(self.rank, 1, max(1, int(ids.shape[0])),
+                       {(sl.encoder, sl.index): sl.positions for sl in slots})
 
 
 def _encoded(item: PoolItem, local: dict[str, list], received, rank: int):
-    """The `EncodedItem` to collate: this rank's own, or one rebuilt from received inputs."""
-    if item.home == rank:
+    """The `EncodedItem` to collate: its row's own (this rank's group holds it), or one rebuilt
+    from received inputs."""
+    if rank in item.group:
         return local[item.encoder][item.index]
     return EncodedItem(inputs=received, num_embeddings=item.rows)

@@ -58,6 +58,14 @@ class RankReshard:
     split: dict[str, list[tuple[int, tuple[int, ...]]]] = field(default_factory=dict)
     """encoder -> its long items (index, row bounds [sp + 1]), text order: every rank of the group
     encodes its piece of each; a rank's rows are its whole items', then its pieces', per encoder."""
+    group_rank: int | None = None
+    """Under the encoder pool (`parallel.encoder_pool`), where `rank` is a rank of the whole pool:
+    this rank's place in its row's SP group, whose piece of each long item it encodes; None: `rank`."""
+
+    @property
+    def piece_rank(self) -> int:
+        """The rank's place in the group that splits its row's long items."""
+        return self.rank if self.group_rank is None else self.group_rank
 
     @property
     def rows_out(self) -> int:

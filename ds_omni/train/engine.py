@@ -350,7 +350,8 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     if blocks:
         built.model.set_sequence_blocks(cfg.model.attn_implementation, blocks)
     if cfg.parallel.encoder_pool == "dp":
-        built.model.set_encoder_pool(encoder_pool_for(cfg, built, plan, rank, dp_group))
+        built.model.set_encoder_pool(encoder_pool_for(
+            cfg, built, plan, rank, mpu.get_sequence_data_parallel_group() if mpu else dp_group))
     loader = build_loader(cfg, built, dp_rank=coords.dp_rank, dp_size=plan.dp,
                           num_micro=ds_config["gradient_accumulation_steps"], comm=comm,
                           sp_rank=coords.sp_rank, sp_size=plan.sp, step_comm=step_comm)
@@ -374,20 +375,22 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
 
 
 def encoder_pool_for(cfg: OmniConfig, built, plan: ParallelPlan, rank: int,
-                     dp_group) -> EncoderPool | None:
-    """`parallel.encoder_pool="dp"`: this rank's pool over the data-parallel group, priced by the
-    loader's cost model; None (said once) when there is one data-parallel rank."""
+                     group) -> EncoderPool | None:
+    """`parallel.encoder_pool="dp"`: this rank's pool over `group`, every rank of the (single)
+    pipeline stage: the data-parallel ranks, under sp > 1 those times the SP ranks, whose groups
+    are consecutive pool ranks; priced by the loader's cost model. None (said once) when there
+    is one data-parallel rank: the row's SP group (if any) already spreads its items."""
     if plan.dp == 1:
         if rank == 0:
             log.warning("parallel.encoder_pool=\"dp\" with one data-parallel rank: there is no "
-                        "other rank to share encoder work with; the pool is off")
+                        "other row to share encoder work with; the pool is off")
         return None
     cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
     encoders = built.model.encoders
-    return EncoderPool(dp_group, plan.coords(rank).dp_rank, plan.dp, built.item_processors,
+    return EncoderPool(group, rank, plan.dp * plan.sp, built.item_processors,
                        {name: enc.placeholder_ids for name, enc in encoders.items()},
                        lambda name, item: float(cost.encoder_cost(name, item.cost_seqs()).sum()),
-                       dist.comm_device())
+                       dist.comm_device(), sp=plan.sp)
 
 
 def stage_plan(cfg: OmniConfig, built, plan: ParallelPlan) -> StagePlan:

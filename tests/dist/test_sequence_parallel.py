@@ -6,9 +6,10 @@ oracle (`tests/oracle.py`): one process, plain PyTorch, on global batches that `
 loader order produce there (not the ranks' keys). Loss (rel 1e-6), the full reduced gradients after
 the first backward, and the parameters after the last step (rel 1e-5) must agree.
 
-The 12 design cases cover every pair of values of every two axes (family x stage, family x world,
-family x reordering, stage x world, stage x reordering, world x reordering) at least once, with
-only 4 cases on 4 ranks; `test_design_covers_every_pair` checks that.
+The 11 design cases and the encoder pool's 2 (POOL) cover every pair of values of every two axes
+(family x stage, family x world, family x reordering, stage x world, stage x reordering, world x
+reordering) at least once, with only 5 cases on 4 ranks; `test_design_covers_every_pair` checks
+that.
 - llava: the demo composition (CLIP + Llama, 4 query / 2 KV heads);
 - qwen2_vl: an HF directory (native-resolution images, 3-D M-RoPE positions), with a text-only
   source mixed in, so that some rows have no image at all;
@@ -23,8 +24,8 @@ checks each encoder kind's split item against the item encoded whole (tests/enco
 
 The per-sequence SP degree (`parallel.max_sequence_sp`, ByteScale's hybrid data parallelism) is
 checked the same way in the same launches (PER_SEQUENCE, at the end of this file): no static SP,
-long sequences on blocks of 2 or 4 ranks. Ranks are started once per world size and loop over
-all their cases.
+long sequences on blocks of 2 or 4 ranks; and the encoder pool under SP (`parallel.encoder_pool`,
+POOL) in the 4-rank launch. Ranks are started once per world size and loop over all their cases.
 """
 
 import pytest
@@ -46,7 +47,8 @@ QWEN2_ONE_KV = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 1
                 "max_position_embeddings": 512, "tie_word_embeddings": False}
 
 #          family      ZeRO world reorder   (4-rank cases are the costly ones: as few as cover)
-DESIGN = [("llava", 3, 4, False), ("qwen2_vl", 0, 4, True), ("composed", 1, 4, False),
+# (composed, ZeRO-1, 4 ranks) is the encoder pool case POOL below, which counts towards the pairs
+DESIGN = [("llava", 3, 4, False), ("qwen2_vl", 0, 4, True),
           ("llava", 2, 4, True),
           ("llava", 0, 2, False), ("llava", 1, 2, True),
           ("qwen2_vl", 1, 2, False), ("qwen2_vl", 2, 2, False), ("qwen2_vl", 3, 2, True),
@@ -64,7 +66,7 @@ EXTRA = [("llava_next", 2, 2, False), ("qwen2_audio", 3, 2, True),
 # SP group, a piece each (Ulysses inside the tower); under ZeRO-3 the other groups' ranks top up
 # with dummy encoder runs. The other cases run the default "auto" threshold.
 SPLIT_ALL = {("llava", 3, 4, False), ("qwen2_vl", 1, 2, False), ("composed", 3, 2, False),
-             ("composed", 1, 4, False), ("qwen2_audio", 3, 2, True)}
+             ("qwen2_audio", 3, 2, True)}
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +155,7 @@ def _encoder_pieces(families, out_dir) -> dict:
     return out
 
 
-def _ranks(rank, world, cases, families, out_dir, per_sequence_cases, long):
+def _ranks(rank, world, cases, families, out_dir, per_sequence_cases, long, skewed=None):
     results = {"pieces": _encoder_pieces(families, out_dir) if world == 2 else {}}
     for case in cases:
         family, stage, _, reorder = case
@@ -167,6 +169,10 @@ def _ranks(rank, world, cases, families, out_dir, per_sequence_cases, long):
         name = f"per_sequence-{family}-zero{stage}-w{world}"
         cfg = per_sequence_config(families, family, f"{out_dir}/{name}", world, long)
         results[name] = oracle.train_on_rank(rank, world, cfg, ds_config(stage), STEPS)
+    for family, stage in POOL if skewed else ():
+        name = f"pool-{family}-zero{stage}"
+        cfg = pool_config(families, family, f"{out_dir}/{name}", skewed)
+        results[name] = oracle.train_on_rank(rank, world, cfg, ds_config(stage), STEPS)
     return results
 
 
@@ -177,8 +183,9 @@ def test_sequence_parallel_matches_single_process(world, families, tmp_path):
     cases = [c for c in DESIGN + EXTRA if c[2] == world]
     per_sequence = [c for c in PER_SEQUENCE if c[2] == world]
     long = long_source(tmp_path, weight=0.3, words=300)
+    skewed = skewed_sources(tmp_path) if world == 4 else None
     results = run_on_ranks(_ranks, world, timeout=900, args=(
-        cases, families, str(tmp_path / "sp"), per_sequence, long))
+        cases, families, str(tmp_path / "sp"), per_sequence, long, skewed))
     dp = world // 2
     for name, got in results[0]["pieces"].items():
         assert got["piece_rows"] < got["rows"], name  # the item really was split
@@ -196,6 +203,10 @@ def test_sequence_parallel_matches_single_process(world, families, tmp_path):
         name = f"per_sequence-{family}-zero{stage}-w{world}"
         cfg = per_sequence_config(families, family, str(tmp_path / f"ref_{name}"), world, long)
         _check_per_sequence(name, cfg, world, [r[name] for r in results])
+    for family, stage in POOL if skewed else ():
+        name = f"pool-{family}-zero{stage}"
+        _check_pool(name, pool_config(families, family, str(tmp_path / f"ref_{name}"), skewed),
+                    [r[name] for r in results])
 
 
 def _check_case(name, cfg, dp, per_rank) -> None:
@@ -223,10 +234,11 @@ def _check_case(name, cfg, dp, per_rank) -> None:
 
 def test_design_covers_every_pair():
     from itertools import combinations, product
-    values = [sorted({c[axis] for c in DESIGN}) for axis in range(4)]
+    design = DESIGN + [(family, stage, 4, False) for family, stage in POOL]
+    values = [sorted({c[axis] for c in design}) for axis in range(4)]
     assert values == [["composed", "llava", "qwen2_vl"], [0, 1, 2, 3], [2, 4], [False, True]]
     for a, b in combinations(range(4), 2):
-        missing = set(product(values[a], values[b])) - {(c[a], c[b]) for c in DESIGN}
+        missing = set(product(values[a], values[b])) - {(c[a], c[b]) for c in design}
         assert not missing, (a, b, missing)
 
 
@@ -264,3 +276,48 @@ def _check_per_sequence(name, cfg, world, per_rank) -> None:
     ref = oracle.run_reference(cfg, want)
     oracle.assert_matches(ref, per_rank[0], name, param_atol=PARAM_ATOL)
     oracle.assert_moved(ref, name)
+
+
+# ------------------------------------------------------------------ the encoder pool under SP
+# parallel.encoder_pool="dp" at dp2 x sp2 (the 4-rank launch): the rows of data-parallel rank 0
+# (ranks 0-1) hold every image (and clip); ranks 2-3's are text. Each rank packs one row of 4
+# samples a step. Step 0's row of ranks 0-1 has one sample with media (skew8), whose image (the
+# costlier item) "auto" long-short splits over ranks 0-1, while the composed model's clip, short,
+# goes to rank 2 or 3; steps 1-2 have 4 images (and 4 clips) a row, spread over all 4 ranks.
+# Every short item's rows go to the shard(s) holding its placeholders. Loader order: the pool
+# moves encoder work, never samples, so the ranks' own keys are the global batches to replay.
+POOL = [("llava", 3), ("composed", 1)]
+
+
+def skewed_sources(tmp_path) -> dict:
+    from tests.data_files import skewed_source
+    alone = (9, 10, 11)  # rank 0 reads rows 8-11, 12-15, 20-23 in its first three steps
+    return {"llava": skewed_source(tmp_path / "skewed", text_rows=alone),
+            "composed": skewed_source(tmp_path / "skewed_audio", audio=True, text_rows=alone)}
+
+
+def pool_config(families, family: str, out_dir: str, skewed: dict):
+    from ds_omni.config import ReorderConfig, SourceConfig, from_dict
+    cfg = make_config(families[family], out_dir, sp=2, reorder=False)
+    cfg.data.sources = [from_dict(SourceConfig, skewed[family])]
+    cfg.data.reorder = ReorderConfig(mode="loader_order")
+    cfg.parallel.encoder_pool = "dp"
+    cfg.train.micro_batch_size = 4
+    return cfg
+
+
+def _check_pool(name, cfg, per_rank) -> None:
+    for step in range(STEPS):  # ranks of one SP group (0-1, 2-3) train on the same samples
+        assert per_rank[0]["keys"][step] == per_rank[1]["keys"][step], name
+        assert per_rank[2]["keys"][step] == per_rank[3]["keys"][step], name
+    steps = [sorted(per_rank[0]["keys"][s] + per_rank[2]["keys"][s]) for s in range(STEPS)]
+    assert all(len(keys) == len(set(keys)) > 0 for keys in steps), name
+    ref = oracle.run_reference(cfg, steps)
+    oracle.assert_matches(ref, per_rank[0], name, param_atol=PARAM_ATOL)
+    assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank), name
+    oracle.assert_moved(ref, name)
+    # the skew was real: ranks 2-3 had nothing of their own to encode, yet encoded rank 0-1's
+    # items; and a long item was split over ranks 0-1 in the same rounds
+    assert [r["nothing_to_encode"] == STEPS for r in per_rank] == [False, False, True, True]
+    assert [r["pool_items_moved"] > 0 for r in per_rank] == [False, False, True, True], name
+    assert per_rank[0]["long_items"] > 0 and per_rank[2]["long_items"] == 0, name

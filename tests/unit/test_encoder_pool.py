@@ -6,7 +6,7 @@ import pytest
 
 from ds_omni.config import ParallelConfig
 from ds_omni.errors import ConfigError
-from ds_omni.parallel.encoder_pool import EncoderPool, PoolItem, assign_pool, plan_round
+from ds_omni.parallel.encoder_pool import EncoderPool, HomeRow, PoolItem, assign_pool, plan_round
 
 
 def _items(per_rank: list[list[tuple[str, int, float]]]) -> list[PoolItem]:
@@ -54,46 +54,136 @@ def test_busiest_rank_bound_and_determinism():
         assert loads.max() <= mean + max(it.cost for it in items) + 0.05 * mean + 1e-9
 
 
+def _exchange(plan, rows: dict[int, HomeRow]) -> None:
+    """Simulate `ReshardEmbeddings` over the plans of all pool ranks: every rank must end up with
+    exactly the rows of its shard's placeholders, whoever encoded them. A row is named (home,
+    encoder, index, j): the j-th embedding of that item."""
+    plans = [plan.reshard(r, rows[r]) for r in range(plan.ranks)]
+    outputs = []
+    for r, row in rows.items():
+        # what the model yields: per encoder, whole items in `encodes` order, then its pieces
+        out = []
+        for enc in plan.encoder_order:
+            out += [(plan.items[i].home, enc, plan.items[i].index, j) for i in plan.encodes(r)
+                    if plan.items[i].encoder == enc for j in range(plan.items[i].rows)]
+            out += [(row.start, enc, k, j) for k, b in row.split.get(enc, [])
+                    for j in range(b[r - row.start], b[r - row.start + 1])]
+        assert len(out) == sum(plans[r].encode_rows.values()) == plans[r].rows_out
+        outputs.append([out[k] for k in plans[r].send_order])  # grouped by destination
+    for r, row in rows.items():
+        received = []
+        for s in range(plan.ranks):
+            start = sum(plans[s].send_counts[:r])
+            assert plans[s].send_counts[r] == plans[r].recv_counts[s]
+            received += outputs[s][start:start + plans[s].send_counts[r]]
+        got = dict(zip(plans[r].recv_positions, received))
+        assert len(got) == len(received)  # no position filled twice
+        j0 = (r - row.start) * row.shard_len
+        want = {int(p) - j0: (row.start, e, k, j) for (e, k), pos in row.positions.items()
+                for j, p in enumerate(pos) if j0 <= p < j0 + row.shard_len}
+        assert got == want
+
+
 def test_exchange_puts_every_row_on_its_placeholder():
-    """Simulate `ReshardEmbeddings` over the plans of all ranks: every rank's row ends up with the
-    rows of its own items at their placeholder positions, whoever encoded them."""
     per_rank = [[("vision", 3, 5.0), ("audio", 2, 1.0), ("vision", 2, 4.0)], [],
                 [("audio", 4, 2.0)]]
     items = _items(per_rank)
     plan = plan_round(items, 3, ["vision", "audio"])
     assert plan.moved()
     # placeholder positions of each rank's items in its row (rank-specific, interleaved)
-    positions = {}
+    rows = {r: HomeRow(r, 1, 1000, {}) for r in range(3)}
     for r in range(3):
         at = 10 * r
         for it in items:
             if it.home == r:
-                positions[(r, it.encoder, it.index)] = np.arange(at, at + it.rows)
+                rows[r].positions[(it.encoder, it.index)] = np.arange(at, at + it.rows)
                 at += it.rows + 1
-    plans = [plan.reshard(r, {(e, k): p for (h, e, k), p in positions.items() if h == r})
-             for r in range(3)]
-    # encoders yield rows in their collate order: per encoder, items in plan.encodes order
-    outputs = []
-    for r in range(3):
-        rows = [(plan.items[i].home, plan.items[i].encoder, plan.items[i].index, j)
-                for i in plan.encodes(r) for j in range(plan.items[i].rows)]
-        assert len(rows) == sum(plans[r].encode_rows.values())
-        outputs.append([rows[k] for k in plans[r].send_order])  # grouped by destination
-    for r in range(3):
-        received = []
-        for s in range(3):
-            start = sum(plans[s].send_counts[:r])
-            assert plans[s].send_counts[r] == plans[r].recv_counts[s]
-            received += outputs[s][start:start + plans[s].send_counts[r]]
-        got = dict(zip(plans[r].recv_positions, received))
-        want = {int(p): (r, e, k, j) for (h, e, k), pos in positions.items() if h == r
-                for j, p in enumerate(pos)}
-        assert got == want
+    _exchange(plan, rows)
+
+
+def _sp_round(seed: int, dp: int, sp: int, shard_len: int = 24):
+    """A random round at dp x sp: each row's items at random positions of its padded row (some
+    straddle shards), some of them long (split over the row's group): (plan, HomeRow per rank)."""
+    rng = np.random.default_rng(seed)
+    items, long, rows = [], [], {}
+    for d in range(dp):
+        start, positions, split = d * sp, {}, {}
+        free = rng.permutation(sp * shard_len)
+        at = 0
+        for k in range(int(rng.integers(0, 4 if d else 7))):  # row 0 carries the most
+            enc = ["vision", "audio"][int(rng.integers(0, 2))]
+            index = sum(e == enc for e, _ in positions)
+            n = int(rng.integers(sp, 6))
+            positions[(enc, index)] = np.sort(free[at:at + n])
+            at += n
+            cost = float(rng.uniform(0.5, 3.0))
+            if rng.random() < 0.25:  # long: every group member encodes a piece
+                bounds = tuple(np.linspace(0, n, sp + 1).astype(int).tolist())
+                split.setdefault(enc, []).append((index, bounds))
+                long.append(PoolItem(start, enc, index, n, cost, shards=(0,) * sp))
+            else:
+                shards = tuple(np.bincount(positions[(enc, index)] // shard_len,
+                                           minlength=sp).tolist())
+                items.append(PoolItem(start, enc, index, n, cost, shards=shards))
+        for enc in split:
+            split[enc].sort()
+        for r in range(start, start + sp):
+            rows[r] = HomeRow(start, sp, shard_len, positions, split)
+    return plan_round(items, dp * sp, ["vision", "audio"], long=long), rows
+
+
+def test_sp_exchange_puts_every_row_on_its_shard():
+    """dp x sp: short items anywhere in the pool, long items' pieces from their group; each
+    rank receives exactly its shard's rows (items straddling shards land on both)."""
+    moved = 0
+    for seed in range(18):
+        dp, sp = [(2, 2), (3, 2), (2, 4)][seed % 3]
+        plan, rows = _sp_round(seed, dp, sp)
+        _exchange(plan, rows)
+        moved += len(plan.moved())
+        assert plan.group_rows() == sum(len(p) for row in {r.start: r for r in rows.values()}
+                                        .values() for p in row.positions.values())
+    assert moved > 0
+
+
+def test_sp_skewed_round_spreads_over_every_rank_of_every_group():
+    # dp2 x sp2: row 0 (ranks 0-1) holds 8 equal items, row 1 (ranks 2-3) none
+    items = [PoolItem(0, "vision", k, 4, 1.0, shards=(4, 0) if k < 4 else (0, 4))
+             for k in range(8)]
+    plan = plan_round(items, 4, ["vision"])
+    assert plan.loads() == [2.0, 2.0, 2.0, 2.0]
+    # the row's own group keeps what it can, first on the shard holding the placeholders
+    assert sum(plan.owner[i] in (0, 1) for i in range(8)) == 4
+    assert plan.owner[0] == 0 and plan.owner[4] == 1
+    assert [plan.moved_to(r) for r in range(4)] == [0, 0, 2, 2]  # data_pool_moved
+    # rank 2 gets its inputs from rank 0, rank 3 from rank 1: the group shares the sends
+    assert {plan.sender(i) for i in plan.moved() if plan.owner[i] == 2} == {0}
+    assert {plan.sender(i) for i in plan.moved() if plan.owner[i] == 3} == {1}
+
+
+def test_long_items_weigh_on_their_group():
+    # row 0's group splits a long item of cost 4 (2 per member): short items go to row 1's group
+    long = [PoolItem(0, "vision", 0, 6, 4.0, shards=(0, 0))]
+    items = [PoolItem(0, "vision", k, 2, 1.0, shards=(2, 0)) for k in (1, 2)]
+    plan = plan_round(items, 4, ["vision"], long=long)
+    assert sorted(plan.owner) == [2, 3] and plan.loads() == [2.0, 2.0, 1.0, 1.0]
+
+
+def test_sp_planner_is_deterministic_and_bounded():
+    for seed in range(30):
+        plan, _ = _sp_round(seed, 2, 2)
+        again, _ = _sp_round(seed, 2, 2)
+        assert plan.owner == again.owner
+        if plan.items and not plan.long:
+            loads = plan.loads()
+            mean = sum(loads) / len(loads)
+            assert max(loads) <= mean + max(it.cost for it in plan.items) + 0.05 * mean + 1e-9
 
 
 def test_config_refuses_pool_with_model_parallelism():
     assert ParallelConfig(encoder_pool="dp").encoder_pool == "dp"
-    for bad in ({"sp": 2}, {"pp": 2}, {"max_sequence_sp": 2}):
+    assert ParallelConfig(encoder_pool="dp", sp=2).sp == 2  # static SP: pooled over dp x sp
+    for bad in ({"pp": 2}, {"max_sequence_sp": 2}):
         with pytest.raises(ConfigError, match="encoder_pool.*set encoder_pool to"):
             ParallelConfig(encoder_pool="dp", **bad)
     with pytest.raises(ConfigError, match="encoder_pool must be"):
@@ -108,10 +198,10 @@ def test_metric_is_the_items_encoded_for_others(monkeypatch):
 
     from ds_omni.parallel import encoder_pool
     from ds_omni.train.engine import pool_metrics
-    rank0 = [[PoolItem(0, "vision", k, 4, 1.0) for k in range(n)] for n in (8, 1)]
+    rank0 = [([PoolItem(0, "vision", k, 4, 1.0) for k in range(n)], []) for n in (8, 1)]
 
     def all_gather_object(out, mine, group):
-        out[:] = [rank0, mine, [[], []], [[], []]]
+        out[:] = [rank0, mine, [([], [])] * 2, [([], [])] * 2]
     monkeypatch.setattr(encoder_pool.dist, "all_gather_object", all_gather_object)
     pool = EncoderPool(None, 1, 4, {}, {"vision": (5,)}, None, "cpu")
     # round 1: 2 of rank 0's 8 items come to rank 1; round 2: rank 0 keeps its one item
