@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_omni.train import checkpoint
@@ -40,16 +40,19 @@ _TRACEBACK_LAST = re.compile(r"^(\w+(\.\w+)*(Error|Exception|Interrupt)\b.*)")
 class Attempt:
     returncode: int
     tail: list[str]  # the last lines of its output
+    # the first lines of the whole output that say why ("ds-omni: ..."): a launcher's and the
+    # other ranks' teardown can print more than the tail holds after them
+    telling: list[str] = field(default_factory=list)
 
     @property
     def cause(self) -> str:
-        return failure_cause(self.tail, self.returncode)
+        return failure_cause([*self.telling, *self.tail], self.returncode)
 
     @property
     def retryable(self) -> bool:
         """A failure ds-omni diagnosed as the input's fault is not (see the module docstring);
         one that a watchdog or a dead peer explains is, even when ranks printed errors too."""
-        lines = "\n".join(self.tail)
+        lines = "\n".join([*self.telling, *self.tail])
         return "ds-omni: error:" not in lines or "ds-omni: watchdog:" in lines
 
 
@@ -96,17 +99,24 @@ def output_dir_of(command: list[str]) -> str:
     return load_config(config, sets).train.output_dir
 
 
-def run_attempt(command: list[str], tail_lines: int = 60) -> Attempt:
+def is_telling(line: str) -> bool:
+    return any(pattern.search(line) for pattern in _CAUSE_PATTERNS)
+
+
+def run_attempt(command: list[str], tail_lines: int = 60, telling_lines: int = 20) -> Attempt:
     """Run `command` in a new process group, passing its output through; kill what is left of the
     group when it returns."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, text=True, errors="replace", bufsize=1)
     tail: deque[str] = deque(maxlen=tail_lines)
+    telling: list[str] = []
     try:
         for line in proc.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()
             tail.append(line.rstrip("\n"))
+            if len(telling) < telling_lines and is_telling(line):
+                telling.append(line.rstrip("\n"))
         proc.wait()
     except BaseException:  # the supervisor is told to stop: the run stops too, gently first
         _signal_group(proc.pid, signal.SIGTERM)
@@ -117,7 +127,7 @@ def run_attempt(command: list[str], tail_lines: int = 60) -> Attempt:
         raise
     finally:
         _signal_group(proc.pid, signal.SIGKILL)
-    return Attempt(proc.returncode, list(tail))
+    return Attempt(proc.returncode, list(tail), telling)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

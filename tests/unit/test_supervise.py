@@ -88,3 +88,17 @@ def test_the_command_line_runs_and_restarts_a_real_command(tmp_path, capsys):
 def test_a_command_without_config_needs_output_dir(capsys):
     assert main(["supervise", "--", "true"]) == 2
     assert "pass --output-dir" in capsys.readouterr().err
+
+
+def test_the_cause_survives_a_long_teardown_after_it():
+    """A rank says why it ends, then the launcher and the other ranks print more than the tail
+    holds (tracebacks, teardown logs): the cause is still the rank's line."""
+    import sys
+    from ds_omni.train.supervise import run_attempt
+    script = ("import sys; print('step 3'); "
+              "print('ds-omni: rank 1: terminated (SIGTERM); rank 0 is gone: has exited', "
+              "file=sys.stderr); [print(f'teardown {i}') for i in range(200)]; sys.exit(247)")
+    attempt = run_attempt([sys.executable, "-c", script], tail_lines=60)
+    assert attempt.returncode == 247 and "teardown 199" in attempt.tail[-1]
+    assert attempt.cause == "rank 1: terminated (SIGTERM); rank 0 is gone: has exited"
+    assert attempt.retryable
