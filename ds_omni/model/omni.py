@@ -277,7 +277,7 @@ class Backbone(nn.Module):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D] -> logits [..., V], with what HF's forward applies after the head."""
-        return self.logit_rule(self.lm_head(hidden))
+        return self.logit_rule.head(self.lm_head, hidden)
 
     def layer_kwargs(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                      cu_seqlens: torch.Tensor, max_seqlen: int,

@@ -134,8 +134,11 @@ def run_per_sample(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torc
         rest["ds_omni_blocks"] = torch.tensor(inside) if inside else None
         if layer.ds_omni_per_sample in WITH_MASK:
             rest["attention_mask"] = causal_mask(b - a, hidden.device)
-        outs.append(layer(hidden[:, a:b], **sample_kwargs(rest, a, b, hidden.shape[1]),
-                          ds_omni_cu_seqlens=one, ds_omni_max_seqlen=b - a))
+        out = layer(hidden[:, a:b], **sample_kwargs(rest, a, b, hidden.shape[1]),
+                    ds_omni_cu_seqlens=one, ds_omni_max_seqlen=b - a)
+        # (hidden, top-k indices): Mistral Large 4's layers also return their pick, which only a
+        # "shared" indexer layer would read (`generic.config_problem` refuses those)
+        outs.append(out[0] if isinstance(out, tuple) else out)
     return torch.cat(outs, dim=1)  # L_i x [1, L_i, D] -> [1, T, D]
 
 

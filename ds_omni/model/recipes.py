@@ -944,3 +944,30 @@ NOT_EXACT.update({
                 "the next layer reuses (cross-layer top-k sharing), and its attention adds "
                 "learned sinks, which the packed kernels do not",
 })
+
+
+def _mistral_large4():
+    """Mistral Large 4: Mistral3's Pixtral tower and patch merger; a DeepSeek-V3.2-style MLA LLM
+    of indexed (top-k sparse) layers, one with rope and one without (no_rope_layers), a dense
+    then a MoE MLP, its logits soft-capped; top-k 4, so every sample outruns the indexer."""
+    config, processor = _pixtral("mistral_large4", "mistral", {
+        "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"})
+    tok = processor.tokenizer
+    text = {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "kv_lora_rank": 16,
+            "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "index_topk": 4,
+            "index_head_dim": 8, "index_n_heads": 2, "no_rope_layers": [1, 0],
+            "final_logit_softcapping": 3.0, "max_position_embeddings": 1024,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                                "original_max_position_embeddings": 512, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "attention_factor": 1.0},
+            "vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    config = config_for("mistral_large4", vision_config=config.vision_config.to_dict(),
+                        text_config=text, image_token_index=config.image_token_index,
+                        spatial_merge_size=2)
+    return config, processor
+
+
+RECIPES["mistral_large4"] = _mistral_large4

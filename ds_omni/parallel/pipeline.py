@@ -108,7 +108,7 @@ class HeadStage(nn.Module):
         self.logit_rule = model.backbone.logit_rule
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logit_rule(self.lm_head(hidden))
+        return self.logit_rule.head(self.lm_head, hidden)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         hidden, _, _ = inputs

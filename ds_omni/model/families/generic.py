@@ -128,7 +128,7 @@ def config_problem(config) -> str | None:
         return ("its vision features are summed into the LLM's hidden states at the layers its "
                 "deepstack_layer_map names (Granite 4 Vision); ds_omni carries deepstack levels "
                 "added after layers 0..k-1 only (Qwen3-VL's)")
-    problem = per_layer_problem(text)
+    problem = per_layer_problem(text) or cross_layer_problem(text)
     if problem is not None:
         return problem
     hf_class = hf_class_of(config.model_type)
@@ -157,6 +157,23 @@ def per_layer_problem(text) -> str | None:
     if getattr(text, "use_bidirectional_attention", None) == "vision":
         return ("its image tokens attend to each other both ways (use_bidirectional_attention "
                 "\"vision\", Gemma 4); ds_omni builds such blocks for Gemma 3 and PaliGemma only")
+    return None
+
+
+def cross_layer_problem(text) -> str | None:
+    """Why layers of this LLM that reuse what an earlier layer computed (Mistral Large 4's shared
+    indexer and latent KV) keep it off the backbone, or None."""
+    shared = [i for i, t in enumerate(getattr(text, "indexer_types", None) or ()) if t == "shared"]
+    if shared:
+        return (f"its layers {shared} reuse the top-k pick of an earlier indexer layer "
+                "(indexer_types \"shared\", Mistral Large 4); the backbone runs its indexed "
+                "layers one sample at a time and hands a layer no earlier layer's pick")
+    sources = getattr(text, "kv_source_layers", None) or ()
+    reused = [i for i, s in enumerate(sources) if s != i]
+    if reused:
+        return (f"its layers {reused} attend to the latent keys and values of an earlier layer "
+                "(kv_source_layers, Mistral Large 4); ds_omni has not checked that sharing under "
+                "packing, per-sample layers and pipeline stages")
     return None
 
 
