@@ -156,7 +156,13 @@ def per_layer_problem(text) -> str | None:
                 "SP and pipeline stages")
     if getattr(text, "use_bidirectional_attention", None) == "vision":
         return ("its image tokens attend to each other both ways (use_bidirectional_attention "
-                "\"vision\", Gemma 4); ds_omni builds such blocks for Gemma 3 and PaliGemma only")
+                "\"vision\", Gemma 4 Unified): each run of image or video tokens is one block, as "
+                "Gemma 3's image runs, but on sliding layers its forward opens the block on top of "
+                "the window (windowed causal OR block: a run wider than sliding_window is seen "
+                "whole), where Gemma 3's mask and ds_omni's kernel keep the window over the block "
+                "(window AND (causal OR block)); its generate path builds Gemma 4's masks instead "
+                "(causal full layers, windowed blocks on sliding ones), so its training and "
+                "serving masks differ")
     return None
 
 
