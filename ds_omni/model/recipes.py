@@ -971,3 +971,35 @@ def _mistral_large4():
 
 
 RECIPES["mistral_large4"] = _mistral_large4
+
+
+def _ernie4_5_vl_moe():
+    """ERNIE-4.5-VL: a Qwen2-VL-like patch ViT and a resampler; an M-RoPE MoE LLM whose MoE layer
+    sends image tokens (and their start / end tokens) to vision experts, text tokens to text
+    ones, by moe_mm_token_type_ids (`GenericFamily.layer_inputs`)."""
+    from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import (
+        Ernie4_5_VLMoeImageProcessorPil)
+    named = {"image_token": "<|IMAGE_PLACEHOLDER|>", "image_start_token": "<|IMAGE_START|>",
+             "image_end_token": "<|IMAGE_END|>", "video_token": "<|VIDEO_PLACEHOLDER|>",
+             "video_start_token": "<|VIDEO_START|>", "video_end_token": "<|VIDEO_END|>"}
+    tok = demo_tokenizer(list(named.values()), named)
+    ids = {k: _ids(tok, v)[0] for k, v in named.items()}
+    for key, value in ids.items():
+        setattr(tok, f"{key}_id", value)
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
+              "patch_size": 4, "spatial_merge_size": 2, "temporal_merge_size": 2}
+    text = _text(tok, "ernie4_5_vl_moe_text", num_hidden_layers=2, moe_intermediate_size=[16, 8],
+                 moe_k=2, moe_num_experts=4, moe_num_shared_experts=1,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                  "mrope_section": [1, 1, 2]})
+    config = config_for("ernie4_5_vl_moe", vision_config=vision, text_config=text,
+                        **{f"{k}_id": v for k, v in ids.items()})
+    images = Ernie4_5_VLMoeImageProcessorPil(patch_size=4, merge_size=2,
+                                             size={"shortest_edge": 8 * 8,
+                                                   "longest_edge": 48 * 48})
+    return config, lenient_processor(processor_class_for("ernie4_5_vl_moe"),
+                                     image_processor=images, tokenizer=tok)
+
+
+RECIPES["ernie4_5_vl_moe"] = _ernie4_5_vl_moe
+del NOT_EXACT["ernie4_5_vl_moe"]

@@ -62,6 +62,14 @@ def test_what_is_not_followed_is_refused_with_the_reason():
     gemma4.text_config.hidden_size_per_layer_input = 0
     gemma4.text_config.use_bidirectional_attention = "vision"
     assert "both ways" in generic.config_problem(gemma4)
+    assert "window AND (causal OR block)" in generic.config_problem(gemma4)  # Gemma 4 Unified's
+    large4 = AutoConfig.for_model("mistral_large4")  # its default: every indexer runs, no KV reuse
+    assert generic.config_problem(large4) is None
+    large4.text_config.indexer_types = ["full"] + ["shared"] * 71
+    assert "top-k pick of an earlier indexer layer" in generic.config_problem(large4)
+    large4.text_config.indexer_types = ["full"] * 72
+    large4.text_config.kv_source_layers = [0, 0] + list(range(2, 72))
+    assert "latent keys and values of an earlier layer" in generic.config_problem(large4)
 
 
 @pytest.mark.parametrize("model_type,extra", [

@@ -55,6 +55,9 @@ BIDIRECTIONAL = {"gemma3": "images", "paligemma": "prefix"}
 """HF model folder -> how its `token_type_ids` mask opens causal attention, as its forward builds
 it: "images", each run of image tokens is one block (`get_block_sequence_ids_for_mask`); "prefix",
 everything before the first trained token is one block (PaliGemma's prompt, `token_type_ids == 0`)."""
+MOE_TYPES = "moe_mm_token_type_ids"
+"""ERNIE-4.5-VL's per-token modality ids, which its decoder layers route MoE experts by
+(`GenericFamily.layer_inputs`)."""
 POSITION_OFFSET = {"paligemma": 1}
 """HF model folder -> what its forward adds to 0-based positions (PaliGemma's are 1-indexed)."""
 _TOWER_NAMES = ("vision", "visual", "image_encoder", "tower", "audio", "vqmodel")
@@ -510,6 +513,7 @@ class GenericFamily(Family):
         self._image_id: int | None = None  # set with the config (`_set_rope`)
         self._rope: nn.Module | None = None  # a weightless instance for HF's positions
         self.dummy: dict[str, torch.Tensor] | None = None
+        self._moe_types: dict[int, list[int]] | None = None  # `layer_inputs` (set with the config)
 
     def hf_model_class(self):
         return self._hf
@@ -538,6 +542,8 @@ class GenericFamily(Family):
         encoder.deepstack = deepstack_levels(hf_model.config)  # Qwen3-VL: levels after the rows
         gather_with(encoder, projector.params.values())
         self._set_rope(hf_model.config)
+        if len(llm.layers):
+            self._set_moe_types(hf_model.config, llm.layers[0])
         return OmniModel(encoders={"vision": encoder},
                          backbone=backbone_of(llm, hf_model.lm_head, hf_model),
                          family=self, hf_model=hf_model)
@@ -580,6 +586,28 @@ class GenericFamily(Family):
             end = int(trained[0]) if len(trained) else int(input_ids.shape[0])
             return [(0, end)] if end > 1 else []
         return []
+
+    def layer_inputs(self, input_ids):
+        """ERNIE-4.5-VL's `moe_mm_token_type_ids` [1, S]: 1 on image tokens and their start / end
+        tokens, 2 on video ones, as its processor's `create_moe_mm_token_type_ids` writes them (its
+        MoE layers send those tokens to the vision experts); {} for the other families."""
+        if self._moe_types is None:
+            return {}
+        types = torch.zeros_like(input_ids)
+        for kind, ids in self._moe_types.items():
+            types[torch.isin(input_ids, torch.tensor(ids, device=input_ids.device))] = kind
+        return {MOE_TYPES: types}
+
+    def _set_moe_types(self, config, layer: nn.Module) -> None:
+        """The token ids of each kind of `layer_inputs`, when the LLM's decoder `layer` takes them."""
+        if MOE_TYPES not in inspect.signature(type(layer).forward).parameters:
+            self._moe_types = None
+            return
+        kinds = {1: ("image_token_id", "image_start_token_id", "image_end_token_id"),
+                 2: ("video_token_id", "video_start_token_id", "video_end_token_id")}
+        self._moe_types = {k: [int(getattr(config, a)) for a in names
+                               if getattr(config, a, None) is not None]
+                           for k, names in kinds.items()}
 
     def save_processor(self, out_dir, hf_config, tokenizer, model_dir=None):
         tokenizer.save_pretrained(str(out_dir))
