@@ -59,9 +59,10 @@ AS_ATTENTION = {
 }
 """Layer types that run on the packed kernel over the whole row."""
 NOT_SUPPORTED = {
-    "hybrid": "Inkling 2's layers also take block states (attention over the outputs of earlier "
-              "blocks) and relative-distance and convolution masks that its model's forward "
-              "builds; the backbone hands a layer only the hidden states of the one before",
+    "hybrid": "Inkling's layers also take relative-distance and convolution masks that its "
+              "model's forward builds (Inkling 2's also block states: attention over the outputs "
+              "of earlier blocks); the backbone hands a layer only the hidden states of the one "
+              "before",
     "hybrid_sliding": "as 'hybrid', with a sliding window",
 }
 """Layer types no backbone path runs, with why."""
