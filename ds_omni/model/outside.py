@@ -9,7 +9,8 @@ forward itself, where a backbone that runs the modules would not see it:
   (`final_logit_softcapping`: Gemma 2 / 4, Mistral Large 4, Muse), or set to the dtype's minimum
   on tokens the model must not emit (Chameleon's VQ image tokens in text mode);
 - Inkling's forward divides the final hidden states by `logits_mup_width_multiplier` (muP) before
-  the head, and keeps only the first `unpadded_vocab_size` logits (a head padded past the vocabulary).
+  the head, and keeps only the first `unpadded_vocab_size` logits (a head padded past the
+  vocabulary).
 `embed_scale` and `logit_rule` read them from the HF classes' own forward code and the config,
 so a rule applies exactly where HF's forward applies it (a Granite LLM inside LLaVA gets the embedding multiplier,
 which its own forward applies, but not the logit scaling, which only Granite's causal-LM head

@@ -69,6 +69,8 @@ NOT_SUPPORTED = {
 ROW_BOUNDS = "ds_omni_row_bounds"
 """`Backbone.layer_kwargs`' key for the row's `cu_seqlens` as a host list (the kernel's copy may
 sit on the device)."""
+PER_TOKEN = ("moe_mm_token_type_ids",)
+"""Per-token layer inputs [1, T] (`Family.layer_inputs`), cut to each sample like the positions."""
 _ROW_ONLY = ("cu_seqlens", "max_seqlen", "ds_omni_blocks", ROW_BOUNDS)
 """Per-row keyword arguments of `Backbone.layer_kwargs` that a per-sample call replaces."""
 
@@ -152,8 +154,9 @@ def sample_kwargs(kwargs: dict, start: int, end: int, total: int) -> dict:
     cos_sin = kwargs.get("position_embeddings")
     if cos_sin is not None:
         out["position_embeddings"] = tuple(_cut(t, start, end, total, dim=-2) for t in cos_sin)
-    if kwargs.get("position_ids") is not None:
-        out["position_ids"] = _cut(kwargs["position_ids"], start, end, total, dim=-1)
+    for name in ("position_ids", *PER_TOKEN):
+        if kwargs.get(name) is not None:
+            out[name] = _cut(kwargs[name], start, end, total, dim=-1)
     return out
 
 

@@ -599,7 +599,7 @@ class GenericFamily(Family):
         return {MOE_TYPES: types}
 
     def _set_moe_types(self, config, layer: nn.Module) -> None:
-        """The token ids of each kind of `layer_inputs`, when the LLM's decoder `layer` takes them."""
+        """The token ids of each kind of `layer_inputs`, if the LLM's decoder `layer` takes them."""
         if MOE_TYPES not in inspect.signature(type(layer).forward).parameters:
             self._moe_types = None
             return
