@@ -139,6 +139,9 @@ def hf_inputs(processor, built, sample, imgs) -> dict:
         out["token_type_ids"] = hf_token_types(processor, ids, sample)
     elif make_types is not None and len(inspect.signature(make_types).parameters) == 1:
         out["mm_token_type_ids"] = torch.tensor(processor.create_mm_token_type_ids(ids.tolist()))
+    if "moe_mm_token_type_ids" in forward:  # ERNIE-4.5-VL's MoE routing by modality
+        out["moe_mm_token_type_ids"] = torch.tensor(
+            processor.create_moe_mm_token_type_ids(ids.tolist()))
     return out
 
 

@@ -146,6 +146,11 @@ class Family:
         causal attention (Gemma 3's image tokens, PaliGemma's prefix); default none."""
         return []
 
+    def layer_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-token inputs its decoder layers take besides the hidden states, from the row's
+        token ids [1, S] (ERNIE-4.5-VL's `moe_mm_token_type_ids`), each [1, S]; default none."""
+        return {}
+
     def save_processor(self, out_dir: Path, hf_config, tokenizer, model_dir: Path | None) -> None:
         """Write the HF processor next to an exported model so users can `generate`."""
         tokenizer.save_pretrained(str(out_dir))

@@ -263,17 +263,20 @@ class Backbone(nn.Module):
                 cu_seqlens: torch.Tensor, max_seqlen: int,
                 attention: PackedAttention | None = None,
                 deepstack: Deepstack | None = None,
-                blocks: torch.Tensor | None = None) -> torch.Tensor:
+                blocks: torch.Tensor | None = None,
+                token_inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """hidden [1, S, D], position_ids [1, S] or [3, 1, S] (M-RoPE) -> normed hidden [1, S, D].
 
         S = T, the whole row, or under sequence parallelism this rank's shard of it; `cu_seqlens`
         always delimits the samples of the whole (padded) row. `attention` overrides the model's
         for this row (per-sequence SP: the row's block group); `blocks` [m, 2]: the row's spans
         attended both ways (`MicroBatch.blocks`). `deepstack`: level i is added after layer i
-        (levels past the last layer are unused, as in HF).
+        (levels past the last layer are unused, as in HF). `token_inputs`: per-token inputs
+        [1, S] every layer also takes (`Family.layer_inputs`).
         """
         hidden = self.scale_embeddings(hidden)
         kwargs = self.layer_kwargs(hidden, position_ids, cu_seqlens, max_seqlen, attention, blocks)
+        kwargs.update(token_inputs or {})
         for i, layer in enumerate(self.layers):
             hidden = self.run_layer(layer, hidden, kwargs)
             if deepstack is not None and i < deepstack.depth:
@@ -286,7 +289,7 @@ class Backbone(nn.Module):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D] -> logits [..., V], with what HF's forward applies after the head."""
-        return self.logit_rule(self.lm_head(hidden))
+        return self.logit_rule.head(self.lm_head, hidden)
 
     def layer_kwargs(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                      cu_seqlens: torch.Tensor, max_seqlen: int,
@@ -569,7 +572,8 @@ class OmniModel(nn.Module):
         hidden, deepstack = self.embed_deepstack(batch)
         return self.backbone(hidden, batch.position_ids, batch.cu_seqlens, batch.max_seqlen,
                              attention=self._route(batch)[1], deepstack=deepstack,
-                             blocks=batch.blocks)
+                             blocks=batch.blocks,
+                             token_inputs=self.family.layer_inputs(batch.input_ids))
 
     def logits(self, batch: "MicroBatch") -> torch.Tensor:
         """Logits for every position [1, T, V] (for parity checks and evaluation)."""

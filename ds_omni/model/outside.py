@@ -7,7 +7,10 @@ forward itself, where a backbone that runs the modules would not see it:
 - the head's logits are divided by `logits_scaling` (Granite), multiplied by `output_multiplier`
   (Muse) or `logit_scale` (Cohere), soft-capped as `cap * tanh(logits / cap)`
   (`final_logit_softcapping`: Gemma 2 / 4, Mistral Large 4, Muse), or set to the dtype's minimum
-  on tokens the model must not emit (Chameleon's VQ image tokens in text mode).
+  on tokens the model must not emit (Chameleon's VQ image tokens in text mode);
+- Inkling's forward divides the final hidden states by `logits_mup_width_multiplier` (muP) before
+  the head, and keeps only the first `unpadded_vocab_size` logits (a head padded past the
+  vocabulary).
 `embed_scale` and `logit_rule` read them from the HF classes' own forward code and the config,
 so a rule applies exactly where HF's forward applies it (a Granite LLM inside LLaVA gets the embedding multiplier,
 which its own forward applies, but not the logit scaling, which only Granite's causal-LM head
@@ -35,6 +38,14 @@ class LogitRule(NamedTuple):
     divisor: float = 1.0  # logits / s (Granite's logits_scaling)
     softcap: float | None = None  # cap * tanh(logits / cap), as HF: divide, tanh, multiply
     suppressed: tuple[int, ...] = ()  # token ids whose logits are the dtype's minimum
+    hidden_divisor: float = 1.0  # the head sees hidden / m (Inkling's logits_mup_width_multiplier)
+    vocab: int | None = None  # logits[..., :vocab] (Inkling's unpadded_vocab_size)
+
+    def head(self, lm_head, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, D] -> logits [n, V] as HF's forward makes them around `lm_head`."""
+        if self.hidden_divisor != 1:
+            hidden = hidden / self.hidden_divisor
+        return self(lm_head(hidden))
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.multiplier != 1:
@@ -46,6 +57,8 @@ class LogitRule(NamedTuple):
         if self.suppressed:
             ids = torch.tensor(self.suppressed, dtype=torch.long, device=logits.device)
             logits = logits.index_fill(-1, ids, torch.finfo(logits.dtype).min)  # no gradient there
+        if self.vocab is not None and self.vocab < logits.shape[-1]:
+            logits = logits[..., :self.vocab]
         return logits
 
 
@@ -67,7 +80,9 @@ def logit_rule(owner_cls, text_config, suppressed: tuple[int, ...] = ()) -> Logi
     return LogitRule(multiplier=float(used("output_multiplier", None) or used("logit_scale", 1.0)),
                      divisor=float(used("logits_scaling", 1.0)),
                      softcap=used("final_logit_softcapping", None),
-                     suppressed=tuple(suppressed) if SUPPRESSED in code else ())
+                     suppressed=tuple(suppressed) if SUPPRESSED in code else (),
+                     hidden_divisor=float(used("logits_mup_width_multiplier", 1.0)),
+                     vocab=used("unpadded_vocab_size", None))
 
 
 def embed_scale(llm_cls, text_config) -> float:
@@ -81,11 +96,9 @@ def embed_scale(llm_cls, text_config) -> float:
 def problem(owner_cls, text_config) -> str | None:
     """Why ds_omni cannot follow what the forwards of `owner_cls` (the head's) and of the LLM
     `text_config` configures do outside the modules, or None."""
-    mup = getattr(text_config, "logits_mup_width_multiplier", None)
-    if mup not in (None, 1):
-        return (f"its forward divides the final hidden states by logits_mup_width_multiplier "
-                f"({mup}, Inkling's muP) before the head; the backbone's head does not")
     value = getattr(text_config, "embedding_multiplier", None)
+    if "embedding_multiplier" in getattr(text_config, "attribute_map", {}):
+        value = None  # another field's alias (Inkling's logits_mup_width_multiplier), read there
     llm_cls = text_model_class(text_config) if value not in (None, 1) else None  # (imports it)
     if llm_cls is not None and embed_scale(llm_cls, text_config) == 1:
         return (f"its config sets embedding_multiplier {value} but its LLM's forward does not "

@@ -59,15 +59,18 @@ AS_ATTENTION = {
 }
 """Layer types that run on the packed kernel over the whole row."""
 NOT_SUPPORTED = {
-    "hybrid": "Inkling 2's layers also take block states (attention over the outputs of earlier "
-              "blocks) and relative-distance and convolution masks that its model's forward "
-              "builds; the backbone hands a layer only the hidden states of the one before",
+    "hybrid": "Inkling's layers also take relative-distance and convolution masks that its "
+              "model's forward builds (Inkling 2's also block states: attention over the outputs "
+              "of earlier blocks); the backbone hands a layer only the hidden states of the one "
+              "before",
     "hybrid_sliding": "as 'hybrid', with a sliding window",
 }
 """Layer types no backbone path runs, with why."""
 ROW_BOUNDS = "ds_omni_row_bounds"
 """`Backbone.layer_kwargs`' key for the row's `cu_seqlens` as a host list (the kernel's copy may
 sit on the device)."""
+PER_TOKEN = ("moe_mm_token_type_ids",)
+"""Per-token layer inputs [1, T] (`Family.layer_inputs`), cut to each sample like the positions."""
 _ROW_ONLY = ("cu_seqlens", "max_seqlen", "ds_omni_blocks", ROW_BOUNDS)
 """Per-row keyword arguments of `Backbone.layer_kwargs` that a per-sample call replaces."""
 
@@ -134,8 +137,11 @@ def run_per_sample(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torc
         rest["ds_omni_blocks"] = torch.tensor(inside) if inside else None
         if layer.ds_omni_per_sample in WITH_MASK:
             rest["attention_mask"] = causal_mask(b - a, hidden.device)
-        outs.append(layer(hidden[:, a:b], **sample_kwargs(rest, a, b, hidden.shape[1]),
-                          ds_omni_cu_seqlens=one, ds_omni_max_seqlen=b - a))
+        out = layer(hidden[:, a:b], **sample_kwargs(rest, a, b, hidden.shape[1]),
+                    ds_omni_cu_seqlens=one, ds_omni_max_seqlen=b - a)
+        # (hidden, top-k indices): Mistral Large 4's layers also return their pick, which only a
+        # "shared" indexer layer would read (`generic.config_problem` refuses those)
+        outs.append(out[0] if isinstance(out, tuple) else out)
     return torch.cat(outs, dim=1)  # L_i x [1, L_i, D] -> [1, T, D]
 
 
@@ -148,8 +154,9 @@ def sample_kwargs(kwargs: dict, start: int, end: int, total: int) -> dict:
     cos_sin = kwargs.get("position_embeddings")
     if cos_sin is not None:
         out["position_embeddings"] = tuple(_cut(t, start, end, total, dim=-2) for t in cos_sin)
-    if kwargs.get("position_ids") is not None:
-        out["position_ids"] = _cut(kwargs["position_ids"], start, end, total, dim=-1)
+    for name in ("position_ids", *PER_TOKEN):
+        if kwargs.get(name) is not None:
+            out[name] = _cut(kwargs[name], start, end, total, dim=-1)
     return out
 
 

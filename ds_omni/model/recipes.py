@@ -944,3 +944,62 @@ NOT_EXACT.update({
                 "the next layer reuses (cross-layer top-k sharing), and its attention adds "
                 "learned sinks, which the packed kernels do not",
 })
+
+
+def _mistral_large4():
+    """Mistral Large 4: Mistral3's Pixtral tower and patch merger; a DeepSeek-V3.2-style MLA LLM
+    of indexed (top-k sparse) layers, one with rope and one without (no_rope_layers), a dense
+    then a MoE MLP, its logits soft-capped; top-k 4, so every sample outruns the indexer."""
+    config, processor = _pixtral("mistral_large4", "mistral", {
+        "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"})
+    tok = processor.tokenizer
+    text = {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+            "n_routed_experts": 4, "num_experts_per_tok": 2, "kv_lora_rank": 16,
+            "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "index_topk": 4,
+            "index_head_dim": 8, "index_n_heads": 2, "no_rope_layers": [1, 0],
+            "final_logit_softcapping": 3.0, "max_position_embeddings": 1024,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                                "original_max_position_embeddings": 512, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "attention_factor": 1.0},
+            "vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    config = config_for("mistral_large4", vision_config=config.vision_config.to_dict(),
+                        text_config=text, image_token_index=config.image_token_index,
+                        spatial_merge_size=2)
+    return config, processor
+
+
+RECIPES["mistral_large4"] = _mistral_large4
+
+
+def _ernie4_5_vl_moe():
+    """ERNIE-4.5-VL: a Qwen2-VL-like patch ViT and a resampler; an M-RoPE MoE LLM whose MoE layer
+    sends image tokens (and their start / end tokens) to vision experts, text tokens to text
+    ones, by moe_mm_token_type_ids (`GenericFamily.layer_inputs`)."""
+    from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import (
+        Ernie4_5_VLMoeImageProcessorPil)
+    named = {"image_token": "<|IMAGE_PLACEHOLDER|>", "image_start_token": "<|IMAGE_START|>",
+             "image_end_token": "<|IMAGE_END|>", "video_token": "<|VIDEO_PLACEHOLDER|>",
+             "video_start_token": "<|VIDEO_START|>", "video_end_token": "<|VIDEO_END|>"}
+    tok = demo_tokenizer(list(named.values()), named)
+    ids = {k: _ids(tok, v)[0] for k, v in named.items()}
+    for key, value in ids.items():
+        setattr(tok, f"{key}_id", value)
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
+              "patch_size": 4, "spatial_merge_size": 2, "temporal_merge_size": 2}
+    text = _text(tok, "ernie4_5_vl_moe_text", num_hidden_layers=2, moe_intermediate_size=[16, 8],
+                 moe_k=2, moe_num_experts=4, moe_num_shared_experts=1,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                  "mrope_section": [1, 1, 2]})
+    config = config_for("ernie4_5_vl_moe", vision_config=vision, text_config=text,
+                        **{f"{k}_id": v for k, v in ids.items()})
+    images = Ernie4_5_VLMoeImageProcessorPil(patch_size=4, merge_size=2,
+                                             size={"shortest_edge": 8 * 8,
+                                                   "longest_edge": 48 * 48})
+    return config, lenient_processor(processor_class_for("ernie4_5_vl_moe"),
+                                     image_processor=images, tokenizer=tok)
+
+
+RECIPES["ernie4_5_vl_moe"] = _ernie4_5_vl_moe
+del NOT_EXACT["ernie4_5_vl_moe"]

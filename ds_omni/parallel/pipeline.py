@@ -108,7 +108,7 @@ class HeadStage(nn.Module):
         self.logit_rule = model.backbone.logit_rule
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logit_rule(self.lm_head(hidden))
+        return self.logit_rule.head(self.lm_head, hidden)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         hidden, _, _ = inputs
@@ -134,6 +134,12 @@ class PipeLoss:
 def pipeline_layers(model: OmniModel, step_inputs: StepInputs) -> tuple[list[nn.Module], PipeLoss]:
     """[embedding, decoder layers..., head] and the loss of the last stage."""
     backbone = model.backbone
+    extra = model.family.layer_inputs(torch.zeros(1, 1, dtype=torch.long))
+    if extra:
+        raise ModelError(f"{model.family.name}'s decoder layers also take {sorted(extra)} per "
+                         "token (ERNIE-4.5-VL routes image tokens to its vision experts by them), "
+                         "which the pipeline stages do not carry; set parallel.pp to 1 (ZeRO and "
+                         "sequence parallelism carry them)")
     if backbone.lm_head.weight is backbone.embed_tokens.weight:
         raise ModelError(TIED)
     if model.deepstack:

@@ -188,3 +188,24 @@ def test_bidirectional_blocks_ride_along_packing_and_shards(tmp_path, model_type
         for r in range(sp):
             assert torch.equal(pack(samples, processors, SeqShard(r, sp, _cost)).blocks,
                                whole.blocks)
+
+
+def test_ernie_layers_get_the_processors_moe_token_types():
+    """ERNIE-4.5-VL's MoE layers route by moe_mm_token_type_ids: the family derives them from the
+    token ids as HF's processor does (start / end tokens count as the image's), the backbone
+    hands them to every layer (without them its sweep logits differ by 9e-3), and the pipeline,
+    whose stages do not carry them, refuses the model with the fix."""
+    from ds_omni.parallel.pipeline import pipeline_layers
+    config, processor = coverage.RECIPES["ernie4_5_vl_moe"]()
+    family = family_for("ernie4_5_vl_moe")
+    model = family.to_omni(family.build_hf(config))
+    tok = processor.tokenizer
+    ids = torch.tensor([[5, tok.image_start_token_id, tok.image_token_id, tok.image_token_id,
+                         tok.image_end_token_id, 7, tok.video_start_token_id, tok.video_token_id,
+                         tok.video_end_token_id, 9]])
+    want = torch.tensor(processor.create_moe_mm_token_type_ids(ids.tolist()))
+    assert torch.equal(family.layer_inputs(ids)["moe_mm_token_type_ids"], want)
+    assert want.tolist() == [[0, 1, 1, 1, 1, 0, 2, 2, 2, 0]]
+    assert family_for("qwen2_vl").layer_inputs(ids) == {}
+    with pytest.raises(ModelError, match="moe_mm_token_type_ids.*parallel.pp to 1"):
+        pipeline_layers(model, None)

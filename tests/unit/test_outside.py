@@ -56,12 +56,20 @@ def test_final_norm_under_its_aliases():
 def test_what_is_not_followed_is_refused_with_the_reason():
     from transformers import AutoConfig
     inkling = generic.config_problem(AutoConfig.for_model("inkling_mm_model"))
-    assert "logits_mup_width_multiplier" in inkling and "before the head" in inkling
+    assert "hybrid" in inkling and "embedding_multiplier" not in inkling  # muP: followed
     gemma4 = AutoConfig.for_model("gemma4")  # its default: per-layer input embeddings
     assert "hidden_size_per_layer_input" in generic.config_problem(gemma4)
     gemma4.text_config.hidden_size_per_layer_input = 0
     gemma4.text_config.use_bidirectional_attention = "vision"
     assert "both ways" in generic.config_problem(gemma4)
+    assert "window AND (causal OR block)" in generic.config_problem(gemma4)  # Gemma 4 Unified's
+    large4 = AutoConfig.for_model("mistral_large4")  # its default: every indexer runs, no KV reuse
+    assert generic.config_problem(large4) is None
+    large4.text_config.indexer_types = ["full"] + ["shared"] * 71
+    assert "top-k pick of an earlier indexer layer" in generic.config_problem(large4)
+    large4.text_config.indexer_types = ["full"] * 72
+    large4.text_config.kv_source_layers = [0, 0] + list(range(2, 72))
+    assert "latent keys and values of an earlier layer" in generic.config_problem(large4)
 
 
 @pytest.mark.parametrize("model_type,extra", [
@@ -110,4 +118,46 @@ def test_loss_and_gradients_equal_hf_on_a_packed_row(model_type, extra):
         hidden = backbone(backbone.embed_tokens(ids[None]), positions, cu, 12)
         plain = summed_token_loss(backbone.head, hidden, targets[None], keep)
     with pytest.raises(AssertionError):  # the comparison above sees the rules
+        torch.testing.assert_close(plain, reference.detach(), rtol=1e-6, atol=1e-5)
+
+
+def test_inklings_mup_head_equals_hf():
+    """Inkling divides the final hidden states by logits_mup_width_multiplier before its head and
+    keeps the first unpadded_vocab_size logits: the rule read from its class gives HF's loss and
+    gradients (its hybrid layers stay HF's: the backbone refuses them), the pipeline's last stage
+    the same loss; without the rule the loss moves."""
+    from types import SimpleNamespace
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from ds_omni.model.omni import summed_token_loss
+    from ds_omni.parallel.pipeline import HeadStage, PipeLoss
+    config = AutoConfig.for_model(
+        "inkling_text", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, vocab_size=64, unpadded_vocab_size=50,
+        logits_mup_width_multiplier=4.0, sliding_window_size=4, rel_extent=16, d_rel=4,
+        max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    rule = outside.logit_rule(type(hf), config)
+    assert (rule.hidden_divisor, rule.vocab) == (4.0, 50)
+    ids = torch.randint(0, 50, (1, 9))
+    targets = torch.cat([ids[0, 1:], torch.tensor([-100])])[None]
+    reference = F.cross_entropy(hf(input_ids=ids).logits[0], targets[0], reduction="sum")
+    reference.backward()
+    grads = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    hf.zero_grad()
+    hidden = hf.model(input_ids=ids).last_hidden_state  # [1, 9, D], normed
+    keep = torch.arange(8)
+    loss = summed_token_loss(lambda h: rule.head(hf.lm_head, h), hidden, targets, keep)
+    loss.backward()
+    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-5)
+    for name, param in hf.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    backbone = SimpleNamespace(norm=None, lm_head=hf.lm_head, logit_rule=rule)
+    with torch.no_grad():
+        last = PipeLoss(HeadStage(SimpleNamespace(backbone=backbone)))(hidden, targets)
+        assert torch.equal(last, loss.detach())
+        plain = summed_token_loss(hf.lm_head, hidden, targets, keep)
+    with pytest.raises(AssertionError):
         torch.testing.assert_close(plain, reference.detach(), rtol=1e-6, atol=1e-5)

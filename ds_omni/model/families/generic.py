@@ -55,6 +55,9 @@ BIDIRECTIONAL = {"gemma3": "images", "paligemma": "prefix"}
 """HF model folder -> how its `token_type_ids` mask opens causal attention, as its forward builds
 it: "images", each run of image tokens is one block (`get_block_sequence_ids_for_mask`); "prefix",
 everything before the first trained token is one block (PaliGemma's prompt, `token_type_ids == 0`)."""
+MOE_TYPES = "moe_mm_token_type_ids"
+"""ERNIE-4.5-VL's per-token modality ids, which its decoder layers route MoE experts by
+(`GenericFamily.layer_inputs`)."""
 POSITION_OFFSET = {"paligemma": 1}
 """HF model folder -> what its forward adds to 0-based positions (PaliGemma's are 1-indexed)."""
 _TOWER_NAMES = ("vision", "visual", "image_encoder", "tower", "audio", "vqmodel")
@@ -128,7 +131,7 @@ def config_problem(config) -> str | None:
         return ("its vision features are summed into the LLM's hidden states at the layers its "
                 "deepstack_layer_map names (Granite 4 Vision); ds_omni carries deepstack levels "
                 "added after layers 0..k-1 only (Qwen3-VL's)")
-    problem = per_layer_problem(text)
+    problem = per_layer_problem(text) or cross_layer_problem(text)
     if problem is not None:
         return problem
     hf_class = hf_class_of(config.model_type)
@@ -156,7 +159,30 @@ def per_layer_problem(text) -> str | None:
                 "SP and pipeline stages")
     if getattr(text, "use_bidirectional_attention", None) == "vision":
         return ("its image tokens attend to each other both ways (use_bidirectional_attention "
-                "\"vision\", Gemma 4); ds_omni builds such blocks for Gemma 3 and PaliGemma only")
+                "\"vision\", Gemma 4 Unified): each run of image or video tokens is one block, as "
+                "Gemma 3's image runs, but on sliding layers its forward opens the block on top of "
+                "the window (windowed causal OR block: a run wider than sliding_window is seen "
+                "whole), where Gemma 3's mask and ds_omni's kernel keep the window over the block "
+                "(window AND (causal OR block)); its generate path builds Gemma 4's masks instead "
+                "(causal full layers, windowed blocks on sliding ones), so its training and "
+                "serving masks differ")
+    return None
+
+
+def cross_layer_problem(text) -> str | None:
+    """Why layers of this LLM that reuse what an earlier layer computed (Mistral Large 4's shared
+    indexer and latent KV) keep it off the backbone, or None."""
+    shared = [i for i, t in enumerate(getattr(text, "indexer_types", None) or ()) if t == "shared"]
+    if shared:
+        return (f"its layers {shared} reuse the top-k pick of an earlier indexer layer "
+                "(indexer_types \"shared\", Mistral Large 4); the backbone runs its indexed "
+                "layers one sample at a time and hands a layer no earlier layer's pick")
+    sources = getattr(text, "kv_source_layers", None) or ()
+    reused = [i for i, s in enumerate(sources) if s != i]
+    if reused:
+        return (f"its layers {reused} attend to the latent keys and values of an earlier layer "
+                "(kv_source_layers, Mistral Large 4); ds_omni has not checked that sharing under "
+                "packing, per-sample layers and pipeline stages")
     return None
 
 
@@ -487,6 +513,7 @@ class GenericFamily(Family):
         self._image_id: int | None = None  # set with the config (`_set_rope`)
         self._rope: nn.Module | None = None  # a weightless instance for HF's positions
         self.dummy: dict[str, torch.Tensor] | None = None
+        self._moe_types: dict[int, list[int]] | None = None  # `layer_inputs` (set with the config)
 
     def hf_model_class(self):
         return self._hf
@@ -515,6 +542,8 @@ class GenericFamily(Family):
         encoder.deepstack = deepstack_levels(hf_model.config)  # Qwen3-VL: levels after the rows
         gather_with(encoder, projector.params.values())
         self._set_rope(hf_model.config)
+        if len(llm.layers):
+            self._set_moe_types(hf_model.config, llm.layers[0])
         return OmniModel(encoders={"vision": encoder},
                          backbone=backbone_of(llm, hf_model.lm_head, hf_model),
                          family=self, hf_model=hf_model)
@@ -557,6 +586,28 @@ class GenericFamily(Family):
             end = int(trained[0]) if len(trained) else int(input_ids.shape[0])
             return [(0, end)] if end > 1 else []
         return []
+
+    def layer_inputs(self, input_ids):
+        """ERNIE-4.5-VL's `moe_mm_token_type_ids` [1, S]: 1 on image tokens and their start / end
+        tokens, 2 on video ones, as its processor's `create_moe_mm_token_type_ids` writes them (its
+        MoE layers send those tokens to the vision experts); {} for the other families."""
+        if self._moe_types is None:
+            return {}
+        types = torch.zeros_like(input_ids)
+        for kind, ids in self._moe_types.items():
+            types[torch.isin(input_ids, torch.tensor(ids, device=input_ids.device))] = kind
+        return {MOE_TYPES: types}
+
+    def _set_moe_types(self, config, layer: nn.Module) -> None:
+        """The token ids of each kind of `layer_inputs`, if the LLM's decoder `layer` takes them."""
+        if MOE_TYPES not in inspect.signature(type(layer).forward).parameters:
+            self._moe_types = None
+            return
+        kinds = {1: ("image_token_id", "image_start_token_id", "image_end_token_id"),
+                 2: ("video_token_id", "video_start_token_id", "video_end_token_id")}
+        self._moe_types = {k: [int(getattr(config, a)) for a in names
+                               if getattr(config, a, None) is not None]
+                           for k, names in kinds.items()}
 
     def save_processor(self, out_dir, hf_config, tokenizer, model_dir=None):
         tokenizer.save_pretrained(str(out_dir))
