@@ -1,0 +1,16 @@
+"""Tiny recipes for the coverage sweep (`ds_omni.model.coverage`): per model type, a random HF
+config (hidden 32, one to three LLM layers, tiny towers) and a processor built from parts, no hub.
+
+A recipe returns (config, processor). The sweep saves both, loads them through the real loading
+path and compares against HF; `NOT_EXACT` names the types tried and found not exact, with why,
+`NO_RECIPE` the types left without a recipe, with why. One module per kind of model:
+  classic   the common pattern (a tower + projector, a causal LLM): LLaVA-likes, Qwen-VL, ...
+  windows   sliding-window layers and bidirectional blocks
+  scaled    numbers applied outside the HF modules (multipliers, soft-capping, suppressed tokens)
+  layers    LLM layers that are not attention, per-token layer inputs
+"""
+
+from ds_omni.model.recipes import classic, layers, scaled, windows  # noqa: F401  (register)
+from ds_omni.model.recipes.common import (  # noqa: F401
+    NO_RECIPE, NOT_EXACT, RECIPES, config_for, demo_tokenizer, lenient_processor,
+    processor_class_for)
