@@ -433,20 +433,20 @@ class ParallelConfig:
     make every round wait for the busiest rank's encoder; ZeRO 0-2 ranks meet once a step, where
     data.reorder already evens the whole cost. Under sp > 1 the pool is every rank (dp x sp):
     each row's long items stay split over its SP group (encoder_sp), its short items go to any
-    rank, their rows to the shards holding their placeholders. Needs pp = 1 and
-    max_sequence_sp = 1."""
+    rank, their rows to the shards holding their placeholders; under max_sequence_sp > 1 the
+    same over each round's groups (a long sequence's block, the other ranks alone; ranks idle in
+    a round take short items of busy ones). Needs pp = 1."""
 
     def __post_init__(self):
         if self.encoder_pool not in ("off", "dp"):
             raise ConfigError(f"parallel.encoder_pool must be \"off\" or \"dp\", got "
                               f"{self.encoder_pool!r}")
-        if self.encoder_pool == "dp" and (self.pp > 1 or self.max_sequence_sp > 1):
+        if self.encoder_pool == "dp" and self.pp > 1:
             raise ConfigError(
                 "parallel.encoder_pool=\"dp\" spreads the items of rows held by one rank or by "
-                "a static SP group; it cannot be combined with pipeline stages or per-sequence "
-                f"SP groups in this version (pp={self.pp}, max_sequence_sp="
-                f"{self.max_sequence_sp}): set encoder_pool to \"off\" (encoder_sp and "
-                "encoder_placement balance encoders there) or those degrees to 1")
+                "an SP group; it cannot be combined with pipeline stages in this version "
+                f"(pp={self.pp}): set encoder_pool to \"off\" (encoder_placement \"uniform\" "
+                "balances encoders over the stages there) or pp to 1")
         if isinstance(self.encoder_sp, str) and self.encoder_sp not in ("auto", "off"):
             raise ConfigError(f"parallel.encoder_sp must be \"auto\", \"off\" or a cost threshold "
                               f"(a number >= 0), got {self.encoder_sp!r}")

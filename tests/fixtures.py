@@ -54,19 +54,30 @@ def text_source(tmp_path, weight: float = 3.0) -> dict:
             "schema": {"text": "text", "image": None}}
 
 
-def long_source(tmp_path, weight: float = 1.0, n: int = 16, words: int = 40) -> dict:
-    """A jsonl source of shapes images with long answers (about 4 tokens a word): sequences that
-    cost more than a rank's share of a tiny step, so per-sequence SP gives them a block."""
+def long_source(tmp_path, weight: float = 1.0, n: int = 16, words: int = 40,
+                images: int = 1) -> dict:
+    """A jsonl source of shapes images (`images` a sample) with long answers (about 4 tokens a
+    word): sequences that cost more than a rank's share of a tiny step, so per-sequence SP gives
+    them a block."""
     import json
     from ds_omni.data.demo import shapes_rows
     rows = []
-    for i, row in enumerate(shapes_rows(n, seed=7)):
-        image = tmp_path / f"long{i}.png"
-        image.write_bytes(row["image"]["bytes"])
+    shapes = shapes_rows(n * images, seed=7)
+    for i, row in enumerate(shapes[:n]):
+        names = []
+        for k in range(images):
+            names.append(f"long{i}" + (f"_{k}" if k else "") + ".png")
+            (tmp_path / names[-1]).write_bytes(shapes[i + k * n]["image"]["bytes"])
+        question = row["conversations"][0]["value"]
         caption = row["conversations"][1]["value"]
         answer = " ".join([caption] * max(1, words // len(caption.split())))
-        rows.append({"id": f"long{i}", "image": image.name, "conversations": [
-            row["conversations"][0], {"from": "gpt", "value": answer}]})
+        if images > 1:  # half the words before the images: they sit mid-row, across shards
+            half = answer.split()
+            question = " ".join(half[:len(half) // 2]) + "\n" + "<image>\n" * (images - 1) + question
+            answer = " ".join(half[len(half) // 2:])
+        rows.append({"id": f"long{i}", "image": names[0] if images == 1 else names,
+                     "conversations": [{"from": "human", "value": question},
+                                       {"from": "gpt", "value": answer}]})
     path = tmp_path / "long.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     return {"name": "long", "path": str(path), "weight": weight}

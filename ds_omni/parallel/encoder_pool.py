@@ -18,7 +18,15 @@ busiest of them. One all-to-all over the pool then sends each embedding row to t
 holding its placeholder (`PoolPlan.reshard`: an item straddling a shard boundary sends rows to
 both, as in `reshard.plan_reshard`); a moved item's inputs come from the member of its home
 group at the encoding rank's place in its own group. "Moved" means encoded outside the row's
-group (the metrics). Per-sequence SP (groups of mixed sizes per round) is not supported yet.
+group (the metrics).
+
+Under the per-sequence SP degree (`parallel.max_sequence_sp`, `parallel.hdp`) the pool is every
+data-parallel rank and a round's groups have mixed sizes: a long sequence's block of 2, 4, ...
+ranks (its micro-batch's `sp_block`, one row sharded over the block), the others alone (a group
+of one rank). The same plan serves: each row's group is its block, from `HomeRow(start, size)`.
+Ranks that sit a long-sequence round out (an empty micro-batch) or top up the step with fillers
+have no items but still take part in the round's exchanges, so the pool gives them short items
+of the busy rows: idle rounds absorb encoder work.
 
 Which ranks pool: the data-parallel group (at sp = pp = 1, the world), not the reorder group. The
 straggler that ZeRO-3 waits for is the busiest of ALL the ranks that gather together, which is the
@@ -303,7 +311,8 @@ class EncoderPool:
     """The encoder pool of one rank (module docstring): plans a step, places each round.
 
     `rank` and `size` are its place in the pool `group`; `sp` the size of the groups that share
-    one row (static SP: consecutive pool ranks, as `ParallelPlan.coords` lays them out).
+    one row (static SP: consecutive pool ranks, as `ParallelPlan.coords` lays them out; under
+    per-sequence SP 1, and a block's micro-batch names its own group in `sp_block`).
     """
 
     def __init__(self, group, rank: int, size: int, processors: dict, placeholder_ids: dict,
@@ -376,9 +385,12 @@ class EncoderPool:
 
     def home_row(self, mb) -> HomeRow:
         """This rank's row as the plan needs it: under SP (`mb.reshard` from `shard_row`) its
-        group's padded row; at sp = 1 the micro-batch's own row."""
+        group's padded row, the group being the micro-batch's per-sequence block (`sp_block`)
+        or else the static SP group; otherwise (sp = 1, a sequence that runs alone, a filler)
+        the micro-batch's own row."""
         if mb.reshard is not None:
-            return HomeRow(self.rank - mb.reshard.rank, self.sp, int(mb.input_ids.shape[1]),
+            size = mb.sp_block[1] if mb.sp_block is not None else self.sp
+            return HomeRow(self.rank - mb.reshard.rank, size, int(mb.input_ids.shape[1]),
                            mb.row_positions, mb.reshard.split)
         ids = (mb.host or mb).input_ids[0]
         items = {e: its for e, its in mb.items.items() if its}

@@ -378,7 +378,8 @@ def encoder_pool_for(cfg: OmniConfig, built, plan: ParallelPlan, rank: int,
                      group) -> EncoderPool | None:
     """`parallel.encoder_pool="dp"`: this rank's pool over `group`, every rank of the (single)
     pipeline stage: the data-parallel ranks, under sp > 1 those times the SP ranks, whose groups
-    are consecutive pool ranks; priced by the loader's cost model. None (said once) when there
+    are consecutive pool ranks (under max_sequence_sp > 1 a block's micro-batch names its group,
+    `sp_block`); priced by the loader's cost model. None (said once) when there
     is one data-parallel rank: the row's SP group (if any) already spreads its items."""
     if plan.dp == 1:
         if rank == 0:

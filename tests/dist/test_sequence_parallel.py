@@ -24,9 +24,12 @@ checks each encoder kind's split item against the item encoded whole (tests/enco
 
 The per-sequence SP degree (`parallel.max_sequence_sp`, ByteScale's hybrid data parallelism) is
 checked the same way in the same launches (PER_SEQUENCE, at the end of this file): no static SP,
-long sequences on blocks of 2 or 4 ranks; and the encoder pool under SP (`parallel.encoder_pool`,
-POOL) in the 4-rank launch. Ranks are started once per world size and loop over all their cases.
+long sequences on blocks of 2 or 4 ranks; and the encoder pool (`parallel.encoder_pool`) under
+static SP (POOL) and under the per-sequence degree (POOL_PER_SEQUENCE) in the 4-rank launch. Ranks are started once per world size and loop over all their cases.
 """
+
+from contextlib import contextmanager
+from unittest import mock
 
 import pytest
 
@@ -173,6 +176,13 @@ def _ranks(rank, world, cases, families, out_dir, per_sequence_cases, long, skew
         name = f"pool-{family}-zero{stage}"
         cfg = pool_config(families, family, f"{out_dir}/{name}", skewed)
         results[name] = oracle.train_on_rank(rank, world, cfg, ds_config(stage), STEPS)
+    for family, stage in POOL_PER_SEQUENCE if skewed else ():
+        name = f"pool_per_sequence-{family}-zero{stage}"
+        cfg = pool_per_sequence_config(families, family, f"{out_dir}/{name}", skewed)
+        with _plans_seen() as plans:
+            results[name] = oracle.train_on_rank(rank, world, cfg, ds_config(stage), STEPS)
+        results[name]["block_items_moved"] = sum(  # a block row's items encoded outside it
+            len(p.items[i].group) > 1 for p in plans for i in p.moved())
     return results
 
 
@@ -207,6 +217,10 @@ def test_sequence_parallel_matches_single_process(world, families, tmp_path):
         name = f"pool-{family}-zero{stage}"
         _check_pool(name, pool_config(families, family, str(tmp_path / f"ref_{name}"), skewed),
                     [r[name] for r in results])
+    for family, stage in POOL_PER_SEQUENCE if skewed else ():
+        name = f"pool_per_sequence-{family}-zero{stage}"
+        cfg = pool_per_sequence_config(families, family, str(tmp_path / f"ref_{name}"), skewed)
+        _check_pool_per_sequence(name, cfg, [r[name] for r in results])
 
 
 def _check_case(name, cfg, dp, per_rank) -> None:
@@ -248,10 +262,11 @@ def test_design_covers_every_pair():
 # image encoded by one block member and resharded to the shard that holds its placeholders.
 # Fixed-count reordering, so the global batch is the one plain loaders give in loader order.
 PACK, MAX_LEN = 300, 512  # long samples have ~380 tokens: they need 2 ranks' micro-batches
-# every family, ZeRO stage and world size, and every (stage, world) pair, in 4 cases (the suite's
-# time is scarce; all 6 family x world cases pass too)
+# ZeRO stages 1 and 3, both world sizes and every (stage, world) pair, with POOL_PER_SEQUENCE
+# (LLaVA, ZeRO-3, 4 ranks, encoder pool on) in 4 cases; (composed, 3, 4) made way for that one,
+# which covers its (stage, world) pair (the suite's time is scarce; all 6 family x world cases pass)
 #               family      ZeRO world
-PER_SEQUENCE = [("llava", 1, 2), ("qwen2_vl", 3, 2), ("composed", 3, 4), ("qwen2_vl", 1, 4)]
+PER_SEQUENCE = [("llava", 1, 2), ("qwen2_vl", 3, 2), ("qwen2_vl", 1, 4)]
 
 
 def per_sequence_config(families, family: str, out_dir: str, world: int, long: dict):
@@ -292,8 +307,12 @@ POOL = [("llava", 3), ("composed", 1)]
 def skewed_sources(tmp_path) -> dict:
     from tests.data_files import skewed_source
     alone = (9, 10, 11)  # rank 0 reads rows 8-11, 12-15, 20-23 in its first three steps
+    (tmp_path / "long_images").mkdir()
     return {"llava": skewed_source(tmp_path / "skewed", text_rows=alone),
-            "composed": skewed_source(tmp_path / "skewed_audio", audio=True, text_rows=alone)}
+            "composed": skewed_source(tmp_path / "skewed_audio", audio=True, text_rows=alone),
+            # POOL_PER_SEQUENCE: long sequences of 4 images each
+            "long_images": long_source(tmp_path / "long_images", weight=0.15, words=300,
+                                       images=4)}
 
 
 def pool_config(families, family: str, out_dir: str, skewed: dict):
@@ -321,3 +340,42 @@ def _check_pool(name, cfg, per_rank) -> None:
     assert [r["nothing_to_encode"] == STEPS for r in per_rank] == [False, False, True, True]
     assert [r["pool_items_moved"] > 0 for r in per_rank] == [False, False, True, True], name
     assert per_rank[0]["long_items"] > 0 and per_rank[2]["long_items"] == 0, name
+
+
+# ------------------------------------------------- the encoder pool under the per-sequence degree
+# parallel.encoder_pool="dp" with max_sequence_sp=2 on 4 ranks (the 4-rank launch): long
+# sequences with 4 images each, the images mid-row (across the shard boundary), run on blocks of
+# 2 ranks (step 1: two rounds on blocks 0-1 and 2-3), the other sequences alone. Group sizes thus
+# change from round to round, and the pool spreads each round's short items over all 4 ranks:
+# a block row's images are encoded outside the block, their rows sent to the block member(s)
+# holding their placeholders. Rounds that mix a block with lone or idle ranks are checked by the
+# pure tests (tests/unit/test_encoder_pool.py). Fixed-count reordering, as in PER_SEQUENCE.
+POOL_PER_SEQUENCE = [("llava", 3)]
+
+
+def pool_per_sequence_config(families, family: str, out_dir: str, skewed: dict):
+    cfg = per_sequence_config(families, family, out_dir, 4, skewed["long_images"])
+    cfg.parallel.max_sequence_sp = 2
+    cfg.parallel.encoder_pool = "dp"
+    return cfg
+
+
+@contextmanager
+def _plans_seen():
+    """Every round's pool plan this rank computes, while inside."""
+    from ds_omni.parallel.encoder_pool import EncoderPool
+    plans, plan_step = [], EncoderPool.plan_step
+
+    def spy(self, micro_batches):
+        out = plan_step(self, micro_batches)
+        plans.extend(out)
+        return out
+    with mock.patch.object(EncoderPool, "plan_step", spy):
+        yield plans
+
+
+def _check_pool_per_sequence(name, cfg, per_rank) -> None:
+    _check_per_sequence(name, cfg, 4, per_rank)
+    # the pool moved images of a block's row to ranks outside the block (every rank's plans agree)
+    assert len({r["block_items_moved"] for r in per_rank}) == 1, name
+    assert per_rank[0]["block_items_moved"] > 0, name

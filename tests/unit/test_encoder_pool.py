@@ -104,10 +104,21 @@ def test_exchange_puts_every_row_on_its_placeholder():
 def _sp_round(seed: int, dp: int, sp: int, shard_len: int = 24):
     """A random round at dp x sp: each row's items at random positions of its padded row (some
     straddle shards), some of them long (split over the row's group): (plan, HomeRow per rank)."""
+    return _mixed_round(seed, [sp] * dp, shard_len)
+
+
+def _mixed_round(seed: int, groups: list[int], shard_len: int = 24):
+    """A random round whose rows sit on consecutive groups of the given sizes (per-sequence SP:
+    a block of 2 or 4 ranks, or a rank alone); a group of 0 stands for a rank alone with an
+    empty micro-batch (a round it sits out, or a filler): (plan, HomeRow per rank)."""
     rng = np.random.default_rng(seed)
-    items, long, rows = [], [], {}
-    for d in range(dp):
-        start, positions, split = d * sp, {}, {}
+    items, long, rows, start = [], [], {}, 0
+    for d, size in enumerate(groups):
+        if size == 0:
+            rows[start] = HomeRow(start, 1, shard_len, {})
+            start += 1
+            continue
+        sp, positions, split = size, {}, {}
         free = rng.permutation(sp * shard_len)
         at = 0
         for k in range(int(rng.integers(0, 4 if d else 7))):  # row 0 carries the most
@@ -117,19 +128,20 @@ def _sp_round(seed: int, dp: int, sp: int, shard_len: int = 24):
             positions[(enc, index)] = np.sort(free[at:at + n])
             at += n
             cost = float(rng.uniform(0.5, 3.0))
-            if rng.random() < 0.25:  # long: every group member encodes a piece
+            if sp > 1 and rng.random() < 0.25:  # long: every group member encodes a piece
                 bounds = tuple(np.linspace(0, n, sp + 1).astype(int).tolist())
                 split.setdefault(enc, []).append((index, bounds))
                 long.append(PoolItem(start, enc, index, n, cost, shards=(0,) * sp))
             else:
                 shards = tuple(np.bincount(positions[(enc, index)] // shard_len,
-                                           minlength=sp).tolist())
+                                           minlength=sp).tolist()) if sp > 1 else ()
                 items.append(PoolItem(start, enc, index, n, cost, shards=shards))
         for enc in split:
             split[enc].sort()
         for r in range(start, start + sp):
             rows[r] = HomeRow(start, sp, shard_len, positions, split)
-    return plan_round(items, dp * sp, ["vision", "audio"], long=long), rows
+        start += sp
+    return plan_round(items, start, ["vision", "audio"], long=long), rows
 
 
 def test_sp_exchange_puts_every_row_on_its_shard():
@@ -144,6 +156,53 @@ def test_sp_exchange_puts_every_row_on_its_shard():
         assert plan.group_rows() == sum(len(p) for row in {r.start: r for r in rows.values()}
                                         .values() for p in row.positions.values())
     assert moved > 0
+
+
+def test_mixed_block_sizes_exchange_puts_every_row_on_its_shard():
+    """Per-sequence SP: one round's rows on a block of 2 or 4 ranks and on ranks alone, some
+    ranks idle (an empty micro-batch or a filler): each rank receives exactly its shard's rows."""
+    moved = 0
+    layouts = [[2, 1, 1], [1, 0, 2], [4, 1, 0, 2], [2, 0, 0], [0, 4, 1, 1, 2]]
+    for seed in range(10):
+        plan, rows = _mixed_round(seed, layouts[seed % len(layouts)])
+        _exchange(plan, rows)
+        moved += sum(len(plan.items[i].group) > 1 for i in plan.moved())
+    assert moved > 0  # some block row's items were encoded outside the block
+
+
+def test_idle_ranks_take_a_block_rows_items():
+    # a long sequence on the block (0, 2) holds 4 equal images; ranks 2 and 3 sit the round out
+    items = [PoolItem(0, "vision", k, 4, 1.0, shards=(4, 0) if k < 2 else (0, 4))
+             for k in range(4)]
+    plan = plan_round(items, 4, ["vision"])
+    assert plan.loads() == [1.0, 1.0, 1.0, 1.0]
+    assert plan.owner == [0, 1, 2, 3]  # one image per block member, one per idle rank
+    assert [plan.moved_to(r) for r in range(4)] == [0, 0, 1, 1]
+    rows = {r: HomeRow(0, 2, 8, {("vision", k): np.arange(4 * k, 4 * k + 4) for k in range(4)})
+            for r in (0, 1)} | {r: HomeRow(r, 1, 1, {}) for r in (2, 3)}
+    _exchange(plan, rows)
+
+
+def test_home_row_takes_the_block_of_the_micro_batch():
+    """The pool's view of a micro-batch: a per-sequence block's shard (sp_block), a sequence
+    alone, and (static SP) the pool's own group size."""
+    from types import SimpleNamespace
+
+    import torch
+    positions = {("vision", 0): np.arange(3, 7)}
+    shard = SimpleNamespace(rank=1, split={})
+    block = SimpleNamespace(reshard=shard, sp_block=(4, 2), input_ids=torch.zeros(1, 16),
+                            row_positions=positions)
+    pool = EncoderPool(None, 5, 8, {}, {"vision": (5,)}, None, "cpu")
+    row = pool.home_row(block)
+    assert (row.start, row.size, row.shard_len) == (4, 2, 16) and row.positions is positions
+    alone = SimpleNamespace(reshard=None, sp_block=None, host=None, items={},
+                            input_ids=torch.zeros(1, 9, dtype=torch.long))
+    assert (pool.home_row(alone).start, pool.home_row(alone).size) == (5, 1)
+    static = EncoderPool(None, 5, 8, {}, {"vision": (5,)}, None, "cpu", sp=4)
+    shard4 = SimpleNamespace(reshard=SimpleNamespace(rank=1, split={}), sp_block=None,
+                             input_ids=torch.zeros(1, 16), row_positions=positions)
+    assert (static.home_row(shard4).start, static.home_row(shard4).size) == (4, 4)
 
 
 def test_sp_skewed_round_spreads_over_every_rank_of_every_group():
@@ -183,9 +242,10 @@ def test_sp_planner_is_deterministic_and_bounded():
 def test_config_refuses_pool_with_model_parallelism():
     assert ParallelConfig(encoder_pool="dp").encoder_pool == "dp"
     assert ParallelConfig(encoder_pool="dp", sp=2).sp == 2  # static SP: pooled over dp x sp
-    for bad in ({"pp": 2}, {"max_sequence_sp": 2}):
-        with pytest.raises(ConfigError, match="encoder_pool.*set encoder_pool to"):
-            ParallelConfig(encoder_pool="dp", **bad)
+    # per-sequence SP: pooled over the round's groups of mixed sizes
+    assert ParallelConfig(encoder_pool="dp", max_sequence_sp=4).max_sequence_sp == 4
+    with pytest.raises(ConfigError, match="encoder_pool.*set encoder_pool to"):
+        ParallelConfig(encoder_pool="dp", pp=2)
     with pytest.raises(ConfigError, match="encoder_pool must be"):
         ParallelConfig(encoder_pool="world")
 
