@@ -55,27 +55,28 @@ def text_source(tmp_path, weight: float = 3.0) -> dict:
 
 
 def long_source(tmp_path, weight: float = 1.0, n: int = 16, words: int = 40,
-                images: int = 1) -> dict:
-    """A jsonl source of shapes images (`images` a sample) with long answers (about 4 tokens a
-    word): sequences that cost more than a rank's share of a tiny step, so per-sequence SP gives
-    them a block."""
+                images: int | tuple[int, ...] = 1) -> dict:
+    """A jsonl source of shapes images (`images` a sample, or row i has images[i % len]) with long
+    answers (about 4 tokens a word): sequences that cost more than a rank's share of a tiny step,
+    so per-sequence SP gives them a block."""
     import json
     from ds_omni.data.demo import shapes_rows
+    counts = (images,) if isinstance(images, int) else images
     rows = []
-    shapes = shapes_rows(n * images, seed=7)
+    shapes = shapes_rows(n * max(counts), seed=7)
     for i, row in enumerate(shapes[:n]):
-        names = []
-        for k in range(images):
+        count, names = counts[i % len(counts)], []
+        for k in range(count):
             names.append(f"long{i}" + (f"_{k}" if k else "") + ".png")
             (tmp_path / names[-1]).write_bytes(shapes[i + k * n]["image"]["bytes"])
         question = row["conversations"][0]["value"]
         caption = row["conversations"][1]["value"]
         answer = " ".join([caption] * max(1, words // len(caption.split())))
-        if images > 1:  # half the words before the images: they sit mid-row, across shards
+        if count > 1:  # half the words before the images: they sit mid-row, across shards
             half = answer.split()
-            question = " ".join(half[:len(half) // 2]) + "\n" + "<image>\n" * (images - 1) + question
+            question = " ".join(half[:len(half) // 2]) + "\n" + "<image>\n" * (count - 1) + question
             answer = " ".join(half[len(half) // 2:])
-        rows.append({"id": f"long{i}", "image": names[0] if images == 1 else names,
+        rows.append({"id": f"long{i}", "image": names[0] if count == 1 else names,
                      "conversations": [{"from": "human", "value": question},
                                        {"from": "gpt", "value": answer}]})
     path = tmp_path / "long.jsonl"

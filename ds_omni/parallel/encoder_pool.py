@@ -105,19 +105,36 @@ class PoolItem:
 
 def assign_pool(items: list[PoolItem], ranks: int, slack: float = BALANCE_SLACK,
                 base: np.ndarray | None = None) -> list[int]:
-    """The encoding rank of each item: costliest first (LPT), onto a rank whose load is within
-    `slack` x the mean rank load of the least loaded, preferring a rank of the item's home group
-    (its inputs are there), then the one holding most of its placeholders (its rows then stay
-    put), then the least loaded, then the lowest rank. `base` [ranks]: load the ranks carry
-    before (their pieces of long items).
+    """The encoding rank of each item, in two passes, each costliest first (LPT):
+    1. stay: an item stays on the member of its home group (its inputs are there) that holds most
+       of its placeholders (its rows then stay put), if that keeps the member's load within the
+       round's mean rank load plus `slack` x the mean;
+    2. the others go to a rank whose load is within `slack` x the mean of the least loaded,
+       preferring the home group, then its placeholders, then the least loaded, the lowest rank.
+    `base` [ranks]: load the ranks carry before (their pieces of long items).
 
+    Two passes, because items placed one by one in a single pass let the first group's items
+    fill every rank and push the next group's items into the first group's place: evenly loaded
+    groups would swap their items for nothing.
     Without `base`, the busiest rank's load stays <= mean + costliest item + slack x mean.
     Deterministic: every rank computes the same owners from the same items.
     """
     load = np.zeros(ranks) if base is None else np.array(base, dtype=np.float64)
     owner = [0] * len(items)
-    tolerance = slack * (sum(it.cost for it in items) + load.sum()) / ranks
-    for i in sorted(range(len(items)), key=lambda i: (-items[i].cost, i)):
+    mean = (sum(it.cost for it in items) + load.sum()) / ranks
+    tolerance = slack * mean
+    order = sorted(range(len(items)), key=lambda i: (-items[i].cost, i))
+    moving = []
+    for i in order:
+        it = items[i]
+        stay = [r for r in it.group if it.held(r) and
+                load[r] + it.cost <= (mean + tolerance) * (1 + 1e-9)]
+        if not stay:
+            moving.append(i)
+            continue
+        owner[i] = int(min(stay, key=lambda r: (-it.held(r), load[r], r)))
+        load[owner[i]] += it.cost
+    for i in moving:
         it = items[i]
         ok = np.flatnonzero(load <= load.min() + tolerance * (1 + 1e-9))
         owner[i] = int(min(ok, key=lambda r: (r not in it.group, -it.held(r), load[r], r)))

@@ -310,9 +310,9 @@ def skewed_sources(tmp_path) -> dict:
     (tmp_path / "long_images").mkdir()
     return {"llava": skewed_source(tmp_path / "skewed", text_rows=alone),
             "composed": skewed_source(tmp_path / "skewed_audio", audio=True, text_rows=alone),
-            # POOL_PER_SEQUENCE: long sequences of 4 images each
+            # POOL_PER_SEQUENCE: long sequences of 4 and of 1 image, in turn
             "long_images": long_source(tmp_path / "long_images", weight=0.15, words=300,
-                                       images=4)}
+                                       images=(4, 1))}
 
 
 def pool_config(families, family: str, out_dir: str, skewed: dict):
@@ -344,11 +344,12 @@ def _check_pool(name, cfg, per_rank) -> None:
 
 # ------------------------------------------------- the encoder pool under the per-sequence degree
 # parallel.encoder_pool="dp" with max_sequence_sp=2 on 4 ranks (the 4-rank launch): long
-# sequences with 4 images each, the images mid-row (across the shard boundary), run on blocks of
-# 2 ranks (step 1: two rounds on blocks 0-1 and 2-3), the other sequences alone. Group sizes thus
-# change from round to round, and the pool spreads each round's short items over all 4 ranks:
-# a block row's images are encoded outside the block, their rows sent to the block member(s)
-# holding their placeholders. Rounds that mix a block with lone or idle ranks are checked by the
+# sequences with 4 images (mid-row, across the shard boundary) and with 1 image, in turn, run on
+# blocks of 2 ranks (step 1: two rounds on blocks 0-1 and 2-3), the other sequences alone. Group
+# sizes thus change from round to round, and the pool spreads each round's short items over all
+# 4 ranks: when a 4-image row's block meets a 1-image row's, some of the first's images are
+# encoded outside its block, their rows sent to the block member(s) holding their placeholders
+# (evenly loaded blocks keep their own). Rounds that mix a block with lone or idle ranks are checked by the
 # pure tests (tests/unit/test_encoder_pool.py). Fixed-count reordering, as in PER_SEQUENCE.
 POOL_PER_SEQUENCE = [("llava", 3)]
 

@@ -38,6 +38,17 @@ def test_balanced_round_keeps_items_home():
     assert pool.place(batch, plan_round(items, 3, ["vision", "audio"])) is batch
 
 
+def test_evenly_loaded_groups_keep_their_items():
+    """dp 2 x sp 2, each SP group's row holds 4 equal images: every rank encodes 2 of its own
+    group's, none crosses to the other group (placed one by one, the first group's images used to
+    fill all 4 ranks and push the second group's into the first: 8 images swapped for nothing)."""
+    items = [PoolItem(home, "vision", k, 4, 1.0, shards=(4, 0) if k % 2 else (2, 2))
+             for home in (0, 2) for k in range(4)]
+    owner = assign_pool(items, 4)
+    assert all(o in it.group for o, it in zip(owner, items)), owner
+    assert np.bincount(owner, minlength=4).tolist() == [2, 2, 2, 2]
+
+
 def test_busiest_rank_bound_and_determinism():
     rng = np.random.default_rng(0)
     for _ in range(50):
@@ -176,7 +187,9 @@ def test_idle_ranks_take_a_block_rows_items():
              for k in range(4)]
     plan = plan_round(items, 4, ["vision"])
     assert plan.loads() == [1.0, 1.0, 1.0, 1.0]
-    assert plan.owner == [0, 1, 2, 3]  # one image per block member, one per idle rank
+    # each block member keeps one image whose placeholders it holds (its rows stay put); the
+    # other two go to the idle ranks
+    assert plan.owner == [0, 2, 1, 3]
     assert [plan.moved_to(r) for r in range(4)] == [0, 0, 1, 1]
     rows = {r: HomeRow(0, 2, 8, {("vision", k): np.arange(4 * k, 4 * k + 4) for k in range(4)})
             for r in (0, 1)} | {r: HomeRow(r, 1, 1, {}) for r in (2, 3)}
