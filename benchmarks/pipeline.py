@@ -1,4 +1,4 @@
-"""Joint pipeline: step time of PP=2 on 2 ranks, encoders on stage 0 against uniform placement.
+"""Joint pipeline: step time of PP=2 on 2 ranks (--pp 4: 4), encoders on stage 0 against uniform.
 
     .venv/bin/python benchmarks/pipeline.py        # about 8-15 minutes on 2 shared cores
     .venv/bin/python benchmarks/pipeline.py --zero 0   # the same under ZeRO-0: pipeline_zero0.json
