@@ -1,7 +1,14 @@
-"""Joint pipeline: step time of PP=2 on 2 ranks, encoders on stage 0 against uniform placement.
+"""Joint pipeline: step time of PP=2 on 2 ranks (--pp 4: 4), encoders on stage 0 against uniform.
 
     .venv/bin/python benchmarks/pipeline.py        # about 8-15 minutes on 2 shared cores
     .venv/bin/python benchmarks/pipeline.py --zero 0   # the same under ZeRO-0: pipeline_zero0.json
+    .venv/bin/python benchmarks/pipeline.py --pp 4 --rounds 16 --warmup 2   # pipeline_pp4.json
+    .venv/bin/python benchmarks/pipeline.py --pp 4 --layers 4 --rounds 16 --warmup 2  # _pp4_l4
+
+`--pp 4` runs PP=4 on 4 ranks (dp=1) with an LLM of 8 decoder layers of the same width (4 layers
+over 4 stages leave the cost model almost no choice; `--layers 4` keeps PP=2's LLM and so its
+encoder share) and the two placements planned for 96-token samples ("stage0", "uniform"; no
+"stage0_full_len"), the same mixes and clocks.
 
 Two ranks on CPU over gloo, one pipeline of 2 stages (dp=1, ZeRO-1), through the real
 `setup_training` / `train_step`. The vision tower is a realistic share of the work: as in a real
@@ -44,32 +51,45 @@ VISION = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 6,
           "num_attention_heads": 4, "image_size": 64, "patch_size": 8}
 LLM = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
        "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 1024}
+LAYERS_AT_PP = {2: 4, 4: 8}  # decoder layers per pipeline depth: at PP=4, 4 layers = 1 a stage
 MIXES = {"image_heavy_9to1": 9.0, "even_1to1": 1.0, "text_heavy_1to9": 1 / 9}  # image : text
 # variant -> (parallel.encoder_placement, parallel.stage_tokens): boundaries planned for a sample
 # of one image (65 tokens) and its caption, 96 tokens; "stage0_full_len" keeps the boundaries
 # planned for full-length samples (max_seq_len 256, the default), which the first runs measured
 VARIANTS = {"stage0": ("stage0", 96), "uniform": ("uniform", 96), "stage0_full_len": ("stage0", 0)}
 PLACEMENTS = tuple(VARIANTS)
+DEEP_PLACEMENTS = ("stage0", "uniform")  # PP > 2: the two placements planned for 96 tokens
+
+
+def llm_config(pp: int, layers: int = 0) -> dict:
+    """The LLM of a PP=`pp` run: `layers` decoder layers (0: LAYERS_AT_PP), the same width."""
+    layers = layers or LAYERS_AT_PP[pp]
+    if layers < pp:
+        raise SystemExit(f"--layers {layers}: {pp} stages need at least {pp} decoder layers; "
+                         f"pass --layers {pp} or more")
+    return dict(LLM, num_hidden_layers=layers)
 GLOBAL_BATCH, MICRO = 16, 2
 
 
-def config(mix: str, placement: str, out_dir: str, text: dict, steps: int):
+def config(mix: str, placement: str, out_dir: str, text: dict, steps: int, pp: int = 2,
+           layers: int = 0):
     from ds_omni.config import OmniConfig, from_dict
     from tests.fixtures import tiny_config_dict
     d = tiny_config_dict(f"{out_dir}/{mix}_{placement}", steps=steps,
                          global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO)
     d["model"]["vision"]["config"].update(VISION)
-    d["model"]["llm"]["config"].update(LLM)
+    d["model"]["llm"]["config"].update(llm_config(pp, layers))
     d["data"]["sources"] = [{"name": "shapes", "path": "builtin:shapes", "weight": MIXES[mix]},
                             dict(text, weight=1.0)]
     d["data"]["max_seq_len"] = 256
     where, tokens = VARIANTS[placement]
-    d["parallel"] = {"pp": 2, "encoder_placement": where, "stage_tokens": tokens}
+    d["parallel"] = {"pp": pp, "encoder_placement": where, "stage_tokens": tokens}
     return from_dict(OmniConfig, d)
 
 
 def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: int,
-          zero: int = 1, mixes: tuple = tuple(MIXES)) -> dict:
+          zero: int = 1, mixes: tuple = tuple(MIXES), placements: tuple = PLACEMENTS,
+          layers: int = 0) -> dict:
     import torch
     from ds_omni.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
@@ -78,8 +98,8 @@ def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: 
     torch.set_num_threads(1)
     runs, predicted = {}, {}
     for mix in mixes:
-        for placement in PLACEMENTS:
-            cfg = config(mix, placement, out_dir, text, warmup + rounds)
+        for placement in placements:
+            cfg = config(mix, placement, out_dir, text, warmup + rounds, pp=world, layers=layers)
             plan = ParallelPlan.from_config(cfg.parallel, world)
             built, loader, engine = setup_training(
                 cfg, derive_ds_config(cfg, ds_config(zero), plan), rank, plan)
@@ -112,24 +132,25 @@ def summarise(per_rank: list[dict], warmup: int) -> dict:
     logs = [r["log"] for r in per_rank]
     out = {}
     mixes = [m for m in MIXES if f"{m}/stage0" in logs[0]]
+    placements = [p for p in PLACEMENTS if f"{mixes[0]}/{p}" in logs[0]]
     for mix in mixes:
         entry = {}
         for clock in ("step_s", "cpu_s"):  # wall: the slower rank; CPU: the busiest stage
             steps = {p: [max(log[f"{mix}/{p}"][i][clock] for log in logs)
-                         for i in range(warmup, len(logs[0][f"{mix}/{p}"]))] for p in PLACEMENTS}
-            entry.update({f"{p}_{clock}_median": statistics.median(steps[p]) for p in PLACEMENTS})
-            for base in ("stage0", "stage0_full_len"):
+                         for i in range(warmup, len(logs[0][f"{mix}/{p}"]))] for p in placements}
+            entry.update({f"{p}_{clock}_median": statistics.median(steps[p]) for p in placements})
+            for base in (p for p in placements if p != "uniform"):
                 ratios = [a / b for a, b in zip(steps[base], steps["uniform"])]
                 entry[f"{base}_over_uniform_{clock}_median_of_paired_ratios"] = \
                     statistics.median(ratios)
         entry["cpu_s_median_per_stage"] = {p: [statistics.median(
-            s["cpu_s"] for s in log[f"{mix}/{p}"][warmup:]) for log in logs] for p in PLACEMENTS}
+            s["cpu_s"] for s in log[f"{mix}/{p}"][warmup:]) for log in logs] for p in placements}
         entry["images_per_step"] = statistics.mean(
             s["images"] for s in logs[0][f"{mix}/stage0"][warmup:])
-        entry["stage_boundaries"] = {p: per_rank[0]["parts"][f"{mix}/{p}"] for p in PLACEMENTS}
+        entry["stage_boundaries"] = {p: per_rank[0]["parts"][f"{mix}/{p}"] for p in placements}
         out[mix] = entry
     out["predicted_stage_gflop_per_micro_batch"] = per_rank[0]["predicted_stage_gflop"]
-    for p in PLACEMENTS:  # a run swinging between the mixes meets each of these step times
+    for p in placements:  # a run swinging between the mixes meets each of these step times
         for clock in ("step_s", "cpu_s"):
             times = [out[m][f"{p}_{clock}_median"] for m in mixes]
             out[f"{p}_{clock}_max_over_mean_across_mixes"] = max(times) / statistics.mean(times)
@@ -145,27 +166,38 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--zero", type=int, default=1, choices=(0, 1),
                     help="ZeRO stage (1: pipeline.json; 0: pipeline_zero0.json)")
+    ap.add_argument("--pp", type=int, default=2, choices=sorted(LAYERS_AT_PP),
+                    help="pipeline stages = ranks (dp=1); 4: 8 decoder layers, pipeline_pp4.json")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="LLM decoder layers (default 4 at --pp 2, 8 at --pp 4); another count "
+                         "writes pipeline_pp<N>_l<layers>.json")
     ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
     args = ap.parse_args(argv)
+    placements = PLACEMENTS if args.pp == 2 else DEEP_PLACEMENTS
     t0, load_before = time.perf_counter(), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ds_omni_ppbench_") as tmp:
         text = text_source(Path(tmp))
-        per_rank = run_on_ranks(ranks, 2, args=(tmp, text, args.rounds, args.warmup, args.zero,
-                                                   tuple(args.mixes)),
+        per_rank = run_on_ranks(ranks, args.pp, args=(tmp, text, args.rounds, args.warmup,
+                                                       args.zero, tuple(args.mixes), placements,
+                                                       args.layers),
                                 timeout=3000)
-    report = {"command": ".venv/bin/python benchmarks/pipeline.py", "world": 2, "pp": 2,
-              "variants": VARIANTS,
+    command = " ".join([".venv/bin/python benchmarks/pipeline.py", *(argv or sys.argv[1:])])
+    report = {"command": command, "world": args.pp, "pp": args.pp,
+              "variants": {p: VARIANTS[p] for p in placements},
               "load_average_before": load_before,
-              "zero_stage": args.zero, "vision": VISION, "llm": LLM, "mixes_image_to_text": MIXES,
+              "zero_stage": args.zero, "vision": VISION, "llm": llm_config(args.pp, args.layers),
+              "mixes_image_to_text": MIXES,
               "global_batch_size": GLOBAL_BATCH, "micro_batch_size": MICRO,
               "rounds": args.rounds, "warmup": args.warmup, **summarise(per_rank, args.warmup),
               "runtime_s": round(time.perf_counter() - t0, 1), "load_average_after": os.getloadavg()}
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "pipeline.json" if args.zero == 1 else f"pipeline_zero{args.zero}.json"
+    name = "pipeline" + ("" if args.pp == 2 else f"_pp{args.pp}") + \
+        ("" if args.layers in (0, LAYERS_AT_PP[args.pp]) else f"_l{args.layers}") + \
+        ("" if args.zero == 1 else f"_zero{args.zero}") + ".json"
     (args.out / name).write_text(json.dumps(report, indent=1))
     print(json.dumps({f"{m} {b} {c}": report[m][f"{b}_over_uniform_{c}_median_of_paired_ratios"]
                       for m in MIXES if m in report for c in ("step_s", "cpu_s")
-                      for b in ("stage0", "stage0_full_len")}
+                      for b in placements if b != "uniform"}
                      | {k: v for k, v in report.items() if "max_over_mean" in k}, indent=1))
 
 
