@@ -262,11 +262,10 @@ def test_design_covers_every_pair():
 # image encoded by one block member and resharded to the shard that holds its placeholders.
 # Fixed-count reordering, so the global batch is the one plain loaders give in loader order.
 PACK, MAX_LEN = 300, 512  # long samples have ~380 tokens: they need 2 ranks' micro-batches
-# ZeRO stages 1 and 3, both world sizes and every (stage, world) pair, with POOL_PER_SEQUENCE
-# (LLaVA, ZeRO-3, 4 ranks, encoder pool on) in 4 cases; (composed, 3, 4) made way for that one,
-# which covers its (stage, world) pair (the suite's time is scarce; all 6 family x world cases pass)
+# ZeRO stages 1 and 3, both world sizes and every (stage, world) pair, each family at least once;
+# POOL_PER_SEQUENCE adds LLaVA, ZeRO-3, 4 ranks with the encoder pool on
 #               family      ZeRO world
-PER_SEQUENCE = [("llava", 1, 2), ("qwen2_vl", 3, 2), ("qwen2_vl", 1, 4)]
+PER_SEQUENCE = [("llava", 1, 2), ("qwen2_vl", 3, 2), ("qwen2_vl", 1, 4), ("composed", 3, 4)]
 
 
 def per_sequence_config(families, family: str, out_dir: str, world: int, long: dict):
