@@ -12,9 +12,10 @@ forward itself, where a backbone that runs the modules would not see it:
   the head, and keeps only the first `unpadded_vocab_size` logits (a head padded past the
   vocabulary).
 `embed_scale` and `logit_rule` read them from the HF classes' own forward code and the config,
-so a rule applies exactly where HF's forward applies it (a Granite LLM inside LLaVA gets the embedding multiplier,
-which its own forward applies, but not the logit scaling, which only Granite's causal-LM head
-does). `LogitRule` applies the head's in HF's order; `problem` says what is found but not known.
+so a rule applies exactly where HF's forward applies it (a Granite LLM inside LLaVA gets the
+embedding multiplier, which its own forward applies, but not the logit scaling, which only
+Granite's causal-LM head does). `LogitRule` applies the head's in HF's order; `problem` says what
+is found but not known.
 
 Dims: n positions, V vocabulary.
 """

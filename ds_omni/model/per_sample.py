@@ -16,11 +16,10 @@ config gives each layer (`layer_types`), so one mechanism serves every family th
 layers so. An indexed (top-k sparse) layer also reads HF's causal mask (`WITH_MASK`): its sample
 runs on SDPA with the mask narrowed to the top-k pick, exact at any length (below k the pick is
 every earlier token, i.e. causal attention), at the price of an [L, L] mask per sample and no
-varlen kernel. The
-cost is one call of such a layer per sample (kernels of short samples are small); the gain is that
-any such layer is exact without knowing its internals. HF's torch fallbacks of these layers take no
-`cu_seqlens` (the fla / causal-conv1d kernels do, on CUDA only), so per sample is also the only
-exact path on CPU.
+varlen kernel. The cost is one call of such a layer per sample (kernels of short samples are
+small); the gain is that any such layer is exact without knowing its internals. HF's torch
+fallbacks of these layers take no `cu_seqlens` (the fla / causal-conv1d kernels do, on CUDA
+only), so per sample is also the only exact path on CPU.
 
 Under Ulysses sequence parallelism a rank holds a shard of the row, not whole samples, so these
 layers cannot run there: `sp_problem` says so before training, `run_per_sample` if it happens.
