@@ -258,6 +258,11 @@ class Backbone(nn.Module):
         self.logit_rule = logit_rule
         self.attention = PackedAttention()  # kernel + SP group (`OmniModel.set_attention`)
         self.checkpoint_layers = False  # recompute decoder layers in backward (ModelConfig)
+        # what the layers take beyond the common arguments, read once: the row's bounds on the
+        # host (layers run per sample) and Gemma 4's `shared_kv_states`
+        self.any_per_sample = any(map(runs_per_sample, layers))
+        self.shares_kv = bool(len(layers)) and "shared_kv_states" in inspect.signature(
+            type(layers[0]).forward).parameters
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                 cu_seqlens: torch.Tensor, max_seqlen: int,
@@ -302,16 +307,15 @@ class Backbone(nn.Module):
         attention = attention or self.attention
         # the samples' bounds on the host, for layers run per sample (read once per row, not once
         # per such layer from a device copy)
-        bounds = {ROW_BOUNDS: cu_seqlens.tolist()} if any(map(runs_per_sample, self.layers)) else {}
+        bounds = {ROW_BOUNDS: cu_seqlens.tolist()} if self.any_per_sample else {}
         cu_seqlens = attention.boundaries(cu_seqlens, hidden.device)
         kwargs = dict(attention_mask=None, position_ids=text_positions,
                       position_embeddings=position_embeddings, cu_seqlens=cu_seqlens,
                       max_seqlen=max_seqlen, ds_omni_attention=attention, ds_omni_blocks=blocks,
                       **bounds)
-        if self.layers and "shared_kv_states" in inspect.signature(
-                type(self.layers[0]).forward).parameters:
+        if self.shares_kv:
             # Gemma 4's layers store their keys and values there (for later layers that reuse
-            # them; `config_problem` refuses models that have such layers)
+            # them; `config_problem` refuses models that have such layers): a fresh one a row
             kwargs["shared_kv_states"] = {}
         return kwargs
 
