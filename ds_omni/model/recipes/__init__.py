@@ -8,9 +8,11 @@ path and compares against HF; `NOT_EXACT` names the types tried and found not ex
   windows   sliding-window layers and bidirectional blocks
   scaled    numbers applied outside the HF modules (multipliers, soft-capping, suppressed tokens)
   layers    LLM layers that are not attention, per-token layer inputs
+  torchvision_images  more types whose HF image processor is a torchvision class only
 """
 
 from ds_omni.model.recipes import classic, layers, scaled, windows  # noqa: F401  (register)
 from ds_omni.model.recipes.common import (  # noqa: F401
     NO_RECIPE, NOT_EXACT, RECIPES, config_for, demo_tokenizer, lenient_processor,
     processor_class_for)
+from ds_omni.model.recipes import torchvision_images  # noqa: F401  (register)

@@ -1,0 +1,94 @@
+"""More recipes of types whose HF image processor exists only as a torchvision class (next to
+`torchvision_only`): where this process has no torchvision, the sweep checks them where it has
+(`coverage.image_processor_problem` says why not otherwise). Command A Vision (tiles), Apertus
+1.5 (a VQ image tokenizer), Kimi K2.5 (MoonViT, a DeepSeek-V3 LLM), ..."""
+
+from __future__ import annotations
+
+from ds_omni.model.recipes.common import (NOT_EXACT, RECIPES, SIGLIP, config_for,  # noqa: F401
+                                          demo_tokenizer, lenient_processor, processor_class_for,
+                                          tiny_text, token_ids)
+
+
+def _cohere2_vision():
+    """Command A Vision: a SigLIP tower over 32-pixel tiles (plus a thumbnail when there are
+    several), a pixel-shuffle SwiGLU projector, a Cohere 2 LLM of a sliding-window layer with
+    rope and a full one without."""
+    from transformers.models.cohere2_vision.image_processing_cohere2_vision import (
+        Cohere2VisionImageProcessor)
+    named = {"image_token": "<|IMG_PATCH|>", "boi_token": "<|START_OF_IMG|>",
+             "eoi_token": "<|END_OF_IMG|>", "img_line_break_token": "<|IMG_LINE_BREAK|>"}
+    tok = demo_tokenizer(list(named.values()), named)
+    text = tiny_text(tok, "cohere2", num_hidden_layers=2, sliding_window=4,
+                     layer_types=["sliding_attention", "full_attention"])
+    config = config_for("cohere2_vision", vision_config=SIGLIP, text_config=text,
+                        image_token_id=token_ids(tok, named["image_token"])[0],
+                        downsample_factor=2, alignment_intermediate_size=64)
+    images = Cohere2VisionImageProcessor(size={"height": 32, "width": 32}, patch_size=2,
+                                         max_patches=4)
+    return config, lenient_processor(processor_class_for("cohere2_vision"), image_processor=images,
+                                     tokenizer=tok)
+
+
+def _apertus1p5():
+    """Apertus 1.5: a VQ image tokenizer (convolutions, one 8x8 code per 8x8 pixels) whose codes,
+    offset into the vocabulary, are embedded by the LLM's own embedding; an Apertus LLM whose
+    head is pruned to the text vocabulary (`output_vocab_size`)."""
+    from transformers.models.apertus1p5.image_processing_apertus1p5 import (
+        Apertus1p5ImageProcessor)
+    named = {"image_token": "<|image|>", "audio_token": "<|audio|>", "boi_token": "<|boi|>",
+             "eoi_token": "<|eoi|>", "image_wrapper_token": "<|img_wrap|>",
+             "eol_token": "<|eol|>", "boa_token": "<|boa|>", "eoa_token": "<|eoa|>"}
+    tok = demo_tokenizer(list(named.values()), named)
+    codes = 16  # each codebook's size: image codes, then audio codes, after the text vocabulary
+    text = tiny_text(tok, "apertus1p5_text", vocab_size=len(tok) + 2 * codes,
+                     output_vocab_size=len(tok))
+    vision = {"codebook_size": codes, "embed_dim": 8, "latent_channels": 8, "base_channels": 32,
+              "channel_multiplier": [1, 1, 1, 1], "num_res_blocks": 1, "attn_resolutions": [8],
+              "resolution": 32}
+    audio = {"model_type": "wavtokenizer_encoder", "num_filters": 8, "upsampling_ratios": [2, 2],
+             "num_lstm_layers": 1, "hidden_size": 32, "codebook_dim": 32, "codebook_size": codes}
+    config = config_for("apertus1p5", text_config=text, vision_config=vision, audio_config=audio,
+                        image_token_id=token_ids(tok, named["image_token"])[0],
+                        audio_token_id=token_ids(tok, named["audio_token"])[0],
+                        image_token_offset=len(tok), audio_token_offset=len(tok) + codes)
+    images = Apertus1p5ImageProcessor(size={"min_pixels": 16 * 16, "max_pixels": 32 * 32},
+                                      spatial_factor=8)
+    return config, lenient_processor(processor_class_for("apertus1p5"), image_processor=images,
+                                     tokenizer=tok)
+
+
+MLA_MOE = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+           "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+           "v_head_dim": 8, "head_dim": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 16, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1}
+"""A DeepSeek-V3 LLM: multi-head latent attention, a dense layer then a MoE one."""
+
+
+def _kimi_k25():
+    """Kimi K2.5: MoonViT (a NaViT tower over patch grids, 2-D rope, 2x2 patch merging) and a
+    DeepSeek-V3 LLM."""
+    from transformers.models.kimi_k25.image_processing_kimi_k25 import Kimi_K25ImageProcessor
+    named = {"image_token": "<|media_pad|>", "video_token": "<|kimi_k25_video_placeholder|>"}
+    tok = demo_tokenizer(["<|media_begin|>", "<|media_end|>", *named.values()], named)
+    ids = dict(zip(["begin", "end", "image", "video"],
+                   token_ids(tok, "<|media_begin|>", "<|media_end|>", *named.values())))
+    vision = {"patch_size": 4, "pos_emb_height": 8, "pos_emb_width": 8, "pos_emb_time": 2,
+              "num_attention_heads": 4, "num_hidden_layers": 2, "hidden_size": 32,
+              "intermediate_size": 64}
+    config = config_for("kimi_k25", text_config=tiny_text(tok, "deepseek_v3", **MLA_MOE),
+                        vision_config=vision, projection_hidden_size=32,
+                        image_token_id=ids["image"], video_token_id=ids["video"],
+                        vision_start_token_id=ids["begin"], vision_end_token_id=ids["end"],
+                        tie_word_embeddings=False)
+    images = Kimi_K25ImageProcessor(size={"max_height": 8, "max_width": 8}, max_patches=64,
+                                    patch_size=4, merge_size=2)
+    return config, lenient_processor(processor_class_for("kimi_k25"), image_processor=images,
+                                     tokenizer=tok)
+
+
+RECIPES.update({
+    "cohere2_vision": _cohere2_vision,
+    "apertus1p5": _apertus1p5,
+    "kimi_k25": _kimi_k25,
+})
