@@ -41,8 +41,11 @@ def _apertus1p5():
              "eol_token": "<|eol|>", "boa_token": "<|boa|>", "eoa_token": "<|eoa|>"}
     tok = demo_tokenizer(list(named.values()), named)
     codes = 16  # each codebook's size: image codes, then audio codes, after the text vocabulary
+    rope = {"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0,
+            "original_max_position_embeddings": 512, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0}  # Apertus's own, within the tiny context
     text = tiny_text(tok, "apertus1p5_text", vocab_size=len(tok) + 2 * codes,
-                     output_vocab_size=len(tok))
+                     output_vocab_size=len(tok), rope_parameters=rope)
     vision = {"codebook_size": codes, "embed_dim": 8, "latent_channels": 8, "base_channels": 32,
               "channel_multiplier": [1, 1, 1, 1], "num_res_blocks": 1, "attn_resolutions": [8],
               "resolution": 32}
@@ -87,8 +90,30 @@ def _kimi_k25():
                                      tokenizer=tok)
 
 
+def _step3p7():
+    """Step 3.7 Flash: a SigLIP-like tower with 2-D rope and two stride-2 convolutions, run on a
+    global view and on local crops (16-pixel windows, positions interpolated); a Step LLM of a
+    sliding-window layer and a full one (per-type rope), a dense then a MoE MLP."""
+    from transformers.models.step3p7.image_processing_step3p7 import Step3p7ImageProcessor
+    tok = demo_tokenizer(["<im_patch>", "<patch_start>", "<patch_end>", "<patch_newline>",
+                          "<im_start>", "<im_end>"])
+    vision = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "image_size": 32, "patch_size": 4, "mlp_ratio": 2.0, "max_position_embeddings": 64}
+    text = tiny_text(tok, "step3p5", num_hidden_layers=2, sliding_window=4,
+                     layer_types=["sliding_attention", "full_attention"],
+                     mlp_layer_types=["dense", "sparse"], n_routed_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=16, share_expert_dim=16)
+    config = config_for("step3p7", vision_config=vision, text_config=text,
+                        image_token_id=token_ids(tok, "<im_patch>")[0])
+    images = Step3p7ImageProcessor(size={"height": 32, "width": 32}, patch_size=16,
+                                   max_image_size=64, vision_patch_size=4, downsampler_stride=4)
+    return config, lenient_processor(processor_class_for("step3p7"), image_processor=images,
+                                     tokenizer=tok)
+
+
 RECIPES.update({
     "cohere2_vision": _cohere2_vision,
     "apertus1p5": _apertus1p5,
     "kimi_k25": _kimi_k25,
+    "step3p7": _step3p7,
 })
