@@ -126,6 +126,15 @@ def test_family_with_an_unknown_token_type_mask_is_refused():
         family_for("gemma3n")
 
 
+def test_family_that_adds_features_into_one_image_block_is_refused():
+    """Molmo 2's forward adds the image features onto the placeholder embeddings and lets every
+    image token of a sample see every other (one block across images): the generic adapter,
+    which replaces embeddings and opens contiguous spans only, refuses it rather than train it
+    with other numbers."""
+    with pytest.raises(ModelError, match=r"(?s)adds the image features.*one bidirectional block"):
+        family_for("molmo2")
+
+
 def test_cli_families_json(capsys):
     from ds_omni.cli import main
     assert main(["families", "--json", "gemma3n", "mllama"]) == 0

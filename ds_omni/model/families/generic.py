@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -121,7 +122,34 @@ def class_problem(model_type: str) -> str | None:
             hf_folder(hf_class) not in BIDIRECTIONAL):
         return ("its attention mask depends on token_type_ids in its own way; ds_omni's packed "
                 "attention builds only Gemma 3's image blocks and PaliGemma's prefix")
-    return None
+    return merge_problem(inner)
+
+
+ADDED_FEATURES = re.compile(
+    r"masked_scatter\(\s*special_image_mask,\s*inputs_embeds\[special_image_mask\]\s*\+")
+"""A forward that adds the image features onto the placeholder tokens' embeddings (Molmo 2)."""
+ONE_IMAGE_BLOCK = re.compile(r"torch\.where\(mm_token_type_ids[^\n]*== 1, 0, -1\)")
+"""A forward whose mask puts every image token of a sample in block 0 (Molmo 2)."""
+
+
+def merge_problem(inner) -> str | None:
+    """Why the way `inner.forward` (the `...Model` class) merges image features or masks image
+    tokens differs from the generic path's (features replace the placeholder embeddings; image
+    blocks are contiguous runs), read from its source; None when neither is found."""
+    try:
+        code = inspect.getsource(inner.forward)
+    except (OSError, TypeError):
+        return None
+    found = []
+    if ADDED_FEATURES.search(code):
+        found.append("adds the image features onto the placeholder tokens' embeddings (a "
+                     "residual merge), where the generic path puts the features in their place")
+    if ONE_IMAGE_BLOCK.search(code):
+        found.append("makes all image tokens of a sample one bidirectional block (block id 0 "
+                     "from mm_token_type_ids: the tokens of one image also see those of the "
+                     "images after it, across the text between them), where ds_omni's blocks "
+                     "are contiguous spans")
+    return f"its forward {'; and it '.join(found)}" if found else None
 
 
 def config_problem(config) -> str | None:
