@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from ds_omni.model.recipes.common import (NOT_EXACT, RECIPES, SIGLIP, config_for,  # noqa: F401
+from ds_omni.model.recipes.common import (NO_RECIPE, RECIPES, SIGLIP, config_for,
                                           demo_tokenizer, lenient_processor, processor_class_for,
                                           tiny_text, token_ids)
 
@@ -117,3 +117,12 @@ RECIPES.update({
     "kimi_k25": _kimi_k25,
     "step3p7": _step3p7,
 })
+
+
+NO_RECIPE.update({
+    "perception_lm": "not verified: its vision tower is a timm model (vision_config of type "
+                     "timm_wrapper, the Perception Encoder, whose width the projector reads from "
+                     "model_args), and timm is not installed here (timm requires torchvision, "
+                     "whose PyPI wheel does not load next to a CPU torch)",
+})
+
