@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from ds_omni.model.recipes.common import (NO_RECIPE, RECIPES, SIGLIP, config_for,
+from ds_omni.model.recipes.common import (NOT_EXACT, RECIPES, SIGLIP, config_for,
                                           demo_tokenizer, lenient_processor, processor_class_for,
                                           tiny_text, token_ids)
 
@@ -119,10 +119,11 @@ RECIPES.update({
 })
 
 
-NO_RECIPE.update({
-    "perception_lm": "not verified: its vision tower is a timm model (vision_config of type "
-                     "timm_wrapper, the Perception Encoder, whose width the projector reads from "
-                     "model_args), and timm is not installed here (timm requires torchvision, "
-                     "whose PyPI wheel does not load next to a CPU torch)",
+NOT_EXACT.update({
+    "perception_lm": "its vision tower is a timm model (vision_config of type timm_wrapper, the "
+                     "Perception Encoder, whose width the projector reads from model_args) and "
+                     "timm is not installed here (timm requires torchvision, whose PyPI wheel "
+                     "does not load next to a CPU torch); where torchvision imports but timm does "
+                     "not, transformers cannot import TimmWrapperConfig, so its config does not "
+                     "even build",
 })
-
