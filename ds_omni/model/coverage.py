@@ -119,18 +119,21 @@ def hf_inputs(processor, built, sample, imgs) -> dict:
     """What HF's processor gives the model for `sample`: its pixels (all the sample's images in
     one call), and its per-token type ids; the token ids are the sample's, whose image tokens
     must number what HF's processor expands them to."""
-    from ds_omni.model.families.generic import image_token_id, processor_marker
+    from ds_omni.model.families.generic import image_token_id, processor_call, processor_marker
     ids = sample.input_ids[None]
     # the processor's attention mask too: without one, some families (Qwen2.5-Omni's thinker)
     # silently fall back to 1-D positions
     out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if imgs:
         marker = processor_marker(processor, built.hf_config)
-        hf = processor(text=[marker * len(imgs)], images=imgs, return_tensors="pt")
+        # a processor that writes the image token itself (marker "") takes one image per text
+        # (Fuyu's): one call per image, their pixels concatenated as its batch path does
+        calls = [[img] for img in imgs] if marker == "" else [imgs]
+        hf = [processor_call(processor, [marker * len(c)], c) for c in calls]
         token = image_token_id(built.hf_config)
-        if int((hf["input_ids"] == token).sum()) != int((ids == token).sum()):
+        if sum(int((h["input_ids"] == token).sum()) for h in hf) != int((ids == token).sum()):
             raise AssertionError("HF's processor expands the images to another number of tokens")
-        out.update({k: v for k, v in hf.items()
+        out.update({k: hf[0][k] if len(hf) == 1 else torch.cat([h[k] for h in hf]) for k in hf[0]
                     if k not in ("input_ids", "attention_mask", "token_type_ids",
                                  "mm_token_type_ids", "labels")})
     forward = inspect.signature(built.family.hf_model_class().forward).parameters

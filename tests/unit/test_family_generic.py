@@ -135,6 +135,29 @@ def test_family_that_adds_features_into_one_image_block_is_refused():
         family_for("molmo2")
 
 
+def test_fuyu_image_processor_is_its_torchvision_one(tmp_path, monkeypatch):
+    """Fuyu's PIL image processor fails on every image (`generic.BROKEN_PIL`: drop the entry once
+    this test sees it work); without torchvision, loading says so instead of failing there. Its
+    processor writes the image token itself: an image is written as "", and the
+    beginning-of-answer token it appends is not the image's."""
+    import transformers.utils
+    from PIL import Image
+    from transformers.models.fuyu.image_processing_pil_fuyu import FuyuImageProcessorPil
+    from transformers.models.fuyu.processing_fuyu import FuyuProcessor
+    from ds_omni.model.recipes import demo_tokenizer
+    pil = FuyuImageProcessorPil(size={"height": 32, "width": 32},
+                                patch_size={"height": 8, "width": 8})
+    with pytest.raises(TypeError, match="transpose"):
+        FuyuProcessor(image_processor=pil, tokenizer=demo_tokenizer(
+            ["|SPEAKER|", "|NEWLINE|"]))(text=[""], images=[Image.new("RGB", (32, 32))])
+    monkeypatch.setattr(transformers.utils, "is_torchvision_available", lambda: False)
+    with pytest.raises(ModelError, match="FuyuImageProcessorPil.*broken.*torchvision"):
+        generic._pil_image_processor("fuyu", tmp_path)
+    config = coverage.config_for("fuyu")
+    assert generic.appended_text(config) == "<0x04>"
+    assert generic.processor_marker(None, config) == ""
+
+
 def test_cli_families_json(capsys):
     from ds_omni.cli import main
     assert main(["families", "--json", "gemma3n", "mllama"]) == 0

@@ -61,6 +61,15 @@ MOE_TYPES = "moe_mm_token_type_ids"
 (`GenericFamily.layer_inputs`)."""
 POSITION_OFFSET = {"paligemma": 1}
 """HF model folder -> what its forward adds to 0-based positions (PaliGemma's are 1-indexed)."""
+WRITES_IMAGE_TOKEN = {"fuyu": "<0x04>"}
+"""HF model folder -> the text its processor appends to a sample with an image, for a processor
+that writes the image token before the sample's text itself (Fuyu's `prepare_inputs_layout`,
+one image per text): an image is written as "" there, and the appended text (Fuyu's
+beginning-of-answer token, which belongs after the prompt) is not part of the image's tokens."""
+CALL_OPTIONS = {"return_legacy_image_output": False}
+"""Processor call options, where its `__call__` takes them: the current output layout where a
+processor still defaults to a legacy one (Fuyu's `image_patches`, which `get_image_features`
+does not take)."""
 _TOWER_NAMES = ("vision", "visual", "image_encoder", "tower", "audio", "vqmodel")
 _LLM_NAMES = ("language_model", "text_model", "llm")
 
@@ -258,11 +267,14 @@ class GenericVisionEncoder(ModalityEncoder):
 
 
 def flat_features(out) -> torch.Tensor:
-    """What `get_image_features` returns (an output with `pooler_output`, a tensor, or a tuple of
-    per-image tensors) -> [N, D], as HF's forward flattens it before `masked_scatter`; with k
+    """What `get_image_features` returns (an output with `pooler_output`, else its
+    `last_hidden_state`, a tensor, or a tuple of per-image tensors) -> [N, D], as HF's forward flattens it before `masked_scatter`; with k
     deepstack levels (`deepstack_features`, Qwen3-VL) -> [N, (1 + k) D], the levels side by side
     after the main rows (`ds_omni.model.omni.Deepstack`)."""
-    main = _flat(getattr(out, "pooler_output", out))
+    main = getattr(out, "pooler_output", None)
+    if main is None:  # a tensor, or an output whose features are its last_hidden_state (Fuyu)
+        main = getattr(out, "last_hidden_state", out)
+    main = _flat(main)
     levels = getattr(out, "deepstack_features", None) or []
     return torch.cat([main, *map(_flat, levels)], dim=-1) if levels else main
 
@@ -316,17 +328,21 @@ class _Projector(nn.Module):
 class GenericItemProcessor(ItemProcessor):
     """Image -> the pixel inputs and the token ids HF's processor makes for that image alone."""
 
-    def __init__(self, hf_processor, marker: str, placeholder_id: int, bos_id: int | None):
+    def __init__(self, hf_processor, marker: str, placeholder_id: int, bos_id: int | None,
+                 appended: list[int] = ()):
         self.hf_processor = hf_processor
         self.marker = marker  # the text HF's processor expands into the image's tokens
         self.placeholder_id = placeholder_id
         self.bos_id = bos_id
+        self.appended = list(appended)  # what the processor appends to the text (Fuyu's <0x04>)
 
     def process(self, image):
-        out = self.hf_processor(text=[self.marker], images=[load_image(image)], return_tensors="pt")
+        out = processor_call(self.hf_processor, [self.marker], [load_image(image)])
         ids = out["input_ids"][0].tolist()
         if self.bos_id is not None and ids[:1] == [self.bos_id]:
             ids = ids[1:]  # the tokenizer's own start token, not part of the image
+        if self.appended and ids[-len(self.appended):] == self.appended:
+            ids = ids[:-len(self.appended)]
         inputs = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)
                   and k not in ("input_ids", "attention_mask", *EXTRA_TOKEN_INPUTS)}
         n = ids.count(self.placeholder_id)
@@ -341,6 +357,19 @@ class GenericItemProcessor(ItemProcessor):
         return {f"{i}.{k}": v for i, it in enumerate(items) for k, v in it.inputs.items()}
 
 
+def processor_call(hf_processor, text: list[str], images: list):
+    """HF's processor on `text` and `images`, with the `CALL_OPTIONS` its `__call__` takes."""
+    params = inspect.signature(type(hf_processor).__call__).parameters
+    options = {k: v for k, v in CALL_OPTIONS.items() if k in params}
+    return hf_processor(text=text, images=images, return_tensors="pt", **options)
+
+
+def appended_text(config) -> str | None:
+    """What the processor of a `WRITES_IMAGE_TOKEN` family appends to a sample, else None."""
+    hf_class = hf_class_of(config.model_type)
+    return WRITES_IMAGE_TOKEN.get(hf_folder(hf_class)) if hf_class is not None else None
+
+
 _WRAPPER_IDS = (("vision_start_token_id", "vision_end_token_id"),
                 ("image_start_token_id", "image_end_token_id"),
                 ("im_start_id", "im_end_id"))  # HunYuan-VL's <img_start>, <img_end>
@@ -348,7 +377,10 @@ _WRAPPER_IDS = (("vision_start_token_id", "vision_end_token_id"),
 
 def processor_marker(hf_processor, config) -> str:
     """The text an image is written as before the processor expands it (with the wrappers a chat
-    template adds around it where the family has start/end tokens of its own)."""
+    template adds around it where the family has start/end tokens of its own); "" where the
+    processor writes the image token itself (`WRITES_IMAGE_TOKEN`)."""
+    if appended_text(config) is not None:
+        return ""
     # the placeholder a chat template writes, where it differs from the expanded image token
     # (Qianfan-OCR's "<image>" becomes "<img><IMG_CONTEXT>...</img>")
     for attr in ("image_placeholder_token", "boi_token", "image_token"):
@@ -373,7 +405,7 @@ def _boi_expands(hf_processor, boi: str) -> bool:
     does; Gemma 4's has one too but expands its image token), tried on a blank image."""
     from PIL import Image
     try:
-        out = hf_processor(text=[boi], images=[Image.new("RGB", (32, 32))], return_tensors="pt")
+        out = processor_call(hf_processor, [boi], [Image.new("RGB", (32, 32))])
     except ValueError:  # "the number of image tokens ... should be the same as ... images"
         return False
     image_id = hf_processor.tokenizer.convert_tokens_to_ids(hf_processor.image_token)
@@ -475,14 +507,28 @@ def _saved_processor_config(model_dir: Path | None) -> dict | None:
     return {k: v for d in found for k, v in d.items()} if found else None
 
 
+BROKEN_PIL = {"fuyu": "its patchify_image calls numpy's transpose with a torch tensor's "
+                      "arguments and fails on every image (transformers 5.24)"}
+"""HF processor type -> why its PIL image processor cannot be used: its torchvision one is."""
+
+
 def _pil_image_processor(model_type: str, model_dir: Path):
+    from transformers import AutoImageProcessor
     from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPPING_NAMES,
                                                                 get_image_processor_class_from_name)
     names = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or {}
     name = names.get("pil") if isinstance(names, dict) else None
     if name is None:
-        from transformers import AutoImageProcessor
         return AutoImageProcessor.from_pretrained(str(model_dir))
+    if model_type in BROKEN_PIL:
+        from transformers.utils import is_torchvision_available
+        if not is_torchvision_available():
+            raise ModelError(f"HF's PIL image processor for {model_type!r} ({name}) is broken: "
+                             f"{BROKEN_PIL[model_type]}; its torchvision one needs torchvision, "
+                             "which does not import here. Install a torchvision that loads next "
+                             "to this torch")
+        return get_image_processor_class_from_name(names["torchvision"]).from_pretrained(
+            str(model_dir))
     return get_image_processor_class_from_name(name).from_pretrained(str(model_dir))
 
 
@@ -584,8 +630,11 @@ class GenericFamily(Family):
 
     def item_processors(self, hf_config, model_dir=None, tokenizer=None):
         hf_proc = load_hf_processor(self.name, model_dir, tokenizer)
-        proc = GenericItemProcessor(hf_proc, processor_marker(hf_proc, hf_config),
-                                    image_token_id(hf_config), tokenizer.bos_token_id)
+        appended = appended_text(hf_config)
+        proc = GenericItemProcessor(
+            hf_proc, processor_marker(hf_proc, hf_config), image_token_id(hf_config),
+            tokenizer.bos_token_id,
+            tokenizer(appended, add_special_tokens=False)["input_ids"] if appended else ())
         from PIL import Image
         self.dummy = proc.process(Image.new("RGB", (32, 32))).inputs
         self._set_rope(hf_config)

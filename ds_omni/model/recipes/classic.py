@@ -484,9 +484,6 @@ NOT_EXACT.update({
               "split",
     "florence2": "its language model is an encoder-decoder (BART); ds_omni's backbone is "
                  "decoder-only",
-    "fuyu": "HF's PIL image processor for it fails in its own patchify_image (a numpy transpose "
-            "on a torch tensor, transformers 5.24) and its torchvision one does not load next to "
-            "a CPU torch; its Persimmon LLM (final norm `final_layernorm`) fits the backbone",
     "shieldgemma2": "transformers cannot load a ShieldGemma 2 checkpoint into the class its "
                     "image-text-to-text mapping names (Gemma3ForConditionalGeneration): the "
                     "saved keys keep a `model.` prefix (its key mapping is for "

@@ -111,11 +111,49 @@ def _step3p7():
                                      tokenizer=tok)
 
 
+def sentencepiece_tokenizer(words: list[str], specials: list[str]):
+    """A tiny SentencePiece-like tokenizer (unigram over characters, "▁" before the first word)
+    in which `words` are ordinary pieces, not added tokens: Fuyu's processor tokenizes the image's
+    text with a leading "▁" of its own, which it cuts off, as its real tokenizer gives one."""
+    import string
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    base = ["<pad>", "<s>", "</s>", "<unk>"]
+    chars = ["▁", *string.ascii_letters, *string.digits, *string.punctuation,
+             *("▁" + c for c in string.ascii_lowercase)]
+    pieces = dict.fromkeys([*base, *specials, *words, *chars])  # in order, once each
+    scores = {**{t: 0.0 for t in base + specials}, **{t: -1.0 for t in words}}
+    model = models.Unigram([(t, scores.get(t, -2.0)) for t in pieces], unk_id=3)
+    tokenizer = Tokenizer(model)
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<pad>", unk_token="<unk>")
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    return tok
+
+
+def _fuyu():
+    """Fuyu: no vision tower, each 8x8 patch of the (padded) image goes through one linear layer
+    into the LLM, a row of patch tokens ends with |NEWLINE|; a Persimmon LLM (final norm
+    `final_layernorm`)."""
+    from transformers.models.fuyu.image_processing_fuyu import FuyuImageProcessor
+    tok = sentencepiece_tokenizer(["|SPEAKER|", "|NEWLINE|"], ["<0x04>"])
+    text = tiny_text(tok, "persimmon", num_key_value_heads=4, pad_token_id=tok.pad_token_id)
+    config = config_for("fuyu", text_config=text, patch_size=8, image_size=32,
+                        image_token_id=token_ids(tok, "|SPEAKER|")[0],
+                        pad_token_id=tok.pad_token_id)
+    images = FuyuImageProcessor(size={"height": 32, "width": 32},
+                                patch_size={"height": 8, "width": 8})
+    return config, processor_class_for("fuyu")(image_processor=images, tokenizer=tok)
+
+
 RECIPES.update({
     "cohere2_vision": _cohere2_vision,
     "apertus1p5": _apertus1p5,
     "kimi_k25": _kimi_k25,
     "step3p7": _step3p7,
+    "fuyu": _fuyu,
 })
 
 
