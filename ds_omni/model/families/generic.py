@@ -268,8 +268,8 @@ class GenericVisionEncoder(ModalityEncoder):
 
 def flat_features(out) -> torch.Tensor:
     """What `get_image_features` returns (an output with `pooler_output`, else its
-    `last_hidden_state`, a tensor, or a tuple of per-image tensors) -> [N, D], as HF's forward flattens it before `masked_scatter`; with k
-    deepstack levels (`deepstack_features`, Qwen3-VL) -> [N, (1 + k) D], the levels side by side
+    `last_hidden_state` (Fuyu's), a tensor, or a tuple of per-image tensors) -> [N, D], as HF's
+    forward flattens it before `masked_scatter`; with k deepstack levels (`deepstack_features`, Qwen3-VL) -> [N, (1 + k) D], the levels side by side
     after the main rows (`ds_omni.model.omni.Deepstack`)."""
     main = getattr(out, "pooler_output", None)
     if main is None:  # a tensor, or an output whose features are its last_hidden_state (Fuyu)
@@ -416,8 +416,9 @@ def load_hf_processor(model_type: str, model_dir: Path | None, tokenizer):
     """HF's processor of `model_type` from the files saved in `model_dir`, with `tokenizer`.
 
     Built from its parts rather than by `AutoProcessor`: the image processor's PIL variant (the
-    torchvision one resizes with another kernel, and torchvision is no dependency) and no video
-    processor (HF's need torchvision; images need none).
+    torchvision one resizes with another kernel, and torchvision is no dependency; the
+    torchvision one where that is the only one, or the PIL one is broken: `BROKEN_PIL`) and no
+    video processor (HF's need torchvision; images need none).
     """
     saved = _saved_processor_config(model_dir)
     if saved is None:
