@@ -269,8 +269,9 @@ class GenericVisionEncoder(ModalityEncoder):
 def flat_features(out) -> torch.Tensor:
     """What `get_image_features` returns (an output with `pooler_output`, else its
     `last_hidden_state` (Fuyu's), a tensor, or a tuple of per-image tensors) -> [N, D], as HF's
-    forward flattens it before `masked_scatter`; with k deepstack levels (`deepstack_features`, Qwen3-VL) -> [N, (1 + k) D], the levels side by side
-    after the main rows (`ds_omni.model.omni.Deepstack`)."""
+    forward flattens it before `masked_scatter`; with k deepstack levels (`deepstack_features`,
+    Qwen3-VL) -> [N, (1 + k) D], the levels side by side after the main rows
+    (`ds_omni.model.omni.Deepstack`)."""
     main = getattr(out, "pooler_output", None)
     if main is None:  # a tensor, or an output whose features are its last_hidden_state (Fuyu)
         main = getattr(out, "last_hidden_state", out)
