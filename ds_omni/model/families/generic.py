@@ -20,7 +20,8 @@ a family also adds into the LLM's first layers (deepstack: Qwen3-VL) travel as e
 the image rows (`ds_omni.model.omni.Deepstack`). Numbers its forwards apply outside the modules
 (Granite's multipliers, logit soft-capping, Chameleon's suppressed tokens) the backbone applies too
 (`ds_omni.model.outside`). Where a family deviates otherwise (another `token_type_ids` mask,
-features injected at other layers, Gemma 4's per-layer inputs, layers that are not attention),
+features injected at other layers or added onto the placeholders, one block over all of a
+sample's images (Molmo 2), Gemma 4's per-layer inputs, layers that are not attention),
 `class_problem` / `config_problem` say so and the model is refused rather than trained with
 other numbers; a dedicated file in `families/` is then the fix.
 The dedicated files of LLaVA, LLaVA-NeXT and Qwen2-VL predate this one and stay (each says why):
