@@ -3,9 +3,12 @@
 has no torchvision the sweep checks them where it has. Command A Vision (tiles and a thumbnail),
 Apertus 1.5 (a VQ image tokenizer whose codes the LLM embeds), Kimi K2.5 (MoonViT, a DeepSeek-V3
 LLM), Step 3.7 (a global view and local crops), Fuyu (patches straight into the LLM). Molmo 2 is
-refused by its classes (`generic.merge_problem`); PerceptionLM's tower needs timm (NOT_EXACT)."""
+refused by its classes (`generic.merge_problem`); PerceptionLM's tower needs timm (a recipe where
+timm imports, else NOT_EXACT)."""
 
 from __future__ import annotations
+
+from transformers.utils import is_timm_available
 
 from ds_omni.model.recipes.common import (NOT_EXACT, RECIPES, SIGLIP, config_for,
                                           demo_tokenizer, lenient_processor, processor_class_for,
@@ -159,11 +162,33 @@ RECIPES.update({
 })
 
 
-NOT_EXACT.update({
-    "perception_lm": "its vision tower is a timm model (vision_config of type timm_wrapper, the "
-                     "Perception Encoder, whose width the projector reads from model_args) and "
-                     "timm is not installed here (timm requires torchvision, whose PyPI wheel "
-                     "does not load next to a CPU torch); where torchvision imports but timm does "
-                     "not, transformers cannot import TimmWrapperConfig, so its config does not "
-                     "even build",
-})
+def _perception_lm():
+    """PerceptionLM: a timm Perception Encoder tower (TimmWrapper; its class token dropped), an
+    MLP projector with 2x2 average pooling, a LLaMA LLM; a thumbnail and up to 4 tiles."""
+    from transformers.models.perception_lm.image_processing_perception_lm import (
+        PerceptionLMImageProcessor)
+    named = {"image_token": "<|image|>", "video_token": "<|video|>"}
+    tok = demo_tokenizer(list(named.values()), named)
+    vision = {"model_type": "timm_wrapper", "architecture": "vit_pe_core_tiny_patch16_384",
+              "model_args": {"embed_dim": 32, "depth": 2, "num_heads": 4, "img_size": [32, 32],
+                             "patch_size": 8, "global_pool": "", "ref_feat_shape": [4, 4],
+                             "use_post_transformer_norm": False}}
+    config = config_for("perception_lm", vision_config=vision, text_config=tiny_text(tok, "llama"),
+                        image_token_id=token_ids(tok, named["image_token"])[0],
+                        video_token_id=token_ids(tok, named["video_token"])[0],
+                        projector_pooling_ratio=2)
+    images = PerceptionLMImageProcessor(tile_size=32, max_num_tiles=4,
+                                        size={"width": 32, "height": 32})
+    return config, lenient_processor(processor_class_for("perception_lm"), image_processor=images,
+                                     tokenizer=tok, patch_size=8, pooling_ratio=2)
+
+
+if is_timm_available():
+    RECIPES["perception_lm"] = _perception_lm  # exact where timm imports (checked with 1.0.31)
+else:
+    NOT_EXACT["perception_lm"] = (
+        "its vision tower is a timm model (vision_config of type timm_wrapper, the Perception "
+        "Encoder) and timm is not installed here (timm requires torchvision, whose PyPI wheel "
+        "does not load next to a CPU torch; where torchvision imports but timm does not, "
+        "transformers cannot import TimmWrapperConfig, so its config does not even build); "
+        "with timm 1.0.31 on the path its tiny recipe is exact")
