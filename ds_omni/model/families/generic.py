@@ -16,11 +16,12 @@ Two deviations from a causal LLM are followed as HF computes them: sliding-windo
 attention layer passes its own window to the packed kernel) and bidirectional blocks built from
 `token_type_ids` (`BIDIRECTIONAL`: Gemma 3's image tokens see each other both ways, PaliGemma's
 whole prompt prefix does), which ride along each row as `MicroBatch.blocks`. Vision features that
-a family also adds into the LLM's first layers (deepstack: Qwen3-VL) travel as extra columns of
-the image rows (`ds_omni.model.omni.Deepstack`). Numbers its forwards apply outside the modules
-(Granite's multipliers, logit soft-capping, Chameleon's suppressed tokens) the backbone applies too
-(`ds_omni.model.outside`). Where a family deviates otherwise (another `token_type_ids` mask,
-features injected at other layers, Gemma 4's per-layer inputs, layers that are not attention),
+a family also adds into the LLM's hidden states between layers (deepstack: Qwen3-VL after its first
+layers, Granite 4 Vision before the layers its config names; `ds_omni.model.deepstack`) travel as
+extra columns of the image rows (`ds_omni.model.omni.Deepstack`). Numbers its forwards apply
+outside the modules (Granite's multipliers, logit soft-capping, Chameleon's suppressed tokens) the
+backbone applies too (`ds_omni.model.outside`). Where a family deviates otherwise (another
+`token_type_ids` mask, Gemma 4's per-layer inputs, layers that are not attention),
 `class_problem` / `config_problem` say so and the model is refused rather than trained with
 other numbers; a dedicated file in `families/` is then the fix.
 The dedicated files of LLaVA, LLaVA-NeXT and Qwen2-VL predate this one and stay (each says why):
@@ -41,6 +42,7 @@ from torch import nn
 
 from ds_omni.data.media import load_image
 from ds_omni.errors import ModelError
+from ds_omni.model import deepstack
 from ds_omni.model.family import EncodedItem, Family, ItemProcessor
 from ds_omni.model.omni import NORM_NAMES, ModalityEncoder, OmniModel, backbone_of, final_norm
 
@@ -127,10 +129,6 @@ def class_problem(model_type: str) -> str | None:
 def config_problem(config) -> str | None:
     """Why a model with this HF config would not be exact through the generic path, or None."""
     text = config.get_text_config()
-    if hasattr(config, "deepstack_layer_map"):
-        return ("its vision features are summed into the LLM's hidden states at the layers its "
-                "deepstack_layer_map names (Granite 4 Vision); ds_omni carries deepstack levels "
-                "added after layers 0..k-1 only (Qwen3-VL's)")
     problem = per_layer_problem(text) or cross_layer_problem(text)
     if problem is not None:
         return problem
@@ -211,13 +209,14 @@ class GenericVisionEncoder(ModalityEncoder):
         super().__init__(**kw)
         object.__setattr__(self, "_features", features_fn)  # HF's bound method (not a submodule)
         object.__setattr__(self, "_family", family)  # holds the dummy image's inputs
+        self.layout = deepstack.Layout()  # its deepstack levels (`GenericFamily.to_omni`)
 
     def encode(self, inputs):
         per_item: dict[int, dict[str, torch.Tensor]] = {}
         for key, value in inputs.items():
             index, name = key.split(".", 1)
             per_item.setdefault(int(index), {})[name] = value
-        return torch.cat([flat_features(self._features(**per_item[i]))
+        return torch.cat([flat_features(self._features(**per_item[i]), self.layout)
                           for i in sorted(per_item)])  # n x [N_i, D] -> [N, D]
 
     def dummy_inputs(self, device, dtype):
@@ -229,27 +228,11 @@ class GenericVisionEncoder(ModalityEncoder):
         return {f"0.{k}": v.to(device) for k, v in dummy.items()}
 
 
-def flat_features(out) -> torch.Tensor:
-    """What `get_image_features` returns (an output with `pooler_output`, a tensor, or a tuple of
-    per-image tensors) -> [N, D], as HF's forward flattens it before `masked_scatter`; with k
-    deepstack levels (`deepstack_features`, Qwen3-VL) -> [N, (1 + k) D], the levels side by side
-    after the main rows (`ds_omni.model.omni.Deepstack`)."""
-    main = _flat(getattr(out, "pooler_output", out))
-    levels = getattr(out, "deepstack_features", None) or []
-    return torch.cat([main, *map(_flat, levels)], dim=-1) if levels else main
-
-
-def _flat(feats) -> torch.Tensor:
-    """A tensor or a tuple of per-image tensors -> [N, D]."""
-    if isinstance(feats, (list, tuple)):
-        return torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
-    return feats.reshape(-1, feats.shape[-1])
-
-
-def deepstack_levels(config) -> int:
-    """How many deepstack levels the vision tower of this HF config yields (0: none)."""
-    vision = getattr(config, "vision_config", None)
-    return len(getattr(vision, "deepstack_visual_indexes", None) or ())
+def flat_features(out, layout: deepstack.Layout = deepstack.Layout()) -> torch.Tensor:
+    """What `get_image_features` returns -> [N, D], as HF's forward flattens it before
+    `masked_scatter`; with deepstack levels (`layout`) -> [N, (1 + k) D], the levels side by side
+    after the main rows (`ds_omni.model.deepstack`)."""
+    return deepstack.feature_rows(out, layout)
 
 
 def split_modules(inner: nn.Module) -> tuple[nn.ModuleDict, nn.Module]:
@@ -539,7 +522,8 @@ class GenericFamily(Family):
         encoder = GenericVisionEncoder(
             tower=tower, projector=projector, placeholder_id=image_token_id(hf_model.config),
             features_fn=inner.get_image_features, family=self)
-        encoder.deepstack = deepstack_levels(hf_model.config)  # Qwen3-VL: levels after the rows
+        encoder.layout = deepstack.layout(hf_model.config)  # Qwen3-VL, Granite 4 Vision
+        encoder.deepstack_layers = encoder.layout.layers
         gather_with(encoder, projector.params.values())
         self._set_rope(hf_model.config)
         if len(llm.layers):
