@@ -59,6 +59,16 @@ def test_known_gaps_have_their_reasons(results):
     assert "block states" in results["inkling2"].reason
 
 
+def test_processor_named_by_the_model_file():
+    """GLM-OCR and Cosmos3-Omni take the processor their model file's example loads (GLM-4.1V's,
+    Qwen3-VL's; `generic.PROCESSOR_OF`); a type whose file names none stays without one."""
+    from ds_omni.model.families import generic
+    assert generic.processor_class("glm_ocr").__name__ == "Glm4vProcessor"
+    assert generic.processor_class("cosmos3_omni").__name__ == "Qwen3VLProcessor"
+    assert coverage.processor_problem("glm_ocr") is None
+    assert "maps no processor" in coverage.processor_problem("kosmos-2")
+
+
 def test_pixtral_processor_needs_no_torchvision():
     """Mistral3's processor (HF's Pixtral one, which imports torchvision for one size function)
     comes with the PIL image processor standing in, and the stand-in is not left behind."""

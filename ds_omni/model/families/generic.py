@@ -412,12 +412,27 @@ def _import_with_pil_stand_in(module: str):
             sys.modules[fast] = before
 
 
+PROCESSOR_OF = {
+    # modeling_cosmos3_omni.py: "Model arch is identical to Qwen3-VL", and its forward's example
+    # loads the processor of Qwen/Qwen3-VL-8B-Instruct (Qwen3VLProcessor)
+    "cosmos3_omni": "qwen3_vl",
+    # modeling_glm_ocr.py: its forward's example loads the processor of
+    # zai-org/GLM-4.1V-9B-Thinking (Glm4vProcessor); its model classes are GLM-4V's
+    "glm_ocr": "glm4v",
+}
+"""Model types that transformers 5.24 maps no processor to, whose own model file names the
+checkpoint whose processor they take: the model type of that processor."""
+
+
 def processor_type(model_type: str) -> str:
-    """The model type HF's processor mappings know `model_type` by: itself, else the folder of
-    its model class (an alias such as "glmga" shares "glm46v"'s processor)."""
+    """The model type HF's processor mappings know `model_type` by: itself, else the one its own
+    model file names (`PROCESSOR_OF`), else the folder of its model class (an alias such as
+    "glmga" shares "glm46v"'s processor)."""
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
     if model_type in PROCESSOR_MAPPING_NAMES:
         return model_type
+    if model_type in PROCESSOR_OF:
+        return PROCESSOR_OF[model_type]
     hf_class = hf_class_of(model_type)
     return inspect.getmodule(hf_class).__name__.split(".")[-2] if hf_class else model_type
 

@@ -201,15 +201,17 @@ QWEN3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2
               "mrope_interleaved": True}
 
 
-def qwen3_vl_recipe(model_type: str, vision: dict = DEEPSTACK_VISION, **text_extra):
+def qwen3_vl_recipe(model_type: str, vision: dict = DEEPSTACK_VISION, text_type: str = "",
+                    **text_extra):
     """Qwen3-VL (and its MoE LLM variant): a Qwen2-VL-like patch ViT with learned position
     embeddings and deepstack mergers, an interleaved M-RoPE Qwen3 LLM (`text_extra` on top of
-    two layers). Qwen3.5 reuses it with its own tower and LLM layers."""
+    two layers; its config type `text_type`, default "<model_type>_text"). Qwen3.5 reuses it
+    with its own tower and LLM layers, Cosmos3-Omni as it is."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     names = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
     tok = demo_tokenizer(names, {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
     ids = dict(zip(names, token_ids(tok, *names)))
-    text = tiny_text(tok, f"{model_type}_text", **{"num_hidden_layers": 2,
+    text = tiny_text(tok, text_type or f"{model_type}_text", **{"num_hidden_layers": 2,
                                                "rope_parameters": QWEN3_ROPE, **text_extra})
     config = config_for(model_type, vision_config=vision, text_config=text,
                         vision_start_token_id=ids["<|vision_start|>"],
@@ -544,4 +546,28 @@ RECIPES.update({
     "hunyuan_vl": _hunyuan_vl,
     "cosmos3_edge": _cosmos3_edge,
     "got_ocr2": _got_ocr2,
+})
+
+
+# ---- types transformers maps no processor to, whose model file names one (`PROCESSOR_OF`)
+RECIPES.update({
+    "cosmos3_omni": lambda: qwen3_vl_recipe("cosmos3_omni", text_type="qwen3_vl_text"),
+    "glm_ocr": lambda: _glm4v("glm_ocr", "glm_ocr_text"),
+})
+NOT_EXACT.update({
+    "kosmos-2": "transformers maps no processor to it (its own Kosmos2Processor is not in the auto "
+                "mapping) and its text model is not a generic backbone: its forward scales the "
+                "embeddings, adds sinusoidal position embeddings offset by the padding "
+                "(Kosmos2TextSinusoidalPositionalEmbedding) and places the image embeddings at "
+                "image_embeds_position_mask itself, and it has no rotary_emb; a dedicated adapter "
+                "is needed",
+    "kosmos-2.5": "transformers maps no processor to it (its own Kosmos2_5Processor is not in the "
+                  "auto mapping) and its text model is not a generic backbone: its forward adds "
+                  "sinusoidal position and segment embeddings and places the image embeddings "
+                  "at image_embeds_position_mask itself, and it has no rotary_emb; a dedicated "
+                  "adapter is needed",
+    "fast_vlm": "not verified: its vision tower is timm's FastViTHD (vision_config timm_wrapper) "
+                "and timm, which needs torchvision, does not install next to a CPU torch; "
+                "transformers maps no processor to it, and neither its model file nor its docs "
+                "name one (they load the checkpoint's through AutoProcessor)",
 })
