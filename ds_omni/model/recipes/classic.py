@@ -475,6 +475,31 @@ def _got_ocr2():
                                      tokenizer=tok)
 
 
+def _deepseek_ocr2():
+    """DeepSeek-OCR 2: a SAM tower (then two stride-2 convolutions) whose patches a Qwen2-like
+    encoder reads with learned queries, fixed at 256 for the global view and 144 per tile
+    (query_1024_resolution, query_768_resolution), so the grids must be 16x16 and 12x12 after the
+    convolutions: one-pixel patches make those a 64-pixel view and 48-pixel tiles (the sweep's
+    wide image is cut into 6), not 1024 and 768; a MoE LLM."""
+    from transformers.models.deepseek_ocr2.image_processing_pil_deepseek_ocr2 import (
+        DeepseekOcr2ImageProcessorPil)
+    tok = demo_tokenizer(["<image>"], {"image_token": "<image>"})
+    sam = {"hidden_size": 32, "output_channels": 16, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "image_size": 64, "patch_size": 1, "window_size": 8,
+           "global_attn_indexes": [], "mlp_dim": 64, "downsample_channels": [16, 32]}
+    encoder = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
+    text = {k: v for k, v in tiny_text(tok, "deepseek_ocr2_text").items() if k != "head_dim"}
+    text.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                n_shared_experts=1, mlp_layer_types=["sparse"])
+    config = config_for("deepseek_ocr2", text_config=text,
+                        vision_config={"sam_config": sam, "encoder_config": encoder},
+                        image_token_id=token_ids(tok, "<image>")[0])
+    images = DeepseekOcr2ImageProcessorPil(size={"height": 64, "width": 64}, tile_size=48)
+    return config, lenient_processor(processor_class_for("deepseek_ocr2"), image_processor=images,
+                                     tokenizer=tok, patch_size=1, downsample_ratio=4)
+
+
 NOT_EXACT.update({
     "ovis2": "besides image tokens, its visual indicator tokens (<IMG_START>, <IMG_GRID>, ...) "
              "are replaced by embeddings of the visual table; the generic adapter replaces image "
@@ -502,12 +527,6 @@ NOT_EXACT.update({
                       "image's tokens itself), so nothing says how one image becomes tokens",
 })
 
-NO_RECIPE.update({
-    "deepseek_ocr2": "not verified: its vision encoder's learned queries are fixed at 256 for the "
-                     "1024-pixel global view and 144 per 768-pixel tile (query_1024_resolution, "
-                     "query_768_resolution), so the smallest check runs its SAM tower over "
-                     "1024-pixel images, too slow for the sweep (the generic adapter loads it)",
-})
 
 
 RECIPES.update({
@@ -554,6 +573,7 @@ RECIPES.update({
     "cosmos3_omni": lambda: qwen3_vl_recipe("cosmos3_omni", text_type="qwen3_vl_text"),
     "glm_ocr": lambda: _glm4v("glm_ocr", "glm_ocr_text"),
 })
+RECIPES["deepseek_ocr2"] = _deepseek_ocr2
 NOT_EXACT.update({
     "kosmos-2": "transformers maps no processor to it (its own Kosmos2Processor is not in the auto "
                 "mapping) and its text model is not a generic backbone: its forward scales the "
