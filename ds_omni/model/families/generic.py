@@ -18,7 +18,9 @@ attention layer passes its own window to the packed kernel) and bidirectional bl
 whole prompt prefix does), which ride along each row as `MicroBatch.blocks`. Vision features that
 a family also adds into the LLM's hidden states between layers (deepstack: Qwen3-VL after its first
 layers, Granite 4 Vision before the layers its config names; `ds_omni.model.deepstack`) travel as
-extra columns of the image rows (`ds_omni.model.omni.Deepstack`). Numbers its forwards apply
+extra columns of the image rows (`ds_omni.model.omni.Deepstack`); tokens its forward replaces
+next to the image tokens (Ovis2's visual indicator tokens, `indicator_ids`) become part of the
+image's rows, in text order. Numbers its forwards apply
 outside the modules (Granite's multipliers, logit soft-capping, Chameleon's suppressed tokens) the
 backbone applies too (`ds_omni.model.outside`). Where a family deviates otherwise (another
 `token_type_ids` mask, Gemma 4's per-layer inputs, layers that are not attention),
@@ -216,8 +218,16 @@ class GenericVisionEncoder(ModalityEncoder):
         for key, value in inputs.items():
             index, name = key.split(".", 1)
             per_item.setdefault(int(index), {})[name] = value
-        return torch.cat([flat_features(self._features(**per_item[i]), self.layout)
+        return torch.cat([self._item_rows(per_item[i])
                           for i in sorted(per_item)])  # n x [N_i, D] -> [N, D]
+
+    def _item_rows(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One item's rows [N_i, D]: its image tokens', and its indicator tokens' in text order."""
+        slots = inputs.pop(INDICATOR_SLOTS, None)
+        out = self._features(**inputs)
+        rows = flat_features(out, self.layout)
+        return rows if slots is None else with_indicators(rows, out.visual_indicator_features,
+                                                          slots)
 
     def dummy_inputs(self, device, dtype):
         """A small blank image as HF's processor makes it (`GenericFamily.item_processors`)."""
@@ -226,6 +236,31 @@ class GenericVisionEncoder(ModalityEncoder):
             raise ModelError("the generic vision encoder has no dummy input yet: build the item "
                              "processors (family.item_processors) before training")
         return {f"0.{k}": v.to(device) for k, v in dummy.items()}
+
+
+INDICATOR_SLOTS = "indicator_slots"
+"""A per-item input of ds_omni's own (HF's model never sees it), for a model with visual indicator
+tokens: for each token the item's rows replace, in text order, -1 for an image token, else the
+index of the indicator it is (`indicator_ids`)."""
+
+
+def indicator_ids(config) -> tuple[int, ...]:
+    """The visual indicator tokens that the model's forward replaces by embeddings of its visual
+    table wherever it has images (Ovis2's `visual_indicator_token_ids`: image start, grid, column,
+    row and end marks), or () for a model without them."""
+    return tuple(int(i) for i in getattr(config, "visual_indicator_token_ids", None) or ())
+
+
+def with_indicators(rows: torch.Tensor, table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """An item's image rows [n, D] and its model's indicator embeddings [m, D] -> its rows [L, D]
+    in text order, by `slots` [L] (`INDICATOR_SLOTS`), as Ovis2's forward fills those tokens."""
+    image = slots < 0
+    if int(image.sum()) != rows.shape[0]:
+        raise ModelError(f"the image yields {rows.shape[0]} embeddings but its tokens hold "
+                         f"{int(image.sum())} image tokens between its indicator tokens; its "
+                         "processor and model disagree on the image's size")
+    index = torch.where(image, image.long().cumsum(0) - 1, rows.shape[0] + slots)  # [L]
+    return torch.cat([rows, table.to(rows.dtype)]).index_select(0, index)
 
 
 def flat_features(out, layout: deepstack.Layout = deepstack.Layout()) -> torch.Tensor:
@@ -271,10 +306,12 @@ class _Projector(nn.Module):
 class GenericItemProcessor(ItemProcessor):
     """Image -> the pixel inputs and the token ids HF's processor makes for that image alone."""
 
-    def __init__(self, hf_processor, marker: str, placeholder_id: int, bos_id: int | None):
+    def __init__(self, hf_processor, marker: str, placeholder_id: int, bos_id: int | None,
+                 indicators: tuple[int, ...] = ()):
         self.hf_processor = hf_processor
         self.marker = marker  # the text HF's processor expands into the image's tokens
         self.placeholder_id = placeholder_id
+        self.more_placeholder_ids = indicators  # `indicator_ids`: replaced by the encoder's rows
         self.bos_id = bos_id
 
     def process(self, image):
@@ -285,6 +322,10 @@ class GenericItemProcessor(ItemProcessor):
         inputs = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)
                   and k not in ("input_ids", "attention_mask", *EXTRA_TOKEN_INPUTS)}
         n = ids.count(self.placeholder_id)
+        if self.more_placeholder_ids:
+            slots = [-1 if t == self.placeholder_id else self.more_placeholder_ids.index(t)
+                     for t in ids if t == self.placeholder_id or t in self.more_placeholder_ids]
+            inputs[INDICATOR_SLOTS], n = torch.tensor(slots), len(slots)
         meta = {"tokens": ids, **{k: v.tolist() for k, v in inputs.items()
                                   if k in ("image_grid_thw", "image_sizes")}}
         return EncodedItem(inputs=inputs, num_embeddings=n, meta=meta)
@@ -536,6 +577,7 @@ class GenericFamily(Family):
         tower, projector = split_modules(inner)
         encoder = GenericVisionEncoder(
             tower=tower, projector=projector, placeholder_id=image_token_id(hf_model.config),
+            more_placeholder_ids=indicator_ids(hf_model.config),
             features_fn=inner.get_image_features, family=self)
         encoder.layout = deepstack.layout(hf_model.config)  # Qwen3-VL, Granite 4 Vision
         encoder.deepstack_layers = encoder.layout.layers
@@ -556,7 +598,8 @@ class GenericFamily(Family):
     def item_processors(self, hf_config, model_dir=None, tokenizer=None):
         hf_proc = load_hf_processor(self.name, model_dir, tokenizer)
         proc = GenericItemProcessor(hf_proc, processor_marker(hf_proc, hf_config),
-                                    image_token_id(hf_config), tokenizer.bos_token_id)
+                                    image_token_id(hf_config), tokenizer.bos_token_id,
+                                    indicator_ids(hf_config))
         from PIL import Image
         self.dummy = proc.process(Image.new("RGB", (32, 32))).inputs
         self._set_rope(hf_config)

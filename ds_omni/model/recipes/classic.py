@@ -500,10 +500,27 @@ def _deepseek_ocr2():
                                      tokenizer=tok, patch_size=1, downsample_ratio=4)
 
 
+def _ovis2():
+    """Ovis2: a ViT whose patches become soft tokens of a visual vocabulary, embedded by its
+    visual table; the indicator tokens around and between an image's tiles (start, grid, column,
+    row, end) are replaced by the table's last rows (`generic.indicator_ids`). Wide images are cut
+    into tiles (the sweep's 84 x 56 one into 2 or more)."""
+    from transformers.models.ovis2.image_processing_pil_ovis2 import Ovis2ImageProcessorPil
+    marks = ["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"]
+    tok = demo_tokenizer(["<image>", "<IMG_ATOM>", *marks], {"image_token": "<image>"})
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "image_size": 32, "patch_size": 8, "vocab_size": 64}
+    config = config_for("ovis2", vision_config=vision, text_config=tiny_text(tok),
+                        image_token_id=token_ids(tok, "<IMG_ATOM>")[0],
+                        visual_indicator_token_ids=token_ids(tok, *marks), vocab_size=len(tok),
+                        hidden_size=32)
+    images = Ovis2ImageProcessorPil(size={"height": 32, "width": 32}, crop_to_patches=True,
+                                    max_patches=4)
+    return config, lenient_processor(processor_class_for("ovis2"), image_processor=images,
+                                     tokenizer=tok, image_seq_length=16)
+
+
 NOT_EXACT.update({
-    "ovis2": "besides image tokens, its visual indicator tokens (<IMG_START>, <IMG_GRID>, ...) "
-             "are replaced by embeddings of the visual table; the generic adapter replaces image "
-             "tokens only",
     "blip": "BlipForConditionalGeneration has no inner ...Model: its text decoder is a BERT-style "
             "decoder with cross-attention to the image, not a decoder-only LLM fed embeddings",
     "blip-2": "Blip2ForConditionalGeneration has no inner ...Model: its LLM is a whole "
@@ -574,6 +591,7 @@ RECIPES.update({
     "glm_ocr": lambda: _glm4v("glm_ocr", "glm_ocr_text"),
 })
 RECIPES["deepseek_ocr2"] = _deepseek_ocr2
+RECIPES["ovis2"] = _ovis2
 NOT_EXACT.update({
     "kosmos-2": "transformers maps no processor to it (its own Kosmos2Processor is not in the auto "
                 "mapping) and its text model is not a generic backbone: its forward scales the "
