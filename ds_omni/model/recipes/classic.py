@@ -592,6 +592,13 @@ RECIPES.update({
 })
 RECIPES["deepseek_ocr2"] = _deepseek_ocr2
 RECIPES["ovis2"] = _ovis2
+NOT_EXACT["shieldgemma2"] = (  # (replaces the entry above, one reason more)
+    "transformers cannot load a ShieldGemma 2 checkpoint into the class its image-text-to-text "
+    "mapping names (Gemma3ForConditionalGeneration): the saved keys keep a `model.` prefix (its "
+    "key mapping is for ShieldGemma2ForImageClassification) and every weight loads as missing; "
+    "and its processor cannot cut one image: ShieldGemma2Processor ignores the text it is given "
+    "and writes its own chat-template prompt per safety policy around each image (one image a "
+    "sample). Its model is Gemma 3's, which is exact")
 NOT_EXACT.update({
     "kosmos-2": "transformers maps no processor to it (its own Kosmos2Processor is not in the auto "
                 "mapping) and its text model is not a generic backbone: its forward scales the "
