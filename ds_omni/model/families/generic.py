@@ -20,12 +20,12 @@ a family also adds into the LLM's hidden states between layers (deepstack: Qwen3
 layers, Granite 4 Vision before the layers its config names; `ds_omni.model.deepstack`) travel as
 extra columns of the image rows (`ds_omni.model.omni.Deepstack`); tokens its forward replaces
 next to the image tokens (Ovis2's visual indicator tokens, `indicator_ids`) become part of the
-image's rows, in text order. Numbers its forwards apply
-outside the modules (Granite's multipliers, logit soft-capping, Chameleon's suppressed tokens) the
-backbone applies too (`ds_omni.model.outside`). Where a family deviates otherwise (another
-`token_type_ids` mask, Gemma 4's per-layer inputs, layers that are not attention),
-`class_problem` / `config_problem` say so and the model is refused rather than trained with
-other numbers; a dedicated file in `families/` is then the fix.
+image's rows, in text order. Numbers its forwards apply outside the modules (Granite's
+multipliers, logit soft-capping, Chameleon's suppressed tokens) the backbone applies too
+(`ds_omni.model.outside`). Where a family deviates otherwise (another `token_type_ids` mask,
+Gemma 4's per-layer inputs, layers that are not attention), `class_problem` / `config_problem` say
+so and the model is refused rather than trained with other numbers; a dedicated file in
+`families/` is then the fix.
 The dedicated files of LLaVA, LLaVA-NeXT and Qwen2-VL predate this one and stay (each says why):
 the generic path is exact for them too, but they batch the tower over a micro-batch's images,
 build their processor from the config when a folder has none, and Qwen2-VL's carries video.
