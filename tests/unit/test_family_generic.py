@@ -131,6 +131,15 @@ def test_family_without_image_hooks_is_a_clear_error():
         family_for("mllama")
 
 
+def test_inner_model_named_otherwise_is_found_through_automodel():
+    """MiniMax-M3's conditional-generation class holds a MiniMaxM3VLModel (AutoModel's base class
+    for its type), not a MiniMaxM3SparseModel; Llama 4's AutoModel class is itself, no inner one."""
+    from ds_omni.model.families.generic import hf_class_of, inner_class
+    assert inner_class(hf_class_of("minimax_m3_vl"), "minimax_m3_vl").__name__ == "MiniMaxM3VLModel"
+    assert inner_class(hf_class_of("minimax_m3_vl")) is None
+    assert inner_class(hf_class_of("llama4"), "llama4") is None
+
+
 def test_family_with_an_unknown_token_type_mask_is_refused():
     with pytest.raises(ModelError, match="token_type_ids.*Gemma 3's image blocks"):
         family_for("gemma3n")

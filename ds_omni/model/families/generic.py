@@ -94,13 +94,22 @@ def hf_class_of(model_type: str):
         return None
 
 
-def inner_class(hf_class):
-    """The `...Model` class inside `...ForConditionalGeneration` (it holds the hooks), or None."""
+def inner_class(hf_class, model_type: str | None = None):
+    """The `...Model` class inside `...ForConditionalGeneration` (it holds the hooks), or None: by
+    name, else the base model class transformers' AutoModel maps `model_type` to, where it lives
+    next to `hf_class` (MiniMax-M3's MiniMaxM3SparseForConditionalGeneration holds a
+    MiniMaxM3VLModel)."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
     module = inspect.getmodule(hf_class)
     for suffix in ("ForConditionalGeneration", "ForCausalLM"):
         if hf_class.__name__.endswith(suffix):
-            return getattr(module, hf_class.__name__[:-len(suffix)] + "Model", None)
-    return None
+            found = getattr(module, hf_class.__name__[:-len(suffix)] + "Model", None)
+            if found is not None:
+                return found
+    base = MODEL_MAPPING_NAMES.get(model_type) if model_type else None
+    if not isinstance(base, str) or base == hf_class.__name__:  # Llama 4: the class itself
+        return None
+    return getattr(module, base, None)
 
 
 def hf_folder(hf_class) -> str:
@@ -113,7 +122,7 @@ def class_problem(model_type: str) -> str | None:
     hf_class = hf_class_of(model_type)
     if hf_class is None:
         return "not in transformers' image-text-to-text mapping (or its class does not import)"
-    inner = inner_class(hf_class)
+    inner = inner_class(hf_class, model_type)
     if inner is None:
         return (f"{hf_class.__name__} has no inner ...Model holding the vision tower and the "
                 "language model")
@@ -546,7 +555,7 @@ class GenericFamily(Family):
         self.model_types = (model_type,)
         self._hf = hf_class_of(model_type)
         self.hf_class = self._hf.__name__
-        self._inner = inner_class(self._hf)
+        self._inner = inner_class(self._hf, model_type)
         self.bidirectional = BIDIRECTIONAL.get(hf_folder(self._hf))
         self._offset = POSITION_OFFSET.get(hf_folder(self._hf), 0)
         self._image_id: int | None = None  # set with the config (`_set_rope`)
