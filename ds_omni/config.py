@@ -406,7 +406,8 @@ class ParallelConfig:
     """Ulysses sequence-parallel degree of the LLM."""
     pp: int = 1
     """Pipeline stages of the LLM (DeepSpeed's pipeline engine; ZeRO 0/1 only, sp = 1). Stage
-    boundaries come from the cost model (`ds-omni plan` prints them and each stage's time)."""
+    boundaries come from the cost model unless stage_split says otherwise (`ds-omni plan` prints
+    them and each stage's time)."""
     encoder_placement: Literal["stage0", "uniform"] = "stage0"
     """Under pp > 1, where the encoders run: "stage0" on the first stage's ranks (as Megatron-LM
     and NeMo do); "uniform" on every stage's ranks, each encoding a share of the step's items
