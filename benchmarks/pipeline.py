@@ -1,7 +1,6 @@
 """Joint pipeline: step time of PP=2 on 2 ranks (--pp 4: 4), encoders on stage 0 against uniform.
 
     .venv/bin/python benchmarks/pipeline.py        # about 4-8 minutes on 2 shared cores
-
     .venv/bin/python benchmarks/pipeline.py --zero 0   # the same under ZeRO-0: pipeline_zero0.json
     .venv/bin/python benchmarks/pipeline.py --pp 4 --rounds 16 --warmup 2   # pipeline_pp4.json
     .venv/bin/python benchmarks/pipeline.py --pp 4 --layers 4 --rounds 16 --warmup 2  # _pp4_l4
