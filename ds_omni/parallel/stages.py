@@ -17,7 +17,7 @@ splits reproduce what other stacks do, as baselines (`parallel.stage_split`; the
 times are computed the same way for all three, so `ds-omni plan` compares them):
 
 - "parameters" (DeepSpeed's default, `PipelineModule(partition_method="parameters")`): DeepSpeed's
-  own `partition_balanced` over each layer's trainable parameter count. Under "stage0" the
+  `partition_balanced` (ported) over each layer's trainable parameter count. Under "stage0" the
   encoders are part of the embedding layer, as they would be in a DeepSpeed user's first layer,
   so their trainable parameters count there; under "uniform" every stage holds a replica, which
   is no layer of the pipeline, so they count nowhere. Frozen parameters count nowhere (DeepSpeed
@@ -89,10 +89,33 @@ def even_layer_parts(num_decoders: int, stages: int) -> list[int]:
 
 def parameter_parts(layer_params: list[int], stages: int) -> list[int]:
     """DeepSpeed's `partition_method="parameters"` boundaries [P + 1] over layers with
-    `layer_params` [L] trainable parameters each: DeepSpeed's own `partition_balanced` (0.19:
-    the contiguous split with the smallest spread, largest minus smallest stage sum)."""
-    from deepspeed.runtime.utils import partition_balanced
-    return [int(p) for p in partition_balanced(weights=list(layer_params), num_parts=stages)]
+    `layer_params` [L] trainable parameters each: a port of DeepSpeed 0.19's `partition_balanced`
+    (`deepspeed/runtime/utils.py`; a unit test holds the two equal), so that planning imports no
+    DeepSpeed. It picks the contiguous split with the smallest spread, largest minus smallest
+    stage sum (not the smallest largest sum: `partition`), ties going to the latest boundary."""
+    n, m = len(layer_params), stages
+    if not 1 <= m < n:
+        raise ValueError(f"cannot split {n} layers into {m} stages by parameters")
+    prefix = [0.0, *np.cumsum(np.asarray(layer_params, dtype=np.float64)).tolist()]
+    inf = float("inf")
+    # over the first i layers in j stages: the largest and smallest stage sum of the best split,
+    # its spread and its last boundary
+    big = [[inf] * (m + 1) for _ in range(n + 1)]
+    small = [[inf] * (m + 1) for _ in range(n + 1)]
+    spread = [[inf] * (m + 1) for _ in range(n + 1)]
+    cut = [[0] * (m + 1) for _ in range(n + 1)]
+    big[0][0], spread[0][0] = 0.0, 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                part = prefix[i] - prefix[k]
+                hi, lo = max(big[k][j - 1], part), min(small[k][j - 1], part)
+                if spread[i][j] >= hi - lo:
+                    spread[i][j], big[i][j], small[i][j], cut[i][j] = hi - lo, hi, lo, k
+    parts = [n]
+    for j in range(m, 0, -1):
+        parts.append(cut[parts[-1]][j])
+    return parts[::-1]
 
 
 @dataclass(frozen=True)

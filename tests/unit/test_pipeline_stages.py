@@ -83,12 +83,23 @@ def test_deepspeed_split_balances_trainable_parameters_with_the_encoders_on_stag
     uniform = plan_stages(1.0, 8, 0.5, 4.0, 2, "uniform", split="parameters",
                           layer_params=params, encoder_params=200)
     assert uniform.parts == [0, 5, 10] and uniform.encoder_time == pytest.approx([2.0, 2.0])
-    # DeepSpeed (its own partition_balanced) minimises the spread, largest minus smallest stage,
-    # not the largest stage: 9 | 3 | 3 where the smallest largest stage is 1 | 8 | 6
+    # DeepSpeed minimises the spread, largest minus smallest stage, not the largest stage:
+    # 9 | 3 | 3 where the smallest largest stage is 1 | 8 | 6
     assert parameter_parts([1, 8, 3, 3], 3) == [0, 2, 3, 4]
     assert partition([1, 8, 3, 3], 3) == [0, 1, 2, 4]
     with pytest.raises(ValueError, match="trainable parameter count of each of the 10"):
         plan_stages(1.0, 8, 0.5, 4.0, 2, "stage0", split="parameters", layer_params=params[:-1])
+
+
+def test_parameter_split_is_deepspeeds_partition_balanced():
+    """The port gives DeepSpeed's own boundaries, ties included (small integer weights make many)."""
+    from deepspeed.runtime.utils import partition_balanced
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        weights = [int(w) for w in rng.integers(0, 6, size=int(rng.integers(3, 12)))]
+        stages = int(rng.integers(1, len(weights)))
+        want = [int(p) for p in partition_balanced(weights=weights, num_parts=stages)]
+        assert parameter_parts(weights, stages) == want, (weights, stages)
 
 
 def test_layer_parameter_counts_leave_frozen_parts_out(tmp_path):
@@ -134,10 +145,15 @@ def test_bad_pipeline_plans_fail_before_launch(tmp_path, capsys, parallel, zero,
     assert code == 2 and match in out and "Traceback" not in out, out
 
 
-def test_plan_prints_stages_and_their_predicted_time(tmp_path, capsys):
+def test_plan_prints_stages_and_their_predicted_time(tmp_path, capsys, monkeypatch):
     """Planned for samples of parallel.stage_tokens (8) tokens, not max_seq_len (128): so short a
     sample weighs the LLM little against the encoders, and stage 0 (all the encoding, under
-    "stage0") is the slower stage; planned for 128 tokens, stage 1 (head) is."""
+    "stage0") is the slower stage; planned for 128 tokens, stage 1 (head) is. Planning imports
+    no DeepSpeed: its first import prints a warning to stdout, before the plan's JSON."""
+    import sys
+    for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it now fails
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
     code, out = _plan(tmp_path, capsys, {"pp": 2, "stage_tokens": 8})
     assert code in (0, None), out
     pipeline = json.loads(out)["pipeline"]
