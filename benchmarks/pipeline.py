@@ -1,14 +1,14 @@
 """Joint pipeline: step time of PP=2 on 2 ranks (--pp 4: 4), encoders on stage 0 against uniform.
 
-    .venv/bin/python benchmarks/pipeline.py        # about 8-15 minutes on 2 shared cores
+    .venv/bin/python benchmarks/pipeline.py        # about 4-8 minutes on 2 shared cores
     .venv/bin/python benchmarks/pipeline.py --zero 0   # the same under ZeRO-0: pipeline_zero0.json
     .venv/bin/python benchmarks/pipeline.py --pp 4 --rounds 16 --warmup 2   # pipeline_pp4.json
     .venv/bin/python benchmarks/pipeline.py --pp 4 --layers 4 --rounds 16 --warmup 2  # _pp4_l4
 
 `--pp 4` runs PP=4 on 4 ranks (dp=1) with an LLM of 8 decoder layers of the same width (4 layers
 over 4 stages leave the cost model almost no choice; `--layers 4` keeps PP=2's LLM and so its
-encoder share) and the two placements planned for 96-token samples ("stage0", "uniform"; no
-"stage0_full_len"), the same mixes and clocks.
+encoder share) and the variants planned for 96-token samples (all but "stage0_full_len"), the
+same mixes and clocks.
 
 Two ranks on CPU over gloo, one pipeline of 2 stages (dp=1, ZeRO-1), through the real
 `setup_training` / `train_step`. The vision tower is a realistic share of the work: as in a real
@@ -20,16 +20,19 @@ Stage boundaries come from the cost model for a micro-batch with one image per s
 `ds-omni plan` prints), planned for samples of 96 tokens (`parallel.stage_tokens`: one image's 65
 tokens and a caption); "stage0_full_len" keeps the boundaries planned for full-length samples
 (data.max_seq_len = 256, the default), which give stage 0 a decoder layer too many for this data
-and were what the first runs measured. Mixes (image samples :
+and were what the first runs measured. Two more variants put the encoders on stage 0 with the
+boundaries other stacks choose (`parallel.stage_split`): "stage0_parameters", DeepSpeed's default
+(`partition_method="parameters"`, the tower's trainable parameters counted on stage 0), and
+"stage0_layers", Megatron-LM's (decoder layers split evenly). Mixes (image samples :
 text-only samples): 9:1 (image-heavy), 1:1 and 1:9; a training run whose mix swings between 1:9
 and 9:1 from step to step meets each of them with the same boundaries.
 
-All nine engines (3 mixes x 3 variants) live in one launch and take one step each per round,
+All fifteen engines (3 mixes x 5 variants) live in one launch and take one step each per round,
 in an order that rotates. Two clocks per step: the wall time (the slower rank's) and the busiest
 stage's CPU time (each rank's `time.process_time` over the step, one thread per rank: what the
 stage computed, which the load of other jobs on a shared machine does not stretch the way it
 stretches wall time). The figure per mix and clock is the median over rounds of the paired ratio
-stage0 / uniform (and stage0_full_len / uniform). Writes benchmarks/results/pipeline.json.
+<variant> / uniform for every other variant. Writes benchmarks/results/pipeline.json.
 """
 
 from __future__ import annotations
@@ -53,12 +56,17 @@ LLM = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
        "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 1024}
 LAYERS_AT_PP = {2: 4, 4: 8}  # decoder layers per pipeline depth: at PP=4, 4 layers = 1 a stage
 MIXES = {"image_heavy_9to1": 9.0, "even_1to1": 1.0, "text_heavy_1to9": 1 / 9}  # image : text
-# variant -> (parallel.encoder_placement, parallel.stage_tokens): boundaries planned for a sample
-# of one image (65 tokens) and its caption, 96 tokens; "stage0_full_len" keeps the boundaries
-# planned for full-length samples (max_seq_len 256, the default), which the first runs measured
-VARIANTS = {"stage0": ("stage0", 96), "uniform": ("uniform", 96), "stage0_full_len": ("stage0", 0)}
+# variant -> (parallel.encoder_placement, parallel.stage_tokens, parallel.stage_split): cost-model
+# boundaries planned for a sample of one image (65 tokens) and its caption, 96 tokens;
+# "stage0_full_len" keeps the boundaries planned for full-length samples (max_seq_len 256, the
+# default), which the first runs measured; "stage0_parameters" and "stage0_layers" split as
+# DeepSpeed's default and Megatron-LM do (their boundaries do not depend on the sample length)
+VARIANTS = {"stage0": ("stage0", 96, "cost"), "uniform": ("uniform", 96, "cost"),
+            "stage0_full_len": ("stage0", 0, "cost"),
+            "stage0_parameters": ("stage0", 96, "parameters"),
+            "stage0_layers": ("stage0", 96, "layers")}
 PLACEMENTS = tuple(VARIANTS)
-DEEP_PLACEMENTS = ("stage0", "uniform")  # PP > 2: the two placements planned for 96 tokens
+DEEP_PLACEMENTS = tuple(v for v in VARIANTS if v != "stage0_full_len")  # PP > 2
 
 
 def llm_config(pp: int, layers: int = 0) -> dict:
@@ -82,8 +90,9 @@ def config(mix: str, placement: str, out_dir: str, text: dict, steps: int, pp: i
     d["data"]["sources"] = [{"name": "shapes", "path": "builtin:shapes", "weight": MIXES[mix]},
                             dict(text, weight=1.0)]
     d["data"]["max_seq_len"] = 256
-    where, tokens = VARIANTS[placement]
-    d["parallel"] = {"pp": pp, "encoder_placement": where, "stage_tokens": tokens}
+    where, tokens, split = VARIANTS[placement]
+    d["parallel"] = {"pp": pp, "encoder_placement": where, "stage_tokens": tokens,
+                     "stage_split": split}
     return from_dict(OmniConfig, d)
 
 

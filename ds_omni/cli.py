@@ -179,16 +179,19 @@ def _pipeline_stages(cfg, plan, ds_config: dict) -> dict:
     import torch
     from ds_omni.model.build import build_model, llm_text_config
     from ds_omni.parallel.pipeline import check_pipeline
-    from ds_omni.parallel.stages import describe
+    from ds_omni.parallel.stages import SPLITS, describe
     from ds_omni.train.engine import stage_plan, stage_tokens
     check_pipeline(cfg, ds_config, llm_text_config(cfg.model)[1])
     with torch.device("meta"):
         built = build_model(cfg.model)
-    stages = stage_plan(cfg, built, plan)
+    slowest = {split: max(stage_plan(cfg, built, plan, split).stage_time) for split in SPLITS}
     return {"encoder_placement": cfg.parallel.encoder_placement,
+            "stage_split": cfg.parallel.stage_split,
             "workload": f"micro-batches of {cfg.train.micro_batch_size} samples x "
                         f"{stage_tokens(cfg)} tokens, one item per encoder each",
-            "stages": describe(stages)}
+            "stages": describe(stage_plan(cfg, built, plan)),
+            "slowest_stage_by_split": {split: round(t / slowest[cfg.parallel.stage_split], 4)
+                                       for split, t in slowest.items()}}
 
 
 def _leaf_lines(obj, level: int = 0) -> str:

@@ -393,6 +393,9 @@ def check_template_spec(spec: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ parallel
+StageSplit = Literal["cost", "parameters", "layers"]  # parallel.stage_split (parallel/stages.py)
+
+
 @dataclass(kw_only=True)
 class ParallelConfig:
     """Degrees of the LLM's parallel plan; their product must equal the world size."""
@@ -403,7 +406,8 @@ class ParallelConfig:
     """Ulysses sequence-parallel degree of the LLM."""
     pp: int = 1
     """Pipeline stages of the LLM (DeepSpeed's pipeline engine; ZeRO 0/1 only, sp = 1). Stage
-    boundaries come from the cost model (`ds-omni plan` prints them and each stage's time)."""
+    boundaries come from the cost model unless stage_split says otherwise (`ds-omni plan` prints
+    them and each stage's time)."""
     encoder_placement: Literal["stage0", "uniform"] = "stage0"
     """Under pp > 1, where the encoders run: "stage0" on the first stage's ranks (as Megatron-LM
     and NeMo do); "uniform" on every stage's ranks, each encoding a share of the step's items
@@ -413,6 +417,13 @@ class ParallelConfig:
     boundaries are planned for; 0: data.max_seq_len. Full-length samples weigh the LLM most, so
     for short samples (image captions) "stage0" would keep too many decoder layers on stage 0:
     give their typical length (e.g. the mean `tokens` per sample of a few logged steps)."""
+    stage_split: StageSplit = "cost"
+    """Under pp > 1, how the stage boundaries are chosen: "cost", by the cost model, for the
+    smallest slowest-stage time (encoder work included); "parameters", DeepSpeed's default
+    (`partition_method="parameters"`: trainable parameter counts balanced, the encoders counted
+    on the first stage under "stage0"); "layers", Megatron-LM's (decoder layers split evenly,
+    embedding on the first stage, head on the last). The last two are baselines: `ds-omni plan`
+    prints each stage's predicted time under the split chosen, to compare them."""
     max_sequence_sp: int = 1
     """Per-sequence SP degree (ByteScale's hybrid data parallelism): > 1 lets a sequence that
     costs more than one rank's share of the step, or is longer than a micro-batch, run on a
@@ -453,6 +464,11 @@ class ParallelConfig:
         if not isinstance(self.encoder_sp, str) and not self.encoder_sp >= 0:
             raise ConfigError(f"parallel.encoder_sp must be a cost threshold >= 0, \"auto\" or "
                               f"\"off\", got {self.encoder_sp}")
+        if self.stage_split not in typing.get_args(StageSplit):
+            raise ConfigError(f"parallel.stage_split must be one of "
+                              f"{list(typing.get_args(StageSplit))} (\"cost\": "
+                              f"ds_omni's cost model; \"parameters\": DeepSpeed's default; "
+                              f"\"layers\": Megatron-LM's), got {self.stage_split!r}")
         if self.stage_tokens < 0:
             raise ConfigError(f"parallel.stage_tokens must be >= 0 (0: data.max_seq_len), got "
                               f"{self.stage_tokens}")

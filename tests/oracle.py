@@ -215,6 +215,8 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
                 train.pool_metrics(engine.module).get("data_pool_moved"))
     finally:
         train.engine_loss = engine_loss
+    if plan.pp_enabled:  # the stage boundaries the engine was built with
+        out["parts"] = list(engine.module.parts)
     pool = getattr(engine.module, "encoder_pool", None)  # items encoded for another rank
     out["pool_items_moved"] = pool.items_moved if pool is not None else 0
     if pool is not None:  # the per-step metric adds up to the items this rank encoded for others

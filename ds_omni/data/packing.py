@@ -216,7 +216,7 @@ def pad_row(row: MicroBatch, multiple: int, pad_id: int) -> MicroBatch:
 
 def _pad_id(processors: dict[str, ItemProcessor]) -> int:
     """A token id that is no placeholder (padding must not be taken for an image)."""
-    taken = {p.placeholder_id for p in processors.values()}
+    taken = {i for p in processors.values() for i in (p.placeholder_id, *p.more_placeholder_ids)}
     return min(set(range(len(taken) + 1)) - taken)
 
 

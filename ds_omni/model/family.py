@@ -49,6 +49,9 @@ class ItemProcessor:
     modality: str = "image"
     placeholder_id: int = -1
     """Token id that each of the item's embeddings replaces."""
+    more_placeholder_ids: tuple[int, ...] = ()
+    """Other token ids the item's embeddings replace, in text order with the placeholders (Ovis2's
+    visual indicator tokens around and between its image tokens)."""
 
     def process(self, item: Any) -> EncodedItem:
         raise NotImplementedError
@@ -81,8 +84,8 @@ def feeds(processors: dict[str, ItemProcessor], kind: str) -> str:
 def placeholder_ids(processors: dict[str, ItemProcessor], encoder: str) -> tuple[int, ...]:
     """Every token id whose embeddings `encoder` yields: the placeholders of the processors that
     feed it (an image and a video processor may feed one vision encoder)."""
-    return tuple(sorted({p.placeholder_id for k, p in processors.items()
-                         if feeds(processors, k) == encoder}))
+    return tuple(sorted({i for k, p in processors.items() if feeds(processors, k) == encoder
+                         for i in (p.placeholder_id, *p.more_placeholder_ids)}))
 
 
 class Family:

@@ -9,11 +9,13 @@ family adapters in `ds_omni.model.families` map HF models onto it.
 The modules are the HF model's own modules, registered here under family-neutral names, so
 parameters are shared (not copied) and export back to HF is exact.
 
-Deepstack (Qwen3-VL and its kin): the vision tower also yields k levels of features per image
-token, which the LLM adds to its hidden states at the image positions after decoder layers
-0..k-1. Such an encoder's output rows are [N, (1 + k) D], the main embedding then the k levels
-side by side, so every path that moves rows (resharding under SP) carries the levels with them;
-`Deepstack` holds them, at their row positions, for the backbone.
+Deepstack (Qwen3-VL and its kin, Granite 4 Vision): the vision tower also yields k levels of
+features per image token, which the LLM adds to its hidden states at the image positions, each
+before the decoder layer its encoder's layer map names (`ModalityEncoder.deepstack_layers`:
+Qwen3-VL's levels go after layers 0..k-1, i.e. before layers 1..k; Granite 4 Vision's before the
+layers its config names). Such an encoder's output rows are [N, (1 + k) D], the main embedding
+then the k levels side by side, so every path that moves rows (resharding under SP) carries the
+levels with them; `Deepstack` holds them, at their row positions, for the backbone.
 
 Dims: T packed tokens of a micro-batch, N embeddings of one encoder in a micro-batch,
 D LLM hidden size, V vocabulary, k deepstack levels.
@@ -44,9 +46,10 @@ if TYPE_CHECKING:
 
 IGNORE_INDEX = -100
 DEEPSTACK_ALONE = (
-    "this model's vision features are also added into the LLM's first decoder layers (deepstack, "
-    "Qwen3-VL), which the LLM on DeepSpeed's pipeline engine does not carry between stages in "
-    "this version; set parallel.pp to 1 (ZeRO and sequence parallelism carry them)")
+    "this model's vision features are also added between the LLM's decoder layers (deepstack: "
+    "Qwen3-VL, Granite 4 Vision), which the LLM on DeepSpeed's pipeline engine does not carry "
+    "between stages in this version; set parallel.pp to 1 (ZeRO and sequence parallelism carry "
+    "them)")
 
 
 class ModalityEncoder(nn.Module):
@@ -57,9 +60,17 @@ class ModalityEncoder(nn.Module):
     """
 
     modality: str = "image"
-    deepstack: int = 0
-    """k deepstack levels its rows carry after the main embedding ([N, (1 + k) D]; module
-    docstring); 0 for every encoder but Qwen3-VL-like towers."""
+    deepstack_layers: tuple[int, ...] = ()
+    """The layer map of the k deepstack levels its rows carry after the main embedding
+    ([N, (1 + k) D]; module docstring): level i is added before LLM decoder layer
+    `deepstack_layers[i]` (0: onto the scaled embeddings; n, the number of layers: after the last
+    one, before the final norm; past n: never added). Empty for every encoder but deepstack
+    towers."""
+
+    @property
+    def deepstack(self) -> int:
+        """k, the deepstack levels its rows carry."""
+        return len(self.deepstack_layers)
 
     def __init__(self, *, tower: nn.Module, projector: nn.Module, placeholder_id: int,
                  more_placeholder_ids: tuple[int, ...] = ()):
@@ -176,14 +187,19 @@ def _top_up_calls(hidden: torch.Tensor, encoder: ModalityEncoder, batch: "MicroB
 
 class Deepstack(NamedTuple):
     """Deepstack levels at their rows (module docstring): the backbone adds level i to the hidden
-    states at `positions` after decoder layer i, as HF's `_deepstack_process` does."""
+    states at `positions` before decoder layer `layers[i]`, as HF's `_deepstack_process` (Qwen3-VL)
+    and Granite 4 Vision's layer loop do."""
 
     positions: torch.Tensor  # [n] row positions (of this rank's shard under SP), any order
     levels: torch.Tensor  # [n, k, D]
+    layers: tuple[int, ...]  # [k] the layer each level goes before (the encoders' layer map)
 
-    @property
-    def depth(self) -> int:
-        return self.levels.shape[1]
+    def add_before(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
+        """hidden [1, S, D] with every level the map sends before `layer` added, in level order."""
+        for level, target in enumerate(self.layers):
+            if target == layer:
+                hidden = self.add(hidden, level)
+        return hidden
 
     def add(self, hidden: torch.Tensor, level: int) -> torch.Tensor:
         """hidden [1, S, D] with level `level` added at the positions (HF's exact sum: the rows
@@ -207,18 +223,20 @@ def checked_rows(feats: torch.Tensor, encoder: ModalityEncoder, width: int,
     if feats.shape[-1] != want:
         raise ModelError(f"encoder '{name}' yields rows of width {feats.shape[-1]}, but the LLM's "
                          f"width {width} with the encoder's {encoder.deepstack} deepstack levels "
-                         f"makes {want}; its family adapter must set the encoder's `deepstack` to "
-                         "the number of feature levels its tower returns")
+                         f"makes {want}; its family adapter must set the encoder's "
+                         "`deepstack_layers` to one LLM layer per feature level its tower returns")
     return feats
 
 
 def join_deepstack(parts: list[Deepstack]) -> Deepstack | None:
-    """One `Deepstack` of several encoders' (None when there are none)."""
+    """One `Deepstack` of several encoders' (None when there are none; their layer maps are one,
+    `OmniModel` checks)."""
     if not parts:
         return None
     if len(parts) == 1:
         return parts[0]
-    return Deepstack(torch.cat([p.positions for p in parts]), torch.cat([p.levels for p in parts]))
+    return Deepstack(torch.cat([p.positions for p in parts]), torch.cat([p.levels for p in parts]),
+                     parts[0].layers)
 
 
 def _insert(hidden: torch.Tensor, slots: torch.Tensor, feats: torch.Tensor, name: str,
@@ -275,17 +293,19 @@ class Backbone(nn.Module):
         S = T, the whole row, or under sequence parallelism this rank's shard of it; `cu_seqlens`
         always delimits the samples of the whole (padded) row. `attention` overrides the model's
         for this row (per-sequence SP: the row's block group); `blocks` [m, 2]: the row's spans
-        attended both ways (`MicroBatch.blocks`). `deepstack`: level i is added after layer i
-        (levels past the last layer are unused, as in HF). `token_inputs`: per-token inputs
-        [1, S] every layer also takes (`Family.layer_inputs`).
+        attended both ways (`MicroBatch.blocks`). `deepstack`: level i is added before layer
+        `deepstack.layers[i]` (the number of layers: before the final norm; past it: unused, as in
+        HF). `token_inputs`: per-token inputs [1, S] every layer also takes (`Family.layer_inputs`).
         """
         hidden = self.scale_embeddings(hidden)
         kwargs = self.layer_kwargs(hidden, position_ids, cu_seqlens, max_seqlen, attention, blocks)
         kwargs.update(token_inputs or {})
         for i, layer in enumerate(self.layers):
+            if deepstack is not None:
+                hidden = deepstack.add_before(hidden, i)
             hidden = self.run_layer(layer, hidden, kwargs)
-            if deepstack is not None and i < deepstack.depth:
-                hidden = deepstack.add(hidden, i)
+        if deepstack is not None:
+            hidden = deepstack.add_before(hidden, len(self.layers))
         return self.norm(hidden)
 
     def scale_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -411,11 +431,12 @@ class OmniModel(nn.Module):
         # The HF model object shares every parameter with this module; kept out of the module tree
         # so parameters are registered once, under the names above.
         object.__setattr__(self, "hf_model", hf_model)
-        depths = {encoder.deepstack for encoder in encoders.values()}
-        if len(depths) > 1:
-            raise ModelError(f"encoders with different numbers of deepstack levels {sorted(depths)}"
-                             "; the rows they send to the LLM must have one width")
-        self.deepstack = depths.pop() if depths else 0  # k levels of every encoder's rows
+        maps = {encoder.deepstack_layers for encoder in encoders.values()}
+        if len(maps) > 1:
+            raise ModelError(f"encoders with different deepstack layer maps {sorted(maps)}; the "
+                             "rows they send to the LLM must have one width and their levels go "
+                             "before the same layers")
+        self.deepstack_layers = maps.pop() if maps else ()  # every encoder's layer map
         self.sp_group = None  # the LLM's Ulysses group; encoders are never split (part 1)
         # per-sequence SP: (first rank, size) -> (group, its attention), for this rank's blocks
         self.blocks: dict[tuple[int, int], tuple[object, PackedAttention]] = {}
@@ -424,6 +445,11 @@ class OmniModel(nn.Module):
         # and -3 need it); False where one reduction a step only needs a gradient, which a zero
         # one gives (`ds_omni.train.engine.encoder_dummies_needed`)
         self.encoder_dummies = True
+
+    @property
+    def deepstack(self) -> int:
+        """k, the deepstack levels of every encoder's rows."""
+        return len(self.deepstack_layers)
 
     def set_checkpointing(self, parts: set[str], named: set[str] = frozenset()) -> None:
         """Recompute in backward the layers of `parts` (of llm, vision, audio) this model has;
@@ -504,7 +530,7 @@ class OmniModel(nn.Module):
             main, extra = split_levels(feats, hidden.shape[-1])  # [N, D], [N, k, D]
             hidden = _insert(hidden, slots, main, name, batch)
             if extra is not None:
-                levels.append(Deepstack(slots, extra))
+                levels.append(Deepstack(slots, extra, encoder.deepstack_layers))
         return hidden, join_deepstack(levels)
 
     def embed_rows(self, batch: "MicroBatch", rows: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -566,7 +592,7 @@ class OmniModel(nn.Module):
         where = torch.as_tensor(plan.recv_positions, dtype=torch.long, device=hidden.device)
         main, extra = split_levels(recv, width)  # [R, D], [R, k, D]
         hidden = hidden[0].index_copy(0, where, main).unsqueeze(0)
-        return hidden, None if extra is None else Deepstack(where, extra)
+        return hidden, None if extra is None else Deepstack(where, extra, self.deepstack_layers)
 
     def _encoders_trainable(self) -> bool:
         return torch.is_grad_enabled() and any(p.requires_grad for p in self.encoders.parameters())

@@ -154,6 +154,16 @@ def pipeline_layers(model: OmniModel, step_inputs: StepInputs) -> tuple[list[nn.
     return layers + [head], PipeLoss(head)
 
 
+def layer_param_counts(model: OmniModel) -> tuple[list[int], int]:
+    """Trainable parameters of each pipeline layer [L + 2], the encoders left out of the
+    embedding layer, and the encoders' own (what `parallel.stage_split="parameters"` balances)."""
+    layers, _ = pipeline_layers(model, StepInputs())
+    encoder = {id(p) for p in model.encoders.parameters()}
+    counts = [sum(p.numel() for p in layer.parameters() if p.requires_grad and id(p) not in encoder)
+              for layer in layers]
+    return counts, sum(p.numel() for p in model.encoders.parameters() if p.requires_grad)
+
+
 def layer_file(directory: Path, index: int) -> Path:
     """The file DeepSpeed's `PipelineModule.save_state_dict` writes for pipeline layer `index`
     (its topology has pipe and data axes only, so the name carries no rank)."""

@@ -11,21 +11,38 @@ the step's encoder work:
   modelled cost) of the step's items before the schedule starts (`ds_omni.parallel.joint`), so
   each stage carries 1/P of the encoder work and the split only balances layer work.
 
-A pipeline runs at the pace of its slowest stage, so the split minimises the largest stage time
-(an exact dynamic programme over contiguous splits: L layers, P stages, O(P L^2)).
+A pipeline runs at the pace of its slowest stage, so the "cost" split minimises the largest stage
+time (an exact dynamic programme over contiguous splits: L layers, P stages, O(P L^2)). Two other
+splits reproduce what other stacks do, as baselines (`parallel.stage_split`; the predicted stage
+times are computed the same way for all three, so `ds-omni plan` compares them):
+
+- "parameters" (DeepSpeed's default, `PipelineModule(partition_method="parameters")`): DeepSpeed's
+  `partition_balanced` (ported) over each layer's trainable parameter count. Under "stage0" the
+  encoders are part of the embedding layer, as they would be in a DeepSpeed user's first layer,
+  so their trainable parameters count there; under "uniform" every stage holds a replica, which
+  is no layer of the pipeline, so they count nowhere. Frozen parameters count nowhere (DeepSpeed
+  counts those with `requires_grad`).
+- "layers" (Megatron-LM, NeMo): the decoder layers split as evenly as possible, the embedding
+  (and under "stage0" the encoders) on the first stage, the head on the last, whatever they
+  cost. Megatron asks the layer count to divide by the stages; where it does not, the later
+  stages take the extra layers (the choice that favours "stage0", so the baseline is not
+  flattered).
 
 Dims: L pipeline layers (decoder layers + 2), P stages.
 """
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
 import numpy as np
 
+from ds_omni.config import StageSplit
 from ds_omni.errors import LaunchError
 
 PLACEMENTS = ("stage0", "uniform")
+SPLITS = typing.get_args(StageSplit)
 
 
 def check_stages(num_layers: int, stages: int) -> None:
@@ -60,6 +77,47 @@ def partition(costs: list[float], stages: int) -> list[int]:
     return parts[::-1]
 
 
+def even_layer_parts(num_decoders: int, stages: int) -> list[int]:
+    """Megatron-LM's boundaries [P + 1] over [embedding, decoder x num_decoders, head]: the
+    decoder layers as evenly as possible (the later stages take the remainder), the embedding
+    with the first stage's decoders, the head with the last's."""
+    check_stages(num_decoders, stages)
+    base, extra = divmod(num_decoders, stages)
+    counts = [base + (s >= stages - extra) for s in range(stages)]  # decoders per stage
+    return [0] + [1 + sum(counts[:s + 1]) for s in range(stages - 1)] + [num_decoders + 2]
+
+
+def parameter_parts(layer_params: list[int], stages: int) -> list[int]:
+    """DeepSpeed's `partition_method="parameters"` boundaries [P + 1] over layers with
+    `layer_params` [L] trainable parameters each: a port of DeepSpeed 0.19's `partition_balanced`
+    (`deepspeed/runtime/utils.py`; a unit test holds the two equal), so that planning imports no
+    DeepSpeed. It picks the contiguous split with the smallest spread, largest minus smallest
+    stage sum (not the smallest largest sum: `partition`), ties going to the latest boundary."""
+    n, m = len(layer_params), stages
+    if not 1 <= m < n:
+        raise ValueError(f"cannot split {n} layers into {m} stages by parameters")
+    prefix = [0.0, *np.cumsum(np.asarray(layer_params, dtype=np.float64)).tolist()]
+    inf = float("inf")
+    # over the first i layers in j stages: the largest and smallest stage sum of the best split,
+    # its spread and its last boundary
+    big = [[inf] * (m + 1) for _ in range(n + 1)]
+    small = [[inf] * (m + 1) for _ in range(n + 1)]
+    spread = [[inf] * (m + 1) for _ in range(n + 1)]
+    cut = [[0] * (m + 1) for _ in range(n + 1)]
+    big[0][0], spread[0][0] = 0.0, 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                part = prefix[i] - prefix[k]
+                hi, lo = max(big[k][j - 1], part), min(small[k][j - 1], part)
+                if spread[i][j] >= hi - lo:
+                    spread[i][j], big[i][j], small[i][j], cut[i][j] = hi - lo, hi, lo, k
+    parts = [n]
+    for j in range(m, 0, -1):
+        parts.append(cut[parts[-1]][j])
+    return parts[::-1]
+
+
 @dataclass(frozen=True)
 class StagePlan:
     """Boundaries over the pipeline's layers and what each stage is predicted to cost."""
@@ -67,6 +125,7 @@ class StagePlan:
     parts: list[int]  # [P + 1]
     layer_time: list[float]  # [P] modelled cost of each stage's layers (embedding, decoders, head)
     encoder_time: list[float]  # [P] modelled cost of each stage's share of encoder work
+    split: str = "cost"  # how the boundaries were chosen (SPLITS)
 
     @property
     def stage_time(self) -> list[float]:
@@ -85,19 +144,37 @@ class StagePlan:
 
 
 def plan_stages(decoder_cost: float, num_decoders: int, head_cost: float, encoder_cost: float,
-                stages: int, placement: str, embed_cost: float = 0.0) -> StagePlan:
-    """The split of [embedding, decoder x num_decoders, head] into `stages` with the smallest
-    slowest-stage time, encoder work placed as `placement` says (module docstring)."""
+                stages: int, placement: str, embed_cost: float = 0.0, split: str = "cost",
+                layer_params: list[int] | None = None, encoder_params: int = 0) -> StagePlan:
+    """The split of [embedding, decoder x num_decoders, head] into `stages`, encoder work placed
+    as `placement` says, boundaries chosen as `split` says (module docstring): "cost", the
+    smallest slowest-stage time; "parameters", DeepSpeed's balance of `layer_params` (trainable
+    parameters of each of those layers, the encoders' `encoder_params` left out: they are added
+    to the embedding layer under "stage0"); "layers", Megatron's even decoder split."""
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown encoder placement {placement!r}; choose one of {PLACEMENTS}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown stage split {split!r}; choose one of {SPLITS}")
     check_stages(num_decoders, stages)
     layers = [embed_cost] + [decoder_cost] * num_decoders + [head_cost]
-    if placement == "stage0":
-        parts = partition([layers[0] + encoder_cost] + layers[1:], stages)
-        sums = _stage_sums(layers, parts)
-        return StagePlan(parts, sums, [encoder_cost] + [0.0] * (stages - 1))
-    parts = partition(layers, stages)
-    return StagePlan(parts, _stage_sums(layers, parts), [encoder_cost / stages] * stages)
+    stage0 = placement == "stage0"
+    if split == "cost":
+        parts = partition([layers[0] + encoder_cost * stage0] + layers[1:], stages)
+    elif split == "layers":
+        parts = even_layer_parts(num_decoders, stages)
+    else:
+        parts = parameter_parts(_with_encoders(layer_params, num_decoders, encoder_params * stage0),
+                                stages)
+    shares = [encoder_cost] + [0.0] * (stages - 1) if stage0 else [encoder_cost / stages] * stages
+    return StagePlan(parts, _stage_sums(layers, parts), shares, split)
+
+
+def _with_encoders(layer_params: list[int] | None, num_decoders: int,
+                   encoder_params: int) -> list[int]:
+    if layer_params is None or len(layer_params) != num_decoders + 2:
+        raise ValueError(f"the \"parameters\" split needs the trainable parameter count of each "
+                         f"of the {num_decoders + 2} pipeline layers, got {layer_params}")
+    return [layer_params[0] + encoder_params] + list(layer_params[1:])
 
 
 def step_stage_times(stage_plan: StagePlan, encoder_cost: float, placement: str) -> list[float]:
@@ -113,9 +190,12 @@ def _stage_sums(costs: list[float], parts: list[int]) -> list[float]:
     return [float(sum(costs[lo:hi])) for lo, hi in zip(parts[:-1], parts[1:])]
 
 
-def stage_plan_for(cost, stages: int, placement: str, samples: int, tokens: int) -> StagePlan:
+def stage_plan_for(cost, stages: int, placement: str, samples: int, tokens: int,
+                   split: str = "cost", layer_params: list[int] | None = None,
+                   encoder_params: int = 0) -> StagePlan:
     """The stage plan of a micro-batch of `samples` samples of `tokens` tokens, each with one item
-    per encoder of the size the cost model runs as a dummy (one image, one audio window).
+    per encoder of the size the cost model runs as a dummy (one image, one audio window), its
+    boundaries chosen by `split` (`plan_stages`).
 
     `cost` is the loader's `CostModel` (FLOPs, scaled where calibrated): its LLM terms are split
     into L equal decoder layers and the LM head (2 h V FLOPs a token, forward).
@@ -126,7 +206,8 @@ def stage_plan_for(cost, stages: int, placement: str, samples: int, tokens: int)
     head = samples * tokens * cost.train_factor * 2 * d.hidden * d.vocab * cost.scales["llm_lin"]
     encoder = samples * sum(float(cost.encoder_cost(name, [max(e.dummy_len, 1)])[0])
                             for name, e in d.encoders.items())
-    return plan_stages((row - head) / d.layers, d.layers, head, encoder, stages, placement)
+    return plan_stages((row - head) / d.layers, d.layers, head, encoder, stages, placement,
+                       split=split, layer_params=layer_params, encoder_params=encoder_params)
 
 
 def describe(stage_plan: StagePlan) -> list[dict]:

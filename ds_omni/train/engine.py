@@ -43,7 +43,7 @@ from ds_omni.parallel.groups import (TorchDataComm, data_groups, loader_step_com
                                     sequence_groups)
 from ds_omni.parallel.pipeline import (around_instructions, build_pipeline_module,
                                       check_pipeline, engine_inputs, fill_missing_grads,
-                                      is_pipeline)
+                                      is_pipeline, layer_param_counts)
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.parallel.stages import StagePlan, stage_plan_for
 from ds_omni.train import checkpoint
@@ -394,12 +394,17 @@ def encoder_pool_for(cfg: OmniConfig, built, plan: ParallelPlan, rank: int,
                        dist.comm_device(), sp=plan.sp)
 
 
-def stage_plan(cfg: OmniConfig, built, plan: ParallelPlan) -> StagePlan:
-    """Pipeline stage boundaries for a typical micro-batch (micro_batch_size samples of
-    `stage_tokens` tokens, one item per encoder each), from the loader's cost model."""
+def stage_plan(cfg: OmniConfig, built, plan: ParallelPlan, split: str | None = None) -> StagePlan:
+    """Pipeline stage boundaries by `split` (default `parallel.stage_split`), and each stage's
+    predicted time for a typical micro-batch (micro_batch_size samples of `stage_tokens` tokens,
+    one item per encoder each), from the loader's cost model."""
     cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
+    split = split or cfg.parallel.stage_split
+    layer_params, encoder_params = (layer_param_counts(built.model) if split == "parameters"
+                                    else (None, 0))
     return stage_plan_for(cost, plan.pp, cfg.parallel.encoder_placement,
-                          cfg.train.micro_batch_size, stage_tokens(cfg))
+                          cfg.train.micro_batch_size, stage_tokens(cfg), split=split,
+                          layer_params=layer_params, encoder_params=encoder_params)
 
 
 def stage_tokens(cfg: OmniConfig) -> int:

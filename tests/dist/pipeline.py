@@ -2,7 +2,8 @@
 
 The cases train in `test_parity.py`'s 2-rank launch (PP=2, dp=1, 3 steps each; one launch for
 all): the tiny LLaVA with its encoder on stage 0 (ZeRO-1) and the image+audio composition with
-"uniform" placement (ZeRO-0; 3 decoder layers, so the cost model's split is uneven). The oracle
+"uniform" placement (ZeRO-0; 3 decoder layers split as Megatron-LM does, `parallel.stage_split`
+"layers": 1 + 2, where the cost model would split 2 + 1). The oracle
 (`tests/oracle.py`: plain PyTorch, one process, global batches built independently) must match the
 loss (1e-6 relative), the first step's reduced gradients and the final parameters (1e-5 relative,
 fp32). Each stage returns its own parameters under the OmniModel's names; together they must be
@@ -46,6 +47,9 @@ def check(name: str, case: dict, results: list, cfg, dp: int = 1) -> None:
     got_keys = [sorted(k for r in results[:dp] for k in r[name]["keys"][s]) for s in range(steps)]
     assert got_keys == step_keys, f"{name}: the ranks trained another global batch"
     assert all(r[name]["losses"] == results[0][name]["losses"] for r in results), name
+    if "parts" in case:  # the boundaries of the case's `parallel.stage_split`
+        assert all(r[name]["parts"] == case["parts"] for r in results), \
+            (name, results[0][name]["parts"])
     first, second = results[0][name], results[dp][name]  # data-parallel rank 0 of each stage
     _check_replicas(case["placement"], first, second)
     got = {"losses": first["losses"], "grads": {**first["grads"], **second["grads"]},

@@ -50,7 +50,8 @@ def _config(case: dict, out_dir: str):
         cfg.model = from_dict(ModelConfig, case["model"], "model")
     if case.get("placement"):  # the LLM over 2 pipeline stages
         from ds_omni.config import ParallelConfig
-        cfg.parallel = ParallelConfig(pp=2, encoder_placement=case["placement"])
+        cfg.parallel = ParallelConfig(pp=2, encoder_placement=case["placement"],
+                                      stage_split=case.get("split", "cost"))
     if case.get("pool"):
         cfg.parallel.encoder_pool = "dp"
     if case.get("sources"):
@@ -108,9 +109,11 @@ def cases(tmp_path_factory):
         # PP=2 (dp=1): both placements, both models (test_pipeline_matches_single_process)
         "pp_llava_stage0": {"stages": [1], "placement": "stage0", "sources": vision, "steps": 3,
                             "train": PP_BATCH, "resume_at": 2},
+        # Megatron's even split: [0, 2, 5] (the cost model's would be [0, 3, 5])
         "pp_composed_uniform": {"stages": [0], "placement": "uniform", "model": pipeline.COMPOSED,
                                 "sources": [pipeline.SHAPES_TONES, text], "max_seq_len": 160,
-                                "steps": 3, "train": PP_BATCH, "resume_at": 2},
+                                "steps": 3, "train": PP_BATCH, "resume_at": 2,
+                                "split": "layers", "parts": [0, 2, 5]},
         # planted errors: the oracle must fail on these (one step is enough to see them)
         **{plant: {"stages": [2], "plant": plant, "steps": 1} for plant in oracle.PLANTS},
     }
@@ -152,13 +155,15 @@ def test_oracle_sees_planted_errors(cases, dp_results, tmp_path):
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     """One launch of 4 ranks: budget mode in two reorder groups of 2, and DP2 x PP2 in both
-    encoder placements (ZeRO-1 with "stage0", ZeRO-0 with "uniform")."""
+    encoder placements (ZeRO-1 with "stage0" split by DeepSpeed's parameter balance, ZeRO-0 with
+    "uniform")."""
     tmp = tmp_path_factory.mktemp("four")
     vision = [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]
     pp = {"sources": vision, "steps": 3, "train": PP_BATCH}
     cases = {"budget": {"stages": [2], "reorder": {"mode": "budget", "group_size": 2},
                         "train": {"micro_batch_size": 1}},
-             "dp2_pp_stage0": {"stages": [1], "placement": "stage0", **pp},
+             "dp2_pp_stage0": {"stages": [1], "placement": "stage0", "split": "parameters",
+                               "parts": [0, 2, 4], **pp},
              "dp2_pp_uniform": {"stages": [0], "placement": "uniform", **pp}}
     return cases, run_on_ranks(_train_ranks, 4, args=(cases, str(tmp / "dp")), timeout=600)
 

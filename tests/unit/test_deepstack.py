@@ -1,36 +1,39 @@
-"""Deepstack (Qwen3-VL): vision features that the LLM adds after its first decoder layers.
+"""Deepstack: vision features that the LLM adds to its hidden states between decoder layers, each
+level before the layer its encoder's layer map names (Qwen3-VL: after its first layers; Granite 4
+Vision: before the layers its config names, `ds_omni.model.deepstack`).
 
-The coverage sweep checks a packed row against HF's own forward (`coverage.RECIPES["qwen3_vl"]`);
-these tests check what the sweep cannot see: the levels travel with their rows when LLM sequence
-parallelism cuts the row into shards (each item encoded by one rank, its rows sent by one
-all-to-all, simulated here by looping over the ranks), training reaches the deepstack mergers, and
-the pipeline engine, which does not carry the levels, refuses the model.
+The coverage sweep checks a packed row against HF's own forward (`coverage.RECIPES["qwen3_vl"]`,
+`["granite4_vision"]`); these tests check what the sweep cannot see: the layer maps read from the
+configs, the levels travel with their rows when LLM sequence parallelism cuts the row into shards
+(each item encoded by one rank, its rows sent by one all-to-all, simulated here by looping over the
+ranks), training reaches the projectors of the levels HF adds and no others, and the pipeline
+engine, which does not carry the levels, refuses the model.
 
 Dims: T row length (padded to a multiple of sp), S = T / sp, D LLM width, k deepstack levels.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from ds_omni.data.packing import SeqShard, pack
 from ds_omni.errors import ModelError
-from ds_omni.model import coverage, omni
+from ds_omni.model import coverage, deepstack, omni
 
 
-@pytest.fixture(scope="module")
-def qwen3_vl(tmp_path_factory):
-    """(built model, samples): a tiny Qwen3-VL through `build_model`, and the sweep's samples
+def build(folder, model_type: str):
+    """(built model, samples): a tiny `model_type` through `build_model`, and the sweep's samples
     (one image, text only, two images of other sizes) plus a long text-only one."""
     from ds_omni.config import ModelConfig
     from ds_omni.data.processing import SampleProcessor
     from ds_omni.model.build import build_model
     from ds_omni.model.family import family_for
-    folder = tmp_path_factory.mktemp("qwen3_vl")
     torch.manual_seed(0)
-    config, processor = coverage.RECIPES["qwen3_vl"]()
-    family_for("qwen3_vl").build_hf(config).save_pretrained(str(folder))
+    config, processor = coverage.RECIPES[model_type]()
+    family_for(model_type).build_hf(config).save_pretrained(str(folder))
     coverage.save_processor_parts(processor, folder)
     built = build_model(ModelConfig(pretrained=str(folder)))
     proc = SampleProcessor(tokenizer=built.tokenizer, family=built.family,
@@ -43,6 +46,30 @@ def qwen3_vl(tmp_path_factory):
                                            ("<image><image> which is larger?", img[1:]),
                                            ("a long caption without an image " * 6, [])])]
     return built, samples
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("qwen3_vl"), "qwen3_vl")
+
+
+@pytest.fixture(scope="module")
+def granite4_vision(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("granite4_vision"), "granite4_vision")
+
+
+def test_layer_maps_of_the_configs(qwen3_vl, granite4_vision):
+    """Qwen3-VL's k levels go after layers 0..k-1 (before 1..k); Granite 4 Vision's pairs go
+    before the layers they name, the later pair winning a layer named twice and no pair kept for
+    a layer the LLM lacks (its recipe: pairs at 0, 1, then spatial at 1, 2, 5, 6 with 2 layers)."""
+    qwen, granite = qwen3_vl[0], granite4_vision[0]
+    assert deepstack.layout(qwen.hf_config) == deepstack.Layout((1, 2))
+    assert qwen.model.deepstack_layers == (1, 2)
+    assert deepstack.layout(granite.hf_config) == deepstack.Layout(layers=(0, 1), pairs=(0, 2))
+    assert granite.model.deepstack_layers == (0, 1)
+    assert deepstack.granite_levels([3, -1, 0, 3, 1, 0], 4) == ((3, 4, 5), (3, 1, 0))
+    assert deepstack.granite_levels([4, 5], 4) == ((), ())
+    assert deepstack.layout(SimpleNamespace(vision_config=None)) == deepstack.Layout()
 
 
 def dense(hidden: torch.Tensor, deepstack: omni.Deepstack | None, k: int) -> torch.Tensor:
@@ -70,12 +97,14 @@ class FakeExchange:
         return torch.cat([self.sent[src][plan.rank] for src in sorted(self.sent)])
 
 
-@pytest.mark.parametrize("sp, n", [(2, 4), (4, 3)])
-def test_sharded_embedding_carries_the_levels_like_the_whole_row(qwen3_vl, monkeypatch, sp, n):
+@pytest.mark.parametrize("model_type, sp, n", [("qwen3_vl", 2, 4), ("qwen3_vl", 4, 3),
+                                                ("granite4_vision", 2, 4)])
+def test_sharded_embedding_carries_the_levels_like_the_whole_row(request, monkeypatch,
+                                                                 model_type, sp, n):
     """The SP shards' embeddings and deepstack levels, put side by side, are the whole row's; a
     rank that encoded nothing still sends rows of the levels' width, and one whose shard holds no
     image token receives none (the first n samples in one row)."""
-    built, samples = qwen3_vl
+    built, samples = request.getfixturevalue(model_type)
     samples = samples[:n]
     model, k = built.model, built.model.deepstack
     assert k == 2
@@ -113,6 +142,22 @@ def test_training_reaches_the_deepstack_mergers(qwen3_vl):
     assert all(not p.grad.any() for p in last.parameters())
 
 
+def test_training_reaches_the_projectors_of_the_pairs_hf_adds(granite4_vision):
+    """Granite 4 Vision (its recipe's map: `test_layer_maps_of_the_configs`): the projectors of the
+    pairs added before layers 0 and 1 get gradients; the pair for layer 1 that a later one
+    replaces, and those aimed at layers the LLM lacks, get none, as in HF."""
+    built, samples = granite4_vision
+    model = built.model
+    model.zero_grad()
+    model(pack(samples, built.item_processors)).loss_sum.backward()
+    projectors = model.encoders["vision"].projector.modules_
+    layerwise, spatial = projectors["layerwise_projectors"], projectors["spatial_projectors"]
+
+    def reached(module):
+        return any(p.grad is not None and p.grad.abs().sum() > 0 for p in module.parameters())
+    assert [reached(m) for m in (*layerwise, *spatial)] == [True, False, True, False, False, False]
+
+
 def test_pipeline_engine_refuses_deepstack(qwen3_vl):
     from ds_omni.parallel.pipeline import StepInputs, pipeline_layers
     built, samples = qwen3_vl
@@ -126,6 +171,7 @@ def test_rows_of_another_width_than_the_levels_declared_are_an_error(qwen3_vl, m
     """An adapter that declares fewer levels than its tower returns is told so, not run with the
     levels dropped."""
     built, samples = qwen3_vl
-    monkeypatch.setattr(built.model.encoders["vision"], "deepstack", 1)
-    with pytest.raises(ModelError, match=r"width 96.*1 deepstack levels makes 64.*`deepstack`"):
+    monkeypatch.setattr(built.model.encoders["vision"], "deepstack_layers", (1,))
+    with pytest.raises(ModelError,
+                       match=r"width 96.*1 deepstack levels makes 64.*`deepstack_layers`"):
         built.model.logits(pack(samples, built.item_processors))

@@ -50,13 +50,23 @@ def test_readme_table_is_the_sweep(results):
 def test_known_gaps_have_their_reasons(results):
     assert results["granite_docling"].supported  # its multipliers: ds_omni.model.outside
     assert "PLE" in coverage.static_problem("gemma4")  # its default; the recipe has none
-    assert "deepstack_layer_map" in results["granite4_vision"].reason
+    assert results["granite4_vision"].supported  # its layer map: ds_omni.model.deepstack
     assert "token_type_ids" in results["gemma3n"].reason
     assert "get_image_features" in results["mllama"].reason
-    assert "visual indicator" in results["ovis2"].reason
+    assert results["ovis2"].supported  # its indicator tokens: generic.indicator_ids
     assert "torchvision-only" in results["lfm2_vl"].reason
     assert "hyper-connections" in results["hy_v4_vl"].reason
     assert "block states" in results["inkling2"].reason
+
+
+def test_processor_named_by_the_model_file():
+    """GLM-OCR and Cosmos3-Omni take the processor their model file's example loads (GLM-4.1V's,
+    Qwen3-VL's; `generic.PROCESSOR_OF`); a type whose file names none stays without one."""
+    from ds_omni.model.families import generic
+    assert generic.processor_class("glm_ocr").__name__ == "Glm4vProcessor"
+    assert generic.processor_class("cosmos3_omni").__name__ == "Qwen3VLProcessor"
+    assert coverage.processor_problem("glm_ocr") is None
+    assert "maps no processor" in coverage.processor_problem("kosmos-2")
 
 
 def test_pixtral_processor_needs_no_torchvision():
@@ -119,6 +129,15 @@ def test_family_without_image_hooks_is_a_clear_error():
     with pytest.raises(ModelError, match=r"(?s)MllamaModel has no get_image_features.*[Cc]ompose"
                                          r".*ds_omni/model/families"):
         family_for("mllama")
+
+
+def test_inner_model_named_otherwise_is_found_through_automodel():
+    """MiniMax-M3's conditional-generation class holds a MiniMaxM3VLModel (AutoModel's base class
+    for its type), not a MiniMaxM3SparseModel; Llama 4's AutoModel class is itself, no inner one."""
+    from ds_omni.model.families.generic import hf_class_of, inner_class
+    assert inner_class(hf_class_of("minimax_m3_vl"), "minimax_m3_vl").__name__ == "MiniMaxM3VLModel"
+    assert inner_class(hf_class_of("minimax_m3_vl")) is None
+    assert inner_class(hf_class_of("llama4"), "llama4") is None
 
 
 def test_family_with_an_unknown_token_type_mask_is_refused():

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from ds_omni.cli import main
-from ds_omni.parallel.stages import describe, partition, plan_stages, step_stage_times
+from ds_omni.parallel.stages import (describe, even_layer_parts, parameter_parts, partition,
+                                     plan_stages, step_stage_times)
 from tests.fixtures import ds_config, tiny_config_dict
 
 
@@ -57,6 +58,65 @@ def test_uniform_shares_encoder_work_and_beats_stage0_when_the_mix_swings():
     assert max(r["relative_time"] for r in rows) == 1.0
 
 
+def test_megatron_split_is_even_in_decoder_layers_whatever_stage_0_encodes():
+    assert even_layer_parts(4, 2) == [0, 3, 6]  # embedding + 2 | 2 + head
+    assert even_layer_parts(5, 2) == [0, 3, 7]  # the later stage takes the odd layer
+    assert even_layer_parts(7, 3) == [0, 3, 5, 9]  # 2 | 2 | 3
+    assert even_layer_parts(4, 4) == [0, 2, 3, 4, 6]
+    # 8 decoders, encoder work worth 4 of them: the cost split keeps 2 on stage 0, Megatron 4
+    plan = plan_stages(1.0, 8, 0.5, 4.0, 2, "stage0", split="layers")
+    assert plan.parts == [0, 5, 10] and plan.split == "layers"
+    assert plan.stage_time == pytest.approx([8.0, 4.5])  # against the cost split's [6.0, 6.5]
+    assert plan.encoder_time == [4.0, 0.0]
+
+
+def test_deepspeed_split_balances_trainable_parameters_with_the_encoders_on_stage_0():
+    params = [100] + [10] * 8 + [100]  # [embedding, 8 decoders, head]
+    plan = plan_stages(1.0, 8, 0.5, 4.0, 2, "stage0", split="parameters", layer_params=params,
+                       encoder_params=50)
+    assert plan.parts == [0, 3, 10]  # 100 + 50 + 2 x 10 = 170 | 6 x 10 + 100 = 160
+    assert plan.stage_time == pytest.approx([6.0, 6.5])
+    # a tower of 200: every decoder layer it can give up leaves stage 0 (300 | 180)
+    assert plan_stages(1.0, 8, 0.5, 4.0, 2, "stage0", split="parameters", layer_params=params,
+                       encoder_params=200).parts == [0, 1, 10]
+    # "uniform": every stage holds a replica, no pipeline layer: the tower counts nowhere
+    uniform = plan_stages(1.0, 8, 0.5, 4.0, 2, "uniform", split="parameters",
+                          layer_params=params, encoder_params=200)
+    assert uniform.parts == [0, 5, 10] and uniform.encoder_time == pytest.approx([2.0, 2.0])
+    # DeepSpeed minimises the spread, largest minus smallest stage, not the largest stage:
+    # 9 | 3 | 3 where the smallest largest stage is 1 | 8 | 6
+    assert parameter_parts([1, 8, 3, 3], 3) == [0, 2, 3, 4]
+    assert partition([1, 8, 3, 3], 3) == [0, 1, 2, 4]
+    with pytest.raises(ValueError, match="trainable parameter count of each of the 10"):
+        plan_stages(1.0, 8, 0.5, 4.0, 2, "stage0", split="parameters", layer_params=params[:-1])
+
+
+def test_parameter_split_is_deepspeeds_partition_balanced():
+    """The port gives DeepSpeed's own boundaries, ties included (small integer weights make many)."""
+    from deepspeed.runtime.utils import partition_balanced
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        weights = [int(w) for w in rng.integers(0, 6, size=int(rng.integers(3, 12)))]
+        stages = int(rng.integers(1, len(weights)))
+        want = [int(p) for p in partition_balanced(weights=weights, num_parts=stages)]
+        assert parameter_parts(weights, stages) == want, (weights, stages)
+
+
+def test_layer_parameter_counts_leave_frozen_parts_out(tmp_path):
+    from ds_omni.model.build import build_model
+    from ds_omni.parallel.pipeline import layer_param_counts
+    from tests.fixtures import tiny_config
+    cfg = tiny_config(str(tmp_path / "run"))
+    model = build_model(cfg.model).model
+    layers, encoders = layer_param_counts(model)
+    assert len(layers) == len(model.backbone.layers) + 2
+    assert sum(layers) + encoders == sum(p.numel() for p in model.parameters())
+    assert encoders == sum(p.numel() for p in model.encoders.parameters()) > 0
+    assert layers[0] == model.backbone.embed_tokens.weight.numel()
+    model.freeze(["vision", "projector"])
+    assert layer_param_counts(model) == (layers, 0)
+
+
 def _plan(tmp_path, capsys, parallel: dict, zero: int = 1, world: int = 2,
           tied: bool = False) -> tuple[int, str]:
     cfg = tiny_config_dict(str(tmp_path / "out"))
@@ -76,6 +136,8 @@ def _plan(tmp_path, capsys, parallel: dict, zero: int = 1, world: int = 2,
     ({"pp": 2, "dp": 2}, 1, 2, False, "needs parallel.dp x sp x pp = 2 x 1 x 2 = 4 processes but 2"),
     ({"pp": 2, "sp": 2}, 1, 4, False, "without Ulysses sequence parallelism"),
     ({"pp": 2}, 1, 2, True, "ties its LM head to its token embedding"),
+    ({"pp": 2, "stage_split": "megatron"}, 1, 2, False,
+     "parallel.stage_split must be one of ['cost', 'parameters', 'layers']"),
 ])
 def test_bad_pipeline_plans_fail_before_launch(tmp_path, capsys, parallel, zero, world, tied,
                                                match):
@@ -83,10 +145,15 @@ def test_bad_pipeline_plans_fail_before_launch(tmp_path, capsys, parallel, zero,
     assert code == 2 and match in out and "Traceback" not in out, out
 
 
-def test_plan_prints_stages_and_their_predicted_time(tmp_path, capsys):
+def test_plan_prints_stages_and_their_predicted_time(tmp_path, capsys, monkeypatch):
     """Planned for samples of parallel.stage_tokens (8) tokens, not max_seq_len (128): so short a
     sample weighs the LLM little against the encoders, and stage 0 (all the encoding, under
-    "stage0") is the slower stage; planned for 128 tokens, stage 1 (head) is."""
+    "stage0") is the slower stage; planned for 128 tokens, stage 1 (head) is. Planning imports
+    no DeepSpeed: its first import prints a warning to stdout, before the plan's JSON."""
+    import sys
+    for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it now fails
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
     code, out = _plan(tmp_path, capsys, {"pp": 2, "stage_tokens": 8})
     assert code in (0, None), out
     pipeline = json.loads(out)["pipeline"]
@@ -95,6 +162,9 @@ def test_plan_prints_stages_and_their_predicted_time(tmp_path, capsys):
     assert stages[0]["encoder_share"] == 1.0 and all(s["predicted_gflop"] > 0 for s in stages)
     assert "2 samples x 8 tokens" in pipeline["workload"]
     assert [s["relative_time"] for s in stages] == [1.0, pytest.approx(0.83, abs=0.05)]
+    # the split used, and the slowest stage under each split (tiny LLaVA's 2 layers: all alike)
+    assert pipeline["stage_split"] == "cost"
+    assert pipeline["slowest_stage_by_split"] == {"cost": 1.0, "parameters": 1.0, "layers": 1.0}
 
 
 def test_train_refuses_pipeline_with_zero2_before_any_process_group(tmp_path, capsys, monkeypatch):

@@ -16,14 +16,17 @@ Two deviations from a causal LLM are followed as HF computes them: sliding-windo
 attention layer passes its own window to the packed kernel) and bidirectional blocks built from
 `token_type_ids` (`BIDIRECTIONAL`: Gemma 3's image tokens see each other both ways, PaliGemma's
 whole prompt prefix does), which ride along each row as `MicroBatch.blocks`. Vision features that
-a family also adds into the LLM's first layers (deepstack: Qwen3-VL) travel as extra columns of
-the image rows (`ds_omni.model.omni.Deepstack`). Numbers its forwards apply outside the modules
-(Granite's multipliers, logit soft-capping, Chameleon's suppressed tokens) the backbone applies too
+a family also adds into the LLM's hidden states between layers (deepstack: Qwen3-VL after its first
+layers, Granite 4 Vision before the layers its config names; `ds_omni.model.deepstack`) travel as
+extra columns of the image rows (`ds_omni.model.omni.Deepstack`); tokens its forward replaces
+next to the image tokens (Ovis2's visual indicator tokens, `indicator_ids`) become part of the
+image's rows, in text order. Numbers its forwards apply outside the modules (Granite's
+multipliers, logit soft-capping, Chameleon's suppressed tokens) the backbone applies too
 (`ds_omni.model.outside`). Where a family deviates otherwise (another `token_type_ids` mask,
-features injected at other layers or added onto the placeholders, one block over all of a
-sample's images (Molmo 2), Gemma 4's per-layer inputs, layers that are not attention),
-`class_problem` / `config_problem` say so and the model is refused rather than trained with
-other numbers; a dedicated file in `families/` is then the fix.
+features added onto the placeholders and one block over all of a sample's images (Molmo 2),
+Gemma 4's per-layer inputs, layers that are not attention), `class_problem` / `config_problem` say
+so and the model is refused rather than trained with other numbers; a dedicated file in
+`families/` is then the fix.
 The dedicated files of LLaVA, LLaVA-NeXT and Qwen2-VL predate this one and stay (each says why):
 the generic path is exact for them too, but they batch the tower over a micro-batch's images,
 build their processor from the config when a folder has none, and Qwen2-VL's carries video.
@@ -43,6 +46,7 @@ from torch import nn
 
 from ds_omni.data.media import load_image
 from ds_omni.errors import ModelError
+from ds_omni.model import deepstack
 from ds_omni.model.family import EncodedItem, Family, ItemProcessor
 from ds_omni.model.omni import NORM_NAMES, ModalityEncoder, OmniModel, backbone_of, final_norm
 
@@ -101,13 +105,22 @@ def hf_class_of(model_type: str):
         return None
 
 
-def inner_class(hf_class):
-    """The `...Model` class inside `...ForConditionalGeneration` (it holds the hooks), or None."""
+def inner_class(hf_class, model_type: str | None = None):
+    """The `...Model` class inside `...ForConditionalGeneration` (it holds the hooks), or None: by
+    name, else the base model class transformers' AutoModel maps `model_type` to, where it lives
+    next to `hf_class` (MiniMax-M3's MiniMaxM3SparseForConditionalGeneration holds a
+    MiniMaxM3VLModel)."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
     module = inspect.getmodule(hf_class)
     for suffix in ("ForConditionalGeneration", "ForCausalLM"):
         if hf_class.__name__.endswith(suffix):
-            return getattr(module, hf_class.__name__[:-len(suffix)] + "Model", None)
-    return None
+            found = getattr(module, hf_class.__name__[:-len(suffix)] + "Model", None)
+            if found is not None:
+                return found
+    base = MODEL_MAPPING_NAMES.get(model_type) if model_type else None
+    if not isinstance(base, str) or base == hf_class.__name__:  # Llama 4: the class itself
+        return None
+    return getattr(module, base, None)
 
 
 def hf_folder(hf_class) -> str:
@@ -120,7 +133,7 @@ def class_problem(model_type: str) -> str | None:
     hf_class = hf_class_of(model_type)
     if hf_class is None:
         return "not in transformers' image-text-to-text mapping (or its class does not import)"
-    inner = inner_class(hf_class)
+    inner = inner_class(hf_class, model_type)
     if inner is None:
         return (f"{hf_class.__name__} has no inner ...Model holding the vision tower and the "
                 "language model")
@@ -165,10 +178,6 @@ def merge_problem(inner) -> str | None:
 def config_problem(config) -> str | None:
     """Why a model with this HF config would not be exact through the generic path, or None."""
     text = config.get_text_config()
-    if hasattr(config, "deepstack_layer_map"):
-        return ("its vision features are summed into the LLM's hidden states at the layers its "
-                "deepstack_layer_map names (Granite 4 Vision); ds_omni carries deepstack levels "
-                "added after layers 0..k-1 only (Qwen3-VL's)")
     problem = per_layer_problem(text) or cross_layer_problem(text)
     if problem is not None:
         return problem
@@ -249,14 +258,23 @@ class GenericVisionEncoder(ModalityEncoder):
         super().__init__(**kw)
         object.__setattr__(self, "_features", features_fn)  # HF's bound method (not a submodule)
         object.__setattr__(self, "_family", family)  # holds the dummy image's inputs
+        self.layout = deepstack.Layout()  # its deepstack levels (`GenericFamily.to_omni`)
 
     def encode(self, inputs):
         per_item: dict[int, dict[str, torch.Tensor]] = {}
         for key, value in inputs.items():
             index, name = key.split(".", 1)
             per_item.setdefault(int(index), {})[name] = value
-        return torch.cat([flat_features(self._features(**per_item[i]))
+        return torch.cat([self._item_rows(per_item[i])
                           for i in sorted(per_item)])  # n x [N_i, D] -> [N, D]
+
+    def _item_rows(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One item's rows [N_i, D]: its image tokens', and its indicator tokens' in text order."""
+        slots = inputs.pop(INDICATOR_SLOTS, None)
+        out = self._features(**inputs)
+        rows = flat_features(out, self.layout)
+        return rows if slots is None else with_indicators(rows, out.visual_indicator_features,
+                                                          slots)
 
     def dummy_inputs(self, device, dtype):
         """A small blank image as HF's processor makes it (`GenericFamily.item_processors`)."""
@@ -267,31 +285,36 @@ class GenericVisionEncoder(ModalityEncoder):
         return {f"0.{k}": v.to(device) for k, v in dummy.items()}
 
 
-def flat_features(out) -> torch.Tensor:
-    """What `get_image_features` returns (an output with `pooler_output`, else its
-    `last_hidden_state` (Fuyu's), a tensor, or a tuple of per-image tensors) -> [N, D], as HF's
-    forward flattens it before `masked_scatter`; with k deepstack levels (`deepstack_features`,
-    Qwen3-VL) -> [N, (1 + k) D], the levels side by side after the main rows
-    (`ds_omni.model.omni.Deepstack`)."""
-    main = getattr(out, "pooler_output", None)
-    if main is None:  # a tensor, or an output whose features are its last_hidden_state (Fuyu)
-        main = getattr(out, "last_hidden_state", out)
-    main = _flat(main)
-    levels = getattr(out, "deepstack_features", None) or []
-    return torch.cat([main, *map(_flat, levels)], dim=-1) if levels else main
+INDICATOR_SLOTS = "indicator_slots"
+"""A per-item input of ds_omni's own (HF's model never sees it), for a model with visual indicator
+tokens: for each token the item's rows replace, in text order, -1 for an image token, else the
+index of the indicator it is (`indicator_ids`)."""
 
 
-def _flat(feats) -> torch.Tensor:
-    """A tensor or a tuple of per-image tensors -> [N, D]."""
-    if isinstance(feats, (list, tuple)):
-        return torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
-    return feats.reshape(-1, feats.shape[-1])
+def indicator_ids(config) -> tuple[int, ...]:
+    """The visual indicator tokens that the model's forward replaces by embeddings of its visual
+    table wherever it has images (Ovis2's `visual_indicator_token_ids`: image start, grid, column,
+    row and end marks), or () for a model without them."""
+    return tuple(int(i) for i in getattr(config, "visual_indicator_token_ids", None) or ())
 
 
-def deepstack_levels(config) -> int:
-    """How many deepstack levels the vision tower of this HF config yields (0: none)."""
-    vision = getattr(config, "vision_config", None)
-    return len(getattr(vision, "deepstack_visual_indexes", None) or ())
+def with_indicators(rows: torch.Tensor, table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """An item's image rows [n, D] and its model's indicator embeddings [m, D] -> its rows [L, D]
+    in text order, by `slots` [L] (`INDICATOR_SLOTS`), as Ovis2's forward fills those tokens."""
+    image = slots < 0
+    if int(image.sum()) != rows.shape[0]:
+        raise ModelError(f"the image yields {rows.shape[0]} embeddings but its tokens hold "
+                         f"{int(image.sum())} image tokens between its indicator tokens; its "
+                         "processor and model disagree on the image's size")
+    index = torch.where(image, image.long().cumsum(0) - 1, rows.shape[0] + slots)  # [L]
+    return torch.cat([rows, table.to(rows.dtype)]).index_select(0, index)
+
+
+def flat_features(out, layout: deepstack.Layout = deepstack.Layout()) -> torch.Tensor:
+    """What `get_image_features` returns -> [N, D], as HF's forward flattens it before
+    `masked_scatter`; with deepstack levels (`layout`) -> [N, (1 + k) D], the levels side by side
+    after the main rows (`ds_omni.model.deepstack`)."""
+    return deepstack.feature_rows(out, layout)
 
 
 def split_modules(inner: nn.Module) -> tuple[nn.ModuleDict, nn.Module]:
@@ -331,10 +354,11 @@ class GenericItemProcessor(ItemProcessor):
     """Image -> the pixel inputs and the token ids HF's processor makes for that image alone."""
 
     def __init__(self, hf_processor, marker: str, placeholder_id: int, bos_id: int | None,
-                 appended: list[int] = ()):
+                 indicators: tuple[int, ...] = (), appended: list[int] = ()):
         self.hf_processor = hf_processor
         self.marker = marker  # the text HF's processor expands into the image's tokens
         self.placeholder_id = placeholder_id
+        self.more_placeholder_ids = indicators  # `indicator_ids`: replaced by the encoder's rows
         self.bos_id = bos_id
         self.appended = list(appended)  # what the processor appends to the text (Fuyu's <0x04>)
 
@@ -348,6 +372,10 @@ class GenericItemProcessor(ItemProcessor):
         inputs = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)
                   and k not in ("input_ids", "attention_mask", *EXTRA_TOKEN_INPUTS)}
         n = ids.count(self.placeholder_id)
+        if self.more_placeholder_ids:
+            slots = [-1 if t == self.placeholder_id else self.more_placeholder_ids.index(t)
+                     for t in ids if t == self.placeholder_id or t in self.more_placeholder_ids]
+            inputs[INDICATOR_SLOTS], n = torch.tensor(slots), len(slots)
         meta = {"tokens": ids, **{k: v.tolist() for k, v in inputs.items()
                                   if k in ("image_grid_thw", "image_sizes")}}
         return EncodedItem(inputs=inputs, num_embeddings=n, meta=meta)
@@ -492,12 +520,27 @@ def _import_with_pil_stand_in(module: str):
             sys.modules[fast] = before
 
 
+PROCESSOR_OF = {
+    # modeling_cosmos3_omni.py: "Model arch is identical to Qwen3-VL", and its forward's example
+    # loads the processor of Qwen/Qwen3-VL-8B-Instruct (Qwen3VLProcessor)
+    "cosmos3_omni": "qwen3_vl",
+    # modeling_glm_ocr.py: its forward's example loads the processor of
+    # zai-org/GLM-4.1V-9B-Thinking (Glm4vProcessor); its model classes are GLM-4V's
+    "glm_ocr": "glm4v",
+}
+"""Model types that transformers 5.24 maps no processor to, whose own model file names the
+checkpoint whose processor they take: the model type of that processor."""
+
+
 def processor_type(model_type: str) -> str:
-    """The model type HF's processor mappings know `model_type` by: itself, else the folder of
-    its model class (an alias such as "glmga" shares "glm46v"'s processor)."""
+    """The model type HF's processor mappings know `model_type` by: itself, else the one its own
+    model file names (`PROCESSOR_OF`), else the folder of its model class (an alias such as
+    "glmga" shares "glm46v"'s processor)."""
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
     if model_type in PROCESSOR_MAPPING_NAMES:
         return model_type
+    if model_type in PROCESSOR_OF:
+        return PROCESSOR_OF[model_type]
     hf_class = hf_class_of(model_type)
     return inspect.getmodule(hf_class).__name__.split(".")[-2] if hf_class else model_type
 
@@ -584,7 +627,7 @@ class GenericFamily(Family):
         self.model_types = (model_type,)
         self._hf = hf_class_of(model_type)
         self.hf_class = self._hf.__name__
-        self._inner = inner_class(self._hf)
+        self._inner = inner_class(self._hf, model_type)
         self.bidirectional = BIDIRECTIONAL.get(hf_folder(self._hf))
         self._offset = POSITION_OFFSET.get(hf_folder(self._hf), 0)
         self._image_id: int | None = None  # set with the config (`_set_rope`)
@@ -615,8 +658,10 @@ class GenericFamily(Family):
         tower, projector = split_modules(inner)
         encoder = GenericVisionEncoder(
             tower=tower, projector=projector, placeholder_id=image_token_id(hf_model.config),
+            more_placeholder_ids=indicator_ids(hf_model.config),
             features_fn=inner.get_image_features, family=self)
-        encoder.deepstack = deepstack_levels(hf_model.config)  # Qwen3-VL: levels after the rows
+        encoder.layout = deepstack.layout(hf_model.config)  # Qwen3-VL, Granite 4 Vision
+        encoder.deepstack_layers = encoder.layout.layers
         gather_with(encoder, projector.params.values())
         self._set_rope(hf_model.config)
         if len(llm.layers):
@@ -636,7 +681,7 @@ class GenericFamily(Family):
         appended = appended_text(hf_config)
         proc = GenericItemProcessor(
             hf_proc, processor_marker(hf_proc, hf_config), image_token_id(hf_config),
-            tokenizer.bos_token_id,
+            tokenizer.bos_token_id, indicator_ids(hf_config),
             tokenizer(appended, add_special_tokens=False)["input_ids"] if appended else ())
         from PIL import Image
         self.dummy = proc.process(Image.new("RGB", (32, 32))).inputs

@@ -201,15 +201,17 @@ QWEN3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2
               "mrope_interleaved": True}
 
 
-def qwen3_vl_recipe(model_type: str, vision: dict = DEEPSTACK_VISION, **text_extra):
+def qwen3_vl_recipe(model_type: str, vision: dict = DEEPSTACK_VISION, text_type: str = "",
+                    **text_extra):
     """Qwen3-VL (and its MoE LLM variant): a Qwen2-VL-like patch ViT with learned position
     embeddings and deepstack mergers, an interleaved M-RoPE Qwen3 LLM (`text_extra` on top of
-    two layers). Qwen3.5 reuses it with its own tower and LLM layers."""
+    two layers; its config type `text_type`, default "<model_type>_text"). Qwen3.5 reuses it
+    with its own tower and LLM layers, Cosmos3-Omni as it is."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     names = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
     tok = demo_tokenizer(names, {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
     ids = dict(zip(names, token_ids(tok, *names)))
-    text = tiny_text(tok, f"{model_type}_text", **{"num_hidden_layers": 2,
+    text = tiny_text(tok, text_type or f"{model_type}_text", **{"num_hidden_layers": 2,
                                                "rope_parameters": QWEN3_ROPE, **text_extra})
     config = config_for(model_type, vision_config=vision, text_config=text,
                         vision_start_token_id=ids["<|vision_start|>"],
@@ -473,10 +475,52 @@ def _got_ocr2():
                                      tokenizer=tok)
 
 
+def _deepseek_ocr2():
+    """DeepSeek-OCR 2: a SAM tower (then two stride-2 convolutions) whose patches a Qwen2-like
+    encoder reads with learned queries, fixed at 256 for the global view and 144 per tile
+    (query_1024_resolution, query_768_resolution), so the grids must be 16x16 and 12x12 after the
+    convolutions: one-pixel patches make those a 64-pixel view and 48-pixel tiles (the sweep's
+    wide image is cut into 6), not 1024 and 768; a MoE LLM."""
+    from transformers.models.deepseek_ocr2.image_processing_pil_deepseek_ocr2 import (
+        DeepseekOcr2ImageProcessorPil)
+    tok = demo_tokenizer(["<image>"], {"image_token": "<image>"})
+    sam = {"hidden_size": 32, "output_channels": 16, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "image_size": 64, "patch_size": 1, "window_size": 8,
+           "global_attn_indexes": [], "mlp_dim": 64, "downsample_channels": [16, 32]}
+    encoder = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
+    text = {k: v for k, v in tiny_text(tok, "deepseek_ocr2_text").items() if k != "head_dim"}
+    text.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                n_shared_experts=1, mlp_layer_types=["sparse"])
+    config = config_for("deepseek_ocr2", text_config=text,
+                        vision_config={"sam_config": sam, "encoder_config": encoder},
+                        image_token_id=token_ids(tok, "<image>")[0])
+    images = DeepseekOcr2ImageProcessorPil(size={"height": 64, "width": 64}, tile_size=48)
+    return config, lenient_processor(processor_class_for("deepseek_ocr2"), image_processor=images,
+                                     tokenizer=tok, patch_size=1, downsample_ratio=4)
+
+
+def _ovis2():
+    """Ovis2: a ViT whose patches become soft tokens of a visual vocabulary, embedded by its
+    visual table; the indicator tokens around and between an image's tiles (start, grid, column,
+    row, end) are replaced by the table's last rows (`generic.indicator_ids`). Wide images are cut
+    into tiles (the sweep's 84 x 56 one into 2 or more)."""
+    from transformers.models.ovis2.image_processing_pil_ovis2 import Ovis2ImageProcessorPil
+    marks = ["<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", "<IMG_END>"]
+    tok = demo_tokenizer(["<image>", "<IMG_ATOM>", *marks], {"image_token": "<image>"})
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "image_size": 32, "patch_size": 8, "vocab_size": 64}
+    config = config_for("ovis2", vision_config=vision, text_config=tiny_text(tok),
+                        image_token_id=token_ids(tok, "<IMG_ATOM>")[0],
+                        visual_indicator_token_ids=token_ids(tok, *marks), vocab_size=len(tok),
+                        hidden_size=32)
+    images = Ovis2ImageProcessorPil(size={"height": 32, "width": 32}, crop_to_patches=True,
+                                    max_patches=4)
+    return config, lenient_processor(processor_class_for("ovis2"), image_processor=images,
+                                     tokenizer=tok, image_seq_length=16)
+
+
 NOT_EXACT.update({
-    "ovis2": "besides image tokens, its visual indicator tokens (<IMG_START>, <IMG_GRID>, ...) "
-             "are replaced by embeddings of the visual table; the generic adapter replaces image "
-             "tokens only",
     "blip": "BlipForConditionalGeneration has no inner ...Model: its text decoder is a BERT-style "
             "decoder with cross-attention to the image, not a decoder-only LLM fed embeddings",
     "blip-2": "Blip2ForConditionalGeneration has no inner ...Model: its LLM is a whole "
@@ -497,12 +541,6 @@ NOT_EXACT.update({
                       "image's tokens itself), so nothing says how one image becomes tokens",
 })
 
-NO_RECIPE.update({
-    "deepseek_ocr2": "not verified: its vision encoder's learned queries are fixed at 256 for the "
-                     "1024-pixel global view and 144 per 768-pixel tile (query_1024_resolution, "
-                     "query_768_resolution), so the smallest check runs its SAM tower over "
-                     "1024-pixel images, too slow for the sweep (the generic adapter loads it)",
-})
 
 
 RECIPES.update({
@@ -541,4 +579,37 @@ RECIPES.update({
     "hunyuan_vl": _hunyuan_vl,
     "cosmos3_edge": _cosmos3_edge,
     "got_ocr2": _got_ocr2,
+})
+
+
+# ---- types transformers maps no processor to, whose model file names one (`PROCESSOR_OF`)
+RECIPES.update({
+    "cosmos3_omni": lambda: qwen3_vl_recipe("cosmos3_omni", text_type="qwen3_vl_text"),
+    "glm_ocr": lambda: _glm4v("glm_ocr", "glm_ocr_text"),
+})
+RECIPES["deepseek_ocr2"] = _deepseek_ocr2
+RECIPES["ovis2"] = _ovis2
+NOT_EXACT["shieldgemma2"] = (  # (replaces the entry above, one reason more)
+    "transformers cannot load a ShieldGemma 2 checkpoint into the class its image-text-to-text "
+    "mapping names (Gemma3ForConditionalGeneration): the saved keys keep a `model.` prefix (its "
+    "key mapping is for ShieldGemma2ForImageClassification) and every weight loads as missing; "
+    "and its processor cannot cut one image: ShieldGemma2Processor ignores the text it is given "
+    "and writes its own chat-template prompt per safety policy around each image (one image a "
+    "sample). Its model is Gemma 3's, which is exact")
+NOT_EXACT.update({
+    "kosmos-2": "transformers maps no processor to it (its own Kosmos2Processor is not in the auto "
+                "mapping) and its text model is not a generic backbone: its forward scales the "
+                "embeddings, adds sinusoidal position embeddings offset by the padding "
+                "(Kosmos2TextSinusoidalPositionalEmbedding) and places the image embeddings at "
+                "image_embeds_position_mask itself, and it has no rotary_emb; a dedicated adapter "
+                "is needed",
+    "kosmos-2.5": "transformers maps no processor to it (its own Kosmos2_5Processor is not in the "
+                  "auto mapping) and its text model is not a generic backbone: its forward adds "
+                  "sinusoidal position and segment embeddings and places the image embeddings "
+                  "at image_embeds_position_mask itself, and it has no rotary_emb; a dedicated "
+                  "adapter is needed",
+    "fast_vlm": "not verified: its vision tower is timm's FastViTHD (vision_config timm_wrapper) "
+                "and timm, which needs torchvision, does not install next to a CPU torch; "
+                "transformers maps no processor to it, and neither its model file nor its docs "
+                "name one (they load the checkpoint's through AutoProcessor)",
 })

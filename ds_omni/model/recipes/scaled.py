@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Callable
 
 from ds_omni.model.recipes.classic import DEEPSTACK_VISION
-from ds_omni.model.recipes.common import (RECIPES, config_for, demo_tokenizer, lenient_processor,
-                                          processor_class_for, tiny_text, token_ids)
+from ds_omni.model.recipes.common import (CLIP, RECIPES, config_for, demo_tokenizer,
+                                          lenient_processor, processor_class_for, tiny_text,
+                                          token_ids)
 
 
 # ---------------------------------- recipes: multipliers and soft-capping outside the modules
@@ -33,10 +34,40 @@ def _granite_docling():
                                      image_processor=images, tokenizer=tok, image_seq_len=4)
 
 
+def _granite4_vision():
+    """Granite 4 Vision: LLaVA-NeXT tiles through a CLIP tower, Window Q-Former projectors whose
+    features its Granite LLM adds before the layers its config names, no image embedding itself
+    (`ds_omni.model.deepstack`). Its map aims pairs at layers 0 and 1, then spatial ones at 1
+    (which replaces the pair for layer 1, as HF's dict does) and at 2, 5 and 6 (layers the
+    two-layer LLM lacks: HF never adds them, not even before the final norm)."""
+    from transformers.models.llava_next.image_processing_pil_llava_next import (
+        LlavaNextImageProcessorPil)
+    tok = demo_tokenizer(["<image>"], {"image_token": "<image>"})
+    pinpoints = [[32, 64], [64, 32], [64, 64]]
+    vision = {**CLIP, "hidden_size": 64}  # the Q-Former has hidden_size // 64 heads
+    text = tiny_text(tok, "granite4_vision_text", num_hidden_layers=2, embedding_multiplier=12.0,
+                     logits_scaling=4.0, residual_multiplier=0.263, attention_multiplier=0.125)
+    config = config_for("granite4_vision", vision_config=vision, text_config=text,
+                        image_token_index=token_ids(tok, "<image>")[0],
+                        image_grid_pinpoints=pinpoints, downsample_rate="1/2",
+                        deepstack_layer_map=[[-2, 0], [-1, 1]],
+                        spatial_target_layers=[1, 2, 5, 6], projector_dropout=0.0,
+                        qformer_config={"num_hidden_layers": 1, "intermediate_size": 64,
+                                        "max_position_embeddings": 64})
+    images = LlavaNextImageProcessorPil(size={"shortest_edge": 32},
+                                        crop_size={"height": 32, "width": 32},
+                                        image_grid_pinpoints=pinpoints)
+    return config, lenient_processor(processor_class_for("granite4_vision"),
+                                     image_processor=images, tokenizer=tok, patch_size=8,
+                                     vision_feature_select_strategy="default",
+                                     num_additional_image_tokens=1, downsample_rate="1/2")
+
+
 SCALED_RECIPES: dict[str, Callable] = {
     "granite_docling": _granite_docling,
 }
 RECIPES.update(SCALED_RECIPES)
+RECIPES["granite4_vision"] = _granite4_vision
 
 
 

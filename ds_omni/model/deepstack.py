@@ -1,0 +1,75 @@
+"""Deepstack layer maps: before which LLM decoder layer each level of an HF model's vision features
+is added (`ds_omni.model.omni.Deepstack`), read from its config, and its image-feature output
+flattened into rows [N, (1 + k) D] (the main embedding, then the k levels side by side).
+
+transformers 5.24 has two layouts:
+- Qwen3-VL and its kin: `get_image_features` returns the main rows (`pooler_output`) and k levels
+  (`deepstack_features`, one per `vision_config.deepstack_visual_indexes`); HF adds level i after
+  decoder layer i (`_deepstack_process`), that is before layer i + 1: the map 1..k.
+- Granite 4 Vision: no main rows (its forward zeroes the image tokens' embeddings, so they are
+  zeros here); `deepstack_features` are (LLM layer, features) pairs, one per `deepstack_layer_map`
+  entry then one per `spatial_target_layers` entry, which its text model adds before that layer.
+  It keeps them in a dict keyed by the layer (of two pairs for one layer, the later wins) and
+  looks only at the layers it has, so `granite_levels` keeps the same pairs and drops the others.
+
+Dims: N embeddings of the images of one call, D LLM width, k levels.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Layout(NamedTuple):
+    """Where an HF model's deepstack levels go and how its feature output holds them."""
+
+    layers: tuple[int, ...] = ()
+    """[k] the decoder layer each level is added before (`ModalityEncoder.deepstack_layers`)."""
+    pairs: tuple[int, ...] | None = None
+    """Granite 4 Vision: the index, in the output's (layer, features) pairs, of each kept level;
+    None: Qwen3-VL's main rows and plain list of levels (or no levels at all)."""
+
+
+def layout(config) -> Layout:
+    """The deepstack layout of an HF model with this config (no levels for most models)."""
+    if getattr(config, "deepstack_layer_map", None) is not None:
+        targets = [int(layer) for _, layer in config.deepstack_layer_map]
+        targets += [int(layer) for layer in getattr(config, "spatial_target_layers", None) or ()]
+        pairs, layers = granite_levels(targets, config.get_text_config().num_hidden_layers)
+        return Layout(layers, pairs)
+    vision = getattr(config, "vision_config", None)
+    k = len(getattr(vision, "deepstack_visual_indexes", None) or ())
+    return Layout(tuple(range(1, k + 1)))  # after layers 0..k-1
+
+
+def granite_levels(targets: list[int], num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(kept pair indices, their layers) of Granite 4 Vision's pairs aimed at `targets`: the last
+    pair for each layer its text model has (0 <= layer < num_layers), in pair order."""
+    last = {layer: i for i, layer in enumerate(targets) if 0 <= layer < num_layers}
+    pairs = tuple(sorted(last.values()))
+    return pairs, tuple(targets[i] for i in pairs)
+
+
+def feature_rows(out, layout: Layout) -> torch.Tensor:
+    """What `get_image_features` returns (an output with `pooler_output`, else its
+    `last_hidden_state` (Fuyu's), a tensor, or a tuple of per-image tensors; with deepstack
+    levels, module docstring) -> [N, (1 + k) D]."""
+    levels = getattr(out, "deepstack_features", None) or []
+    if layout.pairs is not None:
+        first = flat(levels[0][1])  # [N, D]: every pair covers the same image tokens
+        main, levels = torch.zeros_like(first), [levels[i][1] for i in layout.pairs]
+    else:
+        main = getattr(out, "pooler_output", None)
+        if main is None:  # a tensor, or an output whose features are its last_hidden_state
+            main = getattr(out, "last_hidden_state", out)
+        main = flat(main)
+    return torch.cat([main, *map(flat, levels)], dim=-1) if levels else main
+
+
+def flat(feats) -> torch.Tensor:
+    """A tensor or a tuple of per-image tensors -> [N, D]."""
+    if isinstance(feats, (list, tuple)):
+        return torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
+    return feats.reshape(-1, feats.shape[-1])
