@@ -303,7 +303,7 @@ class GenericItemProcessor(ItemProcessor):
                   and k not in ("input_ids", "attention_mask", *EXTRA_TOKEN_INPUTS)}
         n = ids.count(self.placeholder_id)
         meta = {"tokens": ids, **{k: v.tolist() for k, v in inputs.items()
-                                  if k in ("image_grid_thw", "image_sizes")}}
+                                  if k in ("image_grid_thw", "image_sizes", *GRID_KEYS)}}
         return EncodedItem(inputs=inputs, num_embeddings=n, meta=meta)
 
     def tokens(self, item):
@@ -379,7 +379,36 @@ def load_hf_processor(model_type: str, model_dir: Path | None, tokenizer):
                                           lambda self, name, arg: type(arg)})
     parts = {a: None for a in cls.get_attributes()}
     parts.update(image_processor=image_processor, tokenizer=tokenizer)
+    if "video_processor" in parts and _reads_video_processor(cls):
+        parts["video_processor"] = _video_processor(model_type, cls, saved, model_dir)
     return lenient(**parts, **kwargs)
+
+
+def _reads_video_processor(cls) -> bool:
+    """Whether HF's processor class reads its video processor's settings when it is built
+    (MiniCPM-V 4.6's takes its slice mode), so that images too need one."""
+    return any("self.video_processor." in inspect.getsource(c.__init__)
+               for c in cls.__mro__ if "__init__" in vars(c) and c.__module__.startswith(
+                   "transformers.models."))
+
+
+def _video_processor(model_type: str, processor_cls, saved: dict, model_dir: Path):
+    """HF's video processor of `model_type`: the saved one, else its class defaults (the settings
+    a processor reads at build time are video ones; images do not depend on them)."""
+    from transformers.models.auto.video_processing_auto import (VIDEO_PROCESSOR_MAPPING_NAMES,
+                                                                video_processor_class_from_name)
+    from transformers.utils import is_torchvision_available
+    names = VIDEO_PROCESSOR_MAPPING_NAMES.get(processor_type(model_type)) or {}
+    name = names.get("torchvision") if isinstance(names, dict) else names
+    if not is_torchvision_available() or name is None:
+        raise ModelError(f"HF's {processor_cls.__name__} reads its video processor's settings when "
+                         f"it is built, and transformers has {model_type!r}'s video processor only "
+                         "as a torchvision class: install torchvision (the release matching your "
+                         "torch) to train it, even on images only")
+    video_cls = video_processor_class_from_name(name)
+    if "video_processor" in saved or (Path(model_dir) / "video_preprocessor_config.json").is_file():
+        return video_cls.from_pretrained(str(model_dir))
+    return video_cls()
 
 
 def processor_class(model_type: str):
@@ -474,6 +503,11 @@ def rope_axes(config) -> int:
     return len(rope.get("mrope_section") or (0, 0, 0))
 
 
+GRID_KEYS = ("image_grid_thw", "target_sizes")
+"""The processor outputs `get_rope_index` lays images out by: Qwen-VL's patch grid (t, h, w) per
+image, MiniCPM-V 4.7's (h, w) per crop (a thumbnail and its slices)."""
+
+
 def rope_positions(model, input_ids: torch.Tensor, items, image_token_id: int,
                    video_token_id: int | None) -> torch.Tensor:
     """[R, L] positions of one sample from HF's own `get_rope_index` (R rope axes); text only:
@@ -482,10 +516,10 @@ def rope_positions(model, input_ids: torch.Tensor, items, image_token_id: int,
     `mm_token_type_ids` (1 on image tokens, 2 on video tokens) is what HF's processors make for
     the families whose `get_rope_index` takes it; the others find images by their tokens.
     """
-    grids = [item.meta["image_grid_thw"][0] for enc, item in items if "image_grid_thw" in item.meta]
-    if not grids:
+    key = next((k for k in GRID_KEYS if any(k in item.meta for _, item in items)), None)
+    if key is None:
         return torch.arange(input_ids.shape[0]).expand(rope_axes(model.config), -1).contiguous()
-    kwargs = {"image_grid_thw": torch.tensor(grids)}
+    kwargs = {key: torch.tensor([g for _, item in items for g in item.meta.get(key, [])])}
     params = inspect.signature(model.get_rope_index).parameters
     if "attention_mask" in params:  # all ones: one sample; Qwen3-Omni's fails without it
         kwargs["attention_mask"] = torch.ones_like(input_ids)[None]
