@@ -214,9 +214,10 @@ class GenericVisionEncoder(ModalityEncoder):
 
     def encode(self, inputs):
         per_item: dict[int, dict[str, torch.Tensor]] = {}
+        lists = self._family.list_inputs
         for key, value in inputs.items():
             index, name = key.split(".", 1)
-            per_item.setdefault(int(index), {})[name] = value
+            per_item.setdefault(int(index), {})[name] = value.tolist() if name in lists else value
         return torch.cat([flat_features(self._features(**per_item[i]))
                           for i in sorted(per_item)])  # n x [N_i, D] -> [N, D]
 
@@ -288,11 +289,13 @@ class _Projector(nn.Module):
 class GenericItemProcessor(ItemProcessor):
     """Image -> the pixel inputs and the token ids HF's processor makes for that image alone."""
 
-    def __init__(self, hf_processor, marker: str, placeholder_id: int, bos_id: int | None):
+    def __init__(self, hf_processor, marker: str, placeholder_id: int, bos_id: int | None,
+                 list_inputs: tuple[str, ...] = ()):
         self.hf_processor = hf_processor
         self.marker = marker  # the text HF's processor expands into the image's tokens
         self.placeholder_id = placeholder_id
         self.bos_id = bos_id
+        self.list_inputs = list_inputs  # `list_inputs`: carried as tensors
 
     def process(self, image):
         out = self.hf_processor(text=[self.marker], images=[load_image(image)], return_tensors="pt")
@@ -301,6 +304,7 @@ class GenericItemProcessor(ItemProcessor):
             ids = ids[1:]  # the tokenizer's own start token, not part of the image
         inputs = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)
                   and k not in ("input_ids", "attention_mask", *EXTRA_TOKEN_INPUTS)}
+        inputs.update({k: torch.tensor(out[k]) for k in self.list_inputs if k in out})
         n = ids.count(self.placeholder_id)
         meta = {"tokens": ids, **{k: v.tolist() for k, v in inputs.items()
                                   if k in ("image_grid_thw", "image_sizes", *GRID_KEYS)}}
@@ -311,6 +315,16 @@ class GenericItemProcessor(ItemProcessor):
 
     def collate(self, items):
         return {f"{i}.{k}": v for i, it in enumerate(items) for k, v in it.inputs.items()}
+
+
+def list_inputs(hf_processor, inner_cls) -> tuple[str, ...]:
+    """The inputs of `get_image_features` that HF's processor hands over as Python lists (its
+    `skip_tensor_conversion`: Unlimited-OCR's tile counts and grids). An item carries them as
+    tensors, as its other inputs; `GenericVisionEncoder` gives them back as lists."""
+    skipped = {k for p in (hf_processor, getattr(hf_processor, "image_processor", None))
+               for k in getattr(p, "skip_tensor_conversion", None) or ()}
+    wanted = inspect.signature(inner_cls.get_image_features).parameters if inner_cls else {}
+    return tuple(k for k in wanted if k in skipped)
 
 
 _WRAPPER_IDS = (("vision_start_token_id", "vision_end_token_id"),
@@ -547,6 +561,7 @@ class GenericFamily(Family):
         self._image_id: int | None = None  # set with the config (`_set_rope`)
         self._rope: nn.Module | None = None  # a weightless instance for HF's positions
         self.dummy: dict[str, torch.Tensor] | None = None
+        self.list_inputs: tuple[str, ...] = ()  # set with the item processors
         self._moe_types: dict[int, list[int]] | None = None  # `layer_inputs` (set with the config)
 
     def hf_model_class(self):
@@ -590,8 +605,10 @@ class GenericFamily(Family):
 
     def item_processors(self, hf_config, model_dir=None, tokenizer=None):
         hf_proc = load_hf_processor(self.name, model_dir, tokenizer)
+        self.list_inputs = list_inputs(hf_proc, self._inner)
         proc = GenericItemProcessor(hf_proc, processor_marker(hf_proc, hf_config),
-                                    image_token_id(hf_config), tokenizer.bos_token_id)
+                                    image_token_id(hf_config), tokenizer.bos_token_id,
+                                    self.list_inputs)
         from PIL import Image
         self.dummy = proc.process(Image.new("RGB", (32, 32))).inputs
         self._set_rope(hf_config)

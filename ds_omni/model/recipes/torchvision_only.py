@@ -71,3 +71,62 @@ def _minicpm_v(model_type: str):
 
 
 RECIPES.update({t: lambda t=t: _minicpm_v(t) for t in ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr")})
+
+
+def _unlimited_ocr():
+    """Unlimited-OCR (DeepSeek-OCR's design): a SAM tower whose 16x-downsampled features feed a
+    CLIP encoder, both concatenated and projected; a global view plus tiles, a newline embedding
+    after every row and a separator after the views; a DeepSeek-V2-style LLM with MoE layers on
+    reference sliding-window attention."""
+    from transformers import UnlimitedOcrImageProcessor
+    tok = demo_tokenizer(["<image>"], {"image_token": "<image>"})
+    sam = {"hidden_size": 32, "output_channels": 16, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "image_size": 64, "patch_size": 4, "window_size": 4,
+           "global_attn_indexes": [1], "mlp_dim": 64, "downsample_channels": [16, 32]}
+    clip = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "image_size": 16, "patch_size": 4}
+    text = tiny_text(tok, "unlimited_ocr_text", num_hidden_layers=2, num_key_value_heads=4,
+                     sliding_window=4, n_routed_experts=4, num_experts_per_tok=2,
+                     n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1)
+    config = config_for("unlimited_ocr", vision_config={"sam_config": sam, "encoder_config": clip},
+                        text_config=text, image_token_id=token_ids(tok, "<image>")[0])
+    images = UnlimitedOcrImageProcessor(size={"height": 64, "width": 64}, tile_size=32,
+                                        min_patches=2, max_patches=4)
+    return config, lenient_processor(processor_class_for("unlimited_ocr"), image_processor=images,
+                                     tokenizer=tok, patch_size=4, downsample_ratio=4)
+
+
+RECIPES["unlimited_ocr"] = _unlimited_ocr
+
+
+def _muse(model_type: str):
+    """Muse Glimmer / Spark: a windowed patch ViT (axial rope) with pixel-shuffle merging, an MLP
+    adapter and a weightless norm; an LLM of gated, QK-normed attention, sliding-window layers and
+    NoPE full-attention ones (`layer_types.mark_nope`), its logits scaled and soft-capped. Spark's
+    LLM adds MoE layers and gated residuals, and an audio tower (unused here)."""
+    from transformers import MuseGlimmerImageProcessor
+    named = {"image_token": "<|patch|>", "video_token": "<|video|>", "audio_token": "<|audio|>"}
+    tok = demo_tokenizer(["<|image_start|>", "<|image_end|>", *named.values()], named)
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "patch_size": 4, "pos_emb_height": 4, "pos_emb_width": 4,
+              "max_position_embeddings": 16, "merge_size": 2}
+    ids = token_ids(tok, "<|patch|>", "<|video|>", "<|audio|>")
+    extra = {}
+    if model_type == "muse_spark":
+        extra = {"audio_token_id": ids[2], "audio_config": {
+            "patch_sizes": [4, 2], "hidden_sizes": [16, 32], "depths": [1, 1],
+            "num_hidden_layers": 2, "out_hidden_size": 32}}
+    moe = ({"num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+            "moe_hidden_size": 16} if model_type == "muse_spark" else {})
+    text = tiny_text(tok, f"{model_type}_text", num_hidden_layers=2, sliding_window=4,
+                     final_logit_softcapping=2.0, **moe)
+    config = config_for(model_type, vision_config=vision, text_config=text,
+                        image_token_id=ids[0], video_token_id=ids[1], out_hidden_size=128,
+                        projector_hidden_size=64, **extra)
+    images = MuseGlimmerImageProcessor(patch_size=4, merge_size=2, max_image_tokens=64)
+    return config, lenient_processor(processor_class_for(model_type), image_processor=images,
+                                     tokenizer=tok)
+
+
+RECIPES.update({"muse_glimmer": lambda: _muse("muse_glimmer"),
+                "muse_spark": lambda: _muse("muse_spark")})
