@@ -278,7 +278,7 @@ def classify(model_type: str, work: Path) -> Result:
     except Exception as e:  # noqa: BLE001  (every failure is a row of the table)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         if needs_torchvision(e):
-            return Result(False, static_problem(model_type) or missing_reason(first[:200]), True)
+            return Result(False, static_problem(model_type) or missing_reason(first), True)
         return Result(False, f"{type(e).__name__}: {first[:300]}")
 
 

@@ -31,8 +31,6 @@ STUBBED_OPS = ("nms", "qnms")
 """The ops `torchvision/_meta_registrations.py` registers fake kernels for unconditionally."""
 NMS_SCHEMA = "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
 TIMEOUT_S = 900
-PYTHON_SIDE = "HF's torchvision {parts} run with torchvision's Python transforms"
-"""What a row checked in the child adds to its reason (`parts`: which processors are torchvision's)."""
 
 
 def torchvision_dir() -> Path | None:
@@ -49,9 +47,10 @@ def importable_here() -> bool:
 
 def missing_reason(error: str) -> str:
     """A row's reason when its recipe needs torchvision and neither way to it is at hand."""
-    return (f"its recipe needs torchvision ({error}), which is neither installed nor in "
-            f"{Path(sys.prefix) / 'torchvision-py'} (make setup puts its Python side there; "
-            f"{ENV} names another folder)")
+    return (f"its recipe needs torchvision ({error.split('. ')[0].strip('.')}), and the PyPI "
+            "torchvision wheel (a CUDA build) does not load next to a CPU torch unless its Python "
+            f"side is in {Path(sys.prefix) / 'torchvision-py'} (make setup puts it there; {ENV} "
+            "names another folder)")
 
 
 def needs_torchvision(error: BaseException) -> bool:
@@ -126,16 +125,21 @@ def import_torchvision(path: Path) -> bool:
     return stubbed
 
 
-def torchvision_parts(model_type: str) -> str:
-    """Which of the recipe's HF processor parts are torchvision classes, in words."""
+def torchvision_note(model_type: str) -> str:
+    """What a row checked here adds to its reason: which of the recipe's HF processor parts are
+    torchvision classes, run (or only built) with torchvision's Python side."""
     from ds_omni.model.recipes import RECIPES
     _, processor = RECIPES[model_type]()
-    parts = [name.replace("_", " ") for name in ("image_processor", "video_processor")
-             if any(c.__name__ == "TorchvisionBackend"
-                    for c in type(getattr(processor, name, None)).__mro__)]
-    if len(parts) == 2:
-        return "image and video processors"
-    return parts[0] if parts else "classes"
+    tv = [name for name in ("image_processor", "video_processor")
+          if any(c.__name__ == "TorchvisionBackend"
+                 for c in type(getattr(processor, name, None)).__mro__)]
+    if "image_processor" in tv:
+        note = "HF's torchvision image processor run with torchvision's Python transforms"
+        return note + (", its video processor built with them" if len(tv) == 2 else "")
+    if tv:
+        return ("HF's torchvision video processor (its processor reads its settings) built with "
+                "torchvision's Python side")
+    return "run with torchvision's Python side"
 
 
 def main() -> None:
@@ -151,8 +155,7 @@ def main() -> None:
             model_type = line.strip()
             result = classify(model_type, Path(tmp))
             if result.supported and stubbed:
-                parts = torchvision_parts(model_type)
-                result.reason = f"{result.reason[:-1]}; {PYTHON_SIDE.format(parts=parts)})"
+                result.reason = f"{result.reason[:-1]}; {torchvision_note(model_type)})"
             answer.write(json.dumps({model_type: result.as_dict()}) + "\n")
             answer.flush()
 

@@ -42,7 +42,6 @@ def _minicpm_v(model_type: str):
     OCR's only a torchvision one; every processor reads its (torchvision) video processor's
     settings when it is built."""
     import transformers
-    from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
     from ds_omni.model.recipes.layers import GATED_DELTA
     named = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
              "image_start_token": "<image>", "image_end_token": "</image>",
@@ -61,9 +60,9 @@ def _minicpm_v(model_type: str):
                         image_token_id=ids["image_token"], video_token_id=ids["video_token"],
                         **(canvas if model_type == "minicpmv4_7" else {}))
     settings = {"scale_resolution": 32, "patch_size": 4, "max_slice_nums": 4}
-    image_cls = ("MiniCPMOcrImageProcessor" if model_type == "minicpm_ocr"
-                 else "MiniCPMV4_6ImageProcessorPil")
-    video_cls = VIDEO_PROCESSOR_MAPPING_NAMES[model_type]["torchvision"]
+    ocr = model_type == "minicpm_ocr"
+    image_cls = "MiniCPMOcrImageProcessor" if ocr else "MiniCPMV4_6ImageProcessorPil"
+    video_cls = "MiniCPMOcrVideoProcessor" if ocr else "MiniCPMV4_6VideoProcessor"
     return config, lenient_processor(
         processor_class_for(model_type), tokenizer=tok,
         image_processor=getattr(transformers, image_cls)(**settings),
