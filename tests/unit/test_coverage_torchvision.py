@@ -64,3 +64,13 @@ def test_list_inputs_of_get_image_features():
                                ) == ("num_local_patches", "patches_grid")
     minicpm = type("P", (), {"skip_tensor_conversion": ["grids", "num_patches_per_image"]})
     assert generic.list_inputs(minicpm, transformers.MiniCPMV4_6Model) == ()
+
+
+def test_torchvision_only_image_processor_is_a_clear_error(tmp_path):
+    """Loading a type whose HF image processor is a torchvision class, without torchvision, says
+    what to install (transformers' own placeholder fails deeper)."""
+    if coverage_child.importable_here():
+        pytest.skip("a real torchvision is installed")
+    with pytest.raises(ModelError, match=r"Lfm2VlImageProcessor\) exists only as a torchvision "
+                                         r"class: install torchvision"):
+        generic._pil_image_processor("lfm2_vl", tmp_path)

@@ -497,6 +497,11 @@ def _pil_image_processor(model_type: str, model_dir: Path):
     name = names.get("pil") if isinstance(names, dict) else None
     if name is None:
         from transformers import AutoImageProcessor
+        from transformers.utils import is_torchvision_available
+        if isinstance(names, dict) and names and not is_torchvision_available():
+            raise ModelError(f"HF's image processor for {model_type!r} "
+                             f"({next(iter(names.values()))}) exists only as a torchvision class: "
+                             "install torchvision (the release matching your torch) to train it")
         return AutoImageProcessor.from_pretrained(str(model_dir))
     return get_image_processor_class_from_name(name).from_pretrained(str(model_dir))
 
