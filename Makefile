@@ -7,7 +7,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # A CPU build of torch; skipped when the venv already imports a torch (e.g. a CUDA build).
 TORCH_PIN ?= torch==2.13.0
-STAMP := $(VENV)/.ds_omni-setup-$(shell cat pyproject.toml constraints.txt Makefile | md5sum | cut -c1-10)
+STAMP := $(VENV)/.ds_omni-setup-$(shell cat pyproject.toml constraints.txt Makefile | md5sum \
+                                        | cut -c1-10)
 # torchvision's Python side, OUTSIDE the venv's import path (ds_omni/model/coverage_child.py says
 # why): only the coverage sweep's child process reads it; the release is the one of the venv's torch
 # (2.x -> 0.(x+15)); none installable, or a torchvision already importable: skipped
@@ -32,9 +33,10 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	@# (DeepSpeed's CPU shared-memory op is not built: ds_omni starts without it, see parallel/dist.py)
 	@rm -rf $(TORCHVISION_DIR)
 	@$(PY) -c "import torchvision" 2>/dev/null || { \
-	  tv=$$($(PY) -c "import torch; v = torch.__version__.split('+')[0].split('.'); print(f'0.{int(v[1]) + 15}.*')"); \
+	  tv=$$($(PY) -c "import torch; v = torch.__version__.split('+')[0].split('.'); \
+	                  print(f'0.{int(v[1]) + 15}.*')"); \
 	  $(PY) -m pip install -q --no-deps --target $(TORCHVISION_DIR) "torchvision==$$tv" \
-	  || echo "note: no torchvision==$$tv to install; the coverage sweep lists the types that need it as such"; }
+	  || echo "note: no torchvision==$$tv to install; the coverage sweep says which types need it"; }
 	@rm -f $(VENV)/.ds_omni-setup-*
 	@touch $@
 

@@ -170,18 +170,18 @@ def sweep(model_types: list[str] | None = None) -> dict[str, Result]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
     types = model_types or list(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
     out, threads = {}, torch.get_num_threads()
-    child = TorchvisionRows(types)
+    apart = TorchvisionRows(types)
     # one thread: the tiny models' matmuls gain nothing from more, and on a busy machine a second
     # OpenMP thread makes each of them wait (measured 30x slower at load 12 on 2 cores)
     torch.set_num_threads(1)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for model_type in types:
-                out[model_type] = child.result(model_type) or classify(model_type, Path(tmp))
-                child.take_if_wanted(model_type, out[model_type])
+                out[model_type] = apart.result(model_type) or classify(model_type, Path(tmp))
+                apart.take_if_wanted(model_type, out[model_type])
     finally:
         torch.set_num_threads(threads)
-    out.update(child.results())
+    out.update(apart.results())
     return out
 
 
@@ -206,7 +206,7 @@ class TorchvisionRows:
 
     def result(self, model_type: str) -> Result | None:
         """A placeholder row for a type the child checks (its answer comes in `results`)."""
-        return Result(False, "checked in the torchvision child") if model_type in self.early else None
+        return Result(False, "checked in the child") if model_type in self.early else None
 
     def take_if_wanted(self, model_type: str, result: Result) -> None:
         if self.path and result.needs_torchvision:

@@ -30,12 +30,19 @@ ENV = "DS_OMNI_TORCHVISION"
 STUBBED_OPS = ("nms", "qnms")
 """The ops `torchvision/_meta_registrations.py` registers fake kernels for unconditionally."""
 NMS_SCHEMA = "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
-TIMEOUT_S = 900
+TIMEOUT_S = 480
+"""How long the sweep waits for the child once its own rows are done (pytest stops at 600)."""
+
+
+def wanted_dir() -> Path:
+    """Where torchvision's Python side is looked for: $DS_OMNI_TORCHVISION, else `torchvision-py`
+    in the venv (where `make setup` installs it)."""
+    return Path(os.environ.get(ENV) or Path(sys.prefix) / "torchvision-py")
 
 
 def torchvision_dir() -> Path | None:
-    """The folder `make setup` put torchvision's Python side in, or None when it has none."""
-    path = Path(os.environ.get(ENV) or Path(sys.prefix) / "torchvision-py")
+    """`wanted_dir()` when torchvision's Python side is there, else None."""
+    path = wanted_dir()
     return path if (path / "torchvision" / "__init__.py").is_file() else None
 
 
@@ -49,12 +56,13 @@ def missing_reason(error: str) -> str:
     """A row's reason when its recipe needs torchvision and neither way to it is at hand."""
     return (f"its recipe needs torchvision ({error.split('. ')[0].strip('.')}), and the PyPI "
             "torchvision wheel (a CUDA build) does not load next to a CPU torch unless its Python "
-            f"side is in {Path(sys.prefix) / 'torchvision-py'} (make setup puts it there; {ENV} "
+            f"side is in {wanted_dir()} (make setup puts it in the venv's torchvision-py; {ENV} "
             "names another folder)")
 
 
 def needs_torchvision(error: BaseException) -> bool:
-    """Whether `error` is an HF class saying it requires torchvision (its placeholder's ImportError)."""
+    """Whether `error` is an HF class saying it requires torchvision (its placeholder's
+    ImportError)."""
     return isinstance(error, ImportError) and "torchvision" in str(error).lower()
 
 
@@ -67,8 +75,8 @@ class Child:
         self.sent: list[str] = []
         self.log = tempfile.TemporaryFile("w+")
         package_root = str(Path(__file__).resolve().parents[2])  # the ds_omni this process runs
-        env = {**os.environ, ENV: str(path),
-               "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
+        paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        env = {**os.environ, ENV: str(path), "PYTHONPATH": os.pathsep.join(paths)}
         self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
 
@@ -98,7 +106,7 @@ class Child:
 
 
 def parse_answers(out: str) -> dict[str, dict]:
-    """The child's JSON lines merged (a line that is not JSON, e.g. a library's print, is skipped)."""
+    """The child's JSON lines merged (a line that is not JSON, a library's print, is skipped)."""
     answers = {}
     for line in out.splitlines():
         try:

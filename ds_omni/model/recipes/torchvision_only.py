@@ -69,7 +69,8 @@ def _minicpm_v(model_type: str):
         video_processor=getattr(transformers, video_cls)(**settings))
 
 
-RECIPES.update({t: lambda t=t: _minicpm_v(t) for t in ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr")})
+RECIPES.update({t: lambda t=t: _minicpm_v(t)
+                for t in ("minicpmv4_6", "minicpmv4_7", "minicpm_ocr")})
 
 
 def _unlimited_ocr():
