@@ -295,7 +295,7 @@ class GenericItemProcessor(ItemProcessor):
         self.marker = marker  # the text HF's processor expands into the image's tokens
         self.placeholder_id = placeholder_id
         self.bos_id = bos_id
-        self.list_inputs = list_inputs  # `list_inputs`: carried as tensors
+        self.list_inputs = list_inputs  # HF hands them over as lists; items carry tensors
 
     def process(self, image):
         out = self.hf_processor(text=[self.marker], images=[load_image(image)], return_tensors="pt")
