@@ -111,18 +111,17 @@ def _muse(model_type: str):
               "num_attention_heads": 4, "patch_size": 4, "pos_emb_height": 4, "pos_emb_width": 4,
               "max_position_embeddings": 16, "merge_size": 2}
     ids = token_ids(tok, "<|patch|>", "<|video|>", "<|audio|>")
-    extra = {}
-    if model_type == "muse_spark":
-        extra = {"audio_token_id": ids[2], "audio_config": {
-            "patch_sizes": [4, 2], "hidden_sizes": [16, 32], "depths": [1, 1],
-            "num_hidden_layers": 2, "out_hidden_size": 32}}
-    moe = ({"num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-            "moe_hidden_size": 16} if model_type == "muse_spark" else {})
+    spark = model_type == "muse_spark"
+    audio = {"audio_token_id": ids[2], "audio_config": {
+        "patch_sizes": [4, 2], "hidden_sizes": [16, 32], "depths": [1, 1],
+        "num_hidden_layers": 2, "out_hidden_size": 32}} if spark else {}
+    moe = {"num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+           "moe_hidden_size": 16} if spark else {}
     text = tiny_text(tok, f"{model_type}_text", num_hidden_layers=2, sliding_window=4,
                      final_logit_softcapping=2.0, **moe)
     config = config_for(model_type, vision_config=vision, text_config=text,
                         image_token_id=ids[0], video_token_id=ids[1], out_hidden_size=128,
-                        projector_hidden_size=64, **extra)
+                        projector_hidden_size=64, **audio)
     images = MuseGlimmerImageProcessor(patch_size=4, merge_size=2, max_image_tokens=64)
     return config, lenient_processor(processor_class_for(model_type), image_processor=images,
                                      tokenizer=tok)
