@@ -401,9 +401,13 @@ def load_hf_processor(model_type: str, model_dir: Path | None, tokenizer):
 def _reads_video_processor(cls) -> bool:
     """Whether HF's processor class reads its video processor's settings when it is built
     (MiniCPM-V 4.6's takes its slice mode), so that images too need one."""
-    return any("self.video_processor." in inspect.getsource(c.__init__)
-               for c in cls.__mro__ if "__init__" in vars(c) and c.__module__.startswith(
-                   "transformers.models."))
+    def reads(c) -> bool:
+        try:
+            return "self.video_processor." in inspect.getsource(c.__init__)
+        except (OSError, TypeError):  # no source at hand
+            return False
+    return any(reads(c) for c in cls.__mro__
+               if "__init__" in vars(c) and c.__module__.startswith("transformers.models."))
 
 
 def _video_processor(model_type: str, processor_cls, saved: dict, model_dir: Path):
