@@ -110,9 +110,10 @@ def parse_answers(out: str) -> dict[str, dict]:
     answers = {}
     for line in out.splitlines():
         try:
-            answers.update(json.loads(line))
+            value = json.loads(line)
         except ValueError:
             continue
+        answers.update(value if isinstance(value, dict) else {})
     return answers
 
 

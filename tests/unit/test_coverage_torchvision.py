@@ -37,7 +37,7 @@ def test_without_torchvision_rows_say_why(monkeypatch, tmp_path):
 
 
 def test_child_answers_are_read_past_noise():
-    out = 'a library prints this\n{"x": {"supported": true, "reason": "exact"}}\n\n{"y": 1}\n'
+    out = 'a library prints this\n{"x": {"supported": true, "reason": "exact"}}\n\n3\n{"y": 1}\n'
     assert coverage_child.parse_answers(out) == {"x": {"supported": True, "reason": "exact"},
                                                  "y": 1}
 
