@@ -7,7 +7,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # A CPU build of torch; skipped when the venv already imports a torch (e.g. a CUDA build).
 TORCH_PIN ?= torch==2.13.0
-STAMP := $(VENV)/.ds_omni-setup-$(shell cat pyproject.toml constraints.txt | md5sum | cut -c1-10)
+STAMP := $(VENV)/.ds_omni-setup-$(shell cat pyproject.toml constraints.txt Makefile | md5sum \
+                                        | cut -c1-10)
+# torchvision's Python side, OUTSIDE the venv's import path (ds_omni/model/coverage_child.py says
+# why): only the coverage sweep's child process reads it; the release is the one of the venv's torch
+# (2.x -> 0.(x+15)); none installable, or a torchvision already importable: skipped
+TORCHVISION_DIR := $(VENV)/torchvision-py
 
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export DS_OMNI_CACHE ?= $(CURDIR)/.cache/ds_omni
@@ -18,7 +23,7 @@ export PYTHONUNBUFFERED := 1
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt Makefile
 	@# reuse a torch the system Python already has (a CUDA box), else install the CPU pin
 	@if [ ! -x $(PY) ]; then \
 	  if $(PYTHON) -c "import torch" 2>/dev/null; then $(PYTHON) -m venv --system-site-packages $(VENV); \
@@ -26,6 +31,12 @@ $(STAMP): pyproject.toml constraints.txt
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	@# (DeepSpeed's CPU shared-memory op is not built: ds_omni starts without it, see parallel/dist.py)
+	@rm -rf $(TORCHVISION_DIR)
+	@$(PY) -c "import torchvision" 2>/dev/null || { \
+	  tv=$$($(PY) -c "import torch; v = torch.__version__.split('+')[0].split('.'); \
+	                  print(f'0.{int(v[1]) + 15}.*')"); \
+	  $(PY) -m pip install -q --no-deps --target $(TORCHVISION_DIR) "torchvision==$$tv" \
+	  || echo "note: no torchvision==$$tv to install; the coverage sweep says which types need it"; }
 	@rm -f $(VENV)/.ds_omni-setup-*
 	@touch $@
 

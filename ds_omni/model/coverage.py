@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from ds_omni.model.coverage_child import missing_reason, needs_torchvision
 from ds_omni.model.recipes import (  # noqa: F401  (RECIPES: also read as coverage.RECIPES)
     NO_RECIPE, NOT_EXACT, RECIPES, config_for, processor_class_for)
 
@@ -32,6 +33,8 @@ LOGITS_ATOL = 1e-5
 class Result:
     supported: bool
     reason: str
+    needs_torchvision: bool = False
+    """The recipe failed here for want of torchvision (the sweep's child may check it)."""
 
     def as_dict(self) -> dict:
         return {"supported": self.supported, "reason": self.reason}
@@ -162,19 +165,60 @@ def hf_token_types(processor, ids: torch.Tensor, sample) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ sweep
 def sweep(model_types: list[str] | None = None) -> dict[str, Result]:
-    """{model_type: Result} for every type of the mapping (or those given), in mapping order."""
+    """{model_type: Result} for every type of the mapping (or those given), in mapping order.
+
+    The types whose recipe needs torchvision, when this process has none, go to one child process
+    (`coverage_child`): at once those whose image processor is torchvision-only, the others when
+    their recipe fails here for want of it."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    types = model_types or list(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
     out, threads = {}, torch.get_num_threads()
+    apart = TorchvisionRows(types)
     # one thread: the tiny models' matmuls gain nothing from more, and on a busy machine a second
     # OpenMP thread makes each of them wait (measured 30x slower at load 12 on 2 cores)
     torch.set_num_threads(1)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for model_type in model_types or list(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
-                out[model_type] = classify(model_type, Path(tmp))
+            for model_type in types:
+                out[model_type] = apart.result(model_type) or classify(model_type, Path(tmp))
+                apart.take_if_wanted(model_type, out[model_type])
     finally:
         torch.set_num_threads(threads)
+    out.update(apart.results())
     return out
+
+
+class TorchvisionRows:
+    """The rows of a sweep that need torchvision where this process has none (module
+    `coverage_child`): a child process is started at once with the types whose image processor
+    is torchvision-only, and takes the others whose recipe fails here for want of it."""
+
+    def __init__(self, types: list[str]):
+        from ds_omni.model import coverage_child
+        self.path = None if coverage_child.importable_here() else coverage_child.torchvision_dir()
+        self.child = None
+        self.early = [t for t in types if self.path and t in RECIPES and t not in NOT_EXACT
+                      and image_processor_problem(t)]
+        for t in self.early:
+            self.send(t)
+
+    def send(self, model_type: str) -> None:
+        from ds_omni.model.coverage_child import Child
+        self.child = self.child or Child(self.path)
+        self.child.send(model_type)
+
+    def result(self, model_type: str) -> Result | None:
+        """A placeholder row for a type the child checks (its answer comes in `results`)."""
+        return Result(False, "checked in the child") if model_type in self.early else None
+
+    def take_if_wanted(self, model_type: str, result: Result) -> None:
+        if self.path and result.needs_torchvision:
+            self.send(model_type)
+
+    def results(self) -> dict[str, Result]:
+        if self.child is None:
+            return {}
+        return {t: Result(**r) for t, r in self.child.results().items()}
 
 
 def static_problem(model_type: str) -> str | None:
@@ -236,6 +280,8 @@ def classify(model_type: str, work: Path) -> Result:
         return check_family(model_type, recipe, work)
     except Exception as e:  # noqa: BLE001  (every failure is a row of the table)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if needs_torchvision(e):
+            return Result(False, static_problem(model_type) or missing_reason(first), True)
         return Result(False, f"{type(e).__name__}: {first[:300]}")
 
 

@@ -3,7 +3,8 @@
 Such an LLM's rotary embedding takes a `layer_type` and gives each type its own table (Gemma 3:
 rope base 10k on sliding layers, 1M on full ones); HF's own forward computes one per type and
 hands each layer its type's. The backbone does the same: `rotary_tables` makes the tables of a row
-once, `for_layer` picks a layer's. An LLM with one table is untouched.
+once, `for_layer` picks a layer's. An LLM with one table is untouched. Layers HF's model forward
+gives no table at all (Muse's NoPE layers, `mark_nope`) get none.
 
 Dims: S tokens of the row (or SP shard), d rotary dim.
 """
@@ -44,9 +45,26 @@ def layer_type(layer: nn.Module) -> str:
     return attn.config.layer_types[attn.layer_idx]
 
 
+def mark_nope(decoder_model: nn.Module) -> None:
+    """Tag the decoder layers to which HF's model forward hands no rotary table: Muse's NoPE
+    layers (`position_embeddings if self.config.layer_rope_theta[i] else None`, every 4th layer
+    counted back from the last), read from the config where the model's own forward reads it."""
+    thetas = getattr(decoder_model.config, "layer_rope_theta", None)
+    try:
+        reads = "layer_rope_theta" in inspect.getsource(type(decoder_model).forward)
+    except (OSError, TypeError):  # no source at hand
+        reads = False
+    if thetas and reads:
+        for layer, theta in zip(decoder_model.layers, thetas):
+            layer.ds_omni_nope = not theta
+
+
 def for_layer(layer: nn.Module, kwargs: dict) -> dict:
     """`kwargs` with the layer's own rotary table where the row has one per layer type (None for
-    a type without one: LFM's convolution layers, as HF's `position_embeddings.get(type)`)."""
+    a type without one: LFM's convolution layers, as HF's `position_embeddings.get(type)`), and
+    none for a NoPE layer (`mark_nope`)."""
+    if getattr(layer, "ds_omni_nope", False):
+        return {**kwargs, "position_embeddings": None}
     tables = kwargs.get("position_embeddings")
     if not isinstance(tables, PerLayerType):
         return kwargs

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_omni.errors import ModelError
 from ds_omni.model.attention import PackedAttention
-from ds_omni.model.layer_types import for_layer, rotary_tables
+from ds_omni.model.layer_types import for_layer, mark_nope, rotary_tables
 from ds_omni.model.outside import LogitRule
 from ds_omni.model.per_sample import ROW_BOUNDS, run_per_sample, runs_per_sample
 from ds_omni.parallel import long_short
@@ -386,6 +386,7 @@ def backbone_of(decoder_model: nn.Module, lm_head: nn.Module,
     config = decoder_model.config
     config._attn_implementation = PACKED_ATTENTION
     mark(decoder_model.layers, config)
+    mark_nope(decoder_model)
     norm = final_norm(decoder_model)
     if norm is None:
         raise ModelError(f"{type(decoder_model).__name__} has none of {list(NORM_NAMES)}: the "

@@ -199,10 +199,11 @@ def test_softcapping_is_refused():
                          softcap=50.0)
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2", "muse_glimmer_text"])
 def test_sliding_window_layers_match_hf(model_type):
-    """A tiny Mistral (every layer windowed) and Qwen2 (windows from layer `max_window_layers`
-    on, as its config derives `layer_types`) over a packed row of samples longer than the window:
+    """A tiny Mistral (every layer windowed), Qwen2 (windows from layer `max_window_layers`
+    on, as its config derives `layer_types`) and Muse Glimmer's LLM (a windowed layer, then a full
+    one without rotary embedding: NoPE) over a packed row of samples longer than the window:
     the backbone's hidden states equal HF's own forward run on each sample alone (fp32)."""
     from transformers import AutoConfig, AutoModel
     from ds_omni.model.omni import backbone_of

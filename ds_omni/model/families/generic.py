@@ -262,9 +262,10 @@ class GenericVisionEncoder(ModalityEncoder):
 
     def encode(self, inputs):
         per_item: dict[int, dict[str, torch.Tensor]] = {}
+        lists = self._family.list_inputs
         for key, value in inputs.items():
             index, name = key.split(".", 1)
-            per_item.setdefault(int(index), {})[name] = value
+            per_item.setdefault(int(index), {})[name] = value.tolist() if name in lists else value
         return torch.cat([self._item_rows(per_item[i])
                           for i in sorted(per_item)])  # n x [N_i, D] -> [N, D]
 
@@ -354,13 +355,15 @@ class GenericItemProcessor(ItemProcessor):
     """Image -> the pixel inputs and the token ids HF's processor makes for that image alone."""
 
     def __init__(self, hf_processor, marker: str, placeholder_id: int, bos_id: int | None,
-                 indicators: tuple[int, ...] = (), appended: list[int] = ()):
+                 indicators: tuple[int, ...] = (), appended: list[int] = (),
+                 list_inputs: tuple[str, ...] = ()):
         self.hf_processor = hf_processor
         self.marker = marker  # the text HF's processor expands into the image's tokens
         self.placeholder_id = placeholder_id
         self.more_placeholder_ids = indicators  # `indicator_ids`: replaced by the encoder's rows
         self.bos_id = bos_id
         self.appended = list(appended)  # what the processor appends to the text (Fuyu's <0x04>)
+        self.list_inputs = list_inputs  # HF hands them over as lists; items carry tensors
 
     def process(self, image):
         out = processor_call(self.hf_processor, [self.marker], [load_image(image)])
@@ -371,13 +374,14 @@ class GenericItemProcessor(ItemProcessor):
             ids = ids[:-len(self.appended)]
         inputs = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)
                   and k not in ("input_ids", "attention_mask", *EXTRA_TOKEN_INPUTS)}
+        inputs.update({k: torch.tensor(out[k]) for k in self.list_inputs if k in out})
         n = ids.count(self.placeholder_id)
         if self.more_placeholder_ids:
             slots = [-1 if t == self.placeholder_id else self.more_placeholder_ids.index(t)
                      for t in ids if t == self.placeholder_id or t in self.more_placeholder_ids]
             inputs[INDICATOR_SLOTS], n = torch.tensor(slots), len(slots)
         meta = {"tokens": ids, **{k: v.tolist() for k, v in inputs.items()
-                                  if k in ("image_grid_thw", "image_sizes")}}
+                                  if k in ("image_grid_thw", "image_sizes", *GRID_KEYS)}}
         return EncodedItem(inputs=inputs, num_embeddings=n, meta=meta)
 
     def tokens(self, item):
@@ -398,6 +402,16 @@ def appended_text(config) -> str | None:
     """What the processor of a `WRITES_IMAGE_TOKEN` family appends to a sample, else None."""
     hf_class = hf_class_of(config.model_type)
     return WRITES_IMAGE_TOKEN.get(hf_folder(hf_class)) if hf_class is not None else None
+
+
+def list_inputs(hf_processor, inner_cls) -> tuple[str, ...]:
+    """The inputs of `get_image_features` that HF's processor hands over as Python lists (its
+    `skip_tensor_conversion`: Unlimited-OCR's tile counts and grids). An item carries them as
+    tensors, as its other inputs; `GenericVisionEncoder` gives them back as lists."""
+    skipped = {k for p in (hf_processor, getattr(hf_processor, "image_processor", None))
+               for k in getattr(p, "skip_tensor_conversion", None) or ()}
+    wanted = inspect.signature(inner_cls.get_image_features).parameters if inner_cls else {}
+    return tuple(k for k in wanted if k in skipped)
 
 
 _WRAPPER_IDS = (("vision_start_token_id", "vision_end_token_id"),
@@ -470,7 +484,40 @@ def load_hf_processor(model_type: str, model_dir: Path | None, tokenizer):
                                           lambda self, name, arg: type(arg)})
     parts = {a: None for a in cls.get_attributes()}
     parts.update(image_processor=image_processor, tokenizer=tokenizer)
+    if "video_processor" in parts and _reads_video_processor(cls):
+        parts["video_processor"] = _video_processor(model_type, cls, saved, model_dir)
     return lenient(**parts, **kwargs)
+
+
+def _reads_video_processor(cls) -> bool:
+    """Whether HF's processor class reads its video processor's settings when it is built
+    (MiniCPM-V 4.6's takes its slice mode), so that images too need one."""
+    def reads(c) -> bool:
+        try:
+            return "self.video_processor." in inspect.getsource(c.__init__)
+        except (OSError, TypeError):  # no source at hand
+            return False
+    return any(reads(c) for c in cls.__mro__
+               if "__init__" in vars(c) and c.__module__.startswith("transformers.models."))
+
+
+def _video_processor(model_type: str, processor_cls, saved: dict, model_dir: Path):
+    """HF's video processor of `model_type`: the saved one, else its class defaults (the settings
+    a processor reads at build time are video ones; images do not depend on them)."""
+    from transformers.models.auto.video_processing_auto import (VIDEO_PROCESSOR_MAPPING_NAMES,
+                                                                video_processor_class_from_name)
+    from transformers.utils import is_torchvision_available
+    names = VIDEO_PROCESSOR_MAPPING_NAMES.get(processor_type(model_type)) or {}
+    name = names.get("torchvision") if isinstance(names, dict) else names
+    if not is_torchvision_available() or name is None:
+        raise ModelError(f"HF's {processor_cls.__name__} reads its video processor's settings when "
+                         f"it is built, and transformers has {model_type!r}'s video processor only "
+                         "as a torchvision class: install torchvision (the release matching your "
+                         "torch) to train it, even on images only")
+    video_cls = video_processor_class_from_name(name)
+    if "video_processor" in saved or (Path(model_dir) / "video_preprocessor_config.json").is_file():
+        return video_cls.from_pretrained(str(model_dir))
+    return video_cls()
 
 
 def processor_class(model_type: str):
@@ -565,6 +612,11 @@ def _pil_image_processor(model_type: str, model_dir: Path):
     names = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or {}
     name = names.get("pil") if isinstance(names, dict) else None
     if name is None:
+        from transformers.utils import is_torchvision_available
+        if isinstance(names, dict) and names and not is_torchvision_available():
+            raise ModelError(f"HF's image processor for {model_type!r} "
+                             f"({next(iter(names.values()))}) exists only as a torchvision class: "
+                             "install torchvision (the release matching your torch) to train it")
         return AutoImageProcessor.from_pretrained(str(model_dir))
     if model_type in BROKEN_PIL:
         from transformers.utils import is_torchvision_available
@@ -594,6 +646,11 @@ def rope_axes(config) -> int:
     return len(rope.get("mrope_section") or (0, 0, 0))
 
 
+GRID_KEYS = ("image_grid_thw", "target_sizes")
+"""The processor outputs `get_rope_index` lays images out by: Qwen-VL's patch grid (t, h, w) per
+image, MiniCPM-V 4.7's (h, w) per crop (a thumbnail and its slices)."""
+
+
 def rope_positions(model, input_ids: torch.Tensor, items, image_token_id: int,
                    video_token_id: int | None) -> torch.Tensor:
     """[R, L] positions of one sample from HF's own `get_rope_index` (R rope axes); text only:
@@ -602,10 +659,10 @@ def rope_positions(model, input_ids: torch.Tensor, items, image_token_id: int,
     `mm_token_type_ids` (1 on image tokens, 2 on video tokens) is what HF's processors make for
     the families whose `get_rope_index` takes it; the others find images by their tokens.
     """
-    grids = [item.meta["image_grid_thw"][0] for enc, item in items if "image_grid_thw" in item.meta]
-    if not grids:
+    key = next((k for k in GRID_KEYS if any(k in item.meta for _, item in items)), None)
+    if key is None:
         return torch.arange(input_ids.shape[0]).expand(rope_axes(model.config), -1).contiguous()
-    kwargs = {"image_grid_thw": torch.tensor(grids)}
+    kwargs = {key: torch.tensor([g for _, item in items for g in item.meta.get(key, [])])}
     params = inspect.signature(model.get_rope_index).parameters
     if "attention_mask" in params:  # all ones: one sample; Qwen3-Omni's fails without it
         kwargs["attention_mask"] = torch.ones_like(input_ids)[None]
@@ -633,6 +690,7 @@ class GenericFamily(Family):
         self._image_id: int | None = None  # set with the config (`_set_rope`)
         self._rope: nn.Module | None = None  # a weightless instance for HF's positions
         self.dummy: dict[str, torch.Tensor] | None = None
+        self.list_inputs: tuple[str, ...] = ()  # set with the item processors
         self._moe_types: dict[int, list[int]] | None = None  # `layer_inputs` (set with the config)
 
     def hf_model_class(self):
@@ -678,11 +736,13 @@ class GenericFamily(Family):
 
     def item_processors(self, hf_config, model_dir=None, tokenizer=None):
         hf_proc = load_hf_processor(self.name, model_dir, tokenizer)
+        self.list_inputs = list_inputs(hf_proc, self._inner)
         appended = appended_text(hf_config)
         proc = GenericItemProcessor(
             hf_proc, processor_marker(hf_proc, hf_config), image_token_id(hf_config),
             tokenizer.bos_token_id, indicator_ids(hf_config),
-            tokenizer(appended, add_special_tokens=False)["input_ids"] if appended else ())
+            tokenizer(appended, add_special_tokens=False)["input_ids"] if appended else (),
+            self.list_inputs)
         from PIL import Image
         self.dummy = proc.process(Image.new("RGB", (32, 32))).inputs
         self._set_rope(hf_config)

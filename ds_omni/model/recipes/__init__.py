@@ -12,6 +12,7 @@ path and compares against HF; `NOT_EXACT` names the types tried and found not ex
 """
 
 from ds_omni.model.recipes import classic, layers, scaled, windows  # noqa: F401  (register)
+from ds_omni.model.recipes import torchvision_only  # noqa: F401  (register)
 from ds_omni.model.recipes.common import (  # noqa: F401
     NO_RECIPE, NOT_EXACT, RECIPES, config_for, demo_tokenizer, lenient_processor,
     processor_class_for)

@@ -100,19 +100,6 @@ def _dots3_note():
 RECIPES["dots3_note"] = _dots3_note
 
 
-def _minicpm_reason(processor: str) -> str:
-    return (f"HF's processor ({processor}) reads its video processor's settings when it is built, "
-            "and that video processor is torchvision-only (the PyPI torchvision wheel, a CUDA "
-            "build, does not load next to a CPU torch); its LLM, Qwen3.5's gated delta net and "
-            "attention layers, is exact (see qwen3_5)")
-
-
-NOT_EXACT.update({
-    "minicpmv4_6": _minicpm_reason("MiniCPMV4_6Processor"),
-    "minicpmv4_7": _minicpm_reason("MiniCPMV4_7Processor"),
-})
-
-
 _HYPER = ("keeps several residual streams per token (hyper-connections: the model's forward widens "
           "the hidden states before the first layer and mixes them after the last), which the "
           "backbone, running hidden states [T, D] from layer to layer, does not")

@@ -1,0 +1,173 @@
+"""The coverage sweep's rows that need torchvision, run in one child process.
+
+Many of transformers' image processors (and all its video processors) exist only as torchvision
+classes, and torchvision is no ds_omni dependency: PyPI's torchvision wheel is a CUDA build whose
+compiled ops (`_C.so`) do not load next to a CPU torch, and then `import torchvision` fails in its
+`_meta_registrations.py` ("operator torchvision::nms does not exist": it registers fake kernels for
+`torchvision::nms` and `torchvision::qnms` whatever loaded). HF's image processors use only
+`torchvision.transforms.v2.functional`, which is pure torch.
+
+So `make setup` installs that wheel's Python side OUTSIDE the venv's import path (`torchvision-py`
+next to the venv's `bin/`): an ordinary process must never see it, or transformers would take
+torchvision for available and fail at import. The sweep hands the types whose recipe needs it to
+one child process (`python -m ds_omni.model.coverage_child`) that puts the folder on its sys.path,
+defines the two op schemas when the compiled ops do not load (no image processor calls nms), imports
+torchvision, and answers with one JSON line per type. A torchvision installed normally is used as
+is, in the sweep's own process. Without either, the rows say why they are not checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ENV = "DS_OMNI_TORCHVISION"
+"""Overrides where torchvision's Python side lies (default: `torchvision-py` in the venv)."""
+STUBBED_OPS = ("nms", "qnms")
+"""The ops `torchvision/_meta_registrations.py` registers fake kernels for unconditionally."""
+NMS_SCHEMA = "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
+TIMEOUT_S = 480
+"""How long the sweep waits for the child once its own rows are done (pytest stops at 600)."""
+
+
+def wanted_dir() -> Path:
+    """Where torchvision's Python side is looked for: $DS_OMNI_TORCHVISION, else `torchvision-py`
+    in the venv (where `make setup` installs it)."""
+    return Path(os.environ.get(ENV) or Path(sys.prefix) / "torchvision-py")
+
+
+def torchvision_dir() -> Path | None:
+    """`wanted_dir()` when torchvision's Python side is there, else None."""
+    path = wanted_dir()
+    return path if (path / "torchvision" / "__init__.py").is_file() else None
+
+
+def importable_here() -> bool:
+    """Whether this process imports a normally installed torchvision (then no child is needed)."""
+    from transformers.utils import is_torchvision_available
+    return is_torchvision_available()
+
+
+def missing_reason(error: str) -> str:
+    """A row's reason when its recipe needs torchvision and neither way to it is at hand."""
+    return (f"its recipe needs torchvision ({error.split('. ')[0].strip('.')}), and the PyPI "
+            "torchvision wheel (a CUDA build) does not load next to a CPU torch unless its Python "
+            f"side is in {wanted_dir()} (make setup puts it in the venv's torchvision-py; {ENV} "
+            "names another folder)")
+
+
+def needs_torchvision(error: BaseException) -> bool:
+    """Whether `error` is an HF class saying it requires torchvision (its placeholder's
+    ImportError)."""
+    return isinstance(error, ImportError) and "torchvision" in str(error).lower()
+
+
+# ------------------------------------------------------------------------------ parent side
+class Child:
+    """The sweep's one child process: takes model types as the sweep meets them (stdin, one a
+    line) and answers once it is told there are no more."""
+
+    def __init__(self, path: Path):
+        self.sent: list[str] = []
+        self.log = tempfile.TemporaryFile("w+")
+        package_root = str(Path(__file__).resolve().parents[2])  # the ds_omni this process runs
+        paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        env = {**os.environ, ENV: str(path), "PYTHONPATH": os.pathsep.join(paths)}
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+
+    def send(self, model_type: str) -> None:
+        self.sent.append(model_type)
+        self.proc.stdin.write(model_type + "\n")
+        self.proc.stdin.flush()
+
+    def results(self, timeout: float = TIMEOUT_S) -> dict[str, dict]:
+        """{model_type: {"supported", "reason"}} for every type sent; a type the child did not
+        answer (it failed or ran out of time) says so, with the end of the child's log."""
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+            why = f"timed out after {timeout:.0f} s"
+        else:
+            why = f"exited with code {self.proc.returncode}"
+        answers = parse_answers(out)
+        self.log.seek(0)
+        tail = " | ".join(self.log.read().strip().splitlines()[-3:])[-300:]
+        self.log.close()
+        failed = {"supported": False, "reason": f"the torchvision child process {why} before "
+                                                f"checking it ({tail})"}
+        return {t: answers.get(t, failed) for t in self.sent}
+
+
+def parse_answers(out: str) -> dict[str, dict]:
+    """The child's JSON lines merged (a line that is not JSON, a library's print, is skipped)."""
+    answers = {}
+    for line in out.splitlines():
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        answers.update(value if isinstance(value, dict) else {})
+    return answers
+
+
+# ------------------------------------------------------------------------------ child side
+def import_torchvision(path: Path) -> bool:
+    """Import torchvision from `path` (before transformers looks for it); True when its compiled
+    ops did not load and the two op schemas its fake kernels need were defined here instead."""
+    import torch
+    sys.path.insert(0, str(path))
+    try:
+        torch.ops.load_library(str(next((path / "torchvision").glob("_C*.so"))))
+        stubbed = False
+    except (StopIteration, OSError, RuntimeError):
+        for op in STUBBED_OPS:
+            torch.library.define(f"torchvision::{op}", NMS_SCHEMA)
+        stubbed = True
+    import torchvision  # noqa: F401
+    return stubbed
+
+
+def torchvision_note(model_type: str) -> str:
+    """What a row checked here adds to its reason: which of the recipe's HF processor parts are
+    torchvision classes, run (or only built) with torchvision's Python side."""
+    from ds_omni.model.recipes import RECIPES
+    _, processor = RECIPES[model_type]()
+    tv = [name for name in ("image_processor", "video_processor")
+          if any(c.__name__ == "TorchvisionBackend"
+                 for c in type(getattr(processor, name, None)).__mro__)]
+    if "image_processor" in tv:
+        note = "HF's torchvision image processor run with torchvision's Python transforms"
+        return note + (", its video processor built with them" if len(tv) == 2 else "")
+    if tv:
+        return ("HF's torchvision video processor (its processor reads its settings) built with "
+                "torchvision's Python side")
+    return "run with torchvision's Python side"
+
+
+def main() -> None:
+    """Answer the parent: one JSON line {model_type: {"supported", "reason"}} per type read."""
+    stubbed = import_torchvision(Path(os.environ[ENV]))
+    answer = sys.stdout
+    sys.stdout = sys.stderr  # libraries' prints would corrupt the answers
+    from ds_omni.model.coverage import classify
+    import torch
+    torch.set_num_threads(1)  # as the sweep (coverage.sweep says why)
+    with tempfile.TemporaryDirectory() as tmp:
+        for line in sys.stdin:
+            model_type = line.strip()
+            result = classify(model_type, Path(tmp))
+            if result.supported and stubbed:
+                result.reason = f"{result.reason[:-1]}; {torchvision_note(model_type)})"
+            answer.write(json.dumps({model_type: result.as_dict()}) + "\n")
+            answer.flush()
+
+
+if __name__ == "__main__":
+    main()
