@@ -224,6 +224,7 @@ class SampleProcessor:
         ordered: list[tuple[str, EncodedItem]] = []
         used = {enc: 0 for enc in items}
         items_end = 0
+        last_item = None  # the encoder of the item just written, while no text follows it
         for text, trained in segments:
             for piece in self._split.split(text) if self.markers else [text]:
                 enc = self.markers.get(piece)
@@ -231,6 +232,7 @@ class SampleProcessor:
                     toks = self._encode(piece, not bos and bool(ids)) if piece else []
                     ids += toks
                     mask += [trained] * len(toks)
+                    last_item = last_item if not toks else None
                     continue
                 if used.get(enc, 0) >= len(items.get(enc, [])):
                     raise SampleError(f"{where}: more {piece} markers than {enc} items "
@@ -238,10 +240,14 @@ class SampleProcessor:
                 item = items[enc][used[enc]]
                 used[enc] += 1
                 ordered.append((feeds(self.item_processors, enc), item))
-                toks = self.item_processors[enc].tokens(item)
+                proc = self.item_processors[enc]
+                if last_item == enc and proc.shared_tail:  # adjacent items share one tail
+                    del ids[-proc.shared_tail:], mask[-proc.shared_tail:]
+                toks = proc.tokens_at(item, used[enc] - 1)
                 ids += toks
                 mask += [False] * len(toks)
                 items_end = len(ids)
+                last_item = enc
         for enc, xs in items.items():
             if used[enc] != len(xs):
                 raise SampleError(f"{where}: {len(xs)} {enc} items but {used[enc]} markers in the "

@@ -136,6 +136,12 @@ def hf_inputs(processor, built, sample, imgs) -> dict:
         token = image_token_id(built.hf_config)
         if sum(int((h["input_ids"] == token).sum()) for h in hf) != int((ids == token).sum()):
             raise AssertionError("HF's processor expands the images to another number of tokens")
+        if marker:
+            suffix = getattr(built.item_processors["vision"], "appended", ())  # after a sample
+            hf_ids = hf[0]["input_ids"][0].tolist()
+            if suffix and hf_ids[-len(suffix):] == suffix:
+                hf_ids = hf_ids[:-len(suffix)]
+            check_image_tokens(hf_ids, sample, built.tokenizer)
         out.update({k: hf[0][k] if len(hf) == 1 else torch.cat([h[k] for h in hf]) for k in hf[0]
                     if k not in ("input_ids", "attention_mask", "token_type_ids",
                                  "mm_token_type_ids", "labels")})
@@ -149,6 +155,23 @@ def hf_inputs(processor, built, sample, imgs) -> dict:
         out["moe_mm_token_type_ids"] = torch.tensor(
             processor.create_moe_mm_token_type_ids(ids.tolist()))
     return out
+
+
+def check_image_tokens(hf_ids: list[int], sample, tokenizer) -> None:
+    """The tokens ds_omni puts where a sample's leading images stand are the ones HF's processor
+    writes for those images in one call: not only as many image tokens, but the same text around
+    them (MiniCPM-V numbers the images of a sample, `<image_id>0</image_id>`, `1`, ...)."""
+    ours = sample.input_ids.tolist()
+    bos = tokenizer.bos_token_id
+    for ids in (ours, hf_ids):
+        if bos is not None and ids[:1] == [bos]:
+            del ids[0]
+    if ours[:len(hf_ids)] != hf_ids:
+        at = next((i for i, (a, b) in enumerate(zip(ours, hf_ids)) if a != b), len(ours))
+        raise AssertionError(
+            f"sample {sample.sample_id!r}: its image tokens differ from what HF's processor writes "
+            f"for its images from token {at} on ({tokenizer.decode(ours[at:at + 6])!r} against "
+            f"{tokenizer.decode(hf_ids[at:at + 6])!r})")
 
 
 def hf_token_types(processor, ids: torch.Tensor, sample) -> torch.Tensor:

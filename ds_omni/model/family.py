@@ -67,9 +67,18 @@ class ItemProcessor:
         return EncodedItem(inputs={}, num_embeddings=out.num_embeddings, meta=out.meta,
                            encoder_seqs=out.encoder_seqs)
 
+    shared_tail: int = 0
+    """How many of an item's last tokens a run of adjacent items writes once, after the last item
+    (Idefics2's closing <fake_token_around_image>, PaliGemma's <bos> after its images)."""
+
     def tokens(self, item: EncodedItem) -> list[int]:
         """The token ids standing for `item` in the text: one placeholder per embedding."""
         return [self.placeholder_id] * item.num_embeddings
+
+    def tokens_at(self, item: EncodedItem, index: int) -> list[int]:
+        """The tokens of `item` as the `index`-th item of its kind in a sample (0-based); the
+        same for every index unless a family numbers them (MiniCPM-V's <image_id>)."""
+        return self.tokens(item)
 
     def collate(self, items: list[EncodedItem]) -> dict[str, torch.Tensor]:
         """Default: stack each input along a new leading dim."""

@@ -262,3 +262,48 @@ def test_ernie_layers_get_the_processors_moe_token_types():
     assert family_for("qwen2_vl").layer_inputs(ids) == {}
     with pytest.raises(ModelError, match="moe_mm_token_type_ids.*parallel.pp to 1"):
         pipeline_layers(model, None)
+
+
+@pytest.mark.parametrize("one, two, want", [
+    # Chameleon: <boi> I <eoi> probe <sep>; the separator follows the sample's text
+    ([1, 9, 2, 7, 5], [1, 9, 2, 1, 9, 2, 7, 5], ([5], 0)),
+    # Idefics2: <fake> I <fake> probe; adjacent images share one closing <fake>
+    ([3, 9, 3, 7], [3, 9, 3, 9, 3, 7], ([], 1)),
+    # PaliGemma: I <bos> probe \n; its images come first, then one <bos>
+    ([9, 9, 0, 7, 4], [9, 9, 9, 9, 0, 7, 4], ([4], 1)),
+    # an image whose tokens depend on the other images of the call: no layout is assumed
+    ([9, 8, 7], [9, 8, 6, 8, 7], None),
+])
+def test_layout_probe_finds_suffix_and_shared_tail(one, two, want):
+    """`probe_layout` reads what HF's processor writes around images from a one-image and a
+    two-image call (each followed by the probe text, id 7)."""
+    from ds_omni.model.families.generic import probe_layout
+    assert probe_layout(one, two, [7], lambda ids: ids) == want
+
+
+def test_numbered_images_and_shared_tails_reach_the_sample():
+    """`SampleProcessor` numbers a sample's images through `tokens_at` (MiniCPM-V's image ids)
+    and writes the tail adjacent images share once, not after each (Idefics2's <fake>)."""
+    from ds_omni.data.processing import SampleProcessor
+    from ds_omni.model.family import EncodedItem, Family, ItemProcessor
+
+    class Numbered(ItemProcessor):
+        placeholder_id, shared_tail = 9, 1
+
+        def process(self, item):
+            return EncodedItem(inputs={"x": torch.zeros(1)}, num_embeddings=1)
+
+        def tokens_at(self, item, index):
+            return [100 + index, 9, 300]  # an image number, its token, a closing tail
+
+    from tests.family_dirs import demo_tokenizer
+    tok = demo_tokenizer()
+    proc = SampleProcessor(tokenizer=tok, family=Family(), item_processors={"vision": Numbered()},
+                           markers={"vision": "<image>"}, max_seq_len=64)
+    s = proc(text="<image><image> a <image>", media={"vision": [0, 1, 2]}, sample_id="s",
+             source="t")
+    ids = s.input_ids.tolist()
+    start = 1 if ids[:1] == [tok.bos_token_id] else 0
+    assert ids[start:start + 5] == [100, 9, 101, 9, 300]  # one tail after the adjacent pair
+    at = ids.index(102)
+    assert ids[at:at + 3] == [102, 9, 300] and ids.count(300) == 2

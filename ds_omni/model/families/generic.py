@@ -39,6 +39,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -364,6 +365,44 @@ class GenericItemProcessor(ItemProcessor):
         self.bos_id = bos_id
         self.appended = list(appended)  # what the processor appends to the text (Fuyu's <0x04>)
         self.list_inputs = list_inputs  # HF hands them over as lists; items carry tensors
+        self.image_ids = image_id_tokens(hf_processor)  # MiniCPM-V numbers a sample's images
+        if marker:  # (a processor that writes the image token itself takes one image a call)
+            self._read_layout()
+
+    def _read_layout(self) -> None:
+        """What HF's processor writes around images that is no single image's own, read off two
+        probe calls (`probe_layout`): text it appends after a sample (Chameleon's separator,
+        PaliGemma's newline) is cut from every image's tokens, and the tail adjacent images
+        share is written once after a run of them (`shared_tail`)."""
+        from PIL import Image
+        blank = Image.new("RGB", (32, 32))
+        tok = self.hf_processor.tokenizer
+
+        def ids(n: int) -> list[int]:
+            out = processor_call(self.hf_processor, [self.marker * n + LAYOUT_PROBE], [blank] * n)
+            ids = out["input_ids"][0].tolist()
+            return ids[1:] if self.bos_id is not None and ids[:1] == [self.bos_id] else ids
+
+        probe = tok(LAYOUT_PROBE, add_special_tokens=False)["input_ids"]
+        layout = probe_layout(ids(1), ids(2), probe, lambda t: self.numbered(t, 1))
+        if layout is not None:
+            suffix, self.shared_tail = layout
+            self.appended = self.appended or suffix
+
+    def numbered(self, ids: list[int], index: int) -> list[int]:
+        """`ids` (an image's tokens as HF writes them alone, index 0) as the sample's `index`-th
+        image: MiniCPM-V's `<image_id>N</image_id>` prefix carries N."""
+        if self.image_ids is None or index == 0:
+            return ids
+        start, end = self.image_ids
+        if start not in ids or end not in ids:
+            return ids
+        a, b = ids.index(start), ids.index(end)
+        digits = self.hf_processor.tokenizer(str(index), add_special_tokens=False)["input_ids"]
+        return ids[:a + 1] + digits + ids[b:]
+
+    def tokens_at(self, item, index):
+        return self.numbered(self.tokens(item), index)
 
     def process(self, image):
         out = processor_call(self.hf_processor, [self.marker], [load_image(image)])
@@ -389,6 +428,46 @@ class GenericItemProcessor(ItemProcessor):
 
     def collate(self, items):
         return {f"{i}.{k}": v for i, it in enumerate(items) for k, v in it.inputs.items()}
+
+
+LAYOUT_PROBE = " zq"
+"""Text after the images in `GenericItemProcessor`'s layout probe: any that tokenises alone."""
+
+
+def probe_layout(one: list[int], two: list[int], probe: list[int],
+                 second: Callable[[list[int]], list[int]]) -> tuple[list[int], int] | None:
+    """(suffix, shared tail) from HF's ids for one image and for two adjacent images, each
+    followed by the `probe` text: the suffix is what follows the probe (text HF appends after a
+    sample); the shared tail is how many last tokens of an image's own (`one` before the probe, P +
+    Q) the two images write once (`two` before the probe is P + second(P) + Q). None if the probe
+    cannot be found or the two calls fit no such layout."""
+    at1, at2 = find_run(one, probe), find_run(two, probe)
+    if at1 is None or at2 is None:
+        return None
+    own, both = one[:at1], two[:at2]
+    lead = len(both) - len(own)  # P: what a second image adds
+    if not 0 < lead <= len(own) or both != own[:lead] + second(own[:lead]) + own[lead:]:
+        return None
+    return one[at1 + len(probe):], len(own) - lead
+
+
+def find_run(ids: list[int], run: list[int]) -> int | None:
+    """Where `run` last occurs in `ids` as consecutive tokens, or None."""
+    for i in range(len(ids) - len(run), -1, -1):
+        if ids[i:i + len(run)] == run:
+            return i
+    return None
+
+
+def image_id_tokens(hf_processor) -> tuple[int, int] | None:
+    """The (start, end) ids of the per-sample image number a processor writes before each image
+    (MiniCPM-V's `<image_id>N</image_id>`, its `use_image_id`), or None."""
+    start = getattr(hf_processor, "image_id_start_token", None)
+    end = getattr(hf_processor, "image_id_end_token", None)
+    if start is None or end is None or not getattr(hf_processor, "default_use_image_id", True):
+        return None
+    tok = hf_processor.tokenizer
+    return tok.convert_tokens_to_ids(start), tok.convert_tokens_to_ids(end)
 
 
 def processor_call(hf_processor, text: list[str], images: list):
