@@ -267,7 +267,8 @@ def _optimizer_encoders(engine, built) -> list[str]:
     optimizer itself where its groups hold the parameters (ZeRO-0 fp32: torch's AdamW; ZeRO-1
     holds flat partitions instead, and this is empty)."""
     ours = {id(p): n for n, p in built.model.named_parameters()}
-    return sorted(ours[id(p)] for g in engine.optimizer.param_groups for p in g["params"]
+    groups = getattr(engine.optimizer, "param_groups", None) or []
+    return sorted(ours[id(p)] for g in groups for p in g["params"]
                   if ours.get(id(p), "").startswith("encoders."))
 
 
