@@ -1,7 +1,7 @@
 """Joint pipeline: the encoders' optimizer step sharded over the stages against done on every stage.
 
-    .venv/bin/python benchmarks/encoder_shards.py                          # PP=2, about 5 minutes
-    .venv/bin/python benchmarks/encoder_shards.py --pp 4 --layers 4 --rounds 16   # PP=4
+    .venv/bin/python benchmarks/encoder_shards.py                          # PP=2, about 2 minutes
+    .venv/bin/python benchmarks/encoder_shards.py --pp 4 --layers 4 --rounds 16   # PP=4, about 3
 
 Under `parallel.encoder_placement: "uniform"` every stage holds the encoders. ds_omni gives each
 trainable encoder parameter one owner stage: its gradient is reduced onto the owner, only the
