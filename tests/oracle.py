@@ -73,6 +73,7 @@ class Reference:
     params: dict[str, torch.Tensor]  # after the last step
     init: dict[str, torch.Tensor]
     with_grad: set[str]
+    grad_norms: list[float]  # each step's gradient norm before clipping
 
 
 def stream_reference(cfg, dp: int, steps: int) -> tuple[list[list[str]], list[float]]:
@@ -107,8 +108,9 @@ def stream_reference(cfg, dp: int, steps: int) -> tuple[list[list[str]], list[fl
     return keys, losses
 
 
-def run_reference(cfg, step_keys: list[list[str]]) -> Reference:
-    """Train the global batches `step_keys` in one process."""
+def run_reference(cfg, step_keys: list[list[str]], clip: float = 1.0) -> Reference:
+    """Train the global batches `step_keys` in one process (gradient norm clipped to `clip`, as
+    the DeepSpeed config's `gradient_clipping`)."""
     from ds_omni.data.build import build_loader
     from ds_omni.data.packing import pack
     from ds_omni.model.build import build_model
@@ -120,7 +122,7 @@ def run_reference(cfg, step_keys: list[list[str]]) -> Reference:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(0.9, 0.95), eps=ADAM_EPS,
                             weight_decay=cfg.train.weight_decay)
-    losses, grads, with_grad = [], {}, set()
+    losses, grads, with_grad, norms = [], {}, set(), []
     for step, keys in enumerate(step_keys):
         samples = fetch.load_samples(keys)
         micro_batches = [pack(samples[i:i + 3], built.item_processors)  # any split: same sums
@@ -136,12 +138,12 @@ def run_reference(cfg, step_keys: list[list[str]]) -> Reference:
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
                      if p.grad is not None}
         with_grad |= {n for n, p in model.named_parameters() if p.grad is not None and p.grad.any()}
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
         opt.step()
         losses.append(loss_sum / total)
     fetch.close()
     return Reference(losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()},
-                     init, with_grad)
+                     init, with_grad, norms)
 
 
 def assert_matches(ref: Reference, got: dict, where: str, *, param_atol: float) -> None:
@@ -195,7 +197,8 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
     assert engine.module.training and all(m.training for m in engine.module.modules()), \
         "the trainer must run the model in train mode (dropout on)"
     out = {"losses": [], "keys": [], "nothing_to_encode": 0, "row_without_items": 0,
-           "block_rows": 0, "block_rows_with_items": 0, "long_items": 0}
+           "block_rows": 0, "block_rows_with_items": 0, "long_items": 0,
+           "optimizer_encoders": _optimizer_encoders(engine, built)}
     grads = {}
     engine_loss = train.engine_loss
     if plant == "loss_x2":
@@ -259,6 +262,16 @@ def _resume_and_rerun(cfg, built, engine, loader, at: int, steps: int, rank: int
         got["losses"].append(train.train_step(engine, batch, loader.comm).loss)
     _save(cfg, built, engine, loader, steps, rank)
     return got
+
+
+def _optimizer_encoders(engine, built) -> list[str]:
+    """The encoder parameters (OmniModel names) this rank's optimizer holds, read from the
+    optimizer itself where its groups hold the parameters (ZeRO-0 fp32: torch's AdamW; ZeRO-1
+    holds flat partitions instead, and this is empty)."""
+    ours = {id(p): n for n, p in built.model.named_parameters()}
+    groups = getattr(engine.optimizer, "param_groups", None) or []
+    return sorted(ours[id(p)] for g in groups for p in g["params"]
+                  if ours.get(id(p), "").startswith("encoders."))
 
 
 def omni_names(engine, built) -> dict[str, str]:

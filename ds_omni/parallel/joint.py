@@ -6,18 +6,25 @@ coordinate, so the same micro-batches) split the step's encoder items by modelle
 their share before the schedule starts, and one all-to-all over the pipeline's ranks brings every
 embedding row to stage 0, where the first stage's layer reads its micro-batch's rows from them.
 Backward mirrors it: once stage 0's last backward is done, the rows' gradients go back by the same
-all-to-all and each rank runs backward through what it encoded; the encoders' parameter gradients
-are then summed over the pipeline's ranks (every stage holds the encoders, as DeepSpeed holds
-tied weights) before DeepSpeed reduces gradients over the data-parallel ranks.
+all-to-all and each rank runs backward through what it encoded.
+
+Every stage holds the encoders (as DeepSpeed holds tied weights), but each trainable encoder
+parameter has one owner stage (`owner_stages`, balanced by size): its gradient is summed over the
+pipeline's ranks onto the owner only, only the owner's optimizer holds and steps it (DeepSpeed then
+reduces it over the owner's data-parallel ranks as any other parameter of that stage), and after the
+step the owner broadcasts it to the other stages (`EncoderShards`). So a stage steps the optimizer
+over 1/P of the encoders, not all of them, and the gradient norm counts each parameter once.
 
 Stage 0 holds the received rows as one leaf tensor: each micro-batch's backward adds into its
 gradient, so the exchange back happens once per step, not once per micro-batch.
 
-Dims: N rows (embeddings) of the step's items, N_s those stage s encodes, D LLM hidden size.
+Dims: N rows (embeddings) of the step's items, N_s those stage s encodes, D LLM hidden size;
+E elements of one owner's parameters of one dtype (a flat bucket).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +54,14 @@ def assign_items(costs: list[float], stages: int) -> list[int]:
         out[i] = stage
         load[stage] += costs[i]
     return out
+
+
+def owner_stages(numels: list[int], stages: int) -> list[int]:
+    """The owner stage of each encoder parameter (`numels`: their sizes, in parameter order):
+    largest first, each to the stage owning the fewest elements so far (ties: the lower stage,
+    then parameter order), so the stages' optimizer work differs by at most the largest
+    parameter. Deterministic: every rank of a pipeline, and a resumed run, computes the same."""
+    return assign_items([float(n) for n in numels], stages)
 
 
 @dataclass(frozen=True)
@@ -188,14 +203,67 @@ class JointEncoding:
         return recv
 
 
-def sum_over_pipeline(params: list[torch.nn.Parameter], group) -> None:
-    """Sum the encoders' gradients over the pipeline's ranks (each holds its share's part)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
+class EncoderShards:
+    """The owner of each trainable encoder parameter on one rank of a pipeline (module
+    docstring), and the two collectives around the optimizer step, each one flat bucket per
+    owner stage and dtype."""
+
+    def __init__(self, params: list[torch.nn.Parameter], stage: int, stages: int, group):
+        self.stage, self.group = stage, group
+        owners = owner_stages([p.numel() for p in params], stages)
+        self.by_owner = [[p for p, o in zip(params, owners) if o == s] for s in range(stages)]
+        self.owned = self.by_owner[stage]
+        self.replicas = [p for p, o in zip(params, owners) if o != stage]
+
+    def reduce_grads(self) -> None:
+        """Sum each parameter's gradient over the pipeline's ranks onto its owner; the replicas'
+        gradients (other owners') are dropped here. Every parameter needs a gradient
+        (`fill_missing_grads`)."""
+        for owner, bucket in self._buckets():
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # [E]
+            dist.reduce(flat, dst=dist.get_global_rank(self.group, owner), group=self.group)
+            if owner == self.stage:
+                _unflatten_into(flat, [p.grad for p in bucket])
+        for p in self.replicas:
+            p.grad = None
+
+    def broadcast_params(self) -> None:
+        """After the optimizer step: every owner's updated parameters to the other stages."""
+        for owner, bucket in self._buckets():
+            if owner == self.stage:
+                flat = torch.cat([p.detach().reshape(-1) for p in bucket])  # [E]
+            else:
+                flat = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
+                                   device=bucket[0].device)
+            dist.broadcast(flat, src=dist.get_global_rank(self.group, owner), group=self.group)
+            if owner != self.stage:
+                _unflatten_into(flat, [p.data for p in bucket])
+
+    @contextlib.contextmanager
+    def replicas_frozen(self):
+        """The replicas out of `requires_grad` for a while: DeepSpeed's ZeRO-0 reduction gives
+        every trainable parameter without a gradient a zero one and all-reduces it over the
+        data-parallel ranks, work their owners' ranks do already."""
+        frozen = [p for p in self.replicas if p.requires_grad]
+        for p in frozen:
+            p.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
+
+    def _buckets(self) -> list[tuple[int, list[torch.nn.Parameter]]]:
+        """(owner stage, its parameters of one dtype), the same order on every rank."""
+        out = []
+        for owner, params in enumerate(self.by_owner):
+            for dtype in sorted({p.dtype for p in params}, key=str):
+                out.append((owner, [p for p in params if p.dtype == dtype]))
+        return out
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()

@@ -34,7 +34,7 @@ from torch import nn
 
 from ds_omni.errors import LaunchError, ModelError
 from ds_omni.model.omni import DEEPSTACK_ALONE, IGNORE_INDEX, OmniModel, summed_token_loss
-from ds_omni.parallel.joint import JointEncoding, plan_joint, sum_over_pipeline
+from ds_omni.parallel.joint import EncoderShards, JointEncoding, plan_joint
 from ds_omni.parallel.stages import StagePlan, check_stages
 
 
@@ -206,6 +206,7 @@ class JointSetup:
         self.stage, self.stages, self.group = stage, stages, group
         self.hidden = model.backbone.embed_tokens.embedding_dim
         self.params = [p for p in model.encoders.parameters() if p.requires_grad]
+        self.shards = EncoderShards(self.params, stage, stages, group)
 
     def start(self, micro_batches: list, device) -> JointEncoding:
         """Plan the step's items, encode this stage's share, send the rows to stage 0."""
@@ -227,10 +228,28 @@ class JointSetup:
 
     def finish(self, joint: JointEncoding) -> None:
         """After stage 0's last backward: the encoders' backward and the sum of their gradients
-        over the pipeline's ranks (every rank of the pipeline calls this)."""
+        over the pipeline's ranks onto each parameter's owner (every rank of the pipeline calls
+        this)."""
         joint.backward()
         fill_missing_grads(self.params)  # an encoder with no item here, or off the path
-        sum_over_pipeline(self.params, self.group)
+        self.shards.reduce_grads()
+
+    def mark_replicas(self) -> None:
+        """DeepSpeed's gradient norm counts a parameter on a stage other than the first only if
+        it is `model_parallel`, and skips it anywhere if `ds_pipe_replicated` (ZeRO-1): an owned
+        encoder parameter counts on its owner, a replica nowhere."""
+        owned = {id(p) for p in self.shards.owned}
+        for p in self.encoders.parameters():
+            p.model_parallel = id(p) in owned
+            p.ds_pipe_replicated = id(p) not in owned
+
+
+def optimizer_params(module) -> list[nn.Parameter]:
+    """The parameters this rank's optimizer holds: the trainable ones, but under "uniform"
+    placement not the encoder parameters another stage owns (`EncoderShards`)."""
+    joint = getattr(module, "joint", None)
+    replicas = {id(p) for p in joint.shards.replicas} if joint is not None else set()
+    return [p for p in module.parameters() if p.requires_grad and id(p) not in replicas]
 
 
 def fill_missing_grads(params) -> None:
@@ -283,13 +302,12 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
     module.joint = None
     if placement == "uniform":
         stage = module.stage_id
-        if stage != 0:  # every stage holds the encoders; the norm counts stage 0's copy only
+        if stage != 0:  # every stage holds the encoders; each parameter's owner steps it
             module.add_module("joint_encoders", model.encoders)
             model.encoders.to(next(module.parameters()).device)
-            for p in model.encoders.parameters():
-                p.ds_pipe_replicated, p.model_parallel = True, False
         module.joint = JointSetup(model, processors, item_cost, stage, plan.pp,
                                   module._grid.get_pipe_parallel_group())
+        module.joint.mark_replicas()
     return module
 
 

@@ -43,7 +43,7 @@ from ds_omni.parallel.groups import (TorchDataComm, data_groups, loader_step_com
                                     sequence_groups)
 from ds_omni.parallel.pipeline import (around_instructions, build_pipeline_module,
                                       check_pipeline, engine_inputs, fill_missing_grads,
-                                      is_pipeline, layer_param_counts)
+                                      is_pipeline, layer_param_counts, optimizer_params)
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.parallel.stages import StagePlan, stage_plan_for
 from ds_omni.train import checkpoint
@@ -203,30 +203,43 @@ def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
 
 def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list) -> dict:
     """What runs inside `train_batch`: the encoders' backward of "uniform" placement after the
-    last backward (before any reduction), and before the optimizer step the reduced-gradient
-    callback and the non-finite guard (which may drop the update, recording its samples)."""
+    last backward (before any reduction; their gradients summed onto each parameter's owner
+    stage), before the optimizer step the reduced-gradient callback and the non-finite guard
+    (which may drop the update, recording its samples), and after it, under "uniform", each
+    owner's updated encoder parameters broadcast to the other stages."""
     from deepspeed.runtime.pipe import schedule
     hooks = {}
+    joint = module.joint
 
     def encoders_backward(engine, run):
-        if module.joint is not None:
-            module.joint.finish(module.step_inputs.joint)
-        fill_missing_grads(module.parameters())  # an encoder with no item in the whole step
+        if joint is not None:
+            joint.finish(module.step_inputs.joint)
+        fill_missing_grads(optimizer_params(module))  # an encoder with no item in the whole step
         run()
     hooks[schedule.ReduceTiedGrads] = encoders_backward
+
+    if joint is not None:
+        def reduce_grads(engine, run):
+            with joint.shards.replicas_frozen():
+                run()
+        hooks[schedule.ReduceGrads] = reduce_grads
 
     def optimizer_step(engine, run):
         if on_reduced_grads is not None:
             on_reduced_grads(engine)
+        tripped = False
         if guard is not None:
             for loss_sum in module.loss_fn.sums:
                 guard.watch_loss(loss_sum)
-            if guard.tripped():
-                dropped.extend(_nonfinite_step(guard, batch, comm))
-                with guard.dropped_update():
-                    run()
-                return
-        run()
+            tripped = guard.tripped()
+        if tripped:
+            dropped.extend(_nonfinite_step(guard, batch, comm))
+            with guard.dropped_update():
+                run()
+        else:
+            run()
+        if joint is not None:  # a dropped update broadcasts the unchanged values: harmless
+            joint.shards.broadcast_params()
     hooks[schedule.OptimizerStep] = optimizer_step
     return hooks
 
@@ -367,7 +380,7 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
             built.model, plan, stage_plan(cfg, built, plan), cfg.parallel.encoder_placement,
             built.item_processors,
             lambda name, item: float(cost.encoder_cost(name, item.cost_seqs()).sum()))
-    params = [p for p in module.parameters() if p.requires_grad]
+    params = optimizer_params(module)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config,
                                       mpu=mpu)
     align_lr_schedule(engine)

@@ -8,11 +8,15 @@ all): the tiny LLaVA with its encoder on stage 0 (ZeRO-1) and the image+audio co
 loss (1e-6 relative), the first step's reduced gradients and the final parameters (1e-5 relative,
 fp32). Each stage returns its own parameters under the OmniModel's names; together they must be
 the whole model, and under "uniform" (every stage holds the encoders) every copy of an encoder
-parameter must be the same. The data mixes captioned pictures (with a clip of beeps for the
+parameter must be the same, while each is in one stage's optimizer only (its owner's, read from
+DeepSpeed's ZeRO-0 optimizer; both stages own some). The PP=2 "uniform" case clips the gradient
+norm to 0.05, below every step's norm, so a norm that counted an encoder parameter twice (or
+missed the ones stage 1 owns) would move the parameters. The data mixes captioned pictures (with a clip of beeps for the
 composition) with plain sentences, so some micro-batches carry no item and token counts differ
 from one micro-batch to the next. Each case also saves a checkpoint before its last step, and
 after it resumes from that checkpoint and trains the step again: the same samples, losses and
-parameters, bit for bit; the final checkpoint exports (DeepSpeed's per-layer files) to an HF
+parameters, bit for bit (under "uniform" stage 1's optimizer state holds the encoder parameters
+it owns); the final checkpoint exports (DeepSpeed's per-layer files) to an HF
 directory that transformers loads, with exactly the trained weights.
 DP2 x PP2 (both placements) trains in `test_parity.py`'s 4-rank launch, checked the same way
 (`dp=2`: the reference trains the global batches of 2 data-parallel loaders).
@@ -21,6 +25,7 @@ DP2 x PP2 (both placements) trains in `test_parity.py`'s 4-rank launch, checked 
 from tests import oracle
 
 LR = 1e-3  # tiny_config's learning rate
+CLIP = 0.05  # gradient_clipping of the clipped "uniform" case: below every step's norm there
 
 COMPOSED = {"tokenizer": "builtin:shapes",
             "vision": {"config": {"model_type": "clip_vision_model", "hidden_size": 32,
@@ -43,7 +48,8 @@ def check(name: str, case: dict, results: list, cfg, dp: int = 1) -> None:
     """Case `name` of `results` (one dict per rank) equals the reference of `cfg`."""
     from ds_omni.model.build import build_model
     steps = case["steps"]
-    step_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), dp, steps)
+    built = build_model(cfg.model)
+    step_keys = oracle.reference_step_keys(cfg, built, dp, steps)
     got_keys = [sorted(k for r in results[:dp] for k in r[name]["keys"][s]) for s in range(steps)]
     assert got_keys == step_keys, f"{name}: the ranks trained another global batch"
     assert all(r[name]["losses"] == results[0][name]["losses"] for r in results), name
@@ -52,9 +58,14 @@ def check(name: str, case: dict, results: list, cfg, dp: int = 1) -> None:
             (name, results[0][name]["parts"])
     first, second = results[0][name], results[dp][name]  # data-parallel rank 0 of each stage
     _check_replicas(case["placement"], first, second)
+    if case["placement"] == "uniform" and case["stages"] == [0]:
+        _check_owners(first, second, {n for n, p in built.model.named_parameters()
+                                      if p.requires_grad and n.startswith("encoders.")})
     got = {"losses": first["losses"], "grads": {**first["grads"], **second["grads"]},
            "params": {**first["params"], **second["params"]}}
-    ref = oracle.run_reference(cfg, step_keys)
+    ref = oracle.run_reference(cfg, step_keys, case.get("clip", 1.0))
+    if "clip" in case:  # the clipping acts: a norm counted wrong would move the parameters
+        assert min(ref.grad_norms) > 2 * case["clip"], (name, ref.grad_norms)
     # Adam turns reduction-order noise into updates: 0.2 % of the total step size (test_parity)
     oracle.assert_matches(ref, got, f"{name} PP=2 dp={dp}", param_atol=2e-3 * LR * steps)
     oracle.assert_moved(ref, name)
@@ -92,6 +103,15 @@ def _check_export(name, output_dir, params) -> None:
     for hf_key, omni_key in key_map.items():
         if omni_key in params:  # buffers (no parameter) are not trained
             assert torch.equal(hf_state[hf_key], params[omni_key]), (name, hf_key)
+
+
+def _check_owners(first, second, encoders: set[str]) -> None:
+    """Under "uniform" each trainable encoder parameter (`encoders`) is in the optimizer of one
+    stage only, and both stages own some (read from DeepSpeed's ZeRO-0 optimizer, whose groups
+    hold the parameters)."""
+    owned = set(first["optimizer_encoders"]), set(second["optimizer_encoders"])
+    assert all(owned) and not owned[0] & owned[1], owned
+    assert owned[0] | owned[1] == encoders, sorted(encoders - owned[0] - owned[1])[:3]
 
 
 def _check_replicas(placement, first, second) -> None:

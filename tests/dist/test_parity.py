@@ -69,9 +69,10 @@ def _train_ranks(rank, world, cases, out_dir):
     for name, case in cases.items():
         for stage in case["stages"]:
             cfg = _config(case, f"{out_dir}/{name}{stage}")
+            clip = {"gradient_clipping": case["clip"]} if "clip" in case else {}
             results[(name, stage)] = oracle.train_on_rank(
-                rank, world, cfg, ds_config(stage), case.get("steps", STEPS), case.get("plant"),
-                case.get("resume_at"))
+                rank, world, cfg, ds_config(stage, **clip), case.get("steps", STEPS),
+                case.get("plant"), case.get("resume_at"))
     return results
 
 
@@ -109,11 +110,13 @@ def cases(tmp_path_factory):
         # PP=2 (dp=1): both placements, both models (test_pipeline_matches_single_process)
         "pp_llava_stage0": {"stages": [1], "placement": "stage0", "sources": vision, "steps": 3,
                             "train": PP_BATCH, "resume_at": 2},
-        # Megatron's even split: [0, 2, 5] (the cost model's would be [0, 3, 5])
+        # Megatron's even split: [0, 2, 5] (the cost model's would be [0, 3, 5]); a
+        # gradient_clipping that clips every step: the norm counts each encoder parameter once,
+        # on the stage that owns it (and steps it)
         "pp_composed_uniform": {"stages": [0], "placement": "uniform", "model": pipeline.COMPOSED,
                                 "sources": [pipeline.SHAPES_TONES, text], "max_seq_len": 160,
                                 "steps": 3, "train": PP_BATCH, "resume_at": 2,
-                                "split": "layers", "parts": [0, 2, 5]},
+                                "split": "layers", "parts": [0, 2, 5], "clip": pipeline.CLIP},
         # planted errors: the oracle must fail on these (one step is enough to see them)
         **{plant: {"stages": [2], "plant": plant, "steps": 1} for plant in oracle.PLANTS},
     }
