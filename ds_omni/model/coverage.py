@@ -122,7 +122,8 @@ def hf_inputs(processor, built, sample, imgs) -> dict:
     """What HF's processor gives the model for `sample`: its pixels (all the sample's images in
     one call), and its per-token type ids; the token ids are the sample's, whose image tokens
     must number what HF's processor expands them to."""
-    from ds_omni.model.families.generic import image_token_id, processor_call, processor_marker
+    from ds_omni.model.families.generic import image_token_id
+    from ds_omni.model.families.hf_processor import processor_call, processor_marker
     ids = sample.input_ids[None]
     # the processor's attention mask too: without one, some families (Qwen2.5-Omni's thinker)
     # silently fall back to 1-D positions
@@ -261,7 +262,7 @@ def processor_problem(model_type: str) -> str | None:
     """Why HF's processor of `model_type` (which the generic adapter cuts images with) is not at
     hand, or None."""
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
-    from ds_omni.model.families.generic import processor_type
+    from ds_omni.model.families.hf_processor import processor_type
     name = PROCESSOR_MAPPING_NAMES.get(processor_type(model_type))
     if name is None:
         return "transformers maps no processor to it, so nothing says how its images become tokens"
@@ -278,7 +279,7 @@ def image_processor_problem(model_type: str) -> str | None:
     """Why HF's image processor of `model_type` is not at hand without torchvision, or None."""
     from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
     from transformers.utils import is_torchvision_available
-    from ds_omni.model.families.generic import processor_type
+    from ds_omni.model.families.hf_processor import processor_type
     names = IMAGE_PROCESSOR_MAPPING_NAMES.get(processor_type(model_type))
     if isinstance(names, dict) and names and "pil" not in names and (
             not is_torchvision_available()):

@@ -179,8 +179,8 @@ def family_for(model_type: str) -> Family:
     for family in _FAMILIES.values():
         if model_type in family.model_types:
             return family
-    from ds_omni.model.families import generic
-    if generic.hf_class_of(model_type) is not None:  # any image-text-to-text model of transformers
+    from ds_omni.model.families import generic, hf_processor
+    if hf_processor.hf_class_of(model_type) is not None:  # any image-text-to-text model
         return generic.generic_family(model_type)  # a fresh one: it keeps its model's config
     raise ModelError(
         f"unknown model family: model_type {model_type!r} has no ds_omni adapter; supported "

@@ -9,7 +9,7 @@ import pytest
 
 from ds_omni.errors import ModelError
 from ds_omni.model import coverage, coverage_child
-from ds_omni.model.families import generic
+from ds_omni.model.families import hf_processor
 
 
 def test_torchvision_side_stays_off_the_import_path():
@@ -47,23 +47,25 @@ def test_processor_reading_its_video_processor_needs_torchvision(tmp_path):
     the adapter then builds too; without torchvision that is an error that says what to install
     (HF's own is an AttributeError on None)."""
     import transformers
-    assert generic._reads_video_processor(transformers.MiniCPMV4_6Processor)
-    assert not generic._reads_video_processor(transformers.Qwen2VLProcessor)
+    assert hf_processor._reads_video_processor(transformers.MiniCPMV4_6Processor)
+    assert not hf_processor._reads_video_processor(transformers.Qwen2VLProcessor)
     if coverage_child.importable_here():
         return
     with pytest.raises(ModelError, match=r"(?s)MiniCPMV4_6Processor reads its video processor.*"
                                          r"install torchvision"):
-        generic._video_processor("minicpmv4_6", transformers.MiniCPMV4_6Processor, {}, tmp_path)
+        hf_processor._video_processor("minicpmv4_6", transformers.MiniCPMV4_6Processor, {},
+                                      tmp_path)
 
 
 def test_list_inputs_of_get_image_features():
     """Unlimited-OCR's processor hands its tile counts and grids over as lists, which its
     `get_image_features` reads; the adapter carries exactly those (not MiniCPM's `grids`)."""
     import transformers
-    assert generic.list_inputs(transformers.UnlimitedOcrProcessor, transformers.UnlimitedOcrModel
-                               ) == ("num_local_patches", "patches_grid")
+    assert hf_processor.list_inputs(transformers.UnlimitedOcrProcessor,
+                                    transformers.UnlimitedOcrModel) == ("num_local_patches",
+                                                                        "patches_grid")
     minicpm = type("P", (), {"skip_tensor_conversion": ["grids", "num_patches_per_image"]})
-    assert generic.list_inputs(minicpm, transformers.MiniCPMV4_6Model) == ()
+    assert hf_processor.list_inputs(minicpm, transformers.MiniCPMV4_6Model) == ()
 
 
 def test_torchvision_only_image_processor_is_a_clear_error(tmp_path):
@@ -73,4 +75,4 @@ def test_torchvision_only_image_processor_is_a_clear_error(tmp_path):
         pytest.skip("a real torchvision is installed")
     with pytest.raises(ModelError, match=r"Lfm2VlImageProcessor\) exists only as a torchvision "
                                          r"class: install torchvision"):
-        generic._pil_image_processor("lfm2_vl", tmp_path)
+        hf_processor._pil_image_processor("lfm2_vl", tmp_path)

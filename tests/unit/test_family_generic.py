@@ -16,7 +16,7 @@ import torch
 
 from ds_omni.errors import ModelError
 from ds_omni.model import coverage, coverage_child
-from ds_omni.model.families import generic
+from ds_omni.model.families import generic, hf_processor
 from ds_omni.model.family import family_for
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -63,10 +63,9 @@ def test_known_gaps_have_their_reasons(results):
 
 def test_processor_named_by_the_model_file():
     """GLM-OCR and Cosmos3-Omni take the processor their model file's example loads (GLM-4.1V's,
-    Qwen3-VL's; `generic.PROCESSOR_OF`); a type whose file names none stays without one."""
-    from ds_omni.model.families import generic
-    assert generic.processor_class("glm_ocr").__name__ == "Glm4vProcessor"
-    assert generic.processor_class("cosmos3_omni").__name__ == "Qwen3VLProcessor"
+    Qwen3-VL's; `hf_processor.PROCESSOR_OF`); a type whose file names none stays without one."""
+    assert hf_processor.processor_class("glm_ocr").__name__ == "Glm4vProcessor"
+    assert hf_processor.processor_class("cosmos3_omni").__name__ == "Qwen3VLProcessor"
     assert coverage.processor_problem("glm_ocr") is None
     assert "maps no processor" in coverage.processor_problem("kosmos-2")
 
@@ -75,7 +74,7 @@ def test_pixtral_processor_needs_no_torchvision():
     """Mistral3's processor (HF's Pixtral one, which imports torchvision for one size function)
     comes with the PIL image processor standing in, and the stand-in is not left behind."""
     import sys
-    cls = generic.processor_class("mistral3")
+    cls = hf_processor.processor_class("mistral3")
     assert cls.__name__ == "PixtralProcessor"
     assert cls.get_attributes() == ["image_processor", "tokenizer"]
     fast = sys.modules.get("transformers.models.pixtral.image_processing_pixtral")
@@ -136,7 +135,8 @@ def test_family_without_image_hooks_is_a_clear_error():
 def test_inner_model_named_otherwise_is_found_through_automodel():
     """MiniMax-M3's conditional-generation class holds a MiniMaxM3VLModel (AutoModel's base class
     for its type), not a MiniMaxM3SparseModel; Llama 4's AutoModel class is itself, no inner one."""
-    from ds_omni.model.families.generic import hf_class_of, inner_class
+    from ds_omni.model.families.generic import inner_class
+    from ds_omni.model.families.hf_processor import hf_class_of
     assert inner_class(hf_class_of("minimax_m3_vl"), "minimax_m3_vl").__name__ == "MiniMaxM3VLModel"
     assert inner_class(hf_class_of("minimax_m3_vl")) is None
     assert inner_class(hf_class_of("llama4"), "llama4") is None
@@ -157,8 +157,8 @@ def test_family_that_adds_features_into_one_image_block_is_refused():
 
 
 def test_fuyu_image_processor_is_its_torchvision_one(tmp_path, monkeypatch):
-    """Fuyu's PIL image processor fails on every image (`generic.BROKEN_PIL`: drop the entry once
-    this test sees it work); without torchvision, loading says so instead of failing there. Its
+    """Fuyu's PIL image processor fails on every image (`hf_processor.BROKEN_PIL`: drop the entry
+    once this test sees it work); without torchvision, loading says so instead of failing there. Its
     processor writes the image token itself: an image is written as "", and the
     beginning-of-answer token it appends is not the image's."""
     import transformers.utils
@@ -173,10 +173,10 @@ def test_fuyu_image_processor_is_its_torchvision_one(tmp_path, monkeypatch):
             ["|SPEAKER|", "|NEWLINE|"]))(text=[""], images=[Image.new("RGB", (32, 32))])
     monkeypatch.setattr(transformers.utils, "is_torchvision_available", lambda: False)
     with pytest.raises(ModelError, match="FuyuImageProcessorPil.*broken.*torchvision"):
-        generic._pil_image_processor("fuyu", tmp_path)
+        hf_processor._pil_image_processor("fuyu", tmp_path)
     config = coverage.config_for("fuyu")
-    assert generic.appended_text(config) == "<0x04>"
-    assert generic.processor_marker(None, config) == ""
+    assert hf_processor.appended_text(config) == "<0x04>"
+    assert hf_processor.processor_marker(None, config) == ""
 
 
 def test_cli_families_json(capsys):
@@ -277,7 +277,7 @@ def test_ernie_layers_get_the_processors_moe_token_types():
 def test_layout_probe_finds_suffix_and_shared_tail(one, two, want):
     """`probe_layout` reads what HF's processor writes around images from a one-image and a
     two-image call (each followed by the probe text, id 7)."""
-    from ds_omni.model.families.generic import probe_layout
+    from ds_omni.model.families.hf_processor import probe_layout
     assert probe_layout(one, two, [7], lambda ids: ids) == want
 
 

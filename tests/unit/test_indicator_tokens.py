@@ -17,7 +17,8 @@ import torch
 from ds_omni.data.packing import SeqShard, pack
 from ds_omni.errors import ModelError
 from ds_omni.model import omni
-from ds_omni.model.families.generic import INDICATOR_SLOTS, with_indicators
+from ds_omni.model.families.generic import with_indicators
+from ds_omni.model.families.hf_processor import INDICATOR_SLOTS
 from tests.unit.test_deepstack import FakeExchange, build
 
 

@@ -35,7 +35,7 @@ def token_ids(tok, *tokens: str) -> list[int]:
 
 
 def processor_class_for(model_type: str):
-    from ds_omni.model.families.generic import processor_class
+    from ds_omni.model.families.hf_processor import processor_class
     return processor_class(model_type)
 
 

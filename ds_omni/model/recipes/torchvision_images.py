@@ -1,6 +1,6 @@
 """More recipes of types whose HF image processor exists only as a torchvision class (next to
-`torchvision_only`), or whose PIL one is broken (Fuyu's, `generic.BROKEN_PIL`): where this process
-has no torchvision the sweep checks them where it has. Command A Vision (tiles and a thumbnail),
+`torchvision_only`), or whose PIL one is broken (Fuyu's, `hf_processor.BROKEN_PIL`): where this
+process has no torchvision the sweep checks them where it has. Command A Vision (tiles and a thumbnail),
 Apertus 1.5 (a VQ image tokenizer whose codes the LLM embeds), Kimi K2.5 (MoonViT, a DeepSeek-V3
 LLM), Step 3.7 (a global view and local crops), Fuyu (patches straight into the LLM). Molmo 2 is
 refused by its classes (`generic.merge_problem`); PerceptionLM's tower needs timm (a recipe where
