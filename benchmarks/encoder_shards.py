@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.pipeline import config, one_step  # noqa: E402
+from benchmarks.pipeline import config, rotating_rounds  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 MIXES = ("image_heavy_9to1", "text_heavy_1to9")
@@ -102,12 +102,7 @@ def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: 
             runs[(mix, engine)] = build(cfg, ds_config(1), rank, plan, engine)
             joint = runs[(mix, engine)][1].module.joint
             optimized[engine] = sum(p.numel() for p in joint.shards.owned)
-    labels = list(runs)
-    log = {f"{m}/{e}": [] for m, e in labels}
-    for i in range(warmup + rounds):
-        for mix, engine in labels[i % len(labels):] + labels[:i % len(labels)]:
-            loader, ds_engine = runs[(mix, engine)]
-            log[f"{mix}/{engine}"].append(one_step(loader, ds_engine))
+    log = rotating_rounds(runs, warmup + rounds)
     return {"log": log, "encoder_params_stepped_here": optimized}
 
 

@@ -114,14 +114,20 @@ def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: 
                 cfg, derive_ds_config(cfg, ds_config(zero), plan), rank, plan)
             runs[(mix, placement)] = (loader, engine)
             predicted[placement] = [t / 1e9 for t in stage_plan(cfg, built, plan).stage_time]
-    labels = list(runs)
-    log = {f"{m}/{p}": [] for m, p in labels}
-    for i in range(warmup + rounds):
-        for mix, placement in labels[i % len(labels):] + labels[:i % len(labels)]:
-            loader, engine = runs[(mix, placement)]
-            log[f"{mix}/{placement}"].append(one_step(loader, engine))
+    log = rotating_rounds(runs, warmup + rounds)
     parts = {f"{m}/{p}": list(e.module.parts) for (m, p), (_, e) in runs.items()}
     return {"log": log, "parts": parts, "predicted_stage_gflop": predicted}
+
+
+def rotating_rounds(runs: dict, steps: int) -> dict[str, list]:
+    """`steps` rounds of one step of every run ({(mix, name): (loader, engine)}), the order
+    rotated each round so that no run always goes first: {"mix/name": [one_step's record]}."""
+    labels = list(runs)
+    log = {f"{m}/{p}": [] for m, p in labels}
+    for i in range(steps):
+        for mix, name in labels[i % len(labels):] + labels[:i % len(labels)]:
+            log[f"{mix}/{name}"].append(one_step(*runs[(mix, name)]))
+    return log
 
 
 def one_step(loader, engine) -> dict:
