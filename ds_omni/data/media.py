@@ -244,3 +244,38 @@ def frame_indices(info: VideoInfo, *, fps: float | None, num_frames: int | None,
         return list(range(total))
     import torch  # HF's exact arithmetic (a float step), so frames are the ones HF would pick
     return torch.arange(0, total, total / int(n)).int().tolist()
+
+
+def uniform_frame_indices(info: VideoInfo, *, fps: float | None, num_frames: int | None,
+                          max_frames: int | None) -> list[int]:
+    """Evenly spaced frames to keep, as HF's default sampler (`default_sample_indices_fn`, what
+    LLaVA-OneVision's video processor samples with) picks them: `num_frames`, or
+    max(1, int(seconds x fps)); at most `max_frames` (ds_omni's cap, None: none)."""
+    total = info.frames
+    if num_frames is None:
+        if info.fps is None:
+            raise DataError("the video's frame rate is unknown, so it cannot be sampled by fps; set "
+                            "data.video.num_frames instead")
+        num_frames = max(1, int(total / info.fps * fps))
+    elif num_frames > total:
+        raise DataError(f"the video has {total} frames but data.video.num_frames asks for "
+                        f"{num_frames}; lower num_frames, or sample by data.video.fps instead")
+    n = min(num_frames, max_frames or num_frames, total)
+    return (np.arange(n, dtype=int) * total // n).tolist()
+
+
+def normalized_frames(frames: np.ndarray, size: tuple[int, int], mean, std):
+    """RGB frames [n, H, W, 3] uint8 -> [n, C, height, width] fp32, as HF's torchvision video
+    processors make them on CPU: a uint8 bicubic resize with antialias (torchvision's native uint8
+    kernel, which is torch's `interpolate`), then their fused rescale-and-normalize,
+    (x - 255 mean) / (255 std) in fp32."""
+    import torch
+    import torch.nn.functional as F
+    video = torch.from_numpy(frames).permute(0, 3, 1, 2)  # [n, H, W, C] -> [n, C, H, W]
+    if tuple(video.shape[-2:]) != tuple(size):
+        video = F.interpolate(video.contiguous(), size=tuple(size), mode="bicubic",
+                              align_corners=False, antialias=True)  # uint8 in, uint8 out
+    scale = 1.0 / (1 / 255)
+    mean = (torch.tensor(mean) * scale).view(1, -1, 1, 1)
+    std = (torch.tensor(std) * scale).view(1, -1, 1, 1)
+    return (video.float() - mean) / std  # [n, C, height, width]

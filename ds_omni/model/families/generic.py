@@ -49,6 +49,8 @@ from ds_omni.model import deepstack
 from ds_omni.model.families.hf_processor import (GRID_KEYS, INDICATOR_SLOTS, GenericItemProcessor,
                                                  appended_text, hf_class_of, hf_folder,
                                                  list_inputs, load_hf_processor, processor_marker)
+from ds_omni.model.families.hf_video import (VIDEO_INPUT, VIDEO_PROCESSORS, video_item_processor,
+                                             video_token_id)
 from ds_omni.model.family import Family
 from ds_omni.model.omni import NORM_NAMES, ModalityEncoder, OmniModel, backbone_of, final_norm
 
@@ -224,14 +226,16 @@ def generic_family(model_type: str) -> "GenericFamily":
 class GenericVisionEncoder(ModalityEncoder):
     """Per-image inputs (keys "<item>.<name>") -> the images' embeddings [N, D], in item order.
 
-    Each image runs HF's `get_image_features` on the inputs HF's processor made for it alone.
+    Each image runs HF's `get_image_features` on the inputs HF's processor made for it alone, each
+    video (`hf_video`: items with `pixel_values_videos`) HF's `get_video_features`.
     """
 
     modality = "image"
 
-    def __init__(self, *, features_fn, family: "GenericFamily", **kw):
+    def __init__(self, *, features_fn, family: "GenericFamily", video_fn=None, **kw):
         super().__init__(**kw)
         object.__setattr__(self, "_features", features_fn)  # HF's bound method (not a submodule)
+        object.__setattr__(self, "_video_features", video_fn)
         object.__setattr__(self, "_family", family)  # holds the dummy image's inputs
         self.layout = deepstack.Layout()  # its deepstack levels (`GenericFamily.to_omni`)
 
@@ -247,7 +251,7 @@ class GenericVisionEncoder(ModalityEncoder):
     def _item_rows(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """One item's rows [N_i, D]: its image tokens', and its indicator tokens' in text order."""
         slots = inputs.pop(INDICATOR_SLOTS, None)
-        out = self._features(**inputs)
+        out = (self._video_features if VIDEO_INPUT in inputs else self._features)(**inputs)
         rows = flat_features(out, self.layout)
         return rows if slots is None else with_indicators(rows, out.visual_indicator_features,
                                                           slots)
@@ -381,6 +385,11 @@ class GenericFamily(Family):
         self.list_inputs: tuple[str, ...] = ()  # set with the item processors
         self._moe_types: dict[int, list[int]] | None = None  # `layer_inputs` (set with the config)
 
+    @property
+    def takes_video(self) -> bool:
+        """Whether videos are carried for this family (`hf_video.VIDEO_PROCESSORS`)."""
+        return hf_folder(self._hf) in VIDEO_PROCESSORS
+
     def hf_model_class(self):
         return self._hf
 
@@ -402,10 +411,12 @@ class GenericFamily(Family):
                              "adapter needs a decoder-only LLM with embed_tokens, layers, norm and "
                              "rotary_emb")
         tower, projector = split_modules(inner)
+        video = (video_token_id(hf_model.config),) if self.takes_video else ()
         encoder = GenericVisionEncoder(
             tower=tower, projector=projector, placeholder_id=image_token_id(hf_model.config),
-            more_placeholder_ids=indicator_ids(hf_model.config),
-            features_fn=inner.get_image_features, family=self)
+            more_placeholder_ids=indicator_ids(hf_model.config) + video,
+            features_fn=inner.get_image_features, family=self,
+            video_fn=inner.get_video_features if video else None)
         encoder.layout = deepstack.layout(hf_model.config)  # Qwen3-VL, Granite 4 Vision
         encoder.deepstack_layers = encoder.layout.layers
         gather_with(encoder, projector.params.values())
@@ -434,7 +445,8 @@ class GenericFamily(Family):
         from PIL import Image
         self.dummy = proc.process(Image.new("RGB", (32, 32))).inputs
         self._set_rope(hf_config)
-        return {"vision": proc}
+        video = video_item_processor(hf_folder(self._hf), hf_config, hf_proc, model_dir)
+        return {"vision": proc, **({"video": video} if video is not None else {})}
 
     def position_ids(self, input_ids, items):
         """0..L-1, or [R, L] from HF's `get_rope_index` for a family that has one."""
@@ -486,7 +498,8 @@ class GenericFamily(Family):
         tokenizer.save_pretrained(str(out_dir))
         if model_dir is None or Path(out_dir).resolve() == Path(model_dir).resolve():
             return
-        for name in ("processor_config.json", "preprocessor_config.json", "chat_template.jinja"):
+        for name in ("processor_config.json", "preprocessor_config.json",
+                     "video_preprocessor_config.json", "chat_template.jinja"):
             if (Path(model_dir) / name).is_file():
                 (Path(out_dir) / name).write_text((Path(model_dir) / name).read_text())
 

@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from ds_omni.errors import DataError, ModelError
-from ds_omni.data.media import VideoInfo, frame_indices, load_image, read_frames, video_info
+from ds_omni.data.media import (VideoInfo, frame_indices, load_image, normalized_frames,
+                                read_frames, video_info)
 from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
 from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
 from ds_omni.parallel import long_short
@@ -278,15 +279,7 @@ def video_patches(s: VideoSettings, frames, size: tuple[int, int]) -> torch.Tens
     with antialias (torchvision's native uint8 kernel, which is torch's), then (x - 255 mean) /
     (255 std) in fp32.
     """
-    import torch.nn.functional as F
-    video = torch.from_numpy(frames).permute(0, 3, 1, 2)  # [n, H, W, C] -> [n, C, H, W]
-    if tuple(video.shape[-2:]) != size:
-        video = F.interpolate(video.contiguous(), size=size, mode="bicubic", align_corners=False,
-                              antialias=True)  # uint8 in, uint8 out
-    scale = 1.0 / (1 / 255)
-    mean = (torch.tensor(s.image_mean) * scale).view(1, -1, 1, 1)
-    std = (torch.tensor(s.image_std) * scale).view(1, -1, 1, 1)
-    video = (video.float() - mean) / std  # [n, C, H', W']
+    video = normalized_frames(frames, size, s.image_mean, s.image_std)  # [n, C, H', W']
     tp, p, m = s.temporal_patch_size, s.patch_size, s.merge_size
     if pad := -video.shape[0] % tp:  # repeat the last frame to fill the last temporal patch
         video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
