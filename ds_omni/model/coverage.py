@@ -7,6 +7,8 @@ tiny images; no hub), saved with its processor, loaded through `build_model` (th
 path), and checked:
 - logits of one packed row (an image, a text-only sample, two images of different sizes) against
   the HF model run one sample at a time on its own processor's inputs: max |diff| <= 1e-5 (fp32);
+- each sample's image tokens: what HF's processor writes for all its images in one call
+  (`check_image_tokens`), text between and after adjacent images included;
 - the export round trip: `export_hf` then plain `from_pretrained` gives bitwise-equal tensors.
 A type without a recipe is reported unverified. `ds-omni families` prints this same table.
 """
