@@ -307,3 +307,22 @@ def test_numbered_images_and_shared_tails_reach_the_sample():
     assert ids[start:start + 5] == [100, 9, 101, 9, 300]  # one tail after the adjacent pair
     at = ids.index(102)
     assert ids[at:at + 3] == [102, 9, 300] and ids.count(300) == 2
+
+
+def test_a_processor_that_refuses_the_layout_probe_keeps_one_image_tokens(caplog):
+    """A processor that takes one image a text fails the two-image probe: loading goes on, each
+    image keeping the tokens written for it alone (no suffix cut, no shared tail), and says so."""
+    from ds_omni.model.families.hf_processor import GenericItemProcessor
+
+    class OneImage:
+        tokenizer = staticmethod(lambda text, add_special_tokens=False: {"input_ids": [7]})
+
+        def __call__(self, text, images, return_tensors=None):
+            if len(images) > 1:
+                raise ValueError("one image per text")
+            return {"input_ids": torch.tensor([[9, 9, 7, 5]])}
+
+    with caplog.at_level("WARNING"):
+        proc = GenericItemProcessor(OneImage(), "<image>", placeholder_id=9, bos_id=None)
+    assert proc.shared_tail == 0 and proc.appended == []
+    assert "did not take the layout probe" in caplog.text

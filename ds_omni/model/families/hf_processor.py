@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,8 @@ import torch
 from ds_omni.data.media import load_image
 from ds_omni.errors import ModelError
 from ds_omni.model.family import EncodedItem, ItemProcessor
+
+log = logging.getLogger(__name__)
 
 EXTRA_TOKEN_INPUTS = ("token_type_ids", "mm_token_type_ids")
 """Per-token processor outputs: rebuilt from the token ids per sample, never carried per item."""
@@ -92,15 +95,21 @@ class GenericItemProcessor(ItemProcessor):
         share is written once after a run of them (`shared_tail`)."""
         from PIL import Image
         blank = Image.new("RGB", (32, 32))
-        tok = self.hf_processor.tokenizer
+        tok = getattr(self.hf_processor, "tokenizer", None)
 
         def ids(n: int) -> list[int]:
             out = processor_call(self.hf_processor, [self.marker * n + LAYOUT_PROBE], [blank] * n)
             ids = out["input_ids"][0].tolist()
             return ids[1:] if self.bos_id is not None and ids[:1] == [self.bos_id] else ids
 
-        probe = tok(LAYOUT_PROBE, add_special_tokens=False)["input_ids"]
-        layout = probe_layout(ids(1), ids(2), probe, lambda t: self.numbered(t, 1))
+        try:
+            probe = tok(LAYOUT_PROBE, add_special_tokens=False)["input_ids"]
+            layout = probe_layout(ids(1), ids(2), probe, lambda t: self.numbered(t, 1))
+        except Exception as e:  # noqa: BLE001  (a processor that takes one image a text, ...)
+            log.warning("HF's %s did not take the layout probe (%s: %s): each image keeps the "
+                        "tokens it writes for that image alone", type(self.hf_processor).__name__,
+                        type(e).__name__, e)
+            return
         if layout is not None:
             suffix, self.shared_tail = layout
             self.appended = self.appended or suffix
