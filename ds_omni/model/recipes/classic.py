@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ds_omni.model.recipes.common import (CLIP, NO_RECIPE, NOT_EXACT, RECIPES, SIGLIP, TEXT,
+from ds_omni.model.recipes.common import (CLIP, NOT_EXACT, RECIPES, SIGLIP, TEXT,
                                           config_for, demo_tokenizer, lenient_processor,
                                           processor_class_for, tiny_text, token_ids)
 
@@ -64,19 +64,27 @@ def _llava_onevision():
                                      vision_feature_select_strategy="full")
 
 
-def _internvl():
+INTERN_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>",
+                 "context_image_token": "<IMG_CONTEXT>"}
+
+
+def _intern_tiles(model_type: str, named: dict, tokens: list[str], llm: str = "qwen2"):
+    """InternVL's tower over GOT-OCR2's tiles (crop to 1-4 patches of 32 pixels)."""
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
-    named = {"start_image_token": "<img>", "end_image_token": "</img>",
-             "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
-    tok = demo_tokenizer(list(named.values()), named)
+    tok = demo_tokenizer(tokens, named)
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "image_size": [32, 32], "patch_size": [8, 8]}
-    config = config_for("internvl", vision_config=vision, text_config=tiny_text(tok),
+    config = config_for(model_type, vision_config=vision, text_config=tiny_text(tok, llm),
                         image_token_id=token_ids(tok, "<IMG_CONTEXT>")[0], downsample_ratio=0.5)
     images = GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, crop_to_patches=True,
                                       min_patches=1, max_patches=4)
-    return config, lenient_processor(processor_class_for("internvl"), image_processor=images,
+    return config, lenient_processor(processor_class_for(model_type), image_processor=images,
                                      tokenizer=tok, image_seq_length=4)
+
+
+def _internvl():
+    named = {**INTERN_TOKENS, "video_token": "<video>"}
+    return _intern_tiles("internvl", named, list(named.values()))
 
 
 def _idefics3(model_type: str):
@@ -268,18 +276,8 @@ def _llava_video(model_type: str):
 
 def _qianfan_ocr():
     """InternVL-like tiles with a Qwen3 LLM; the chat template's "<image>" is expanded."""
-    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
-    named = {"start_image_token": "<img>", "end_image_token": "</img>",
-             "context_image_token": "<IMG_CONTEXT>"}
-    tok = demo_tokenizer([*named.values(), "<image>"], named)
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "image_size": [32, 32], "patch_size": [8, 8]}
-    config = config_for("qianfan_ocr", vision_config=vision, text_config=tiny_text(tok, "qwen3"),
-                        image_token_id=token_ids(tok, "<IMG_CONTEXT>")[0], downsample_ratio=0.5)
-    images = GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, crop_to_patches=True,
-                                      min_patches=1, max_patches=4)
-    return config, lenient_processor(processor_class_for("qianfan_ocr"), image_processor=images,
-                                     tokenizer=tok, image_seq_length=4)
+    return _intern_tiles("qianfan_ocr", INTERN_TOKENS, [*INTERN_TOKENS.values(), "<image>"],
+                         "qwen3")
 
 
 def _deepseek_vl(model_type: str):
@@ -528,11 +526,6 @@ NOT_EXACT.update({
               "split",
     "florence2": "its language model is an encoder-decoder (BART); ds_omni's backbone is "
                  "decoder-only",
-    "shieldgemma2": "transformers cannot load a ShieldGemma 2 checkpoint into the class its "
-                    "image-text-to-text mapping names (Gemma3ForConditionalGeneration): the "
-                    "saved keys keep a `model.` prefix (its key mapping is for "
-                    "ShieldGemma2ForImageClassification) and every weight loads as missing; "
-                    "its model is Gemma 3's, which is exact",
     "emu3": "HF pads the images of one call to the largest and its VQ-VAE's convolutions see the "
             "padding, so an image's codes depend on the other images of the sample (its tiny "
             "recipe's logits differ by 0.6 from the second, smaller image on); ds_omni encodes "
@@ -589,7 +582,7 @@ RECIPES.update({
 })
 RECIPES["deepseek_ocr2"] = _deepseek_ocr2
 RECIPES["ovis2"] = _ovis2
-NOT_EXACT["shieldgemma2"] = (  # (replaces the entry above, one reason more)
+NOT_EXACT["shieldgemma2"] = (
     "transformers cannot load a ShieldGemma 2 checkpoint into the class its image-text-to-text "
     "mapping names (Gemma3ForConditionalGeneration): the saved keys keep a `model.` prefix (its "
     "key mapping is for ShieldGemma2ForImageClassification) and every weight loads as missing; "
