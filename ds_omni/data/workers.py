@@ -28,6 +28,7 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -112,13 +113,17 @@ class WorkerPool:
 
     A step's jobs go to the workers in contiguous parts, one message each way per worker: every
     hand-off between the trainer's threads and a worker waits for the GIL (up to its 5 ms switch
-    interval while the step's host thread holds it), so there are as few as possible."""
+    interval while the step's host thread holds it), so there are as few as possible.
+
+    One `map` at a time: the prefetch thread's and any other caller's maps take turns (two
+    readers of one pipe would split a reply between them)."""
 
     def __init__(self, fn, n: int, *, timeout_s: float = 1800.0):
         if n < 1:
             raise ValueError(f"a worker pool needs at least one worker, got {n}")
         ctx = mp.get_context("spawn")  # not fork: the trainer has threads (gloo, prefetch)
         self.timeout_s = timeout_s
+        self._lock = threading.Lock()
         self._conns, self._procs = [], []
         for i in range(n):  # they start importing now, while the model is being built
             mine, theirs = ctx.Pipe()
@@ -131,6 +136,10 @@ class WorkerPool:
 
     def map(self, jobs: list) -> list:
         """`fn(job)` for each job, in order. A dead worker or an exception in `fn` raises."""
+        with self._lock:
+            return self._map(jobs)
+
+    def _map(self, jobs: list) -> list:
         if self._procs is None:
             raise DataError("the data worker pool is closed")
         n = len(self._procs)
@@ -233,12 +242,13 @@ def _serve(fn, conn) -> None:
         if conn not in mp.connection.wait(watch):  # the training process is gone
             break
         try:
-            part = pickle.loads(conn.recv_bytes())
+            message = conn.recv_bytes()
         except (EOFError, OSError):
             break
-        if part is None:
-            break
-        try:
+        try:  # every failure goes back as a reply: the trainer sees the error, not a death
+            part = pickle.loads(message)
+            if part is None:
+                break
             reply = dumps((True, [fn(job) for job in part]))
         except Exception as e:
             reply = pickle.dumps((False, f"{type(e).__name__}: {e} (in worker pid {os.getpid()}):"

@@ -271,15 +271,21 @@ class Watchdog:
         self._publish(beat)
         if self.store.check([ABORT_KEY]):
             return self.store.get(ABORT_KEY).decode(), []
+        return None, self._read_peers()
+
+    def _read_peers(self) -> list[bytes | None]:
+        """The watched ranks' last published beats (None: not published yet)."""
         keys = [f"beat/{r}" for r in self.peers]
         present = [k for k in keys if self.store.check([k])]
         values = dict(zip(present, self.store.multi_get(present))) if present else {}
-        return None, [values.get(k) for k in keys]
+        return [values.get(k) for k in keys]
 
-    def _with_deadline(self, fn):
-        """fn() on a helper thread, given up after `interval` seconds: a TCPStore client whose
-        server is stopped blocks in recv() for ever, whatever its timeout says."""
-        if self._io is not None and self._io.is_alive():
+    def _with_deadline(self, fn, deadline_s: float | None = None, once: bool = False):
+        """fn() on a helper thread, given up after `interval` seconds (or `deadline_s`): a
+        TCPStore client whose server is stopped blocks in recv() for ever, whatever its timeout
+        says. A request of the ticks is refused while an earlier one hangs; a `once` request (the
+        SIGTERM path, which may run while a tick's request is in flight) is not."""
+        if not once and self._io is not None and self._io.is_alive():
             raise TimeoutError("an earlier store request has not come back")
         box = {}
 
@@ -288,10 +294,12 @@ class Watchdog:
                 box["value"] = fn()
             except BaseException as e:
                 box["error"] = e
-        self._io = threading.Thread(target=call, name="ds-omni-watchdog-io", daemon=True)
-        self._io.start()
-        self._io.join(max(self.interval, 1.0))
-        if self._io.is_alive():
+        io = threading.Thread(target=call, name="ds-omni-watchdog-io", daemon=True)
+        if not once:
+            self._io = io
+        io.start()
+        io.join(deadline_s or max(self.interval, 1.0))
+        if io.is_alive():
             raise TimeoutError("the store did not answer")
         if "error" in box:
             raise box["error"]
@@ -316,10 +324,26 @@ class Watchdog:
         """Say which watched rank is gone (once, whichever thread comes first) and end."""
         if not self._ending.acquire(blocking=False):
             return
+        self._read_peers_once_more()
         why = self.diagnose() or "no watched rank looked dead"
         print(f"ds-omni: rank {self.rank}: terminated (SIGTERM: a launcher sends it when "
               f"another rank has ended); {why}", file=sys.stderr, flush=True)
         os._exit(128 + signal.SIGTERM)
+
+    def _read_peers_once_more(self) -> None:
+        """Before naming the peer that is gone: its last beat from the store. A launcher ends
+        the survivors as soon as it sees a rank die, which can be before this thread's first
+        read (a rank that dies within one interval of the start); the store outlives the dead
+        rank (torchrun's agent hosts it, or rank 0 when rank 0 is not the one gone). At most one
+        second: a launcher kills what has not exited a few seconds after its SIGTERM."""
+        try:
+            texts = self._with_deadline(self._read_peers, deadline_s=1.0, once=True)
+        except Exception:  # the store went with its host: diagnose from what was seen
+            return
+        now = time.monotonic()
+        for rank, text in zip(self.peers, texts):
+            if text:
+                self.peers[rank].update(Beat.loads(text), now)
 
     def _release_sigterm(self) -> None:
         if self._signals is None:

@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 import torch.distributed as dist
 
 from ds_omni.train.watchdog import (Beat, PeerView, Watchdog, judge, local_state,
@@ -173,8 +175,13 @@ class Store(dict):  # enough of a store, without importing torch
     multi_get = lambda self, keys: [self[k] for k in keys]
 
 dead = subprocess.Popen([sys.executable, "-c", "pass"]); dead.wait()
-dog = Watchdog(0, 2, 60.0, Store(), interval_s=0.2)
-dog.peers[1].beat = Beat(seq=1, host=socket.gethostname(), pid=dead.pid)
+beat = Beat(seq=1, host=socket.gethostname(), pid=dead.pid)
+store = Store()
+dog = Watchdog(0, 2, 60.0, store, interval_s=float(sys.argv[2]))
+if sys.argv[1] == "seen":  # the watchdog thread has read rank 1's beat
+    dog.peers[1].beat = beat
+else:  # rank 1 published its beat at start-up and died before this rank's first read
+    store["beat/1"] = beat.dumps()
 dog._catch_sigterm()
 dog._thread.start()
 print(dead.pid, flush=True)
@@ -182,9 +189,15 @@ time.sleep(60)  # the main thread is busy: the watchdog thread must act on the s
 """
 
 
-def test_sigterm_from_a_launcher_names_the_peer_that_is_gone():
+@pytest.mark.parametrize("read", ["seen", "unread"])
+def test_sigterm_from_a_launcher_names_the_peer_that_is_gone(read):
+    """Named whether or not the watchdog thread had read the dead rank's beat: torchrun's agent
+    may end this rank before its first read (issue: a rank killed within one interval of the
+    start was reported as "no watched rank looked dead")."""
     import signal
-    proc = subprocess.Popen([sys.executable, "-c", _SIGTERMED], stdout=subprocess.PIPE,
+    interval = "0.2" if read == "seen" else "60"  # "unread": the thread never gets to a read
+    proc = subprocess.Popen([sys.executable, "-c", _SIGTERMED, read, interval],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     dead_pid = proc.stdout.readline().strip()
     proc.send_signal(signal.SIGTERM)
