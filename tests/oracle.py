@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests import plants
 from tests.fixtures import ADAM_EPS
 
 # Gradients agree to rtol, plus an atol of this fraction of the largest gradient of the model:
@@ -175,16 +176,14 @@ def assert_moved(ref: Reference, where: str) -> None:
 
 
 # ----------------------------------------------------------------------------- the ranks' side
-PLANTS = ("loss_x2", "drop_sample")
-
-
 def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
                   plant: str | None = None, resume_at: int | None = None) -> dict:
     """Train `steps` steps of `cfg` on this rank through the real DeepSpeed engine.
 
     Returns the losses, every step's sample keys, counts of micro-batches with nothing to encode
     here, the eval result after the last step when the config has eval sources, and (on rank 0 only, to keep results small) the first step's reduced gradients and the
-    final parameters. `plant` puts in a known error: the oracle must see it. `resume_at`: save a
+    final parameters. `plant` puts in a known error (`tests/plants.py`): the oracle must see it.
+    `resume_at`: save a
     checkpoint before that step, and after the last step resume from it and train the rest again
     (`_resume_and_rerun`); the final parameters are then the rerun's.
     """
@@ -200,24 +199,17 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
            "block_rows": 0, "block_rows_with_items": 0, "long_items": 0,
            "optimizer_encoders": _optimizer_encoders(engine, built)}
     grads = {}
-    engine_loss = train.engine_loss
-    if plant == "loss_x2":
-        train.engine_loss = lambda *a: 2 * engine_loss(*a)
-    try:
+    with plants.applied(plant, rank):
         for step in range(steps):
             if step == resume_at:
                 _save(cfg, built, engine, loader, step, rank)
             batch = loader.next_step()
-            if plant == "drop_sample" and rank == 0 and step == 0:
-                _drop_last_sample(batch.micro_batches[0])
             _count_encoder_work(batch, out)
             out["keys"].append(batch.keys)
             grab = (lambda e: grads.update(full_grads(e))) if step == 0 else None
             out["losses"].append(train.train_step(engine, batch, loader.comm, grab).loss)
             out.setdefault("pool_moved", []).append(  # the metric data_pool_moved
                 train.pool_metrics(engine.module).get("data_pool_moved"))
-    finally:
-        train.engine_loss = engine_loss
     if plan.pp_enabled:  # the stage boundaries the engine was built with
         out["parts"] = list(engine.module.parts)
     pool = getattr(engine.module, "encoder_pool", None)  # items encoded for another rank
@@ -279,13 +271,6 @@ def omni_names(engine, built) -> dict[str, str]:
     layer index), found by tensor identity."""
     ours = {id(p): n for n, p in built.model.named_parameters()}
     return {n: ours[id(p)] for n, p in engine.module.named_parameters()}
-
-
-def _drop_last_sample(mb) -> None:
-    """The last sample of a (whole, unsharded) micro-batch no longer counts: its targets go."""
-    from ds_omni.model.omni import IGNORE_INDEX
-    assert mb.reshard is None, "plant drop_sample on data-parallel runs only"
-    mb.targets[:, int(mb.cu_seqlens[-2]):] = IGNORE_INDEX
 
 
 def _count_encoder_work(batch, out: dict) -> None:

@@ -4,8 +4,8 @@ Oracle (`tests/oracle.py`): plain PyTorch in one process (no DeepSpeed), the sam
 batches made there by dp loaders in loader order (not taken from the ranks), loss = sum of token
 losses / global target tokens, torch AdamW, the same clipping. After two steps with gradient
 accumulation the losses, the full reduced gradients of the first step and every parameter must
-agree to fp32 precision. `test_oracle_sees_planted_errors` shows it fails on a loss scaled 2x and
-on one dropped sample.
+agree to fp32 precision. `test_plant_is_caught` shows it fails on each planted error of
+`tests/plants.py` (a loss scaled 2x, one dropped sample, ...).
 
 Cases: the demo composition (LLaVA) under ZeRO 0, 2, 3 (ZeRO-1: the pool case below), with a
 validation set of 5 rows evaluated after the last step over both ranks (its loss equals one process evaluating the whole set); every other family under ZeRO-3 (the
@@ -22,7 +22,7 @@ mode in two reorder groups and DP2 x PP2 in both placements.
 
 import pytest
 
-from tests import oracle
+from tests import oracle, plants
 from tests.data_files import skewed_source
 from tests.dist import pipeline
 from tests.fixtures import ds_config, eval_sources, text_source, tiny_config
@@ -118,7 +118,7 @@ def cases(tmp_path_factory):
                                 "steps": 3, "train": PP_BATCH, "resume_at": 2,
                                 "split": "layers", "parts": [0, 2, 5], "clip": pipeline.CLIP},
         # planted errors: the oracle must fail on these (one step is enough to see them)
-        **{plant: {"stages": [2], "plant": plant, "steps": 1} for plant in oracle.PLANTS},
+        **{plant: {"stages": [2], "plant": plant, "steps": 1} for plant in plants.for_launch("dp")},
     }
 
 
@@ -146,13 +146,16 @@ def test_pipeline_matches_single_process(cases, dp_results, tmp_path):
             pipeline.check(name, case, per_rank, _config(case, str(tmp_path / f"ref_{name}")))
 
 
+# what the oracle's failure names: 2x loss scaling leaves the reported loss alone and Adam's first
+# step nearly so, only the gradient comparison sees it; a dropped sample changes the loss itself
+CAUGHT_BY = {"loss_x2": "grad of", "drop_sample": "ZeRO-2"}
+
+
 @pytest.mark.dist
-def test_oracle_sees_planted_errors(cases, dp_results, tmp_path):
-    # 2x loss scaling leaves the reported loss alone and Adam's first step nearly so: only the
-    # gradient comparison sees it. A dropped sample changes the loss itself.
-    for plant, caught_by in (("loss_x2", "grad of"), ("drop_sample", "ZeRO-2")):
-        with pytest.raises(AssertionError, match=caught_by):
-            _check(plant, cases[plant], dp_results, tmp_path, dp=2)
+@pytest.mark.parametrize("plant", plants.for_launch("dp"))
+def test_plant_is_caught(plant, cases, dp_results, tmp_path):
+    with pytest.raises(AssertionError, match=CAUGHT_BY.get(plant, "")):
+        _check(plant, cases[plant], dp_results, tmp_path, dp=2)
 
 
 @pytest.fixture(scope="module")
