@@ -1,8 +1,9 @@
-"""Every figure of BENCHMARKS.md's summary table, found in its results file.
+"""Every figure of BENCHMARKS.md's summary and History tables, found in its results file.
 
-The summary table is the first table of BENCHMARKS.md. Every number in its `figure` column is a
-figure, and its `source` column names, in backticks, a results file of `benchmarks/results/`
-and then one key per number, in the order the numbers are printed:
+The summary table is the first table of BENCHMARKS.md; every later table with `figure` and
+`source` columns (the History of earlier runs) is checked the same way. Every number in a
+`figure` cell is a figure, and its `source` cell names, in backticks, a results file of
+`benchmarks/results/` and then one key per number, in the order the numbers are printed:
 
     | what | figure | baseline | source | command |
     |---|---|---|---|---|
@@ -17,6 +18,8 @@ A key is a path of dict keys and list indexes joined by dots (`cpu.ratios.0`). O
 - `range(path)`: two numbers, the min and the max of every value the path selects (`1.35-1.60`);
   `max(path)` and `min(path)`: one of them (a figure that holds for every mix);
 - `p / q`: the ratio of two values, for a ratio the results file does not store.
+A file written `name.json@rev` is read as git revision `rev` had it (`git show`): a figure of
+an earlier run whose results file a later run replaced.
 A figure matches when its value, formatted with as many decimals as printed, reads the same
 (`0.96` for 0.9583); a figure printed with `%` is compared with the value x 100 (the results
 files store fractions). Context that is not a measurement of that run (a modelled bound, a
@@ -32,12 +35,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# 0.96, 8,000, 99.8 %: a range 1.35-1.60 is two numbers (figures are never negative)
-NUMBER = re.compile(r"(\d+(?:,\d{3})*(?:\.\d+)?)(\s?%)?")
+# 0.96, 8,000, 99.8 %, -29 %; a range 1.35-1.60 is two numbers (a "-" after a digit is no sign)
+NUMBER = re.compile(r"((?:(?<![\d.])-)?\d+(?:,\d{3})*(?:\.\d+)?)(\s?%)?")
 TOKEN = re.compile(r"`([^`]+)`")
 # a path segment: a key or index, or a [field=value,...] filter (whose values may hold dots)
 SEGMENT = re.compile(r"\[[^\]]*\]|[^.\[\]]+")
@@ -47,24 +51,27 @@ class FigureError(ValueError):
     """A source that cannot be read: no such file or key, or a key selecting the wrong count."""
 
 
-def summary_table(doc: str) -> tuple[list[str], list[list[str]]]:
-    """Header and rows (cells stripped) of the first Markdown table in `doc`."""
-    lines = [line.strip() for line in doc.splitlines()]
-    start = next((i for i, line in enumerate(lines) if line.startswith("|")), None)
-    if start is None:
+def tables(doc: str) -> list[tuple[list[str], list[list[str]]]]:
+    """Header and rows (cells stripped) of every Markdown table in `doc`, in order."""
+    found, rows = [], []
+    for line in doc.splitlines() + [""]:
+        if line.strip().startswith("|"):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif rows:
+            found.append((rows[0], rows[2:]))  # rows[1] is the |---| line
+            rows = []
+    if not found:
         raise FigureError("no table found: the summary table must be the document's first table")
-    rows = []
-    for line in lines[start:]:
-        if not line.startswith("|"):
-            break
-        rows.append([cell.strip() for cell in line.strip("|").split("|")])
-    return rows[0], rows[2:]  # rows[1] is the |---| line
+    return found
 
 
-def column(header: list[str], name: str) -> int:
-    for i, cell in enumerate(header):
-        if cell.lower().startswith(name):
-            return i
+def column(header: list[str], name: str) -> int | None:
+    return next((i for i, cell in enumerate(header) if cell.lower().startswith(name)), None)
+
+
+def require(index: int | None, header: list[str], name: str) -> int:
+    if index is not None:
+        return index
     raise FigureError(f"the summary table has no '{name}' column (its columns: {header}); "
                       "add one, see benchmarks/check_figures.py's docstring")
 
@@ -134,12 +141,8 @@ def source_values(cell: str, results: Path) -> list[tuple[str, float]]:
     """The values a source cell names, in order, each labelled `file` `key`."""
     out, file, data = [], None, None
     for token in TOKEN.findall(cell):
-        if token.endswith(".json"):
-            file = token
-            try:
-                data = json.loads((results / file).read_text())
-            except FileNotFoundError:
-                raise FigureError(f"no results file `{results / file}`") from None
+        if re.search(r"\.json(@\w+)?$", token):
+            file, data = token, load(results, token)
             continue
         if data is None:
             raise FigureError(f"`{token}` comes before any results file: name the `*.json` first")
@@ -147,6 +150,22 @@ def source_values(cell: str, results: Path) -> list[tuple[str, float]]:
         for key in keys:
             out += [(f"`{file}` `{label}`", value) for label, value in key_values(data, key, file)]
     return out
+
+
+def load(results: Path, file: str):
+    """A results file as it is now, or as git revision `rev` had it (`name.json@rev`)."""
+    name, _, rev = file.partition("@")
+    if not rev:
+        try:
+            return json.loads((results / name).read_text())
+        except FileNotFoundError:
+            raise FigureError(f"no results file `{results / name}`") from None
+    shown = subprocess.run(["git", "-C", str(results), "show", f"{rev}:./{name}"],
+                           capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise FigureError(f"`{file}`: git cannot show {name} at {rev} ({shown.stderr.strip()}); "
+                          "check the revision, and run from a git checkout")
+    return json.loads(shown.stdout)
 
 
 def printed_as(figure: re.Match, value: float) -> str:
@@ -157,10 +176,23 @@ def printed_as(figure: re.Match, value: float) -> str:
 
 
 def check(doc_path: Path, results: Path) -> tuple[int, list[str]]:
-    """(figures checked, one line per figure not backed) for the summary table of `doc_path`."""
-    header, rows = summary_table(doc_path.read_text())
-    what, fig_col, src_col = 0, column(header, "figure"), column(header, "source")
+    """(figures checked, one line per figure not backed) for the summary table of `doc_path`
+    and every later table with `figure` and `source` columns."""
+    found = tables(doc_path.read_text())
+    for name in ("figure", "source"):  # the summary table must have both
+        require(column(found[0][0], name), found[0][0], name)
     checked, problems = 0, []
+    for header, rows in found:
+        fig_col, src_col = column(header, "figure"), column(header, "source")
+        if fig_col is not None and src_col is not None:
+            n, more = check_rows(rows, fig_col, src_col, results)
+            checked, problems = checked + n, problems + more
+    return checked, problems
+
+
+def check_rows(rows: list[list[str]], fig_col: int, src_col: int,
+               results: Path) -> tuple[int, list[str]]:
+    what, checked, problems = 0, 0, []
     for row in rows:
         name = f"row '{row[what]}'"
         figures = list(NUMBER.finditer(row[fig_col]))
@@ -196,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print(f"{len(problems)} figure(s) not backed by {args.results}/*.json")
         return 1
-    print(f"{checked} figures of {args.doc.name}'s summary table found in {args.results}/*.json")
+    print(f"{checked} figures of {args.doc.name} (summary and History tables) found in "
+          f"{args.results}/*.json")
     return 0
 
 

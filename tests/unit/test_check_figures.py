@@ -1,5 +1,6 @@
-"""Every figure of BENCHMARKS.md's summary table is found in benchmarks/results/*.json
-(benchmarks/check_figures.py), and a planted wrong figure, key or count is named."""
+"""Every figure of BENCHMARKS.md's summary table is found in benchmarks/results/*.json, and every
+figure of its History table in the results file git kept (benchmarks/check_figures.py); a planted
+wrong figure, key or count is named."""
 
 import functools
 import importlib.util
@@ -56,6 +57,10 @@ def _planted(tmp_path, old: str, new: str) -> Path:
     # a key that is not in the file
     ("`throughput.{baseline_workers0,", "`throughput.{baseline_workers9,",
      "`loader.json` has no `baseline_workers9` under `throughput`"),
+    # a History figure is read from the results file as git kept it at that commit
+    ("| 1.16 / 1.14 / 1.44 |", "| 1.16 / 1.14 / 1.45 |",
+     "figure 1.45 but `pipeline.json@ddeca92` "
+     "`text_heavy_1to9.stage0_over_uniform_cpu_s_median_of_paired_ratios`"),
     # a number added to a figure cell without a key for it
     (LOADER_ROW, LOADER_ROW.replace("2.13x |", "2.13x (earlier run 2.20x) |"),
      "the figure column has 3 numbers (0.96, 2.13, 2.20) but the source names 2 values"),
@@ -71,4 +76,4 @@ def test_planted_error_is_named(tmp_path, capsys, old, new, named):
 
 def test_clean_table_exits_zero(capsys):
     assert _checker().main(["--doc", str(DOC), "--results", str(RESULTS)]) == 0
-    assert "figures of BENCHMARKS.md's summary table found" in capsys.readouterr().out
+    assert "figures of BENCHMARKS.md (summary and History tables) found" in capsys.readouterr().out
