@@ -18,8 +18,9 @@ A key is a path of dict keys and list indexes joined by dots (`cpu.ratios.0`). O
 - `range(path)`: two numbers, the min and the max of every value the path selects (`1.35-1.60`);
   `max(path)` and `min(path)`: one of them (a figure that holds for every mix);
 - `p / q`: the ratio of two values, for a ratio the results file does not store.
-A file written `name.json@rev` is read as git revision `rev` had it (`git show`): a figure of
-an earlier run whose results file a later run replaced.
+A file written `name.json@rev` is the results file as git revision `rev` had it, kept as
+`results/history/name@rev.json`: a figure of an earlier run whose results file a later run
+replaced.
 A figure matches when its value, formatted with as many decimals as printed, reads the same
 (`0.96` for 0.9583); a figure printed with `%` is compared with the value x 100 (the results
 files store fractions). Context that is not a measurement of that run (a modelled bound, a
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -153,19 +153,16 @@ def source_values(cell: str, results: Path) -> list[tuple[str, float]]:
 
 
 def load(results: Path, file: str):
-    """A results file as it is now, or as git revision `rev` had it (`name.json@rev`)."""
+    """A results file as it is now, or as git revision `rev` had it (`name.json@rev`: kept
+    as `history/name@rev.json`, so that no check needs git)."""
     name, _, rev = file.partition("@")
-    if not rev:
-        try:
-            return json.loads((results / name).read_text())
-        except FileNotFoundError:
-            raise FigureError(f"no results file `{results / name}`") from None
-    shown = subprocess.run(["git", "-C", str(results), "show", f"{rev}:./{name}"],
-                           capture_output=True, text=True)
-    if shown.returncode != 0:
-        raise FigureError(f"`{file}`: git cannot show {name} at {rev} ({shown.stderr.strip()}); "
-                          "check the revision, and run from a git checkout")
-    return json.loads(shown.stdout)
+    path = results / name if not rev else results / "history" / f"{Path(name).stem}@{rev}.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FigureError(f"no results file `{path}`" + (
+            f" (an earlier run's: `git show {rev}:benchmarks/results/{name} > {path}`)"
+            if rev else "")) from None
 
 
 def printed_as(figure: re.Match, value: float) -> str:

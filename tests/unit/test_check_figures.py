@@ -1,5 +1,5 @@
 """Every figure of BENCHMARKS.md's summary table is found in benchmarks/results/*.json, and every
-figure of its History table in the results file git kept (benchmarks/check_figures.py); a planted
+figure of its History table in the results file of its run (results/history/) (benchmarks/check_figures.py); a planted
 wrong figure, key or count is named."""
 
 import functools
@@ -57,7 +57,7 @@ def _planted(tmp_path, old: str, new: str) -> Path:
     # a key that is not in the file
     ("`throughput.{baseline_workers0,", "`throughput.{baseline_workers9,",
      "`loader.json` has no `baseline_workers9` under `throughput`"),
-    # a History figure is read from the results file as git kept it at that commit
+    # a History figure is read from the results file of that commit (results/history/)
     ("| 1.16 / 1.14 / 1.44 |", "| 1.16 / 1.14 / 1.45 |",
      "figure 1.45 but `pipeline.json@ddeca92` "
      "`text_heavy_1to9.stage0_over_uniform_cpu_s_median_of_paired_ratios`"),
