@@ -89,7 +89,7 @@ def _drop_sample(rank: int):
     yield from _patched(OmniLoader, "next_step", make)
 
 
-# ------------------------------------------ slow tier, data parallel (tests/dist/test_parity_slow.py)
+# ------------------------------------- slow tier, data parallel (tests/dist/test_parity_slow.py)
 @plant("per_sample_whole_row", "a per-sample layer run over the whole row (one sample's state "
        "flows into the next)", "dp_slow")
 def _per_sample_whole_row(rank: int):
@@ -103,7 +103,7 @@ def _per_sample_whole_row(rank: int):
     yield from _patched(omni, "run_per_sample", make)
 
 
-# ----------------------------- slow tier, sequence parallel (tests/dist/test_sequence_parallel_slow.py)
+# ------------------------ slow tier, sequence parallel (tests/dist/test_sequence_parallel_slow.py)
 @plant("deepstack_levels_dropped", "the deepstack levels are never added to the LLM's hidden "
        "states", "sp_slow")
 def _deepstack_levels_dropped(rank: int):

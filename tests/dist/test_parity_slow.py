@@ -84,7 +84,8 @@ def four_rank_cases(tmp) -> dict:
 def _launch(tmp_path_factory, world: int, make_cases) -> tuple[dict, list, object]:
     tmp = tmp_path_factory.mktemp(f"parity_slow_w{world}")
     cases = make_cases(tmp)
-    return cases, run_on_ranks(_train_ranks, world, args=(cases, str(tmp / "dp")), timeout=1200), tmp
+    results = run_on_ranks(_train_ranks, world, args=(cases, str(tmp / "dp")), timeout=1200)
+    return cases, results, tmp
 
 
 def _launched(request, world: int):
