@@ -87,3 +87,25 @@ def _drop_sample(rank: int):
             return batch
         return planted
     yield from _patched(OmniLoader, "next_step", make)
+
+
+# ------------------------------------- slow tier, data parallel (tests/dist/test_parity_slow.py)
+@plant("per_sample_whole_row", "a per-sample layer run over the whole row (one sample's state "
+       "flows into the next)", "dp_slow")
+def _per_sample_whole_row(rank: int):
+    from ds_omni.model import omni, per_sample
+
+    def make(run_per_sample):
+        def whole_row(layer, hidden, kwargs):
+            return layer(hidden, **{k: v for k, v in kwargs.items()
+                                    if k not in (*per_sample._ROW_ONLY, "cu_seqlens")})
+        return whole_row
+    yield from _patched(omni, "run_per_sample", make)
+
+
+# ------------------------ slow tier, sequence parallel (tests/dist/test_sequence_parallel_slow.py)
+@plant("deepstack_levels_dropped", "the deepstack levels are never added to the LLM's hidden "
+       "states", "sp_slow")
+def _deepstack_levels_dropped(rank: int):
+    from ds_omni.model import omni
+    yield from _patched(omni.Deepstack, "add", lambda add: lambda self, hidden, level: hidden)

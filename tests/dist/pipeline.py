@@ -19,7 +19,9 @@ parameters, bit for bit (under "uniform" stage 1's optimizer state holds the enc
 it owns); the final checkpoint exports (DeepSpeed's per-layer files) to an HF
 directory that transformers loads, with exactly the trained weights.
 DP2 x PP2 (both placements) trains in `test_parity.py`'s 4-rank launch, checked the same way
-(`dp=2`: the reference trains the global batches of 2 data-parallel loaders).
+(`dp=2`: the reference trains the global batches of 2 data-parallel loaders). The slow tier
+(`test_parity_slow.py`) adds PP=4 (both placements, ZeRO-1, 6 decoder layers) and "uniform" under
+ZeRO-1 at PP=2 (clipped, resumed and exported as the ZeRO-0 case).
 """
 
 from tests import oracle
@@ -56,18 +58,19 @@ def check(name: str, case: dict, results: list, cfg, dp: int = 1) -> None:
     if "parts" in case:  # the boundaries of the case's `parallel.stage_split`
         assert all(r[name]["parts"] == case["parts"] for r in results), \
             (name, results[0][name]["parts"])
-    first, second = results[0][name], results[dp][name]  # data-parallel rank 0 of each stage
-    _check_replicas(case["placement"], first, second)
+    heads = [r[name] for r in results[::dp]]  # data-parallel rank 0 of each stage
+    _check_replicas(case["placement"], heads)
     if case["placement"] == "uniform" and case["stages"] == [0]:
-        _check_owners(first, second, {n for n, p in built.model.named_parameters()
-                                      if p.requires_grad and n.startswith("encoders.")})
-    got = {"losses": first["losses"], "grads": {**first["grads"], **second["grads"]},
-           "params": {**first["params"], **second["params"]}}
+        _check_owners(heads, {n for n, p in built.model.named_parameters()
+                              if p.requires_grad and n.startswith("encoders.")})
+    got = {"losses": heads[0]["losses"],
+           "grads": {k: g for head in heads for k, g in head["grads"].items()},
+           "params": {k: p for head in heads for k, p in head["params"].items()}}
     ref = oracle.run_reference(cfg, step_keys, case.get("clip", 1.0))
     if "clip" in case:  # the clipping acts: a norm counted wrong would move the parameters
         assert min(ref.grad_norms) > 2 * case["clip"], (name, ref.grad_norms)
     # Adam turns reduction-order noise into updates: 0.2 % of the total step size (test_parity)
-    oracle.assert_matches(ref, got, f"{name} PP=2 dp={dp}", param_atol=2e-3 * LR * steps)
+    oracle.assert_matches(ref, got, f"{name} PP={len(heads)} dp={dp}", param_atol=2e-3 * LR * steps)
     oracle.assert_moved(ref, name)
     assert sum(r[name]["nothing_to_encode"] for r in results) > 0, name
     if "resume_at" in case:
@@ -105,23 +108,28 @@ def _check_export(name, output_dir, params) -> None:
             assert torch.equal(hf_state[hf_key], params[omni_key]), (name, hf_key)
 
 
-def _check_owners(first, second, encoders: set[str]) -> None:
+def _check_owners(heads, encoders: set[str]) -> None:
     """Under "uniform" each trainable encoder parameter (`encoders`) is in the optimizer of one
-    stage only, and both stages own some (read from DeepSpeed's ZeRO-0 optimizer, whose groups
-    hold the parameters)."""
-    owned = set(first["optimizer_encoders"]), set(second["optimizer_encoders"])
-    assert all(owned) and not owned[0] & owned[1], owned
-    assert owned[0] | owned[1] == encoders, sorted(encoders - owned[0] - owned[1])[:3]
+    stage only, and every stage owns some (read from DeepSpeed's ZeRO-0 optimizer, whose groups
+    hold the parameters; `heads`: one rank's results per stage)."""
+    owned = [set(head["optimizer_encoders"]) for head in heads]
+    assert all(owned) and sum(map(len, owned)) == len(set().union(*owned)), owned
+    assert set().union(*owned) == encoders, sorted(encoders - set().union(*owned))[:3]
 
 
-def _check_replicas(placement, first, second) -> None:
-    """Only "uniform" holds a parameter on two stages: the encoders, every copy the same."""
+def _check_replicas(placement, heads) -> None:
+    """Only "uniform" holds a parameter on more than one stage: the encoders, on every stage,
+    every copy the same."""
+    from collections import Counter
     import torch
-    shared = set(first["params"]) & set(second["params"])
+    held = Counter(k for head in heads for k in head["params"])
+    shared = {k for k, n in held.items() if n > 1}
     if placement == "stage0":
         assert not shared, f"a parameter on 2 stages: {sorted(shared)[:3]}"
         return
-    assert shared and all(k.startswith("encoders.") for k in shared), sorted(shared)[:3]
-    assert {k for k in first["params"] if k.startswith("encoders.")} == shared
-    for key in shared:
-        assert torch.equal(first["params"][key], second["params"][key]), key
+    assert shared and all(k.startswith("encoders.") and held[k] == len(heads) for k in shared), \
+        sorted(shared)[:3]
+    for head in heads:
+        assert {k for k in head["params"] if k.startswith("encoders.")} == shared
+        for key in shared:
+            assert torch.equal(head["params"][key], heads[0]["params"][key]), key

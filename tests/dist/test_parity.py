@@ -48,10 +48,12 @@ def _config(case: dict, out_dir: str):
     if case.get("model"):
         from ds_omni.config import ModelConfig, from_dict
         cfg.model = from_dict(ModelConfig, case["model"], "model")
-    if case.get("placement"):  # the LLM over 2 pipeline stages
+    if case.get("placement"):  # the LLM over 2 pipeline stages (or case["pp"])
         from ds_omni.config import ParallelConfig
-        cfg.parallel = ParallelConfig(pp=2, encoder_placement=case["placement"],
+        cfg.parallel = ParallelConfig(pp=case.get("pp", 2), encoder_placement=case["placement"],
                                       stage_split=case.get("split", "cost"))
+    if case.get("layers"):  # decoder layers of the tiny LLaVA's LLM
+        cfg.model.llm.config["num_hidden_layers"] = case["layers"]
     if case.get("pool"):
         cfg.parallel.encoder_pool = "dp"
     if case.get("sources"):

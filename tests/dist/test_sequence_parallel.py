@@ -187,7 +187,10 @@ def _ranks(rank, world, cases, families, out_dir, per_sequence_cases, long, skew
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world", [2, 4])
+# 4 ranks (about 80 s) in the slow tier: the 2-rank launch keeps every family, ZeRO stage,
+# reordering and the per-sequence degree in the quick tier, and tests/unit/test_encoder_pool.py
+# the pool's plans under SP
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_sequence_parallel_matches_single_process(world, families, tmp_path):
     """Static sp=2 (DESIGN + EXTRA) and the per-sequence degree (PER_SEQUENCE) on `world` ranks."""
     cases = [c for c in DESIGN + EXTRA if c[2] == world]
