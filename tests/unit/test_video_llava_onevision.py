@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from ds_omni.config import ModelConfig, VideoConfig
-from ds_omni.data.processing import SampleProcessor
 from ds_omni.errors import ConfigError, ModelError
 from ds_omni.model.build import build_model
 from ds_omni.model.families import hf_processor
