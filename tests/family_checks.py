@@ -54,15 +54,18 @@ class KeepingText(SampleProcessor):
 
 def processor_for(built: BuiltModel, max_seq_len: int = 4096,
                   markers: dict[str, str] = MARKERS) -> SampleProcessor:
+    """The samples' processor: the plain format, which the reference renders itself (a family
+    whose tokenizer has a chat template, Qwen2-Audio's, is checked on the plain format too)."""
+    from ds_omni.data.templates import resolve_template
     return KeepingText(tokenizer=built.tokenizer, family=built.family,
                        item_processors=built.item_processors, markers=markers,
-                       max_seq_len=max_seq_len)
+                       max_seq_len=max_seq_len, template=resolve_template("plain", built.tokenizer))
 
 
 def reference_mask(built: BuiltModel, sample: Sample, ids: torch.Tensor) -> torch.Tensor:
     """[L] the reference's loss mask over its token ids `ids` [L]: the tokens inside the
     assistant spans of the sample's text rendered apart from ds_omni (`coverage_reference`)."""
-    text, spans = oracle.render(sample.reference_text, built.tokenizer)
+    text, spans = oracle.render(sample.reference_text, built.tokenizer, plain=True)
     return oracle.token_mask(ids.tolist(), text, spans, built.tokenizer,
                              tuple({*MARKERS.values(), *VIDEO_MARKERS.values()}))
 

@@ -30,14 +30,15 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}USER
 
 
 def render(text, tokenizer, marker: str = "<image>", image_text: str = "<image>",
-           templated: bool = False) -> tuple[str, list[tuple[int, int]]]:
+           templated: bool = False, plain: bool = False) -> tuple[str, list[tuple[int, int]]]:
     """(rendered text, trained character spans) of a sample's text.
 
     `text`: a conversation (list of {"from"/"role", "value"/"content"}) or a plain string (trained
     whole, its eos too). `marker` in the text is written as `image_text` (what HF's processor
-    expands). `templated`: in `TEMPLATE`'s format (the tokenizer must carry it), else plain."""
+    expands). `templated`: in `TEMPLATE`'s format (the tokenizer must carry it), else plain (on a
+    tokenizer without a template, or `plain`: the samples were made with the plain format)."""
     own = getattr(tokenizer, "chat_template", None)
-    if own != (TEMPLATE if templated else None):
+    if not plain and own != (TEMPLATE if templated else None):
         raise ValueError("coverage_reference renders `TEMPLATE` (templated=True, on a tokenizer "
                          "carrying it) or the plain format (on one without a chat template); "
                          f"this tokenizer's chat_template is {str(own)[:80]!r}")
@@ -70,6 +71,9 @@ def token_mask(ids: list[int], rendered: str, spans: list[tuple[int, int]], toke
     decoded = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
     mask, at, done = torch.zeros(len(ids), dtype=torch.bool), 0, 0
     for start, end in spans:
+        inside = [rendered.rfind(t, start, end) + len(t) for t in item_texts
+                  if t and t in rendered[start:end]]
+        start = max([start, *inside])  # an item's own tokens are not predicted
         after_item = [rendered.rfind(t, 0, start) + len(t) for t in item_texts
                       if t and t in rendered[:start]]
         anchor = max([done, *after_item])
