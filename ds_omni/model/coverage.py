@@ -2,13 +2,14 @@
 
 For every model type in transformers' `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`: a type whose
 classes or config rule the generic adapter out gets that reason; a type with a tiny recipe
-(`ds_omni.model.recipes`) is built at random from its config class (hidden 32, one or two layers,
-tiny images; no hub), saved with its processor, loaded through `build_model` (the real loading
-path), and checked:
-- logits of one packed row (an image, a text-only sample, two images of different sizes) against
-  the HF model run one sample at a time on its own processor's inputs: max |diff| <= 1e-5 (fp32);
-- each sample's image tokens: what HF's processor writes for all its images in one call
-  (`check_image_tokens`), text between and after adjacent images included;
+(`ds_omni.model.recipes`) is built at random from its config class (hidden 32, two or more LLM
+layers, GQA where the family has it, tiny images; no hub), saved with its processor, loaded
+through `build_model` (the real loading path), and checked:
+- one packed row of the `SWEEP_SAMPLES` conversations (images at the start, middle and end of a
+  prompt; a text-only sample) against the HF model run one sample at a time on HF's processor
+  output for the whole rendered sample, with a loss mask found in the rendered text
+  (`coverage_reference`, apart from ds_omni's templates and masks): the same token ids, logits
+  within 1e-5 (fp32), the same loss and every trainable parameter's gradient;
 - the export round trip: `export_hf` then plain `from_pretrained` gives bitwise-equal tensors.
 A type without a recipe is reported unverified. `ds-omni families` prints this same table.
 """
@@ -69,6 +70,8 @@ def check_family(model_type: str, recipe: Callable, work: Path) -> Result:
     from ds_omni.model.build import build_model
     torch.manual_seed(0)
     config, processor = recipe()
+    from ds_omni.model.coverage_reference import TEMPLATE
+    processor.tokenizer.chat_template = TEMPLATE  # ds_omni renders it as a model's template
     family_dir = work / model_type
     from ds_omni.model.family import family_for
     hf_model = family_for(model_type).build_hf(config).eval()
@@ -76,9 +79,9 @@ def check_family(model_type: str, recipe: Callable, work: Path) -> Result:
     save_processor_parts(processor, family_dir)
     built = build_model(ModelConfig(pretrained=str(family_dir)))
     reference = hf_model  # what was saved, bit for bit (a reload would cost a third of the check)
-    worst = logits_gap(built, reference, processor)
-    if worst > LOGITS_ATOL:
-        return Result(False, f"logits differ from HF by {worst:.2g} (> {LOGITS_ATOL})")
+    problem, worst = compare_with_hf(built, reference, processor)
+    if problem:
+        return Result(False, problem)
     from ds_omni.model.convert import export_hf
     export_hf(built.model, work / f"{model_type}_export", built.tokenizer, model_dir=family_dir)
     exported = type(hf_model).from_pretrained(str(work / f"{model_type}_export"))
@@ -86,44 +89,128 @@ def check_family(model_type: str, recipe: Callable, work: Path) -> Result:
     bad = [k for k in ref if k not in exp or not torch.equal(ref[k], exp[k])]
     if bad or ref.keys() != exp.keys():
         return Result(False, f"export round trip changes {bad[:3] or 'the keys'}")
-    return Result(True, f"exact (max |logits diff| {worst:.1g}; bitwise round trip)")
+    return Result(True, f"exact (max |logits diff| {worst:.1g}, loss and gradients; bitwise "
+                        "round trip)")
+
+
+SWEEP_SAMPLES = {
+    "start": ([{"from": "human", "value": "<image><image> which is larger?"},
+               {"from": "gpt", "value": "the first one"}], [0, 2]),
+    "text": ([{"from": "human", "value": "say something"},
+              {"from": "gpt", "value": "a caption without an image"}], []),
+    "middle": ([{"from": "human", "value": "compare <image> and <image>"},
+                {"from": "gpt", "value": "a wide one and a small one"}], [1, 2]),
+}
+"""id -> (conversation, indices into `images()`): images at the start of a sample (adjacent), in
+its middle and at the end of its prompt, with text before and between; and a text-only sample."""
 
 
 def sweep_samples(built) -> tuple[list, dict]:
-    """The sweep's 3 samples (one image, text only, two images of different sizes) as the built
-    model's processors make them, and each one's images by sample id."""
+    """The sweep's samples (`SWEEP_SAMPLES`) as the built model's processors make them, and each
+    one's (conversation, images) by sample id."""
     from ds_omni.data.processing import SampleProcessor
     img = images()
-    media = {"one": [img[0]], "text": [], "two": [img[1], img[2]]}
-    texts = {"one": "<image> a red circle", "text": "a caption without an image",
-             "two": "<image><image> which is larger?"}
+    cases = {k: (turns, [img[i] for i in at]) for k, (turns, at) in SWEEP_SAMPLES.items()}
     proc = SampleProcessor(tokenizer=built.tokenizer, family=built.family,
                            item_processors=built.item_processors, markers={"vision": "<image>"},
                            max_seq_len=4096)
-    samples = [proc(text=texts[k], media={"vision": media[k]} if media[k] else {}, sample_id=k,
-                    source="sweep") for k in media]
-    return samples, media
+    samples = [proc(text=turns, media={"vision": imgs} if imgs else {}, sample_id=k,
+                    source="sweep") for k, (turns, imgs) in cases.items()]
+    return samples, cases
 
 
-def logits_gap(built, reference, processor) -> float:
-    """Max |ours - HF| over a packed row of 3 samples: one image, text only, two images."""
+def compare_with_hf(built, reference, processor) -> tuple[str | None, float]:
+    """(what differs, max |logits diff|) between one packed row of the sweep's samples through
+    ds_omni and HF's model run one sample at a time on what HF's processor makes of each
+    rendered sample, with a loss mask found in the rendered text (`coverage_reference`): logits
+    (<= LOGITS_ATOL), the mean token loss, and every trainable parameter's gradient."""
     from ds_omni.data.packing import pack
-    samples, media = sweep_samples(built)
+    from ds_omni.model import coverage_reference as oracle
+    samples, cases = sweep_samples(built)
+    reference.zero_grad(set_to_none=True)
+    ref_sum, ref_count, worst, ref_logits = 0.0, 0, 0.0, []
+    for s in samples:
+        inputs, mask = hf_side(processor, built, *cases[s.sample_id])
+        ids = inputs["input_ids"][0]
+        if not torch.equal(ids, s.input_ids):
+            return (f"sample {s.sample_id!r}: HF's processor gives other tokens than ds_omni: "
+                    f"{built.tokenizer.decode(ids)[:160]!r} vs "
+                    f"{built.tokenizer.decode(s.input_ids)[:160]!r}"), 0.0
+        logits = reference(**inputs).logits[0]
+        loss, count = oracle.hf_loss(logits, ids, mask)
+        ref_sum, ref_count = ref_sum + loss, ref_count + count
+        ref_logits.append(logits.detach())
+    (ref_sum / ref_count).backward()
+    model = built.model
+    model.zero_grad(set_to_none=True)
+    mb = pack(samples, built.item_processors)
+    out = model(mb)
+    (out.loss_sum / out.num_targets).backward()
     with torch.no_grad():
-        mb = pack(samples, built.item_processors)
-        ours = built.model.logits(mb)[0]
-        cu = mb.cu_seqlens.tolist()
-        worst = 0.0
-        for s, a, b in zip(samples, cu[:-1], cu[1:]):
-            ref = reference(**hf_inputs(processor, built, s, media[s.sample_id])).logits[0]
-            worst = max(worst, (ref - ours[a:b]).abs().max().item())
-    return worst
+        ours = model.logits(mb)[0]
+    cu = mb.cu_seqlens.tolist()
+    for ref, a, b in zip(ref_logits, cu[:-1], cu[1:]):
+        worst = max(worst, (ref - ours[a:b]).abs().max().item())
+    if worst > LOGITS_ATOL:
+        return f"logits differ from HF by {worst:.2g} (> {LOGITS_ATOL})", worst
+    if int(out.num_targets) != ref_count:
+        return (f"ds_omni trains {int(out.num_targets)} tokens, the assistant spans of the "
+                f"rendered samples hold {ref_count}"), worst
+    loss = (out.loss_sum / out.num_targets).item()
+    want = (ref_sum / ref_count).item()
+    if abs(loss - want) > oracle.LOSS_RTOL * abs(want) + 1e-7:
+        return f"loss {loss:.8g} differs from HF's {want:.8g}", worst
+    bad, checked = oracle.grad_problems(  # tied weights: each under every name
+        reference, dict(model.named_parameters(remove_duplicate=False)), model.hf_key_map())
+    if bad or not checked:
+        return f"gradients differ from HF: {'; '.join(bad[:3]) or 'none compared'}", worst
+    return None, worst
+
+
+def hf_side(processor, built, turns, imgs) -> tuple[dict, torch.Tensor]:
+    """(HF model inputs, [L] loss mask) for a conversation: rendered in the plain format, its
+    images written as the processor expects them, the whole text and its images given to HF's
+    processor in one call; the mask from the rendered text's assistant spans."""
+    from ds_omni.model import coverage_reference as oracle
+    from ds_omni.model.families.hf_processor import processor_call, processor_marker
+    marker = processor_marker(processor, built.hf_config) if imgs else "<image>"
+    if imgs and marker == "":
+        raise AssertionError("the processor writes the image tokens itself (one image a text, "
+                             "first): it cannot place images inside a sample's text")
+    text, spans = oracle.render(turns, built.tokenizer, image_text=marker, templated=True)
+    if imgs:
+        hf = processor_call(processor, [text], imgs)
+    else:
+        hf = dict(processor.tokenizer([text], add_special_tokens=False, return_tensors="pt"))
+    ids = hf["input_ids"]
+    mask = oracle.token_mask(ids[0].tolist(), text, spans, built.tokenizer, (marker,))
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    out.update({k: v for k, v in hf.items() if k not in (
+        "input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids", "labels")})
+    out.update(token_types(processor, built, ids, mask))
+    return out, mask
+
+
+def token_types(processor, built, ids: torch.Tensor, trained: torch.Tensor) -> dict:
+    """The per-token type ids the family's forward reads, as HF's processor makes them."""
+    forward = inspect.signature(built.family.hf_model_class().forward).parameters
+    make_types = getattr(processor, "create_mm_token_type_ids", None)
+    out = {}
+    if "token_type_ids" in forward and "mm_token_type_ids" not in forward:
+        out["token_type_ids"] = hf_token_types(processor, ids, trained)
+    elif make_types is not None and len(inspect.signature(make_types).parameters) == 1:
+        out["mm_token_type_ids"] = torch.tensor(processor.create_mm_token_type_ids(ids.tolist()))
+    if "moe_mm_token_type_ids" in forward:  # ERNIE-4.5-VL's MoE routing by modality
+        out["moe_mm_token_type_ids"] = torch.tensor(
+            processor.create_moe_mm_token_type_ids(ids.tolist()))
+    return out
 
 
 def hf_inputs(processor, built, sample, imgs) -> dict:
-    """What HF's processor gives the model for `sample`: its pixels (all the sample's images in
-    one call), and its per-token type ids; the token ids are the sample's, whose image tokens
-    must number what HF's processor expands them to."""
+    """What HF's processor gives the model for ds_omni's `sample`: its pixels (all the sample's
+    images in one call), and its per-token type ids; the token ids are the sample's, whose image
+    tokens must number what HF's processor expands them to (`test_per_sample`'s reference; the
+    sweep's is `hf_side`, HF's tokens of the whole rendered sample)."""
     from ds_omni.model.families.generic import image_token_id
     from ds_omni.model.families.hf_processor import processor_call, processor_marker
     ids = sample.input_ids[None]
@@ -139,49 +226,19 @@ def hf_inputs(processor, built, sample, imgs) -> dict:
         token = image_token_id(built.hf_config)
         if sum(int((h["input_ids"] == token).sum()) for h in hf) != int((ids == token).sum()):
             raise AssertionError("HF's processor expands the images to another number of tokens")
-        if marker:
-            suffix = getattr(built.item_processors["vision"], "appended", ())  # after a sample
-            hf_ids = hf[0]["input_ids"][0].tolist()
-            if suffix and hf_ids[-len(suffix):] == suffix:
-                hf_ids = hf_ids[:-len(suffix)]
-            check_image_tokens(hf_ids, sample, built.tokenizer)
         out.update({k: hf[0][k] if len(hf) == 1 else torch.cat([h[k] for h in hf]) for k in hf[0]
                     if k not in ("input_ids", "attention_mask", "token_type_ids",
                                  "mm_token_type_ids", "labels")})
-    forward = inspect.signature(built.family.hf_model_class().forward).parameters
-    make_types = getattr(processor, "create_mm_token_type_ids", None)
-    if "token_type_ids" in forward and "mm_token_type_ids" not in forward:
-        out["token_type_ids"] = hf_token_types(processor, ids, sample)
-    elif make_types is not None and len(inspect.signature(make_types).parameters) == 1:
-        out["mm_token_type_ids"] = torch.tensor(processor.create_mm_token_type_ids(ids.tolist()))
-    if "moe_mm_token_type_ids" in forward:  # ERNIE-4.5-VL's MoE routing by modality
-        out["moe_mm_token_type_ids"] = torch.tensor(
-            processor.create_moe_mm_token_type_ids(ids.tolist()))
+    out.update(token_types(processor, built, ids, sample.loss_mask))
     return out
 
 
-def check_image_tokens(hf_ids: list[int], sample, tokenizer) -> None:
-    """The tokens ds_omni writes for a sample's images are the ones HF's processor writes for
-    those images in one call: not only as many image tokens, but the same text around and between
-    them (MiniCPM-V numbers the images of a sample, `<image_id>0</image_id>`, `1`, ...)."""
-    from ds_omni.model.families.hf_processor import find_run
-    ours = sample.input_ids.tolist()
-    bos = tokenizer.bos_token_id
-    if bos is not None and hf_ids[:1] == [bos]:
-        hf_ids = hf_ids[1:]
-    if find_run(ours, hf_ids) is None:
-        raise AssertionError(
-            f"sample {sample.sample_id!r}: its image tokens differ from what HF's processor writes "
-            f"for its images: {tokenizer.decode(hf_ids)[:160]!r} is not in "
-            f"{tokenizer.decode(ours)[:160]!r}")
-
-
-def hf_token_types(processor, ids: torch.Tensor, sample) -> torch.Tensor:
+def hf_token_types(processor, ids: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
     """[1, L] `token_type_ids` as HF's processor makes them for a family whose attention mask
     reads them: PaliGemma's 1 on the suffix (its `suffix` argument: the text from the first trained
     token on), the others' (Gemma 3) 1 on image tokens."""
     if type(processor).__name__.startswith("PaliGemma"):
-        trained = sample.loss_mask.nonzero()
+        trained = trained.nonzero()
         types = torch.zeros_like(ids)
         types[:, int(trained[0]) if len(trained) else ids.shape[1]:] = 1
         return types

@@ -11,7 +11,7 @@ import torch
 from ds_omni.data.demo import ensure_builtin, shapes_rows
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.errors import ModelError
-from tests.family_checks import (assert_logits_match, assert_loss_and_grads_match,
+from tests.family_checks import (VIDEO_MARKERS, assert_logits_match, assert_loss_and_grads_match,
                                  assert_round_trip, load_omni, processor_for)
 from tests.family_dirs import (MERGE, QWEN_TOKENS, make_qwen2_vl_dir)
 
@@ -262,9 +262,7 @@ def videos(tmp_path_factory):
 def _video_samples(built, videos):
     """A video; a video then an image in one turn (the text's order, not the columns'); text
     only; the mkv. Images and videos share the vision encoder of one packed micro-batch."""
-    proc = SampleProcessor(tokenizer=built.tokenizer, family=built.family,
-                           item_processors=built.item_processors,
-                           markers={"vision": "<image>", "video": "<video>"}, max_seq_len=4096)
+    proc = processor_for(built, markers=VIDEO_MARKERS)
     _, img = _images()
     turns = lambda q: [{"from": "human", "value": q}, {"from": "gpt", "value": "a square moves"}]
     rows = {"video": (turns("<video>\nWhat moves?"), {"video": [videos["mp4"]]}),

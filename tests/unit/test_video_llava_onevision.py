@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from ds_omni.config import ModelConfig, VideoConfig
-from ds_omni.data.processing import SampleProcessor
 from ds_omni.errors import ConfigError, ModelError
 from ds_omni.model.build import build_model
 from ds_omni.model.families import hf_processor
 from tests.data_files import write_video
-from tests.family_checks import assert_logits_match, assert_loss_and_grads_match
+from tests.family_checks import (VIDEO_MARKERS, assert_logits_match,
+                                 assert_loss_and_grads_match, processor_for)
 from tests.family_dirs import make_generic_dir
 
 SIGLIP = {"size": {"height": 32, "width": 32}, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
@@ -45,9 +45,7 @@ def videos(tmp_path_factory):
 
 
 def _processor(built):
-    return SampleProcessor(tokenizer=built.tokenizer, family=built.family,
-                           item_processors=built.item_processors,
-                           markers={"vision": "<image>", "video": "<video>"}, max_seq_len=4096)
+    return processor_for(built, markers=VIDEO_MARKERS)
 
 
 def _rows(videos):

@@ -489,7 +489,7 @@ def _deepseek_ocr2():
                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}
     text = {k: v for k, v in tiny_text(tok, "deepseek_ocr2_text").items() if k != "head_dim"}
     text.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                n_shared_experts=1, mlp_layer_types=["sparse"])
+                n_shared_experts=1, mlp_layer_types=["dense", "sparse"])
     config = config_for("deepseek_ocr2", text_config=text,
                         vision_config={"sam_config": sam, "encoder_config": encoder},
                         image_token_id=token_ids(tok, "<image>")[0])

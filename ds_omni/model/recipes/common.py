@@ -13,9 +13,12 @@ is not exact for, with why."""
 NO_RECIPE: dict[str, str] = {}
 """Types the sweep has no tiny recipe for, with why (the others say "no recipe yet")."""
 
-TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+# two layers (a bug that shows only past the first layer shows) and GQA (4 query heads, 2 KV):
+# a recipe that sets other numbers says why
+TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
         "max_position_embeddings": 1024, "tie_word_embeddings": False}
+
 
 def demo_tokenizer(tokens: list[str], named: dict[str, str] | None = None):
     """The demo tokenizer plus the family's special tokens; `named` ones become attributes
@@ -61,3 +64,21 @@ def lenient_processor(cls, **parts):
     full = {a: None for a in cls.get_attributes()}
     full.update(parts)
     return lenient(**full)
+
+
+NOT_EXACT.update({
+    # found when the sweep began to compare against HF's processor on whole rendered samples,
+    # loss and gradients included (issue 22); their recipes stay for the day the cause is fixed
+    "gemma3": "its mm_input_projection_weight gets another gradient than HF's (by 0.03) when a "
+              "sample holds two images, adjacent or apart (one image a sample: logits, loss and "
+              "every gradient exact); cause not found yet",
+    "paligemma": "HF's processor writes all of a sample's images first, then bos, whatever the "
+                 "text says, so a sample with an image after text cannot be checked against it; "
+                 "ds_omni places each image where its marker is",
+    "chameleon": "HF's processor on a whole rendered sample gives other ids than ds_omni "
+                 "(66 tokens against 62 for two adjacent images: a separator after the text and "
+                 "more image tokens); not resolved yet",
+    "fuyu": "its processor writes the image tokens itself, one image a text and first, so no "
+            "sample with an image after text can be checked against it; and with its "
+            "SentencePiece tokenizer the sweep's chat template is not prefix-stable",
+})

@@ -67,6 +67,7 @@ def _dots3_note():
     names = ["<|imgpad|>", "<|video_pad|>", "<|audio_comp_pad|>"]
     tok = demo_tokenizer(names)
     ids = dict(zip(names, token_ids(tok, *names)))
+    # MLA (keys and values from one latent per token): as many KV heads as query heads
     mla = {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
            "v_head_dim": 8, "head_dim": 8}
     text = {"model_type": "dots3_note_text", "hidden_size": 32, "intermediate_size": 64,
@@ -121,7 +122,7 @@ def _mistral_large4():
     then a MoE MLP, its logits soft-capped; top-k 4, so every sample outruns the indexer."""
     config, processor = pixtral_recipe("mistral_large4", "mistral", {
         "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"})
-    tok = processor.tokenizer
+    tok = processor.tokenizer  # MLA: as many KV heads as query heads (no GQA)
     text = {"hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
             "n_routed_experts": 4, "num_experts_per_tok": 2, "kv_lora_rank": 16,

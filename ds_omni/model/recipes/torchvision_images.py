@@ -66,6 +66,8 @@ def _apertus1p5():
                                      tokenizer=tok)
 
 
+# (MLA: its keys and values come from one shared latent per token, so HF's config has as many
+# KV heads as query heads; no GQA to set)
 MLA_MOE = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
            "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
            "v_head_dim": 8, "head_dim": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
@@ -144,6 +146,7 @@ def _fuyu():
     `final_layernorm`)."""
     from transformers.models.fuyu.image_processing_fuyu import FuyuImageProcessor
     tok = sentencepiece_tokenizer(["|SPEAKER|", "|NEWLINE|"], ["<0x04>"])
+    # Persimmon's attention has no num_key_value_heads (multi-head only): no GQA
     text = tiny_text(tok, "persimmon", num_key_value_heads=4, pad_token_id=tok.pad_token_id)
     config = config_for("fuyu", text_config=text, patch_size=8, image_size=32,
                         image_token_id=token_ids(tok, "|SPEAKER|")[0],

@@ -85,6 +85,7 @@ def _unlimited_ocr():
            "global_attn_indexes": [1], "mlp_dim": 64, "downsample_channels": [16, 32]}
     clip = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
             "num_attention_heads": 4, "image_size": 16, "patch_size": 4}
+    # DeepSeek-V2's LLM (its MLA off): its attention has no separate KV head count
     text = tiny_text(tok, "unlimited_ocr_text", num_hidden_layers=2, num_key_value_heads=4,
                      sliding_window=4, n_routed_experts=4, num_experts_per_tok=2,
                      n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1)

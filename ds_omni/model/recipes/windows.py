@@ -71,7 +71,8 @@ def _aya_vision():
     names = ["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>",
              "<|IMG_LINE_BREAK|>", "TILE", "TILE_GLOBAL"]
     tok = demo_tokenizer(names, {"image_token": "<image>"})
-    text = tiny_text(tok, "cohere2", sliding_window=4, layer_types=["sliding_attention"])
+    text = tiny_text(tok, "cohere2", sliding_window=4,
+                     layer_types=["sliding_attention", "full_attention"])
     config = config_for("aya_vision", vision_config=SIGLIP, text_config=text,
                         image_token_index=token_ids(tok, "<|IMG_PATCH|>")[0], downsample_factor=2)
     images = GotOcr2ImageProcessorPil(size={"height": 32, "width": 32}, crop_to_patches=True,
@@ -89,7 +90,8 @@ def _exaone4_5():
     vision = {"depth": 2, "hidden_size": 32, "out_hidden_size": 32, "intermediate_size": 64,
               "num_heads": 4, "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2,
               "window_size": 16, "fullatt_block_indexes": [1], "num_key_value_heads": 2}
-    text = tiny_text(tok, "exaone4", sliding_window=4, layer_types=["sliding_attention"])
+    text = tiny_text(tok, "exaone4", sliding_window=4,
+                     layer_types=["sliding_attention", "full_attention"])
     config = config_for("exaone4_5", vision_config=vision, text_config=text,
                         image_token_id=token_ids(tok, "<|image_pad|>")[0],
                         video_token_id=token_ids(tok, "<|video_pad|>")[0])
