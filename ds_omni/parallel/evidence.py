@@ -15,8 +15,9 @@ from dataclasses import asdict, dataclass
 
 @dataclass
 class SPCounts:
-    """One rank's sequence-parallel work since the model was built (forward passes only:
-    backward repeats each exchange once more, and recomputed layers run theirs again)."""
+    """One rank's sequence-parallel work since the model was built, as forward passes (training
+    and evaluation) issue it: each exchange runs once more in backward, uncounted; a decoder
+    layer recomputed in backward (activation checkpointing) calls its attention again, counted."""
 
     ulysses_calls: int = 0
     """LLM attention calls that ran Ulysses over an SP group: each one all-to-alls q, k, v
