@@ -75,6 +75,7 @@ class Reference:
     init: dict[str, torch.Tensor]
     with_grad: set[str]
     grad_norms: list[float]  # each step's gradient norm before clipping
+    targets: list[int]  # each step's target tokens (the global batch's)
 
 
 def stream_reference(cfg, dp: int, steps: int) -> tuple[list[list[str]], list[float]]:
@@ -123,12 +124,13 @@ def run_reference(cfg, step_keys: list[list[str]], clip: float = 1.0) -> Referen
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(0.9, 0.95), eps=ADAM_EPS,
                             weight_decay=cfg.train.weight_decay)
-    losses, grads, with_grad, norms = [], {}, set(), []
+    losses, grads, with_grad, norms, targets = [], {}, set(), [], []
     for step, keys in enumerate(step_keys):
         samples = fetch.load_samples(keys)
         micro_batches = [pack(samples[i:i + 3], built.item_processors)  # any split: same sums
                          for i in range(0, len(samples), 3)]
         total = sum(mb.num_targets for mb in micro_batches)
+        targets.append(total)
         opt.zero_grad()
         loss_sum = 0.0
         for mb in micro_batches:
@@ -144,12 +146,13 @@ def run_reference(cfg, step_keys: list[list[str]], clip: float = 1.0) -> Referen
         losses.append(loss_sum / total)
     fetch.close()
     return Reference(losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()},
-                     init, with_grad, norms)
+                     init, with_grad, norms, targets)
 
 
 def assert_matches(ref: Reference, got: dict, where: str, *, param_atol: float) -> None:
     """`got` (one rank's losses, first-step gradients and final parameters) equals the reference."""
-    assert got["losses"] == pytest.approx(ref.losses, rel=1e-6, abs=1e-7), where
+    assert got["losses"] == pytest.approx(ref.losses, rel=1e-6, abs=1e-7), (
+        f"{where}: losses {got['losses']}, the reference's {ref.losses}")
     assert_grads_match(ref.grads, got["grads"], where)
     assert got["params"].keys() == ref.params.keys(), where
     for key, want in ref.params.items():
@@ -197,7 +200,8 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
         "the trainer must run the model in train mode (dropout on)"
     out = {"losses": [], "keys": [], "nothing_to_encode": 0, "row_without_items": 0,
            "block_rows": 0, "block_rows_with_items": 0, "long_items": 0,
-           "optimizer_encoders": _optimizer_encoders(engine, built)}
+           "optimizer_encoders": _optimizer_encoders(engine, built), "targets": [],
+           "shards": [], "sp_rows": 0, "rows_with_items": 0}
     grads = {}
     with plants.applied(plant, rank):
         for step in range(steps):
@@ -205,11 +209,18 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
                 _save(cfg, built, engine, loader, step, rank)
             batch = loader.next_step()
             _count_encoder_work(batch, out)
+            _record_shards(batch, plan, rank, out)
             out["keys"].append(batch.keys)
+            out["targets"].append(sum(mb.num_targets for mb in batch.micro_batches))
             grab = (lambda e: grads.update(full_grads(e))) if step == 0 else None
             out["losses"].append(train.train_step(engine, batch, loader.comm, grab).loss)
             out.setdefault("pool_moved", []).append(  # the metric data_pool_moved
                 train.pool_metrics(engine.module).get("data_pool_moved"))
+    # the SP work of training (the metrics sp_*), before evaluation runs forwards of its own
+    out["sp"] = train.sp_metrics(engine.module)
+    if out["sp"]:  # Ulysses calls one SP row makes: every decoder layer, again when recomputed
+        backbone = built.model.backbone
+        out["ulysses_per_row"] = len(backbone.layers) * (2 if backbone.checkpoint_layers else 1)
     if plan.pp_enabled:  # the stage boundaries the engine was built with
         out["parts"] = list(engine.module.parts)
     pool = getattr(engine.module, "encoder_pool", None)  # items encoded for another rank
@@ -271,6 +282,75 @@ def omni_names(engine, built) -> dict[str, str]:
     layer index), found by tensor identity."""
     ours = {id(p): n for n, p in built.model.named_parameters()}
     return {n: ours[id(p)] for n, p in engine.module.named_parameters()}
+
+
+def _record_shards(batch, plan, rank: int, out: dict) -> None:
+    """Each micro-batch's tokens on this rank, with the SP group the plan splits its row over
+    ((first rank, size); static SP: every row over the rank's group, per-sequence SP: a long
+    sequence's row over its block) and the whole padded row's length; no group: a row run
+    whole. Taken from the plan and the loader, not from the model, so a row the model runs
+    whole under SP still counts as split."""
+    static = (rank - plan.coords(rank).sp_rank, plan.sp) if plan.sp > 1 else None
+    for i, mb in enumerate(batch.micro_batches):
+        group = mb.sp_block or static
+        out["shards"].append((len(out["keys"]), i, group, mb.input_ids[0].tolist(),
+                              int(mb.cu_seqlens[-1])))
+        out["sp_rows"] += group is not None
+        out["rows_with_items"] += bool(mb.reshard is not None and mb.reshard.group_rows)
+
+
+def assert_split_work(ref: Reference, per_rank: list[dict], where: str, *,
+                      pooled: bool = False) -> None:
+    """Sequence parallelism really split the work, which the loss and gradients cannot show:
+    ZeRO sums the gradients of an SP group's ranks, so ranks that each computed the whole row
+    would double the targets and the loss alike and still match the oracle.
+
+    - each target token of a step was trained on exactly one rank (the ranks' targets add up to
+      the reference's);
+    - the ranks of a split row held different shards of it, each 1 / size of the padded row;
+    - each rank's counts (`ds_omni.parallel.evidence`): Ulysses attention in every decoder layer
+      of every split row, one resharding all-to-all per split row with items (at least that
+      under the encoder pool, which exchanges over the whole pool), its piece of each long item;
+      and the embedding rows sent between ranks are the rows received.
+    """
+    for step, want in enumerate(ref.targets):
+        got = [r["targets"][step] for r in per_rank]
+        assert sum(got) == want, (f"{where} step {step}: the ranks trained {sum(got)} target "
+                                  f"tokens ({got}), the global batch has {want}: some were "
+                                  "trained on more than one rank (or on none)")
+    _assert_shards_differ(per_rank, where)
+    for rank, r in enumerate(per_rank):
+        counts = r["sp"]
+        assert counts, f"{where} rank {rank}: the model reports no SP counts (sp_metrics)"
+        assert counts["sp_ulysses_calls"] == r["ulysses_per_row"] * r["sp_rows"], (
+            f"{where} rank {rank}: {counts['sp_ulysses_calls']} Ulysses attention calls for "
+            f"{r['sp_rows']} split rows x {r['ulysses_per_row']}: a row ran without its group")
+        exchanges, rows = counts["sp_reshard_exchanges"], r["rows_with_items"]
+        assert exchanges >= rows if pooled else exchanges == rows, (
+            f"{where} rank {rank}: {exchanges} resharding all-to-alls for {rows} split rows "
+            "with encoder items")
+        assert counts["sp_encoder_pieces"] == r["long_items"], (where, rank, counts)
+    sent = sum(r["sp"]["sp_rows_sent"] for r in per_rank)
+    assert sent == sum(r["sp"]["sp_rows_received"] for r in per_rank), (where, sent)
+
+
+def _assert_shards_differ(per_rank: list[dict], where: str) -> None:
+    """Every split row (`_record_shards`) is on each rank of its group, as a shard of its own."""
+    rows: dict[tuple, dict[int, tuple[list[int], int]]] = {}
+    for rank, r in enumerate(per_rank):
+        for step, i, group, ids, row_len in r["shards"]:
+            if group is not None:
+                rows.setdefault((step, i, group), {})[rank] = (ids, row_len)
+    assert rows, f"{where}: no row was split over an SP group"
+    for (step, i, (first, size)), shards in rows.items():
+        at = f"{where} step {step} micro-batch {i}, ranks {first}..{first + size - 1}"
+        assert sorted(shards) == list(range(first, first + size)), f"{at}: {sorted(shards)} hold it"
+        (row_len,) = {n for _, n in shards.values()}
+        assert all(len(ids) * size == row_len for ids, _ in shards.values()), (
+            f"{at}: shards of {[len(ids) for ids, _ in shards.values()]} tokens, not 1/{size} of "
+            f"the {row_len}-token row each")
+        tokens = [tuple(ids) for ids, _ in shards.values()]
+        assert len(set(tokens)) == size, f"{at}: two ranks hold the same shard"
 
 
 def _count_encoder_work(batch, out: dict) -> None:

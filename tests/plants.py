@@ -109,3 +109,59 @@ def _per_sample_whole_row(rank: int):
 def _deepstack_levels_dropped(rank: int):
     from ds_omni.model import omni
     yield from _patched(omni.Deepstack, "add", lambda add: lambda self, hidden, level: hidden)
+
+
+# ------------------------------------------------ sequence parallel (tests/dist/test_sequence_parallel.py)
+@plant("reshard_rows_swapped", "rank 0's first shard that receives two or more embedding rows "
+       "puts its first and last received row in each other's place (the resharding plan)", "sp2")
+def _reshard_rows_swapped(rank: int):
+    import dataclasses
+    from ds_omni.data import packing
+    done = []
+
+    def make(plan_reshard):
+        def planted(*args, **kwargs):
+            plans = plan_reshard(*args, **kwargs)
+            mine = plans[0]
+            if rank == 0 and not done and mine.rows_in >= 2:
+                where = list(mine.recv_positions)
+                where[0], where[-1] = where[-1], where[0]
+                plans[0] = dataclasses.replace(mine, recv_positions=where)
+                done.append(True)
+            return plans
+        return planted
+    yield from _patched(packing, "plan_reshard", make)
+
+
+@plant("sp_block_ignored", "the model runs a long sequence's row without its block's Ulysses "
+       "group (its sp_block ignored): each rank attends over its own shard only", "sp2")
+def _sp_block_ignored(rank: int):
+    from ds_omni.model.omni import OmniModel
+    yield from _patched(OmniModel, "_route",
+                        lambda route: lambda model, batch: (model.sp_group, None))
+
+
+@plant("sp_whole_row", "every SP rank packs and computes the whole row (no shard, no "
+       "resharding; attention over a whole row skips Ulysses)", "sp2")
+def _sp_whole_row(rank: int):
+    from contextlib import ExitStack
+    from ds_omni.data import packing
+    from ds_omni.model.attention import PackedAttention
+
+    def whole_row(row, items, processors, shard):  # what `pack` makes without a shard
+        row.encoder_inputs = {e: processors[e].collate(its) for e, its in items.items()}
+        row.items = items
+        return row
+
+    def make_call(call):
+        def planted(self, q, k, v, cu_seqlens, *rest):
+            if q.shape[2] == int(cu_seqlens[-1]):  # [1, H, T, D]: the whole row, no exchange
+                return self._local(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                   cu_seqlens, *rest)
+            return call(self, q, k, v, cu_seqlens, *rest)
+        return planted
+    with ExitStack() as stack:
+        for owner, attr, make in ((packing, "shard_row", lambda f: whole_row),
+                                  (PackedAttention, "__call__", make_call)):
+            stack.enter_context(contextmanager(_patched)(owner, attr, make))
+        yield

@@ -48,6 +48,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ds_omni.parallel.evidence import SPCounts
+
 PACKED_ATTENTION = "ds_omni_packed"
 KERNELS = ("auto", "varlen", "sdpa", "eager", "flash_attention_2")
 log = logging.getLogger(__name__)
@@ -95,9 +97,12 @@ def resolve_kernel(asked: str) -> str:
 
 
 class PackedAttention:
-    """The packed-row attention of one model: its kernel, and its SP group when sequence-parallel."""
+    """The packed-row attention of one model: its kernel, and its SP group when sequence-parallel.
 
-    def __init__(self, kernel: str = "sdpa", sp_group=None):
+    `counts`: where its Ulysses calls are counted (the model's `SPCounts`, shared by all of its
+    attentions); None: counts of its own."""
+
+    def __init__(self, kernel: str = "sdpa", sp_group=None, counts: SPCounts | None = None):
         if kernel not in KERNELS:
             raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS}")
         self.kernel = resolve_kernel(kernel)
@@ -106,6 +111,7 @@ class PackedAttention:
             _logged.add(self.kernel)
             log.info("ds_omni: packed attention kernel %r (asked %r)", self.kernel, kernel)
         self.sp_group = sp_group
+        self.counts = counts if counts is not None else SPCounts()
         self._ulysses = None
         if sp_group is not None:
             from deepspeed.sequence.layer import DistributedAttention
@@ -131,6 +137,7 @@ class PackedAttention:
         if self._ulysses is None:
             return self._local(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                cu_seqlens, max_seqlen, scaling, dropout, window, blocks)
+        self.counts.ulysses_calls += 1
         k, v = (repeat_kv_for_sp(t, q.shape[1], self.sp) for t in (k, v))
         # [1, H, S, D] -> [1, S, H, D]; DistributedAttention: -> [1, T, H/sp, D] -> kernel -> back
         return self._ulysses(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None,

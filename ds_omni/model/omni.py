@@ -37,6 +37,7 @@ from ds_omni.model.layer_types import for_layer, mark_nope, rotary_tables
 from ds_omni.model.outside import LogitRule
 from ds_omni.model.per_sample import ROW_BOUNDS, run_per_sample, runs_per_sample
 from ds_omni.parallel import long_short
+from ds_omni.parallel.evidence import SPCounts
 from ds_omni.parallel.long_short import EncoderShard
 from ds_omni.parallel.reshard import ReshardEmbeddings
 
@@ -446,6 +447,9 @@ class OmniModel(nn.Module):
         # and -3 need it); False where one reduction a step only needs a gradient, which a zero
         # one gives (`ds_omni.train.engine.encoder_dummies_needed`)
         self.encoder_dummies = True
+        # what this rank's SP machinery did (Ulysses calls, rows resharded, pieces encoded), so
+        # that a silent fallback to whole rows shows (`ds_omni.parallel.evidence`)
+        self.sp_counts = SPCounts()
 
     @property
     def deepstack(self) -> int:
@@ -472,13 +476,13 @@ class OmniModel(nn.Module):
 
     def set_attention(self, kernel: str = "sdpa", sp_group=None) -> None:
         """The LLM's packed-attention kernel and, for Ulysses SP, its sequence-parallel group."""
-        self.backbone.attention = PackedAttention(kernel, sp_group)
+        self.backbone.attention = PackedAttention(kernel, sp_group, self.sp_counts)
         self.sp_group = sp_group
 
     def set_sequence_blocks(self, kernel: str, groups: dict[tuple[int, int], object]) -> None:
         """Per-sequence SP: the Ulysses group of every block this rank can be in; a micro-batch
         whose `sp_block` names one runs its attention and resharding over that group."""
-        self.blocks = {block: (group, PackedAttention(kernel, group))
+        self.blocks = {block: (group, PackedAttention(kernel, group, self.sp_counts))
                        for block, group in groups.items()}
 
     def set_encoder_pool(self, pool) -> None:
@@ -566,6 +570,7 @@ class OmniModel(nn.Module):
             if inputs is None and self.encoder_dummies:  # no whole item here: the dummy (above)
                 hidden = _with_dummy_pass(hidden, encoder)
             # whole items [n, D], then this rank's piece of each long item (a group collective)
+            self.sp_counts.encoder_pieces += len(long)
             feats = ([encoder(inputs)] if inputs is not None else []) + [
                 encoder.forward_piece(item, bounds, sp_group, plan.piece_rank)
                 for item, (_, bounds) in zip(batch.split_inputs.get(name, []), long)]
@@ -590,6 +595,7 @@ class OmniModel(nn.Module):
             # every rank must reach the backward all-to-all, also one that encoded nothing
             local = local.detach().requires_grad_()
         recv = ReshardEmbeddings.apply(local, plan, exchange_group)  # [R, (1 + k) D]
+        self.sp_counts.resharded(plan)
         where = torch.as_tensor(plan.recv_positions, dtype=torch.long, device=hidden.device)
         main, extra = split_levels(recv, width)  # [R, D], [R, k, D]
         hidden = hidden[0].index_copy(0, where, main).unsqueeze(0)

@@ -559,7 +559,7 @@ def _steps(cfg, engine, loader, logger, rank, start, end, watchdog, evaluator) -
                       **{f"data_{k}": v for k, v in batch.stats.items()
                          if k in ("skipped", "outliers", "mean_delay", "max_delay",
                                   "long_items")},
-                      **pool_metrics(engine.module)}
+                      **pool_metrics(engine.module), **sp_metrics(engine.module)}
             if cfg.train.log_samples:
                 record["sample_keys"] = sorted(k for part in loader.comm.world_all_gather(
                     batch.keys) for k in part)
@@ -583,6 +583,16 @@ def pool_metrics(module) -> dict:
     pool = getattr(module, "encoder_pool", None)
     return {"data_pool_moved": pool.step_moved,
             "data_pool_moved_group": pool.step_moved_group} if pool is not None else {}
+
+
+def sp_metrics(module) -> dict:
+    """Under sequence parallelism (static or per-sequence): this rank's SP work since start
+    (`sp_ulysses_calls`, `sp_rows_sent`, ...: `ds_omni.parallel.evidence`), which shows that the
+    SP machinery ran; nothing without SP or on a pipeline stage."""
+    counts = getattr(module, "sp_counts", None)
+    if counts is None or (module.sp_group is None and not module.blocks):
+        return {}
+    return counts.as_metrics()
 
 
 def _finish(cfg, engine, loader, rank, step, plan) -> dict:

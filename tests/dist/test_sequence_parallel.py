@@ -26,14 +26,23 @@ The per-sequence SP degree (`parallel.max_sequence_sp`, ByteScale's hybrid data 
 checked the same way in the same launches (PER_SEQUENCE, at the end of this file): no static SP,
 long sequences on blocks of 2 or 4 ranks; and the encoder pool (`parallel.encoder_pool`) under
 static SP (POOL) and under the per-sequence degree (POOL_PER_SEQUENCE) in the 4-rank launch. Ranks are started once per world size and loop over all their cases.
+
+The loss and gradients cannot see SP ranks that each compute the whole row (ZeRO sums an SP
+group's gradients: doubled targets and a doubled loss cancel), so every case also checks that the
+work was split (`oracle.assert_split_work`: targets trained once, different shards per rank, and
+the model's counts of Ulysses calls, resharding all-to-alls, rows moved and pieces encoded).
+`test_plant_is_caught` shows the checks fail on each planted error of the 2-rank launch
+(`tests/plants.py`: two resharded rows swapped, a block's `sp_block` ignored, whole rows on every
+SP rank), one step each.
 """
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from unittest import mock
 
 import pytest
 
-from tests import oracle
+from tests import oracle, plants
 from tests.fixtures import (TINY_VISION, ds_config, eval_sources, long_source, text_source,
                             tiny_config)
 from tests.harness import run_on_ranks
@@ -158,8 +167,13 @@ def _encoder_pieces(families, out_dir) -> dict:
     return out
 
 
-def _ranks(rank, world, cases, families, out_dir, per_sequence_cases, long, skewed=None):
+def _ranks(rank, world, cases, families, out_dir, per_sequence_cases, long, skewed=None,
+           planted=()):
     results = {"pieces": _encoder_pieces(families, out_dir) if world == 2 else {}}
+    for plant in planted:  # first: a planted error that breaks a rank ends the launch early
+        results[f"plant-{plant}"] = oracle.train_on_rank(
+            rank, world, planted_config(families, plant, f"{out_dir}/plant-{plant}", long),
+            ds_config(PLANTED[plant][2]), 1, plant)
     for case in cases:
         family, stage, _, reorder = case
         cfg = make_config(families[family], f"{out_dir}/{_case_name(case)}", sp=2, reorder=reorder,
@@ -186,19 +200,48 @@ def _ranks(rank, world, cases, families, out_dir, per_sequence_cases, long, skew
     return results
 
 
+@dataclass
+class Launch:
+    """One launch of `world` ranks over all its cases: the data it was given, what each rank
+    returned."""
+
+    world: int
+    long: dict  # the long-sequence source of PER_SEQUENCE
+    skewed: dict | None  # the encoder pool's sources (4 ranks)
+    results: list[dict]
+
+
+@pytest.fixture(scope="module")
+def launches(families, tmp_path_factory):
+    """world -> its `Launch`, started at the first test that asks (the parity test and the
+    plants share the 2-rank one)."""
+    done: dict[int, Launch] = {}
+
+    def launch(world: int) -> Launch:
+        if world not in done:
+            tmp = tmp_path_factory.mktemp(f"sp{world}")
+            long = long_source(tmp, weight=0.3, words=300)
+            skewed = skewed_sources(tmp) if world == 4 else None
+            results = run_on_ranks(_ranks, world, timeout=900, args=(
+                [c for c in DESIGN + EXTRA if c[2] == world], families, str(tmp / "sp"),
+                [c for c in PER_SEQUENCE if c[2] == world], long, skewed,
+                plants.for_launch(f"sp{world}")))
+            done[world] = Launch(world, long, skewed, results)
+        return done[world]
+    return launch
+
+
 @pytest.mark.dist
 # 4 ranks (about 80 s) in the slow tier: the 2-rank launch keeps every family, ZeRO stage,
 # reordering and the per-sequence degree in the quick tier, and tests/unit/test_encoder_pool.py
 # the pool's plans under SP
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_sequence_parallel_matches_single_process(world, families, tmp_path):
+def test_sequence_parallel_matches_single_process(world, families, launches, tmp_path):
     """Static sp=2 (DESIGN + EXTRA) and the per-sequence degree (PER_SEQUENCE) on `world` ranks."""
     cases = [c for c in DESIGN + EXTRA if c[2] == world]
     per_sequence = [c for c in PER_SEQUENCE if c[2] == world]
-    long = long_source(tmp_path, weight=0.3, words=300)
-    skewed = skewed_sources(tmp_path) if world == 4 else None
-    results = run_on_ranks(_ranks, world, timeout=900, args=(
-        cases, families, str(tmp_path / "sp"), per_sequence, long, skewed))
+    launch = launches(world)
+    results, long, skewed = launch.results, launch.long, launch.skewed
     dp = world // 2
     for name, got in results[0]["pieces"].items():
         assert got["piece_rows"] < got["rows"], name  # the item really was split
@@ -226,10 +269,10 @@ def test_sequence_parallel_matches_single_process(world, families, tmp_path):
         _check_pool_per_sequence(name, cfg, [r[name] for r in results])
 
 
-def _check_case(name, cfg, dp, per_rank) -> None:
+def _check_case(name, cfg, dp, per_rank, steps: int = STEPS) -> None:
     from ds_omni.model.build import build_model
-    want_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), dp, STEPS)
-    for step in range(STEPS):
+    want_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), dp, steps)
+    for step in range(steps):
         # ranks of one SP group (consecutive: 0-1, 2-3) train on the same samples
         assert per_rank[0]["keys"][step] == per_rank[1]["keys"][step], name
         got = sorted(k for r in per_rank[::2] for k in r["keys"][step])
@@ -238,6 +281,7 @@ def _check_case(name, cfg, dp, per_rank) -> None:
     oracle.assert_matches(ref, per_rank[0], name, param_atol=PARAM_ATOL)
     for r in per_rank[1:]:
         assert r["losses"] == per_rank[0]["losses"], name
+    oracle.assert_split_work(ref, per_rank, name)
     if cfg.data.eval_sources:  # each rank evaluated its shard of its dp rank's rows
         assert all(r["eval"] == per_rank[0]["eval"] for r in per_rank), name
         (want,) = oracle.reference_eval_losses(cfg, [per_rank[0]["params"]])
@@ -281,10 +325,10 @@ def per_sequence_config(families, family: str, out_dir: str, world: int, long: d
     return cfg
 
 
-def _check_per_sequence(name, cfg, world, per_rank) -> None:
+def _check_per_sequence(name, cfg, world, per_rank, steps: int = STEPS, pooled=False) -> None:
     from ds_omni.model.build import build_model
-    want = oracle.reference_step_keys(cfg, build_model(cfg.model), world, STEPS)
-    for step in range(STEPS):
+    want = oracle.reference_step_keys(cfg, build_model(cfg.model), world, steps)
+    for step in range(steps):
         got = [k for r in per_rank for k in r["keys"][step]]
         assert sorted(got) == want[step], f"{name} step {step}: another batch (or a sample twice)"
     # long sequences really ran on blocks, with their images resharded inside the block
@@ -292,6 +336,7 @@ def _check_per_sequence(name, cfg, world, per_rank) -> None:
     assert sum(r["block_rows_with_items"] for r in per_rank) >= 1, name
     ref = oracle.run_reference(cfg, want)
     oracle.assert_matches(ref, per_rank[0], name, param_atol=PARAM_ATOL)
+    oracle.assert_split_work(ref, per_rank, name, pooled=pooled)
     oracle.assert_moved(ref, name)
 
 
@@ -336,6 +381,7 @@ def _check_pool(name, cfg, per_rank) -> None:
     ref = oracle.run_reference(cfg, steps)
     oracle.assert_matches(ref, per_rank[0], name, param_atol=PARAM_ATOL)
     assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank), name
+    oracle.assert_split_work(ref, per_rank, name, pooled=True)
     oracle.assert_moved(ref, name)
     # the skew was real: ranks 2-3 had nothing of their own to encode, yet encoded rank 0-1's
     # items; and a long item was split over ranks 0-1 in the same rounds
@@ -378,7 +424,48 @@ def _plans_seen():
 
 
 def _check_pool_per_sequence(name, cfg, per_rank) -> None:
-    _check_per_sequence(name, cfg, 4, per_rank)
+    _check_per_sequence(name, cfg, 4, per_rank, pooled=True)
     # the pool moved images of a block's row to ranks outside the block (every rank's plans agree)
     assert len({r["block_items_moved"] for r in per_rank}) == 1, name
     assert per_rank[0]["block_items_moved"] > 0, name
+
+
+# ------------------------------------------------------------------------- planted errors
+# One step each, in the 2-rank launch (`tests/plants.py`): plant -> (kind of case, family, ZeRO).
+# "static": sp=2 on 2 ranks (make_config); "per_sequence": the per-sequence degree (PER_SEQUENCE).
+PLANTED = {"reshard_rows_swapped": ("static", "llava", 0),
+           "sp_block_ignored": ("per_sequence", "llava", 1),
+           "sp_whole_row": ("static", "llava", 0)}
+# what each failure names: swapped rows and a block's row attended shard by shard change the loss
+# itself; whole rows on both SP ranks leave loss and gradients exact (ZeRO sums the SP group's
+# gradients: doubled targets and loss cancel), only the split-work checks see them
+CAUGHT_BY = {"reshard_rows_swapped": "losses .*, the reference's",
+             "sp_block_ignored": "losses .*, the reference's",
+             "sp_whole_row": "trained on more than one rank"}
+
+
+def planted_config(families, plant: str, out_dir: str, long: dict):
+    kind, family, _ = PLANTED[plant]
+    if kind == "per_sequence":
+        return per_sequence_config(families, family, out_dir, 2, long)
+    return make_config(families[family], out_dir, sp=2, reorder=False)
+
+
+def test_every_sp_plant_has_a_case():
+    assert sorted(PLANTED) == plants.for_launch("sp2") and not plants.for_launch("sp4")
+    assert set(CAUGHT_BY) == set(PLANTED)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("plant", plants.for_launch("sp2"))
+def test_plant_is_caught(plant, families, launches, tmp_path):
+    """The checks of the honest cases fail on a planted error, and name what differs."""
+    launch = launches(2)
+    per_rank = [r[f"plant-{plant}"] for r in launch.results]
+    kind, family, _ = PLANTED[plant]
+    cfg = planted_config(families, plant, str(tmp_path / "ref"), launch.long)
+    with pytest.raises(AssertionError, match=CAUGHT_BY[plant]):
+        if kind == "per_sequence":
+            _check_per_sequence(plant, cfg, 2, per_rank, steps=1)
+        else:
+            _check_case(plant, cfg, 1, per_rank, steps=1)

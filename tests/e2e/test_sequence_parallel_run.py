@@ -50,6 +50,8 @@ def test_sp2_killed_in_a_backward_resumes_exports_and_matches_one_process(tmp_pa
     assert [r["sample_keys"] for r in got] == want_keys
     assert [r["loss"] for r in got] == pytest.approx(want.losses, rel=1e-5)
     assert all(r["data_long_items"] > 0 for r in got)
+    # the SP machinery ran (ds_omni.parallel.evidence, counted since each process started)
+    assert all(r["sp_ulysses_calls"] > 0 and r["sp_encoder_pieces"] > 0 for r in got)
     report = json.loads((Path(out) / "report.json").read_text())
     assert report["sp"] == 2 and report["dp"] == 1
     from transformers import AutoConfig

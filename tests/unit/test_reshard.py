@@ -186,6 +186,24 @@ def test_bytes_moved_counts_rows_off_their_encoder(sp):
         assert got["reshard"] <= got["all_gather"] or sp == 1
 
 
+@pytest.mark.parametrize("sp", [2, 4])
+def test_counts_of_rows_moved_are_the_rows_off_their_encoder(sp):
+    """`SPCounts` (the metrics sp_rows_sent / sp_rows_received): over the group, the rows sent
+    are the rows received, and both are the rows whose placeholder is off their encoding rank."""
+    from ds_omni.parallel.evidence import SPCounts
+    rng = np.random.default_rng(400 + sp)
+    for _ in range(30):
+        ids, sizes, costs, order = random_row(rng, sp)
+        slots, plans = plans_of(ids, sizes, costs, order, sp)
+        s, owner = len(ids) // sp, owners(plans)
+        moved = sum(int((sl.positions // s != owner[(sl.encoder, sl.index)]).sum()) for sl in slots)
+        counts = [SPCounts() for _ in plans]
+        for c, plan in zip(counts, plans):
+            c.resharded(plan)
+        assert sum(c.rows_sent for c in counts) == sum(c.rows_received for c in counts) == moved
+        assert counts[0].as_metrics()["sp_reshard_exchanges"] == 1
+
+
 def test_placeholder_count_must_match_the_items():
     ids = np.array([PLACEHOLDER["vision"]] * 5 + [TEXT])
     with pytest.raises(ValueError, match=r"row has 5 placeholder tokens but its items yield 6"):
