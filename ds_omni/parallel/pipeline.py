@@ -26,6 +26,7 @@ Dims: T packed tokens of a micro-batch, D LLM hidden size, n samples in the row.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -261,6 +262,27 @@ def fill_missing_grads(params) -> None:
             p.grad = torch.zeros_like(p)
 
 
+@contextlib.contextmanager
+def late_grads_to_master(optimizer):
+    """Gradients made inside the block, after the engine's last backward (the encoders' under
+    "uniform" placement, `JointSetup.finish`), reach the fp32 gradients the optimizer steps with.
+
+    Under bf16 at ZeRO-0 the pipeline engine steps with DeepSpeed's `BF16_Optimizer`, which adds
+    each parameter's bf16 gradient into its fp32 one at the end of every backward pass and never
+    again: gradients made later would be dropped (the encoders would not train). The bf16
+    gradients, already added by then, are zeroed first, so that adding them all once more after
+    the block adds only what the block made. Other optimizers read `.grad` at the reduction and
+    need nothing here.
+    """
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    if not isinstance(optimizer, BF16_Optimizer):
+        yield
+        return
+    optimizer.clear_lp_grads()
+    yield
+    optimizer.update_hp_grads(clear_lp_grads=False)
+
+
 def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placement: str = "stage0",
                           processors: dict | None = None, item_cost=None):
     """The `PipelineModule` of this rank's stage, split at `stage_plan.parts`; its `loss_fn` is
@@ -351,6 +373,12 @@ def check_pipeline(cfg, ds_config: dict, llm_config) -> None:
     check_stages(llm_config.num_hidden_layers, pp)
     if getattr(llm_config, "tie_word_embeddings", False):
         raise LaunchError(TIED)
+    if (cfg.parallel.encoder_placement == "uniform"
+            and ds_config.get("bf16", {}).get("immediate_grad_update", False)):
+        raise LaunchError("bf16.immediate_grad_update with parallel.encoder_placement \"uniform\": "
+                          "DeepSpeed then moves each gradient into fp32 as it is made, before the "
+                          "encoders' gradients are summed over the pipeline's stages; remove "
+                          "immediate_grad_update from the DeepSpeed config (or use \"stage0\")")
     if cfg.parallel.sp > 1:
         raise LaunchError(f"parallel.pp={pp} with parallel.sp={cfg.parallel.sp}: the pipeline "
                           "engine runs without Ulysses sequence parallelism (DeepSpeed builds its "

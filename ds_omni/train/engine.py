@@ -43,7 +43,8 @@ from ds_omni.parallel.groups import (TorchDataComm, data_groups, loader_step_com
                                     sequence_groups)
 from ds_omni.parallel.pipeline import (around_instructions, build_pipeline_module,
                                       check_pipeline, engine_inputs, fill_missing_grads,
-                                      is_pipeline, layer_param_counts, optimizer_params)
+                                      is_pipeline, late_grads_to_master, layer_param_counts,
+                                      optimizer_params)
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.parallel.stages import StagePlan, stage_plan_for
 from ds_omni.train import checkpoint
@@ -213,7 +214,8 @@ def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list)
 
     def encoders_backward(engine, run):
         if joint is not None:
-            joint.finish(module.step_inputs.joint)
+            with late_grads_to_master(engine.optimizer):  # bf16: else they are dropped
+                joint.finish(module.step_inputs.joint)
         fill_missing_grads(optimizer_params(module))  # an encoder with no item in the whole step
         run()
     hooks[schedule.ReduceTiedGrads] = encoders_backward
