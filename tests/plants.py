@@ -16,6 +16,7 @@ with `@plant(name, what, launch)`; then a case for it in that launch and its `te
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -87,3 +88,14 @@ def _drop_sample(rank: int):
             return batch
         return planted
     yield from _patched(OmniLoader, "next_step", make)
+
+
+# ------------------------------------------------------------------- bf16 (tests/dist/test_bf16.py)
+@plant("bf16_encoder_grads_dropped", "under bf16 and \"uniform\" placement the encoders' "
+       "gradients, made after the pipeline's last backward, do not reach DeepSpeed's fp32 "
+       "gradients (the doubt of issue 26: what BF16_Optimizer does unless ds_omni adds them)",
+       "bf16")
+def _bf16_encoder_grads_dropped(rank: int):
+    from ds_omni.train import engine as train
+    yield from _patched(train, "late_grads_to_master",
+                        lambda f: lambda optimizer: contextlib.nullcontext())
