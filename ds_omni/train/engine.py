@@ -186,8 +186,8 @@ def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
         raise LaunchError(f"the pipeline engine runs {gas} micro-batches a step but the loader "
                           f"made {len(batch.micro_batches)}; under parallel.pp > 1 use "
                           "data.reorder.mode \"fixed\" or \"loader_order\"")
-    loss, inputs = module.loss_fn, module.step_inputs
-    loss.scale = gas * scale  # the engine divides the last stage's loss by the accumulation steps
+    inputs = module.step_inputs
+    inputs.scale = gas * scale  # the engine divides the last stage's loss by the accumulation steps
     inputs.batches = [mb.to(engine.device) for mb in batch.micro_batches]
     dropped = []
     try:
@@ -196,10 +196,10 @@ def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
         around_instructions(engine, _pipeline_hooks(module, batch, comm, on_reduced_grads, guard,
                                                     dropped))
         engine.train_batch(data_iter=iter(engine_inputs(batch.micro_batches)))
-        sums = loss.sums
+        sums = inputs.sums
         return float(torch.stack(sums).double().sum()) if sums else 0.0, dropped or None
     finally:
-        loss.sums, inputs.batches, inputs.joint = [], [], None
+        inputs.sums, inputs.batches, inputs.joint = [], [], None
 
 
 def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list) -> dict:
@@ -231,7 +231,7 @@ def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list)
             on_reduced_grads(engine)
         tripped = False
         if guard is not None:
-            for loss_sum in module.loss_fn.sums:
+            for loss_sum in module.step_inputs.sums:
                 guard.watch_loss(loss_sum)
             tripped = guard.tripped()
         if tripped:

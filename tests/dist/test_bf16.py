@@ -2,10 +2,12 @@
 
 One 2-rank launch trains, 3 steps each under `"bf16": {"enabled": true}`: the demo composition
 (LLaVA) data-parallel under ZeRO 0-3, under Ulysses SP=2 (ZeRO-2), with the encoder pool
-(ZeRO-1, rank 0's rows hold every image), and the image+audio composition over 2 pipeline stages
-with "uniform" encoder placement (ZeRO-0, where DeepSpeed steps with its `BF16_Optimizer`); then
-every shipped `ds_configs/*_bf16.json` for 2 steps, and the planted errors of `tests/plants.py`
-whose launch is "bf16".
+(ZeRO-1, rank 0's rows hold every image), and over 2 pipeline stages, where DeepSpeed steps with
+its `BF16_Optimizer`: the image+audio composition with "uniform" encoder placement (ZeRO-0), LLaVA
+with its encoder on stage 0 under ZeRO-0 and under ZeRO-1 with fp32 gradient accumulation
+(`data_types.grad_accum_dtype`, the ZeRO-1 path to BF16_Optimizer; plain bf16 ZeRO-1 steps with
+ZeRO's own optimizer); then every shipped `ds_configs/*_bf16.json` for 2 steps, and the planted
+errors of `tests/plants.py` whose launch is "bf16".
 
 The reference (`bf16_reference`) is mixed precision as DeepSpeed does it, built here in plain
 PyTorch: the model in bf16 from the same init, fp32 master weights made from those bf16 weights,
@@ -30,16 +32,14 @@ ZeRO 1-3), so every activation differs by a few roundings.
   the other way (elements whose gradient is within bf16 noise of 0), and a tensor that did not
   train (its gradient dropped) has a cosine of ~0. Element-wise equality is not asked for: bf16
   noise in a near-zero gradient flips that element's full-size Adam step.
-`test_plant_is_caught` shows the check fails on each planted error of this launch (the encoders'
-gradients dropped under bf16 "uniform" placement: DeepSpeed's `BF16_Optimizer` adds bf16
-gradients into fp32 ones at each backward pass only, and the encoders' backward comes after the
-last: `ds_omni.parallel.pipeline.late_grads_to_master`).
-
-Open, shown here (`test_bf16_pipeline_uniform_matches_single_process_in_bf16` fails): under the
-same pipeline case the LM head's fp32 master does not move at all (with or without the encoder
-fix; every other parameter of the last stage does). The head is the one weight applied in
-`PipeLoss`, the engine's `loss_fn`, outside the stage's layers: where its bf16 gradient is lost
-on the way into BF16_Optimizer's fp32 gradients is not found yet.
+`test_plant_is_caught` shows the check fails on each planted error of this launch, both ways
+BF16_Optimizer loses a gradient made outside the span it watches: it zeroes the bf16 gradients
+when a backward pass starts (DeepSpeed's backward prologue, fired by a hook on the module's
+output) and adds them into the fp32 ones when it ends. The encoders' gradients under "uniform"
+placement come after the last backward (`ds_omni.parallel.pipeline.late_grads_to_master` adds
+them); an LM head applied in the engine's `loss_fn`, after the module's output, has its gradient
+made before the prologue zeroes it (its fp32 master never moved: why the pipeline's last stage
+makes the loss inside its layers, `ds_omni.parallel.pipeline.HeadStage`).
 """
 
 import json
@@ -80,12 +80,16 @@ def _cases(tmp) -> dict:
     vision = [{"name": "shapes", "path": "builtin:shapes"}, text]
     uniform = {"stage": 0, "placement": "uniform", "model": pipeline.COMPOSED, "split": "layers",
                "sources": [pipeline.SHAPES_TONES, text], "max_seq_len": 160, "train": PP_BATCH}
+    stage0 = {"placement": "stage0", "sources": vision, "train": PP_BATCH}
     return {
         **{f"zero{s}": {"stage": s, "sources": vision} for s in range(4)},
         "sp2": {"stage": 2, "sp": 2},
         "pool": {"stage": 1, "pool": True, "sources": [skewed_source(tmp / "skewed")],
                  "reorder": {"mode": "loader_order"}},
         "pp_uniform": uniform,
+        "pp_stage0": {**stage0, "stage": 0},
+        "pp_stage0_zero1": {**stage0, "stage": 1,
+                            "ds": {"data_types": {"grad_accum_dtype": "fp32"}}},
         **{f"shipped_{p.stem}": {"shipped": p.name, "steps": 2, "train": {"warmup_steps": 1}}
            for p in SHIPPED},
         **{plant: {**uniform, "plant": plant, "steps": 2} for plant in plants.for_launch("bf16")},
@@ -101,7 +105,7 @@ def _case_config(case: dict, out_dir: str):
 def _ds_json(case: dict) -> dict:
     if "shipped" in case:
         return _shipped(REPO / "ds_configs" / case["shipped"])
-    return ds_config(case["stage"], **BF16)
+    return ds_config(case["stage"], **BF16, **case.get("ds", {}))
 
 
 def _train_ranks(rank, world, cases, out_dir):
@@ -154,11 +158,16 @@ def test_bf16_matches_single_process_in_bf16(cases, results, tmp_path):
     assert {"zero0", "zero1", "zero2", "zero3", "sp2", "pool"} <= set(checked)
 
 
-def test_bf16_pipeline_uniform_matches_single_process_in_bf16(cases, results, tmp_path):
-    """PP=2, "uniform", ZeRO-0 (DeepSpeed's BF16_Optimizer). Fails as of this commit: the LM
-    head's fp32 master never moves (the encoders' did not either, before
-    `late_grads_to_master`); see the module docstring."""
-    _check("pp_uniform", cases["pp_uniform"], results, tmp_path)
+PIPELINE = ["pp_uniform", "pp_stage0", "pp_stage0_zero1"]
+
+
+@pytest.mark.parametrize("name", PIPELINE)
+def test_bf16_pipeline_matches_single_process_in_bf16(name, cases, results, tmp_path):
+    """PP=2 under DeepSpeed's BF16_Optimizer: "uniform" placement (ZeRO-0), "stage0" (ZeRO-0 and
+    ZeRO-1 with fp32 accumulation). Every master moves as the reference's, the LM head's and
+    the encoders' included (module docstring: both were lost once)."""
+    assert cases[name].get("placement") and "plant" not in cases[name]
+    _check(name, cases[name], results, tmp_path)
 
 
 def test_shipped_bf16_configs_train_two_steps(cases, results):
@@ -184,9 +193,14 @@ def _initial_masters(case) -> dict[str, torch.Tensor]:
             if p.requires_grad}
 
 
+# where each plant's error shows: the check's message names it
+CAUGHT_IN = {"bf16_encoder_grads_dropped": "differs in the encoders",
+             "bf16_lm_head_in_loss_fn": "backbone.lm_head.weight"}
+
+
 @pytest.mark.parametrize("plant", plants.for_launch("bf16"))
 def test_plant_is_caught(plant, cases, results, tmp_path):
-    with pytest.raises(AssertionError, match="encoders"):
+    with pytest.raises(AssertionError, match=CAUGHT_IN[plant]):
         _check(plant, cases[plant], results, tmp_path)
 
 
