@@ -416,8 +416,43 @@ def run(args) -> dict:
     for i, step_inputs in enumerate(inputs):
         for k in ((0, 1) if i % 2 == 0 else (1, 0)):  # alternate who goes first
             sides[k].step(step_inputs[k], device, timed=i >= args.warmup)
-    return report(args, spec, mix, device, dtype, hf, omni, flops, steps[args.warmup:], inputs[args.warmup:],
-                  sides, check)
+    out = report(args, spec, mix, device, dtype, hf, omni, flops, steps[args.warmup:],
+                 inputs[args.warmup:], sides, check)
+    if args.profile:  # one more step of each side, on the last timed step's samples
+        out["profile"] = {side.name: profile_step(side, inputs[-1][k], device)
+                          for k, side in enumerate(sides) if not side.error}
+    return out
+
+
+def profile_step(side: "Side", batches, device, top: int = 15) -> dict:
+    """One step of `side` under `torch.profiler`: its wall time, the top kernels by device time
+    (CPU ops on a CPU), and the host gaps, the time the GPU sat idle between kernels (a step
+    waiting on the host: a sync, Python overhead, small launches), largest first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        side.run(batches, device)
+        sync(device)
+    wall = time.perf_counter() - t0
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    averages = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))
+    out = {"wall_s": wall, "top": [{"name": e.key[:120], "calls": e.count,
+                                    "total_ms": getattr(e, key) / 1e3} for e in averages[:top]]}
+    if cuda:
+        kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                         key=lambda e: e.time_range.start)
+        gaps = [(b.time_range.start - a.time_range.end, a.name, b.name)
+                for a, b in zip(kernels, kernels[1:]) if b.time_range.start > a.time_range.end]
+        busy = sum(e.time_range.elapsed_us() for e in kernels)
+        out.update(kernels=len(kernels), device_busy_ms=busy / 1e3,
+                   host_gaps_ms=sum(g for g, _, _ in gaps) / 1e3,
+                   largest_gaps=[{"ms": g / 1e3, "after": a[:80], "before": b[:80]}
+                                 for g, a, b in sorted(gaps, reverse=True)[:10]])
+    return out
 
 
 def report(args, spec, mix, device, dtype, hf, omni, flops, steps, inputs, sides, check) -> dict:
@@ -481,6 +516,8 @@ def parse_args(argv: list[str]):
     p.add_argument("--rounds", type=int, help="timed steps per side")
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak of this GPU, if not in the table")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one step of each side (torch.profiler) into the JSON")
     p.add_argument("--out", help="JSON path (default benchmarks/results/gpu_mfu.json)")
     args = p.parse_args(argv)
     defaults = ({"rows": 2, "row_tokens": 256, "max_len": 128, "warmup": 1, "rounds": 2} if args.tiny

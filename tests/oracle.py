@@ -180,7 +180,8 @@ def assert_moved(ref: Reference, where: str) -> None:
 
 # ----------------------------------------------------------------------------- the ranks' side
 def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
-                  plant: str | None = None, resume_at: int | None = None) -> dict:
+                  plant: str | None = None, resume_at: int | None = None,
+                  read_params=full_params) -> dict:
     """Train `steps` steps of `cfg` on this rank through the real DeepSpeed engine.
 
     Returns the losses, every step's sample keys, counts of micro-batches with nothing to encode
@@ -188,7 +189,8 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
     final parameters. `plant` puts in a known error (`tests/plants.py`): the oracle must see it.
     `resume_at`: save a
     checkpoint before that step, and after the last step resume from it and train the rest again
-    (`_resume_and_rerun`); the final parameters are then the rerun's.
+    (`_resume_and_rerun`); the final parameters are then the rerun's. `read_params(engine)`
+    reads the final parameters (by the engine's names; every rank calls it).
     """
     from ds_omni.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
@@ -230,7 +232,7 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
     if cfg.data.eval_sources:  # validation after the last step, on every rank
         from ds_omni.train.evaluate import Evaluator
         out["eval"] = Evaluator(cfg, built, loader).run(engine)
-    params = full_params(engine)
+    params = read_params(engine)
     if resume_at is not None:
         out["resumed"] = _resume_and_rerun(cfg, built, engine, loader, resume_at, steps, rank)
         first, params = params, full_params(engine)

@@ -5,20 +5,27 @@ model and the oracle's names stay the same), wrapped so each takes and returns w
 engine can send between stages, a tuple of tensors:
 
     EmbedStage    (index [1], position_ids, cu_seqlens) -> (hidden [1, T, D], position_ids,
-                                                          cu_seqlens)
-    DecoderStage  (hidden, position_ids, cu_seqlens)    -> (hidden, position_ids, cu_seqlens)
-    HeadStage     (hidden, position_ids, cu_seqlens)    -> normed hidden [1, T, D]
-    PipeLoss      (normed hidden, targets [1, T])       -> scaled sum of token losses
+                                                          cu_seqlens, index)
+    DecoderStage  (hidden, position_ids, cu_seqlens, index) -> the same
+    HeadStage     (hidden, position_ids, cu_seqlens, index) -> scaled sum of token losses
 
 Only `hidden` is a float tensor, so it is the one tensor the engine sends a gradient back for.
 `position_ids` ([1, T], or [3, 1, T] for M-RoPE) and `cu_seqlens` [n + 1] travel with it, so a
 stage needs nothing but what it receives (lengths vary per micro-batch: `dynamic_shape=True`).
 The encoders' inputs vary in kind and number per family and micro-batch, so they do not travel
 through the engine: the step's micro-batches are held by `StepInputs`, and the first stage looks
-its micro-batch up by the index the engine hands it ("stage0" placement: stage 0 encodes).
+its micro-batch up by the index the engine hands it ("stage0" placement: stage 0 encodes); the
+index travels on, and the last stage looks up the micro-batch's targets by it.
+
+The whole loss, LM head included, is made inside the last stage's layers (the engine's `loss_fn`
+is None): DeepSpeed starts each backward pass (its `_backward_prologue`, from a hook on the
+module's output) when the first gradient reaches the module's output, and under bf16 its
+`BF16_Optimizer` then zeroes every bf16 gradient, to add them into its fp32 ones at the end. A
+weight used after the module's output, in a `loss_fn`, has its gradient made before that hook and
+zeroed by it: the LM head would never train under bf16 (and no error would say so).
 
 Gradient scale: the engine divides the last stage's loss by the accumulation steps and averages
-gradients over the data-parallel ranks; `PipeLoss.scale` undoes both and divides by the global
+gradients over the data-parallel ranks; `StepInputs.scale` undoes both and divides by the global
 target-token count, so the gradient equals one process running the whole global batch.
 
 Dims: T packed tokens of a micro-batch, D LLM hidden size, n samples in the row.
@@ -26,6 +33,7 @@ Dims: T packed tokens of a micro-batch, D LLM hidden size, n samples in the row.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -45,12 +53,16 @@ TIED = ("the LLM ties its LM head to its token embedding (tie_word_embeddings), 
 
 class StepInputs:
     """The micro-batches of the step being trained (on the device), which the first stage reads
-    its encoder inputs and token ids from, and under "uniform" placement the step's
-    `JointEncoding` (the rows every stage encoded); set before each `train_batch`."""
+    its encoder inputs and token ids from and the last its targets, under "uniform" placement the
+    step's `JointEncoding` (the rows every stage encoded), and the loss's `scale` (module
+    docstring); set before each `train_batch`. The last stage keeps each micro-batch's unscaled
+    loss sum in `sums`, for the step's reported loss."""
 
     def __init__(self):
         self.batches: list = []
         self.joint: JointEncoding | None = None
+        self.scale = 1.0
+        self.sums: list[torch.Tensor] = []
 
 
 class EmbedStage(nn.Module):
@@ -76,7 +88,7 @@ class EmbedStage(nn.Module):
             rows = {name: joint.rows_for(micro, name) for name in self.encoders}
             hidden = self.omni.embed_rows(batch, {k: v for k, v in rows.items() if v is not None})
         # what `Backbone.forward` does first (Granite's embedding multiplier)
-        return self.omni.backbone.scale_embeddings(hidden), position_ids, cu_seqlens
+        return self.omni.backbone.scale_embeddings(hidden), position_ids, cu_seqlens, index
 
 
 class DecoderStage(nn.Module):
@@ -90,49 +102,44 @@ class DecoderStage(nn.Module):
         object.__setattr__(self, "backbone", backbone)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        hidden, position_ids, cu_seqlens = inputs
+        hidden, position_ids, cu_seqlens, index = inputs
         # the longest sample, from the boundaries (a host read on a GPU, once per layer and row)
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         kwargs = self.backbone.layer_kwargs(hidden, position_ids, cu_seqlens.cpu(), max_seqlen)
-        return self.backbone.run_layer(self.layer, hidden, kwargs), position_ids, cu_seqlens
+        return self.backbone.run_layer(self.layer, hidden, kwargs), position_ids, cu_seqlens, index
 
 
 class HeadStage(nn.Module):
-    """The final norm; holds the LM head, which `PipeLoss` applies to the target positions only
-    (`logits`: with the backbone's logit rule, `Backbone.head`)."""
+    """The final norm, the LM head (on the target positions only, with the backbone's logit
+    rule: `Backbone.head`) and the loss: the micro-batch's summed token loss times
+    `StepInputs.scale`. Made here, inside the stage's layers, not in the engine's `loss_fn`:
+    the module docstring says why."""
 
-    def __init__(self, model: OmniModel):
+    def __init__(self, model: OmniModel, step_inputs: StepInputs):
         super().__init__()
         self.norm = model.backbone.norm
         self.lm_head = model.backbone.lm_head
         self.logit_rule = model.backbone.logit_rule
+        object.__setattr__(self, "step_inputs", step_inputs)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logit_rule.head(self.lm_head, hidden)
 
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        hidden, _, _ = inputs
-        return self.norm(hidden)  # [1, T, D]
-
-
-class PipeLoss:
-    """The last stage's loss: the micro-batch's summed token loss times `scale` (module
-    docstring); it keeps each unscaled sum for the step's reported loss."""
-
-    def __init__(self, head: HeadStage):
-        self.head = head
-        self.scale = 1.0
-        self.sums: list[torch.Tensor] = []
-
-    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss_sum(self, normed: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The summed token loss of normed hidden states [1, T, D] against targets [1, T]."""
         keep = (targets[0] != IGNORE_INDEX).nonzero().squeeze(1)  # [n]
-        loss_sum = summed_token_loss(self.head.logits, hidden, targets, keep)
-        self.sums.append(loss_sum.detach())
-        return loss_sum * self.scale
+        return summed_token_loss(self.logits, normed, targets, keep)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        hidden, _, _, index = inputs
+        targets = self.step_inputs.batches[int(index[0])].targets
+        loss_sum = self.loss_sum(self.norm(hidden), targets)
+        self.step_inputs.sums.append(loss_sum.detach())
+        return loss_sum * self.step_inputs.scale
 
 
-def pipeline_layers(model: OmniModel, step_inputs: StepInputs) -> tuple[list[nn.Module], PipeLoss]:
-    """[embedding, decoder layers..., head] and the loss of the last stage."""
+def pipeline_layers(model: OmniModel, step_inputs: StepInputs) -> list[nn.Module]:
+    """[embedding, decoder layers..., head (with the loss)]."""
     backbone = model.backbone
     extra = model.family.layer_inputs(torch.zeros(1, 1, dtype=torch.long))
     if extra:
@@ -148,16 +155,15 @@ def pipeline_layers(model: OmniModel, step_inputs: StepInputs) -> tuple[list[nn.
         raise ModelError(f"{model.family.name}'s LLM lets some tokens attend both ways "
                          f"({model.family.bidirectional}), a mask the pipeline stages do not "
                          "carry yet; set parallel.pp to 1 (ZeRO and sequence parallelism keep it)")
-    head = HeadStage(model)
     layers = [EmbedStage(model, step_inputs)]
     layers += [DecoderStage(model, i) for i in range(len(backbone.layers))]
-    return layers + [head], PipeLoss(head)
+    return layers + [HeadStage(model, step_inputs)]
 
 
 def layer_param_counts(model: OmniModel) -> tuple[list[int], int]:
     """Trainable parameters of each pipeline layer [L + 2], the encoders left out of the
     embedding layer, and the encoders' own (what `parallel.stage_split="parameters"` balances)."""
-    layers, _ = pipeline_layers(model, StepInputs())
+    layers = pipeline_layers(model, StepInputs())
     encoder = {id(p) for p in model.encoders.parameters()}
     counts = [sum(p.numel() for p in layer.parameters() if p.requires_grad and id(p) not in encoder)
               for layer in layers]
@@ -179,7 +185,7 @@ def load_layer_files(model: OmniModel, directory: Path) -> None:
     pipeline layer i (`pipeline_layers`), whose modules are the OmniModel's own, so loading it
     into a layer built over `model` puts every weight under its OmniModel name. Under "uniform"
     placement stage 0's encoders are the saved ones (the other stages' copies are not layers)."""
-    layers, _ = pipeline_layers(model, StepInputs())
+    layers = pipeline_layers(model, StepInputs())
     found = sorted(p.name for p in directory.glob("layer_*-model_states.pt"))
     if len(found) != len(layers) or not all(layer_file(directory, i).is_file()
                                             for i in range(len(layers))):
@@ -261,15 +267,36 @@ def fill_missing_grads(params) -> None:
             p.grad = torch.zeros_like(p)
 
 
+@contextlib.contextmanager
+def late_grads_to_master(optimizer):
+    """Gradients made inside the block, after the engine's last backward (the encoders' under
+    "uniform" placement, `JointSetup.finish`), reach the fp32 gradients the optimizer steps with.
+
+    Under bf16 at ZeRO-0 the pipeline engine steps with DeepSpeed's `BF16_Optimizer`, which adds
+    each parameter's bf16 gradient into its fp32 one at the end of every backward pass and never
+    again: gradients made later would be dropped (the encoders would not train). The bf16
+    gradients, already added by then, are zeroed first, so that adding them all once more after
+    the block adds only what the block made. Other optimizers read `.grad` at the reduction and
+    need nothing here.
+    """
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    if not isinstance(optimizer, BF16_Optimizer):
+        yield
+        return
+    optimizer.clear_lp_grads()
+    yield
+    optimizer.update_hp_grads(clear_lp_grads=False)
+
+
 def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placement: str = "stage0",
                           processors: dict | None = None, item_cost=None):
-    """The `PipelineModule` of this rank's stage, split at `stage_plan.parts`; its `loss_fn` is
-    the `PipeLoss`, its `step_inputs` the `StepInputs` the step fills, its `joint` the
-    `JointSetup` under "uniform" placement (else None)."""
+    """The `PipelineModule` of this rank's stage, split at `stage_plan.parts`; its `step_inputs`
+    is the `StepInputs` the step fills, its `joint` the `JointSetup` under "uniform" placement
+    (else None). It has no `loss_fn`: the last stage's layers make the loss (module docstring)."""
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
     step_inputs = StepInputs()
-    layers, loss = pipeline_layers(model, step_inputs)
+    layers = pipeline_layers(model, step_inputs)
     if stage_plan.parts[-1] != len(layers):
         raise ModelError(f"the stage plan splits {stage_plan.parts[-1]} layers but the pipeline "
                          f"has {len(layers)}")
@@ -290,7 +317,7 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
 
     # ranks: pipe outermost, then data (ds_omni's ParallelPlan with sp = 1)
     topology = PipeDataParallelTopology(num_pp=plan.pp, num_dp=plan.dp)
-    module = CostSplitModule(layers=layers, topology=topology, loss_fn=loss,
+    module = CostSplitModule(layers=layers, topology=topology, loss_fn=None,
                              partition_method="ds_omni", dynamic_shape=True)
     module.step_inputs = step_inputs
     module.family = model.family  # what checkpoints record
@@ -313,8 +340,9 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
 
 def engine_inputs(micro_batches: list) -> list[tuple]:
     """What the engine's data iterator yields per micro-batch: ((index, position_ids, cu_seqlens),
-    targets). The first stage reads the inputs, the last the targets."""
-    return [((torch.tensor([i]), mb.position_ids, mb.cu_seqlens), mb.targets)
+    no labels). The first stage reads the inputs; the last finds the targets by the index it
+    receives (`HeadStage`), so there are no labels for the engine to load."""
+    return [((torch.tensor([i]), mb.position_ids, mb.cu_seqlens), None)
             for i, mb in enumerate(micro_batches)]
 
 
@@ -351,6 +379,12 @@ def check_pipeline(cfg, ds_config: dict, llm_config) -> None:
     check_stages(llm_config.num_hidden_layers, pp)
     if getattr(llm_config, "tie_word_embeddings", False):
         raise LaunchError(TIED)
+    if (cfg.parallel.encoder_placement == "uniform"
+            and ds_config.get("bf16", {}).get("immediate_grad_update", False)):
+        raise LaunchError("bf16.immediate_grad_update with parallel.encoder_placement \"uniform\": "
+                          "DeepSpeed then moves each gradient into fp32 as it is made, before the "
+                          "encoders' gradients are summed over the pipeline's stages; remove "
+                          "immediate_grad_update from the DeepSpeed config (or use \"stage0\")")
     if cfg.parallel.sp > 1:
         raise LaunchError(f"parallel.pp={pp} with parallel.sp={cfg.parallel.sp}: the pipeline "
                           "engine runs without Ulysses sequence parallelism (DeepSpeed builds its "

@@ -43,7 +43,8 @@ from ds_omni.parallel.groups import (TorchDataComm, data_groups, loader_step_com
                                     sequence_groups)
 from ds_omni.parallel.pipeline import (around_instructions, build_pipeline_module,
                                       check_pipeline, engine_inputs, fill_missing_grads,
-                                      is_pipeline, layer_param_counts, optimizer_params)
+                                      is_pipeline, late_grads_to_master, layer_param_counts,
+                                      optimizer_params)
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.parallel.stages import StagePlan, stage_plan_for
 from ds_omni.train import checkpoint
@@ -185,8 +186,8 @@ def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
         raise LaunchError(f"the pipeline engine runs {gas} micro-batches a step but the loader "
                           f"made {len(batch.micro_batches)}; under parallel.pp > 1 use "
                           "data.reorder.mode \"fixed\" or \"loader_order\"")
-    loss, inputs = module.loss_fn, module.step_inputs
-    loss.scale = gas * scale  # the engine divides the last stage's loss by the accumulation steps
+    inputs = module.step_inputs
+    inputs.scale = gas * scale  # the engine divides the last stage's loss by the accumulation steps
     inputs.batches = [mb.to(engine.device) for mb in batch.micro_batches]
     dropped = []
     try:
@@ -195,10 +196,10 @@ def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
         around_instructions(engine, _pipeline_hooks(module, batch, comm, on_reduced_grads, guard,
                                                     dropped))
         engine.train_batch(data_iter=iter(engine_inputs(batch.micro_batches)))
-        sums = loss.sums
+        sums = inputs.sums
         return float(torch.stack(sums).double().sum()) if sums else 0.0, dropped or None
     finally:
-        loss.sums, inputs.batches, inputs.joint = [], [], None
+        inputs.sums, inputs.batches, inputs.joint = [], [], None
 
 
 def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list) -> dict:
@@ -213,7 +214,8 @@ def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list)
 
     def encoders_backward(engine, run):
         if joint is not None:
-            joint.finish(module.step_inputs.joint)
+            with late_grads_to_master(engine.optimizer):  # bf16: else they are dropped
+                joint.finish(module.step_inputs.joint)
         fill_missing_grads(optimizer_params(module))  # an encoder with no item in the whole step
         run()
     hooks[schedule.ReduceTiedGrads] = encoders_backward
@@ -229,7 +231,7 @@ def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list)
             on_reduced_grads(engine)
         tripped = False
         if guard is not None:
-            for loss_sum in module.loss_fn.sums:
+            for loss_sum in module.step_inputs.sums:
                 guard.watch_loss(loss_sum)
             tripped = guard.tripped()
         if tripped:

@@ -27,7 +27,7 @@ def _bench():
 def test_tiny_run_writes_sane_figures(tmp_path):
     bench = _bench()
     out = tmp_path / "gpu_mfu.json"
-    result = bench.main(["--tiny", "--out", str(out)])
+    result = bench.main(["--tiny", "--profile", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved == json.loads(json.dumps(result))
     assert saved["ds_omni_kernel"] == ("varlen" if torch.cuda.is_available() else "sdpa")
@@ -48,6 +48,9 @@ def test_tiny_run_writes_sane_figures(tmp_path):
         assert per_token > 6 * saved["model"]["flop_model"]["llm_body_params"]
         assert fig["mfu"] is None or 0 < fig["mfu"] < 1  # no peak is known for a CPU
     assert saved["speedup_tokens_per_s"] > 0
+    for side in ("ds_omni", "baseline"):  # one profiled step each: the top ops by time
+        profile = saved["profile"][side]
+        assert profile["wall_s"] > 0 and profile["top"] and profile["top"][0]["total_ms"] > 0
 
 
 def test_peak_by_device_name():

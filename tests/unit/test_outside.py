@@ -83,7 +83,7 @@ def test_loss_and_gradients_equal_hf_on_a_packed_row(model_type, extra):
     from types import SimpleNamespace
     from transformers import AutoConfig, AutoModelForCausalLM
     from ds_omni.model.omni import backbone_of, summed_token_loss
-    from ds_omni.parallel.pipeline import HeadStage, PipeLoss
+    from ds_omni.parallel.pipeline import HeadStage, StepInputs
     config = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64,
                                   num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, head_dim=8, vocab_size=50,
@@ -112,7 +112,8 @@ def test_loss_and_gradients_equal_hf_on_a_packed_row(model_type, extra):
     for name, param in hf.named_parameters():
         torch.testing.assert_close(param.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
     with torch.no_grad():
-        last = PipeLoss(HeadStage(SimpleNamespace(backbone=backbone)))(hidden, targets[None])
+        head = HeadStage(SimpleNamespace(backbone=backbone), StepInputs())
+        last = head.loss_sum(hidden, targets[None])
         assert torch.equal(last, loss.detach())
         backbone.logit_rule, backbone.embed_scale = outside.LogitRule(), 1.0
         hidden = backbone(backbone.embed_tokens(ids[None]), positions, cu, 12)
@@ -129,7 +130,7 @@ def test_inklings_mup_head_equals_hf():
     from types import SimpleNamespace
     from transformers import AutoConfig, AutoModelForCausalLM
     from ds_omni.model.omni import summed_token_loss
-    from ds_omni.parallel.pipeline import HeadStage, PipeLoss
+    from ds_omni.parallel.pipeline import HeadStage, StepInputs
     config = AutoConfig.for_model(
         "inkling_text", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -156,7 +157,7 @@ def test_inklings_mup_head_equals_hf():
         torch.testing.assert_close(param.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
     backbone = SimpleNamespace(norm=None, lm_head=hf.lm_head, logit_rule=rule)
     with torch.no_grad():
-        last = PipeLoss(HeadStage(SimpleNamespace(backbone=backbone)))(hidden, targets)
+        last = HeadStage(SimpleNamespace(backbone=backbone), StepInputs()).loss_sum(hidden, targets)
         assert torch.equal(last, loss.detach())
         plain = summed_token_loss(hf.lm_head, hidden, targets, keep)
     with pytest.raises(AssertionError):

@@ -169,7 +169,8 @@ def _pipeline_stages_run_it_too(model, mb):
         hidden = model.embed(mb)
         whole = model.backbone(hidden, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
         for i in range(len(model.backbone.layers)):
-            hidden, _, _ = DecoderStage(model, i)((hidden, mb.position_ids, mb.cu_seqlens))
+            hidden, *_ = DecoderStage(model, i)((hidden, mb.position_ids, mb.cu_seqlens,
+                                                 torch.tensor([0])))
     torch.testing.assert_close(model.backbone.norm(hidden), whole, rtol=0, atol=0)
 
 

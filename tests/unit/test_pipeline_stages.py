@@ -218,7 +218,7 @@ def test_a_pipeline_checkpoint_with_a_layer_file_missing_says_so(tmp_path):
     with torch.no_grad():  # weights no fresh build has
         for p in trained.parameters():
             p.add_(1.0)
-    layers, _ = pipeline_layers(trained, StepInputs())
+    layers = pipeline_layers(trained, StepInputs())
     for i, layer in enumerate(layers):  # what PipelineModule.save_state_dict writes
         torch.save(layer.state_dict(), layer_file(tmp_path, i))
     load_layer_files(fresh, tmp_path)

@@ -1,0 +1,26 @@
+"""benchmarks/gpu_check.py's CPU smoke run (tiny sizes; the CUDA-only kernel is skipped): the
+varlen part compares kernels and times them, the memory part trains one step each way."""
+
+import json
+
+
+def test_cpu_smoke_writes_figures(tmp_path):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    summary = check.main(["--cpu-smoke", "--out", str(tmp_path), "--parts", "varlen,memory"])
+    assert all(part["error"] is None for part in summary.values()), summary
+    varlen = json.loads((tmp_path / "varlen.json").read_text())
+    assert set(varlen["layers"]) == {"causal", "sliding_window", "gqa"}
+    for layer in varlen["layers"].values():
+        diffs = layer["sdpa"]["max_abs_diff_vs_fp32"]
+        # bf16 against fp32 on unit-variance inputs: a few bf16 spacings, never zero
+        assert set(diffs) == {"out", "dq", "dk", "dv"} and all(0 < d < 0.2 for d in diffs.values())
+        assert layer["sdpa"]["fwd_bwd_ms"] > 0
+    assert varlen["max_sample"] > varlen["layers"]["sliding_window"]["window"]  # the band acts
+    memory = json.loads((tmp_path / "memory.json").read_text())
+    assert memory["tokens"] <= memory["row_tokens"] and memory["plain"]["step_s"] > 0
+    assert memory["checkpointed"]["step_s"] > 0
