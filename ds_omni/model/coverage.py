@@ -3,8 +3,9 @@
 For every model type in transformers' `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`: a type whose
 classes or config rule the generic adapter out gets that reason; a type with a tiny recipe
 (`ds_omni.model.recipes`) is built at random from its config class (hidden 32, two or more LLM
-layers, GQA where the family has it, tiny images; no hub), saved with its processor, loaded
-through `build_model` (the real loading path), and checked:
+layers, GQA where the family has it, tiny images; no hub; a weight matrix HF starts at zeros
+filled at random, `unzero_matrices`), saved with its processor, loaded through `build_model`
+(the real loading path), and checked:
 - one packed row of the `SWEEP_SAMPLES` conversations (images at the start, middle and end of a
   prompt; a text-only sample) against the HF model run one sample at a time on HF's processor
   output for the whole rendered sample, with a loss mask found in the rendered text
@@ -75,6 +76,7 @@ def check_family(model_type: str, recipe: Callable, work: Path) -> Result:
     family_dir = work / model_type
     from ds_omni.model.family import family_for
     hf_model = family_for(model_type).build_hf(config).eval()
+    unzero_matrices(hf_model)
     hf_model.save_pretrained(str(family_dir), safe_serialization=True)
     save_processor_parts(processor, family_dir)
     built = build_model(ModelConfig(pretrained=str(family_dir)))
@@ -91,6 +93,28 @@ def check_family(model_type: str, recipe: Callable, work: Path) -> Result:
         return Result(False, f"export round trip changes {bad[:3] or 'the keys'}")
     return Result(True, f"exact (max |logits diff| {worst:.1g}, loss and gradients; bitwise "
                         "round trip)")
+
+
+def unzero_matrices(model: torch.nn.Module, std: float = 0.02) -> list[str]:
+    """Gives each trainable parameter of two or more dims that HF initialises to all zeros random
+    values (normal, `std`: HF's usual initializer_range; a generator of its own, seed 0); returns
+    their names.
+
+    A zero matrix blinds the check to what passes through it. Gemma 3 initialises its projector
+    (`mm_input_projection_weight`) to zeros: every image embedding is then zero, so the logits
+    do not see the images, the vision tower gets no gradient, and the projector's own gradient
+    comes through the LLM's RMSNorm of a zero vector (a factor 1/sqrt(eps), 1e3): about 2e5,
+    where fp32 rounding alone moves it by 0.08 from fp64's (HF's side as ds_omni's), more than
+    the gradient tolerance on its small elements. Trade-off: vectors (biases, norm weights) keep
+    HF's zeros: they pass on what they act on, and changing them would change every family."""
+    gen = torch.Generator().manual_seed(0)
+    names = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad and p.dim() >= 2 and not p.any():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * std)
+                names.append(name)
+    return names
 
 
 SWEEP_SAMPLES = {

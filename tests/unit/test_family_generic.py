@@ -22,9 +22,9 @@ from ds_omni.model.family import family_for
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 MUST_PASS = ("qwen2_vl", "qwen2_5_vl", "internvl", "llava_onevision", "idefics3", "smolvlm",
-             "llava", "llava_next", "qwen2_5_omni_thinker", "qwen3_vl", "mistral3")
-# gemma3 and paligemma left the list when the sweep began to compare gradients and HF's tokens of
-# whole samples: `recipes.common.NOT_EXACT` says why
+             "llava", "llava_next", "qwen2_5_omni_thinker", "qwen3_vl", "gemma3", "mistral3")
+# paligemma left the list when the sweep began to compare HF's tokens of whole samples:
+# `recipes.common.NOT_EXACT` says why
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +92,37 @@ def test_planted_error_is_seen(tmp_path, monkeypatch):
                         lambda self, ids, items: torch.arange(ids.shape[0]).expand(3, -1))
     result = coverage.check_family("qwen2_5_vl", coverage.RECIPES["qwen2_5_vl"], tmp_path)
     assert not result.supported and "logits differ" in result.reason
+
+
+def test_zero_matrices_are_filled_before_the_check():
+    """HF starts Gemma 3's projector at zeros: every image embedding is then zero, so the logits
+    cannot see the images (and fp32 rounding, through RMSNorm of zero vectors, moved the
+    projector's gradient by 0.03: the gap the sweep once reported). The sweep fills such matrices;
+    vectors (here its norms' zero weights) keep HF's values."""
+    torch.manual_seed(0)
+    config, _ = coverage.RECIPES["gemma3"]()
+    hf = family_for("gemma3").build_hf(config)
+    pixels = torch.randn(2, 3, 32, 32)
+    assert not hf.model.get_image_features(pixels).pooler_output.any()
+    filled = coverage.unzero_matrices(hf)
+    assert filled == ["model.multi_modal_projector.mm_input_projection_weight"]
+    rows = hf.model.get_image_features(pixels).pooler_output  # [2 images, 4 tokens, D]
+    assert rows.abs().amax(-1).gt(0).all() and not torch.equal(rows[0], rows[1])
+    assert not hf.model.multi_modal_projector.mm_soft_emb_norm.weight.any()
+
+
+def test_planted_image_swap_is_seen(tmp_path, monkeypatch):
+    """With Gemma 3's projector filled, the sweep's logits see each image: a sample's two
+    images swapped on HF's side (Gemma 3's processor resizes both alike, so the token ids still
+    agree) moves them past the tolerance."""
+    sweep_samples = coverage.sweep_samples
+
+    def swapped(built):
+        samples, cases = sweep_samples(built)
+        return samples, {k: (turns, imgs[::-1]) for k, (turns, imgs) in cases.items()}
+    monkeypatch.setattr(coverage, "sweep_samples", swapped)
+    result = coverage.check_family("gemma3", coverage.RECIPES["gemma3"], tmp_path)
+    assert not result.supported and "logits differ" in result.reason, result.reason
 
 
 def test_text_only_row_runs_the_dummy_image(tmp_path):

@@ -69,9 +69,6 @@ def lenient_processor(cls, **parts):
 NOT_EXACT.update({
     # found when the sweep began to compare against HF's processor on whole rendered samples,
     # loss and gradients included (issue 22); their recipes stay for the day the cause is fixed
-    "gemma3": "its mm_input_projection_weight gets another gradient than HF's (by 0.03) when a "
-              "sample holds two images, adjacent or apart (one image a sample: logits, loss and "
-              "every gradient exact); cause not found yet",
     "paligemma": "HF's processor writes all of a sample's images first, then bos, whatever the "
                  "text says, so a sample with an image after text cannot be checked against it; "
                  "ds_omni places each image where its marker is",
