@@ -4,14 +4,22 @@
   (`reference_step_keys`), not from what the ranks report: reordering, sequence sharding,
   resharding and packing under test cannot shape the batch they are judged against.
 - The reference trains plain PyTorch on it: the same init, loss = sum of token losses / global
-  target tokens, torch AdamW, the same clipping.
-- It compares the losses, the full gradients after the first backward (before clipping and Adam,
+  target tokens, torch AdamW (with the config's weight decay), the same clipping, and the LR
+  schedule the test writes itself (`warmup_cosine_lr`, from DeepSpeed's documented formula, never
+  by calling DeepSpeed's or ds_omni's scheduler code).
+- It checks its own targets against the raw rows (`check_targets`): packing and the sample
+  processor are shared with the code under test, so an error there would be on both sides.
+- It compares the losses, the full reduced gradients of every step (before clipping and Adam,
   which would hide a uniform error in gradient size: Adam's first steps are close to
-  lr x sign(g)), and the parameters after the last step.
+  lr x sign(g)), the clipping coefficient where the ranks can see it (ZeRO-0), and the
+  parameters after the last step, each tensor relative to the size of its own update.
 """
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -24,6 +32,13 @@ from tests.fixtures import ADAM_EPS
 # gradients that are zero in exact arithmetic (a key bias cannot change a softmax) hold only float
 # noise of reduction order, ~1e-11 here.
 GRAD_RTOL, GRAD_ATOL_FRAC = 1e-4, 1e-6
+# A parameter tensor agrees to this fraction of its own update (final - init, its largest
+# element): Adam normalises each element's step, so reduction-order noise in a gradient moves
+# the step by about the gradient's relative error (1e-4 above), not more. A tensor whose
+# gradient is zero in exact arithmetic (a key bias) moves by Adam's step of noise alone (~1e-9
+# here, lr x noise / eps, up to 1e-8 seen): it is held to 1e-4 of the model's largest update.
+PARAM_UPDATE_FRAC, PARAM_NOISE_FRAC, PARAM_RTOL = 1e-3, 1e-4, 1e-6
+END_OF_TURN = re.compile(r"<\|[^<>|\s]+\|>|</?s>")  # ChatML's <|im_end|>, Llama's </s>
 
 
 def full_params(engine) -> dict[str, torch.Tensor]:
@@ -70,12 +85,31 @@ def _with_loader_order(cfg):
 @dataclass
 class Reference:
     losses: list[float]
-    grads: dict[str, torch.Tensor]  # after the first backward
+    grads: list[dict[str, torch.Tensor]]  # each step's, after its last backward (before clipping)
     params: dict[str, torch.Tensor]  # after the last step
     init: dict[str, torch.Tensor]
     with_grad: set[str]
     grad_norms: list[float]  # each step's gradient norm before clipping
     targets: list[int]  # each step's target tokens (the global batch's)
+    clip: float  # the gradient_clipping the reference applied
+
+    def clip_coefs(self) -> list[float]:
+        """Each step's factor on the gradients, as torch and DeepSpeed's ZeRO-0 compute it."""
+        return [min(1.0, self.clip / (n + 1e-6)) for n in self.grad_norms]
+
+
+def warmup_cosine_lr(step: int, lr: float, warmup: int, total: int, warmup_min_ratio: float,
+                     cos_min_ratio: float) -> float:
+    """The LR of optimizer step `step` under DeepSpeed's WarmupCosineLR (linear warm-up), as its
+    documentation describes it, written here so the reference does not run the code it checks:
+    a linear warm-up from warmup_min_ratio x lr over `warmup` steps (DeepSpeed warms up over at
+    least 2), then a cosine decay to cos_min_ratio x lr that has taken its first step at the first
+    step after the warm-up and ends at `total`."""
+    warmup = max(2, warmup)
+    if step < warmup:
+        return lr * (warmup_min_ratio + (1 - warmup_min_ratio) * step / warmup)
+    progress = min(1.0, (step - warmup + 1) / max(1, total - warmup))
+    return lr * (cos_min_ratio + (1 - cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2)
 
 
 def stream_reference(cfg, dp: int, steps: int) -> tuple[list[list[str]], list[float]]:
@@ -110,9 +144,11 @@ def stream_reference(cfg, dp: int, steps: int) -> tuple[list[list[str]], list[fl
     return keys, losses
 
 
-def run_reference(cfg, step_keys: list[list[str]], clip: float = 1.0) -> Reference:
+def run_reference(cfg, step_keys: list[list[str]], clip: float = 1.0,
+                  lr_at: Callable[[int], float] | None = None) -> Reference:
     """Train the global batches `step_keys` in one process (gradient norm clipped to `clip`, as
-    the DeepSpeed config's `gradient_clipping`)."""
+    the DeepSpeed config's `gradient_clipping`; step k at LR `lr_at(k)`, default the config's
+    constant `train.lr`)."""
     from ds_omni.data.build import build_loader
     from ds_omni.data.packing import pack
     from ds_omni.model.build import build_model
@@ -124,9 +160,10 @@ def run_reference(cfg, step_keys: list[list[str]], clip: float = 1.0) -> Referen
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(0.9, 0.95), eps=ADAM_EPS,
                             weight_decay=cfg.train.weight_decay)
-    losses, grads, with_grad, norms, targets = [], {}, set(), [], []
+    losses, grads, with_grad, norms, targets = [], [], set(), [], []
     for step, keys in enumerate(step_keys):
         samples = fetch.load_samples(keys)
+        check_targets(fetch, built, keys, samples)
         micro_batches = [pack(samples[i:i + 3], built.item_processors)  # any split: same sums
                          for i in range(0, len(samples), 3)]
         total = sum(mb.num_targets for mb in micro_batches)
@@ -137,27 +174,89 @@ def run_reference(cfg, step_keys: list[list[str]], clip: float = 1.0) -> Referen
             out = model(mb)
             (out.loss_sum / total).backward()
             loss_sum += out.loss_sum.item()
-        if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                     if p.grad is not None}
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
         with_grad |= {n for n, p in model.named_parameters() if p.grad is not None and p.grad.any()}
+        for p in params:  # DeepSpeed steps every trainable parameter: off the path, weight decay
+            if p.grad is None:  # alone moves it (torch's AdamW would skip it)
+                p.grad = torch.zeros_like(p)
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
+        for group in opt.param_groups:
+            group["lr"] = cfg.train.lr if lr_at is None else lr_at(step)
         opt.step()
         losses.append(loss_sum / total)
     fetch.close()
     return Reference(losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()},
-                     init, with_grad, norms, targets)
+                     init, with_grad, norms, targets, clip)
 
 
-def assert_matches(ref: Reference, got: dict, where: str, *, param_atol: float) -> None:
-    """`got` (one rank's losses, first-step gradients and final parameters) equals the reference."""
+def check_targets(fetch, built, keys: list[str], samples: list) -> None:
+    """Each sample's targets are exactly its raw row's trained text, found here from the row
+    (the assistant turns of a conversation, a plain text whole) and not by the sample processor
+    or `sample_targets`, which the code under test shares: decoded without special tokens and
+    `END_OF_TURN`s (end-of-turn tokens are trained, and dropped here), spaces aside, they are that
+    text; and no target is an encoder's placeholder token (special, so decoding would hide it)."""
+    from ds_omni.data.loader import key_locator
+    from ds_omni.data.packing import sample_targets
+    from ds_omni.model.omni import IGNORE_INDEX
+    placeholders = {int(t) for enc in built.model.encoders.values() for t in enc.placeholder_ids}
+    for key, sample in zip(keys, samples):
+        loc = key_locator(key)
+        source = fetch.sources[loc.source]
+        text, _, _ = source.parts(source.fetch(loc), loc)
+        targets = sample_targets(sample)
+        trained = targets[targets != IGNORE_INDEX]
+        bad = sorted(placeholders & set(trained.tolist()))
+        assert not bad, f"{key}: placeholder tokens {bad} are targets"
+        want = text if isinstance(text, str) else "".join(
+            turn["value"] for turn in text if turn.get("from", turn.get("role")) in
+            ("gpt", "assistant"))
+        got = built.tokenizer.decode(trained, skip_special_tokens=True)
+        got = END_OF_TURN.sub("", got)  # some tokenizers do not mark theirs special
+        assert "".join(got.split()) == "".join(want.split()), \
+            f"{key}: the targets are {got!r}, the row trains {want!r}"
+
+
+def assert_matches(ref: Reference, got: dict, where: str) -> None:
+    """`got` (one rank's losses, every step's gradients and final parameters, or every stage's
+    together: `merge_stages`) equals the reference."""
     assert got["losses"] == pytest.approx(ref.losses, rel=1e-6, abs=1e-7), (
         f"{where}: losses {got['losses']}, the reference's {ref.losses}")
-    assert_grads_match(ref.grads, got["grads"], where)
-    assert got["params"].keys() == ref.params.keys(), where
+    assert len(got["grads"]) == len(ref.grads), where
+    for step, (want, have) in enumerate(zip(ref.grads, got["grads"])):
+        assert_grads_match(want, have, f"{where} step {step}")
+    for coefs in got.get("stage_clip_coefs") or [got.get("clip_coefs") or []]:
+        for step, (want, have) in enumerate(zip(ref.clip_coefs(), coefs or [])):
+            assert have == pytest.approx(want, rel=1e-5), \
+                f"{where} step {step}: the gradients were clipped by {have}, the reference " \
+                f"by {want}"
+    assert_params_match(ref, got["params"], where)
+
+
+def assert_params_match(ref: Reference, got: dict, where: str) -> None:
+    """Every parameter tensor equals the reference's to PARAM_UPDATE_FRAC of its own update (or
+    PARAM_NOISE_FRAC of the model's largest, if more)."""
+    assert got.keys() == ref.params.keys(), where
+    updates = {k: float((want - ref.init[k]).abs().max()) for k, want in ref.params.items()}
+    noise = PARAM_NOISE_FRAC * max(updates.values())
     for key, want in ref.params.items():
-        torch.testing.assert_close(got["params"][key], want, rtol=1e-5, atol=param_atol,
-                                   msg=lambda m: f"{where} {key}: {m}")
+        update = updates[key]
+        torch.testing.assert_close(got[key], want, rtol=PARAM_RTOL,
+                                   atol=max(PARAM_UPDATE_FRAC * update, noise),
+                                   msg=lambda m: f"{where} param {key} (update {update:.2e}): {m}")
+
+
+def merge_stages(stages: list[dict]) -> dict:
+    """One result of pipeline stages' results (data-parallel rank 0 of each, in stage order):
+    the last stage's losses, each step's gradients and the parameters of all stages (an encoder
+    replica's, under "uniform", the last stage's copy), and each stage's clip coefficients (each
+    stage clips its own gradients by the pipeline's one norm)."""
+    steps = len(stages[0]["grads"])
+    return {"losses": stages[-1]["losses"],
+            "grads": [{k: g for r in stages for k, g in r["grads"][s].items()}
+                      for s in range(steps)],
+            "params": {k: p for r in stages for k, p in r["params"].items()},
+            "stage_clip_coefs": [r.get("clip_coefs") for r in stages]}
 
 
 def assert_grads_match(want: dict, got: dict, where: str) -> None:
@@ -171,10 +270,11 @@ def assert_grads_match(want: dict, got: dict, where: str) -> None:
                                    msg=lambda m: f"{where} grad of {key}: {m}")
 
 
-def assert_moved(ref: Reference, where: str) -> None:
-    """The comparison is not between two untouched inits (only layers off the model's path, e.g.
-    vision layers after the feature layer, get no gradient)."""
-    assert len(ref.with_grad) > 0.7 * len(ref.params), where
+def assert_moved(ref: Reference, where: str, with_grad: float = 0.7) -> None:
+    """The comparison is not between two untouched inits: more than `with_grad` of the parameter
+    tensors got a gradient (only layers off the model's path, e.g. vision layers after the
+    feature layer, get none), and each of those moved."""
+    assert len(ref.with_grad) > with_grad * len(ref.params), where
     assert not [k for k in ref.with_grad if torch.equal(ref.params[k], ref.init[k])], where
 
 
@@ -185,13 +285,23 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
     """Train `steps` steps of `cfg` on this rank through the real DeepSpeed engine.
 
     Returns the losses, every step's sample keys, counts of micro-batches with nothing to encode
-    here, the eval result after the last step when the config has eval sources, and (on rank 0 only, to keep results small) the first step's reduced gradients and the
-    final parameters. `plant` puts in a known error (`tests/plants.py`): the oracle must see it.
-    `resume_at`: save a
-    checkpoint before that step, and after the last step resume from it and train the rest again
-    (`_resume_and_rerun`); the final parameters are then the rerun's. `read_params(engine)`
+    Returns the losses, every step's sample keys and target counts, counts of micro-batches with
+    nothing to encode here, the encoder pool's moved items and "uniform"'s owner broadcasts, the
+    SP work (`sp_metrics`, the token shards), the clipping coefficients under ZeRO-0
+    (`_ClipWatch`), the eval result after the last step when the config has eval sources, and (on
+    rank 0, or data-parallel rank 0 of each pipeline stage, to keep results small) every step's
+    reduced gradients and the final parameters. `plant` puts in a known error
+    (`tests/plants.py`), from before the engine is built: the oracle must see it. `resume_at`:
+    save a checkpoint before that step, and after the last step resume from it and train the rest
+    again (`_resume_and_rerun`); the final parameters are then the rerun's. `read_params(engine)`
     reads the final parameters (by the engine's names; every rank calls it).
     """
+    with plants.applied(plant, rank):  # from the start: some plants change the setup
+        return _train(rank, world, cfg, ds_json, steps, resume_at, read_params)
+
+
+def _train(rank: int, world: int, cfg, ds_json: dict, steps: int, resume_at: int | None,
+           read_params) -> dict:
     from ds_omni.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
     from ds_omni.train import engine as train
@@ -204,20 +314,20 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
            "block_rows": 0, "block_rows_with_items": 0, "long_items": 0,
            "optimizer_encoders": _optimizer_encoders(engine, built), "targets": [],
            "shards": [], "sp_rows": 0, "rows_with_items": 0}
-    grads = {}
-    with plants.applied(plant, rank):
-        for step in range(steps):
-            if step == resume_at:
-                _save(cfg, built, engine, loader, step, rank)
-            batch = loader.next_step()
-            _count_encoder_work(batch, out)
-            _record_shards(batch, plan, rank, out)
-            out["keys"].append(batch.keys)
-            out["targets"].append(sum(mb.num_targets for mb in batch.micro_batches))
-            grab = (lambda e: grads.update(full_grads(e))) if step == 0 else None
-            out["losses"].append(train.train_step(engine, batch, loader.comm, grab).loss)
-            out.setdefault("pool_moved", []).append(  # the metric data_pool_moved
-                train.pool_metrics(engine.module).get("data_pool_moved"))
+    grads, clip = [], _ClipWatch(engine)
+    for step in range(steps):
+        if step == resume_at:
+            _save(cfg, built, engine, loader, step, rank)
+        batch = loader.next_step()
+        _count_encoder_work(batch, out)
+        _record_shards(batch, plan, rank, out)
+        out["keys"].append(batch.keys)
+        out["targets"].append(sum(mb.num_targets for mb in batch.micro_batches))
+        out["losses"].append(train.train_step(engine, batch, loader.comm,
+                                              lambda e: grads.append(clip.grab(e))).loss)
+        out.setdefault("pool_moved", []).append(  # the metric data_pool_moved
+            train.pool_metrics(engine.module).get("data_pool_moved"))
+    out["clip_coefs"] = list(clip.coefs)  # a resumed rerun steps on: not its steps
     # the SP work of training (the metrics sp_*), before evaluation runs forwards of its own
     out["sp"] = train.sp_metrics(engine.module)
     if out["sp"]:  # Ulysses calls one SP row makes: every decoder layer, again when recomputed
@@ -225,6 +335,8 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
         out["ulysses_per_row"] = len(backbone.layers) * (2 if backbone.checkpoint_layers else 1)
     if plan.pp_enabled:  # the stage boundaries the engine was built with
         out["parts"] = list(engine.module.parts)
+    joint = getattr(engine.module, "joint", None)  # "uniform": the owners' broadcasts issued
+    out["encoder_broadcasts"] = joint.shards.broadcasts if joint is not None else 0
     pool = getattr(engine.module, "encoder_pool", None)  # items encoded for another rank
     out["pool_items_moved"] = pool.items_moved if pool is not None else 0
     if pool is not None:  # the per-step metric adds up to the items this rank encoded for others
@@ -241,9 +353,39 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
     loader.close()
     if rank == 0 or (plan.pp_enabled and plan.coords(rank).dp_rank == 0):  # every stage's own
         names = omni_names(engine, built)
-        out.update(grads={names[k]: g for k, g in grads.items()},
+        out.update(grads=[{names[k]: g for k, g in step.items()} for step in grads],
                    params={names[k]: p for k, p in params.items()})
     return out
+
+
+class _ClipWatch:
+    """Each step's clipping coefficient, seen where it can be: under ZeRO-0 the engine clips
+    (DeepSpeed's `clip_grad_norm_`) and then calls the torch optimizer, so the norm of the
+    optimizer's gradients before the step's clipping (`grab`) and when the optimizer starts gives
+    it. ZeRO-1/2/3 clip inside their optimizer step: no coefficient (`coefs` stays empty)."""
+
+    def __init__(self, engine):
+        self.engine, self.coefs, self._before = engine, [], None
+        optimizer = engine.optimizer
+        if engine.zero_optimization_stage() == 0 and isinstance(optimizer, torch.optim.Optimizer):
+            step = optimizer.step
+            self.params = [p for g in optimizer.param_groups for p in g["params"]]
+
+            def watched(*args, **kwargs):
+                if self._before:
+                    self.coefs.append(self._norm() / self._before)
+                return step(*args, **kwargs)
+            optimizer.step = watched
+
+    def grab(self, engine) -> dict[str, torch.Tensor]:
+        """The reduced gradients (`full_grads`), and the norm before clipping."""
+        if hasattr(self, "params"):
+            self._before = self._norm()
+        return full_grads(engine)
+
+    def _norm(self) -> float:
+        grads = [p.grad.detach().double() for p in self.params if p.grad is not None]
+        return float(torch.sqrt(sum((g * g).sum() for g in grads))) if grads else 0.0
 
 
 def _save(cfg, built, engine, loader, step: int, rank: int) -> None:

@@ -208,3 +208,97 @@ def _bf16_lm_head_in_loss_fn(rank: int):
                                                      lambda f: head_output))
         stack.enter_context(contextmanager(_patched)(train, "_pipeline_step", pipeline_step))
         yield
+
+
+# ------------- data parallel: the optimizer, the targets, the encoder pool (tests/dist/test_parity.py)
+@plant("weight_decay_dropped", "the DeepSpeed config leaves train.weight_decay out of the "
+       "optimizer (weight decay 0)", "dp")
+def _weight_decay_dropped(rank: int):
+    from ds_omni import ds_config
+
+    def make(derive):
+        def planted(*args):
+            out = derive(*args)
+            out["optimizer"]["params"]["weight_decay"] = 0.0
+            return out
+        return planted
+    yield from _patched(ds_config, "derive_ds_config", make)
+
+
+@plant("lr_schedule_late", "the LR schedule runs one step late (step k at the scheduler's "
+       "iteration k - 1: `align_lr_schedule` left out)", "dp")
+def _lr_schedule_late(rank: int):
+    from ds_omni.train import engine as train
+    yield from _patched(train, "align_lr_schedule", lambda f: lambda engine: None)
+
+
+@plant("placeholders_as_targets", "the sample processor trains on image placeholder tokens "
+       "(their loss mask set): put in the reference too, which must still see it", "dp")
+def _placeholders_as_targets(rank: int):
+    from ds_omni.data.processing import SampleProcessor
+
+    def make(tokenize):
+        def planted(processor, segments, items, where, bos=True):
+            ids, mask, ordered, items_end = tokenize(processor, segments, items, where, bos)
+            placeholder = {t for enc, its in items.items() for k, it in enumerate(its)
+                           for t in processor.item_processors[enc].tokens_at(it, k)}
+            return ids, [m or t in placeholder for t, m in zip(ids, mask)], ordered, items_end
+        return planted
+    yield from _patched(SampleProcessor, "_tokenize", make)
+
+
+@plant("pool_wrong_rank", "the encoder pool files the rows a rank receives under the wrong "
+       "sender (the senders' blocks in reverse rank order): rows encoded on one rank land at "
+       "the placeholders of items encoded on another", "dp")
+def _pool_wrong_rank(rank: int):
+    import dataclasses
+    from ds_omni.parallel.encoder_pool import PoolPlan
+
+    def make(reshard):
+        def planted(plan, pool_rank, row):
+            honest = reshard(plan, pool_rank, row)
+            blocks, at = [], 0
+            for n in honest.recv_counts:
+                blocks.append(honest.recv_positions[at:at + n])
+                at += n
+            return dataclasses.replace(honest, recv_positions=[
+                p for block in reversed(blocks) for p in block])
+        return planted
+    yield from _patched(PoolPlan, "reshard", make)
+
+
+# ------------------------------------------ pipeline, "uniform" placement (tests/dist/pipeline.py)
+@plant("skip_encoder_broadcast", "after the optimizer step, stage 0 does not broadcast the "
+       "encoder parameters it owns (nor do the others receive them): stage 1's replicas go "
+       "stale", "pp")
+def _skip_encoder_broadcast(rank: int):
+    from ds_omni.parallel.joint import EncoderShards
+
+    def make(broadcast):
+        def planted(shards):
+            buckets = shards._buckets
+            shards._buckets = lambda: [(o, b) for o, b in buckets() if o != 0]
+            try:
+                broadcast(shards)
+            finally:
+                del shards._buckets
+        return planted
+    yield from _patched(EncoderShards, "broadcast_params", make)
+
+
+@plant("grad_norm_replicas_twice", "the encoder gradients are summed onto every stage "
+       "(all-reduce) instead of their owner alone, and the replicas keep theirs: DeepSpeed's "
+       "gradient norm counts the encoder parameters stage 1 owns twice", "pp")
+def _grad_norm_replicas_twice(rank: int):
+    import torch
+    import torch.distributed as dist
+    from ds_omni.parallel import joint
+
+    def make(reduce_grads):
+        def planted(shards):
+            for _, bucket in shards._buckets():
+                flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # [E]
+                dist.all_reduce(flat, group=shards.group)
+                joint._unflatten_into(flat, [p.grad for p in bucket])
+        return planted
+    yield from _patched(joint.EncoderShards, "reduce_grads", make)

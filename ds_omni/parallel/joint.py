@@ -214,6 +214,9 @@ class EncoderShards:
         self.by_owner = [[p for p, o in zip(params, owners) if o == s] for s in range(stages)]
         self.owned = self.by_owner[stage]
         self.replicas = [p for p, o in zip(params, owners) if o != stage]
+        # owner broadcasts this rank took part in, since start: a run that silently skipped
+        # them (replicas left stale) shows it here (tests read it)
+        self.broadcasts = 0
 
     def reduce_grads(self) -> None:
         """Sum each parameter's gradient over the pipeline's ranks onto its owner; the replicas'
@@ -236,6 +239,7 @@ class EncoderShards:
                 flat = torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype,
                                    device=bucket[0].device)
             dist.broadcast(flat, src=dist.get_global_rank(self.group, owner), group=self.group)
+            self.broadcasts += 1
             if owner != self.stage:
                 _unflatten_into(flat, [p.data for p in bucket])
 

@@ -4,8 +4,21 @@ Oracle (`tests/oracle.py`): plain PyTorch in one process (no DeepSpeed), the sam
 batches made there by dp loaders in loader order (not taken from the ranks), loss = sum of token
 losses / global target tokens, torch AdamW, the same clipping. After two steps with gradient
 accumulation the losses, the full reduced gradients of the first step and every parameter must
-agree to fp32 precision. `test_plant_is_caught` shows it fails on each planted error of
-`tests/plants.py` (a loss scaled 2x, one dropped sample, ...).
+agree to fp32 precision: the gradients of every step, each parameter tensor to 0.1 % of its own
+update. Every case trains with weight decay and DeepSpeed's WarmupCosineLR (the shipped configs'
+scheduler) over `train.warmup_steps` = 2, the reference running the schedule as the test writes it
+(`oracle.warmup_cosine_lr`): 2-step cases warm up, 3-step ones also decay. `test_plant_is_caught`
+and `test_plant_pipeline_is_caught` show the oracle fails on each planted error of
+`tests/plants.py` (a loss scaled 2x, one dropped sample, weight decay dropped, the schedule a
+step late, placeholders trained on, pool rows filed under the wrong rank, a skipped encoder
+broadcast, a gradient norm counting replicas twice), each a 1-step case of this launch.
+
+Dropout: the "dropout" case turns the vision tower's attention dropout to 1.0 (in train mode
+every attention weight dropped: the tower's attention adds nothing). Masks of a dropout below 1
+come from each rank's random stream over its own micro-batches, which no one-process reference
+draws alike; at 1.0 the result is exact on both sides, so the case keeps the full parity check,
+and its reference must differ from the dropout-free one (the setting reached the kernel, in
+train mode, on both sides).
 
 Cases: the demo composition (LLaVA) under ZeRO 0, 2, 3 (ZeRO-1: the pool case below), with a
 validation set of 5 rows evaluated after the last step over both ranks (its loss equals one process evaluating the whole set); every other family under ZeRO-3 (the
@@ -29,16 +42,19 @@ from tests.fixtures import ds_config, eval_sources, text_source, tiny_config
 from tests.harness import run_on_ranks
 
 STEPS = 2
-LR = 1e-3  # tiny_config's learning rate
-# Adam turns reduction-order noise in near-zero gradients into updates of up to the step size:
-# parameters must agree to within 0.2% of the total step size (4e-6)
-PARAM_ATOL = 2e-3 * LR * STEPS
+WEIGHT_DECAY = 0.1
+WARMUP = 2  # DeepSpeed's warm-up takes at least 2 steps
+# what users write (ds_configs/zero2.json); warm-up, total steps and LR follow from `train`. A
+# warm-up that starts above 0: the first step learns, and a schedule a step late (at lr 0) shows
+SCHEDULER = {"type": "WarmupCosineLR", "params": {"warmup_min_ratio": 0.1, "cos_min_ratio": 0.1,
+                                                  "warmup_type": "linear"}}
 # pipeline cases: 4 micro-batches of one sample a step (text-only ones among them)
 PP_BATCH = {"global_batch_size": 4, "micro_batch_size": 1}
 
 
 def _config(case: dict, out_dir: str):
-    cfg = tiny_config(out_dir, steps=STEPS, **case.get("train", {}))
+    cfg = tiny_config(out_dir, **{"steps": case.get("steps", STEPS), "weight_decay": WEIGHT_DECAY,
+                                  "warmup_steps": WARMUP, **case.get("train", {})})
     if case.get("reorder"):
         from ds_omni.config import ReorderConfig
         cfg.data.reorder = ReorderConfig(**case["reorder"])
@@ -62,8 +78,18 @@ def _config(case: dict, out_dir: str):
     if case.get("eval_sources"):
         from ds_omni.config import SourceConfig, from_dict
         cfg.data.eval_sources = [from_dict(SourceConfig, s) for s in case["eval_sources"]]
+    if case.get("dropout"):
+        cfg.model.vision.config["attention_dropout"] = case["dropout"]
     cfg.data.max_seq_len = case.get("max_seq_len", cfg.data.max_seq_len)
     return cfg
+
+
+def _lr_at(cfg):
+    """Step -> LR of the test's schedule (`SCHEDULER`) for `cfg`, written in the test."""
+    params = SCHEDULER["params"]
+    return lambda step: oracle.warmup_cosine_lr(step, cfg.train.lr, cfg.train.warmup_steps,
+                                                cfg.train.steps, params["warmup_min_ratio"],
+                                                params["cos_min_ratio"])
 
 
 def _train_ranks(rank, world, cases, out_dir):
@@ -73,7 +99,8 @@ def _train_ranks(rank, world, cases, out_dir):
             cfg = _config(case, f"{out_dir}/{name}{stage}")
             clip = {"gradient_clipping": case["clip"]} if "clip" in case else {}
             results[(name, stage)] = oracle.train_on_rank(
-                rank, world, cfg, ds_config(stage, **clip), case.get("steps", STEPS),
+                rank, world, cfg, ds_config(stage, scheduler=SCHEDULER, **clip),
+                case.get("steps", STEPS),
                 case.get("plant"), case.get("resume_at"))
     return results
 
@@ -89,7 +116,7 @@ def cases(tmp_path_factory):
     vision = [shapes, text]
     skewed = skewed_source(tmp / "skewed")
     skewed_audio = skewed_source(tmp / "skewed_audio", audio=True)
-    return {
+    honest = {
         # ZeRO-1 of the demo composition: pool_llava (the same model, pool on, skewed data)
         "demo": {"stages": [0, 2, 3], "eval_sources": eval_sources(tmp)},
         "llava_next": {"stages": [3], "model_dir": str(family_dirs.make_llava_next_dir(tmp / "n")),
@@ -119,15 +146,27 @@ def cases(tmp_path_factory):
                                 "sources": [pipeline.SHAPES_TONES, text], "max_seq_len": 160,
                                 "steps": 3, "train": PP_BATCH, "resume_at": 2,
                                 "split": "layers", "parts": [0, 2, 5], "clip": pipeline.CLIP},
-        # planted errors: the oracle must fail on these (one step is enough to see them)
-        **{plant: {"stages": [2], "plant": plant, "steps": 1} for plant in plants.for_launch("dp")},
+        # the vision tower's attention dropout at 1.0 (see the module docstring)
+        "dropout": {"stages": [2], "dropout": 1.0},
     }
+    # planted errors: the oracle must fail on these (one step is enough to see them), each in a
+    # case where its mechanism runs (else the demo composition under ZeRO-2)
+    return {**honest, **{plant: {**{k: v for k, v in honest[PLANTED_IN.get(plant, "demo")].items()
+                                    if k not in ("resume_at", "eval_sources")},
+                                 **({} if plant in PLANTED_IN else {"stages": [2]}),
+                                 "plant": plant, "steps": 1}
+                         for plant in plants.for_launch("dp") + plants.for_launch("pp")}}
+
+
+# the honest case a plant's case copies (1 step, no resume)
+PLANTED_IN = {"pool_wrong_rank": "pool_llava", "skip_encoder_broadcast": "pp_composed_uniform",
+              "grad_norm_replicas_twice": "pp_composed_uniform"}
 
 
 @pytest.fixture(scope="module")
 def dp_results(cases, tmp_path_factory):
     out = tmp_path_factory.mktemp("dp")
-    return run_on_ranks(_train_ranks, 2, args=(cases, str(out)), timeout=900)
+    return run_on_ranks(_train_ranks, 2, args=(cases, str(out)), timeout=1200)
 
 
 @pytest.mark.dist
@@ -142,22 +181,42 @@ def test_data_parallel_matches_single_process(cases, dp_results, tmp_path):
 @pytest.mark.dist
 def test_pipeline_matches_single_process(cases, dp_results, tmp_path):
     for name, case in cases.items():
-        if "placement" in case:
-            stage = case["stages"][0]
-            per_rank = [{name: r[(name, stage)]} for r in dp_results]
-            pipeline.check(name, case, per_rank, _config(case, str(tmp_path / f"ref_{name}")))
+        if "placement" in case and "plant" not in case:
+            _check_pipeline(name, case, dp_results, tmp_path)
+
+
+def _check_pipeline(name, case, results, tmp_path, dp=1):
+    per_rank = [{name: r[(name, case["stages"][0])]} for r in results]
+    cfg = _config(case, str(tmp_path / f"ref_{name}"))
+    pipeline.check(name, case, per_rank, cfg, dp=dp, lr_at=_lr_at(cfg))
 
 
 # what the oracle's failure names: 2x loss scaling leaves the reported loss alone and Adam's first
-# step nearly so, only the gradient comparison sees it; a dropped sample changes the loss itself
-CAUGHT_BY = {"loss_x2": "grad of", "drop_sample": "ZeRO-2"}
+# step nearly so, only the gradient comparison sees it; a dropped sample, and pool rows at the
+# wrong placeholders, change the loss itself; weight decay (decoupled) and the LR only move the
+# parameters; a norm counted twice clips by another factor
+CAUGHT_BY = {"loss_x2": "grad of", "drop_sample": "losses", "pool_wrong_rank": "losses",
+             "weight_decay_dropped": "param ", "lr_schedule_late": "param ",
+             "placeholders_as_targets": "are targets",
+             "skip_encoder_broadcast": "param encoders", "grad_norm_replicas_twice": "clipped by"}
+# plants put in the reference's process too: the oracle must see them on both sides
+IN_REFERENCE = {"placeholders_as_targets"}
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("plant", plants.for_launch("dp"))
 def test_plant_is_caught(plant, cases, dp_results, tmp_path):
-    with pytest.raises(AssertionError, match=CAUGHT_BY.get(plant, "")):
-        _check(plant, cases[plant], dp_results, tmp_path, dp=2)
+    with pytest.raises(AssertionError, match=CAUGHT_BY[plant]):
+        with plants.applied(plant if plant in IN_REFERENCE else None, 0):
+            _check(plant, cases[plant], dp_results, tmp_path,
+                   dp=None if cases[plant].get("pool") else 2)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("plant", plants.for_launch("pp"))
+def test_plant_pipeline_is_caught(plant, cases, dp_results, tmp_path):
+    with pytest.raises(AssertionError, match=CAUGHT_BY[plant]):
+        _check_pipeline(plant, cases[plant], dp_results, tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -194,9 +253,7 @@ def test_dp2_x_pp2_matches_single_process(four_ranks, tmp_path):
     cases, results = four_ranks
     for name, case in cases.items():
         if "placement" in case:
-            per_rank = [{name: r[(name, case["stages"][0])]} for r in results]
-            pipeline.check(name, case, per_rank, _config(case, str(tmp_path / f"ref_{name}")),
-                           dp=2)
+            _check_pipeline(name, case, results, tmp_path, dp=2)
 
 
 def _check(name, case, results, tmp_path, dp):
@@ -212,12 +269,18 @@ def _check(name, case, results, tmp_path, dp):
     else:
         step_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), dp, steps)
         assert rank_keys == step_keys, f"{name}: the ranks trained another global batch"
-    ref = oracle.run_reference(cfg, step_keys)
+    ref = oracle.run_reference(cfg, step_keys, lr_at=_lr_at(cfg))
     for stage in case["stages"]:
         got = results[0][(name, stage)]
-        oracle.assert_matches(ref, got, f"{name} ZeRO-{stage}", param_atol=PARAM_ATOL)
+        oracle.assert_matches(ref, got, f"{name} ZeRO-{stage}")
         assert all(r[(name, stage)]["losses"] == got["losses"] for r in results), (name, stage)
-    oracle.assert_moved(ref, name)
+        assert bool(got["clip_coefs"]) == (stage == 0), (name, stage)  # ZeRO-0's were checked
+    # dropout 1.0 leaves the tower's attention projections without a gradient (21 of 64 tensors)
+    oracle.assert_moved(ref, name, 0.6 if case.get("dropout") else 0.7)
+    if case.get("dropout"):  # the dropout setting acts: without it the losses differ
+        off = oracle.run_reference(_config({**case, "dropout": 0.0}, str(tmp_path / "off")),
+                                   step_keys, lr_at=_lr_at(cfg))
+        assert abs(off.losses[0] - ref.losses[0]) > 1e-5 * ref.losses[0], (off.losses, ref.losses)
     if case.get("eval_sources"):
         _check_eval(cfg, case["stages"], [r[(name, stage)] for r in results for stage in
                                           case["stages"]], len(results))

@@ -35,7 +35,7 @@ import pytest
 from tests import plants
 from tests.data_files import skewed_source
 from tests.dist import pipeline
-from tests.dist.test_parity import PP_BATCH, _check, _config, _train_ranks
+from tests.dist.test_parity import PP_BATCH, _check, _check_pipeline, _config, _train_ranks
 from tests.fixtures import text_source
 from tests.harness import run_on_ranks
 
@@ -131,6 +131,4 @@ def test_pipeline_matches_single_process(world, request):
     piped = [name for name, case in cases.items() if "placement" in case]
     assert piped
     for name in piped:
-        case = cases[name]
-        per_rank = [{name: r[(name, case["stages"][0])]} for r in results]
-        pipeline.check(name, case, per_rank, _config(case, str(tmp / f"ref_{name}")))
+        _check_pipeline(name, cases[name], results, tmp)
