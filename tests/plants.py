@@ -165,6 +165,7 @@ def _sp_whole_row(rank: int):
         for owner, attr, make in ((packing, "shard_row", lambda f: whole_row),
                                   (PackedAttention, "__call__", make_call)):
             stack.enter_context(contextmanager(_patched)(owner, attr, make))
+        yield
 
 
 # ------------------------------------------------------------------- bf16 (tests/dist/test_bf16.py)

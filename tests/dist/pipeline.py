@@ -63,16 +63,17 @@ def check(name: str, case: dict, results: list, cfg, dp: int = 1, lr_at=None) ->
         assert all(r[name]["parts"] == case["parts"] for r in results), \
             (name, results[0][name]["parts"])
     heads = [r[name] for r in results[::dp]]  # data-parallel rank 0 of each stage
-    _check_replicas(case["placement"], heads)
-    if case["placement"] == "uniform" and case["stages"] == [0]:
-        _check_owners(heads, {n for n, p in built.model.named_parameters()
-                              if p.requires_grad and n.startswith("encoders.")})
     got = oracle.merge_stages(heads)  # under "uniform" an encoder's copy is the last stage's
     ref = oracle.run_reference(cfg, step_keys, case.get("clip", 1.0), lr_at)
     if "clip" in case:  # the clipping acts: a norm counted wrong would clip by another factor
         assert min(ref.grad_norms) > 2 * case["clip"], (name, ref.grad_norms)
+    # against the oracle first: a planted error is named by what differs from one process
     oracle.assert_matches(ref, got, f"{name} PP={len(heads)} dp={dp}")
     oracle.assert_moved(ref, name)
+    _check_replicas(case["placement"], heads)
+    if case["placement"] == "uniform" and case["stages"] == [0]:
+        _check_owners(heads, {n for n, p in built.model.named_parameters()
+                              if p.requires_grad and n.startswith("encoders.")})
     # "uniform": after each step, every owner stage's broadcast (one bucket: fp32), on every rank
     broadcasts = steps * len(heads) if case["placement"] == "uniform" else 0
     assert [r[name]["encoder_broadcasts"] for r in results] == [broadcasts] * len(results), name

@@ -30,6 +30,15 @@ def test_every_plant_has_a_test_that_runs_it():
     assert all(p.what for p in plants.PLANTS.values())
 
 
+def test_every_plant_is_a_generator():
+    """`applied` enters each plant as a context manager: a function that does not yield (a
+    lost `yield` in a merge) fails only inside the ranks, at the plant's case."""
+    import inspect
+    plain = sorted(n for n, p in plants.PLANTS.items()
+                   if not inspect.isgeneratorfunction(p.apply.__wrapped__))
+    assert not plain, f"plants that do not yield: {plain}"
+
+
 def test_a_plant_is_undone_on_exit():
     from ds_omni.train import engine as train
     original = train.engine_loss
