@@ -46,9 +46,10 @@ demo: setup
 	@bash launch/demo.sh
 
 # pytest exits 5 when a selection holds no test: a tier gone empty (a marker renamed or lost) is
-# said so, and fails, instead of passing with nothing run
+# said so, and fails, instead of passing with nothing run. The slowest tests are listed at the end
+# (what to weigh when a tier outgrows its time).
 define pytest_tier
-	@$(PY) -m pytest $(1) tests; rc=$$?; if [ $$rc -eq 5 ]; then \
+	@$(PY) -m pytest --durations=15 $(1) tests; rc=$$?; if [ $$rc -eq 5 ]; then \
 	  echo "make $@: pytest selected no test: the tier is empty (a marker lost?), see README's Tests" >&2; fi; \
 	exit $$rc
 endef
