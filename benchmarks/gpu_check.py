@@ -187,7 +187,8 @@ def train_check(cpu_smoke: bool, work: Path) -> dict:
     from ds_omni.parallel.dist import free_port
     steps, ds = (2, "zero2.json") if cpu_smoke else (20, "zero2_bf16.json")
     out_dir = work / "train"
-    cmd = ["deepspeed", "--num_gpus", "1", "--master_port", str(free_port()), "--module",
+    # the launcher by module: wheels installed with --target put no `deepspeed` script on PATH
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(free_port()), "--module",
            "ds_omni", "train", "--config", str(REPO / "examples" / "tiny_llava.json"),
            "--deepspeed", str(REPO / "ds_configs" / ds), "--set", f"train.steps={steps}",
            "--set", f"train.output_dir={out_dir}", "--set", "train.warmup_steps=2"]
