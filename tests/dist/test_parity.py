@@ -3,9 +3,9 @@
 Oracle (`tests/oracle.py`): plain PyTorch in one process (no DeepSpeed), the same init, global
 batches made there by dp loaders in loader order (not taken from the ranks), loss = sum of token
 losses / global target tokens, torch AdamW, the same clipping. After two steps with gradient
-accumulation the losses, the full reduced gradients of the first step and every parameter must
-agree to fp32 precision: the gradients of every step, each parameter tensor to 0.1 % of its own
-update. Every case trains with weight decay and DeepSpeed's WarmupCosineLR (the shipped configs'
+accumulation the losses, the full reduced gradients of every step (a later step's at the
+parameters the ranks made it at) and every parameter must agree to fp32 precision, each parameter
+tensor to 0.1 % of its own update. Every case trains with weight decay and DeepSpeed's WarmupCosineLR (the shipped configs'
 scheduler) over `train.warmup_steps` = 2, the reference running the schedule as the test writes it
 (`oracle.warmup_cosine_lr`): 2-step cases warm up, 3-step ones also decay. `test_plant_is_caught`
 and `test_plant_pipeline_is_caught` show the oracle fails on each planted error of

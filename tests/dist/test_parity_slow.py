@@ -1,6 +1,7 @@
 """The slow tier of `test_parity.py`: more families, ranks and ZeRO stages through its config,
-launch and checks (against the one-process oracle of tests/oracle.py: loss 1e-6 rel, first-step
-gradients, parameters 1e-5 rel), one start of the ranks per world size.
+launch and checks (against the one-process oracle of tests/oracle.py: loss 1e-6 rel, every
+step's gradients, each parameter tensor to 0.1 % of its update), one start of the ranks per world
+size.
 
 2 ranks:
 - the encoder pool (`parallel.encoder_pool: "dp"`) for Qwen2-VL (a variable number of patches per
