@@ -23,6 +23,11 @@ pytestmark = pytest.mark.e2e
 STEPS = 4
 
 
+# In the slow tier (about 70 s; it kept `make test` over 12 minutes with its set-up): each of its
+# mechanisms keeps a quick check: SP=2 against one process (tests/dist/test_sequence_parallel.py),
+# a killed rank restarted and resumed (test_launchers.py's torchrun run), the export of a launcher
+# run (test_launchers.py's deepspeed run), the SP counters (every SP parity case).
+@pytest.mark.slow
 def test_sp2_killed_in_a_backward_resumes_exports_and_matches_one_process(tmp_path):
     cfg, ds, out = write_configs(tmp_path / "sp", stage=3, steps=STEPS, export_hf=True,
                                  save_every=2, peer_timeout_s=10)
