@@ -36,7 +36,7 @@ import pytest
 from tests import plants
 from tests.data_files import skewed_source
 from tests.dist import pipeline
-from tests.dist.test_parity import PP_BATCH, _check, _check_pipeline, _config, _train_ranks
+from tests.dist.test_parity import PP_BATCH, _check, _check_pipeline, _train_ranks
 from tests.fixtures import text_source
 from tests.harness import run_on_ranks
 
