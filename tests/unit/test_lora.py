@@ -124,12 +124,13 @@ def test_target_modules_that_match_nothing_name_the_layers_that_exist(llava_dir)
     ({"rank": 0}, "need rank >= 1"),
     ({"target_modules": []}, "must not be empty")])
 def test_bad_lora_settings_name_the_field(lora, match):
-    from ds_omni.config import ConfigError, from_dict
+    from ds_omni.config import from_dict
+    from ds_omni.errors import ConfigError
     with pytest.raises(ConfigError, match=match):
         from_dict(LoraConfig, lora, "model.lora")
 
 
 def test_freeze_with_lora_is_an_error():
-    from ds_omni.config import ConfigError
+    from ds_omni.errors import ConfigError
     with pytest.raises(ConfigError, match="remove model.freeze"):
         ModelConfig(pretrained="x", freeze=["vision"], lora=LoraConfig())
