@@ -53,7 +53,7 @@ def ranks(rank: int, world: int, out_dir: str, long: dict, rounds: int, warmup: 
     import torch
     from deepspeed.utils import groups as ds_groups
     from benchmarks.sequence_parallel import _one_step
-    from ds_omni.ds_config import derive_ds_config
+    from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
     from ds_omni.train.engine import setup_training
     from tests.fixtures import ds_config

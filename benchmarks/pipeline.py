@@ -100,7 +100,7 @@ def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: 
           zero: int = 1, mixes: tuple = tuple(MIXES), placements: tuple = PLACEMENTS,
           layers: int = 0) -> dict:
     import torch
-    from ds_omni.ds_config import derive_ds_config
+    from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
     from ds_omni.train.engine import setup_training, stage_plan
     from tests.fixtures import ds_config

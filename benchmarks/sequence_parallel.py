@@ -270,7 +270,7 @@ def step_ranks(rank: int, world: int, name: str, zero_stage: int, out_dir: str) 
     order that rotates from round to round."""
     import torch
     from deepspeed.utils import groups as ds_groups
-    from ds_omni.ds_config import derive_ds_config
+    from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
     from ds_omni.train.engine import setup_training
     from tests.fixtures import ds_config

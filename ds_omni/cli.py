@@ -158,7 +158,7 @@ def cmd_plan(args) -> None:
     without launching (the world size, the SP degree against the LLM's heads, the reorder group)."""
     from ds_omni.config import load_config
     from ds_omni.data.loader import reorder_group_size
-    from ds_omni.ds_config import derive_ds_config, load_ds_json
+    from ds_omni.train.ds_config import derive_ds_config, load_ds_json
     from ds_omni.model.build import check_sequence_parallel
     from ds_omni.parallel.plan import ParallelPlan
     cfg = load_config(args.config, args.set)

@@ -337,7 +337,7 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
 
 def _train(rank: int, world: int, cfg, ds_json: dict, steps: int, resume_at: int | None,
            read_params) -> dict:
-    from ds_omni.ds_config import derive_ds_config
+    from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
     from ds_omni.train import engine as train
     plan = ParallelPlan.from_config(cfg.parallel, world)

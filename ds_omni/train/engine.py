@@ -33,7 +33,7 @@ from ds_omni.data.check import startup_check
 from ds_omni.data.prefetch import Prefetcher
 from ds_omni.data.skipped import SKIPPED_FILE, flush_skipped, skipped_totals
 from ds_omni.data.templates import carry_template, training_template
-from ds_omni.ds_config import derive_ds_config, load_ds_json
+from ds_omni.train.ds_config import derive_ds_config, load_ds_json
 from ds_omni.errors import DataError, LaunchError
 from ds_omni.parallel import dist
 from ds_omni.model.attention import resolve_kernel

@@ -13,7 +13,7 @@ STAGES = (0, 1, 2, 3)
 
 
 def _train_and_save(rank, world, root):
-    from ds_omni.ds_config import derive_ds_config
+    from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
     from ds_omni.train import checkpoint
     from ds_omni.train.engine import setup_training, train_step
@@ -57,7 +57,7 @@ def test_every_zero_stage_exports_the_trained_weights(runs):
 
 
 def _frozen_ranks(rank, world, root, stage):
-    from ds_omni.ds_config import derive_ds_config
+    from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
     from ds_omni.train.engine import setup_training, train_step
     cfg = tiny_config(root, steps=2)
@@ -93,7 +93,7 @@ def _lora_ranks(rank, world, root):
     """Per ZeRO stage (2, 3): train a step and save; under ZeRO-3 train another, then a fresh
     engine resumes from the checkpoint and trains that second step again."""
     from ds_omni.config import LoraConfig
-    from ds_omni.ds_config import derive_ds_config
+    from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
     from ds_omni.train import checkpoint
     from ds_omni.train.engine import setup_training, train_step

@@ -193,7 +193,7 @@ def _hang(rank, world) -> tuple[list[str], float]:
 
 def _run(rank, world, root, sources):
     from torch.optim.optimizer import register_optimizer_step_pre_hook
-    from ds_omni.ds_config import derive_ds_config
+    from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.errors import DataError
     from ds_omni.parallel.plan import ParallelPlan
     from ds_omni.train.engine import _loop, setup_training, train_step
@@ -250,7 +250,7 @@ def _resize_config(root: str, sources: list[dict], stage: int):
 
 
 def _resize_engine(rank, world, root, sources, stage):
-    from ds_omni.ds_config import derive_ds_config
+    from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
     from ds_omni.train.engine import setup_training
     cfg = _resize_config(root, sources, stage)

@@ -1,8 +1,8 @@
 import pytest
 
-from ds_omni.ds_config import derive_ds_config
 from ds_omni.errors import ConfigError
 from ds_omni.parallel.plan import ParallelPlan
+from ds_omni.train.ds_config import derive_ds_config
 from tests.fixtures import ds_config, tiny_config
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from ds_omni.config import load_config
-from ds_omni.ds_config import derive_ds_config, load_ds_json
 from ds_omni.parallel.plan import ParallelPlan
+from ds_omni.train.ds_config import derive_ds_config, load_ds_json
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.json"))

@@ -7,10 +7,10 @@ import pytest
 
 from ds_omni.cli import main
 from ds_omni.config import ModelConfig, ParallelConfig, from_dict
-from ds_omni.ds_config import derive_ds_config
 from ds_omni.errors import ConfigError, LaunchError, ModelError
 from ds_omni.model.build import check_sequence_parallel
 from ds_omni.parallel.plan import ParallelPlan
+from ds_omni.train.ds_config import derive_ds_config
 from tests.fixtures import TINY_LLAMA, ds_config, tiny_config, tiny_config_dict
 
 
