@@ -71,7 +71,7 @@ def build(cfg, ds_json: dict, rank: int, plan, engine: str):
     and marks stage > 0's encoder copies as DeepSpeed replicas, as before."""
     from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel import pipeline
-    from ds_omni.train.engine import setup_training
+    from ds_omni.train.setup import setup_training
     original = pipeline.EncoderShards
     if engine == "replicated":
         pipeline.EncoderShards = ReplicatedShards
@@ -98,7 +98,7 @@ def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: 
         for engine in ENGINES:
             cfg = config(mix, "uniform", f"{out_dir}/{engine}", text, warmup + rounds, pp=world,
                          layers=layers)
-            plan = ParallelPlan.from_config(cfg.parallel, world)
+            plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
             runs[(mix, engine)] = build(cfg, ds_config(1), rank, plan, engine)
             joint = runs[(mix, engine)][1].module.joint
             optimized[engine] = sum(p.numel() for p in joint.shards.owned)

@@ -55,13 +55,13 @@ def ranks(rank: int, world: int, out_dir: str, long: dict, rounds: int, warmup: 
     from benchmarks.sequence_parallel import _one_step
     from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
-    from ds_omni.train.engine import setup_training
+    from ds_omni.train.setup import setup_training
     from tests.fixtures import ds_config
     torch.set_num_threads(1)
     runs = {}
     for label in VARIANTS:
         cfg = variant_config(label, out_dir, long, warmup + rounds)
-        plan = ParallelPlan.from_config(cfg.parallel, world)
+        plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
         _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), rank,
                                            plan)
         runs[label] = (loader, engine)

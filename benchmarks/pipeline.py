@@ -102,18 +102,18 @@ def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: 
     import torch
     from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
-    from ds_omni.train.engine import setup_training, stage_plan
+    from ds_omni.train.setup import cost_model, setup_training, stage_plan
     from tests.fixtures import ds_config
     torch.set_num_threads(1)
     runs, predicted = {}, {}
     for mix in mixes:
         for placement in placements:
             cfg = config(mix, placement, out_dir, text, warmup + rounds, pp=world, layers=layers)
-            plan = ParallelPlan.from_config(cfg.parallel, world)
+            plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
             built, loader, engine = setup_training(
                 cfg, derive_ds_config(cfg, ds_config(zero), plan), rank, plan)
             runs[(mix, placement)] = (loader, engine)
-            predicted[placement] = [t / 1e9 for t in stage_plan(cfg, built, plan).stage_time]
+            predicted[placement] = [t / 1e9 for t in stage_plan(cfg, built, plan, cost_model(cfg, built)).stage_time]
     log = rotating_rounds(runs, warmup + rounds)
     parts = {f"{m}/{p}": list(e.module.parts) for (m, p), (_, e) in runs.items()}
     return {"log": log, "parts": parts, "predicted_stage_gflop": predicted}
@@ -132,7 +132,7 @@ def rotating_rounds(runs: dict, steps: int) -> dict[str, list]:
 
 def one_step(loader, engine) -> dict:
     import torch.distributed as dist
-    from ds_omni.train.engine import train_step
+    from ds_omni.train.step import train_step
     batch = loader.next_step()
     dist.barrier()
     t0, c0 = time.perf_counter(), time.process_time()

@@ -272,7 +272,7 @@ def step_ranks(rank: int, world: int, name: str, zero_stage: int, out_dir: str) 
     from deepspeed.utils import groups as ds_groups
     from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
-    from ds_omni.train.engine import setup_training
+    from ds_omni.train.setup import setup_training
     from tests.fixtures import ds_config
     torch.set_num_threads(1)  # two ranks on two cores
     work = WORKLOADS[name]
@@ -280,7 +280,7 @@ def step_ranks(rank: int, world: int, name: str, zero_stage: int, out_dir: str) 
     for label in work.variants:
         t0 = time.perf_counter()
         cfg = workload_config(work, label, f"{out_dir}/{label}")
-        plan = ParallelPlan.from_config(cfg.parallel, world)
+        plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
         _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(zero_stage), plan),
                                            rank, plan)
         runs[label] = (loader, engine)
@@ -296,7 +296,7 @@ def step_ranks(rank: int, world: int, name: str, zero_stage: int, out_dir: str) 
 
 def _one_step(loader, engine, ds_groups) -> dict:
     import torch.distributed as dist
-    from ds_omni.train.engine import train_step
+    from ds_omni.train.step import train_step
     # DeepSpeed reads its sequence-parallel degree and groups from a module global (set by the
     # last `initialize`); engines alternate here, so each gets its own back before stepping
     ds_groups.mpu = engine.mpu

@@ -47,7 +47,8 @@ def omni_side(cfg, ds_path: str, ready: list):
     (the same engine), which tells the loading's cost from the step's."""
     from ds_omni.data.prefetch import Prefetcher
     from ds_omni.parallel import dist
-    from ds_omni.train.engine import preflight, setup_training, train_step
+    from ds_omni.train.setup import preflight, setup_training
+    from ds_omni.train.step import train_step
     from ds_omni.train.nonfinite import NonFiniteGuard
     plan, ds_config = preflight(cfg, ds_path)
     rank, _ = dist.init_distributed(600.0)

@@ -108,7 +108,7 @@ def _deepspeed_config_path(arg: str | None) -> str:
 
 def cmd_train(args) -> None:
     from ds_omni.config import load_config
-    from ds_omni.train.engine import run
+    from ds_omni.train.loop import run
     cfg = load_config(args.config, args.set)
     report = run(cfg, _deepspeed_config_path(args.deepspeed), resume=args.resume,
                  stop_after=args.stop_after)
@@ -154,44 +154,16 @@ def cmd_convert(args) -> None:
 
 
 def cmd_plan(args) -> None:
-    """Print the plan, its rank layout and the derived DeepSpeed config; check what can be checked
-    without launching (the world size, the SP degree against the LLM's heads, the reorder group)."""
+    """Print the plan, its rank layout and the derived DeepSpeed config (and the pipeline's
+    stages), as the training's own set-up builds them (`ds_omni.train.setup.plan_run`): what can
+    be checked without launching is checked (the world size, the SP degree against the LLM's
+    heads, the reorder group)."""
     from ds_omni.config import load_config
-    from ds_omni.data.loader import reorder_group_size
-    from ds_omni.train.ds_config import derive_ds_config, load_ds_json
-    from ds_omni.model.build import check_sequence_parallel
-    from ds_omni.parallel.plan import ParallelPlan
+    from ds_omni.train.ds_config import load_ds_json
+    from ds_omni.train.setup import describe_plan, plan_run
     cfg = load_config(args.config, args.set)
-    plan = ParallelPlan.from_config(cfg.parallel, args.world_size)
-    if plan.sp_enabled:
-        check_sequence_parallel(cfg.model, plan.sp)
-    ds_config = derive_ds_config(cfg, load_ds_json(args.deepspeed), plan)
-    out = {"plan": {"world_size": plan.world_size, "dp": plan.dp, "sp": plan.sp, "pp": plan.pp},
-           "layout": plan.layout(reorder_group_size(cfg.data, plan.dp)), "deepspeed": ds_config}
-    if plan.pp_enabled:
-        out["pipeline"] = _pipeline_stages(cfg, plan, ds_config)
-    print(_leaf_lines(out))
-
-
-def _pipeline_stages(cfg, plan, ds_config: dict) -> dict:
-    """Stage boundaries and each stage's predicted time, from the cost model of the model built
-    on the meta device (its sizes only: no weights are made or read)."""
-    import torch
-    from ds_omni.model.build import build_model, llm_text_config
-    from ds_omni.parallel.pipeline import check_pipeline
-    from ds_omni.parallel.stages import SPLITS, describe
-    from ds_omni.train.engine import stage_plan, stage_tokens
-    check_pipeline(cfg, ds_config, llm_text_config(cfg.model)[1])
-    with torch.device("meta"):
-        built = build_model(cfg.model)
-    slowest = {split: max(stage_plan(cfg, built, plan, split).stage_time) for split in SPLITS}
-    return {"encoder_placement": cfg.parallel.encoder_placement,
-            "stage_split": cfg.parallel.stage_split,
-            "workload": f"micro-batches of {cfg.train.micro_batch_size} samples x "
-                        f"{stage_tokens(cfg)} tokens, one item per encoder each",
-            "stages": describe(stage_plan(cfg, built, plan)),
-            "slowest_stage_by_split": {split: round(t / slowest[cfg.parallel.stage_split], 4)
-                                       for split, t in slowest.items()}}
+    plan, ds_config = plan_run(cfg, load_ds_json(args.deepspeed), args.world_size)
+    print(_leaf_lines(describe_plan(cfg, plan, ds_config)))
 
 
 def _leaf_lines(obj, level: int = 0) -> str:

@@ -339,9 +339,11 @@ def _train(rank: int, world: int, cfg, ds_json: dict, steps: int, resume_at: int
            read_params) -> dict:
     from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
-    from ds_omni.train import engine as train
-    plan = ParallelPlan.from_config(cfg.parallel, world)
-    built, loader, engine = train.setup_training(cfg, derive_ds_config(cfg, ds_json, plan), rank, plan)
+    from ds_omni.train.loop import pool_metrics, sp_metrics
+    from ds_omni.train.setup import setup_training
+    from ds_omni.train.step import train_step
+    plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
+    built, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_json, plan), rank, plan)
     # HF's from_pretrained (the model_dir families) hands models over in eval mode
     assert engine.module.training and all(m.training for m in engine.module.modules()), \
         "the trainer must run the model in train mode (dropout on)"
@@ -360,13 +362,13 @@ def _train(rank: int, world: int, cfg, ds_json: dict, steps: int, resume_at: int
         out["targets"].append(sum(mb.num_targets for mb in batch.micro_batches))
         if step > 0:  # the parameters this step's gradients are made at (every rank gathers)
             step_params.append(full_params(engine))
-        out["losses"].append(train.train_step(engine, batch, loader.comm,
+        out["losses"].append(train_step(engine, batch, loader.comm,
                                               lambda e: grads.append(clip.grab(e))).loss)
         out.setdefault("pool_moved", []).append(  # the metric data_pool_moved
-            train.pool_metrics(engine.module).get("data_pool_moved"))
+            pool_metrics(engine.module).get("data_pool_moved"))
     out["clip_coefs"] = list(clip.coefs)  # a resumed rerun steps on: not its steps
     # the SP work of training (the metrics sp_*), before evaluation runs forwards of its own
-    out["sp"] = train.sp_metrics(engine.module)
+    out["sp"] = sp_metrics(engine.module)
     if out["sp"]:  # Ulysses calls one SP row makes: every decoder layer, again when recomputed
         backbone = built.model.backbone
         out["ulysses_per_row"] = len(backbone.layers) * (2 if backbone.checkpoint_layers else 1)
@@ -438,13 +440,14 @@ def _resume_and_rerun(cfg, built, engine, loader, at: int, steps: int, rank: int
     """Resume from the checkpoint saved before step `at` as `--resume` does (weights, optimizer,
     LR, RNG, data position), train steps `at`.. again and save the final checkpoint; returns the
     rerun's losses and sample keys."""
-    from ds_omni.train import engine as train
-    got = {"start": train.resume_from(engine, loader, cfg.train.output_dir, rank), "losses": [],
+    from ds_omni.train.loop import resume_from
+    from ds_omni.train.step import train_step
+    got = {"start": resume_from(engine, loader, cfg.train.output_dir, rank), "losses": [],
            "keys": [], "output_dir": cfg.train.output_dir}
     for _ in range(at, steps):
         batch = loader.next_step()
         got["keys"].append(batch.keys)
-        got["losses"].append(train.train_step(engine, batch, loader.comm).loss)
+        got["losses"].append(train_step(engine, batch, loader.comm).loss)
     _save(cfg, built, engine, loader, steps, rank)
     return got
 

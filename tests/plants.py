@@ -68,8 +68,8 @@ def _patched(owner, attr: str, make: Callable) -> Iterator[None]:
 # ------------------------------------------------------------- data parallel (tests/dist/test_parity.py)
 @plant("loss_x2", "the loss handed to DeepSpeed's backward is scaled 2x", "dp")
 def _loss_x2(rank: int):
-    from ds_omni.train import engine as train
-    yield from _patched(train, "engine_loss", lambda f: lambda *a: 2 * f(*a))
+    from ds_omni.train import step
+    yield from _patched(step, "engine_loss", lambda f: lambda *a: 2 * f(*a))
 
 
 @plant("drop_sample", "rank 0's first micro-batch of the first step loses its last sample's "
@@ -174,8 +174,8 @@ def _sp_whole_row(rank: int):
        "gradients (the doubt of issue 26: what BF16_Optimizer does unless ds_omni adds them)",
        "bf16")
 def _bf16_encoder_grads_dropped(rank: int):
-    from ds_omni.train import engine as train
-    yield from _patched(train, "late_grads_to_master",
+    from ds_omni.train import step
+    yield from _patched(step, "late_grads_to_master",
                         lambda f: lambda optimizer: contextlib.nullcontext())
 
 
@@ -185,7 +185,7 @@ def _bf16_encoder_grads_dropped(rank: int):
        "the head's bf16 gradient already made (BF16_Optimizer.clear_lp_grads)", "bf16")
 def _bf16_lm_head_in_loss_fn(rank: int):
     from ds_omni.parallel import pipeline
-    from ds_omni.train import engine as train
+    from ds_omni.train import step as train_step
 
     def head_output(self, inputs):  # the last stage's output: the normed hidden and the index
         hidden, _, _, index = inputs
@@ -207,7 +207,7 @@ def _bf16_lm_head_in_loss_fn(rank: int):
     with contextlib.ExitStack() as stack:
         stack.enter_context(contextmanager(_patched)(pipeline.HeadStage, "forward",
                                                      lambda f: head_output))
-        stack.enter_context(contextmanager(_patched)(train, "_pipeline_step", pipeline_step))
+        stack.enter_context(contextmanager(_patched)(train_step, "_pipeline_step", pipeline_step))
         yield
 
 
@@ -215,7 +215,7 @@ def _bf16_lm_head_in_loss_fn(rank: int):
 @plant("weight_decay_dropped", "the DeepSpeed config leaves train.weight_decay out of the "
        "optimizer (weight decay 0)", "dp")
 def _weight_decay_dropped(rank: int):
-    from ds_omni import ds_config
+    from ds_omni.train import ds_config
 
     def make(derive):
         def planted(*args):
@@ -229,8 +229,8 @@ def _weight_decay_dropped(rank: int):
 @plant("lr_schedule_late", "the LR schedule runs one step late (step k at the scheduler's "
        "iteration k - 1: `align_lr_schedule` left out)", "dp")
 def _lr_schedule_late(rank: int):
-    from ds_omni.train import engine as train
-    yield from _patched(train, "align_lr_schedule", lambda f: lambda engine: None)
+    from ds_omni.train import setup
+    yield from _patched(setup, "align_lr_schedule", lambda f: lambda engine: None)
 
 
 @plant("placeholders_as_targets", "the sample processor trains on image placeholder tokens "

@@ -158,13 +158,14 @@ def llm_text_config(cfg: ModelConfig):
     return family, AutoConfig.from_pretrained(part.pretrained, trust_remote_code=cfg.trust_remote_code)
 
 
-def check_sequence_parallel(cfg: ModelConfig, sp: int) -> None:
+def check_sequence_parallel(cfg: ModelConfig, sp: int, llm=None) -> None:
     """The LLM can run Ulysses SP of degree `sp`: its family supports it and sp divides its heads.
+    `llm`: (family, LLM config) as `llm_text_config` reads them, when the caller has them already.
 
     KV heads need not divide: the kernel repeats them (`repeat_kv_for_sp`), which only needs sp to
     divide the query heads.
     """
-    family, text = llm_text_config(cfg)
+    family, text = llm if llm is not None else llm_text_config(cfg)
     if not family.sequence_parallel:
         raise ModelError(f"parallel.sp={sp}: the {family.name!r} family does not support sequence "
                          "parallelism yet; set parallel.sp to 1")

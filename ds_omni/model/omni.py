@@ -445,7 +445,7 @@ class OmniModel(nn.Module):
         self.encoder_pool = None  # parallel.encoder_pool: ds_omni.parallel.encoder_pool.EncoderPool
         # every micro-batch runs every encoder, on a zero-weight dummy where it has no item (ZeRO-2
         # and -3 need it); False where one reduction a step only needs a gradient, which a zero
-        # one gives (`ds_omni.train.engine.encoder_dummies_needed`)
+        # one gives (`ds_omni.train.setup.encoder_dummies_needed`)
         self.encoder_dummies = True
         # what this rank's SP machinery did (Ulysses calls, rows resharded, pieces encoded), so
         # that a silent fallback to whole rows shows (`ds_omni.parallel.evidence`)

@@ -1,18 +1,61 @@
 """Process groups built from the parallel plan, and the collectives the data loader uses.
 
 `torch.distributed.new_group` must be called by every rank for every group, in the same order;
-`data_groups` does that for the data-parallel groups and the reorder groups (G consecutive ranks
-of a data-parallel group) and returns this rank's.
+`rank_groups` makes all of a run's groups that way, once, and returns this rank's (`RankGroups`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from ds_omni.parallel.plan import ParallelPlan
 
 
-def data_groups(plan: ParallelPlan, rank: int, group_size: int):
+@dataclass
+class RankGroups:
+    """This rank's process groups (None stands for the default group, the world)."""
+
+    dp: object
+    """The data-parallel ranks of this rank's (pp stage, sp rank)."""
+    reorder: object
+    """This rank's reorder group: G consecutive ranks of `dp` (`ParallelPlan.reorder_group`)."""
+    mpu: "SequenceParallelMpu | None"
+    """Under parallel.sp > 1: the Ulysses group and the sequence x data group, for DeepSpeed."""
+    blocks: dict[tuple[int, int], object]
+    """Per-sequence SP: (first rank, size) -> the group of every block that holds this rank."""
+    comm: "TorchDataComm"
+    """The loader's metadata all-gathers (and the step's token totals)."""
+    step_comm: "TorchDataComm | None"
+    """`dp` and `reorder` again as groups of their own, for loader steps a prefetch thread runs."""
+
+    @property
+    def sp(self):
+        """The LLM's Ulysses group, or None without parallel.sp."""
+        return self.mpu.get_sequence_parallel_group() if self.mpu is not None else None
+
+    @property
+    def pool(self):
+        """The encoder pool's group: every rank of this pipeline stage (`ParallelPlan.pool_size`)."""
+        return self.mpu.get_sequence_data_parallel_group() if self.mpu is not None else self.dp
+
+
+def rank_groups(plan: ParallelPlan, rank: int, prefetch: bool) -> RankGroups:
+    """Every group of the run, made by every rank in one fixed order; this rank's.
+    `prefetch`: the loader's steps run on a thread (`data.prefetch_steps`), which needs groups of
+    its own."""
+    dp, reorder = data_groups(plan, rank)
+    mpu = sequence_groups(plan, rank)
+    blocks = sequence_blocks(plan, rank)
+    comm = TorchDataComm(dp, reorder, plan.dp, plan.reorder_group,
+                         mpu.get_sequence_data_parallel_group() if mpu else None, plan.sp)
+    step_comm = loader_step_comm(plan, rank) if prefetch else None
+    return RankGroups(dp=dp, reorder=reorder, mpu=mpu, blocks=blocks, comm=comm,
+                      step_comm=step_comm)
+
+
+def data_groups(plan: ParallelPlan, rank: int):
     """(this rank's data-parallel group, its reorder group); None stands for the default group.
 
     The members come from the plan (`ParallelPlan.reorder_group_ranks`), so the groups built here
@@ -20,17 +63,18 @@ def data_groups(plan: ParallelPlan, rank: int, group_size: int):
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     return (_own_group(plan.dp_group_ranks(), rank, world),
-            _own_group(plan.reorder_group_ranks(group_size), rank, world))
+            _own_group(plan.reorder_group_ranks(plan.reorder_group), rank, world))
 
 
-def loader_step_comm(plan: ParallelPlan, rank: int, group_size: int) -> "TorchDataComm":
+def loader_step_comm(plan: ParallelPlan, rank: int) -> "TorchDataComm":
     """The data-parallel and reorder groups again, as new gloo groups of their own (never the
     default group), for the all-gathers of loader steps run on a prefetch thread: two threads must
     not issue collectives on one group, and gloo keeps host-side objects off the accelerator."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     return TorchDataComm(_own_group(plan.dp_group_ranks(), rank, world, fresh=True),
-                         _own_group(plan.reorder_group_ranks(group_size), rank, world, fresh=True),
-                         plan.dp, group_size)
+                         _own_group(plan.reorder_group_ranks(plan.reorder_group), rank, world,
+                                    fresh=True),
+                         plan.dp, plan.reorder_group)
 
 
 def _own_group(groups: list[list[int]], rank: int, world: int, fresh: bool = False):
@@ -51,19 +95,16 @@ def _group(ranks: list[int], world: int, fresh: bool = False):
     return dist.new_group(ranks, backend="gloo") if fresh else dist.new_group(ranks)
 
 
-def sequence_blocks(world: int, rank: int, max_degree: int) -> dict[tuple[int, int], object]:
-    """Per-sequence SP: a process group for every aligned block of 2, 4, ... max_degree ranks,
-    created once at start-up by every rank in the same order; returns {(first rank, size): group}
-    for the blocks that contain `rank`. (A block of the whole world gets a group of its own too:
-    None would mean "no SP" to the model.)"""
+def sequence_blocks(plan: ParallelPlan, rank: int) -> dict[tuple[int, int], object]:
+    """Per-sequence SP: a process group for every block of `ParallelPlan.sequence_blocks`, created
+    once at start-up by every rank in the same order; returns {(first rank, size): group} for the
+    blocks that contain `rank` (empty when per-sequence SP is off). A block of the whole world
+    gets a group of its own too: None would mean "no SP" to the model."""
     out = {}
-    size = 2
-    while size <= max_degree:
-        for start in range(0, world, size):
-            group = dist.new_group(list(range(start, start + size)))
-            if start <= rank < start + size:
-                out[(start, size)] = group
-        size *= 2
+    for start, size in plan.sequence_blocks():
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= rank < start + size:
+            out[(start, size)] = group
     return out
 
 

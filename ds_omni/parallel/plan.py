@@ -5,14 +5,19 @@ sp is innermost so its all-to-all traffic stays among neighbouring ranks (inside
 outermost because its point-to-point traffic is the lightest.
 
     rank = (pp_stage * dp + dp_rank) * sp + sp_rank
+
+The plan also owns what derives from the degrees and the config (the reorder group size G, the
+per-sequence SP blocks, the encoder pool's size, the group that shares long items), so nothing
+else computes them again: `ds_omni.train.setup` builds the plan once and hands it on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_omni.config import ParallelConfig
-from ds_omni.errors import LaunchError
+from ds_omni.config import ParallelConfig, ReorderConfig
+from ds_omni.errors import DataError, LaunchError
+from ds_omni.parallel.hdp import check_degree
 
 
 @dataclass(frozen=True)
@@ -28,10 +33,17 @@ class ParallelPlan:
     dp: int
     sp: int = 1
     pp: int = 1
+    reorder_group: int = 1
+    """G: consecutive data-parallel ranks whose loaders exchange sample metadata and reorder
+    samples together (1: loader order)."""
+    max_sequence_sp: int = 1
+    """Per-sequence SP: the most ranks one long sequence is split over (1: off)."""
 
     @classmethod
-    def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelPlan":
-        """Resolve "auto" degrees and check that the plan fits `world_size` ranks."""
+    def from_config(cls, cfg: ParallelConfig, world_size: int,
+                    reorder: ReorderConfig) -> "ParallelPlan":
+        """Resolve "auto" degrees and the reorder group, and check that the plan fits
+        `world_size` ranks."""
         model_parallel = cfg.sp * cfg.pp
         if cfg.dp == "auto":
             if world_size % model_parallel:
@@ -48,7 +60,11 @@ class ParallelPlan:
                 f"{dp * model_parallel} processes but {world_size} were launched; launch "
                 f"{dp * model_parallel} (e.g. deepspeed --num_gpus {dp * model_parallel}) or set "
                 "parallel.dp to \"auto\"")
-        return cls(world_size=world_size, dp=dp, sp=cfg.sp, pp=cfg.pp)
+        group = reorder_group_size(reorder, dp)
+        if cfg.max_sequence_sp > 1:
+            check_per_sequence(reorder.mode, group, cfg.max_sequence_sp)
+        return cls(world_size=world_size, dp=dp, sp=cfg.sp, pp=cfg.pp, reorder_group=group,
+                   max_sequence_sp=cfg.max_sequence_sp)
 
     @property
     def sp_enabled(self) -> bool:
@@ -61,6 +77,22 @@ class ParallelPlan:
     @property
     def dp_enabled(self) -> bool:
         return self.dp > 1
+
+    @property
+    def pool_size(self) -> int:
+        """Ranks of the encoder pool (`parallel.encoder_pool`): every rank of a pipeline stage."""
+        return self.dp * self.sp
+
+    @property
+    def long_item_group(self) -> int:
+        """The most ranks that share one row and so may split its long items (long-short SP)."""
+        return max(self.sp, self.max_sequence_sp)
+
+    def sequence_blocks(self) -> list[tuple[int, int]]:
+        """Per-sequence SP: every aligned block (first rank, size) of 2, 4, ... max_sequence_sp
+        ranks, in the order every rank creates their groups."""
+        return [(start, size) for size in _powers_of_two(2, self.max_sequence_sp)
+                for start in range(0, self.world_size, size)]
 
     def coords(self, rank: int) -> RankCoords:
         sp_rank = rank % self.sp
@@ -91,7 +123,7 @@ class ParallelPlan:
         return [dp_ranks[start:start + group_size] for dp_ranks in self.dp_group_ranks()
                 for start in range(0, self.dp, group_size)]
 
-    def layout(self, reorder_group_size: int = 1) -> dict:
+    def layout(self) -> dict:
         """Every rank's (pp, dp, sp) coordinates and the groups it belongs to, as plain data.
 
         What `ds-omni plan` prints, so a layout can be checked before any process is launched.
@@ -99,5 +131,36 @@ class ParallelPlan:
         ranks = [{"rank": r, "pp": c.pp_stage, "dp": c.dp_rank, "sp": c.sp_rank}
                  for r, c in enumerate(map(self.coords, range(self.world_size)))]
         return {"ranks": ranks, "sp_groups": self.sp_group_ranks(),
-                "dp_groups": self.dp_group_ranks(), "reorder_group_size": reorder_group_size,
-                "reorder_groups": self.reorder_group_ranks(reorder_group_size)}
+                "dp_groups": self.dp_group_ranks(), "reorder_group_size": self.reorder_group,
+                "reorder_groups": self.reorder_group_ranks(self.reorder_group)}
+
+
+def reorder_group_size(cfg: ReorderConfig, dp_size: int) -> int:
+    """G: ranks that share metadata (1 for loader order; never more than the dp ranks)."""
+    if cfg.mode == "loader_order":
+        return 1
+    group = min(cfg.group_size, dp_size)
+    if dp_size % group:
+        raise DataError(f"data.reorder.group_size={group} must divide the data-parallel size "
+                        f"{dp_size}; pick a divisor of {dp_size}")
+    return group
+
+
+def check_per_sequence(mode: str, group_size: int, max_degree: int) -> None:
+    """Per-sequence SP places long sequences on blocks inside a reorder group."""
+    if mode == "loader_order":
+        raise DataError("parallel.max_sequence_sp > 1 needs grouped reordering to place long "
+                        "sequences; set data.reorder.mode to \"fixed\" or \"budget\"")
+    try:
+        check_degree(max_degree, group_size)
+    except ValueError as e:
+        raise DataError(f"{e} (the group has min(data.reorder.group_size, data-parallel ranks) "
+                        "ranks)") from None
+
+
+def _powers_of_two(low: int, high: int) -> list[int]:
+    out = []
+    while low <= high:
+        out.append(low)
+        low *= 2
+    return out

@@ -16,11 +16,12 @@ def _train_and_save(rank, world, root):
     from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
     from ds_omni.train import checkpoint
-    from ds_omni.train.engine import setup_training, train_step
+    from ds_omni.train.setup import setup_training
+    from ds_omni.train.step import train_step
     params = {}
     for stage in STAGES:
         cfg = tiny_config(f"{root}/zero{stage}", steps=1)
-        plan = ParallelPlan.from_config(cfg.parallel, world)
+        plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
         built, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(stage), plan),
                                                rank, plan)
         train_step(engine, loader.next_step(), loader.comm)
@@ -59,10 +60,11 @@ def test_every_zero_stage_exports_the_trained_weights(runs):
 def _frozen_ranks(rank, world, root, stage):
     from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
-    from ds_omni.train.engine import setup_training, train_step
+    from ds_omni.train.setup import setup_training
+    from ds_omni.train.step import train_step
     cfg = tiny_config(root, steps=2)
     cfg.model.freeze = ["vision", "projector"]
-    plan = ParallelPlan.from_config(cfg.parallel, world)
+    plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
     built, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(stage), plan),
                                            rank, plan)
     before = _full_params(engine)
@@ -96,12 +98,13 @@ def _lora_ranks(rank, world, root):
     from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
     from ds_omni.train import checkpoint
-    from ds_omni.train.engine import setup_training, train_step
+    from ds_omni.train.setup import setup_training
+    from ds_omni.train.step import train_step
     out = {}
     for stage, export in ((2, "merged"), (3, "adapter")):
         cfg = tiny_config(f"{root}/lora{stage}", steps=2)
         cfg.model.lora = LoraConfig(**LORA, export=export)
-        plan = ParallelPlan.from_config(cfg.parallel, world)
+        plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
         ds = derive_ds_config(cfg, ds_config(stage), plan)
         built, loader, engine = setup_training(cfg, ds, rank, plan)
         before = _full_params(engine)

@@ -103,7 +103,7 @@ def _nonfinite(rank, engine, loader, stage0):
     raises naming them (the engine is left mid-step: a run ends there); weights and optimizer
     state untouched each time. Without the guard, no ZeRO takes the NaN into the weights."""
     import torch
-    from ds_omni.train.engine import train_step
+    from ds_omni.train.step import train_step
     from ds_omni.train.nonfinite import NonFiniteError, NonFiniteGuard
     out = {}
     for name, eng in (("zero2", engine), ("zero0", stage0)):
@@ -137,19 +137,14 @@ def _sp_fault(rank, world, root, built) -> tuple[str | None, float]:
     """sp=2 (so dp=1): rank 1's processor fails; its SP peer must stop too, not wait in the
     sequence-parallel collectives of a forward the other will never run."""
     from ds_omni.data.build import build_loader
-    from ds_omni.data.loader import reorder_group_size
     from ds_omni.errors import DataError
-    from ds_omni.parallel.groups import TorchDataComm, data_groups, sequence_groups
+    from ds_omni.parallel.groups import rank_groups
     from ds_omni.parallel.plan import ParallelPlan
-    from ds_omni.train.engine import train_step
+    from ds_omni.train.step import train_step
     cfg = tiny_config(root + "/sp", steps=STEPS)
     cfg.parallel.sp = 2
-    plan = ParallelPlan.from_config(cfg.parallel, world)
-    group_size = reorder_group_size(cfg.data, plan.dp)
-    dp_group, reorder_group = data_groups(plan, rank, group_size)
-    mpu = sequence_groups(plan, rank)
-    comm = TorchDataComm(dp_group, reorder_group, plan.dp, group_size,
-                         mpu.get_sequence_data_parallel_group(), plan.sp)
+    plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
+    comm = rank_groups(plan, rank, prefetch=False).comm
     loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=2, comm=comm,
                           sp_rank=rank, sp_size=2)
     if rank == 1:
@@ -196,10 +191,12 @@ def _run(rank, world, root, sources):
     from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.errors import DataError
     from ds_omni.parallel.plan import ParallelPlan
-    from ds_omni.train.engine import _loop, setup_training, train_step
+    from ds_omni.train.loop import _loop
+    from ds_omni.train.setup import setup_training
+    from ds_omni.train.step import train_step
     from ds_omni.train.metrics import MetricsLogger, read_metrics
     cfg = tiny_config(root, steps=STEPS, warmup_steps=WARMUP, lr=LR)
-    plan = ParallelPlan.from_config(cfg.parallel, world)
+    plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
     ds = derive_ds_config(cfg, ds_config(2, scheduler=SCHEDULER), plan)
     built, loader, engine = setup_training(cfg, ds, rank, plan)
     used = []
@@ -222,7 +219,7 @@ def _run(rank, world, root, sources):
             faults[fault] = (str(e), time.monotonic() - t0)
         mend()
 
-    plan0 = ParallelPlan.from_config(cfg.parallel, world)
+    plan0 = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
     cfg0 = tiny_config(root + "/zero0", steps=STEPS)
     _, _, stage0 = setup_training(cfg0, derive_ds_config(cfg0, ds_config(0), plan0), rank, plan0)
     faults["sp"] = _sp_fault(rank, world, root, built)
@@ -252,9 +249,9 @@ def _resize_config(root: str, sources: list[dict], stage: int):
 def _resize_engine(rank, world, root, sources, stage):
     from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
-    from ds_omni.train.engine import setup_training
+    from ds_omni.train.setup import setup_training
     cfg = _resize_config(root, sources, stage)
-    plan = ParallelPlan.from_config(cfg.parallel, world)
+    plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
     ds = derive_ds_config(cfg, ds_config(stage, scheduler=SCHEDULER), plan)
     return cfg, *setup_training(cfg, ds, rank, plan)[1:]
 
@@ -273,7 +270,7 @@ def _full_state(engine) -> dict:
 
 def _to_the_end(engine, loader) -> tuple[list[list[str]], list[float]]:
     """Train until every source is exhausted; each step's sample keys (all ranks) and loss."""
-    from ds_omni.train.engine import StopTraining, train_step
+    from ds_omni.train.step import StopTraining, train_step
     keys, losses = [], []
     while len(keys) < 20:
         batch = loader.next_step()
@@ -292,7 +289,7 @@ def _step_keys(loader, batch) -> list[str]:
 def _resize_save(rank, world, root, sources, stages=RESIZE_STAGES) -> dict:
     """Per stage: train SAVED_AT steps and save."""
     from ds_omni.train import checkpoint
-    from ds_omni.train.engine import train_step
+    from ds_omni.train.step import train_step
     out = {}
     for stage in stages:
         cfg, loader, engine = _resize_engine(rank, world, root, sources, stage)
@@ -309,7 +306,7 @@ def _resize_save(rank, world, root, sources, stages=RESIZE_STAGES) -> dict:
 def _resize_load(rank, world, root, sources, stages=RESIZE_STAGES) -> dict:
     """Per stage, on `world` ranks: resume the checkpoint, note its state, train to the end."""
     from ds_omni.train import checkpoint
-    from ds_omni.train.engine import restore_loader
+    from ds_omni.train.loop import restore_loader
     out = {}
     for stage in stages:
         cfg, loader, engine = _resize_engine(rank, world, root, sources, stage)

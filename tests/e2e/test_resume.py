@@ -81,9 +81,9 @@ def test_resume_without_checkpoint_is_a_clear_error_before_anything_starts(tmp_p
                                                                           monkeypatch):
     """Said by the checks before the process group, the model and DeepSpeed (`preflight`)."""
     from ds_omni.cli import main
-    from ds_omni.train import engine
-    monkeypatch.setattr(engine, "setup_training", None)  # never reached
-    monkeypatch.setattr(engine.dist, "init_distributed", None)
+    from ds_omni.train import loop
+    monkeypatch.setattr(loop, "setup_training", None)  # never reached
+    monkeypatch.setattr(loop.dist, "init_distributed", None)
     cfg, ds, out = write_configs(tmp_path, steps=2)
     assert main(["train", "--config", cfg, "--deepspeed", ds, "--resume"]) == 2
     assert "--resume: no checkpoint in" in capsys.readouterr().err

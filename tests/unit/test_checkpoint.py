@@ -184,7 +184,7 @@ def test_a_failed_universal_conversion_says_how_to_resume(tmp_path):
 def test_a_damaged_loader_state_is_named(tmp_path):
     """Bytes that still match the manifest (a checkpoint written by a buggy or older writer):
     unreadable JSON, or JSON that lacks what the loader needs."""
-    from ds_omni.train.engine import restore_loader
+    from ds_omni.train.loop import restore_loader
     checkpoint.save(FakeEngine(), tmp_path, 1, {"step": 1}, rank=0)
     step_dir = tmp_path / "checkpoints" / "step00000001"
     (step_dir / "manifest.json").unlink()  # a checkpoint from before manifests, named by latest

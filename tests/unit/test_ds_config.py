@@ -7,7 +7,7 @@ from tests.fixtures import ds_config, tiny_config
 
 
 def _plan(cfg, world):
-    return ParallelPlan.from_config(cfg.parallel, world)
+    return ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
 
 
 def test_batch_fields_follow_from_train_and_plan(tmp_path):

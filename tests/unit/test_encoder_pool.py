@@ -270,7 +270,7 @@ def test_metric_is_the_items_encoded_for_others(monkeypatch):
     from types import SimpleNamespace
 
     from ds_omni.parallel import encoder_pool
-    from ds_omni.train.engine import pool_metrics
+    from ds_omni.train.loop import pool_metrics
     rank0 = [([PoolItem(0, "vision", k, 4, 1.0) for k in range(n)], []) for n in (8, 1)]
 
     def all_gather_object(out, mine, group):

@@ -114,7 +114,7 @@ def test_a_bad_eval_sample_stops_with_the_fix_or_is_left_out(setup, tmp_path):
 
 
 def test_the_loop_logs_eval_loss_in_metrics_bar_and_report(setup, tmp_path, capsys):
-    from ds_omni.train.engine import _loop
+    from ds_omni.train.loop import _loop
     from ds_omni.train.metrics import MetricsLogger, read_metrics, write_report
     from tests.fake_engine import FakeEngine
     cfg, built, loader = setup

@@ -122,7 +122,7 @@ def test_a_training_step_on_a_packed_row_equals_hf_per_sample(tmp_path):
     from ds_omni.data.processing import SampleProcessor
     from ds_omni.model.build import build_model
     from ds_omni.parallel.groups import TorchDataComm
-    from ds_omni.train.engine import train_step
+    from ds_omni.train.step import train_step
     torch.manual_seed(0)
     config, processor = coverage.RECIPES["qwen3_5"]()
     hf = family_for("qwen3_5").build_hf(config)

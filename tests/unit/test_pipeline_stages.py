@@ -172,15 +172,15 @@ def test_train_refuses_pipeline_with_zero2_before_any_process_group(tmp_path, ca
                                                                     zero):
     """DeepSpeed's pipeline engine runs ZeRO 0/1 only: ds_omni says so in its preflight, before
     the process group, the model or DeepSpeed (the slow tier's pipeline cases run ZeRO 0 and 1)."""
-    from ds_omni.train import engine
+    from ds_omni.train import loop
     cfg = tiny_config_dict(str(tmp_path / "out"))
     cfg["parallel"] = {"pp": 2}
     c, d = tmp_path / "cfg.json", tmp_path / "ds.json"
     c.write_text(json.dumps(cfg))
     d.write_text(json.dumps(ds_config(zero)))
     monkeypatch.setenv("WORLD_SIZE", "2")  # no rendezvous exists: a collective would fail, not pass
-    monkeypatch.setattr(engine, "setup_training", None)  # never reached
-    monkeypatch.setattr(engine.dist, "init_distributed", None)
+    monkeypatch.setattr(loop, "setup_training", None)  # never reached
+    monkeypatch.setattr(loop.dist, "init_distributed", None)
     assert main(["train", "--config", str(c), "--deepspeed", str(d)]) == 2
     err = capsys.readouterr().err
     assert f"parallel.pp=2 with ZeRO stage {zero}" in err and "ZeRO 0 or 1 only" in err, err

@@ -1,12 +1,12 @@
 import pytest
 
-from ds_omni.config import ParallelConfig
+from ds_omni.config import ParallelConfig, ReorderConfig
 from ds_omni.errors import LaunchError
 from ds_omni.parallel.plan import ParallelPlan, RankCoords
 
 
 def test_auto_dp_fills_the_world():
-    plan = ParallelPlan.from_config(ParallelConfig(sp=2), 8)
+    plan = ParallelPlan.from_config(ParallelConfig(sp=2), 8, ReorderConfig())
     assert (plan.dp, plan.sp, plan.pp) == (4, 2, 1)
     assert plan.sp_enabled and plan.dp_enabled and not plan.pp_enabled
 
@@ -18,7 +18,7 @@ def test_auto_dp_fills_the_world():
 ])
 def test_world_size_mismatch(cfg, world, match):
     with pytest.raises(LaunchError, match=match):
-        ParallelPlan.from_config(cfg, world)
+        ParallelPlan.from_config(cfg, world, ReorderConfig())
 
 
 def test_layout_is_a_bijection_with_sp_innermost():
@@ -41,7 +41,8 @@ def test_groups_partition_the_world():
 
 def test_layout_of_8_ranks_with_sp_2():
     """dp 4 x sp 2, reorder groups of 2: SP pairs are neighbours, DP groups stride over them."""
-    layout = ParallelPlan.from_config(ParallelConfig(sp=2), 8).layout(reorder_group_size=2)
+    layout = ParallelPlan.from_config(ParallelConfig(sp=2), 8,
+                                     ReorderConfig(group_size=2)).layout()
     assert layout["ranks"] == [{"rank": r, "pp": 0, "dp": r // 2, "sp": r % 2} for r in range(8)]
     assert layout["sp_groups"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert layout["dp_groups"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
@@ -68,10 +69,10 @@ def test_data_groups_build_the_printed_layout(monkeypatch):
     monkeypatch.setattr(groups.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(groups.dist, "get_world_size", lambda group=None: 8)
     monkeypatch.setattr(groups.dist, "new_group", lambda ranks: tuple(ranks))
-    plan = ParallelPlan(world_size=8, dp=4, sp=2)
-    layout = plan.layout(2)
+    plan = ParallelPlan(world_size=8, dp=4, sp=2, reorder_group=2)
+    layout = plan.layout()
     for rank in range(8):
-        dp_pg, reorder_pg = groups.data_groups(plan, rank, 2)
+        dp_pg, reorder_pg = groups.data_groups(plan, rank)
         assert [list(dp_pg)] == [g for g in layout["dp_groups"] if rank in g]
         assert [list(reorder_pg)] == [g for g in layout["reorder_groups"] if rank in g]
 
@@ -79,3 +80,19 @@ def test_data_groups_build_the_printed_layout(monkeypatch):
 def test_no_sequence_groups_without_sp():
     from ds_omni.parallel.groups import sequence_groups
     assert sequence_groups(ParallelPlan(world_size=2, dp=2), 0) is None  # the engine tests `if mpu`
+
+
+def test_the_plan_owns_its_derived_facts():
+    """The reorder group (capped at dp, 1 in loader order), per-sequence blocks and the pool's
+    and long items' group sizes come from the plan alone."""
+    plan = ParallelPlan.from_config(ParallelConfig(max_sequence_sp=4), 8, ReorderConfig())
+    assert (plan.dp, plan.reorder_group, plan.pool_size, plan.long_item_group) == (8, 8, 8, 4)
+    assert plan.sequence_blocks() == [(0, 2), (2, 2), (4, 2), (6, 2), (0, 4), (4, 4)]
+    loader_order = ReorderConfig(mode="loader_order")
+    assert ParallelPlan.from_config(ParallelConfig(sp=2), 4, loader_order).reorder_group == 1
+    assert ParallelPlan.from_config(ParallelConfig(sp=2), 4, loader_order).sequence_blocks() == []
+    from ds_omni.errors import DataError
+    with pytest.raises(DataError, match="needs grouped reordering"):
+        ParallelPlan.from_config(ParallelConfig(max_sequence_sp=2), 4, loader_order)
+    with pytest.raises(DataError, match="must divide the data-parallel size 6"):
+        ParallelPlan.from_config(ParallelConfig(), 6, ReorderConfig(group_size=4))

@@ -40,8 +40,8 @@ def test_every_plant_is_a_generator():
 
 
 def test_a_plant_is_undone_on_exit():
-    from ds_omni.train import engine as train
-    original = train.engine_loss
+    from ds_omni.train import step
+    original = step.engine_loss
     with plants.applied("loss_x2", 0):
-        assert train.engine_loss is not original
-    assert train.engine_loss is original
+        assert step.engine_loss is not original
+    assert step.engine_loss is original

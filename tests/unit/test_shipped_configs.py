@@ -22,7 +22,7 @@ def test_there_are_configs():
 @pytest.mark.parametrize("ds_path", DS_CONFIGS, ids=lambda p: p.name)
 def test_example_with_deepspeed_config(example, ds_path):
     cfg = load_config(example)
-    plan = ParallelPlan.from_config(cfg.parallel, cfg.parallel.sp * cfg.parallel.pp * 2)
+    plan = ParallelPlan.from_config(cfg.parallel, cfg.parallel.sp * cfg.parallel.pp * 2, cfg.data.reorder)
     merged = derive_ds_config(cfg, load_ds_json(ds_path), plan)
     assert merged["train_batch_size"] == cfg.train.global_batch_size
     assert "auto" not in json.dumps(merged)

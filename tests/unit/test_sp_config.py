@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ds_omni.cli import main
-from ds_omni.config import ModelConfig, ParallelConfig, from_dict
+from ds_omni.config import ModelConfig, ParallelConfig, ReorderConfig, from_dict
 from ds_omni.errors import ConfigError, LaunchError, ModelError
 from ds_omni.model.build import check_sequence_parallel
 from ds_omni.parallel.plan import ParallelPlan
@@ -62,7 +62,7 @@ def test_a_family_without_sequence_parallelism_is_refused(llava_dir, monkeypatch
 ])
 def test_sp_must_fit_the_world(cfg, world, match):
     with pytest.raises(LaunchError, match=match):
-        ParallelPlan.from_config(cfg, world)
+        ParallelPlan.from_config(cfg, world, ReorderConfig())
 
 
 def test_zero3_under_sp_needs_reduce_scatter(tmp_path):
@@ -112,6 +112,6 @@ def test_plan_prints_the_rank_layout(tmp_path, capsys):
     assert out["plan"] == {"world_size": 8, "dp": 4, "sp": 2, "pp": 1}
     assert out["deepspeed"]["sequence_parallel_size"] == 2
     layout = out["layout"]
-    assert layout == ParallelPlan(world_size=8, dp=4, sp=2).layout(2)
+    assert layout == ParallelPlan(world_size=8, dp=4, sp=2, reorder_group=2).layout()
     assert layout["ranks"][5] == {"rank": 5, "pp": 0, "dp": 2, "sp": 1}
     assert layout["reorder_groups"] == [[0, 2], [4, 6], [1, 3], [5, 7]]

@@ -8,7 +8,7 @@ from ds_omni.data.loader import OmniLoader
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.sources import Source
 from ds_omni.parallel.groups import TorchDataComm
-from ds_omni.train.engine import _loop
+from ds_omni.train.loop import _loop
 from ds_omni.train.metrics import MetricsLogger, read_metrics
 from tests.data_files import text_rows, write
 from tests.fake_engine import FakeEngine
