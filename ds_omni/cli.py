@@ -26,7 +26,13 @@ from ds_omni.errors import DsOmniError
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds-omni", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
+    for add in (_train_args, _supervise_args, _convert_args, _plan_args, _calibrate_args,
+                _families_args, _data_args):
+        add(sub)
+    return p
 
+
+def _train_args(sub) -> None:
     t = sub.add_parser("train", help="train a model")
     t.add_argument("--config", required=True, help="ds_omni JSON config")
     t.add_argument("--deepspeed", help="DeepSpeed JSON config (default: the one accelerate passes)")
@@ -35,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set train.steps=10 (JSON value)")
 
+
+def _supervise_args(sub) -> None:
     sv = sub.add_parser("supervise", help="run a training command; after a failure, restart it "
                                           "from its newest complete checkpoint")
     sv.add_argument("--max-restarts", type=int, default=3, help="restarts before giving up")
@@ -46,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="-- then the training command, e.g. -- deepspeed --num_gpus 8 --module "
                          "ds_omni train --config my.json --deepspeed ds_configs/zero2.json")
 
+
+def _convert_args(sub) -> None:
     c = sub.add_parser("convert", help="convert between HF directories, OmniModel directories "
                                           "and training checkpoints")
     src = c.add_mutually_exclusive_group(required=True)
@@ -55,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--tag", help="checkpoint tag (default: latest)")
     c.add_argument("--out", required=True, help="output directory")
 
+
+def _plan_args(sub) -> None:
     pl = sub.add_parser("plan", help="print the parallel plan, its rank layout and the derived "
                                      "DeepSpeed config")
     pl.add_argument("--config", required=True)
@@ -62,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--world-size", type=int, required=True)
     pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
+
+def _calibrate_args(sub) -> None:
     cc = sub.add_parser("calibrate-cost", help="time micro-batches on this machine and fit the "
                                                "cost model's scales (data.reorder.cost_scales)")
     cc.add_argument("--config", required=True)
@@ -69,6 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     cc.add_argument("--out", required=True, help="JSON file for the fitted scales")
     cc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
+
+def _families_args(sub) -> None:
     fm = sub.add_parser("families", help="which transformers vision-language model types ds_omni "
                                          "trains exactly (builds a tiny model of each and checks "
                                          "it against HF)")
@@ -77,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     fm.add_argument("model_types", nargs="*", help="only these model types (default: every one "
                                                    "of transformers' image-text-to-text mapping)")
 
+
+def _data_args(sub) -> None:
     d = sub.add_parser("data", help="data utilities")
     dsub = d.add_subparsers(dest="data_command", required=True)
     mk = dsub.add_parser("make-demo", help="write the embedded demo dataset and tokenizer")
@@ -95,7 +113,6 @@ def _parser() -> argparse.ArgumentParser:
                     help="threads decoding images")
     ck.add_argument("--no-progress", action="store_true", help="no progress bar")
     ck.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    return p
 
 
 def _deepspeed_config_path(arg: str | None) -> str:

@@ -12,10 +12,11 @@ Two modes:
   sample waits at most `max_wait` steps; a sample costlier than a whole rank's budget is an outlier,
   planned alone on one rank and reported (sequence parallelism will spread it later).
 
-Greedy rule in both: samples in decreasing cost go to the least-loaded rank that has token room,
-then to that rank's least-loaded micro-batch with room (longest-processing-time first, LPT: within
-4/3 of the optimal makespan, close to optimal when samples are many and small against a rank's
-load); ties go to the lower index, so the answer depends only on the input.
+Greedy rule in both (`ds_omni.data.lpt`): samples in decreasing cost go to the least-loaded rank
+that has token room, then to that rank's least-loaded micro-batch with room
+(longest-processing-time first, LPT: within 4/3 of the optimal makespan, close to optimal when
+samples are many and small against a rank's load); ties go to the lower index, so the answer
+depends only on the input.
 
 Dims: N samples (of the group or of one plan), G ranks of the group, M micro-batches per rank,
 B samples in the budget buffer.
@@ -23,12 +24,12 @@ B samples in the budget buffer.
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ds_omni.data.lpt import Packer, lpt_order
 from ds_omni.errors import DataError
 from ds_omni.parallel.hdp import Block, assign_rounds, place_blocks, rank_rounds
 
@@ -107,76 +108,6 @@ def loader_order(n: int, num_ranks: int, num_micro: int) -> Assignment:
     return Assignment(idx // per_rank, (idx % per_rank) * num_micro // per_rank, num_ranks, num_micro)
 
 
-# ---------------------------------------------------------------------------------- packer
-class _Packer:
-    """Running loads of G ranks x M micro-batches for greedy placement (least-loaded first)."""
-
-    def __init__(self, num_ranks: int, num_micro: int, token_cap: float):
-        self.cap = token_cap
-        self.rank_cost = [0.0] * num_ranks
-        self.micro_cost = [[0.0] * num_micro for _ in range(num_ranks)]
-        self.micro_tok = [[0] * num_micro for _ in range(num_ranks)]
-        self.heap = [(0.0, r) for r in range(num_ranks)]  # open ranks, (cost, rank): ties -> low rank
-
-    def preload(self, loads: np.ndarray) -> None:
-        """Ranks start with `loads` [G] already on them (their shares of long sequences)."""
-        self.rank_cost = [float(x) for x in loads]
-        self.heap = [(self.rank_cost[r], r) for _, r in self.heap]
-        heapq.heapify(self.heap)
-
-    def close(self, rank: int) -> None:
-        """Take `rank` out of greedy placement (it holds an outlier)."""
-        self.heap = [e for e in self.heap if e[1] != rank]
-        heapq.heapify(self.heap)
-
-    def _micro_with_room(self, r: int, tokens: int) -> int | None:
-        """Least-loaded micro-batch of rank r with room for `tokens` (ties: lowest index)."""
-        costs, toks, cap = self.micro_cost[r], self.micro_tok[r], self.cap
-        m = costs.index(min(costs))  # the first least-loaded one: usually it has room
-        if toks[m] + tokens <= cap:
-            return m
-        best, best_cost = None, math.inf
-        for m, (c, t) in enumerate(zip(costs, toks)):
-            if t + tokens <= cap and c < best_cost:
-                best, best_cost = m, c
-        return best
-
-    def put(self, r: int, m: int, cost: float, tokens: int) -> tuple[int, int]:
-        self.rank_cost[r] += cost
-        self.micro_cost[r][m] += cost
-        self.micro_tok[r][m] += tokens
-        return r, m
-
-    def place(self, cost: float, tokens: int, limit: float = math.inf) -> tuple[int, int] | None:
-        """Least-loaded open rank with token room, if its load stays <= limit; else None."""
-        if not self.heap or self.heap[0][0] + cost > limit:  # the common miss, without a pop
-            return None
-        skipped, found = [], None
-        while self.heap:
-            load, r = heapq.heappop(self.heap)
-            if load + cost > limit:  # the least-loaded rank with room is too full: all others are
-                skipped.append((load, r))
-                break
-            m = self._micro_with_room(r, tokens)
-            if m is None:
-                skipped.append((load, r))
-                continue
-            found = self.put(r, m, cost, tokens)
-            heapq.heappush(self.heap, (self.rank_cost[r], r))
-            break
-        for entry in skipped:
-            heapq.heappush(self.heap, entry)
-        return found
-
-    def place_anywhere(self, cost: float, tokens: int) -> tuple[int, int] | None:
-        """Least-loaded rank of all (open or closed) with token room, ignoring any cost limit."""
-        for r in sorted(range(len(self.rank_cost)), key=lambda r: (self.rank_cost[r], r)):
-            m = self._micro_with_room(r, tokens)
-            if m is not None:
-                return self.put(r, m, cost, tokens)
-        return None
-
-
 def _check_arrays(cost: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     cost = np.asarray(cost, dtype=np.float64)
     tokens = np.asarray(tokens, dtype=np.int64)
@@ -187,11 +118,6 @@ def _check_arrays(cost: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.
         raise DataError("sample costs must be finite and >= 0 and token counts >= 0; check the "
                         "metadata the cost model was given")
     return cost, tokens
-
-
-def _lpt_order(cost: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """Indices by cost descending, then tokens descending, then index: fully deterministic."""
-    return np.lexsort((np.arange(cost.size), -tokens, -cost))
 
 
 # ------------------------------------------------------------------------------ fixed count
@@ -207,11 +133,11 @@ def assign_fixed(cost: np.ndarray, tokens: np.ndarray, num_ranks: int, num_micro
     """
     cost, tokens = _check_arrays(cost, tokens)
     cap = math.inf if max_tokens_per_micro is None else max_tokens_per_micro
-    packer = _Packer(num_ranks, num_micro, cap)
+    packer = Packer(num_ranks, num_micro, cap)
     rank = np.zeros(cost.size, dtype=np.int64)
     micro = np.zeros(cost.size, dtype=np.int64)
     blocks = _fixed_blocks(cost, tokens, num_ranks, cap, max_degree, packer)
-    for i in _lpt_order(cost, tokens).tolist():
+    for i in lpt_order(cost, tokens).tolist():
         if i in blocks:
             rank[i] = blocks[i].start
             continue
@@ -223,7 +149,7 @@ def assign_fixed(cost: np.ndarray, tokens: np.ndarray, num_ranks: int, num_micro
 
 
 def _fixed_blocks(cost: np.ndarray, tokens: np.ndarray, num_ranks: int, cap: float,
-                  max_degree: int, packer: _Packer) -> dict[int, Block]:
+                  max_degree: int, packer: Packer) -> dict[int, Block]:
     """Per-sequence SP in fixed-count mode: samples above one rank's mean share of the group's
     cost (or over the token cap) get blocks; the packer starts from the blocks' loads."""
     if max_degree <= 1 or not cost.size:
@@ -357,7 +283,7 @@ class BudgetPlanner:
             raise ValueError(f"plan() needs cost_budget > 0 and token_budget >= 1, got {cost_budget} "
                              f"and {token_budget}")
         forced = (self.step - self._arrived) >= self.max_wait  # [B]
-        packer = _Packer(self.num_ranks, self.num_micro, token_budget)
+        packer = Packer(self.num_ranks, self.num_micro, token_budget)
         slots: dict[int, tuple[int, int]] = {}
         if max_degree > 1:
             outlier = (self._cost > cost_budget) | (self._tokens > token_budget)  # [B]
@@ -376,7 +302,7 @@ class BudgetPlanner:
         self._place_normal(packer, slots, ~outlier, forced, cost_budget)
         return self._commit(slots, outlier, forced, blocks)
 
-    def _place_blocks(self, packer: _Packer, which: np.ndarray, cost_budget: float,
+    def _place_blocks(self, packer: Packer, which: np.ndarray, cost_budget: float,
                       token_budget: int, max_degree: int) -> dict[int, tuple[int, int]]:
         """{buffer index: (start, size)} for the outliers `which` [B] that fit this step; forced
         ones always go. Their shares join the packer's rank loads."""
@@ -395,7 +321,7 @@ class BudgetPlanner:
             raise DataError(f"sample(s) (key, tokens) {bad} exceed the token budget {token_budget} of "
                             "a micro-batch; raise it (data.max_seq_len) or truncate them")
 
-    def _place_outliers(self, packer: _Packer, slots: dict, outlier: np.ndarray,
+    def _place_outliers(self, packer: Packer, slots: dict, outlier: np.ndarray,
                         forced: np.ndarray, has_forced_normal: bool) -> None:
         """Each outlier alone on a rank; keep one rank for forced normal samples if possible."""
         idx = np.flatnonzero(outlier)
@@ -404,7 +330,7 @@ class BudgetPlanner:
         take = max(room, int(forced[idx].sum()))  # forced outliers go even if they must share
         for j, i in enumerate(idx[:take].tolist()):
             r, tokens = j % self.num_ranks, int(self._tokens[i])
-            m = packer._micro_with_room(r, tokens)
+            m = packer.micro_with_room(r, tokens)
             if m is None:  # only when more than G forced outliers share ranks
                 raise DataError(f"outlier {self._keys[i]!r} waited {self.max_wait} steps and finds "
                                 "no token room: more outliers than ranks; raise max_wait or the "
@@ -413,23 +339,23 @@ class BudgetPlanner:
             if j < self.num_ranks:
                 packer.close(r)
 
-    def _place_normal(self, packer: _Packer, slots: dict, normal: np.ndarray, forced: np.ndarray,
+    def _place_normal(self, packer: Packer, slots: dict, normal: np.ndarray, forced: np.ndarray,
                       cost_budget: float) -> None:
         cost, tokens = self._cost.tolist(), self._tokens.tolist()
         self._place_forced(packer, slots, normal & forced)
         rest = np.flatnonzero(normal & ~forced)  # oldest first
         open_budget = cost_budget * len(packer.heap) - sum(packer.rank_cost[r] for _, r in packer.heap)
         head = rest[np.cumsum(self._cost[rest]) <= open_budget]  # the oldest that fit in total
-        for i in head[_lpt_order(self._cost[head], self._tokens[head])].tolist():
+        for i in head[lpt_order(self._cost[head], self._tokens[head])].tolist():
             if slot := packer.place(cost[i], tokens[i], limit=cost_budget):
                 slots[i] = slot
         self._top_up(packer, slots, rest, cost, tokens, cost_budget)
 
-    def _place_forced(self, packer: _Packer, slots: dict, which: np.ndarray) -> None:
+    def _place_forced(self, packer: Packer, slots: dict, which: np.ndarray) -> None:
         """Samples `which` [B] that waited max_wait steps: LPT, past the budget if need be."""
         cost, tokens = self._cost.tolist(), self._tokens.tolist()
         must = np.array([i for i in np.flatnonzero(which).tolist() if i not in slots], dtype=np.int64)
-        for i in must[_lpt_order(self._cost[must], self._tokens[must])].tolist():
+        for i in must[lpt_order(self._cost[must], self._tokens[must])].tolist():
             slot = packer.place(cost[i], tokens[i]) or packer.place_anywhere(cost[i], tokens[i])
             if slot is None:
                 raise DataError(f"sample {self._keys[i]!r} has waited {self.max_wait} steps but no "
@@ -437,7 +363,7 @@ class BudgetPlanner:
                                 "number of micro-batches, or lower the lookahead")
             slots[i] = slot
 
-    def _top_up(self, packer: _Packer, slots: dict, rest: np.ndarray, cost: list, tokens: list,
+    def _top_up(self, packer: Packer, slots: dict, rest: np.ndarray, cost: list, tokens: list,
                 cost_budget: float) -> None:
         """Oldest-first, fill the ranks' remaining room with samples that still fit."""
         if not packer.heap:

@@ -10,8 +10,8 @@ import torch
 from ds_omni.config import DataConfig, from_dict
 from ds_omni.data.media import VideoInfo, frame_indices, read_frames, video_info
 from ds_omni.errors import ConfigError, DataError
-from ds_omni.model.families.qwen2_vl import (Qwen2VLVideoItemProcessor, VideoSettings,
-                                             video_patches)
+from ds_omni.model.families.qwen2_vl_video import (Qwen2VLVideoItemProcessor, VideoSettings,
+                                                   video_patches)
 from tests.data_files import write_video
 from tests.family_dirs import MERGE, PATCH, VIDEO_PROCESSOR, image_processor
 
@@ -105,7 +105,7 @@ def test_measuring_a_video_reads_only_its_header_and_agrees_with_processing(tmp_
 
     def no_decoding(*a):
         raise AssertionError("measure decoded frames")
-    monkeypatch.setattr("ds_omni.model.families.qwen2_vl.read_frames", no_decoding)
+    monkeypatch.setattr("ds_omni.model.families.qwen2_vl_video.read_frames", no_decoding)
     measured = proc.measure(path)
     assert (measured.num_embeddings, measured.encoder_seqs, measured.meta) == \
         (item.num_embeddings, item.encoder_seqs, item.meta)

@@ -7,7 +7,8 @@ layers, norm, rotary embedding) under `model.lm_head`. For such a model nothing 
 to be written: HF's own processor says how an image becomes pixels and tokens, HF's own
 `get_image_features` encodes it, and HF's own `get_rope_index` gives 3-D positions where the family
 has them. This module only routes those calls through ds_omni's per-item representation; how HF's
-processor is found, loaded and called per image is `hf_processor`.
+processor is found, loaded and called per image is `hf_processor`, how `get_rope_index` is called
+per sample is `hf_rope`.
 
 Trade-off: each image is encoded by its own `get_image_features` call (exactly the inputs HF's
 processor made for it alone), so images of different sizes, tile counts and padding never have to
@@ -46,9 +47,10 @@ from torch import nn
 
 from ds_omni.errors import ModelError
 from ds_omni.model import deepstack
-from ds_omni.model.families.hf_processor import (GRID_KEYS, INDICATOR_SLOTS, GenericItemProcessor,
+from ds_omni.model.families.hf_processor import (INDICATOR_SLOTS, GenericItemProcessor,
                                                  appended_text, hf_class_of, hf_folder,
                                                  list_inputs, load_hf_processor, processor_marker)
+from ds_omni.model.families.hf_rope import rope_model, rope_positions
 from ds_omni.model.families.hf_video import (VIDEO_INPUT, VIDEO_PROCESSORS, video_item_processor,
                                              video_token_id)
 from ds_omni.model.family import Family
@@ -323,48 +325,6 @@ class _Projector(nn.Module):
         super().__init__()
         self.modules_ = modules
         self.params = params
-
-
-# ------------------------------------------------------------------------------ positions
-def rope_model(inner_cls, config):
-    """An instance of the model's inner class with its config, on the meta device (no memory):
-    HF's `get_rope_index` reads only the config and what `__init__` derives from it, so the
-    positions come from HF's own code without the weights."""
-    with torch.device("meta"):
-        return inner_cls(config)
-
-
-def rope_axes(config) -> int:
-    """How many position rows the LLM's rotary embedding takes: one per `mrope_section` (3 for
-    Qwen2-VL's t/h/w, 4 for HunYuan-VL's), 3 where the config does not say."""
-    rope = getattr(config.get_text_config(), "rope_parameters", None) or {}
-    return len(rope.get("mrope_section") or (0, 0, 0))
-
-
-
-
-def rope_positions(model, input_ids: torch.Tensor, items, image_token_id: int,
-                   video_token_id: int | None) -> torch.Tensor:
-    """[R, L] positions of one sample from HF's own `get_rope_index` (R rope axes); text only:
-    0..L-1 on every axis.
-
-    `mm_token_type_ids` (1 on image tokens, 2 on video tokens) is what HF's processors make for
-    the families whose `get_rope_index` takes it; the others find images by their tokens.
-    """
-    key = next((k for k in GRID_KEYS if any(k in item.meta for _, item in items)), None)
-    if key is None:
-        return torch.arange(input_ids.shape[0]).expand(rope_axes(model.config), -1).contiguous()
-    kwargs = {key: torch.tensor([g for _, item in items for g in item.meta.get(key, [])])}
-    params = inspect.signature(model.get_rope_index).parameters
-    if "attention_mask" in params:  # all ones: one sample; Qwen3-Omni's fails without it
-        kwargs["attention_mask"] = torch.ones_like(input_ids)[None]
-    if "mm_token_type_ids" in params:
-        types = (input_ids == image_token_id).int()  # [L]
-        if video_token_id is not None:
-            types = types + 2 * (input_ids == video_token_id).int()
-        kwargs["mm_token_type_ids"] = types[None]
-    pos, _ = model.get_rope_index(input_ids[None], **kwargs)
-    return pos[:, 0]  # [R, 1, L] -> [R, L]
 
 
 # ------------------------------------------------------------------------------ family
