@@ -1,4 +1,4 @@
-"""Tiny recipes for the coverage sweep (`ds_omni.model.coverage`): per model type, a random HF
+"""Tiny recipes for the coverage sweep (`ds_omni.coverage.sweep`): per model type, a random HF
 config (hidden 32, one to three LLM layers, tiny towers) and a processor built from parts, no hub.
 
 A recipe returns (config, processor). The sweep saves both, loads them through the real loading
@@ -11,9 +11,9 @@ path and compares against HF; `NOT_EXACT` names the types tried and found not ex
   torchvision_images  more types whose HF image processor is a torchvision class only
 """
 
-from ds_omni.model.recipes import classic, layers, scaled, windows  # noqa: F401  (register)
-from ds_omni.model.recipes import torchvision_only  # noqa: F401  (register)
-from ds_omni.model.recipes.common import (  # noqa: F401
+from ds_omni.coverage.recipes import classic, layers, scaled, windows  # noqa: F401  (register)
+from ds_omni.coverage.recipes import torchvision_only  # noqa: F401  (register)
+from ds_omni.coverage.recipes.common import (  # noqa: F401
     NO_RECIPE, NOT_EXACT, RECIPES, config_for, demo_tokenizer, lenient_processor,
     processor_class_for)
-from ds_omni.model.recipes import torchvision_images  # noqa: F401  (register)
+from ds_omni.coverage.recipes import torchvision_images  # noqa: F401  (register)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ds_omni.model.recipes.common import (CLIP, NOT_EXACT, RECIPES, SIGLIP, TEXT,
-                                          config_for, demo_tokenizer, lenient_processor,
-                                          processor_class_for, tiny_text, token_ids)
+from ds_omni.coverage.recipes.common import (CLIP, NOT_EXACT, RECIPES, SIGLIP, TEXT, config_for,
+                                             demo_tokenizer, lenient_processor, processor_class_for,
+                                             tiny_text, token_ids)
 
 
 def _qwen_vl(model_type: str):

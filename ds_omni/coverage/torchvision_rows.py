@@ -10,10 +10,11 @@ compiled ops (`_C.so`) do not load next to a CPU torch, and then `import torchvi
 So `make setup` installs that wheel's Python side OUTSIDE the venv's import path (`torchvision-py`
 next to the venv's `bin/`): an ordinary process must never see it, or transformers would take
 torchvision for available and fail at import. The sweep hands the types whose recipe needs it to
-one child process (`python -m ds_omni.model.coverage_child`) that puts the folder on its sys.path,
-defines the two op schemas when the compiled ops do not load (no image processor calls nms), imports
-torchvision, and answers with one JSON line per type. A torchvision installed normally is used as
-is, in the sweep's own process. Without either, the rows say why they are not checked.
+one child process (`python -m ds_omni.coverage.torchvision_rows`) that puts the folder on its
+sys.path, defines the two op schemas when the compiled ops do not load (no image processor calls
+nms), imports torchvision, and answers with one JSON line per type. A torchvision installed
+normally is used as is, in the sweep's own process. Without either, the rows say why they are not
+checked.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def import_torchvision(path: Path) -> bool:
 def torchvision_note(model_type: str) -> str:
     """What a row checked here adds to its reason: which of the recipe's HF processor parts are
     torchvision classes, run (or only built) with torchvision's Python side."""
-    from ds_omni.model.recipes import RECIPES
+    from ds_omni.coverage.recipes import RECIPES
     _, processor = RECIPES[model_type]()
     tv = [name for name in ("image_processor", "video_processor")
           if any(c.__name__ == "TorchvisionBackend"
@@ -156,9 +157,9 @@ def main() -> None:
     stubbed = import_torchvision(Path(os.environ[ENV]))
     answer = sys.stdout
     sys.stdout = sys.stderr  # libraries' prints would corrupt the answers
-    from ds_omni.model.coverage import classify
+    from ds_omni.coverage.sweep import classify
     import torch
-    torch.set_num_threads(1)  # as the sweep (coverage.sweep says why)
+    torch.set_num_threads(1)  # as the sweep (sweep.sweep says why)
     with tempfile.TemporaryDirectory() as tmp:
         for line in sys.stdin:
             model_type = line.strip()
