@@ -11,7 +11,7 @@ path and compares against HF; `NOT_EXACT` names the types tried and found not ex
   torchvision_images  more types whose HF image processor is a torchvision class only
 """
 
-from ds_omni.coverage.recipes import classic, layers, scaled, windows  # noqa: F401  (register)
+from ds_omni.coverage.recipes import layers, patch_grids, scaled, windows  # noqa: F401  (register)
 from ds_omni.coverage.recipes import torchvision_only  # noqa: F401  (register)
 from ds_omni.coverage.recipes.common import (  # noqa: F401
     NO_RECIPE, NOT_EXACT, RECIPES, config_for, demo_tokenizer, lenient_processor,
