@@ -11,9 +11,9 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.ds_omni-setup-$(shell cat pyproject.toml constraints.txt Makefile | md5sum \
                                         | cut -c1-10)
-# torchvision's Python side, OUTSIDE the venv's import path (ds_omni/model/coverage_child.py says
-# why): only the coverage sweep's child process reads it; the release is the one of the venv's torch
-# (2.x -> 0.(x+15)); none installable, or a torchvision already importable: skipped
+# torchvision's Python side, OUTSIDE the venv's import path (ds_omni/coverage/torchvision_rows.py
+# says why): only the coverage sweep's child process reads it; the release is the one of the venv's
+# torch (2.x -> 0.(x+15)); none installable, or a torchvision already importable: skipped
 TORCHVISION_DIR := $(VENV)/torchvision-py
 
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions

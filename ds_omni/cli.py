@@ -209,14 +209,14 @@ def cmd_families(args) -> None:
     import contextlib
     import json
     import logging
-    from ds_omni.model import coverage
+    from ds_omni.coverage import sweep
     logging.getLogger("transformers").setLevel(logging.ERROR)  # the tiny configs' warnings
     with contextlib.redirect_stdout(sys.stderr):  # libraries' log lines would corrupt --json
-        results = coverage.sweep(args.model_types or None)
+        results = sweep.sweep(args.model_types or None)
     if args.json:
         print(json.dumps({t: r.as_dict() for t, r in results.items()}, indent=1))
     else:
-        print(coverage.table(results))
+        print(sweep.table(results))
 
 
 def cmd_data(args) -> int:

@@ -5,7 +5,7 @@ processor files), then compares:
 - the reference: the HF class loaded fresh from that directory with plain `from_pretrained`, run
   one sample at a time on the inputs its own processor would produce;
 - ds_omni: `build_model(ModelConfig(pretrained=dir))`, all samples packed into one micro-batch.
-The reference's loss mask is not ds_omni's: `ds_omni.model.coverage_reference` renders each
+The reference's loss mask is not ds_omni's: `ds_omni.coverage.reference` renders each
 sample's raw text (kept on the sample by `processor_for`'s processor) in the plain format and
 marks the reference's tokens that lie in the assistant spans.
 """
@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from ds_omni.config import ModelConfig
+from ds_omni.coverage import reference as oracle
 from ds_omni.data.packing import MicroBatch, pack
 from ds_omni.data.processing import Sample, SampleProcessor
-from ds_omni.model import coverage_reference as oracle
 from ds_omni.model.build import BuiltModel, build_model
 
 LOGITS_ATOL = 1e-5
@@ -64,7 +64,7 @@ def processor_for(built: BuiltModel, max_seq_len: int = 4096,
 
 def reference_mask(built: BuiltModel, sample: Sample, ids: torch.Tensor) -> torch.Tensor:
     """[L] the reference's loss mask over its token ids `ids` [L]: the tokens inside the
-    assistant spans of the sample's text rendered apart from ds_omni (`coverage_reference`)."""
+    assistant spans of the sample's text rendered apart from ds_omni (`coverage.reference`)."""
     text, spans = oracle.render(sample.reference_text, built.tokenizer, plain=True)
     return oracle.token_mask(ids.tolist(), text, spans, built.tokenizer,
                              tuple({*MARKERS.values(), *VIDEO_MARKERS.values()}))

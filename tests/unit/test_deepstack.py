@@ -2,7 +2,7 @@
 level before the layer its encoder's layer map names (Qwen3-VL: after its first layers; Granite 4
 Vision: before the layers its config names, `ds_omni.model.deepstack`).
 
-The coverage sweep checks a packed row against HF's own forward (`coverage.RECIPES["qwen3_vl"]`,
+The coverage sweep checks a packed row against HF's own forward (`sweep.RECIPES["qwen3_vl"]`,
 `["granite4_vision"]`); these tests check what the sweep cannot see: the layer maps read from the
 configs, the levels travel with their rows when LLM sequence parallelism cuts the row into shards
 (each item encoded by one rank, its rows sent by one all-to-all, simulated here by looping over the
@@ -19,9 +19,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ds_omni.coverage import sweep
 from ds_omni.data.packing import SeqShard, pack
 from ds_omni.errors import ModelError
-from ds_omni.model import coverage, deepstack, omni
+from ds_omni.model import deepstack, omni
 
 
 def build(folder, model_type: str):
@@ -32,14 +33,14 @@ def build(folder, model_type: str):
     from ds_omni.model.build import build_model
     from ds_omni.model.family import family_for
     torch.manual_seed(0)
-    config, processor = coverage.RECIPES[model_type]()
+    config, processor = sweep.RECIPES[model_type]()
     family_for(model_type).build_hf(config).save_pretrained(str(folder))
-    coverage.save_processor_parts(processor, folder)
+    sweep.save_processor_parts(processor, folder)
     built = build_model(ModelConfig(pretrained=str(folder)))
     proc = SampleProcessor(tokenizer=built.tokenizer, family=built.family,
                            item_processors=built.item_processors, markers={"vision": "<image>"},
                            max_seq_len=4096)
-    img = coverage.images()
+    img = sweep.images()
     samples = [proc(text=t, media={"vision": m} if m else {}, sample_id=str(i), source="s")
                for i, (t, m) in enumerate([("<image> a red circle", [img[0]]),
                                            ("a caption without an image", []),

@@ -1,6 +1,6 @@
 """The generic family adapter and the coverage sweep over transformers' image-text-to-text mapping.
 
-The sweep (`ds_omni.model.coverage`, also `ds-omni families`) builds a tiny random model of every
+The sweep (`ds_omni.coverage.sweep`, also `ds-omni families`) builds a tiny random model of every
 family it has a recipe for, loads it through `build_model`, and compares a packed row (images at
 the start, middle and end of a prompt, a text-only sample) with HF's own forward on HF's processor
 output: logits, loss (its mask found in the rendered text) and every gradient; plus a bitwise export
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds_omni.coverage import sweep, torchvision_rows
 from ds_omni.errors import ModelError
-from ds_omni.model import coverage, coverage_child
 from ds_omni.model.families import generic, hf_processor
 from ds_omni.model.family import family_for
 
@@ -29,13 +29,13 @@ MUST_PASS = ("qwen2_vl", "qwen2_5_vl", "internvl", "llava_onevision", "idefics3"
 
 @pytest.fixture(scope="module")
 def results():
-    return coverage.sweep()
+    return sweep.sweep()
 
 
 def test_sweep_covers_the_mapping_and_every_recipe_is_exact(results):
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
     assert list(results) == list(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
-    checked = set(coverage.RECIPES) - set(coverage.NOT_EXACT)
+    checked = set(sweep.RECIPES) - set(sweep.NOT_EXACT)
     failed = {t: results[t].reason for t in checked if not results[t].supported}
     assert not failed, failed
     assert all(results[t].supported for t in MUST_PASS)
@@ -52,12 +52,12 @@ def test_readme_table_is_the_sweep(results):
 
 def test_known_gaps_have_their_reasons(results):
     assert results["granite_docling"].supported  # its multipliers: ds_omni.model.outside
-    assert "PLE" in coverage.static_problem("gemma4")  # its default; the recipe has none
+    assert "PLE" in sweep.static_problem("gemma4")  # its default; the recipe has none
     assert results["granite4_vision"].supported  # its layer map: ds_omni.model.deepstack
     assert "token_type_ids" in results["gemma3n"].reason
     assert "get_image_features" in results["mllama"].reason
     assert results["ovis2"].supported  # its indicator tokens: generic.indicator_ids
-    if not coverage_child.importable_here():  # checked in the sweep's torchvision child
+    if not torchvision_rows.importable_here():  # checked in the sweep's torchvision child
         assert "image processor run with torchvision's Python" in results["lfm2_vl"].reason
         assert "video processor (its processor reads" in results["minicpmv4_6"].reason
     assert "hyper-connections" in results["hy_v4_vl"].reason
@@ -69,8 +69,8 @@ def test_processor_named_by_the_model_file():
     Qwen3-VL's; `hf_processor.PROCESSOR_OF`); a type whose file names none stays without one."""
     assert hf_processor.processor_class("glm_ocr").__name__ == "Glm4vProcessor"
     assert hf_processor.processor_class("cosmos3_omni").__name__ == "Qwen3VLProcessor"
-    assert coverage.processor_problem("glm_ocr") is None
-    assert "maps no processor" in coverage.processor_problem("kosmos-2")
+    assert sweep.processor_problem("glm_ocr") is None
+    assert "maps no processor" in sweep.processor_problem("kosmos-2")
 
 
 def test_pixtral_processor_needs_no_torchvision():
@@ -90,7 +90,7 @@ def test_planted_error_is_seen(tmp_path, monkeypatch):
     # on the class that serves qwen2_5_vl (the dedicated qwen2_vl file since video landed)
     monkeypatch.setattr(type(family_for("qwen2_5_vl")), "position_ids",
                         lambda self, ids, items: torch.arange(ids.shape[0]).expand(3, -1))
-    result = coverage.check_family("qwen2_5_vl", coverage.RECIPES["qwen2_5_vl"], tmp_path)
+    result = sweep.check_family("qwen2_5_vl", sweep.RECIPES["qwen2_5_vl"], tmp_path)
     assert not result.supported and "logits differ" in result.reason
 
 
@@ -100,11 +100,11 @@ def test_zero_matrices_are_filled_before_the_check():
     projector's gradient by 0.03: the gap the sweep once reported). The sweep fills such matrices;
     vectors (here its norms' zero weights) keep HF's values."""
     torch.manual_seed(0)
-    config, _ = coverage.RECIPES["gemma3"]()
+    config, _ = sweep.RECIPES["gemma3"]()
     hf = family_for("gemma3").build_hf(config)
     pixels = torch.randn(2, 3, 32, 32)
     assert not hf.model.get_image_features(pixels).pooler_output.any()
-    filled = coverage.unzero_matrices(hf)
+    filled = sweep.unzero_matrices(hf)
     assert filled == ["model.multi_modal_projector.mm_input_projection_weight"]
     rows = hf.model.get_image_features(pixels).pooler_output  # [2 images, 4 tokens, D]
     assert rows.abs().amax(-1).gt(0).all() and not torch.equal(rows[0], rows[1])
@@ -115,13 +115,13 @@ def test_planted_image_swap_is_seen(tmp_path, monkeypatch):
     """With Gemma 3's projector filled, the sweep's logits see each image: a sample's two
     images swapped on HF's side (Gemma 3's processor resizes both alike, so the token ids still
     agree) moves them past the tolerance."""
-    sweep_samples = coverage.sweep_samples
+    sweep_samples = sweep.sweep_samples
 
     def swapped(built):
         samples, cases = sweep_samples(built)
         return samples, {k: (turns, imgs[::-1]) for k, (turns, imgs) in cases.items()}
-    monkeypatch.setattr(coverage, "sweep_samples", swapped)
-    result = coverage.check_family("gemma3", coverage.RECIPES["gemma3"], tmp_path)
+    monkeypatch.setattr(sweep, "sweep_samples", swapped)
+    result = sweep.check_family("gemma3", sweep.RECIPES["gemma3"], tmp_path)
     assert not result.supported and "logits differ" in result.reason, result.reason
 
 
@@ -132,10 +132,10 @@ def test_text_only_row_runs_the_dummy_image(tmp_path):
     from ds_omni.data.packing import pack
     from ds_omni.data.processing import SampleProcessor
     from ds_omni.model.build import build_model
-    config, processor = coverage.RECIPES["llava_onevision"]()
+    config, processor = sweep.RECIPES["llava_onevision"]()
     hf = family_for("llava_onevision").build_hf(config)
     hf.save_pretrained(str(tmp_path))
-    coverage.save_processor_parts(processor, tmp_path)
+    sweep.save_processor_parts(processor, tmp_path)
     built = build_model(ModelConfig(pretrained=str(tmp_path)))
     proc = SampleProcessor(tokenizer=built.tokenizer, family=built.family,
                            item_processors=built.item_processors, markers={"vision": "<image>"},
@@ -145,14 +145,14 @@ def test_text_only_row_runs_the_dummy_image(tmp_path):
     with torch.no_grad():
         ours = built.model.logits(mb)[0]
         ref = hf.eval()(input_ids=sample.input_ids[None]).logits[0]
-    assert (ours - ref).abs().max() <= coverage.LOGITS_ATOL
+    assert (ours - ref).abs().max() <= sweep.LOGITS_ATOL
     out = built.model(mb)
     out.loss_sum.backward()
     encoder = built.model.encoders["vision"]
     reached = {n: p.grad for n, p in encoder.named_parameters() if p.grad is not None}
     assert any("patch_embedding" in n for n in reached), sorted(reached)  # the tower ran
     assert all(not g.any() for g in reached.values())  # and counted zero
-    img = coverage.images()[1]
+    img = sweep.images()[1]
     out = built.model(pack([proc(text="<image> a shape", media={"vision": [img]}, sample_id="i",
                                  source="s")], built.item_processors))
     built.model.zero_grad()
@@ -199,7 +199,7 @@ def test_fuyu_image_processor_is_its_torchvision_one(tmp_path, monkeypatch):
     from PIL import Image
     from transformers.models.fuyu.image_processing_pil_fuyu import FuyuImageProcessorPil
     from transformers.models.fuyu.processing_fuyu import FuyuProcessor
-    from ds_omni.model.recipes import demo_tokenizer
+    from ds_omni.coverage.recipes import demo_tokenizer
     pil = FuyuImageProcessorPil(size={"height": 32, "width": 32},
                                 patch_size={"height": 8, "width": 8})
     with pytest.raises(TypeError, match="transpose"):
@@ -208,7 +208,7 @@ def test_fuyu_image_processor_is_its_torchvision_one(tmp_path, monkeypatch):
     monkeypatch.setattr(transformers.utils, "is_torchvision_available", lambda: False)
     with pytest.raises(ModelError, match="FuyuImageProcessorPil.*broken.*torchvision"):
         hf_processor._pil_image_processor("fuyu", tmp_path)
-    config = coverage.config_for("fuyu")
+    config = sweep.config_for("fuyu")
     assert hf_processor.appended_text(config) == "<0x04>"
     assert hf_processor.processor_marker(None, config) == ""
 
@@ -228,8 +228,8 @@ def test_sequence_shards_carry_generic_items(tmp_path, sp):
     and every placeholder is received where it sits, also for an image cut by a shard boundary."""
     from ds_omni.data.processing import SampleProcessor
     from tests.unit.test_reshard import _samples, assert_shards_rebuild_the_row
-    config, processor = coverage.RECIPES["qwen2_5_vl"]()
-    coverage.save_processor_parts(processor, tmp_path)
+    config, processor = sweep.RECIPES["qwen2_5_vl"]()
+    sweep.save_processor_parts(processor, tmp_path)
     family = family_for("qwen2_5_vl")
     processors = family.item_processors(config, tmp_path, tokenizer=processor.tokenizer)
     proc = SampleProcessor(tokenizer=processor.tokenizer, family=family,
@@ -249,8 +249,8 @@ def test_bidirectional_blocks_ride_along_packing_and_shards(tmp_path, model_type
     from ds_omni.data.packing import SeqShard, pack
     from ds_omni.data.processing import SampleProcessor
     from tests.unit.test_reshard import _cost, _samples
-    config, processor = coverage.RECIPES[model_type]()
-    coverage.save_processor_parts(processor, tmp_path)
+    config, processor = sweep.RECIPES[model_type]()
+    sweep.save_processor_parts(processor, tmp_path)
     family = family_for(model_type)
     processors = family.item_processors(config, tmp_path, tokenizer=processor.tokenizer)
     proc = SampleProcessor(tokenizer=processor.tokenizer, family=family,
@@ -283,7 +283,7 @@ def test_ernie_layers_get_the_processors_moe_token_types():
     hands them to every layer (without them its sweep logits differ by 9e-3), and the pipeline,
     whose stages do not carry them, refuses the model with the fix."""
     from ds_omni.parallel.pipeline import pipeline_layers
-    config, processor = coverage.RECIPES["ernie4_5_vl_moe"]()
+    config, processor = sweep.RECIPES["ernie4_5_vl_moe"]()
     family = family_for("ernie4_5_vl_moe")
     model = family.to_omni(family.build_hf(config))
     tok = processor.tokenizer

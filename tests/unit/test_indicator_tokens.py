@@ -2,7 +2,7 @@
 indicator tokens an image is written with (start, grid, column, row, end marks) by rows of its
 visual table. The generic adapter makes them part of the image's rows, in text order.
 
-The coverage sweep checks a packed row against HF's forward (`coverage.RECIPES["ovis2"]`); these
+The coverage sweep checks a packed row against HF's forward (`sweep.RECIPES["ovis2"]`); these
 tests check the arrangement itself and that, under LLM sequence parallelism, the shards count the
 indicator tokens as the item's placeholders and receive their rows where they sit.
 

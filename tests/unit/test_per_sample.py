@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
+from ds_omni.coverage import sweep
 from ds_omni.errors import ModelError
-from ds_omni.model import coverage, per_sample
+from ds_omni.model import per_sample
 from ds_omni.model.family import family_for
 
 
@@ -70,7 +71,7 @@ def test_a_sequence_shard_is_refused():
 def test_sequence_parallel_config_is_refused_before_training(tmp_path):
     from ds_omni.config import ModelConfig
     from ds_omni.model.build import check_sequence_parallel
-    coverage.config_for("qwen3_5").save_pretrained(str(tmp_path))  # the config alone
+    sweep.config_for("qwen3_5").save_pretrained(str(tmp_path))  # the config alone
     with pytest.raises(ModelError, match=r"(?s)parallel.sp=2.*gated delta net.*set parallel.sp"):
         check_sequence_parallel(ModelConfig(pretrained=str(tmp_path)), 2)
 
@@ -105,7 +106,7 @@ def _hf_loss_and_grads(hf, processor, built, samples, media):
     hf.zero_grad()
     total = 0.0
     for s in samples:
-        logits = hf(**coverage.hf_inputs(processor, built, s, media[s.sample_id])).logits[0]
+        logits = hf(**sweep.hf_inputs(processor, built, s, media[s.sample_id])).logits[0]
         loss = F.cross_entropy(logits, sample_targets(s), reduction="sum", ignore_index=-100)
         loss.backward()
         total += float(loss.detach())
@@ -124,14 +125,14 @@ def test_a_training_step_on_a_packed_row_equals_hf_per_sample(tmp_path):
     from ds_omni.parallel.groups import TorchDataComm
     from ds_omni.train.step import train_step
     torch.manual_seed(0)
-    config, processor = coverage.RECIPES["qwen3_5"]()
+    config, processor = sweep.RECIPES["qwen3_5"]()
     hf = family_for("qwen3_5").build_hf(config)
     hf.save_pretrained(str(tmp_path))
-    coverage.save_processor_parts(processor, tmp_path)
+    sweep.save_processor_parts(processor, tmp_path)
     built = build_model(ModelConfig(pretrained=str(tmp_path)))
     assert [per_sample.runs_per_sample(layer) for layer in built.model.backbone.layers] == [
         True, False]
-    img = coverage.images()
+    img = sweep.images()
     media = {"a": [img[1]], "b": [], "c": [img[0], img[2]]}
     texts = {"a": [{"from": "human", "value": "<image> what is it?"},
                    {"from": "gpt", "value": "a red circle"}],

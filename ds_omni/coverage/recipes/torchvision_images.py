@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from transformers.utils import is_timm_available
 
-from ds_omni.model.recipes.common import (NOT_EXACT, RECIPES, SIGLIP, config_for,
-                                          demo_tokenizer, lenient_processor, processor_class_for,
-                                          tiny_text, token_ids)
+from ds_omni.coverage.recipes.common import (NOT_EXACT, RECIPES, SIGLIP, config_for, demo_tokenizer,
+                                             lenient_processor, processor_class_for, tiny_text,
+                                             token_ids)
 
 
 def _cohere2_vision():

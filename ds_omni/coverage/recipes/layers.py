@@ -3,11 +3,11 @@ attention, short convolutions, indexed attention) or per-token layer inputs (ERN
 
 from __future__ import annotations
 
-from ds_omni.model.recipes.classic import (DEEPSTACK_VISION, QWEN3_ROPE, pixtral_recipe,
-                                           qwen3_vl_recipe)
-from ds_omni.model.recipes.common import (NOT_EXACT, RECIPES, config_for, demo_tokenizer,
-                                          lenient_processor, processor_class_for, tiny_text,
-                                          token_ids)
+from ds_omni.coverage.recipes.common import (NOT_EXACT, RECIPES, config_for, demo_tokenizer,
+                                             lenient_processor, processor_class_for, tiny_text,
+                                             token_ids)
+from ds_omni.coverage.recipes.llava import pixtral_recipe
+from ds_omni.coverage.recipes.patch_grids import DEEPSTACK_VISION, QWEN3_ROPE, qwen3_vl_recipe
 
 
 # ---- LLMs with layers run once per sample (`ds_omni.model.per_sample`): linear attention

@@ -10,10 +10,11 @@ compiled ops (`_C.so`) do not load next to a CPU torch, and then `import torchvi
 So `make setup` installs that wheel's Python side OUTSIDE the venv's import path (`torchvision-py`
 next to the venv's `bin/`): an ordinary process must never see it, or transformers would take
 torchvision for available and fail at import. The sweep hands the types whose recipe needs it to
-one child process (`python -m ds_omni.model.coverage_child`) that puts the folder on its sys.path,
+one child process (`python -m ds_omni.coverage.child`) that puts the folder on its sys.path,
 defines the two op schemas when the compiled ops do not load (no image processor calls nms), imports
 torchvision, and answers with one JSON line per type. A torchvision installed normally is used as
-is, in the sweep's own process. Without either, the rows say why they are not checked.
+is, in the sweep's own process. Without either, the rows say why they are not checked. This module
+is the sweep's side: where that folder lies, why a row goes without it, and the child's handle.
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ from pathlib import Path
 
 ENV = "DS_OMNI_TORCHVISION"
 """Overrides where torchvision's Python side lies (default: `torchvision-py` in the venv)."""
-STUBBED_OPS = ("nms", "qnms")
-"""The ops `torchvision/_meta_registrations.py` registers fake kernels for unconditionally."""
-NMS_SCHEMA = "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
+CHILD = "ds_omni.coverage.child"
+"""The child's module (`python -m`): it imports the sweep, which imports this module."""
 TIMEOUT_S = 480
 """How long the sweep waits for the child once its own rows are done (pytest stops at 600)."""
 
@@ -77,7 +77,7 @@ class Child:
         package_root = str(Path(__file__).resolve().parents[2])  # the ds_omni this process runs
         paths = [package_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
         env = {**os.environ, ENV: str(path), "PYTHONPATH": os.pathsep.join(paths)}
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", CHILD], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
 
     def send(self, model_type: str) -> None:
@@ -115,59 +115,3 @@ def parse_answers(out: str) -> dict[str, dict]:
             continue
         answers.update(value if isinstance(value, dict) else {})
     return answers
-
-
-# ------------------------------------------------------------------------------ child side
-def import_torchvision(path: Path) -> bool:
-    """Import torchvision from `path` (before transformers looks for it); True when its compiled
-    ops did not load and the two op schemas its fake kernels need were defined here instead."""
-    import torch
-    sys.path.insert(0, str(path))
-    try:
-        torch.ops.load_library(str(next((path / "torchvision").glob("_C*.so"))))
-        stubbed = False
-    except (StopIteration, OSError, RuntimeError):
-        for op in STUBBED_OPS:
-            torch.library.define(f"torchvision::{op}", NMS_SCHEMA)
-        stubbed = True
-    import torchvision  # noqa: F401
-    return stubbed
-
-
-def torchvision_note(model_type: str) -> str:
-    """What a row checked here adds to its reason: which of the recipe's HF processor parts are
-    torchvision classes, run (or only built) with torchvision's Python side."""
-    from ds_omni.model.recipes import RECIPES
-    _, processor = RECIPES[model_type]()
-    tv = [name for name in ("image_processor", "video_processor")
-          if any(c.__name__ == "TorchvisionBackend"
-                 for c in type(getattr(processor, name, None)).__mro__)]
-    if "image_processor" in tv:
-        note = "HF's torchvision image processor run with torchvision's Python transforms"
-        return note + (", its video processor built with them" if len(tv) == 2 else "")
-    if tv:
-        return ("HF's torchvision video processor (its processor reads its settings) built with "
-                "torchvision's Python side")
-    return "run with torchvision's Python side"
-
-
-def main() -> None:
-    """Answer the parent: one JSON line {model_type: {"supported", "reason"}} per type read."""
-    stubbed = import_torchvision(Path(os.environ[ENV]))
-    answer = sys.stdout
-    sys.stdout = sys.stderr  # libraries' prints would corrupt the answers
-    from ds_omni.model.coverage import classify
-    import torch
-    torch.set_num_threads(1)  # as the sweep (coverage.sweep says why)
-    with tempfile.TemporaryDirectory() as tmp:
-        for line in sys.stdin:
-            model_type = line.strip()
-            result = classify(model_type, Path(tmp))
-            if result.supported and stubbed:
-                result.reason = f"{result.reason[:-1]}; {torchvision_note(model_type)})"
-            answer.write(json.dumps({model_type: result.as_dict()}) + "\n")
-            answer.flush()
-
-
-if __name__ == "__main__":
-    main()

@@ -2,14 +2,14 @@
 
 For every model type in transformers' `MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`: a type whose
 classes or config rule the generic adapter out gets that reason; a type with a tiny recipe
-(`ds_omni.model.recipes`) is built at random from its config class (hidden 32, two or more LLM
+(`ds_omni.coverage.recipes`) is built at random from its config class (hidden 32, two or more LLM
 layers, GQA where the family has it, tiny images; no hub; a weight matrix HF starts at zeros
 filled at random, `unzero_matrices`), saved with its processor, loaded through `build_model`
 (the real loading path), and checked:
 - one packed row of the `SWEEP_SAMPLES` conversations (images at the start, middle and end of a
   prompt; a text-only sample) against the HF model run one sample at a time on HF's processor
   output for the whole rendered sample, with a loss mask found in the rendered text
-  (`coverage_reference`, apart from ds_omni's templates and masks): the same token ids, logits
+  (`reference`, apart from ds_omni's templates and masks): the same token ids, logits
   within 1e-5 (fp32), the same loss and every trainable parameter's gradient;
 - the export round trip: `export_hf` then plain `from_pretrained` gives bitwise-equal tensors.
 A type without a recipe is reported unverified. `ds-omni families` prints this same table.
@@ -26,8 +26,8 @@ from typing import Callable
 
 import torch
 
-from ds_omni.model.coverage_child import missing_reason, needs_torchvision
-from ds_omni.model.recipes import (  # noqa: F401  (RECIPES: also read as coverage.RECIPES)
+from ds_omni.coverage.torchvision_rows import missing_reason, needs_torchvision
+from ds_omni.coverage.recipes import (  # noqa: F401  (RECIPES: also read as sweep.RECIPES)
     NO_RECIPE, NOT_EXACT, RECIPES, config_for, processor_class_for)
 
 LOGITS_ATOL = 1e-5
@@ -71,7 +71,7 @@ def check_family(model_type: str, recipe: Callable, work: Path) -> Result:
     from ds_omni.model.build import build_model
     torch.manual_seed(0)
     config, processor = recipe()
-    from ds_omni.model.coverage_reference import TEMPLATE
+    from ds_omni.coverage.reference import TEMPLATE
     processor.tokenizer.chat_template = TEMPLATE  # ds_omni renders it as a model's template
     family_dir = work / model_type
     from ds_omni.model.family import family_for
@@ -146,10 +146,10 @@ def sweep_samples(built) -> tuple[list, dict]:
 def compare_with_hf(built, reference, processor) -> tuple[str | None, float]:
     """(what differs, max |logits diff|) between one packed row of the sweep's samples through
     ds_omni and HF's model run one sample at a time on what HF's processor makes of each
-    rendered sample, with a loss mask found in the rendered text (`coverage_reference`): logits
+    rendered sample, with a loss mask found in the rendered text (`reference`): logits
     (<= LOGITS_ATOL), the mean token loss, and every trainable parameter's gradient."""
     from ds_omni.data.packing import pack
-    from ds_omni.model import coverage_reference as oracle
+    from ds_omni.coverage import reference as oracle
     samples, cases = sweep_samples(built)
     reference.zero_grad(set_to_none=True)
     ref_sum, ref_count, worst, ref_logits = 0.0, 0, 0.0, []
@@ -195,7 +195,7 @@ def hf_side(processor, built, turns, imgs) -> tuple[dict, torch.Tensor]:
     """(HF model inputs, [L] loss mask) for a conversation: rendered in the plain format, its
     images written as the processor expects them, the whole text and its images given to HF's
     processor in one call; the mask from the rendered text's assistant spans."""
-    from ds_omni.model import coverage_reference as oracle
+    from ds_omni.coverage import reference as oracle
     from ds_omni.model.families.hf_processor import processor_call, processor_marker
     marker = processor_marker(processor, built.hf_config) if imgs else "<image>"
     if imgs and marker == "":
@@ -274,7 +274,7 @@ def sweep(model_types: list[str] | None = None) -> dict[str, Result]:
     """{model_type: Result} for every type of the mapping (or those given), in mapping order.
 
     The types whose recipe needs torchvision, when this process has none, go to one child process
-    (`coverage_child`): at once those whose image processor is torchvision-only, the others when
+    (`torchvision_rows`): at once those whose image processor is torchvision-only, the others when
     their recipe fails here for want of it."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
     types = model_types or list(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
@@ -296,12 +296,13 @@ def sweep(model_types: list[str] | None = None) -> dict[str, Result]:
 
 class TorchvisionRows:
     """The rows of a sweep that need torchvision where this process has none (module
-    `coverage_child`): a child process is started at once with the types whose image processor
+    `torchvision_rows`): a child process is started at once with the types whose image processor
     is torchvision-only, and takes the others whose recipe fails here for want of it."""
 
     def __init__(self, types: list[str]):
-        from ds_omni.model import coverage_child
-        self.path = None if coverage_child.importable_here() else coverage_child.torchvision_dir()
+        from ds_omni.coverage import torchvision_rows
+        self.path = (None if torchvision_rows.importable_here()
+                     else torchvision_rows.torchvision_dir())
         self.child = None
         self.early = [t for t in types if self.path and t in RECIPES and t not in NOT_EXACT
                       and image_processor_problem(t)]
@@ -309,7 +310,7 @@ class TorchvisionRows:
             self.send(t)
 
     def send(self, model_type: str) -> None:
-        from ds_omni.model.coverage_child import Child
+        from ds_omni.coverage.torchvision_rows import Child
         self.child = self.child or Child(self.path)
         self.child.send(model_type)
 

@@ -39,7 +39,7 @@ def render(text, tokenizer, marker: str = "<image>", image_text: str = "<image>"
     tokenizer without a template, or `plain`: the samples were made with the plain format)."""
     own = getattr(tokenizer, "chat_template", None)
     if not plain and own != (TEMPLATE if templated else None):
-        raise ValueError("coverage_reference renders `TEMPLATE` (templated=True, on a tokenizer "
+        raise ValueError("coverage.reference renders `TEMPLATE` (templated=True, on a tokenizer "
                          "carrying it) or the plain format (on one without a chat template); "
                          f"this tokenizer's chat_template is {str(own)[:80]!r}")
     bos, eos = tokenizer.bos_token or "", tokenizer.eos_token or ""

@@ -3,9 +3,9 @@ EXAONE) and bidirectional blocks (Gemma 3's images, PaliGemma's prefix)."""
 
 from __future__ import annotations
 
-from ds_omni.model.recipes.common import (RECIPES, SIGLIP, config_for, demo_tokenizer,
-                                          lenient_processor, processor_class_for, tiny_text,
-                                          token_ids)
+from ds_omni.coverage.recipes.common import (RECIPES, SIGLIP, config_for, demo_tokenizer,
+                                             lenient_processor, processor_class_for, tiny_text,
+                                             token_ids)
 
 
 # -------------------------------------------------- recipes: sliding windows, bidirectional blocks

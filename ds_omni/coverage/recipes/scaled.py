@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ds_omni.model.recipes.classic import DEEPSTACK_VISION
-from ds_omni.model.recipes.common import (CLIP, RECIPES, config_for, demo_tokenizer,
-                                          lenient_processor, processor_class_for, tiny_text,
-                                          token_ids)
+from ds_omni.coverage.recipes.common import (CLIP, RECIPES, config_for, demo_tokenizer,
+                                             lenient_processor, processor_class_for, tiny_text,
+                                             token_ids)
+from ds_omni.coverage.recipes.patch_grids import DEEPSTACK_VISION
 
 
 # ---------------------------------- recipes: multipliers and soft-capping outside the modules

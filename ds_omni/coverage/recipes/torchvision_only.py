@@ -1,12 +1,12 @@
 """Recipes of the types whose HF processor needs torchvision (an image processor that exists only
 as a torchvision class, or a video processor the processor reads when it is built). Where this
 process has no torchvision the sweep checks them in its torchvision child
-(`ds_omni.model.coverage_child`), which finds them by their classes, not by this module."""
+(`ds_omni.coverage.torchvision_rows`), which finds them by their classes, not by this module."""
 
 from __future__ import annotations
 
-from ds_omni.model.recipes.common import (RECIPES, config_for, demo_tokenizer, lenient_processor,
-                                          processor_class_for, tiny_text, token_ids)
+from ds_omni.coverage.recipes.common import (RECIPES, config_for, demo_tokenizer, lenient_processor,
+                                             processor_class_for, tiny_text, token_ids)
 
 
 def _lfm2_vl():
@@ -42,7 +42,7 @@ def _minicpm_v(model_type: str):
     OCR's only a torchvision one; every processor reads its (torchvision) video processor's
     settings when it is built."""
     import transformers
-    from ds_omni.model.recipes.layers import GATED_DELTA
+    from ds_omni.coverage.recipes.layers import GATED_DELTA
     named = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
              "image_start_token": "<image>", "image_end_token": "</image>",
              "slice_start_token": "<slice>", "slice_end_token": "</slice>",
