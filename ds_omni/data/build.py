@@ -6,9 +6,10 @@ import logging
 
 from ds_omni.config import OmniConfig
 from ds_omni.data.cost import CostModel, ModelDims
-from ds_omni.data.loader import DataComm, OmniLoader
+from ds_omni.data.loader import OmniLoader
 from ds_omni.data.media import video_decoder
 from ds_omni.data.processing import SampleProcessor
+from ds_omni.data.rank_place import DataComm, LoaderComms, LongSplits, RankPlace
 from ds_omni.data.sources import Source
 from ds_omni.data.templates import training_template
 from ds_omni.errors import ConfigError
@@ -67,12 +68,14 @@ def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micr
     `step_comm`: other groups for the all-gathers of its steps (a prefetch thread runs them)."""
     sources = [Source(s, chunk_rows=cfg.data.chunk_rows) for s in cfg.data.sources]
     cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
-    return OmniLoader(sources, sample_processors(cfg, built), cost, cfg.data,
-                      global_batch_size=cfg.train.global_batch_size, num_micro=num_micro,
-                      dp_rank=dp_rank, dp_size=dp_size, comm=comm, sp_rank=sp_rank, sp_size=sp_size,
-                      max_sequence_sp=cfg.parallel.max_sequence_sp, step_comm=step_comm,
-                      long_items=long_items_of(cfg, built.model, max(sp_size,
-                                                                     cfg.parallel.max_sequence_sp)))
+    processors = sample_processors(cfg, built)
+    place = RankPlace(dp_rank=dp_rank, dp_size=dp_size, num_micro=num_micro, sp_rank=sp_rank,
+                      sp_size=sp_size)
+    splits = LongSplits(cfg.parallel.max_sequence_sp, long_items_of(
+        cfg, built.model, max(sp_size, cfg.parallel.max_sequence_sp)))
+    return OmniLoader(sources, processors, cost, cfg.data,
+                      global_batch_size=cfg.train.global_batch_size, place=place,
+                      comms=LoaderComms(comm, step_comm), splits=splits)
 
 
 def long_items_of(cfg: OmniConfig, model, group: int) -> LongItems | None:
