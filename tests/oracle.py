@@ -224,7 +224,7 @@ def check_targets(fetch, built, keys: list[str], samples: list) -> None:
     or `sample_targets`, which the code under test shares: decoded without special tokens and
     `END_OF_TURN`s (end-of-turn tokens are trained, and dropped here), spaces aside, they are that
     text; and no target is an encoder's placeholder token (special, so decoding would hide it)."""
-    from ds_omni.data.loader import key_locator
+    from ds_omni.data.sample_reader import key_locator
     from ds_omni.data.packing import sample_targets
     from ds_omni.model.omni import IGNORE_INDEX
     placeholders = {int(t) for enc in built.model.encoders.values() for t in enc.placeholder_ids}

@@ -6,13 +6,15 @@ import logging
 
 from ds_omni.config import OmniConfig
 from ds_omni.data.cost import CostModel, ModelDims
-from ds_omni.data.loader import DataComm, OmniLoader
+from ds_omni.data.loader import OmniLoader
 from ds_omni.data.media import video_decoder
 from ds_omni.data.processing import SampleProcessor
+from ds_omni.data.rank_place import DataComm, LoaderComms, LongSplits, RankPlace
 from ds_omni.data.sources import Source
 from ds_omni.data.templates import training_template
 from ds_omni.errors import ConfigError
 from ds_omni.parallel.long_short import LongItems
+from ds_omni.parallel.plan import reorder_group_size
 
 log = logging.getLogger(__name__)
 
@@ -63,21 +65,27 @@ def sample_processors(cfg: OmniConfig, built, sources=None) -> dict[str, SampleP
 def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micro: int,
                  comm: DataComm | None = None, sp_rank: int = 0, sp_size: int = 1,
                  step_comm: DataComm | None = None, cost: CostModel | None = None,
-                 long_items: LongItems | None = None) -> OmniLoader:
+                 long_items: LongItems | None = None,
+                 reorder_group: int | None = None) -> OmniLoader:
     """The loader of one data-parallel rank; under SP (sp_size > 1) it packs shard `sp_rank`.
     `step_comm`: other groups for the all-gathers of its steps (a prefetch thread runs them).
-    A run's composition root (`ds_omni.train.setup`) passes the cost model and long items it
-    built once; a loader built alone (a tool, a test) derives its own (None)."""
+    A run's composition root (`ds_omni.train.setup`) passes the cost model, the long items and
+    the plan's reorder group it built once; a loader built alone (a tool, a test) derives its own
+    (None)."""
     sources = [Source(s, chunk_rows=cfg.data.chunk_rows) for s in cfg.data.sources]
     if cost is None:
         cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
+    processors = sample_processors(cfg, built)
     if long_items is None:  # (where long-short SP is off this finds None again)
         long_items = long_items_of(cfg, built.model, max(sp_size, cfg.parallel.max_sequence_sp))
-    return OmniLoader(sources, sample_processors(cfg, built), cost, cfg.data,
-                      global_batch_size=cfg.train.global_batch_size, num_micro=num_micro,
-                      dp_rank=dp_rank, dp_size=dp_size, comm=comm, sp_rank=sp_rank, sp_size=sp_size,
-                      max_sequence_sp=cfg.parallel.max_sequence_sp, step_comm=step_comm,
-                      long_items=long_items)
+    if reorder_group is None:
+        reorder_group = reorder_group_size(cfg.data.reorder, dp_size)
+    place = RankPlace(dp_rank=dp_rank, dp_size=dp_size, num_micro=num_micro,
+                      reorder_group=reorder_group, sp_rank=sp_rank, sp_size=sp_size)
+    return OmniLoader(sources, processors, cost, cfg.data,
+                      global_batch_size=cfg.train.global_batch_size, place=place,
+                      comms=LoaderComms(comm, step_comm),
+                      splits=LongSplits(cfg.parallel.max_sequence_sp, long_items))
 
 
 def long_items_of(cfg: OmniConfig, model, group: int) -> LongItems | None:

@@ -53,7 +53,7 @@ def _inject(loader, fault: str):
     if fault == "read":
         source.parts = lambda *a, **k: [][0]
     elif fault == "fetch":
-        loader.rows = _Forgetful()
+        loader.reader.rows = _Forgetful()
         source.fetch = lambda loc: [][1]
     else:
         loader.processors[source.name] = _Broken(processor)
@@ -61,7 +61,7 @@ def _inject(loader, fault: str):
     def mend():
         source.__dict__.pop("parts", None)
         source.__dict__.pop("fetch", None)
-        loader.rows = {}
+        loader.reader.rows = {}
         loader.processors[source.name] = processor
     return mend
 

@@ -73,13 +73,13 @@ def _wrap(owner, name: str, before=None, after=None) -> None:
 
 def plant() -> None:
     from deepspeed.runtime.engine import DeepSpeedEngine
-    from ds_omni.data.loader import OmniLoader
+    from ds_omni.data.step_load import MicroBatchLoader
     from ds_omni.train import checkpoint, engine
 
     def training(_engine, batch, *_):
         _STEP[0] = batch.step
     _wrap(engine, "train_step", before=training)
-    _wrap(OmniLoader, "_pack", before=lambda loader, *_: _maybe_fire("loader", loader.step))
+    _wrap(MicroBatchLoader, "load", before=lambda _, mine, stats, step: _maybe_fire("loader", step))
     for point, name in (("forward", "forward"), ("backward", "backward"), ("optimizer", "step")):
         _wrap(DeepSpeedEngine, name, before=lambda *_, p=point: _maybe_fire(p, _STEP[0]))
     _wrap(checkpoint, "_digest_share",

@@ -10,6 +10,7 @@ from ds_omni.data.build import cost_model_for
 from ds_omni.data.loader import OmniLoader
 from ds_omni.data.media import square_image
 from ds_omni.data.problems import SampleError
+from ds_omni.data.rank_place import RankPlace
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.skipped import flush_skipped, skipped_totals
 from ds_omni.data.sources import Locator, Source
@@ -100,7 +101,7 @@ def _loader(built, sources, **kw):
                      reorder=ReorderConfig(mode="loader_order"), **kw)
     return OmniLoader([Source(s, cfg.chunk_rows) for s in cfg.sources],
                       {s.name: _proc(built) for s in cfg.sources}, cost_model_for(built, []), cfg,
-                      global_batch_size=4, num_micro=2, dp_rank=0, dp_size=1)
+                      global_batch_size=4, place=RankPlace(dp_rank=0, dp_size=1, num_micro=2, reorder_group=1))
 
 
 def test_all_bad_source_is_an_error_not_a_hang(tmp_path, built):

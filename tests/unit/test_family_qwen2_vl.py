@@ -350,6 +350,7 @@ def test_a_video_source_trains_through_the_loader(built, videos, tmp_path):
     from ds_omni.config import DataConfig, SchemaConfig, SourceConfig, VideoConfig
     from ds_omni.data.build import cost_model_for, sample_processors
     from ds_omni.data.loader import OmniLoader
+    from ds_omni.data.rank_place import LoaderComms, RankPlace
     from ds_omni.data.sources import Source
     from ds_omni.parallel.groups import TorchDataComm
     shutil.copy(videos["mp4"], tmp_path / "clip.mp4")
@@ -365,7 +366,8 @@ def test_a_video_source_trains_through_the_loader(built, videos, tmp_path):
         loader = OmniLoader([Source(s, data.chunk_rows) for s in data.sources],
                             sample_processors(SimpleNamespace(data=data), built),
                             cost_model_for(built, [], scales), data, global_batch_size=4,
-                            num_micro=2, dp_rank=0, dp_size=1, comm=TorchDataComm())
+                            place=RankPlace(dp_rank=0, dp_size=1, num_micro=2, reorder_group=1),
+                            comms=LoaderComms(TorchDataComm()))
         return loader.next_step()
     batch = step()
     video_id = built.hf_config.video_token_id

@@ -113,7 +113,7 @@ def test_budget_mode_without_blocks_still_refuses_overlong_sequences():
 
 def test_bad_plans_are_clear_errors_before_any_process_group():
     from ds_omni.config import OmniConfig, from_dict
-    from ds_omni.data.loader import check_per_sequence
+    from ds_omni.parallel.plan import check_per_sequence
     from ds_omni.errors import ConfigError
     from tests.fixtures import tiny_config_dict
 

@@ -12,10 +12,13 @@ import pytest
 
 from ds_omni.config import DataConfig, ReorderConfig, SchemaConfig, SourceConfig
 from ds_omni.data.build import cost_model_for
-from ds_omni.data.loader import OmniLoader, key_locator
+from ds_omni.data.loader import OmniLoader
 from ds_omni.data.prefetch import Prefetcher
 from ds_omni.data.processing import SampleProcessor
+from ds_omni.data.rank_place import LoaderComms, RankPlace
+from ds_omni.data.sample_reader import key_locator
 from ds_omni.data.sources import Source
+from ds_omni.parallel.plan import reorder_group_size
 from tests.data_files import conversation_rows, text_rows, write
 from tests.data_sim import on_ranks, thread_comms
 
@@ -57,8 +60,11 @@ def _loaders(built, cfg: DataConfig, dp: int, own_step_comms: bool = False):
              for s in cfg.sources}
     cost = cost_model_for(built, [])
     return [OmniLoader([Source(s, cfg.chunk_rows) for s in cfg.sources], procs, cost, cfg,
-                       global_batch_size=GLOBAL_BATCH, num_micro=GLOBAL_BATCH // (dp * MICRO) or 1,
-                       dp_rank=r, dp_size=dp, comm=comms[r], step_comm=step_comms[r])
+                       global_batch_size=GLOBAL_BATCH,
+                       place=RankPlace(dp_rank=r, dp_size=dp,
+                                       num_micro=GLOBAL_BATCH // (dp * MICRO) or 1,
+                                       reorder_group=reorder_group_size(cfg.reorder, dp)),
+                       comms=LoaderComms(comms[r], step_comms[r]))
             for r in range(dp)]
 
 
@@ -269,8 +275,9 @@ def _worker_loader(built, tmp, workers: int) -> OmniLoader:
                                      markers={"vision": "<image>"}, max_seq_len=128)
              for s in cfg.sources}
     return OmniLoader([Source(s, cfg.chunk_rows) for s in cfg.sources], procs,
-                      cost_model_for(built, []), cfg, global_batch_size=8, num_micro=2,
-                      dp_rank=0, dp_size=1)
+                      cost_model_for(built, []), cfg, global_batch_size=8,
+                      place=RankPlace(dp_rank=0, dp_size=1, num_micro=2,
+                                      reorder_group=1))
 
 
 def _logged(loader):
@@ -319,11 +326,11 @@ def test_a_numeric_encoder_sp_that_no_item_reaches_is_said_once(caplog):
     """Long-short SP with a threshold above every item's cost splits nothing: after QUIET_STEPS
     steps without a long item the loader says so, once; a step with one silences it for good."""
     import logging
-    from ds_omni.data import loader as loader_mod
+    from ds_omni.data import step_load as loader_mod
     from ds_omni.parallel.long_short import LongItems
 
     def fresh(threshold):
-        ld = loader_mod.OmniLoader.__new__(loader_mod.OmniLoader)
+        ld = loader_mod.MicroBatchLoader.__new__(loader_mod.MicroBatchLoader)
         ld.shard, ld.max_degree, ld._steps_without_long_items = object(), 1, 0
         ld.long_items = LongItems(threshold, {"vision": 4})
         return ld

@@ -6,6 +6,7 @@ from ds_omni.config import DataConfig, ReorderConfig, SchemaConfig, SourceConfig
 from ds_omni.data.build import cost_model_for
 from ds_omni.data.loader import OmniLoader
 from ds_omni.data.processing import SampleProcessor
+from ds_omni.data.rank_place import LoaderComms, RankPlace
 from ds_omni.data.sources import Source
 from ds_omni.parallel.groups import TorchDataComm
 from ds_omni.train.loop import _loop
@@ -32,7 +33,8 @@ def _loader(built, path, schema, exhausted, mode="fixed") -> OmniLoader:
                                   max_seq_len=128)}
     return OmniLoader([Source(s, cfg.chunk_rows) for s in cfg.sources], procs,
                       cost_model_for(built, []), cfg, global_batch_size=BATCH,
-                      num_micro=BATCH // MICRO, dp_rank=0, dp_size=1, comm=TorchDataComm())
+                      place=RankPlace(dp_rank=0, dp_size=1, num_micro=BATCH // MICRO, reorder_group=1),
+                      comms=LoaderComms(TorchDataComm()))
 
 
 def _train(out, engine, loader, start=0, **train):

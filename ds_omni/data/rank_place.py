@@ -1,0 +1,69 @@
+"""What one rank's loader is told about its place in the run: its ranks and micro-batches
+(`RankPlace`), the collectives it talks over (`DataComm`, `LoaderComms`), and how long work is
+split over ranks (`LongSplits`). Plain values, built once by `data.build.build_loader`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from ds_omni.parallel.long_short import LongItems
+
+
+class DataComm(Protocol):
+    """The collectives the loader needs (torch.distributed in training; threads in unit tests)."""
+
+    def group_all_gather(self, obj) -> list:
+        """`obj` of every rank of this rank's reorder group, in group-rank order."""
+
+    def world_all_gather(self, obj) -> list:
+        """`obj` of every data-parallel rank, in dp-rank order."""
+
+
+class LocalComm:
+    """One data-parallel rank alone."""
+
+    def group_all_gather(self, obj) -> list:
+        return [obj]
+
+    def world_all_gather(self, obj) -> list:
+        return [obj]
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where this rank's loader sits: the data-parallel rank whose samples it reads (the ranks of
+    one SP group read the same rows), its shard of each row under SP, and the micro-batches of a
+    step."""
+
+    dp_rank: int
+    dp_size: int
+    num_micro: int
+    reorder_group: int
+    """G: the data-parallel ranks whose loaders reorder together (`ParallelPlan.reorder_group`)."""
+    sp_rank: int = 0
+    sp_size: int = 1
+
+
+@dataclass
+class LoaderComms:
+    """The loader's collectives: `data` for its state (and its steps, by default); `step` for the
+    all-gathers of `next_step`, groups of their own when steps run on a prefetch thread."""
+
+    data: DataComm | None = None
+    step: DataComm | None = None
+
+    def __post_init__(self):
+        self.data = self.data or LocalComm()
+        self.step = self.step or self.data
+
+
+@dataclass(frozen=True)
+class LongSplits:
+    """How long work is split over ranks: a long sequence over a block of up to `max_sequence_sp`
+    ranks of the reorder group (per-sequence SP), a long encoder item over the SP group
+    (long-short SP; None: no item is split)."""
+
+    max_sequence_sp: int = 1
+    long_items: LongItems | None = None

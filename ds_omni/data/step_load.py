@@ -1,0 +1,172 @@
+"""The loader's third phase: load and pack this rank's micro-batches of a step.
+
+Each rank reads and preprocesses only the samples assigned to it (rows it read itself come from
+memory, others by locator from storage: no payload crosses ranks) and packs each micro-batch into
+one row, here or in `data.workers` processes. Every sample is accounted for: packed (its key
+reported by its owner), skipped by its source's policy, or this step's error.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+from ds_omni.data.cost import CostModel
+from ds_omni.data.packing import MicroBatch, SeqShard, empty_micro_batch
+from ds_omni.data.processing import SampleProcessor
+from ds_omni.data.rank_place import LongSplits, RankPlace
+from ds_omni.data.sample_reader import SampleReader, key_locator
+from ds_omni.data.workers import ItemCost, Packed, PackJob, Packer, SampleFailure, WorkerPool
+from ds_omni.errors import DataError
+
+QUIET_STEPS = 50  # steps without a long item before a numeric parallel.encoder_sp is questioned
+log = logging.getLogger(__name__)
+
+
+class MicroBatchLoader:
+    """Loads, processes and packs the samples a step assigned to this rank. `workers` > 0:
+    decoding, HF processing and packing run in that many `data.workers` processes."""
+
+    def __init__(self, reader: SampleReader, processors: dict[str, SampleProcessor],
+                 cost_model: CostModel, place: RankPlace, splits: LongSplits, workers: int):
+        self.reader, self.cost_model = reader, cost_model
+        self.dp_rank = place.dp_rank
+        self.item_processors = next(iter(processors.values())).item_processors
+        self.family = next(iter(processors.values())).family
+        # the ranks of one SP group read the same rows; each packs its own shard of them
+        self._item_cost = ItemCost(cost_model)
+        self.long_items = splits.long_items  # items a whole SP group encodes (long-short SP)
+        self.max_degree = splits.max_sequence_sp  # per-sequence SP: blocks of up to this many ranks
+        self._steps_without_long_items = 0
+        self.shard = (SeqShard(place.sp_rank, place.sp_size, self._item_cost, self.long_items)
+                      if place.sp_size > 1 else None)
+        # decoding, HF processing and packing: here, or in `data.workers` processes
+        self.packer = Packer(processors, self._item_cost, self.long_items)
+        self.pool = WorkerPool(self.packer, workers) if workers else None
+
+    def load(self, mine: list[list[str]], stats: dict, step: int
+             ) -> tuple[list[MicroBatch], list[str], list[str], float]:
+        """The micro-batches of `mine` (keys per micro-batch) after the step's per-sequence SP
+        rounds, the keys packed, the problems met and this rank's modelled cost."""
+        keys, problems = [], []
+        costs = stats.pop("costs", {})
+        rounds = stats.pop("rounds", [])
+        # per-sequence SP: the long sequences first, round by round; then the normal micro-batches
+        shard = self.shard and (self.shard.rank, self.shard.size)
+        todo = [self._long_job(entry) for entry in rounds] + [
+            self._job([(k, True) for k in mb_keys], shard) for mb_keys in mine]
+        micro = self._report(todo, self._pack([job for job, _, _ in todo], problems), keys,
+                             problems, step)
+        long_keys, long_cost = {e[0] for e in rounds if e}, 0.0
+        for entry, mb in zip(rounds, micro):
+            if mb.sp_block is not None:
+                long_cost += costs.get(entry[0], 0.0) / entry[2]  # this rank's share
+        stats["skipped"] = dict(self.reader.skipped)
+        # long-short SP: items this rank's groups encode together (rank 0's figure is logged)
+        stats["long_items"] = sum(len(v) for mb in micro if mb.reshard
+                                  for v in mb.reshard.split.values())
+        self._check_long_items(stats["long_items"])
+        # the model runs a dummy through each encoder a micro-batch has no inputs for
+        dummies = sum(self.cost_model.dummy_cost(mb.encoder_inputs) for mb in micro)
+        normal_cost = sum(costs.get(k, 0.0) for k in keys if k not in long_keys)
+        return micro, keys, problems, float(normal_cost + long_cost) + dummies
+
+    def filler(self) -> MicroBatch | None:
+        """Per-sequence SP: the zero-weight micro-batch a step's ranks are evened out with."""
+        return empty_micro_batch(self.family, self.item_processors) if self.max_degree > 1 else None
+
+    def _job(self, members: list[tuple[str, bool]], shard, shard_empty: bool = True,
+             sp_block: tuple[int, int] | None = None):
+        """(PackJob, its samples' (key, owner, row, problem reading it), the sp_block it gets
+        if a sample is packed) of one micro-batch."""
+        parts, samples = [], []
+        sources = self.reader.sources
+        for key, owner in members:
+            loc, row = key_locator(key), None
+            try:
+                row = self.reader.rows.pop(key, None)
+                if row is None:
+                    row = sources[loc.source].fetch(loc)
+                text, media, sid = sources[loc.source].parts(row, loc)
+            except Exception as e:
+                samples.append((key, owner, row, e if isinstance(e, DataError) else SampleFailure(
+                    f"{type(e).__name__}: {e}", traceback.format_exc())))
+                continue
+            parts.append((loc.source, text, media, sid))
+            samples.append((key, owner, row, None))
+        return PackJob(parts, shard, shard_empty), samples, sp_block
+
+    def _long_job(self, entry):
+        """This rank's shard of one long sequence (its block's Ulysses group splits it), or an
+        empty micro-batch for a round this rank sits out. Every block member loads the sample
+        (by locator) and packs the same row; only the first reports its key."""
+        if entry is None:
+            return PackJob([], None), [], None
+        key, rank_in_block, size, first_rank = entry
+        return self._job([(key, rank_in_block == 0)], (rank_in_block, size), shard_empty=False,
+                         sp_block=(first_rank, size))
+
+    def _pack(self, jobs: list[PackJob], problems: list) -> list[Packed]:
+        """The jobs made here or by the workers; a failed worker is this step's error (every rank
+        then stops with it), with empty micro-batches in place."""
+        if self.pool is None:
+            return [self.packer(job) for job in jobs]
+        try:
+            return self.pool.map(jobs)
+        except DataError as e:
+            problems.append(f"data-parallel rank {self.dp_rank}: {e}")
+            return [Packed(empty_micro_batch(self.family, self.item_processors, self.shard),
+                           [None] * len(job.parts)) for job in jobs]
+
+    def _report(self, todo, packed: list[Packed], keys: list, problems: list,
+                step: int) -> list[MicroBatch]:
+        """The micro-batches, with each sample reported in order: the key of a packed one (by its
+        owner), a bad one skipped by policy or its error put in `problems`. A long sequence's
+        micro-batch is marked (sp_block) when its sample was packed."""
+        micro = []
+        for (_, samples, sp_block), made in zip(todo, packed):
+            worker_problems = iter(made.problems)
+            packed_any = False
+            for key, owner, row, problem in samples:
+                problem = problem or next(worker_problems)
+                packed_any |= problem is None
+                self._account(key, owner, row, problem, keys, problems, step)
+            made.micro_batch.sp_block = sp_block if packed_any else None
+            micro.append(made.micro_batch)
+        return micro
+
+    def _account(self, key: str, owner: bool, row, problem, keys: list, problems: list,
+                 step: int) -> None:
+        if problem is None:
+            if owner:
+                keys.append(key)
+        elif isinstance(problem, SampleFailure):  # not a bad sample: a bug or a failing library
+            problems.append(self.reader.failure(problem, f"loading sample {key}"))
+        elif owner:
+            loc = key_locator(key)
+            source = self.reader.sources[loc.source]
+            error = source.explain(problem, row) if row is not None else problem
+            sample_id = source.sample_id(row, loc) if row is not None else key
+            try:
+                self.reader.bad(loc.source, sample_id, error, str(loc), step)
+            except DataError as stop:
+                problems.append(str(stop))
+
+    def _check_long_items(self, count: int) -> None:
+        """A numeric `parallel.encoder_sp` that no item has reached in QUIET_STEPS steps is said
+        once: most likely it is set far above the items' costs (so nothing is ever split)."""
+        if count:
+            self._steps_without_long_items = -1  # it works: never say it
+        elif self._steps_without_long_items >= 0 and (self.shard or self.max_degree > 1) and (
+                self.long_items is not None and self.long_items.threshold is not None):
+            self._steps_without_long_items += 1
+            if self._steps_without_long_items == QUIET_STEPS:
+                log.warning("parallel.encoder_sp=%g: no image or clip has cost more than that in %d "
+                            "steps, so every item was encoded whole; lower it, or use \"auto\"",
+                            self.long_items.threshold, QUIET_STEPS)
+
+    def close(self) -> None:
+        """Stop the data workers."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
