@@ -31,11 +31,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ds_omni.batch import MicroBatch
 from ds_omni.config import DataConfig
 from ds_omni.data import reorder
 from ds_omni.data.cost import CostModel
 from ds_omni.data.mixer import Mixer, MixSchedule
-from ds_omni.data.packing import MicroBatch, SeqShard, empty_micro_batch
+from ds_omni.data.packing import SeqShard, empty_micro_batch
 from ds_omni.data.problems import kind_of
 from ds_omni.data.processing import SampleProcessor, SampleSize
 from ds_omni.data.sources import Locator, Source

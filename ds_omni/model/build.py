@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
+from ds_omni.batch import ItemProcessor
 from ds_omni.config import ModelConfig
 from ds_omni.data import demo
 from ds_omni.errors import ModelError
-from ds_omni.model.family import Family, ItemProcessor, family_for
+from ds_omni.model.family import Family, family_for
 from ds_omni.model.omni import OmniModel
 
 

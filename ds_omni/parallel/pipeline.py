@@ -40,8 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ds_omni.batch import IGNORE_INDEX
 from ds_omni.errors import LaunchError, ModelError
-from ds_omni.model.omni import DEEPSTACK_ALONE, IGNORE_INDEX, OmniModel, summed_token_loss
+from ds_omni.model.omni import DEEPSTACK_ALONE, OmniModel, summed_token_loss
 from ds_omni.parallel.joint import EncoderShards, JointEncoding, plan_joint
 from ds_omni.parallel.stages import StagePlan, check_stages
 

@@ -5,11 +5,12 @@ cuts a token at a turn boundary, is an error naming the sample; exports carry th
 import pytest
 import torch
 
+from ds_omni.batch import EncodedItem, ItemProcessor
 from ds_omni.config import ConfigError
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.problems import SampleError
 from ds_omni.data.templates import PLAIN_HEADER, resolve_template
-from ds_omni.model.family import EncodedItem, Family, ItemProcessor
+from ds_omni.model.family import Family
 from tests.chat_templates import FAMILIES, QWEN2_VL_GENERATION, make_tokenizer
 
 SYSTEM = "Answer briefly."

@@ -319,7 +319,8 @@ def test_numbered_images_and_shared_tails_reach_the_sample():
     """`SampleProcessor` numbers a sample's images through `tokens_at` (MiniCPM-V's image ids)
     and writes the tail adjacent images share once, not after each (Idefics2's <fake>)."""
     from ds_omni.data.processing import SampleProcessor
-    from ds_omni.model.family import EncodedItem, Family, ItemProcessor
+    from ds_omni.batch import EncodedItem, ItemProcessor
+    from ds_omni.model.family import Family
 
     class Numbered(ItemProcessor):
         placeholder_id, shared_tail = 9, 1

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from ds_omni.batch import IGNORE_INDEX
 from ds_omni.data.packing import SeqShard, empty_micro_batch, pack
-from ds_omni.model.omni import IGNORE_INDEX
 from ds_omni.parallel.long_short import LongItems, is_long, split_rows
 from ds_omni.parallel.reshard import BALANCE_SLACK, ItemSlots, assign_items, bytes_moved, item_slots, plan_reshard
 

@@ -31,10 +31,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ds_omni.batch import EncodedItem, ItemProcessor
 from ds_omni.errors import DataError, ModelError
 from ds_omni.data.media import (VideoInfo, frame_indices, load_image, normalized_frames,
                                 read_frames, video_info)
-from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
+from ds_omni.model.family import Family, register
 from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
 from ds_omni.parallel import long_short
 from ds_omni.parallel.long_short import EncoderShard
