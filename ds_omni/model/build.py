@@ -17,7 +17,7 @@ from ds_omni.batch import ItemProcessor
 from ds_omni.config import ModelConfig
 from ds_omni.data import demo
 from ds_omni.errors import ModelError
-from ds_omni.model.family import Family, family_for
+from ds_omni.model.family import Family
 from ds_omni.model.omni import OmniModel
 
 
@@ -111,6 +111,7 @@ def _load_pretrained(family: Family, model_dir: Path, trust_remote_code: bool):
 
 def build_model(cfg: ModelConfig) -> BuiltModel:
     """Load or compose the model described by `cfg`, freeze what it names, cast to its dtype."""
+    from ds_omni.model.families import family_for  # imports every family adapter
     torch.manual_seed(cfg.seed)
     if cfg.pretrained:
         model_dir = Path(cfg.pretrained)
@@ -143,7 +144,7 @@ def build_model(cfg: ModelConfig) -> BuiltModel:
 def llm_text_config(cfg: ModelConfig):
     """(family, the LLM's HF config), read from config files alone, before any model is built."""
     from transformers import AutoConfig
-    import ds_omni.model.families  # noqa: F401  (registers the composed model type)
+    from ds_omni.model.families import family_for  # also registers the composed model type
     if cfg.pretrained:
         model_dir = Path(cfg.pretrained)
         family = family_for(read_model_type(model_dir))

@@ -51,7 +51,7 @@ def _llm_config(cfg: ModelConfig, tokenizer):
 
 def compose(cfg: ModelConfig, tokenizer):
     """(family, HF model) for the parts in `cfg`."""
-    from ds_omni.model.family import family_for
+    from ds_omni.model.families import family_for
     if cfg.vision is None and cfg.audio is None:
         raise ModelError("model: a composition needs an encoder (model.vision and/or model.audio)")
     text_config = _llm_config(cfg, tokenizer)

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 from ds_omni.errors import ModelError
-from ds_omni.model.family import family_for
 from ds_omni.model.omni import OmniModel
 from ds_omni.parallel.pipeline import is_pipeline_checkpoint, load_layer_files
 
@@ -186,6 +185,7 @@ def _latest(root: Path) -> str:
 def model_from_meta(meta_dir: str | Path):
     """(OmniModel, tokenizer) rebuilt from a checkpoint's model/ directory (random weights)."""
     from transformers import AutoConfig, AutoTokenizer
+    from ds_omni.model.families import family_for
     meta_dir = Path(meta_dir)
     config = AutoConfig.from_pretrained(str(meta_dir))
     family = family_for(config.model_type)

@@ -3,8 +3,8 @@
 A family says how to build or load its HF model, how to view it as an OmniModel (which modules are
 encoders, projectors and backbone), and how to turn one raw image or audio clip into encoder inputs
 plus the number of embeddings it yields (its `ItemProcessor`s: `ds_omni.batch`, the contract
-with data/). Adding a family is one small file in `families/` that
-subclasses `Family` and calls `register`.
+with data/). Adding a family is one small file in `families/` that subclasses `Family` and calls
+`families.registry.register`; `families.family_for` finds the one for a model type.
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ import torch
 
 from ds_omni.batch import EncodedItem, ItemProcessor
 from ds_omni.errors import ModelError
-
-_FAMILIES: dict[str, "Family"] = {}
-
 
 class Family:
     """Base adapter. Subclasses set `name`, `model_types`, `hf_class` and implement the hooks."""
@@ -88,39 +85,3 @@ class Family:
     def save_processor(self, out_dir: Path, hf_config, tokenizer, model_dir: Path | None) -> None:
         """Write the HF processor next to an exported model so users can `generate`."""
         tokenizer.save_pretrained(str(out_dir))
-
-
-def register(family: Family) -> Family:
-    _FAMILIES[family.name] = family
-    return family
-
-
-def family_for(model_type: str) -> Family:
-    """The family adapter that handles HF `model_type`."""
-    _load_builtin_families()
-    for family in _FAMILIES.values():
-        if model_type in family.model_types:
-            return family
-    from ds_omni.model.families import generic, hf_processor
-    if hf_processor.hf_class_of(model_type) is not None:  # any image-text-to-text model
-        return generic.generic_family(model_type)  # a fresh one: it keeps its model's config
-    raise ModelError(
-        f"unknown model family: model_type {model_type!r} has no ds_omni adapter; supported "
-        f"families: {', '.join(_describe(f) for f in _FAMILIES.values())}, plus every model type "
-        "of transformers' image-text-to-text mapping through the generic adapter (`ds-omni "
-        "families` lists which are exact). To train a model of "
-        "another family, compose one from parts instead: model.llm (any causal LM, e.g. the "
-        "folder of its language model) plus model.vision (a CLIP or SigLIP tower) and/or "
-        "model.audio (a Whisper encoder), see the README's Models section; or add an adapter, "
-        "one file in ds_omni/model/families/")
-
-
-def _describe(family: Family) -> str:
-    """The family's name as the README gives it, with the model types it loads where they differ."""
-    if family.model_types == (family.name,):
-        return family.name
-    return f"{family.name} (model_type {' or '.join(map(repr, family.model_types))})"
-
-
-def _load_builtin_families() -> None:
-    import ds_omni.model.families  # noqa: F401  (each module registers itself)

@@ -17,8 +17,7 @@ import torch
 
 from ds_omni.errors import ModelError
 from ds_omni.model import coverage, coverage_child
-from ds_omni.model.families import generic, hf_processor
-from ds_omni.model.family import family_for
+from ds_omni.model.families import family_for, generic, hf_processor
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 MUST_PASS = ("qwen2_vl", "qwen2_5_vl", "internvl", "llava_onevision", "idefics3", "smolvlm",

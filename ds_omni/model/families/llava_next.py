@@ -24,7 +24,8 @@ from ds_omni.model.families.llava import (LlavaVisionEncoder, num_additional_ima
                                           saved_image_processor, select_features,
                                           tower_normalization, tower_seq_len)
 from ds_omni.data.media import load_image
-from ds_omni.model.family import Family, register
+from ds_omni.model.families.registry import register
+from ds_omni.model.family import Family
 from ds_omni.model.omni import OmniModel, backbone_of
 
 

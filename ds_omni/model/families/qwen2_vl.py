@@ -35,7 +35,8 @@ from ds_omni.batch import EncodedItem, ItemProcessor
 from ds_omni.errors import DataError, ModelError
 from ds_omni.data.media import (VideoInfo, frame_indices, load_image, normalized_frames,
                                 read_frames, video_info)
-from ds_omni.model.family import Family, register
+from ds_omni.model.families.registry import register
+from ds_omni.model.family import Family
 from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
 from ds_omni.parallel import long_short
 from ds_omni.parallel.long_short import EncoderShard
