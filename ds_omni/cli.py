@@ -210,7 +210,7 @@ def _leaf_lines(obj, level: int = 0) -> str:
 
 def cmd_calibrate_cost(args) -> None:
     from ds_omni.config import load_config
-    from ds_omni.data.calibrate import profile, write
+    from ds_omni.train.calibrate import profile, write
     result = profile(load_config(args.config, args.set), args.batches)
     print(json.dumps(result, indent=1))
     print(f"wrote {write(result, args.out)}; put its cost_scales in data.reorder.cost_scales")
