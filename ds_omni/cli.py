@@ -137,11 +137,12 @@ def cmd_supervise(args) -> int:
 def cmd_convert(args) -> None:
     from ds_omni.data.templates import carry_template, training_template
     from ds_omni.model import convert
+    from ds_omni.model.build import load
     if args.checkpoint:
         out = convert.export_checkpoint(args.checkpoint, args.out, args.tag)
         print(f"wrote HuggingFace model to {out}")
         return
-    built = convert.load(args.hf or args.omni)
+    built = load(args.hf or args.omni)
     # a tokenizer without a template trains on "plain" (data.template "auto"): say so in the export
     carry_template(built.tokenizer, training_template("auto", built))
     if args.hf:

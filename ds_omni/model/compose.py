@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ds_omni.config import ModelConfig, PartConfig
 from ds_omni.errors import ModelError
-from ds_omni.model.build import check_vocab_fits, read_model_type
+from ds_omni.model.hf_dir import check_vocab_fits, read_model_type
 
 
 def part_config(part: PartConfig, what: str, trust_remote_code: bool = False):

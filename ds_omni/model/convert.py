@@ -1,7 +1,6 @@
-"""Conversion between HF model directories, OmniModels and DeepSpeed checkpoints.
+"""Conversion between HF model directories, OmniModels and DeepSpeed checkpoints (loading an HF or
+an OmniModel directory for use is `build.load`, the same path as `model.pretrained`).
 
-- `load`: an HF MLLM directory (or an OmniModel directory) -> an OmniModel with its tokenizer and
-  item processors (the same path as `model.pretrained` in a training config).
 - `save_omni`: an OmniModel -> an OmniModel directory: weights in family-neutral keys
   (`encoders.vision.tower...`, `backbone.layers.3...`) plus the HF config, tokenizer and processor.
 - `export_hf`: an OmniModel (optionally with a state dict in OmniModel keys) -> an HF directory
@@ -28,13 +27,6 @@ from ds_omni.parallel.pipeline import is_pipeline_checkpoint, load_layer_files
 OMNI_WEIGHTS = "omni.safetensors"
 OMNI_MARKER = "ds_omni.json"
 OMNI_FORMAT_VERSION = 1
-
-
-def load(model_dir: str | Path, **model_cfg):
-    """An HF MLLM directory or an OmniModel directory -> `BuiltModel` (model, tokenizer, ...)."""
-    from ds_omni.config import ModelConfig
-    from ds_omni.model.build import build_model
-    return build_model(ModelConfig(pretrained=str(model_dir), **model_cfg))
 
 
 def is_omni_dir(model_dir: str | Path) -> bool:
