@@ -7,7 +7,7 @@ an OmniModel directory for use is `build.load`, the same path as `model.pretrain
   that `from_pretrained` loads, with tokenizer and processor.
 - `consolidate_checkpoint`: a DeepSpeed checkpoint of any ZeRO stage -> one fp32 state dict in
   OmniModel keys (ZeRO-3 partitions and ZeRO-1/2 optimizer shards merged by DeepSpeed's own
-  `zero_to_fp32`; a pipeline checkpoint's per-layer files read through the pipeline's layers).
+  `zero_to_fp32`; a pipeline checkpoint's per-layer files read by `layer_files`).
 - `export_checkpoint`: the two together: one command from a training run to an HF model.
 """
 
@@ -20,13 +20,16 @@ from pathlib import Path
 import torch
 
 from ds_omni.errors import ModelError
+from ds_omni.model.layer_files import is_pipeline_checkpoint, load_layer_files
 from ds_omni.model.omni import OmniModel
-from ds_omni.parallel.pipeline import is_pipeline_checkpoint, load_layer_files
 
 
 OMNI_WEIGHTS = "omni.safetensors"
 OMNI_MARKER = "ds_omni.json"
 OMNI_FORMAT_VERSION = 1
+MODEL_META_DIR = "model"
+"""A checkpoint's directory (beside its tags) holding the HF config, tokenizer and processor that
+`model_from_meta` rebuilds the model from (`train.checkpoint.save_model_meta` writes it)."""
 
 
 def is_omni_dir(model_dir: str | Path) -> bool:
@@ -152,7 +155,6 @@ def consolidate_checkpoint(ckpt_root: str | Path, tag: str | None = None,
     if not files:
         raise ModelError(f"{str(root / tag)!r} holds no DeepSpeed model states")
     if is_pipeline_checkpoint(root / tag):
-        from ds_omni.train.checkpoint import MODEL_META_DIR
         model = model if model is not None else model_from_meta(root / MODEL_META_DIR)[0]
         load_layer_files(model, root / tag)
         state = model.state_dict()
@@ -190,7 +192,6 @@ def model_from_meta(meta_dir: str | Path):
 
 def export_checkpoint(ckpt_root: str | Path, out_dir: str | Path, tag: str | None = None) -> Path:
     """A DeepSpeed checkpoint (any ZeRO stage) -> an HF directory."""
-    from ds_omni.train.checkpoint import MODEL_META_DIR
     root = Path(ckpt_root)
     meta = root / MODEL_META_DIR
     if not (meta / "config.json").is_file():

@@ -201,8 +201,8 @@ def test_plain_export_reproduces_the_training_prompt(tmp_path):
     from ds_omni.data.demo import shapes_rows
     from ds_omni.data.templates import carry_template, training_template
     from ds_omni.model.build import build_model
-    from ds_omni.model.convert import export_hf, model_from_meta
-    from ds_omni.train.checkpoint import MODEL_META_DIR, save_model_meta
+    from ds_omni.model.convert import MODEL_META_DIR, export_hf, model_from_meta
+    from ds_omni.train.checkpoint import save_model_meta
     from tests.fixtures import tiny_config
     built = build_model(tiny_config(str(tmp_path)).model)
     template = training_template("auto", built)
