@@ -39,6 +39,8 @@ class EncodedItem:
 
     def cost_seqs(self) -> list[int]:
         return self.encoder_seqs or [self.num_embeddings]
+
+
 class ItemProcessor:
     """Raw item (PIL image, audio array, video) -> `EncodedItem`; a list of them -> encoder inputs.
 
@@ -99,7 +101,6 @@ def placeholder_ids(processors: dict[str, ItemProcessor], encoder: str) -> tuple
                          for i in (p.placeholder_id, *p.more_placeholder_ids)}))
 
 
-
 class SampleFamily(Protocol):
     """What turning rows into samples needs of a model family (`ds_omni.model.family.Family`
     is one): its name for messages, the positions of a sample's tokens, and the spans of it that
@@ -110,12 +111,10 @@ class SampleFamily(Protocol):
     def position_ids(self, input_ids: torch.Tensor,
                      items: list[tuple[str, EncodedItem]]) -> torch.Tensor:
         """Positions of one sample's tokens [L] (or [3, L] for M-RoPE)."""
-        ...
 
     def attention_blocks(self, input_ids: torch.Tensor,
                          loss_mask: torch.Tensor) -> list[tuple[int, int]]:
         """Spans (start, end) of one sample attended both ways on top of causal attention."""
-        ...
 
 
 @dataclass
