@@ -42,7 +42,7 @@ def round_items(world: int, rank: int, sp: int = 1) -> list:
     """This rank's items of a round (`EncodedItem`s): the first group's row has them all."""
     import torch
     from benchmarks.long_short_sp import VISION
-    from ds_omni.model.family import EncodedItem
+    from ds_omni.batch import EncodedItem
     if rank >= sp:
         return []
     patch_dim = 3 * VISION["temporal_patch_size"] * VISION["patch_size"] ** 2
@@ -97,7 +97,7 @@ def encode_pooled(encoder, items, rank: int, world: int, sp: int) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
-    from ds_omni.model.family import EncodedItem
+    from ds_omni.batch import EncodedItem
     from ds_omni.parallel.encoder_pool import exchange_inputs, item_meta, plan_round
     from ds_omni.parallel.reshard import ReshardEmbeddings
     row = home_row(items, rank, sp)

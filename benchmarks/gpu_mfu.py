@@ -192,7 +192,7 @@ def omni_batches(step: list[list[Doc]], spec: ModelSpec):
     """ds_omni: one packed MicroBatch per row, through ds_omni's packing."""
     from ds_omni.data.packing import pack
     from ds_omni.data.processing import Sample
-    from ds_omni.model.family import EncodedItem, ItemProcessor
+    from ds_omni.batch import EncodedItem, ItemProcessor
 
     def sample(name: str, d: Doc) -> Sample:
         items = [] if d.pixels is None else [("vision", EncodedItem(

@@ -154,11 +154,12 @@ def cmd_supervise(args) -> int:
 def cmd_convert(args) -> None:
     from ds_omni.data.templates import carry_template, training_template
     from ds_omni.model import convert
+    from ds_omni.model.build import load
     if args.checkpoint:
         out = convert.export_checkpoint(args.checkpoint, args.out, args.tag)
         print(f"wrote HuggingFace model to {out}")
         return
-    built = convert.load(args.hf or args.omni)
+    built = load(args.hf or args.omni)
     # a tokenizer without a template trains on "plain" (data.template "auto"): say so in the export
     carry_template(built.tokenizer, training_template("auto", built))
     if args.hf:
@@ -199,7 +200,7 @@ def _leaf_lines(obj, level: int = 0) -> str:
 
 def cmd_calibrate_cost(args) -> None:
     from ds_omni.config import load_config
-    from ds_omni.data.calibrate import profile, write
+    from ds_omni.train.calibrate import profile, write
     result = profile(load_config(args.config, args.set), args.batches)
     print(json.dumps(result, indent=1))
     print(f"wrote {write(result, args.out)}; put its cost_scales in data.reorder.cost_scales")

@@ -18,9 +18,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ds_omni.batch import MicroBatch
 from ds_omni.config import ModelConfig
 from ds_omni.coverage import reference as oracle
-from ds_omni.data.packing import MicroBatch, pack
+from ds_omni.data.packing import pack
 from ds_omni.data.processing import Sample, SampleProcessor
 from ds_omni.model.build import BuiltModel, build_model
 

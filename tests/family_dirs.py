@@ -65,7 +65,7 @@ def make_generic_dir(out: Path, model_type: str) -> Path:
     """A tiny random model of any family the coverage sweep has a recipe for, saved with its
     processor (loaded by the generic adapter)."""
     from ds_omni.coverage.sweep import RECIPES, save_processor_parts
-    from ds_omni.model.family import family_for
+    from ds_omni.model.families import family_for
     config, processor = RECIPES[model_type]()
     torch.manual_seed(0)
     family_for(model_type).build_hf(config).save_pretrained(str(out), safe_serialization=True)

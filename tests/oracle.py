@@ -226,7 +226,7 @@ def check_targets(fetch, built, keys: list[str], samples: list) -> None:
     text; and no target is an encoder's placeholder token (special, so decoding would hide it)."""
     from ds_omni.data.sample_reader import key_locator
     from ds_omni.data.packing import sample_targets
-    from ds_omni.model.omni import IGNORE_INDEX
+    from ds_omni.batch import IGNORE_INDEX
     placeholders = {int(t) for enc in built.model.encoders.values() for t in enc.placeholder_ids}
     for key, sample in zip(keys, samples):
         loc = key_locator(key)

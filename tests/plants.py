@@ -76,7 +76,7 @@ def _loss_x2(rank: int):
        "targets", "dp")
 def _drop_sample(rank: int):
     from ds_omni.data.loader import OmniLoader
-    from ds_omni.model.omni import IGNORE_INDEX
+    from ds_omni.batch import IGNORE_INDEX
 
     def make(next_step):
         def planted(loader):

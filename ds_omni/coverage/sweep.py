@@ -74,7 +74,7 @@ def check_family(model_type: str, recipe: Callable, work: Path) -> Result:
     from ds_omni.coverage.reference import TEMPLATE
     processor.tokenizer.chat_template = TEMPLATE  # ds_omni renders it as a model's template
     family_dir = work / model_type
-    from ds_omni.model.family import family_for
+    from ds_omni.model.families import family_for
     hf_model = family_for(model_type).build_hf(config).eval()
     unzero_matrices(hf_model)
     hf_model.save_pretrained(str(family_dir), safe_serialization=True)

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ds_omni.batch import MicroBatch
 from ds_omni.config import DataConfig
 from ds_omni.data.cost import CostModel
 from ds_omni.data.loader_state import LoaderState
 from ds_omni.data.mixer import Mixer, MixSchedule
-from ds_omni.data.packing import MicroBatch
+from ds_omni.batch import MicroBatch
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.rank_place import LoaderComms, LongSplits, RankPlace
 from ds_omni.data.sample_reader import SampleReader, key_locator

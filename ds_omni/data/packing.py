@@ -1,4 +1,5 @@
-"""Samples -> one packed micro-batch row, so no sample attends to another.
+"""Samples -> one packed micro-batch row (`ds_omni.batch.MicroBatch`), so no sample attends to
+another.
 
 Positions restart at each sample, `cu_seqlens` marks sample boundaries for the attention kernel,
 and targets are shifted inside each sample (the last token of a sample predicts nothing).
@@ -15,19 +16,16 @@ n samples.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from ds_omni.batch import (IGNORE_INDEX, EncodedItem, ItemProcessor, MicroBatch, SampleFamily,
+                           placeholder_ids)
 from ds_omni.data.processing import Sample
-from ds_omni.model.family import EncodedItem, ItemProcessor, placeholder_ids
-from ds_omni.model.omni import IGNORE_INDEX
 from ds_omni.parallel.long_short import LongItems
-from ds_omni.parallel.reshard import RankReshard, item_slots, plan_reshard
-
-if TYPE_CHECKING:
-    import numpy as np
+from ds_omni.parallel.reshard import item_slots, plan_reshard
 
 
 @dataclass(frozen=True)
@@ -38,90 +36,6 @@ class SeqShard:
     size: int
     item_cost: Callable[[str, EncodedItem], float]
     long_items: LongItems | None = None  # which items the whole group encodes (None: none)
-
-
-@dataclass
-class MicroBatch:
-    """One packed row: what `OmniModel.forward` consumes."""
-
-    input_ids: torch.Tensor  # [1, T]
-    targets: torch.Tensor  # [1, T] next token, or IGNORE_INDEX
-    position_ids: torch.Tensor  # [1, T] or [3, 1, T]
-    cu_seqlens: torch.Tensor  # [n + 1] int32
-    max_seqlen: int
-    encoder_inputs: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    sample_ids: list[str] = field(default_factory=list)
-    reshard: RankReshard | None = None  # under SP: what this rank encodes, sends and receives
-    pad_tokens: int = 0  # padding tokens in this row (or shard)
-    sp_block: tuple[int, int] | None = None
-    """Per-sequence SP: (first rank, size) of the block of ranks that splits this row, whose
-    Ulysses group the model uses for it; None: the static plan's (no SP, or parallel.sp)."""
-    host: "MicroBatch | None" = field(default=None, repr=False)  # the CPU batch `to` moved
-    split_inputs: dict[str, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
-    """Under SP: encoder -> inputs of each long item of the row (`reshard.split`), one by one; every
-    rank of the group has them all and encodes its piece of each."""
-    encode_calls: dict[str, int] | None = None
-    """ZeRO-3: how many times each encoder runs on this micro-batch, the same on every rank
-    (`train_step` sets it; the model tops up with zero-weight dummy runs). None: no top-up."""
-    blocks: torch.Tensor | None = None
-    """[m, 2] (start, end) spans of the whole row whose tokens attend to each other both ways
-    (Gemma 3's images); host tensor, the same on every rank of an SP group. None: causal."""
-    items: dict[str, list[EncodedItem]] = field(default_factory=dict, repr=False)
-    """The row's encoder items (host tensors), by encoder, in placeholder order: what a rank that
-    encodes only some of them (the joint pipeline's uniform placement, the encoder pool) collates
-    from; under SP the whole row's items."""
-    row_positions: dict[tuple[str, int], "np.ndarray"] | None = None
-    """Under SP: (encoder, index) -> the item's placeholder positions in the whole padded row
-    (`reshard.item_slots`), for the encoder pool; None: the row is `input_ids` itself."""
-    pooled: bool = False
-    """`parallel.encoder_pool`: `encoder_inputs` are the items the pool gave this rank (any
-    rank's), and `reshard` brings this row's rows home over the model's pool group."""
-
-    @property
-    def num_tokens(self) -> int:
-        """Real tokens (padding excluded)."""
-        return int(self.input_ids.shape[1]) - self.pad_tokens
-
-    @property
-    def num_targets(self) -> int:
-        return int(((self.host or self).targets != IGNORE_INDEX).sum())
-
-    def positions_of(self, token_ids: int | tuple[int, ...]) -> torch.Tensor:
-        """[n] indices into the row where `input_ids` is one of `token_ids`, ascending, on this
-        batch's device.
-
-        Found on the host copy, so a batch on a GPU needs no device-to-host sync (a boolean mask
-        on the device would: its count decides the shapes that follow).
-        """
-        ids = (self.host or self).input_ids[0]
-        return self._host_positions(torch.isin(ids, torch.tensor(token_ids).reshape(-1)))
-
-    def target_positions(self) -> torch.Tensor:
-        """[n] indices of the positions that carry a target, on this batch's device (no sync)."""
-        return self._host_positions((self.host or self).targets[0] != IGNORE_INDEX)
-
-    def _host_positions(self, mask: torch.Tensor) -> torch.Tensor:
-        return mask.nonzero().squeeze(1).to(self.input_ids.device, non_blocking=True)
-
-    def to(self, device) -> "MicroBatch":
-        return self._map(lambda t: t.to(device, non_blocking=True))
-
-    def pin_memory(self) -> "MicroBatch":
-        """The same on page-locked host memory (CUDA only), so `to` copies asynchronously."""
-        return self._map(torch.Tensor.pin_memory)
-
-    def _map(self, move) -> "MicroBatch":
-        return MicroBatch(
-            input_ids=move(self.input_ids), targets=move(self.targets),
-            position_ids=move(self.position_ids), cu_seqlens=self.cu_seqlens,  # stays on CPU
-            max_seqlen=self.max_seqlen, sample_ids=self.sample_ids, reshard=self.reshard,
-            pad_tokens=self.pad_tokens, sp_block=self.sp_block, host=self.host or self,
-            items=self.items, blocks=self.blocks,
-            encoder_inputs={e: {k: move(v) for k, v in d.items()}
-                            for e, d in self.encoder_inputs.items()},
-            split_inputs={e: [{k: move(v) for k, v in d.items()} for d in items]
-                          for e, items in self.split_inputs.items()},
-            encode_calls=self.encode_calls, row_positions=self.row_positions, pooled=self.pooled)
 
 
 def sample_targets(sample: Sample) -> torch.Tensor:
@@ -220,7 +134,7 @@ def _pad_id(processors: dict[str, ItemProcessor]) -> int:
     return min(set(range(len(taken) + 1)) - taken)
 
 
-def empty_micro_batch(family, processors: dict[str, ItemProcessor] | None = None,
+def empty_micro_batch(family: SampleFamily, processors: dict[str, ItemProcessor] | None = None,
                       shard: SeqShard | None = None) -> MicroBatch:
     """A one-token micro-batch with nothing to predict, for a rank with no sample left in it.
 

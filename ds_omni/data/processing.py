@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
+from ds_omni.batch import EncodedItem, ItemProcessor, SampleFamily, feeds
 from ds_omni.data.media import square_image
 from ds_omni.data.problems import SampleError
 from ds_omni.data.templates import (ChatTemplate, first_difference, render,
                                     resolve_template, to_messages)
 from ds_omni.errors import DataError
-from ds_omni.model.family import EncodedItem, Family, ItemProcessor, feeds
 
 ROLE_PREFIX = {"user": "USER: ", "assistant": "ASSISTANT: ", "system": ""}
 _KIND_NAMES = {"vision": "images", "audio": "audio clips", "video": "videos"}
@@ -48,7 +48,7 @@ class Sample:
     position_ids: torch.Tensor  # [L] or [3, L]
     # (encoder, item) in text order; the encoder its processor feeds (a video's may be "vision")
     items: list[tuple[str, EncodedItem]] = field(default_factory=list)
-    # (start, end) spans attended both ways (`Family.attention_blocks`); empty: causal
+    # (start, end) spans attended both ways (`SampleFamily.attention_blocks`); empty: causal
     blocks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
@@ -81,7 +81,7 @@ class SampleProcessor:
     or "plain" for a tokenizer without one (`templates.resolve_template("auto", ...)`).
     """
 
-    def __init__(self, *, tokenizer, family: Family, item_processors: dict[str, ItemProcessor],
+    def __init__(self, *, tokenizer, family: SampleFamily, item_processors: dict[str, ItemProcessor],
                  markers: dict[str, str], max_seq_len: int, overlong: str = "error",
                  conversation_strings: str = "parse", image_aspect: str = "crop",
                  template: ChatTemplate | None = None):

@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import traceback
 
+from ds_omni.batch import MicroBatch
 from ds_omni.data.cost import CostModel
-from ds_omni.data.packing import MicroBatch, SeqShard, empty_micro_batch
+from ds_omni.data.packing import SeqShard, empty_micro_batch
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.rank_place import LongSplits, RankPlace
 from ds_omni.data.sample_reader import SampleReader, key_locator

@@ -35,6 +35,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ds_omni.batch import EncodedItem
 from ds_omni.config import check_template_spec
 from ds_omni.data.problems import SampleError
 from ds_omni.errors import ConfigError
@@ -156,7 +157,6 @@ def media_texts(item_processors: dict, tokenizer) -> dict[str, str]:
     """Per modality, the text one item stands as in the model's prompts (its processor expands it):
     the family's item tokens for a one-embedding item, decoded ("<image>" for LLaVA,
     "<|vision_start|><|image_pad|><|vision_end|>" for Qwen2-VL)."""
-    from ds_omni.model.family import EncodedItem
     out = {}
     for proc in item_processors.values():
         try:

@@ -36,8 +36,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ds_omni.batch import MicroBatch
 from ds_omni.data.cost import CostModel
-from ds_omni.data.packing import MicroBatch, SeqShard, empty_micro_batch, pack
+from ds_omni.data.packing import SeqShard, empty_micro_batch, pack
 from ds_omni.data.processing import Sample, SampleProcessor
 from ds_omni.errors import DataError
 from ds_omni.parallel.long_short import LongItems

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ds_omni.config import ModelConfig, PartConfig
 from ds_omni.errors import ModelError
-from ds_omni.model.build import check_vocab_fits, read_model_type
+from ds_omni.model.hf_dir import check_vocab_fits, read_model_type
 
 
 def part_config(part: PartConfig, what: str, trust_remote_code: bool = False):
@@ -51,7 +51,7 @@ def _llm_config(cfg: ModelConfig, tokenizer):
 
 def compose(cfg: ModelConfig, tokenizer):
     """(family, HF model) for the parts in `cfg`."""
-    from ds_omni.model.family import family_for
+    from ds_omni.model.families import family_for
     if cfg.vision is None and cfg.audio is None:
         raise ModelError("model: a composition needs an encoder (model.vision and/or model.audio)")
     text_config = _llm_config(cfg, tokenizer)

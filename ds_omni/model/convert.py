@@ -1,14 +1,13 @@
-"""Conversion between HF model directories, OmniModels and DeepSpeed checkpoints.
+"""Conversion between HF model directories, OmniModels and DeepSpeed checkpoints (loading an HF or
+an OmniModel directory for use is `build.load`, the same path as `model.pretrained`).
 
-- `load`: an HF MLLM directory (or an OmniModel directory) -> an OmniModel with its tokenizer and
-  item processors (the same path as `model.pretrained` in a training config).
 - `save_omni`: an OmniModel -> an OmniModel directory: weights in family-neutral keys
   (`encoders.vision.tower...`, `backbone.layers.3...`) plus the HF config, tokenizer and processor.
 - `export_hf`: an OmniModel (optionally with a state dict in OmniModel keys) -> an HF directory
   that `from_pretrained` loads, with tokenizer and processor.
 - `consolidate_checkpoint`: a DeepSpeed checkpoint of any ZeRO stage -> one fp32 state dict in
   OmniModel keys (ZeRO-3 partitions and ZeRO-1/2 optimizer shards merged by DeepSpeed's own
-  `zero_to_fp32`; a pipeline checkpoint's per-layer files read through the pipeline's layers).
+  `zero_to_fp32`; a pipeline checkpoint's per-layer files read by `layer_files`).
 - `export_checkpoint`: the two together: one command from a training run to an HF model.
 """
 
@@ -21,21 +20,16 @@ from pathlib import Path
 import torch
 
 from ds_omni.errors import ModelError
-from ds_omni.model.family import family_for
+from ds_omni.model.layer_files import is_pipeline_checkpoint, load_layer_files
 from ds_omni.model.omni import OmniModel
-from ds_omni.parallel.pipeline import is_pipeline_checkpoint, load_layer_files
 
 
 OMNI_WEIGHTS = "omni.safetensors"
 OMNI_MARKER = "ds_omni.json"
 OMNI_FORMAT_VERSION = 1
-
-
-def load(model_dir: str | Path, **model_cfg):
-    """An HF MLLM directory or an OmniModel directory -> `BuiltModel` (model, tokenizer, ...)."""
-    from ds_omni.config import ModelConfig
-    from ds_omni.model.build import build_model
-    return build_model(ModelConfig(pretrained=str(model_dir), **model_cfg))
+MODEL_META_DIR = "model"
+"""A checkpoint's directory (beside its tags) holding the HF config, tokenizer and processor that
+`model_from_meta` rebuilds the model from (`train.checkpoint.save_model_meta` writes it)."""
 
 
 def is_omni_dir(model_dir: str | Path) -> bool:
@@ -161,7 +155,6 @@ def consolidate_checkpoint(ckpt_root: str | Path, tag: str | None = None,
     if not files:
         raise ModelError(f"{str(root / tag)!r} holds no DeepSpeed model states")
     if is_pipeline_checkpoint(root / tag):
-        from ds_omni.train.checkpoint import MODEL_META_DIR
         model = model if model is not None else model_from_meta(root / MODEL_META_DIR)[0]
         load_layer_files(model, root / tag)
         state = model.state_dict()
@@ -186,6 +179,7 @@ def _latest(root: Path) -> str:
 def model_from_meta(meta_dir: str | Path):
     """(OmniModel, tokenizer) rebuilt from a checkpoint's model/ directory (random weights)."""
     from transformers import AutoConfig, AutoTokenizer
+    from ds_omni.model.families import family_for
     meta_dir = Path(meta_dir)
     config = AutoConfig.from_pretrained(str(meta_dir))
     family = family_for(config.model_type)
@@ -198,7 +192,6 @@ def model_from_meta(meta_dir: str | Path):
 
 def export_checkpoint(ckpt_root: str | Path, out_dir: str | Path, tag: str | None = None) -> Path:
     """A DeepSpeed checkpoint (any ZeRO stage) -> an HF directory."""
-    from ds_omni.train.checkpoint import MODEL_META_DIR
     root = Path(ckpt_root)
     meta = root / MODEL_META_DIR
     if not (meta / "config.json").is_file():

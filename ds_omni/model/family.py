@@ -2,100 +2,19 @@
 
 A family says how to build or load its HF model, how to view it as an OmniModel (which modules are
 encoders, projectors and backbone), and how to turn one raw image or audio clip into encoder inputs
-plus the number of embeddings it yields. Adding a family is one small file in `families/` that
-subclasses `Family` and calls `register`.
+plus the number of embeddings it yields (its `ItemProcessor`s: `ds_omni.batch`, the contract
+with data/). Adding a family is one small file in `families/` that subclasses `Family` and calls
+`families.registry.register`; `families.family_for` finds the one for a model type.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from ds_omni.batch import EncodedItem, ItemProcessor
 from ds_omni.errors import ModelError
-
-_FAMILIES: dict[str, "Family"] = {}
-
-
-@dataclass
-class EncodedItem:
-    """One image or audio clip, preprocessed for its encoder."""
-
-    inputs: dict[str, torch.Tensor]
-    """Encoder inputs of this item alone (collated per micro-batch by `ItemProcessor.collate`)."""
-    num_embeddings: int
-    """How many LLM embeddings (placeholder tokens) the item yields."""
-    meta: dict[str, Any] = field(default_factory=dict)
-    """Size facts for position ids and logs (patches, grid, frames, ...)."""
-    encoder_seqs: list[int] = field(default_factory=list)
-    """Lengths of the sequences the encoder attends over for this item (one per image, per tile,
-    per audio window), for the cost model; empty means one sequence of num_embeddings."""
-
-    def cost_seqs(self) -> list[int]:
-        return self.encoder_seqs or [self.num_embeddings]
-
-
-class ItemProcessor:
-    """Raw item (PIL image, audio array, video) -> `EncodedItem`; a list of them -> encoder inputs.
-
-    A family's `item_processors` are keyed by the kind of item ("vision" for images, "audio",
-    "video"); `encoder` names the OmniModel encoder its items feed (None: the encoder named by
-    its key), which collates them all with the processor keyed by that encoder's name (so a video
-    processor feeding "vision" makes inputs the image processor's `collate` accepts)."""
-
-    encoder: str | None = None
-    modality: str = "image"
-    placeholder_id: int = -1
-    """Token id that each of the item's embeddings replaces."""
-    more_placeholder_ids: tuple[int, ...] = ()
-    """Other token ids the item's embeddings replace, in text order with the placeholders (Ovis2's
-    visual indicator tokens around and between its image tokens)."""
-
-    def process(self, item: Any) -> EncodedItem:
-        raise NotImplementedError
-
-    def measure(self, item: Any) -> EncodedItem:
-        """The item's size (num_embeddings, encoder_seqs, meta) with `inputs` left empty.
-
-        Run on every sample a rank reads, before grouped reordering decides who trains on it, so
-        families override it with something cheaper than `process` where they can (a header read
-        instead of a decode). The default processes the item.
-        """
-        out = self.process(item)
-        return EncodedItem(inputs={}, num_embeddings=out.num_embeddings, meta=out.meta,
-                           encoder_seqs=out.encoder_seqs)
-
-    shared_tail: int = 0
-    """How many of an item's last tokens a run of adjacent items writes once, after the last item
-    (Idefics2's closing <fake_token_around_image>, PaliGemma's <bos> after its images)."""
-
-    def tokens(self, item: EncodedItem) -> list[int]:
-        """The token ids standing for `item` in the text: one placeholder per embedding."""
-        return [self.placeholder_id] * item.num_embeddings
-
-    def tokens_at(self, item: EncodedItem, index: int) -> list[int]:
-        """The tokens of `item` as the `index`-th item of its kind in a sample (0-based); the
-        same for every index unless a family numbers them (MiniCPM-V's <image_id>)."""
-        return self.tokens(item)
-
-    def collate(self, items: list[EncodedItem]) -> dict[str, torch.Tensor]:
-        """Default: stack each input along a new leading dim."""
-        return {k: torch.stack([it.inputs[k] for it in items]) for k in items[0].inputs}
-
-
-def feeds(processors: dict[str, ItemProcessor], kind: str) -> str:
-    """The encoder that items of `kind` (a key of `processors`) feed."""
-    return processors[kind].encoder or kind
-
-
-def placeholder_ids(processors: dict[str, ItemProcessor], encoder: str) -> tuple[int, ...]:
-    """Every token id whose embeddings `encoder` yields: the placeholders of the processors that
-    feed it (an image and a video processor may feed one vision encoder)."""
-    return tuple(sorted({i for k, p in processors.items() if feeds(processors, k) == encoder
-                         for i in (p.placeholder_id, *p.more_placeholder_ids)}))
-
 
 class Family:
     """Base adapter. Subclasses set `name`, `model_types`, `hf_class` and implement the hooks."""
@@ -166,39 +85,3 @@ class Family:
     def save_processor(self, out_dir: Path, hf_config, tokenizer, model_dir: Path | None) -> None:
         """Write the HF processor next to an exported model so users can `generate`."""
         tokenizer.save_pretrained(str(out_dir))
-
-
-def register(family: Family) -> Family:
-    _FAMILIES[family.name] = family
-    return family
-
-
-def family_for(model_type: str) -> Family:
-    """The family adapter that handles HF `model_type`."""
-    _load_builtin_families()
-    for family in _FAMILIES.values():
-        if model_type in family.model_types:
-            return family
-    from ds_omni.model.families import generic, hf_processor
-    if hf_processor.hf_class_of(model_type) is not None:  # any image-text-to-text model
-        return generic.generic_family(model_type)  # a fresh one: it keeps its model's config
-    raise ModelError(
-        f"unknown model family: model_type {model_type!r} has no ds_omni adapter; supported "
-        f"families: {', '.join(_describe(f) for f in _FAMILIES.values())}, plus every model type "
-        "of transformers' image-text-to-text mapping through the generic adapter (`ds-omni "
-        "families` lists which are exact). To train a model of "
-        "another family, compose one from parts instead: model.llm (any causal LM, e.g. the "
-        "folder of its language model) plus model.vision (a CLIP or SigLIP tower) and/or "
-        "model.audio (a Whisper encoder), see the README's Models section; or add an adapter, "
-        "one file in ds_omni/model/families/")
-
-
-def _describe(family: Family) -> str:
-    """The family's name as the README gives it, with the model types it loads where they differ."""
-    if family.model_types == (family.name,):
-        return family.name
-    return f"{family.name} (model_type {' or '.join(map(repr, family.model_types))})"
-
-
-def _load_builtin_families() -> None:
-    import ds_omni.model.families  # noqa: F401  (each module registers itself)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ds_omni.batch import MicroBatch
 from ds_omni.errors import ModelError
 from ds_omni.model.attention import PackedAttention
 from ds_omni.model.layer_types import for_layer, mark_nope, rotary_tables
@@ -42,10 +43,8 @@ from ds_omni.parallel.long_short import EncoderShard
 from ds_omni.parallel.reshard import ReshardEmbeddings
 
 if TYPE_CHECKING:
-    from ds_omni.data.packing import MicroBatch
     from ds_omni.model.family import Family
 
-IGNORE_INDEX = -100
 DEEPSTACK_ALONE = (
     "this model's vision features are also added between the LLM's decoder layers (deepstack: "
     "Qwen3-VL, Granite 4 Vision), which the LLM on DeepSpeed's pipeline engine does not carry "

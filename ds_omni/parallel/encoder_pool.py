@@ -61,7 +61,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ds_omni.model.family import EncodedItem
+from ds_omni.batch import EncodedItem
 from ds_omni.parallel.reshard import BALANCE_SLACK, RankReshard, item_slots
 
 

@@ -9,6 +9,9 @@ engine can send between stages, a tuple of tensors:
     DecoderStage  (hidden, position_ids, cu_seqlens, index) -> the same
     HeadStage     (hidden, position_ids, cu_seqlens, index) -> scaled sum of token losses
 
+The names a stage registers its modules under are the keys of its layer's checkpoint file, which
+`ds_omni.model.layer_files.layer_modules` reads back into an OmniModel without this module.
+
 Only `hidden` is a float tensor, so it is the one tensor the engine sends a gradient back for.
 `position_ids` ([1, T], or [3, 1, T] for M-RoPE) and `cu_seqlens` [n + 1] travel with it, so a
 stage needs nothing but what it receives (lengths vary per micro-batch: `dynamic_shape=True`).
@@ -34,14 +37,14 @@ Dims: T packed tokens of a micro-batch, D LLM hidden size, n samples in the row.
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ds_omni.batch import IGNORE_INDEX
 from ds_omni.errors import LaunchError, ModelError
-from ds_omni.model.omni import DEEPSTACK_ALONE, IGNORE_INDEX, OmniModel, summed_token_loss
+from ds_omni.model.omni import DEEPSTACK_ALONE, OmniModel, summed_token_loss
 from ds_omni.parallel.joint import EncoderShards, JointEncoding, plan_joint
 from ds_omni.parallel.stages import StagePlan, check_stages
 
@@ -168,38 +171,6 @@ def layer_param_counts(model: OmniModel) -> tuple[list[int], int]:
     counts = [sum(p.numel() for p in layer.parameters() if p.requires_grad and id(p) not in encoder)
               for layer in layers]
     return counts, sum(p.numel() for p in model.encoders.parameters() if p.requires_grad)
-
-
-def layer_file(directory: Path, index: int) -> Path:
-    """The file DeepSpeed's `PipelineModule.save_state_dict` writes for pipeline layer `index`
-    (its topology has pipe and data axes only, so the name carries no rank)."""
-    return directory / f"layer_{index:02d}-model_states.pt"
-
-
-def is_pipeline_checkpoint(directory: Path) -> bool:
-    return layer_file(directory, 0).is_file()
-
-
-def load_layer_files(model: OmniModel, directory: Path) -> None:
-    """Set `model`'s weights from a pipeline checkpoint directory: file i is the state dict of
-    pipeline layer i (`pipeline_layers`), whose modules are the OmniModel's own, so loading it
-    into a layer built over `model` puts every weight under its OmniModel name. Under "uniform"
-    placement stage 0's encoders are the saved ones (the other stages' copies are not layers)."""
-    layers = pipeline_layers(model, StepInputs())
-    found = sorted(p.name for p in directory.glob("layer_*-model_states.pt"))
-    if len(found) != len(layers) or not all(layer_file(directory, i).is_file()
-                                            for i in range(len(layers))):
-        raise ModelError(f"{str(directory)!r} holds {len(found)} pipeline layer files but this "
-                         f"model has {len(layers)} pipeline layers (embedding, "
-                         f"{len(layers) - 2} decoder layers, head): was the checkpoint written "
-                         "for another model, or is it incomplete?")
-    for i, layer in enumerate(layers):
-        state = torch.load(layer_file(directory, i), map_location="cpu", weights_only=True)
-        try:
-            layer.load_state_dict(state, strict=True)
-        except RuntimeError as e:
-            raise ModelError(f"{layer_file(directory, i).name} does not fit pipeline layer {i} "
-                             f"({type(layer).__name__}) of this model: {e}") from None
 
 
 class JointSetup:

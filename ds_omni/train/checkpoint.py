@@ -51,10 +51,10 @@ import torch
 import torch.distributed as dist
 
 from ds_omni.errors import LaunchError
+from ds_omni.model.convert import MODEL_META_DIR
 from ds_omni.parallel.dist import barrier
 
 CHECKPOINT_DIR = "checkpoints"
-MODEL_META_DIR = "model"
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 TAG_RE = re.compile(r"step\d{8}")

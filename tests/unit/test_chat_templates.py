@@ -5,11 +5,12 @@ cuts a token at a turn boundary, is an error naming the sample; exports carry th
 import pytest
 import torch
 
+from ds_omni.batch import EncodedItem, ItemProcessor
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.problems import SampleError
 from ds_omni.data.templates import PLAIN_HEADER, resolve_template
 from ds_omni.errors import ConfigError
-from ds_omni.model.family import EncodedItem, Family, ItemProcessor
+from ds_omni.model.family import Family
 from tests.chat_templates import FAMILIES, QWEN2_VL_GENERATION, make_tokenizer
 
 SYSTEM = "Answer briefly."
@@ -200,8 +201,8 @@ def test_plain_export_reproduces_the_training_prompt(tmp_path):
     from ds_omni.data.demo import shapes_rows
     from ds_omni.data.templates import carry_template, training_template
     from ds_omni.model.build import build_model
-    from ds_omni.model.convert import export_hf, model_from_meta
-    from ds_omni.train.checkpoint import MODEL_META_DIR, save_model_meta
+    from ds_omni.model.convert import MODEL_META_DIR, export_hf, model_from_meta
+    from ds_omni.train.checkpoint import save_model_meta
     from tests.fixtures import tiny_config
     built = build_model(tiny_config(str(tmp_path)).model)
     template = training_template("auto", built)

@@ -31,7 +31,7 @@ def build(folder, model_type: str):
     from ds_omni.config import ModelConfig
     from ds_omni.data.processing import SampleProcessor
     from ds_omni.model.build import build_model
-    from ds_omni.model.family import family_for
+    from ds_omni.model.families import family_for
     torch.manual_seed(0)
     config, processor = sweep.RECIPES[model_type]()
     family_for(model_type).build_hf(config).save_pretrained(str(folder))

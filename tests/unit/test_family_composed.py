@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ds_omni.config import ModelConfig, PartConfig
-from ds_omni.model.build import build_model
+from ds_omni.model.build import build_model, load
 from tests.family_checks import (assert_logits_match, assert_loss_and_grads_match,
                                  assert_round_trip, processor_for)
 from tests.fixtures import TINY_LLAMA, TINY_VISION
@@ -67,7 +67,7 @@ def _hf_inputs(sample):
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory):
     """CLIP + Whisper + Llama: built from configs, exported, loaded back as a model directory."""
-    from ds_omni.model.convert import export_hf, load
+    from ds_omni.model.convert import export_hf
     built = build_model(_compose(vision=TINY_VISION, audio=TINY_WHISPER, llm=TINY_LLAMA))
     assert built.family.name == "composed" and set(built.model.encoders) == {"vision", "audio"}
     out = tmp_path_factory.mktemp("omni")

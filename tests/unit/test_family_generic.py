@@ -17,8 +17,7 @@ import torch
 
 from ds_omni.coverage import sweep, torchvision_rows
 from ds_omni.errors import ModelError
-from ds_omni.model.families import generic, hf_processor
-from ds_omni.model.family import family_for
+from ds_omni.model.families import family_for, generic, hf_processor
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 MUST_PASS = ("qwen2_vl", "qwen2_5_vl", "internvl", "llava_onevision", "idefics3", "smolvlm",
@@ -319,7 +318,8 @@ def test_numbered_images_and_shared_tails_reach_the_sample():
     """`SampleProcessor` numbers a sample's images through `tokens_at` (MiniCPM-V's image ids)
     and writes the tail adjacent images share once, not after each (Idefics2's <fake>)."""
     from ds_omni.data.processing import SampleProcessor
-    from ds_omni.model.family import EncodedItem, Family, ItemProcessor
+    from ds_omni.batch import EncodedItem, ItemProcessor
+    from ds_omni.model.family import Family
 
     class Numbered(ItemProcessor):
         placeholder_id, shared_tail = 9, 1

@@ -140,7 +140,7 @@ def test_cli_round_trip_hf_to_omni_to_hf(llava_dir, reference, tmp_path):
 def test_bad_model_directories(llava_dir, tmp_path):
     import json
     import shutil
-    from ds_omni.model.convert import load
+    from ds_omni.model.build import load
     with pytest.raises(ModelError, match="is not an HF model directory: no config.json"):
         load(tmp_path)
     odd = tmp_path / "odd"

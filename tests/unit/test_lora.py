@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ds_omni.batch import IGNORE_INDEX
 from ds_omni.config import LoraConfig, ModelConfig
 from ds_omni.data.packing import pack, sample_targets
 from ds_omni.errors import ModelError
 from ds_omni.model.build import build_model
-from ds_omni.model.omni import IGNORE_INDEX
 from tests.family_dirs import make_llava_dir
 from tests.unit.test_family_llava import _hf_inputs, _samples
 

@@ -10,7 +10,7 @@ from torch import nn
 from ds_omni.coverage import sweep
 from ds_omni.errors import ModelError
 from ds_omni.model import per_sample
-from ds_omni.model.family import family_for
+from ds_omni.model.families import family_for
 
 
 class RunningSum(nn.Module):

@@ -204,14 +204,14 @@ def test_joint_plan_balances_items_and_finds_every_row():
 
 
 def test_a_pipeline_checkpoint_with_a_layer_file_missing_says_so(tmp_path):
-    """Export reads DeepSpeed's per-layer files through the pipeline's layers (the dist parity
+    """Export reads DeepSpeed's per-layer files into the pipeline layers' modules (the dist parity
     launch checks a real one); an incomplete or foreign checkpoint is a clear error, not a
     KeyError from inside torch."""
     import torch
     from ds_omni.errors import ModelError
     from ds_omni.model.build import build_model
-    from ds_omni.parallel.pipeline import (StepInputs, layer_file, load_layer_files,
-                                           pipeline_layers)
+    from ds_omni.model.layer_files import layer_file, load_layer_files
+    from ds_omni.parallel.pipeline import StepInputs, pipeline_layers
     from tests.fixtures import tiny_config
     cfg = tiny_config(str(tmp_path / "run"))
     trained, fresh = build_model(cfg.model).model, build_model(cfg.model).model

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
+from ds_omni.batch import IGNORE_INDEX
 from ds_omni.data.packing import pack, sample_targets
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.sources import Locator, Source
 from ds_omni.config import SourceConfig
 from ds_omni.errors import DataError
-from ds_omni.model.omni import IGNORE_INDEX
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from ds_omni.batch import IGNORE_INDEX
 from ds_omni.data.packing import SeqShard, empty_micro_batch, pack
-from ds_omni.model.omni import IGNORE_INDEX
 from ds_omni.parallel.long_short import LongItems, is_long, split_rows
 from ds_omni.parallel.reshard import BALANCE_SLACK, ItemSlots, assign_items, bytes_moved, item_slots, plan_reshard
 
@@ -234,7 +234,7 @@ def qwen2_vl():
     3-D M-RoPE positions and images of different sizes."""
     from transformers import Qwen2VLConfig
     from ds_omni.data.processing import SampleProcessor
-    from ds_omni.model.family import family_for
+    from ds_omni.model.families import family_for
     from tests.family_dirs import MERGE, PATCH, QWEN_TOKENS, qwen_tokenizer
     tok = qwen_tokenizer()
     ids = dict(zip(QWEN_TOKENS, tok.convert_tokens_to_ids(QWEN_TOKENS)))

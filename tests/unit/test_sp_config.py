@@ -48,7 +48,7 @@ def test_sp_must_divide_the_query_heads_of_a_pretrained_llm(llava_dir):
 
 
 def test_a_family_without_sequence_parallelism_is_refused(llava_dir, monkeypatch):
-    from ds_omni.model.family import family_for
+    from ds_omni.model.families import family_for
     monkeypatch.setattr(family_for("llava"), "sequence_parallel", False)
     with pytest.raises(ModelError, match=r"parallel.sp=2: the 'llava' family does not support "
                                          r"sequence parallelism yet; set parallel.sp to 1"):

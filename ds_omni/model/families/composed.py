@@ -31,7 +31,8 @@ from ds_omni.errors import ModelError
 from ds_omni.model.families import qwen2_audio
 from ds_omni.model.families.llava import (ClipImageProcessor, LlavaVisionEncoder, clip_image_processor,
                                           has_cls, tower_seq_len)
-from ds_omni.model.family import Family, register
+from ds_omni.model.families.registry import register
+from ds_omni.model.family import Family
 from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
 from ds_omni.parallel import long_short
 from ds_omni.parallel.long_short import EncoderShard

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from ds_omni.batch import EncodedItem, ItemProcessor
 from ds_omni.data.media import load_image
 from ds_omni.errors import ModelError
-from ds_omni.model.family import EncodedItem, ItemProcessor
 
 log = logging.getLogger(__name__)
 

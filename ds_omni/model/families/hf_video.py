@@ -26,10 +26,10 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ds_omni.batch import EncodedItem, ItemProcessor
 from ds_omni.data.media import (VideoInfo, normalized_frames, read_frames, uniform_frame_indices,
                                 video_info)
 from ds_omni.errors import ConfigError, ModelError
-from ds_omni.model.family import EncodedItem, ItemProcessor
 
 VIDEO_PROCESSORS = {"llava_onevision": "LlavaOnevisionVideoProcessor"}
 """HF model folder -> its (torchvision) video processor class, whose defaults and arithmetic

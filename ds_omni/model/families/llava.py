@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
+from ds_omni.batch import EncodedItem, ItemProcessor
 from ds_omni.data.media import image_size, load_image
-from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
+from ds_omni.model.families.registry import register
+from ds_omni.model.family import Family
 from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
 from ds_omni.parallel import long_short
 

@@ -19,11 +19,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ds_omni.batch import EncodedItem, ItemProcessor
 from ds_omni.model.families.llava import (LlavaVisionEncoder, num_additional_image_tokens,
                                           saved_image_processor, select_features,
                                           tower_normalization, tower_seq_len)
 from ds_omni.data.media import load_image
-from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
+from ds_omni.model.families.registry import register
+from ds_omni.model.family import Family
 from ds_omni.model.omni import OmniModel, backbone_of
 
 

@@ -24,9 +24,11 @@ from pathlib import Path
 
 import torch
 
+from ds_omni.batch import EncodedItem, ItemProcessor
 from ds_omni.data.media import read_clip
 from ds_omni.errors import DataError, ModelError
-from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
+from ds_omni.model.families.registry import register
+from ds_omni.model.family import Family
 from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
 from ds_omni.parallel import long_short
 from ds_omni.parallel.long_short import EncoderShard

@@ -30,11 +30,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ds_omni.batch import EncodedItem, ItemProcessor
 from ds_omni.errors import ModelError
 from ds_omni.data.media import load_image
 from ds_omni.model.families.qwen2_vl_video import (Qwen2VLVideoItemProcessor, VideoSettings,
                                                   video_processor_entry)
-from ds_omni.model.family import EncodedItem, Family, ItemProcessor, register
+from ds_omni.model.families.registry import register
+from ds_omni.model.family import Family
 from ds_omni.model.omni import ModalityEncoder, OmniModel, backbone_of
 from ds_omni.parallel import long_short
 from ds_omni.parallel.long_short import EncoderShard

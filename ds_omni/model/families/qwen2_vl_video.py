@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ds_omni.errors import DataError
+from ds_omni.batch import EncodedItem, ItemProcessor
 from ds_omni.data.media import VideoInfo, frame_indices, normalized_frames, read_frames, video_info
-from ds_omni.model.family import EncodedItem, ItemProcessor
+from ds_omni.errors import DataError
 
 
 VIDEO_DEFAULTS = {"min_pixels": 128 * 28 * 28, "max_pixels": 768 * 28 * 28, "min_frames": 4,
