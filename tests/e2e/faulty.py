@@ -74,11 +74,11 @@ def _wrap(owner, name: str, before=None, after=None) -> None:
 def plant() -> None:
     from deepspeed.runtime.engine import DeepSpeedEngine
     from ds_omni.data.step_load import MicroBatchLoader
-    from ds_omni.train import checkpoint, engine
+    from ds_omni.train import checkpoint, loop
 
     def training(_engine, batch, *_):
         _STEP[0] = batch.step
-    _wrap(engine, "train_step", before=training)
+    _wrap(loop, "train_step", before=training)  # the loop's own name for it
     _wrap(MicroBatchLoader, "load", before=lambda _, mine, stats, step: _maybe_fire("loader", step))
     for point, name in (("forward", "forward"), ("backward", "backward"), ("optimizer", "step")):
         _wrap(DeepSpeedEngine, name, before=lambda *_, p=point: _maybe_fire(p, _STEP[0]))
