@@ -178,7 +178,7 @@ def _pipeline_stages(cfg, plan, ds_config: dict) -> dict:
     on the meta device (its sizes only: no weights are made or read)."""
     import torch
     from ds_omni.model.build import build_model, llm_text_config
-    from ds_omni.parallel.pipeline import check_pipeline
+    from ds_omni.parallelize.pipeline import check_pipeline
     from ds_omni.parallel.stages import SPLITS, describe
     from ds_omni.train.engine import stage_plan, stage_tokens
     check_pipeline(cfg, ds_config, llm_text_config(cfg.model)[1])

@@ -184,7 +184,7 @@ def _bf16_encoder_grads_dropped(rank: int):
        "prologue, which fires when the first gradient reaches the module's output, then zeroes "
        "the head's bf16 gradient already made (BF16_Optimizer.clear_lp_grads)", "bf16")
 def _bf16_lm_head_in_loss_fn(rank: int):
-    from ds_omni.parallel import pipeline
+    from ds_omni.parallelize import pipeline
     from ds_omni.train import engine as train
 
     def head_output(self, inputs):  # the last stage's output: the normed hidden and the index
@@ -253,7 +253,7 @@ def _placeholders_as_targets(rank: int):
        "the placeholders of items encoded on another", "dp")
 def _pool_wrong_rank(rank: int):
     import dataclasses
-    from ds_omni.parallel.encoder_pool import PoolPlan
+    from ds_omni.parallelize.encoder_pool import PoolPlan
 
     def make(reshard):
         def planted(plan, pool_rank, row):
@@ -273,7 +273,7 @@ def _pool_wrong_rank(rank: int):
        "encoder parameters it owns (nor do the others receive them): stage 1's replicas go "
        "stale", "pp")
 def _skip_encoder_broadcast(rank: int):
-    from ds_omni.parallel.joint import EncoderShards
+    from ds_omni.parallelize.joint import EncoderShards
 
     def make(broadcast):
         def planted(shards):
@@ -293,7 +293,7 @@ def _skip_encoder_broadcast(rank: int):
 def _grad_norm_replicas_twice(rank: int):
     import torch
     import torch.distributed as dist
-    from ds_omni.parallel import joint
+    from ds_omni.parallelize import joint
 
     def make(reduce_grads):
         def planted(shards):

@@ -23,7 +23,7 @@ import torch
 from ds_omni.errors import ModelError
 from ds_omni.model.family import family_for
 from ds_omni.model.omni import OmniModel
-from ds_omni.parallel.pipeline import is_pipeline_checkpoint, load_layer_files
+from ds_omni.parallelize.pipeline import is_pipeline_checkpoint, load_layer_files
 
 
 OMNI_WEIGHTS = "omni.safetensors"

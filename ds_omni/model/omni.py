@@ -442,7 +442,7 @@ class OmniModel(nn.Module):
         self.sp_group = None  # the LLM's Ulysses group; encoders are never split (part 1)
         # per-sequence SP: (first rank, size) -> (group, its attention), for this rank's blocks
         self.blocks: dict[tuple[int, int], tuple[object, PackedAttention]] = {}
-        self.encoder_pool = None  # parallel.encoder_pool: ds_omni.parallel.encoder_pool.EncoderPool
+        self.encoder_pool = None  # parallel.encoder_pool: ds_omni.parallelize.encoder_pool.EncoderPool
         # every micro-batch runs every encoder, on a zero-weight dummy where it has no item (ZeRO-2
         # and -3 need it); False where one reduction a step only needs a gradient, which a zero
         # one gives (`ds_omni.train.engine.encoder_dummies_needed`)

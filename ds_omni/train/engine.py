@@ -10,7 +10,7 @@ One step, on every data-parallel rank:
      the text -> LLM -> summed token loss, then DeepSpeed's backward and step (which reduces
      gradients at the accumulation boundary, over data x sequence ranks).
 Under parallel.pp > 1 step 3 is DeepSpeed's pipeline schedule (`train_batch`) over the stages of
-`ds_omni.parallel.pipeline`; every stage's ranks load the same micro-batches, so 1-2 are the same.
+`ds_omni.parallelize.pipeline`; every stage's ranks load the same micro-batches, so 1-2 are the same.
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ from ds_omni.errors import DataError, LaunchError
 from ds_omni.parallel import dist
 from ds_omni.model.attention import resolve_kernel
 from ds_omni.model.build import check_sequence_parallel, llm_text_config
-from ds_omni.parallel.encoder_pool import EncoderPool
+from ds_omni.parallelize.encoder_pool import EncoderPool
 from ds_omni.parallel.groups import (TorchDataComm, data_groups, loader_step_comm, sequence_blocks,
                                     sequence_groups)
-from ds_omni.parallel.pipeline import (around_instructions, build_pipeline_module,
-                                      check_pipeline, engine_inputs, fill_missing_grads,
-                                      is_pipeline, late_grads_to_master, layer_param_counts,
-                                      optimizer_params)
+from ds_omni.parallelize.pipeline import (around_instructions, build_pipeline_module,
+                                         check_pipeline, engine_inputs, fill_missing_grads,
+                                         is_pipeline, late_grads_to_master, layer_param_counts,
+                                         optimizer_params)
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.parallel.stages import StagePlan, stage_plan_for
 from ds_omni.train import checkpoint

@@ -159,7 +159,7 @@ def test_training_reaches_the_projectors_of_the_pairs_hf_adds(granite4_vision):
 
 
 def test_pipeline_engine_refuses_deepstack(qwen3_vl):
-    from ds_omni.parallel.pipeline import StepInputs, pipeline_layers
+    from ds_omni.parallelize.pipeline import StepInputs, pipeline_layers
     built, samples = qwen3_vl
     with pytest.raises(ModelError, match="deepstack.*parallel.pp to 1"):
         pipeline_layers(built.model, StepInputs())

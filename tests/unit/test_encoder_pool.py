@@ -1,4 +1,4 @@
-"""The encoder pool's pure plan (`ds_omni.parallel.encoder_pool`), ranks simulated in one process:
+"""The encoder pool's pure plan (`ds_omni.parallelize.encoder_pool`), ranks simulated in one process:
 who encodes what, and that the embedding exchange delivers every row to its placeholder."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 from ds_omni.config import ParallelConfig
 from ds_omni.errors import ConfigError
-from ds_omni.parallel.encoder_pool import EncoderPool, HomeRow, PoolItem, assign_pool, plan_round
+from ds_omni.parallelize.encoder_pool import EncoderPool, HomeRow, PoolItem, assign_pool, plan_round
 
 
 def _items(per_rank: list[list[tuple[str, int, float]]]) -> list[PoolItem]:
@@ -269,7 +269,7 @@ def test_metric_is_the_items_encoded_for_others(monkeypatch):
     `data_pool_moved` of metrics.jsonl."""
     from types import SimpleNamespace
 
-    from ds_omni.parallel import encoder_pool
+    from ds_omni.parallelize import encoder_pool
     from ds_omni.train.engine import pool_metrics
     rank0 = [([PoolItem(0, "vision", k, 4, 1.0) for k in range(n)], []) for n in (8, 1)]
 

@@ -84,7 +84,7 @@ def test_without_dummies_a_text_only_row_skips_the_encoder_and_a_zero_grad_stand
     gradients are zero-filled, the same gradients as the zero-weight dummy pass, with the vision
     tower never run."""
     from ds_omni.data.packing import pack
-    from ds_omni.parallel.pipeline import fill_missing_grads
+    from ds_omni.parallelize.pipeline import fill_missing_grads
     model, mb = built.model, pack([_samples(built)[1]], built.item_processors)
     runs = []
     hook = model.encoders["vision"].register_forward_hook(lambda *_: runs.append(1))

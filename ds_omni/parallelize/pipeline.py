@@ -42,7 +42,7 @@ from torch import nn
 
 from ds_omni.errors import LaunchError, ModelError
 from ds_omni.model.omni import DEEPSTACK_ALONE, IGNORE_INDEX, OmniModel, summed_token_loss
-from ds_omni.parallel.joint import EncoderShards, JointEncoding, plan_joint
+from ds_omni.parallelize.joint import EncoderShards, JointEncoding, plan_joint
 from ds_omni.parallel.stages import StagePlan, check_stages
 
 
@@ -203,7 +203,7 @@ def load_layer_files(model: OmniModel, directory: Path) -> None:
 
 
 class JointSetup:
-    """What a step needs to run "uniform" placement on this rank (`ds_omni.parallel.joint`)."""
+    """What a step needs to run "uniform" placement on this rank (`ds_omni.parallelize.joint`)."""
 
     def __init__(self, model: OmniModel, processors: dict, item_cost, stage: int, stages: int,
                  group):
