@@ -93,7 +93,7 @@ def encode_off(encoder, items, rank: int, sp: int, group) -> None:
 
 
 def encode_pooled(encoder, items, rank: int, world: int, sp: int) -> None:
-    """One round as `EncoderPool.place` and `OmniModel._embed_shard` run it."""
+    """One round as `EncoderPool.place` and `EmbeddingRouter.embed_shard` run it."""
     import numpy as np
     import torch
     import torch.distributed as dist

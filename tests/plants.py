@@ -137,9 +137,9 @@ def _reshard_rows_swapped(rank: int):
 @plant("sp_block_ignored", "the model runs a long sequence's row without its block's Ulysses "
        "group (its sp_block ignored): each rank attends over its own shard only", "sp2")
 def _sp_block_ignored(rank: int):
-    from ds_omni.model.omni import OmniModel
-    yield from _patched(OmniModel, "_route",
-                        lambda route: lambda model, batch: (model.sp_group, None))
+    from ds_omni.parallelize.embedding import EmbeddingRouter
+    yield from _patched(EmbeddingRouter, "route",
+                        lambda route: lambda router, batch: (router.sp_group, None))
 
 
 @plant("sp_whole_row", "every SP rank packs and computes the whole row (no shard, no "

@@ -37,9 +37,7 @@ from ds_omni.model.layer_types import for_layer, mark_nope, rotary_tables
 from ds_omni.model.outside import LogitRule
 from ds_omni.model.per_sample import ROW_BOUNDS, run_per_sample, runs_per_sample
 from ds_omni.parallel import long_short
-from ds_omni.parallel.evidence import SPCounts
 from ds_omni.parallel.long_short import EncoderShard
-from ds_omni.parallel.reshard import ReshardEmbeddings
 
 if TYPE_CHECKING:
     from ds_omni.data.packing import MicroBatch
@@ -51,6 +49,10 @@ DEEPSTACK_ALONE = (
     "Qwen3-VL, Granite 4 Vision), which the LLM on DeepSpeed's pipeline engine does not carry "
     "between stages in this version; set parallel.pp to 1 (ZeRO and sequence parallelism carry "
     "them)")
+UNROUTED = (
+    "this micro-batch is a sequence shard or a pooled row (its `reshard` or `sp_block` is set), "
+    "which only the plan's routing can embed; apply the plan to the model first "
+    "(`ds_omni.parallelize.parallelize`)")
 
 
 class ModalityEncoder(nn.Module):
@@ -169,20 +171,20 @@ class _Recompute:
         return forward(*args, **kwargs)
 
 
-def _with_dummy_pass(hidden: torch.Tensor, encoder: ModalityEncoder) -> torch.Tensor:
+def with_dummy_pass(hidden: torch.Tensor, encoder: ModalityEncoder) -> torch.Tensor:
     """`hidden` plus zero times the encoder's output on its dummy input: the encoder runs (and
     ZeRO-3 gathers its parameters) on a rank with nothing to encode, without changing a number."""
     return hidden + 0.0 * encoder(encoder.dummy_inputs(hidden.device, hidden.dtype)).sum()
 
 
-def _top_up_calls(hidden: torch.Tensor, encoder: ModalityEncoder, batch: "MicroBatch", name: str,
+def top_up_calls(hidden: torch.Tensor, encoder: ModalityEncoder, batch: "MicroBatch", name: str,
                   runs: int) -> torch.Tensor:
     """Under ZeRO-3 every rank must run `encoder` as often as any other on this micro-batch
     (`MicroBatch.encode_calls`): the ranks of a group with long items run it once more per item,
     so a rank that will run it only `runs` times adds zero-weight dummy runs."""
     want = (batch.encode_calls or {}).get(name, runs)
     for _ in range(want - runs):
-        hidden = _with_dummy_pass(hidden, encoder)
+        hidden = with_dummy_pass(hidden, encoder)
     return hidden
 
 
@@ -275,7 +277,7 @@ class Backbone(nn.Module):
         self.rotary_emb = rotary_emb
         self.embed_scale = embed_scale
         self.logit_rule = logit_rule
-        self.attention = PackedAttention()  # kernel + SP group (`OmniModel.set_attention`)
+        self.attention = PackedAttention()  # the model's kernel (`ds_omni.parallelize` adds SP)
         self.checkpoint_layers = False  # recompute decoder layers in backward (ModelConfig)
         # what the layers take beyond the common arguments, read once: the row's bounds on the
         # host (layers run per sample) and Gemma 4's `shared_kv_states`
@@ -439,17 +441,10 @@ class OmniModel(nn.Module):
                              "rows they send to the LLM must have one width and their levels go "
                              "before the same layers")
         self.deepstack_layers = maps.pop() if maps else ()  # every encoder's layer map
-        self.sp_group = None  # the LLM's Ulysses group; encoders are never split (part 1)
-        # per-sequence SP: (first rank, size) -> (group, its attention), for this rank's blocks
-        self.blocks: dict[tuple[int, int], tuple[object, PackedAttention]] = {}
-        self.encoder_pool = None  # parallel.encoder_pool: ds_omni.parallelize.encoder_pool.EncoderPool
-        # every micro-batch runs every encoder, on a zero-weight dummy where it has no item (ZeRO-2
-        # and -3 need it); False where one reduction a step only needs a gradient, which a zero
-        # one gives (`ds_omni.train.engine.encoder_dummies_needed`)
-        self.encoder_dummies = True
-        # what this rank's SP machinery did (Ulysses calls, rows resharded, pieces encoded), so
-        # that a silent fallback to whole rows shows (`ds_omni.parallel.evidence`)
-        self.sp_counts = SPCounts()
+        # the plan's routing of sharded and pooled micro-batches and of whether encoders run
+        # dummies (`ds_omni.parallelize.embedding.EmbeddingRouter`), attached by
+        # `ds_omni.parallelize`; None: every micro-batch embeds whole, here
+        self.router = None
 
     @property
     def deepstack(self) -> int:
@@ -474,33 +469,6 @@ class OmniModel(nn.Module):
                     "GradientCheckpointingLayer, so ds_omni cannot recompute them; leave "
                     f"'{_part(encoder)}' out of the list")
 
-    def set_attention(self, kernel: str = "sdpa", sp_group=None) -> None:
-        """The LLM's packed-attention kernel and, for Ulysses SP, its sequence-parallel group."""
-        self.backbone.attention = PackedAttention(kernel, sp_group, self.sp_counts)
-        self.sp_group = sp_group
-
-    def set_sequence_blocks(self, kernel: str, groups: dict[tuple[int, int], object]) -> None:
-        """Per-sequence SP: the Ulysses group of every block this rank can be in; a micro-batch
-        whose `sp_block` names one runs its attention and resharding over that group."""
-        self.blocks = {block: (group, PackedAttention(kernel, group, self.sp_counts))
-                       for block, group in groups.items()}
-
-    def set_encoder_pool(self, pool) -> None:
-        """`parallel.encoder_pool`: the pool that places each round's items (its group carries
-        the embedding exchange of pooled micro-batches)."""
-        self.encoder_pool = pool
-
-    def _route(self, batch: "MicroBatch") -> tuple[object, PackedAttention | None]:
-        """(SP group, attention) of this micro-batch: its block's, else the model's own."""
-        block = batch.sp_block
-        if block is None:
-            return self.sp_group, None
-        if block not in self.blocks:
-            raise ModelError(f"micro-batch for SP block {block} (first rank, size) but this rank "
-                             f"has groups for {sorted(self.blocks)}; the loader and the model "
-                             "disagree on parallel.max_sequence_sp")
-        return self.blocks[block]
-
     # ---------------------------------------------------------------------------- forward
     def embed(self, batch: "MicroBatch") -> torch.Tensor:
         """Token embeddings with encoder outputs in place of placeholder tokens -> [1, T, D]
@@ -511,25 +479,34 @@ class OmniModel(nn.Module):
 
     def embed_deepstack(self, batch: "MicroBatch") -> tuple[torch.Tensor, Deepstack | None]:
         """(token embeddings [1, T, D] with encoder outputs in place of placeholder tokens, the
-        deepstack levels at those placeholders or None)."""
-        if batch.reshard is not None:
-            return self._embed_shard(batch)
+        deepstack levels at those placeholders or None). Under the plan's routing (`router`), of
+        this rank's shard [1, S, D] where the micro-batch is sharded or pooled."""
+        if self.router is not None:
+            return self.router.embed(self, batch)
+        if batch.reshard is not None or batch.sp_block is not None:
+            raise ModelError(UNROUTED)
+        return self.embed_local(batch)
+
+    def embed_local(self, batch: "MicroBatch",
+                    dummies: bool = True) -> tuple[torch.Tensor, Deepstack | None]:
+        """`embed_deepstack` of a whole row [1, T, D], on this rank alone; `dummies`: an encoder
+        with no item runs on its dummy input (below)."""
         hidden = self.backbone.embed_tokens(batch.input_ids)  # [1, T, D]
         levels: list[Deepstack] = []
         for name, encoder in self.encoders.items():
             inputs = batch.encoder_inputs.get(name)
             slots = batch.positions_of(encoder.placeholder_ids)  # [n] (found on the host: no sync)
             n_slots = slots.shape[0]
-            hidden = _top_up_calls(hidden, encoder, batch, name, runs=1)
+            hidden = top_up_calls(hidden, encoder, batch, name, runs=1)
             if inputs is None:
                 if n_slots:
                     raise ModelError(f"{n_slots} '{name}' placeholder tokens but no {name} inputs "
                                      f"in the batch (samples {batch.sample_ids[:4]}...)")
                 # Every rank runs every encoder every micro-batch, so ZeRO-3 gathers the same
                 # parameters on all ranks (no hang when some ranks have no images); the result
-                # counts zero. Off (`encoder_dummies`) where a zero gradient does the same.
-                if self.encoder_dummies:
-                    hidden = _with_dummy_pass(hidden, encoder)
+                # counts zero. Off (`dummies`) where a zero gradient does the same.
+                if dummies:
+                    hidden = with_dummy_pass(hidden, encoder)
                 continue
             feats = checked_rows(encoder(inputs), encoder, hidden.shape[-1], name)
             main, extra = split_levels(feats, hidden.shape[-1])  # [N, D], [N, k, D]
@@ -549,66 +526,12 @@ class OmniModel(nn.Module):
                                  batch)
         return hidden
 
-    def _embed_shard(self, batch: "MicroBatch") -> tuple[torch.Tensor, Deepstack | None]:
-        """Under SP: this rank's shard [1, S, D] of the row's embeddings (and deepstack levels);
-        a pooled micro-batch (`parallel.encoder_pool`): the same (the whole row [1, T, D] at
-        sp = 1), its rows exchanged over the pool group (long items still split in the row's group).
-
-        The rank encodes the items the reshard plan gives it (wherever their placeholders are),
-        then one all-to-all (`ReshardEmbeddings`) brings every row of this shard's placeholders
-        from the rank that encoded it; a deepstack model's rows [N, (1 + k) D] carry their levels.
-        """
-        plan = batch.reshard
-        sp_group = self._route(batch)[0]  # the row's group: it splits the long items
-        exchange_group = self.encoder_pool.group if batch.pooled else sp_group
-        hidden = self.backbone.embed_tokens(batch.input_ids)  # [1, S, D]
-        rows: dict[str, torch.Tensor] = {}
-        for name, encoder in self.encoders.items():
-            inputs = batch.encoder_inputs.get(name)
-            long = plan.split.get(name, [])
-            hidden = _top_up_calls(hidden, encoder, batch, name, runs=1 + len(long))
-            if inputs is None and self.encoder_dummies:  # no whole item here: the dummy (above)
-                hidden = _with_dummy_pass(hidden, encoder)
-            # whole items [n, D], then this rank's piece of each long item (a group collective)
-            self.sp_counts.encoder_pieces += len(long)
-            feats = ([encoder(inputs)] if inputs is not None else []) + [
-                encoder.forward_piece(item, bounds, sp_group, plan.piece_rank)
-                for item, (_, bounds) in zip(batch.split_inputs.get(name, []), long)]
-            if not feats:
-                continue
-            feats = checked_rows(torch.cat(feats).to(hidden.dtype), encoder, hidden.shape[-1], name)
-            if feats.shape[0] != plan.encode_rows[name]:
-                raise ModelError(
-                    f"encoder '{name}' produced {feats.shape[0]} embeddings for this rank's items but "
-                    f"their placeholders number {plan.encode_rows[name]} (samples "
-                    f"{batch.sample_ids[:4]}); each item needs exactly as many placeholders as it "
-                    "yields embeddings")
-            rows[name] = feats
-        if not plan.group_rows:  # no item in the whole row: no rank exchanges anything
-            return hidden, None
-        width = hidden.shape[-1]
-        ordered = [rows[name] for name in plan.order if name in rows]  # the plan's row order
-        # [N_r, (1 + k) D]; a rank that encoded nothing still sends rows of the group's width
-        empty = hidden.new_zeros((0, (1 + self.deepstack) * width))
-        local = torch.cat(ordered) if ordered else empty
-        if self._encoders_trainable() and not local.requires_grad:
-            # every rank must reach the backward all-to-all, also one that encoded nothing
-            local = local.detach().requires_grad_()
-        recv = ReshardEmbeddings.apply(local, plan, exchange_group)  # [R, (1 + k) D]
-        self.sp_counts.resharded(plan)
-        where = torch.as_tensor(plan.recv_positions, dtype=torch.long, device=hidden.device)
-        main, extra = split_levels(recv, width)  # [R, D], [R, k, D]
-        hidden = hidden[0].index_copy(0, where, main).unsqueeze(0)
-        return hidden, None if extra is None else Deepstack(where, extra, self.deepstack_layers)
-
-    def _encoders_trainable(self) -> bool:
-        return torch.is_grad_enabled() and any(p.requires_grad for p in self.encoders.parameters())
-
     def hidden_states(self, batch: "MicroBatch") -> torch.Tensor:
         """Final normed hidden states [1, T, D]."""
         hidden, deepstack = self.embed_deepstack(batch)
+        attention = self.router.attention(batch) if self.router is not None else None
         return self.backbone(hidden, batch.position_ids, batch.cu_seqlens, batch.max_seqlen,
-                             attention=self._route(batch)[1], deepstack=deepstack,
+                             attention=attention, deepstack=deepstack,
                              blocks=batch.blocks,
                              token_inputs=self.family.layer_inputs(batch.input_ids))
 

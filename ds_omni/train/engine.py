@@ -38,12 +38,13 @@ from ds_omni.errors import DataError, LaunchError
 from ds_omni.parallel import dist
 from ds_omni.model.attention import resolve_kernel
 from ds_omni.model.build import check_sequence_parallel, llm_text_config
+from ds_omni.parallelize import parallelize, router_of
 from ds_omni.parallelize.encoder_pool import EncoderPool
 from ds_omni.parallel.groups import (TorchDataComm, data_groups, loader_step_comm, sequence_blocks,
                                     sequence_groups)
-from ds_omni.parallelize.pipeline import (around_instructions, build_pipeline_module,
-                                         check_pipeline, engine_inputs, fill_missing_grads,
-                                         is_pipeline, late_grads_to_master, layer_param_counts,
+from ds_omni.parallelize.pipeline import (PipelineSpec, around_instructions, check_pipeline,
+                                         engine_inputs, fill_missing_grads, is_pipeline,
+                                         late_grads_to_master, layer_param_counts,
                                          optimizer_params)
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.parallel.stages import StagePlan, stage_plan_for
@@ -150,7 +151,8 @@ def _micro_batch_steps(engine, batch, comm, scale, n_micro, on_reduced_grads, gu
     micro_batches = _even_micro_batches(batch, n_micro)
     if engine.zero_optimization_stage() == 3 and (comm.sp_size > 1 or batch.filler is not None):
         _even_encoder_calls(engine.module, micro_batches, comm.dp_group)
-    pool = getattr(engine.module, "encoder_pool", None)
+    router = router_of(engine.module)
+    pool = router.encoder_pool if router is not None else None
     rounds = pool.plan_step(micro_batches) if pool is not None else None
     losses, dropped = [], None
     for i, mb in enumerate(micro_batches):
@@ -162,7 +164,7 @@ def _micro_batch_steps(engine, batch, comm, scale, n_micro, on_reduced_grads, gu
         out = engine(mb.to(engine.device))
         if guard is not None:
             guard.watch_loss(out.loss_sum)
-        if last and not getattr(engine.module, "encoder_dummies", True):  # before the reduction
+        if last and router is not None and not router.encoder_dummies:  # before the reduction
             fill_missing_grads(engine.module.encoders.parameters())
         engine.backward(out.loss_sum * scale, scale_wrt_gas=False)
         if last and on_reduced_grads is not None:
@@ -248,7 +250,8 @@ def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list)
 
 def encoder_dummies_needed(ds_config: dict, pipeline: bool) -> bool:
     """Whether every micro-batch must run every encoder, on a zero-weight dummy where it has no
-    item (`OmniModel.encoder_dummies`), for DeepSpeed's collectives to line up over the ranks.
+    item (`EmbeddingRouter.encoder_dummies`), for DeepSpeed's collectives to line up over the
+    ranks.
 
     ZeRO-3 gathers an encoder's parameters at each run, all ranks together; ZeRO-2 reduces at
     every backward, ZeRO-1 with `overlap_comm` (or a `grad_accum_dtype`) at the last, both in the
@@ -360,13 +363,10 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     built.model.train()  # from_pretrained hands models over in eval mode: dropout would stay off
     # the tokenizer carries the template trained with into checkpoints and the HF export
     carry_template(built.tokenizer, training_template(cfg.data.template, built))
-    if plan.sp_enabled:  # the LLM's attention goes Ulysses; encoders keep theirs
-        built.model.set_attention(cfg.model.attn_implementation, mpu.get_sequence_parallel_group())
-    if blocks:
-        built.model.set_sequence_blocks(cfg.model.attn_implementation, blocks)
+    pool = None
     if cfg.parallel.encoder_pool == "dp":
-        built.model.set_encoder_pool(encoder_pool_for(
-            cfg, built, plan, rank, mpu.get_sequence_data_parallel_group() if mpu else dp_group))
+        pool = encoder_pool_for(cfg, built, plan, rank,
+                                mpu.get_sequence_data_parallel_group() if mpu else dp_group)
     loader = build_loader(cfg, built, dp_rank=coords.dp_rank, dp_size=plan.dp,
                           num_micro=ds_config["gradient_accumulation_steps"], comm=comm,
                           sp_rank=coords.sp_rank, sp_size=plan.sp, step_comm=step_comm)
@@ -374,14 +374,20 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
         dist.barrier()
     torch.manual_seed(cfg.train.seed + rank)
     ds_groups.mpu = None  # DeepSpeed keeps the last engine's mpu in a module global: don't inherit it
-    module = built.model
-    module.encoder_dummies = encoder_dummies_needed(ds_config, plan.pp_enabled)
+    pipeline = None
     if plan.pp_enabled:  # this rank's stage of the pipeline, split where the cost model says
         cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
-        module = build_pipeline_module(
-            built.model, plan, stage_plan(cfg, built, plan), cfg.parallel.encoder_placement,
+        pipeline = PipelineSpec(
+            plan, stage_plan(cfg, built, plan), cfg.parallel.encoder_placement,
             built.item_processors,
             lambda name, item: float(cost.encoder_cost(name, item.cost_seqs()).sum()))
+    # the plan applied to the built model (the LLM's attention goes Ulysses under SP; encoders
+    # keep theirs): the model, or this rank's pipeline stage
+    module = parallelize(built.model, kernel=cfg.model.attn_implementation,
+                         sp_group=mpu.get_sequence_parallel_group() if plan.sp_enabled else None,
+                         blocks=blocks, pool=pool,
+                         encoder_dummies=encoder_dummies_needed(ds_config, plan.pp_enabled),
+                         pipeline=pipeline)
     params = optimizer_params(module)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, config=ds_config,
                                       mpu=mpu)
@@ -582,7 +588,8 @@ def pool_metrics(module) -> dict:
     (`data_pool_moved`) and those all ranks did (`data_pool_moved_group`, the same on every rank:
     rank 0's log shows the pool at work even when rank 0 itself moves nothing); nothing without
     the pool."""
-    pool = getattr(module, "encoder_pool", None)
+    router = router_of(module)
+    pool = router.encoder_pool if router is not None else None
     return {"data_pool_moved": pool.step_moved,
             "data_pool_moved_group": pool.step_moved_group} if pool is not None else {}
 
@@ -591,10 +598,10 @@ def sp_metrics(module) -> dict:
     """Under sequence parallelism (static or per-sequence): this rank's SP work since start
     (`sp_ulysses_calls`, `sp_rows_sent`, ...: `ds_omni.parallel.evidence`), which shows that the
     SP machinery ran; nothing without SP or on a pipeline stage."""
-    counts = getattr(module, "sp_counts", None)
-    if counts is None or (module.sp_group is None and not module.blocks):
+    router = router_of(module)
+    if router is None or (router.sp_group is None and not router.blocks):
         return {}
-    return counts.as_metrics()
+    return router.sp_counts.as_metrics()
 
 
 def _finish(cfg, engine, loader, rank, step, plan) -> dict:

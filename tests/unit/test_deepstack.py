@@ -22,6 +22,7 @@ import torch
 from ds_omni.data.packing import SeqShard, pack
 from ds_omni.errors import ModelError
 from ds_omni.model import coverage, deepstack, omni
+from ds_omni.parallelize import embedding, parallelize
 
 
 def build(folder, model_type: str):
@@ -115,7 +116,8 @@ def test_sharded_embedding_carries_the_levels_like_the_whole_row(request, monkey
                        SeqShard(r, sp, lambda enc, item: float(item.num_embeddings)))
                   for r in range(sp)]
         exchange = FakeExchange()
-        monkeypatch.setattr(omni, "ReshardEmbeddings", exchange)
+        monkeypatch.setattr(embedding, "ReshardEmbeddings", exchange)
+        parallelize(model)  # the plan's routing embeds the shards (no group: the fake exchange)
         for shard in shards:
             model.embed_deepstack(shard)
         exchange.deliver = True

@@ -279,6 +279,7 @@ def test_metric_is_the_items_encoded_for_others(monkeypatch):
     pool = EncoderPool(None, 1, 4, {}, {"vision": (5,)}, None, "cpu")
     # round 1: 2 of rank 0's 8 items come to rank 1; round 2: rank 0 keeps its one item
     pool.plan_step([SimpleNamespace(items={}), SimpleNamespace(items={})])
-    assert pool_metrics(SimpleNamespace(encoder_pool=pool)) == {"data_pool_moved": 2,
-                                                                "data_pool_moved_group": 6}
-    assert pool_metrics(SimpleNamespace(encoder_pool=None)) == {}
+    model = SimpleNamespace(router=SimpleNamespace(encoder_pool=pool))  # `parallelize` attached
+    assert pool_metrics(model) == {"data_pool_moved": 2, "data_pool_moved_group": 6}
+    assert pool_metrics(SimpleNamespace(router=SimpleNamespace(encoder_pool=None))) == {}
+    assert pool_metrics(SimpleNamespace()) == {}  # a pipeline stage: no router
