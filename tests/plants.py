@@ -108,8 +108,8 @@ def _per_sample_whole_row(rank: int):
 @plant("deepstack_levels_dropped", "the deepstack levels are never added to the LLM's hidden "
        "states", "sp_slow")
 def _deepstack_levels_dropped(rank: int):
-    from ds_omni.model import omni
-    yield from _patched(omni.Deepstack, "add", lambda add: lambda self, hidden, level: hidden)
+    from ds_omni.model import deepstack
+    yield from _patched(deepstack.Deepstack, "add", lambda add: lambda self, hidden, level: hidden)
 
 
 # ------------------------------------------------ sequence parallel (tests/dist/test_sequence_parallel.py)

@@ -33,10 +33,11 @@ from torch.utils.checkpoint import checkpoint
 
 from ds_omni.errors import ModelError
 from ds_omni.model.attention import PackedAttention
+from ds_omni.model.deepstack import Deepstack, join_deepstack, split_levels
 from ds_omni.model.layer_types import for_layer, mark_nope, rotary_tables
 from ds_omni.model.outside import LogitRule
 from ds_omni.model.per_sample import ROW_BOUNDS, run_per_sample, runs_per_sample
-from ds_omni.parallel import long_short
+from ds_omni.model.recompute import recompute_in_backward
 from ds_omni.parallel.long_short import EncoderShard
 
 if TYPE_CHECKING:
@@ -131,46 +132,6 @@ class ModalityEncoder(nn.Module):
         return self(inputs, piece=(rows, group, rank))
 
 
-def recompute_in_backward(tower: nn.Module) -> int:
-    """Make each transformer layer of `tower` recompute in backward; returns how many there are.
-
-    The layers are the modules HF marks as `GradientCheckpointingLayer` (CLIP, SigLIP, Whisper and
-    Qwen2-VL blocks all are), outermost ones only. Each layer's forward then runs under
-    non-reentrant `checkpoint` whenever gradients are on, in train or eval mode alike (HF's own
-    switch also needs train mode, which a model loaded with `from_pretrained` is not in). The
-    wrapper is set on the instance, not the class, so parameters, state-dict keys and module hooks
-    (ZeRO-3 gathers parameters in them) stay outside it, as with HF's gradient checkpointing.
-    """
-    from transformers.modeling_layers import GradientCheckpointingLayer
-    layers: dict[str, nn.Module] = {}
-    for name, module in tower.named_modules():
-        if isinstance(module, GradientCheckpointingLayer) and not any(
-                name.startswith(f"{outer}.") for outer in layers):
-            layers[name] = module
-    for layer in layers.values():
-        if not isinstance(layer.__dict__.get("forward"), _Recompute):
-            layer.forward = _Recompute(layer)
-    return len(layers)
-
-
-class _Recompute:
-    """A layer's forward under non-reentrant checkpointing (an object, not a closure, so a model
-    holding it still deep-copies and pickles)."""
-
-    def __init__(self, layer: nn.Module):
-        self.layer = layer
-
-    def __call__(self, *args, **kwargs):
-        forward = type(self.layer).forward.__get__(self.layer)
-        if torch.is_grad_enabled():
-            context_fn = long_short.recompute_context()  # a long item's piece: recompute in its group
-            if context_fn is not None:
-                return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn,
-                                  **kwargs)
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-        return forward(*args, **kwargs)
-
-
 def with_dummy_pass(hidden: torch.Tensor, encoder: ModalityEncoder) -> torch.Tensor:
     """`hidden` plus zero times the encoder's output on its dummy input: the encoder runs (and
     ZeRO-3 gathers its parameters) on a rank with nothing to encode, without changing a number."""
@@ -188,37 +149,6 @@ def top_up_calls(hidden: torch.Tensor, encoder: ModalityEncoder, batch: "MicroBa
     return hidden
 
 
-class Deepstack(NamedTuple):
-    """Deepstack levels at their rows (module docstring): the backbone adds level i to the hidden
-    states at `positions` before decoder layer `layers[i]`, as HF's `_deepstack_process` (Qwen3-VL)
-    and Granite 4 Vision's layer loop do."""
-
-    positions: torch.Tensor  # [n] row positions (of this rank's shard under SP), any order
-    levels: torch.Tensor  # [n, k, D]
-    layers: tuple[int, ...]  # [k] the layer each level goes before (the encoders' layer map)
-
-    def add_before(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
-        """hidden [1, S, D] with every level the map sends before `layer` added, in level order."""
-        for level, target in enumerate(self.layers):
-            if target == layer:
-                hidden = self.add(hidden, level)
-        return hidden
-
-    def add(self, hidden: torch.Tensor, level: int) -> torch.Tensor:
-        """hidden [1, S, D] with level `level` added at the positions (HF's exact sum: the rows
-        read, added, written back)."""
-        rows = hidden[0].index_select(0, self.positions) + self.levels[:, level].to(hidden.dtype)
-        return hidden[0].index_copy(0, self.positions, rows).unsqueeze(0)
-
-
-def split_levels(rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """rows [N, (1 + k) D] -> (main [N, D], levels [N, k, D] or None when k = 0)."""
-    k = rows.shape[-1] // width - 1
-    if k == 0:
-        return rows, None
-    return rows[:, :width], rows[:, width:].reshape(rows.shape[0], k, width)  # [N, k, D]
-
-
 def checked_rows(feats: torch.Tensor, encoder: ModalityEncoder, width: int,
                  name: str) -> torch.Tensor:
     """feats, checked to be [N, (1 + k) D] for the encoder's k deepstack levels."""
@@ -229,17 +159,6 @@ def checked_rows(feats: torch.Tensor, encoder: ModalityEncoder, width: int,
                          f"makes {want}; its family adapter must set the encoder's "
                          "`deepstack_layers` to one LLM layer per feature level its tower returns")
     return feats
-
-
-def join_deepstack(parts: list[Deepstack]) -> Deepstack | None:
-    """One `Deepstack` of several encoders' (None when there are none; their layer maps are one,
-    `OmniModel` checks)."""
-    if not parts:
-        return None
-    if len(parts) == 1:
-        return parts[0]
-    return Deepstack(torch.cat([p.positions for p in parts]), torch.cat([p.levels for p in parts]),
-                     parts[0].layers)
 
 
 def _insert(hidden: torch.Tensor, slots: torch.Tensor, feats: torch.Tensor, name: str,

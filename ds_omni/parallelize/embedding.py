@@ -26,8 +26,8 @@ import torch
 
 from ds_omni.errors import ModelError
 from ds_omni.model.attention import PackedAttention
-from ds_omni.model.omni import (Deepstack, OmniModel, checked_rows, split_levels, top_up_calls,
-                                with_dummy_pass)
+from ds_omni.model.deepstack import Deepstack, split_levels
+from ds_omni.model.omni import OmniModel, checked_rows, top_up_calls, with_dummy_pass
 from ds_omni.parallel.evidence import SPCounts
 from ds_omni.parallel.reshard import ReshardEmbeddings
 

@@ -21,7 +21,8 @@ import torch
 
 from ds_omni.data.packing import SeqShard, pack
 from ds_omni.errors import ModelError
-from ds_omni.model import coverage, deepstack, omni
+from ds_omni.model import coverage, deepstack
+from ds_omni.model.deepstack import Deepstack
 from ds_omni.parallelize import embedding, parallelize
 
 
@@ -73,7 +74,7 @@ def test_layer_maps_of_the_configs(qwen3_vl, granite4_vision):
     assert deepstack.layout(SimpleNamespace(vision_config=None)) == deepstack.Layout()
 
 
-def dense(hidden: torch.Tensor, deepstack: omni.Deepstack | None, k: int) -> torch.Tensor:
+def dense(hidden: torch.Tensor, deepstack: Deepstack | None, k: int) -> torch.Tensor:
     """[T, (1 + k) D]: each position's embedding and its k levels (zero where it has none)."""
     levels = hidden.new_zeros((hidden.shape[1], k, hidden.shape[2]))  # [T, k, D]
     if deepstack is not None:
