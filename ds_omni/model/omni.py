@@ -139,7 +139,7 @@ def with_dummy_pass(hidden: torch.Tensor, encoder: ModalityEncoder) -> torch.Ten
 
 
 def top_up_calls(hidden: torch.Tensor, encoder: ModalityEncoder, batch: "MicroBatch", name: str,
-                  runs: int) -> torch.Tensor:
+                 runs: int) -> torch.Tensor:
     """Under ZeRO-3 every rank must run `encoder` as often as any other on this micro-batch
     (`MicroBatch.encode_calls`): the ranks of a group with long items run it once more per item,
     so a rank that will run it only `runs` times adds zero-weight dummy runs."""
