@@ -56,7 +56,7 @@ def round_items(world: int, rank: int, sp: int = 1) -> list:
 def home_row(items, rank: int, sp: int):
     """The `HomeRow` of this rank's group: its items end to end over sp shards."""
     import numpy as np
-    from ds_omni.parallel.encoder_pool import HomeRow
+    from ds_omni.parallelize.encoder_pool import HomeRow
     starts = np.cumsum([0] + [it.num_embeddings for it in items])
     return HomeRow(rank - rank % sp, sp, max(1, -(-int(starts[-1]) // sp)),
                    {("vision", k): np.arange(starts[k], starts[k + 1]) for k in range(len(items))})
@@ -93,12 +93,12 @@ def encode_off(encoder, items, rank: int, sp: int, group) -> None:
 
 
 def encode_pooled(encoder, items, rank: int, world: int, sp: int) -> None:
-    """One round as `EncoderPool.place` and `OmniModel._embed_shard` run it."""
+    """One round as `EncoderPool.place` and `EmbeddingRouter.embed_shard` run it."""
     import numpy as np
     import torch
     import torch.distributed as dist
     from ds_omni.batch import EncodedItem
-    from ds_omni.parallel.encoder_pool import exchange_inputs, item_meta, plan_round
+    from ds_omni.parallelize.encoder_pool import exchange_inputs, item_meta, plan_round
     from ds_omni.parallel.reshard import ReshardEmbeddings
     row = home_row(items, rank, sp)
     shards = {k: tuple(np.bincount(p // row.shard_len, minlength=sp).tolist()) if sp > 1 else ()

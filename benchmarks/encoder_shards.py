@@ -70,7 +70,7 @@ def build(cfg, ds_json: dict, rank: int, plan, engine: str):
     """`setup_training` of one engine; "replicated" swaps in `ReplicatedShards` for its build,
     and marks stage > 0's encoder copies as DeepSpeed replicas, as before."""
     from ds_omni.train.ds_config import derive_ds_config
-    from ds_omni.parallel import pipeline
+    from ds_omni.parallelize import pipeline
     from ds_omni.train.setup import setup_training
     original = pipeline.EncoderShards
     if engine == "replicated":

@@ -108,6 +108,7 @@ TINY = ModelSpec(
 def build_models(spec: ModelSpec, device: torch.device, dtype: torch.dtype):
     """(HF LlavaForConditionalGeneration, ds_omni OmniModel sharing its parameters)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from ds_omni.model.attention import PackedAttention
     from ds_omni.model.families.llava import Llava
     vision = CLIPVisionConfig(**spec.vision, attn_implementation="sdpa")
     llm = LlamaConfig(**spec.llm, attn_implementation="sdpa")
@@ -119,7 +120,7 @@ def build_models(spec: ModelSpec, device: torch.device, dtype: torch.dtype):
     with torch.device(device):
         hf = LlavaForConditionalGeneration(config).to(dtype)
     omni = Llava().to_omni(hf)  # the LLM's attention becomes ds_omni's packed kernel
-    omni.set_attention("auto")
+    omni.backbone.attention = PackedAttention("auto")
     # HF's own forward (the baseline) still runs SDPA with its padding mask: ds_omni's kernel
     # hands calls without `cu_seqlens` to transformers' SDPA function
     return hf, omni
@@ -337,13 +338,14 @@ def checks(hf, omni, flops: FlopModel, step, spec, micro, device) -> dict:
 @torch.no_grad()
 def kernel_loss(omni, step, spec, device, kernel: str) -> float:
     """ds_omni's loss per target with another attention kernel (then back to "auto")."""
-    omni.set_attention(kernel)
+    from ds_omni.model.attention import PackedAttention
+    omni.backbone.attention = PackedAttention(kernel)
     try:
         batches = omni_batches(step, spec)
         total = sum(mb.num_targets for mb in batches)
         return sum(float(omni(mb.to(device)).loss_sum) for mb in batches) / total
     finally:
-        omni.set_attention("auto")
+        omni.backbone.attention = PackedAttention("auto")
 
 
 def counted_flops(omni, batches, device) -> float:

@@ -81,7 +81,7 @@ def plan_of(items, world: int, rank: int, policy):
 
 
 def encode_step(encoder, items, plan, group) -> None:
-    """What `OmniModel._embed_shard` runs for the encoder: whole items collated, then pieces."""
+    """What `EmbeddingRouter.embed_shard` runs for the encoder: whole items collated, then pieces."""
     import torch
     whole = [items[k][0] for k in plan.encode.get("vision", [])]
     feats = []

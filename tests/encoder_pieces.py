@@ -41,7 +41,7 @@ def check_pieces(built, encoder: str, raw, group=None, checkpointed: bool = Fals
     (whole * weights).sum().backward()
 
     if checkpointed:
-        from ds_omni.model.omni import recompute_in_backward
+        from ds_omni.model.recompute import recompute_in_backward
         recompute_in_backward(module.tower)
     bounds = tuple(split_rows(whole.shape[0], size))
     piece = module.forward_piece(inputs, bounds, group, rank)  # [rows_r, D]

@@ -108,8 +108,8 @@ def _per_sample_whole_row(rank: int):
 @plant("deepstack_levels_dropped", "the deepstack levels are never added to the LLM's hidden "
        "states", "sp_slow")
 def _deepstack_levels_dropped(rank: int):
-    from ds_omni.model import omni
-    yield from _patched(omni.Deepstack, "add", lambda add: lambda self, hidden, level: hidden)
+    from ds_omni.model import deepstack
+    yield from _patched(deepstack.Deepstack, "add", lambda add: lambda self, hidden, level: hidden)
 
 
 # ------------------------------------------------ sequence parallel (tests/dist/test_sequence_parallel.py)
@@ -137,9 +137,9 @@ def _reshard_rows_swapped(rank: int):
 @plant("sp_block_ignored", "the model runs a long sequence's row without its block's Ulysses "
        "group (its sp_block ignored): each rank attends over its own shard only", "sp2")
 def _sp_block_ignored(rank: int):
-    from ds_omni.model.omni import OmniModel
-    yield from _patched(OmniModel, "_route",
-                        lambda route: lambda model, batch: (model.sp_group, None))
+    from ds_omni.parallelize.embedding import EmbeddingRouter
+    yield from _patched(EmbeddingRouter, "route",
+                        lambda route: lambda router, batch: (router.sp_group, None))
 
 
 @plant("sp_whole_row", "every SP rank packs and computes the whole row (no shard, no "
@@ -184,7 +184,7 @@ def _bf16_encoder_grads_dropped(rank: int):
        "prologue, which fires when the first gradient reaches the module's output, then zeroes "
        "the head's bf16 gradient already made (BF16_Optimizer.clear_lp_grads)", "bf16")
 def _bf16_lm_head_in_loss_fn(rank: int):
-    from ds_omni.parallel import pipeline
+    from ds_omni.parallelize import pipeline
     from ds_omni.train import step as train_step
 
     def head_output(self, inputs):  # the last stage's output: the normed hidden and the index
@@ -253,7 +253,7 @@ def _placeholders_as_targets(rank: int):
        "the placeholders of items encoded on another", "dp")
 def _pool_wrong_rank(rank: int):
     import dataclasses
-    from ds_omni.parallel.encoder_pool import PoolPlan
+    from ds_omni.parallelize.encoder_pool import PoolPlan
 
     def make(reshard):
         def planted(plan, pool_rank, row):
@@ -273,7 +273,7 @@ def _pool_wrong_rank(rank: int):
        "encoder parameters it owns (nor do the others receive them): stage 1's replicas go "
        "stale", "pp")
 def _skip_encoder_broadcast(rank: int):
-    from ds_omni.parallel.joint import EncoderShards
+    from ds_omni.parallelize.joint import EncoderShards
 
     def make(broadcast):
         def planted(shards):
@@ -293,7 +293,7 @@ def _skip_encoder_broadcast(rank: int):
 def _grad_norm_replicas_twice(rank: int):
     import torch
     import torch.distributed as dist
-    from ds_omni.parallel import joint
+    from ds_omni.parallelize import joint
 
     def make(reduce_grads):
         def planted(shards):

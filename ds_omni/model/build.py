@@ -15,6 +15,7 @@ import torch
 from ds_omni.batch import ItemProcessor
 from ds_omni.config import ModelConfig
 from ds_omni.errors import ModelError
+from ds_omni.model.attention import PackedAttention
 from ds_omni.model.compose import compose
 from ds_omni.model.convert import is_omni_dir, load_omni_dir
 from ds_omni.model.family import Family
@@ -60,7 +61,8 @@ def build_model(cfg: ModelConfig) -> BuiltModel:
     if cfg.lora is not None:  # the adapters' init draws from the seeded global generator
         from ds_omni.model.lora import apply_lora
         model = apply_lora(model, cfg.lora, tokenizer)
-    model.set_attention(cfg.attn_implementation)
+    # the LLM's attention kernel, a model option (its SP group is the plan's: ds_omni.parallelize)
+    model.backbone.attention = PackedAttention(cfg.attn_implementation)
     asked = cfg.activation_checkpointing
     model.set_checkpointing(cfg.checkpointed_parts(),
                             named=set() if isinstance(asked, bool) else set(asked) - {"encoders"})

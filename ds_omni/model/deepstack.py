@@ -1,6 +1,7 @@
 """Deepstack layer maps: before which LLM decoder layer each level of an HF model's vision features
-is added (`ds_omni.model.omni.Deepstack`), read from its config, and its image-feature output
-flattened into rows [N, (1 + k) D] (the main embedding, then the k levels side by side).
+is added, read from its config, and its image-feature output flattened into rows [N, (1 + k) D]
+(the main embedding, then the k levels side by side); `Deepstack`: the levels at their rows, which
+the backbone adds.
 
 transformers 5.24 has two layouts:
 - Qwen3-VL and its kin: `get_image_features` returns the main rows (`pooler_output`) and k levels
@@ -73,3 +74,45 @@ def flat(feats) -> torch.Tensor:
     if isinstance(feats, (list, tuple)):
         return torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
     return feats.reshape(-1, feats.shape[-1])
+
+
+class Deepstack(NamedTuple):
+    """Deepstack levels at their rows (`ds_omni.model.omni`'s docstring): the backbone adds level i to the hidden
+    states at `positions` before decoder layer `layers[i]`, as HF's `_deepstack_process` (Qwen3-VL)
+    and Granite 4 Vision's layer loop do."""
+
+    positions: torch.Tensor  # [n] row positions (of this rank's shard under SP), any order
+    levels: torch.Tensor  # [n, k, D]
+    layers: tuple[int, ...]  # [k] the layer each level goes before (the encoders' layer map)
+
+    def add_before(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
+        """hidden [1, S, D] with every level the map sends before `layer` added, in level order."""
+        for level, target in enumerate(self.layers):
+            if target == layer:
+                hidden = self.add(hidden, level)
+        return hidden
+
+    def add(self, hidden: torch.Tensor, level: int) -> torch.Tensor:
+        """hidden [1, S, D] with level `level` added at the positions (HF's exact sum: the rows
+        read, added, written back)."""
+        rows = hidden[0].index_select(0, self.positions) + self.levels[:, level].to(hidden.dtype)
+        return hidden[0].index_copy(0, self.positions, rows).unsqueeze(0)
+
+
+def split_levels(rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """rows [N, (1 + k) D] -> (main [N, D], levels [N, k, D] or None when k = 0)."""
+    k = rows.shape[-1] // width - 1
+    if k == 0:
+        return rows, None
+    return rows[:, :width], rows[:, width:].reshape(rows.shape[0], k, width)  # [N, k, D]
+
+
+def join_deepstack(parts: list[Deepstack]) -> Deepstack | None:
+    """One `Deepstack` of several encoders' (None when there are none; their layer maps are one,
+    `OmniModel` checks)."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    return Deepstack(torch.cat([p.positions for p in parts]), torch.cat([p.levels for p in parts]),
+                     parts[0].layers)

@@ -1,7 +1,7 @@
 """A pipeline checkpoint's weights: one file per pipeline layer, read back into an OmniModel.
 
 DeepSpeed's pipeline engine (`PipelineModule.save_state_dict`) writes the state dict of each
-pipeline layer to its own file. ds_omni's pipeline layers (`ds_omni.parallel.pipeline`: the
+pipeline layer to its own file. ds_omni's pipeline layers (`ds_omni.parallelize.pipeline`: the
 embedding, one per decoder layer, the head) are made of the OmniModel's own modules, registered
 under the names `layer_modules` gives, so file i loaded into layer i's modules puts every weight
 under its OmniModel name: an export reads a pipeline checkpoint without the pipeline engine.

@@ -34,13 +34,12 @@ from torch.utils.checkpoint import checkpoint
 from ds_omni.batch import MicroBatch
 from ds_omni.errors import ModelError
 from ds_omni.model.attention import PackedAttention
+from ds_omni.model.deepstack import Deepstack, join_deepstack, split_levels
 from ds_omni.model.layer_types import for_layer, mark_nope, rotary_tables
 from ds_omni.model.outside import LogitRule
 from ds_omni.model.per_sample import ROW_BOUNDS, run_per_sample, runs_per_sample
-from ds_omni.parallel import long_short
-from ds_omni.parallel.evidence import SPCounts
+from ds_omni.model.recompute import recompute_in_backward
 from ds_omni.parallel.long_short import EncoderShard
-from ds_omni.parallel.reshard import ReshardEmbeddings
 
 if TYPE_CHECKING:
     from ds_omni.model.family import Family
@@ -50,6 +49,10 @@ DEEPSTACK_ALONE = (
     "Qwen3-VL, Granite 4 Vision), which the LLM on DeepSpeed's pipeline engine does not carry "
     "between stages in this version; set parallel.pp to 1 (ZeRO and sequence parallelism carry "
     "them)")
+UNROUTED = (
+    "this micro-batch is a sequence shard or a pooled row (its `reshard` or `sp_block` is set), "
+    "which only the plan's routing can embed; apply the plan to the model first "
+    "(`ds_omni.parallelize.parallelize`)")
 
 
 class ModalityEncoder(nn.Module):
@@ -128,92 +131,21 @@ class ModalityEncoder(nn.Module):
         return self(inputs, piece=(rows, group, rank))
 
 
-def recompute_in_backward(tower: nn.Module) -> int:
-    """Make each transformer layer of `tower` recompute in backward; returns how many there are.
-
-    The layers are the modules HF marks as `GradientCheckpointingLayer` (CLIP, SigLIP, Whisper and
-    Qwen2-VL blocks all are), outermost ones only. Each layer's forward then runs under
-    non-reentrant `checkpoint` whenever gradients are on, in train or eval mode alike (HF's own
-    switch also needs train mode, which a model loaded with `from_pretrained` is not in). The
-    wrapper is set on the instance, not the class, so parameters, state-dict keys and module hooks
-    (ZeRO-3 gathers parameters in them) stay outside it, as with HF's gradient checkpointing.
-    """
-    from transformers.modeling_layers import GradientCheckpointingLayer
-    layers: dict[str, nn.Module] = {}
-    for name, module in tower.named_modules():
-        if isinstance(module, GradientCheckpointingLayer) and not any(
-                name.startswith(f"{outer}.") for outer in layers):
-            layers[name] = module
-    for layer in layers.values():
-        if not isinstance(layer.__dict__.get("forward"), _Recompute):
-            layer.forward = _Recompute(layer)
-    return len(layers)
-
-
-class _Recompute:
-    """A layer's forward under non-reentrant checkpointing (an object, not a closure, so a model
-    holding it still deep-copies and pickles)."""
-
-    def __init__(self, layer: nn.Module):
-        self.layer = layer
-
-    def __call__(self, *args, **kwargs):
-        forward = type(self.layer).forward.__get__(self.layer)
-        if torch.is_grad_enabled():
-            context_fn = long_short.recompute_context()  # a long item's piece: recompute in its group
-            if context_fn is not None:
-                return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn,
-                                  **kwargs)
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-        return forward(*args, **kwargs)
-
-
-def _with_dummy_pass(hidden: torch.Tensor, encoder: ModalityEncoder) -> torch.Tensor:
+def with_dummy_pass(hidden: torch.Tensor, encoder: ModalityEncoder) -> torch.Tensor:
     """`hidden` plus zero times the encoder's output on its dummy input: the encoder runs (and
     ZeRO-3 gathers its parameters) on a rank with nothing to encode, without changing a number."""
     return hidden + 0.0 * encoder(encoder.dummy_inputs(hidden.device, hidden.dtype)).sum()
 
 
-def _top_up_calls(hidden: torch.Tensor, encoder: ModalityEncoder, batch: "MicroBatch", name: str,
-                  runs: int) -> torch.Tensor:
+def top_up_calls(hidden: torch.Tensor, encoder: ModalityEncoder, batch: "MicroBatch", name: str,
+                 runs: int) -> torch.Tensor:
     """Under ZeRO-3 every rank must run `encoder` as often as any other on this micro-batch
     (`MicroBatch.encode_calls`): the ranks of a group with long items run it once more per item,
     so a rank that will run it only `runs` times adds zero-weight dummy runs."""
     want = (batch.encode_calls or {}).get(name, runs)
     for _ in range(want - runs):
-        hidden = _with_dummy_pass(hidden, encoder)
+        hidden = with_dummy_pass(hidden, encoder)
     return hidden
-
-
-class Deepstack(NamedTuple):
-    """Deepstack levels at their rows (module docstring): the backbone adds level i to the hidden
-    states at `positions` before decoder layer `layers[i]`, as HF's `_deepstack_process` (Qwen3-VL)
-    and Granite 4 Vision's layer loop do."""
-
-    positions: torch.Tensor  # [n] row positions (of this rank's shard under SP), any order
-    levels: torch.Tensor  # [n, k, D]
-    layers: tuple[int, ...]  # [k] the layer each level goes before (the encoders' layer map)
-
-    def add_before(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
-        """hidden [1, S, D] with every level the map sends before `layer` added, in level order."""
-        for level, target in enumerate(self.layers):
-            if target == layer:
-                hidden = self.add(hidden, level)
-        return hidden
-
-    def add(self, hidden: torch.Tensor, level: int) -> torch.Tensor:
-        """hidden [1, S, D] with level `level` added at the positions (HF's exact sum: the rows
-        read, added, written back)."""
-        rows = hidden[0].index_select(0, self.positions) + self.levels[:, level].to(hidden.dtype)
-        return hidden[0].index_copy(0, self.positions, rows).unsqueeze(0)
-
-
-def split_levels(rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """rows [N, (1 + k) D] -> (main [N, D], levels [N, k, D] or None when k = 0)."""
-    k = rows.shape[-1] // width - 1
-    if k == 0:
-        return rows, None
-    return rows[:, :width], rows[:, width:].reshape(rows.shape[0], k, width)  # [N, k, D]
 
 
 def checked_rows(feats: torch.Tensor, encoder: ModalityEncoder, width: int,
@@ -226,17 +158,6 @@ def checked_rows(feats: torch.Tensor, encoder: ModalityEncoder, width: int,
                          f"makes {want}; its family adapter must set the encoder's "
                          "`deepstack_layers` to one LLM layer per feature level its tower returns")
     return feats
-
-
-def join_deepstack(parts: list[Deepstack]) -> Deepstack | None:
-    """One `Deepstack` of several encoders' (None when there are none; their layer maps are one,
-    `OmniModel` checks)."""
-    if not parts:
-        return None
-    if len(parts) == 1:
-        return parts[0]
-    return Deepstack(torch.cat([p.positions for p in parts]), torch.cat([p.levels for p in parts]),
-                     parts[0].layers)
 
 
 def _insert(hidden: torch.Tensor, slots: torch.Tensor, feats: torch.Tensor, name: str,
@@ -274,7 +195,7 @@ class Backbone(nn.Module):
         self.rotary_emb = rotary_emb
         self.embed_scale = embed_scale
         self.logit_rule = logit_rule
-        self.attention = PackedAttention()  # kernel + SP group (`OmniModel.set_attention`)
+        self.attention = PackedAttention()  # the model's kernel (`ds_omni.parallelize` adds SP)
         self.checkpoint_layers = False  # recompute decoder layers in backward (ModelConfig)
         # what the layers take beyond the common arguments, read once: the row's bounds on the
         # host (layers run per sample) and Gemma 4's `shared_kv_states`
@@ -438,17 +359,10 @@ class OmniModel(nn.Module):
                              "rows they send to the LLM must have one width and their levels go "
                              "before the same layers")
         self.deepstack_layers = maps.pop() if maps else ()  # every encoder's layer map
-        self.sp_group = None  # the LLM's Ulysses group; encoders are never split (part 1)
-        # per-sequence SP: (first rank, size) -> (group, its attention), for this rank's blocks
-        self.blocks: dict[tuple[int, int], tuple[object, PackedAttention]] = {}
-        self.encoder_pool = None  # parallel.encoder_pool: ds_omni.parallel.encoder_pool.EncoderPool
-        # every micro-batch runs every encoder, on a zero-weight dummy where it has no item (ZeRO-2
-        # and -3 need it); False where one reduction a step only needs a gradient, which a zero
-        # one gives (`ds_omni.train.setup.encoder_dummies_needed`)
-        self.encoder_dummies = True
-        # what this rank's SP machinery did (Ulysses calls, rows resharded, pieces encoded), so
-        # that a silent fallback to whole rows shows (`ds_omni.parallel.evidence`)
-        self.sp_counts = SPCounts()
+        # the plan's routing of sharded and pooled micro-batches and of whether encoders run
+        # dummies (`ds_omni.parallelize.embedding.EmbeddingRouter`), attached by
+        # `ds_omni.parallelize`; None: every micro-batch embeds whole, here
+        self.router = None
 
     @property
     def deepstack(self) -> int:
@@ -473,33 +387,6 @@ class OmniModel(nn.Module):
                     "GradientCheckpointingLayer, so ds_omni cannot recompute them; leave "
                     f"'{_part(encoder)}' out of the list")
 
-    def set_attention(self, kernel: str = "sdpa", sp_group=None) -> None:
-        """The LLM's packed-attention kernel and, for Ulysses SP, its sequence-parallel group."""
-        self.backbone.attention = PackedAttention(kernel, sp_group, self.sp_counts)
-        self.sp_group = sp_group
-
-    def set_sequence_blocks(self, kernel: str, groups: dict[tuple[int, int], object]) -> None:
-        """Per-sequence SP: the Ulysses group of every block this rank can be in; a micro-batch
-        whose `sp_block` names one runs its attention and resharding over that group."""
-        self.blocks = {block: (group, PackedAttention(kernel, group, self.sp_counts))
-                       for block, group in groups.items()}
-
-    def set_encoder_pool(self, pool) -> None:
-        """`parallel.encoder_pool`: the pool that places each round's items (its group carries
-        the embedding exchange of pooled micro-batches)."""
-        self.encoder_pool = pool
-
-    def _route(self, batch: "MicroBatch") -> tuple[object, PackedAttention | None]:
-        """(SP group, attention) of this micro-batch: its block's, else the model's own."""
-        block = batch.sp_block
-        if block is None:
-            return self.sp_group, None
-        if block not in self.blocks:
-            raise ModelError(f"micro-batch for SP block {block} (first rank, size) but this rank "
-                             f"has groups for {sorted(self.blocks)}; the loader and the model "
-                             "disagree on parallel.max_sequence_sp")
-        return self.blocks[block]
-
     # ---------------------------------------------------------------------------- forward
     def embed(self, batch: "MicroBatch") -> torch.Tensor:
         """Token embeddings with encoder outputs in place of placeholder tokens -> [1, T, D]
@@ -510,25 +397,34 @@ class OmniModel(nn.Module):
 
     def embed_deepstack(self, batch: "MicroBatch") -> tuple[torch.Tensor, Deepstack | None]:
         """(token embeddings [1, T, D] with encoder outputs in place of placeholder tokens, the
-        deepstack levels at those placeholders or None)."""
-        if batch.reshard is not None:
-            return self._embed_shard(batch)
+        deepstack levels at those placeholders or None). Under the plan's routing (`router`), of
+        this rank's shard [1, S, D] where the micro-batch is sharded or pooled."""
+        if self.router is not None:
+            return self.router.embed(self, batch)
+        if batch.reshard is not None or batch.sp_block is not None:
+            raise ModelError(UNROUTED)
+        return self.embed_local(batch)
+
+    def embed_local(self, batch: "MicroBatch",
+                    dummies: bool = True) -> tuple[torch.Tensor, Deepstack | None]:
+        """`embed_deepstack` of a whole row [1, T, D], on this rank alone; `dummies`: an encoder
+        with no item runs on its dummy input (below)."""
         hidden = self.backbone.embed_tokens(batch.input_ids)  # [1, T, D]
         levels: list[Deepstack] = []
         for name, encoder in self.encoders.items():
             inputs = batch.encoder_inputs.get(name)
             slots = batch.positions_of(encoder.placeholder_ids)  # [n] (found on the host: no sync)
             n_slots = slots.shape[0]
-            hidden = _top_up_calls(hidden, encoder, batch, name, runs=1)
+            hidden = top_up_calls(hidden, encoder, batch, name, runs=1)
             if inputs is None:
                 if n_slots:
                     raise ModelError(f"{n_slots} '{name}' placeholder tokens but no {name} inputs "
                                      f"in the batch (samples {batch.sample_ids[:4]}...)")
                 # Every rank runs every encoder every micro-batch, so ZeRO-3 gathers the same
                 # parameters on all ranks (no hang when some ranks have no images); the result
-                # counts zero. Off (`encoder_dummies`) where a zero gradient does the same.
-                if self.encoder_dummies:
-                    hidden = _with_dummy_pass(hidden, encoder)
+                # counts zero. Off (`dummies`) where a zero gradient does the same.
+                if dummies:
+                    hidden = with_dummy_pass(hidden, encoder)
                 continue
             feats = checked_rows(encoder(inputs), encoder, hidden.shape[-1], name)
             main, extra = split_levels(feats, hidden.shape[-1])  # [N, D], [N, k, D]
@@ -548,66 +444,12 @@ class OmniModel(nn.Module):
                                  batch)
         return hidden
 
-    def _embed_shard(self, batch: "MicroBatch") -> tuple[torch.Tensor, Deepstack | None]:
-        """Under SP: this rank's shard [1, S, D] of the row's embeddings (and deepstack levels);
-        a pooled micro-batch (`parallel.encoder_pool`): the same (the whole row [1, T, D] at
-        sp = 1), its rows exchanged over the pool group (long items still split in the row's group).
-
-        The rank encodes the items the reshard plan gives it (wherever their placeholders are),
-        then one all-to-all (`ReshardEmbeddings`) brings every row of this shard's placeholders
-        from the rank that encoded it; a deepstack model's rows [N, (1 + k) D] carry their levels.
-        """
-        plan = batch.reshard
-        sp_group = self._route(batch)[0]  # the row's group: it splits the long items
-        exchange_group = self.encoder_pool.group if batch.pooled else sp_group
-        hidden = self.backbone.embed_tokens(batch.input_ids)  # [1, S, D]
-        rows: dict[str, torch.Tensor] = {}
-        for name, encoder in self.encoders.items():
-            inputs = batch.encoder_inputs.get(name)
-            long = plan.split.get(name, [])
-            hidden = _top_up_calls(hidden, encoder, batch, name, runs=1 + len(long))
-            if inputs is None and self.encoder_dummies:  # no whole item here: the dummy (above)
-                hidden = _with_dummy_pass(hidden, encoder)
-            # whole items [n, D], then this rank's piece of each long item (a group collective)
-            self.sp_counts.encoder_pieces += len(long)
-            feats = ([encoder(inputs)] if inputs is not None else []) + [
-                encoder.forward_piece(item, bounds, sp_group, plan.piece_rank)
-                for item, (_, bounds) in zip(batch.split_inputs.get(name, []), long)]
-            if not feats:
-                continue
-            feats = checked_rows(torch.cat(feats).to(hidden.dtype), encoder, hidden.shape[-1], name)
-            if feats.shape[0] != plan.encode_rows[name]:
-                raise ModelError(
-                    f"encoder '{name}' produced {feats.shape[0]} embeddings for this rank's items but "
-                    f"their placeholders number {plan.encode_rows[name]} (samples "
-                    f"{batch.sample_ids[:4]}); each item needs exactly as many placeholders as it "
-                    "yields embeddings")
-            rows[name] = feats
-        if not plan.group_rows:  # no item in the whole row: no rank exchanges anything
-            return hidden, None
-        width = hidden.shape[-1]
-        ordered = [rows[name] for name in plan.order if name in rows]  # the plan's row order
-        # [N_r, (1 + k) D]; a rank that encoded nothing still sends rows of the group's width
-        empty = hidden.new_zeros((0, (1 + self.deepstack) * width))
-        local = torch.cat(ordered) if ordered else empty
-        if self._encoders_trainable() and not local.requires_grad:
-            # every rank must reach the backward all-to-all, also one that encoded nothing
-            local = local.detach().requires_grad_()
-        recv = ReshardEmbeddings.apply(local, plan, exchange_group)  # [R, (1 + k) D]
-        self.sp_counts.resharded(plan)
-        where = torch.as_tensor(plan.recv_positions, dtype=torch.long, device=hidden.device)
-        main, extra = split_levels(recv, width)  # [R, D], [R, k, D]
-        hidden = hidden[0].index_copy(0, where, main).unsqueeze(0)
-        return hidden, None if extra is None else Deepstack(where, extra, self.deepstack_layers)
-
-    def _encoders_trainable(self) -> bool:
-        return torch.is_grad_enabled() and any(p.requires_grad for p in self.encoders.parameters())
-
     def hidden_states(self, batch: "MicroBatch") -> torch.Tensor:
         """Final normed hidden states [1, T, D]."""
         hidden, deepstack = self.embed_deepstack(batch)
+        attention = self.router.attention(batch) if self.router is not None else None
         return self.backbone(hidden, batch.position_ids, batch.cu_seqlens, batch.max_seqlen,
-                             attention=self._route(batch)[1], deepstack=deepstack,
+                             attention=attention, deepstack=deepstack,
                              blocks=batch.blocks,
                              token_inputs=self.family.layer_inputs(batch.input_ids))
 

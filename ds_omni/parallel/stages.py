@@ -8,7 +8,7 @@ the step's encoder work:
 - "stage0" (Megatron-LM, NeMo, torchtitan): stage 0 encodes everything, so the embedding layer
   carries the whole encoder cost and the boundaries move decoder layers off stage 0 to make room.
 - "uniform" (MegaScale-Omni's joint pipeline): every stage's ranks encode an equal share (by
-  modelled cost) of the step's items before the schedule starts (`ds_omni.parallel.joint`), so
+  modelled cost) of the step's items before the schedule starts (`ds_omni.parallelize.joint`), so
   each stage carries 1/P of the encoder work and the split only balances layer work.
 
 A pipeline runs at the pace of its slowest stage, so the "cost" split minimises the largest stage

@@ -20,6 +20,7 @@ from ds_omni.data.prefetch import Prefetcher
 from ds_omni.data.skipped import SKIPPED_FILE, flush_skipped, skipped_totals
 from ds_omni.errors import LaunchError
 from ds_omni.parallel import dist
+from ds_omni.parallelize import router_of
 from ds_omni.train import checkpoint
 from ds_omni.train.control import WeightsFile
 from ds_omni.train.evaluate import build_evaluator
@@ -173,7 +174,8 @@ def pool_metrics(module) -> dict:
     (`data_pool_moved`) and those all ranks did (`data_pool_moved_group`, the same on every rank:
     rank 0's log shows the pool at work even when rank 0 itself moves nothing); nothing without
     the pool."""
-    pool = getattr(module, "encoder_pool", None)
+    router = router_of(module)
+    pool = router.encoder_pool if router is not None else None
     return {"data_pool_moved": pool.step_moved,
             "data_pool_moved_group": pool.step_moved_group} if pool is not None else {}
 
@@ -182,10 +184,10 @@ def sp_metrics(module) -> dict:
     """Under sequence parallelism (static or per-sequence): this rank's SP work since start
     (`sp_ulysses_calls`, `sp_rows_sent`, ...: `ds_omni.parallel.evidence`), which shows that the
     SP machinery ran; nothing without SP or on a pipeline stage."""
-    counts = getattr(module, "sp_counts", None)
-    if counts is None or (module.sp_group is None and not module.blocks):
+    router = router_of(module)
+    if router is None or (router.sp_group is None and not router.blocks):
         return {}
-    return counts.as_metrics()
+    return router.sp_counts.as_metrics()
 
 
 def _finish(cfg, engine, loader, rank, step, plan) -> dict:

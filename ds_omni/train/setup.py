@@ -27,12 +27,13 @@ from ds_omni.train.ds_config import derive_ds_config, load_ds_json
 from ds_omni.model.attention import resolve_kernel
 from ds_omni.model.build import check_sequence_parallel, llm_text_config
 from ds_omni.parallel import dist
-from ds_omni.parallel.encoder_pool import EncoderPool
 from ds_omni.parallel.groups import RankGroups, rank_groups
-from ds_omni.parallel.pipeline import build_pipeline_module, check_pipeline, layer_param_counts, \
-    optimizer_params
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.parallel.stages import SPLITS, StagePlan, describe, stage_plan_for
+from ds_omni.parallelize import parallelize
+from ds_omni.parallelize.encoder_pool import EncoderPool
+from ds_omni.parallelize.pipeline import (PipelineSpec, check_pipeline, layer_param_counts,
+                                         optimizer_params)
 from ds_omni.train import checkpoint
 
 log = logging.getLogger(__name__)
@@ -135,22 +136,18 @@ def cost_model(cfg: OmniConfig, built) -> CostModel:
 
 def _parallelize(cfg: OmniConfig, ds_config: dict, plan: ParallelPlan, groups: RankGroups,
                  built, cost: CostModel, rank: int):
-    """The plan applied to the built model; returns the module DeepSpeed is given (the model,
-    or this rank's pipeline stage)."""
-    model = built.model
-    if plan.sp_enabled:  # the LLM's attention goes Ulysses; encoders keep theirs
-        model.set_attention(cfg.model.attn_implementation, groups.sp)
-    if groups.blocks:
-        model.set_sequence_blocks(cfg.model.attn_implementation, groups.blocks)
-    if cfg.parallel.encoder_pool == "dp":
-        model.set_encoder_pool(encoder_pool_for(built, plan, rank, groups.pool, cost))
-    model.encoder_dummies = encoder_dummies_needed(ds_config, plan.pp_enabled)
-    if not plan.pp_enabled:
-        return model
-    # this rank's stage of the pipeline, split where the cost model says
-    return build_pipeline_module(model, plan, stage_plan(cfg, built, plan, cost),
-                                 cfg.parallel.encoder_placement, built.item_processors,
-                                 _item_cost(cost))
+    """The plan applied to the built model (`ds_omni.parallelize`: the LLM's attention goes
+    Ulysses under SP, encoders keep theirs); returns the module DeepSpeed is given (the model, or
+    this rank's pipeline stage, split where the cost model says)."""
+    pool = (encoder_pool_for(built, plan, rank, groups.pool, cost)
+            if cfg.parallel.encoder_pool == "dp" else None)
+    pipeline = (PipelineSpec(plan, stage_plan(cfg, built, plan, cost),
+                             cfg.parallel.encoder_placement, built.item_processors,
+                             _item_cost(cost)) if plan.pp_enabled else None)
+    return parallelize(built.model, kernel=cfg.model.attn_implementation, sp_group=groups.sp,
+                       blocks=groups.blocks, pool=pool,
+                       encoder_dummies=encoder_dummies_needed(ds_config, plan.pp_enabled),
+                       pipeline=pipeline)
 
 
 def _item_cost(cost: CostModel):
@@ -196,7 +193,8 @@ def stage_tokens(cfg: OmniConfig) -> int:
 
 def encoder_dummies_needed(ds_config: dict, pipeline: bool) -> bool:
     """Whether every micro-batch must run every encoder, on a zero-weight dummy where it has no
-    item (`OmniModel.encoder_dummies`), for DeepSpeed's collectives to line up over the ranks.
+    item (`EmbeddingRouter.encoder_dummies`), for DeepSpeed's collectives to line up over the
+    ranks.
 
     ZeRO-3 gathers an encoder's parameters at each run, all ranks together; ZeRO-2 reduces at
     every backward, ZeRO-1 with `overlap_comm` (or a `grad_accum_dtype`) at the last, both in the

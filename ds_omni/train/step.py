@@ -9,7 +9,7 @@ On every data-parallel rank:
      the text -> LLM -> summed token loss, then DeepSpeed's backward and step (which reduces
      gradients at the accumulation boundary, over data x sequence ranks).
 Under parallel.pp > 1 step 2 is DeepSpeed's pipeline schedule (`train_batch`) over the stages of
-`ds_omni.parallel.pipeline`; every stage's ranks load the same micro-batches.
+`ds_omni.parallelize.pipeline`; every stage's ranks load the same micro-batches.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from ds_omni.data.loader import StepBatch
 from ds_omni.errors import DataError, LaunchError
 from ds_omni.parallel import dist
 from ds_omni.parallel.groups import TorchDataComm
-from ds_omni.parallel.pipeline import (around_instructions, engine_inputs, fill_missing_grads,
-                                      is_pipeline, late_grads_to_master, optimizer_params)
+from ds_omni.parallelize import router_of
+from ds_omni.parallelize.pipeline import (around_instructions, engine_inputs, fill_missing_grads,
+                                         is_pipeline, late_grads_to_master, optimizer_params)
 from ds_omni.train.nonfinite import NonFiniteError, NonFiniteGuard
 
 
@@ -120,7 +121,8 @@ def _micro_batch_steps(engine, batch, comm, scale, n_micro, on_reduced_grads, gu
     micro_batches = _even_micro_batches(batch, n_micro)
     if engine.zero_optimization_stage() == 3 and (comm.sp_size > 1 or batch.filler is not None):
         _even_encoder_calls(engine.module, micro_batches, comm.dp_group)
-    pool = getattr(engine.module, "encoder_pool", None)
+    router = router_of(engine.module)
+    pool = router.encoder_pool if router is not None else None
     rounds = pool.plan_step(micro_batches) if pool is not None else None
     losses, dropped = [], None
     for i, mb in enumerate(micro_batches):
@@ -132,7 +134,7 @@ def _micro_batch_steps(engine, batch, comm, scale, n_micro, on_reduced_grads, gu
         out = engine(mb.to(engine.device))
         if guard is not None:
             guard.watch_loss(out.loss_sum)
-        if last and not getattr(engine.module, "encoder_dummies", True):  # before the reduction
+        if last and router is not None and not router.encoder_dummies:  # before the reduction
             fill_missing_grads(engine.module.encoders.parameters())
         engine.backward(out.loss_sum * scale, scale_wrt_gas=False)
         if last and on_reduced_grads is not None:

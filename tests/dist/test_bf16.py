@@ -36,10 +36,10 @@ ZeRO 1-3), so every activation differs by a few roundings.
 BF16_Optimizer loses a gradient made outside the span it watches: it zeroes the bf16 gradients
 when a backward pass starts (DeepSpeed's backward prologue, fired by a hook on the module's
 output) and adds them into the fp32 ones when it ends. The encoders' gradients under "uniform"
-placement come after the last backward (`ds_omni.parallel.pipeline.late_grads_to_master` adds
+placement come after the last backward (`ds_omni.parallelize.pipeline.late_grads_to_master` adds
 them); an LM head applied in the engine's `loss_fn`, after the module's output, has its gradient
 made before the prologue zeroes it (its fp32 master never moved: why the pipeline's last stage
-makes the loss inside its layers, `ds_omni.parallel.pipeline.HeadStage`).
+makes the loss inside its layers, `ds_omni.parallelize.pipeline.HeadStage`).
 """
 
 import json

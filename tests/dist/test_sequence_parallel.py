@@ -412,7 +412,7 @@ def pool_per_sequence_config(families, family: str, out_dir: str, skewed: dict):
 @contextmanager
 def _plans_seen():
     """Every round's pool plan this rank computes, while inside."""
-    from ds_omni.parallel.encoder_pool import EncoderPool
+    from ds_omni.parallelize.encoder_pool import EncoderPool
     plans, plan_step = [], EncoderPool.plan_step
 
     def spy(self, micro_batches):

@@ -9,7 +9,7 @@ from ds_omni.config import ModelConfig, PartConfig
 from ds_omni.errors import ConfigError, ModelError
 from ds_omni.data.packing import pack
 from ds_omni.model.build import build_model
-from ds_omni.model.omni import recompute_in_backward
+from ds_omni.model.recompute import recompute_in_backward
 from tests.family_checks import processor_for
 from tests.fixtures import TINY_LLAMA, TINY_VISION
 

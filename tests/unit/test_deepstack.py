@@ -22,7 +22,9 @@ import torch
 from ds_omni.coverage import sweep
 from ds_omni.data.packing import SeqShard, pack
 from ds_omni.errors import ModelError
-from ds_omni.model import deepstack, omni
+from ds_omni.model import deepstack
+from ds_omni.model.deepstack import Deepstack
+from ds_omni.parallelize import embedding, parallelize
 
 
 def build(folder, model_type: str):
@@ -73,7 +75,7 @@ def test_layer_maps_of_the_configs(qwen3_vl, granite4_vision):
     assert deepstack.layout(SimpleNamespace(vision_config=None)) == deepstack.Layout()
 
 
-def dense(hidden: torch.Tensor, deepstack: omni.Deepstack | None, k: int) -> torch.Tensor:
+def dense(hidden: torch.Tensor, deepstack: Deepstack | None, k: int) -> torch.Tensor:
     """[T, (1 + k) D]: each position's embedding and its k levels (zero where it has none)."""
     levels = hidden.new_zeros((hidden.shape[1], k, hidden.shape[2]))  # [T, k, D]
     if deepstack is not None:
@@ -116,7 +118,8 @@ def test_sharded_embedding_carries_the_levels_like_the_whole_row(request, monkey
                        SeqShard(r, sp, lambda enc, item: float(item.num_embeddings)))
                   for r in range(sp)]
         exchange = FakeExchange()
-        monkeypatch.setattr(omni, "ReshardEmbeddings", exchange)
+        monkeypatch.setattr(embedding, "ReshardEmbeddings", exchange)
+        parallelize(model)  # the plan's routing embeds the shards (no group: the fake exchange)
         for shard in shards:
             model.embed_deepstack(shard)
         exchange.deliver = True
@@ -160,7 +163,7 @@ def test_training_reaches_the_projectors_of_the_pairs_hf_adds(granite4_vision):
 
 
 def test_pipeline_engine_refuses_deepstack(qwen3_vl):
-    from ds_omni.parallel.pipeline import StepInputs, pipeline_layers
+    from ds_omni.parallelize.pipeline import StepInputs, pipeline_layers
     built, samples = qwen3_vl
     with pytest.raises(ModelError, match="deepstack.*parallel.pp to 1"):
         pipeline_layers(built.model, StepInputs())

@@ -1,4 +1,4 @@
-"""The encoder pool's pure plan (`ds_omni.parallel.encoder_pool`), ranks simulated in one process:
+"""The encoder pool's pure plan (`ds_omni.parallelize.encoder_pool`), ranks simulated in one process:
 who encodes what, and that the embedding exchange delivers every row to its placeholder."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 from ds_omni.config import ParallelConfig
 from ds_omni.errors import ConfigError
-from ds_omni.parallel.encoder_pool import EncoderPool, HomeRow, PoolItem, assign_pool, plan_round
+from ds_omni.parallelize.encoder_pool import EncoderPool, HomeRow, PoolItem, assign_pool, plan_round
 
 
 def _items(per_rank: list[list[tuple[str, int, float]]]) -> list[PoolItem]:
@@ -269,7 +269,7 @@ def test_metric_is_the_items_encoded_for_others(monkeypatch):
     `data_pool_moved` of metrics.jsonl."""
     from types import SimpleNamespace
 
-    from ds_omni.parallel import encoder_pool
+    from ds_omni.parallelize import encoder_pool
     from ds_omni.train.loop import pool_metrics
     rank0 = [([PoolItem(0, "vision", k, 4, 1.0) for k in range(n)], []) for n in (8, 1)]
 
@@ -279,6 +279,7 @@ def test_metric_is_the_items_encoded_for_others(monkeypatch):
     pool = EncoderPool(None, 1, 4, {}, {"vision": (5,)}, None, "cpu")
     # round 1: 2 of rank 0's 8 items come to rank 1; round 2: rank 0 keeps its one item
     pool.plan_step([SimpleNamespace(items={}), SimpleNamespace(items={})])
-    assert pool_metrics(SimpleNamespace(encoder_pool=pool)) == {"data_pool_moved": 2,
-                                                                "data_pool_moved_group": 6}
-    assert pool_metrics(SimpleNamespace(encoder_pool=None)) == {}
+    model = SimpleNamespace(router=SimpleNamespace(encoder_pool=pool))  # `parallelize` attached
+    assert pool_metrics(model) == {"data_pool_moved": 2, "data_pool_moved_group": 6}
+    assert pool_metrics(SimpleNamespace(router=SimpleNamespace(encoder_pool=None))) == {}
+    assert pool_metrics(SimpleNamespace()) == {}  # a pipeline stage: no router

@@ -281,7 +281,7 @@ def test_ernie_layers_get_the_processors_moe_token_types():
     token ids as HF's processor does (start / end tokens count as the image's), the backbone
     hands them to every layer (without them its sweep logits differ by 9e-3), and the pipeline,
     whose stages do not carry them, refuses the model with the fix."""
-    from ds_omni.parallel.pipeline import pipeline_layers
+    from ds_omni.parallelize.pipeline import pipeline_layers
     config, processor = sweep.RECIPES["ernie4_5_vl_moe"]()
     family = family_for("ernie4_5_vl_moe")
     model = family.to_omni(family.build_hf(config))

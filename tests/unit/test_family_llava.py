@@ -84,14 +84,15 @@ def test_without_dummies_a_text_only_row_skips_the_encoder_and_a_zero_grad_stand
     gradients are zero-filled, the same gradients as the zero-weight dummy pass, with the vision
     tower never run."""
     from ds_omni.data.packing import pack
-    from ds_omni.parallel.pipeline import fill_missing_grads
+    from ds_omni.parallelize import parallelize
+    from ds_omni.parallelize.pipeline import fill_missing_grads
     model, mb = built.model, pack([_samples(built)[1]], built.item_processors)
     runs = []
     hook = model.encoders["vision"].register_forward_hook(lambda *_: runs.append(1))
     losses, grads = [], []
     try:
         for dummies in (True, False):
-            model.encoder_dummies = dummies
+            parallelize(model, encoder_dummies=dummies)
             model.zero_grad(set_to_none=True)
             loss = model(mb).loss_sum
             loss.backward()
@@ -99,7 +100,7 @@ def test_without_dummies_a_text_only_row_skips_the_encoder_and_a_zero_grad_stand
             losses.append(loss.detach())
             grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     finally:
-        model.encoder_dummies = True
+        model.router = None  # the model as built again
         model.zero_grad(set_to_none=True)
         hook.remove()
     assert runs == [1] and torch.equal(losses[0], losses[1])  # the dummy ran once, with dummies

@@ -16,9 +16,9 @@ import torch
 
 from ds_omni.data.packing import SeqShard, pack
 from ds_omni.errors import ModelError
-from ds_omni.model import omni
 from ds_omni.model.families.generic import with_indicators
 from ds_omni.model.families.hf_processor import INDICATOR_SLOTS
+from ds_omni.parallelize import embedding, parallelize
 from tests.unit.test_deepstack import FakeExchange, build
 
 
@@ -55,7 +55,8 @@ def test_indicator_tokens_get_the_visual_table_and_ride_with_the_shards(ovis2, m
             at = (whole.input_ids[0] == token).nonzero().squeeze(1)
             assert len(at) and torch.equal(want[at], table.weight[last + i].expand(len(at), -1))
         exchange = FakeExchange()
-        monkeypatch.setattr(omni, "ReshardEmbeddings", exchange)
+        monkeypatch.setattr(embedding, "ReshardEmbeddings", exchange)
+        parallelize(model)  # the plan's routing embeds the shards (no group: the fake exchange)
         for shard in shards:
             model.embed(shard)
         exchange.deliver = True

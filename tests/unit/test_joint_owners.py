@@ -7,7 +7,7 @@ collectives around it (`EncoderShards`) run in the pipeline cases of `tests/dist
 import numpy as np
 import pytest
 
-from ds_omni.parallel.joint import owner_stages
+from ds_omni.parallelize.joint import owner_stages
 
 
 @pytest.mark.parametrize("seed", range(4))

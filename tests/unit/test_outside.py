@@ -83,7 +83,7 @@ def test_loss_and_gradients_equal_hf_on_a_packed_row(model_type, extra):
     from types import SimpleNamespace
     from transformers import AutoConfig, AutoModelForCausalLM
     from ds_omni.model.omni import backbone_of, summed_token_loss
-    from ds_omni.parallel.pipeline import HeadStage, StepInputs
+    from ds_omni.parallelize.pipeline import HeadStage, StepInputs
     config = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64,
                                   num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, head_dim=8, vocab_size=50,
@@ -130,7 +130,7 @@ def test_inklings_mup_head_equals_hf():
     from types import SimpleNamespace
     from transformers import AutoConfig, AutoModelForCausalLM
     from ds_omni.model.omni import summed_token_loss
-    from ds_omni.parallel.pipeline import HeadStage, StepInputs
+    from ds_omni.parallelize.pipeline import HeadStage, StepInputs
     config = AutoConfig.for_model(
         "inkling_text", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

@@ -165,7 +165,7 @@ def test_a_training_step_on_a_packed_row_equals_hf_per_sample(tmp_path):
 def _pipeline_stages_run_it_too(model, mb):
     """The pipeline engine's decoder stages (one layer each, the whole row) give the backbone's
     hidden states."""
-    from ds_omni.parallel.pipeline import DecoderStage
+    from ds_omni.parallelize.pipeline import DecoderStage
     with torch.no_grad():
         hidden = model.embed(mb)
         whole = model.backbone(hidden, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)

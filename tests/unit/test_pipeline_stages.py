@@ -104,7 +104,7 @@ def test_parameter_split_is_deepspeeds_partition_balanced():
 
 def test_layer_parameter_counts_leave_frozen_parts_out(tmp_path):
     from ds_omni.model.build import build_model
-    from ds_omni.parallel.pipeline import layer_param_counts
+    from ds_omni.parallelize.pipeline import layer_param_counts
     from tests.fixtures import tiny_config
     cfg = tiny_config(str(tmp_path / "run"))
     model = build_model(cfg.model).model
@@ -189,7 +189,7 @@ def test_train_refuses_pipeline_with_zero2_before_any_process_group(tmp_path, ca
 
 def test_joint_plan_balances_items_and_finds_every_row():
     from types import SimpleNamespace
-    from ds_omni.parallel.joint import assign_items, plan_joint
+    from ds_omni.parallelize.joint import assign_items, plan_joint
     assert assign_items([5.0, 1.0, 4.0, 2.0, 2.0], 2) == [0, 1, 1, 1, 0]  # 7 and 7
     # 3 micro-batches: 2 images + 1 clip, nothing, 1 image (rows: embeddings per item)
     item = lambda rows: SimpleNamespace(num_embeddings=rows)  # noqa: E731
@@ -211,7 +211,7 @@ def test_a_pipeline_checkpoint_with_a_layer_file_missing_says_so(tmp_path):
     from ds_omni.errors import ModelError
     from ds_omni.model.build import build_model
     from ds_omni.model.layer_files import layer_file, load_layer_files
-    from ds_omni.parallel.pipeline import StepInputs, pipeline_layers
+    from ds_omni.parallelize.pipeline import StepInputs, pipeline_layers
     from tests.fixtures import tiny_config
     cfg = tiny_config(str(tmp_path / "run"))
     trained, fresh = build_model(cfg.model).model, build_model(cfg.model).model

@@ -2,7 +2,7 @@
 one process (ranks are a loop), and the SP shards `pack` cuts from a packed row.
 
 The oracle for the exchange never reads the plan's internals: each rank's output rows are built the
-way `OmniModel._embed_shard` builds them (its items' embeddings in `plan.order`, then text order),
+way `EmbeddingRouter.embed_shard` builds them (its items' embeddings in `plan.order`, then text order),
 every row carries its own global token position as its value, and after the simulated exchange a
 shard must hold, at every placeholder, exactly that placeholder's position.
 

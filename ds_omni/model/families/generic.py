@@ -20,7 +20,7 @@ attention layer passes its own window to the packed kernel) and bidirectional bl
 whole prompt prefix does), which ride along each row as `MicroBatch.blocks`. Vision features that
 a family also adds into the LLM's hidden states between layers (deepstack: Qwen3-VL after its first
 layers, Granite 4 Vision before the layers its config names; `ds_omni.model.deepstack`) travel as
-extra columns of the image rows (`ds_omni.model.omni.Deepstack`); tokens its forward replaces
+extra columns of the image rows (`ds_omni.model.deepstack.Deepstack`); tokens its forward replaces
 next to the image tokens (Ovis2's visual indicator tokens, `indicator_ids`) become part of the
 image's rows, in text order. Numbers its forwards apply outside the modules (Granite's
 multipliers, logit soft-capping, Chameleon's suppressed tokens) the backbone applies too

@@ -127,7 +127,7 @@ class JointEncoding:
     def encode(self, encoders, micro_batches, processors, dummies: bool = True) -> None:
         """Encode this stage's share and send every row to stage 0; `dummies`: an encoder with
         no item here runs once on its dummy at zero weight (else its gradient is left to be
-        zero-filled: `OmniModel.encoder_dummies`)."""
+        zero-filled: `EmbeddingRouter.encoder_dummies`)."""
         mine = self.plan.items_of(self.stage)
         pieces = []
         for name, encoder in encoders.items():

@@ -37,6 +37,8 @@ Dims: T packed tokens of a micro-batch, D LLM hidden size, n samples in the row.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,7 +47,7 @@ from torch import nn
 from ds_omni.batch import IGNORE_INDEX
 from ds_omni.errors import LaunchError, ModelError
 from ds_omni.model.omni import DEEPSTACK_ALONE, OmniModel, summed_token_loss
-from ds_omni.parallel.joint import EncoderShards, JointEncoding, plan_joint
+from ds_omni.parallelize.joint import EncoderShards, JointEncoding, plan_joint
 from ds_omni.parallel.stages import StagePlan, check_stages
 
 
@@ -174,11 +176,12 @@ def layer_param_counts(model: OmniModel) -> tuple[list[int], int]:
 
 
 class JointSetup:
-    """What a step needs to run "uniform" placement on this rank (`ds_omni.parallel.joint`)."""
+    """What a step needs to run "uniform" placement on this rank (`ds_omni.parallelize.joint`)."""
 
     def __init__(self, model: OmniModel, processors: dict, item_cost, stage: int, stages: int,
-                 group):
+                 group, encoder_dummies: bool = False):
         self.model, self.encoders = model, model.encoders
+        self.encoder_dummies = encoder_dummies  # `EmbeddingRouter.encoder_dummies`
         self.processors, self.item_cost = processors, item_cost
         self.stage, self.stages, self.group = stage, stages, group
         self.hidden = model.backbone.embed_tokens.embedding_dim
@@ -190,7 +193,7 @@ class JointSetup:
         plan = plan_joint([mb.items for mb in micro_batches], self.item_cost, self.stages)
         dtype = self.encoders_dtype()
         joint = JointEncoding(plan, self.stage, self.group, self.hidden, device, dtype)
-        joint.encode(self.encoders, micro_batches, self.processors, self.model.encoder_dummies)
+        joint.encode(self.encoders, micro_batches, self.processors, self.encoder_dummies)
         return joint
 
     def encoders_dtype(self) -> torch.dtype:
@@ -259,8 +262,20 @@ def late_grads_to_master(optimizer):
     optimizer.update_hp_grads(clear_lp_grads=False)
 
 
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What `build_pipeline_module` needs of the plan under parallel.pp > 1 (`parallelize`)."""
+
+    plan: object  # the `ParallelPlan`: pp x dp ranks
+    stage_plan: StagePlan  # where the stages split the pipeline's layers
+    placement: str = "stage0"  # parallel.encoder_placement
+    processors: dict | None = None  # the item processors ("uniform": each stage encodes a share)
+    item_cost: Callable | None = None  # (encoder, item) -> modelled cost ("uniform")
+
+
 def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placement: str = "stage0",
-                          processors: dict | None = None, item_cost=None):
+                          processors: dict | None = None, item_cost=None,
+                          encoder_dummies: bool = False):
     """The `PipelineModule` of this rank's stage, split at `stage_plan.parts`; its `step_inputs`
     is the `StepInputs` the step fills, its `joint` the `JointSetup` under "uniform" placement
     (else None). It has no `loss_fn`: the last stage's layers make the loss (module docstring)."""
@@ -304,7 +319,7 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
             module.add_module("joint_encoders", model.encoders)
             model.encoders.to(next(module.parameters()).device)
         module.joint = JointSetup(model, processors, item_cost, stage, plan.pp,
-                                  module._grid.get_pipe_parallel_group())
+                                  module._grid.get_pipe_parallel_group(), encoder_dummies)
         module.joint.mark_replicas()
     return module
 

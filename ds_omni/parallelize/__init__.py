@@ -1,0 +1,57 @@
+"""Parallelism applied to a built model, from outside: `parallelize(model, ...)`.
+
+The model is built whole and plain (`ds_omni.model.build`); this one step then applies the plan
+to it (torchtitan's `parallelize_fn(model, parallel_dims, job_config)`), and returns the module
+DeepSpeed is given:
+  embedding.py     the SP / per-sequence SP / encoder-pool routing of a micro-batch's embeddings
+                   (`EmbeddingRouter`, attached to the model) and the LLM's Ulysses attention
+  encoder_pool.py  the encoder pool: each round's items placed over every data-parallel rank
+  pipeline.py      the LLM over pipeline stages on DeepSpeed's PipelineModule (parallel.pp > 1)
+  joint.py         "uniform" encoder placement: every stage encodes a share of the step's items
+The pure planners these call (reshard, long_short, hdp, stages) and the groups are in
+`ds_omni.parallel`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ds_omni.model.attention import PackedAttention
+from ds_omni.model.omni import OmniModel
+from ds_omni.parallelize.embedding import EmbeddingRouter
+from ds_omni.parallelize.encoder_pool import EncoderPool
+from ds_omni.parallelize.pipeline import PipelineSpec, build_pipeline_module
+
+__all__ = ["EmbeddingRouter", "PipelineSpec", "parallelize", "router_of"]
+
+
+def parallelize(model: OmniModel, *, kernel: str | None = None, sp_group=None,
+                blocks: dict | None = None, pool: EncoderPool | None = None,
+                encoder_dummies: bool = True, pipeline: PipelineSpec | None = None) -> nn.Module:
+    """Apply the plan to a built model; returns what DeepSpeed is given: the model itself, or
+    under `pipeline` (parallel.pp > 1) this rank's stage of it (`build_pipeline_module`).
+
+    `kernel`: the LLM's packed-attention kernel (None: the one the model was built with);
+    `sp_group`: the LLM's Ulysses group (None: no static SP; the encoders keep theirs);
+    `blocks`: per-sequence SP, (first rank, size) -> the group of every block this rank can be
+    in; `pool`: the encoder pool (parallel.encoder_pool="dp"); `encoder_dummies`: whether every
+    micro-batch runs every encoder, on a dummy where it has no item
+    (`ds_omni.train.setup.encoder_dummies_needed`). The model gets an `EmbeddingRouter` holding
+    them, and its backbone the attention with `sp_group`, counted in the router's `sp_counts`.
+    """
+    kernel = kernel or model.backbone.attention.asked
+    router = EmbeddingRouter(kernel=kernel, sp_group=sp_group, blocks=blocks, pool=pool,
+                             encoder_dummies=encoder_dummies)
+    model.backbone.attention = PackedAttention(kernel, sp_group, router.sp_counts)
+    model.router = router
+    if pipeline is None:
+        return model
+    return build_pipeline_module(model, pipeline.plan, pipeline.stage_plan, pipeline.placement,
+                                 pipeline.processors, pipeline.item_cost,
+                                 encoder_dummies=encoder_dummies)
+
+
+def router_of(module: nn.Module) -> EmbeddingRouter | None:
+    """The router `parallelize` attached to `module` (None on a pipeline stage, whose module is
+    not the model, and on a model the plan was not applied to)."""
+    return getattr(module, "router", None)
