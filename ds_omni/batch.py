@@ -11,6 +11,7 @@ Dims: T packed tokens (sum of sample lengths; padded to a multiple of sp under S
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -118,8 +119,44 @@ class SampleFamily(Protocol):
 
 
 @dataclass
+class Route:
+    """What a parallel plan adds to a packed row: how its embeddings move between ranks and which
+    group of ranks runs it. Empty (the default) for a row one rank runs whole.
+
+    Made where the plan shards a row (`ds_omni.data.packing.shard_row`); the loader, the step and
+    the encoder pool refine it by giving a micro-batch a new one (`MicroBatch.routed`), never by
+    changing one in place. Read by the plan's embedding router (`ds_omni.parallelize.embedding`).
+    """
+
+    reshard: "RankReshard | None" = None
+    """Under SP: what this rank encodes, sends and receives (`ds_omni.parallel.reshard.RankReshard`,
+    a layer above this module: not imported here)."""
+    split_inputs: dict[str, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
+    """Under SP: encoder -> inputs of each long item of the row (`reshard.split`), one by one; every
+    rank of the group has them all and encodes its piece of each."""
+    row_positions: dict[tuple[str, int], "np.ndarray"] | None = None
+    """Under SP: (encoder, index) -> the item's placeholder positions in the whole padded row
+    (`reshard.item_slots`), for the encoder pool; None: the row is `input_ids` itself."""
+    sp_block: tuple[int, int] | None = None
+    """Per-sequence SP: (first rank, size) of the block of ranks that splits this row, whose
+    Ulysses group the model uses for it; None: the static plan's (no SP, or parallel.sp)."""
+    pooled: bool = False
+    """`parallel.encoder_pool`: `encoder_inputs` are the items the pool gave this rank (any
+    rank's), and `reshard` brings this row's rows home over the pool's group."""
+    encode_calls: dict[str, int] | None = None
+    """ZeRO-3: how many times each encoder runs on this micro-batch, the same on every rank
+    (the step sets it; the model tops up with zero-weight dummy runs). None: no top-up."""
+
+    @property
+    def sharded(self) -> bool:
+        """The row is split over a group of ranks (static or per-sequence SP)."""
+        return self.reshard is not None or self.sp_block is not None
+
+
+@dataclass
 class MicroBatch:
-    """One packed row: what `OmniModel.forward` consumes."""
+    """One packed row: what `OmniModel.forward` consumes. The data of the row, and the `route`
+    a parallel plan adds to it."""
 
     input_ids: torch.Tensor  # [1, T]
     targets: torch.Tensor  # [1, T] next token, or IGNORE_INDEX
@@ -128,20 +165,8 @@ class MicroBatch:
     max_seqlen: int
     encoder_inputs: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     sample_ids: list[str] = field(default_factory=list)
-    reshard: "RankReshard | None" = None
-    """Under SP: what this rank encodes, sends and receives (`ds_omni.parallel.reshard.RankReshard`,
-    a layer above this module: not imported here)."""
     pad_tokens: int = 0  # padding tokens in this row (or shard)
-    sp_block: tuple[int, int] | None = None
-    """Per-sequence SP: (first rank, size) of the block of ranks that splits this row, whose
-    Ulysses group the model uses for it; None: the static plan's (no SP, or parallel.sp)."""
     host: "MicroBatch | None" = field(default=None, repr=False)  # the CPU batch `to` moved
-    split_inputs: dict[str, list[dict[str, torch.Tensor]]] = field(default_factory=dict)
-    """Under SP: encoder -> inputs of each long item of the row (`reshard.split`), one by one; every
-    rank of the group has them all and encodes its piece of each."""
-    encode_calls: dict[str, int] | None = None
-    """ZeRO-3: how many times each encoder runs on this micro-batch, the same on every rank
-    (`train_step` sets it; the model tops up with zero-weight dummy runs). None: no top-up."""
     blocks: torch.Tensor | None = None
     """[m, 2] (start, end) spans of the whole row whose tokens attend to each other both ways
     (Gemma 3's images); host tensor, the same on every rank of an SP group. None: causal."""
@@ -149,12 +174,8 @@ class MicroBatch:
     """The row's encoder items (host tensors), by encoder, in placeholder order: what a rank that
     encodes only some of them (the joint pipeline's uniform placement, the encoder pool) collates
     from; under SP the whole row's items."""
-    row_positions: dict[tuple[str, int], "np.ndarray"] | None = None
-    """Under SP: (encoder, index) -> the item's placeholder positions in the whole padded row
-    (`reshard.item_slots`), for the encoder pool; None: the row is `input_ids` itself."""
-    pooled: bool = False
-    """`parallel.encoder_pool`: `encoder_inputs` are the items the pool gave this rank (any
-    rank's), and `reshard` brings this row's rows home over the model's pool group."""
+    route: Route = field(default_factory=Route)
+    """What the parallel plan adds: resharding, the SP block, the pool, encoder top-ups."""
 
     @property
     def num_tokens(self) -> int:
@@ -193,11 +214,14 @@ class MicroBatch:
         return MicroBatch(
             input_ids=move(self.input_ids), targets=move(self.targets),
             position_ids=move(self.position_ids), cu_seqlens=self.cu_seqlens,  # stays on CPU
-            max_seqlen=self.max_seqlen, sample_ids=self.sample_ids, reshard=self.reshard,
-            pad_tokens=self.pad_tokens, sp_block=self.sp_block, host=self.host or self,
-            items=self.items, blocks=self.blocks,
+            max_seqlen=self.max_seqlen, sample_ids=self.sample_ids, pad_tokens=self.pad_tokens,
+            host=self.host or self, items=self.items, blocks=self.blocks,
             encoder_inputs={e: {k: move(v) for k, v in d.items()}
                             for e, d in self.encoder_inputs.items()},
-            split_inputs={e: [{k: move(v) for k, v in d.items()} for d in items]
-                          for e, items in self.split_inputs.items()},
-            encode_calls=self.encode_calls, row_positions=self.row_positions, pooled=self.pooled)
+            route=dataclasses.replace(self.route, split_inputs={
+                e: [{k: move(v) for k, v in d.items()} for d in items]
+                for e, items in self.route.split_inputs.items()}))
+
+    def routed(self, **changes) -> "MicroBatch":
+        """The same row with its route refined (`Route`'s fields)."""
+        return dataclasses.replace(self, route=dataclasses.replace(self.route, **changes))

@@ -477,11 +477,11 @@ def _record_shards(batch, plan, rank: int, out: dict) -> None:
     whole under SP still counts as split."""
     static = (rank - plan.coords(rank).sp_rank, plan.sp) if plan.sp > 1 else None
     for i, mb in enumerate(batch.micro_batches):
-        group = mb.sp_block or static
+        group = mb.route.sp_block or static
         out["shards"].append((len(out["keys"]), i, group, mb.input_ids[0].tolist(),
                               int(mb.cu_seqlens[-1])))
         out["sp_rows"] += group is not None
-        out["rows_with_items"] += bool(mb.reshard is not None and mb.reshard.group_rows)
+        out["rows_with_items"] += bool(mb.route.reshard is not None and mb.route.reshard.group_rows)
 
 
 def assert_split_work(ref: Reference, per_rank: list[dict], where: str, *,
@@ -541,11 +541,12 @@ def _assert_shards_differ(per_rank: list[dict], where: str) -> None:
 def _count_encoder_work(batch, out: dict) -> None:
     for mb in batch.micro_batches:
         out["nothing_to_encode"] += not mb.encoder_inputs
-        out["row_without_items"] += bool(mb.reshard is not None and not mb.reshard.group_rows)
-        out["block_rows"] += mb.sp_block is not None
-        out["block_rows_with_items"] += bool(mb.sp_block is not None and mb.reshard.group_rows)
+        route = mb.route
+        out["row_without_items"] += bool(route.reshard is not None and not route.reshard.group_rows)
+        out["block_rows"] += route.sp_block is not None
+        out["block_rows_with_items"] += bool(route.sp_block is not None and route.reshard.group_rows)
         # items the whole SP group encoded, each rank its piece (long-short SP)
-        out["long_items"] += sum(map(len, mb.reshard.split.values())) if mb.reshard else 0
+        out["long_items"] += sum(map(len, route.reshard.split.values())) if route.reshard else 0
 
 
 # ------------------------------------------------------------------------------- validation

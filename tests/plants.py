@@ -83,7 +83,7 @@ def _drop_sample(rank: int):
             batch = next_step(loader)
             if rank == 0 and batch.step == 0:
                 mb = batch.micro_batches[0]
-                assert mb.reshard is None, "plant drop_sample on data-parallel runs only"
+                assert mb.route.reshard is None, "plant drop_sample on data-parallel runs only"
                 mb.targets[:, int(mb.cu_seqlens[-2]):] = IGNORE_INDEX
             return batch
         return planted

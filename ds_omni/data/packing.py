@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from ds_omni.batch import (IGNORE_INDEX, EncodedItem, ItemProcessor, MicroBatch, SampleFamily,
-                           placeholder_ids)
+from ds_omni.batch import (IGNORE_INDEX, EncodedItem, ItemProcessor, MicroBatch, Route,
+                           SampleFamily, placeholder_ids)
 from ds_omni.data.processing import Sample
 from ds_omni.parallel.long_short import LongItems
 from ds_omni.parallel.reshard import item_slots, plan_reshard
@@ -103,13 +103,14 @@ def shard_row(row: MicroBatch, items: dict[str, list[EncodedItem]],
     return MicroBatch(
         input_ids=row.input_ids[:, lo:hi], targets=row.targets[:, lo:hi],
         position_ids=row.position_ids[..., lo:hi], cu_seqlens=row.cu_seqlens,
-        max_seqlen=row.max_seqlen, sample_ids=row.sample_ids, reshard=plan, blocks=row.blocks,
+        max_seqlen=row.max_seqlen, sample_ids=row.sample_ids, blocks=row.blocks,
         pad_tokens=max(0, hi - max(lo, real_end)),
         encoder_inputs={e: processors[e].collate([items[e][k] for k in idx])
                         for e, idx in plan.encode.items()},
-        split_inputs={e: [processors[e].collate([items[e][k]]) for k, _ in long]
-                      for e, long in plan.split.items()},
-        items=items, row_positions={(sl.encoder, sl.index): sl.positions for sl in slots})
+        items=items, route=Route(
+            reshard=plan, row_positions={(sl.encoder, sl.index): sl.positions for sl in slots},
+            split_inputs={e: [processors[e].collate([items[e][k]]) for k, _ in long]
+                          for e, long in plan.split.items()}))
 
 
 def pad_row(row: MicroBatch, multiple: int, pad_id: int) -> MicroBatch:

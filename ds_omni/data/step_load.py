@@ -60,12 +60,12 @@ class MicroBatchLoader:
                              problems, step)
         long_keys, long_cost = {e[0] for e in rounds if e}, 0.0
         for entry, mb in zip(rounds, micro):
-            if mb.sp_block is not None:
+            if mb.route.sp_block is not None:
                 long_cost += costs.get(entry[0], 0.0) / entry[2]  # this rank's share
         stats["skipped"] = dict(self.reader.skipped)
         # long-short SP: items this rank's groups encode together (rank 0's figure is logged)
-        stats["long_items"] = sum(len(v) for mb in micro if mb.reshard
-                                  for v in mb.reshard.split.values())
+        stats["long_items"] = sum(len(v) for mb in micro if mb.route.reshard
+                                  for v in mb.route.reshard.split.values())
         self._check_long_items(stats["long_items"])
         # the model runs a dummy through each encoder a micro-batch has no inputs for
         dummies = sum(self.cost_model.dummy_cost(mb.encoder_inputs) for mb in micro)
@@ -132,8 +132,8 @@ class MicroBatchLoader:
                 problem = problem or next(worker_problems)
                 packed_any |= problem is None
                 self._account(key, owner, row, problem, keys, problems, step)
-            made.micro_batch.sp_block = sp_block if packed_any else None
-            micro.append(made.micro_batch)
+            micro.append(made.micro_batch.routed(sp_block=sp_block) if packed_any and sp_block
+                         else made.micro_batch)
         return micro
 
     def _account(self, key: str, owner: bool, row, problem, keys: list, problems: list,

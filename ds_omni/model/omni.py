@@ -50,7 +50,7 @@ DEEPSTACK_ALONE = (
     "between stages in this version; set parallel.pp to 1 (ZeRO and sequence parallelism carry "
     "them)")
 UNROUTED = (
-    "this micro-batch is a sequence shard or a pooled row (its `reshard` or `sp_block` is set), "
+    "this micro-batch is a sequence shard or a pooled row (its `route` has a `reshard` or an `sp_block`), "
     "which only the plan's routing can embed; apply the plan to the model first "
     "(`ds_omni.parallelize.parallelize`)")
 
@@ -140,9 +140,9 @@ def with_dummy_pass(hidden: torch.Tensor, encoder: ModalityEncoder) -> torch.Ten
 def top_up_calls(hidden: torch.Tensor, encoder: ModalityEncoder, batch: "MicroBatch", name: str,
                  runs: int) -> torch.Tensor:
     """Under ZeRO-3 every rank must run `encoder` as often as any other on this micro-batch
-    (`MicroBatch.encode_calls`): the ranks of a group with long items run it once more per item,
+    (`Route.encode_calls`): the ranks of a group with long items run it once more per item,
     so a rank that will run it only `runs` times adds zero-weight dummy runs."""
-    want = (batch.encode_calls or {}).get(name, runs)
+    want = (batch.route.encode_calls or {}).get(name, runs)
     for _ in range(want - runs):
         hidden = with_dummy_pass(hidden, encoder)
     return hidden
@@ -401,7 +401,7 @@ class OmniModel(nn.Module):
         this rank's shard [1, S, D] where the micro-batch is sharded or pooled."""
         if self.router is not None:
             return self.router.embed(self, batch)
-        if batch.reshard is not None or batch.sp_block is not None:
+        if batch.route.sharded:
             raise ModelError(UNROUTED)
         return self.embed_local(batch)
 

@@ -2,7 +2,7 @@
 
 Under sequence parallelism a rank holds a shard of the row's tokens; under the encoder pool
 (`parallel.encoder_pool`) it encodes items that other ranks' rows hold. Either way its micro-batch
-carries a reshard plan (`MicroBatch.reshard`, `ds_omni.parallel.reshard`): the rank encodes the
+carries a reshard plan (`Route.reshard`, `ds_omni.parallel.reshard`): the rank encodes the
 items the plan gives it, wherever their placeholders are (its whole items, and its piece of each
 long item, encoded by the whole row's group: `ds_omni.parallel.long_short`), then one all-to-all
 (`ReshardEmbeddings`) brings every row of this shard's placeholders from the rank that encoded
@@ -63,7 +63,7 @@ class EmbeddingRouter:
     def route(self, batch: "MicroBatch") -> tuple[object, PackedAttention | None]:
         """(SP group, attention) of this micro-batch: its block's, else the model's own (None:
         the backbone's attention)."""
-        block = batch.sp_block
+        block = batch.route.sp_block
         if block is None:
             return self.sp_group, None
         if block not in self.blocks:
@@ -81,7 +81,7 @@ class EmbeddingRouter:
         """(token embeddings with encoder outputs in place of placeholder tokens, the deepstack
         levels or None): of this rank's shard [1, S, D] for a micro-batch with a reshard plan,
         else of the whole row [1, T, D] (`OmniModel.embed_local`)."""
-        if batch.reshard is None:
+        if batch.route.reshard is None:
             return model.embed_local(batch, dummies=self.encoder_dummies)
         return self.embed_shard(model, batch)
 
@@ -90,9 +90,9 @@ class EmbeddingRouter:
         """Under SP: this rank's shard [1, S, D] of the row's embeddings (and deepstack levels);
         a pooled micro-batch: the same (the whole row [1, T, D] at sp = 1), its rows exchanged
         over the pool group (long items still split in the row's group). Module docstring."""
-        plan = batch.reshard
+        plan = batch.route.reshard
         sp_group = self.route(batch)[0]  # the row's group: it splits the long items
-        exchange_group = self.encoder_pool.group if batch.pooled else sp_group
+        exchange_group = self.encoder_pool.group if batch.route.pooled else sp_group
         hidden = model.backbone.embed_tokens(batch.input_ids)  # [1, S, D]
         rows: dict[str, torch.Tensor] = {}
         for name, encoder in model.encoders.items():
@@ -105,7 +105,7 @@ class EmbeddingRouter:
             self.sp_counts.encoder_pieces += len(long)
             feats = ([encoder(inputs)] if inputs is not None else []) + [
                 encoder.forward_piece(item, bounds, sp_group, plan.piece_rank)
-                for item, (_, bounds) in zip(batch.split_inputs.get(name, []), long)]
+                for item, (_, bounds) in zip(batch.route.split_inputs.get(name, []), long)]
             if not feats:
                 continue
             feats = checked_rows(torch.cat(feats).to(hidden.dtype), encoder, hidden.shape[-1], name)

@@ -397,18 +397,19 @@ class EncoderPool:
                      for i in mine if plan.items[i].encoder == enc]
             if items:
                 inputs[enc] = self.processors[enc].collate(items)
-        return dataclasses.replace(mb, encoder_inputs=inputs, pooled=True,
-                                   reshard=plan.reshard(self.rank, self.home_row(mb)))
+        return dataclasses.replace(mb, encoder_inputs=inputs).routed(
+            pooled=True, reshard=plan.reshard(self.rank, self.home_row(mb)))
 
     def home_row(self, mb) -> HomeRow:
-        """This rank's row as the plan needs it: under SP (`mb.reshard` from `shard_row`) its
-        group's padded row, the group being the micro-batch's per-sequence block (`sp_block`)
+        """This rank's row as the plan needs it: under SP (`mb.route.reshard` from `shard_row`) its
+        group's padded row, the group being the micro-batch's per-sequence block (`route.sp_block`)
         or else the static SP group; otherwise (sp = 1, a sequence that runs alone, a filler)
         the micro-batch's own row."""
-        if mb.reshard is not None:
-            size = mb.sp_block[1] if mb.sp_block is not None else self.sp
-            return HomeRow(self.rank - mb.reshard.rank, size, int(mb.input_ids.shape[1]),
-                           mb.row_positions, mb.reshard.split)
+        route = mb.route
+        if route.reshard is not None:
+            size = route.sp_block[1] if route.sp_block is not None else self.sp
+            return HomeRow(self.rank - route.reshard.rank, size, int(mb.input_ids.shape[1]),
+                           route.row_positions, route.reshard.split)
         ids = (mb.host or mb).input_ids[0]
         items = {e: its for e, its in mb.items.items() if its}
         slots = item_slots(ids.numpy(), {e: self.placeholder_ids[e] for e in items},

@@ -120,7 +120,7 @@ def _micro_batch_steps(engine, batch, comm, scale, n_micro, on_reduced_grads, gu
     the loss DeepSpeed is given (`engine_loss`)."""
     micro_batches = _even_micro_batches(batch, n_micro)
     if engine.zero_optimization_stage() == 3 and (comm.sp_size > 1 or batch.filler is not None):
-        _even_encoder_calls(engine.module, micro_batches, comm.dp_group)
+        micro_batches = _even_encoder_calls(engine.module, micro_batches, comm.dp_group)
     router = router_of(engine.module)
     pool = router.encoder_pool if router is not None else None
     rounds = pool.plan_step(micro_batches) if pool is not None else None
@@ -218,16 +218,18 @@ def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list)
     return hooks
 
 
-def _even_encoder_calls(model, micro_batches: list, group) -> None:
-    """Set every micro-batch's `encode_calls` to the most runs of each encoder any rank makes in
-    that round. Long-short SP runs an encoder once more per long item on the ranks that share the
-    item's row; ZeRO-3 gathers the encoder's parameters at every run, on all ranks together."""
+def _even_encoder_calls(model, micro_batches: list, group) -> list:
+    """The micro-batches, each routed to run each encoder as often as the most runs any rank
+    makes in that round (`Route.encode_calls`). Long-short SP runs an encoder once more per long
+    item on the ranks that share the item's row; ZeRO-3 gathers the encoder's parameters at every
+    run, on all ranks together."""
     names = list(model.encoders)
-    runs = [1 + len(mb.reshard.split.get(name, [])) if mb.reshard is not None else 1
+    runs = [1 + len(mb.route.reshard.split.get(name, [])) if mb.route.reshard is not None else 1
             for mb in micro_batches for name in names]
     most = dist.all_reduce_max(runs, group) if runs else []
-    for i, mb in enumerate(micro_batches):
-        mb.encode_calls = {name: int(most[i * len(names) + j]) for j, name in enumerate(names)}
+    return [mb.routed(encode_calls={name: int(most[i * len(names) + j])
+                                    for j, name in enumerate(names)})
+            for i, mb in enumerate(micro_batches)]
 
 
 def _even_micro_batches(batch: StepBatch, n_micro: int) -> list:

@@ -127,9 +127,9 @@ def test_sharded_embedding_carries_the_levels_like_the_whole_row(request, monkey
     t = want.shape[0]
     assert torch.equal(got[:t], want)
     if n == 3:  # 3 items on 4 ranks: one encodes nothing, yet receives rows of its shard
-        assert any(not s.reshard.encode and s.reshard.rows_in for s in shards)
+        assert any(not s.route.reshard.encode and s.route.reshard.rows_in for s in shards)
     else:  # the long text-only sample fills the last shard: it receives no row
-        assert shards[-1].reshard.encode and not shards[-1].reshard.rows_in
+        assert shards[-1].route.reshard.encode and not shards[-1].route.reshard.rows_in
     assert (want[:, 32:] != 0).any(dim=1).sum() == sum(
         it.num_embeddings for s in samples for _, it in s.items)  # levels on every image token
 

@@ -202,19 +202,21 @@ def test_home_row_takes_the_block_of_the_micro_batch():
     from types import SimpleNamespace
 
     import torch
+
+    from ds_omni.batch import Route
     positions = {("vision", 0): np.arange(3, 7)}
     shard = SimpleNamespace(rank=1, split={})
-    block = SimpleNamespace(reshard=shard, sp_block=(4, 2), input_ids=torch.zeros(1, 16),
-                            row_positions=positions)
+    block = SimpleNamespace(route=Route(reshard=shard, sp_block=(4, 2), row_positions=positions),
+                            input_ids=torch.zeros(1, 16))
     pool = EncoderPool(None, 5, 8, {}, {"vision": (5,)}, None, "cpu")
     row = pool.home_row(block)
     assert (row.start, row.size, row.shard_len) == (4, 2, 16) and row.positions is positions
-    alone = SimpleNamespace(reshard=None, sp_block=None, host=None, items={},
+    alone = SimpleNamespace(route=Route(), host=None, items={},
                             input_ids=torch.zeros(1, 9, dtype=torch.long))
     assert (pool.home_row(alone).start, pool.home_row(alone).size) == (5, 1)
     static = EncoderPool(None, 5, 8, {}, {"vision": (5,)}, None, "cpu", sp=4)
-    shard4 = SimpleNamespace(reshard=SimpleNamespace(rank=1, split={}), sp_block=None,
-                             input_ids=torch.zeros(1, 16), row_positions=positions)
+    shard4 = SimpleNamespace(route=Route(reshard=SimpleNamespace(rank=1, split={}),
+                                         row_positions=positions), input_ids=torch.zeros(1, 16))
     assert (static.home_row(shard4).start, static.home_row(shard4).size) == (4, 4)
 
 

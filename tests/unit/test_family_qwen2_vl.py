@@ -327,12 +327,12 @@ def test_videos_are_carried_to_the_sequence_shards_holding_their_placeholders(bu
         sent = []  # per rank: its encoded rows, grouped by destination
         for mb in shards:
             rows = encoder(mb.encoder_inputs["vision"]) if mb.encoder_inputs else whole[:0]
-            rows = rows[mb.reshard.send_order]
-            sent.append(rows.split(mb.reshard.send_counts))
+            rows = rows[mb.route.reshard.send_order]
+            sent.append(rows.split(mb.route.reshard.send_counts))
         assert all(mb.encoder_inputs for mb in shards)  # the items are split over both ranks
         for r, mb in enumerate(shards):
             got = built.model.backbone.embed_tokens(mb.input_ids)[0].clone()  # [S, D]
-            got[mb.reshard.recv_positions] = torch.cat([sent[s][r] for s in range(2)])
+            got[mb.route.reshard.recv_positions] = torch.cat([sent[s][r] for s in range(2)])
             lo = r * got.shape[0]
             real = min(got.shape[0], whole.shape[0] - lo)
             torch.testing.assert_close(got[:real], whole[lo:lo + real], rtol=0, atol=1e-6)

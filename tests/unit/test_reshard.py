@@ -297,10 +297,10 @@ def _assert_items_split(samples, processors, shards) -> int:
     for s in samples:
         for enc, item in s.items:
             items.setdefault(enc, []).append(item)
-    owner = owners([m.reshard for m in shards])
+    owner = owners([m.route.reshard for m in shards])
     assert sorted(owner) == sorted((e, k) for e, its in items.items() for k in range(len(its)))
     for m in shards:
-        plan = m.reshard
+        plan = m.route.reshard
         assert sorted(m.encoder_inputs) == sorted(plan.encode)
         for enc, idx in plan.encode.items():
             want = processors[enc].collate([items[enc][k] for k in idx])
@@ -339,7 +339,7 @@ def test_empty_micro_batch_pads_to_sp(model, sp, request):
         assert m.input_ids.shape == (1, 1)
         assert m.position_ids.shape == whole.position_ids.shape  # [1, 1] or [3, 1, 1]
         assert (m.num_tokens, m.num_targets, m.encoder_inputs) == (0, 0, {})
-        assert m.reshard.group_rows == 0 and m.cu_seqlens.tolist() == [0, 1, sp]
+        assert m.route.reshard.group_rows == 0 and m.cu_seqlens.tolist() == [0, 1, sp]
     assert whole.num_tokens == 0 and whole.num_targets == 0
 
 
