@@ -212,3 +212,15 @@ def test_every_import_of_the_package_resolves():
                            if a.name.startswith("ds_omni") and
                            importlib.util.find_spec(a.name) is None]
     assert not broken, "imports of names that do not exist:\n" + "\n".join(broken)
+
+
+def test_the_project_stands_on_its_own_files():
+    """Nothing shipped points outside the repository (the design notes a checkout sits next to
+    are not part of it: docs/ says what a reader needs)."""
+    root = PACKAGE.parent
+    outside = "../" + "shared"
+    files = [root / "README.md", root / "BENCHMARKS.md", root / "Makefile", root / "pyproject.toml"]
+    files += [p for d in ("ds_omni", "docs", "tests", "benchmarks", "examples", "launch")
+              for p in (root / d).rglob("*") if p.suffix in (".py", ".md", ".json", ".sh")]
+    found = [str(p.relative_to(root)) for p in files if p.exists() and outside in p.read_text()]
+    assert not found, f"files that reference {outside}: {found}"
