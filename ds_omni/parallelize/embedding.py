@@ -32,7 +32,7 @@ from ds_omni.parallel.evidence import SPCounts
 from ds_omni.parallel.reshard import ReshardEmbeddings
 
 if TYPE_CHECKING:
-    from ds_omni.data.packing import MicroBatch
+    from ds_omni.batch import MicroBatch
     from ds_omni.parallelize.encoder_pool import EncoderPool
 
 
