@@ -113,7 +113,8 @@ def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: 
             built, loader, engine = setup_training(
                 cfg, derive_ds_config(cfg, ds_config(zero), plan), rank, plan)
             runs[(mix, placement)] = (loader, engine)
-            predicted[placement] = [t / 1e9 for t in stage_plan(cfg, built, plan, cost_model(cfg, built)).stage_time]
+            stages = stage_plan(cfg, built, plan, cost_model(cfg, built))
+            predicted[placement] = [t / 1e9 for t in stages.stage_time]
     log = rotating_rounds(runs, warmup + rounds)
     parts = {f"{m}/{p}": list(e.module.parts) for (m, p), (_, e) in runs.items()}
     return {"log": log, "parts": parts, "predicted_stage_gflop": predicted}
