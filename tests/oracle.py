@@ -339,6 +339,7 @@ def _train(rank: int, world: int, cfg, ds_json: dict, steps: int, resume_at: int
            read_params) -> dict:
     from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
+    from ds_omni.parallelize import router_of
     from ds_omni.train.loop import pool_metrics, sp_metrics
     from ds_omni.train.setup import setup_training
     from ds_omni.train.step import train_step
@@ -376,7 +377,8 @@ def _train(rank: int, world: int, cfg, ds_json: dict, steps: int, resume_at: int
         out["parts"] = list(engine.module.parts)
     joint = getattr(engine.module, "joint", None)  # "uniform": the owners' broadcasts issued
     out["encoder_broadcasts"] = joint.shards.broadcasts if joint is not None else 0
-    pool = getattr(engine.module, "encoder_pool", None)  # items encoded for another rank
+    router = router_of(engine.module)
+    pool = router.encoder_pool if router is not None else None  # items encoded for another rank
     out["pool_items_moved"] = pool.items_moved if pool is not None else 0
     if pool is not None:  # the per-step metric adds up to the items this rank encoded for others
         assert sum(out["pool_moved"]) == pool.items_moved, (out["pool_moved"], pool.items_moved)
