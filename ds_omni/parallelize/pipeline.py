@@ -375,8 +375,8 @@ def check_pipeline(cfg, ds_config: dict, llm_config) -> None:
         raise LaunchError(f"parallel.pp={pp} with parallel.sp={cfg.parallel.sp}: the pipeline "
                           "engine runs without Ulysses sequence parallelism (DeepSpeed builds its "
                           "groups from the pipeline's own grid of pipe, data and model axes and "
-                          "refuses an mpu, so no SP group gets its gradients summed; README, "
-                          "\"PP x SP\"); set one of them to 1")
+                          "refuses an mpu, so no SP group gets its gradients summed; "
+                          "docs/parallelism.md, \"PP x SP\"); set one of them to 1")
     unsupported = {"data.reorder.mode \"budget\" (its micro-batch count varies per rank; the "
                    "pipeline schedule runs a fixed number)": cfg.data.reorder.mode == "budget",
                    "data.eval_sources (validation)": bool(cfg.data.eval_sources)}

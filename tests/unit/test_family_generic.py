@@ -5,7 +5,7 @@ family it has a recipe for, loads it through `build_model`, and compares a packe
 the start, middle and end of a prompt, a text-only sample) with HF's own forward on HF's processor
 output: logits, loss (its mask found in the rendered text) and every gradient; plus a bitwise export
 round trip. This test runs that sweep once and holds it to the families named in issue 12 and to the
-README's table.
+docs/models.md's table.
 """
 
 import json
@@ -19,7 +19,7 @@ from ds_omni.coverage import sweep, torchvision_rows
 from ds_omni.errors import ModelError
 from ds_omni.model.families import family_for, generic, hf_processor
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+MODELS_DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 MUST_PASS = ("qwen2_vl", "qwen2_5_vl", "internvl", "llava_onevision", "idefics3", "smolvlm",
              "llava", "llava_next", "qwen2_5_omni_thinker", "qwen3_vl", "gemma3", "mistral3")
 # paligemma left the list when the sweep began to compare HF's tokens of whole samples:
@@ -43,9 +43,9 @@ def test_sweep_covers_the_mapping_and_every_recipe_is_exact(results):
     assert {t for t, r in results.items() if r.supported} == checked
 
 
-def test_readme_table_is_the_sweep(results):
-    """README's coverage table lists every model type with the sweep's verdict."""
-    rows = dict(re.findall(r"^\| `([\w.-]+)` \| (yes|no) \|", README.read_text(), re.M))
+def test_models_doc_table_is_the_sweep(results):
+    """docs/models.md's coverage table lists every model type with the sweep's verdict."""
+    rows = dict(re.findall(r"^\| `([\w.-]+)` \| (yes|no) \|", MODELS_DOC.read_text(), re.M))
     assert rows == {t: "yes" if r.supported else "no" for t, r in results.items()}
 
 

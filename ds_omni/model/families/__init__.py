@@ -26,12 +26,13 @@ def family_for(model_type: str) -> Family:
         "families` lists which are exact). To train a model of "
         "another family, compose one from parts instead: model.llm (any causal LM, e.g. the "
         "folder of its language model) plus model.vision (a CLIP or SigLIP tower) and/or "
-        "model.audio (a Whisper encoder), see the README's Models section; or add an adapter, "
+        "model.audio (a Whisper encoder), see docs/models.md; or add an adapter, "
         "one file in ds_omni/model/families/")
 
 
 def _describe(family: Family) -> str:
-    """The family's name as the README gives it, with the model types it loads where they differ."""
+    """The family's name as docs/models.md gives it, with the model types it loads where they
+    differ."""
     if family.model_types == (family.name,):
         return family.name
     return f"{family.name} (model_type {' or '.join(map(repr, family.model_types))})"

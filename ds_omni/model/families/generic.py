@@ -218,8 +218,8 @@ def generic_family(model_type: str) -> "GenericFamily":
     if problem is not None:
         raise ModelError(
             f"model_type {model_type!r} cannot be loaded by ds_omni's generic adapter: {problem}. "
-            "Compose the model from parts instead (model.llm plus model.vision, see the README's "
-            "Models section), or add a dedicated adapter, one file in ds_omni/model/families/ "
+            "Compose the model from parts instead (model.llm plus model.vision, see "
+            "docs/models.md), or add a dedicated adapter, one file in ds_omni/model/families/ "
             "(see generic.py and qwen2_vl.py)")
     return GenericFamily(model_type)
 
