@@ -56,7 +56,8 @@ def _set_arg(parser: argparse.ArgumentParser) -> None:
 
 def _train_args(sub) -> None:
     t = _command(sub, "train", "Train a model from a ds_omni config and a DeepSpeed config.",
-                 "ds-omni train --config examples/tiny_llava.json --deepspeed ds_configs/zero2.json",
+                 "ds-omni train --config examples/tiny_llava.json "
+                 "--deepspeed ds_configs/zero2.json",
                  "deepspeed --num_gpus 2 --module ds_omni train --config examples/tiny_llava.json "
                  "--deepspeed ds_configs/zero2.json")
     t.add_argument("--config", required=True, help="ds_omni JSON config")

@@ -26,8 +26,6 @@ from ds_omni.config.omni import OmniConfig
 from ds_omni.errors import ConfigError
 
 REGENERATE = "python -m ds_omni.config.reference --write"
-
-
 ROOT = Path(__file__).resolve().parents[2]
 DOCS_PATH = ROOT / "docs" / "config.md"
 
@@ -40,9 +38,11 @@ def _scan(cls: type) -> tuple[dict[str, str], tuple[str, ...]]:
     tree = ast.parse(path.read_text(), str(path))
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
     where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    names = {f.name for f in dataclasses.fields(cls)}  # not a ClassVar's annotation
     docs, missing = {}, []
     for stmt, after in zip(node.body, node.body[1:] + [None]):
-        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and stmt.target.id in names):
             continue
         if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) \
                 and isinstance(after.value.value, str):
@@ -130,8 +130,8 @@ def tables(root: type = OmniConfig) -> list[tuple[type, list[str]]]:
 
 
 def _cell(text: str) -> str:
-    """Text for a table cell: "|" escaped (also in code spans, as GitHub's tables need), and "<", ">"
-    outside code spans, so `<output_dir>` is not read as an HTML tag."""
+    """Text for a table cell: "|" escaped (also in code spans, as GitHub's tables need), and
+    "<", ">" outside code spans, so `<output_dir>` is not read as an HTML tag."""
     parts = text.replace("|", "\\|").split("`")
     for i in range(0, len(parts), 2):
         parts[i] = parts[i].replace("<", "&lt;").replace(">", "&gt;")
@@ -178,10 +178,16 @@ def reference() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv not in ([], ["--write"]):
-        print(f"usage: python -m ds_omni.config.reference [--write]  (--write: into {DOCS_PATH}, "
-              "else to stdout)", file=sys.stderr)
-        return 2
+        help_asked = argv in (["-h"], ["--help"])
+        print("usage: python -m ds_omni.config.reference [--write]\nWrite the config reference "
+              "(docs/config.md) to stdout, or with --write into docs/config.md of this checkout.",
+              file=sys.stdout if help_asked else sys.stderr)
+        return 0 if help_asked else 2
     text = reference()
+    if argv and not DOCS_PATH.parent.is_dir():
+        print(f"no {DOCS_PATH.parent}: --write needs a checkout of ds_omni; write to stdout "
+              "instead (python -m ds_omni.config.reference > config.md)", file=sys.stderr)
+        return 2
     if argv:
         DOCS_PATH.write_text(text)
         print(f"wrote {DOCS_PATH}")
