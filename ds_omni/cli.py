@@ -1,16 +1,7 @@
 """`ds-omni` command line: parse, build a config, call one function.
 
-    ds-omni train   --config examples/tiny_llava.json --deepspeed ds_configs/zero2.json [--resume]
-    ds-omni supervise --max-restarts 3 --backoff 10 -- deepspeed --num_gpus 2 --module ds_omni train ...
-    ds-omni convert --checkpoint outputs/run/checkpoints --out outputs/run/hf
-    ds-omni plan    --config examples/tiny_llava.json --deepspeed ds_configs/zero2.json --world-size 8
-    ds-omni calibrate-cost --config examples/tiny_llava.json --out cost_scales.json
-    ds-omni data make-demo --out data/shapes
-    ds-omni data check --config my.json [--sample 1000] [--json]
-
-Launch `train` with any launcher: `deepspeed --num_gpus 2 --module ds_omni train ...`,
-`torchrun --nproc_per_node 2 -m ds_omni train ...`, `accelerate launch -m ds_omni train ...`, or
-plain `ds-omni train ...` for one process.
+Each sub-command has a one-line description and an example in its `--help` (`_command`); the
+top-level help shows a first hour's commands (`EXAMPLES`).
 """
 
 from __future__ import annotations
@@ -22,29 +13,65 @@ import sys
 
 from ds_omni.errors import DsOmniError
 
+DESCRIPTION = "Train multimodal LLMs (vision/audio encoders + an HF LLM) on DeepSpeed, and plan, " \
+    "convert and check a run."
+EXAMPLES = """examples:
+  ds-omni data make-demo --out data/shapes
+  ds-omni plan    --config examples/tiny_llava.json --deepspeed ds_configs/zero2.json --world-size 8
+  ds-omni train   --config examples/tiny_llava.json --deepspeed ds_configs/zero2.json [--resume]
+  ds-omni convert --checkpoint outputs/run/checkpoints --out outputs/run/hf
+  ds-omni data check --config my.json [--sample 1000] [--json]
+  ds-omni supervise --max-restarts 3 -- deepspeed --num_gpus 2 --module ds_omni train ...
+
+Launch `train` with any launcher: `deepspeed --num_gpus 2 --module ds_omni train ...`,
+`torchrun --nproc_per_node 2 -m ds_omni train ...`, `accelerate launch -m ds_omni train ...`, or
+plain `ds-omni train ...` for one process. `ds-omni COMMAND --help` shows each command's options;
+docs/config.md lists every config field."""
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ds-omni", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="ds-omni", description=DESCRIPTION, epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="command")
     for add in (_train_args, _supervise_args, _convert_args, _plan_args, _calibrate_args,
                 _families_args, _data_args):
         add(sub)
     return p
 
 
+def _command(sub, name: str, what: str, *examples: str) -> argparse.ArgumentParser:
+    """A sub-command whose help says what it does in one line (`what`, also its line in the
+    parent's list) and shows how it is called (`examples`, under "example:")."""
+    epilog = ("example:" if len(examples) == 1 else "examples:") + \
+        "".join(f"\n  {e}" for e in examples)
+    return sub.add_parser(name, help=what, description=what, epilog=epilog,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _set_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. --set train.steps=10 (a JSON value; "
+                             "repeatable; docs/config.md lists the fields)")
+
+
 def _train_args(sub) -> None:
-    t = sub.add_parser("train", help="train a model")
+    t = _command(sub, "train", "Train a model from a ds_omni config and a DeepSpeed config.",
+                 "ds-omni train --config examples/tiny_llava.json "
+                 "--deepspeed ds_configs/zero2.json",
+                 "deepspeed --num_gpus 2 --module ds_omni train --config examples/tiny_llava.json "
+                 "--deepspeed ds_configs/zero2.json")
     t.add_argument("--config", required=True, help="ds_omni JSON config")
     t.add_argument("--deepspeed", help="DeepSpeed JSON config (default: the one accelerate passes)")
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     t.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after N steps of this run")
-    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set train.steps=10 (JSON value)")
+    _set_arg(t)
 
 
 def _supervise_args(sub) -> None:
-    sv = sub.add_parser("supervise", help="run a training command; after a failure, restart it "
-                                          "from its newest complete checkpoint")
+    sv = _command(sub, "supervise", "Run a training command; after a failure, restart it from its "
+                                    "newest complete checkpoint.",
+                  "ds-omni supervise --max-restarts 3 --backoff 10 -- deepspeed --num_gpus 2 "
+                  "--module ds_omni train --config my.json --deepspeed ds_configs/zero2.json")
     sv.add_argument("--max-restarts", type=int, default=3, help="restarts before giving up")
     sv.add_argument("--backoff", type=float, default=10.0,
                     help="seconds before the first restart, doubling for each next one")
@@ -56,8 +83,9 @@ def _supervise_args(sub) -> None:
 
 
 def _convert_args(sub) -> None:
-    c = sub.add_parser("convert", help="convert between HF directories, OmniModel directories "
-                                          "and training checkpoints")
+    c = _command(sub, "convert", "Convert between HF directories, OmniModel directories and "
+                                 "training checkpoints.",
+                 "ds-omni convert --checkpoint outputs/run/checkpoints --out outputs/run/hf")
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="<output_dir>/checkpoints of a run (any ZeRO stage) -> HF")
     src.add_argument("--hf", help="an HF MLLM directory -> an OmniModel directory")
@@ -67,27 +95,30 @@ def _convert_args(sub) -> None:
 
 
 def _plan_args(sub) -> None:
-    pl = sub.add_parser("plan", help="print the parallel plan, its rank layout and the derived "
-                                     "DeepSpeed config")
-    pl.add_argument("--config", required=True)
-    pl.add_argument("--deepspeed", required=True)
-    pl.add_argument("--world-size", type=int, required=True)
-    pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    pl = _command(sub, "plan", "Print the parallel plan, its rank layout and the derived DeepSpeed "
+                               "config, without launching.",
+                  "ds-omni plan --config examples/tiny_llava.json --deepspeed "
+                  "ds_configs/zero2.json --world-size 8")
+    pl.add_argument("--config", required=True, help="ds_omni JSON config")
+    pl.add_argument("--deepspeed", required=True, help="DeepSpeed JSON config")
+    pl.add_argument("--world-size", type=int, required=True, help="ranks the run would have")
+    _set_arg(pl)
 
 
 def _calibrate_args(sub) -> None:
-    cc = sub.add_parser("calibrate-cost", help="time micro-batches on this machine and fit the "
-                                               "cost model's scales (data.reorder.cost_scales)")
-    cc.add_argument("--config", required=True)
-    cc.add_argument("--batches", type=int, default=30)
+    cc = _command(sub, "calibrate-cost", "Time micro-batches on this machine and fit the cost "
+                                         "model's scales (data.reorder.cost_scales).",
+                  "ds-omni calibrate-cost --config examples/tiny_llava.json --out cost_scales.json")
+    cc.add_argument("--config", required=True, help="ds_omni JSON config")
+    cc.add_argument("--batches", type=int, default=30, help="micro-batches to time")
     cc.add_argument("--out", required=True, help="JSON file for the fitted scales")
-    cc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    _set_arg(cc)
 
 
 def _families_args(sub) -> None:
-    fm = sub.add_parser("families", help="which transformers vision-language model types ds_omni "
-                                         "trains exactly (builds a tiny model of each and checks "
-                                         "it against HF)")
+    fm = _command(sub, "families", "Say which transformers vision-language model types ds_omni "
+                                   "trains exactly (a tiny model of each, checked against HF).",
+                  "ds-omni families llava qwen2_vl")
     fm.add_argument("--json", action="store_true",
                     help='print {model_type: {"supported": bool, "reason": str}}')
     fm.add_argument("model_types", nargs="*", help="only these model types (default: every one "
@@ -95,16 +126,26 @@ def _families_args(sub) -> None:
 
 
 def _data_args(sub) -> None:
-    d = sub.add_parser("data", help="data utilities")
-    dsub = d.add_subparsers(dest="data_command", required=True)
-    mk = dsub.add_parser("make-demo", help="write the embedded demo dataset and tokenizer")
-    mk.add_argument("--out", required=True)
-    ev = dsub.add_parser("eval-demo", help="caption held-out demo images with an exported model")
+    d = _command(sub, "data", "Data utilities: write the demo data, check a config's sources, "
+                              "score a demo model.",
+                 "ds-omni data check --config examples/tiny_llava.json --sample 1000")
+    dsub = d.add_subparsers(dest="data_command", required=True, metavar="data_command")
+    mk = _command(dsub, "make-demo", "Write the embedded demo dataset and tokenizer to a folder.",
+                  "ds-omni data make-demo --out data/shapes")
+    mk.add_argument("--out", required=True, help="folder for dataset/ and tokenizer/")
+    ev = _command(dsub, "eval-demo", "Caption held-out demo images with an exported model and "
+                                     "score the captions.",
+                  "ds-omni data eval-demo --model outputs/run/hf --report outputs/run/report.json")
     ev.add_argument("--model", required=True, help="exported HF directory")
     ev.add_argument("--report", help="report.json to add the scores to")
-    ev.add_argument("--n", type=int, default=64)
-    ck = dsub.add_parser("check", help="scan every source with the model's tokenizer and "
-                                       "processors and report its problems (exit 1 on errors)")
+    ev.add_argument("--n", type=int, default=64, help="held-out images to caption")
+    _data_check_args(dsub)
+
+
+def _data_check_args(dsub) -> None:
+    ck = _command(dsub, "check", "Scan every source with the model's tokenizer and processors and "
+                                 "report its problems (exit 1 on errors).",
+                  "ds-omni data check --config examples/tiny_llava.json --sample 1000")
     ck.add_argument("--config", required=True, help="ds_omni JSON config")
     ck.add_argument("--sample", type=int, metavar="N", help="check N rows per source, spread over "
                                                             "it (default: every row)")
@@ -112,7 +153,7 @@ def _data_args(sub) -> None:
     ck.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                     help="threads decoding images")
     ck.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ck.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    _set_arg(ck)
 
 
 def _deepspeed_config_path(arg: str | None) -> str:

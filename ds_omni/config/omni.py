@@ -20,9 +20,13 @@ class OmniConfig:
     """A whole run."""
 
     model: ModelConfig
+    """The model: an HF MLLM directory, or encoders and an LLM to compose (the `model` table)."""
     data: DataConfig
+    """The sources, their mixing, cost balancing and packing (the `data` table)."""
     train: TrainConfig
+    """Steps, batch sizes, optimizer settings, checkpoints and logging (the `train` table)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The degrees of the parallel plan and where the encoders run (the `parallel` table)."""
     version: int = SCHEMA_VERSION
     """Config schema version."""
 

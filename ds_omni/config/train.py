@@ -36,7 +36,8 @@ class TrainConfig:
     drops its update (weights, optimizer state untouched) and records its samples in metrics."""
     peer_timeout_s: float = 90.0
     """A rank that stops sending heartbeats (killed, stopped, node lost) or hangs outside any
-    collective while the others wait for it this long ends the whole job, naming it (0: off)."""
+    collective while the others wait for it this many seconds ends the whole job, naming it
+    (0: off)."""
     log_every: int = 1
     """Write metrics every N steps."""
     export_hf: bool = True
