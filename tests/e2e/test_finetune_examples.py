@@ -39,7 +39,8 @@ def _leaves(node, where: str = "") -> dict:
         return {k: v for key, child in node.items()
                 for k, v in _leaves(child, f"{where}.{key}" if where else key).items()}
     if isinstance(node, list) and any(isinstance(x, dict) for x in node):
-        return {k: v for i, child in enumerate(node) for k, v in _leaves(child, f"{where}[{i}]").items()}
+        return {k: v for i, child in enumerate(node)
+                for k, v in _leaves(child, f"{where}[{i}]").items()}
     return {where: node}
 
 
@@ -63,7 +64,8 @@ def adapt(example: dict, paths: dict) -> dict:
 
 
 def _paths(name: str, work: Path, train_file: Path, val_file: Path) -> dict:
-    data = {"data.sources[0].path": str(train_file), "data.sources[0].schema.root": str(train_file.parent),
+    data = {"data.sources[0].path": str(train_file),
+            "data.sources[0].schema.root": str(train_file.parent),
             "data.eval_sources[0].path": str(val_file),
             "data.eval_sources[0].schema.root": str(val_file.parent),
             "train.output_dir": str(work / "out")}
@@ -82,7 +84,8 @@ def _weights(folder: Path) -> dict:
 
 
 def _llm_weight(weights: dict):
-    [key] = [k for k in weights if k.endswith(LLM_WEIGHT) and "vision" not in k and "visual" not in k]
+    [key] = [k for k in weights
+             if k.endswith(LLM_WEIGHT) and "vision" not in k and "visual" not in k]
     return weights[key]
 
 
@@ -114,9 +117,10 @@ def test_finetune_examples_train_on_tiny_folders_of_their_shape(tmp_path):
         assert _leaves(config).keys() == _leaves(example).keys()
         configs.append(work / "config.json")
         configs[-1].write_text(json.dumps(config))
-        runs[name] = (work / "out", Path(paths.get("model.pretrained") or paths["model.llm.pretrained"]))
-    res = run([sys.executable, "-m", "tests.e2e.run_configs", str(REPO / "ds_configs" / "zero2.json"),
-               *map(str, configs)], timeout=900)
+        base = paths.get("model.pretrained") or paths["model.llm.pretrained"]
+        runs[name] = (work / "out", Path(base))
+    res = run([sys.executable, "-m", "tests.e2e.run_configs",
+               str(REPO / "ds_configs" / "zero2.json"), *map(str, configs)], timeout=900)
     assert res.returncode == 0, res.stdout[-5000:]
     for name, (hf_class, template) in EXAMPLES.items():
         _check_run(*runs[name], hf_class, template)
