@@ -93,20 +93,21 @@ def image_processor():
                                     min_pixels=8 * 8, max_pixels=96 * 96)
 
 
-def make_qwen2_vl_dir(out: Path) -> Path:
+def make_qwen2_vl_dir(out: Path, tok=None) -> Path:
     """A tiny random Qwen2-VL saved as hub checkpoints are: weights, config, tokenizer and
-    preprocessor_config.json (the image processor's own save_pretrained)."""
+    preprocessor_config.json (the image processor's own save_pretrained); `tok` (default
+    `qwen_tokenizer()`) sets the vocabulary."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     return _qwen_vl_dir(out, Qwen2VLConfig, Qwen2VLForConditionalGeneration,
                         {"depth": 2, "embed_dim": 32, "num_heads": 4, "mlp_ratio": 2,
                          "hidden_size": 64, "patch_size": PATCH, "spatial_merge_size": MERGE,
-                         "temporal_patch_size": 2})
+                         "temporal_patch_size": 2}, tok)
 
 
-def _qwen_vl_dir(out: Path, config_class, model_class, vision_config: dict) -> Path:
+def _qwen_vl_dir(out: Path, config_class, model_class, vision_config: dict, tok=None) -> Path:
     """A Qwen2-VL-style model (tiny text config, `vision_config`) with the tokenizer, image and
     video processor files of these tests."""
-    tok = qwen_tokenizer()
+    tok = tok or qwen_tokenizer()
     ids = dict(zip(QWEN_TOKENS, tok.convert_tokens_to_ids(QWEN_TOKENS)))
     config = config_class(
         vision_config=vision_config,

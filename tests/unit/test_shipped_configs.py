@@ -26,3 +26,22 @@ def test_example_with_deepspeed_config(example, ds_path):
     merged = derive_ds_config(cfg, load_ds_json(ds_path), plan)
     assert merged["train_batch_size"] == cfg.train.global_batch_size
     assert "auto" not in json.dumps(merged)
+
+
+FINETUNE = [p for p in EXAMPLES if p.name.startswith("finetune_")]
+
+
+def test_finetune_examples_are_complete_recipes():
+    """Each fine-tune example points at model folders, renders with the model's own template,
+    trains LoRA and has an eval source; examples/README.md explains every example file.
+    (tests/e2e/test_finetune_examples.py trains each on a tiny folder, in the slow tier.)"""
+    assert len(FINETUNE) == 4
+    readme = (REPO / "examples" / "README.md").read_text()
+    assert all(f"`{p.name}`" in readme for p in EXAMPLES)
+    for path in FINETUNE:
+        cfg = load_config(path)
+        folders = [cfg.model.pretrained] if cfg.model.pretrained else \
+            [cfg.model.llm.pretrained, cfg.model.vision.pretrained]
+        assert all(f and f.startswith("/path/to/") for f in folders), path.name
+        assert cfg.data.template == "model" and cfg.model.lora is not None, path.name
+        assert cfg.data.eval_sources and cfg.train.eval_every, path.name
