@@ -23,9 +23,8 @@ from ds_omni.data.build import build_loader, cost_model_for, long_items_of
 from ds_omni.data.check import startup_check
 from ds_omni.data.cost import CostModel
 from ds_omni.data.templates import carry_template, training_template
-from ds_omni.train.ds_config import derive_ds_config, load_ds_json
 from ds_omni.model.attention import resolve_kernel
-from ds_omni.model.build import check_sequence_parallel, llm_text_config
+from ds_omni.model.build import build_model, check_sequence_parallel, llm_text_config
 from ds_omni.parallel import dist
 from ds_omni.parallel.groups import RankGroups, rank_groups
 from ds_omni.parallel.plan import ParallelPlan
@@ -35,6 +34,7 @@ from ds_omni.parallelize.encoder_pool import EncoderPool
 from ds_omni.parallelize.pipeline import (PipelineSpec, check_pipeline, layer_param_counts,
                                          optimizer_params)
 from ds_omni.train import checkpoint
+from ds_omni.train.ds_config import derive_ds_config, load_ds_json
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,6 @@ def describe_plan(cfg: OmniConfig, plan: ParallelPlan, ds_config: dict) -> dict:
     out = {"plan": {"world_size": plan.world_size, "dp": plan.dp, "sp": plan.sp, "pp": plan.pp},
            "layout": plan.layout(), "deepspeed": ds_config}
     if plan.pp_enabled:
-        from ds_omni.model.build import build_model
         with torch.device("meta"):
             built = build_model(cfg.model)
         out["pipeline"] = _pipeline_stages(cfg, plan, built, cost_model(cfg, built))
@@ -122,7 +121,6 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
 def _build_model(cfg: OmniConfig):
     """The model in train mode, its tokenizer carrying the chat template trained with (into
     checkpoints and the HF export)."""
-    from ds_omni.model.build import build_model
     built = build_model(cfg.model)
     built.model.train()  # from_pretrained hands models over in eval mode: dropout would stay off
     carry_template(built.tokenizer, training_template(cfg.data.template, built))
