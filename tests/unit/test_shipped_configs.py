@@ -10,7 +10,7 @@ from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.train.ds_config import derive_ds_config, load_ds_json
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((REPO / "examples").glob("*.json"))
+EXAMPLES = sorted((REPO / "examples").rglob("*.json"))  # two_stage/ too
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
 
 
@@ -37,7 +37,7 @@ def test_finetune_examples_are_complete_recipes():
     (tests/e2e/test_finetune_examples.py trains each on a tiny folder, in the slow tier.)"""
     assert len(FINETUNE) == 4
     readme = (REPO / "examples" / "README.md").read_text()
-    assert all(f"`{p.name}`" in readme for p in EXAMPLES)
+    assert all(f"`{p.relative_to(REPO / 'examples')}`" in readme for p in EXAMPLES)
     for path in FINETUNE:
         cfg = load_config(path)
         folders = [cfg.model.pretrained] if cfg.model.pretrained else \
