@@ -76,3 +76,15 @@ def test_two_stage_recipe_trains_projector_then_llm_and_resumes(tmp_path):
     assert _changed(_weights(tmp_path / "stage2" / "hf"),
                     _weights(tmp_path / "stage2_resumed" / "hf")) == {
         "vision": {False}, "projector": {False}, "llm": {False}}
+
+
+def test_the_comparison_sees_one_element_moved_by_1e_6():
+    """The planted error of the recipe's test (a projector or LLM tensor nudged on loading, an
+    LLM left unfrozen for one tensor): one element of one tensor moved by 1e-6 shows."""
+    import torch
+    before = {"vision_tower.w": torch.ones(3), "multi_modal_projector.w": torch.ones(3),
+              "language_model.a": torch.ones(3), "language_model.b": torch.ones(3)}
+    after = {k: v.clone() for k, v in before.items()}
+    after["language_model.b"][1] += 1e-6
+    assert _changed(before, after) == {"vision": {False}, "projector": {False},
+                                       "llm": {False, True}}
