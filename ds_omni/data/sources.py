@@ -13,7 +13,8 @@ it overlaps, from the first one's start), arrow and save_to_disk through dataset
 jsonl through a sparse line-offset index (seek, then skip at most JSON_INDEX_STRIDE - 1 unparsed
 lines), a JSON array (or an object holding a list) through a sparse element-offset index
 (`json_docs.py`), tar through a member index (HF's builder fails on tars that mix image and
-text-only samples); each index is built lazily, only for the files a rank touches. Rows come
+text-only samples); each index is built lazily, only for the files a rank touches, and once per
+file version for every process that shares the index directory (`index.py`). Rows come
 as `datasets` streaming with `decode(False)` gives them (media as bytes/path structs), except
 that a jsonl row is what `json.loads` makes of its line (HF would add the keys other rows of
 its block have, as None).
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ds_omni.config import SourceConfig
-from ds_omni.data import demo
+from ds_omni.data import demo, index
 from ds_omni.data.json_docs import JsonDocument, open_document
 from ds_omni.data.problems import SampleError
 from ds_omni.errors import DataError
@@ -347,24 +348,17 @@ def _undecoded(ds, i: int) -> dict:
 
 class JsonRows:
     """Line i of a jsonl file: seek to the nearest remembered line start, read forward; or row i
-    of a JSON document (an array, or an object holding a list) through its element index."""
+    of a JSON document (an array, or an object holding a list) through its element index. The
+    index is built once per file version and shared (`index.py`)."""
 
     def __init__(self, path: str, key: str | None = None, row_hint: str | None = None):
         self.path = path
-        self.doc: JsonDocument | None = open_document(path, key, row_hint)
-        if self.doc is not None:
-            self.num_rows = self.doc.num_rows
-            return
-        self.offsets = []  # byte offset of every JSON_INDEX_STRIDE-th non-empty line
-        n, pos = 0, 0
-        with open(path, "rb") as f:
-            for line in f:
-                if line.strip():
-                    if n % JSON_INDEX_STRIDE == 0:
-                        self.offsets.append(pos)
-                    n += 1
-                pos += len(line)
-        self.num_rows = n
+        data = index.load_or_build(path, "json", lambda: _json_index(path, key, row_hint),
+                                   params={"key": key, "row_hint": row_hint}, valid=_json_valid)
+        self.offsets, self.num_rows = data["offsets"], data["num_rows"]
+        self.doc: JsonDocument | None = None
+        if data["layout"] == "document":
+            self.doc = JsonDocument(path, data["key"], self.offsets, self.num_rows)
 
     def row(self, i: int) -> dict:
         if self.doc is not None:
@@ -393,6 +387,29 @@ class JsonRows:
                     return
 
 
+def _json_index(path: str, key: str | None, row_hint: str | None) -> dict:
+    """A JSON file's index: its document's element offsets, or its jsonl line offsets (every
+    JSON_INDEX_STRIDE-th non-empty line's start)."""
+    doc = open_document(path, key, row_hint)
+    if doc is not None:
+        return {"layout": "document", "key": doc.key, "offsets": doc.offsets,
+                "num_rows": doc.num_rows}
+    offsets, n, pos = [], 0, 0
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                if n % JSON_INDEX_STRIDE == 0:
+                    offsets.append(pos)
+                n += 1
+            pos += len(line)
+    return {"layout": "lines", "key": None, "offsets": offsets, "num_rows": n}
+
+
+def _json_valid(data: dict) -> bool:
+    return (data["layout"] in ("document", "lines") and isinstance(data["key"], (str, type(None)))
+            and index.offsets_cover(data, JSON_INDEX_STRIDE))
+
+
 MEDIA_EXTENSIONS = {"jpg", "jpeg", "png", "webp", "bmp", "gif", "tiff", "wav", "flac", "mp3",
                     "ogg", "m4a"}
 
@@ -402,16 +419,10 @@ class TarRows:
 
     def __init__(self, path: str):
         self.path = path
-        self.samples: list[tuple[str, list[tarfile.TarInfo]]] = []
-        with tarfile.open(path) as tf:
-            for member in tf:
-                if not member.isfile():
-                    continue
-                key = member.name.split(".", 1)[0]
-                if not self.samples or self.samples[-1][0] != key:
-                    self.samples.append((key, []))
-                self.samples[-1][1].append(member)
-        self.num_rows = len(self.samples)
+        data = index.load_or_build(path, "tar", lambda: _tar_index(path), valid=_tar_valid)
+        self.samples: list[tuple[str, list[tarfile.TarInfo]]] = [
+            (key, [_member(*m) for m in members]) for key, members in data["samples"]]
+        self.num_rows = data["num_rows"]
 
     def row(self, i: int) -> dict:
         return next(self.rows(i, i + 1))
@@ -426,6 +437,34 @@ class TarRows:
                     ext = m.name.split(".", 1)[1].lower() if "." in m.name else ""
                     out[ext] = _tar_value(ext, tf.extractfile(m).read(), m.name)
                 yield out
+
+
+def _tar_index(path: str) -> dict:
+    """Each sample's key and its members' (name, data offset, size), in archive order."""
+    samples: list[list] = []
+    with tarfile.open(path) as tf:
+        for member in tf:
+            if not member.isfile():
+                continue
+            if member.sparse is not None:
+                raise DataError(f"{path!r}: member {member.name!r} is a sparse file, which the "
+                                "tar reader cannot seek into; repack the shard without --sparse")
+            key = member.name.split(".", 1)[0]
+            if not samples or samples[-1][0] != key:
+                samples.append([key, []])
+            samples[-1][1].append([member.name, member.offset_data, member.size])
+    return {"samples": samples, "num_rows": len(samples)}
+
+
+def _tar_valid(data: dict) -> bool:
+    return isinstance(data["samples"], list) and len(data["samples"]) == data["num_rows"]
+
+
+def _member(name: str, offset_data: int, size: int) -> tarfile.TarInfo:
+    """A regular member as `extractfile` needs it: where its data starts, how long it is."""
+    m = tarfile.TarInfo(name)
+    m.offset_data, m.size, m.type = int(offset_data), int(size), tarfile.REGTYPE
+    return m
 
 
 def _tar_value(ext: str, data: bytes, name: str):
