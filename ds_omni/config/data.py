@@ -190,12 +190,13 @@ class DataConfig:
     prefetch_steps: int = 1
     """Steps whose batches a background thread reads, processes and packs while the current step
     trains (same samples, same order); 0 loads each step when it is due."""
-    workers: int = 0
+    workers: int | Literal["auto"] = "auto"
     """Processes per rank that decode, process (HF processors) and pack the micro-batches
     (`ds_omni/data/workers.py`); reading, balancing and the loader state stay in the training
     process, so the batches are the same. 0: the training process (or its prefetch thread) does
-    it, sharing the interpreter's lock with the training step. On a GPU host, 1-4 per rank keep
-    the step's host thread free."""
+    it, sharing the interpreter's lock with the training step. "auto": 0 without a GPU, else 2
+    per rank (the shipped processors feed one H200 with at most 1.5 cores:
+    docs/benchmarks/feed_rate.md), at most the host's cores per rank minus one."""
 
     def __post_init__(self):
         eval_names = [s.name for s in self.eval_sources]
@@ -214,7 +215,7 @@ class DataConfig:
         if self.prefetch_steps < 0:
             raise ConfigError(f"data.prefetch_steps must be >= 0 (0: no prefetch), got "
                               f"{self.prefetch_steps}")
-        if self.workers < 0:
+        if self.workers != "auto" and self.workers < 0:
             raise ConfigError(f"data.workers must be >= 0 (0: load in the training process), got "
                               f"{self.workers}")
         if self.max_aspect_ratio < 1 or self.max_bad_run < 1:

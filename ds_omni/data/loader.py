@@ -34,6 +34,7 @@ from ds_omni.data.sample_reader import SampleReader, key_locator
 from ds_omni.data.sources import Source
 from ds_omni.data.step_load import MicroBatchLoader
 from ds_omni.data.step_plan import StepPlanner
+from ds_omni.data.workers import resolve_workers
 from ds_omni.errors import DataError
 from ds_omni.parallel.plan import check_per_sequence
 
@@ -92,7 +93,7 @@ class OmniLoader:
                                    samples_per_rank=global_batch_size // self.dp_size,
                                    pack_tokens=self.pack_tokens, max_degree=self.max_degree)
         self.batches = MicroBatchLoader(self.reader, processors, cost_model, place, splits,
-                                        cfg.workers)
+                                        resolve_workers(cfg.workers))
         self.state = LoaderState(self.reader, self.planner, self.schedule, cfg, place, self.comm)
         self.step = 0
 

@@ -37,6 +37,8 @@ def test_unknown_top_level_key(tmp_path):
     ("model", "dtype", "fp8", r"model.dtype must be one of \['float32', 'bfloat16'\], got 'fp8'"),
     ("data", "max_seq_len", 2, r"data.max_seq_len must be >= 8, got 2"),
     ("data", "workers", -1, r"data.workers must be >= 0 \(0: load in the training process\), got -1"),
+    ("data", "workers", "many", r"data.workers must be int, got 'many' \(str\) or data.workers "
+                                r"must be one of \['auto'\], got 'many'"),
     ("model", "freeze", ["eyes"], r"model.freeze: unknown part\(s\) \['eyes'\]"),
 ])
 def test_bad_values_name_field_and_value(tmp_path, section, key, value, match):

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from ds_omni.data.workers import WorkerPool
+from ds_omni.data.workers import FEED_WORKERS_PER_GPU, WorkerPool, resolve_workers
 from ds_omni.errors import DataError
 
 
@@ -62,3 +62,11 @@ class _Unloadable:
 
 def _refuse():
     raise RuntimeError("this job cannot be rebuilt in the worker")
+
+
+def test_auto_workers_follow_the_feed_rate_and_the_cores():
+    assert resolve_workers(3, cuda=True) == 3 and resolve_workers(0, cuda=True) == 0
+    assert resolve_workers("auto", cuda=False, cores=64, local_ranks=1) == 0  # CPU runs, tests
+    assert resolve_workers("auto", cuda=True, cores=128, local_ranks=8) == FEED_WORKERS_PER_GPU == 2
+    assert resolve_workers("auto", cuda=True, cores=16, local_ranks=8) == 1  # 2 cores a rank
+    assert resolve_workers("auto", cuda=True, cores=8, local_ranks=8) == 0  # 1: the trainer's
