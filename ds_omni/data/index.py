@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 FORMAT = "ds_omni.data.index"
 INDEX_VERSION = 1  # bump when an index's content changes: older files are then rebuilt
 MIN_INDEXED_BYTES = 1 << 20  # smaller files are scanned by each reader (< 0.1 s)
-LOCK_POLL_S = 0.05
+LOCK_POLL_S = (0.05, 1.0)  # first and longest wait between tries (a thousand ranks poll one file)
 LOCK_TIMEOUT_S = float(os.environ.get("DS_OMNI_INDEX_WAIT_S", 3600))  # a living builder's limit
 
 BUILDS: Counter = Counter()  # kind -> indexes built by this process (tests count them)
@@ -204,7 +204,7 @@ def _write(target: Path, stat: FileStat, kind: str, params: dict, data: dict) ->
 @contextlib.contextmanager
 def _locked(lock, target: Path, stat: FileStat) -> Iterator[None]:
     """Hold `lock` exclusively; wait (at most LOCK_TIMEOUT_S) while another process builds."""
-    start, said = time.monotonic(), False
+    start, said, pause = time.monotonic(), False, LOCK_POLL_S[0]
     while True:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -225,7 +225,8 @@ def _locked(lock, target: Path, stat: FileStat) -> Iterator[None]:
         if not said and waited > 1.0:
             log.info("%s: waiting for %s to index %s", _who(), _holder(lock), stat.path)
             said = True
-        time.sleep(LOCK_POLL_S)
+        time.sleep(pause)
+        pause = min(2 * pause, LOCK_POLL_S[1])
     try:
         lock.seek(0)
         lock.truncate()
