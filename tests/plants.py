@@ -306,7 +306,8 @@ def _grad_norm_replicas_twice(rank: int):
 
 
 # ----------------------------------------------------- tensor parallel (tests/dist/test_tensor_parallel.py)
-@plant("tp_bias_twice", "each column-parallel AutoTP layer adds its bias shard twice", "tp")
+@plant("tp_bias_twice", "each column-parallel AutoTP layer adds its bias shard twice",
+       "tp_slow")
 def _tp_bias_twice(rank: int):
     from deepspeed.module_inject.layers import LinearLayer
 

@@ -142,6 +142,19 @@ def gather_tp(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, 
     return out
 
 
+def tp_layout(module: nn.Module) -> dict[str, dict]:
+    """{parameter name: {"dim": split dim, "sizes": each TP rank's width}} of every split
+    parameter of `module` (what the HF export needs to make a TP checkpoint whole,
+    `ds_omni.model.tp_files`)."""
+    out = {}
+    for name, layer in module.named_modules():
+        for leaf, dim in _split_dims(layer).items():
+            if dim is not None and getattr(layer, leaf, None) is not None:
+                out[f"{name}.{leaf}" if name else leaf] = {"dim": dim,
+                                                           "sizes": list(layer._partition_sizes)}
+    return out
+
+
 def _split_dims(layer: nn.Module) -> dict[str, int | None]:
     """{"weight": dim, "bias": dim or None (whole)} for an AutoTP layer; {} otherwise."""
     from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer
