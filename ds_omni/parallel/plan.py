@@ -48,27 +48,30 @@ class ParallelPlan:
         """Resolve "auto" degrees and the reorder group, and check that the plan fits
         `world_size` ranks."""
         model_parallel = cfg.sp * cfg.pp * cfg.tp
+        # the model-parallel degrees as the errors name them (tp only where it is set)
+        names = ["sp", "tp", "pp"] if cfg.tp > 1 else ["sp", "pp"]
+        values = " x ".join(str(getattr(cfg, n)) for n in names)
         if cfg.dp == "auto":
             if world_size % model_parallel:
                 raise LaunchError(
-                    f"world size {world_size} is not divisible by parallel.sp x tp x pp = "
-                    f"{cfg.sp} x {cfg.tp} x {cfg.pp} = {model_parallel}; launch a multiple of "
-                    f"{model_parallel} processes or change the plan")
+                    f"world size {world_size} is not divisible by "
+                    f"{' x '.join('parallel.' + n for n in names)} = "
+                    f"{values} = {model_parallel}; launch a multiple of {model_parallel} "
+                    "processes or change the plan")
             dp = world_size // model_parallel
         else:
             dp = cfg.dp
         if dp * model_parallel != world_size:
             raise LaunchError(
-                f"the plan needs parallel.dp x sp x tp x pp = {dp} x {cfg.sp} x {cfg.tp} x "
-                f"{cfg.pp} = {dp * model_parallel} processes but {world_size} were launched; launch "
+                f"the plan needs parallel.dp x {' x '.join(names)} = {dp} x {values} = "
+                f"{dp * model_parallel} processes but {world_size} were launched; launch "
                 f"{dp * model_parallel} (e.g. deepspeed --num_gpus {dp * model_parallel}) or set "
                 "parallel.dp to \"auto\"")
         group = reorder_group_size(reorder, dp)
         if cfg.max_sequence_sp > 1:
             check_per_sequence(reorder.mode, group, cfg.max_sequence_sp)
         return cls(world_size=world_size, dp=dp, sp=cfg.sp, pp=cfg.pp, tp=cfg.tp,
-                   reorder_group=group,
-                   max_sequence_sp=cfg.max_sequence_sp)
+                   reorder_group=group, max_sequence_sp=cfg.max_sequence_sp)
 
     @property
     def sp_enabled(self) -> bool:
@@ -140,20 +143,23 @@ class ParallelPlan:
                 for start in range(0, self.dp, group_size)]
 
     def layout(self, gpus_per_node: int | None = None) -> dict:
-        """Every rank's (pp, dp, sp, tp) coordinates and the groups it belongs to, as plain data;
-        with `gpus_per_node`, which kinds of group cross a node boundary.
+        """Every rank's (pp, dp, sp[, tp]) coordinates and the groups it belongs to, as plain
+        data; with `gpus_per_node`, the groups of each kind that cross a node boundary.
 
         What `ds-omni plan` prints, so a layout can be checked before any process is launched.
         """
-        ranks = [{"rank": r, "pp": c.pp_stage, "dp": c.dp_rank, "sp": c.sp_rank, "tp": c.tp_rank}
+        tp = self.tp_enabled  # the tp coordinate and groups are printed under parallel.tp only
+        ranks = [{"rank": r, "pp": c.pp_stage, "dp": c.dp_rank, "sp": c.sp_rank,
+                  **({"tp": c.tp_rank} if tp else {})}
                  for r, c in enumerate(map(self.coords, range(self.world_size)))]
-        out = {"ranks": ranks, "tp_groups": self.tp_group_ranks(),
+        out = {"ranks": ranks, **({"tp_groups": self.tp_group_ranks()} if tp else {}),
                "sp_groups": self.sp_group_ranks(), "dp_groups": self.dp_group_ranks(),
                "reorder_group_size": self.reorder_group,
                "reorder_groups": self.reorder_group_ranks(self.reorder_group)}
         if gpus_per_node:
+            kinds = [k for k in ("tp_groups", "sp_groups", "dp_groups") if k in out]
             out["cross_node"] = {kind: [g for g in out[kind] if _crosses(g, gpus_per_node)]
-                                 for kind in ("tp_groups", "sp_groups", "dp_groups")}
+                                 for kind in kinds}
         return out
 
 

@@ -81,8 +81,8 @@ def describe_plan(cfg: OmniConfig, plan: ParallelPlan, ds_config: dict,
     `gpus_per_node`, those that cross nodes), the DeepSpeed config and, under pp > 1, the
     pipeline's stages (from the model built on the meta device: its sizes only, no weights made
     or read)."""
-    out = {"plan": {"world_size": plan.world_size, "dp": plan.dp, "sp": plan.sp, "tp": plan.tp,
-                    "pp": plan.pp},
+    degrees = {"world_size": plan.world_size, "dp": plan.dp, "sp": plan.sp, "pp": plan.pp}
+    out = {"plan": {**degrees, **({"tp": plan.tp} if plan.tp_enabled else {})},
            "layout": plan.layout(gpus_per_node), "deepspeed": ds_config}
     if plan.pp_enabled:
         with torch.device("meta"):

@@ -1,9 +1,9 @@
 """The LLM backbone tensor-parallel (parallel.tp, DeepSpeed's AutoTP layers) equals one process.
 
 Two ranks (tp=2, so dp=1: both ranks read the same rows) train 3 optimizer steps through
-DeepSpeed under ZeRO 1 and 2 with grouped reordering on (the default "fixed" mode), and each case is compared with the
-oracle (`tests/oracle.py`: one process, plain PyTorch, the same global batches made there): the
-losses (rel 1e-6), the full reduced gradients of every step (the ranks' shards gathered whole,
+DeepSpeed under ZeRO 1 and 2 with grouped reordering on (the default "fixed" mode), and each
+case is compared with the oracle (`tests/oracle.py`: one process, plain PyTorch, the same
+global batches made there): the losses (rel 1e-6), the full reduced gradients of every step (the ranks' shards gathered whole,
 `ds_omni.parallelize.tensor_parallel.gather_tp`), and the parameters after the last step.
 
 Cases: the tiny LLaVA (Llama: 4 query / 2 key-value heads, no biases) and Qwen2-VL (3-D M-RoPE

@@ -12,8 +12,8 @@ def test_auto_dp_fills_the_world():
 
 
 @pytest.mark.parametrize("cfg,world,match", [
-    (ParallelConfig(dp=2), 3, r"needs parallel.dp x sp x tp x pp = 2 x 1 x 1 x 1 = 2 processes but 3"),
-    (ParallelConfig(sp=2), 3, r"world size 3 is not divisible by parallel.sp x tp x pp = 2 x 1 x 1"),
+    (ParallelConfig(dp=2), 3, r"needs parallel.dp x sp x pp = 2 x 1 x 1 = 2 processes but 3"),
+    (ParallelConfig(sp=2), 3, r"world size 3 is not divisible by parallel.sp x parallel.pp = 2 x 1"),
     (ParallelConfig(dp=2, sp=2, pp=2), 4, r"= 8 processes but 4 were launched"),
 ])
 def test_world_size_mismatch(cfg, world, match):
@@ -43,8 +43,7 @@ def test_layout_of_8_ranks_with_sp_2():
     """dp 4 x sp 2, reorder groups of 2: SP pairs are neighbours, DP groups stride over them."""
     layout = ParallelPlan.from_config(ParallelConfig(sp=2), 8,
                                      ReorderConfig(group_size=2)).layout()
-    assert layout["ranks"] == [{"rank": r, "pp": 0, "dp": r // 2, "sp": r % 2, "tp": 0}
-                               for r in range(8)]
+    assert layout["ranks"] == [{"rank": r, "pp": 0, "dp": r // 2, "sp": r % 2} for r in range(8)]
     assert layout["sp_groups"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert layout["dp_groups"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert layout["reorder_group_size"] == 2

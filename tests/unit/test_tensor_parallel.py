@@ -29,6 +29,8 @@ def test_layout_says_which_groups_cross_nodes():
     assert layout["cross_node"] == {"tp_groups": [], "sp_groups": [],
                                     "dp_groups": [[0, 2], [1, 3]]}
     assert "cross_node" not in plan.layout()
+    plain = ParallelPlan.from_config(ParallelConfig(), 4, ReorderConfig()).layout(4)
+    assert "tp_groups" not in plain and plain["cross_node"] == {"sp_groups": [], "dp_groups": []}
 
 
 def test_the_loaders_unit_is_the_tp_group():
@@ -51,8 +53,11 @@ def test_bad_tp_config_is_refused(kwargs, match):
 
 def test_world_size_must_fit_tp():
     from ds_omni.errors import LaunchError
-    with pytest.raises(LaunchError, match=r"parallel.sp x tp x pp = 1 x 2 x 1 = 2"):
+    with pytest.raises(LaunchError,
+                       match=r"parallel.sp x parallel.tp x parallel.pp = 1 x 2 x 1 = 2"):
         ParallelPlan.from_config(ParallelConfig(tp=2), 3, ReorderConfig())
+    with pytest.raises(LaunchError, match=r"parallel.dp x sp x tp x pp = 3 x 1 x 2 x 1 = 6 "):
+        ParallelPlan.from_config(ParallelConfig(dp=3, tp=2), 4, ReorderConfig())
 
 
 def _llama(**over):
