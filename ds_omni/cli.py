@@ -102,6 +102,8 @@ def _plan_args(sub) -> None:
     pl.add_argument("--config", required=True, help="ds_omni JSON config")
     pl.add_argument("--deepspeed", required=True, help="DeepSpeed JSON config")
     pl.add_argument("--world-size", type=int, required=True, help="ranks the run would have")
+    pl.add_argument("--gpus-per-node", type=int, default=None,
+                    help="ranks per node: also print which groups cross nodes")
     _set_arg(pl)
 
 
@@ -222,7 +224,7 @@ def cmd_plan(args) -> None:
     from ds_omni.train.setup import describe_plan, plan_run
     cfg = load_config(args.config, args.set)
     plan, ds_config = plan_run(cfg, load_ds_json(args.deepspeed), args.world_size)
-    print(_leaf_lines(describe_plan(cfg, plan, ds_config)))
+    print(_leaf_lines(describe_plan(cfg, plan, ds_config, args.gpus_per_node)))
 
 
 def _leaf_lines(obj, level: int = 0) -> str:

@@ -48,7 +48,15 @@ def full_params(engine) -> dict[str, torch.Tensor]:
     params = dict(engine.module.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values()),
                                            enabled=engine.zero_optimization_stage() == 3):
-        return {n: p.detach().clone().float() for n, p in params.items()}
+        return _whole(engine, {n: p.detach().clone().float() for n, p in params.items()})
+
+
+def _whole(engine, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Under parallel.tp: the backbone's AutoTP shards gathered whole (every rank calls it)."""
+    if getattr(engine.module, "tp_counts", None) is None:
+        return tensors
+    from ds_omni.parallelize.tensor_parallel import gather_tp
+    return gather_tp(engine.module, tensors)
 
 
 def full_grads(engine) -> dict[str, torch.Tensor]:
@@ -60,7 +68,7 @@ def full_grads(engine) -> dict[str, torch.Tensor]:
             g = safe_get_full_grad(p)
             if g is not None:
                 out[name] = g.detach().clone().float()
-    return out
+    return _whole(engine, out)
 
 
 def reference_step_keys(cfg, built, dp: int, steps: int) -> list[list[str]]:
@@ -368,6 +376,11 @@ def _train(rank: int, world: int, cfg, ds_json: dict, steps: int, resume_at: int
         out.setdefault("pool_moved", []).append(  # the metric data_pool_moved
             pool_metrics(engine.module).get("data_pool_moved"))
     out["clip_coefs"] = list(clip.coefs)  # a resumed rerun steps on: not its steps
+    tp_counts = getattr(engine.module, "tp_counts", None)  # parallel.tp: AutoTP's layers
+    if tp_counts is not None:
+        import dataclasses
+        out["tp_counts"] = dataclasses.asdict(tp_counts)
+        out["local_shapes"] = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
     # the SP work of training (the metrics sp_*), before evaluation runs forwards of its own
     out["sp"] = sp_metrics(engine.module)
     if out["sp"]:  # Ulysses calls one SP row makes: every decoder layer, again when recomputed

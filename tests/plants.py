@@ -303,3 +303,27 @@ def _grad_norm_replicas_twice(rank: int):
                 joint._unflatten_into(flat, [p.grad for p in bucket])
         return planted
     yield from _patched(joint.EncoderShards, "reduce_grads", make)
+
+
+# ----------------------------------------------------- tensor parallel (tests/dist/test_tensor_parallel.py)
+@plant("tp_bias_twice", "each column-parallel AutoTP layer adds its bias shard twice",
+       "tp_slow")
+def _tp_bias_twice(rank: int):
+    from deepspeed.module_inject.layers import LinearLayer
+
+    def make(forward):
+        def planted(self, input):
+            out = forward(self, input)
+            return out if self.bias is None else out + self.bias
+        return planted
+    yield from _patched(LinearLayer, "forward", make)
+
+
+@plant("tp_input_grad_not_summed", "the column-parallel layers' input gradient is not summed "
+       "over the TP ranks (each rank keeps its own part)", "tp")
+def _tp_input_grad_not_summed(rank: int):
+    from deepspeed.module_inject import layers
+
+    def make(backward):
+        return staticmethod(lambda ctx, grad_output: (None, grad_output))
+    yield from _patched(layers.ColumnParallel, "backward", make)

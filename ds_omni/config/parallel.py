@@ -20,6 +20,14 @@ class ParallelConfig:
     """Data-parallel degree; "auto" takes what the world size leaves after sp and pp."""
     sp: int = 1
     """Ulysses sequence-parallel degree of the LLM."""
+    tp: int = 1
+    """Tensor-parallel degree of the LLM backbone (DeepSpeed's AutoTP training layers): each
+    decoder layer's attention and MLP projections are split over tp neighbouring ranks, which
+    read the same rows; the embedding, norms, head and every encoder stay whole on each rank.
+    For a backbone too large for one device's memory, or to cut its per-rank time when the
+    data-parallel degree is already at its useful limit. tp must divide the backbone's attention
+    and key-value heads and MLP width (`ds-omni plan` names the degrees that work); ZeRO 0-2,
+    sp = 1, pp = 1 and max_sequence_sp = 1 in this version."""
     pp: int = 1
     """Pipeline stages of the LLM (DeepSpeed's pipeline engine; ZeRO 0/1 only, sp = 1). Stage
     boundaries come from the cost model unless stage_split says otherwise (`ds-omni plan` prints
@@ -88,7 +96,7 @@ class ParallelConfig:
         if self.stage_tokens < 0:
             raise ConfigError(f"parallel.stage_tokens must be >= 0 (0: data.max_seq_len), got "
                               f"{self.stage_tokens}")
-        for name in ("sp", "pp", "max_sequence_sp"):
+        for name in ("sp", "tp", "pp", "max_sequence_sp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         d = self.max_sequence_sp
@@ -98,5 +106,15 @@ class ParallelConfig:
             raise ConfigError("parallel.max_sequence_sp > 1 chooses an SP degree per sequence; it "
                               f"cannot be combined with a static parallel.sp={self.sp} or "
                               f"parallel.pp={self.pp} in this version: set those to 1")
+        if self.tp > 1 and (self.sp > 1 or self.pp > 1 or d > 1):
+            raise ConfigError(
+                f"parallel.tp={self.tp} cannot be combined with parallel.sp={self.sp}, "
+                f"parallel.pp={self.pp} or parallel.max_sequence_sp={d} in this version (DeepSpeed "
+                "takes over the model-parallel groups when AutoTP runs through its engine, and "
+                "its pipeline engine has no AutoTP path): set those to 1, or tp to 1")
+        if self.tp > 1 and self.encoder_pool != "off":
+            raise ConfigError(f"parallel.encoder_pool={self.encoder_pool!r} with parallel.tp="
+                              f"{self.tp} is not supported in this version: set encoder_pool to "
+                              "\"off\" (each rank encodes its own rows' items)")
         if self.dp != "auto" and self.dp < 1:
             raise ConfigError(f"parallel.dp must be >= 1 or \"auto\", got {self.dp}")

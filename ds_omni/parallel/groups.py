@@ -21,24 +21,29 @@ class RankGroups:
     """The data-parallel ranks of this rank's (pp stage, sp rank)."""
     reorder: object
     """This rank's reorder group: G consecutive ranks of `dp` (`ParallelPlan.reorder_group`)."""
-    mpu: "SequenceParallelMpu | None"
-    """Under parallel.sp > 1: the Ulysses group and the sequence x data group, for DeepSpeed."""
+    mpu: "SequenceParallelMpu | TensorParallelMpu | None"
+    """DeepSpeed's mpu. Under parallel.sp > 1: the Ulysses group and the sequence x data group;
+    under parallel.tp > 1: the tensor-parallel group and the data-parallel one."""
     blocks: dict[tuple[int, int], object]
     """Per-sequence SP: (first rank, size) -> the group of every block that holds this rank."""
     comm: "TorchDataComm"
     """The loader's metadata all-gathers (and the step's token totals)."""
     step_comm: "TorchDataComm | None"
     """`dp` and `reorder` again as groups of their own, for loader steps a prefetch thread runs."""
+    tp: object = None
+    """Under parallel.tp > 1: the ranks that split the backbone's layers (None without)."""
 
     @property
     def sp(self):
         """The LLM's Ulysses group, or None without parallel.sp."""
-        return self.mpu.get_sequence_parallel_group() if self.mpu is not None else None
+        sequence = isinstance(self.mpu, SequenceParallelMpu)
+        return self.mpu.get_sequence_parallel_group() if sequence else None
 
     @property
     def pool(self):
         """The encoder pool's group: every rank of this pipeline stage (`ParallelPlan.pool_size`)."""
-        return self.mpu.get_sequence_data_parallel_group() if self.mpu is not None else self.dp
+        sequence = isinstance(self.mpu, SequenceParallelMpu)
+        return self.mpu.get_sequence_data_parallel_group() if sequence else self.dp
 
 
 def rank_groups(plan: ParallelPlan, rank: int, prefetch: bool) -> RankGroups:
@@ -50,9 +55,25 @@ def rank_groups(plan: ParallelPlan, rank: int, prefetch: bool) -> RankGroups:
     blocks = sequence_blocks(plan, rank)
     comm = TorchDataComm(dp, reorder, plan.dp, plan.reorder_group,
                          mpu.get_sequence_data_parallel_group() if mpu else None, plan.sp)
+    tp = tensor_group(plan, rank)
+    if tp is not None:  # parallel.tp excludes sp (ParallelConfig): the only mpu
+        mpu = TensorParallelMpu(tp, dp)
     step_comm = loader_step_comm(plan, rank) if prefetch else None
     return RankGroups(dp=dp, reorder=reorder, mpu=mpu, blocks=blocks, comm=comm,
-                      step_comm=step_comm)
+                      step_comm=step_comm, tp=tp)
+
+
+def tensor_group(plan: ParallelPlan, rank: int):
+    """This rank's tensor-parallel group (None when tp == 1): always a group of its own, even
+    when it is the world, since DeepSpeed's AutoTP layers read "no group" as "not parallel"."""
+    if not plan.tp_enabled:
+        return None
+    own = None
+    for members in plan.tp_group_ranks():
+        pg = dist.new_group(members)
+        if rank in members:
+            own = pg
+    return own
 
 
 def data_groups(plan: ParallelPlan, rank: int):
@@ -204,3 +225,38 @@ class SequenceParallelMpu:
 
     def get_model_parallel_group(self):
         return self._mp
+
+
+class TensorParallelMpu:
+    """The `mpu` DeepSpeed is given under parallel.tp > 1 (Megatron's interface, held by an object).
+
+    ZeRO partitions and averages gradients over `get_data_parallel_group` (the ranks of one
+    tensor-parallel rank: they hold the same shards), and its gradient norm adds the squares of
+    the sharded parameters (`tensor_model_parallel`, set by AutoTP's layers) over
+    `get_model_parallel_group`, counting the whole ones on tensor-parallel rank 0 only.
+    """
+
+    def __init__(self, tp_group, dp_group):
+        self._tp, self._dp = tp_group, dp_group
+
+    def get_model_parallel_group(self):
+        return self._tp
+
+    def get_model_parallel_rank(self) -> int:
+        return dist.get_rank(self._tp)
+
+    def get_model_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._tp)
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_data_parallel_group(self):
+        return self._dp
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self._dp)
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._dp)

@@ -1,10 +1,11 @@
 """The parallel plan: degrees and the rank layout, as a small pure value object.
 
-Axes, outermost first: pp (pipeline stage), dp (data parallel), sp (Ulysses sequence parallel).
-sp is innermost so its all-to-all traffic stays among neighbouring ranks (inside a node); pp is
-outermost because its point-to-point traffic is the lightest.
+Axes, outermost first: pp (pipeline stage), dp (data parallel), sp (Ulysses sequence parallel),
+tp (tensor parallel). The heaviest traffic is innermost so it stays among neighbouring ranks
+(inside a node): tp's all-reduces in every layer's forward and backward, then sp's all-to-alls;
+pp is outermost because its point-to-point traffic is the lightest.
 
-    rank = (pp_stage * dp + dp_rank) * sp + sp_rank
+    rank = ((pp_stage * dp + dp_rank) * sp + sp_rank) * tp + tp_rank
 
 The plan also owns what derives from the degrees and the config (the reorder group size G, the
 per-sequence SP blocks, the encoder pool's size, the group that shares long items), so nothing
@@ -25,6 +26,7 @@ class RankCoords:
     pp_stage: int
     dp_rank: int
     sp_rank: int
+    tp_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class ParallelPlan:
     dp: int
     sp: int = 1
     pp: int = 1
+    tp: int = 1
     reorder_group: int = 1
     """G: consecutive data-parallel ranks whose loaders exchange sample metadata and reorder
     samples together (1: loader order)."""
@@ -44,27 +47,31 @@ class ParallelPlan:
                     reorder: ReorderConfig) -> "ParallelPlan":
         """Resolve "auto" degrees and the reorder group, and check that the plan fits
         `world_size` ranks."""
-        model_parallel = cfg.sp * cfg.pp
+        model_parallel = cfg.sp * cfg.pp * cfg.tp
+        # the model-parallel degrees as the errors name them (tp only where it is set)
+        names = ["sp", "tp", "pp"] if cfg.tp > 1 else ["sp", "pp"]
+        values = " x ".join(str(getattr(cfg, n)) for n in names)
         if cfg.dp == "auto":
             if world_size % model_parallel:
                 raise LaunchError(
-                    f"world size {world_size} is not divisible by parallel.sp x parallel.pp = "
-                    f"{cfg.sp} x {cfg.pp} = {model_parallel}; launch a multiple of {model_parallel} "
+                    f"world size {world_size} is not divisible by "
+                    f"{' x '.join('parallel.' + n for n in names)} = "
+                    f"{values} = {model_parallel}; launch a multiple of {model_parallel} "
                     "processes or change the plan")
             dp = world_size // model_parallel
         else:
             dp = cfg.dp
         if dp * model_parallel != world_size:
             raise LaunchError(
-                f"the plan needs parallel.dp x sp x pp = {dp} x {cfg.sp} x {cfg.pp} = "
+                f"the plan needs parallel.dp x {' x '.join(names)} = {dp} x {values} = "
                 f"{dp * model_parallel} processes but {world_size} were launched; launch "
                 f"{dp * model_parallel} (e.g. deepspeed --num_gpus {dp * model_parallel}) or set "
                 "parallel.dp to \"auto\"")
         group = reorder_group_size(reorder, dp)
         if cfg.max_sequence_sp > 1:
             check_per_sequence(reorder.mode, group, cfg.max_sequence_sp)
-        return cls(world_size=world_size, dp=dp, sp=cfg.sp, pp=cfg.pp, reorder_group=group,
-                   max_sequence_sp=cfg.max_sequence_sp)
+        return cls(world_size=world_size, dp=dp, sp=cfg.sp, pp=cfg.pp, tp=cfg.tp,
+                   reorder_group=group, max_sequence_sp=cfg.max_sequence_sp)
 
     @property
     def sp_enabled(self) -> bool:
@@ -73,6 +80,10 @@ class ParallelPlan:
     @property
     def pp_enabled(self) -> bool:
         return self.pp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
 
     @property
     def dp_enabled(self) -> bool:
@@ -95,22 +106,30 @@ class ParallelPlan:
                 for start in range(0, self.world_size, size)]
 
     def coords(self, rank: int) -> RankCoords:
-        sp_rank = rank % self.sp
-        dp_rank = (rank // self.sp) % self.dp
-        return RankCoords(pp_stage=rank // (self.sp * self.dp), dp_rank=dp_rank, sp_rank=sp_rank)
+        tp_rank, rest = rank % self.tp, rank // self.tp
+        sp_rank = rest % self.sp
+        dp_rank = (rest // self.sp) % self.dp
+        return RankCoords(pp_stage=rest // (self.sp * self.dp), dp_rank=dp_rank, sp_rank=sp_rank,
+                          tp_rank=tp_rank)
 
     def rank_of(self, c: RankCoords) -> int:
-        return (c.pp_stage * self.dp + c.dp_rank) * self.sp + c.sp_rank
+        return ((c.pp_stage * self.dp + c.dp_rank) * self.sp + c.sp_rank) * self.tp + c.tp_rank
 
     def dp_group_ranks(self) -> list[list[int]]:
-        """Ranks that hold different data and the same model shard: one list per (pp, sp)."""
-        return [[self.rank_of(RankCoords(p, d, s)) for d in range(self.dp)]
-                for p in range(self.pp) for s in range(self.sp)]
+        """Ranks that hold different data and the same model shard: one list per (pp, sp, tp)."""
+        return [[self.rank_of(RankCoords(p, d, s, t)) for d in range(self.dp)]
+                for p in range(self.pp) for s in range(self.sp) for t in range(self.tp)]
 
     def sp_group_ranks(self) -> list[list[int]]:
-        """Ranks that split one sequence: one list per (pp, dp)."""
-        return [[self.rank_of(RankCoords(p, d, s)) for s in range(self.sp)]
-                for p in range(self.pp) for d in range(self.dp)]
+        """Ranks that split one sequence: one list per (pp, dp, tp)."""
+        return [[self.rank_of(RankCoords(p, d, s, t)) for s in range(self.sp)]
+                for p in range(self.pp) for d in range(self.dp) for t in range(self.tp)]
+
+    def tp_group_ranks(self) -> list[list[int]]:
+        """Ranks that split the backbone's layers (and read the same rows): one list per
+        (pp, dp, sp); consecutive ranks."""
+        return [[self.rank_of(RankCoords(p, d, s, t)) for t in range(self.tp)]
+                for p in range(self.pp) for d in range(self.dp) for s in range(self.sp)]
 
     def reorder_group_ranks(self, group_size: int) -> list[list[int]]:
         """Ranks whose loaders share sample metadata: G consecutive ranks of each dp group.
@@ -123,16 +142,30 @@ class ParallelPlan:
         return [dp_ranks[start:start + group_size] for dp_ranks in self.dp_group_ranks()
                 for start in range(0, self.dp, group_size)]
 
-    def layout(self) -> dict:
-        """Every rank's (pp, dp, sp) coordinates and the groups it belongs to, as plain data.
+    def layout(self, gpus_per_node: int | None = None) -> dict:
+        """Every rank's (pp, dp, sp[, tp]) coordinates and the groups it belongs to, as plain
+        data; with `gpus_per_node`, the groups of each kind that cross a node boundary.
 
         What `ds-omni plan` prints, so a layout can be checked before any process is launched.
         """
-        ranks = [{"rank": r, "pp": c.pp_stage, "dp": c.dp_rank, "sp": c.sp_rank}
+        tp = self.tp_enabled  # the tp coordinate and groups are printed under parallel.tp only
+        ranks = [{"rank": r, "pp": c.pp_stage, "dp": c.dp_rank, "sp": c.sp_rank,
+                  **({"tp": c.tp_rank} if tp else {})}
                  for r, c in enumerate(map(self.coords, range(self.world_size)))]
-        return {"ranks": ranks, "sp_groups": self.sp_group_ranks(),
-                "dp_groups": self.dp_group_ranks(), "reorder_group_size": self.reorder_group,
-                "reorder_groups": self.reorder_group_ranks(self.reorder_group)}
+        out = {"ranks": ranks, **({"tp_groups": self.tp_group_ranks()} if tp else {}),
+               "sp_groups": self.sp_group_ranks(), "dp_groups": self.dp_group_ranks(),
+               "reorder_group_size": self.reorder_group,
+               "reorder_groups": self.reorder_group_ranks(self.reorder_group)}
+        if gpus_per_node:
+            kinds = [k for k in ("tp_groups", "sp_groups", "dp_groups") if k in out]
+            out["cross_node"] = {kind: [g for g in out[kind] if _crosses(g, gpus_per_node)]
+                                 for kind in kinds}
+        return out
+
+
+def _crosses(group: list[int], gpus_per_node: int) -> bool:
+    """Whether the ranks of `group` sit on more than one node (ranks fill nodes in order)."""
+    return len({r // gpus_per_node for r in group}) > 1
 
 
 def reorder_group_size(cfg: ReorderConfig, dp_size: int) -> int:

@@ -8,6 +8,7 @@ DeepSpeed is given:
   encoder_pool.py  the encoder pool: each round's items placed over every data-parallel rank
   pipeline.py      the LLM over pipeline stages on DeepSpeed's PipelineModule (parallel.pp > 1)
   joint.py         "uniform" encoder placement: every stage encodes a share of the step's items
+  tensor_parallel.py  the backbone's decoder layers split over the TP group (DeepSpeed's AutoTP)
 The pure planners these call (reshard, long_short, hdp, stages) and the groups are in
 `ds_omni.parallel`.
 """
@@ -21,13 +22,15 @@ from ds_omni.model.omni import OmniModel
 from ds_omni.parallelize.embedding import EmbeddingRouter
 from ds_omni.parallelize.encoder_pool import EncoderPool
 from ds_omni.parallelize.pipeline import PipelineSpec, build_pipeline_module
+from ds_omni.parallelize.tensor_parallel import shard_backbone
 
 __all__ = ["EmbeddingRouter", "PipelineSpec", "parallelize", "router_of"]
 
 
 def parallelize(model: OmniModel, *, kernel: str | None = None, sp_group=None,
                 blocks: dict | None = None, pool: EncoderPool | None = None,
-                encoder_dummies: bool = True, pipeline: PipelineSpec | None = None) -> nn.Module:
+                encoder_dummies: bool = True, pipeline: PipelineSpec | None = None,
+                tp_group=None, llm_config=None) -> nn.Module:
     """Apply the plan to a built model; returns what DeepSpeed is given: the model itself, or
     under `pipeline` (parallel.pp > 1) this rank's stage of it (`build_pipeline_module`).
 
@@ -38,12 +41,17 @@ def parallelize(model: OmniModel, *, kernel: str | None = None, sp_group=None,
     micro-batch runs every encoder, on a dummy where it has no item
     (`ds_omni.train.setup.encoder_dummies_needed`). The model gets an `EmbeddingRouter` holding
     them, and its backbone the attention with `sp_group`, counted in the router's `sp_counts`.
+    `tp_group` (parallel.tp > 1): the backbone's decoder layers are split over it by DeepSpeed's
+    AutoTP (`tensor_parallel.shard_backbone`, after `llm_config`'s tp plan); the encoders are
+    not. What it did is the model's `tp_counts`.
     """
     kernel = kernel or model.backbone.attention.asked
     router = EmbeddingRouter(kernel=kernel, sp_group=sp_group, blocks=blocks, pool=pool,
                              encoder_dummies=encoder_dummies)
     model.backbone.attention = PackedAttention(kernel, sp_group, router.sp_counts)
     model.router = router
+    if tp_group is not None:
+        model.tp_counts = shard_backbone(model.backbone, tp_group, llm_config)
     if pipeline is None:
         return model
     return build_pipeline_module(model, pipeline.plan, pipeline.stage_plan, pipeline.placement,

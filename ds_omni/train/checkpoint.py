@@ -52,7 +52,9 @@ import torch.distributed as dist
 
 from ds_omni.errors import LaunchError
 from ds_omni.model.convert import MODEL_META_DIR
+from ds_omni.model.tp_files import save_tp_layout
 from ds_omni.parallel.dist import barrier
+from ds_omni.parallelize.tensor_parallel import tp_layout
 
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST = "manifest.json"
@@ -93,6 +95,8 @@ def save_model_meta(root: Path, built) -> None:
     built.family.save_processor(meta, built.hf_config, built.tokenizer, built.model_dir)
     from ds_omni.model.lora import save_meta
     save_meta(built.model, meta)  # LoRA: which layers carry adapters, how to export
+    if getattr(built.model, "tp_counts", None) is not None:  # parallel.tp: how to make it whole
+        save_tp_layout(meta, tp_layout(built.model))
 
 
 def save(engine, output_dir: str | Path, step: int, loader_state: dict, rank: int,

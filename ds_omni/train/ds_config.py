@@ -67,6 +67,8 @@ def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
                               "and parallel.sp > 1 (DeepSpeed then scales gradients differently "
                               "by bucket size); remove it or set it to true")
         zero["reduce_scatter"] = True
+    if plan.tp_enabled:
+        check_tensor_parallel_ds(out, plan.tp)
     train = cfg.train
     optimizer = out.get("optimizer")
     if optimizer is not None:
@@ -85,6 +87,22 @@ def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
             _merge(params, key, values[key], where=f"scheduler.params.{key}")
     out.setdefault("steps_per_print", 10 ** 9)  # ds_omni reports progress itself
     return out
+
+
+def check_tensor_parallel_ds(ds: dict, tp: int) -> None:
+    """parallel.tp shards the backbone with AutoTP outside DeepSpeed's engine
+    (`ds_omni.parallelize.tensor_parallel`): the config must not ask the engine to shard the
+    whole model again, and ZeRO-3 (whose parameter partitioning that sharding has not been
+    tested under) is refused."""
+    if ds.get("tensor_parallel", {}).get("autotp_size", 0) > 1:
+        raise ConfigError("the DeepSpeed config sets tensor_parallel.autotp_size, which would "
+                          "shard the encoders too; remove it and set parallel.tp in the ds_omni "
+                          "config (ds_omni applies AutoTP to the LLM backbone alone)")
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if stage == 3:
+        raise ConfigError(f"parallel.tp={tp} runs with ZeRO stages 0-2 in this version; "
+                          "zero_optimization.stage=3 is not supported with it: use "
+                          "ds_configs/zero2.json, or parallel.tp=1 with ZeRO-3")
 
 
 def _merge(target: dict, key: str, value, where: str) -> None:

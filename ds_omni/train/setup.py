@@ -33,6 +33,7 @@ from ds_omni.parallelize import parallelize
 from ds_omni.parallelize.encoder_pool import EncoderPool
 from ds_omni.parallelize.pipeline import (PipelineSpec, check_pipeline, layer_param_counts,
                                          optimizer_params)
+from ds_omni.parallelize.tensor_parallel import check_tensor_parallel
 from ds_omni.train import checkpoint
 from ds_omni.train.ds_config import derive_ds_config, load_ds_json
 
@@ -45,14 +46,22 @@ def plan_run(cfg: OmniConfig, ds_json: dict, world_size: int) -> tuple[ParallelP
     plan that needs no process group and no files but the model's configs."""
     plan = ParallelPlan.from_config(cfg.parallel, world_size, cfg.data.reorder)
     degrees = sorted({d for d in (plan.sp, plan.max_sequence_sp) if d > 1})
-    llm = llm_text_config(cfg.model) if degrees or plan.pp_enabled else None  # read once
+    needs_llm = degrees or plan.pp_enabled or plan.tp_enabled
+    llm = llm_text_config(cfg.model) if needs_llm else None  # read once
     for degree in degrees:
         check_sequence_parallel(cfg.model, degree, llm)
+    if plan.tp_enabled:
+        check_tensor_parallel(llm[1], plan.tp, _llm_part(cfg))
     resolve_kernel(cfg.model.attn_implementation)  # varlen on CPU, flash-attn missing: say so now
     ds_config = derive_ds_config(cfg, ds_json, plan)
     if plan.pp_enabled:
         check_pipeline(cfg, ds_config, llm[1])
     return plan, ds_config
+
+
+def _llm_part(cfg: OmniConfig) -> str:
+    """How errors name the LLM: the pretrained directory's, or the config's part."""
+    return f"the LLM of {cfg.model.pretrained!r}" if cfg.model.pretrained else "model.llm"
 
 
 def preflight(cfg: OmniConfig, ds_config_path: str,
@@ -66,12 +75,15 @@ def preflight(cfg: OmniConfig, ds_config_path: str,
     return plan, ds_config
 
 
-def describe_plan(cfg: OmniConfig, plan: ParallelPlan, ds_config: dict) -> dict:
-    """What `ds-omni plan` prints: the degrees, every rank's place and groups, the DeepSpeed
-    config and, under pp > 1, the pipeline's stages (from the model built on the meta device:
-    its sizes only, no weights made or read)."""
-    out = {"plan": {"world_size": plan.world_size, "dp": plan.dp, "sp": plan.sp, "pp": plan.pp},
-           "layout": plan.layout(), "deepspeed": ds_config}
+def describe_plan(cfg: OmniConfig, plan: ParallelPlan, ds_config: dict,
+                  gpus_per_node: int | None = None) -> dict:
+    """What `ds-omni plan` prints: the degrees, every rank's place and groups (with
+    `gpus_per_node`, those that cross nodes), the DeepSpeed config and, under pp > 1, the
+    pipeline's stages (from the model built on the meta device: its sizes only, no weights made
+    or read)."""
+    degrees = {"world_size": plan.world_size, "dp": plan.dp, "sp": plan.sp, "pp": plan.pp}
+    out = {"plan": {**degrees, **({"tp": plan.tp} if plan.tp_enabled else {})},
+           "layout": plan.layout(gpus_per_node), "deepspeed": ds_config}
     if plan.pp_enabled:
         with torch.device("meta"):
             built = build_model(cfg.model)
@@ -109,7 +121,9 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
                           long_items=long_items_of(cfg, built.model, plan.long_item_group))
     if rank == 0:
         dist.barrier()
-    torch.manual_seed(cfg.train.seed + rank)
+    # one random stream per data-parallel rank: the tensor-parallel ranks of a row run its
+    # encoders and whole layers alike, so their dropout masks must agree
+    torch.manual_seed(cfg.train.seed + rank // plan.tp)
     ds_groups.mpu = None  # DeepSpeed keeps the last engine's mpu in a module global: don't inherit it
     module = _parallelize(cfg, ds_config, plan, groups, built, cost, rank)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=optimizer_params(module),
@@ -145,7 +159,8 @@ def _parallelize(cfg: OmniConfig, ds_config: dict, plan: ParallelPlan, groups: R
     return parallelize(built.model, kernel=cfg.model.attn_implementation, sp_group=groups.sp,
                        blocks=groups.blocks, pool=pool,
                        encoder_dummies=encoder_dummies_needed(ds_config, plan.pp_enabled),
-                       pipeline=pipeline)
+                       pipeline=pipeline, tp_group=groups.tp,
+                       llm_config=built.hf_config.get_text_config() if groups.tp else None)
 
 
 def _item_cost(cost: CostModel):

@@ -1,0 +1,165 @@
+"""The LLM backbone tensor-parallel (parallel.tp) through DeepSpeed's AutoTP training layers.
+
+What runs is DeepSpeed's: `AutoTP` reads the backbone's HF tensor-parallel plan
+(`base_model_tp_plan`: q/k/v and gate/up projections column-parallel, o_proj and down_proj
+row-parallel) and swaps each of those `nn.Linear`s for its training layers (`LinearLayer`: the
+input's gradient all-reduced in backward; `LinearAllreduce`: the output all-reduced in forward).
+The embedding, norms, LM head and every encoder stay whole on each rank.
+
+Why ds_omni calls AutoTP itself instead of DeepSpeed's engine path
+(`"tensor_parallel": {"autotp_size": N}` in the DeepSpeed config):
+  - the engine shards every module it is given: here the encoders too, which must stay whole
+    (they keep their own plan over all ranks);
+  - the engine replaces the `mpu` it is handed by its own module `deepspeed.utils.groups`,
+    whose (dp, tp) mesh is built without ds_omni's rank layout.
+So this module makes the calls the engine makes (`DeepSpeedEngine._apply_autotp_partitioning`,
+its HF-tp_plan branch) on the backbone alone, with the plan's TP group, and the engine is given
+`ds_omni.parallel.groups.TensorParallelMpu` (ZeRO reduces over the data-parallel ranks only and
+counts sharded parameters in the gradient norm over the TP group).
+
+GQA with fewer key-value heads than tp: DeepSpeed splits the attention by key-value head
+groups, so ranks past the KV head count hold no attention shard at all (zero-width q/k/v and
+o_proj shards: rank 0 of tp=2 over one KV head holds the whole attention); the row-parallel
+all-reduce adds their empty share, so the result stays exact, but attention work does not scale
+past the KV head count. `check_tensor_parallel` logs that case.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ds_omni.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TPCounts:
+    """What `shard_backbone` did: AutoTP layers in the backbone, by kind (the tests' proof that
+    the mechanism ran)."""
+
+    column: int = 0
+    """`LinearLayer`s (column-parallel: q, k, v, gate, up)."""
+    row: int = 0
+    """`LinearAllreduce`s (row-parallel: o_proj, down_proj)."""
+
+
+def tp_plan_of(text_config) -> dict[str, str]:
+    """The LLM's HF tensor-parallel plan (its config's `base_model_tp_plan`), or {}."""
+    return dict(getattr(text_config, "base_model_tp_plan", None) or {})
+
+
+def check_tensor_parallel(text_config, tp: int, where: str) -> None:
+    """parallel.tp can shard this LLM: its family has a tp plan DeepSpeed converts, and tp
+    divides its attention heads and MLP width. `where` names the part (e.g. "model.llm").
+    No process group, no model: called by `plan_run` before anything is launched."""
+    model_type = getattr(text_config, "model_type", "?")
+    plan = tp_plan_of(text_config)
+    if not plan:
+        raise ModelError(f"parallel.tp={tp}: {where} ({model_type}) has no HuggingFace "
+                         "tensor-parallel plan (`base_model_tp_plan`), so DeepSpeed's AutoTP "
+                         "cannot tell which projections to split; set parallel.tp to 1 (use "
+                         "ZeRO-3 to spread its parameters instead)")
+    from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
+    try:
+        TPPlanConverter.convert(plan)
+    except ValueError as e:
+        raise ModelError(f"parallel.tp={tp}: DeepSpeed's AutoTP cannot shard {where} "
+                         f"({model_type}): {e}; set parallel.tp to 1") from None
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    width = getattr(text_config, "intermediate_size", None)
+    ok = [d for d in range(1, heads + 1) if heads % d == 0 and (not width or width % d == 0)]
+    if tp not in ok:
+        raise ModelError(f"parallel.tp={tp} must divide the LLM's attention heads and MLP width: "
+                         f"{where} ({model_type}) has {heads} query heads, {kv_heads} key/value "
+                         f"heads and an MLP of {width}; tp can be one of {ok}")
+    if kv_heads < tp:
+        log.warning("parallel.tp=%d exceeds the LLM's %d key/value heads: DeepSpeed's AutoTP "
+                    "gives the attention to the first %d tensor-parallel ranks only (exact, but "
+                    "attention time does not scale past that)", tp, kv_heads, kv_heads)
+
+
+def shard_backbone(backbone: nn.Module, tp_group, text_config) -> TPCounts:
+    """Split the backbone's decoder-layer projections over `tp_group` with DeepSpeed's AutoTP
+    (training mode), in place; its other modules stay whole. Every rank of the group calls it
+    with the same (whole) weights."""
+    from deepspeed.module_inject.auto_tp import AutoTP
+    from deepspeed.module_inject.autotp_config import AutoTPConfig
+    from deepspeed.module_inject.layers import set_autotp_mode
+    from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
+    set_autotp_mode(training=True)
+    tp = torch.distributed.get_world_size(tp_group)
+    specs = TPPlanConverter.convert(tp_plan_of(text_config))
+    autotp = AutoTP(module=backbone, all_reduce_linears=(), prefix="", state_dict=None,
+                    linear_layer_setting=(nn.Linear, nn.Embedding), orig_layer_impl=None,
+                    partition_config=AutoTPConfig(tp_size=tp, layer_specs=specs),
+                    model_config=text_config, training_mode=True)
+    # In training mode `set_tensor_parallel_config` ignores its arguments and reads DeepSpeed's
+    # module-global TP group (the engine path sets it); ds_omni keeps groups out of globals and
+    # hands AutoTP the plan's group directly.
+    autotp.mp_group, autotp.mp_size = tp_group, tp
+    autotp.update_linear_policies()
+    autotp._replace_module(backbone)
+    autotp.register_replicated_grad_hooks(backbone)  # none in the shipped plans; kept for others
+    counts = tp_counts(backbone)
+    if not counts.column or not counts.row:
+        raise ModelError(f"parallel.tp={tp}: DeepSpeed's AutoTP found no projections to split "
+                         f"in the {getattr(text_config, 'model_type', '?')} backbone from its "
+                         "tp plan; set parallel.tp to 1")
+    return counts
+
+
+def tp_counts(module: nn.Module) -> TPCounts:
+    """AutoTP's layers in `module`, by kind."""
+    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer
+    counts = TPCounts()
+    for m in module.modules():
+        if isinstance(m, LinearAllreduce):
+            counts.row += 1
+        elif isinstance(m, LinearLayer):
+            counts.column += 1
+    return counts
+
+
+def gather_tp(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (a parameter name of `module` -> that parameter's local value, or its gradient)
+    with every AutoTP shard made whole: gathered over its layer's TP group along the dim the
+    layer split (uneven splits too); the rest as they are. Every rank of the group calls it."""
+    out = dict(tensors)
+    for name, layer in module.named_modules():
+        dims = _split_dims(layer)
+        for leaf, dim in dims.items():
+            key = f"{name}.{leaf}" if name else leaf
+            if key in out and dim is not None:
+                # the layer's own gather (it knows the uneven split it made)
+                out[key] = layer._all_gather_shards(out[key].contiguous(),
+                                                    layer._partition_sizes, dim)
+    return out
+
+
+def tp_layout(module: nn.Module) -> dict[str, dict]:
+    """{parameter name: {"dim": split dim, "sizes": each TP rank's width}} of every split
+    parameter of `module` (what the HF export needs to make a TP checkpoint whole,
+    `ds_omni.model.tp_files`)."""
+    out = {}
+    for name, layer in module.named_modules():
+        for leaf, dim in _split_dims(layer).items():
+            if dim is not None and getattr(layer, leaf, None) is not None:
+                out[f"{name}.{leaf}" if name else leaf] = {"dim": dim,
+                                                           "sizes": list(layer._partition_sizes)}
+    return out
+
+
+def _split_dims(layer: nn.Module) -> dict[str, int | None]:
+    """{"weight": dim, "bias": dim or None (whole)} for an AutoTP layer; {} otherwise."""
+    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer
+    if isinstance(layer, LinearAllreduce):  # rows of the input split; the bias is whole
+        return {"weight": 1, "bias": None}
+    if isinstance(layer, LinearLayer):  # output features split, the bias with them
+        return {"weight": 0, "bias": 0}
+    return {}

@@ -1,0 +1,201 @@
+"""The LLM backbone tensor-parallel (parallel.tp, DeepSpeed's AutoTP layers) equals one process.
+
+Two ranks (tp=2, so dp=1: both ranks read the same rows) train 3 optimizer steps through
+DeepSpeed under ZeRO 1 and 2 with grouped reordering on (the default "fixed" mode), and each
+case is compared with the oracle (`tests/oracle.py`: one process, plain PyTorch, the same
+global batches made there): the losses (rel 1e-6), the full reduced gradients of every step (the ranks' shards gathered whole,
+`ds_omni.parallelize.tensor_parallel.gather_tp`), and the parameters after the last step.
+
+Cases: the tiny LLaVA (Llama: 4 query / 2 key-value heads, no biases) and Qwen2-VL (3-D M-RoPE
+positions, q/k/v biases sharded with their rows, a text-only source mixed in); and LLaVA with a
+Qwen2 LLM of ONE key-value head (fewer than tp: DeepSpeed gives rank 0 the whole attention and
+rank 1 a zero-width share, see the module docstring of `tensor_parallel`). Packed rows
+(cu_seqlens) throughout. The mechanism is shown to run: the backbone's 14 projections are
+AutoTP's layers, each rank holds half of the MLP, and the encoders are whole.
+
+`test_plant_is_caught` / `test_plant_slow_is_caught`: the oracle fails on each planted error
+(`tests/plants.py`: the column-parallel input gradient not summed over the TP ranks, which
+leaves the loss alone and moves only the gradients of what is below: norms, embedding,
+projector, vision tower; in Qwen2-VL, a column shard's bias added twice).
+"""
+
+import pytest
+
+from tests import oracle, plants
+from tests.fixtures import ds_config, text_source, tiny_config
+from tests.harness import run_on_ranks
+
+STEPS = 3
+ONE_KV = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+          "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+
+def _config(case: dict, out_dir: str):
+    from ds_omni.config import ParallelConfig, SourceConfig, from_dict
+    cfg = tiny_config(out_dir, steps=case.get("steps", STEPS), weight_decay=0.1)
+    cfg.parallel = ParallelConfig(tp=2)
+    if case.get("model_dir"):
+        cfg.model.pretrained, cfg.model.tokenizer = case["model_dir"], None
+        cfg.model.vision = cfg.model.llm = None
+    if case.get("llm"):
+        cfg.model.llm.config = dict(case["llm"])
+    if case.get("sources"):
+        cfg.data.sources = [from_dict(SourceConfig, s) for s in case["sources"]]
+    return cfg
+
+
+def _train_ranks(rank, world, cases, out_dir):
+    results = {}
+    for name, case in cases.items():
+        for stage in case["stages"]:
+            cfg = _config(case, f"{out_dir}/{name}{stage}")
+            results[(name, stage)] = oracle.train_on_rank(
+                rank, world, cfg, ds_config(stage), case.get("steps", STEPS), case.get("plant"),
+                case.get("resume_at"))
+    return results
+
+
+def _planted(honest: dict, launch: str, base: str) -> dict:
+    """A 1-step case of `base` for each plant of `launch`."""
+    return {p: {**{k: v for k, v in honest[base].items() if k != "resume_at"}, "steps": 1,
+                "plant": p} for p in plants.for_launch(launch)}
+
+
+@pytest.fixture(scope="module")
+def quick_cases():
+    """The quick tier's launch: LLaVA under ZeRO-2, and its plant."""
+    honest = {"llava": {"stages": [2]}}
+    return {**honest, **_planted(honest, "tp", "llava")}
+
+
+@pytest.fixture(scope="module")
+def slow_cases(tmp_path_factory):
+    from tests import family_dirs
+    tmp = tmp_path_factory.mktemp("tp")
+    shapes = {"name": "shapes", "path": "builtin:shapes"}
+    honest = {
+        "llava": {"stages": [1], "resume_at": 2},  # saved, resumed, exported to HF
+        "qwen2_vl": {"stages": [2], "model_dir": str(family_dirs.make_qwen2_vl_dir(tmp / "q")),
+                     "sources": [shapes, text_source(tmp)]},
+        "one_kv_head": {"stages": [1], "llm": ONE_KV},
+    }
+    return {**honest, **_planted(honest, "tp_slow", "qwen2_vl")}
+
+
+@pytest.fixture(scope="module")
+def quick_results(quick_cases, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_runs")
+    return run_on_ranks(_train_ranks, 2, args=(quick_cases, str(out)), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def slow_results(slow_cases, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_slow_runs")
+    return run_on_ranks(_train_ranks, 2, args=(slow_cases, str(out)), timeout=900)
+
+
+def _check(name, case, results, tmp_path, dp=1):
+    from ds_omni.model.build import build_model
+    steps = case.get("steps", STEPS)
+    cfg = _config(case, str(tmp_path / f"ref_{name}"))
+    step_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), dp, steps)
+    ref = oracle.run_reference(cfg, step_keys)
+    for stage in case["stages"]:
+        got = results[0][(name, stage)]
+        # the TP ranks of a group read the same rows; the groups together the global batch
+        rank_keys = [sorted(k for r in results[::2] for k in r[(name, stage)]["keys"][s])
+                     for s in range(steps)]
+        assert rank_keys == step_keys, (name, stage)
+        for rank, r in enumerate(results):  # rank 2g + 1 reads what rank 2g reads
+            peer = results[rank // 2 * 2]
+            assert r[(name, stage)]["keys"] == peer[(name, stage)]["keys"], (name, stage)
+        oracle.assert_matches(ref, got, f"{name} tp=2 dp={dp} ZeRO-{stage}")
+        assert all(r[(name, stage)]["losses"] == got["losses"] for r in results), (name, stage)
+        if "resume_at" in case:
+            _check_resume(name, stage, case["resume_at"], results)
+            _check_export(name, results[0][(name, stage)]["resumed"]["output_dir"],
+                          got["params"])
+    oracle.assert_moved(ref, name)
+    return ref
+
+
+def _check_resume(name, stage, at, results) -> None:
+    """Resumed on the same plan from the checkpoint saved before step `at`, every rank trained
+    the same samples to the same losses and parameters, bit for bit."""
+    for r in results:
+        again = r[(name, stage)]["resumed"]
+        assert again["start"] == at and again["keys"] == r[(name, stage)]["keys"][at:], name
+        assert again["losses"] == r[(name, stage)]["losses"][at:], name
+        assert not again["params_differ"], (name, again["params_differ"][:3])
+
+
+def _check_export(name, output_dir, params) -> None:
+    from tests.dist import pipeline
+    pipeline._check_export(name, output_dir, params)  # the TP shards made whole, exactly
+
+
+@pytest.mark.dist
+def test_tensor_parallel_matches_single_process(quick_cases, quick_results, tmp_path):
+    _check("llava", quick_cases["llava"], quick_results, tmp_path)
+    _check_shards(quick_results, "llava", 2)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_tensor_parallel_families_match_single_process(slow_cases, slow_results, tmp_path):
+    for name, case in slow_cases.items():
+        if "plant" not in case:
+            _check(name, case, slow_results, tmp_path)
+    _check_shards(slow_results, "qwen2_vl", 2)
+    # one KV head, tp=2: rank 0 holds the whole attention, rank 1 a zero-width share
+    q = [{n: s for n, s in r[("one_kv_head", 1)]["local_shapes"].items()
+          if n == "backbone.layers.0.self_attn.q_proj.weight"} for r in slow_results]
+    assert [list(d.values()) for d in q] == [[(64, 64)], [(0, 64)]], q
+
+
+def _check_shards(results, name, stage) -> None:
+    """The mechanism ran: 2 layers x (q, k, v, gate, up) column-parallel and x (o, down)
+    row-parallel; each rank holds half of every MLP projection; nothing else is split."""
+    for r in results:
+        got = r[(name, stage)]
+        assert got["tp_counts"] == {"column": 10, "row": 4}, (name, got["tp_counts"])
+        shapes = got["local_shapes"]
+        assert shapes["backbone.layers.0.mlp.gate_proj.weight"] == (64, 64), name  # of 128
+        assert shapes["backbone.layers.0.mlp.down_proj.weight"] == (64, 64), name
+    whole = [{n: s for n, s in r[(name, stage)]["local_shapes"].items()
+              if "backbone.layers" not in n} for r in results]
+    assert all(w == whole[0] for w in whole), name
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("plant", plants.for_launch("tp"))
+def test_plant_is_caught(plant, quick_cases, quick_results, tmp_path):
+    with pytest.raises(AssertionError):
+        _check(plant, quick_cases[plant], quick_results, tmp_path)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", plants.for_launch("tp_slow"))
+def test_plant_slow_is_caught(plant, slow_cases, slow_results, tmp_path):
+    with pytest.raises(AssertionError):
+        _check(plant, slow_cases[plant], slow_results, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def four_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_four_runs")
+    return run_on_ranks(_train_ranks, 4, args=(FOUR, str(out)), timeout=900)
+
+
+FOUR = {"llava": {"stages": [2]}}  # dp=2 x tp=2: two TP groups, each its own rows
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_tp2_x_dp2_matches_single_process(four_results, tmp_path):
+    _check("llava", FOUR["llava"], four_results, tmp_path, dp=2)
+    _check_shards(four_results, "llava", 2)
+    groups = [four_results[r][("llava", 2)]["keys"] for r in (0, 2)]
+    assert groups[0] != groups[1]  # the two TP groups read different rows

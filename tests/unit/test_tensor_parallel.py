@@ -1,0 +1,108 @@
+"""parallel.tp without a process group: the rank layout (tp innermost), the groups that cross
+nodes, and every bad input refused with a ds_omni error before anything is launched."""
+
+import pytest
+
+from ds_omni.config import ParallelConfig, ReorderConfig
+from ds_omni.errors import ConfigError, ModelError
+from ds_omni.parallel.plan import ParallelPlan, RankCoords
+
+
+def test_tp_is_innermost_then_sp_then_dp():
+    plan = ParallelPlan(world_size=8, dp=2, sp=2, tp=2)
+    assert plan.coords(1) == RankCoords(pp_stage=0, dp_rank=0, sp_rank=0, tp_rank=1)
+    assert plan.coords(2) == RankCoords(pp_stage=0, dp_rank=0, sp_rank=1, tp_rank=0)
+    assert plan.coords(4) == RankCoords(pp_stage=0, dp_rank=1, sp_rank=0, tp_rank=0)
+    assert all(plan.rank_of(plan.coords(r)) == r for r in range(8))
+    assert plan.tp_group_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert plan.sp_group_ranks() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert plan.dp_group_ranks() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_layout_says_which_groups_cross_nodes():
+    plan = ParallelPlan.from_config(ParallelConfig(tp=2), 4, ReorderConfig())
+    assert (plan.dp, plan.tp) == (2, 2)
+    layout = plan.layout(gpus_per_node=2)
+    assert layout["tp_groups"] == [[0, 1], [2, 3]]
+    assert layout["dp_groups"] == [[0, 2], [1, 3]]
+    # TP's per-layer all-reduces stay inside a node; only the data-parallel reduction crosses
+    assert layout["cross_node"] == {"tp_groups": [], "sp_groups": [],
+                                    "dp_groups": [[0, 2], [1, 3]]}
+    assert "cross_node" not in plan.layout()
+    plain = ParallelPlan.from_config(ParallelConfig(), 4, ReorderConfig()).layout(4)
+    assert "tp_groups" not in plain and plain["cross_node"] == {"sp_groups": [], "dp_groups": []}
+
+
+def test_the_loaders_unit_is_the_tp_group():
+    """Both TP ranks of a group have the group's data-parallel rank: they read the same rows."""
+    plan = ParallelPlan.from_config(ParallelConfig(tp=2), 4, ReorderConfig())
+    assert [plan.coords(r).dp_rank for r in range(4)] == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"tp": 0}, r"parallel.tp must be >= 1"),
+    ({"tp": 2, "sp": 2}, r"parallel.tp=2 cannot be combined with parallel.sp=2"),
+    ({"tp": 2, "pp": 2}, r"parallel.pp=2"),
+    ({"tp": 2, "max_sequence_sp": 2}, r"parallel.max_sequence_sp=2"),
+    ({"tp": 2, "encoder_pool": "dp"}, r"encoder_pool='dp' with parallel.tp=2"),
+])
+def test_bad_tp_config_is_refused(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        ParallelConfig(**kwargs)
+
+
+def test_world_size_must_fit_tp():
+    from ds_omni.errors import LaunchError
+    with pytest.raises(LaunchError,
+                       match=r"parallel.sp x parallel.tp x parallel.pp = 1 x 2 x 1 = 2"):
+        ParallelPlan.from_config(ParallelConfig(tp=2), 3, ReorderConfig())
+    with pytest.raises(LaunchError, match=r"parallel.dp x sp x tp x pp = 3 x 1 x 2 x 1 = 6 "):
+        ParallelPlan.from_config(ParallelConfig(dp=3, tp=2), 4, ReorderConfig())
+
+
+def _llama(**over):
+    from transformers import LlamaConfig
+    fields = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2)
+    return LlamaConfig(**{**fields, **over})
+
+
+def test_tp_that_does_not_divide_the_heads_names_part_heads_and_degrees():
+    from ds_omni.parallelize.tensor_parallel import check_tensor_parallel
+    with pytest.raises(ModelError, match=r"model.llm \(llama\) has 4 query heads, 2 key/value "
+                                         r"heads and an MLP of 128; tp can be one of \[1, 2, 4\]"):
+        check_tensor_parallel(_llama(), 3, "model.llm")
+    check_tensor_parallel(_llama(), 4, "model.llm")  # more ranks than KV heads: allowed, logged
+
+
+def test_a_family_autotp_cannot_shard_is_refused():
+    from transformers import AutoConfig
+    from ds_omni.parallelize.tensor_parallel import check_tensor_parallel
+    with pytest.raises(ModelError, match=r"\(gpt2\) has no HuggingFace tensor-parallel plan"):
+        check_tensor_parallel(AutoConfig.for_model("gpt2"), 2, "model.llm")
+    odd = _llama()
+    odd.base_model_tp_plan = {"layers.*.self_attn.q_proj": "local_colwise"}
+    with pytest.raises(ModelError, match=r"AutoTP cannot shard model.llm \(llama\)"):
+        check_tensor_parallel(odd, 2, "model.llm")
+
+
+def test_zero3_and_engine_autotp_are_refused(tmp_path):
+    from tests.fixtures import ds_config, tiny_config
+    from ds_omni.train.setup import plan_run
+    cfg = tiny_config(str(tmp_path))
+    cfg.parallel = ParallelConfig(tp=2)
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage=3 is not supported"):
+        plan_run(cfg, ds_config(3), 2)
+    with pytest.raises(ConfigError, match=r"tensor_parallel.autotp_size"):
+        plan_run(cfg, {**ds_config(2), "tensor_parallel": {"autotp_size": 2}}, 2)
+    plan, ds = plan_run(cfg, ds_config(2), 4)
+    assert (plan.dp, plan.tp) == (2, 2) and ds["gradient_accumulation_steps"] == 2
+
+
+def test_plan_run_checks_the_heads_before_any_launch(tmp_path):
+    from tests.fixtures import ds_config, tiny_config
+    from ds_omni.train.setup import plan_run
+    cfg = tiny_config(str(tmp_path))
+    cfg.parallel = ParallelConfig(tp=8)  # the tiny Llama has 4 heads
+    with pytest.raises(ModelError, match=r"parallel.tp=8 must divide .* model.llm \(llama\)"):
+        plan_run(cfg, ds_config(2), 8)
