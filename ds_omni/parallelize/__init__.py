@@ -8,6 +8,8 @@ DeepSpeed is given:
   encoder_pool.py  the encoder pool: each round's items placed over every data-parallel rank
   pipeline.py      the LLM over pipeline stages on DeepSpeed's PipelineModule (parallel.pp > 1)
   joint.py         "uniform" encoder placement: every stage encodes a share of the step's items
+  expert_parallel.py  an MoE LLM's experts over ep ranks: DeepSpeed's AutoEP, configured from
+                   the LLM's config (DeepSpeed swaps the blocks inside `deepspeed.initialize`)
 The pure planners these call (reshard, long_short, hdp, stages) and the groups are in
 `ds_omni.parallel`.
 """

@@ -71,8 +71,18 @@ def autoep_section(llm_config, ep: int) -> dict:
                           "parallel.ep to 1")
     return {"enabled": True, "autoep_size": ep, "preset_model": preset,
             "moe_layer_pattern": MOE_LAYERS, "top_k": int(llm_config.num_experts_per_tok),
-            "route_norm": bool(getattr(llm_config, "norm_topk_prob", False)),
+            "route_norm": route_norm(llm_config, preset),
             "score_func": "softmax", "route_scale": 1.0}
+
+
+def route_norm(llm_config, preset: str) -> bool:
+    """Whether HF's router renormalises the top-k weights: `norm_topk_prob` where the config has
+    it (Qwen3-MoE: default False, where AutoEP's qwen3_moe preset says True), else what the
+    family's HF router always does, which is its preset's (Qwen3-VL-MoE and Mixtral normalise)."""
+    from deepspeed.module_inject.auto_ep_presets.registry import get_preset
+    if hasattr(llm_config, "norm_topk_prob"):
+        return bool(llm_config.norm_topk_prob)
+    return get_preset(preset).route_norm
 
 
 def autoep_layers(module: nn.Module) -> dict[str, nn.Module]:
