@@ -109,9 +109,12 @@ def _plan(tmp_path, world, **parallel):
 
 
 def test_plan_derives_the_autoep_section(tmp_path):
+    from ds_omni.train.setup import describe_plan
     plan, ds = _plan(tmp_path, 4, ep=2)
     assert plan.ep == 2 and plan.ep_group_ranks() == [[0, 1], [2, 3]]
     assert ds["expert_parallel"]["autoep_size"] == 2
+    shown = describe_plan(tiny_config(str(tmp_path)), plan, ds)["plan"]  # what `ds-omni plan` prints
+    assert shown["ep"] == 2 and shown["ep_groups"] == [[0, 1], [2, 3]]
 
 
 def test_ep_not_dividing_the_experts(tmp_path):
@@ -179,3 +182,32 @@ def test_hf_expert_state_gathers_hfs_layout():
     assert torch.equal(out[head + "experts.gate_up_proj"], gate_up)
     assert torch.equal(out[head + "experts.down_proj"], down)
     assert torch.equal(out[head + "gate.weight"], router)
+
+
+def test_expert_checkpoint_files_read_back_in_hfs_layout(tmp_path):
+    """AutoEP's checkpoint layout (one file per layer and expert, the router under its names in
+    the model states) -> OmniModel keys with HF's fused experts; ZeRO-3's is refused."""
+    from ds_omni.errors import ModelError
+    from ds_omni.model.expert_checkpoint import expert_checkpoint_state, is_expert_checkpoint
+    g = torch.Generator().manual_seed(1)
+    gate_up, down = torch.randn(4, 6, 5, generator=g), torch.randn(4, 5, 3, generator=g)
+    router, head = torch.randn(4, 5, generator=g), "backbone.layers.0.mlp."
+    module = {head + "router.gate.weight": router, head + "gate.gate.weight": router,
+              "backbone.norm.weight": torch.ones(5)}
+    torch.save({"module": module, "ds_config": {"zero_optimization": {"stage": 2}}},
+               tmp_path / "mp_rank_00_model_states.pt")
+    assert not is_expert_checkpoint(tmp_path)
+    for e in range(4):
+        torch.save({f"{head}experts.w1.{e}": gate_up[e, :3], f"{head}experts.w3.{e}": gate_up[e, 3:],
+                    f"{head}experts.w2.{e}": down[e]},
+                   tmp_path / f"layer_0_expert_{e}_mp_rank_00_model_states.pt")
+    assert is_expert_checkpoint(tmp_path)
+    state = expert_checkpoint_state(tmp_path)
+    assert set(state) == {head + "gate.weight", head + "experts.gate_up_proj",
+                          head + "experts.down_proj", "backbone.norm.weight"}
+    assert torch.equal(state[head + "experts.gate_up_proj"], gate_up)
+    assert torch.equal(state[head + "experts.down_proj"], down)
+    torch.save({"module": module, "ds_config": {"zero_optimization": {"stage": 3}}},
+               tmp_path / "mp_rank_00_model_states.pt")
+    with pytest.raises(ModelError, match="ZeRO-3"):
+        expert_checkpoint_state(tmp_path)
