@@ -211,3 +211,37 @@ def test_expert_checkpoint_files_read_back_in_hfs_layout(tmp_path):
                tmp_path / "mp_rank_00_model_states.pt")
     with pytest.raises(ModelError, match="ZeRO-3"):
         expert_checkpoint_state(tmp_path)
+
+
+@pytest.mark.slow  # about 5 s
+def test_aux_loss_with_decoder_layers_recomputed(tmp_path):
+    """Activation checkpointing of the LLM: the router logits recorded in the forward carry the
+    aux loss's gradient through the recomputed layers (the hooks do not record again)."""
+    from ds_omni.data.packing import pack
+    cfg, built = _moe_model(tmp_path)
+    model, mb = built.model, pack(_samples(cfg, built), built.item_processors)
+
+    def run():
+        model.zero_grad()
+        out = model(mb)
+        out.loss_sum.backward()
+        return out.loss_sum.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                       if p.grad is not None}
+    plain = run()
+    model.set_checkpointing({"llm"})
+    recomputed = run()
+    torch.testing.assert_close(recomputed[0], plain[0], rtol=0, atol=0)
+    assert recomputed[1].keys() == plain[1].keys()
+    for name, grad in plain[1].items():
+        torch.testing.assert_close(recomputed[1][name], grad, rtol=1e-6, atol=0, msg=name)
+
+
+def test_aux_loss_under_sequence_parallelism_is_refused(tmp_path):
+    """An MoE LLM with the aux loss on and an SP degree: a start-up error (not a forward's)."""
+    from ds_omni.errors import ModelError
+    from ds_omni.train.setup import plan_run
+    cfg = tiny_config(str(tmp_path))
+    cfg.model.llm.config = dict(MOE)
+    cfg.parallel.sp = 2
+    with pytest.raises(ModelError, match="MoE auxiliary loss"):
+        plan_run(cfg, ds_config(1), 2)
