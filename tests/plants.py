@@ -327,3 +327,25 @@ def _tp_input_grad_not_summed(rank: int):
     def make(backward):
         return staticmethod(lambda ctx, grad_output: (None, grad_output))
     yield from _patched(layers.ColumnParallel, "backward", make)
+
+
+# ------------------------------------------------ expert parallel (tests/dist/test_expert_parallel.py)
+@plant("ep_wrong_rank", "AutoEP's router sends each token's picks to the expert ep ranks over "
+       "(expert e -> e + E/ep): an expert's tokens reach the wrong rank", "ep")
+def _ep_wrong_rank(rank: int):
+    from deepspeed.moe.ep_router import TokenChoiceTopKRouter
+
+    def make(forward):
+        def planted(self, x, expert_bias=None):
+            scores, picks, _ = forward(self, x, expert_bias)
+            from deepspeed.moe.ep_count import count_tokens_per_expert
+            picks = (picks + self.num_experts // 2) % self.num_experts  # ep=2: the other rank's
+            return scores, picks, count_tokens_per_expert(picks, self.num_experts)
+        return planted
+    yield from _patched(TokenChoiceTopKRouter, "forward", make)
+
+
+@plant("aux_loss_dropped", "the MoE auxiliary load-balancing loss is left out of the loss", "ep")
+def _aux_loss_dropped(rank: int):
+    from ds_omni.model import omni
+    yield from _patched(omni, "router_aux_sum", lambda f: lambda *a: 0.0)

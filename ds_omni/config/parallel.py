@@ -72,6 +72,13 @@ class ParallelConfig:
     same over each round's groups (a long sequence's block, the other ranks alone; ranks idle in
     a round take short items of busy ones). Needs pp = 1."""
 
+    ep: int = 1
+    """Expert-parallel degree of an MoE LLM (DeepSpeed's AutoEP): each MoE layer's experts are
+    split over groups of ep data-parallel ranks (as DeepSpeed's MoE groups are drawn), tokens
+    reach their experts by all-to-all, and HF's router (top-k, normalisation, the auxiliary
+    load-balancing loss, shared experts) is kept. Must divide dp and the experts; the LLM's
+    family needs an AutoEP preset (`ds-omni plan` names them). sp = pp = 1 in this version."""
+
     def __post_init__(self):
         if self.encoder_pool not in ("off", "dp"):
             raise ConfigError(f"parallel.encoder_pool must be \"off\" or \"dp\", got "
@@ -96,7 +103,7 @@ class ParallelConfig:
         if self.stage_tokens < 0:
             raise ConfigError(f"parallel.stage_tokens must be >= 0 (0: data.max_seq_len), got "
                               f"{self.stage_tokens}")
-        for name in ("sp", "tp", "pp", "max_sequence_sp"):
+        for name in ("sp", "tp", "pp", "max_sequence_sp", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         d = self.max_sequence_sp

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ds_omni.errors import ModelError
+from ds_omni.model.expert_checkpoint import expert_checkpoint_state, is_expert_checkpoint
 from ds_omni.model.layer_files import is_pipeline_checkpoint, load_layer_files
 from ds_omni.model.omni import OmniModel
 from ds_omni.model.tp_files import merge_tp_states, tp_layout_of
@@ -161,6 +162,8 @@ def consolidate_checkpoint(ckpt_root: str | Path, tag: str | None = None,
         state = model.state_dict()
     elif (layout := tp_layout_of(root / MODEL_META_DIR)) is not None:  # parallel.tp > 1
         state = merge_tp_states(root / tag, layout)
+    elif is_expert_checkpoint(root / tag):  # parallel.ep: AutoEP's per-expert files
+        state = expert_checkpoint_state(root / tag)
     elif list((root / tag).glob("*optim_states.pt")):  # ZeRO 1/2/3: merge partitions
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)

@@ -36,6 +36,7 @@ from ds_omni.errors import ModelError
 from ds_omni.model.attention import PackedAttention
 from ds_omni.model.deepstack import Deepstack, join_deepstack, split_levels
 from ds_omni.model.layer_types import for_layer, mark_nope, rotary_tables
+from ds_omni.model.moe_aux import recorded_router_logits, router_aux_of, router_aux_sum
 from ds_omni.model.outside import LogitRule
 from ds_omni.model.per_sample import ROW_BOUNDS, run_per_sample, runs_per_sample
 from ds_omni.model.recompute import recompute_in_backward
@@ -186,7 +187,7 @@ class Backbone(nn.Module):
 
     def __init__(self, *, embed_tokens: nn.Module, layers: nn.ModuleList, norm: nn.Module,
                  lm_head: nn.Module, rotary_emb: nn.Module, embed_scale: float = 1.0,
-                 logit_rule: LogitRule = LogitRule()):
+                 logit_rule: LogitRule = LogitRule(), router_aux=None):
         super().__init__()
         self.embed_tokens = embed_tokens
         self.layers = layers
@@ -197,6 +198,7 @@ class Backbone(nn.Module):
         self.logit_rule = logit_rule
         self.attention = PackedAttention()  # the model's kernel (`ds_omni.parallelize` adds SP)
         self.checkpoint_layers = False  # recompute decoder layers in backward (ModelConfig)
+        self.router_aux = router_aux  # an MoE LLM's aux loss as HF adds it (`model.moe_aux`)
         # what the layers take beyond the common arguments, read once: the row's bounds on the
         # host (layers run per sample) and Gemma 4's `shared_kv_states`
         self.any_per_sample = any(map(runs_per_sample, layers))
@@ -315,10 +317,9 @@ def backbone_of(decoder_model: nn.Module, lm_head: nn.Module,
     rule = LogitRule() if owner is None else outside.logit_rule(
         type(owner), owner.config.get_text_config(), outside.suppressed_ids(owner))
     return Backbone(embed_tokens=decoder_model.embed_tokens, layers=decoder_model.layers,
-                    norm=norm, lm_head=lm_head,
-                    rotary_emb=decoder_model.rotary_emb,
+                    norm=norm, lm_head=lm_head, rotary_emb=decoder_model.rotary_emb,
                     embed_scale=outside.embed_scale(type(decoder_model), config),
-                    logit_rule=rule)
+                    logit_rule=rule, router_aux=router_aux_of(config))
 
 
 def summed_token_loss(head, hidden: torch.Tensor, targets: torch.Tensor,
@@ -458,11 +459,13 @@ class OmniModel(nn.Module):
         return self.backbone.head(self.hidden_states(batch))
 
     def forward(self, batch: "MicroBatch") -> LossOutput:
-        hidden = self.hidden_states(batch)
+        with recorded_router_logits(self.backbone) as router_logits:  # an MoE LLM's, else none
+            hidden = self.hidden_states(batch)
         # Project only positions that carry a target: the [T, V] logits are the largest activation.
         # Their indices come from the host, so nothing here waits for the device.
         keep = batch.target_positions()  # [n]
         loss_sum = summed_token_loss(self.backbone.head, hidden, batch.targets, keep)
+        loss_sum = loss_sum + router_aux_sum(self.backbone.router_aux, router_logits, batch)
         return LossOutput(loss_sum=loss_sum, num_targets=keep.shape[0])
 
     # ---------------------------------------------------------------------------- structure

@@ -41,6 +41,9 @@ class ParallelPlan:
     samples together (1: loader order)."""
     max_sequence_sp: int = 1
     """Per-sequence SP: the most ranks one long sequence is split over (1: off)."""
+    ep: int = 1
+    """Expert parallelism: each MoE layer's experts split over groups of ep data-parallel ranks
+    (1: off; `ds_omni.parallelize.expert_parallel`)."""
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int,
@@ -70,8 +73,19 @@ class ParallelPlan:
         group = reorder_group_size(reorder, dp)
         if cfg.max_sequence_sp > 1:
             check_per_sequence(reorder.mode, group, cfg.max_sequence_sp)
+        check_expert_parallel(cfg, dp)
         return cls(world_size=world_size, dp=dp, sp=cfg.sp, pp=cfg.pp, tp=cfg.tp,
-                   reorder_group=group, max_sequence_sp=cfg.max_sequence_sp)
+                   reorder_group=group, max_sequence_sp=cfg.max_sequence_sp, ep=cfg.ep)
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    def ep_group_ranks(self) -> list[list[int]]:
+        """Expert-parallel groups: ep consecutive data-parallel ranks each, as DeepSpeed's
+        `groups._create_expert_and_data_parallel` draws them (sp = pp = 1: data-parallel rank =
+        rank)."""
+        return [list(range(start, start + self.ep)) for start in range(0, self.dp, self.ep)]
 
     @property
     def sp_enabled(self) -> bool:
@@ -197,3 +211,21 @@ def _powers_of_two(low: int, high: int) -> list[int]:
         out.append(low)
         low *= 2
     return out
+
+
+def check_expert_parallel(cfg: ParallelConfig, dp: int) -> None:
+    """parallel.ep fits the plan: it divides dp, and the other axes are off (this version)."""
+    if cfg.ep == 1:
+        return
+    if dp % cfg.ep:
+        raise LaunchError(f"parallel.ep={cfg.ep} does not divide the data-parallel degree {dp}: "
+                          "expert-parallel groups are drawn from data-parallel ranks; launch a "
+                          f"multiple of {cfg.ep} data-parallel ranks or change parallel.ep")
+    others = {"sp": cfg.sp, "tp": cfg.tp, "pp": cfg.pp, "max_sequence_sp": cfg.max_sequence_sp}
+    on = {k: v for k, v in others.items() if v > 1}
+    if on:
+        raise LaunchError(f"parallel.ep={cfg.ep} cannot be combined with "
+                          f"{', '.join(f'parallel.{k}={v}' for k, v in on.items())} in this "
+                          "version (the MoE auxiliary loss is per sample, and a sequence shard "
+                          "or a pipeline stage does not see the whole sample; ep groups over "
+                          "tensor-parallel groups are not built yet): set them to 1")

@@ -9,6 +9,8 @@ DeepSpeed is given:
   pipeline.py      the LLM over pipeline stages on DeepSpeed's PipelineModule (parallel.pp > 1)
   joint.py         "uniform" encoder placement: every stage encodes a share of the step's items
   tensor_parallel.py  the backbone's decoder layers split over the TP group (DeepSpeed's AutoTP)
+  expert_parallel.py  an MoE LLM's experts over ep ranks: DeepSpeed's AutoEP, configured from
+                   the LLM's config (DeepSpeed swaps the blocks inside `deepspeed.initialize`)
 The pure planners these call (reshard, long_short, hdp, stages) and the groups are in
 `ds_omni.parallel`.
 """

@@ -13,7 +13,9 @@ from pathlib import Path
 
 from ds_omni.config import OmniConfig
 from ds_omni.errors import ConfigError
+from ds_omni.model.build import llm_text_config
 from ds_omni.parallel.plan import ParallelPlan
+from ds_omni.parallelize.expert_parallel import autoep_section
 
 SCHEDULER_FIELDS = {  # scheduler type -> its params that follow from `train`
     "WarmupLR": ("warmup_max_lr", "warmup_num_steps"),
@@ -69,6 +71,10 @@ def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
         zero["reduce_scatter"] = True
     if plan.tp_enabled:
         check_tensor_parallel_ds(out, plan.tp)
+    if plan.ep_enabled:  # AutoEP, with the router settings of the LLM's own config
+        section = out.setdefault("expert_parallel", {})
+        for key, value in autoep_section(llm_text_config(cfg.model)[1], plan.ep).items():
+            _merge(section, key, value, where=f"expert_parallel.{key}")
     train = cfg.train
     optimizer = out.get("optimizer")
     if optimizer is not None:

@@ -21,6 +21,7 @@ from ds_omni.data.skipped import SKIPPED_FILE, flush_skipped, skipped_totals
 from ds_omni.errors import LaunchError
 from ds_omni.parallel import dist
 from ds_omni.parallelize import router_of
+from ds_omni.parallelize.expert_parallel import expert_load
 from ds_omni.train import checkpoint
 from ds_omni.train.control import WeightsFile
 from ds_omni.train.evaluate import build_evaluator
@@ -137,6 +138,7 @@ def _steps(cfg, engine, loader, logger, rank, start, end, watchdog, evaluator) -
             loader.rewind()  # this step was not trained: a resumed run reads its samples again
             break
         elapsed = time.perf_counter() - t0
+        moe = expert_load(engine.module)  # every step, every rank: AutoEP's counters, reset
         if result.nonfinite_keys and rank == 0:
             print(f"ds-omni: step {step}: loss or gradients not finite; update dropped "
                   f"(train.on_nonfinite=\"skip\"); its samples: {result.nonfinite_keys}")
@@ -153,7 +155,7 @@ def _steps(cfg, engine, loader, logger, rank, start, end, watchdog, evaluator) -
                       **{f"data_{k}": v for k, v in batch.stats.items()
                          if k in ("skipped", "outliers", "mean_delay", "max_delay",
                                   "long_items")},
-                      **pool_metrics(engine.module), **sp_metrics(engine.module)}
+                      **pool_metrics(engine.module), **sp_metrics(engine.module), **moe}
             if cfg.train.log_samples:
                 record["sample_keys"] = sorted(k for part in loader.comm.world_all_gather(
                     batch.keys) for k in part)

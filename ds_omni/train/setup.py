@@ -84,6 +84,8 @@ def describe_plan(cfg: OmniConfig, plan: ParallelPlan, ds_config: dict,
     degrees = {"world_size": plan.world_size, "dp": plan.dp, "sp": plan.sp, "pp": plan.pp}
     out = {"plan": {**degrees, **({"tp": plan.tp} if plan.tp_enabled else {})},
            "layout": plan.layout(gpus_per_node), "deepspeed": ds_config}
+    if plan.ep_enabled:  # each MoE layer's experts over these groups of ranks (AutoEP)
+        out["plan"].update(ep=plan.ep, ep_groups=plan.ep_group_ranks())
     if plan.pp_enabled:
         with torch.device("meta"):
             built = build_model(cfg.model)

@@ -1,0 +1,143 @@
+"""Expert parallelism for an MoE LLM backbone (parallel.ep): DeepSpeed's AutoEP, with HF's semantics.
+
+DeepSpeed 0.19.8's AutoEP (`"expert_parallel": {"autoep_size": ep}` in the DeepSpeed config)
+swaps each HF MoE block, inside `deepspeed.initialize`, for an `AutoEPMoELayer`: its router
+(`router.gate`, HF's gate weight), this rank's 1/ep of the experts repacked as grouped tensors
+(`experts.w1/w2/w3`), and HF's shared experts kept as they are; tokens reach their experts'
+ranks by an all-to-all (uneven splits) and come back the same way. Expert gradients are reduced
+over the expert-data-parallel group (ranks holding the same experts), the rest over all
+data-parallel ranks; with ds_omni's loss (sum of token losses / global targets, x dp) that gives
+one process's gradients (checked by `tests/dist/test_expert_parallel.py`).
+
+Where AutoEP departs from HF, and what ds_omni does about it:
+- It reads the router's settings from `model.config`, which the model DeepSpeed is given (the
+  OmniModel) does not have; it would then fall back to its preset's, e.g. normalised top-k
+  weights for qwen3_moe, where HF's Qwen3-MoE default is `norm_topk_prob=False`. ds_omni writes
+  them into the DeepSpeed config from the LLM's own config (`autoep_section`): top_k,
+  route_norm = norm_topk_prob, softmax scores, a route scale of 1.
+- It matches MoE blocks by module name (`model.layers.N.mlp`); ds_omni names the backbone's
+  layers `backbone.layers.N`: the section's `moe_layer_pattern` says so, which also keeps AutoEP
+  off any encoder (backbone only).
+- It drops HF's auxiliary load-balancing loss (it retargets HF's router-logit recorder, which
+  ds_omni's forward does not use); ds_omni computes that loss itself from the router logits of
+  either block (`ds_omni.model.moe_aux`), so it is the same with or without AutoEP.
+- Router jitter noise (Mixtral's `router_jitter_noise`) is not implemented by AutoEP: refused.
+- Its experts live as [E/ep, ...] shards under AutoEP's names; `hf_expert_state` gathers them
+  back into HF's layout (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], `gate.weight`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ds_omni.errors import ConfigError
+
+# Text configs that carry the same MoE block as a preset's family but another model_type.
+# Qwen3-VL-MoE's text model has Qwen3-MoE's block (router `gate`, fused `experts`, softmax top-k).
+EXTRA_MODEL_TYPES = {"qwen3_vl_moe_text": "qwen3_moe", "qwen3_vl_moe": "qwen3_moe"}
+MOE_LAYERS = r"backbone\.layers\.\d+\.mlp"  # the backbone's MoE blocks, by OmniModel name
+
+
+def autoep_preset(model_type: str) -> str:
+    """The AutoEP preset for an LLM's model_type, or a ConfigError naming the presets."""
+    from deepspeed.module_inject.auto_ep_presets.registry import (available_preset_names,
+                                                                  preset_name_for_hf_model_type)
+    name = preset_name_for_hf_model_type(model_type) or EXTRA_MODEL_TYPES.get(model_type)
+    if name is None:
+        raise ConfigError(
+            f"parallel.ep > 1 needs an MoE LLM whose family DeepSpeed's AutoEP has a preset for; "
+            f"the LLM's model_type {model_type!r} has none. AutoEP's presets: "
+            f"{', '.join(available_preset_names())} (plus {', '.join(sorted(EXTRA_MODEL_TYPES))} "
+            "through qwen3_moe's); set parallel.ep to 1 for this model")
+    return name
+
+
+def autoep_section(llm_config, ep: int) -> dict:
+    """The DeepSpeed config's `expert_parallel` section for `ep`, with the router's settings
+    read from the LLM's HF config (`llm_config`, the text config) so AutoEP keeps HF's router."""
+    preset = autoep_preset(llm_config.model_type)
+    experts = getattr(llm_config, "num_experts", None) or getattr(llm_config, "num_local_experts")
+    if experts % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide the LLM's {experts} experts: each "
+                          f"expert-parallel rank holds experts / ep of them; choose an ep that "
+                          f"divides {experts}")
+    if getattr(llm_config, "router_jitter_noise", 0.0):
+        raise ConfigError(f"the LLM config sets router_jitter_noise="
+                          f"{llm_config.router_jitter_noise}, which DeepSpeed's AutoEP does not "
+                          "implement (its router would differ from HF's); set it to 0 or "
+                          "parallel.ep to 1")
+    return {"enabled": True, "autoep_size": ep, "preset_model": preset,
+            "moe_layer_pattern": MOE_LAYERS, "top_k": int(llm_config.num_experts_per_tok),
+            "route_norm": route_norm(llm_config, preset),
+            "score_func": "softmax", "route_scale": 1.0}
+
+
+def route_norm(llm_config, preset: str) -> bool:
+    """Whether HF's router renormalises the top-k weights: `norm_topk_prob` where the config has
+    it (Qwen3-MoE: default False, where AutoEP's qwen3_moe preset says True), else what the
+    family's HF router always does, which is its preset's (Qwen3-VL-MoE and Mixtral normalise)."""
+    from deepspeed.module_inject.auto_ep_presets.registry import get_preset
+    if hasattr(llm_config, "norm_topk_prob"):
+        return bool(llm_config.norm_topk_prob)
+    return get_preset(preset).route_norm
+
+
+def autoep_layers(module: nn.Module) -> dict[str, nn.Module]:
+    """name -> AutoEP's MoE layer, for every block AutoEP replaced in `module`."""
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    return {n: m for n, m in module.named_modules() if isinstance(m, AutoEPMoELayer)}
+
+
+def expert_load(module: nn.Module, group=None) -> dict[str, float]:
+    """Tokens per expert since the last call, summed over `group` (every rank: the step's load),
+    as metrics: per layer's max / mean (1: even), and the counts of the most loaded layer.
+    Resets AutoEP's counters. Empty without AutoEP layers; every rank calls it."""
+    import deepspeed.comm as dist
+    layers = autoep_layers(module)
+    if not layers:
+        return {}
+    counts = torch.stack([m.tokens_per_expert for m in layers.values()])  # [layers, E]
+    counts = counts.detach().clone()
+    dist.all_reduce(counts, group=group)
+    for m in layers.values():
+        m.tokens_per_expert.zero_()
+    ratio = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)  # [layers]
+    worst = int(ratio.argmax())
+    out = {"moe_load_max_over_mean": float(ratio.max()),
+           "moe_load_max_over_mean_mean": float(ratio.mean())}
+    out.update({f"moe_tokens_expert{e}": float(c) for e, c in enumerate(counts[worst].tolist())})
+    return out
+
+
+def hf_expert_state(named: dict[str, torch.Tensor], ep_size: int,
+                    gather=None) -> dict[str, torch.Tensor]:
+    """AutoEP's parameters (`named`: name -> this rank's tensor, OmniModel-style names) in HF's
+    layout and names, the others unchanged. `gather(t)` -> the ep ranks' shards of t, in EP rank
+    order (an all-gather over the EP group; None with ep_size 1 or shards already whole).
+
+    w1 / w3 [E/ep, I, H] (gate, up) -> experts.gate_up_proj [E, 2I, H]; w2 [E/ep, H, I] ->
+    experts.down_proj [E, H, I]; router.gate.weight -> gate.weight (HF's router)."""
+    full = (lambda t: torch.cat(gather(t), dim=0)) if gather is not None and ep_size > 1 \
+        else (lambda t: t)
+    out = {}
+    for name, tensor in named.items():
+        head, tail = _split_autoep(name)
+        if tail is None:
+            out[name] = tensor
+        elif tail == "experts.w1":
+            w3 = named[head + "experts.w3"]
+            out[head + "experts.gate_up_proj"] = torch.cat([full(tensor), full(w3)], dim=1)
+        elif tail == "experts.w2":
+            out[head + "experts.down_proj"] = full(tensor)
+        elif tail == "router.gate.weight":
+            out[head + "gate.weight"] = tensor
+    return out
+
+
+def _split_autoep(name: str) -> tuple[str, str | None]:
+    """("backbone.layers.3.mlp.", "experts.w1") for an AutoEP parameter, else (name, None)."""
+    m = re.fullmatch(r"(.*\.mlp\.)(experts\.w[123]|router\.gate\.weight)", name)
+    return (m.group(1), m.group(2)) if m else (name, None)

@@ -1,0 +1,198 @@
+"""Expert parallelism (parallel.ep, DeepSpeed's AutoEP) equals one process, exactly.
+
+The LLM is an MoE model (Qwen3-MoE: 4 experts, top-2, HF's auxiliary load-balancing loss on)
+behind a CLIP tower (the demo composition). Each case trains 3 optimizer steps on 2 ranks (ep=2:
+each rank holds 2 of the 4 experts of every layer) or 4 ranks (ep=2 x dp=2: two expert-parallel
+groups, each expert on two ranks), with reordering on; Qwen3-VL-MoE (the generic adapter: its
+M-RoPE, deepstack and always-renormalising router) on 2 ranks in the slow tier. Each is compared
+with the oracle
+(`tests/oracle.py`): one process, plain PyTorch, HF's MoE block (no AutoEP), the same global
+batches. Loss (rel 1e-6), the full reduced gradients of every step and the parameters after the
+last step must agree; AutoEP's expert shards are gathered over the expert-parallel group and
+written back in HF's layout (`hf_expert_state`) for that. A counter shows AutoEP ran: every MoE
+block is AutoEP's, and its tokens-per-expert counters saw every routed token.
+
+`test_plant_is_caught`: the checks fail when an expert's tokens are sent to the wrong rank, and
+when the auxiliary loss is dropped (`tests/plants.py`), one step each.
+"""
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import oracle, plants
+from tests.fixtures import ds_config, tiny_config
+from tests.harness import run_on_ranks
+
+STEPS = 3
+MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
+       "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+       "max_position_embeddings": 256, "tie_word_embeddings": False,
+       "output_router_logits": True, "router_aux_loss_coef": 0.02}
+# launch -> (world, ZeRO stages, plants): the quick tier keeps one 2-rank parity and the plants
+LAUNCHES = {"ep2": (2, [1], True), "ep2_zero2": (2, [2], False), "ep2_dp2": (4, [1, 2], False),
+            "ep2_qwen3_vl_moe": (2, [2], False)}
+RESUMED = "ep2_zero2"  # saves before its last step, resumes, reruns it; its checkpoint exported
+PLANTED = {"ep_wrong_rank": "losses", "aux_loss_dropped": "losses"}
+
+
+def make_config(out_dir: str, ep: int, model_dir: str | None = None):
+    """The demo composition with MOE as its LLM, or the HF directory `model_dir`."""
+    from ds_omni.config import ModelConfig
+    cfg = tiny_config(out_dir, steps=STEPS, weight_decay=0.1)
+    cfg.model.llm.config = dict(MOE)
+    if model_dir is not None:
+        cfg.model = ModelConfig(pretrained=model_dir)
+    cfg.parallel.ep = ep
+    return cfg
+
+
+def qwen3_vl_moe_dir(out: Path) -> str:
+    """Qwen3-VL-MoE (the generic adapter: deepstack, M-RoPE; 4 experts, top-2, HF's router
+    always renormalising), with HF's aux loss turned on in its text config."""
+    from tests import family_dirs
+    family_dirs.make_generic_dir(out, "qwen3_vl_moe")
+    config = json.loads((out / "config.json").read_text())
+    config["text_config"].update(output_router_logits=True, router_aux_loss_coef=0.02)
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+@contextmanager
+def hf_layout(seen: dict):
+    """The oracle's reads of parameters and gradients, with AutoEP's expert shards gathered over
+    the expert-parallel group into HF's layout; `seen` counts AutoEP's layers and routed tokens."""
+    import torch.distributed as tdist
+    from deepspeed.utils import groups
+    from ds_omni.parallelize.expert_parallel import autoep_layers, hf_expert_state
+    reads = oracle.full_params, oracle.full_grads, oracle.omni_names
+
+    def gathered(engine, named):
+        layers = autoep_layers(engine.module)
+        seen["autoep_layers"] = len(layers)
+        seen["routed"] = max(seen.get("routed", 0),
+                             sum(float(m.tokens_per_expert.sum()) for m in layers.values()))
+        ep = next(iter(layers.values())).ep_size
+        group = groups._get_expert_parallel_group(f"ep_size_{ep}")
+
+        def gather(t):
+            parts = [torch.empty_like(t) for _ in range(ep)]
+            tdist.all_gather(parts, t.contiguous(), group=group)
+            return parts
+        return hf_expert_state(named, ep, gather)
+    oracle.full_params = lambda engine: gathered(engine, reads[0](engine))
+    oracle.full_grads = lambda engine: gathered(engine, reads[1](engine))
+    oracle.omni_names = lambda engine, built: _Same()
+    try:
+        yield
+    finally:
+        oracle.full_params, oracle.full_grads, oracle.omni_names = reads
+
+
+class _Same(dict):
+    def __missing__(self, key):
+        return key
+
+
+def _ranks(rank, world, out_dir, stages, planted, model_dir=None, resume=False):
+    results = {}
+    for plant in planted:
+        seen = {}
+        with hf_layout(seen):
+            results[f"plant-{plant}"] = oracle.train_on_rank(
+                rank, world, make_config(f"{out_dir}/plant-{plant}", 2), ds_config(1), 1, plant,
+                read_params=oracle.full_params)  # the patched one
+    for stage in stages:
+        seen = {}
+        with hf_layout(seen):
+            results[f"zero{stage}"] = oracle.train_on_rank(
+                rank, world, make_config(f"{out_dir}/zero{stage}", 2, model_dir),
+                ds_config(stage), STEPS, resume_at=STEPS - 1 if resume else None,
+                read_params=oracle.full_params)
+        results[f"zero{stage}"]["seen"] = seen
+    return results
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    done = {}
+
+    def launch(name):
+        if name not in done and not name.endswith("/model_dir"):
+            world, stages, planted = LAUNCHES[name]
+            tmp = tmp_path_factory.mktemp(name)
+            model_dir = qwen3_vl_moe_dir(tmp / "q3") if name.endswith("qwen3_vl_moe") else None
+            done[name] = run_on_ranks(_ranks, world, timeout=600, args=(
+                str(tmp / "ep"), stages, plants.for_launch("ep") if planted else [], model_dir,
+                name == RESUMED))
+            done[name + "/model_dir"] = model_dir
+        return done[name]
+    return launch
+
+
+def _check(name, per_rank, dp, tmp_path, steps=STEPS, model_dir=None):
+    from ds_omni.model.build import build_model
+    cfg = make_config(str(tmp_path / f"ref_{name}"), 1, model_dir)
+    want = oracle.reference_step_keys(cfg, build_model(cfg.model), dp, steps)
+    for step in range(steps):
+        got = sorted(k for r in per_rank for k in r["keys"][step])
+        assert got == want[step], f"{name} step {step}: the ranks trained another batch"
+    ref = oracle.run_reference(cfg, want)
+    extra, missing = per_rank[0]["params"].keys() - ref.params, ref.params.keys() - per_rank[0]["params"]
+    assert not extra and not missing, f"{name}: parameters {sorted(extra)} not in HF's model, " \
+        f"{sorted(missing)} missing"
+    oracle.assert_matches(ref, per_rank[0], name)
+    oracle.assert_moved(ref, name)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("launch", ["ep2", pytest.param("ep2_zero2", marks=pytest.mark.slow),
+                                    pytest.param("ep2_dp2", marks=pytest.mark.slow),
+                                    pytest.param("ep2_qwen3_vl_moe", marks=pytest.mark.slow)])
+def test_expert_parallel_matches_single_process(launch, launches, tmp_path):
+    results = launches(launch)
+    world, stages, _ = LAUNCHES[launch]
+    for stage in stages:
+        name = f"zero{stage}"
+        per_rank = [r[name] for r in results]
+        _check(f"{launch}-{name}", per_rank, world, tmp_path,
+               model_dir=launches(launch + "/model_dir"))
+        if launch == RESUMED:
+            _check_resume_and_export(per_rank[0], tmp_path)
+        for r in per_rank:  # AutoEP's blocks ran: both MoE layers, with tokens routed
+            assert r["seen"]["autoep_layers"] == 2, r["seen"]  # both models: 2 MoE layers
+            assert r["seen"]["routed"] > 0, r["seen"]
+
+
+def _check_resume_and_export(got: dict, tmp_path) -> None:
+    """--resume under ep reruns the last step alike, and the final checkpoint exports to an HF
+    directory (experts in HF's layout) holding exactly the parameters the ranks ended with."""
+    from transformers import AutoModelForImageTextToText
+    from ds_omni.model.convert import consolidate_checkpoint, export_checkpoint
+    from ds_omni.train.checkpoint import checkpoint_root
+    resumed = got["resumed"]
+    assert resumed["losses"] == pytest.approx(got["losses"][STEPS - 1:], rel=1e-6), resumed
+    root = checkpoint_root(resumed["output_dir"])
+    state = consolidate_checkpoint(root)
+    assert state.keys() == got["params"].keys()
+    for key, want in got["params"].items():
+        assert torch.equal(state[key], want), key
+    hf = AutoModelForImageTextToText.from_pretrained(str(export_checkpoint(root, tmp_path / "hf")))
+    gate_up = hf.state_dict()["model.language_model.layers.0.mlp.experts.gate_up_proj"]
+    assert torch.equal(gate_up, got["params"]["backbone.layers.0.mlp.experts.gate_up_proj"])
+
+
+def test_every_ep_plant_has_a_case():
+    assert sorted(PLANTED) == plants.for_launch("ep")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("plant", plants.for_launch("ep"))
+def test_plant_is_caught(plant, launches, tmp_path):
+    per_rank = [r[f"plant-{plant}"] for r in launches("ep2")]
+    with pytest.raises(AssertionError, match=PLANTED[plant]):
+        _check(plant, per_rank, 2, tmp_path, steps=1)

@@ -1,0 +1,247 @@
+"""parallel.ep without processes: the MoE auxiliary loss against HF's, the AutoEP section of the
+DeepSpeed config, the bad inputs (before any collective), and AutoEP's expert layout -> HF's."""
+
+import json
+
+import pytest
+import torch
+
+from ds_omni.cli import main
+from ds_omni.config import ParallelConfig
+from ds_omni.errors import ConfigError, LaunchError
+from tests import oracle
+from tests.fixtures import ds_config, tiny_config, tiny_config_dict
+
+MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
+       "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+       "max_position_embeddings": 256, "tie_word_embeddings": False,
+       "output_router_logits": True, "router_aux_loss_coef": 0.5}
+
+
+def _moe_model(tmp_path, **llm):
+    from ds_omni.model.build import build_model
+    cfg = tiny_config(str(tmp_path))
+    cfg.model.llm.config = {**MOE, **llm}
+    return cfg, build_model(cfg.model)
+
+
+def _samples(cfg, built, n=3):
+    from ds_omni.data.build import build_loader
+    loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=1)
+    samples = loader.load_samples(loader.next_step().keys[:n])
+    loader.close()
+    return samples
+
+
+def _hf_loss_sum(built, sample):
+    """HF's loss on one sample alone (mean token loss + coef x HF's load_balancing_loss_func),
+    times its target count: Qwen3-MoE's decoder run by HF's own forward (SDPA attention), its
+    router logits from HF's output recorder."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    from ds_omni.data.packing import pack
+    from ds_omni.model.convert import _plain_attention
+    hf = built.model.hf_model
+    one = pack([sample], built.item_processors)
+    keep = one.target_positions()
+    with _plain_attention(hf.config):
+        out = hf.model.language_model(inputs_embeds=built.model.embed(one),
+                                      position_ids=one.position_ids, output_router_logits=True)
+    logits = hf.lm_head(out.last_hidden_state)[0, keep]
+    ce = torch.nn.functional.cross_entropy(logits, one.targets[0, keep])
+    cfg = hf.config.get_text_config()
+    aux = load_balancing_loss_func(out.router_logits, cfg.num_experts, cfg.num_experts_per_tok)
+    return len(keep) * (ce + cfg.router_aux_loss_coef * aux), len(keep) * aux
+
+
+@pytest.mark.slow  # about 5 s: builds the model, runs each sample through HF apart
+def test_aux_loss_and_gradients_are_hfs_per_sample(tmp_path):
+    """A packed row of 3 samples: loss_sum = sum_s targets_s x HF's loss on s alone, and the same
+    gradients (router and experts included)."""
+    from ds_omni.data.packing import pack
+    cfg, built = _moe_model(tmp_path)
+    samples = _samples(cfg, built)
+    model = built.model
+    model.zero_grad()
+    got = model(pack(samples, built.item_processors)).loss_sum
+    got.backward()
+    got = got.detach()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    parts = [_hf_loss_sum(built, s) for s in samples]
+    want = sum(p[0] for p in parts)
+    want.backward()
+    want = want.detach()
+    assert float(sum(p[1].detach() for p in parts)) * 0.5 > 1e-3 * float(want)  # aux matters
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    atol = oracle.GRAD_ATOL_FRAC * max(float(g.abs().max()) for g in ours.values())
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(ours[name], p.grad, rtol=oracle.GRAD_RTOL, atol=atol,
+                                       msg=name)
+    assert any("mlp.gate" in n for n in ours) and any("experts.down_proj" in n for n in ours)
+
+
+def test_no_aux_loss_without_output_router_logits(tmp_path):
+    """HF adds the aux loss only when the config asks (output_router_logits): so does ds_omni."""
+    cfg, built = _moe_model(tmp_path, output_router_logits=False)
+    assert built.model.backbone.router_aux is None
+
+
+def test_autoep_section_keeps_hfs_router():
+    from transformers import Qwen3MoeConfig
+    from ds_omni.parallelize.expert_parallel import autoep_section
+    fields = {k: v for k, v in MOE.items() if k != "model_type"}
+    section = autoep_section(Qwen3MoeConfig(**fields), 2)
+    assert section["preset_model"] == "qwen3_moe" and section["autoep_size"] == 2
+    assert section["top_k"] == 2 and section["route_norm"] is False  # HF's norm_topk_prob
+    assert section["moe_layer_pattern"].startswith(r"backbone\.")  # the backbone only
+    assert autoep_section(Qwen3MoeConfig(**fields, norm_topk_prob=True), 4)["route_norm"] is True
+
+
+def _plan(tmp_path, world, **parallel):
+    from ds_omni.train.setup import plan_run
+    cfg = tiny_config(str(tmp_path), global_batch_size=2 * world)
+    cfg.model.llm.config = dict(MOE)
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    return plan_run(cfg, ds_config(1), world)
+
+
+def test_plan_derives_the_autoep_section(tmp_path):
+    from ds_omni.train.setup import describe_plan
+    plan, ds = _plan(tmp_path, 4, ep=2)
+    assert plan.ep == 2 and plan.ep_group_ranks() == [[0, 1], [2, 3]]
+    assert ds["expert_parallel"]["autoep_size"] == 2
+    shown = describe_plan(tiny_config(str(tmp_path)), plan, ds)["plan"]  # what `ds-omni plan` prints
+    assert shown["ep"] == 2 and shown["ep_groups"] == [[0, 1], [2, 3]]
+
+
+def test_ep_not_dividing_the_experts(tmp_path):
+    with pytest.raises(ConfigError, match="parallel.ep=3 does not divide the LLM's 4 experts"):
+        _plan(tmp_path, 3, ep=3)
+
+
+def test_ep_not_dividing_dp(tmp_path):
+    with pytest.raises(LaunchError, match="parallel.ep=2 does not divide the data-parallel"):
+        _plan(tmp_path, 3, ep=2)
+
+
+def test_ep_with_sequence_parallelism_is_refused(tmp_path):
+    with pytest.raises(LaunchError, match="cannot be combined with parallel.sp=2"):
+        _plan(tmp_path, 4, ep=2, sp=2)
+
+
+def test_ep_below_one():
+    with pytest.raises(ConfigError, match="parallel.ep must be >= 1"):
+        ParallelConfig(ep=0)
+
+
+def test_family_without_a_preset_names_the_presets(tmp_path, capsys):
+    """A dense LLM (Llama) under parallel.ep: ds-omni train stops at start-up naming AutoEP's
+    presets."""
+    cfg = tiny_config_dict(str(tmp_path / "out"))
+    cfg["parallel"] = {"ep": 2}
+    c, d = tmp_path / "cfg.json", tmp_path / "ds.json"
+    c.write_text(json.dumps(cfg))
+    d.write_text(json.dumps(ds_config(1)))
+    import os
+    os.environ["WORLD_SIZE"] = "2"
+    try:
+        code = main(["train", "--config", str(c), "--deepspeed", str(d)])
+    finally:
+        del os.environ["WORLD_SIZE"]
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert "'llama' has none" in err and "qwen3_moe" in err and "mixtral" in err, err
+
+
+def test_hf_expert_state_gathers_hfs_layout():
+    """AutoEP's shards (w1 gate, w3 up [E/ep, I, H], w2 [E/ep, H, I]) of two EP ranks -> HF's
+    gate_up_proj [E, 2I, H] and down_proj [E, H, I], the router's weight under HF's name."""
+    from ds_omni.parallelize.expert_parallel import hf_expert_state
+    g = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(4, 2 * 3, 5, generator=g), torch.randn(4, 5, 3, generator=g)
+    router = torch.randn(4, 5, generator=g)
+    head = "backbone.layers.0.mlp."
+
+    def shard(r):  # rank r's tensors, as AutoEP repacks them (ep_repack.py, gate_up_first)
+        e = slice(2 * r, 2 * r + 2)
+        return {head + "experts.w1": gate_up[e, :3], head + "experts.w3": gate_up[e, 3:],
+                head + "experts.w2": down[e], head + "router.gate.weight": router,
+                "backbone.norm.weight": torch.ones(5)}
+    ranks = [shard(0), shard(1)]
+    owner = {id(t): (k, ) for r in ranks for k, t in r.items()}
+
+    def gather(t):
+        (key,) = owner[id(t)]
+        return [r[key] for r in ranks]
+    out = hf_expert_state(ranks[0], 2, gather)
+    assert set(out) == {head + "experts.gate_up_proj", head + "experts.down_proj",
+                        head + "gate.weight", "backbone.norm.weight"}
+    assert torch.equal(out[head + "experts.gate_up_proj"], gate_up)
+    assert torch.equal(out[head + "experts.down_proj"], down)
+    assert torch.equal(out[head + "gate.weight"], router)
+
+
+def test_expert_checkpoint_files_read_back_in_hfs_layout(tmp_path):
+    """AutoEP's checkpoint layout (one file per layer and expert, the router under its names in
+    the model states) -> OmniModel keys with HF's fused experts; ZeRO-3's is refused."""
+    from ds_omni.errors import ModelError
+    from ds_omni.model.expert_checkpoint import expert_checkpoint_state, is_expert_checkpoint
+    g = torch.Generator().manual_seed(1)
+    gate_up, down = torch.randn(4, 6, 5, generator=g), torch.randn(4, 5, 3, generator=g)
+    router, head = torch.randn(4, 5, generator=g), "backbone.layers.0.mlp."
+    module = {head + "router.gate.weight": router, head + "gate.gate.weight": router,
+              "backbone.norm.weight": torch.ones(5)}
+    torch.save({"module": module, "ds_config": {"zero_optimization": {"stage": 2}}},
+               tmp_path / "mp_rank_00_model_states.pt")
+    assert not is_expert_checkpoint(tmp_path)
+    for e in range(4):
+        torch.save({f"{head}experts.w1.{e}": gate_up[e, :3], f"{head}experts.w3.{e}": gate_up[e, 3:],
+                    f"{head}experts.w2.{e}": down[e]},
+                   tmp_path / f"layer_0_expert_{e}_mp_rank_00_model_states.pt")
+    assert is_expert_checkpoint(tmp_path)
+    state = expert_checkpoint_state(tmp_path)
+    assert set(state) == {head + "gate.weight", head + "experts.gate_up_proj",
+                          head + "experts.down_proj", "backbone.norm.weight"}
+    assert torch.equal(state[head + "experts.gate_up_proj"], gate_up)
+    assert torch.equal(state[head + "experts.down_proj"], down)
+    torch.save({"module": module, "ds_config": {"zero_optimization": {"stage": 3}}},
+               tmp_path / "mp_rank_00_model_states.pt")
+    with pytest.raises(ModelError, match="ZeRO-3"):
+        expert_checkpoint_state(tmp_path)
+
+
+@pytest.mark.slow  # about 5 s
+def test_aux_loss_with_decoder_layers_recomputed(tmp_path):
+    """Activation checkpointing of the LLM: the router logits recorded in the forward carry the
+    aux loss's gradient through the recomputed layers (the hooks do not record again)."""
+    from ds_omni.data.packing import pack
+    cfg, built = _moe_model(tmp_path)
+    model, mb = built.model, pack(_samples(cfg, built), built.item_processors)
+
+    def run():
+        model.zero_grad()
+        out = model(mb)
+        out.loss_sum.backward()
+        return out.loss_sum.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                       if p.grad is not None}
+    plain = run()
+    model.set_checkpointing({"llm"})
+    recomputed = run()
+    torch.testing.assert_close(recomputed[0], plain[0], rtol=0, atol=0)
+    assert recomputed[1].keys() == plain[1].keys()
+    for name, grad in plain[1].items():
+        torch.testing.assert_close(recomputed[1][name], grad, rtol=1e-6, atol=0, msg=name)
+
+
+def test_aux_loss_under_sequence_parallelism_is_refused(tmp_path):
+    """An MoE LLM with the aux loss on and an SP degree: a start-up error (not a forward's)."""
+    from ds_omni.errors import ModelError
+    from ds_omni.train.setup import plan_run
+    cfg = tiny_config(str(tmp_path))
+    cfg.model.llm.config = dict(MOE)
+    cfg.parallel.sp = 2
+    with pytest.raises(ModelError, match="MoE auxiliary loss"):
+        plan_run(cfg, ds_config(1), 2)
