@@ -303,3 +303,19 @@ def _grad_norm_replicas_twice(rank: int):
                 joint._unflatten_into(flat, [p.grad for p in bucket])
         return planted
     yield from _patched(joint.EncoderShards, "reduce_grads", make)
+
+
+# --------------------------------------------------- the step simulator (tests/unit/test_sim_comm.py)
+@plant("a2a_even_splits", "the simulator prices an all-to-all as if every message carried the "
+       "mean bytes (uneven splits ignored)", "sim")
+def _a2a_even_splits(rank: int):
+    import numpy as np
+    from ds_omni.sim import comm
+
+    def even(original):
+        def pairs(src, dst, nbytes, cluster):
+            nbytes = np.asarray(nbytes, dtype=np.float64)
+            return original(src, dst, np.full(nbytes.shape, nbytes.mean() if nbytes.size else 0.0),
+                            cluster)
+        return pairs
+    yield from _patched(comm, "all_to_all_pairs", even)
