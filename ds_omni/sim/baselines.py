@@ -39,13 +39,17 @@ def megatron(plan: SimPlan) -> SimPlan:
 
 def disttrain(plan: SimPlan, gpus: int, encoder_share: float) -> SimPlan:
     """Encoder GPUs in proportion to the encoders' share of the step's FLOPs (at least one),
-    the rest (a multiple of sp x pp) for the LLM."""
+    the rest (a multiple of sp x pp) for the LLM; its fewer data-parallel ranks each run
+    proportionally more micro-batches (the same global batch, the same packed row size)."""
     unit = plan.sp * plan.pp
     llm = unit * max(1, math.floor(gpus * (1 - encoder_share) / unit))
     llm = min(llm, unit * ((gpus - 1) // unit))
     dp = llm // unit
     group = max(g for g in range(1, min(plan.reorder_group, dp) + 1) if dp % g == 0)
+    shared_dp = plan.dp or gpus // unit
+    micro = math.ceil(plan.micro_batches * shared_dp / dp)
     return _plain(plan, "disttrain", reorder="fixed", reorder_group=group, encoder_mode="reshard",
+                  micro_batches=micro,
                   encoder_placement="stage0", stage_split="layers",
                   zero_stage=min(plan.zero_stage, 1) if plan.pp > 1 else plan.zero_stage,
                   encoder_gpus=gpus - llm)

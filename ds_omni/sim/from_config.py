@@ -80,8 +80,8 @@ def simulate_config(cfg: OmniConfig, ds_json: dict, *, gpus: int, gpus_per_node:
     the plan's speed-up over each)."""
     c = cluster(gpu, gpus, gpus_per_node)
     model = model_spec(cfg)
-    reports = compare(c, model, load_workload(workload, model, cfg.data.max_seq_len), sim_plan(cfg, ds_json, gpus),
-                      seed)
+    work = load_workload(workload, model, cfg.data.max_seq_len)
+    reports = compare(c, model, work, sim_plan(cfg, ds_json, gpus), seed)
     ours = reports.pop("ds_omni")
     out = {"cluster": {"gpu": gpu, "gpus": gpus, "gpus_per_node": gpus_per_node},
            "plan": ours.summary(), "baselines": {}}
@@ -116,8 +116,8 @@ def format_simulation(out: dict) -> str:
              "baselines (same model, same samples):"]
     for name, b in out["baselines"].items():
         lines.append(f"  {name:10s} " + (f"error: {b['error']}" if "error" in b else
-                     f"step {b['step_time']:.4f} s, MFU {b['mfu']:.1%}, plan is "
-                     f"{b['speedup_of_plan']:.2f}x faster, mostly {b['critical_phase']}"
+                     f"step {b['step_time']:.4f} s, MFU {b['mfu']:.1%}, the plan's speed-up "
+                     f"{b['speedup_of_plan']:.2f}x, mostly {b['critical_phase']}"
                      + ("" if b["fits"] else ", DOES NOT FIT")))
     return "\n".join(lines)
 

@@ -72,7 +72,8 @@ class ModelSpec:
 
     def llm_layer_params(self) -> int:
         d = self.dims
-        return 2 * d.hidden ** 2 + 2 * d.hidden * self.kv + d.mlp_matrices * d.hidden * d.intermediate
+        h = d.hidden
+        return 2 * h * h + 2 * h * self.kv + d.mlp_matrices * h * d.intermediate
 
     def llm_params(self) -> int:
         """Decoder layers, token embedding and an untied LM head."""
@@ -94,7 +95,8 @@ class ModelSpec:
 
     def _encoder(self, name: str) -> EncoderDims:
         if name not in self.dims.encoders:
-            raise ModelError(f"the model has no encoder {name!r}; it has {list(self.dims.encoders)}")
+            raise ModelError(f"the model has no encoder {name!r}; it has "
+                             f"{list(self.dims.encoders)}")
         return self.dims.encoders[name]
 
     # ------------------------------------------------------------------------------ FLOPs

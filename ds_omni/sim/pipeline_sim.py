@@ -47,7 +47,8 @@ def stage_params(step, s: int) -> tuple[float, float]:
     enc = {n: m.encoder_params(n) for n in d.encoders}
     if step.plan.encoder_placement == "stage0" and s > 0:
         enc = {}
-    trained = (0 if "llm" in m.frozen else llm) + sum(v for n, v in enc.items() if n not in m.frozen)
+    trained = ((0 if "llm" in m.frozen else llm)
+               + sum(v for n, v in enc.items() if n not in m.frozen))
     return llm + sum(enc.values()), trained
 
 
@@ -151,7 +152,8 @@ def _uniform_encode(step, ranks, backward: bool) -> None:
             rows[s, cols] += step.samples.item_rows[i] / p.sp
     for s in range(p.pp):
         share = (1 - fwd) if backward else fwd
-        step.timeline.run(ranks[s], "encode_bwd" if backward else "encode_fwd", load[s] * share / rate)
+        step.timeline.run(ranks[s], "encode_bwd" if backward else "encode_fwd",
+                          load[s] * share / rate)
         if s > 0:
             link = comm.link_of(step.cluster, [ranks[s][0], ranks[0][0]])
             nbytes = rows[s] * step.model.dims.hidden * 2

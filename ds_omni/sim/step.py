@@ -181,7 +181,8 @@ def _encoder_sp(step: Step, work, backward: bool) -> None:
     for ranks, positions, enc in work.split_positions:
         e = step.model.dims.encoders[enc]
         per_layer = positions * 4 * e.hidden * 2  # bytes a rank sends in one layer's 4 exchanges
-        t = e.layers * comm.even_all_to_all(per_layer, len(ranks), comm.link_of(step.cluster, ranks))
+        link = comm.link_of(step.cluster, ranks)
+        t = e.layers * comm.even_all_to_all(per_layer, len(ranks), link)
         key = int(ranks[0])
         groups[key] = ranks
         seconds[key] = seconds.get(key, 0.0) + t * (2 if backward else 1)

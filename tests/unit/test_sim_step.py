@@ -145,3 +145,36 @@ def test_workload_from_a_data_check_report():
     text_only = np.setdiff1d(np.arange(400), s.item_sample)
     assert 256 <= s.tokens[text_only].min() and s.tokens[text_only].max() <= 2048
     assert spec.draw(400, seed=1, encoders=("vision",)).tokens.tolist() == s.tokens.tolist()
+
+
+def test_pipeline_runs_1f1b_as_the_two_stage_formula_says():
+    """Two stages, four equal micro-batches, free links: stage s's forward F_s and backward B_s
+    follow its share of the LLM's layers (the boundaries training computes); 1F1B then takes
+    max(F0 + M (F1 + B1) + B0, M (F0 + B0) + F1 + B1)."""
+    from ds_omni.sim.cluster import Cluster
+    from ds_omni.sim.pipeline_sim import stage_plan
+    from ds_omni.sim.step import Step
+    free = Cluster(gpus=2, gpus_per_node=2, flops=1e15, hbm_bytes=1e12, intra_bw=1e30,
+                   intra_latency=0.0, inter_bw=1e30, inter_latency=0.0)
+    m, samples = llava_7b(), text_samples([4096] * 8)
+    for split in ("cost", "parameters"):
+        plan = SimPlan(pp=2, global_batch=8, micro_batches=4, pack_tokens=8192,
+                       stage_split=split, zero_stage=0, checkpointing=True)
+        step = Step(free, m, samples, plan)
+        times = np.array(stage_plan(step).layer_time)
+        micro = float(m.cost.llm_cost(np.array([4096, 4096])).sum())  # one micro-batch
+        f = micro * times / times.sum() / 3 / free.flops_per_s
+        b = 3 * f  # backward 2 forwards, and one more recomputed
+        want = max(f[0] + 4 * (f[1] + b[1]) + b[0], 4 * (f[0] + b[0]) + f[1] + b[1])
+        assert simulate(free, m, samples, plan).step_time == pytest.approx(want, rel=1e-12)
+
+
+def test_uniform_encoder_placement_unloads_stage_zero():
+    c, m = cluster("h100", 8, 8), llava_7b()
+    samples = WorkloadSpec(image_fraction=1.0, max_tokens=8192,
+                           patches_range=(1024, 4096)).draw(32, seed=0, encoders=("vision",))
+    plan = SimPlan(pp=4, global_batch=32, micro_batches=8, pack_tokens=16384)
+    stage0 = simulate(c, m, samples, plan)
+    uniform = simulate(c, m, samples, plan.replace(encoder_placement="uniform"))
+    assert uniform.step_time < stage0.step_time
+    assert stage0.critical_path[0]["rank"] < 2  # the first stage's ranks start the chain
