@@ -148,9 +148,9 @@ def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> Non
     work.flops += np.asarray(plan.loads())
     for it, owner, i in zip(items, plan.owner, item_ids):
         work.positions[owner] += layout.s.item_len[i]
-        dest = it.destinations()
-        for dst, count in zip(*np.unique(dest, return_counts=True)):
-            work.sends.append((owner, int(dst), int(count) * layout.hidden * 2))
+        for j, count in enumerate(it.shards or (it.rows,)):  # its rows on each member's shard
+            if count:
+                work.sends.append((owner, it.home + j, count * layout.hidden * 2))
         if owner not in it.group:
             sender = it.group[owner % len(it.group)]
             nbytes = layout.s.item_len[i] * INPUT_BYTES.get(it.encoder, 1024)
@@ -162,8 +162,8 @@ def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> Non
         work.positions[row.ranks] += length / g
         work.split_positions.append((row.ranks, length / g, s.encoder))
         for j in range(g):
-            dest = s.positions[bounds[j]:bounds[j + 1]] // shard
-            for dst, count in zip(*np.unique(dest, return_counts=True)):
-                work.sends.append((int(row.ranks[j]), int(row.ranks[dst]),
-                                   int(count) * layout.hidden * 2))
+            dest = np.bincount(s.positions[bounds[j]:bounds[j + 1]] // shard, minlength=g)
+            for k in np.flatnonzero(dest):
+                work.sends.append((int(row.ranks[j]), int(row.ranks[k]),
+                                   int(dest[k]) * layout.hidden * 2))
     work.groups.append(np.arange(world))
