@@ -34,3 +34,24 @@ def test_plan_simulate_rejects_a_cluster_smaller_than_a_node(capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "gpus_per_node=8 is more than the cluster's gpus=4" in err and "Traceback" not in err
+
+
+def test_workload_files(tmp_path):
+    from ds_omni.errors import ConfigError
+    from ds_omni.sim.from_config import load_workload
+    from tests.unit.test_sim_step import llava_7b
+    m = llava_7b()
+    default = load_workload(None, m, 512)
+    assert default.audio_fraction == 0 and default.max_tokens == 512  # no audio encoder
+    fields = tmp_path / "w.json"
+    fields.write_text(json.dumps({"image_fraction": 0.9, "patches_range": [64, 256]}))
+    spec = load_workload(str(fields), m, 4096)
+    assert spec.image_fraction == 0.9 and spec.patches_range == (64, 256)
+    report = tmp_path / "check.json"
+    report.write_text(json.dumps({"sources": {"a": {
+        "checked": 10, "modalities": {"image": 5, "audio": 0, "text_only": 5},
+        "tokens": {"buckets": {"<=1024": 10}}, "items_per_sample": {"0": 5, "1": 5}}}}))
+    assert load_workload(str(report), m, 2048).max_tokens == 2048
+    fields.write_text(json.dumps({"image_share": 0.9}))
+    with pytest.raises(ConfigError, match="unknown fields \\['image_share'\\]"):
+        load_workload(str(fields), m, 512)
