@@ -138,13 +138,13 @@ def run_round(step: Step, k: int) -> None:
         tokens[row.ranks] += step.samples.tokens[row.samples].sum() / len(row.ranks)
     tl.run(ranks, "encode_fwd", work.flops * step.encoder_fwd / rate)
     _encoder_sp(step, work, backward=False)
-    reshard = _reshard_seconds(step, work)
-    _sync_groups(step, work.groups, "reshard", reshard)
+    rows_s, inputs_s = _reshard_seconds(step, work)
+    _sync_groups(step, work.groups, "reshard", rows_s + inputs_s)
     tl.run(ranks, "llm_fwd", llm / 3 / rate)
     _llm_sp(step, rows, backward=False)
     tl.run(ranks, "llm_bwd", llm * (2 + step.plan.checkpointing) / 3 / rate)
     _llm_sp(step, rows, backward=True)
-    _sync_groups(step, work.groups, "reshard", reshard)
+    _sync_groups(step, work.groups, "reshard", rows_s)  # the gradients go back; inputs do not
     _encoder_sp(step, work, backward=True)
     tl.run(ranks, "encode_bwd", work.flops * (1 - step.encoder_fwd) / rate)
     _round_zero(step, ranks, tl.compute[ranks] - before)
@@ -161,17 +161,19 @@ def _sync_groups(step: Step, groups: list, phase: str, seconds: np.ndarray) -> N
     step.timeline.sync(ranks, gid, phase, per_group[gid])
 
 
-def _reshard_seconds(step: Step, work) -> np.ndarray:
-    """[W] seconds of each rank in the round's embedding all-to-all (and the pool's input one)."""
-    c = step.cluster
-    out = np.zeros(c.gpus)
-    for name, msgs in (("reshard", work.sends), ("pool_inputs", work.inputs)):
+def _reshard_seconds(step: Step, work) -> tuple[np.ndarray, np.ndarray]:
+    """[W] seconds of each rank in the round's embedding all-to-all (forward; backward sends
+    the gradients the same way), and [W] in the pool's input all-to-all (forward only)."""
+    c, n = step.cluster, len(step.llm_ranks())
+    out = []
+    for name, msgs, times in (("reshard", work.sends, 2), ("pool_inputs", work.inputs, 1)):
+        seconds = np.zeros(c.gpus)
         if msgs:
             src, dst, nbytes = (np.array(x, dtype=np.float64) for x in zip(*msgs))
-            step.a2a_bytes[name] += float(nbytes[src != dst].sum()) * (2 if name == "reshard"
-                                                                       else 1)
-            out += comm.all_to_all_pairs(src.astype(np.int64), dst.astype(np.int64), nbytes, c)
-    return out[:len(step.llm_ranks())]
+            step.a2a_bytes[name] += float(nbytes[src != dst].sum()) * times
+            seconds = comm.all_to_all_pairs(src.astype(np.int64), dst.astype(np.int64), nbytes, c)
+        out.append(seconds[:n])
+    return out[0], out[1]
 
 
 def _encoder_sp(step: Step, work, backward: bool) -> None:
