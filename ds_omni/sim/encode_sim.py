@@ -50,6 +50,10 @@ class RoundWork:
     sends: list = field(default_factory=list)  # (src, dst, bytes) embedding rows, forward
     inputs: list = field(default_factory=list)  # (src, dst, bytes) pool: moved items' inputs
     groups: list = field(default_factory=list)  # rank arrays that meet at the resharding
+    present: dict = field(default_factory=dict)  # encoder -> [W] bool: the rank runs an item
+
+    def ran(self, encoder: str, ranks) -> None:
+        self.present.setdefault(encoder, np.zeros(self.flops.size, dtype=bool))[ranks] = True
 
 
 class RowLayout:
@@ -90,6 +94,8 @@ def round_work(rows: list[Row], layout: RowLayout, world: int, mode: str, long_i
         if g == 1 or mode == "replicated":
             work.flops[row.ranks] += sum(s.cost for s in slots)
             work.positions[row.ranks] += sum(int(layout.s.item_len[i]) for i in ids)
+            for sl in slots:
+                work.ran(sl.encoder, row.ranks)
             continue
         threshold = 0.0 if mode == "split_all" else None
         long = LongItems(threshold, heads) if (long_items or mode == "split_all") else None
@@ -111,6 +117,7 @@ def _charge(plans, slots, ids, row: Row, layout: RowLayout, work: RoundWork) -> 
                 k = key[(enc, index)]
                 work.flops[r] += slots[k].cost
                 work.positions[r] += layout.s.item_len[ids[k]]
+                work.ran(enc, r)
         for dst, count in enumerate(plan.send_counts):
             if count and dst != plan.rank:
                 work.sends.append((r, row.ranks[dst], count * layout.hidden * 2))
@@ -121,6 +128,7 @@ def _charge(plans, slots, ids, row: Row, layout: RowLayout, work: RoundWork) -> 
             length = int(layout.s.item_len[ids[k]])
             work.positions[row.ranks] += length / g
             work.split_positions.append((row.ranks, length / g, enc))
+            work.ran(enc, row.ranks)
 
 
 def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> None:
@@ -148,6 +156,7 @@ def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> Non
     work.flops += np.asarray(plan.loads())
     for it, owner, i in zip(items, plan.owner, item_ids):
         work.positions[owner] += layout.s.item_len[i]
+        work.ran(it.encoder, owner)
         for j, count in enumerate(it.shards or (it.rows,)):  # its rows on each member's shard
             if count:
                 work.sends.append((owner, it.home + j, count * layout.hidden * 2))
@@ -161,6 +170,7 @@ def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> Non
         length = int(layout.s.item_len[i])
         work.positions[row.ranks] += length / g
         work.split_positions.append((row.ranks, length / g, s.encoder))
+        work.ran(s.encoder, row.ranks)
         for j in range(g):
             dest = np.bincount(s.positions[bounds[j]:bounds[j + 1]] // shard, minlength=g)
             for k in np.flatnonzero(dest):

@@ -31,6 +31,7 @@ from ds_omni.sim.report import StepReport, build_report
 from ds_omni.sim.separate import run_separate
 from ds_omni.sim.timeline import Timeline
 from ds_omni.sim.workload import Samples, WorkloadSpec
+from ds_omni.train.setup import encoder_dummies_needed
 
 PHASES = ("encode_fwd", "encode_sp", "reshard", "llm_fwd", "llm_sp", "llm_bwd", "encode_bwd",
           "zero", "grad_sync")
@@ -55,6 +56,9 @@ class Step:
         self.encoder_fwd = 1.0 if all(e.frozen for e in model.dims.encoders.values()) else 1 / 3
         self.heads = {n: model.heads(n) for n in model.dims.encoders}
         self.timeline = Timeline(cluster.gpus, PHASES)
+        # training's rule: under ZeRO-2/3 (and bf16 ZeRO-0) every rank runs every encoder
+        self.dummies = encoder_dummies_needed({"zero_optimization": {"stage": plan.zero_stage},
+                                               "bf16": {"enabled": True}}, plan.pp > 1)
         self.act_peak = np.zeros(cluster.gpus)  # [W] activation bytes at the busiest round
         self.a2a_bytes = {"reshard": 0.0, "pool_inputs": 0.0, "llm_ulysses": 0.0,
                           "encoder_ulysses": 0.0}
@@ -136,6 +140,8 @@ def run_round(step: Step, k: int) -> None:
     for row in rows:
         llm[row.ranks] += step.llm_cost[row.samples].sum() / len(row.ranks)
         tokens[row.ranks] += step.samples.tokens[row.samples].sum() / len(row.ranks)
+    if shared and step.dummies:
+        work.flops += dummy_flops(step, work)
     tl.run(ranks, "encode_fwd", work.flops * step.encoder_fwd / rate)
     _encoder_sp(step, work, backward=False)
     rows_s, inputs_s = _reshard_seconds(step, work)
@@ -149,6 +155,17 @@ def run_round(step: Step, k: int) -> None:
     tl.run(ranks, "encode_bwd", work.flops * (1 - step.encoder_fwd) / rate)
     _round_zero(step, ranks, tl.compute[ranks] - before)
     _activations(step, tokens, work.positions)
+
+
+def dummy_flops(step: Step, work) -> np.ndarray:
+    """[W] the dummy passes of the round: each encoder a rank runs no item of runs once on the
+    family's dummy input (`CostModel.dummy_cost`)."""
+    cm, out = step.model.cost, np.zeros(work.flops.size)
+    for name in cm.encoder_names:
+        others = [n for n in cm.encoder_names if n != name]
+        ran = work.present.get(name, np.zeros(out.size, dtype=bool))
+        out[~ran] += cm.dummy_cost(others)  # the cost of `name`'s dummy alone
+    return out
 
 
 def _sync_groups(step: Step, groups: list, phase: str, seconds: np.ndarray) -> None:

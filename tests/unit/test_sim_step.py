@@ -178,3 +178,18 @@ def test_uniform_encoder_placement_unloads_stage_zero():
     uniform = simulate(c, m, samples, plan.replace(encoder_placement="uniform"))
     assert uniform.step_time < stage0.step_time
     assert stage0.critical_path[0]["rank"] < 2  # the first stage's ranks start the chain
+
+
+def test_zero3_ranks_without_images_run_the_encoders_dummy():
+    """Training's rule (`encoder_dummies_needed`): under ZeRO-3 a micro-batch with no image
+    still runs the vision tower once on its dummy input; under ZeRO-1 it does not."""
+    dims = ModelDims(hidden=4096, layers=32, intermediate=11008, vocab=32000, encoders={
+        "vision": EncoderDims(hidden=1024, layers=24, intermediate=4096, dummy_len=577)})
+    m, c = ModelSpec.from_dims(dims), cluster("h100", 8, 8)
+    samples, plan = text_samples([2000] * 16), SimPlan(global_batch=16, micro_batches=2,
+                                                       pack_tokens=8192)
+    z1 = simulate(c, m, samples, plan)
+    z3 = simulate(c, m, samples, plan.replace(zero_stage=3))
+    dummy = float(m.cost.encoder_cost("vision", [577])[0])
+    assert np.asarray(z3.compute) - np.asarray(z1.compute) == pytest.approx(
+        [2 * dummy / c.flops_per_s] * 8, rel=1e-9)  # one dummy per round, 2 rounds
