@@ -34,7 +34,7 @@ def by_key(items, ranks: int, slack: float, base) -> list[int]:
 def test_the_array_pick_is_the_key_pick():
     rng = np.random.default_rng(0)
     moved = 0
-    for trial in range(120):
+    for trial in range(60):
         ranks = int(rng.choice([2, 4, 8, 16]))
         g = int(rng.choice([1, 2, 4])) if ranks >= 4 else 1
         items = []
@@ -49,4 +49,4 @@ def test_the_array_pick_is_the_key_pick():
         got = assign_pool(items, ranks, 0.05, base)
         assert got == by_key(items, ranks, 0.05, base), trial
         moved += sum(o not in it.group for o, it in zip(got, items))
-    assert moved > 50  # the second pass ran, and often
+    assert moved > 100  # the second pass ran, and often (210 items moved)
