@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from ds_omni.errors import DsOmniError
+from ds_omni.errors import DsOmniError, LaunchError
 
 DESCRIPTION = "Train multimodal LLMs (vision/audio encoders + an HF LLM) on DeepSpeed, and plan, " \
     "convert and check a run."
@@ -101,9 +101,18 @@ def _plan_args(sub) -> None:
                   "ds_configs/zero2.json --world-size 8")
     pl.add_argument("--config", required=True, help="ds_omni JSON config")
     pl.add_argument("--deepspeed", required=True, help="DeepSpeed JSON config")
-    pl.add_argument("--world-size", type=int, required=True, help="ranks the run would have")
+    pl.add_argument("--world-size", type=int, help="ranks the run would have (--simulate: --gpus)")
     pl.add_argument("--gpus-per-node", type=int, default=None,
-                    help="ranks per node: also print which groups cross nodes")
+                    help="ranks per node: also print which groups cross nodes (--simulate: "
+                         "GPUs per node, default 8)")
+    pl.add_argument("--simulate", action="store_true",
+                    help="simulate one step of the plan and five baselines (docs/simulator.md)")
+    pl.add_argument("--gpus", type=int, help="--simulate: GPUs of the cluster")
+    pl.add_argument("--gpu", default="h100", help="--simulate: h100, h200, a100 or cpu")
+    pl.add_argument("--workload", help="--simulate: a `ds-omni data check --json` report or "
+                                       "WorkloadSpec fields (JSON); default: a mixed workload")
+    pl.add_argument("--seed", type=int, default=0, help="--simulate: seed of the drawn samples")
+    pl.add_argument("--json", action="store_true", help="--simulate: print JSON")
     _set_arg(pl)
 
 
@@ -223,7 +232,17 @@ def cmd_plan(args) -> None:
     from ds_omni.train.ds_config import load_ds_json
     from ds_omni.train.setup import describe_plan, plan_run
     cfg = load_config(args.config, args.set)
-    plan, ds_config = plan_run(cfg, load_ds_json(args.deepspeed), args.world_size)
+    world = args.gpus if args.simulate else args.world_size
+    if world is None:
+        raise LaunchError("ds-omni plan needs --world-size N (or --simulate --gpus N)")
+    if args.simulate:
+        from ds_omni.sim.from_config import format_simulation, simulate_config
+        out = simulate_config(cfg, load_ds_json(args.deepspeed), gpus=world,
+                              gpus_per_node=args.gpus_per_node or 8, gpu=args.gpu,
+                              workload=args.workload, seed=args.seed)
+        print(json.dumps(out, indent=1) if args.json else format_simulation(out))
+        return
+    plan, ds_config = plan_run(cfg, load_ds_json(args.deepspeed), world)
     print(_leaf_lines(describe_plan(cfg, plan, ds_config, args.gpus_per_node)))
 
 

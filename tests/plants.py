@@ -349,3 +349,19 @@ def _ep_wrong_rank(rank: int):
 def _aux_loss_dropped(rank: int):
     from ds_omni.model import omni
     yield from _patched(omni, "router_aux_sum", lambda f: lambda *a: 0.0)
+
+
+# --------------------------------------------------- the step simulator (tests/unit/test_sim_comm.py)
+@plant("a2a_even_splits", "the simulator prices an all-to-all as if every message carried the "
+       "mean bytes (uneven splits ignored)", "sim")
+def _a2a_even_splits(rank: int):
+    import numpy as np
+    from ds_omni.sim import comm
+
+    def even(original):
+        def pairs(src, dst, nbytes, cluster):
+            nbytes = np.asarray(nbytes, dtype=np.float64)
+            return original(src, dst, np.full(nbytes.shape, nbytes.mean() if nbytes.size else 0.0),
+                            cluster)
+        return pairs
+    yield from _patched(comm, "all_to_all_pairs", even)

@@ -136,8 +136,13 @@ def assign_pool(items: list[PoolItem], ranks: int, slack: float = BALANCE_SLACK,
         load[owner[i]] += it.cost
     for i in moving:
         it = items[i]
-        ok = np.flatnonzero(load <= load.min() + tolerance * (1 + 1e-9))
-        owner[i] = int(min(ok, key=lambda r: (r not in it.group, -it.held(r), load[r], r)))
+        bound = load.min() + tolerance * (1 + 1e-9)
+        home = [r for r in it.group if load[r] <= bound]
+        if home:  # the home group first: its placeholders, then the least loaded
+            owner[i] = int(min(home, key=lambda r: (-it.held(r), load[r], r)))
+        else:  # the least loaded of the ranks within bound (np.argmin: the lowest rank on ties)
+            ok = np.flatnonzero(load <= bound)
+            owner[i] = int(ok[np.argmin(load[ok])])
         load[owner[i]] += it.cost
     return owner
 

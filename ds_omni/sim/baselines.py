@@ -1,0 +1,108 @@
+"""The five baselines, each a `SimPlan` over the same cluster, model and samples as the plan it
+is compared with (its degrees kept where the baseline has them):
+
+1. "megatron": Megatron-LM style: the encoder on the first pipeline stage, decoder layers split
+   evenly, static DP x SP with every SP rank encoding its row's items, loader order.
+2. "disttrain": encoders and LLM on separate GPU pools (DistTrain-style), the encoder pool sized
+   by the encoders' share of the workload's FLOPs; samples reordered.
+3. "deepspeed": a careful user's DeepSpeed run: packed rows in loader order, one static SP
+   degree (the plan's largest), HF's Ulysses (every SP rank encodes the whole row), no pipeline.
+4. "bytescale": ByteScale's baseline: one static context-parallel degree for every sequence,
+   large enough for the longest one; loader order; encoders balanced inside the SP group.
+5. "veomni": VeOmni-style: every encoder item split across the SP group, FSDP (ZeRO-3), no
+   pipeline, loader order.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ds_omni.errors import DsOmniError
+from ds_omni.sim.plan_spec import SimPlan
+from ds_omni.sim.step import simulate
+from ds_omni.sim.workload import Samples
+
+BASELINES = ("megatron", "disttrain", "deepspeed", "bytescale", "veomni")
+
+
+def _plain(plan: SimPlan, name: str, **changes) -> SimPlan:
+    """The plan with ds_omni's own techniques off, then `changes`."""
+    off = dict(name=name, dp=None, reorder="loader_order", max_sequence_sp=1, long_items=False,
+               encoder_gpus=0)
+    return plan.replace(**(off | changes))
+
+
+def megatron(plan: SimPlan) -> SimPlan:
+    return _plain(plan, "megatron", encoder_mode="replicated", encoder_placement="stage0",
+                  stage_split="layers", zero_stage=min(plan.zero_stage, 1))
+
+
+def disttrain(plan: SimPlan, gpus: int, encoder_share: float) -> SimPlan:
+    """Encoder GPUs in proportion to the encoders' share of the step's FLOPs (at least one),
+    the rest (a multiple of sp x pp) for the LLM; its fewer data-parallel ranks each run
+    proportionally more micro-batches (the same global batch, the same packed row size)."""
+    unit = plan.sp * plan.pp
+    llm = unit * max(1, math.floor(gpus * (1 - encoder_share) / unit))
+    llm = min(llm, unit * ((gpus - 1) // unit))
+    dp = llm // unit
+    group = max(g for g in range(1, min(plan.reorder_group, dp) + 1) if dp % g == 0)
+    shared_dp = plan.dp or gpus // unit
+    micro = math.ceil(plan.micro_batches * shared_dp / dp)
+    return _plain(plan, "disttrain", reorder="fixed", reorder_group=group, encoder_mode="reshard",
+                  micro_batches=micro,
+                  encoder_placement="stage0", stage_split="layers",
+                  zero_stage=min(plan.zero_stage, 1) if plan.pp > 1 else plan.zero_stage,
+                  encoder_gpus=gpus - llm)
+
+
+def static_degree(plan: SimPlan, samples: Samples) -> int:
+    """The plan's largest SP degree, raised to the power of two whose shards hold the longest
+    sequence within one micro-batch row."""
+    need = max(1, math.ceil(int(samples.tokens.max()) / plan.pack_tokens))
+    return max(plan.sp, plan.max_sequence_sp, 1 << math.ceil(math.log2(need)))
+
+
+def deepspeed(plan: SimPlan) -> SimPlan:
+    return _plain(plan, "deepspeed", sp=max(plan.sp, plan.max_sequence_sp), pp=1,
+                  encoder_mode="replicated")
+
+
+def bytescale(plan: SimPlan, samples: Samples) -> SimPlan:
+    sp = static_degree(plan, samples)
+    return _plain(plan, "bytescale", sp=sp, pp=1, encoder_mode="reshard",
+                  pack_tokens=plan.pack_tokens * sp // max(plan.sp, 1))
+
+
+def veomni(plan: SimPlan) -> SimPlan:
+    return _plain(plan, "veomni", sp=max(plan.sp, plan.max_sequence_sp), pp=1, zero_stage=3,
+                  encoder_mode="split_all")
+
+
+def encoder_share(model, samples: Samples) -> float:
+    """The encoders' share of the samples' training FLOPs."""
+    terms = model.cost.term_costs(samples.tokens, samples.item_sample, samples.item_encoder,
+                                  samples.item_len)  # [N, T]
+    total = float(terms.sum())
+    return float(terms[:, 2:].sum()) / total if total else 0.0
+
+
+def baseline_plans(plan: SimPlan, gpus: int, model, samples: Samples) -> dict[str, SimPlan]:
+    """The five baselines of `plan` for these samples."""
+    share = encoder_share(model, samples)
+    return {"megatron": megatron(plan), "disttrain": disttrain(plan, gpus, share),
+            "deepspeed": deepspeed(plan), "bytescale": bytescale(plan, samples),
+            "veomni": veomni(plan)}
+
+
+def compare(cluster, model, workload, plan: SimPlan, seed: int = 0) -> dict:
+    """{name: StepReport} of the plan and each baseline, all on the same drawn samples; a
+    baseline the cluster cannot run (its degrees do not divide the GPUs) maps to its error."""
+    samples = workload if isinstance(workload, Samples) else workload.draw(
+        plan.global_batch, seed, tuple(model.dims.encoders))
+    out = {plan.name: simulate(cluster, model, samples, plan)}
+    for name, base in baseline_plans(plan, cluster.gpus, model, samples).items():
+        try:
+            out[name] = simulate(cluster, model, samples, base)
+        except DsOmniError as e:
+            out[name] = e
+    return out

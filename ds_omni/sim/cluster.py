@@ -1,0 +1,99 @@
+"""A cluster, as the simulator sees it: GPU count and per-node count, dense bf16 FLOP/s and the
+fraction of it a training kernel achieves, HBM size, and the two links (inside a node, between
+nodes) as latency + bandwidth.
+
+Bandwidths are per GPU and per direction, as a collective sees them (NVLink's bus bandwidth
+inside a node; the GPU's share of the node's network adapters between nodes). The presets are
+vendor peak numbers with achievable fractions typical of published training runs; "cpu" is a
+placeholder for this project's CPU machines, to be fitted by the calibration runs (the cost
+model's `calibrate` gives seconds per FLOP; a measured collective gives the links).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ds_omni.errors import ConfigError
+
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    gpus: int
+    """GPUs (ranks) in all."""
+    gpus_per_node: int
+    """GPUs of one node (they share the fast intra-node link)."""
+    flops: float
+    """Peak dense bf16 FLOP/s of one GPU."""
+    achievable: float = 0.5
+    """Fraction of `flops` a training step's kernels reach (matmul-heavy transformer work)."""
+    hbm_bytes: float
+    """Memory of one GPU."""
+    intra_bw: float
+    """Bytes/s per GPU and direction between GPUs of one node."""
+    intra_latency: float = 3e-6
+    """Seconds of one message between GPUs of one node (launch + link latency)."""
+    inter_bw: float
+    """Bytes/s per GPU and direction between nodes."""
+    inter_latency: float = 10e-6
+    """Seconds of one message between nodes."""
+    name: str = "custom"
+
+    def __post_init__(self):
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ConfigError(f"a cluster needs gpus >= 1 and gpus_per_node >= 1, got gpus="
+                              f"{self.gpus}, gpus_per_node={self.gpus_per_node}")
+        if self.gpus_per_node > self.gpus:
+            raise ConfigError(f"gpus_per_node={self.gpus_per_node} is more than the cluster's "
+                              f"gpus={self.gpus}; give --gpus-per-node <= --gpus (one partial "
+                              "node: set both to the GPU count)")
+        if self.gpus % self.gpus_per_node:
+            raise ConfigError(f"gpus={self.gpus} is not a whole number of nodes of "
+                              f"{self.gpus_per_node}; use a multiple of gpus_per_node")
+        for field in ("flops", "hbm_bytes", "intra_bw", "inter_bw"):
+            if not getattr(self, field) > 0:
+                raise ConfigError(f"Cluster.{field} must be > 0, got {getattr(self, field)}")
+        if not 0 < self.achievable <= 1:
+            raise ConfigError(f"Cluster.achievable is a fraction of peak in (0, 1], got "
+                              f"{self.achievable}")
+
+    @property
+    def nodes(self) -> int:
+        return self.gpus // self.gpus_per_node
+
+    @property
+    def flops_per_s(self) -> float:
+        """What one GPU achieves on training work."""
+        return self.flops * self.achievable
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def resized(self, gpus: int) -> "Cluster":
+        """The same machines, `gpus` of them (a pool of a larger cluster)."""
+        return dataclasses.replace(self, gpus=gpus, gpus_per_node=min(self.gpus_per_node, gpus))
+
+
+# Per GPU: peak dense bf16, HBM, NVLink bus bandwidth per direction, network per GPU.
+PRESETS: dict[str, dict] = {
+    "h100": dict(flops=989e12, achievable=0.5, hbm_bytes=80 * GIB, intra_bw=450e9,
+                 inter_bw=50e9),  # SXM, NVLink 4 (900 GB/s both ways), 8 x 400 Gb/s per node
+    "h200": dict(flops=989e12, achievable=0.5, hbm_bytes=141 * GIB, intra_bw=450e9,
+                 inter_bw=50e9),  # H100's compute and links, more (and faster) HBM
+    "a100": dict(flops=312e12, achievable=0.5, hbm_bytes=80 * GIB, intra_bw=300e9,
+                 inter_bw=25e9),  # SXM 80 GB, NVLink 3, 8 x 200 Gb/s per node
+    "cpu": dict(flops=1e11, achievable=0.5, hbm_bytes=8 * GIB, intra_bw=5e9, inter_bw=1e9,
+                intra_latency=20e-6, inter_latency=50e-6),  # placeholder until fitted
+}
+
+
+def cluster(preset: str, gpus: int, gpus_per_node: int = 8, **overrides) -> Cluster:
+    """A preset's machines, `gpus` of them in nodes of `gpus_per_node`; `overrides` replace
+    preset fields (e.g. achievable=0.4)."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown GPU preset {preset!r}; choose one of {sorted(PRESETS)} or "
+                          "build a Cluster(...) by hand")
+    return Cluster(gpus=gpus, gpus_per_node=gpus_per_node, name=preset,
+                   **(PRESETS[preset] | overrides))

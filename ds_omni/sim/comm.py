@@ -1,0 +1,121 @@
+"""Collective times by the alpha-beta model: a message of n bytes over a link costs
+alpha + n / beta (alpha: latency, beta: bandwidth per direction).
+
+A group whose ranks all sit on one node uses the intra-node link; a group that spans nodes is
+held to the inter-node link (its slowest hop), the usual bound of flat ring algorithms.
+Rings (p ranks, a buffer of n bytes):
+  all-reduce:      2 (p - 1) alpha + 2 (p - 1) / p * n / beta
+  reduce-scatter:    (p - 1) alpha +   (p - 1) / p * n / beta   (n: the whole, unscattered buffer)
+  all-gather:        (p - 1) alpha +   (p - 1) / p * n / beta   (n: the whole, gathered buffer)
+Tree all-reduce (reduce up a binary tree, broadcast down, the message whole at each hop):
+  2 ceil(log2 p) (alpha + n / beta): fewer latencies, more bytes; better for small messages.
+All-to-all with uneven splits (`sends` [p, p] bytes, i -> j): every rank sends and receives at
+once; a rank's intra-node and inter-node traffic go over different links in parallel, so rank i
+finishes after alpha per peer it talks to plus the larger of its bytes over each link, in or out,
+divided by that link's bandwidth; the collective ends when the slowest rank does. An even split
+with the same total is never slower than an uneven one: that is why the splits are kept.
+p2p (pipeline sends): alpha + n / beta over the link between the two ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ds_omni.sim.cluster import Cluster
+
+
+@dataclass(frozen=True)
+class Link:
+    latency: float
+    bandwidth: float
+
+
+def link_of(cluster: Cluster, ranks) -> Link:
+    """The link a group of global `ranks` is held to: intra-node if they share one node."""
+    nodes = {cluster.node_of(int(r)) for r in ranks}
+    if len(nodes) <= 1:
+        return Link(cluster.intra_latency, cluster.intra_bw)
+    return Link(cluster.inter_latency, cluster.inter_bw)
+
+
+def ring_all_reduce(nbytes: float, p: int, link: Link) -> float:
+    if p < 2 or nbytes <= 0:
+        return 0.0
+    return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * nbytes / link.bandwidth
+
+
+def reduce_scatter(nbytes: float, p: int, link: Link) -> float:
+    if p < 2 or nbytes <= 0:
+        return 0.0
+    return (p - 1) * link.latency + (p - 1) / p * nbytes / link.bandwidth
+
+
+def all_gather(nbytes: float, p: int, link: Link) -> float:
+    return reduce_scatter(nbytes, p, link)  # the same ring, the other way
+
+
+def tree_all_reduce(nbytes: float, p: int, link: Link) -> float:
+    if p < 2 or nbytes <= 0:
+        return 0.0
+    return 2 * math.ceil(math.log2(p)) * (link.latency + nbytes / link.bandwidth)
+
+
+def all_reduce(nbytes: float, p: int, link: Link) -> float:
+    """The faster of ring and tree (NCCL picks by size the same way)."""
+    return min(ring_all_reduce(nbytes, p, link), tree_all_reduce(nbytes, p, link))
+
+
+def p2p(nbytes: float, link: Link) -> float:
+    return link.latency + nbytes / link.bandwidth if nbytes > 0 else 0.0
+
+
+def all_to_all_ranks(sends: np.ndarray, ranks, cluster: Cluster) -> np.ndarray:
+    """[p] seconds each rank of the group (global `ranks` [p]) spends in an all-to-all whose
+    rank i sends `sends[i, j]` bytes to rank j (uneven splits; the diagonal is a local copy)."""
+    sends = np.asarray(sends, dtype=np.float64)
+    ranks = np.asarray(ranks, dtype=np.int64)
+    src, dst = np.nonzero(sends)
+    times = all_to_all_pairs(ranks[src], ranks[dst], sends[src, dst], cluster)
+    return times[ranks]
+
+
+def all_to_all_pairs(src, dst, nbytes, cluster: Cluster) -> np.ndarray:
+    """[gpus] seconds each rank of the cluster spends in an all-to-all given as messages
+    (src [K], dst [K], nbytes [K]; several messages of one pair add up). Ranks that send and
+    receive nothing spend 0."""
+    src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    keep = (src != dst) & (nbytes > 0)  # a rank's rows to itself are a local copy
+    src, dst, nbytes = src[keep], dst[keep], nbytes[keep]
+    w = cluster.gpus
+    inter = (src // cluster.gpus_per_node) != (dst // cluster.gpus_per_node)  # [K]
+    out = np.zeros((2, w))  # [intra / inter, W] bytes out of each rank
+    inn = np.zeros((2, w))
+    np.add.at(out, (inter.astype(np.int64), src), nbytes)
+    np.add.at(inn, (inter.astype(np.int64), dst), nbytes)
+    pairs = np.unique(np.concatenate([np.stack([src, dst], 1), np.stack([dst, src], 1)]), axis=0)
+    peers = np.bincount(pairs[:, 0], minlength=w) if pairs.size else np.zeros(w)
+    crosses = np.zeros(w, dtype=bool)
+    crosses[src[inter]] = True
+    crosses[dst[inter]] = True
+    latency = np.where(crosses, cluster.inter_latency, cluster.intra_latency)
+    wire = np.maximum(np.maximum(out[0], inn[0]) / cluster.intra_bw,
+                      np.maximum(out[1], inn[1]) / cluster.inter_bw)  # [W]
+    return peers * latency + wire
+
+
+def all_to_all(sends: np.ndarray, ranks, cluster: Cluster) -> float:
+    """Seconds of the whole all-to-all: its slowest rank (`all_to_all_ranks`)."""
+    times = all_to_all_ranks(sends, ranks, cluster)
+    return float(times.max()) if times.size else 0.0
+
+
+def even_all_to_all(bytes_per_rank: float, p: int, link: Link) -> float:
+    """An all-to-all in which every rank sends `bytes_per_rank` in all, split evenly over the
+    p ranks (Ulysses' head/sequence swap): (p - 1) messages of bytes_per_rank / p."""
+    if p < 2 or bytes_per_rank <= 0:
+        return 0.0
+    return (p - 1) * (link.latency + bytes_per_rank / p / link.bandwidth)

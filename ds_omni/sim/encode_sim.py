@@ -1,0 +1,179 @@
+"""A round's encoder work on simulated ranks, placed by the planners training runs:
+
+- "reshard": a row's items over its group (its SP group, or its per-sequence block) by
+  `parallel.reshard.plan_reshard` (LPT by modelled cost; long items split over the whole group
+  by long-short SP when `long_items`), then one uneven all-to-all to the placeholders' shards;
+- "split_all" (VeOmni): every item split over the row's group (the same planner, threshold 0);
+- "replicated" (HF Ulysses as shipped): every rank of a row's group encodes all its items;
+- "pool": every row's short items over all ranks by `parallelize.encoder_pool.plan_round`,
+  long items split over their own row's group; moved items' inputs travel first.
+
+The row's layout: its samples packed in order, each sample's item rows first, then its text;
+a group of g ranks cuts the row into g shards of ceil(T / g) tokens.
+
+Dims: W ranks, K items of a row, T tokens of a row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ds_omni.parallel import reshard
+from ds_omni.parallel.long_short import LongItems, split_rows
+from ds_omni.parallel.reshard import ItemSlots
+from ds_omni.parallelize import encoder_pool
+from ds_omni.parallelize.encoder_pool import PoolItem
+from ds_omni.sim.workload import Samples
+
+ENCODER_MODES = ("reshard", "split_all", "replicated", "pool")
+INPUT_BYTES = {"vision": 3 * 14 * 14 * 2, "audio": 2 * 128 * 4}
+"""Input bytes per encoder position moved by the pool: a 14 x 14 RGB patch in bf16, two fp32
+mel frames of 128 bins (the encoder's conv stride 2)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    ranks: np.ndarray  # [g] global ranks of the row's group, in shard order
+    samples: np.ndarray  # global sample indices, packed in this order
+
+
+@dataclass
+class RoundWork:
+    """One round's encoder work over W ranks."""
+
+    flops: np.ndarray  # [W] encoder training FLOPs each rank runs
+    positions: np.ndarray  # [W] encoder positions each rank runs (activations)
+    split_positions: list = field(default_factory=list)  # (ranks [g], positions per rank, encoder)
+    sends: list = field(default_factory=list)  # (src, dst, bytes) embedding rows, forward
+    inputs: list = field(default_factory=list)  # (src, dst, bytes) pool: moved items' inputs
+    groups: list = field(default_factory=list)  # rank arrays that meet at the resharding
+    present: dict = field(default_factory=dict)  # encoder -> [W] bool: the rank runs an item
+
+    def ran(self, encoder: str, ranks) -> None:
+        self.present.setdefault(encoder, np.zeros(self.flops.size, dtype=bool))[ranks] = True
+
+
+class RowLayout:
+    """The step's samples with their items, and each item's cost (the cost model's)."""
+
+    def __init__(self, samples: Samples, item_cost: np.ndarray, hidden: int):
+        self.s, self.cost, self.hidden = samples, item_cost, hidden
+        order = np.argsort(samples.item_sample, kind="stable")
+        bounds = np.searchsorted(samples.item_sample[order], np.arange(len(samples) + 1))
+        self.items_of = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]  # [N] item ids
+
+    def slots(self, row: Row) -> tuple[list[ItemSlots], list[int], int]:
+        """(the row's items as ItemSlots in text order, their item ids, the row's tokens)."""
+        slots, ids, offset, count = [], [], 0, {}
+        for n in row.samples.tolist():
+            at = offset
+            for i in self.items_of[n].tolist():
+                enc, rows = str(self.s.item_encoder[i]), int(self.s.item_rows[i])
+                slots.append(ItemSlots(enc, count.get(enc, 0), np.arange(at, at + rows),
+                                       float(self.cost[i])))
+                count[enc] = count.get(enc, 0) + 1
+                ids.append(i)
+                at += rows
+            offset += int(self.s.tokens[n])
+        return slots, ids, offset
+
+
+def round_work(rows: list[Row], layout: RowLayout, world: int, mode: str, long_items: bool,
+               heads: dict[str, int], encoder_order: list[str]) -> RoundWork:
+    """The encoder work of one round whose rows are `rows` (every rank in at most one)."""
+    work = RoundWork(np.zeros(world), np.zeros(world))
+    if mode == "pool":
+        _pool(rows, layout, world, long_items, heads, encoder_order, work)
+        return work
+    for row in rows:
+        slots, ids, tokens = layout.slots(row)
+        g = len(row.ranks)
+        if g == 1 or mode == "replicated":
+            work.flops[row.ranks] += sum(s.cost for s in slots)
+            work.positions[row.ranks] += sum(int(layout.s.item_len[i]) for i in ids)
+            for sl in slots:
+                work.ran(sl.encoder, row.ranks)
+            continue
+        threshold = 0.0 if mode == "split_all" else None
+        long = LongItems(threshold, heads) if (long_items or mode == "split_all") else None
+        plans = reshard.plan_reshard(slots, g, math.ceil(tokens / g), encoder_order, long)
+        _charge(plans, slots, ids, row, layout, work)
+        work.groups.append(row.ranks)
+    return work
+
+
+def _charge(plans, slots, ids, row: Row, layout: RowLayout, work: RoundWork) -> None:
+    """Per rank of a row's group: the items it encodes whole, its pieces of the split ones, and
+    the embedding rows it sends to each member (`RankReshard.send_counts`)."""
+    key = {(s.encoder, s.index): k for k, s in enumerate(slots)}
+    g = len(row.ranks)
+    for plan in plans:
+        r = row.ranks[plan.rank]
+        for enc, indices in plan.encode.items():
+            for index in indices:
+                k = key[(enc, index)]
+                work.flops[r] += slots[k].cost
+                work.positions[r] += layout.s.item_len[ids[k]]
+                work.ran(enc, r)
+        for dst, count in enumerate(plan.send_counts):
+            if count and dst != plan.rank:
+                work.sends.append((r, row.ranks[dst], count * layout.hidden * 2))
+    for enc, split in plans[0].split.items():
+        for index, _ in split:
+            k = key[(enc, index)]
+            work.flops[row.ranks] += slots[k].cost / g
+            length = int(layout.s.item_len[ids[k]])
+            work.positions[row.ranks] += length / g
+            work.split_positions.append((row.ranks, length / g, enc))
+            work.ran(enc, row.ranks)
+
+
+def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> None:
+    """Every row's short items over all `world` ranks (`plan_round`), long ones over their row's
+    own group; the rows a rank makes go to the ranks holding their placeholders."""
+    items, long, owners_of_long, item_ids = [], [], [], []
+    for row in rows:
+        slots, ids, tokens = layout.slots(row)
+        g = len(row.ranks)
+        shard = math.ceil(tokens / g) if tokens else 1
+        total = sum(s.cost for s in slots)
+        rule = LongItems(None, heads)
+        for s, i in zip(slots, ids):
+            counts = tuple(np.bincount(s.positions // shard, minlength=g)[:g].tolist()) \
+                if g > 1 else ()
+            it = PoolItem(int(row.ranks[0]), s.encoder, s.index, len(s.positions), s.cost,
+                          shards=counts)
+            if long_items and rule.is_long(s.encoder, s.cost, len(s.positions), g, total):
+                long.append(it)
+                owners_of_long.append((row, s, shard, i))
+            else:
+                items.append(it)
+                item_ids.append(i)
+    plan = encoder_pool.plan_round(items, world, order, long=long)
+    work.flops += np.asarray(plan.loads())
+    for it, owner, i in zip(items, plan.owner, item_ids):
+        work.positions[owner] += layout.s.item_len[i]
+        work.ran(it.encoder, owner)
+        for j, count in enumerate(it.shards or (it.rows,)):  # its rows on each member's shard
+            if count:
+                work.sends.append((owner, it.home + j, count * layout.hidden * 2))
+        if owner not in it.group:
+            sender = it.group[owner % len(it.group)]
+            nbytes = layout.s.item_len[i] * INPUT_BYTES.get(it.encoder, 1024)
+            work.inputs.append((sender, owner, nbytes))
+    for row, s, shard, i in owners_of_long:
+        g = len(row.ranks)
+        bounds = split_rows(len(s.positions), g)
+        length = int(layout.s.item_len[i])
+        work.positions[row.ranks] += length / g
+        work.split_positions.append((row.ranks, length / g, s.encoder))
+        work.ran(s.encoder, row.ranks)
+        for j in range(g):
+            dest = np.bincount(s.positions[bounds[j]:bounds[j + 1]] // shard, minlength=g)
+            for k in np.flatnonzero(dest):
+                work.sends.append((int(row.ranks[j]), int(row.ranks[k]),
+                                   int(dest[k]) * layout.hidden * 2))
+    work.groups.append(np.arange(world))

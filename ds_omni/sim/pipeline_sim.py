@@ -1,0 +1,189 @@
+"""A pipelined step on simulated ranks: DeepSpeed's 1F1B schedule over the stages, each stage
+priced from the boundaries training computes (`parallel.stages.stage_plan_for`, split by
+"cost", "parameters" or "layers"), encoder work where the placement puts it: all on stage 0
+("stage0", Megatron-LM), or spread over the stages before the schedule by the joint pipeline's
+planner (`parallelize.joint.assign_items`, "uniform"), the rows then sent to stage 0.
+
+1F1B: stage s runs min(P - s - 1, M) forwards, then alternates one forward and one backward,
+then the remaining backwards; a forward waits for the stage before (activations, p2p), a
+backward for the stage after (gradients). Every pipeline (one per data-parallel x SP rank) has
+the same op order; its durations follow its own micro-batches.
+
+Dims: P stages, M micro-batches, D pipelines (dp x sp), L decoder layers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds_omni.parallel.stages import stage_plan_for
+from ds_omni.parallelize.joint import assign_items
+from ds_omni.sim import comm
+from ds_omni.sim.timeline import COMM
+
+
+def stage_plan(step):
+    """The stage boundaries of the plan, for the step's typical micro-batch (its mean samples of
+    its mean tokens), as `ds_omni.train.setup.stage_plan` computes them."""
+    m, p = step.model, step.plan
+    per_micro = max(1, round(len(step.samples) / (step.pplan.dp * p.micro_batches)))
+    tokens = max(1, int(step.samples.tokens.mean()))
+    d = m.dims
+    layer_params = [d.hidden * d.vocab] + [m.llm_layer_params()] * d.layers + [d.hidden * d.vocab]
+    encoder_params = sum(m.encoder_params(n) for n in d.encoders if n not in m.frozen)
+    return stage_plan_for(m.cost, step.pplan.pp, p.encoder_placement, per_micro, tokens,
+                          split=p.stage_split, layer_params=layer_params,
+                          encoder_params=encoder_params)
+
+
+def stage_params(step, s: int) -> tuple[float, float]:
+    """(parameters, trained parameters) a rank of stage s holds: its decoder layers, the
+    embedding on the first stage, the head on the last; the encoders on stage 0 ("stage0") or
+    on every stage (the joint pipeline's replicas)."""
+    m, d = step.model, step.model.dims
+    sp = step.stage_plan
+    llm = len(sp.decoder_layers(s)) * m.llm_layer_params() + d.hidden * d.vocab * (
+        (s == 0) + (s == step.pplan.pp - 1))
+    enc = {n: m.encoder_params(n) for n in d.encoders}
+    if step.plan.encoder_placement == "stage0" and s > 0:
+        enc = {}
+    trained = ((0 if "llm" in m.frozen else llm)
+               + sum(v for n, v in enc.items() if n not in m.frozen))
+    return llm + sum(enc.values()), trained
+
+
+def held_params(step, s: int = 0) -> tuple[float, float]:
+    """(parameters, trained parameters) an LLM rank of stage s holds: under a pipeline its
+    stage's; with encoders on their own GPUs the LLM's; else the whole model."""
+    m = step.model
+    if step.pplan.pp > 1:
+        return stage_params(step, s)
+    if step.plan.encoder_gpus:
+        return m.llm_params(), 0 if "llm" in m.frozen else m.llm_params()
+    return m.total_params(), m.trainable_params()
+
+
+def _micro_arrays(step):
+    """Per micro-batch and pipeline: LLM FLOPs [M, D], tokens [M, D], encoder FLOPs [M, D], all
+    per rank (an SP group splits its row's work evenly)."""
+    p, M = step.pplan, step.plan.micro_batches
+    shape = (M, p.dp * p.sp)
+    llm, tokens, enc = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+    items_of = step.layout.items_of
+    for d, rounds in enumerate(step.assignment.rounds):
+        for m in range(M):
+            s = rounds[m].samples
+            cols = slice(d * p.sp, (d + 1) * p.sp)
+            llm[m, cols] = step.llm_cost[s].sum() / p.sp
+            tokens[m, cols] = step.samples.tokens[s].sum() / p.sp
+            ids = np.concatenate([items_of[n] for n in s.tolist()] or [np.zeros(0, np.int64)])
+            enc[m, cols] = step.item_cost[ids].sum() / p.sp
+    return llm, tokens, enc
+
+
+def _orders(P: int, M: int) -> list[list[tuple[str, int]]]:
+    """Each stage's 1F1B op order: ("F" | "B", micro-batch)."""
+    out = []
+    for s in range(P):
+        warm = min(P - s - 1, M)
+        ops = [("F", m) for m in range(warm)]
+        for m in range(M - warm):
+            ops += [("F", warm + m), ("B", m)]
+        out.append(ops + [("B", m) for m in range(M - warm, M)])
+    return out
+
+
+def run_pipeline(step) -> None:
+    """The whole step's schedule on every LLM rank of `step` (its `timeline`)."""
+    p, plan, tl, rate = step.pplan, step.plan, step.timeline, step.rate
+    P, M = p.pp, plan.micro_batches
+    step.stage_plan = stage_plan(step)
+    times = np.asarray(step.stage_plan.layer_time)
+    frac = times / times.sum()  # [P] each stage's share of a micro-batch's LLM work
+    llm, tokens, enc = _micro_arrays(step)
+    ranks = [step.ranks_of(0, p.dp, s) for s in range(P)]  # [P][D]
+    act = tokens * step.model.dims.hidden * 2  # [M, D] bytes sent between stages
+    uniform = plan.encoder_placement == "uniform"
+    fwd_e, ckpt = step.encoder_fwd, plan.checkpointing
+    if uniform:
+        _uniform_encode(step, ranks, backward=False)
+    events: dict = {}
+    pointer = [0] * P
+    orders = _orders(P, M)
+    while any(pointer[s] < len(orders[s]) for s in range(P)):
+        for s in range(P):
+            if pointer[s] == len(orders[s]):
+                continue
+            kind, m = orders[s][pointer[s]]
+            dep = ("F", s - 1, m) if kind == "F" and s > 0 else (
+                ("B", s + 1, m) if kind == "B" and s < P - 1 else None)
+            if dep is not None and dep not in events:
+                continue
+            if dep is not None:
+                link = comm.link_of(step.cluster, [ranks[s][0], ranks[dep[1]][0]])
+                tl.run(ranks[s], "p2p", [comm.p2p(b, link) for b in act[m]], COMM,
+                       after=events[dep])
+            enc_here = 0.0 if (uniform or s > 0) else enc[m] * (fwd_e if kind == "F" else 1 - fwd_e)
+            share = 1 / 3 if kind == "F" else (2 + ckpt) / 3
+            phase = "llm_fwd" if kind == "F" else "llm_bwd"
+            if np.any(enc_here):
+                tl.run(ranks[s], "encode_fwd" if kind == "F" else "encode_bwd", enc_here / rate)
+            events[(kind, s, m)] = tl.run(ranks[s], phase, llm[m] * frac[s] * share / rate)
+            if p.sp > 1:  # Ulysses inside the stage's layers (the SP ranks' work is even)
+                events[(kind, s, m)] = tl.run(ranks[s], "llm_sp",
+                                              _ulysses(step, tokens[m], kind == "B") * frac[s],
+                                              COMM)
+            pointer[s] += 1
+    if uniform:
+        _uniform_encode(step, ranks, backward=True)
+    _pipeline_memory(step, tokens, frac)
+
+
+def _ulysses(step, tokens: np.ndarray, backward: bool) -> np.ndarray:
+    """[D] seconds of all the LLM's Ulysses all-to-alls of a micro-batch (`tokens` [D] per rank)
+    over the SP group: per layer (2h + 2kv) bf16 values a token, split over the g ranks
+    (`comm.even_all_to_all`); backward twice, plus the recompute under checkpointing."""
+    d, g = step.model.dims, step.pplan.sp
+    link = comm.link_of(step.cluster, step.ranks_of(0, 1))
+    per_layer = tokens * (2 * d.hidden + 2 * step.model.kv) * 2  # [D] bytes a rank sends
+    times = (2 + step.plan.checkpointing) if backward else 1
+    step.a2a_bytes["llm_ulysses"] += float(per_layer.sum()) * d.layers * times * (g - 1) / g
+    one = (g - 1) * (link.latency + per_layer / g / link.bandwidth)  # [D]
+    return times * d.layers * one
+
+
+def _uniform_encode(step, ranks, backward: bool) -> None:
+    """The joint pipeline: each pipeline's items of the step over its stages (LPT by cost), the
+    rows then gathered to stage 0 (its gradients sent back after the schedule)."""
+    p, rate, fwd = step.pplan, step.rate, step.encoder_fwd
+    items_of = step.layout.items_of
+    load = np.zeros((p.pp, p.dp * p.sp))  # [P, D] encoder FLOPs per rank
+    rows = np.zeros((p.pp, p.dp * p.sp))  # [P, D] rows each stage sends to stage 0
+    for d, rounds in enumerate(step.assignment.rounds):
+        ids = np.concatenate([items_of[n] for r in rounds for n in r.samples.tolist()]
+                             or [np.zeros(0, np.int64)])
+        stages = assign_items(step.item_cost[ids].tolist(), p.pp)
+        cols = slice(d * p.sp, (d + 1) * p.sp)
+        for i, s in zip(ids.tolist(), stages):
+            load[s, cols] += step.item_cost[i] / p.sp
+            rows[s, cols] += step.samples.item_rows[i] / p.sp
+    for s in range(p.pp):
+        share = (1 - fwd) if backward else fwd
+        step.timeline.run(ranks[s], "encode_bwd" if backward else "encode_fwd",
+                          load[s] * share / rate)
+        if s > 0:
+            link = comm.link_of(step.cluster, [ranks[s][0], ranks[0][0]])
+            nbytes = rows[s] * step.model.dims.hidden * 2
+            step.timeline.run(ranks[s], "p2p", [comm.p2p(b, link) for b in nbytes], COMM)
+
+
+def _pipeline_memory(step, tokens: np.ndarray, frac: np.ndarray) -> None:
+    """Stage s keeps the activations of min(P - s, M) micro-batches in flight (1F1B)."""
+    m, ckpt, P, M = step.model, step.plan.checkpointing, step.pplan.pp, step.plan.micro_batches
+    biggest = tokens.max(axis=0)  # [D]
+    for s in range(P):
+        layers = len(step.stage_plan.decoder_layers(s)) / m.dims.layers
+        kept = min(P - s, M) * biggest * m.llm_activation_bytes(ckpt) * layers
+        extra = biggest * m.llm_peak_extra_bytes(ckpt) if s == P - 1 else 0.0
+        r = step.ranks_of(0, step.pplan.dp, s)
+        step.act_peak[r] = np.maximum(step.act_peak[r], kept + extra)

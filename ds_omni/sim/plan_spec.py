@@ -1,0 +1,92 @@
+"""What the simulator is asked to run: a plan, in the terms of ds_omni's config (degrees, ZeRO
+stage, the loader's reorder mode and group, per-sequence SP, where encoders run), plus what the
+baselines need that ds_omni does not do (encoders on their own GPUs, every item split).
+
+`parallel_plan` resolves it through the same `ParallelPlan.from_config` and config validation as
+training, so a plan the simulator accepts is one `ds-omni train` accepts, and the reverse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ds_omni.config import ParallelConfig, ReorderConfig
+from ds_omni.errors import ConfigError
+from ds_omni.parallel.plan import ParallelPlan
+from ds_omni.sim.encode_sim import ENCODER_MODES
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimPlan:
+    name: str = "plan"
+    """A label for reports."""
+    dp: int | None = None
+    """Data-parallel degree; None: the LLM's GPUs / (sp x pp)."""
+    sp: int = 1
+    """Static Ulysses SP degree of the LLM."""
+    pp: int = 1
+    """Pipeline stages."""
+    zero_stage: int = 1
+    global_batch: int = 256
+    """Samples per optimizer step (the same for every plan of one comparison)."""
+    micro_batches: int = 4
+    """M: packed micro-batches (gradient accumulation steps) per data-parallel rank."""
+    pack_tokens: int = 32768
+    """Tokens of one packed micro-batch row (before SP splits it)."""
+    reorder: str = "fixed"
+    """The loader's mode: "loader_order", "fixed" or "budget" (`data.reorder.mode`)."""
+    reorder_group: int = 8
+    """G: data-parallel ranks that reorder together (`data.reorder.group_size`; capped at dp)."""
+    max_sequence_sp: int = 1
+    """Per-sequence SP: the most ranks one long sequence is split over (1: off)."""
+    encoder_mode: str = "reshard"
+    """Where items are encoded (`encode_sim`): "reshard", "pool", "split_all", "replicated"."""
+    long_items: bool = True
+    """Long-short SP: items above one rank's share of their row's encoder work are split over
+    the row's group (`parallel.encoder_sp="auto"`; False: "off")."""
+    encoder_placement: str = "stage0"
+    """Under pp > 1: "stage0" or "uniform" (the joint pipeline)."""
+    stage_split: str = "cost"
+    """Under pp > 1: "cost", "parameters" or "layers"."""
+    encoder_gpus: int = 0
+    """DistTrain-style: this many GPUs run the encoders alone, the others the LLM (0: shared)."""
+    checkpointing: bool = True
+    """Activation checkpointing of the LLM's layers (recompute in backward)."""
+    overlap_comm: bool = True
+    """ZeRO's per-micro-batch collectives hide behind the round's compute of its fastest rank."""
+
+    def __post_init__(self):
+        if self.encoder_mode not in ENCODER_MODES:
+            raise ConfigError(f"SimPlan.encoder_mode must be one of {ENCODER_MODES}, got "
+                              f"{self.encoder_mode!r}")
+        if self.global_batch < 1 or self.micro_batches < 1 or self.pack_tokens < 1:
+            raise ConfigError(f"SimPlan needs global_batch, micro_batches and pack_tokens >= 1, "
+                              f"got {self.global_batch}, {self.micro_batches}, {self.pack_tokens}")
+        if self.pp > 1 and self.zero_stage > 1:
+            raise ConfigError(f"DeepSpeed's pipeline engine runs ZeRO 0 or 1 only, got "
+                              f"zero_stage={self.zero_stage} with pp={self.pp}")
+        if self.pp > 1 and self.encoder_mode == "pool":
+            raise ConfigError("encoder_mode=\"pool\" needs pp = 1 (parallel.encoder_pool); use "
+                              "encoder_placement=\"uniform\" under a pipeline")
+
+    def replace(self, **changes) -> "SimPlan":
+        return dataclasses.replace(self, **changes)
+
+    def llm_gpus(self, gpus: int) -> int:
+        if not 0 <= self.encoder_gpus < gpus:
+            raise ConfigError(f"encoder_gpus={self.encoder_gpus} must leave GPUs for the LLM "
+                              f"out of {gpus}")
+        return gpus - self.encoder_gpus
+
+    def parallel_plan(self, gpus: int) -> ParallelPlan:
+        """The plan over the LLM's GPUs, resolved and checked by training's own code."""
+        cfg = ParallelConfig(dp="auto" if self.dp is None else self.dp, sp=self.sp, pp=self.pp,
+                             max_sequence_sp=self.max_sequence_sp,
+                             encoder_placement=self.encoder_placement, stage_split=self.stage_split,
+                             encoder_sp="auto" if self.long_items else "off",
+                             encoder_pool="dp" if self.encoder_mode == "pool" else "off")
+        world = self.llm_gpus(gpus)
+        dp = world // (self.sp * self.pp) if self.dp is None else self.dp
+        reorder = ReorderConfig(mode=self.reorder, group_size=max(1, min(self.reorder_group, dp)))
+        return ParallelPlan.from_config(cfg, world, reorder)

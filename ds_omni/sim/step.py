@@ -1,0 +1,285 @@
+"""simulate(cluster, model, workload, plan) -> StepReport: one training step on simulated ranks.
+
+1. The workload's global batch is drawn (seeded) and priced by the loader's cost model.
+2. The loader's planning runs per reorder group (`loader_sim`: loader order, fixed-count LPT,
+   budget; per-sequence SP blocks and their rounds).
+3. Without a pipeline, the step is a series of rounds (the M micro-batches, then the long
+   rounds); in each, every rank encodes what the encoder planners give it (`encode_sim`), the
+   embeddings are resharded (one uneven all-to-all per group, forward and backward), the LLM runs
+   forward and backward (Ulysses all-to-alls per layer under SP), and under ZeRO-2/3 the ranks
+   meet at the round's gradient reduce-scatter / parameter gathers. With a pipeline, 1F1B over
+   the stages (`pipeline_sim`). Then the step's gradient synchronisation and optimizer gathers.
+4. Every phase is an event on a per-rank timeline (`timeline`): the step time, the critical path,
+   per-rank compute / communication / idle; MFU; memory per rank (`memory`); bytes moved.
+
+Compute time is FLOPs / (peak x achievable); forward is 1/3 of a trained part's training FLOPs,
+backward 2/3, plus one forward more under activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds_omni.errors import DataError, ModelError
+from ds_omni.sim import comm, memory, pipeline_sim
+from ds_omni.sim.cluster import Cluster
+from ds_omni.sim.encode_sim import Row, RowLayout, round_work
+from ds_omni.sim.loader_sim import plan_step
+from ds_omni.sim.model_spec import ModelSpec
+from ds_omni.sim.plan_spec import SimPlan
+from ds_omni.sim.report import StepReport, build_report
+from ds_omni.sim.separate import run_separate
+from ds_omni.sim.timeline import Timeline
+from ds_omni.sim.workload import Samples, WorkloadSpec
+from ds_omni.train.setup import encoder_dummies_needed
+
+PHASES = ("encode_fwd", "encode_sp", "reshard", "llm_fwd", "llm_sp", "llm_bwd", "encode_bwd",
+          "zero", "grad_sync")
+
+
+class Step:
+    """The pieces of one simulated step that every part reads (no process group)."""
+
+    def __init__(self, cluster: Cluster, model: ModelSpec, samples: Samples, plan: SimPlan):
+        self.cluster, self.model, self.samples, self.plan = cluster, model, samples, plan
+        self.pplan = plan.parallel_plan(cluster.gpus)
+        self.rate = cluster.flops_per_s
+        cm = model.cost
+        self.sample_cost = cm.sample_costs(samples.tokens, samples.item_sample,
+                                           samples.item_encoder, samples.item_len)  # [N]
+        self.item_cost = np.zeros(samples.item_len.size)  # [M]
+        for name in cm.encoder_names:
+            mask = samples.item_encoder == name
+            self.item_cost[mask] = cm.encoder_cost(name, samples.item_len[mask])
+        self.llm_cost = cm.llm_cost(samples.tokens)  # [N]
+        self.layout = RowLayout(samples, self.item_cost, model.dims.hidden)
+        self.encoder_fwd = 1.0 if all(e.frozen for e in model.dims.encoders.values()) else 1 / 3
+        self.heads = {n: model.heads(n) for n in model.dims.encoders}
+        self.timeline = Timeline(cluster.gpus, PHASES)
+        # training's rule: under ZeRO-2/3 (and bf16 ZeRO-0) every rank runs every encoder
+        self.dummies = encoder_dummies_needed({"zero_optimization": {"stage": plan.zero_stage},
+                                               "bf16": {"enabled": True}}, plan.pp > 1)
+        self.act_peak = np.zeros(cluster.gpus)  # [W] activation bytes at the busiest round
+        self.a2a_bytes = {"reshard": 0.0, "pool_inputs": 0.0, "llm_ulysses": 0.0,
+                          "encoder_ulysses": 0.0}
+        p = self.pplan
+        self.assignment = plan_step(self.sample_cost, samples.tokens, p.dp, p.reorder_group,
+                                    plan.micro_batches, plan.reorder, plan.pack_tokens,
+                                    p.max_sequence_sp)
+
+    def llm_ranks(self) -> np.ndarray:
+        return np.arange(self.pplan.world_size)
+
+    def ranks_of(self, dp_lo: int, dp_n: int, stage: int = 0) -> np.ndarray:
+        """Global ranks of data-parallel ranks [dp_lo, dp_lo + dp_n) of `stage`, all SP ranks."""
+        sp, dp = self.pplan.sp, self.pplan.dp
+        base = stage * dp * sp
+        return np.arange(base + dp_lo * sp, base + (dp_lo + dp_n) * sp)
+
+
+def simulate(cluster: Cluster, model: ModelSpec, workload: WorkloadSpec | Samples,
+             plan: SimPlan, seed: int = 0) -> StepReport:
+    """One step of `plan` on `cluster` for `model` and a global batch of `workload` (a spec
+    drawn with `seed`, or given samples: the same samples for every plan compared)."""
+    check_fits_somewhere(cluster, model)
+    samples = workload if isinstance(workload, Samples) else workload.draw(
+        plan.global_batch, seed, tuple(model.dims.encoders))
+    if len(samples) == 0:
+        raise DataError("the workload has no samples; give a global batch of at least one")
+    step = Step(cluster, model, samples, plan)
+    if plan.pp > 1:
+        pipeline_sim.run_pipeline(step)
+    else:
+        for k in range(len(step.assignment.rounds[0])):
+            run_round(step, k)
+    if plan.encoder_gpus:
+        run_separate(step)
+    end_of_step(step)
+    return build_report(step)
+
+
+def check_fits_somewhere(cluster: Cluster, model: ModelSpec) -> None:
+    """The model states alone, ZeRO-3-partitioned over every GPU, must fit one GPU's memory."""
+    states = memory.model_states(model.total_params(), model.trainable_params(), cluster.gpus, 3,
+                                 model.bytes_per_param)
+    if states.total > cluster.hbm_bytes:
+        raise ModelError(
+            f"the model ({model.total_params() / 1e9:.1f} B parameters, "
+            f"{model.trainable_params() / 1e9:.1f} B trained) needs {states.total / 2**30:.1f} "
+            f"GiB per GPU for its states even under ZeRO-3 over all {cluster.gpus} GPUs, more "
+            f"than their {cluster.hbm_bytes / 2**30:.0f} GiB: no plan fits; use more GPUs, GPUs "
+            "with more memory, or freeze parts of the model")
+
+
+# ----------------------------------------------------------------------------- one round
+def round_rows(step: Step, k: int) -> list[Row]:
+    """Round k's rows: each data-parallel rank's micro-batch over its SP group, or a block's
+    long sequence over the block's ranks (listed once, at the block's first rank)."""
+    rows = []
+    for d, rounds in enumerate(step.assignment.rounds):
+        r = rounds[k]
+        if r.block is not None:
+            if r.block[0] == d:
+                rows.append(Row(step.ranks_of(*r.block), r.samples))
+        elif r.samples.size:
+            rows.append(Row(step.ranks_of(d, 1), r.samples))
+    return rows
+
+
+def run_round(step: Step, k: int) -> None:
+    """Round k on every LLM rank: encode, reshard, LLM forward / backward, reshard back, encode
+    backward, and ZeRO-2/3's collectives of the round."""
+    tl, ranks, rate = step.timeline, step.llm_ranks(), step.rate
+    rows = round_rows(step, k)
+    before = tl.compute[ranks].copy()
+    shared = not step.plan.encoder_gpus  # DistTrain: the LLM's ranks encode nothing
+    work = round_work(rows if shared else [], step.layout, len(ranks), step.plan.encoder_mode,
+                      step.plan.long_items, step.heads, step.model.cost.encoder_names)
+    llm = np.zeros(len(ranks))  # [W] LLM training FLOPs of the round
+    tokens = np.zeros(len(ranks))  # [W] LLM tokens on each rank
+    for row in rows:
+        llm[row.ranks] += step.llm_cost[row.samples].sum() / len(row.ranks)
+        tokens[row.ranks] += step.samples.tokens[row.samples].sum() / len(row.ranks)
+    if shared and step.dummies:
+        work.flops += dummy_flops(step, work)
+    tl.run(ranks, "encode_fwd", work.flops * step.encoder_fwd / rate)
+    _encoder_sp(step, work, backward=False)
+    rows_s, inputs_s = _reshard_seconds(step, work)
+    _sync_groups(step, work.groups, "reshard", rows_s + inputs_s)
+    tl.run(ranks, "llm_fwd", llm / 3 / rate)
+    _llm_sp(step, rows, backward=False)
+    tl.run(ranks, "llm_bwd", llm * (2 + step.plan.checkpointing) / 3 / rate)
+    _llm_sp(step, rows, backward=True)
+    _sync_groups(step, work.groups, "reshard", rows_s)  # the gradients go back; inputs do not
+    _encoder_sp(step, work, backward=True)
+    tl.run(ranks, "encode_bwd", work.flops * (1 - step.encoder_fwd) / rate)
+    _round_zero(step, ranks, tl.compute[ranks] - before)
+    _activations(step, tokens, work.positions)
+
+
+def dummy_flops(step: Step, work) -> np.ndarray:
+    """[W] the dummy passes of the round: each encoder a rank runs no item of runs once on the
+    family's dummy input (`CostModel.dummy_cost`)."""
+    cm, out = step.model.cost, np.zeros(work.flops.size)
+    for name in cm.encoder_names:
+        others = [n for n in cm.encoder_names if n != name]
+        ran = work.present.get(name, np.zeros(out.size, dtype=bool))
+        out[~ran] += cm.dummy_cost(others)  # the cost of `name`'s dummy alone
+    return out
+
+
+def _sync_groups(step: Step, groups: list, phase: str, seconds: np.ndarray) -> None:
+    """Each group's members wait for its last one, then spend the group's slowest time."""
+    if not groups:
+        return
+    ranks = np.concatenate(groups)
+    gid = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+    per_group = np.array([seconds[g].max() for g in groups])
+    step.timeline.sync(ranks, gid, phase, per_group[gid])
+
+
+def _reshard_seconds(step: Step, work) -> tuple[np.ndarray, np.ndarray]:
+    """[W] seconds of each rank in the round's embedding all-to-all (forward; backward sends
+    the gradients the same way), and [W] in the pool's input all-to-all (forward only)."""
+    c, n = step.cluster, len(step.llm_ranks())
+    out = []
+    for name, msgs, times in (("reshard", work.sends, 2), ("pool_inputs", work.inputs, 1)):
+        seconds = np.zeros(c.gpus)
+        if msgs:
+            src, dst, nbytes = (np.array(x, dtype=np.float64) for x in zip(*msgs))
+            step.a2a_bytes[name] += float(nbytes[src != dst].sum()) * times
+            seconds = comm.all_to_all_pairs(src.astype(np.int64), dst.astype(np.int64), nbytes, c)
+        out.append(seconds[:n])
+    return out[0], out[1]
+
+
+def _encoder_sp(step: Step, work, backward: bool) -> None:
+    """Long-short SP inside the encoders: Ulysses' 4 all-to-alls a layer (q, k, v, output), each
+    rank holding its piece; backward sends the gradients the same way (twice the forward)."""
+    groups, seconds = {}, {}
+    for ranks, positions, enc in work.split_positions:
+        e = step.model.dims.encoders[enc]
+        per_layer = positions * 4 * e.hidden * 2  # bytes a rank sends in one layer's 4 exchanges
+        link = comm.link_of(step.cluster, ranks)
+        t = e.layers * comm.even_all_to_all(per_layer, len(ranks), link)
+        key = int(ranks[0])
+        groups[key] = ranks
+        seconds[key] = seconds.get(key, 0.0) + t * (2 if backward else 1)
+        step.a2a_bytes["encoder_ulysses"] += per_layer * e.layers * len(ranks) * (
+            len(ranks) - 1) / len(ranks) * (2 if backward else 1)
+    if groups:
+        _sync_per_group(step, list(groups.values()), [seconds[k] for k in groups], "encode_sp")
+
+
+def _sync_per_group(step: Step, groups: list, seconds: list, phase: str) -> None:
+    ranks = np.concatenate(groups)
+    gid = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+    step.timeline.sync(ranks, gid, phase, np.asarray(seconds)[gid])
+
+
+def llm_sp_seconds(step: Step, tokens_per_rank: float, g: int, ranks, backward: bool) -> float:
+    """Ulysses in the LLM: per layer, q, k, v to heads and the output back: (2h + 2kv) values a
+    token, bf16; backward twice that, plus the recomputed forward under checkpointing."""
+    d = step.model.dims
+    per_layer = tokens_per_rank * (2 * d.hidden + 2 * step.model.kv) * 2
+    times = (2 + step.plan.checkpointing) if backward else 1
+    step.a2a_bytes["llm_ulysses"] += per_layer * d.layers * times * (g - 1)
+    return times * d.layers * comm.even_all_to_all(per_layer, g, comm.link_of(step.cluster, ranks))
+
+
+def _llm_sp(step: Step, rows: list[Row], backward: bool) -> None:
+    split = [r for r in rows if len(r.ranks) > 1]
+    if not split:
+        return
+    seconds = [llm_sp_seconds(step, step.samples.tokens[r.samples].sum() / len(r.ranks),
+                              len(r.ranks), r.ranks, backward) for r in split]
+    _sync_per_group(step, [r.ranks for r in split], seconds, "llm_sp")
+
+
+def _round_zero(step: Step, ranks: np.ndarray, compute: np.ndarray) -> None:
+    """ZeRO-3: the parameters gathered in forward and again in backward, the gradients
+    reduce-scattered; ZeRO-2: the reduce-scatter. Over all ranks of the stage, every round:
+    the round waits for its busiest rank. Hidden behind the fastest rank's compute if
+    `overlap_comm`."""
+    stage = step.plan.zero_stage
+    if stage < 2:
+        return
+    m = step.model
+    link = comm.link_of(step.cluster, ranks)
+    params, trainable = pipeline_sim.held_params(step)
+    t = comm.reduce_scatter(trainable * m.bytes_per_param, len(ranks), link)
+    if stage == 3:
+        t += 2 * comm.all_gather(params * m.bytes_per_param, len(ranks), link)
+    hidden = float(np.min(compute)) if step.plan.overlap_comm and np.size(compute) else 0.0
+    step.timeline.sync(ranks, np.zeros(len(ranks)), "zero", max(0.0, t - hidden))
+
+
+def _activations(step: Step, tokens: np.ndarray, positions: np.ndarray) -> None:
+    m, ckpt = step.model, step.plan.checkpointing
+    llm = tokens * (m.llm_activation_bytes(ckpt) + m.llm_peak_extra_bytes(ckpt))
+    enc = positions * max((m.encoder_activation_bytes(n, ckpt) for n in m.dims.encoders),
+                          default=0.0)
+    n = len(tokens)
+    step.act_peak[:n] = np.maximum(step.act_peak[:n], llm + enc)
+
+
+# --------------------------------------------------------------------------- end of step
+def end_of_step(step: Step) -> None:
+    """The step's gradient synchronisation over each stage's data-parallel x SP ranks:
+    ZeRO-0 all-reduces the gradients, ZeRO-1 reduce-scatters them and all-gathers the updated
+    parameters, ZeRO-2 all-gathers the parameters (its reduce-scatters ran every round); all
+    ranks then meet (the next step's first collective)."""
+    p, m, tl = step.pplan, step.model, step.timeline
+    stage_ranks = [step.ranks_of(0, p.dp, s) for s in range(p.pp)]
+    seconds = np.zeros(step.cluster.gpus)
+    for s, ranks in enumerate(stage_ranks):
+        params, trainable = pipeline_sim.held_params(step, s)
+        link = comm.link_of(step.cluster, ranks)
+        n, g, w = len(ranks), trainable * m.bytes_per_param, params * m.bytes_per_param
+        seconds[ranks] = {0: comm.all_reduce(g, n, link),
+                          1: comm.reduce_scatter(g, n, link) + comm.all_gather(w, n, link),
+                          2: comm.all_gather(w, n, link), 3: 0.0}[step.plan.zero_stage]
+    ranks = np.concatenate(stage_ranks)
+    tl.sync(ranks, np.repeat(np.arange(p.pp), p.dp * p.sp), "grad_sync", seconds[ranks])
+    everyone = np.arange(step.cluster.gpus)
+    tl.sync(everyone, np.zeros(everyone.size), "grad_sync", 0.0)

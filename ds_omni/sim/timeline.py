@@ -1,0 +1,99 @@
+"""Per-rank timelines of one step and their critical path.
+
+Every rank has a clock. An event runs a phase on a set of ranks for given seconds; it starts when
+its rank is free and, if it depends on another event (a collective waits for its group's last
+arrival, a pipeline stage for the activations of the stage before), not before that event ends.
+Each event remembers what it waited for (its rank's previous event, or the dependency when that
+ended later), so walking back from the step's last event gives the critical path: which rank,
+in which phase, the step waited on. Time a rank spends waiting is its idle time.
+
+Vectorised over ranks: one call records the same phase on many ranks at once.
+Dims: W ranks, E events.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+COMPUTE, COMM = 0, 1
+
+
+class Timeline:
+    def __init__(self, world: int, phases: tuple[str, ...]):
+        self.world, self.phases = world, list(phases)
+        self.clock = np.zeros(world)
+        self.last = np.full(world, -1, dtype=np.int64)  # [W] each rank's latest event
+        self.compute = np.zeros(world)
+        self.comm = np.zeros(world)
+        self.idle = np.zeros(world)
+        self._cols = {k: [] for k in ("rank", "phase", "start", "end", "prev")}
+        self._end = np.zeros(0)  # [E] end of every event so far
+        self._count = 0
+
+    def run(self, ranks, phase: str, seconds, kind: int = COMPUTE, after=None) -> np.ndarray:
+        """Run `phase` on `ranks` [n] for `seconds` ([n] or a scalar), each no earlier than the
+        end of its event `after` [n] (-1: none). Returns the new events' ids [n]."""
+        ranks = np.asarray(ranks, dtype=np.int64)
+        seconds = np.broadcast_to(np.asarray(seconds, dtype=np.float64), ranks.shape)
+        start, prev = self.clock[ranks].copy(), self.last[ranks].copy()
+        if after is not None:
+            after = np.asarray(after, dtype=np.int64)
+            dep_end = np.where(after >= 0, self._end[np.maximum(after, 0)], -np.inf)
+            waits = dep_end > start
+            prev = np.where(waits, after, prev)
+            start = np.maximum(start, dep_end)
+        self.idle[ranks] += start - self.clock[ranks]
+        (self.compute if kind == COMPUTE else self.comm)[ranks] += seconds
+        end = start + seconds
+        ids = np.arange(self._count, self._count + ranks.size)
+        self._count += ranks.size
+        phase_id = self._phase(phase)
+        for k, v in (("rank", ranks), ("phase", np.full(ranks.size, phase_id)), ("start", start),
+                     ("end", end), ("prev", prev)):
+            self._cols[k].append(v)
+        self._end = np.concatenate([self._end, end])
+        self.clock[ranks], self.last[ranks] = end, ids
+        return ids
+
+    def sync(self, ranks, groups, phase: str, seconds) -> np.ndarray:
+        """A collective: ranks [n] in groups [n] (group ids) each wait for their group's last
+        arrival, then all spend `seconds` ([n] or a scalar; a collective's time, the same for a
+        group's members)."""
+        ranks = np.asarray(ranks, dtype=np.int64)
+        groups = np.asarray(groups, dtype=np.int64)
+        order = np.lexsort((-self.clock[ranks], groups))  # per group, the latest first
+        first = np.ones(order.size, dtype=bool)
+        first[1:] = groups[order][1:] != groups[order][:-1]
+        straggler = {int(g): int(r) for g, r in zip(groups[order][first], ranks[order][first])}
+        after = self.last[[straggler[int(g)] for g in groups]]
+        return self.run(ranks, phase, seconds, COMM, after)
+
+    def _phase(self, phase: str) -> int:
+        if phase not in self.phases:
+            self.phases.append(phase)
+        return self.phases.index(phase)
+
+    @property
+    def step_time(self) -> float:
+        return float(self.clock.max())
+
+    def critical_path(self) -> list[dict]:
+        """The chain of events the step's end waited on, merged into runs of one (rank, phase),
+        first to last: [{rank, phase, seconds}]."""
+        if not self._count:
+            return []
+        col = {k: np.concatenate(v) for k, v in self._cols.items()}
+        event = int(np.argmax(col["end"]))
+        chain = []
+        while event >= 0:
+            chain.append(event)
+            event = int(col["prev"][event])
+        out: list[dict] = []
+        for e in reversed(chain):
+            rank, phase = int(col["rank"][e]), self.phases[col["phase"][e]]
+            seconds = float(col["end"][e] - col["start"][e])
+            if out and out[-1]["rank"] == rank and out[-1]["phase"] == phase:
+                out[-1]["seconds"] += seconds
+            else:
+                out.append({"rank": rank, "phase": phase, "seconds": seconds})
+        return out
