@@ -196,6 +196,12 @@ class DataConfig:
     process, so the batches are the same. 0: the training process (or its prefetch thread) does
     it, sharing the interpreter's lock with the training step. On a GPU host, 1-4 per rank keep
     the step's host thread free."""
+    shared_reading: bool = True
+    """Under parallel.sp > 1: the first rank of each SP group reads, decodes and packs its rows
+    once and sends each peer its token shard and the inputs of only the items it encodes (over a
+    gloo group of the loader's own, `ds_omni/data/shared_read.py`); false: every SP rank reads
+    and processes every row itself. The batches, the samples and the loader state are the same
+    either way."""
 
     def __post_init__(self):
         eval_names = [s.name for s in self.eval_sources]

@@ -29,6 +29,9 @@ class RankGroups:
     """The loader's metadata all-gathers (and the step's token totals)."""
     step_comm: "TorchDataComm | None"
     """`dp` and `reorder` again as groups of their own, for loader steps a prefetch thread runs."""
+    shard_comm: "TorchShardComm | None" = None
+    """Under parallel.sp > 1: this rank's SP group again, a gloo group of the loader's own (one
+    reader per SP group, `ds_omni.data.shared_read`)."""
 
     @property
     def sp(self):
@@ -52,7 +55,18 @@ def rank_groups(plan: ParallelPlan, rank: int, prefetch: bool) -> RankGroups:
                          mpu.get_sequence_data_parallel_group() if mpu else None, plan.sp)
     step_comm = loader_step_comm(plan, rank) if prefetch else None
     return RankGroups(dp=dp, reorder=reorder, mpu=mpu, blocks=blocks, comm=comm,
-                      step_comm=step_comm)
+                      step_comm=step_comm, shard_comm=loader_shard_comm(plan, rank))
+
+
+def loader_shard_comm(plan: ParallelPlan, rank: int) -> "TorchShardComm | None":
+    """This rank's SP group as a new gloo group of the loader's own (None when sp == 1): the
+    reader's scatter runs on the prefetch thread, which must not share a group with training."""
+    if plan.sp == 1:
+        return None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    members = next(m for m in plan.sp_group_ranks() if rank in m)
+    return TorchShardComm(_own_group(plan.sp_group_ranks(), rank, world, fresh=True), members,
+                          rank)
 
 
 def data_groups(plan: ParallelPlan, rank: int):
@@ -126,6 +140,20 @@ class TorchDataComm:
 
     def world_all_gather(self, obj) -> list:
         return _all_gather(obj, self.dp_group, self.dp_size)
+
+
+class TorchShardComm:
+    """`ShardComm` over torch.distributed: the scatter of the SP group's reader (its first
+    rank) to the group."""
+
+    def __init__(self, group, members: list[int], rank: int):
+        self.group, self.members = group, members
+        self.rank, self.size, self.reader = members.index(rank), len(members), members[0]
+
+    def scatter(self, parts: list | None):
+        out = [None]
+        dist.scatter_object_list(out, parts, src=self.reader, group=self.group)
+        return out[0]
 
 
 def _all_gather(obj, group, size: int) -> list:
