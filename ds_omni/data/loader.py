@@ -8,7 +8,9 @@ One global step, on every data-parallel rank, in three phases:
      computes the same assignment of the group's samples to ranks and micro-batches
      (`reorder.py`), in "fixed" or "budget" mode;
   3. load (`step_load.py`): each rank reads and preprocesses only the samples assigned to it
-     (no payload crosses ranks) and packs each micro-batch into one row.
+     (no payload crosses data-parallel ranks) and packs each micro-batch into one row.
+Under SP (`shared_read.py`, `data.shared_reading`) only the first rank of each SP group runs
+these phases; it sends each peer its shards and its position after the step.
 
 The state (`loader_state.py`) is JSON: every rank's cursors and mixer, and each group's buffer,
 gathered to a single file that resumes under another data-parallel size. `OmniLoader` composes

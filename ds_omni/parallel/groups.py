@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from ds_omni.parallel.plan import ParallelPlan
@@ -143,17 +144,26 @@ class TorchDataComm:
 
 
 class TorchShardComm:
-    """`ShardComm` over torch.distributed: the scatter of the SP group's reader (its first
-    rank) to the group."""
+    """`ShardComm` over torch.distributed: the reader (the SP group's first rank) sends each
+    peer its bytes, a size then the payload, point to point: no pickling of the pickled bytes
+    again and no padding to the largest part (what `scatter_object_list` does)."""
 
     def __init__(self, group, members: list[int], rank: int):
         self.group, self.members = group, members
         self.rank, self.size, self.reader = members.index(rank), len(members), members[0]
 
-    def scatter(self, parts: list | None):
-        out = [None]
-        dist.scatter_object_list(out, parts, src=self.reader, group=self.group)
-        return out[0]
+    def scatter(self, parts: list[bytes | None] | None):
+        if self.rank == 0:
+            for dst, data in zip(self.members[1:], parts[1:]):
+                dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=self.group)
+                dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst,
+                          group=self.group)
+            return parts[0]
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, self.reader, group=self.group)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(data, self.reader, group=self.group)
+        return memoryview(data.numpy())
 
 
 def _all_gather(obj, group, size: int) -> list:
