@@ -46,6 +46,22 @@ def thread_comms(dp: int, group_size: int) -> list[ThreadComm]:
     return [ThreadComm(world, groups[r // group_size], r, r % group_size) for r in range(dp)]
 
 
+class ThreadShardComm:
+    """`ShardComm` of one simulated SP rank: the reader's scatter by barrier."""
+
+    def __init__(self, exchange: _Exchange, rank: int):
+        self.exchange, self.rank, self.size, self.reader = exchange, rank, exchange.barrier.parties, 0
+
+    def scatter(self, parts):
+        return self.exchange.all_gather(self.rank, parts)[0][self.rank]
+
+
+def thread_shard_comms(size: int, timeout: float = 60) -> list[ThreadShardComm]:
+    exchange = _Exchange(size)
+    exchange.barrier = threading.Barrier(size, timeout=timeout)
+    return [ThreadShardComm(exchange, r) for r in range(size)]
+
+
 def on_ranks(fn, dp: int) -> list:
     """[fn(0), ..., fn(dp - 1)], each on its own thread (they may all-gather with each other)."""
     with ThreadPoolExecutor(max_workers=dp) as pool:

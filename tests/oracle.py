@@ -375,6 +375,8 @@ def _train(rank: int, world: int, cfg, ds_json: dict, steps: int, resume_at: int
                                               lambda e: grads.append(clip.grab(e))).loss)
         out.setdefault("pool_moved", []).append(  # the metric data_pool_moved
             pool_metrics(engine.module).get("data_pool_moved"))
+    counts = getattr(loader, "loader", loader).counts  # what this rank read and decoded
+    out["read_counts"] = (counts.rows, counts.bytes, counts.items)
     out["clip_coefs"] = list(clip.coefs)  # a resumed rerun steps on: not its steps
     tp_counts = getattr(engine.module, "tp_counts", None)  # parallel.tp: AutoTP's layers
     if tp_counts is not None:

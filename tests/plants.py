@@ -168,6 +168,27 @@ def _sp_whole_row(rank: int):
         yield
 
 
+@plant("reader_wrong_pixels", "the SP group's reader sends a peer the pixels of the wrong items "
+       "(each item it encodes gets the next item of the row's inputs)", "sp2")
+def _reader_wrong_pixels(rank: int):
+    from ds_omni.data import workers
+
+    def make(pack_shards):
+        def planted(samples, processors, shard):
+            shards = pack_shards(samples, processors, shard)
+            for mb in shards[1:]:
+                plan = mb.route.reshard
+                if plan is None:
+                    continue
+                mb.encoder_inputs = {
+                    e: processors[e].collate([mb.items[e][(k + 1) % len(mb.items[e])]
+                                              for k in idx])
+                    for e, idx in plan.encode.items() if idx}
+            return shards
+        return planted
+    yield from _patched(workers, "pack_shards", make)
+
+
 # ------------------------------------------------------------------- bf16 (tests/dist/test_bf16.py)
 @plant("bf16_encoder_grads_dropped", "under bf16 and \"uniform\" placement the encoders' "
        "gradients, made after the pipeline's last backward, do not reach DeepSpeed's fp32 "

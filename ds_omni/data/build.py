@@ -9,7 +9,8 @@ from ds_omni.data.cost import CostModel, ModelDims
 from ds_omni.data.loader import OmniLoader
 from ds_omni.data.media import video_decoder
 from ds_omni.data.processing import SampleProcessor
-from ds_omni.data.rank_place import DataComm, LoaderComms, LongSplits, RankPlace
+from ds_omni.data.rank_place import (DataComm, LoaderComms, LongSplits, RankPlace, ShardComm,
+                                     SharedReading)
 from ds_omni.data.sources import Source
 from ds_omni.data.templates import training_template
 from ds_omni.errors import ConfigError
@@ -66,12 +67,14 @@ def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micr
                  comm: DataComm | None = None, sp_rank: int = 0, sp_size: int = 1,
                  step_comm: DataComm | None = None, cost: CostModel | None = None,
                  long_items: LongItems | None = None,
-                 reorder_group: int | None = None) -> OmniLoader:
+                 reorder_group: int | None = None,
+                 shard_comm: ShardComm | None = None) -> OmniLoader:
     """The loader of one data-parallel rank; under SP (sp_size > 1) it packs shard `sp_rank`.
     `step_comm`: other groups for the all-gathers of its steps (a prefetch thread runs them).
     A run's composition root (`ds_omni.train.setup`) passes the cost model, the long items and
     the plan's reorder group it built once; a loader built alone (a tool, a test) derives its own
-    (None)."""
+    (None). `shard_comm`: the SP group's own collective, for one reader per SP group
+    (`data.shared_reading`; None: every SP rank reads its rows itself)."""
     sources = [Source(s, chunk_rows=cfg.data.chunk_rows) for s in cfg.data.sources]
     if cost is None:
         cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
@@ -84,8 +87,17 @@ def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micr
                       reorder_group=reorder_group, sp_rank=sp_rank, sp_size=sp_size)
     return OmniLoader(sources, processors, cost, cfg.data,
                       global_batch_size=cfg.train.global_batch_size, place=place,
-                      comms=LoaderComms(comm, step_comm),
+                      comms=LoaderComms(comm, step_comm, shared_reading(cfg, shard_comm)),
                       splits=LongSplits(cfg.parallel.max_sequence_sp, long_items))
+
+
+def shared_reading(cfg: OmniConfig, comm: ShardComm | None) -> SharedReading | None:
+    """One reader per SP group where the config asks for it and the group has its collective.
+    The encoder pool and the joint pipeline read other items' inputs on every rank of a row's
+    group: its peers then get every item whole."""
+    if comm is None or not cfg.data.shared_reading:
+        return None
+    return SharedReading(comm, all_items=cfg.parallel.encoder_pool != "off" or cfg.parallel.pp > 1)
 
 
 def long_items_of(cfg: OmniConfig, model, group: int) -> LongItems | None:

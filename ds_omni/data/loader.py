@@ -8,7 +8,9 @@ One global step, on every data-parallel rank, in three phases:
      computes the same assignment of the group's samples to ranks and micro-batches
      (`reorder.py`), in "fixed" or "budget" mode;
   3. load (`step_load.py`): each rank reads and preprocesses only the samples assigned to it
-     (no payload crosses ranks) and packs each micro-batch into one row.
+     (no payload crosses data-parallel ranks) and packs each micro-batch into one row.
+Under SP (`shared_read.py`, `data.shared_reading`) only the first rank of each SP group runs
+these phases; it sends each peer its shards and its position after the step.
 
 The state (`loader_state.py`) is JSON: every rank's cursors and mixer, and each group's buffer,
 gathered to a single file that resumes under another data-parallel size. `OmniLoader` composes
@@ -18,6 +20,7 @@ splitting of long work comes in the values of `rank_place.py`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +30,7 @@ from ds_omni.config import DataConfig
 from ds_omni.data.cost import CostModel
 from ds_omni.data.loader_state import LoaderState
 from ds_omni.data.mixer import Mixer, MixSchedule
-from ds_omni.batch import MicroBatch
+from ds_omni.data import shared_read
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.rank_place import LoaderComms, LongSplits, RankPlace
 from ds_omni.data.sample_reader import SampleReader, key_locator
@@ -92,8 +95,13 @@ class OmniLoader:
                                    group_size=self.group_size,
                                    samples_per_rank=global_batch_size // self.dp_size,
                                    pack_tokens=self.pack_tokens, max_degree=self.max_degree)
+        # one reader per SP group (`shared_read.py`): None, or this rank's place in it
+        self.shared = comms.shared if place.sp_size > 1 else None
+        if self.shared is not None and self.shared.comm.rank != place.sp_rank:
+            raise ValueError(f"the loader's SP comm puts this rank at {self.shared.comm.rank}, its "
+                             f"place says sp_rank {place.sp_rank}")
         self.batches = MicroBatchLoader(self.reader, processors, cost_model, place, splits,
-                                        resolve_workers(cfg.workers))
+                                        resolve_workers(cfg.workers), every_shard=self.shared is not None)
         self.state = LoaderState(self.reader, self.planner, self.schedule, cfg, place, self.comm)
         self.step = 0
 
@@ -129,7 +137,26 @@ class OmniLoader:
         """This rank's micro-batches. A data problem does not raise here (the other ranks would
         wait in a collective): it is reported in `error` / `stop`, for the trainer to act on
         after its all-reduce, on every rank at once. Nor does any other exception of the data
-        path (a bug, a failing HF processor): it becomes `error` the same way."""
+        path (a bug, a failing HF processor): it becomes `error` the same way.
+
+        Under one reader per SP group (`shared_read.py`) the reader makes the step and sends
+        each peer its part; a peer only receives."""
+        if self.shared is None:
+            return self._make_step()
+        if self.shared.comm.rank > 0:
+            return self._peer_step()
+        skips_before = len(self.reader.skip_log)
+        self.batches.peers = []
+        try:
+            batch = self._make_step()
+        except Exception as e:  # the peers wait for a batch: send them the error instead
+            if isinstance(e, torch.distributed.DistError):
+                raise
+            batch = self._failed_step(e)
+        self._send_step(batch, self.reader.skip_log[skips_before:])
+        return batch
+
+    def _make_step(self) -> StepBatch:
         problem = self.reader.problem = {}
         self._step_start = self._position()
         try:
@@ -147,6 +174,43 @@ class OmniLoader:
         batch.stop = problem.get("stop")
         self.step += 1
         return batch
+
+    def _failed_step(self, e: Exception) -> StepBatch:
+        """The reader failed making the step: an error batch (empty micro-batches)."""
+        batch = StepBatch(step=self.step, micro_batches=[self.batches.empty()] * self.num_micro,
+                          error=self.reader.failure(e, "making the step of its SP group"))
+        self.step += 1
+        return batch
+
+    def _send_step(self, batch: StepBatch, skips: list[dict]) -> None:
+        """The reader: each peer its step batch, this rank's position after it, its skips."""
+        size, after = self.shared.comm.size, self._position()
+        peers = self.batches.peers
+        if len(peers) != size - 1:  # the step failed before packing
+            batch.error = batch.error or "the SP group's reader packed no shards for its peers"
+            peers = [[self.batches.empty(r)] * len(batch.micro_batches) for r in range(1, size)]
+        dummies = self.batches.dummy_cost(batch.micro_batches)
+        parcels = [{"batch": dataclasses.replace(
+            batch, micro_batches=[shared_read.peer_view(mb, self.shared.all_items) for mb in micro],
+            modelled_cost=batch.modelled_cost - dummies + self.batches.dummy_cost(micro),
+            filler=None), "after": after, "skips": skips} for micro in peers]
+        shared_read.send(self.shared.comm, parcels)
+
+    def _peer_step(self) -> StepBatch:
+        """A peer: the step its reader made, and the reader's position after it as its own."""
+        self._step_start = self._position()
+        got = shared_read.receive(self.shared.comm, self.dp_rank)
+        skip_log = self.reader.skip_log
+        self.restore(got["after"])
+        self.reader.skip_log = skip_log + got["skips"]
+        batch = got["batch"]
+        batch.filler = self.batches.filler()
+        return batch
+
+    @property
+    def counts(self):
+        """What this rank read and processed (`sample_reader.ReadCounts`)."""
+        return self.reader.counts
 
     def take_skipped(self) -> list[dict]:
         """The samples skipped since the last call (id, source, step, kind, reason)."""

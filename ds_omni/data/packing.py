@@ -16,6 +16,7 @@ n samples.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -52,6 +53,26 @@ def pack(samples: list[Sample], processors: dict[str, ItemProcessor],
 
     With `shard` (sp > 1): this rank's shard [1, S] of the padded row (module docstring).
     """
+    mb, by_encoder = _whole_row(samples)
+    if shard is None or shard.size == 1:
+        mb.encoder_inputs = {e: processors[e].collate(items) for e, items in by_encoder.items()}
+        mb.items = by_encoder
+        return mb
+    return shard_row(mb, by_encoder, processors, shard)
+
+
+def pack_shards(samples: list[Sample], processors: dict[str, ItemProcessor],
+                shard: SeqShard) -> list[MicroBatch]:
+    """Every rank's shard of the packed row [1, S] each, in group-rank order: what each rank of
+    the group would pack itself (`pack` with its `shard`), made from one processing of the
+    samples (one reader per SP group, `ds_omni.data.shared_read`)."""
+    mb, by_encoder = _whole_row(samples)
+    return [shard_row(mb, by_encoder, processors, dataclasses.replace(shard, rank=r))
+            for r in range(shard.size)]
+
+
+def _whole_row(samples: list[Sample]) -> tuple[MicroBatch, dict[str, list[EncodedItem]]]:
+    """The row [1, T] of `samples` without encoder inputs, and its items by encoder."""
     if not samples:
         raise ValueError("pack() needs at least one sample")
     lengths = [s.length for s in samples]
@@ -66,11 +87,7 @@ def pack(samples: list[Sample], processors: dict[str, ItemProcessor],
         position_ids=torch.cat([s.position_ids for s in samples], dim=-1).unsqueeze(-2),
         cu_seqlens=_cu_seqlens(lengths), max_seqlen=max(lengths),
         sample_ids=[s.sample_id for s in samples], blocks=_row_blocks(samples))
-    if shard is None or shard.size == 1:
-        mb.encoder_inputs = {e: processors[e].collate(items) for e, items in by_encoder.items()}
-        mb.items = by_encoder
-        return mb
-    return shard_row(mb, by_encoder, processors, shard)
+    return mb, by_encoder
 
 
 def _row_blocks(samples: list[Sample]) -> torch.Tensor | None:

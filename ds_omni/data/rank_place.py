@@ -46,13 +46,38 @@ class RankPlace:
     sp_size: int = 1
 
 
+class ShardComm(Protocol):
+    """The loader's own collective over one SP group (`data.shared_reading`): the group's first
+    rank, its reader, hands every rank its part of a step."""
+
+    rank: int  # this rank's place in the SP group (0: the reader)
+    size: int
+    reader: int  # the reader's global rank (for messages)
+
+    def scatter(self, parts: list | None):
+        """On the reader: `parts` (one picklable object per group rank), its own returned; on
+        the others (None): the object the reader gave this rank."""
+
+
+@dataclass(frozen=True)
+class SharedReading:
+    """One reader per SP group (`ds_omni.data.shared_read`): `comm` the group's own collective;
+    `all_items`: a peer gets the inputs of every item of its rows, not only of those it encodes
+    (the encoder pool and the joint pipeline read other items' inputs on every rank)."""
+
+    comm: ShardComm
+    all_items: bool = False
+
+
 @dataclass
 class LoaderComms:
     """The loader's collectives: `data` for its state (and its steps, by default); `step` for the
-    all-gathers of `next_step`, groups of their own when steps run on a prefetch thread."""
+    all-gathers of `next_step`, groups of their own when steps run on a prefetch thread;
+    `shared`: one reader per SP group (None: every SP rank reads its rows itself)."""
 
     data: DataComm | None = None
     step: DataComm | None = None
+    shared: SharedReading | None = None
 
     def __post_init__(self):
         self.data = self.data or LocalComm()

@@ -37,6 +37,32 @@ class Measured:
     cost: float
 
 
+@dataclass
+class ReadCounts:
+    """What this rank's loader read and processed since it was built: with one reader per SP
+    group (`ds_omni.data.shared_read`) the peers' stay at zero, the evidence that only the
+    reader did the work."""
+
+    rows: int = 0  # rows read (streamed to be measured, or fetched to be loaded)
+    bytes: int = 0  # their payload: text and media bytes (a media path counts its characters)
+    items: int = 0  # encoder items processed: images, clips, videos decoded
+
+    def read(self, row) -> None:
+        self.rows += 1
+        self.bytes += payload_bytes(row)
+
+
+def payload_bytes(value) -> int:
+    """Bytes of the text and media a row holds."""
+    if isinstance(value, (bytes, bytearray, str)):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(payload_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(payload_bytes(v) for v in value)
+    return getattr(value, "nbytes", 0)
+
+
 def key_locator(key: str) -> Locator:
     return Locator.parse(key.split("/", 1)[1])
 
@@ -57,6 +83,7 @@ class SampleReader:
         self.skipped: dict[str, int] = {n: 0 for n in self.sources}
         self.skip_log: list[dict] = []  # skipped samples not yet written (see take_skipped)
         self._bad_run: dict[str, int] = {n: 0 for n in self.sources}  # bad rows in a row
+        self.counts = ReadCounts()
 
     def make_cursors(self) -> dict[str, SourceCursor]:
         return {s.name: SourceCursor(s, i, self.dp_rank, self.dp_size, self.cfg.seed)
@@ -107,6 +134,7 @@ class SampleReader:
             self._exhausted(name)
             return None
         loc, row = got
+        self.counts.read(row)
         try:
             text, media, sid = source.parts(row, loc)
             size = self.processors[name].measure(text=text, media=media, sample_id=sid, source=name)

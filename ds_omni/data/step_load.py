@@ -8,6 +8,7 @@ reported by its owner), skipped by its source's policy, or this step's error.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import traceback
 
@@ -29,8 +30,13 @@ class MicroBatchLoader:
     decoding, HF processing and packing run in that many `data.workers` processes."""
 
     def __init__(self, reader: SampleReader, processors: dict[str, SampleProcessor],
-                 cost_model: CostModel, place: RankPlace, splits: LongSplits, workers: int):
+                 cost_model: CostModel, place: RankPlace, splits: LongSplits, workers: int,
+                 every_shard: bool = False):
         self.reader, self.cost_model = reader, cost_model
+        # the SP group's reader (`ds_omni.data.shared_read`): it packs every rank's shard, and
+        # `peers` holds the other ranks' micro-batches of the last `load`
+        self.every_shard = every_shard and place.sp_size > 1
+        self.peers: list[list[MicroBatch]] = []
         self.dp_rank = place.dp_rank
         self.item_processors = next(iter(processors.values())).item_processors
         self.family = next(iter(processors.values())).family
@@ -56,8 +62,11 @@ class MicroBatchLoader:
         shard = self.shard and (self.shard.rank, self.shard.size)
         todo = [self._long_job(entry) for entry in rounds] + [
             self._job([(k, True) for k in mb_keys], shard) for mb_keys in mine]
-        micro = self._report(todo, self._pack([job for job, _, _ in todo], problems), keys,
-                             problems, step)
+        packed = self._pack([job for job, _, _ in todo], problems)
+        self.reader.counts.items += sum(made.items_made for made in packed)
+        micro = self._report(todo, packed, keys, problems, step)
+        self.peers = [[made.peers[r] for made in packed] for r in range(self.shard.size - 1)] \
+            if self.every_shard else []
         long_keys, long_cost = {e[0] for e in rounds if e}, 0.0
         for entry, mb in zip(rounds, micro):
             if mb.route.sp_block is not None:
@@ -67,10 +76,12 @@ class MicroBatchLoader:
         stats["long_items"] = sum(len(v) for mb in micro if mb.route.reshard
                                   for v in mb.route.reshard.split.values())
         self._check_long_items(stats["long_items"])
-        # the model runs a dummy through each encoder a micro-batch has no inputs for
-        dummies = sum(self.cost_model.dummy_cost(mb.encoder_inputs) for mb in micro)
         normal_cost = sum(costs.get(k, 0.0) for k in keys if k not in long_keys)
-        return micro, keys, problems, float(normal_cost + long_cost) + dummies
+        return micro, keys, problems, float(normal_cost + long_cost) + self.dummy_cost(micro)
+
+    def dummy_cost(self, micro: list[MicroBatch]) -> float:
+        """The model runs a dummy through each encoder a micro-batch has no inputs for."""
+        return float(sum(self.cost_model.dummy_cost(mb.encoder_inputs) for mb in micro))
 
     def filler(self) -> MicroBatch | None:
         """Per-sequence SP: the zero-weight micro-batch a step's ranks are evened out with."""
@@ -88,6 +99,7 @@ class MicroBatchLoader:
                 row = self.reader.rows.pop(key, None)
                 if row is None:
                     row = sources[loc.source].fetch(loc)
+                    self.reader.counts.read(row)
                 text, media, sid = sources[loc.source].parts(row, loc)
             except Exception as e:
                 samples.append((key, owner, row, e if isinstance(e, DataError) else SampleFailure(
@@ -95,7 +107,8 @@ class MicroBatchLoader:
                 continue
             parts.append((loc.source, text, media, sid))
             samples.append((key, owner, row, None))
-        return PackJob(parts, shard, shard_empty), samples, sp_block
+        return PackJob(parts, shard, shard_empty, self.every_shard and shard is not None), \
+            samples, sp_block
 
     def _long_job(self, entry):
         """This rank's shard of one long sequence (its block's Ulysses group splits it), or an
@@ -116,8 +129,14 @@ class MicroBatchLoader:
             return self.pool.map(jobs)
         except DataError as e:
             problems.append(f"data-parallel rank {self.dp_rank}: {e}")
-            return [Packed(empty_micro_batch(self.family, self.item_processors, self.shard),
-                           [None] * len(job.parts)) for job in jobs]
+            return [Packed(self.empty(), [None] * len(job.parts),
+                           [self.empty(r) for r in range(1, self.shard.size)]
+                           if self.every_shard else None) for job in jobs]
+
+    def empty(self, sp_rank: int | None = None) -> MicroBatch:
+        """An empty micro-batch of this rank (or of SP rank `sp_rank` of its group)."""
+        shard = self.shard if sp_rank is None else dataclasses.replace(self.shard, rank=sp_rank)
+        return empty_micro_batch(self.family, self.item_processors, shard)
 
     def _report(self, todo, packed: list[Packed], keys: list, problems: list,
                 step: int) -> list[MicroBatch]:
@@ -142,7 +161,9 @@ class MicroBatchLoader:
             if owner:
                 keys.append(key)
         elif isinstance(problem, SampleFailure):  # not a bad sample: a bug or a failing library
-            problems.append(self.reader.failure(problem, f"loading sample {key}"))
+            loc = key_locator(key)
+            where = f"{key} (row {loc.row} of {self.reader.sources[loc.source].files[loc.file]})"
+            problems.append(self.reader.failure(problem, f"loading sample {where}"))
         elif owner:
             loc = key_locator(key)
             source = self.reader.sources[loc.source]

@@ -22,6 +22,7 @@ training process is gone.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import multiprocessing as mp
 import multiprocessing.connection
@@ -38,7 +39,7 @@ import torch
 
 from ds_omni.batch import MicroBatch
 from ds_omni.data.cost import CostModel
-from ds_omni.data.packing import SeqShard, empty_micro_batch, pack
+from ds_omni.data.packing import SeqShard, empty_micro_batch, pack, pack_shards
 from ds_omni.data.processing import Sample, SampleProcessor
 from ds_omni.errors import DataError
 from ds_omni.parallel.long_short import LongItems
@@ -81,6 +82,7 @@ class PackJob:
     parts: list[tuple[str, Any, dict, str]]  # (source, text, media, sample id) per sample
     shard: tuple[int, int] | None = None  # (rank, size) in the Ulysses group that splits the row
     shard_empty: bool = True  # a micro-batch with no good sample is sharded too (else whole)
+    every_shard: bool = False  # the SP group's reader: make every rank's shard of the row
 
 
 @dataclass
@@ -98,6 +100,9 @@ class Packed:
 
     micro_batch: MicroBatch
     problems: list[DataError | SampleFailure | None]
+    peers: list[MicroBatch] | None = None
+    """`PackJob.every_shard`: the shards of the SP group's other ranks, in group-rank order."""
+    items_made: int = 0  # encoder items processed (decoded images, clips, videos)
 
 
 class Packer:
@@ -114,10 +119,18 @@ class Packer:
         got = [self._process(*p) for p in job.parts]
         samples = [s for s in got if isinstance(s, Sample)]
         shard = SeqShard(*job.shard, self.item_cost, self.long_items) if job.shard else None
+        problems = [None if isinstance(s, Sample) else s for s in got]
+        made = sum(len(s.items) for s in samples)
+        if job.every_shard:  # one processing of the row, every rank's shard of it
+            shards = (pack_shards(samples, self.item_processors, shard) if samples else
+                      [empty_micro_batch(self.family, self.item_processors,
+                                         dataclasses.replace(shard, rank=r))
+                       for r in range(shard.size)])
+            return Packed(shards[0], problems, shards[1:], made)
         mb = (pack(samples, self.item_processors, shard) if samples else
               empty_micro_batch(self.family, self.item_processors,
                                 shard if job.shard_empty else None))
-        return Packed(mb, [None if isinstance(s, Sample) else s for s in got])
+        return Packed(mb, problems, items_made=made)
 
     def _process(self, source: str, text, media: dict, sample_id: str):
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from ds_omni.parallel.plan import ParallelPlan
@@ -32,6 +33,9 @@ class RankGroups:
     """`dp` and `reorder` again as groups of their own, for loader steps a prefetch thread runs."""
     tp: object = None
     """Under parallel.tp > 1: the ranks that split the backbone's layers (None without)."""
+    shard_comm: "TorchShardComm | None" = None
+    """Under parallel.sp > 1: this rank's SP group again, a gloo group of the loader's own (one
+    reader per SP group, `ds_omni.data.shared_read`)."""
 
     @property
     def sp(self):
@@ -60,7 +64,8 @@ def rank_groups(plan: ParallelPlan, rank: int, prefetch: bool) -> RankGroups:
         mpu = TensorParallelMpu(tp, dp)
     step_comm = loader_step_comm(plan, rank) if prefetch else None
     return RankGroups(dp=dp, reorder=reorder, mpu=mpu, blocks=blocks, comm=comm,
-                      step_comm=step_comm, tp=tp)
+                      step_comm=step_comm, tp=tp,
+                      shard_comm=loader_shard_comm(plan, rank))
 
 
 def tensor_group(plan: ParallelPlan, rank: int):
@@ -74,6 +79,17 @@ def tensor_group(plan: ParallelPlan, rank: int):
         if rank in members:
             own = pg
     return own
+
+
+def loader_shard_comm(plan: ParallelPlan, rank: int) -> "TorchShardComm | None":
+    """This rank's SP group as a new gloo group of the loader's own (None when sp == 1): the
+    reader's scatter runs on the prefetch thread, which must not share a group with training."""
+    if plan.sp == 1:
+        return None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    members = next(m for m in plan.sp_group_ranks() if rank in m)
+    return TorchShardComm(_own_group(plan.sp_group_ranks(), rank, world, fresh=True), members,
+                          rank)
 
 
 def data_groups(plan: ParallelPlan, rank: int):
@@ -147,6 +163,29 @@ class TorchDataComm:
 
     def world_all_gather(self, obj) -> list:
         return _all_gather(obj, self.dp_group, self.dp_size)
+
+
+class TorchShardComm:
+    """`ShardComm` over torch.distributed: the reader (the SP group's first rank) sends each
+    peer its bytes, a size then the payload, point to point: no pickling of the pickled bytes
+    again and no padding to the largest part (what `scatter_object_list` does)."""
+
+    def __init__(self, group, members: list[int], rank: int):
+        self.group, self.members = group, members
+        self.rank, self.size, self.reader = members.index(rank), len(members), members[0]
+
+    def scatter(self, parts: list[bytes | None] | None):
+        if self.rank == 0:
+            for dst, data in zip(self.members[1:], parts[1:]):
+                dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=self.group)
+                dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst,
+                          group=self.group)
+            return parts[0]
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, self.reader, group=self.group)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(data, self.reader, group=self.group)
+        return memoryview(data.numpy())
 
 
 def _all_gather(obj, group, size: int) -> list:

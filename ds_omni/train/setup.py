@@ -120,7 +120,8 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
                           num_micro=ds_config["gradient_accumulation_steps"], comm=groups.comm,
                           sp_rank=coords.sp_rank, sp_size=plan.sp, step_comm=groups.step_comm,
                           cost=cost, reorder_group=plan.reorder_group,
-                          long_items=long_items_of(cfg, built.model, plan.long_item_group))
+                          long_items=long_items_of(cfg, built.model, plan.long_item_group),
+                          shard_comm=groups.shard_comm)
     if rank == 0:
         dist.barrier()
     # one random stream per data-parallel rank: the tensor-parallel ranks of a row run its

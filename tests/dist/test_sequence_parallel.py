@@ -282,6 +282,7 @@ def _check_case(name, cfg, dp, per_rank, steps: int = STEPS) -> None:
     for r in per_rank[1:]:
         assert r["losses"] == per_rank[0]["losses"], name
     oracle.assert_split_work(ref, per_rank, name)
+    _check_one_reader(name, cfg, per_rank)
     if cfg.data.eval_sources:  # each rank evaluated its shard of its dp rank's rows
         assert all(r["eval"] == per_rank[0]["eval"] for r in per_rank), name
         (want,) = oracle.reference_eval_losses(cfg, [per_rank[0]["params"]])
@@ -291,6 +292,17 @@ def _check_case(name, cfg, dp, per_rank, steps: int = STEPS) -> None:
         # rows with no image or audio at all, and ranks with nothing to encode, really happened
         assert sum(r["row_without_items"] for r in per_rank) > 0, name
         assert sum(r["nothing_to_encode"] for r in per_rank) > 0, name
+
+
+def _check_one_reader(name, cfg, per_rank, sp: int = 2) -> None:
+    """One reader per SP group (`data.shared_reading`): the first rank of each group (0, 2)
+    read the rows and decoded the images; its peers read and decoded nothing."""
+    for rank, r in enumerate(per_rank):
+        rows, _, items = r["read_counts"]
+        if rank % sp:
+            assert rows == items == 0, f"{name}: SP peer rank {rank} read {rows} rows, {items} items"
+        else:
+            assert rows > 0 and items > 0, f"{name}: reader rank {rank} read {rows} rows, {items} items"
 
 
 def test_design_covers_every_pair():
@@ -435,13 +447,15 @@ def _check_pool_per_sequence(name, cfg, per_rank) -> None:
 # "static": sp=2 on 2 ranks (make_config); "per_sequence": the per-sequence degree (PER_SEQUENCE).
 PLANTED = {"reshard_rows_swapped": ("static", "llava", 0),
            "sp_block_ignored": ("per_sequence", "llava", 1),
-           "sp_whole_row": ("static", "llava", 0)}
+           "sp_whole_row": ("static", "llava", 0),
+           "reader_wrong_pixels": ("static", "llava", 0)}
 # what each failure names: swapped rows and a block's row attended shard by shard change the loss
 # itself; whole rows on both SP ranks leave loss and gradients exact (ZeRO sums the SP group's
 # gradients: doubled targets and loss cancel), only the split-work checks see them
 CAUGHT_BY = {"reshard_rows_swapped": "losses .*, the reference's",
              "sp_block_ignored": "losses .*, the reference's",
-             "sp_whole_row": "trained on more than one rank"}
+             "sp_whole_row": "trained on more than one rank",
+             "reader_wrong_pixels": "losses .*, the reference's"}
 
 
 def planted_config(families, plant: str, out_dir: str, long: dict):

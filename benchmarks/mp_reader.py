@@ -1,0 +1,161 @@
+"""One reader per SP group: what each rank's loader reads, decodes and spends, at sp 1 / 2 / 4.
+
+    .venv/bin/python benchmarks/mp_reader.py          # about 3 minutes on 2 cores
+    .venv/bin/python benchmarks/mp_reader.py --steps 4
+
+Four ranks over gloo (`tests/harness.run_on_ranks`), each running only its loader (no model
+step): sp=4 (one SP group of 4 ranks), sp=2 (dp 2 x sp 2) and sp=1 (dp 4), with the same data
+(2 parquet sources of 256x256 JPEG conversations, `benchmarks/loader.py`'s) and the same global
+batch of 16 samples a step. At sp 2 and 4 both ways run in the same launch, one after the other
+on fresh loaders: "before" (`data.shared_reading` false: every SP rank reads, decodes and packs
+every row of its group) and "after" (true: the group's first rank does, and scatters each peer
+its shard). Per rank and way: rows read, payload bytes read, encoder items processed (images
+decoded) from the loader's own counters (`OmniLoader.counts`), and loader CPU seconds
+(`time.process_time` of the rank's process over the steps, after one warm-up step). The launch
+checks that both ways give every rank the same keys and the same micro-batch tensors.
+
+Writes benchmarks/results/mp_reader.json and mp_reader.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+RESULTS = REPO / "benchmarks" / "results"
+WORLD, BATCH, MICRO, ROWS, IMAGE_PX = 4, 16, 4, 512, 256
+
+
+def _digest(batch) -> str:
+    """A hash of every tensor a rank trains on in a step (its shards, encoder inputs)."""
+    h = hashlib.sha256()
+    for mb in batch.micro_batches:
+        parts = [mb.input_ids, mb.targets, mb.position_ids, mb.cu_seqlens] + [
+            t for e in sorted(mb.encoder_inputs) for _, t in sorted(mb.encoder_inputs[e].items())]
+        for t in parts:
+            h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _run(cfg, built, plan, rank: int, shared: bool, steps: int) -> dict:
+    from ds_omni.data.build import build_loader
+    from ds_omni.parallel.groups import rank_groups
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, shared_reading=shared))
+    groups = rank_groups(plan, rank, prefetch=False)
+    coords = plan.coords(rank)
+    loader = build_loader(cfg, built, dp_rank=coords.dp_rank, dp_size=plan.dp,
+                          num_micro=BATCH // (plan.dp * MICRO), comm=groups.comm,
+                          sp_rank=coords.sp_rank, sp_size=plan.sp, shard_comm=groups.shard_comm,
+                          reorder_group=plan.reorder_group)
+    loader.next_step()  # warm-up: files opened, first streams
+    start = dataclasses.replace(loader.counts)
+    cpu, wall = time.process_time(), time.perf_counter()
+    keys, digests = [], []
+    for _ in range(steps):
+        batch = loader.next_step()
+        assert batch.error is None, batch.error
+        keys.append(batch.keys)
+        digests.append(_digest(batch))
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    end = loader.counts
+    loader.close()
+    return {"rows": end.rows - start.rows, "bytes": end.bytes - start.bytes,
+            "images": end.items - start.items, "cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
+            "keys": keys, "digests": digests}
+
+
+def ranks(rank: int, world: int, root: str, steps: int) -> dict:
+    import datasets
+    from loader import make_sources, model_and_config  # benchmarks/loader.py
+    from ds_omni.parallel.plan import ParallelPlan
+    datasets.config.SLEEP_TIME_ON_THREADS_SHUTDOWN = 0
+    import torch
+    torch.set_num_threads(1)
+    cfg, built = model_and_config(make_sources(Path(root), 2, ROWS, IMAGE_PX))
+    cfg.data.chunk_rows = 32
+    out = {}
+    for sp in (1, 2, 4):
+        cfg.parallel.sp = sp
+        plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
+        for shared in ((False,) if sp == 1 else (False, True)):
+            out[f"sp{sp}-{'after' if shared else 'before'}"] = _run(cfg, built, plan, rank,
+                                                                     shared, steps)
+    return out
+
+
+def summarise(per_rank: list[dict]) -> dict:
+    report = {}
+    for name in per_rank[0]:
+        rows = [r[name] for r in per_rank]
+        report[name] = {k: [r[k] for r in rows] for k in ("rows", "bytes", "images", "cpu_s",
+                                                           "wall_s")}
+        report[name]["total"] = {k: round(sum(r[k] for r in rows), 3)
+                                 for k in ("rows", "bytes", "images", "cpu_s")}
+    for sp in (2, 4):
+        before, after = report[f"sp{sp}-before"], report[f"sp{sp}-after"]
+        same = all(per_rank[r][f"sp{sp}-before"][k] == per_rank[r][f"sp{sp}-after"][k]
+                   for r in range(len(per_rank)) for k in ("keys", "digests"))
+        assert same, f"sp={sp}: the ranks' batches differ between the two ways"
+        report[f"sp{sp}"] = {
+            "same_batches": same,
+            "after_over_before_total": {k: round(after["total"][k] / before["total"][k], 4)
+                                        for k in ("rows", "bytes", "images", "cpu_s")},
+            "after_over_before_busiest_rank_cpu": round(max(after["cpu_s"]) /
+                                                        max(before["cpu_s"]), 4)}
+    return report
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = ["sp1-before", "sp2-before", "sp2-after", "sp4-before", "sp4-after"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, (key, label) in zip(axes, (("bytes", "MB read"), ("images", "images decoded"),
+                                       ("cpu_s", "loader CPU s"))):
+        for r in range(WORLD):
+            vals = [report[n][key][r] / (1e6 if key == "bytes" else 1) for n in names]
+            ax.bar([i + 0.2 * (r - 1.5) for i in range(len(names))], vals, width=0.2,
+                   label=f"rank {r}")
+        ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+        ax.set_title(f"{label} per rank")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("one reader per SP group: 4 ranks, the same data and global batch")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--timeout", type=float, default=900.0)
+    args = ap.parse_args(argv)
+    from tests.harness import run_on_ranks
+    with tempfile.TemporaryDirectory(prefix="ds_omni_mp_reader_") as tmp:
+        per_rank = run_on_ranks(ranks, WORLD, args=(tmp, args.steps), timeout=args.timeout)
+    report = {"command": f"python benchmarks/mp_reader.py --steps {args.steps}",
+              "world": WORLD, "global_batch": BATCH, "steps": args.steps, "image_px": IMAGE_PX,
+              "loadavg": os.getloadavg(), **summarise(per_rank)}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "mp_reader.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, RESULTS / "mp_reader.png")
+    for name in ("sp1-before", "sp2-before", "sp2-after", "sp4-before", "sp4-after"):
+        r = report[name]
+        print(f"{name:11s} rows {r['rows']} MB {[round(b / 1e6, 2) for b in r['bytes']]} "
+              f"images {r['images']} cpu_s {r['cpu_s']}")
+    for sp in (2, 4):
+        print(f"sp{sp}: after/before totals {report[f'sp{sp}']['after_over_before_total']}")
+
+
+if __name__ == "__main__":
+    main()
