@@ -45,7 +45,7 @@ QUICK = [
     ("mp_reader.py", ["--steps", "3"], 400),
     ("feed_rate.py", ["--repeats", "3"], 300),
     ("sim_megascale_omni.py", [], 600),
-    ("sim_bytescale.py", ["--gpus", "1024"], 600),
+    ("sim_bytescale.py", [], 900),
 ]
 FULL = [("balance.py", [], 2400), ("index.py", [], 900), ("soak.py", [], 1800)]
 

@@ -2,8 +2,8 @@
 budget-mode reordering) against one static context-parallel degree for every sequence, on
 long-tailed text, next to ByteScale's reported "up to 7.89x".
 
-    .venv/bin/python benchmarks/sim_bytescale.py                  # about 10 minutes, 2 shared cores
-    .venv/bin/python benchmarks/sim_bytescale.py --gpus 1024      # the 1,024-GPU cases, ~4 minutes
+    .venv/bin/python benchmarks/sim_bytescale.py                  # 636 s on 2 shared cores (load ~28)
+    .venv/bin/python benchmarks/sim_bytescale.py --gpus 1024      # the 1,024-GPU cases, ~8 minutes
 
 Cases (H100s, 8 a node): Llama-2-7B and Llama-3-70B dims, 1,024 and 4,096 GPUs, contexts up to
 256K tokens; and up to 2M tokens on 1,024 GPUs. Lengths are long-tailed like ByteScale's
