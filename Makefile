@@ -1,7 +1,8 @@
 # ds_omni: `make demo` trains the tiny demo model; `make test` runs the quick tier of the test
 # suite, `make test-slow` its slow tier (tests marked `slow`), `make test-full` both; CI runs
-# `make test` then `make test-slow` (.ci/run). All set up a project-local virtualenv first (once;
-# later runs skip it).
+# `make test` then `make test-slow` (.ci/run); `make bench` runs every CPU benchmark at quick
+# settings (about 30 minutes) and regenerates BENCHMARKS.md's summary figures from the results
+# (benchmarks/run_all.py). All set up a project-local virtualenv first (once; later runs skip it).
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -21,7 +22,7 @@ export DS_OMNI_CACHE ?= $(CURDIR)/.cache/ds_omni
 export HF_HUB_OFFLINE := 1
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-slow test-full test-unit clean
+.PHONY: setup demo test test-slow test-full test-unit bench clean
 
 setup: $(STAMP)
 
@@ -65,6 +66,11 @@ test-full: setup
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
+
+# every measured CPU benchmark (not the GPU ones), progress per script, results/*.json + PNG,
+# then BENCHMARKS.md's summary figures from the results files; BENCH_ARGS=--full adds the long runs
+bench: setup
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf outputs .cache .pytest_cache

@@ -1,0 +1,132 @@
+"""ByteScale's evaluation, in the step simulator: ds_omni's per-sequence SP (`max_sequence_sp`,
+budget-mode reordering) against one static context-parallel degree for every sequence, on
+long-tailed text, next to ByteScale's reported "up to 7.89x".
+
+    .venv/bin/python benchmarks/sim_bytescale.py                  # 636 s on 2 shared cores (load ~28)
+    .venv/bin/python benchmarks/sim_bytescale.py --gpus 1024      # the 1,024-GPU cases, ~8 minutes
+
+Cases (H100s, 8 a node): Llama-2-7B and Llama-3-70B dims, 1,024 and 4,096 GPUs, contexts up to
+256K tokens; and up to 2M tokens on 1,024 GPUs. Lengths are long-tailed like ByteScale's
+production mix (`benchmarks/balance.py`'s): 80 % of sequences 128-4K tokens, 19 % 4K-16K, 1 %
+from 128K to the context (log-uniform in each band); 8 sequences a GPU per step, the same drawn
+sequences for every plan of a case. Rows of 32K tokens a rank.
+
+ds_omni: budget mode with per-sequence SP blocks of up to `max_sequence_sp` ranks (reorder groups
+of that size), two degrees tried; short sequences run alone on one rank. The baseline
+(`ds_omni.sim.baselines.bytescale`): every sequence split over one static SP degree, the least
+whose shards hold the longest sequence or the ones ds_omni tried, its best taken; loader order.
+ZeRO-1 for 7B, ZeRO-3 for 70B (no TP / PP in this comparison). speed-up = ds_omni's tokens/s
+over the baseline's. Writes benchmarks/results/sim_bytescale.json and .png; the reading:
+docs/benchmarks/sim_papers.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from benchmarks import sim_common  # noqa: E402
+from ds_omni.sim.cluster import cluster  # noqa: E402
+from ds_omni.sim.plan_spec import SimPlan  # noqa: E402
+from ds_omni.sim.workload import WorkloadSpec  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+ROW_TOKENS, SEQUENCES_PER_GPU = 32768, 8
+# (model, GPUs, context): the per-sequence SP degrees ds_omni tries
+CASES = {("llm_7b", 1024, 262144): (16, 64), ("llm_70b", 1024, 262144): (16, 64),
+         ("llm_7b", 1024, 2097152): (64, 256), ("llm_70b", 1024, 2097152): (64, 256),
+         ("llm_7b", 4096, 262144): (16, 64), ("llm_70b", 4096, 262144): (16, 64)}
+PAPER = {"max": 7.89}
+
+
+def workload(context: int) -> WorkloadSpec:
+    """ByteScale-like long tail: most sequences short, 1 % from 128K tokens to the context."""
+    return WorkloadSpec(image_fraction=0.0, max_tokens=context, token_buckets=(
+        (0.80, 128, 4096), (0.19, 4096, 16384), (0.01, 131072, context)))
+
+
+def case_name(llm: str, gpus: int, context: int) -> str:
+    return f"{llm.removeprefix('llm_')}_{gpus}gpus_{context // 1024}k"
+
+
+def run_case(llm: str, gpus: int, context: int, degrees: tuple[int, ...], seed: int) -> dict:
+    model, c = sim_common.model_spec(None, llm), cluster("h100", gpus)
+    zero = 1 if sim_common.states_fit(model, c, 1, 1) else 3
+    base = SimPlan(name="ds_omni", global_batch=SEQUENCES_PER_GPU * gpus, micro_batches=4,
+                   pack_tokens=ROW_TOKENS, zero_stage=zero, reorder="budget",
+                   encoder_mode="reshard")
+    plans = [base.replace(max_sequence_sp=d, reorder_group=d) for d in degrees]
+    samples = workload(context).draw(base.global_batch, seed, ())
+    search = sim_common.Search(c, model, samples)
+    best_plan, best = search.best(plans)
+    ours = sim_common.brief(best_plan, best)
+    # the static degree: the least that holds the longest sequence, or one ds_omni tried
+    statics = [base.replace(max_sequence_sp=1, reorder="loader_order")] + plans
+    theirs = {name: sim_common.brief(*pr)
+              for name, pr in search.baselines(statics, names=("bytescale",)).items()}
+    return {"case": case_name(llm, gpus, context), "llm": llm, "gpus": gpus, "context": context,
+            "zero_stage": zero, "longest": int(samples.tokens.max()),
+            "tokens": int(samples.tokens.sum()), "ds_omni": ours, "baselines": theirs,
+            "speedup": sim_common.speedups(ours, theirs), "plans_simulated": len(search.runs),
+            "simulation_s": search.seconds}
+
+
+def plot(cases: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [c["case"] for c in cases]
+    ys = [c["speedup"]["bytescale"] or 0.0 for c in cases]
+    ax.bar(range(len(cases)), ys, color="tab:blue", label="ds_omni, simulated")
+    ax.axhline(PAPER["max"], color="tab:red", ls="--", label="ByteScale's reported max 7.89x")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(range(len(cases)), names, rotation=20, fontsize=8)
+    ax.set_ylabel("tokens/s over static CP")
+    ax.set_title("ByteScale's setups, simulated (H100): per-sequence SP vs static CP "
+                 "(0: no plan fits)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write(args, cases: list[dict], wall_s: float) -> None:
+    speedups = [c["speedup"]["bytescale"] for c in cases if c["speedup"]["bytescale"]]
+    result = {"what": __doc__.splitlines()[0], "gpu": "h100", "row_tokens": ROW_TOKENS,
+              "sequences_per_gpu": SEQUENCES_PER_GPU, "seed": args.seed, "paper": PAPER,
+              "cases": cases, "by_case": {c["case"]: c["speedup"]["bytescale"] for c in cases},
+              "summary": {"min": min(speedups, default=None), "max": max(speedups, default=None)},
+              "wall_s": wall_s}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", nargs="+", type=int, default=[1024, 4096])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[262144, 2097152])
+    parser.add_argument("--models", nargs="+", default=["llm_7b", "llm_70b"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="sim_bytescale")
+    args = parser.parse_args(argv)
+    start, cases = time.perf_counter(), []
+    for (llm, gpus, context), degrees in CASES.items():
+        if llm in args.models and gpus in args.gpus and context in args.contexts:
+            case = run_case(llm, gpus, context, degrees, args.seed)
+            cases.append(case)
+            s = case["speedup"]["bytescale"]
+            print(f"{case['case']}: {f'{s:.2f}x' if s else '-'} over static CP "
+                  f"({case['plans_simulated']} plans, {case['simulation_s']:.0f} s)", flush=True)
+            write(args, cases, time.perf_counter() - start)  # after each case: a partial run counts
+    plot(cases, RESULTS / f"{args.out}.png")
+    print(f"wrote {RESULTS / args.out}.json and .png in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""What the two simulated paper evaluations share (`sim_megascale_omni.py`, `sim_bytescale.py`):
+the papers' models as HF configs built locally (published dims, no download), and a small plan
+search that gives ds_omni and every baseline its best plan over the same grid of degrees.
+
+Throughput, not step time, is compared: budget mode may leave a few samples for the next step,
+so plans of one global batch can train slightly different token counts. A plan whose peak memory
+per GPU does not fit the GPUs is never "best"; a baseline with no fitting plan on the grid is
+reported as `null` (the papers' "OOM").
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ds_omni.errors import DsOmniError
+from ds_omni.sim import baselines, memory
+from ds_omni.sim.model_spec import ModelSpec
+from ds_omni.sim.plan_spec import SimPlan
+from ds_omni.sim.step import simulate
+from ds_omni.sim.workload import Samples
+
+# ViTs (CLIP-style: 2-matrix MLP, 14-pixel patches) by size. ~1B: ViT-g/14's dims (1.0 B);
+# 2.4B and 10B: the same shape widened (no public ViT has exactly these sizes).
+VITS = {"vit_1b": dict(hidden_size=1408, num_hidden_layers=40, intermediate_size=6144,
+                       num_attention_heads=16),
+        "vit_2.4b": dict(hidden_size=2048, num_hidden_layers=48, intermediate_size=8192,
+                         num_attention_heads=16),
+        "vit_10b": dict(hidden_size=4096, num_hidden_layers=50, intermediate_size=16384,
+                        num_attention_heads=32)}
+# LLMs: Mistral-Nemo-12B, Llama-3-70B, Llama-2-7B (their published configs' dims)
+LLMS = {"llm_12b": ("mistral", dict(hidden_size=5120, num_hidden_layers=40,
+                                    intermediate_size=14336, num_attention_heads=32,
+                                    num_key_value_heads=8, head_dim=128, vocab_size=131072)),
+        "llm_70b": ("llama", dict(hidden_size=8192, num_hidden_layers=80,
+                                  intermediate_size=28672, num_attention_heads=64,
+                                  num_key_value_heads=8, vocab_size=128256)),
+        "llm_7b": ("llama", dict(hidden_size=4096, num_hidden_layers=32,
+                                 intermediate_size=11008, num_attention_heads=32,
+                                 num_key_value_heads=32, vocab_size=32000))}
+
+
+def llm_config(name: str):
+    from transformers import LlamaConfig, MistralConfig
+    family, dims = LLMS[name]
+    return (MistralConfig if family == "mistral" else LlamaConfig)(**dims)
+
+
+def vlm_config(vit: str, llm: str):
+    """A LLaVA-style composite config: the ViT's vision_config next to the LLM's text_config."""
+    from transformers import CLIPVisionConfig, LlavaConfig
+    vision = CLIPVisionConfig(patch_size=14, image_size=448, **VITS[vit])
+    return LlavaConfig(vision_config=vision, text_config=llm_config(llm))
+
+
+def model_spec(vit: str | None, llm: str) -> ModelSpec:
+    return ModelSpec.from_hf_config(vlm_config(vit, llm) if vit else llm_config(llm))
+
+
+def states_fit(model: ModelSpec, cluster, pp: int = 1, zero_stage: int = 1,
+                room: float = 0.7) -> bool:
+    """Whether the model states of one pipeline stage, ZeRO-partitioned over its ranks, take at
+    most `room` of a GPU's memory (the rest for activations): plans failing it are not tried."""
+    states = memory.model_states(model.total_params() / pp, model.trainable_params() / pp,
+                                 cluster.gpus // pp, zero_stage, model.bytes_per_param)
+    return states.total <= room * cluster.hbm_bytes
+
+
+def billions(model: ModelSpec) -> dict:
+    return {"total": model.total_params() / 1e9, "llm": model.llm_params() / 1e9,
+            **{name: model.encoder_params(name) / 1e9 for name in model.dims.encoders}}
+
+
+@dataclass
+class Search:
+    """Simulates plans on one cluster, model and drawn global batch; each distinct plan once."""
+
+    cluster: object
+    model: ModelSpec
+    samples: Samples
+    runs: dict = field(default_factory=dict)
+    """{SimPlan: StepReport or DsOmniError}"""
+    seconds: float = 0.0
+    """Wall time spent simulating."""
+
+    def run(self, plan: SimPlan):
+        key = plan.replace(name="plan")  # baselines derived twice are one plan
+        if key not in self.runs:
+            start = time.perf_counter()
+            try:
+                self.runs[key] = simulate(self.cluster, self.model, self.samples, plan)
+            except DsOmniError as e:  # a plan training refuses, or degrees not dividing the GPUs
+                self.runs[key] = e
+            self.seconds += time.perf_counter() - start
+        return self.runs[key]
+
+    def best(self, plans) -> tuple[SimPlan | None, object]:
+        """The fitting plan of the most tokens/s and its report; if none fits, None and the
+        report of least peak memory (None if every plan was refused)."""
+        found = [(plan, self.run(plan)) for plan in plans]
+        fitting = [(p, r) for p, r in found if not isinstance(r, DsOmniError) and r.fits]
+        if not fitting:
+            return None, min((r for _, r in found if not isinstance(r, DsOmniError)),
+                             key=lambda r: r.peak_memory, default=None)
+        return max(fitting, key=lambda pr: tokens_per_s(pr[1]))
+
+    def baselines(self, candidates, names=baselines.BASELINES) -> dict:
+        """{name: (plan, report)}: each baseline at its best over the baselines derived from
+        every candidate (so each keeps its own best degrees, not ds_omni's)."""
+        derived = {name: [] for name in names}
+        for plan in candidates:
+            for name, base in baselines.baseline_plans(plan, self.cluster.gpus, self.model,
+                                                       self.samples).items():
+                if name in derived:
+                    derived[name].append(base)
+        return {name: self.best(plans) for name, plans in derived.items()}
+
+
+def tokens_per_s(report) -> float:
+    return report.tokens / report.step_time
+
+
+def brief(plan: SimPlan | None, report) -> dict | None:
+    """What the results file keeps of a plan's run; no fitting plan: None, or the least peak
+    memory per GPU any plan needed (`{"fits": false, ...}`)."""
+    if plan is None:
+        return None if report is None else {"fits": False, "tokens_per_s": None,
+                                            "least_peak_memory_gib": report.peak_memory / 2 ** 30}
+    keep = ("sp", "pp", "zero_stage", "micro_batches", "pack_tokens", "reorder", "reorder_group",
+            "max_sequence_sp", "encoder_mode", "encoder_placement", "stage_split", "encoder_gpus")
+    return {"plan": {k: getattr(plan, k) for k in keep},
+            "step_time_s": report.step_time, "tokens": report.tokens, "samples": report.samples,
+            "fits": True, "tokens_per_s": tokens_per_s(report), "mfu": report.mfu,
+            "peak_memory_gib": report.peak_memory / 2 ** 30,
+            "critical_phase": report.critical_phase}
+
+
+def speedups(ours: dict, theirs: dict) -> dict:
+    """{baseline: ds_omni tokens/s over the baseline's (its step time over ours, per token)}."""
+    return {name: (ours["tokens_per_s"] / base["tokens_per_s"]
+                   if base and base["tokens_per_s"] else None)
+            for name, base in theirs.items()}
