@@ -320,6 +320,17 @@ def report(rows, comm, compute, rounds, warmup, runtime) -> dict:
             "calibration": {"comm": comm, "compute": compute}, "runtime_s": round(runtime, 1)}
 
 
+def table(result: dict) -> str:
+    """The Markdown table of docs/benchmarks/sim_validation.md."""
+    lines = ["| plan | ranks | workload | measured CPU s (busiest rank) | wall s | predicted s | "
+             "error | simulator's critical phase |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["configs"]:
+        lines.append(f"| {r['name']} | {r['world']} | {r['workload']} | {r['measured_s']:.3f} | "
+                     f"{r['measured_wall_s']:.3f} | {r['predicted_s']:.3f} | "
+                     f"{r['error']:+.0%} | {r['predicted_critical_phase']} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -339,6 +350,7 @@ def main(argv=None) -> dict:
                                   round(r["error"], 3)] for r in result["configs"]}, indent=1))
     print({k: result[k] for k in ("median_abs_error", "max_abs_error",
                                   "pairwise_order_agreement")})
+    print(table(result))
     return result
 
 
