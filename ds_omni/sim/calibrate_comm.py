@@ -30,7 +30,9 @@ import numpy as np
 from ds_omni.errors import ConfigError
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-SIZES = (2 ** 12, 2 ** 16, 2 ** 19, 2 ** 21)  # bytes of the buffer (fp32): 4 KiB .. 2 MiB
+SIZES = (2 ** 12, 2 ** 16, 2 ** 19, 2 ** 21, 2 ** 23)  # buffer bytes (fp32): 4 KiB .. 8 MiB
+# (two runs up to 2 MiB alone found alpha alike, ~0.65 ms, but beta 0.48 and 7.9 GB/s: too few
+# bytes to see the bandwidth behind the latency on a busy machine)
 
 
 @dataclass(frozen=True)
