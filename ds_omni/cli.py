@@ -108,7 +108,8 @@ def _plan_args(sub) -> None:
     pl.add_argument("--simulate", action="store_true",
                     help="simulate one step of the plan and five baselines (docs/simulator.md)")
     pl.add_argument("--gpus", type=int, help="--simulate: GPUs of the cluster")
-    pl.add_argument("--gpu", default="h100", help="--simulate: h100, h200, a100 or cpu")
+    pl.add_argument("--gpu", default="h100", help="--simulate: h100, h200, a100, cpu or a "
+                                                  "cluster file of `ds-omni calibrate-comm`")
     pl.add_argument("--workload", help="--simulate: a `ds-omni data check --json` report or "
                                        "WorkloadSpec fields (JSON); default: a mixed workload")
     pl.add_argument("--seed", type=int, default=0, help="--simulate: seed of the drawn samples")
@@ -124,6 +125,13 @@ def _calibrate_args(sub) -> None:
     cc.add_argument("--batches", type=int, default=30, help="micro-batches to time")
     cc.add_argument("--out", required=True, help="JSON file for the fitted scales")
     _set_arg(cc)
+    cm = _command(sub, "calibrate-comm", "Time collectives over gloo on this machine and fit the "
+                                         "simulator's link (alpha-beta) into a cluster file.",
+                  "ds-omni calibrate-comm --ranks 2 4 --out cpu_cluster.json && ds-omni plan "
+                  "--config C.json --deepspeed D.json --simulate --gpus 4 --gpu cpu_cluster.json")
+    cm.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="process counts to time")
+    cm.add_argument("--repeats", type=int, default=9, help="timings of each size (median kept)")
+    cm.add_argument("--out", required=True, help="JSON cluster file (`--gpu FILE` loads it)")
 
 
 def _families_args(sub) -> None:
@@ -268,6 +276,14 @@ def cmd_calibrate_cost(args) -> None:
     print(f"wrote {write(result, args.out)}; put its cost_scales in data.reorder.cost_scales")
 
 
+def cmd_calibrate_comm(args) -> None:
+    from ds_omni.sim.calibrate_comm import calibrate, write
+    result = calibrate(tuple(args.ranks), repeats=args.repeats)
+    print(json.dumps({k: result[k] for k in ("cluster", "median_rel_error", "max_rel_error")},
+                     indent=1))
+    print(f"wrote {write(result, args.out)}; simulate with --gpu {args.out}")
+
+
 def cmd_families(args) -> None:
     import contextlib
     import json
@@ -348,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     handler = {"train": cmd_train, "supervise": cmd_supervise, "convert": cmd_convert,
                "plan": cmd_plan, "data": cmd_data, "families": cmd_families,
-               "calibrate-cost": cmd_calibrate_cost}
+               "calibrate-cost": cmd_calibrate_cost, "calibrate-comm": cmd_calibrate_comm}
     try:
         return handler[args.command](args) or 0
     except DsOmniError as e:

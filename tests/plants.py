@@ -386,3 +386,11 @@ def _a2a_even_splits(rank: int):
                             cluster)
         return pairs
     yield from _patched(comm, "all_to_all_pairs", even)
+
+
+# ----------------------------------- the simulator's link calibration (tests/unit/test_calibrate_comm.py)
+@plant("comm_fit_no_latency", "the alpha-beta fit sees no latency term (every collective charged "
+       "its bytes only)", "calibrate_comm")
+def _comm_fit_no_latency(rank: int):
+    from ds_omni.sim.calibrate_comm import Timing
+    yield from _patched(Timing, "terms", lambda f: lambda self: (0.0, f(self)[1]))

@@ -12,7 +12,9 @@ model's `calibrate` gives seconds per FLOP; a measured collective gives the link
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from ds_omni.errors import ConfigError
 
@@ -91,9 +93,32 @@ PRESETS: dict[str, dict] = {
 
 def cluster(preset: str, gpus: int, gpus_per_node: int = 8, **overrides) -> Cluster:
     """A preset's machines, `gpus` of them in nodes of `gpus_per_node`; `overrides` replace
-    preset fields (e.g. achievable=0.4)."""
+    preset fields (e.g. achievable=0.4). `preset` may be a fitted cluster file (`*.json`, from
+    `ds-omni calibrate-comm`): its "preset" and the fields it fitted."""
+    if preset.endswith(".json"):
+        fitted = load_fitted(preset)
+        return cluster(fitted.pop("preset"), gpus, gpus_per_node, **(fitted | overrides))
     if preset not in PRESETS:
         raise ConfigError(f"unknown GPU preset {preset!r}; choose one of {sorted(PRESETS)} or "
                           "build a Cluster(...) by hand")
     return Cluster(gpus=gpus, gpus_per_node=gpus_per_node, name=preset,
                    **(PRESETS[preset] | overrides))
+
+
+def load_fitted(path: str) -> dict:
+    """A cluster file's fields: {"preset": name, field: value, ...} (or that under "cluster",
+    as `ds-omni calibrate-comm` writes it)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read the cluster file {path}: {e}; write one with "
+                          "`ds-omni calibrate-comm --out FILE.json`") from None
+    data = dict(data.get("cluster", data))
+    unknown = sorted(set(data) - set(Cluster.__dataclass_fields__) - {"preset", "gpus",
+                                                                      "gpus_per_node"})
+    if unknown or data.get("preset") not in PRESETS:
+        raise ConfigError(f"the cluster file {path} needs a \"preset\" of {sorted(PRESETS)} "
+                          f"(got {data.get('preset')!r}) and only Cluster fields (unknown: "
+                          f"{unknown})")
+    data.pop("gpus", None), data.pop("gpus_per_node", None)
+    return data

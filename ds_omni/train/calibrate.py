@@ -49,8 +49,9 @@ class Measurements:
         self.seconds.append(seconds)
 
 
-def profile(cfg: OmniConfig, batches: int) -> dict:
-    """Time `batches` micro-batches (after one warm-up); the fitted scales and a summary."""
+def profile(cfg: OmniConfig, batches: int, clock=time.perf_counter) -> dict:
+    """Time `batches` micro-batches (after one warm-up); the fitted scales and a summary.
+    `clock`: `time.process_time` for CPU seconds (on a machine shared with other jobs)."""
     from ds_omni.data.build import build_loader, cost_model_for
     from ds_omni.model.build import build_model
     built = build_model(cfg.model)
@@ -59,9 +60,9 @@ def profile(cfg: OmniConfig, batches: int) -> dict:
     dummies = {name: enc.dummy_len for name, enc in loader.cost_model.dims.encoders.items()}
     for i in range(batches + 1):
         batch = loader.next_step()
-        t0 = time.perf_counter()
+        t0 = clock()
         built.model(batch.micro_batches[0]).loss_sum.backward()
-        elapsed = time.perf_counter() - t0
+        elapsed = clock() - t0
         built.model.zero_grad(set_to_none=True)
         if i:  # the first micro-batch pays for allocation and warm-up
             m.add(loader.load_samples(batch.keys), elapsed, dummies)

@@ -1,0 +1,358 @@
+"""The step simulator against measured steps: 14 plans on 2 and 4 CPU ranks, predicted and timed.
+
+    .venv/bin/python benchmarks/sim_validation.py     # about 15-25 minutes on 2 shared cores
+
+Calibration first, on runs apart from the validated ones: the links from `ds-omni
+calibrate-comm`'s collectives (gloo, 2 and 4 processes, alpha-beta least squares), the compute
+from one process timing forward + backward of each model on batches of another data seed
+(`train/calibrate.profile` on the CPU clock: the cost model's scales, in CPU seconds). Then
+every plan of CONFIGS trains for real (`setup_training` / `train_step`, the engines of one
+world in one launch, one step each per round in a rotating order) and is simulated on the same
+global batches (the samples each step trained, their metadata read back from the loader) with
+the fitted cluster. The figure per plan: the median over rounds of the busiest rank's CPU
+seconds of the step (`time.process_time`; contention on a shared machine distorts it less than
+the wall clock, which is recorded too) against the median predicted step time.
+
+The workloads are the existing benchmarks': `pipeline.py`'s (a 6-layer ViT and a 4-layer LLM,
+shapes images and plain text mixed 9:1 "image" or 1:9 "text", 16 samples a step) on 2 ranks and
+`per_sequence_sp.py`'s long tail (an image sample in eight with ~1500 tokens of text) on 4.
+Writes benchmarks/results/sim_validation.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+RESULTS = REPO / "benchmarks" / "results"
+# name -> (world, workload, parallel section); workloads: "image" / "text" (pipeline.py's
+# mixes), "longtail" (per_sequence_sp.py's)
+CONFIGS = {
+    "dp2_image": (2, "image", {}),
+    "dp2_text": (2, "text", {}),
+    "pool2_image": (2, "image", {"encoder_pool": "dp"}),
+    "sp2_static_image": (2, "image", {"sp": 2, "encoder_sp": "off"}),
+    "sp2_static_text": (2, "text", {"sp": 2, "encoder_sp": "off"}),
+    "pp2_stage0_image": (2, "image", {"pp": 2, "encoder_placement": "stage0", "stage_tokens": 96}),
+    "pp2_stage0_text": (2, "text", {"pp": 2, "encoder_placement": "stage0", "stage_tokens": 96}),
+    "pp2_uniform_image": (2, "image", {"pp": 2, "encoder_placement": "uniform",
+                                       "stage_tokens": 96}),
+    "pp2_uniform_text": (2, "text", {"pp": 2, "encoder_placement": "uniform",
+                                     "stage_tokens": 96}),
+    "dp4_longtail": (4, "longtail", {}),
+    "sp2x2_static_longtail": (4, "longtail", {"sp": 2, "encoder_sp": "off"}),
+    # long-short: a row's one long sample's image is above half the row's encoder work: split
+    "sp2x2_long_short_longtail": (4, "longtail", {"sp": 2, "encoder_sp": "auto"}),
+    "per_sequence4_longtail": (4, "longtail", {"max_sequence_sp": 4}),
+    "pool4_longtail": (4, "longtail", {"encoder_pool": "dp"}),
+}
+MIX = {"image": "image_heavy_9to1", "text": "text_heavy_1to9"}
+
+
+def config(name: str, out_dir: str, sources: dict, steps: int, seed: int = 0):
+    """The OmniConfig of plan `name` (CONFIGS), built on its benchmark's workload."""
+    from benchmarks import per_sequence_sp, pipeline
+    from ds_omni.config import OmniConfig, from_dict
+    from tests.fixtures import tiny_config_dict
+    world, work, par = CONFIGS[name]
+    if work == "longtail":
+        d = tiny_config_dict(f"{out_dir}/{name}", steps=steps,
+                             global_batch_size=per_sequence_sp.GLOBAL_BATCH,
+                             micro_batch_size=per_sequence_sp.MICRO)
+        d["model"]["llm"]["config"].update(per_sequence_sp.LLM)
+        d["data"]["sources"].append(sources["long"])
+        d["data"].update(max_seq_len=per_sequence_sp.MAX_LEN,
+                         pack_tokens=per_sequence_sp.MAX_LEN * per_sequence_sp.MICRO)
+    else:
+        d = tiny_config_dict(f"{out_dir}/{name}", steps=steps,
+                             global_batch_size=pipeline.GLOBAL_BATCH,
+                             micro_batch_size=pipeline.MICRO)
+        d["model"]["vision"]["config"].update(pipeline.VISION)
+        d["model"]["llm"]["config"].update(pipeline.llm_config(2))
+        d["data"]["sources"] = [{"name": "shapes", "path": "builtin:shapes",
+                                 "weight": pipeline.MIXES[MIX[work]]},
+                                dict(sources["text"], weight=1.0)]
+        d["data"]["max_seq_len"] = 256
+    dp = world // par.get("sp", 1) // par.get("pp", 1)
+    d["data"]["reorder"] = {"mode": "fixed", "group_size": dp}
+    d["data"]["seed"] = seed
+    d["parallel"] = dict(par)
+    return from_dict(OmniConfig, d)
+
+
+# ------------------------------------------------------------------------- measured run
+def ranks(rank: int, world: int, names: list[str], out_dir: str, sources: dict, rounds: int,
+          warmup: int) -> dict:
+    """Every plan of `names` (all of `world` ranks) trained `warmup + rounds` steps, rotating;
+    per plan and step this rank's CPU and wall seconds and the metadata of its samples."""
+    import torch
+    from deepspeed.utils import groups as ds_groups
+    from ds_omni.parallel.plan import ParallelPlan
+    from ds_omni.train.ds_config import derive_ds_config
+    from ds_omni.train.setup import setup_training
+    from tests.fixtures import ds_config
+    torch.set_num_threads(1)
+    runs = {}
+    for name in names:
+        cfg = config(name, out_dir, sources, warmup + rounds)
+        plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
+        _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), rank,
+                                           plan)
+        runs[name] = (loader, engine)
+    log = {name: [] for name in names}
+    for i in range(warmup + rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            log[name].append(one_step(*runs[name], ds_groups))
+    for name, (loader, _) in runs.items():  # outside the timings: what each step trained
+        for record in log[name]:
+            record["samples"] = sample_meta(loader, record.pop("keys"))
+    return log
+
+
+def one_step(loader, engine, ds_groups) -> dict:
+    import torch.distributed as dist
+    from ds_omni.train.step import train_step
+    ds_groups.mpu = engine.mpu  # DeepSpeed's SP groups are a module global: each engine its own
+    batch = loader.next_step()
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    result = train_step(engine, batch, loader.comm)
+    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+    return {"cpu_s": cpu, "wall_s": wall, "loss": result.loss, "keys": sorted(batch.keys)}
+
+
+def sample_meta(loader, keys: list[str]) -> dict:
+    """key -> (LLM tokens, [(encoder, encoder positions, LLM rows), ...]) of each sample."""
+    out = {}
+    for key, s in zip(keys, loader.load_samples(keys)):
+        items = []
+        for enc, item in s.items:
+            seqs = item.cost_seqs()
+            items += [(enc, int(n), int(item.num_embeddings) if j == 0 else 0)
+                      for j, n in enumerate(seqs)]
+        out[key] = (int(s.length), items)
+    return out
+
+
+def samples_of(per_rank: list[list[dict]], step: int):
+    """The global batch of one step: the union of every rank's samples (ranks of an SP group,
+    block or pipeline see the same ones), as the simulator's `Samples`."""
+    import numpy as np
+    from ds_omni.sim.workload import Samples
+    meta = {}
+    for log in per_rank:
+        meta.update(log[step]["samples"])
+    tokens, owner, enc, length, rows = [], [], [], [], []
+    for i, key in enumerate(sorted(meta)):
+        n, items = meta[key]
+        tokens.append(n)
+        for e, seq, r in items:
+            owner.append(i), enc.append(e), length.append(seq), rows.append(r)
+    return Samples(np.array(tokens, dtype=np.int64), np.array(owner, dtype=np.int64),
+                   np.array(enc, dtype=str), np.array(length, dtype=np.int64),
+                   np.array(rows, dtype=np.int64))
+
+
+# ------------------------------------------------------------------------- calibration
+def model_of(name: str) -> str:
+    """The model (and calibration) a plan uses: its benchmark's."""
+    return "longtail" if CONFIGS[name][1] == "longtail" else "pipeline"
+
+
+def calibrate_compute(names: list[str], out_dir: str, sources: dict, batches: int) -> dict:
+    """Cost-model scales in CPU seconds per model of `names`' plans, from one process on
+    batches of another data seed than the validated runs' (seed 0)."""
+    import torch
+    from ds_omni.train.calibrate import profile
+    torch.set_num_threads(1)
+    out = {}
+    for work, name in (("pipeline", "dp2_image"), ("longtail", "dp4_longtail")):
+        if work not in {model_of(n) for n in names}:
+            continue
+        cfg = config(name, out_dir + "/calib", sources, batches + 1, seed=1234)
+        out[work] = profile(cfg, batches, clock=time.process_time)
+    return out
+
+
+def predict(name: str, per_rank: list[list[dict]], warmup: int, cluster_file: str,
+            scales: dict[str, float], out_dir: str, sources: dict) -> dict:
+    from ds_omni.sim.cluster import cluster
+    from ds_omni.sim.from_config import model_spec, sim_plan
+    from ds_omni.sim.model_spec import ModelSpec
+    from ds_omni.sim.step import simulate
+    from tests.fixtures import ds_config
+    world = CONFIGS[name][0]
+    cfg = config(name, out_dir, sources, 1)
+    base = model_spec(cfg)
+    # the benchmarks train in fp32: 4 bytes a parameter and gradient on the wire
+    model = dataclasses.replace(ModelSpec.from_dims(base.dims, base.frozen, scales),
+                                bytes_per_param=4)
+    # the cost model's scales are CPU seconds: one "FLOP" a second, all of it achieved
+    machines = cluster(cluster_file, world, world, flops=1.0, achievable=1.0)
+    plan = sim_plan(cfg, ds_config(1), world)
+    reports = [simulate(machines, model, samples_of(per_rank, s), plan)
+               for s in range(warmup, len(per_rank[0]))]
+    phases = {}
+    for r in reports:
+        for k, v in r.summary()["critical_path"]["by_phase"].items():
+            phases.setdefault(k, []).append(v)
+    return {"predicted_s": statistics.median(r.step_time for r in reports),
+            "predicted_phases_s": {k: statistics.median(v) for k, v in phases.items()},
+            "predicted_critical_phase": reports[len(reports) // 2].critical_phase}
+
+
+def measured(per_rank: list[list[dict]], warmup: int) -> dict:
+    steps = range(warmup, len(per_rank[0]))
+    cpu = [max(log[s]["cpu_s"] for log in per_rank) for s in steps]
+    wall = [max(log[s]["wall_s"] for log in per_rank) for s in steps]
+    return {"measured_s": statistics.median(cpu), "measured_wall_s": statistics.median(wall),
+            "measured_cpu_per_round": cpu}
+
+
+def pairwise_agreement(rows: list[dict]) -> tuple[float, list]:
+    """Share of plan pairs the simulator orders as the measurement does (ties count as agreed
+    within 2 % measured), and the pairs it orders the other way."""
+    agree, wrong = 0, []
+    pairs = list(itertools.combinations(rows, 2))
+    for a, b in pairs:
+        m = a["measured_s"] - b["measured_s"]
+        p = a["predicted_s"] - b["predicted_s"]
+        tie = abs(m) <= 0.02 * max(a["measured_s"], b["measured_s"])
+        if tie or m * p > 0:
+            agree += 1
+        else:
+            wrong.append((a["name"], b["name"]))
+    return agree / max(1, len(pairs)), wrong
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    xs, ys = [r["measured_s"] for r in rows], [r["predicted_s"] for r in rows]
+    lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.2
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="predicted = measured")
+    ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], alpha=0.15,
+                    label="+-10 %")
+    for r in rows:
+        ax.scatter(r["measured_s"], r["predicted_s"], c="C0" if r["world"] == 2 else "C1")
+        ax.annotate(r["name"], (r["measured_s"], r["predicted_s"]), fontsize=6)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi),
+           xlabel="measured: busiest rank's CPU s a step (median)",
+           ylabel="simulated step s (fitted cluster)",
+           title="ds_omni.sim against measured CPU steps (blue 2 ranks, orange 4)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def measure_all(names: list[str], rounds: int, warmup: int, batches: int, comm_repeats: int,
+                out: Path, tmp: str, sources: dict) -> dict:
+    """The calibration runs and the measured runs: everything `predict_all` needs."""
+    from ds_omni.sim.calibrate_comm import calibrate as calibrate_comm
+    from tests.harness import run_on_ranks
+    worlds = sorted({CONFIGS[n][0] for n in names})
+    comm = calibrate_comm(tuple(worlds), repeats=comm_repeats)
+    (out / "sim_validation_cluster.json").write_text(json.dumps(comm["cluster"], indent=1))
+    compute = calibrate_compute(names, tmp, sources, batches)
+    logs = {}
+    for world in worlds:
+        group = [n for n in names if CONFIGS[n][0] == world]
+        per_rank = run_on_ranks(ranks, world, args=(group, tmp, sources, rounds, warmup),
+                                timeout=3000)
+        logs |= {name: [r[name] for r in per_rank] for name in group}
+    return {"comm": comm, "compute": compute, "logs": logs, "rounds": rounds, "warmup": warmup}
+
+
+def predict_all(raw: dict, out: Path, tmp: str, sources: dict) -> list[dict]:
+    rows = []
+    for name, logs in raw["logs"].items():
+        work = model_of(name)
+        row = {"name": name, "world": CONFIGS[name][0], "workload": CONFIGS[name][1],
+               "parallel": CONFIGS[name][2], **measured(logs, raw["warmup"]),
+               **predict(name, logs, raw["warmup"], str(out / "sim_validation_cluster.json"),
+                         raw["compute"][work]["cost_scales"], tmp, sources)}
+        row["error"] = (row["predicted_s"] - row["measured_s"]) / row["measured_s"]
+        rows.append(row)
+    return rows
+
+
+def run(args) -> dict:
+    """Measure (or, --reuse, read the last measurement back) and predict."""
+    import pickle
+    from tests.fixtures import long_source, text_source
+    t0 = time.perf_counter()
+    raw_file = args.out / "sim_validation_raw.pkl"  # the measured runs, to re-predict from
+    with tempfile.TemporaryDirectory(prefix="ds_omni_simval_") as tmp:
+        sources = {"text": text_source(Path(tmp)),
+                   "long": long_source(Path(tmp), weight=0.14, words=1200)}
+        if args.reuse:
+            raw = pickle.loads(raw_file.read_bytes())
+        else:
+            raw = measure_all(args.configs, args.rounds, args.warmup, args.batches,
+                              args.comm_repeats, args.out, tmp, sources)
+            raw_file.write_bytes(pickle.dumps(raw))
+        rows = predict_all(raw, args.out, tmp, sources)
+    return report(rows, raw["comm"], raw["compute"], raw["rounds"], raw["warmup"],
+                  time.perf_counter() - t0)
+
+
+def report(rows, comm, compute, rounds, warmup, runtime) -> dict:
+    errors = [abs(r["error"]) for r in rows]
+    agreement, wrong = pairwise_agreement(rows)
+    return {"command": ".venv/bin/python benchmarks/sim_validation.py", "rounds": rounds,
+            "warmup": warmup, "configs": rows,
+            "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
+            "pairwise_order_agreement": agreement, "pairs_ordered_wrong": wrong,
+            "target": {"median_abs_error": 0.10, "max_abs_error": 0.25,
+                       "pairwise_order_agreement": 1.0},
+            "calibration": {"comm": comm, "compute": compute}, "runtime_s": round(runtime, 1)}
+
+
+def table(result: dict) -> str:
+    """The Markdown table of docs/benchmarks/sim_validation.md."""
+    lines = ["| plan | ranks | workload | measured CPU s (busiest rank) | wall s | predicted s | "
+             "error | simulator's critical phase |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["configs"]:
+        lines.append(f"| {r['name']} | {r['world']} | {r['workload']} | {r['measured_s']:.3f} | "
+                     f"{r['measured_wall_s']:.3f} | {r['predicted_s']:.3f} | "
+                     f"{r['error']:+.0%} | {r['predicted_critical_phase']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--batches", type=int, default=12, help="calibration micro-batches a model")
+    ap.add_argument("--comm-repeats", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--reuse", action="store_true",
+                    help="predict again from the last run's measurements (sim_validation_raw.pkl)")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = run(args)
+    (args.out / "sim_validation.json").write_text(json.dumps(result, indent=1))
+    plot(result["configs"], args.out / "sim_validation.png")
+    print(json.dumps({r["name"]: [round(r["measured_s"], 4), round(r["predicted_s"], 4),
+                                  round(r["error"], 3)] for r in result["configs"]}, indent=1))
+    print({k: result[k] for k in ("median_abs_error", "max_abs_error",
+                                  "pairwise_order_agreement")})
+    print(table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

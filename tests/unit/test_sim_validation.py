@@ -1,0 +1,50 @@
+"""`benchmarks/sim_validation.py` end to end on two plans (slow: two real 2-rank trainings, the
+collective and compute calibrations before them): every figure the results file promises is
+there and consistent, the prediction came from the fitted cluster, and the calibration ran on
+other batches than the validated ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import sim_validation
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_config_validation_end_to_end(tmp_path):
+    names = ["dp2_text", "pp2_stage0_text"]
+    result = sim_validation.main(["--configs", *names, "--rounds", "2", "--warmup", "1",
+                                  "--batches", "3", "--comm-repeats", "2", "--out",
+                                  str(tmp_path)])
+    saved = json.loads((tmp_path / "sim_validation.json").read_text())
+    assert (tmp_path / "sim_validation.png").stat().st_size > 0
+    assert [r["name"] for r in saved["configs"]] == names
+    for row in saved["configs"]:
+        assert row["measured_s"] > 0 and row["measured_wall_s"] > 0 and row["predicted_s"] > 0
+        assert len(row["measured_cpu_per_round"]) == 2  # the warm-up round is left out
+        assert row["error"] == pytest.approx((row["predicted_s"] - row["measured_s"])
+                                             / row["measured_s"])
+        assert row["predicted_phases_s"]  # the critical path was walked
+    errors = sorted(abs(r["error"]) for r in saved["configs"])
+    assert saved["median_abs_error"] == pytest.approx(sum(errors) / 2)
+    assert saved["max_abs_error"] == pytest.approx(errors[-1])
+    assert saved["pairwise_order_agreement"] in (0.0, 1.0)  # one pair
+    fitted = json.loads((tmp_path / "sim_validation_cluster.json").read_text())
+    assert fitted["intra_latency"] == saved["calibration"]["comm"]["alpha_s"] > 0
+    assert fitted["intra_bw"] == saved["calibration"]["comm"]["beta_bytes_per_s"] > 0
+    assert all(c["micro_batches"] == 3 for c in saved["calibration"]["compute"].values())
+    assert result["configs"] == saved["configs"]
+
+
+def test_calibration_runs_on_other_batches_than_the_validated_ones(tmp_path):
+    from tests.fixtures import long_source, text_source
+    sources = {"text": text_source(tmp_path), "long": long_source(tmp_path, weight=0.14)}
+    validated = sim_validation.config("dp2_image", str(tmp_path), sources, 3)
+    calibration = sim_validation.config("dp2_image", str(tmp_path), sources, 3, seed=1234)
+    assert validated.data.seed != calibration.data.seed
+    assert len(sim_validation.CONFIGS) >= 10
+    assert {w for w, _, _ in sim_validation.CONFIGS.values()} == {2, 4}
+    assert {k for _, k, _ in sim_validation.CONFIGS.values()} == {"image", "text", "longtail"}
