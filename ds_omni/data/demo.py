@@ -35,7 +35,10 @@ def is_builtin(path: str | None) -> bool:
     return bool(path) and path.startswith(BUILTIN_PREFIX)
 
 
-BUILTINS = ("shapes", "shapes_tones", "tones")  # all share the "shapes" tokenizer
+BUILTINS = ("shapes", "shapes_eval", "shapes_tones", "tones")  # all share the "shapes" tokenizer
+# builtin:shapes_eval, the demo's validation source: the training set's distribution drawn from
+# another seed than both the training set (0) and `evaluate_captions`' held-out images (12345)
+EVAL_ROWS, EVAL_SEED = 128, 777
 ASSET_VERSION = 2  # bump when generated assets change, so stale caches are not reused
 
 
@@ -68,6 +71,8 @@ def ensure_builtin(uri: str, kind: str) -> Path:
         make_shapes_tones_dataset(tmp)
     elif out.name.startswith("tones"):
         make_shapes_tones_dataset(tmp, with_images=False)
+    elif out.name.startswith("shapes_eval"):
+        make_shapes_dataset(tmp, n=EVAL_ROWS, shards=1, seed=EVAL_SEED)
     else:
         make_shapes_dataset(tmp)
     (tmp / "_complete").touch()
