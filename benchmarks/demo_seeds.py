@@ -44,9 +44,12 @@ def start_demo(out: Path, seed: int | None, config: Path | None = None) -> tuple
         env["CONFIG"] = str(config)
     sets = [] if seed is None else [a for f in ("model.seed", "data.seed", "train.seed")
                                     for a in ("--set", f"{f}={seed}")]
+    out.mkdir(parents=True, exist_ok=True)
+    # a file, not a pipe: a pipe nobody reads while another demo is awaited fills up, and the
+    # blocked rank's peer ends the job (the watchdog sees it hang in the progress bar's write)
+    log = (out / "demo.log").open("w")
     proc = subprocess.Popen(["bash", str(REPO / "launch" / "demo.sh"), *sets], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, time.perf_counter()
 
 
@@ -54,13 +57,15 @@ def finish_demo(out: Path, seed: int | None, started: tuple, timeout: float = 18
     """Wait for a started demo; its report's figures and its wall time. Fails with its output."""
     proc, start = started
     try:
-        output, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+        proc.wait()
+        output = (out / "demo.log").read_text()
         raise RuntimeError(f"launch/demo.sh (seed {seed}) did not end in {timeout}s:\n"
                            f"{output[-4000:]}") from None
     wall = time.perf_counter() - start
+    output = (out / "demo.log").read_text()
     if proc.returncode:
         raise RuntimeError(f"launch/demo.sh (seed {seed}) failed:\n{output[-4000:]}")
     report = json.loads((out / "report.json").read_text())
