@@ -8,12 +8,14 @@ several seeds: does the model learn to see every time, and how long does it take
 Each seed sets the model's initialisation (`model.seed`), the sample order (`data.seed`) and the
 training randomness (`train.seed`) together; the data itself and the held-out images that
 eval-demo captions are the same for every seed. Writes benchmarks/results/demo_seeds.json: per
-seed the caption accuracy of each attribute, the final training and eval loss and the wall time
-of the whole demo (training, export, captioning), then min / median / max over the seeds and
-whether every seed reached the targets below. With --baseline-rev, the demo config of that git
-revision (`examples/tiny_llava.json` there) runs once, in the same way and the same conditions,
-and the ratio of the median wall time to its wall time is recorded: on a shared machine the
-seconds vary with the load, the ratio much less.
+seed the caption accuracy of each attribute, the final training and eval loss, the wall time
+of the whole demo (training, export, captioning) and the CPU seconds it used, then min / median /
+max over the seeds and whether every seed reached the targets below. With --baseline-rev, the
+demo config of that git revision (`examples/tiny_llava.json` there) runs once, in the same way
+and the same conditions, and the ratios of the median wall time and CPU seconds to its own are
+recorded: on a shared machine the seconds vary with the load, the ratios much less (under
+--parallel the shorter run ends first and leaves the cores to the others, so the CPU ratio is
+the fairer one there).
 """
 
 from __future__ import annotations
@@ -53,17 +55,32 @@ def start_demo(out: Path, seed: int | None, config: Path | None = None) -> tuple
     return proc, time.time()
 
 
+def wait_cpu_seconds(proc: subprocess.Popen, deadline: float) -> float | None:
+    """Wait for `proc`; the CPU seconds (user + system) it and the processes it waited for used
+    (bash -> the deepspeed launcher -> its ranks, then eval-demo), or None past `deadline` (killed).
+
+    Unlike the wall time, this hardly depends on how many other processes share the cores.
+    """
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return usage.ru_utime + usage.ru_stime
+        if time.time() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return None
+        time.sleep(0.5)
+
+
 def finish_demo(out: Path, seed: int | None, started: tuple, timeout: float = 1800) -> dict:
     """Wait for a started demo; its report's figures and its wall time. Fails with its output."""
     proc, start = started
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    cpu = wait_cpu_seconds(proc, start + timeout)
+    if cpu is None:
         output = (out / "demo.log").read_text()
         raise RuntimeError(f"launch/demo.sh (seed {seed}) did not end in {timeout}s:\n"
-                           f"{output[-4000:]}") from None
+                           f"{output[-4000:]}")
     # when its report was written, not when it was awaited (under --parallel the runs end apart)
     wall = (out / "report.json").stat().st_mtime - start if (out / "report.json").exists() else 0.0
     output = (out / "demo.log").read_text()
@@ -71,7 +88,7 @@ def finish_demo(out: Path, seed: int | None, started: tuple, timeout: float = 18
         raise RuntimeError(f"launch/demo.sh (seed {seed}) failed:\n{output[-4000:]}")
     report = json.loads((out / "report.json").read_text())
     scores = report["caption_eval"]
-    return {"seed": seed, "wall_s": round(wall, 1),
+    return {"seed": seed, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
             "accuracy": {a: scores[f"{a}_accuracy"] for a in ATTRIBUTES},
             "last_loss_mean10pct": report["last_loss_mean10pct"],
             "last_eval_loss": report.get("last_eval_loss")}
@@ -85,6 +102,7 @@ def summarise(runs: list[dict]) -> dict:
     acc = {a: spread([r["accuracy"][a] for r in runs]) for a in ATTRIBUTES}
     reached = {str(r["seed"]): all(r["accuracy"][a] >= t for a, t in TARGETS.items()) for r in runs}
     return {"accuracy": acc, "wall_s": spread([r["wall_s"] for r in runs]),
+            "cpu_s": spread([r["cpu_s"] for r in runs]),
             "last_loss_mean10pct": spread([r["last_loss_mean10pct"] for r in runs]),
             "last_eval_loss": spread([r["last_eval_loss"] for r in runs
                                       if r["last_eval_loss"] is not None] or [float("nan")]),
@@ -130,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                                     check=True, stdout=subprocess.PIPE, text=True).stdout.strip()
             result["baseline"] = {"rev": args.baseline_rev, "commit": commit, **base}
             result["wall_ratio_median_over_baseline"] = result["wall_s"]["median"] / base["wall_s"]
+            result["cpu_ratio_median_over_baseline"] = result["cpu_s"]["median"] / base["cpu_s"]
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
     Path(args.results).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("accuracy", "wall_s", "all_reached")}, indent=1))
