@@ -14,6 +14,7 @@ from pathlib import Path
 
 BUILTIN_PREFIX = "builtin:"
 IMAGE_SIZE = 32
+SMALL_R, LARGE_R = 5.5, 9.5  # shape radii in pixels (before a +-0.5 px jitter)
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<image>", "<audio>"]
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220),
@@ -35,8 +36,11 @@ def is_builtin(path: str | None) -> bool:
     return bool(path) and path.startswith(BUILTIN_PREFIX)
 
 
-BUILTINS = ("shapes", "shapes_tones", "tones")  # all share the "shapes" tokenizer
-ASSET_VERSION = 2  # bump when generated assets change, so stale caches are not reused
+BUILTINS = ("shapes", "shapes_eval", "shapes_tones", "tones")  # all share the "shapes" tokenizer
+# builtin:shapes_eval, the demo's validation source: the training set's distribution drawn from
+# another seed than both the training set (0) and `evaluate_captions`' held-out images (12345)
+EVAL_ROWS, EVAL_SEED = 128, 777
+ASSET_VERSION = 3  # bump when generated assets change, so stale caches are not reused
 
 
 def builtin_dir(uri: str, kind: str) -> Path:
@@ -68,6 +72,8 @@ def ensure_builtin(uri: str, kind: str) -> Path:
         make_shapes_tones_dataset(tmp)
     elif out.name.startswith("tones"):
         make_shapes_tones_dataset(tmp, with_images=False)
+    elif out.name.startswith("shapes_eval"):
+        make_shapes_dataset(tmp, n=EVAL_ROWS, shards=1, seed=EVAL_SEED)
     else:
         make_shapes_dataset(tmp)
     (tmp / "_complete").touch()
@@ -83,8 +89,10 @@ def _draw(colour: str, shape: str, place: str, big: bool, background: str, rng: 
     from PIL import Image, ImageDraw
     img = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), BACKGROUNDS[background])
     draw = ImageDraw.Draw(img)
-    cx, cy = (c * IMAGE_SIZE + rng.uniform(-1.5, 1.5) for c in PLACES[place])
-    r = (7.0 if big else 4.0) + rng.uniform(-0.5, 0.5)
+    # radius: a small shape is ~11 px across, a large one ~19 px (on 32 px, 8-px patches), so the
+    # outline of a small triangle, circle or square covers several patches and is legible
+    cx, cy = (c * IMAGE_SIZE + rng.uniform(-1.0, 1.0) for c in PLACES[place])
+    r = (LARGE_R if big else SMALL_R) + rng.uniform(-0.5, 0.5)
     fill = COLOURS[colour]
     if shape == "circle":
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
