@@ -107,8 +107,14 @@ def _plan_args(sub) -> None:
                          "GPUs per node, default 8)")
     pl.add_argument("--simulate", action="store_true",
                     help="simulate one step of the plan and five baselines (docs/simulator.md)")
-    pl.add_argument("--gpus", type=int, help="--simulate: GPUs of the cluster")
-    pl.add_argument("--gpu", default="h100", help="--simulate: h100, h200, a100 or cpu")
+    pl.add_argument("--search", action="store_true",
+                    help="search the plan space on the cluster: the best plans, their predicted "
+                         "step time, MFU and memory, the baselines, why others were dropped")
+    pl.add_argument("--top", type=int, default=5, help="--search: plans to print")
+    pl.add_argument("--budget", type=float, default=None,
+                    help="--search: stop after this many seconds (then the best found so far)")
+    pl.add_argument("--gpus", type=int, help="--simulate / --search: GPUs of the cluster")
+    pl.add_argument("--gpu", default="h100", help="--simulate / --search: h100, h200, a100 or cpu")
     pl.add_argument("--workload", help="--simulate: a `ds-omni data check --json` report or "
                                        "WorkloadSpec fields (JSON); default: a mixed workload")
     pl.add_argument("--seed", type=int, default=0, help="--simulate: seed of the drawn samples")
@@ -232,9 +238,18 @@ def cmd_plan(args) -> None:
     from ds_omni.train.ds_config import load_ds_json
     from ds_omni.train.setup import describe_plan, plan_run
     cfg = load_config(args.config, args.set)
-    world = args.gpus if args.simulate else args.world_size
+    world = args.gpus if (args.simulate or args.search) else args.world_size
     if world is None:
-        raise LaunchError("ds-omni plan needs --world-size N (or --simulate --gpus N)")
+        raise LaunchError("ds-omni plan needs --world-size N (or --simulate / --search --gpus N)")
+    if args.search:
+        from ds_omni.sim.search import format_search
+        from ds_omni.sim.from_config import search_config
+        out = search_config(cfg, load_ds_json(args.deepspeed), gpus=world,
+                            gpus_per_node=args.gpus_per_node or 8, gpu=args.gpu,
+                            workload=args.workload, seed=args.seed, top=args.top,
+                            budget_s=args.budget)
+        print(json.dumps(out, indent=1) if args.json else format_search(out))
+        return
     if args.simulate:
         from ds_omni.sim.from_config import format_simulation, simulate_config
         out = simulate_config(cfg, load_ds_json(args.deepspeed), gpus=world,

@@ -386,3 +386,11 @@ def _a2a_even_splits(rank: int):
                             cluster)
         return pairs
     yield from _patched(comm, "all_to_all_pairs", even)
+
+
+# ------------------------------------------------------ the plan search (tests/unit/test_sim_search.py)
+@plant("search_bound_too_tight", "the plan search's lower bound overstated threefold, so it prunes "
+       "plans that would have ranked", "sim_search")
+def _search_bound_too_tight(rank: int):
+    from ds_omni.sim import bounds
+    yield from _patched(bounds, "refined_bound", lambda f: lambda *a: 3 * f(*a))
