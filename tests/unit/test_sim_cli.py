@@ -55,3 +55,19 @@ def test_workload_files(tmp_path):
     fields.write_text(json.dumps({"image_share": 0.9}))
     with pytest.raises(ConfigError, match="unknown fields \\['image_share'\\]"):
         load_workload(str(fields), m, 512)
+
+
+@pytest.mark.slow  # the meta-device model, then a search of ~3,000 plans (~15 s of CPU)
+def test_plan_search_prints_the_best_plans_the_baselines_and_the_dropped(capsys):
+    args = [a for a in ARGS if a != "--simulate"] + ["--search", "--top", "3"]
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 1 <= len(out["top"]) <= 3 and out["counts"]["unexplored"] == 0
+    times = [r["step_time"] for r in out["top"]]
+    assert times == sorted(times) and all(r["bound"] <= r["step_time"] for r in out["top"])
+    assert set(out["baselines"]) == set(BASELINES)
+    reasons = " ".join(d["reason"] for d in out["dropped"])
+    assert "must divide the LLM's attention heads" in reasons  # training's plan_run said so
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("searched ") and "baselines of plan 1" in text and "dropped:" in text
