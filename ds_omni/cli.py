@@ -7,6 +7,7 @@ top-level help shows a first hour's commands (`EXAMPLES`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -107,9 +108,15 @@ def _plan_args(sub) -> None:
                          "GPUs per node, default 8)")
     pl.add_argument("--simulate", action="store_true",
                     help="simulate one step of the plan and five baselines (docs/simulator.md)")
-    pl.add_argument("--gpus", type=int, help="--simulate: GPUs of the cluster")
-    pl.add_argument("--gpu", default="h100", help="--simulate: h100, h200, a100, cpu or a "
-                                                  "cluster file of `ds-omni calibrate-comm`")
+    pl.add_argument("--search", action="store_true",
+                    help="search the plan space on the cluster: the best plans, their predicted "
+                         "step time, MFU and memory, the baselines, why others were dropped")
+    pl.add_argument("--top", type=int, default=5, help="--search: plans to print")
+    pl.add_argument("--budget", type=float, default=None,
+                    help="--search: stop after this many seconds (then the best found so far)")
+    pl.add_argument("--gpus", type=int, help="--simulate / --search: GPUs of the cluster")
+    pl.add_argument("--gpu", default="h100", help="--simulate / --search: h100, h200, a100, cpu "
+                                                  "or a cluster file of `ds-omni calibrate-comm`")
     pl.add_argument("--workload", help="--simulate: a `ds-omni data check --json` report or "
                                        "WorkloadSpec fields (JSON); default: a mixed workload")
     pl.add_argument("--seed", type=int, default=0, help="--simulate: seed of the drawn samples")
@@ -235,23 +242,54 @@ def cmd_plan(args) -> None:
     """Print the plan, its rank layout and the derived DeepSpeed config (and the pipeline's
     stages), as the training's own set-up builds them (`ds_omni.train.setup.plan_run`): what can
     be checked without launching is checked (the world size, the SP degree against the LLM's
-    heads, the reorder group)."""
-    from ds_omni.config import load_config
-    from ds_omni.train.ds_config import load_ds_json
-    from ds_omni.train.setup import describe_plan, plan_run
-    cfg = load_config(args.config, args.set)
-    world = args.gpus if args.simulate else args.world_size
-    if world is None:
-        raise LaunchError("ds-omni plan needs --world-size N (or --simulate --gpus N)")
-    if args.simulate:
-        from ds_omni.sim.from_config import format_simulation, simulate_config
-        out = simulate_config(cfg, load_ds_json(args.deepspeed), gpus=world,
-                              gpus_per_node=args.gpus_per_node or 8, gpu=args.gpu,
-                              workload=args.workload, seed=args.seed)
-        print(json.dumps(out, indent=1) if args.json else format_simulation(out))
+    heads, the reorder group). --simulate / --search: the simulator's report instead."""
+    if not (args.simulate or args.search):
+        from ds_omni.config import load_config
+        from ds_omni.train.ds_config import load_ds_json
+        from ds_omni.train.setup import describe_plan, plan_run
+        if args.world_size is None:
+            raise LaunchError("ds-omni plan needs --world-size N (or --simulate / --search --gpus N)")
+        cfg = load_config(args.config, args.set)
+        plan, ds_config = plan_run(cfg, load_ds_json(args.deepspeed), args.world_size)
+        print(_leaf_lines(describe_plan(cfg, plan, ds_config, args.gpus_per_node)))
         return
-    plan, ds_config = plan_run(cfg, load_ds_json(args.deepspeed), world)
-    print(_leaf_lines(describe_plan(cfg, plan, ds_config, args.gpus_per_node)))
+    if args.gpus is None:
+        raise LaunchError("ds-omni plan --simulate / --search needs --gpus N (the cluster's GPUs)")
+    if not args.json:
+        print(_simulated(args))
+        return
+    # stdout holds the JSON alone: DeepSpeed's logger (its accelerator line, AutoTP's warnings)
+    # writes to the stdout its handler saw when deepspeed was imported
+    with contextlib.redirect_stdout(sys.stderr):
+        _logs_to_stderr()
+        out = _simulated(args)
+    print(json.dumps(out, indent=1))
+
+
+def _simulated(args) -> "dict | str":
+    """The simulator's report of the config's plan (--simulate) or the plan search (--search):
+    a dict under --json, else the text for people."""
+    from ds_omni.config import load_config
+    from ds_omni.sim.from_config import format_simulation, search_config, simulate_config
+    from ds_omni.sim.search import format_search
+    from ds_omni.train.ds_config import load_ds_json
+    cfg, ds_json = load_config(args.config, args.set), load_ds_json(args.deepspeed)
+    where = dict(gpus=args.gpus, gpus_per_node=args.gpus_per_node or 8, gpu=args.gpu,
+                 workload=args.workload, seed=args.seed)
+    if args.search:
+        out = search_config(cfg, ds_json, top=args.top, budget_s=args.budget, **where)
+        return out if args.json else format_search(out)
+    out = simulate_config(cfg, ds_json, **where)
+    return out if args.json else format_simulation(out)
+
+
+def _logs_to_stderr() -> None:
+    """Under --json stdout holds the JSON alone: DeepSpeed's logger (its accelerator line, AutoTP's
+    warnings) writes to stdout through a handler made at its import, so point it at stderr."""
+    from deepspeed.utils import logger
+    for handler in logger.handlers:
+        if getattr(handler, "stream", None) in (sys.__stdout__, sys.stdout):
+            handler.setStream(sys.stderr)
 
 
 def _leaf_lines(obj, level: int = 0) -> str:

@@ -394,3 +394,10 @@ def _a2a_even_splits(rank: int):
 def _comm_fit_no_latency(rank: int):
     from ds_omni.sim.calibrate_comm import Timing
     yield from _patched(Timing, "terms", lambda f: lambda self: (0.0, f(self)[1]))
+
+# ------------------------------------------------------ the plan search (tests/unit/test_sim_search.py)
+@plant("search_bound_too_tight", "the plan search's lower bound overstated threefold, so it prunes "
+       "plans that would have ranked", "sim_search")
+def _search_bound_too_tight(rank: int):
+    from ds_omni.sim import bounds
+    yield from _patched(bounds, "refined_bound", lambda f: lambda *a: 3 * f(*a))

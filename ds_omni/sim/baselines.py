@@ -41,7 +41,7 @@ def disttrain(plan: SimPlan, gpus: int, encoder_share: float) -> SimPlan:
     """Encoder GPUs in proportion to the encoders' share of the step's FLOPs (at least one),
     the rest (a multiple of sp x pp) for the LLM; its fewer data-parallel ranks each run
     proportionally more micro-batches (the same global batch, the same packed row size)."""
-    unit = plan.sp * plan.pp
+    unit = plan.sp * plan.pp * plan.tp
     llm = unit * max(1, math.floor(gpus * (1 - encoder_share) / unit))
     llm = min(llm, unit * ((gpus - 1) // unit))
     dp = llm // unit
@@ -69,12 +69,13 @@ def deepspeed(plan: SimPlan) -> SimPlan:
 
 def bytescale(plan: SimPlan, samples: Samples) -> SimPlan:
     sp = static_degree(plan, samples)
-    return _plain(plan, "bytescale", sp=sp, pp=1, encoder_mode="reshard",
+    return _plain(plan, "bytescale", sp=sp, pp=1, tp=1, ep=1 if sp > 1 else plan.ep,
+                  encoder_mode="reshard",
                   pack_tokens=plan.pack_tokens * sp // max(plan.sp, 1))
 
 
 def veomni(plan: SimPlan) -> SimPlan:
-    return _plain(plan, "veomni", sp=max(plan.sp, plan.max_sequence_sp), pp=1, zero_stage=3,
+    return _plain(plan, "veomni", sp=max(plan.sp, plan.max_sequence_sp), pp=1, tp=1, zero_stage=3,
                   encoder_mode="split_all")
 
 

@@ -2,23 +2,25 @@
 model built on the meta device: no weights made or read) and the plan (`plan_run`, the training's
 own composition root, resolves and checks it), and a workload file.
 
-What `ds-omni plan --simulate` runs.
+What `ds-omni plan --simulate` and `ds-omni plan --search` run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
 from ds_omni.config import OmniConfig
-from ds_omni.errors import ConfigError
+from ds_omni.errors import ConfigError, DsOmniError
 from ds_omni.model.build import build_model
 from ds_omni.sim.baselines import compare
 from ds_omni.sim.cluster import cluster
 from ds_omni.sim.model_spec import ModelSpec
 from ds_omni.sim.plan_spec import SimPlan
+from ds_omni.sim.search import as_dict, search
 from ds_omni.sim.workload import WorkloadSpec, from_check_report
 from ds_omni.train.setup import plan_run
 
@@ -124,3 +126,44 @@ def format_simulation(out: dict) -> str:
 
 def _mmm(d: dict) -> str:
     return f"{d['max']:.4f}/{d['mean']:.4f}/{d['min']:.4f}"
+
+
+def training_check(cfg: OmniConfig, ds_json: dict, gpus: int):
+    """`check(plan)` for the search: training's `plan_run` on the config with the plan's
+    degrees, ZeRO stage and encoder placement (its family, heads, experts, batch and pipeline
+    checks), once per distinct combination."""
+    seen: dict = {}
+
+    def check(plan: SimPlan) -> None:
+        key = (plan.sp, plan.pp, plan.tp, plan.ep, plan.max_sequence_sp, plan.zero_stage,
+               plan.encoder_placement)
+        if key not in seen:
+            par = dataclasses.replace(cfg.parallel, dp="auto", sp=plan.sp, pp=plan.pp, tp=plan.tp,
+                                      ep=plan.ep, max_sequence_sp=plan.max_sequence_sp,
+                                      encoder_placement=plan.encoder_placement, encoder_pool="off")
+            zero = dict(ds_json.get("zero_optimization", {}), stage=plan.zero_stage)
+            try:
+                plan_run(dataclasses.replace(cfg, parallel=par),
+                         dict(ds_json, zero_optimization=zero), gpus)
+                seen[key] = None
+            except DsOmniError as e:
+                seen[key] = e
+        if seen[key] is not None:
+            raise seen[key]
+    return check
+
+
+def search_config(cfg: OmniConfig, ds_json: dict, *, gpus: int, gpus_per_node: int = 8,
+                  gpu: str = "h100", workload: str | None = None, seed: int = 0, top: int = 5,
+                  budget_s: float | None = None) -> dict:
+    """`ds-omni plan --search`: the config's plan space on one cluster, ranked on one draw of
+    the workload (plain data, `search.as_dict`)."""
+    c = cluster(gpu, gpus, gpus_per_node)
+    model = model_spec(cfg)
+    base = sim_plan(cfg, ds_json, gpus)
+    samples = load_workload(workload, model, cfg.data.max_seq_len).draw(
+        base.global_batch, seed, tuple(model.dims.encoders))
+    result = search(c, model, samples, base, top=top, check=training_check(cfg, ds_json, gpus),
+                    budget_s=budget_s)
+    return {"cluster": {"gpu": gpu, "gpus": gpus, "gpus_per_node": gpus_per_node},
+            **as_dict(result)}

@@ -12,9 +12,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from ds_omni.config import ParallelConfig, ReorderConfig
-from ds_omni.errors import ConfigError
+from ds_omni.errors import ConfigError, ModelError
 from ds_omni.parallel.plan import ParallelPlan
+from ds_omni.parallelize.expert_parallel import autoep_section
+from ds_omni.parallelize.tensor_parallel import check_tensor_parallel
 from ds_omni.sim.encode_sim import ENCODER_MODES
+from ds_omni.train.ds_config import check_tensor_parallel_ds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,6 +30,10 @@ class SimPlan:
     """Static Ulysses SP degree of the LLM."""
     pp: int = 1
     """Pipeline stages."""
+    tp: int = 1
+    """Tensor-parallel degree of the LLM's layers (AutoTP; with sp = pp = 1, ZeRO 0-2)."""
+    ep: int = 1
+    """Expert-parallel degree of an MoE LLM (AutoEP; with sp = tp = pp = 1)."""
     zero_stage: int = 1
     global_batch: int = 256
     """Samples per optimizer step (the same for every plan of one comparison)."""
@@ -82,11 +89,48 @@ class SimPlan:
     def parallel_plan(self, gpus: int) -> ParallelPlan:
         """The plan over the LLM's GPUs, resolved and checked by training's own code."""
         cfg = ParallelConfig(dp="auto" if self.dp is None else self.dp, sp=self.sp, pp=self.pp,
-                             max_sequence_sp=self.max_sequence_sp,
+                             tp=self.tp, ep=self.ep, max_sequence_sp=self.max_sequence_sp,
                              encoder_placement=self.encoder_placement, stage_split=self.stage_split,
                              encoder_sp="auto" if self.long_items else "off",
                              encoder_pool="dp" if self.encoder_mode == "pool" else "off")
         world = self.llm_gpus(gpus)
-        dp = world // (self.sp * self.pp) if self.dp is None else self.dp
+        dp = world // (self.sp * self.pp * self.tp) if self.dp is None else self.dp
         reorder = ReorderConfig(mode=self.reorder, group_size=max(1, min(self.reorder_group, dp)))
         return ParallelPlan.from_config(cfg, world, reorder)
+
+    def check_model(self, model) -> None:
+        """Training's rules that need the model (a `ModelSpec`): tp divides the LLM's heads and
+        MLP width and runs under ZeRO 0-2, ep divides an MoE LLM's experts, an SP degree divides
+        its heads. With the LLM's HF config (`ModelSpec.text_config`) training's own checks run
+        (`check_tensor_parallel`, `autoep_section`); without it, the same rules on its sizes."""
+        text = model.text_config
+        if self.tp > 1:
+            check_tensor_parallel_ds({"zero_optimization": {"stage": self.zero_stage}}, self.tp)
+            if text is not None:
+                check_tensor_parallel(text, self.tp, "the LLM")
+            else:
+                _divides(self.tp, "parallel.tp", {"attention heads": model.llm_heads,
+                                                  "MLP width": model.dims.intermediate})
+        if self.ep > 1:
+            if model.moe is None:
+                raise ConfigError(f"parallel.ep={self.ep} needs an MoE LLM; this one is dense: "
+                                  "set parallel.ep to 1")
+            if text is not None:
+                autoep_section(text, self.ep)
+            elif model.moe.experts % self.ep:
+                raise ConfigError(f"parallel.ep={self.ep} does not divide the LLM's "
+                                  f"{model.moe.experts} experts: each expert-parallel rank holds "
+                                  f"experts / ep of them; choose an ep that divides "
+                                  f"{model.moe.experts}")
+        for name, degree in (("parallel.sp", self.sp), ("parallel.max_sequence_sp",
+                                                        self.max_sequence_sp)):
+            if degree > 1:
+                _divides(degree, name, {"attention heads": model.llm_heads})
+
+
+def _divides(degree: int, name: str, sizes: dict) -> None:
+    for what, size in sizes.items():
+        if size and int(size) % degree:
+            ok = [d for d in range(1, int(size) + 1) if int(size) % d == 0]
+            raise ModelError(f"{name}={degree} must divide the LLM's {what} ({int(size)}); it "
+                             f"can be one of {ok}")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ds_omni.sim import memory
+from ds_omni.sim import memory, model_parallel
 from ds_omni.sim.pipeline_sim import held_params
 from ds_omni.sim.separate import encoder_states_params
 
@@ -95,11 +95,17 @@ def rank_memory(step) -> dict[str, np.ndarray]:
     w = step.cluster.gpus
     kinds = {k: np.zeros(w) for k in ("params", "grads", "optimizer", "gathered", "activations")}
     for s in range(p.pp):
-        held = held_params(step, s)
-        _states_into(kinds, step.ranks_of(0, p.dp, s), held, p.dp * p.sp, plan.zero_stage, m)
+        ranks = step.ranks_of(0, p.dp, s)
+        for shard in model_parallel.state_shards(step, s, held_params(step, s)):
+            _states_into(kinds, ranks, (shard.params, shard.trainable), shard.group_size,
+                         plan.zero_stage, m)
+        kinds["gathered"][ranks] = memory.gathered_bytes(m.llm_layer_params(p.tp, p.ep),
+                                                         plan.zero_stage, m.bytes_per_param)
     if plan.encoder_gpus:
-        _states_into(kinds, np.arange(p.world_size, w), encoder_states_params(step),
-                     plan.encoder_gpus, 1, m)
+        enc = np.arange(p.world_size, w)
+        _states_into(kinds, enc, encoder_states_params(step), plan.encoder_gpus, 1, m)
+        kinds["gathered"][enc] = memory.gathered_bytes(m.llm_layer_params(), 1,
+                                                       m.bytes_per_param)
     kinds["activations"] = step.act_peak.copy()
     kinds["total"] = sum(kinds.values())
     return kinds
@@ -108,6 +114,4 @@ def rank_memory(step) -> dict[str, np.ndarray]:
 def _states_into(kinds, ranks, held, dp: int, zero: int, m) -> None:
     st = memory.model_states(held[0], held[1], dp, zero, m.bytes_per_param)
     for k, v in st.as_dict().items():
-        kinds[k][ranks] = v
-    kinds["gathered"][ranks] = memory.gathered_bytes(m.llm_layer_params(), zero,
-                                                     m.bytes_per_param)
+        kinds[k][ranks] += v

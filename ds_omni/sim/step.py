@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ds_omni.errors import DataError, ModelError
-from ds_omni.sim import comm, memory, pipeline_sim
+from ds_omni.sim import comm, memory, model_parallel, pipeline_sim
 from ds_omni.sim.cluster import Cluster
 from ds_omni.sim.encode_sim import Row, RowLayout, round_work
 from ds_omni.sim.loader_sim import plan_step
@@ -33,16 +33,18 @@ from ds_omni.sim.timeline import Timeline
 from ds_omni.sim.workload import Samples, WorkloadSpec
 from ds_omni.train.setup import encoder_dummies_needed
 
-PHASES = ("encode_fwd", "encode_sp", "reshard", "llm_fwd", "llm_sp", "llm_bwd", "encode_bwd",
-          "zero", "grad_sync")
+PHASES = ("encode_fwd", "encode_sp", "reshard", "llm_fwd", "llm_sp", "llm_tp", "llm_ep",
+          "llm_bwd", "encode_bwd", "zero", "grad_sync")
 
 
 class Step:
     """The pieces of one simulated step that every part reads (no process group)."""
 
-    def __init__(self, cluster: Cluster, model: ModelSpec, samples: Samples, plan: SimPlan):
+    def __init__(self, cluster: Cluster, model: ModelSpec, samples: Samples, plan: SimPlan,
+                 cache: dict | None = None):
         self.cluster, self.model, self.samples, self.plan = cluster, model, samples, plan
         self.pplan = plan.parallel_plan(cluster.gpus)
+        plan.check_model(model)
         self.rate = cluster.flops_per_s
         cm = model.cost
         self.sample_cost = cm.sample_costs(samples.tokens, samples.item_sample,
@@ -61,32 +63,43 @@ class Step:
                                                "bf16": {"enabled": True}}, plan.pp > 1)
         self.act_peak = np.zeros(cluster.gpus)  # [W] activation bytes at the busiest round
         self.a2a_bytes = {"reshard": 0.0, "pool_inputs": 0.0, "llm_ulysses": 0.0,
-                          "encoder_ulysses": 0.0}
-        p = self.pplan
-        self.assignment = plan_step(self.sample_cost, samples.tokens, p.dp, p.reorder_group,
-                                    plan.micro_batches, plan.reorder, plan.pack_tokens,
-                                    p.max_sequence_sp)
+                          "encoder_ulysses": 0.0, "llm_tp": 0.0, "llm_experts": 0.0}
+        self.assignment = loader_plan(self.sample_cost, samples.tokens, self.pplan, plan, cache)
 
     def llm_ranks(self) -> np.ndarray:
         return np.arange(self.pplan.world_size)
 
     def ranks_of(self, dp_lo: int, dp_n: int, stage: int = 0) -> np.ndarray:
-        """Global ranks of data-parallel ranks [dp_lo, dp_lo + dp_n) of `stage`, all SP ranks."""
-        sp, dp = self.pplan.sp, self.pplan.dp
-        base = stage * dp * sp
-        return np.arange(base + dp_lo * sp, base + (dp_lo + dp_n) * sp)
+        """Global ranks of data-parallel ranks [dp_lo, dp_lo + dp_n) of `stage`, all SP (and TP)
+        ranks."""
+        inner, dp = self.pplan.sp * self.pplan.tp, self.pplan.dp
+        base = stage * dp * inner
+        return np.arange(base + dp_lo * inner, base + (dp_lo + dp_n) * inner)
+
+
+def loader_plan(sample_cost: np.ndarray, tokens: np.ndarray, pplan, plan: SimPlan,
+                cache: dict | None = None):
+    """The loader's planning of the step (`plan_step`), kept in `cache` (if given) for plans of
+    the same data-parallel shape (a search's plans on the same samples)."""
+    key = (pplan.dp, pplan.reorder_group, plan.micro_batches, plan.reorder, plan.pack_tokens,
+           pplan.max_sequence_sp)
+    cache = {} if cache is None else cache
+    if key not in cache:
+        cache[key] = plan_step(sample_cost, tokens, *key)
+    return cache[key]
 
 
 def simulate(cluster: Cluster, model: ModelSpec, workload: WorkloadSpec | Samples,
-             plan: SimPlan, seed: int = 0) -> StepReport:
+             plan: SimPlan, seed: int = 0, cache: dict | None = None) -> StepReport:
     """One step of `plan` on `cluster` for `model` and a global batch of `workload` (a spec
-    drawn with `seed`, or given samples: the same samples for every plan compared)."""
+    drawn with `seed`, or given samples: the same samples for every plan compared). `cache`: a
+    dict shared by plans simulated on the same samples (the loader's planning is kept there)."""
     check_fits_somewhere(cluster, model)
     samples = workload if isinstance(workload, Samples) else workload.draw(
         plan.global_batch, seed, tuple(model.dims.encoders))
     if len(samples) == 0:
         raise DataError("the workload has no samples; give a global batch of at least one")
-    step = Step(cluster, model, samples, plan)
+    step = Step(cluster, model, samples, plan, cache)
     if plan.pp > 1:
         pipeline_sim.run_pipeline(step)
     else:
@@ -133,23 +146,29 @@ def run_round(step: Step, k: int) -> None:
     rows = round_rows(step, k)
     before = tl.compute[ranks].copy()
     shared = not step.plan.encoder_gpus  # DistTrain: the LLM's ranks encode nothing
-    work = round_work(rows if shared else [], step.layout, len(ranks), step.plan.encoder_mode,
-                      step.plan.long_items, step.heads, step.model.cost.encoder_names)
+    tp = step.pplan.tp  # a row's tp ranks all encode its items and hold all its tokens
+    work = round_work(rows if shared else [], step.layout, len(ranks),
+                      "replicated" if tp > 1 else step.plan.encoder_mode, step.plan.long_items,
+                      step.heads, step.model.cost.encoder_names)
     llm = np.zeros(len(ranks))  # [W] LLM training FLOPs of the round
     tokens = np.zeros(len(ranks))  # [W] LLM tokens on each rank
     for row in rows:
         llm[row.ranks] += step.llm_cost[row.samples].sum() / len(row.ranks)
-        tokens[row.ranks] += step.samples.tokens[row.samples].sum() / len(row.ranks)
+        tokens[row.ranks] += step.samples.tokens[row.samples].sum() / (len(row.ranks) // tp)
+    llm = model_parallel.ep_balance(step, llm, tokens)
     if shared and step.dummies:
         work.flops += dummy_flops(step, work)
     tl.run(ranks, "encode_fwd", work.flops * step.encoder_fwd / rate)
     _encoder_sp(step, work, backward=False)
     rows_s, inputs_s = _reshard_seconds(step, work)
     _sync_groups(step, work.groups, "reshard", rows_s + inputs_s)
-    tl.run(ranks, "llm_fwd", llm / 3 / rate)
-    _llm_sp(step, rows, backward=False)
-    tl.run(ranks, "llm_bwd", llm * (2 + step.plan.checkpointing) / 3 / rate)
-    _llm_sp(step, rows, backward=True)
+    for backward in (False, True):
+        tl.run(ranks, "llm_bwd" if backward else "llm_fwd",
+               llm * ((2 + step.plan.checkpointing) if backward else 1) / 3 / rate)
+        if tp == 1:
+            _llm_sp(step, rows, backward)
+        model_parallel.run_tp(step, rows, backward)
+        model_parallel.run_ep(step, tokens, backward)
     _sync_groups(step, work.groups, "reshard", rows_s)  # the gradients go back; inputs do not
     _encoder_sp(step, work, backward=True)
     tl.run(ranks, "encode_bwd", work.flops * (1 - step.encoder_fwd) / rate)
@@ -244,19 +263,19 @@ def _round_zero(step: Step, ranks: np.ndarray, compute: np.ndarray) -> None:
     stage = step.plan.zero_stage
     if stage < 2:
         return
-    m = step.model
-    link = comm.link_of(step.cluster, ranks)
-    params, trainable = pipeline_sim.held_params(step)
-    t = comm.reduce_scatter(trainable * m.bytes_per_param, len(ranks), link)
-    if stage == 3:
-        t += 2 * comm.all_gather(params * m.bytes_per_param, len(ranks), link)
+    m, t = step.model, 0.0
+    for shard in model_parallel.state_shards(step, 0, pipeline_sim.held_params(step)):
+        link = model_parallel.shard_link(step, shard)
+        t += comm.reduce_scatter(shard.trainable * m.bytes_per_param, shard.group_size, link)
+        if stage == 3:
+            t += 2 * comm.all_gather(shard.params * m.bytes_per_param, shard.group_size, link)
     hidden = float(np.min(compute)) if step.plan.overlap_comm and np.size(compute) else 0.0
     step.timeline.sync(ranks, np.zeros(len(ranks)), "zero", max(0.0, t - hidden))
 
 
 def _activations(step: Step, tokens: np.ndarray, positions: np.ndarray) -> None:
-    m, ckpt = step.model, step.plan.checkpointing
-    llm = tokens * (m.llm_activation_bytes(ckpt) + m.llm_peak_extra_bytes(ckpt))
+    m, ckpt, tp = step.model, step.plan.checkpointing, step.pplan.tp
+    llm = tokens * (m.llm_activation_bytes(ckpt, tp) + m.llm_peak_extra_bytes(ckpt, tp))
     enc = positions * max((m.encoder_activation_bytes(n, ckpt) for n in m.dims.encoders),
                           default=0.0)
     n = len(tokens)
@@ -273,13 +292,21 @@ def end_of_step(step: Step) -> None:
     stage_ranks = [step.ranks_of(0, p.dp, s) for s in range(p.pp)]
     seconds = np.zeros(step.cluster.gpus)
     for s, ranks in enumerate(stage_ranks):
-        params, trainable = pipeline_sim.held_params(step, s)
-        link = comm.link_of(step.cluster, ranks)
-        n, g, w = len(ranks), trainable * m.bytes_per_param, params * m.bytes_per_param
-        seconds[ranks] = {0: comm.all_reduce(g, n, link),
-                          1: comm.reduce_scatter(g, n, link) + comm.all_gather(w, n, link),
-                          2: comm.all_gather(w, n, link), 3: 0.0}[step.plan.zero_stage]
+        seconds[ranks] = grad_sync_seconds(step, s)
     ranks = np.concatenate(stage_ranks)
-    tl.sync(ranks, np.repeat(np.arange(p.pp), p.dp * p.sp), "grad_sync", seconds[ranks])
+    tl.sync(ranks, np.repeat(np.arange(p.pp), len(stage_ranks[0])), "grad_sync", seconds[ranks])
     everyone = np.arange(step.cluster.gpus)
     tl.sync(everyone, np.zeros(everyone.size), "grad_sync", 0.0)
+
+
+def grad_sync_seconds(step, stage: int) -> float:
+    """The end of step's collectives of a rank of `stage`, over each of its ZeRO groups."""
+    m, t = step.model, 0.0
+    held = pipeline_sim.held_params(step, stage)
+    for shard in model_parallel.state_shards(step, stage, held):
+        link, n = model_parallel.shard_link(step, shard), shard.group_size
+        g, w = shard.trainable * m.bytes_per_param, shard.params * m.bytes_per_param
+        t += {0: comm.all_reduce(g, n, link),
+              1: comm.reduce_scatter(g, n, link) + comm.all_gather(w, n, link),
+              2: comm.all_gather(w, n, link), 3: 0.0}[step.plan.zero_stage]
+    return t

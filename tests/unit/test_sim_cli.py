@@ -12,7 +12,7 @@ from ds_omni.sim.baselines import BASELINES
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["plan", "--config", str(ROOT / "examples/tiny_llava.json"), "--deepspeed",
         str(ROOT / "ds_configs/zero2.json"), "--simulate", "--gpus", "16", "--gpus-per-node", "8",
-        "--gpu", "h100", "--set", "train.global_batch_size=256"]
+        "--gpu", "h100", "--set", "train.global_batch_size=256", "--set", "train.micro_batch_size=4"]
 
 
 @pytest.mark.slow  # builds the model on the meta device (~10 s of imports and configs)
@@ -55,3 +55,19 @@ def test_workload_files(tmp_path):
     fields.write_text(json.dumps({"image_share": 0.9}))
     with pytest.raises(ConfigError, match="unknown fields \\['image_share'\\]"):
         load_workload(str(fields), m, 512)
+
+
+@pytest.mark.slow  # the meta-device model, then a search of ~3,000 plans (~15 s of CPU)
+def test_plan_search_prints_the_best_plans_the_baselines_and_the_dropped(capsys):
+    args = [a for a in ARGS if a != "--simulate"] + ["--search", "--top", "3"]
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)  # the JSON alone: DeepSpeed's logs go to stderr
+    assert 1 <= len(out["top"]) <= 3 and out["counts"]["unexplored"] == 0
+    times = [r["step_time"] for r in out["top"]]
+    assert times == sorted(times) and all(r["bound"] <= r["step_time"] for r in out["top"])
+    assert set(out["baselines"]) == set(BASELINES)
+    reasons = " ".join(d["reason"] for d in out["dropped"])
+    assert "must divide the LLM's attention heads" in reasons  # training's plan_run said so
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("searched ") and "baselines of plan 1" in text and "dropped:" in text

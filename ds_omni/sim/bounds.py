@@ -1,0 +1,181 @@
+"""Bounds for the plan search (`sim/search.py`): what a plan's step cannot beat, computed
+without simulating it, and its model states (exact).
+
+Every rank's clock is at least its compute plus its communication, a collective's members
+wait for the last, and every rank ends with the step's gradient synchronisation; so:
+- `lower_bound` (no planning): the mean over all GPUs of compute and of the bandwidth part of
+  tp / ep / Ulysses traffic, plus the synchronisation;
+- `refined_bound` (the loader's assignment, shared with the simulation): per data-parallel
+  rank, its own micro-batches' LLM work (and its encoder work where it cannot leave its group)
+  and traffic, the busiest rank's (under ZeRO-2/3 each round's busiest: the round's
+  collectives make all ranks wait); under a pipeline, per stage its own work after the first
+  micro-batch's forward through the stages before it. Latencies, ZeRO's per-round
+  collectives, dummy passes, resharding and long-sequence rounds count as 0, so neither bound
+  exceeds the simulated step time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds_omni.sim import comm, memory, model_parallel, pipeline_sim
+from ds_omni.sim.cluster import Cluster
+from ds_omni.sim.model_spec import ModelSpec
+from ds_omni.sim.plan_spec import SimPlan
+from ds_omni.sim.step import Step, grad_sync_seconds
+from ds_omni.sim.workload import Samples
+
+GIB = 2 ** 30
+
+
+class Shell:
+    """What the simulator's state and gradient-sync arithmetic reads of a step, without the
+    loader's planning (`Step.ranks_of` is borrowed: it reads the plan only)."""
+
+    ranks_of = Step.ranks_of
+
+    def __init__(self, cluster: Cluster, model: ModelSpec, samples: Samples, plan: SimPlan,
+                 stage_plans: dict | None = None):
+        self.cluster, self.model, self.samples, self.plan = cluster, model, samples, plan
+        self.pplan = plan.parallel_plan(cluster.gpus)
+        if plan.pp > 1:  # the stage boundaries, shared by plans that give the same ones
+            key = (plan.pp, self.pplan.dp, plan.micro_batches, plan.encoder_placement,
+                   plan.stage_split)
+            stage_plans = {} if stage_plans is None else stage_plans
+            if key not in stage_plans:
+                stage_plans[key] = pipeline_sim.stage_plan(self)
+            self.stage_plan = stage_plans[key]
+
+
+def states_bytes(shell: Shell) -> tuple[float, str]:
+    """(the fullest rank's model-state bytes, their breakdown in words)."""
+    m, p, zero = shell.model, shell.pplan, shell.plan.zero_stage
+    worst, words = 0.0, ""
+    for s in range(p.pp):
+        kinds = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+        for shard in model_parallel.state_shards(shell, s, pipeline_sim.held_params(shell, s)):
+            st = memory.model_states(shard.params, shard.trainable, shard.group_size, zero,
+                                     m.bytes_per_param)
+            for k, v in st.as_dict().items():
+                kinds[k] += v
+        kinds["gathered"] = memory.gathered_bytes(m.llm_layer_params(p.tp, p.ep), zero,
+                                                  m.bytes_per_param)
+        total = sum(kinds.values())
+        if total > worst:
+            worst = total
+            words = ", ".join(f"{k} {v / GIB:.1f}" for k, v in kinds.items())
+    return worst, words
+
+
+def lower_bound(shell: Shell, totals: dict) -> float:
+    """Seconds the step cannot beat: every rank's clock is at least its compute plus its
+    communication, so the step is at least their mean over ranks, plus the end-of-step
+    synchronisation every rank waits for. Compute: the LLM's FLOPs (one forward more under
+    checkpointing) and the encoders' (each tp rank of a row encodes all of it) over all GPUs;
+    communication: only the bandwidth part of tp's all-reduces, ep's and Ulysses' all-to-alls
+    (a ring all-reduce moves 2 (p - 1) / p of its buffer a rank); ZeRO's per-round collectives
+    and all latencies count as 0. Budget mode may defer samples: no bound (0)."""
+    c, m, plan, p = shell.cluster, shell.model, shell.plan, shell.pplan
+    if plan.reorder == "budget":
+        return 0.0
+    w, d, ckpt = c.gpus, m.dims, plan.checkpointing
+    flops = totals["llm"] * (3 + ckpt) / 3 + totals["encoders"] * p.tp
+    seconds = flops / w / c.flops_per_s
+    tokens = totals["tokens"]
+    if p.tp > 1:  # each rank holds its row's tokens whole: total / dp a rank on average
+        link = comm.link_of(c, shell.ranks_of(0, 1))
+        calls = 2 * d.layers * (1 + 1 + ckpt)
+        seconds += calls * 2 * (p.tp - 1) / p.tp * tokens / p.dp * d.hidden * 2 / link.bandwidth
+    if p.ep > 1:
+        link = comm.link_of(c, range(p.ep))
+        calls = 2 * m.moe.layers * (1 + 1 + ckpt)
+        seconds += calls * (p.ep - 1) / p.ep * tokens / w * m.moe.top_k * d.hidden * 2 / \
+            link.bandwidth
+    if p.sp > 1:
+        link = comm.link_of(c, shell.ranks_of(0, 1))
+        seconds += d.layers * (1 + 2 + ckpt) * (p.sp - 1) / p.sp * tokens / w * \
+            (2 * d.hidden + 2 * m.kv) * 2 / link.bandwidth
+    return seconds + min(grad_sync_seconds(shell, s) for s in range(p.pp))
+
+
+def totals_of(model: ModelSpec, samples: Samples) -> dict:
+    """The samples' LLM and encoder FLOPs and tokens, in all and per sample [N]."""
+    terms = model.cost.term_costs(samples.tokens, samples.item_sample, samples.item_encoder,
+                                  samples.item_len)  # [N, T]
+    per = {"llm": terms[:, :2].sum(axis=1), "enc": terms[:, 2:].sum(axis=1),
+           "tokens": samples.tokens.astype(np.float64), "cost": terms.sum(axis=1)}
+    return {"llm": float(per["llm"].sum()), "encoders": float(per["enc"].sum()),
+            "tokens": float(per["tokens"].sum()), "per_sample": per}
+
+
+def refined_bound(shell: Shell, assignment, totals: dict) -> float:
+    """The bound from the loader's assignment (see the module's docstring); at least
+    `lower_bound`'s. `totals["memo"]` keeps each assignment's per-micro-batch sums."""
+    c, m, plan, p = shell.cluster, shell.model, shell.plan, shell.pplan
+    coarse = lower_bound(shell, totals)
+    if plan.reorder == "budget":
+        return coarse
+    memo = totals.setdefault("memo", {})
+    if id(assignment) not in memo:  # plans of one data-parallel shape share it
+        memo[id(assignment)] = (assignment, _micro_arrays(assignment, totals["per_sample"],
+                                                          plan.micro_batches))
+    llm, enc, tok = memo[id(assignment)][1]  # [D, M] each
+    rate, f = c.flops_per_s, (3 + plan.checkpointing) / 3
+    if p.ep > 1:  # a rank's experts' share of the FLOPs may move within its EP group
+        llm = llm - tok * m.expert_flops_per_token()
+    sync = min(grad_sync_seconds(shell, s) for s in range(p.pp))
+    if p.pp > 1:
+        return max(coarse, _pipeline_bound(shell, llm, enc) + sync)
+    inner = p.sp * p.tp
+    own_enc = 0.0 if plan.encoder_mode == "pool" else enc * (1.0 if p.tp > 1 else 1 / p.sp)
+    v = (llm * f / inner + own_enc) / rate + _traffic(shell, tok)  # [D, M] a member's seconds
+    per_round = v.max(axis=0).sum() if plan.zero_stage >= 2 else v.sum(axis=1).max()
+    return max(coarse, float(per_round) + sync)
+
+
+def _micro_arrays(assignment, per_sample: dict, micro: int):
+    """[D, M] LLM FLOPs, encoder FLOPs and tokens of each data-parallel rank's micro-batches."""
+    rounds = assignment.rounds
+    out = [np.zeros((len(rounds), micro)) for _ in range(3)]
+    for d, rs in enumerate(rounds):
+        for k in range(micro):
+            s = rs[k].samples
+            if rs[k].block is None and s.size:
+                for arr, key in zip(out, ("llm", "enc", "tokens")):
+                    arr[d, k] = per_sample[key][s].sum()
+    return out
+
+
+def _traffic(shell: Shell, tokens: np.ndarray) -> np.ndarray:
+    """Seconds of a member's tp / ep / Ulysses bandwidth for rows of `tokens` (any shape)."""
+    c, m, plan, p = shell.cluster, shell.model, shell.plan, shell.pplan
+    d, ckpt, out = m.dims, plan.checkpointing, np.zeros_like(tokens)
+    if p.tp > 1:
+        bw = comm.link_of(c, shell.ranks_of(0, 1)).bandwidth
+        out = out + 2 * d.layers * (2 + ckpt) * 2 * (p.tp - 1) / p.tp * tokens * d.hidden * 2 / bw
+    if p.ep > 1:
+        bw = comm.link_of(c, range(p.ep)).bandwidth
+        out = out + 2 * m.moe.layers * (2 + ckpt) * (p.ep - 1) / p.ep * tokens * m.moe.top_k * \
+            d.hidden * 2 / bw
+    if p.sp > 1:
+        bw = comm.link_of(c, shell.ranks_of(0, 1)).bandwidth
+        out = out + d.layers * (3 + ckpt) * (p.sp - 1) / p.sp * tokens / p.sp * \
+            (2 * d.hidden + 2 * m.kv) * 2 / bw
+    return out
+
+
+def _pipeline_bound(shell: Shell, llm: np.ndarray, enc: np.ndarray) -> float:
+    """1F1B: stage s cannot start before micro-batch 0's forward has run through the stages
+    before it, and then runs all its own work: max over pipelines and stages."""
+    p, plan, rate = shell.pplan, shell.plan, shell.cluster.flops_per_s
+    times = np.asarray(shell.stage_plan.layer_time)
+    frac = times / times.sum()  # [P]
+    f = (3 + plan.checkpointing) / 3
+    total = llm.sum(axis=1) / p.sp  # [D] a member's LLM FLOPs of the step
+    best = 0.0
+    for s in range(p.pp):
+        fill = llm[:, 0] / p.sp * frac[:s].sum() / 3  # [D]
+        own = total * frac[s] * f + (enc.sum(axis=1) / p.sp if s == 0 and
+                                     plan.encoder_placement == "stage0" else 0.0)
+        best = max(best, float(((fill + own) / rate).max()))
+    return best

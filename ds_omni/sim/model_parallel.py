@@ -1,0 +1,135 @@
+"""Tensor and expert parallelism in the simulator, modelled from their communication volume
+(no planner of training decides anything here: AutoTP and AutoEP split evenly).
+
+Tensor parallelism (`parallel.tp`, DeepSpeed's AutoTP on the LLM's layers; sp = pp = 1): the tp
+ranks of a row each hold the whole row and run its encoders alike (the encoders are not split);
+each decoder layer's projections are split over them, so a rank runs 1/tp of the layers' FLOPs
+and, per layer, all-reduces its activations twice in forward (after o_proj and down_proj,
+tokens x h bf16) and its input gradients twice in backward (before q/k/v and gate/up), twice
+more in backward under checkpointing (the recomputed forward). ZeRO partitions over the dp
+ranks (one ZeRO group per tp rank), the layers' share being 1/tp.
+
+Expert parallelism (`parallel.ep`, DeepSpeed's AutoEP; sp = tp = pp = 1): each MoE layer's E
+experts are split over groups of ep consecutive data-parallel ranks; a token goes to its top-k
+experts by an all-to-all and comes back by another: per MoE layer 2 all-to-alls forward and 2
+backward (+2 under checkpointing) of tokens x top-k x h bf16 a rank, (ep - 1) / ep of it to
+other ranks (routing taken as uniform). The experts' FLOPs of a group (top-k of E a token) are
+spread evenly over its ranks; every layer's all-to-all makes the group wait for its slowest
+rank. Expert weights and their states are 1/ep a rank, partitioned by ZeRO over the dp / ep
+ranks that hold the same experts (their gradients are reduced there); the rest over all dp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ds_omni.sim import comm
+
+
+@dataclass(frozen=True)
+class StateShard:
+    """Parameters a rank holds that one ZeRO group partitions and reduces."""
+
+    params: float
+    trainable: float
+    group_size: int
+    """Ranks of the ZeRO group (the partition's divisor, the collectives' size)."""
+    groups: list
+    """The stage's ZeRO groups of this shard (global rank arrays)."""
+
+
+def state_shards(step, stage: int, held: tuple[float, float]) -> list[StateShard]:
+    """The ZeRO groups of a rank of `stage` holding `held` (params, trained) parameters:
+    one over the stage's dp x sp ranks; under tp one per tp rank with the layers / tp; under
+    ep the experts / ep over the ranks holding the same ones, the rest over all."""
+    p, m = step.pplan, step.model
+    ranks = step.ranks_of(0, p.dp, stage)
+    llm_trained = "llm" not in m.frozen
+    if p.tp > 1:
+        cut = m.llm_params() - m.llm_params(tp=p.tp)  # what tp takes off each rank
+        groups = [ranks[t::p.tp] for t in range(p.tp)]
+        return [StateShard(held[0] - cut, held[1] - cut * llm_trained, p.dp, groups)]
+    if p.ep > 1:
+        experts = m.expert_params()
+        groups = [ranks[e::p.ep] for e in range(p.ep)]  # ranks holding the same experts
+        rest = StateShard(held[0] - experts, held[1] - experts * llm_trained, p.dp * p.sp, [ranks])
+        return [rest, StateShard(experts / p.ep, experts / p.ep * llm_trained, p.dp // p.ep,
+                                 groups)]
+    return [StateShard(held[0], held[1], p.dp * p.sp, [ranks])]
+
+
+def shard_link(step, shard: StateShard) -> comm.Link:
+    """The slowest link of the shard's groups (they run at once)."""
+    links = [comm.link_of(step.cluster, g) for g in shard.groups]
+    return min(links, key=lambda link: link.bandwidth)
+
+
+# ------------------------------------------------------------------------ tensor parallel
+def tp_seconds(step, tokens: float, backward: bool) -> float:
+    """Seconds of a TP group's all-reduces in one pass over a row of `tokens` (each rank holds
+    all of them): 2 a layer forward, 2 backward (+2 recomputing under checkpointing)."""
+    p, d = step.pplan, step.model.dims
+    calls = 2 * d.layers * ((1 + step.plan.checkpointing) if backward else 1)
+    nbytes = tokens * d.hidden * 2
+    link = comm.link_of(step.cluster, step.ranks_of(0, 1))
+    step.a2a_bytes["llm_tp"] += calls * 2 * (p.tp - 1) * nbytes  # a ring all-reduce moves 2 (p - 1) / p n a rank
+    return calls * comm.all_reduce(nbytes, p.tp, link)
+
+
+def run_tp(step, rows, backward: bool) -> None:
+    """Each row's TP group meets at its all-reduces (phase "llm_tp")."""
+    if step.pplan.tp < 2 or not rows:
+        return
+    groups = [r.ranks for r in rows]
+    seconds = [tp_seconds(step, float(step.samples.tokens[r.samples].sum()), backward)
+               for r in rows]
+    ranks = np.concatenate(groups)
+    gid = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
+    step.timeline.sync(ranks, gid, "llm_tp", np.asarray(seconds)[gid])
+
+
+# ------------------------------------------------------------------------ expert parallel
+def ep_groups(step) -> np.ndarray:
+    """[dp / ep, ep] the expert-parallel groups' ranks (sp = tp = pp = 1: rank = dp rank)."""
+    return np.arange(step.pplan.world_size).reshape(-1, step.pplan.ep)
+
+
+def ep_balance(step, llm: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """[W] LLM FLOPs of each rank with its tokens' expert FLOPs spread evenly over its EP group
+    (the experts of a group serve all its tokens)."""
+    if step.pplan.ep < 2:
+        return llm
+    experts = tokens * step.model.expert_flops_per_token()  # [W]
+    groups = ep_groups(step)
+    shared = experts[groups].mean(axis=1, keepdims=True)  # [dp / ep, 1]
+    out = llm - experts
+    out[groups] += shared
+    return out
+
+
+def ep_seconds(step, tokens: float, backward: bool) -> float:
+    """Seconds of one rank's MoE all-to-alls in a pass over `tokens` of its tokens: per MoE
+    layer dispatch and combine, tokens x top-k x h bf16 each, split evenly over the ep ranks."""
+    m, p = step.model, step.pplan
+    calls = 2 * m.moe.layers * ((1 + step.plan.checkpointing) if backward else 1)
+    nbytes = tokens * m.moe.top_k * m.dims.hidden * 2
+    link = comm.link_of(step.cluster, ep_groups(step)[0])
+    return calls * comm.even_all_to_all(nbytes, p.ep, link)
+
+
+def run_ep(step, tokens: np.ndarray, backward: bool) -> None:
+    """Each EP group meets at its all-to-alls; a group waits for its busiest rank's tokens
+    (phase "llm_ep")."""
+    if step.pplan.ep < 2:
+        return
+    m, p = step.model, step.pplan
+    groups = ep_groups(step)
+    busiest = tokens[groups].max(axis=1)  # [dp / ep]
+    seconds = np.array([ep_seconds(step, float(t), backward) for t in busiest])
+    calls = 2 * m.moe.layers * ((1 + step.plan.checkpointing) if backward else 1)
+    step.a2a_bytes["llm_experts"] += float(
+        tokens.sum()) * calls * m.moe.top_k * m.dims.hidden * 2 * (p.ep - 1) / p.ep
+    gid = np.repeat(np.arange(len(groups)), p.ep)
+    step.timeline.sync(groups.ravel(), gid, "llm_ep", seconds[gid])

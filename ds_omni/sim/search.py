@@ -1,0 +1,274 @@
+"""Plan search: for a cluster, a model and a workload, every plan of a space (degrees, ZeRO
+stage, per-sequence SP, where encoders run, reorder group, checkpointing), each either dropped
+with its reason or ranked by its simulated step time.
+
+Three filters, cheapest first, none of which can drop a plan that would have ranked:
+1. Training's rules (`SimPlan.parallel_plan` and `check_model`: the world size, tp and sp
+   dividing the heads, ep the experts, ZeRO limits of tp and the pipeline; from a config also
+   `plan_run`'s checks, through `check`): a refused plan is dropped with training's message.
+2. Model states (exact, the simulator's own `state_shards` and ZeRO arithmetic): a plan whose
+   states alone exceed a GPU's memory is dropped "out of memory" with the figures.
+3. Branch and bound: each plan gets a lower bound on its step time (`lower_bound`: its compute
+   spread perfectly over all GPUs, plus the bandwidth part of its tp / ep / Ulysses traffic and
+   its end-of-step gradient synchronisation, none of which a schedule can hide). Plans are
+   simulated in order of their bound; the search stops when the next bound is no better than
+   the top-th best step time found, so the top plans are exactly those an exhaustive
+   simulation would rank first. Simulated plans whose peak memory does not fit are dropped
+   with their figures.
+Every plan is simulated on the same samples; the loader's planning is shared between plans
+with the same data-parallel shape (`simulate(..., cache=)`).
+
+A time budget (`budget_s`) stops the search early; the result then says how many plans were
+left and their best bound (the top plans are then the best found, not proven best).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import re
+import time
+from dataclasses import dataclass, field
+
+from ds_omni.errors import DsOmniError
+from ds_omni.sim import bounds
+from ds_omni.sim.baselines import baseline_plans
+from ds_omni.sim.bounds import GIB, Shell
+from ds_omni.sim.cluster import Cluster
+from ds_omni.sim.model_spec import ModelSpec
+from ds_omni.sim.plan_spec import SimPlan
+from ds_omni.sim.step import loader_plan, simulate
+from ds_omni.sim.workload import Samples
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The values the search tries; degrees above the GPUs (tp, sp: above a node) are skipped."""
+
+    degrees: tuple[int, ...] = (1, 2, 4, 8)
+    """Values of sp, tp, pp, ep and max_sequence_sp."""
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    encoder_modes: tuple[str, ...] = ("reshard", "pool")
+    encoder_placements: tuple[str, ...] = ("stage0", "uniform")
+    reorder_groups: tuple[int, ...] = (8, 32)
+    checkpointing: tuple[bool, ...] = (True, False)
+
+
+@dataclass
+class Ranked:
+    plan: SimPlan
+    step_time: float
+    mfu: float
+    peak_memory: float
+    critical_phase: str
+    bound: float
+
+
+@dataclass
+class SearchResult:
+    top: list[Ranked]
+    dropped: list[dict] = field(default_factory=list)
+    """[{plan, reason}] every plan not ranked, with why."""
+    baselines: dict = field(default_factory=dict)
+    """{name: step time | error} of the best plan's five baselines, same samples."""
+    candidates: int = 0
+    simulated: int = 0
+    pruned: int = 0
+    """Plans whose bound was no better than the top-th best time (never simulated)."""
+    unexplored: int = 0
+    """Plans left when the time budget ran out (0: the top is proven)."""
+    unexplored_bound: float | None = None
+    seconds: float = 0.0
+
+
+def describe(plan) -> str:
+    """A plan (a SimPlan or the fields of a candidate) in one line of its searched fields."""
+    f = plan if isinstance(plan, dict) else plan.__dict__
+    parts = [f"dp={f['dp']}"] + [f"{k}={f[k]}" for k in ("sp", "pp", "tp", "ep") if f[k] > 1]
+    if f["max_sequence_sp"] > 1:
+        parts.append(f"max_sequence_sp={f['max_sequence_sp']}")
+    parts += [f"zero={f['zero_stage']}", f"encoders={f['encoder_mode']}"]
+    if f["pp"] > 1:
+        parts.append(f"placement={f['encoder_placement']}")
+    parts += [f"G={f['reorder_group']}", f"ckpt={'on' if f['checkpointing'] else 'off'}"]
+    return " ".join(parts)
+
+
+# ----------------------------------------------------------------------------- the space
+def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
+               space: SearchSpace = SearchSpace()) -> list[dict]:
+    """Every plan of `space` on `gpus` GPUs (the SimPlan fields that differ from `base`), with
+    `base`'s batch: the same samples per step and per micro-batch row (its micro-batch size),
+    so the gradient accumulation steps follow dp."""
+    base_dp = base.dp or gpus // (base.sp * base.pp * base.tp)
+    per_micro = base.global_batch / (base.micro_batches * base_dp)  # samples of one micro-batch
+    out, seen = [], set()
+    for sp, pp, tp, ep, msp in itertools.product(*[space.degrees] * 5):
+        if tp > gpus_per_node or sp > gpus_per_node or (ep > 1 and model.moe is None):
+            continue
+        if sp * pp * tp > gpus or gpus % (sp * pp * tp):
+            continue
+        dp = gpus // (sp * pp * tp)
+        micro = max(1, round(base.global_batch / (per_micro * dp)))
+        for zero, mode, place, group, ckpt in itertools.product(
+                space.zero_stages, space.encoder_modes, space.encoder_placements,
+                space.reorder_groups, space.checkpointing):
+            if place != "stage0" and pp == 1:
+                continue
+            fields = dict(name="candidate", dp=dp, sp=sp, pp=pp, tp=tp, ep=ep,
+                          max_sequence_sp=msp, zero_stage=zero, encoder_mode=mode,
+                          encoder_placement=place, reorder_group=min(group, dp),
+                          checkpointing=ckpt, micro_batches=micro)
+            key = tuple(fields.values())
+            if key not in seen:  # a reorder group capped at dp repeats a smaller one
+                seen.add(key)
+                out.append(fields)
+    return out
+
+
+# ------------------------------------------------------------------------------ the search
+def search(cluster: Cluster, model: ModelSpec, samples: Samples, base: SimPlan, *,
+           top: int = 5, space: SearchSpace = SearchSpace(), check=None,
+           budget_s: float | None = None, prune: bool = True,
+           baselines: bool = True) -> SearchResult:
+    """The `top` fastest plans of `space` that fit, each simulated on `samples`; `check(plan)`
+    adds the caller's rules (raise a DsOmniError to refuse). `prune=False` simulates every plan
+    that passes the rules and the states check (the exhaustive answer the bound must keep)."""
+    t0 = time.perf_counter()
+    out = SearchResult(top=[])
+    plans = candidates(base, cluster.gpus, cluster.gpus_per_node, model, space)
+    out.candidates = len(plans)
+    totals = bounds.totals_of(model, samples)
+    heap = []  # (bound, order, refined?, plan, shell): the lowest bound first
+    stage_plans: dict = {}
+    for k, fields in enumerate(plans):
+        try:
+            plan = base.replace(**fields)
+            shell = Shell(cluster, model, samples, plan, stage_plans)
+            heap.append((_admit(shell, check, totals), k, False, plan, shell))
+        except DsOmniError as e:
+            out.dropped.append({"plan": describe(fields), "reason": str(e)})
+    heapq.heapify(heap)
+    cache: dict = {}
+    while heap:
+        bound, k, refined, plan, shell = heapq.heappop(heap)
+        if prune and len(out.top) >= top and bound >= out.top[top - 1].step_time:
+            out.pruned = len(heap) + 1
+            break
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            out.unexplored, out.unexplored_bound = len(heap) + 1, bound
+            break
+        if prune and not refined:  # tighten it with the loader's plan, then look again
+            assignment = loader_plan(totals["per_sample"]["cost"], samples.tokens, shell.pplan,
+                                     plan, cache)
+            heapq.heappush(heap, (bounds.refined_bound(shell, assignment, totals), k, True,
+                                  plan, shell))
+            continue
+        _rank(out, cluster, model, samples, plan, bound, cache, top)
+    if baselines and out.top:
+        out.baselines = _baselines(cluster, model, samples, out.top[0].plan, cache)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _admit(shell: Shell, check, totals) -> float:
+    """The plan's lower bound, or a DsOmniError saying why training refuses it or why its
+    model states cannot fit."""
+    plan, hbm = shell.plan, shell.cluster.hbm_bytes
+    if check is not None:
+        check(plan)
+    plan.check_model(shell.model)
+    states, words = bounds.states_bytes(shell)
+    if states > hbm:
+        raise _OutOfMemory(f"out of memory: model states {states / GIB:.1f} GiB a GPU ({words}) "
+                           f"> {hbm / GIB:.0f} GiB")
+    return bounds.lower_bound(shell, totals)
+
+
+class _OutOfMemory(DsOmniError):
+    """A plan that cannot fit: its figures in the message."""
+
+
+def _rank(out: SearchResult, cluster, model, samples, plan, bound, cache, top) -> None:
+    out.simulated += 1
+    try:
+        r = simulate(cluster, model, samples, plan, cache=cache)
+    except DsOmniError as e:
+        out.dropped.append({"plan": describe(plan), "reason": str(e)})
+        return
+    if not r.fits:
+        words = ", ".join(f"{k} {v / GIB:.1f}" for k, v in r.memory.items())
+        out.dropped.append({"plan": describe(plan), "reason": (
+            f"out of memory: peak {r.peak_memory / GIB:.1f} GiB on rank {r.peak_memory_rank} "
+            f"({words}) > {cluster.hbm_bytes / GIB:.0f} GiB")})
+        return
+    out.top.append(Ranked(plan, r.step_time, r.mfu, r.peak_memory, r.critical_phase, bound))
+    out.top.sort(key=lambda x: (x.step_time, _features(x.plan)))
+    del out.top[top:]
+
+
+def _features(plan: SimPlan) -> tuple:
+    """Among plans equally fast, the simpler first (fewer and smaller degrees, less ZeRO)."""
+    return (plan.max_sequence_sp * plan.sp * plan.pp * plan.tp * plan.ep, plan.zero_stage,
+            plan.encoder_mode != "reshard", plan.reorder_group, not plan.checkpointing)
+
+
+def _baselines(cluster, model, samples, plan: SimPlan, cache) -> dict:
+    res = {}
+    for name, b in baseline_plans(plan, cluster.gpus, model, samples).items():
+        try:
+            r = simulate(cluster, model, samples, b, cache=cache)
+            res[name] = {"step_time": r.step_time, "mfu": r.mfu, "fits": r.fits}
+        except DsOmniError as e:
+            res[name] = {"error": str(e)}
+    return res
+
+
+def as_dict(result: SearchResult) -> dict:
+    """Plain data (what `ds-omni plan --search --json` prints)."""
+    return {"top": [{"plan": describe(r.plan), "fields": dict(r.plan.__dict__),
+                     "step_time": r.step_time, "mfu": r.mfu, "peak_memory_gib": r.peak_memory / GIB,
+                     "critical_phase": r.critical_phase, "bound": r.bound} for r in result.top],
+            "baselines": result.baselines, "dropped": result.dropped,
+            "counts": {"candidates": result.candidates, "simulated": result.simulated,
+                       "pruned_by_bound": result.pruned, "dropped": len(result.dropped),
+                       "unexplored": result.unexplored},
+            "unexplored_bound": result.unexplored_bound, "seconds": result.seconds}
+
+
+def format_search(d: dict, dropped_lines: int = 12) -> str:
+    """The search for people: the top plans with their speed-up over the best baseline, the
+    baselines, then why plans were dropped (grouped by reason)."""
+    base = {k: v["step_time"] for k, v in d["baselines"].items() if "step_time" in v}
+    best_base = min(base.values()) if base else None
+    c = d["counts"]
+    lines = [f"searched {c['candidates']} plans in {d['seconds']:.1f} s: {c['dropped']} dropped, "
+             f"{c['simulated']} simulated, {c['pruned_by_bound']} pruned by the bound"
+             + (f", {c['unexplored']} left by the time budget (bound >= "
+                f"{d['unexplored_bound']:.4f} s: the top is the best found, not proven)"
+                if c["unexplored"] else "")]
+    for i, r in enumerate(d["top"], 1):
+        speed = f", {best_base / r['step_time']:.2f}x the best baseline" if best_base else ""
+        lines.append(f"{i}. {r['plan']}\n   step {r['step_time']:.4f} s, MFU {r['mfu']:.1%}, "
+                     f"peak {r['peak_memory_gib']:.1f} GiB a GPU, mostly {r['critical_phase']}"
+                     + speed)
+    if d["baselines"]:
+        lines.append("baselines of plan 1 (same model, same samples):")
+        for name, b in d["baselines"].items():
+            lines.append(f"  {name:10s} " + (f"error: {b['error']}" if "error" in b else
+                         f"step {b['step_time']:.4f} s, MFU {b['mfu']:.1%}"
+                         + ("" if b["fits"] else ", DOES NOT FIT")))
+    reasons: dict = {}
+    for x in d["dropped"]:
+        reasons.setdefault(_reason_kind(x["reason"]), []).append(x)
+    if reasons:
+        lines.append("dropped:")
+    for kind, xs in sorted(reasons.items(), key=lambda kv: -len(kv[1]))[:dropped_lines]:
+        lines.append(f"  {len(xs):4d} x {kind}; e.g. {xs[0]['plan']}: {xs[0]['reason']}")
+    return "\n".join(lines)
+
+
+def _reason_kind(reason: str) -> str:
+    """A reason without its numbers, to group alike ones."""
+    head = reason.split(":")[0] if reason.startswith("out of memory") else reason[:60]
+    return re.sub(r"\d+", "N", head).strip()
