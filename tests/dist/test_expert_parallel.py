@@ -28,6 +28,10 @@ from tests import oracle, plants
 from tests.fixtures import ds_config, tiny_config
 from tests.harness import run_on_ranks
 
+# a launch's ranks run inside the test that first needs them: more than the suite's 600 s on a
+# slow or loaded machine (their own run_on_ranks timeouts bound each launch)
+pytestmark = pytest.mark.timeout(1500)
+
 STEPS = 3
 MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
        "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,

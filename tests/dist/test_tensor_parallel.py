@@ -25,6 +25,10 @@ from tests import oracle, plants
 from tests.fixtures import ds_config, text_source, tiny_config
 from tests.harness import run_on_ranks
 
+# a launch's ranks run inside the test that first needs them: more than the suite's 600 s on a
+# slow or loaded machine (their own run_on_ranks timeouts bound each launch)
+pytestmark = pytest.mark.timeout(1500)
+
 STEPS = 3
 ONE_KV = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
