@@ -42,6 +42,12 @@ from ds_omni.errors import DataError
 from ds_omni.parallel.plan import check_per_sequence
 
 
+def pack_tokens(cfg: DataConfig, global_batch_size: int, dp_size: int, num_micro: int) -> int:
+    """A packed row's token budget: data.pack_tokens, else max_seq_len times the samples of one
+    micro-batch of one data-parallel rank (also the simulator's, `ds_omni/sim/from_config.py`)."""
+    return cfg.pack_tokens or cfg.max_seq_len * max(1, global_batch_size // (dp_size * num_micro))
+
+
 @dataclass
 class StepBatch:
     """What one rank trains on in one optimizer step."""
@@ -84,8 +90,7 @@ class OmniLoader:
         self.max_degree = splits.max_sequence_sp  # per-sequence SP: blocks of up to this many ranks
         if self.max_degree > 1:
             check_per_sequence(self.mode, self.group_size, self.max_degree)
-        self.pack_tokens = cfg.pack_tokens or cfg.max_seq_len * max(1, global_batch_size // (
-            self.dp_size * self.num_micro))
+        self.pack_tokens = pack_tokens(cfg, global_batch_size, self.dp_size, self.num_micro)
         self.schedule = MixSchedule({s.name: s.cfg.weight for s in sources}, cfg.schedule)
         for s in sources:
             s.fit_chunks(self.dp_size)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ds_omni.config import OmniConfig
+from ds_omni.data.loader import pack_tokens
 from ds_omni.errors import ConfigError, DsOmniError
 from ds_omni.model.build import build_model
 from ds_omni.sim.baselines import compare
@@ -37,8 +38,7 @@ def sim_plan(cfg: OmniConfig, ds_json: dict, gpus: int) -> SimPlan:
     plan, ds_config = plan_run(cfg, ds_json, gpus)
     micro = ds_config["gradient_accumulation_steps"]
     batch = cfg.train.global_batch_size
-    # the loader's default packing budget (`data/loader.py`)
-    pack = cfg.data.pack_tokens or cfg.data.max_seq_len * max(1, batch // (plan.dp * micro))
+    pack = pack_tokens(cfg.data, batch, plan.dp, micro)  # the loader's packing budget
     par = cfg.parallel
     return SimPlan(name="ds_omni", dp=plan.dp, sp=plan.sp, pp=plan.pp,
                    zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
