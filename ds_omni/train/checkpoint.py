@@ -13,7 +13,8 @@ Layout under `<output_dir>/checkpoints/`:
         rng_rank{r}.pt          RNG states of rank r: torch CPU and CUDA, numpy, Python `random`
                                 (tensors and numbers only: loads with weights_only)
         trainer_state.json      step counter, and what the run was (`run_fingerprint`: model
-                                family, every parameter's shape, ZeRO stage, ranks), so that
+                                family, every parameter's shape, ZeRO stage, ranks, tp and
+                                ep), so that
                                 `--resume` with another model or layout says what differs
                                 before DeepSpeed reads a byte
         universal/              made at the first `--resume` on another number of ranks: the
@@ -55,6 +56,8 @@ from ds_omni.model.convert import MODEL_META_DIR
 from ds_omni.model.tp_files import save_tp_layout
 from ds_omni.parallel.dist import barrier
 from ds_omni.parallelize.tensor_parallel import tp_layout
+from ds_omni.train.fingerprint import (RESTART_FROM_HF, check_model_parallel,
+                                       fingerprint_differences, run_fingerprint)
 
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST = "manifest.json"
@@ -286,7 +289,9 @@ def load(engine, output_dir: str | Path, rank: int) -> tuple[int, dict]:
     if tag is None:
         raise _nothing_to_resume(root, skipped)
     trainer_state = _read_json(root / tag / "trainer_state.json")
-    problems = fingerprint_differences(trainer_state.get("run"), run_fingerprint(engine))
+    now = run_fingerprint(engine)
+    check_model_parallel(trainer_state.get("run"), now, root / tag)
+    problems = fingerprint_differences(trainer_state.get("run"), now)
     if problems:
         raise LaunchError(f"--resume: checkpoint {str(root / tag)!r} was written by a different "
                           "run: " + "; ".join(problems) + ". Resume with the model and DeepSpeed "
@@ -302,6 +307,12 @@ def load(engine, output_dir: str | Path, rank: int) -> tuple[int, dict]:
                           "on the ranks and parallel.pp that wrote it only. Resume with those, or "
                           "export it (ds-omni convert --checkpoint) and start a new run from the "
                           "HF directory")
+    if universal and (now["tp"] > 1 or now["ep"] > 1):
+        raise LaunchError(f"--resume: {saved_ranks} rank(s) wrote {tag}, this run has {world}; "
+                          f"a checkpoint written under parallel.tp={now['tp']} / parallel.ep="
+                          f"{now['ep']} resumes on the number of ranks that wrote it only "
+                          "(ds_omni's universal-checkpoint path re-partitions ZeRO's shards "
+                          "only, not AutoTP's or AutoEP's). " + RESTART_FROM_HF.format(root=root))
     if universal and rank == 0:
         print(f"ds-omni: --resume: {saved_ranks} rank(s) wrote {tag}, this run has {world}: "
               "loading it as a universal checkpoint (optimizer state re-partitioned)", flush=True)
@@ -331,42 +342,6 @@ def _read_json(path: Path) -> dict:
                           f"the checkpoint is damaged: move {path.parent.name} aside to resume "
                           "from the one before it")
     return value
-
-
-def run_fingerprint(engine) -> dict:
-    """What a checkpoint must match to be resumed by `engine`: the model family, every
-    parameter's name and shape (ZeRO-3's full shape), the ZeRO stage and how many ranks wrote
-    DeepSpeed's shards."""
-    module = engine.module
-    whole = getattr(module, "whole_model_shapes", None)  # a pipeline stage: the whole pipeline's
-    return {"family": getattr(getattr(module, "family", None), "name", None),
-            "params": whole() if whole else {n: list(getattr(p, "ds_shape", p.shape))
-                                             for n, p in module.named_parameters()},
-            "zero_stage": engine.zero_optimization_stage(),
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1}
-
-
-def fingerprint_differences(saved: dict | None, now: dict, shown: int = 3) -> list[str]:
-    """What differs between the run that wrote a checkpoint and this one, in words (empty: it
-    may be resumed). A checkpoint from before fingerprints (`saved` None) is not checked."""
-    if not saved:
-        return []
-    out = []
-    if saved["family"] != now["family"]:
-        out.append(f"model family {saved['family']!r} in the checkpoint, {now['family']!r} now")
-    old, new = saved["params"], now["params"]
-    for names, what in ((sorted(set(old) - set(new)), "only in the checkpoint"),
-                        (sorted(set(new) - set(old)), "only in this model")):
-        if names:
-            out.append(f"{len(names)} parameter(s) {what} (e.g. {', '.join(names[:shown])})")
-    reshaped = [n for n in sorted(set(old) & set(new)) if old[n] != new[n]]
-    if reshaped:
-        out.append(f"{len(reshaped)} parameter(s) of another shape (e.g. " + ", ".join(
-            f"{n}: {old[n]} in the checkpoint, {new[n]} now" for n in reshaped[:shown]) + ")")
-    if saved["zero_stage"] != now["zero_stage"]:
-        out.append(f"ZeRO stage {saved['zero_stage']} in the checkpoint, {now['zero_stage']} now "
-                   "(DeepSpeed's optimizer files differ by stage)")
-    return out
 
 
 def shard_ranks(directory: Path) -> int:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ds_omni.errors import LaunchError
-from ds_omni.train import checkpoint
+from ds_omni.train import checkpoint, fingerprint
 from tests.fake_engine import FakeEngine
 
 
@@ -35,7 +35,7 @@ def test_every_rng_resumes_where_it_was(tmp_path):
 # (SIGKILL, as a dying node) at that point of saving step 2. The parent prints how each child ended.
 _DIE_WHILE_SAVING = """
 import os, signal, sys
-from ds_omni.train import checkpoint
+from ds_omni.train import checkpoint, fingerprint
 from tests.fake_engine import FakeEngine
 
 def die(*_, **__):
@@ -134,13 +134,31 @@ def test_resume_with_another_model_or_zero_stage_says_what_differs(tmp_path):
 
 def test_fingerprint_differences_of_family_and_ranks():
     run = {"family": "llava", "params": {"w": [2]}, "zero_stage": 2, "world_size": 2}
-    assert checkpoint.fingerprint_differences(None, run) == []  # a checkpoint from before
-    assert checkpoint.fingerprint_differences(run, dict(run)) == []
+    assert fingerprint.fingerprint_differences(None, run) == []  # a checkpoint from before
+    assert fingerprint.fingerprint_differences(run, dict(run)) == []
     other = {**run, "family": "qwen2_vl", "world_size": 1}
-    assert checkpoint.fingerprint_differences(run, other) == [
+    assert fingerprint.fingerprint_differences(run, other) == [
         "model family 'llava' in the checkpoint, 'qwen2_vl' now"]  # ranks: resharded at load
-    assert checkpoint.fingerprint_differences({**run, "zero_stage": 0},
+    assert fingerprint.fingerprint_differences({**run, "zero_stage": 0},
                                               {**run, "zero_stage": 0, "world_size": 4}) == []
+
+
+def test_a_checkpoint_resumes_at_the_tp_and_ep_that_wrote_it(tmp_path):
+    """tp and ep cut the parameters: another degree is refused, naming both degrees and the way
+    on (export to HF's layout, start from it); a checkpoint from before the degrees were
+    recorded, or at the same ones, passes."""
+    run = {"family": "llava", "params": {"w": [2]}, "zero_stage": 2, "world_size": 2,
+           "tp": 2, "ep": 1}
+    where = tmp_path / "checkpoints" / "step00000003"
+    fingerprint.check_model_parallel(run, dict(run), where)
+    fingerprint.check_model_parallel({k: v for k, v in run.items() if k not in ("tp", "ep")},
+                                    {**run, "tp": 1}, where)  # written before: tp 1 assumed
+    for key, now in (("tp", 1), ("ep", 2)):
+        message = str(pytest.raises(LaunchError, fingerprint.check_model_parallel, run,
+                                    {**run, key: now}, where).value)
+        assert f"parallel.{key}={run[key]}, this run has parallel.{key}={now}" in message
+        assert f"ds-omni convert --checkpoint {tmp_path / 'checkpoints'}" in message
+    assert fingerprint.model_parallel_degrees(torch.nn.Linear(2, 2)) == (1, 1)
 
 
 def test_a_checkpoint_sharded_for_another_number_of_ranks_is_resharded(tmp_path):
