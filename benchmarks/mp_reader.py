@@ -1,15 +1,17 @@
-"""One reader per SP group: what each rank's loader reads, decodes and spends, at sp 1 / 2 / 4.
+"""One reader per SP / TP group: what each rank's loader reads, decodes and spends, at sp 1 / 2 / 4
+and tp 2.
 
     .venv/bin/python benchmarks/mp_reader.py          # about 3 minutes on 2 cores
     .venv/bin/python benchmarks/mp_reader.py --steps 4
 
 Four ranks over gloo (`tests/harness.run_on_ranks`), each running only its loader (no model
-step): sp=4 (one SP group of 4 ranks), sp=2 (dp 2 x sp 2) and sp=1 (dp 4), with the same data
+step): sp=4 (one SP group of 4 ranks), sp=2 (dp 2 x sp 2), sp=1 (dp 4) and tp=2 (dp 2 x tp 2:
+each TP rank trains on the whole rows of its group), with the same data
 (2 parquet sources of 256x256 JPEG conversations, `benchmarks/loader.py`'s) and the same global
-batch of 16 samples a step. At sp 2 and 4 both ways run in the same launch, one after the other
-on fresh loaders: "before" (`data.shared_reading` false: every SP rank reads, decodes and packs
-every row of its group) and "after" (true: the group's first rank does, and scatters each peer
-its shard). Per rank and way: rows read, payload bytes read, encoder items processed (images
+batch of 16 samples a step. At sp 2, sp 4 and tp 2 both ways run in the same launch, one after
+the other on fresh loaders: "before" (`data.shared_reading` false: every rank of an SP or TP
+group reads, decodes and packs every row of its group) and "after" (true: the group's first rank
+does, and scatters each peer its shard, or under TP its micro-batches). Per rank and way: rows read, payload bytes read, encoder items processed (images
 decoded) from the loader's own counters (`OmniLoader.counts`), and loader CPU seconds
 (`time.process_time` of the rank's process over the steps, after one warm-up step). The launch
 checks that both ways give every rank the same keys and the same micro-batch tensors.
@@ -34,6 +36,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 RESULTS = REPO / "benchmarks" / "results"
 WORLD, BATCH, MICRO, ROWS, IMAGE_PX = 4, 16, 4, 512, 256
+CASES = [("sp1", 1, 1), ("sp2", 2, 1), ("sp4", 4, 1), ("tp2", 1, 2)]  # (name, sp, tp)
+SHARED = [name for name, sp, tp in CASES if sp * tp > 1]
+NAMES = ["sp1-before"] + [f"{n}-{way}" for n in SHARED for way in ("before", "after")]
 
 
 def _digest(batch) -> str:
@@ -84,11 +89,11 @@ def ranks(rank: int, world: int, root: str, steps: int) -> dict:
     cfg, built = model_and_config(make_sources(Path(root), 2, ROWS, IMAGE_PX))
     cfg.data.chunk_rows = 32
     out = {}
-    for sp in (1, 2, 4):
-        cfg.parallel.sp = sp
+    for name, sp, tp in CASES:
+        cfg.parallel.sp, cfg.parallel.tp = sp, tp
         plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
-        for shared in ((False,) if sp == 1 else (False, True)):
-            out[f"sp{sp}-{'after' if shared else 'before'}"] = _run(cfg, built, plan, rank,
+        for shared in ((False,) if sp * tp == 1 else (False, True)):
+            out[f"{name}-{'after' if shared else 'before'}"] = _run(cfg, built, plan, rank,
                                                                      shared, steps)
     return out
 
@@ -101,12 +106,12 @@ def summarise(per_rank: list[dict]) -> dict:
                                                            "wall_s")}
         report[name]["total"] = {k: round(sum(r[k] for r in rows), 3)
                                  for k in ("rows", "bytes", "images", "cpu_s")}
-    for sp in (2, 4):
-        before, after = report[f"sp{sp}-before"], report[f"sp{sp}-after"]
-        same = all(per_rank[r][f"sp{sp}-before"][k] == per_rank[r][f"sp{sp}-after"][k]
+    for name in SHARED:
+        before, after = report[f"{name}-before"], report[f"{name}-after"]
+        same = all(per_rank[r][f"{name}-before"][k] == per_rank[r][f"{name}-after"][k]
                    for r in range(len(per_rank)) for k in ("keys", "digests"))
-        assert same, f"sp={sp}: the ranks' batches differ between the two ways"
-        report[f"sp{sp}"] = {
+        assert same, f"{name}: the ranks' batches differ between the two ways"
+        report[name] = {
             "same_batches": same,
             "after_over_before_total": {k: round(after["total"][k] / before["total"][k], 4)
                                         for k in ("rows", "bytes", "images", "cpu_s")},
@@ -119,8 +124,8 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    names = ["sp1-before", "sp2-before", "sp2-after", "sp4-before", "sp4-after"]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    names = NAMES
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
     for ax, (key, label) in zip(axes, (("bytes", "MB read"), ("images", "images decoded"),
                                        ("cpu_s", "loader CPU s"))):
         for r in range(WORLD):
@@ -130,7 +135,7 @@ def plot(report: dict, path: Path) -> None:
         ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
         ax.set_title(f"{label} per rank")
     axes[0].legend(fontsize=7)
-    fig.suptitle("one reader per SP group: 4 ranks, the same data and global batch")
+    fig.suptitle("one reader per SP / TP group: 4 ranks, the same data and global batch")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -149,12 +154,12 @@ def main(argv=None) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "mp_reader.json").write_text(json.dumps(report, indent=1) + "\n")
     plot(report, RESULTS / "mp_reader.png")
-    for name in ("sp1-before", "sp2-before", "sp2-after", "sp4-before", "sp4-after"):
+    for name in NAMES:
         r = report[name]
         print(f"{name:11s} rows {r['rows']} MB {[round(b / 1e6, 2) for b in r['bytes']]} "
               f"images {r['images']} cpu_s {r['cpu_s']}")
-    for sp in (2, 4):
-        print(f"sp{sp}: after/before totals {report[f'sp{sp}']['after_over_before_total']}")
+    for name in SHARED:
+        print(f"{name}: after/before totals {report[name]['after_over_before_total']}")
 
 
 if __name__ == "__main__":

@@ -189,6 +189,37 @@ def _reader_wrong_pixels(rank: int):
     yield from _patched(workers, "pack_shards", make)
 
 
+@plant("reader_group_tp_major", "the reader of an sp x tp group hands group rank g the shard "
+       "of SP rank g % sp (as if the group were in (tp, sp) order)", "reader_group")
+def _reader_group_tp_major(rank: int):
+    from ds_omni.data import shared_read
+
+    def make(peer_shards):
+        def planted(own, shards, group_size):
+            sp = len(shards) + 1
+            return [own if g % sp == 0 else shards[g % sp - 1] for g in range(1, group_size)]
+        return planted
+    yield from _patched(shared_read, "peer_shards", make)
+
+
+@plant("tp_reader_wrong_pixels", "the TP group's reader sends its peer the pixels of the wrong "
+       "items (every float encoder input rolled by one along its first dim)", "tp")
+def _tp_reader_wrong_pixels(rank: int):
+    import dataclasses
+    from ds_omni.data import shared_read
+
+    def roll(inputs: dict) -> dict:
+        return {k: t.roll(1, 0) if t.is_floating_point() else t for k, t in inputs.items()}
+
+    def make(peer_view):
+        def planted(mb, all_items):
+            mb = peer_view(mb, all_items)
+            return dataclasses.replace(mb, encoder_inputs={
+                e: roll(d) for e, d in mb.encoder_inputs.items()})
+        return planted
+    yield from _patched(shared_read, "peer_view", make)
+
+
 # ------------------------------------------------------------------- bf16 (tests/dist/test_bf16.py)
 @plant("bf16_encoder_grads_dropped", "under bf16 and \"uniform\" placement the encoders' "
        "gradients, made after the pipeline's last backward, do not reach DeepSpeed's fp32 "

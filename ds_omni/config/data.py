@@ -198,11 +198,12 @@ class DataConfig:
     per rank (the shipped processors feed one H200 with at most 1.5 cores:
     docs/benchmarks/feed_rate.md), at most the host's cores per rank minus one."""
     shared_reading: bool = True
-    """Under parallel.sp > 1: the first rank of each SP group reads, decodes and packs its rows
-    once and sends each peer its token shard and the inputs of only the items it encodes (over a
-    gloo group of the loader's own, `ds_omni/data/shared_read.py`); false: every SP rank reads
-    and processes every row itself. The batches, the samples and the loader state are the same
-    either way."""
+    """Under parallel.sp or parallel.tp > 1: the first of the ranks that train on the same rows
+    (the sp x tp ranks of a data-parallel rank) reads, decodes and packs them once and sends each
+    peer its token shard (a TP rank: its SP rank's) and the inputs of only the items it encodes
+    (over a gloo group of the loader's own, `ds_omni/data/shared_read.py`); false: every rank
+    reads and processes every row itself. The batches, the samples and the loader state are the
+    same either way."""
 
     def __post_init__(self):
         eval_names = [s.name for s in self.eval_sources]

@@ -73,8 +73,8 @@ def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micr
     `step_comm`: other groups for the all-gathers of its steps (a prefetch thread runs them).
     A run's composition root (`ds_omni.train.setup`) passes the cost model, the long items and
     the plan's reorder group it built once; a loader built alone (a tool, a test) derives its own
-    (None). `shard_comm`: the SP group's own collective, for one reader per SP group
-    (`data.shared_reading`; None: every SP rank reads its rows itself)."""
+    (None). `shard_comm`: the collective of the ranks that train on this rank's rows (its sp x
+    tp ranks), for one reader among them (`data.shared_reading`; None: each reads them itself)."""
     sources = [Source(s, chunk_rows=cfg.data.chunk_rows) for s in cfg.data.sources]
     if cost is None:
         cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
@@ -92,7 +92,7 @@ def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micr
 
 
 def shared_reading(cfg: OmniConfig, comm: ShardComm | None) -> SharedReading | None:
-    """One reader per SP group where the config asks for it and the group has its collective.
+    """One reader per sp x tp group where the config asks for it and the group has its collective.
     The encoder pool and the joint pipeline read other items' inputs on every rank of a row's
     group: its peers then get every item whole."""
     if comm is None or not cfg.data.shared_reading:

@@ -17,8 +17,9 @@ goes through `load_or_build(path, kind, build, ...)`:
 An index file is JSON (never pickle: reading it runs no code) and records its format version, the
 data file's absolute path, size and `mtime_ns`, the reader's parameters and the index itself (row
 offsets: a few thousand ints for a 1 GB file, as one remembers every 256th row). One that does not
-match the file now, was written by another version, or does not parse is rebuilt, with one log
-line saying why; it is never trusted. Where the index directory cannot be written, the index is
+match the file now (size, mtime_ns), was written by another version, does not parse, or holds
+offsets out of order or past the file's end (the reader's `valid` check) is rebuilt, with one
+log line saying why; it is never trusted. Where the index directory cannot be written, the index is
 built in memory (one log line), as before. Files under `MIN_INDEXED_BYTES` are scanned by each
 reader, as before (under 0.1 s): neither memo nor index file, so a small file rewritten within
 the file system's timestamp granularity is never mistaken for its earlier version.
@@ -89,11 +90,12 @@ def clear_memo() -> None:
 
 
 def load_or_build(path: str, kind: str, build: Callable[[], dict], *,
-                  params: dict | None = None, valid: Callable[[dict], bool] = lambda d: True
-                  ) -> dict:
+                  params: dict | None = None,
+                  valid: Callable[[dict, int], bool] = lambda d, size: True) -> dict:
     """The index of `path` (what `build()` returns: JSON-able), built at most once per file
     version across the processes that share `index_dir()`. `params`: the reader's options that
-    change the index (a JSON document's key); `valid`: a check of a read index's shape."""
+    change the index (a JSON document's key); `valid(index, file size)`: a check of a read
+    index's shape and ranges (offsets ascending, inside the file)."""
     params = params or {}
     stat = FileStat.of(path)
     if stat.size < MIN_INDEXED_BYTES:
@@ -113,7 +115,7 @@ def _build(build: Callable[[], dict], kind: str) -> dict:
 
 
 def _shared(stat: FileStat, kind: str, params: dict, build: Callable[[], dict],
-            valid: Callable[[dict], bool]) -> dict:
+            valid: Callable[[dict, int], bool]) -> dict:
     """Read the index file; else, under its lock, read it again (another process may just have
     written it) or build and write it."""
     target = index_path(stat, kind, params)
@@ -140,7 +142,7 @@ def _shared(stat: FileStat, kind: str, params: dict, build: Callable[[], dict],
 
 
 def _read(target: Path, stat: FileStat, kind: str, params: dict,
-          valid: Callable[[dict], bool]) -> tuple[dict | None, str]:
+          valid: Callable[[dict, int], bool]) -> tuple[dict | None, str]:
     """(the index, "") if `target` holds a trustworthy one for `stat`, else (None, why not)."""
     try:
         text = target.read_text()
@@ -163,8 +165,8 @@ def _read(target: Path, stat: FileStat, kind: str, params: dict,
         return None, (f"the data file changed since (size {doc.get('size')} -> {stat.size}, "
                       f"mtime_ns {doc.get('mtime_ns')} -> {stat.mtime_ns})")
     data = doc.get("index")
-    if not isinstance(data, dict) or not _valid(valid, data):
-        return None, "its content is malformed"
+    if not isinstance(data, dict) or not _valid(valid, data, stat.size):
+        return None, "its content is malformed (a row offset out of order or past the file's end)"
     LOADS[kind] += 1
     return data, ""
 
@@ -174,9 +176,9 @@ def _fresh(doc: dict, stat: FileStat) -> bool:
     return doc.get("size") == stat.size and doc.get("mtime_ns") == stat.mtime_ns
 
 
-def _valid(valid: Callable[[dict], bool], data: dict) -> bool:
+def _valid(valid: Callable[[dict, int], bool], data: dict, size: int) -> bool:
     try:
-        return bool(valid(data))
+        return bool(valid(data, size))
     except (KeyError, TypeError, ValueError, IndexError):
         return False
 
@@ -256,8 +258,17 @@ def _warn_once(key: str, message: str) -> None:
         log.warning(message)
 
 
-def offsets_cover(data: dict, stride: int) -> bool:
-    """A sparse offset index's shape: `num_rows` rows, one int offset per `stride` of them."""
+def offsets_cover(data: dict, stride: int, size: int) -> bool:
+    """A sparse offset index's shape: `num_rows` rows, one int offset per `stride` of them,
+    strictly ascending and inside a file of `size` bytes (a flipped digit is caught here, not
+    read as a wrong row)."""
     n, offsets = data["num_rows"], data["offsets"]
     return (isinstance(n, int) and n >= 0 and isinstance(offsets, list)
-            and len(offsets) == -(-n // stride) and all(isinstance(o, int) for o in offsets))
+            and len(offsets) == -(-n // stride) and all(type(o) is int for o in offsets)
+            and ascending(offsets, size))
+
+
+def ascending(offsets: list[int], size: int) -> bool:
+    """Strictly ascending, from 0 on, all before byte `size`."""
+    return (not offsets or (offsets[0] >= 0 and offsets[-1] < size)) and all(
+        a < b for a, b in zip(offsets, offsets[1:]))

@@ -9,8 +9,9 @@ One global step, on every data-parallel rank, in three phases:
      (`reorder.py`), in "fixed" or "budget" mode;
   3. load (`step_load.py`): each rank reads and preprocesses only the samples assigned to it
      (no payload crosses data-parallel ranks) and packs each micro-batch into one row.
-Under SP (`shared_read.py`, `data.shared_reading`) only the first rank of each SP group runs
-these phases; it sends each peer its shards and its position after the step.
+Under SP or TP (`shared_read.py`, `data.shared_reading`) only the first rank of the ranks
+sharing a data-parallel rank runs these phases; it sends each peer its shard (TP: its rows) and
+its position after the step.
 
 The state (`loader_state.py`) is JSON: every rank's cursors and mixer, and each group's buffer,
 gathered to a single file that resumes under another data-parallel size. `OmniLoader` composes
@@ -79,6 +80,7 @@ class OmniLoader:
         self.processors, self.cost_model, self.cfg = processors, cost_model, cfg
         self.global_batch_size = global_batch_size
         self.num_micro, self.dp_rank, self.dp_size = place.num_micro, place.dp_rank, place.dp_size
+        self.sp_size = place.sp_size
         self.comm = comms.data
         # the all-gathers of `next_step`: groups of their own when steps run on a prefetch thread
         self.step_comm = comms.step
@@ -100,11 +102,14 @@ class OmniLoader:
                                    group_size=self.group_size,
                                    samples_per_rank=global_batch_size // self.dp_size,
                                    pack_tokens=self.pack_tokens, max_degree=self.max_degree)
-        # one reader per SP group (`shared_read.py`): None, or this rank's place in it
-        self.shared = comms.shared if place.sp_size > 1 else None
-        if self.shared is not None and self.shared.comm.rank != place.sp_rank:
-            raise ValueError(f"the loader's SP comm puts this rank at {self.shared.comm.rank}, its "
-                             f"place says sp_rank {place.sp_rank}")
+        # one reader per sp x tp group (`shared_read.py`): None, or this rank's place in it
+        shared = comms.shared
+        self.shared = shared if shared is not None and shared.comm.size > 1 else None
+        if self.shared is not None and shared_read.shard_of(
+                shared.comm.rank, shared.comm.size, place.sp_size) != place.sp_rank:
+            raise ValueError(f"the loader's reader group puts this rank at {shared.comm.rank} of "
+                             f"{shared.comm.size}, its place says sp_rank {place.sp_rank} of "
+                             f"{place.sp_size}")
         self.batches = MicroBatchLoader(self.reader, processors, cost_model, place, splits,
                                         resolve_workers(cfg.workers), every_shard=self.shared is not None)
         self.state = LoaderState(self.reader, self.planner, self.schedule, cfg, place, self.comm)
@@ -144,7 +149,7 @@ class OmniLoader:
         after its all-reduce, on every rank at once. Nor does any other exception of the data
         path (a bug, a failing HF processor): it becomes `error` the same way.
 
-        Under one reader per SP group (`shared_read.py`) the reader makes the step and sends
+        Under one reader per sp x tp group (`shared_read.py`) the reader makes the step and sends
         each peer its part; a peer only receives."""
         if self.shared is None:
             return self._make_step()
@@ -183,17 +188,19 @@ class OmniLoader:
     def _failed_step(self, e: Exception) -> StepBatch:
         """The reader failed making the step: an error batch (empty micro-batches)."""
         batch = StepBatch(step=self.step, micro_batches=[self.batches.empty()] * self.num_micro,
-                          error=self.reader.failure(e, "making the step of its SP group"))
+                          error=self.reader.failure(e, "making the step of its reader group"))
         self.step += 1
         return batch
 
     def _send_step(self, batch: StepBatch, skips: list[dict]) -> None:
         """The reader: each peer its step batch, this rank's position after it, its skips."""
         size, after = self.shared.comm.size, self._position()
-        peers = self.batches.peers
-        if len(peers) != size - 1:  # the step failed before packing
+        shards = self.batches.peers  # SP shards 1..sp-1 (none without SP)
+        if len(shards) != self.sp_size - 1:  # the step failed before packing
             batch.error = batch.error or "the SP group's reader packed no shards for its peers"
-            peers = [[self.batches.empty(r)] * len(batch.micro_batches) for r in range(1, size)]
+            shards = [[self.batches.empty(r)] * len(batch.micro_batches)
+                      for r in range(1, self.sp_size)]
+        peers = shared_read.peer_shards(batch.micro_batches, shards, size)
         dummies = self.batches.dummy_cost(batch.micro_batches)
         parcels = [{"batch": dataclasses.replace(
             batch, micro_batches=[shared_read.peer_view(mb, self.shared.all_items) for mb in micro],

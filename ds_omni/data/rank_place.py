@@ -47,10 +47,11 @@ class RankPlace:
 
 
 class ShardComm(Protocol):
-    """The loader's own collective over one SP group (`data.shared_reading`): the group's first
-    rank, its reader, hands every rank its part of a step."""
+    """The loader's own collective over one reader group (`data.shared_reading`: the sp x tp
+    ranks of a data-parallel rank, in (sp, tp) order): its first rank, the reader, hands every
+    rank its part of a step."""
 
-    rank: int  # this rank's place in the SP group (0: the reader)
+    rank: int  # this rank's place in the reader group (0: the reader)
     size: int
     reader: int  # the reader's global rank (for messages)
 
@@ -61,7 +62,7 @@ class ShardComm(Protocol):
 
 @dataclass(frozen=True)
 class SharedReading:
-    """One reader per SP group (`ds_omni.data.shared_read`): `comm` the group's own collective;
+    """One reader per sp x tp group (`ds_omni.data.shared_read`): `comm` the group's own collective;
     `all_items`: a peer gets the inputs of every item of its rows, not only of those it encodes
     (the encoder pool and the joint pipeline read other items' inputs on every rank)."""
 
@@ -73,7 +74,7 @@ class SharedReading:
 class LoaderComms:
     """The loader's collectives: `data` for its state (and its steps, by default); `step` for the
     all-gathers of `next_step`, groups of their own when steps run on a prefetch thread;
-    `shared`: one reader per SP group (None: every SP rank reads its rows itself)."""
+    `shared`: one reader per sp x tp group (None: every rank reads its rows itself)."""
 
     data: DataComm | None = None
     step: DataComm | None = None

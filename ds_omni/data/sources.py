@@ -405,9 +405,9 @@ def _json_index(path: str, key: str | None, row_hint: str | None) -> dict:
     return {"layout": "lines", "key": None, "offsets": offsets, "num_rows": n}
 
 
-def _json_valid(data: dict) -> bool:
+def _json_valid(data: dict, size: int) -> bool:
     return (data["layout"] in ("document", "lines") and isinstance(data["key"], (str, type(None)))
-            and index.offsets_cover(data, JSON_INDEX_STRIDE))
+            and index.offsets_cover(data, JSON_INDEX_STRIDE, size))
 
 
 MEDIA_EXTENSIONS = {"jpg", "jpeg", "png", "webp", "bmp", "gif", "tiff", "wav", "flac", "mp3",
@@ -456,8 +456,20 @@ def _tar_index(path: str) -> dict:
     return {"samples": samples, "num_rows": len(samples)}
 
 
-def _tar_valid(data: dict) -> bool:
-    return isinstance(data["samples"], list) and len(data["samples"]) == data["num_rows"]
+def _tar_valid(data: dict, size: int) -> bool:
+    """Every sample a key and its members (name, data offset, size), in archive order, each
+    member's data inside the file."""
+    samples = data["samples"]
+    if not isinstance(samples, list) or len(samples) != data["num_rows"]:
+        return False
+    starts = []
+    for key, members in samples:
+        for name, offset, length in members:
+            if not (isinstance(key, str) and isinstance(name, str) and type(length) is int
+                    and type(offset) is int and length >= 0 and offset + length <= size):
+                return False
+            starts.append(offset)
+    return index.ascending(starts, size)
 
 
 def _member(name: str, offset_data: int, size: int) -> tarfile.TarInfo:

@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -34,8 +36,8 @@ class RankGroups:
     tp: object = None
     """Under parallel.tp > 1: the ranks that split the backbone's layers (None without)."""
     shard_comm: "TorchShardComm | None" = None
-    """Under parallel.sp > 1: this rank's SP group again, a gloo group of the loader's own (one
-    reader per SP group, `ds_omni.data.shared_read`)."""
+    """Under parallel.sp or parallel.tp > 1: the ranks that train on this rank's rows (its sp x
+    tp ranks), a gloo group of the loader's own (one reader per group, `ds_omni.data.shared_read`)."""
 
     @property
     def sp(self):
@@ -82,14 +84,16 @@ def tensor_group(plan: ParallelPlan, rank: int):
 
 
 def loader_shard_comm(plan: ParallelPlan, rank: int) -> "TorchShardComm | None":
-    """This rank's SP group as a new gloo group of the loader's own (None when sp == 1): the
-    reader's scatter runs on the prefetch thread, which must not share a group with training."""
-    if plan.sp == 1:
+    """This rank's reader group (the sp x tp ranks of its data-parallel rank,
+    `ParallelPlan.reader_group_ranks`) as a new gloo group of the loader's own (None when
+    sp x tp == 1): the reader's scatter runs on the prefetch thread, which must not share a
+    group with training."""
+    if plan.sp * plan.tp == 1:
         return None
     world = dist.get_world_size() if dist.is_initialized() else 1
-    members = next(m for m in plan.sp_group_ranks() if rank in m)
-    return TorchShardComm(_own_group(plan.sp_group_ranks(), rank, world, fresh=True), members,
-                          rank)
+    members = next(m for m in plan.reader_group_ranks() if rank in m)
+    return TorchShardComm(_own_group(plan.reader_group_ranks(), rank, world, fresh=True),
+                          members, rank)
 
 
 def data_groups(plan: ParallelPlan, rank: int):
@@ -129,7 +133,19 @@ def _group(ranks: list[int], world: int, fresh: bool = False):
     `fresh`: always a new gloo group (none at all in a single process)."""
     if world == 1 or (len(ranks) == world and not fresh):
         return None
-    return dist.new_group(ranks, backend="gloo") if fresh else dist.new_group(ranks)
+    timeout = world_timeout()
+    return (dist.new_group(ranks, backend="gloo", timeout=timeout) if fresh
+            else dist.new_group(ranks, timeout=timeout))
+
+
+def world_timeout() -> timedelta:
+    """The default group's timeout (`init_distributed`'s), for the groups made here: torch
+    gives a new group its own default (30 minutes) instead, so a loader's peer would wait that
+    long for a reader that hangs. `DS_OMNI_DIST_TIMEOUT`, where the backend does not say."""
+    try:
+        return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError, ValueError):  # no CPU backend in the world group (NCCL only)
+        return timedelta(seconds=float(os.environ.get("DS_OMNI_DIST_TIMEOUT", 1800.0)))
 
 
 def sequence_blocks(plan: ParallelPlan, rank: int) -> dict[tuple[int, int], object]:
@@ -166,7 +182,7 @@ class TorchDataComm:
 
 
 class TorchShardComm:
-    """`ShardComm` over torch.distributed: the reader (the SP group's first rank) sends each
+    """`ShardComm` over torch.distributed: the reader (the reader group's first rank) sends each
     peer its bytes, a size then the payload, point to point: no pickling of the pickled bytes
     again and no padding to the largest part (what `scatter_object_list` does)."""
 

@@ -145,6 +145,13 @@ class ParallelPlan:
         return [[self.rank_of(RankCoords(p, d, s, t)) for t in range(self.tp)]
                 for p in range(self.pp) for d in range(self.dp) for s in range(self.sp)]
 
+    def reader_group_ranks(self) -> list[list[int]]:
+        """Ranks that train on the same rows (the sp x tp ranks of one data-parallel rank): one
+        list per (pp, dp), consecutive ranks, in (sp, tp) order. Its first rank reads the rows
+        for all of them under data.shared_reading (`ds_omni/data/shared_read.py`)."""
+        return [[self.rank_of(RankCoords(p, d, s, t)) for s in range(self.sp)
+                 for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+
     def reorder_group_ranks(self, group_size: int) -> list[list[int]]:
         """Ranks whose loaders share sample metadata: G consecutive ranks of each dp group.
 

@@ -114,6 +114,7 @@ def _check(name, case, results, tmp_path, dp=1):
         for rank, r in enumerate(results):  # rank 2g + 1 reads what rank 2g reads
             peer = results[rank // 2 * 2]
             assert r[(name, stage)]["keys"] == peer[(name, stage)]["keys"], (name, stage)
+        _check_one_reader(name, stage, results)
         oracle.assert_matches(ref, got, f"{name} tp=2 dp={dp} ZeRO-{stage}")
         assert all(r[(name, stage)]["losses"] == got["losses"] for r in results), (name, stage)
         if "resume_at" in case:
@@ -122,6 +123,17 @@ def _check(name, case, results, tmp_path, dp=1):
                           got["params"])
     oracle.assert_moved(ref, name)
     return ref
+
+
+def _check_one_reader(name, stage, results) -> None:
+    """One reader per TP group (`data.shared_reading`): rank 2g read the rows and decoded the
+    images, its TP peer 2g + 1 read and decoded nothing (it got the reader's micro-batches)."""
+    for rank, r in enumerate(results):
+        rows, _, items = r[(name, stage)]["read_counts"]
+        if rank % 2:
+            assert rows == items == 0, f"{name}: TP peer rank {rank} read {rows} rows, {items} items"
+        else:
+            assert rows > 0 and items > 0, f"{name}: reader rank {rank} read {rows} rows"
 
 
 def _check_resume(name, stage, at, results) -> None:

@@ -1,8 +1,10 @@
 """Row indexes built once per file version and shared (`ds_omni/data/index.py`): reused by a
 second reader and a second process, rebuilt (never trusted) when the data file changed, the
-index is cut short, corrupt or of another version; two racing processes build it once; rows
-equal those of a reader without an index; the start-up check and the loader share one build.
-Planted error: an index check that ignores mtime_ns must fail the stale test."""
+index is cut short, corrupt (garbage bytes, offsets out of order or past the file's end, in
+every layout) or of another version; two racing processes build it once; rows equal those of a
+reader without an index; the start-up check and the loader share one build. Planted errors: an
+index check that ignores mtime_ns must fail the stale test, one that trusts any offsets the
+spoiled one."""
 
 import fcntl
 import json
@@ -143,6 +145,53 @@ def test_bad_index_is_rebuilt_saying_why(shared, caplog, spoil, why):
     said = [r.message for r in caplog.records if "rebuilding the index" in r.message]
     assert len(said) == 1 and why in said[0] and str(path.resolve()) in said[0]
     assert json.loads(target.read_text())["version"] == index.INDEX_VERSION  # written anew
+
+
+def _spoil_index(index_doc: dict, **changes) -> str:
+    return json.dumps({**index_doc, "index": {**index_doc["index"], **changes}})
+
+
+def _swapped(offsets: list) -> list:
+    return [offsets[1], offsets[0], *offsets[2:]]
+
+
+@pytest.mark.parametrize("layout, spoil, why", [
+    ("array", lambda b: b"\xff\xfe" + b[5:], "cannot be read"),  # not UTF-8
+    ("array", lambda b: b"", "not valid JSON"),  # written by a writer that died (no os.replace)
+    ("array", lambda b: json.dumps({**json.loads(b), "version": index.INDEX_VERSION + 1}).encode(),
+     f"index version {index.INDEX_VERSION + 1}"),  # a newer ds_omni's
+    ("array", lambda b: _spoil_index(json.loads(b), offsets=_swapped(
+        json.loads(b)["index"]["offsets"])).encode(), "out of order"),
+    ("jsonl", lambda b: _spoil_index(json.loads(b), offsets=[
+        *json.loads(b)["index"]["offsets"][:-1], 10 ** 9]).encode(), "past the file's end"),
+    ("tar", lambda b: b[: len(b) // 3], "not valid JSON"),
+    ("tar", lambda b: _spoil_index(json.loads(b), samples=[
+        *json.loads(b)["index"]["samples"][:-1],
+        [json.loads(b)["index"]["samples"][-1][0], [["x.txt", 10 ** 9, 5]]]]).encode(),
+     "past the file's end"),
+])
+def test_a_spoiled_index_of_any_layout_is_rebuilt(shared, caplog, layout, spoil, why):
+    """Garbage bytes, an empty file, a newer version, offsets swapped or past the end (JSON
+    lines, a JSON array, a tar's members): rebuilt, one log line saying why, rows unchanged."""
+    path, reader, rows = _files(shared)[layout]
+    reader(str(path))
+    (target,) = [t for t in (shared / "index").glob("*.json") if t.name.startswith(path.name)]
+    target.write_bytes(spoil(target.read_bytes()))
+    index.clear_memo()
+    with caplog.at_level(logging.INFO, "ds_omni.data.index"):
+        again = reader(str(path))
+    assert index.BUILDS[_kind(layout)] == 2 and list(again.rows(0, len(rows))) == rows
+    said = [r.message for r in caplog.records if "rebuilding the index" in r.message]
+    assert len(said) == 1 and why in said[0] and str(path.resolve()) in said[0], said
+
+
+def test_plant_index_trusting_any_offsets_fails_the_spoiled_test(shared, caplog, monkeypatch):
+    """Without the order and range checks a swapped offset is trusted: rows go wrong or missing."""
+    monkeypatch.setattr(index, "ascending", lambda offsets, size: True)
+    with pytest.raises(AssertionError):  # no rebuild (BUILDS stays 1)
+        test_a_spoiled_index_of_any_layout_is_rebuilt(
+            shared, caplog, "array", lambda b: _spoil_index(json.loads(b), offsets=_swapped(
+                json.loads(b)["index"]["offsets"])).encode(), "out of order")
 
 
 def _slow_build(path, builds_log, start_at):

@@ -64,17 +64,34 @@ def test_reorder_groups_are_consecutive_ranks_of_one_dp_group():
 
 
 def test_data_groups_build_the_printed_layout(monkeypatch):
-    """The process groups `data_groups` creates are the layout's (new_group recorded, no backend)."""
+    """The process groups `data_groups` creates are the layout's (new_group recorded, no backend),
+    each with the world's timeout (a new group's own default is 30 minutes)."""
+    from datetime import timedelta
     from ds_omni.parallel import groups
+    timeouts = []
     monkeypatch.setattr(groups.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(groups.dist, "get_world_size", lambda group=None: 8)
-    monkeypatch.setattr(groups.dist, "new_group", lambda ranks: tuple(ranks))
+    monkeypatch.setattr(groups, "world_timeout", lambda: timedelta(seconds=7))
+    monkeypatch.setattr(groups.dist, "new_group",
+                        lambda ranks, timeout: timeouts.append(timeout) or tuple(ranks))
     plan = ParallelPlan(world_size=8, dp=4, sp=2, reorder_group=2)
     layout = plan.layout()
     for rank in range(8):
         dp_pg, reorder_pg = groups.data_groups(plan, rank)
         assert [list(dp_pg)] == [g for g in layout["dp_groups"] if rank in g]
         assert [list(reorder_pg)] == [g for g in layout["reorder_groups"] if rank in g]
+    assert timeouts and set(timeouts) == {timedelta(seconds=7)}
+
+
+def test_reader_groups_are_the_sp_x_tp_ranks_of_a_data_parallel_rank():
+    plan = ParallelPlan(world_size=8, dp=2, sp=2, tp=2)
+    assert plan.reader_group_ranks() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for group in plan.reader_group_ranks():
+        coords = [plan.coords(r) for r in group]
+        assert len({(c.pp_stage, c.dp_rank) for c in coords}) == 1
+        assert [(c.sp_rank, c.tp_rank) for c in coords] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert ParallelPlan(world_size=4, dp=2, sp=2).reader_group_ranks() == \
+        ParallelPlan(world_size=4, dp=2, sp=2).sp_group_ranks()
 
 
 def test_no_sequence_groups_without_sp():

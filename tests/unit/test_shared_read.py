@@ -14,6 +14,7 @@ from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.rank_place import LoaderComms, RankPlace, SharedReading
 from ds_omni.data.sources import Source
 from ds_omni.errors import DataError
+from tests import plants
 from tests.data_files import conversation_rows, text_rows, write
 from tests.data_sim import on_ranks, thread_shard_comms
 
@@ -43,19 +44,21 @@ def cfg(tmp_path_factory) -> DataConfig:
         max_seq_len=128, chunk_rows=4)
 
 
-def _group(built, cfg, shared: bool, timeout: float = 60) -> list[OmniLoader]:
-    """The SP_SIZE loaders of one SP group (data-parallel rank 0 of 1)."""
+def _group(built, cfg, shared: bool, timeout: float = 60, sp: int = SP,
+           tp: int = 1) -> list[OmniLoader]:
+    """The sp x tp loaders of one reader group (data-parallel rank 0 of 1), in (sp, tp) order:
+    rank g packs SP shard g // tp (sp 1: whole rows)."""
     procs = {s.name: SampleProcessor(tokenizer=built.tokenizer, family=built.family,
                                      item_processors=built.item_processors,
                                      markers={"vision": "<image>"}, max_seq_len=128)
              for s in cfg.sources}
-    comms = thread_shard_comms(SP, timeout)
+    comms = thread_shard_comms(sp * tp, timeout)
     return [OmniLoader([Source(s, cfg.chunk_rows) for s in cfg.sources], procs,
                        cost_model_for(built, []), cfg, global_batch_size=8,
                        place=RankPlace(dp_rank=0, dp_size=1, num_micro=2, reorder_group=1,
-                                       sp_rank=r, sp_size=SP),
-                       comms=LoaderComms(shared=SharedReading(comms[r]) if shared else None))
-            for r in range(SP)]
+                                       sp_rank=g // tp, sp_size=sp),
+                       comms=LoaderComms(shared=SharedReading(comms[g]) if shared else None))
+            for g in range(sp * tp)]
 
 
 def _logged(loader):
@@ -133,12 +136,52 @@ def test_a_failing_reader_stops_its_peers_with_its_error(built, cfg):
     assert batches[0].error == batches[1].error
     group[0].batches.load = lambda *a: (_ for _ in ()).throw(RuntimeError("load broke"))
     batches = on_ranks(lambda r: group[r].next_step(), SP)
-    assert all("load broke" in b.error and "SP group" in b.error for b in batches)
+    assert all("load broke" in b.error and "reader group" in b.error for b in batches)
     assert len(batches[1].micro_batches) == 2
 
 
 def test_a_dead_reader_is_a_clear_error_not_a_hang(built, cfg):
     peer = _group(built, cfg, True, timeout=2)[1]
-    with pytest.raises(DataError, match=r"SP rank 1 .* got no batch from its SP group's reader "
-                                        r"\(rank 0\)"):
+    with pytest.raises(DataError, match=r"rank 1 of the reader group of data-parallel rank 0 .* "
+                                        r"got no batch from the group's reader \(rank 0\)"):
         peer.next_step()  # its reader never calls
+
+
+def _check_reader_group(built, cfg, sp: int, tp: int, steps: int = 3) -> None:
+    """Each rank of an sp x tp reader group trains on exactly what it packs alone (its SP
+    shard, whole rows without SP), keeps the reader's state, and only the reader reads."""
+    n = sp * tp
+    alone, shared = _group(built, cfg, False, sp=sp, tp=tp), _group(built, cfg, True, sp=sp, tp=tp)
+    for _ in range(steps):
+        want = on_ranks(lambda g: alone[g].next_step(), n)
+        got = on_ranks(lambda g: shared[g].next_step(), n)
+        for w, g in zip(want, got):
+            _same(w, g)
+    states = on_ranks(lambda g: shared[g].state_dict(), n)
+    assert states == on_ranks(lambda g: alone[g].state_dict(), n)
+    counts = [lo.counts for lo in shared]
+    assert counts[0] == alone[0].counts and counts[0].rows > 0 and counts[0].items > 0
+    assert all((c.rows, c.bytes, c.items) == (0, 0, 0) for c in counts[1:]), counts
+
+
+@pytest.mark.parametrize("sp, tp", [(1, 2), (2, 2)])
+def test_tp_ranks_share_one_reader(built, cfg, sp, tp):
+    """parallel.tp: the TP ranks of a row read nothing and get the reader's micro-batches
+    (sp 1); with SP too (a group the config does not allow yet, the loader does), group rank g
+    gets SP shard g // tp."""
+    _check_reader_group(built, cfg, sp, tp)
+
+
+def test_shard_of_a_group_rank():
+    from ds_omni.data.shared_read import peer_shards, shard_of
+    assert [shard_of(g, 4, 2) for g in range(4)] == [0, 0, 1, 1]
+    assert [shard_of(g, 2, 1) for g in range(2)] == [0, 0]
+    assert peer_shards(["own"], [["s1"]], 4) == [["own"], ["s1"], ["s1"]]
+    with pytest.raises(ValueError, match="does not hold 2 SP ranks"):
+        shard_of(1, 3, 2)
+
+
+@pytest.mark.parametrize("plant", plants.for_launch("reader_group"))
+def test_plant_reader_group_is_caught(plant, built, cfg):
+    with plants.applied(plant, 0), pytest.raises(AssertionError):
+        _check_reader_group(built, cfg, 2, 2, steps=1)
