@@ -76,9 +76,15 @@ def ds_json(stage: int) -> dict:
 
 
 def tp_counters(engine) -> dict:
-    """The mechanism ran: AutoTP's layers in the backbone (None without tp)."""
+    """The mechanism ran: AutoTP's layers in the backbone, and the encoder items this rank
+    encoded of its TP group's rows' items (`ds_omni.parallelize.tp_encoders`; None without tp)."""
+    from ds_omni.parallelize import router_of
     counts = getattr(engine.module, "tp_counts", None)
-    return {"tp_layers": None if counts is None else counts.column + counts.row}
+    router = router_of(engine.module)
+    split = router.tp_encoders.counts if router is not None and router.tp_encoders else None
+    return {"tp_layers": None if counts is None else counts.column + counts.row,
+            "tp_encoded_items": None if split is None else split.items_encoded,
+            "tp_row_items": None if split is None else split.row_items}
 
 
 def ranks(rank: int, world: int, plans: dict, steps: int, warmup: int, counters) -> dict:
@@ -107,6 +113,10 @@ def summarise(per_plan: dict, baseline: str, cap_mb: float | None = None) -> dic
         row["losses"] = per_rank[0]["losses"]
         row["counters"] = {k: v for k, v in per_rank[0].items() if k.endswith("_layers")
                            or k.endswith("_blocks")}
+        if "tp_encoded_items" in per_rank[0]:  # each rank's share of its TP group's items
+            row["counters"]["tp_encoded_items_per_rank"] = [r["tp_encoded_items"]
+                                                            for r in per_rank]
+            row["counters"]["tp_row_items_per_rank"] = [r["tp_row_items"] for r in per_rank]
         held = row["live_tensor_bytes_max_mb"] + row["activation_peak_bytes_max_mb"]
         row["held_max_mb"] = held
         if cap_mb is not None:
