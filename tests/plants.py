@@ -360,14 +360,13 @@ def _tp_encoder_grad_not_summed(rank: int):
 @plant("tp_gather_grad_summed", "the TP gather's backward sums the embedding rows' gradient over "
        "the TP ranks (it is already whole on each)", "tp_slow")
 def _tp_gather_grad_summed(rank: int):
-    import torch.distributed as dist
     from ds_omni.parallel.tp_encode import GatherTPRows
 
     def make(backward):
+        # the sum of a gradient that is the same on every TP rank, without the all-reduce (a
+        # rank whose rows need no gradient never runs this backward: no collective can be here)
         def planted(ctx, grad):
-            grad = grad.contiguous()
-            dist.all_reduce(grad, group=ctx.group)
-            return backward(ctx, grad)
+            return backward(ctx, grad * len(ctx.plan.rank_rows))
         return staticmethod(planted)
     yield from _patched(GatherTPRows, "backward", make)
 

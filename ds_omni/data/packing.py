@@ -27,7 +27,7 @@ from ds_omni.batch import (IGNORE_INDEX, EncodedItem, ItemProcessor, MicroBatch,
 from ds_omni.data.processing import Sample
 from ds_omni.parallel.long_short import LongItems
 from ds_omni.parallel.reshard import item_slots, plan_reshard
-from ds_omni.parallel.tp_encode import plan_tp_encode
+from ds_omni.parallel.tp_encode import first_rank, plan_tp_encode
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def tp_share(row: MicroBatch, processors: dict[str, ItemProcessor], rank: int, s
                        {e: placeholder_ids(processors, e) for e in items},
                        {e: [it.num_embeddings for it in its] for e, its in items.items()},
                        {e: [item_cost(e, it) for it in its] for e, its in items.items()})
-    plan = plan_tp_encode(slots, size, list(items))[rank]
+    plan = plan_tp_encode(slots, size, list(items), first_rank(row.sample_ids, size))[rank]
     return dataclasses.replace(row, encoder_inputs={
         e: processors[e].collate([items[e][k] for k in idx]) for e, idx in plan.encode.items()
     }).routed(tp_encode=plan)

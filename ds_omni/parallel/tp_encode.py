@@ -18,6 +18,7 @@ Dims: N embedding rows of the row (all encoders), N_r rows TP rank r encodes, W 
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,23 +62,34 @@ class TPEncode:
         return sum(self.rank_rows[:self.rank])
 
 
-def assign_tp_items(costs: list[float], tp: int) -> list[int]:
-    """The TP rank that encodes each item: costliest first onto the least-loaded rank (the
-    lowest on ties). No locality to prefer: every TP rank holds every placeholder. Deterministic,
-    so every rank of the group computes the same owners."""
+def assign_tp_items(costs: list[float], tp: int, first: int = 0) -> list[int]:
+    """The TP rank that encodes each item: costliest first onto the least-loaded rank, ties to
+    the first of them counting from rank `first` (then first + 1, ... mod tp). No locality to
+    prefer: every TP rank holds every placeholder. Deterministic, so every rank of the group
+    computes the same owners."""
     load = np.zeros(tp)
     owner = [0] * len(costs)
+    turn = [(first + k) % tp for k in range(tp)]  # the ranks in tie-breaking order
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        owner[i] = int(np.argmin(load))  # argmin: the first (lowest) least-loaded rank
+        owner[i] = min(turn, key=lambda r: load[r])  # min: the first least-loaded in `turn`
         load[owner[i]] += costs[i]
     return owner
 
 
-def plan_tp_encode(slots: list[ItemSlots], tp: int, encoder_order: list[str]) -> list[TPEncode]:
+def first_rank(sample_ids: list[str], tp: int) -> int:
+    """The TP rank a row's ties go to first, from its samples' ids (the same in every process,
+    unlike `hash`): rows of one item each then spread over the TP ranks instead of all going
+    to rank 0 (the step takes as long either way, but rank 0 would hold all the encoder
+    activations and the others run only dummies)."""
+    return zlib.crc32("\n".join(sample_ids).encode()) % tp
+
+
+def plan_tp_encode(slots: list[ItemSlots], tp: int, encoder_order: list[str],
+                   first: int = 0) -> list[TPEncode]:
     """Every TP rank's part (pure: identical on all ranks of the group). `slots`: the row's
     items (`reshard.item_slots` of the whole row); `encoder_order`: the order `OmniModel` runs
-    its encoders in."""
-    owner = assign_tp_items([s.cost for s in slots], tp)
+    its encoders in; `first`: where the ties of `assign_tp_items` start (`first_rank`)."""
+    owner = assign_tp_items([s.cost for s in slots], tp, first)
     rank_of_encoder = {enc: i for i, enc in enumerate(encoder_order)}
     in_order = sorted(range(len(slots)), key=lambda i: (rank_of_encoder[slots[i].encoder],
                                                         slots[i].index))

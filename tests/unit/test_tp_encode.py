@@ -18,7 +18,7 @@ import torch
 
 from ds_omni.data.packing import pack, tp_share
 from ds_omni.parallel.reshard import item_slots
-from ds_omni.parallel.tp_encode import assign_tp_items, plan_tp_encode
+from ds_omni.parallel.tp_encode import assign_tp_items, first_rank, plan_tp_encode
 from tests.unit.test_reshard import PLACEHOLDER, _cost, llava, qwen2_vl, random_row  # noqa: F401
 
 
@@ -68,6 +68,10 @@ def test_assignment_is_balanced_lpt(tp):
         if costs:
             assert load.max() <= sum(costs) / tp + max(costs) + 1e-9
     assert sorted(assign_tp_items([5.0] * (2 * tp), tp)) == sorted(list(range(tp)) * 2)
+    # rows of one item: where ties start moves with the row, so the items spread over the ranks
+    firsts = [first_rank([f"sample{i}"], tp) for i in range(40)]
+    assert [assign_tp_items([3.0], tp, f) for f in firsts] == [[f] for f in firsts]
+    assert sorted(set(firsts)) == list(range(tp))
 
 
 def test_gather_backward_and_grad_sum_equal_one_process():
@@ -117,7 +121,21 @@ def test_tp_share_collates_each_ranks_items(model, tp, request):
             owned += [(enc, k) for k in idx]
     assert sorted(owned) == sorted((e, k) for e, its in whole.items.items()
                                    for k in range(len(its)))
-    assert all(m.route.tp_encode.items for m in shares[:2])  # 4 images: the first two ranks
+    assert all(m.route.tp_encode.items for m in shares)  # 4 images: every rank some
     placeholders = torch.tensor([p.placeholder_id for p in processors.values()])
     held = torch.isin(whole.input_ids[0], placeholders).nonzero().flatten().tolist()
     assert sorted(shares[0].route.tp_encode.positions) == held
+
+
+def test_encoder_stream_keeps_the_shared_stream_in_step():
+    """TP ranks that draw different amounts inside their encoders (different items, dropout)
+    leave the stream they share where the others leave it, and their encoder streams differ."""
+    from ds_omni.parallelize.tp_encoders import _encoder_rng
+    after, inside = [], []
+    for tp_rank, draws in ((0, 3), (1, 1000)):
+        torch.manual_seed(7)  # the stream the TP ranks of a row share
+        with _encoder_rng(torch.device("cpu"), tp_rank):
+            inside.append(torch.rand(draws)[:3])
+        after.append(torch.rand(4))
+    assert torch.equal(after[0], after[1])
+    assert not torch.equal(inside[0], inside[1])
