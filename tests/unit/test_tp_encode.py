@@ -97,13 +97,14 @@ def test_gather_backward_and_grad_sum_equal_one_process():
         rows.backward(head[where])  # the whole gradient at the embeddings: this rank's slice
         per_rank.append(enc.weight.grad.clone())
     assert 0 < owner.count(0) < len(items)  # both ranks encode some
-    torch.testing.assert_close(sum(per_rank), want, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(sum(per_rank), want, rtol=1e-6, atol=1e-7)
     assert not torch.allclose(per_rank[0], want)  # one rank's part alone is not the gradient
-    torch.testing.assert_close(tp * sum(per_rank), tp * want)  # (a sum in the gather: tp x)
+    assert not torch.allclose(tp * sum(per_rank), want)  # a sum in the gather: tp x
 
 
+@pytest.mark.slow  # the two tiny models' fixtures take ~20 s on a loaded machine
 @pytest.mark.parametrize("tp", [2, 3])
-@pytest.mark.parametrize("model", [pytest.param("llava", marks=pytest.mark.slow), "qwen2_vl"])
+@pytest.mark.parametrize("model", ["llava", "qwen2_vl"])
 def test_tp_share_collates_each_ranks_items(model, tp, request):
     """Every TP rank's share of a packed row holds the row whole, the inputs of its own items
     only (as the family's collate makes them), and together the ranks hold every item once."""
