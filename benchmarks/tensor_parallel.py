@@ -20,6 +20,14 @@ of each plan's largest rank against tp1_zero2's, all measured in this run.
 plus the activation peak) stands for a GPU too small for the whole backbone's training state;
 the JSON says which plans fit under it.
 Writes benchmarks/results/tensor_parallel.json and tensor_parallel.png.
+
+    .venv/bin/python benchmarks/tensor_parallel.py --encoders
+
+The encoders' split over the TP ranks (`ds_omni.parallelize.tp_encoders`) against the TP
+ranks each encoding every item of their row (how parallel.tp ran before the split, put back
+for the `*_whole_encoders` plans as the plants put in a change: `whole_encoders`), with a
+CLIP tower as large as the backbone's work (`ENCODER_TOWER`): tp1_zero2 (baseline), tp 2 and 4
+split and whole. Writes tensor_parallel_encoders.json and .png.
 """
 
 from __future__ import annotations
@@ -41,6 +49,12 @@ RESULTS = REPO / "benchmarks" / "results"
 WORLD = 4
 PLANS = {"tp1_zero2": (1, 2), "tp2_zero2": (2, 2), "tp4_zero2": (4, 2), "tp1_zero3": (1, 3)}
 BASELINE = "tp1_zero2"
+ENCODER_PLANS = {"tp1_zero2": (1, 2), "tp2_zero2": (2, 2), "tp2_zero2_whole_encoders": (2, 2),
+                 "tp4_zero2": (4, 2), "tp4_zero2_whole_encoders": (4, 2)}
+ENCODER_TOWER = {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6,
+                 "num_attention_heads": 8, "image_size": 96, "patch_size": 8}
+"""A CLIP tower of 18.9M parameters over 144 patches an image: its work on a sample is of the
+order of the backbone's (which runs the 144 placeholder rows and the text)."""
 BUCKET = 2_000_000  # ZeRO's reduce / all-gather / prefetch buckets, elements (8 MB in fp32)
 PARTS = ("param_bytes", "optimizer_state_bytes", "activation_peak_bytes", "live_tensor_bytes",
          "rss_bytes")
@@ -55,12 +69,16 @@ def llm_config(layers: int, hidden: int) -> dict:
             "tie_word_embeddings": False}
 
 
-def make_config(out_dir: str, llm: dict, tp: int = 1, ep: int = 1):
-    """The demo composition with `llm` as its LLM: 8 samples a step, micro-batches of 2."""
+def make_config(out_dir: str, llm: dict, tp: int = 1, ep: int = 1, tower: dict | None = None):
+    """The demo composition with `llm` as its LLM (and `tower`'s fields in the CLIP tower's
+    config): 8 samples a step, micro-batches of 2."""
     from ds_omni.config import OmniConfig, from_dict
     from tests.fixtures import tiny_config_dict
     raw = tiny_config_dict(out_dir, steps=100, global_batch_size=8, micro_batch_size=2)
     raw["model"]["llm"]["config"] = copy.deepcopy(llm)
+    raw["model"]["vision"]["config"].update(tower or {})
+    if tower:  # a sample holds its image's patches as placeholders
+        raw["data"]["max_seq_len"] = 512
     raw["parallel"] = {"tp": tp, "ep": ep}
     return from_dict(OmniConfig, raw)
 
@@ -76,9 +94,15 @@ def ds_json(stage: int) -> dict:
 
 
 def tp_counters(engine) -> dict:
-    """The mechanism ran: AutoTP's layers in the backbone (None without tp)."""
+    """The mechanism ran: AutoTP's layers in the backbone, and the encoder items this rank
+    encoded of its TP group's rows' items (`ds_omni.parallelize.tp_encoders`; None without tp)."""
+    from ds_omni.parallelize import router_of
     counts = getattr(engine.module, "tp_counts", None)
-    return {"tp_layers": None if counts is None else counts.column + counts.row}
+    router = router_of(engine.module)
+    split = router.tp_encoders.counts if router is not None and router.tp_encoders else None
+    return {"tp_layers": None if counts is None else counts.column + counts.row,
+            "tp_encoded_items": None if split is None else split.items_encoded,
+            "tp_row_items": None if split is None else split.row_items}
 
 
 def ranks(rank: int, world: int, plans: dict, steps: int, warmup: int, counters) -> dict:
@@ -86,11 +110,37 @@ def ranks(rank: int, world: int, plans: dict, steps: int, warmup: int, counters)
     return measure_plans(rank, world, plans, steps, warmup, counters)
 
 
-def run_plans(plans: dict, steps: int, warmup: int, counters) -> dict:
+def whole_encoders():
+    """parallel.tp as it ran before the encoders' split: every TP rank encodes every item of
+    its row (no placement, no gather) and keeps its encoder gradients (no sum: they are the
+    same on each)."""
+    from contextlib import ExitStack
+    from unittest import mock
+    from ds_omni.parallelize.tp_encoders import TPEncoders
+    stack = ExitStack()
+    stack.enter_context(mock.patch.object(TPEncoders, "place", lambda self, mb: mb))
+    stack.enter_context(mock.patch.object(TPEncoders, "sum_grads_over_tp",
+                                          lambda self, encoders: 0))
+    return stack
+
+
+def encoder_ranks(rank: int, world: int, plans: dict, steps: int, warmup: int,
+                  counters) -> dict:
+    """`ranks`, the `*_whole_encoders` plans under `whole_encoders`."""
+    from contextlib import nullcontext
+    from benchmarks.model_memory import measure_plans
+    out = {}
+    for name, plan in plans.items():
+        with whole_encoders() if name.endswith("_whole_encoders") else nullcontext():
+            out.update(measure_plans(rank, world, {name: plan}, steps, warmup, counters))
+    return out
+
+
+def run_plans(plans: dict, steps: int, warmup: int, counters, fn=ranks) -> dict:
     """{plan: per-rank results}: `plans` ({name: (cfg, DeepSpeed JSON)}) one after another in
-    one launch of WORLD ranks."""
+    one launch of WORLD ranks (each rank running `fn`)."""
     from tests.harness import run_on_ranks
-    per_rank = run_on_ranks(ranks, WORLD, args=(plans, steps, warmup, counters), timeout=2400)
+    per_rank = run_on_ranks(fn, WORLD, args=(plans, steps, warmup, counters), timeout=2400)
     return {name: [r[name] for r in per_rank] for name in plans}
 
 
@@ -107,6 +157,10 @@ def summarise(per_plan: dict, baseline: str, cap_mb: float | None = None) -> dic
         row["losses"] = per_rank[0]["losses"]
         row["counters"] = {k: v for k, v in per_rank[0].items() if k.endswith("_layers")
                            or k.endswith("_blocks")}
+        if "tp_encoded_items" in per_rank[0]:  # each rank's share of its TP group's items
+            row["counters"]["tp_encoded_items_per_rank"] = [r["tp_encoded_items"]
+                                                            for r in per_rank]
+            row["counters"]["tp_row_items_per_rank"] = [r["tp_row_items"] for r in per_rank]
         held = row["live_tensor_bytes_max_mb"] + row["activation_peak_bytes_max_mb"]
         row["held_max_mb"] = held
         if cap_mb is not None:
@@ -155,23 +209,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps a plan, warmup included")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--cap-mb", type=float, default=256.0)
+    parser.add_argument("--encoders", action="store_true",
+                        help="the encoders' split over TP against whole encoders (docstring)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     llm = llm_config(args.layers, args.hidden)
+    table, tower = (ENCODER_PLANS, ENCODER_TOWER) if args.encoders else (PLANS, None)
     start, load = time.perf_counter(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench_tp_") as tmp:
-        plans = {name: (make_config(f"{tmp}/{name}", llm, tp=tp), ds_json(stage))
-                 for name, (tp, stage) in PLANS.items()}
-        per_plan = run_plans(plans, args.steps, args.warmup, tp_counters)
+        plans = {name: (make_config(f"{tmp}/{name}", llm, tp=tp, tower=tower), ds_json(stage))
+                 for name, (tp, stage) in table.items()}
+        per_plan = run_plans(plans, args.steps, args.warmup, tp_counters,
+                             encoder_ranks if args.encoders else ranks)
     summary = summarise(per_plan, BASELINE, args.cap_mb)
-    out = {"world": WORLD, "llm": llm, "steps": args.steps, "warmup": args.warmup,
-           "cap_mb": args.cap_mb, "plans": {k: list(v) for k, v in PLANS.items()},
-           "baseline": BASELINE, "bucket_elements": BUCKET, "load_avg_before": load, "load_avg_after": os.getloadavg()[0],
-           "wall_s": time.perf_counter() - start, "results": summary}
+    out = {"world": WORLD, "llm": llm, "tower": tower, "steps": args.steps,
+           "warmup": args.warmup, "cap_mb": args.cap_mb,
+           "plans": {k: list(v) for k, v in table.items()}, "baseline": BASELINE,
+           "bucket_elements": BUCKET, "load_avg_before": load,
+           "load_avg_after": os.getloadavg()[0], "wall_s": time.perf_counter() - start,
+           "results": summary}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "tensor_parallel.json").write_text(json.dumps(out, indent=1))
-    plot(summary, RESULTS / "tensor_parallel.png",
-         f"AutoTP on 4 CPU ranks, Llama {args.layers} x {args.hidden}", args.cap_mb)
+    stem = "tensor_parallel_encoders" if args.encoders else "tensor_parallel"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(out, indent=1))
+    plot(summary, RESULTS / f"{stem}.png",
+         f"AutoTP on 4 CPU ranks, Llama {args.layers} x {args.hidden}"
+         + (", CLIP tower 6 x 512" if args.encoders else ""), args.cap_mb)
     print(json.dumps({n: r["over_baseline"] for n, r in summary.items()}, indent=1))
 
 

@@ -383,6 +383,10 @@ def _train(rank: int, world: int, cfg, ds_json: dict, steps: int, resume_at: int
         import dataclasses
         out["tp_counts"] = dataclasses.asdict(tp_counts)
         out["local_shapes"] = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
+    router = router_of(engine.module)
+    if router is not None and router.tp_encoders is not None:  # the encoders' split over TP
+        import dataclasses
+        out["tp_encode"] = dataclasses.asdict(router.tp_encoders.counts)
     # the SP work of training (the metrics sp_*), before evaluation runs forwards of its own
     out["sp"] = sp_metrics(engine.module)
     if out["sp"]:  # Ulysses calls one SP row makes: every decoder layer, again when recomputed

@@ -381,6 +381,27 @@ def _tp_input_grad_not_summed(rank: int):
     yield from _patched(layers.ColumnParallel, "backward", make)
 
 
+@plant("tp_encoder_grad_not_summed", "the encoders' parameter gradients are not summed over the "
+       "TP ranks (each keeps the part of the items it encoded)", "tp")
+def _tp_encoder_grad_not_summed(rank: int):
+    from ds_omni.parallelize.tp_encoders import TPEncoders
+    yield from _patched(TPEncoders, "sum_grads_over_tp", lambda f: lambda self, encoders: 0)
+
+
+@plant("tp_gather_grad_summed", "the TP gather's backward sums the embedding rows' gradient over "
+       "the TP ranks (it is already whole on each)", "tp_slow")
+def _tp_gather_grad_summed(rank: int):
+    from ds_omni.parallel.tp_encode import GatherTPRows
+
+    def make(backward):
+        # the sum of a gradient that is the same on every TP rank, without the all-reduce (a
+        # rank whose rows need no gradient never runs this backward: no collective can be here)
+        def planted(ctx, grad):
+            return backward(ctx, grad * len(ctx.plan.rank_rows))
+        return staticmethod(planted)
+    yield from _patched(GatherTPRows, "backward", make)
+
+
 # ------------------------------------------------ expert parallel (tests/dist/test_expert_parallel.py)
 @plant("ep_wrong_rank", "AutoEP's router sends each token's picks to the expert ep ranks over "
        "(expert e -> e + E/ep): an expert's tokens reach the wrong rank", "ep")

@@ -27,6 +27,7 @@ from ds_omni.batch import (IGNORE_INDEX, EncodedItem, ItemProcessor, MicroBatch,
 from ds_omni.data.processing import Sample
 from ds_omni.parallel.long_short import LongItems
 from ds_omni.parallel.reshard import item_slots, plan_reshard
+from ds_omni.parallel.tp_encode import first_rank, plan_tp_encode
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,23 @@ def shard_row(row: MicroBatch, items: dict[str, list[EncodedItem]],
             reshard=plan, row_positions={(sl.encoder, sl.index): sl.positions for sl in slots},
             split_inputs={e: [processors[e].collate([items[e][k]]) for k, _ in long]
                           for e, long in plan.split.items()}))
+
+
+def tp_share(row: MicroBatch, processors: dict[str, ItemProcessor], rank: int, size: int,
+             item_cost: Callable[[str, EncodedItem], float]) -> MicroBatch:
+    """Under parallel.tp: TP rank `rank`'s copy of the whole `row` (packed by `pack`, with its
+    `items`), holding the encoder inputs of only the items it encodes and its part of the
+    gather (`Route.tp_encode`, `ds_omni.parallel.tp_encode`). Every rank of the TP group
+    computes the same plan; a reader for the group can make all `size` copies from one row."""
+    items = {e: its for e, its in row.items.items() if its}
+    slots = item_slots((row.host or row).input_ids[0].numpy(),
+                       {e: placeholder_ids(processors, e) for e in items},
+                       {e: [it.num_embeddings for it in its] for e, its in items.items()},
+                       {e: [item_cost(e, it) for it in its] for e, its in items.items()})
+    plan = plan_tp_encode(slots, size, list(items), first_rank(row.sample_ids, size))[rank]
+    return dataclasses.replace(row, encoder_inputs={
+        e: processors[e].collate([items[e][k] for k in idx]) for e, idx in plan.encode.items()
+    }).routed(tp_encode=plan)
 
 
 def pad_row(row: MicroBatch, multiple: int, pad_id: int) -> MicroBatch:

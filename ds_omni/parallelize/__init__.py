@@ -9,6 +9,8 @@ DeepSpeed is given:
   pipeline.py      the LLM over pipeline stages on DeepSpeed's PipelineModule (parallel.pp > 1)
   joint.py         "uniform" encoder placement: every stage encodes a share of the step's items
   tensor_parallel.py  the backbone's decoder layers split over the TP group (DeepSpeed's AutoTP)
+  tp_encoders.py   the encoders under TP: each TP rank encodes a share of the row's items, the
+                   rows all-gathered, the encoder gradients summed over the TP group
   expert_parallel.py  an MoE LLM's experts over ep ranks: DeepSpeed's AutoEP, configured from
                    the LLM's config (DeepSpeed swaps the blocks inside `deepspeed.initialize`)
 The pure planners these call (reshard, long_short, hdp, stages) and the groups are in
@@ -25,6 +27,7 @@ from ds_omni.parallelize.embedding import EmbeddingRouter
 from ds_omni.parallelize.encoder_pool import EncoderPool
 from ds_omni.parallelize.pipeline import PipelineSpec, build_pipeline_module
 from ds_omni.parallelize.tensor_parallel import shard_backbone
+from ds_omni.parallelize.tp_encoders import TPEncoders
 
 __all__ = ["EmbeddingRouter", "PipelineSpec", "parallelize", "router_of"]
 
@@ -32,7 +35,8 @@ __all__ = ["EmbeddingRouter", "PipelineSpec", "parallelize", "router_of"]
 def parallelize(model: OmniModel, *, kernel: str | None = None, sp_group=None,
                 blocks: dict | None = None, pool: EncoderPool | None = None,
                 encoder_dummies: bool = True, pipeline: PipelineSpec | None = None,
-                tp_group=None, llm_config=None) -> nn.Module:
+                tp_group=None, llm_config=None,
+                tp_encoders: TPEncoders | None = None) -> nn.Module:
     """Apply the plan to a built model; returns what DeepSpeed is given: the model itself, or
     under `pipeline` (parallel.pp > 1) this rank's stage of it (`build_pipeline_module`).
 
@@ -45,11 +49,17 @@ def parallelize(model: OmniModel, *, kernel: str | None = None, sp_group=None,
     them, and its backbone the attention with `sp_group`, counted in the router's `sp_counts`.
     `tp_group` (parallel.tp > 1): the backbone's decoder layers are split over it by DeepSpeed's
     AutoTP (`tensor_parallel.shard_backbone`, after `llm_config`'s tp plan); the encoders are
-    not. What it did is the model's `tp_counts`.
+    not. What it did is the model's `tp_counts`. `tp_encoders`: the TP ranks of a row encode
+    different items of it (`tp_encoders.py`): their encoder gradients are summed over the TP
+    group by hooks put in here, before DeepSpeed sees the model, and every micro-batch runs
+    every encoder (the hooks are collectives: every TP rank must reach every parameter).
     """
     kernel = kernel or model.backbone.attention.asked
+    if tp_encoders is not None:
+        encoder_dummies = True
+        tp_encoders.sum_grads_over_tp(model.encoders)
     router = EmbeddingRouter(kernel=kernel, sp_group=sp_group, blocks=blocks, pool=pool,
-                             encoder_dummies=encoder_dummies)
+                             encoder_dummies=encoder_dummies, tp_encoders=tp_encoders)
     model.backbone.attention = PackedAttention(kernel, sp_group, router.sp_counts)
     model.router = router
     if tp_group is not None:

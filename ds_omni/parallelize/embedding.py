@@ -34,6 +34,7 @@ from ds_omni.parallel.reshard import ReshardEmbeddings
 if TYPE_CHECKING:
     from ds_omni.batch import MicroBatch
     from ds_omni.parallelize.encoder_pool import EncoderPool
+    from ds_omni.parallelize.tp_encoders import TPEncoders
 
 
 class EmbeddingRouter:
@@ -45,11 +46,13 @@ class EmbeddingRouter:
     pool (its group carries the exchange of pooled micro-batches); `encoder_dummies`: every
     micro-batch runs every encoder, on a zero-weight dummy where it has no item (ZeRO-2 and -3
     need it); False where one reduction a step only needs a gradient, which a zero one gives
-    (`ds_omni.train.setup.encoder_dummies_needed`).
+    (`ds_omni.train.setup.encoder_dummies_needed`); `tp_encoders`: under parallel.tp, the
+    split of a row's items over its TP ranks (`ds_omni.parallelize.tp_encoders`).
     """
 
     def __init__(self, *, kernel: str, sp_group=None, blocks: dict | None = None,
-                 pool: EncoderPool | None = None, encoder_dummies: bool = True):
+                 pool: EncoderPool | None = None, encoder_dummies: bool = True,
+                 tp_encoders: TPEncoders | None = None):
         # what this rank's SP machinery did (Ulysses calls, rows resharded, pieces encoded), so
         # that a silent fallback to whole rows shows (`ds_omni.parallel.evidence`)
         self.sp_counts = SPCounts()
@@ -59,6 +62,7 @@ class EmbeddingRouter:
             for block, group in (blocks or {}).items()}
         self.encoder_pool = pool
         self.encoder_dummies = encoder_dummies
+        self.tp_encoders = tp_encoders
 
     def route(self, batch: "MicroBatch") -> tuple[object, PackedAttention | None]:
         """(SP group, attention) of this micro-batch: its block's, else the model's own (None:
@@ -80,7 +84,10 @@ class EmbeddingRouter:
               batch: "MicroBatch") -> tuple[torch.Tensor, Deepstack | None]:
         """(token embeddings with encoder outputs in place of placeholder tokens, the deepstack
         levels or None): of this rank's shard [1, S, D] for a micro-batch with a reshard plan,
-        else of the whole row [1, T, D] (`OmniModel.embed_local`)."""
+        else of the whole row [1, T, D] (`OmniModel.embed_local`; a row split over its TP ranks:
+        `TPEncoders.embed`)."""
+        if batch.route.tp_encode is not None:
+            return self.tp_encoders.embed(model, batch, self.encoder_dummies)
         if batch.route.reshard is None:
             return model.embed_local(batch, dummies=self.encoder_dummies)
         return self.embed_shard(model, batch)

@@ -4,7 +4,8 @@ What runs is DeepSpeed's: `AutoTP` reads the backbone's HF tensor-parallel plan
 (`base_model_tp_plan`: q/k/v and gate/up projections column-parallel, o_proj and down_proj
 row-parallel) and swaps each of those `nn.Linear`s for its training layers (`LinearLayer`: the
 input's gradient all-reduced in backward; `LinearAllreduce`: the output all-reduced in forward).
-The embedding, norms, LM head and every encoder stay whole on each rank.
+The embedding, norms, LM head and every encoder stay whole on each rank; the encoders' WORK is
+split instead, each TP rank encoding a share of the row's items (`tp_encoders`).
 
 Why ds_omni calls AutoTP itself instead of DeepSpeed's engine path
 (`"tensor_parallel": {"autotp_size": N}` in the DeepSpeed config):

@@ -34,6 +34,7 @@ from ds_omni.parallelize.encoder_pool import EncoderPool
 from ds_omni.parallelize.pipeline import (PipelineSpec, check_pipeline, layer_param_counts,
                                          optimizer_params)
 from ds_omni.parallelize.tensor_parallel import check_tensor_parallel
+from ds_omni.parallelize.tp_encoders import TPEncoders
 from ds_omni.train import checkpoint
 from ds_omni.train.ds_config import derive_ds_config, load_ds_json
 
@@ -125,7 +126,8 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     if rank == 0:
         dist.barrier()
     # one random stream per data-parallel rank: the tensor-parallel ranks of a row run its
-    # encoders and whole layers alike, so their dropout masks must agree
+    # whole layers alike, so their dropout masks must agree (the encoders, which encode
+    # different items on each, draw from a stream of their own: `parallelize.tp_encoders`)
     torch.manual_seed(cfg.train.seed + rank // plan.tp)
     ds_groups.mpu = None  # DeepSpeed keeps the last engine's mpu in a module global: don't inherit it
     module = _parallelize(cfg, ds_config, plan, groups, built, cost, rank)
@@ -163,7 +165,10 @@ def _parallelize(cfg: OmniConfig, ds_config: dict, plan: ParallelPlan, groups: R
                        blocks=groups.blocks, pool=pool,
                        encoder_dummies=encoder_dummies_needed(ds_config, plan.pp_enabled),
                        pipeline=pipeline, tp_group=groups.tp,
-                       llm_config=built.hf_config.get_text_config() if groups.tp else None)
+                       llm_config=built.hf_config.get_text_config() if groups.tp else None,
+                       tp_encoders=(TPEncoders(groups.tp, plan.coords(rank).tp_rank, plan.tp,
+                                               built.item_processors, _item_cost(cost))
+                                    if groups.tp else None))
 
 
 def _item_cost(cost: CostModel):

@@ -123,12 +123,15 @@ def _micro_batch_steps(engine, batch, comm, scale, n_micro, on_reduced_grads, gu
         micro_batches = _even_encoder_calls(engine.module, micro_batches, comm.dp_group)
     router = router_of(engine.module)
     pool = router.encoder_pool if router is not None else None
+    tp_encoders = router.tp_encoders if router is not None else None
     rounds = pool.plan_step(micro_batches) if pool is not None else None
     losses, dropped = [], None
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         if rounds is not None:  # parallel.encoder_pool: this round's items over all dp ranks
             mb = pool.place(mb, rounds[i])
+        if tp_encoders is not None:  # parallel.tp: this TP rank's share of the row's items
+            mb = tp_encoders.place(mb)
         if batch.filler is not None:  # per-sequence SP: the step's length is ours, not the config's
             engine.set_gradient_accumulation_boundary(last)
         out = engine(mb.to(engine.device))

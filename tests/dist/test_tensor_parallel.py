@@ -11,12 +11,16 @@ positions, q/k/v biases sharded with their rows, a text-only source mixed in); a
 Qwen2 LLM of ONE key-value head (fewer than tp: DeepSpeed gives rank 0 the whole attention and
 rank 1 a zero-width share, see the module docstring of `tensor_parallel`). Packed rows
 (cu_seqlens) throughout. The mechanism is shown to run: the backbone's 14 projections are
-AutoTP's layers, each rank holds half of the MLP, and the encoders are whole.
+AutoTP's layers, each rank holds half of the MLP, and the encoders are whole; the TP ranks of a
+group encode different items of their row (each some, together all of them; the rows
+all-gathered) and sum the encoders' gradients over TP (`_check_tp_encode`).
 
 `test_plant_is_caught` / `test_plant_slow_is_caught`: the oracle fails on each planted error
 (`tests/plants.py`: the column-parallel input gradient not summed over the TP ranks, which
 leaves the loss alone and moves only the gradients of what is below: norms, embedding,
-projector, vision tower; in Qwen2-VL, a column shard's bias added twice).
+projector, vision tower; the encoders' gradients not summed over the TP ranks, which leaves
+each rank only its items' part; in Qwen2-VL, a column shard's bias added twice, and the
+embedding rows' gradient summed over the TP ranks in the gather's backward, tp x too large).
 """
 
 import pytest
@@ -155,6 +159,7 @@ def _check_export(name, output_dir, params) -> None:
 def test_tensor_parallel_matches_single_process(quick_cases, quick_results, tmp_path):
     _check("llava", quick_cases["llava"], quick_results, tmp_path)
     _check_shards(quick_results, "llava", 2)
+    _check_tp_encode(quick_results, "llava", 2)
 
 
 @pytest.mark.dist
@@ -164,10 +169,29 @@ def test_tensor_parallel_families_match_single_process(slow_cases, slow_results,
         if "plant" not in case:
             _check(name, case, slow_results, tmp_path)
     _check_shards(slow_results, "qwen2_vl", 2)
+    for name, case in slow_cases.items():
+        if "plant" not in case:
+            _check_tp_encode(slow_results, name, case["stages"][0])
     # one KV head, tp=2: rank 0 holds the whole attention, rank 1 a zero-width share
     q = [{n: s for n, s in r[("one_kv_head", 1)]["local_shapes"].items()
           if n == "backbone.layers.0.self_attn.q_proj.weight"} for r in slow_results]
     assert [list(d.values()) for d in q] == [[(64, 64)], [(0, 64)]], q
+
+
+def _check_tp_encode(results, name, stage, tp=2) -> None:
+    """The encoders' split over the TP ranks ran (`ds_omni.parallelize.tp_encoders`): the TP
+    ranks of a group placed the same rows, each encoded only its share of their items (some,
+    not all), the shares add up to the rows' items, and the gradients were summed over TP."""
+    for first in range(0, len(results), tp):
+        group = [r[(name, stage)]["tp_encode"] for r in results[first:first + tp]]
+        rows, items = {g["rows"] for g in group}, {g["row_items"] for g in group}
+        assert len(rows) == 1 and len(items) == 1, (name, group)
+        encoded = [g["items_encoded"] for g in group]
+        assert sum(encoded) == group[0]["row_items"] > 0, (name, encoded, group[0])
+        assert all(0 < n < group[0]["row_items"] for n in encoded), (name, encoded)
+        assert len({g["gathers"] for g in group}) == 1 and group[0]["gathers"] > 0, (name, group)
+        summed = {g["grads_summed"] for g in group}  # one per encoder parameter per backward
+        assert len(summed) == 1 and summed.pop() > 0, (name, group)
 
 
 def _check_shards(results, name, stage) -> None:
@@ -213,5 +237,6 @@ FOUR = {"llava": {"stages": [2]}}  # dp=2 x tp=2: two TP groups, each its own ro
 def test_tp2_x_dp2_matches_single_process(four_results, tmp_path):
     _check("llava", FOUR["llava"], four_results, tmp_path, dp=2)
     _check_shards(four_results, "llava", 2)
+    _check_tp_encode(four_results, "llava", 2)
     groups = [four_results[r][("llava", 2)]["keys"] for r in (0, 2)]
     assert groups[0] != groups[1]  # the two TP groups read different rows
