@@ -74,7 +74,11 @@ def _planted(honest: dict, launch: str, base: str) -> dict:
 def quick_cases():
     """The quick tier's launch: LLaVA under ZeRO-2, and its plant."""
     honest = {"llava": {"stages": [2]}}
-    return {**honest, **_planted(honest, "tp", "llava")}
+    cases = {**honest, **_planted(honest, "tp", "llava")}
+    # the peer's pixels count only for the items it encodes (its share of each row): in one step
+    # it may encode none, so this plant trains as many steps as the honest case
+    cases["tp_reader_wrong_pixels"]["steps"] = STEPS
+    return cases
 
 
 @pytest.fixture(scope="module")
