@@ -326,6 +326,21 @@ def _grad_norm_replicas_twice(rank: int):
     yield from _patched(joint.EncoderShards, "reduce_grads", make)
 
 
+# ------------------------------------------ tp x sp (tests/dist/test_tensor_parallel.py, 4 ranks)
+@plant("seq_data_across_tp", "under tp x sp the sequence x data group is every rank of the "
+       "stage (across the TP ranks, as without tp) instead of the dp x sp ranks of one TP rank",
+       "tp_sp")
+def _seq_data_across_tp(rank: int):
+    from ds_omni.parallel.plan import ParallelPlan
+
+    def make(original):
+        def planted(plan):
+            return [[r for r in range(plan.world_size) if plan.coords(r).pp_stage == stage]
+                    for stage in range(plan.pp)]
+        return planted
+    yield from _patched(ParallelPlan, "seq_data_group_ranks", make)
+
+
 # ----------------------------------------------------- tensor parallel (tests/dist/test_tensor_parallel.py)
 @plant("tp_bias_twice", "each column-parallel AutoTP layer adds its bias shard twice",
        "tp_slow")

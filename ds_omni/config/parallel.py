@@ -26,8 +26,10 @@ class ParallelConfig:
     read the same rows; the embedding, norms, head and every encoder stay whole on each rank.
     For a backbone too large for one device's memory, or to cut its per-rank time when the
     data-parallel degree is already at its useful limit. tp must divide the backbone's attention
-    and key-value heads and MLP width (`ds-omni plan` names the degrees that work); ZeRO 0-2,
-    sp = 1, pp = 1 and max_sequence_sp = 1 in this version."""
+    and key-value heads and MLP width (`ds-omni plan` names the degrees that work). With
+    sp > 1 each TP rank's heads (heads / tp) are split again over its Ulysses group, so tp x sp
+    must divide the query heads and tp the key-value heads. ZeRO 0-2, pp = 1 and
+    max_sequence_sp = 1 in this version."""
     pp: int = 1
     """Pipeline stages of the LLM (DeepSpeed's pipeline engine; ZeRO 0/1 only, sp = 1). Stage
     boundaries come from the cost model unless stage_split says otherwise (`ds-omni plan` prints
@@ -113,12 +115,13 @@ class ParallelConfig:
             raise ConfigError("parallel.max_sequence_sp > 1 chooses an SP degree per sequence; it "
                               f"cannot be combined with a static parallel.sp={self.sp} or "
                               f"parallel.pp={self.pp} in this version: set those to 1")
-        if self.tp > 1 and (self.sp > 1 or self.pp > 1 or d > 1):
+        if self.tp > 1 and (self.pp > 1 or d > 1):
             raise ConfigError(
-                f"parallel.tp={self.tp} cannot be combined with parallel.sp={self.sp}, "
-                f"parallel.pp={self.pp} or parallel.max_sequence_sp={d} in this version (DeepSpeed "
-                "takes over the model-parallel groups when AutoTP runs through its engine, and "
-                "its pipeline engine has no AutoTP path): set those to 1, or tp to 1")
+                f"parallel.tp={self.tp} cannot be combined with parallel.pp={self.pp} or "
+                f"parallel.max_sequence_sp={d} in this version (DeepSpeed's pipeline engine has "
+                "no AutoTP path, and per-sequence SP blocks are runs of consecutive ranks, which "
+                "tp would cut across): set those to 1, or tp to 1 (a static parallel.sp works "
+                "with tp)")
         if self.tp > 1 and self.encoder_pool != "off":
             raise ConfigError(f"parallel.encoder_pool={self.encoder_pool!r} with parallel.tp="
                               f"{self.tp} is not supported in this version: set encoder_pool to "

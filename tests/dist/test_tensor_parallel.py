@@ -38,7 +38,7 @@ ONE_KV = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
 def _config(case: dict, out_dir: str):
     from ds_omni.config import ParallelConfig, SourceConfig, from_dict
     cfg = tiny_config(out_dir, steps=case.get("steps", STEPS), weight_decay=0.1)
-    cfg.parallel = ParallelConfig(tp=2)
+    cfg.parallel = ParallelConfig(tp=2, sp=case.get("sp", 1))
     if case.get("model_dir"):
         cfg.model.pretrained, cfg.model.tokenizer = case["model_dir"], None
         cfg.model.vision = cfg.model.llm = None
@@ -193,7 +193,11 @@ def four_results(tmp_path_factory):
     return run_on_ranks(_train_ranks, 4, args=(FOUR, str(out)), timeout=900)
 
 
-FOUR = {"llava": {"stages": [2]}}  # dp=2 x tp=2: two TP groups, each its own rows
+# dp=2 x tp=2: two TP groups, each its own rows; tp=2 x sp=2 (dp=1): two SP groups ([0, 2],
+# [1, 3]), one per TP rank, all four ranks on the same rows; and the tp x sp plant
+FOUR_HONEST = {"llava": {"stages": [2]}, "tp_sp_llava": {"stages": [1, 2], "sp": 2}}
+FOUR = {**FOUR_HONEST, **{p: {**c, "stages": [2]}
+                           for p, c in _planted(FOUR_HONEST, "tp_sp", "tp_sp_llava").items()}}
 
 
 @pytest.mark.dist
@@ -203,3 +207,52 @@ def test_tp2_x_dp2_matches_single_process(four_results, tmp_path):
     _check_shards(four_results, "llava", 2)
     groups = [four_results[r][("llava", 2)]["keys"] for r in (0, 2)]
     assert groups[0] != groups[1]  # the two TP groups read different rows
+
+
+def _check_tp_sp(name, case, results, tmp_path) -> None:
+    """tp=2 x sp=2 on 4 ranks (dp=1) against one process: every rank trained the one
+    data-parallel rank's rows; loss, every step's gradients (TP shards gathered whole) and the
+    parameters match the oracle; and both mechanisms ran: AutoTP's layers on every rank, and
+    the Ulysses work split inside each TP rank's SP group (`oracle.assert_split_work` over the
+    ranks of one TP rank: their targets add up to the global batch's once)."""
+    from ds_omni.model.build import build_model
+    steps = case.get("steps", STEPS)
+    cfg = _config(case, str(tmp_path / f"ref_{name}"))
+    step_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), 1, steps)
+    ref = oracle.run_reference(cfg, step_keys)
+    for stage in case["stages"]:
+        where = f"{name} tp=2 x sp=2 ZeRO-{stage}"
+        per_rank = [r[(name, stage)] for r in results]
+        assert all(r["keys"] == step_keys for r in per_rank), where
+        oracle.assert_matches(ref, per_rank[0], where)
+        assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank), where
+        for t in range(2):  # the SP group of TP rank t: global ranks t, t + 2
+            oracle.assert_split_work(ref, [_in_tp_slice(r) for r in per_rank[t::2]],
+                                     f"{where} TP rank {t}")
+    oracle.assert_moved(ref, name)
+
+
+def _in_tp_slice(result: dict) -> dict:
+    """A rank's result with its SP groups renamed into its TP rank's slice of the world (rank r
+    is r // tp there), as `oracle.assert_split_work` reads groups of consecutive ranks."""
+    shards = [(step, i, None if g is None else (g[0] // 2, g[1]), ids, n)
+              for step, i, g, ids, n in result["shards"]]
+    return {**result, "shards": shards}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_tp2_x_sp2_matches_single_process(four_results, tmp_path):
+    _check_tp_sp("tp_sp_llava", FOUR["tp_sp_llava"], four_results, tmp_path)
+    for stage in FOUR["tp_sp_llava"]["stages"]:
+        _check_shards(four_results, "tp_sp_llava", stage)
+    ulysses = [r[("tp_sp_llava", 2)]["sp"]["sp_ulysses_calls"] for r in four_results]
+    assert all(n > 0 for n in ulysses), ulysses  # (assert_split_work: one per layer and row)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", plants.for_launch("tp_sp"))
+def test_plant_tp_sp_is_caught(plant, four_results, tmp_path):
+    with pytest.raises(AssertionError):
+        _check_tp_sp(plant, FOUR[plant], four_results, tmp_path)
