@@ -13,6 +13,14 @@ rank 1 a zero-width share, see the module docstring of `tensor_parallel`). Packe
 (cu_seqlens) throughout. The mechanism is shown to run: the backbone's 14 projections are
 AutoTP's layers, each rank holds half of the MLP, and the encoders are whole.
 
+On 4 ranks (slow tier, one launch): LLaVA at tp2 x dp2, and tp x sp: tp2 x sp2 (dp=1; SP groups
+[0, 2] and [1, 3], one per TP rank) for LLaVA under ZeRO 1 and 2 and Qwen2-VL (text-only rows
+among its rows) under ZeRO-2, 3 steps each, against one process the same way; both mechanisms are
+shown to run (AutoTP's layers on every rank; Ulysses attention in every decoder layer of every
+row, each SP group's ranks on different shards, each target trained once per TP rank:
+`oracle.assert_split_work` over the ranks of one TP rank). `test_plant_tp_sp_is_caught`: ZeRO's
+sequence x data group built across the TP ranks (as without tp) is caught.
+
 `test_plant_is_caught` / `test_plant_slow_is_caught`: the oracle fails on each planted error
 (`tests/plants.py`: the column-parallel input gradient not summed over the TP ranks, which
 leaves the loss alone and moves only the gradients of what is below: norms, embedding,
@@ -188,22 +196,33 @@ def test_plant_slow_is_caught(plant, slow_cases, slow_results, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def four_results(tmp_path_factory):
+def four_cases(tmp_path_factory):
+    """dp=2 x tp=2: two TP groups, each its own rows; tp=2 x sp=2 (dp=1): two SP groups ([0, 2],
+    [1, 3]), one per TP rank, all four ranks on the same rows: LLaVA under ZeRO 1 and 2,
+    Qwen2-VL (M-RoPE, text-only rows) under ZeRO-2; and the tp x sp plant."""
+    return four_cases_in(tmp_path_factory.mktemp("tp_four"))
+
+
+def four_cases_in(tmp) -> dict:
+    from tests import family_dirs
+    qwen2_vl = {"model_dir": str(family_dirs.make_qwen2_vl_dir(tmp / "q")),
+                "sources": [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]}
+    honest = {"llava": {"stages": [2]}, "tp_sp_llava": {"stages": [1, 2], "sp": 2},
+              "tp_sp_qwen2_vl": {"stages": [2], "sp": 2, **qwen2_vl}}
+    planted = _planted(honest, "tp_sp", "tp_sp_llava")
+    return {**honest, **{p: {**c, "stages": [2]} for p, c in planted.items()}}
+
+
+@pytest.fixture(scope="module")
+def four_results(four_cases, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_four_runs")
-    return run_on_ranks(_train_ranks, 4, args=(FOUR, str(out)), timeout=900)
-
-
-# dp=2 x tp=2: two TP groups, each its own rows; tp=2 x sp=2 (dp=1): two SP groups ([0, 2],
-# [1, 3]), one per TP rank, all four ranks on the same rows; and the tp x sp plant
-FOUR_HONEST = {"llava": {"stages": [2]}, "tp_sp_llava": {"stages": [1, 2], "sp": 2}}
-FOUR = {**FOUR_HONEST, **{p: {**c, "stages": [2]}
-                           for p, c in _planted(FOUR_HONEST, "tp_sp", "tp_sp_llava").items()}}
+    return run_on_ranks(_train_ranks, 4, args=(four_cases, str(out)), timeout=1200)
 
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_tp2_x_dp2_matches_single_process(four_results, tmp_path):
-    _check("llava", FOUR["llava"], four_results, tmp_path, dp=2)
+def test_tp2_x_dp2_matches_single_process(four_cases, four_results, tmp_path):
+    _check("llava", four_cases["llava"], four_results, tmp_path, dp=2)
     _check_shards(four_results, "llava", 2)
     groups = [four_results[r][("llava", 2)]["keys"] for r in (0, 2)]
     assert groups[0] != groups[1]  # the two TP groups read different rows
@@ -223,7 +242,7 @@ def _check_tp_sp(name, case, results, tmp_path) -> None:
     for stage in case["stages"]:
         where = f"{name} tp=2 x sp=2 ZeRO-{stage}"
         per_rank = [r[(name, stage)] for r in results]
-        assert all(r["keys"] == step_keys for r in per_rank), where
+        assert all([sorted(k) for k in r["keys"]] == step_keys for r in per_rank), where
         oracle.assert_matches(ref, per_rank[0], where)
         assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank), where
         for t in range(2):  # the SP group of TP rank t: global ranks t, t + 2
@@ -242,17 +261,18 @@ def _in_tp_slice(result: dict) -> dict:
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_tp2_x_sp2_matches_single_process(four_results, tmp_path):
-    _check_tp_sp("tp_sp_llava", FOUR["tp_sp_llava"], four_results, tmp_path)
-    for stage in FOUR["tp_sp_llava"]["stages"]:
-        _check_shards(four_results, "tp_sp_llava", stage)
-    ulysses = [r[("tp_sp_llava", 2)]["sp"]["sp_ulysses_calls"] for r in four_results]
-    assert all(n > 0 for n in ulysses), ulysses  # (assert_split_work: one per layer and row)
+def test_tp2_x_sp2_matches_single_process(four_cases, four_results, tmp_path):
+    for name in ("tp_sp_llava", "tp_sp_qwen2_vl"):
+        _check_tp_sp(name, four_cases[name], four_results, tmp_path)
+        for stage in four_cases[name]["stages"]:
+            _check_shards(four_results, name, stage)
+    # Qwen2-VL's text-only rows really were split too (no image to reshard)
+    assert sum(r[("tp_sp_qwen2_vl", 2)]["row_without_items"] for r in four_results) > 0
 
 
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("plant", plants.for_launch("tp_sp"))
-def test_plant_tp_sp_is_caught(plant, four_results, tmp_path):
+def test_plant_tp_sp_is_caught(plant, four_cases, four_results, tmp_path):
     with pytest.raises(AssertionError):
-        _check_tp_sp(plant, FOUR[plant], four_results, tmp_path)
+        _check_tp_sp(plant, four_cases[plant], four_results, tmp_path)
