@@ -29,7 +29,8 @@ class ParallelConfig:
     and key-value heads and MLP width (`ds-omni plan` names the degrees that work). With
     sp > 1 each TP rank's heads (heads / tp) are split again over its Ulysses group, so tp x sp
     must divide the query heads and tp the key-value heads. ZeRO 0-2, pp = 1 and
-    max_sequence_sp = 1 in this version."""
+    max_sequence_sp = 1 in this version, and encoder_pool only without sp (each TP rank then
+    pools over its own data-parallel ranks)."""
     pp: int = 1
     """Pipeline stages of the LLM (DeepSpeed's pipeline engine; ZeRO 0/1 only, sp = 1). Stage
     boundaries come from the cost model unless stage_split says otherwise (`ds-omni plan` prints
@@ -122,9 +123,10 @@ class ParallelConfig:
                 "no AutoTP path, and per-sequence SP blocks are runs of consecutive ranks, which "
                 "tp would cut across): set those to 1, or tp to 1 (a static parallel.sp works "
                 "with tp)")
-        if self.tp > 1 and self.encoder_pool != "off":
-            raise ConfigError(f"parallel.encoder_pool={self.encoder_pool!r} with parallel.tp="
-                              f"{self.tp} is not supported in this version: set encoder_pool to "
-                              "\"off\" (each rank encodes its own rows' items)")
+        if self.tp > 1 and self.sp > 1 and self.encoder_pool != "off":
+            raise ConfigError(f"parallel.encoder_pool={self.encoder_pool!r} with both parallel.tp="
+                              f"{self.tp} and parallel.sp={self.sp} is not supported in this "
+                              "version (the pool runs with tp or with sp): set encoder_pool to "
+                              "\"off\", or tp or sp to 1")
         if self.dp != "auto" and self.dp < 1:
             raise ConfigError(f"parallel.dp must be >= 1 or \"auto\", got {self.dp}")

@@ -46,8 +46,9 @@ class RankGroups:
 
     @property
     def pool(self):
-        """The encoder pool's group: every rank of this pipeline stage (`ParallelPlan.pool_size`)."""
-        sequence = isinstance(self.mpu, SequenceParallelMpu)  # the pool excludes tp (config)
+        """The encoder pool's group: every rank of this pipeline stage (`ParallelPlan.pool_size`)
+        of this rank's TP rank (each TP rank pools its own copy of the encoders, all alike)."""
+        sequence = isinstance(self.mpu, (SequenceParallelMpu, SequenceTensorParallelMpu))
         return self.mpu.get_sequence_data_parallel_group() if sequence else self.dp
 
 

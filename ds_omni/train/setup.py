@@ -186,7 +186,8 @@ def encoder_pool_for(built, plan: ParallelPlan, rank: int, group,
                         "other row to share encoder work with; the pool is off")
         return None
     encoders = built.model.encoders
-    return EncoderPool(group, rank, plan.pool_size, built.item_processors,
+    # its place in the pool: under tp the pool is the dp x sp ranks of one TP rank, tp apart
+    return EncoderPool(group, rank // plan.tp, plan.pool_size, built.item_processors,
                        {name: enc.placeholder_ids for name, enc in encoders.items()},
                        _item_cost(cost), dist.comm_device(), sp=plan.sp)
 

@@ -54,6 +54,9 @@ def _config(case: dict, out_dir: str):
         cfg.model.llm.config = dict(case["llm"])
     if case.get("sources"):
         cfg.data.sources = [from_dict(SourceConfig, s) for s in case["sources"]]
+    if case.get("pool"):  # the encoder pool over each TP rank's data-parallel ranks, loader order
+        from ds_omni.config import ReorderConfig
+        cfg.parallel.encoder_pool, cfg.data.reorder = "dp", ReorderConfig(mode="loader_order")
     return cfg
 
 
@@ -207,7 +210,10 @@ def four_cases_in(tmp) -> dict:
     from tests import family_dirs
     qwen2_vl = {"model_dir": str(family_dirs.make_qwen2_vl_dir(tmp / "q")),
                 "sources": [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]}
+    from tests.data_files import skewed_source
+    skewed = skewed_source(tmp / "skewed", dp=2)  # dp rank 0's rows hold every image
     honest = {"llava": {"stages": [2]}, "tp_sp_llava": {"stages": [1, 2], "sp": 2},
+              "tp_pool_llava": {"stages": [2], "pool": True, "sources": [skewed]},
               "tp_sp_qwen2_vl": {"stages": [2], "sp": 2, **qwen2_vl}}
     planted = _planted(honest, "tp_sp", "tp_sp_llava")
     return {**honest, **{p: {**c, "stages": [2]} for p, c in planted.items()}}
@@ -257,6 +263,17 @@ def _in_tp_slice(result: dict) -> dict:
     shards = [(step, i, None if g is None else (g[0] // 2, g[1]), ids, n)
               for step, i, g, ids, n in result["shards"]]
     return {**result, "shards": shards}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_tp2_x_dp2_encoder_pool_matches_single_process(four_cases, four_results, tmp_path):
+    """The encoder pool at tp2 x dp2: each TP rank pools over its data-parallel ranks (0 with 2,
+    1 with 3); the rows of dp rank 0 hold every image, so dp rank 1's ranks encode some of them,
+    both TP ranks of a group the same ones."""
+    _check("tp_pool_llava", four_cases["tp_pool_llava"], four_results, tmp_path, dp=2)
+    moved = [r[("tp_pool_llava", 2)]["pool_items_moved"] for r in four_results]
+    assert moved[2] > 0 and moved[2] == moved[3], moved
 
 
 @pytest.mark.dist
