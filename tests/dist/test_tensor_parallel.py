@@ -13,7 +13,9 @@ rank 1 a zero-width share, see the module docstring of `tensor_parallel`). Packe
 (cu_seqlens) throughout. The mechanism is shown to run: the backbone's 14 projections are
 AutoTP's layers, each rank holds half of the MLP, and the encoders are whole.
 
-On 4 ranks (slow tier, one launch): LLaVA at tp2 x dp2, and tp x sp: tp2 x sp2 (dp=1; SP groups
+On 4 ranks (slow tier, one launch): LLaVA at tp2 x dp2, also with the encoder pool (each TP
+rank pools over its data-parallel ranks; dp rank 0's rows hold every image, so items move), and
+tp x sp: tp2 x sp2 (dp=1; SP groups
 [0, 2] and [1, 3], one per TP rank) for LLaVA under ZeRO 1 and 2 and Qwen2-VL (text-only rows
 among its rows) under ZeRO-2, 3 steps each, against one process the same way; both mechanisms are
 shown to run (AutoTP's layers on every rank; Ulysses attention in every decoder layer of every
