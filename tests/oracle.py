@@ -496,7 +496,8 @@ def _record_shards(batch, plan, rank: int, out: dict) -> None:
     sequence's row over its block) and the whole padded row's length; no group: a row run
     whole. Taken from the plan and the loader, not from the model, so a row the model runs
     whole under SP still counts as split."""
-    static = (rank - plan.coords(rank).sp_rank, plan.sp) if plan.sp > 1 else None
+    # the group's first rank (its SP ranks are tp apart: consecutive without tp)
+    static = (rank - plan.coords(rank).sp_rank * plan.tp, plan.sp) if plan.sp > 1 else None
     for i, mb in enumerate(batch.micro_batches):
         group = mb.route.sp_block or static
         out["shards"].append((len(out["keys"]), i, group, mb.input_ids[0].tolist(),

@@ -202,14 +202,14 @@ def _reader_group_tp_major(rank: int):
     yield from _patched(shared_read, "peer_shards", make)
 
 
-@plant("tp_reader_wrong_pixels", "the TP group's reader sends its peer the pixels of the wrong "
-       "items (every float encoder input rolled by one along its first dim)", "tp")
+@plant("tp_reader_wrong_pixels", "the TP group's reader sends its peer wrong pixels for the "
+       "items it encodes (every float encoder input negated)", "tp")
 def _tp_reader_wrong_pixels(rank: int):
     import dataclasses
     from ds_omni.data import shared_read
 
     def roll(inputs: dict) -> dict:
-        return {k: t.roll(1, 0) if t.is_floating_point() else t for k, t in inputs.items()}
+        return {k: -t if t.is_floating_point() else t for k, t in inputs.items()}
 
     def make(peer_view):
         def planted(mb, all_items):
@@ -355,6 +355,21 @@ def _grad_norm_replicas_twice(rank: int):
                 joint._unflatten_into(flat, [p.grad for p in bucket])
         return planted
     yield from _patched(joint.EncoderShards, "reduce_grads", make)
+
+
+# ------------------------------------------ tp x sp (tests/dist/test_tensor_parallel.py, 4 ranks)
+@plant("seq_data_across_tp", "under tp x sp the sequence x data group is every rank of the "
+       "stage (across the TP ranks, as without tp) instead of the dp x sp ranks of one TP rank",
+       "tp_sp")
+def _seq_data_across_tp(rank: int):
+    from ds_omni.parallel.plan import ParallelPlan
+
+    def make(original):
+        def planted(plan):
+            return [[r for r in range(plan.world_size) if plan.coords(r).pp_stage == stage]
+                    for stage in range(plan.pp)]
+        return planted
+    yield from _patched(ParallelPlan, "seq_data_group_ranks", make)
 
 
 # ----------------------------------------------------- tensor parallel (tests/dist/test_tensor_parallel.py)

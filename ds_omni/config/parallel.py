@@ -26,8 +26,11 @@ class ParallelConfig:
     read the same rows; the embedding, norms, head and every encoder stay whole on each rank.
     For a backbone too large for one device's memory, or to cut its per-rank time when the
     data-parallel degree is already at its useful limit. tp must divide the backbone's attention
-    and key-value heads and MLP width (`ds-omni plan` names the degrees that work); ZeRO 0-2,
-    sp = 1, pp = 1 and max_sequence_sp = 1 in this version."""
+    and key-value heads and MLP width (`ds-omni plan` names the degrees that work). With
+    sp > 1 each TP rank's heads (heads / tp) are split again over its Ulysses group, so tp x sp
+    must divide the query heads and tp the key-value heads. ZeRO 0-2, pp = 1 and
+    max_sequence_sp = 1 in this version, and encoder_pool only without sp (each TP rank then
+    pools over its own data-parallel ranks)."""
     pp: int = 1
     """Pipeline stages of the LLM (DeepSpeed's pipeline engine; ZeRO 0/1 only, sp = 1). Stage
     boundaries come from the cost model unless stage_split says otherwise (`ds-omni plan` prints
@@ -79,6 +82,14 @@ class ParallelConfig:
     load-balancing loss, shared experts) is kept. Must divide dp and the experts; the LLM's
     family needs an AutoEP preset (`ds-omni plan` names them). sp = pp = 1 in this version."""
 
+    @property
+    def tp_encodes_apart(self) -> bool:
+        """Under tp the TP ranks of a row encode different items of it (and sum the encoders'
+        gradients over TP), unless another plan already spreads the row's items: the SP ranks
+        under sp > 1 (each TP rank then encodes its SP rank's share), the pool's ranks under
+        encoder_pool (each TP rank's pool)."""
+        return self.tp > 1 and self.sp == 1 and self.encoder_pool == "off"
+
     def __post_init__(self):
         if self.encoder_pool not in ("off", "dp"):
             raise ConfigError(f"parallel.encoder_pool must be \"off\" or \"dp\", got "
@@ -113,15 +124,17 @@ class ParallelConfig:
             raise ConfigError("parallel.max_sequence_sp > 1 chooses an SP degree per sequence; it "
                               f"cannot be combined with a static parallel.sp={self.sp} or "
                               f"parallel.pp={self.pp} in this version: set those to 1")
-        if self.tp > 1 and (self.sp > 1 or self.pp > 1 or d > 1):
+        if self.tp > 1 and (self.pp > 1 or d > 1):
             raise ConfigError(
-                f"parallel.tp={self.tp} cannot be combined with parallel.sp={self.sp}, "
-                f"parallel.pp={self.pp} or parallel.max_sequence_sp={d} in this version (DeepSpeed "
-                "takes over the model-parallel groups when AutoTP runs through its engine, and "
-                "its pipeline engine has no AutoTP path): set those to 1, or tp to 1")
-        if self.tp > 1 and self.encoder_pool != "off":
-            raise ConfigError(f"parallel.encoder_pool={self.encoder_pool!r} with parallel.tp="
-                              f"{self.tp} is not supported in this version: set encoder_pool to "
-                              "\"off\" (each rank encodes its own rows' items)")
+                f"parallel.tp={self.tp} cannot be combined with parallel.pp={self.pp} or "
+                f"parallel.max_sequence_sp={d} in this version (DeepSpeed's pipeline engine has "
+                "no AutoTP path, and per-sequence SP blocks are runs of consecutive ranks, which "
+                "tp would cut across): set those to 1, or tp to 1 (a static parallel.sp works "
+                "with tp)")
+        if self.tp > 1 and self.sp > 1 and self.encoder_pool != "off":
+            raise ConfigError(f"parallel.encoder_pool={self.encoder_pool!r} with both parallel.tp="
+                              f"{self.tp} and parallel.sp={self.sp} is not supported in this "
+                              "version (the pool runs with tp or with sp): set encoder_pool to "
+                              "\"off\", or tp or sp to 1")
         if self.dp != "auto" and self.dp < 1:
             raise ConfigError(f"parallel.dp must be >= 1 or \"auto\", got {self.dp}")

@@ -97,7 +97,8 @@ def shared_reading(cfg: OmniConfig, comm: ShardComm | None) -> SharedReading | N
     group: its peers then get every item whole."""
     if comm is None or not cfg.data.shared_reading:
         return None
-    return SharedReading(comm, all_items=cfg.parallel.encoder_pool != "off" or cfg.parallel.pp > 1)
+    return SharedReading(comm, all_items=cfg.parallel.encoder_pool != "off" or cfg.parallel.pp > 1,
+                         tp_apart=cfg.parallel.tp if cfg.parallel.tp_encodes_apart else 1)
 
 
 def long_items_of(cfg: OmniConfig, model, group: int) -> LongItems | None:

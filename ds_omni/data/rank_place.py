@@ -68,6 +68,9 @@ class SharedReading:
 
     comm: ShardComm
     all_items: bool = False
+    tp_apart: int = 1
+    """parallel.tp when the TP ranks of a row encode different items of it (`ParallelConfig
+    .tp_encodes_apart`, sp = 1): peer g, TP rank g, then gets its own items' inputs only."""
 
 
 @dataclass

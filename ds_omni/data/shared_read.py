@@ -49,8 +49,9 @@ from ds_omni.errors import DataError
 
 def peer_view(mb: MicroBatch, all_items: bool) -> MicroBatch:
     """What a peer needs of its shard `mb`: the inputs of the items it encodes (`route.reshard
-    .encode`); the others keep their sizes only (no pixels). `all_items`: every item whole."""
-    plan = mb.route.reshard
+    .encode` under SP, `route.tp_encode.encode` under TP); the others keep their sizes only (no
+    pixels). `all_items`: every item whole."""
+    plan = mb.route.reshard or mb.route.tp_encode
     if all_items or plan is None:
         return mb
     keep = {e: set(idx) for e, idx in plan.encode.items()}

@@ -14,7 +14,7 @@ import traceback
 
 from ds_omni.batch import MicroBatch
 from ds_omni.data.cost import CostModel
-from ds_omni.data.packing import SeqShard, empty_micro_batch
+from ds_omni.data.packing import SeqShard, empty_micro_batch, tp_share
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.rank_place import LongSplits, RankPlace
 from ds_omni.data.sample_reader import SampleReader, key_locator
@@ -132,6 +132,10 @@ class MicroBatchLoader:
             return [Packed(self.empty(), [None] * len(job.parts),
                            [self.empty(r) for r in range(1, self.shard.size)]
                            if self.every_shard else None) for job in jobs]
+
+    def tp_share(self, mb: MicroBatch, tp_rank: int, tp: int) -> MicroBatch:
+        """TP rank `tp_rank`'s copy of the row `mb` (`packing.tp_share`: its items' inputs)."""
+        return tp_share(mb, self.item_processors, tp_rank, tp, self._item_cost)
 
     def empty(self, sp_rank: int | None = None) -> MicroBatch:
         """An empty micro-batch of this rank (or of SP rank `sp_rank` of its group)."""

@@ -24,9 +24,10 @@ class RankGroups:
     """The data-parallel ranks of this rank's (pp stage, sp rank)."""
     reorder: object
     """This rank's reorder group: G consecutive ranks of `dp` (`ParallelPlan.reorder_group`)."""
-    mpu: "SequenceParallelMpu | TensorParallelMpu | None"
+    mpu: "SequenceParallelMpu | TensorParallelMpu | SequenceTensorParallelMpu | None"
     """DeepSpeed's mpu. Under parallel.sp > 1: the Ulysses group and the sequence x data group;
-    under parallel.tp > 1: the tensor-parallel group and the data-parallel one."""
+    under parallel.tp > 1: the tensor-parallel group and the data-parallel one; under both, all
+    four (`SequenceTensorParallelMpu`)."""
     blocks: dict[tuple[int, int], object]
     """Per-sequence SP: (first rank, size) -> the group of every block that holds this rank."""
     comm: "TorchDataComm"
@@ -42,13 +43,14 @@ class RankGroups:
     @property
     def sp(self):
         """The LLM's Ulysses group, or None without parallel.sp."""
-        sequence = isinstance(self.mpu, SequenceParallelMpu)
+        sequence = isinstance(self.mpu, (SequenceParallelMpu, SequenceTensorParallelMpu))
         return self.mpu.get_sequence_parallel_group() if sequence else None
 
     @property
     def pool(self):
-        """The encoder pool's group: every rank of this pipeline stage (`ParallelPlan.pool_size`)."""
-        sequence = isinstance(self.mpu, SequenceParallelMpu)
+        """The encoder pool's group: every rank of this pipeline stage (`ParallelPlan.pool_size`)
+        of this rank's TP rank (each TP rank pools its own copy of the encoders, all alike)."""
+        sequence = isinstance(self.mpu, (SequenceParallelMpu, SequenceTensorParallelMpu))
         return self.mpu.get_sequence_data_parallel_group() if sequence else self.dp
 
 
@@ -62,7 +64,10 @@ def rank_groups(plan: ParallelPlan, rank: int, prefetch: bool) -> RankGroups:
     comm = TorchDataComm(dp, reorder, plan.dp, plan.reorder_group,
                          mpu.get_sequence_data_parallel_group() if mpu else None, plan.sp)
     tp = tensor_group(plan, rank)
-    if tp is not None:  # parallel.tp excludes sp (ParallelConfig): the only mpu
+    if tp is not None and mpu is not None:  # tp x sp: one mpu serving both of DeepSpeed's views
+        mpu = SequenceTensorParallelMpu(tp, dp, mpu.get_sequence_parallel_group(),
+                                        mpu.get_sequence_data_parallel_group())
+    elif tp is not None:
         mpu = TensorParallelMpu(tp, dp)
     step_comm = loader_step_comm(plan, rank) if prefetch else None
     return RankGroups(dp=dp, reorder=reorder, mpu=mpu, blocks=blocks, comm=comm,
@@ -215,9 +220,11 @@ def _all_gather(obj, group, size: int) -> list:
 def sequence_groups(plan: ParallelPlan, rank: int) -> "SequenceParallelMpu | None":
     """This rank's Ulysses group and sequence x data group, as DeepSpeed's `mpu`; None when sp == 1.
 
-    SP groups are consecutive ranks (`ParallelPlan` puts sp innermost). The sequence x data group
-    holds every rank of this pipeline stage: ZeRO partitions and reduces over it, since SP ranks
-    hold the same parameters and each sees a different part of the data.
+    SP groups are the ranks of one (pp, dp, tp) coordinate (consecutive ranks without tp, which
+    `ParallelPlan` puts innermost). The sequence x data group holds the dp x sp ranks of this
+    pipeline stage and tensor-parallel rank (`ParallelPlan.seq_data_group_ranks`; without tp,
+    every rank of the stage): ZeRO partitions and reduces over it, since those ranks hold the
+    same parameters (the same TP shard) and each sees a different part of the data.
     """
     if not plan.sp_enabled:
         return None
@@ -227,8 +234,7 @@ def sequence_groups(plan: ParallelPlan, rank: int) -> "SequenceParallelMpu | Non
         if rank in members:
             sp_pg = pg
     seq_data_pg = None
-    for stage in range(plan.pp):
-        members = [r for r in range(plan.world_size) if plan.coords(r).pp_stage == stage]
+    for members in plan.seq_data_group_ranks():
         pg = dist.new_group(members)
         if rank in members:
             seq_data_pg = pg
@@ -315,3 +321,38 @@ class TensorParallelMpu:
 
     def get_data_parallel_world_size(self) -> int:
         return dist.get_world_size(self._dp)
+
+
+class SequenceTensorParallelMpu(TensorParallelMpu):
+    """The `mpu` DeepSpeed is given under parallel.tp > 1 and parallel.sp > 1: Megatron's
+    model-parallel interface for the TP group (`TensorParallelMpu`) and DeepSpeed's
+    sequence-parallel one for the Ulysses group, held by one object.
+
+    ZeRO partitions and reduces over the sequence x data group, the dp x sp ranks of this rank's
+    TP rank (they hold the same shards), and divides by its size / sp = dp; the gradient norm adds
+    the TP shards over the TP group. It has no `initialize_sequence_parallel` on purpose:
+    DeepSpeed reads that attribute as "a sequence-parallel mpu, no model parallelism" and would
+    then ignore the TP group (a model-parallel world of 1 in ZeRO's gradient norm).
+    """
+
+    def __init__(self, tp_group, dp_group, sp_group, seq_data_group):
+        super().__init__(tp_group, dp_group)
+        self._sp, self._seq_data = sp_group, seq_data_group
+
+    def get_sequence_parallel_group(self):
+        return self._sp
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._sp)
+
+    def get_sequence_parallel_rank(self) -> int:
+        return dist.get_rank(self._sp)
+
+    def get_sequence_data_parallel_group(self):
+        return self._seq_data
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._seq_data)
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return dist.get_rank(self._seq_data)

@@ -152,6 +152,13 @@ class ParallelPlan:
         return [[self.rank_of(RankCoords(p, d, s, t)) for s in range(self.sp)
                  for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
 
+    def seq_data_group_ranks(self) -> list[list[int]]:
+        """Ranks that hold the same parameters (or the same TP shard) and different tokens: the
+        dp x sp ranks of one (pp, tp). ZeRO partitions and reduces over them under sp > 1, and the
+        step's target count adds up over them (each token once)."""
+        return [[self.rank_of(RankCoords(p, d, s, t)) for d in range(self.dp)
+                 for s in range(self.sp)] for p in range(self.pp) for t in range(self.tp)]
+
     def reorder_group_ranks(self, group_size: int) -> list[list[int]]:
         """Ranks whose loaders share sample metadata: G consecutive ranks of each dp group.
 
@@ -173,12 +180,16 @@ class ParallelPlan:
         ranks = [{"rank": r, "pp": c.pp_stage, "dp": c.dp_rank, "sp": c.sp_rank,
                   **({"tp": c.tp_rank} if tp else {})}
                  for r, c in enumerate(map(self.coords, range(self.world_size)))]
+        # tp x sp: ZeRO's group is then no longer every rank of a stage, so it is printed too
+        both = tp and self.sp_enabled
         out = {"ranks": ranks, **({"tp_groups": self.tp_group_ranks()} if tp else {}),
                "sp_groups": self.sp_group_ranks(), "dp_groups": self.dp_group_ranks(),
+               **({"seq_data_groups": self.seq_data_group_ranks()} if both else {}),
                "reorder_group_size": self.reorder_group,
                "reorder_groups": self.reorder_group_ranks(self.reorder_group)}
         if gpus_per_node:
-            kinds = [k for k in ("tp_groups", "sp_groups", "dp_groups") if k in out]
+            kinds = [k for k in ("tp_groups", "sp_groups", "dp_groups", "seq_data_groups")
+                     if k in out]
             out["cross_node"] = {kind: [g for g in out[kind] if _crosses(g, gpus_per_node)]
                                  for kind in kinds}
         return out

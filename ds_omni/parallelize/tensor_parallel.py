@@ -164,3 +164,29 @@ def _split_dims(layer: nn.Module) -> dict[str, int | None]:
     if isinstance(layer, LinearLayer):  # output features split, the bias with them
         return {"weight": 0, "bias": 0}
     return {}
+
+
+def check_tp_with_sp(text_config, tp: int, sp: int, where: str) -> None:
+    """parallel.tp x parallel.sp can run this LLM: each TP rank holds heads / tp query heads and
+    kv / tp key-value heads, which its Ulysses all-to-all splits again over the sp ranks. So
+    tp x sp must divide the query heads, and tp the key-value heads (AutoTP would give ranks
+    past the KV head count no heads at all, and an uneven split different head counts per TP
+    rank, neither of which Ulysses can split); kv / tp below (or not a multiple of) sp is
+    fine: the kernel repeats the local KV heads, as it does under sp alone (`repeat_kv_for_sp`).
+    No process group: called by `plan_run` before anything is launched."""
+    model_type = getattr(text_config, "model_type", "?")
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    if heads % (tp * sp) == 0 and kv_heads % tp == 0:
+        if (kv_heads // tp) % sp:
+            log.info("parallel.tp=%d x sp=%d: each TP rank's %d key/value heads are repeated "
+                     "for its %d Ulysses ranks (%s has %d)", tp, sp, kv_heads // tp, sp, where,
+                     kv_heads)
+        return
+    ok = [(t, s) for t in range(1, heads + 1) for s in range(1, heads + 1)
+          if heads % (t * s) == 0 and kv_heads % t == 0 and t * s <= heads and t > 1 and s > 1]
+    raise ModelError(
+        f"parallel.tp={tp} x parallel.sp={sp}: {where} ({model_type}) has {heads} query heads "
+        f"and {kv_heads} key/value heads; each TP rank holds heads / tp of them and Ulysses "
+        "splits those again over sp, so tp x sp must divide the query heads and tp the "
+        f"key/value heads. (tp, sp) can be one of {ok or 'none: use tp or sp alone'}")

@@ -106,6 +106,8 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
     for sp, pp, tp, ep, msp in itertools.product(*[space.degrees] * 5):
         if tp > gpus_per_node or sp > gpus_per_node or (ep > 1 and model.moe is None):
             continue
+        if tp > 1 and sp > 1:  # training runs tp x sp, but the simulator prices them apart
+            continue
         if sp * pp * tp > gpus or gpus % (sp * pp * tp):
             continue
         dp = gpus // (sp * pp * tp)

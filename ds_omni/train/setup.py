@@ -33,7 +33,7 @@ from ds_omni.parallelize import parallelize
 from ds_omni.parallelize.encoder_pool import EncoderPool
 from ds_omni.parallelize.pipeline import (PipelineSpec, check_pipeline, layer_param_counts,
                                          optimizer_params)
-from ds_omni.parallelize.tensor_parallel import check_tensor_parallel
+from ds_omni.parallelize.tensor_parallel import check_tensor_parallel, check_tp_with_sp
 from ds_omni.parallelize.tp_encoders import TPEncoders
 from ds_omni.train import checkpoint
 from ds_omni.train.ds_config import derive_ds_config, load_ds_json
@@ -53,6 +53,8 @@ def plan_run(cfg: OmniConfig, ds_json: dict, world_size: int) -> tuple[ParallelP
         check_sequence_parallel(cfg.model, degree, llm)
     if plan.tp_enabled:
         check_tensor_parallel(llm[1], plan.tp, _llm_part(cfg))
+    if plan.tp_enabled and plan.sp_enabled:  # Ulysses splits each TP rank's heads again
+        check_tp_with_sp(llm[1], plan.tp, plan.sp, _llm_part(cfg))
     resolve_kernel(cfg.model.attn_implementation)  # varlen on CPU, flash-attn missing: say so now
     ds_config = derive_ds_config(cfg, ds_json, plan)
     if plan.pp_enabled:
@@ -166,9 +168,18 @@ def _parallelize(cfg: OmniConfig, ds_config: dict, plan: ParallelPlan, groups: R
                        encoder_dummies=encoder_dummies_needed(ds_config, plan.pp_enabled),
                        pipeline=pipeline, tp_group=groups.tp,
                        llm_config=built.hf_config.get_text_config() if groups.tp else None,
-                       tp_encoders=(TPEncoders(groups.tp, plan.coords(rank).tp_rank, plan.tp,
-                                               built.item_processors, _item_cost(cost))
-                                    if groups.tp else None))
+                       tp_encoders=tp_encoders_for(cfg, built, plan, rank, groups, cost))
+
+
+def tp_encoders_for(cfg: OmniConfig, built, plan: ParallelPlan, rank: int, groups,
+                    cost: CostModel) -> TPEncoders | None:
+    """The TP ranks of a row encoding different items of it, where they do
+    (`ParallelConfig.tp_encodes_apart`; otherwise every TP rank encodes the same items and their
+    gradients are not summed over TP)."""
+    if not groups.tp or not cfg.parallel.tp_encodes_apart:
+        return None
+    return TPEncoders(groups.tp, plan.coords(rank).tp_rank, plan.tp, built.item_processors,
+                      _item_cost(cost))
 
 
 def _item_cost(cost: CostModel):
@@ -189,7 +200,8 @@ def encoder_pool_for(built, plan: ParallelPlan, rank: int, group,
                         "other row to share encoder work with; the pool is off")
         return None
     encoders = built.model.encoders
-    return EncoderPool(group, rank, plan.pool_size, built.item_processors,
+    # its place in the pool: under tp the pool is the dp x sp ranks of one TP rank, tp apart
+    return EncoderPool(group, rank // plan.tp, plan.pool_size, built.item_processors,
                        {name: enc.placeholder_ids for name, enc in encoders.items()},
                        _item_cost(cost), dist.comm_device(), sp=plan.sp)
 

@@ -15,6 +15,16 @@ AutoTP's layers, each rank holds half of the MLP, and the encoders are whole; th
 group encode different items of their row (each some, together all of them; the rows
 all-gathered) and sum the encoders' gradients over TP (`_check_tp_encode`).
 
+On 4 ranks (slow tier, one launch): LLaVA at tp2 x dp2, also with the encoder pool (each TP
+rank pools over its data-parallel ranks; dp rank 0's rows hold every image, so items move), and
+tp x sp: tp2 x sp2 (dp=1; SP groups
+[0, 2] and [1, 3], one per TP rank) for LLaVA under ZeRO 1 and 2 and Qwen2-VL (text-only rows
+among its rows) under ZeRO-2, 3 steps each, against one process the same way; both mechanisms are
+shown to run (AutoTP's layers on every rank; Ulysses attention in every decoder layer of every
+row, each SP group's ranks on different shards, each target trained once per TP rank:
+`oracle.assert_split_work` over the ranks of one TP rank). `test_plant_tp_sp_is_caught`: ZeRO's
+sequence x data group built across the TP ranks (as without tp) is caught.
+
 `test_plant_is_caught` / `test_plant_slow_is_caught`: the oracle fails on each planted error
 (`tests/plants.py`: the column-parallel input gradient not summed over the TP ranks, which
 leaves the loss alone and moves only the gradients of what is below: norms, embedding,
@@ -42,7 +52,7 @@ ONE_KV = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
 def _config(case: dict, out_dir: str):
     from ds_omni.config import ParallelConfig, SourceConfig, from_dict
     cfg = tiny_config(out_dir, steps=case.get("steps", STEPS), weight_decay=0.1)
-    cfg.parallel = ParallelConfig(tp=2)
+    cfg.parallel = ParallelConfig(tp=2, sp=case.get("sp", 1))
     if case.get("model_dir"):
         cfg.model.pretrained, cfg.model.tokenizer = case["model_dir"], None
         cfg.model.vision = cfg.model.llm = None
@@ -50,6 +60,9 @@ def _config(case: dict, out_dir: str):
         cfg.model.llm.config = dict(case["llm"])
     if case.get("sources"):
         cfg.data.sources = [from_dict(SourceConfig, s) for s in case["sources"]]
+    if case.get("pool"):  # the encoder pool over each TP rank's data-parallel ranks, loader order
+        from ds_omni.config import ReorderConfig
+        cfg.parallel.encoder_pool, cfg.data.reorder = "dp", ReorderConfig(mode="loader_order")
     return cfg
 
 
@@ -228,19 +241,98 @@ def test_plant_slow_is_caught(plant, slow_cases, slow_results, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def four_results(tmp_path_factory):
+def four_cases(tmp_path_factory):
+    """dp=2 x tp=2: two TP groups, each its own rows; tp=2 x sp=2 (dp=1): two SP groups ([0, 2],
+    [1, 3]), one per TP rank, all four ranks on the same rows: LLaVA under ZeRO 1 and 2,
+    Qwen2-VL (M-RoPE, text-only rows) under ZeRO-2; and the tp x sp plant."""
+    return four_cases_in(tmp_path_factory.mktemp("tp_four"))
+
+
+def four_cases_in(tmp) -> dict:
+    from tests import family_dirs
+    qwen2_vl = {"model_dir": str(family_dirs.make_qwen2_vl_dir(tmp / "q")),
+                "sources": [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]}
+    from tests.data_files import skewed_source
+    skewed = skewed_source(tmp / "skewed", dp=2)  # dp rank 0's rows hold every image
+    honest = {"llava": {"stages": [2]}, "tp_sp_llava": {"stages": [1, 2], "sp": 2},
+              "tp_pool_llava": {"stages": [2], "pool": True, "sources": [skewed]},
+              "tp_sp_qwen2_vl": {"stages": [2], "sp": 2, **qwen2_vl}}
+    planted = _planted(honest, "tp_sp", "tp_sp_llava")
+    return {**honest, **{p: {**c, "stages": [2]} for p, c in planted.items()}}
+
+
+@pytest.fixture(scope="module")
+def four_results(four_cases, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_four_runs")
-    return run_on_ranks(_train_ranks, 4, args=(FOUR, str(out)), timeout=900)
-
-
-FOUR = {"llava": {"stages": [2]}}  # dp=2 x tp=2: two TP groups, each its own rows
+    return run_on_ranks(_train_ranks, 4, args=(four_cases, str(out)), timeout=1200)
 
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_tp2_x_dp2_matches_single_process(four_results, tmp_path):
-    _check("llava", FOUR["llava"], four_results, tmp_path, dp=2)
+def test_tp2_x_dp2_matches_single_process(four_cases, four_results, tmp_path):
+    _check("llava", four_cases["llava"], four_results, tmp_path, dp=2)
     _check_shards(four_results, "llava", 2)
     _check_tp_encode(four_results, "llava", 2)
     groups = [four_results[r][("llava", 2)]["keys"] for r in (0, 2)]
     assert groups[0] != groups[1]  # the two TP groups read different rows
+
+
+def _check_tp_sp(name, case, results, tmp_path) -> None:
+    """tp=2 x sp=2 on 4 ranks (dp=1) against one process: every rank trained the one
+    data-parallel rank's rows; loss, every step's gradients (TP shards gathered whole) and the
+    parameters match the oracle; and both mechanisms ran: AutoTP's layers on every rank, and
+    the Ulysses work split inside each TP rank's SP group (`oracle.assert_split_work` over the
+    ranks of one TP rank: their targets add up to the global batch's once)."""
+    from ds_omni.model.build import build_model
+    steps = case.get("steps", STEPS)
+    cfg = _config(case, str(tmp_path / f"ref_{name}"))
+    step_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), 1, steps)
+    ref = oracle.run_reference(cfg, step_keys)
+    for stage in case["stages"]:
+        where = f"{name} tp=2 x sp=2 ZeRO-{stage}"
+        per_rank = [r[(name, stage)] for r in results]
+        assert all([sorted(k) for k in r["keys"]] == step_keys for r in per_rank), where
+        oracle.assert_matches(ref, per_rank[0], where)
+        assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank), where
+        for t in range(2):  # the SP group of TP rank t: global ranks t, t + 2
+            oracle.assert_split_work(ref, [_in_tp_slice(r) for r in per_rank[t::2]],
+                                     f"{where} TP rank {t}")
+    oracle.assert_moved(ref, name)
+
+
+def _in_tp_slice(result: dict) -> dict:
+    """A rank's result with its SP groups renamed into its TP rank's slice of the world (rank r
+    is r // tp there), as `oracle.assert_split_work` reads groups of consecutive ranks."""
+    shards = [(step, i, None if g is None else (g[0] // 2, g[1]), ids, n)
+              for step, i, g, ids, n in result["shards"]]
+    return {**result, "shards": shards}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_tp2_x_dp2_encoder_pool_matches_single_process(four_cases, four_results, tmp_path):
+    """The encoder pool at tp2 x dp2: each TP rank pools over its data-parallel ranks (0 with 2,
+    1 with 3); the rows of dp rank 0 hold every image, so dp rank 1's ranks encode some of them,
+    both TP ranks of a group the same ones."""
+    _check("tp_pool_llava", four_cases["tp_pool_llava"], four_results, tmp_path, dp=2)
+    moved = [r[("tp_pool_llava", 2)]["pool_items_moved"] for r in four_results]
+    assert moved[2] > 0 and moved[2] == moved[3], moved
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_tp2_x_sp2_matches_single_process(four_cases, four_results, tmp_path):
+    for name in ("tp_sp_llava", "tp_sp_qwen2_vl"):
+        _check_tp_sp(name, four_cases[name], four_results, tmp_path)
+        for stage in four_cases[name]["stages"]:
+            _check_shards(four_results, name, stage)
+    # Qwen2-VL's text-only rows really were split too (no image to reshard)
+    assert sum(r[("tp_sp_qwen2_vl", 2)]["row_without_items"] for r in four_results) > 0
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", plants.for_launch("tp_sp"))
+def test_plant_tp_sp_is_caught(plant, four_cases, four_results, tmp_path):
+    with pytest.raises(AssertionError):
+        _check_tp_sp(plant, four_cases[plant], four_results, tmp_path)

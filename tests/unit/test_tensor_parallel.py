@@ -41,14 +41,18 @@ def test_the_loaders_unit_is_the_tp_group():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"tp": 0}, r"parallel.tp must be >= 1"),
-    ({"tp": 2, "sp": 2}, r"parallel.tp=2 cannot be combined with parallel.sp=2"),
-    ({"tp": 2, "pp": 2}, r"parallel.pp=2"),
+    ({"tp": 2, "pp": 2}, r"parallel.tp=2 cannot be combined with parallel.pp=2"),
+    ({"tp": 2, "sp": 2, "encoder_pool": "dp"}, r"encoder_pool='dp' with both parallel.tp=2"),
     ({"tp": 2, "max_sequence_sp": 2}, r"parallel.max_sequence_sp=2"),
-    ({"tp": 2, "encoder_pool": "dp"}, r"encoder_pool='dp' with parallel.tp=2"),
 ])
 def test_bad_tp_config_is_refused(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         ParallelConfig(**kwargs)
+
+
+def test_tp_composes_with_sp_and_with_the_pool():
+    ParallelConfig(tp=2, sp=2)
+    ParallelConfig(tp=2, encoder_pool="dp")
 
 
 def test_world_size_must_fit_tp():
@@ -105,4 +109,47 @@ def test_plan_run_checks_the_heads_before_any_launch(tmp_path):
     cfg = tiny_config(str(tmp_path))
     cfg.parallel = ParallelConfig(tp=8)  # the tiny Llama has 4 heads
     with pytest.raises(ModelError, match=r"parallel.tp=8 must divide .* model.llm \(llama\)"):
+        plan_run(cfg, ds_config(2), 8)
+
+
+def test_tp_x_sp_layout_and_zero_groups():
+    """tp innermost, then sp, then dp; ZeRO's sequence x data groups are the dp x sp ranks of
+    one TP rank, printed (with which of them cross nodes) by `ds-omni plan`."""
+    plan = ParallelPlan.from_config(ParallelConfig(tp=2, sp=2), 8, ReorderConfig())
+    assert (plan.dp, plan.sp, plan.tp) == (2, 2, 2)
+    assert plan.seq_data_group_ranks() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    layout = plan.layout(gpus_per_node=4)
+    assert layout["tp_groups"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout["sp_groups"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout["seq_data_groups"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    # TP and SP stay inside a 4-GPU node; data parallelism (and ZeRO's group) crosses
+    assert layout["cross_node"] == {"tp_groups": [], "sp_groups": [],
+                                    "dp_groups": [[0, 4], [1, 5], [2, 6], [3, 7]],
+                                    "seq_data_groups": [[0, 2, 4, 6], [1, 3, 5, 7]]}
+    # without tp the group is every rank of the stage, as before, and not printed
+    sp_only = ParallelPlan.from_config(ParallelConfig(sp=2), 4, ReorderConfig())
+    assert sp_only.seq_data_group_ranks() == [[0, 1, 2, 3]]
+    assert "seq_data_groups" not in sp_only.layout()
+
+
+def test_tp_x_sp_must_split_the_heads_twice():
+    from ds_omni.parallelize.tensor_parallel import check_tp_with_sp
+    check_tp_with_sp(_llama(), 2, 2, "model.llm")  # 4 heads / 2 / 2; KV 2 / 2, repeated for sp
+    with pytest.raises(ModelError, match=r"parallel.tp=2 x parallel.sp=4: model.llm \(llama\) "
+                                         r"has 4 query heads and 2 key/value heads.*\(tp, sp\) "
+                                         r"can be one of \[\(2, 2\)\]"):
+        check_tp_with_sp(_llama(), 2, 4, "model.llm")
+    with pytest.raises(ModelError, match=r"tp the key/value heads"):  # 1 KV head over tp=2
+        check_tp_with_sp(_llama(num_key_value_heads=1), 2, 2, "model.llm")
+
+
+def test_plan_run_checks_tp_x_sp_before_any_launch(tmp_path):
+    from tests.fixtures import ds_config, tiny_config
+    from ds_omni.train.setup import plan_run
+    cfg = tiny_config(str(tmp_path))
+    cfg.parallel = ParallelConfig(tp=2, sp=2)
+    plan, ds = plan_run(cfg, ds_config(2), 4)  # the tiny Llama: 4 heads, 2 KV heads
+    assert (plan.dp, plan.sp, plan.tp) == (1, 2, 2) and ds["sequence_parallel_size"] == 2
+    cfg.parallel = ParallelConfig(tp=2, sp=4)
+    with pytest.raises(ModelError, match=r"parallel.tp=2 x parallel.sp=4"):
         plan_run(cfg, ds_config(2), 8)
