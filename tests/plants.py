@@ -208,14 +208,14 @@ def _tp_reader_wrong_pixels(rank: int):
     import dataclasses
     from ds_omni.data import shared_read
 
-    def roll(inputs: dict) -> dict:
+    def negate(inputs: dict) -> dict:
         return {k: -t if t.is_floating_point() else t for k, t in inputs.items()}
 
     def make(peer_view):
         def planted(mb, all_items):
             mb = peer_view(mb, all_items)
             return dataclasses.replace(mb, encoder_inputs={
-                e: roll(d) for e, d in mb.encoder_inputs.items()})
+                e: negate(d) for e, d in mb.encoder_inputs.items()})
         return planted
     yield from _patched(shared_read, "peer_view", make)
 
