@@ -148,13 +148,18 @@ def _check(name, case, results, tmp_path, dp=1):
 
 def _check_one_reader(name, stage, results) -> None:
     """One reader per TP group (`data.shared_reading`): rank 2g read the rows and decoded the
-    images, its TP peer 2g + 1 read and decoded nothing (it got the reader's micro-batches)."""
+    images, its TP peer 2g + 1 read and decoded nothing (it got the reader's micro-batches).
+    A reader's own rows may hold no image (reordering places them by cost): the readers together
+    decoded some."""
+    decoded = 0
     for rank, r in enumerate(results):
         rows, _, items = r[(name, stage)]["read_counts"]
         if rank % 2:
             assert rows == items == 0, f"{name}: TP peer rank {rank} read {rows} rows, {items} items"
         else:
-            assert rows > 0 and items > 0, f"{name}: reader rank {rank} read {rows} rows"
+            assert rows > 0, f"{name}: reader rank {rank} read no rows"
+            decoded += items
+    assert decoded > 0, f"{name}: the readers decoded no image"
 
 
 def _check_resume(name, stage, at, results) -> None:
