@@ -261,11 +261,11 @@ class LoaderProcess:
         if self._closed:
             return
         self._closed = True
+        self._conn.close()  # a loader process waiting for a request sees it and exits
         self._proc.join(wait_s)
         if self._proc.is_alive():  # SIGKILL: a stopped (or hung) process ignores SIGTERM
             self._proc.kill()
             self._proc.join(5.0)
-        self._conn.close()
         atexit.unregister(self._end)
 
 
