@@ -1,5 +1,6 @@
 """Prefetch benchmark: how much of the loading time the training step hides: prefetch off, on
-(a thread), and on with one worker process (`data.workers` 1).
+(a thread), on with the thread driving one pack worker (the design before the loader process:
+"thread_workers"), and with the whole loader in a loader process (`data.workers` 1: "workers").
 
     .venv/bin/python benchmarks/prefetch.py          # writes benchmarks/results/prefetch.json
 
@@ -11,8 +12,8 @@ host thread does while it waits for the device) so that it takes about as long a
 (both measured first). The trainer holds one core (`torch.set_num_threads(1)`); the loader
 thread (and its worker) has the other.
 
-Per repeat, the same N steps with `data.prefetch_steps` 0, then 1, then 1 with `data.workers` 1
-(fresh loaders, the same samples: checked); the loading time is what the trainer waits for data
+Per repeat, the same N steps with `data.prefetch_steps` 0, then 1, then 1 with the thread and a
+pack worker, then 1 with `data.workers` 1 (fresh loaders, the same samples: checked); the loading time is what the trainer waits for data
 with prefetch off (all of it). Hidden = (wall time off - wall time on) / loading time off; also
 1 - (wait on / wait off). The figures are medians over repeats; the machine's load average
 (`os.getloadavg`) is recorded with them.
@@ -49,14 +50,24 @@ def train_step(model, batch, work, matmuls: int) -> None:
         work @ work
 
 
-def timed_steps(cfg, built, prefetch: int, steps: int, work, matmuls: int,
-                workers: int = 0) -> dict:
-    from ds_omni.data.build import build_loader
-    from ds_omni.data.prefetch import Prefetcher
+def make_loader(cfg, built, workers: int, pack_workers: int = 0):
+    """`data.workers` as the run builds it (>= 1: a loader process), or (`pack_workers`) the
+    loader in the training process driving that many pack workers (the former design)."""
+    from ds_omni.data.build import build_loader, loader_parts
+    from ds_omni.data.rank_place import LoaderComms
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=workers))
-    loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=cfg.train.global_batch_size
-                          // MICRO)
-    feed = Prefetcher(loader, prefetch)
+    num_micro = cfg.train.global_batch_size // MICRO
+    if pack_workers:
+        return loader_parts(cfg, built, dp_rank=0, dp_size=1, num_micro=num_micro).build(
+            LoaderComms(), pack_workers)
+    return build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=num_micro)
+
+
+def timed_steps(cfg, built, prefetch: int, steps: int, work, matmuls: int,
+                workers: int = 0, pack_workers: int = 0) -> dict:
+    from ds_omni.data.loader_process import feed_for
+    loader = make_loader(cfg, built, workers, pack_workers)
+    feed = feed_for(loader, prefetch)
     for _ in range(2):  # warm-up: files opened, first streams (and the worker started)
         train_step(built.model, feed.next_step(), work, matmuls)
     keys, wait = [], 0.0
@@ -72,13 +83,10 @@ def timed_steps(cfg, built, prefetch: int, steps: int, work, matmuls: int,
     return {"wall_s": wall, "data_wait_s": wait, "keys": keys, "trainer_cpu_s": cpu}
 
 
-def loading_cpu(cfg, built, workers: int, steps: int = 6) -> float:
+def loading_cpu(cfg, built, workers: int, steps: int = 6, pack_workers: int = 0) -> float:
     """CPU seconds the training process spends per step on loading alone (no training; all its
-    threads, not the worker's): what `data.workers` moves out of it."""
-    from ds_omni.data.build import build_loader
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=workers))
-    loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=cfg.train.global_batch_size
-                          // MICRO)
+    threads, not the loader process's or the workers'): what `data.workers` moves out of it."""
+    loader = make_loader(cfg, built, workers, pack_workers)
     loader.next_step()  # warm-up (and the worker started)
     cpu0 = time.process_time()
     for _ in range(steps):
@@ -117,16 +125,19 @@ def main() -> None:
     work = torch.randn(384, 384)
     cal = calibrate(cfg, built, work)
     print(cal, flush=True)
-    cpu = {"in_process": loading_cpu(cfg, built, 0), "workers_1": loading_cpu(cfg, built, 1)}
+    cpu = {"in_process": loading_cpu(cfg, built, 0),
+           "thread_and_pack_worker": loading_cpu(cfg, built, 0, pack_workers=1),
+           "workers_1": loading_cpu(cfg, built, 1)}
     print(cpu, flush=True)
-    runs = {"off": [], "on": [], "workers": []}
+    runs = {"off": [], "on": [], "thread_workers": [], "workers": []}
     load = [os.getloadavg()[0]]
     for _ in range(args.repeats):
-        for name, prefetch, workers in (("off", 0, 0), ("on", 1, 0), ("workers", 1, 1)):
+        for name, prefetch, workers, pack in (("off", 0, 0, 0), ("on", 1, 0, 0),
+                                              ("thread_workers", 1, 0, 1), ("workers", 1, 1, 0)):
             runs[name].append(timed_steps(cfg, built, prefetch, args.steps, work, cal["matmuls"],
-                                          workers))
-        assert runs["on"][-1]["keys"] == runs["off"][-1]["keys"] == runs["workers"][-1]["keys"], \
-            "prefetch or the workers changed the samples"
+                                          workers, pack))
+        assert all(r[-1]["keys"] == runs["off"][-1]["keys"] for r in runs.values()), \
+            "prefetch, the workers or the loader process changed the samples"
         load.append(os.getloadavg()[0])
         print({k: round(v[-1]["wall_s"], 2) for k, v in runs.items()}, flush=True)
     shutil.rmtree(root, ignore_errors=True)
@@ -141,7 +152,7 @@ def main() -> None:
                                          args.steps for k, v in runs.items()},
               "setup": {"global_batch": cfg.train.global_batch_size, "micro_batch": MICRO,
                         "sources": 4, "image_px": IMAGE_PX, "trainer_threads": 1}}
-    for name, tag in (("on", ""), ("workers", "_workers")):
+    for name, tag in (("on", ""), ("thread_workers", "_thread_workers"), ("workers", "_workers")):
         pairs = list(zip(runs["off"], runs[name]))
         result[f"hidden_fraction_wall{tag}"] = statistics.median(
             (off["wall_s"] - on["wall_s"]) / off["data_wait_s"] for off, on in pairs)

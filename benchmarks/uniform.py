@@ -7,10 +7,11 @@ What the machinery costs when there is nothing to balance: 16 one-image samples 
 shapes conversations of `benchmarks/loader.py`, 256-pixel JPEGs, about the same length each),
 micro-batches of 4, a tiny LLaVA saved with `save_pretrained` and loaded back by both sides,
 ZeRO-2, fp32, torch AdamW, one data-parallel rank. The trainer holds one core
-(`torch.set_num_threads(1)`); ds_omni's loading runs on the other (its prefetch thread and one
-`data.workers` process), as a GPU host's trainer would leave the device work to the GPU.
+(`torch.set_num_threads(1)`); ds_omni's loading runs on the other (`data.workers` 1: its loader
+process), as a GPU host's trainer would leave the device work to the GPU.
 
-- ds_omni: the run's own pieces (`setup_training`, the prefetcher, `train_step`) from its config;
+- ds_omni: the run's own pieces (`setup_training`, its feed, `train_step`) from its config
+  (`data.workers` 1: the whole loader in a loader process, the trainer receives finished batches);
   a step's time includes reading, decoding, the HF processor and packing, whatever of it is not
   hidden behind the step.
 - ds_omni on ready batches: the same engine fed step batches made before the clock starts, which
@@ -45,7 +46,7 @@ IGNORE = -100
 def omni_side(cfg, ds_path: str, ready: list):
     """Step functions of ds_omni's own training step: loading included, and on `ready` batches
     (the same engine), which tells the loading's cost from the step's."""
-    from ds_omni.data.prefetch import Prefetcher
+    from ds_omni.data.loader_process import feed_for
     from ds_omni.parallel import dist
     from ds_omni.train.setup import preflight, setup_training
     from ds_omni.train.step import train_step
@@ -53,7 +54,7 @@ def omni_side(cfg, ds_path: str, ready: list):
     plan, ds_config = preflight(cfg, ds_path)
     rank, _ = dist.init_distributed(600.0)
     _, loader, engine = setup_training(cfg, ds_config, rank, plan)
-    feed = Prefetcher(loader, cfg.data.prefetch_steps)
+    feed = feed_for(loader, cfg.data.prefetch_steps)  # data.workers 1: the loader process's
     guard = NonFiniteGuard(engine)
 
     def step() -> int:

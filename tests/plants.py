@@ -468,3 +468,20 @@ def _comm_fit_no_latency(rank: int):
 def _search_bound_too_tight(rank: int):
     from ds_omni.sim import bounds
     yield from _patched(bounds, "refined_bound", lambda f: lambda *a: 3 * f(*a))
+
+
+# ------------------------------------------------ the loader process (tests/dist/test_loader_process.py)
+@plant("loader_process_stale_position", "the loader process sends back, with each step, the "
+       "loader's position before that step instead of after it (a resume reads it again)",
+       "loader_process")
+def _loader_process_stale_position(rank: int):
+    from ds_omni.data import loader_process
+    yield from _patched(loader_process, "_serve", lambda f: _stale_serve)
+
+
+def _stale_serve(*args) -> None:
+    """The loader process's loop with the plant in (it runs in a spawned process of its own, so
+    the trainer's patch names this function, which the loader process imports)."""
+    from ds_omni.data import loader_process
+    loader_process._sent_position = lambda made: made.before
+    loader_process._serve(*args)

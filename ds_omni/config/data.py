@@ -191,12 +191,14 @@ class DataConfig:
     """Steps whose batches a background thread reads, processes and packs while the current step
     trains (same samples, same order); 0 loads each step when it is due."""
     workers: int | Literal["auto"] = "auto"
-    """Processes per rank that decode, process (HF processors) and pack the micro-batches
-    (`ds_omni/data/workers.py`); reading, balancing and the loader state stay in the training
-    process, so the batches are the same. 0: the training process (or its prefetch thread) does
-    it, sharing the interpreter's lock with the training step. "auto": 0 without a GPU, else 2
-    per rank (the shipped processors feed one H200 with at most 1.5 cores:
-    docs/benchmarks/feed_rate.md), at most the host's cores per rank minus one."""
+    """Processes per rank that load: N >= 1 runs the whole loader (reading, balancing with its
+    all-gathers, the state, the step-ahead loop) in one loader process per rank, plus N - 1
+    that decode, process (HF processors) and pack for it (`ds_omni/data/loader_process.py`);
+    the training process only receives finished micro-batches, the same as with 0. 0: the
+    training process (or its prefetch thread) loads, sharing the interpreter's lock with the
+    training step. "auto": 0 without a GPU, else 2 per rank (the shipped processors feed one
+    H200 with at most 1.5 cores: docs/benchmarks/feed_rate.md), at most the host's cores per
+    rank minus one."""
     shared_reading: bool = True
     """Under parallel.sp or parallel.tp > 1: the first of the ranks that train on the same rows
     (the sp x tp ranks of a data-parallel rank) reads, decodes and packs them once and sends each

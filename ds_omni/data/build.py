@@ -7,15 +7,16 @@ import logging
 from ds_omni.config import OmniConfig
 from ds_omni.data.cost import CostModel, ModelDims
 from ds_omni.data.loader import OmniLoader
+from ds_omni.data.loader_process import LoaderParts, LoaderProcess
 from ds_omni.data.media import video_decoder
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.rank_place import (DataComm, LoaderComms, LongSplits, RankPlace, ShardComm,
                                      SharedReading)
-from ds_omni.data.sources import Source
+from ds_omni.data.workers import resolve_workers
 from ds_omni.data.templates import training_template
 from ds_omni.errors import ConfigError
 from ds_omni.parallel.long_short import LongItems
-from ds_omni.parallel.plan import reorder_group_size
+from ds_omni.parallel.plan import ParallelPlan, reorder_group_size
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +69,36 @@ def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micr
                  step_comm: DataComm | None = None, cost: CostModel | None = None,
                  long_items: LongItems | None = None,
                  reorder_group: int | None = None,
-                 shard_comm: ShardComm | None = None) -> OmniLoader:
+                 shard_comm: ShardComm | None = None, plan: ParallelPlan | None = None,
+                 rank: int = 0, timeout_s: float = 1800.0) -> OmniLoader | LoaderProcess:
     """The loader of one data-parallel rank; under SP (sp_size > 1) it packs shard `sp_rank`.
     `step_comm`: other groups for the all-gathers of its steps (a prefetch thread runs them).
     A run's composition root (`ds_omni.train.setup`) passes the cost model, the long items and
     the plan's reorder group it built once; a loader built alone (a tool, a test) derives its own
     (None). `shard_comm`: the collective of the ranks that train on this rank's rows (its sp x
-    tp ranks), for one reader among them (`data.shared_reading`; None: each reads them itself)."""
-    sources = [Source(s, chunk_rows=cfg.data.chunk_rows) for s in cfg.data.sources]
+    tp ranks), for one reader among them (`data.shared_reading`; None: each reads them itself).
+
+    `data.workers` >= 1: the loader runs in a process of its own (`loader_process.py`), which
+    rebuilds its groups from `plan` as global rank `rank` (`timeout_s`: how long the trainer
+    waits for it); `comm` stays the trainer's."""
+    parts = loader_parts(cfg, built, dp_rank=dp_rank, dp_size=dp_size, num_micro=num_micro,
+                         sp_rank=sp_rank, sp_size=sp_size, cost=cost, long_items=long_items,
+                         reorder_group=reorder_group)
+    workers = resolve_workers(cfg.data.workers)
+    if workers >= 1:
+        # one reader per sp x tp group: its collective is the loader processes' own
+        shared = (_reading(cfg, None) if cfg.data.shared_reading and sp_size * cfg.parallel.tp > 1
+                  else None)
+        return LoaderProcess(parts, workers, comm=comm, plan=plan, rank=rank, timeout_s=timeout_s,
+                             shared=shared)
+    return parts.build(LoaderComms(comm, step_comm, shared_reading(cfg, shard_comm)), 0)
+
+
+def loader_parts(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micro: int,
+                 sp_rank: int = 0, sp_size: int = 1, cost: CostModel | None = None,
+                 long_items: LongItems | None = None,
+                 reorder_group: int | None = None) -> LoaderParts:
+    """What the loader of one data-parallel rank is built from (picklable)."""
     if cost is None:
         cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
     processors = sample_processors(cfg, built)
@@ -85,10 +108,8 @@ def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micr
         reorder_group = reorder_group_size(cfg.data.reorder, dp_size)
     place = RankPlace(dp_rank=dp_rank, dp_size=dp_size, num_micro=num_micro,
                       reorder_group=reorder_group, sp_rank=sp_rank, sp_size=sp_size)
-    return OmniLoader(sources, processors, cost, cfg.data,
-                      global_batch_size=cfg.train.global_batch_size, place=place,
-                      comms=LoaderComms(comm, step_comm, shared_reading(cfg, shard_comm)),
-                      splits=LongSplits(cfg.parallel.max_sequence_sp, long_items))
+    return LoaderParts(cfg.data, processors, cost, cfg.train.global_batch_size, place,
+                       LongSplits(cfg.parallel.max_sequence_sp, long_items))
 
 
 def shared_reading(cfg: OmniConfig, comm: ShardComm | None) -> SharedReading | None:
@@ -97,6 +118,11 @@ def shared_reading(cfg: OmniConfig, comm: ShardComm | None) -> SharedReading | N
     group: its peers then get every item whole."""
     if comm is None or not cfg.data.shared_reading:
         return None
+    return _reading(cfg, comm)
+
+
+def _reading(cfg: OmniConfig, comm: ShardComm | None) -> SharedReading:
+    """How a reader group shares its rows, over `comm`."""
     return SharedReading(comm, all_items=cfg.parallel.encoder_pool != "off" or cfg.parallel.pp > 1,
                          tp_apart=cfg.parallel.tp if cfg.parallel.tp_encodes_apart else 1)
 

@@ -15,10 +15,9 @@ the thread is in lockstep over the ranks: it finishes every step it was allowed 
 its peers never enter. On an error the thread gets a minute to do the same, then is abandoned (a
 daemon: it cannot hold the process).
 
-The thread keeps what talks to the other ranks (reading, measuring, the all-gathers, the
-state); the heavy part of a step (decoding, the HF processors, packing) holds the GIL long
-enough to slow the training step's host thread, so with `data.workers` > 0 the loader hands it
-to worker processes (`workers.py`) and the thread only waits for them.
+Any step made on a thread of the training process holds the GIL against the training step's
+host thread, so with `data.workers` >= 1 the whole loader and this loop run in a loader
+process of its own (`loader_process.py`), and the trainer only receives finished batches.
 """
 
 from __future__ import annotations

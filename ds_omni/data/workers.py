@@ -2,10 +2,10 @@
 
 A loader step has a light part that talks to the other ranks (reading rows, measuring them,
 the grouped reordering's all-gathers, the state) and a heavy part that does not: decoding the
-media, the HF image/audio processors, tokenising and packing each micro-batch. With
-`data.workers` = N > 0 the heavy part runs in N spawned processes; the light part, and with it
-every collective and every piece of loader state, stays in the training process (on the
-prefetch thread). A worker is a pure function of its job (`PackJob` -> `Packed`), so the
+media, the HF image/audio processors, tokenising and packing each micro-batch. A loader
+built with `workers` = N > 0 runs the heavy part in N spawned processes and keeps the light
+part, every collective and every piece of loader state (with `data.workers` N >= 1 that loader
+runs in a loader process, `loader_process.py`, which drives N - 1 of these). A worker is a pure function of its job (`PackJob` -> `Packed`), so the
 batches are the same with or without workers, and resuming needs nothing from them.
 
 The GIL is why: decoding and the HF processors hold it long enough that a thread doing them

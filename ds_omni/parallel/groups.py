@@ -356,3 +356,15 @@ class SequenceTensorParallelMpu(TensorParallelMpu):
 
     def get_sequence_data_parallel_rank(self) -> int:
         return dist.get_rank(self._seq_data)
+
+
+def loader_comms(plan: ParallelPlan, rank: int
+                 ) -> tuple["TorchDataComm", "TorchDataComm | None", "TorchShardComm | None"]:
+    """The loader's groups, made by a world of loader processes (`ds_omni.data.loader_process`,
+    one per rank, in the same order on every one): (its state's and its steps' all-gathers;
+    the steps' again as groups of their own, for its step-ahead thread, None with one
+    data-parallel rank; its SP group's scatter, None without SP)."""
+    dp, reorder = data_groups(plan, rank)
+    comm = TorchDataComm(dp, reorder, plan.dp, plan.reorder_group, None, plan.sp)
+    step_comm = loader_step_comm(plan, rank) if plan.dp > 1 else None
+    return comm, step_comm, loader_shard_comm(plan, rank)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from ds_omni.config import OmniConfig
-from ds_omni.data.prefetch import Prefetcher
+from ds_omni.data.loader_process import feed_for
 from ds_omni.data.skipped import SKIPPED_FILE, flush_skipped, skipped_totals
 from ds_omni.errors import LaunchError
 from ds_omni.parallel import dist
@@ -72,9 +72,10 @@ def _run(cfg, ds_config, plan, rank, resume, stop_after, watchdog) -> dict:
     step = _loop(cfg, engine, loader, logger, plan, rank, start, stop_after, watchdog,
                  build_evaluator(cfg, built, loader))
     logger.close()
+    with _solo(watchdog):  # (the loader's state is gathered there: a loader process must live)
+        report = _finish(cfg, engine, loader, rank, step, plan)
     loader.close()
-    with _solo(watchdog):
-        return _finish(cfg, engine, loader, rank, step, plan)
+    return report
 
 
 def _solo(watchdog):
@@ -108,7 +109,7 @@ def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after, watchdog=N
     """Train from `start`; the loader's next steps are made ahead on a thread
     (`data.prefetch_steps`), and it is left at the position of the steps trained."""
     end = cfg.train.steps if stop_after is None else min(cfg.train.steps, start + stop_after)
-    feed = Prefetcher(loader, cfg.data.prefetch_steps, until=end, timeout_s=float(
+    feed = feed_for(loader, cfg.data.prefetch_steps, until=end, timeout_s=float(
         os.environ.get("DS_OMNI_DIST_TIMEOUT", DEFAULT_DIST_TIMEOUT_S)))
     try:
         step = _steps(cfg, engine, feed, logger, rank, start, end, watchdog, evaluator)

@@ -15,6 +15,7 @@ what it needs. Nothing else derives a fact of the plan again.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -124,7 +125,8 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
                           sp_rank=coords.sp_rank, sp_size=plan.sp, step_comm=groups.step_comm,
                           cost=cost, reorder_group=plan.reorder_group,
                           long_items=long_items_of(cfg, built.model, plan.long_item_group),
-                          shard_comm=groups.shard_comm)
+                          shard_comm=groups.shard_comm, plan=plan, rank=rank,
+                          timeout_s=float(os.environ.get("DS_OMNI_DIST_TIMEOUT", 1800.0)))
     if rank == 0:
         dist.barrier()
     # one random stream per data-parallel rank: the tensor-parallel ranks of a row run its

@@ -1,0 +1,445 @@
+"""The loader in a process of its own: with `data.workers` >= 1 the training process only
+receives finished micro-batches.
+
+Why a process and not a thread plus pack workers (what `data.workers` meant before): a step's
+light part (reading rows, measuring them, the grouped reordering's all-gathers, the JSON
+state) cost the trainer 7.8 ms of CPU a step on the prefetch thread and held the interpreter's
+lock against the step's host thread (benchmarks/prefetch.py hid 69 % of the loading, in wall
+time). Here the whole `OmniLoader` and its step-ahead loop (`Prefetcher`) run in ONE spawned
+*loader process* per rank; the trainer keeps `LoaderProcess`, a thin proxy with the interface
+the loop uses (next step, position / step taken, state_dict, load_state_dict, set_weights,
+rewind, skipped, counts, close), and pays per step only a request, one pipe read of the
+finished `StepBatch` (tensors as numpy arrays, `workers.dumps`, pickled ahead in the loader
+process) and its unpickling.
+
+`data.workers` N: the loader process, plus N - 1 pack workers (`workers.WorkerPool`) that it
+drives as the prefetch thread did before (N == 1: it decodes and packs itself, on its own
+core). 0 keeps the in-process path (`OmniLoader` + `Prefetcher` in the trainer) untouched.
+
+Collectives: the loader processes of all ranks form their own gloo world, rendezvousing on the
+trainer's own TCPStore (MASTER_ADDR / MASTER_PORT, under a prefix of their own), and rebuild
+the loader's groups from the `ParallelPlan` (`groups.loader_comms`): every all-gather of
+planning and of the state, and one-reader-per-SP-group's scatter (`shared_read.py`), run there,
+never on a training group. The trainer keeps its own `comm` (the step's token totals, logging).
+
+Exactness: the loader process runs the very `OmniLoader` and `Prefetcher` of the in-process
+path, so the samples, their order and the batches are those of `data.workers` 0. The position
+after each step comes back with its batch and the trainer holds it: the checkpointed state
+(`state_dict` sends that position back to be gathered), `rewind` and `set_weights` go back to
+it, so the state a checkpoint records is the trainer's steps taken, whatever the loader process
+made ahead.
+
+Failure: a loader process that dies is seen at once (its sentinel), one that stops answering
+after `timeout_s`; either is a `DataError` naming the rank, the pid and the exit code. At
+`next_step` it comes as the step's error (empty micro-batches), so the training step stops
+every rank with it after its all-reduce, never a hang; the loader processes of the other ranks
+see their gloo peer gone and report that as their step's error. Nothing was trained from the
+lost steps: resuming from the last checkpoint reads them again, none lost or repeated.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import itertools
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from ds_omni.config import DataConfig
+from ds_omni.data.cost import CostModel
+from ds_omni.data.loader import OmniLoader, StepBatch
+from ds_omni.data.packing import SeqShard, empty_micro_batch
+from ds_omni.data.prefetch import Prefetcher, _Made
+from ds_omni.data.processing import SampleProcessor
+from ds_omni.data.rank_place import LoaderComms, LongSplits, RankPlace, SharedReading
+from ds_omni.data.sources import Source
+from ds_omni.data.workers import ItemCost, _exit_text, dumps
+from ds_omni.errors import DataError
+from ds_omni.parallel.plan import ParallelPlan
+
+START_TIMEOUT_S = 600.0  # the loader process's start: imports, sources opened, groups made
+_GENERATION = itertools.count()  # one store prefix per loader process world (same on all ranks)
+
+
+@dataclass
+class LoaderParts:
+    """What an `OmniLoader` is built from, all picklable (the loader process gets a copy)."""
+
+    data: DataConfig
+    processors: dict[str, SampleProcessor]
+    cost_model: CostModel
+    global_batch_size: int
+    place: RankPlace
+    splits: LongSplits
+
+    def build(self, comms: LoaderComms, pack_workers: int) -> OmniLoader:
+        """The loader, with `pack_workers` processes of its own for decoding and packing."""
+        data = dataclasses.replace(self.data, workers=pack_workers)
+        sources = [Source(s, chunk_rows=data.chunk_rows) for s in data.sources]
+        return OmniLoader(sources, self.processors, self.cost_model, data,
+                          global_batch_size=self.global_batch_size, place=self.place,
+                          comms=comms, splits=self.splits)
+
+
+@dataclass
+class _World:
+    """How a loader process joins the other ranks' (None where one rank loads alone)."""
+
+    plan: ParallelPlan
+    rank: int
+    host: str
+    port: int
+    prefix: str
+    timeout_s: float
+    shared: SharedReading | None  # its comm is rebuilt in the loader process; the rest kept
+
+
+class LoaderProcess:
+    """This rank's loader, run in a spawned process (`data.workers` >= 1): the `OmniLoader`
+    interface the training loop uses. `comm`: the trainer's own collectives (token totals,
+    logging); `plan` and `rank`: where the loader processes rebuild their groups (needed when
+    more than one rank loads)."""
+
+    def __init__(self, parts: LoaderParts, workers: int, *, comm=None, plan: ParallelPlan | None
+                 = None, rank: int = 0, shared: SharedReading | None = None, timeout_s: float = 1800.0):
+        from ds_omni.data.rank_place import LocalComm
+        place = parts.place
+        self.comm = comm or LocalComm()
+        self.dp_rank, self.dp_size, self.num_micro = place.dp_rank, place.dp_size, place.num_micro
+        self.cost_model, self.timeout_s, self.rank = parts.cost_model, timeout_s, rank
+        first = next(iter(parts.processors.values()))
+        self.item_processors, self.family = first.item_processors, first.family
+        self.shard = (SeqShard(place.sp_rank, place.sp_size, ItemCost(parts.cost_model),
+                               parts.splits.long_items) if place.sp_size > 1 else None)
+        self.sources = {s.name: s for s in parts.data.sources}  # (their configs, by name)
+        world = _world(plan, rank, place, shared, timeout_s)
+        ctx = mp.get_context("spawn")  # not fork: the trainer has threads (gloo, DeepSpeed)
+        mine, theirs = ctx.Pipe()
+        # pack workers are the loader process's children: a daemon may have none
+        self._proc = ctx.Process(target=_serve, args=(parts, workers - 1, world, theirs),
+                                 name=f"ds-omni-loader-rank{rank}", daemon=workers == 1)
+        self._proc.start()
+        theirs.close()
+        self._conn, self._closed = mine, False
+        atexit.register(self._end)  # before multiprocessing joins its non-daemon children
+        self.last_wait_s = 0.0
+        self._skip_log: list[dict] = []
+        # built (or not) in the loader process: it imports torch and the processors' libraries
+        status, value = pickle.loads(self._receive(max(timeout_s, START_TIMEOUT_S)))
+        if status == "error":
+            self._end()
+            raise DataError(f"rank {rank}: the loader process could not build the loader: {value}")
+        self.position = value  # after the steps taken (the trainer holds it)
+        self.taken_before: dict | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    # ---------------------------------------------------------------------- the loop's view
+    @property
+    def step(self) -> int:
+        return self.position["step"]
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        return dict(self.position["local"]["skipped"])
+
+    def next_step(self) -> StepBatch:
+        """The next step's batch; a dead or silent loader process is this step's error."""
+        import time
+        t0 = time.perf_counter()
+        try:
+            after, skipped, batch = self._ask("next")
+        except DataError as e:
+            batch = StepBatch(step=self.step, micro_batches=[
+                empty_micro_batch(self.family, self.item_processors, self.shard)] * self.num_micro,
+                error=str(e))
+            after, skipped = self.position, []
+        self.last_wait_s = time.perf_counter() - t0
+        self.taken_before, self.position = self.position, after
+        self._skip_log += skipped
+        return batch
+
+    def take_skipped(self) -> list[dict]:
+        out, self._skip_log = self._skip_log, []
+        return out
+
+    def state_dict(self) -> dict:
+        """The data state after the steps taken (every rank calls it: it gathers)."""
+        return self._ask("state_dict", self.position)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = self._ask("load_state_dict", state)
+        self.taken_before = None
+
+    def set_weights(self, weights: dict[str, float]) -> None:
+        """New mixing weights from the next step to be taken (call on every rank)."""
+        self.position = self._ask("set_weights", self.position, weights)
+
+    def rewind(self) -> None:
+        """Undo the last step taken (it was not trained)."""
+        if self.taken_before is not None:
+            self.position = self._ask("restore", self.taken_before)
+            self.taken_before = None
+
+    def prefetch(self, steps: int, until: int | None = None) -> "ProcessFeed":
+        """Make up to `steps` steps ahead (never one at or past `until`); `close()` the returned
+        feed to stop."""
+        self.position = self._ask("prefetch", self.position, steps, until)
+        return ProcessFeed(self)
+
+    @property
+    def counts(self):
+        """What this rank's loader read and processed (`sample_reader.ReadCounts`)."""
+        return self._ask("counts")
+
+    def load_samples(self, keys: list[str]) -> list:
+        return self._ask("load_samples", keys)
+
+    def close(self, abort: bool = False) -> None:
+        """Stop the loader process (and its pack workers)."""
+        if self._closed:
+            return
+        try:
+            self._ask("close", abort)
+        except DataError:
+            pass
+        self._end()
+
+    # ---------------------------------------------------------------------------- requests
+    def _ask(self, op: str, *args):
+        """Send a request, wait for its reply: a dead or silent loader process raises."""
+        if self._closed:
+            raise DataError(f"rank {self.rank}: the loader process is closed")
+        try:
+            self._conn.send_bytes(pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL))
+            status, value = pickle.loads(self._receive())
+            if status == "batch":  # the header; the batch follows, pickled ahead
+                return (*value, pickle.loads(self._receive()))
+        except (EOFError, OSError):
+            self._died()
+        if status == "error":
+            raise DataError(f"rank {self.rank}: the loader process (pid {self.pid}) failed: "
+                            f"{value}")
+        return value
+
+    def _receive(self, timeout_s: float | None = None) -> bytes:
+        timeout_s = timeout_s or self.timeout_s
+        ready = mp.connection.wait([self._conn, self._proc.sentinel], timeout=timeout_s)
+        if self._conn in ready:
+            return self._conn.recv_bytes()
+        if not ready:
+            self._end(wait_s=0)
+            raise DataError(f"rank {self.rank}: the loader process (pid {self.pid}) gave no "
+                            f"answer in {timeout_s:.0f} s (hung: its stack is in this "
+                            "rank's log if it was started with faulthandler); data.workers 0 "
+                            "loads in the training process")
+        raise EOFError
+
+    def _died(self):
+        self._proc.join(1.0)
+        code = self._proc.exitcode
+        self._end()
+        raise DataError(
+            f"rank {self.rank}: the loader process (pid {self.pid}) died with "
+            f"{_exit_text(code) if code is not None else 'no exit code yet'} (its own error, "
+            "if any, is in this rank's log above). If the machine ran out of memory, lower "
+            "data.workers or the batch size; a script that trains must do so under "
+            "`if __name__ == \"__main__\":` (the loader process imports it); data.workers 0 "
+            "loads in the training process")
+
+    def _end(self, wait_s: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._conn.close()  # a loader process waiting for a request sees it and exits
+        self._proc.join(wait_s)
+        if self._proc.is_alive():  # SIGKILL: a stopped (or hung) process ignores SIGTERM
+            self._proc.kill()
+            self._proc.join(5.0)
+        atexit.unregister(self._end)
+
+
+class ProcessFeed:
+    """What the training loop takes steps from (the `Prefetcher`'s interface) while the loader
+    process makes them ahead; `close()` stops that and leaves it at the steps taken."""
+
+    def __init__(self, loader: LoaderProcess):
+        self.loader, self.comm, self.sources = loader, loader.comm, loader.sources
+
+    step = property(lambda self: self.loader.step)
+    skipped = property(lambda self: self.loader.skipped)
+    last_wait_s = property(lambda self: self.loader.last_wait_s)
+
+    def next_step(self) -> StepBatch:
+        return self.loader.next_step()
+
+    def take_skipped(self) -> list[dict]:
+        return self.loader.take_skipped()
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def set_weights(self, weights: dict[str, float]) -> None:
+        self.loader.set_weights(weights)
+
+    def rewind(self) -> None:
+        self.loader.rewind()
+
+    def close(self, abort: bool = False) -> None:
+        if abort:  # an error is on its way: the loader process is ended with the run
+            return
+        self.loader.position = self.loader._ask("prefetch", self.loader.position, 0, None)
+
+
+def feed_for(loader, steps: int, *, until: int | None = None, timeout_s: float = 1800.0):
+    """The training loop's feed: the loader process's own step-ahead loop, or a `Prefetcher`
+    thread over an in-process loader."""
+    if isinstance(loader, LoaderProcess):
+        return loader.prefetch(steps, until)
+    return Prefetcher(loader, steps, until=until, timeout_s=timeout_s)
+
+
+def _world(plan, rank: int, place: RankPlace, shared: SharedReading | None,
+           timeout_s: float) -> _World | None:
+    """How the loader processes find each other: only where more than one rank loads."""
+    if place.dp_size == 1 and place.sp_size == 1 and (plan is None or plan.tp == 1):
+        return None
+    if plan is None:
+        raise ValueError("a loader process of a data-parallel or SP rank rebuilds its groups "
+                         "from the ParallelPlan: pass plan= and rank= to build_loader")
+    return _World(plan, rank, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                  int(os.environ["MASTER_PORT"]), f"ds_omni_loader_{next(_GENERATION)}/",
+                  timeout_s, shared)
+
+
+# ------------------------------------------------------------------- the loader process itself
+class _AheadFeed(Prefetcher):
+    """The step-ahead loop of the loader process: each step is pickled as it is made (on the
+    thread, while the trainer trains), and nothing is pinned (no CUDA in this process)."""
+
+    def _make(self) -> _Made:
+        batch = self.loader.next_step()
+        return _Made(dumps(batch), self.loader._step_start, self.loader._position(),
+                     self.loader.take_skipped())
+
+
+def _join(world: _World | None, parts: LoaderParts) -> LoaderComms:
+    """The loader processes' own gloo world on the trainer's store, and the loader's groups."""
+    if world is None:
+        return LoaderComms()
+    from ds_omni.parallel.groups import loader_comms
+    timeout = timedelta(seconds=world.timeout_s)
+    store = torch.distributed.TCPStore(world.host, world.port, is_master=False, timeout=timeout)
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.PrefixStore(world.prefix, store), rank=world.rank,
+        world_size=world.plan.world_size, timeout=timeout)
+    comm, step_comm, shard_comm = loader_comms(world.plan, world.rank)
+    shared = (dataclasses.replace(world.shared, comm=shard_comm)
+              if world.shared is not None and shard_comm is not None else None)
+    return LoaderComms(comm, step_comm, shared)
+
+
+def _serve(parts: LoaderParts, pack_workers: int, world: _World | None, conn) -> None:
+    """The loader process: requests in, replies out, until told to stop or orphaned."""
+    torch.set_num_threads(1)  # the trainer keeps the other cores
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's; we follow it
+    try:
+        loader = parts.build(_join(world, parts), pack_workers)
+        server = _Server(loader, world.timeout_s if world else 1800.0)
+        reply = ("ok", loader._position())
+    except Exception as e:
+        server, reply = None, ("error", _failure(e))
+    conn.send_bytes(pickle.dumps(reply))
+    parent = mp.parent_process()
+    watch = [conn] + ([parent.sentinel] if parent is not None else [])
+    while server is not None:
+        if conn not in mp.connection.wait(watch):  # the training process is gone
+            break
+        try:
+            op, args = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            break
+        if not server.answer(conn, op, args):
+            break
+    os._exit(0)  # no interpreter shutdown: libraries' exit handlers (datasets sleeps 5 s)
+
+
+def _failure(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e} (in loader process pid {os.getpid()}):\n" \
+           f"{traceback.format_exc()}"
+
+
+class _Server:
+    """Answers the trainer's requests with the loader and its step-ahead loop."""
+
+    def __init__(self, loader: OmniLoader, timeout_s: float):
+        self.loader, self.timeout_s = loader, timeout_s
+        self.feed = _AheadFeed(loader, 0, timeout_s=timeout_s)
+
+    def answer(self, conn, op: str, args: tuple) -> bool:
+        """Reply to one request; False: stop serving."""
+        try:
+            if op == "next":
+                payload = self.feed.next_step()
+                made = self.feed.taken
+                conn.send_bytes(pickle.dumps(("batch", (_sent_position(made), made.skipped))))
+                conn.send_bytes(payload)
+                return True
+            value = getattr(self, f"_{op}")(*args)
+        except Exception as e:  # every failure goes back as a reply: the trainer says it
+            value, op = _failure(e), "error"
+        conn.send_bytes(pickle.dumps(("error" if op == "error" else "ok", value)))
+        return op != "close"
+
+    def _go_to(self, position: dict) -> None:
+        """Stop making steps ahead and go to the trainer's `position` (its steps taken)."""
+        self.feed.position = position
+        self.feed.close()
+        self.feed.taken = None
+
+    def _state_dict(self, position: dict) -> dict:
+        return self.loader.state_dict(position)
+
+    def _load_state_dict(self, state: dict) -> dict:
+        self.feed.close()
+        self.loader.load_state_dict(state)
+        return self._prefetch(self.loader._position(), self.feed.ahead, self.feed.until)
+
+    def _set_weights(self, position: dict, weights: dict) -> dict:
+        self._go_to(position)
+        self.loader.set_weights(weights)
+        return self.loader._position()
+
+    def _restore(self, position: dict) -> dict:
+        self._go_to(position)
+        return self.loader._position()
+
+    def _prefetch(self, position: dict, steps: int, until: int | None) -> dict:
+        self._go_to(position)
+        self.feed = _AheadFeed(self.loader, steps, until=until, timeout_s=self.timeout_s)
+        return self.feed.position
+
+    def _counts(self):
+        return self.loader.counts
+
+    def _load_samples(self, keys: list[str]) -> list:
+        return self.loader.load_samples(keys)
+
+    def _close(self, abort: bool) -> None:
+        self.feed.close(abort=abort)
+        self.loader.close()
+
+
+def _sent_position(made: _Made) -> dict:
+    """The loader's position after the step just made: what the trainer resumes from."""
+    return made.after

@@ -1,0 +1,81 @@
+"""The loader in a process of its own (`data.workers` >= 1) against the loader in the training
+process (`data.workers` 0), one rank: the same batches, skipped samples, state, rewinds and
+weight changes; its death and its silence are errors that name it, never a hang. (Several
+ranks, SP's shared reading and resuming: tests/dist/test_loader_process.py.)"""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from ds_omni.data.build import cost_model_for
+from ds_omni.data.loader_process import LoaderParts, LoaderProcess, feed_for
+from ds_omni.data.rank_place import LoaderComms, LongSplits, RankPlace
+from tests.unit.test_loader import _all_tensors, _logged, _worker_loader, built  # noqa: F401
+
+
+def _parts(built, tmp) -> LoaderParts:
+    loader = _worker_loader(built, tmp, workers=0)  # its sources, processors and config
+    parts = LoaderParts(loader.cfg, loader.processors, cost_model_for(built, []), 8,
+                        RankPlace(dp_rank=0, dp_size=1, num_micro=2, reorder_group=1),
+                        LongSplits())
+    loader.close()
+    return parts
+
+
+def _same(a, b) -> None:
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert a.keys == b.keys and a.stats == b.stats and a.step == b.step
+    for ta, tb in zip(_all_tensors(a), _all_tensors(b), strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(ta, tb, strict=True))
+
+
+@pytest.mark.slow
+def test_the_loader_process_makes_the_steps_of_the_loader_in_process(built, tmp_path):
+    parts = _parts(built, tmp_path)
+    here = parts.build(LoaderComms(), 0)
+    there = LoaderProcess(parts, 1, timeout_s=60)
+    feed = feed_for(there, 2)  # its step-ahead loop, in the loader process
+    for _ in range(4):  # the corrupt images are skipped by policy on both sides
+        _same(here.next_step(), feed.next_step())
+        assert _logged(here) == _logged(feed)
+    assert here.skipped == feed.skipped and here.state_dict() == feed.state_dict()
+    here.rewind(), feed.rewind()  # the last step is read again, from the trainer's position
+    _same(here.next_step(), feed.next_step())
+    here.set_weights({"img": 1.0, "txt": 3.0}), feed.set_weights({"img": 1.0, "txt": 3.0})
+    for _ in range(2):
+        _same(here.next_step(), feed.next_step())
+    state = here.state_dict()
+    feed.close()
+    assert there.state_dict() == state and there.counts.rows > 0
+    resumed = LoaderProcess(parts, 1, timeout_s=60)  # a resume: the state of the run in-process
+    resumed.load_state_dict(state)
+    for _ in range(2):
+        _same(here.next_step(), resumed.next_step())
+    resumed.close()
+    here.close()
+
+    os.kill(there.pid, signal.SIGKILL)  # dead: this step's error at once (every rank stops)
+    t0 = time.perf_counter()
+    batch = there.next_step()
+    assert time.perf_counter() - t0 < 10 and len(batch.micro_batches) == 2 and not batch.keys
+    assert "rank 0: the loader process (pid" in batch.error
+    assert "died with signal SIGKILL" in batch.error and "data.workers 0" in batch.error
+
+
+@pytest.mark.slow
+def test_a_silent_loader_process_is_an_error_and_a_bad_build_says_why(built, tmp_path):
+    import dataclasses
+    parts = _parts(built, tmp_path)
+    silent = LoaderProcess(parts, 1, timeout_s=3)
+    os.kill(silent.pid, signal.SIGSTOP)  # hung: stops answering
+    t0 = time.perf_counter()
+    batch = silent.next_step()
+    assert time.perf_counter() - t0 < 10 and "gave no answer in 3 s" in batch.error
+    assert not silent._proc.is_alive()  # ended, not left stopped
+    missing = dataclasses.replace(parts, data=dataclasses.replace(parts.data, sources=[
+        dataclasses.replace(parts.data.sources[0], path=str(tmp_path / "nowhere.parquet"))]))
+    with pytest.raises(Exception, match="could not build the loader"):
+        LoaderProcess(missing, 1, timeout_s=60)
