@@ -401,3 +401,15 @@ def _comm_fit_no_latency(rank: int):
 def _search_bound_too_tight(rank: int):
     from ds_omni.sim import bounds
     yield from _patched(bounds, "refined_bound", lambda f: lambda *a: 3 * f(*a))
+
+
+# --------------------------------- the simulator's compute calibration (tests/unit/test_calibrate_rate.py)
+@plant("rate_fit_no_overhead", "the FLOP/s fit leaves out the fixed cost of a micro-batch (all of "
+       "its seconds charged to FLOPs)", "calibrate_rate")
+def _rate_fit_no_overhead(rank: int):
+    import numpy as np
+    from ds_omni.train import calibrate
+
+    def make(nnls):
+        return lambda a, y: np.array([nnls(a[:, :1], y)[0], 0.0])
+    yield from _patched(calibrate, "nnls", make)
