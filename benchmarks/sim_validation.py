@@ -177,7 +177,8 @@ CALIBRATION = {"pipeline": (("dp2_image", "dp2_text"), (1, 2, 4, 8)),
                "longtail": (("dp4_longtail",), (1, 2, 4))}
 
 
-def calibrate_compute(names: list[str], out_dir: str, sources: dict, batches: int) -> dict:
+def calibrate_compute(names: list[str], out_dir: str, sources: dict, batches: int,
+                      engine_steps: int = 3) -> dict:
     """Per world size of `names`' plans, the machine in CPU seconds: `world` processes profile
     at once (`calibration_rank`), as the ranks of the measured runs share this machine's cores
     (a rank's CPU seconds grow when its neighbours run), on batches of other data seeds than
@@ -191,7 +192,7 @@ def calibrate_compute(names: list[str], out_dir: str, sources: dict, batches: in
                                 timeout=1200)
         profiles = {f"rank{r}/{k}": v for r, p in enumerate(per_rank) for k, v in p.items()}
         machine = fit_machine(profiles)
-        engine = calibrate_engine(group, machine, out_dir, sources)
+        engine = calibrate_engine(group, machine, out_dir, sources, engine_steps)
         machine |= {k: engine[k] for k in ("step_s",)}
         machine["micro_batch_s_per_param"] += engine["engine_micro_batch_s_per_param"]
         out[str(world)] = {"machine": machine, "engine": engine, "profiles": profiles}
