@@ -1,11 +1,13 @@
 """The step simulator against measured steps: 14 plans on 2 and 4 CPU ranks, predicted and timed.
 
-    .venv/bin/python benchmarks/sim_validation.py     # about 15-25 minutes on 2 shared cores
+    .venv/bin/python benchmarks/sim_validation.py     # 15-40 minutes on 2 shared cores
 
 Calibration first, on runs apart from the validated ones: the links from `ds-omni
 calibrate-comm`'s collectives (gloo, 2 and 4 processes, alpha-beta least squares), the compute
-from one process timing forward + backward of each model on batches of another data seed
-(`train/calibrate.profile` on the CPU clock: the cost model's scales, in CPU seconds). Then
+from `world` processes at once timing forward + backward of each model at several micro-batch
+sizes on batches of other data seeds (`train/calibrate.profile` on the CPU clock: one FLOP/s
+rate and a cost a micro-batch per parameter, the optimizer's cost a parameter), then one rank
+training each model with DeepSpeed at two micro-batch sizes (the engine's costs on top). Then
 every plan of CONFIGS trains for real (`setup_training` / `train_step`, the engines of one
 world in one launch, one step each per round in a rotating order) and is simulated on the same
 global batches (the samples each step trained, their metadata read back from the loader) with
@@ -169,36 +171,167 @@ def model_of(name: str) -> str:
     return "longtail" if CONFIGS[name][1] == "longtail" else "pipeline"
 
 
-def calibrate_compute(names: list[str], out_dir: str, sources: dict, batches: int) -> dict:
-    """Cost-model scales in CPU seconds per model of `names`' plans, from one process on
-    batches of another data seed than the validated runs' (seed 0)."""
-    import torch
-    from ds_omni.train.calibrate import profile
-    torch.set_num_threads(1)
+# what the compute calibration profiles: per model, (a plan of its workload, its mixes) and the
+# samples a micro-batch; text-only and image rows of several sizes, never the validated batches
+CALIBRATION = {"pipeline": (("dp2_image", "dp2_text"), (1, 2, 4, 8)),
+               "longtail": (("dp4_longtail",), (1, 2, 4))}
+
+
+def calibrate_compute(names: list[str], out_dir: str, sources: dict, batches: int,
+                      engine_steps: int = 3) -> dict:
+    """Per world size of `names`' plans, the machine in CPU seconds: `world` processes profile
+    at once (`calibration_rank`), as the ranks of the measured runs share this machine's cores
+    (a rank's CPU seconds grow when its neighbours run), on batches of other data seeds than
+    the validated runs' (seed 0); one FLOP/s rate and one cost a micro-batch per parameter
+    fitted over all of them (`fit_rate`), and the optimizer's seconds a parameter."""
+    from tests.harness import run_on_ranks
     out = {}
-    for work, name in (("pipeline", "dp2_image"), ("longtail", "dp4_longtail")):
-        if work not in {model_of(n) for n in names}:
-            continue
-        cfg = config(name, out_dir + "/calib", sources, batches + 1, seed=1234)
-        out[work] = profile(cfg, batches, clock=time.process_time)
+    for world in sorted({CONFIGS[n][0] for n in names}):
+        group = [n for n in names if CONFIGS[n][0] == world]
+        per_rank = run_on_ranks(calibration_rank, world, args=(group, out_dir, sources, batches),
+                                timeout=1200)
+        profiles = {f"rank{r}/{k}": v for r, p in enumerate(per_rank) for k, v in p.items()}
+        machine = fit_machine(profiles)
+        engine = calibrate_engine(group, machine, out_dir, sources, engine_steps)
+        machine |= {k: engine[k] for k in ("step_s",)}
+        machine["micro_batch_s_per_param"] += engine["engine_micro_batch_s_per_param"]
+        out[str(world)] = {"machine": machine, "engine": engine, "profiles": profiles}
     return out
 
 
-def predict(name: str, per_rank: list[list[dict]], warmup: int, cluster_file: str,
-            scales: dict[str, float], out_dir: str, sources: dict) -> dict:
+# the engine calibration: one rank trains with DeepSpeed at these micro-batch sizes (its
+# gradient accumulation steps 16 / size), on a plan of each model
+ENGINE_CALIBRATION = {"pipeline": ("dp2_image", (1, 4)), "longtail": ("dp4_longtail", (1, 4))}
+
+
+def engine_config(name: str, micro: int, out_dir: str, sources: dict, steps: int):
+    cfg = config(name, f"{out_dir}/engine_{name}_{micro}", sources, steps, seed=1234)
+    data = dataclasses.replace(cfg.data, reorder=dataclasses.replace(cfg.data.reorder,
+                                                                     group_size=1))
+    data = dataclasses.replace(data, pack_tokens=data.max_seq_len * micro)
+    return dataclasses.replace(cfg, data=data, parallel=dataclasses.replace(
+        cfg.parallel, encoder_pool="off"), train=dataclasses.replace(
+        cfg.train, micro_batch_size=micro))
+
+
+def engine_rank(rank: int, world: int, specs: list, out_dir: str, sources: dict,
+                steps: int) -> dict:
+    """One rank, DeepSpeed's engine: `steps` steps of each (plan, micro-batch size) of
+    `specs`, the CPU seconds of each and its samples (as `ranks` records them)."""
+    import torch
+    from deepspeed.utils import groups as ds_groups
+    from ds_omni.parallel.plan import ParallelPlan
+    from ds_omni.train.ds_config import derive_ds_config
+    from ds_omni.train.setup import setup_training
+    from tests.fixtures import ds_config
+    torch.set_num_threads(1)
+    out = {}
+    for name, micro in specs:
+        cfg = engine_config(name, micro, out_dir, sources, steps)
+        plan = ParallelPlan.from_config(cfg.parallel, 1, cfg.data.reorder)
+        _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), 0,
+                                           plan)
+        log = [one_step(loader, engine, ds_groups) for _ in range(steps)]
+        for record in log:
+            record["samples"] = sample_meta(loader, record.pop("keys"))
+        out[f"{name}/{micro}"] = log
+    return out
+
+
+def calibrate_engine(names: list[str], machine: dict, out_dir: str, sources: dict,
+                     steps: int = 3) -> dict:
+    """What DeepSpeed's engine adds on this machine to the profiled model: one rank trains
+    each model of `names` at two micro-batch sizes (never a validated plan: one rank, seed
+    1234); the CPU seconds above the simulated step of the profiled machine, fitted as a cost
+    a micro-batch per parameter (the engine's hooks and gradient buffers) and one a step
+    (`fit_rate`'s non-negative least squares)."""
+    import numpy as np
+    from ds_omni.data.cost import nnls
     from ds_omni.sim.cluster import cluster
     from ds_omni.sim.from_config import model_spec, sim_plan
     from ds_omni.sim.model_spec import ModelSpec
     from ds_omni.sim.step import simulate
+    from ds_omni.train.calibrate import machine_fields
+    from tests.fixtures import ds_config
+    from tests.harness import run_on_ranks
+    specs = [(name, micro) for work, (name, sizes) in ENGINE_CALIBRATION.items()
+             if work in {model_of(n) for n in names} for micro in sizes]
+    logs = run_on_ranks(engine_rank, 1, args=(specs, out_dir, sources, steps), timeout=1200)[0]
+    rows, residual = [], []
+    for name, micro in specs:
+        cfg = engine_config(name, micro, out_dir, sources, steps)
+        base = model_spec(cfg)
+        model = dataclasses.replace(ModelSpec.from_dims(base.dims, base.frozen),
+                                    bytes_per_param=4)
+        plan = sim_plan(cfg, ds_config(1), 1)
+        machines = cluster("cpu", 1, 1, **machine_fields(machine))
+        for record in logs[f"{name}/{micro}"][1:]:  # the first step warms up
+            predicted = simulate(machines, model, samples_of([[record]], 0), plan).step_time
+            rows.append([plan.micro_batches * model.total_params(), 1.0])
+            residual.append(record["cpu_s"] - predicted)
+    a, y = np.array(rows), np.maximum(np.array(residual), 0.0)
+    scale = np.linalg.norm(a, axis=0)
+    per_param, step_s = nnls(a / scale, y) / scale
+    return {"engine_micro_batch_s_per_param": float(per_param), "step_s": float(step_s),
+            "residual_s": residual, "micro_batches_x_params": [r[0] for r in rows]}
+
+
+def calibration_rank(rank: int, world: int, names: list[str], out_dir: str, sources: dict,
+                     batches: int) -> dict:
+    """One calibration process: `train/calibrate.profile` of each model of `names` at its
+    CALIBRATION sizes and mixes, on data seed 1234 + rank, one thread (as the ranks train)."""
+    import torch
+    import torch.distributed as dist
+    from ds_omni.train.calibrate import profile
+    torch.set_num_threads(1)
+    dist.barrier()  # start together: the contention of the measured runs
+    out = {}
+    for work, (plans, sizes) in CALIBRATION.items():
+        if work not in {model_of(n) for n in names}:
+            continue
+        for name in plans:
+            cfg = config(name, f"{out_dir}/calib{rank}", sources, batches + 1, seed=1234 + rank)
+            # room for `size` samples in one packed row (the longest are ~1,500 tokens)
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+                cfg.data, pack_tokens=cfg.data.max_seq_len * max(sizes)))
+            out[f"{work}/{name}"] = profile(cfg, batches, clock=time.process_time, sizes=sizes)
+    return out
+
+
+def fit_machine(profiles: dict) -> dict:
+    """One FLOP/s rate and one cost a micro-batch per parameter over every profiled
+    micro-batch of `profiles` (`fit_rate`), the median optimizer seconds a parameter."""
+    import numpy as np
+    from ds_omni.train.calibrate import fit_rate
+    measured = [p["measured"] for p in profiles.values()]
+    flops = np.concatenate([m["flops"] for m in measured])
+    seconds = np.concatenate([m["seconds"] for m in measured])
+    params = np.concatenate([np.full(len(m["seconds"]), m["params"]) for m in measured])
+    rate, per_param = fit_rate(flops, seconds, params)
+    error = np.abs(flops / rate + params * per_param - seconds) / seconds
+    return {"flops_per_s": rate, "micro_batch_s_per_param": per_param,
+            "optimizer_s_per_param": float(np.median(
+                [p["optimizer_s_per_param"] for p in profiles.values()])),
+            "median_relative_error": float(np.median(error)),
+            "max_relative_error": float(np.max(error)), "micro_batches": int(flops.size)}
+
+
+def predict(name: str, per_rank: list[list[dict]], warmup: int, cluster_file: str,
+            machine: dict, out_dir: str, sources: dict) -> dict:
+    from ds_omni.sim.cluster import cluster
+    from ds_omni.sim.from_config import model_spec, sim_plan
+    from ds_omni.sim.model_spec import ModelSpec
+    from ds_omni.sim.step import simulate
+    from ds_omni.train.calibrate import machine_fields
     from tests.fixtures import ds_config
     world = CONFIGS[name][0]
     cfg = config(name, out_dir, sources, 1)
     base = model_spec(cfg)
-    # the benchmarks train in fp32: 4 bytes a parameter and gradient on the wire
-    model = dataclasses.replace(ModelSpec.from_dims(base.dims, base.frozen, scales),
-                                bytes_per_param=4)
-    # the cost model's scales are CPU seconds: one "FLOP" a second, all of it achieved
-    machines = cluster(cluster_file, world, world, flops=1.0, achievable=1.0)
+    # FLOPs (the cost model unscaled); the benchmarks train in fp32: 4 bytes a parameter and
+    # gradient on the wire
+    model = dataclasses.replace(ModelSpec.from_dims(base.dims, base.frozen), bytes_per_param=4)
+    # the fitted machine: its FLOP/s all achieved, its per-micro-batch and optimizer seconds
+    machines = cluster(cluster_file, world, world, **machine_fields(machine))
     plan = sim_plan(cfg, ds_config(1), world)
     reports = [simulate(machines, model, samples_of(per_rank, s), plan)
                for s in range(warmup, len(per_rank[0]))]
@@ -206,7 +339,9 @@ def predict(name: str, per_rank: list[list[dict]], warmup: int, cluster_file: st
     for r in reports:
         for k, v in r.summary()["critical_path"]["by_phase"].items():
             phases.setdefault(k, []).append(v)
+    busy = [max(a + b for a, b in zip(r.compute, r.comm)) for r in reports]  # busiest rank
     return {"predicted_s": statistics.median(r.step_time for r in reports),
+            "predicted_busy_s": statistics.median(busy),
             "predicted_phases_s": {k: statistics.median(v) for k, v in phases.items()},
             "predicted_critical_phase": reports[len(reports) // 2].critical_phase}
 
@@ -278,11 +413,10 @@ def measure_all(names: list[str], rounds: int, warmup: int, batches: int, comm_r
 def predict_all(raw: dict, out: Path, tmp: str, sources: dict) -> list[dict]:
     rows = []
     for name, logs in raw["logs"].items():
-        work = model_of(name)
         row = {"name": name, "world": CONFIGS[name][0], "workload": CONFIGS[name][1],
                "parallel": CONFIGS[name][2], **measured(logs, raw["warmup"]),
                **predict(name, logs, raw["warmup"], str(out / "sim_validation_cluster.json"),
-                         raw["compute"][work]["cost_scales"], tmp, sources)}
+                         raw["compute"][str(CONFIGS[name][0])]["machine"], tmp, sources)}
         row["error"] = (row["predicted_s"] - row["measured_s"]) / row["measured_s"]
         rows.append(row)
     return rows
@@ -299,6 +433,10 @@ def run(args) -> dict:
                    "long": long_source(Path(tmp), weight=0.14, words=1200)}
         if args.reuse:
             raw = pickle.loads(raw_file.read_bytes())
+            if args.recalibrate:  # the compute calibration again, the measured runs kept
+                raw["compute"] = calibrate_compute(list(raw["logs"]), tmp, sources,
+                                                   args.batches)
+                raw_file.write_bytes(pickle.dumps(raw))
         else:
             raw = measure_all(args.configs, args.rounds, args.warmup, args.batches,
                               args.comm_repeats, args.out, tmp, sources)
@@ -341,6 +479,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--reuse", action="store_true",
                     help="predict again from the last run's measurements (sim_validation_raw.pkl)")
+    ap.add_argument("--recalibrate", action="store_true",
+                    help="with --reuse: run the compute calibration again")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     result = run(args)

@@ -129,7 +129,9 @@ def _calibrate_args(sub) -> None:
                                          "model's scales (data.reorder.cost_scales).",
                   "ds-omni calibrate-cost --config examples/tiny_llava.json --out cost_scales.json")
     cc.add_argument("--config", required=True, help="ds_omni JSON config")
-    cc.add_argument("--batches", type=int, default=30, help="micro-batches to time")
+    cc.add_argument("--batches", type=int, default=30, help="micro-batches to time (a size)")
+    cc.add_argument("--sizes", type=int, nargs="+", help="samples a micro-batch, several (e.g. "
+                    "1 2 4 8): also fits the simulator's FLOP/s and per-micro-batch seconds")
     cc.add_argument("--out", required=True, help="JSON file for the fitted scales")
     _set_arg(cc)
     cm = _command(sub, "calibrate-comm", "Time collectives over gloo on this machine and fit the "
@@ -309,7 +311,8 @@ def _leaf_lines(obj, level: int = 0) -> str:
 def cmd_calibrate_cost(args) -> None:
     from ds_omni.config import load_config
     from ds_omni.train.calibrate import profile, write
-    result = profile(load_config(args.config, args.set), args.batches)
+    result = profile(load_config(args.config, args.set), args.batches,
+                     sizes=tuple(args.sizes) if args.sizes else None)
     print(json.dumps(result, indent=1))
     print(f"wrote {write(result, args.out)}; put its cost_scales in data.reorder.cost_scales")
 

@@ -485,3 +485,15 @@ def _stale_serve(*args) -> None:
     from ds_omni.data import loader_process
     loader_process._sent_position = lambda made: made.before
     loader_process._serve(*args)
+
+
+# --------------------------------- the simulator's compute calibration (tests/unit/test_calibrate_rate.py)
+@plant("rate_fit_no_overhead", "the FLOP/s fit leaves out the fixed cost of a micro-batch (all of "
+       "its seconds charged to FLOPs)", "calibrate_rate")
+def _rate_fit_no_overhead(rank: int):
+    import numpy as np
+    from ds_omni.train import calibrate
+
+    def make(nnls):
+        return lambda a, y: np.array([nnls(a[:, :1], y)[0], 0.0])
+    yield from _patched(calibrate, "nnls", make)

@@ -41,6 +41,18 @@ class Cluster:
     """Bytes/s per GPU and direction between nodes."""
     inter_latency: float = 10e-6
     """Seconds of one message between nodes."""
+    micro_batch_s_per_param: float = 0.0
+    """Seconds a rank spends on one micro-batch's forward + backward per parameter it holds,
+    beyond its FLOPs / rate (weights read, gradients allocated and accumulated, dispatch):
+    fitted by `ds-omni calibrate-cost --sizes`; 0 on the GPU presets, where it hides under
+    the kernels."""
+    optimizer_s_per_param: float = 0.0
+    """Seconds of the optimizer step per parameter a rank updates (its ZeRO shard): fitted by
+    `ds-omni calibrate-cost` (AdamW over the model); 0 on the GPU presets (a fused kernel,
+    ~1 % of a step)."""
+    step_s: float = 0.0
+    """Seconds a rank spends once a step outside micro-batches and the optimizer (the
+    engine's bookkeeping)."""
     name: str = "custom"
 
     def __post_init__(self):
@@ -57,6 +69,10 @@ class Cluster:
         for field in ("flops", "hbm_bytes", "intra_bw", "inter_bw"):
             if not getattr(self, field) > 0:
                 raise ConfigError(f"Cluster.{field} must be > 0, got {getattr(self, field)}")
+        for field in ("micro_batch_s_per_param", "optimizer_s_per_param", "step_s"):
+            if not getattr(self, field) >= 0:
+                raise ConfigError(f"Cluster.{field} is a time and must be >= 0, got "
+                                  f"{getattr(self, field)}")
         if not 0 < self.achievable <= 1:
             raise ConfigError(f"Cluster.achievable is a fraction of peak in (0, 1], got "
                               f"{self.achievable}")

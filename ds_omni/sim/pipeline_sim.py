@@ -98,13 +98,14 @@ def run_pipeline(step) -> None:
     p, plan, tl, rate = step.pplan, step.plan, step.timeline, step.rate
     P, M = p.pp, plan.micro_batches
     step.stage_plan = stage_plan(step)
-    times = np.asarray(step.stage_plan.layer_time)
-    frac = times / times.sum()  # [P] each stage's share of a micro-batch's LLM work
+    frac = stage_fractions(step)  # [P] each stage's share of a micro-batch's LLM work
     llm, tokens, enc = _micro_arrays(step)
     ranks = [step.ranks_of(0, p.dp, s) for s in range(P)]  # [P][D]
     act = tokens * step.model.dims.hidden * 2  # [M, D] bytes sent between stages
     uniform = plan.encoder_placement == "uniform"
     fwd_e, ckpt = step.encoder_fwd, plan.checkpointing
+    # per micro-batch, each stage's weights read and gradients accumulated
+    overhead = [step.cluster.micro_batch_s_per_param * stage_params(step, s)[0] for s in range(P)]
     if uniform:
         _uniform_encode(step, ranks, backward=False)
     events: dict = {}
@@ -128,7 +129,8 @@ def run_pipeline(step) -> None:
             phase = "llm_fwd" if kind == "F" else "llm_bwd"
             if np.any(enc_here):
                 tl.run(ranks[s], "encode_fwd" if kind == "F" else "encode_bwd", enc_here / rate)
-            events[(kind, s, m)] = tl.run(ranks[s], phase, llm[m] * frac[s] * share / rate)
+            events[(kind, s, m)] = tl.run(ranks[s], phase, llm[m] * frac[s] * share / rate
+                                          + overhead[s] * share)
             if p.sp > 1:  # Ulysses inside the stage's layers (the SP ranks' work is even)
                 events[(kind, s, m)] = tl.run(ranks[s], "llm_sp",
                                               _ulysses(step, tokens[m], kind == "B") * frac[s],
@@ -137,6 +139,18 @@ def run_pipeline(step) -> None:
     if uniform:
         _uniform_encode(step, ranks, backward=True)
     _pipeline_memory(step, tokens, frac)
+
+
+def stage_fractions(step) -> np.ndarray:
+    """[P] each stage's share of the LLM's work: its predicted time over the stages' sum, or
+    its share of the decoder layers where the cost model prices the LLM at zero (a cost model
+    fitted without LLM work): never 0 / 0."""
+    times = np.asarray(step.stage_plan.layer_time, dtype=np.float64)
+    total = times.sum()
+    if total > 0 and np.isfinite(total):
+        return times / total
+    layers = np.array([len(step.stage_plan.decoder_layers(s)) for s in range(times.size)], float)
+    return layers / max(1.0, layers.sum())
 
 
 def _ulysses(step, tokens: np.ndarray, backward: bool) -> np.ndarray:

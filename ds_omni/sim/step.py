@@ -172,6 +172,9 @@ def run_round(step: Step, k: int) -> None:
     _sync_groups(step, work.groups, "reshard", rows_s)  # the gradients go back; inputs do not
     _encoder_sp(step, work, backward=True)
     tl.run(ranks, "encode_bwd", work.flops * (1 - step.encoder_fwd) / rate)
+    if step.cluster.micro_batch_s_per_param:  # every rank runs every round
+        tl.run(ranks, "framework", step.cluster.micro_batch_s_per_param
+               * pipeline_sim.held_params(step)[0])
     _round_zero(step, ranks, tl.compute[ranks] - before)
     _activations(step, tokens, work.positions)
 
@@ -295,8 +298,26 @@ def end_of_step(step: Step) -> None:
         seconds[ranks] = grad_sync_seconds(step, s)
     ranks = np.concatenate(stage_ranks)
     tl.sync(ranks, np.repeat(np.arange(p.pp), len(stage_ranks[0])), "grad_sync", seconds[ranks])
+    update = np.zeros(step.cluster.gpus)
+    for s, stage in enumerate(stage_ranks):
+        update[stage] = optimizer_seconds(step, s)
+    if update.any():
+        tl.run(ranks, "optimizer", update[ranks])
     everyone = np.arange(step.cluster.gpus)
     tl.sync(everyone, np.zeros(everyone.size), "grad_sync", 0.0)
+
+
+def optimizer_seconds(step, stage: int) -> float:
+    """A rank's optimizer step (the parameters it updates: its ZeRO-1+ shard of each group, all
+    of them under ZeRO-0) and its fixed per-step work: the cluster's fitted per-parameter and
+    per-step seconds (0 on the GPU presets)."""
+    c = step.cluster
+    if not (c.optimizer_s_per_param or c.step_s):
+        return 0.0
+    held = pipeline_sim.held_params(step, stage)
+    shards = model_parallel.state_shards(step, stage, held)
+    updated = sum(sh.trainable / (sh.group_size if step.plan.zero_stage else 1) for sh in shards)
+    return updated * c.optimizer_s_per_param + c.step_s
 
 
 def grad_sync_seconds(step, stage: int) -> float:

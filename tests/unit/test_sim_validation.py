@@ -15,8 +15,7 @@ from benchmarks import sim_validation
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_config_validation_end_to_end(tmp_path):
-    names = ["dp2_text", "sp2_static_text"]  # (the PP plans predict NaN with the current
-    # compute calibration: docs/benchmarks/sim_validation.md)
+    names = ["dp2_text", "pp2_stage0_text"]  # a pipeline: its cost-based stage split finite
     result = sim_validation.main(["--configs", *names, "--rounds", "2", "--warmup", "1",
                                   "--batches", "3", "--comm-repeats", "2", "--out",
                                   str(tmp_path)])
@@ -36,7 +35,13 @@ def test_two_config_validation_end_to_end(tmp_path):
     fitted = json.loads((tmp_path / "sim_validation_cluster.json").read_text())
     assert fitted["intra_latency"] == saved["calibration"]["comm"]["alpha_s"] > 0
     assert fitted["intra_bw"] == saved["calibration"]["comm"]["beta_bytes_per_s"] > 0
-    assert all(c["micro_batches"] == 3 for c in saved["calibration"]["compute"].values())
+    compute = saved["calibration"]["compute"]["2"]  # the machine of the 2-rank plans
+    assert compute["machine"]["flops_per_s"] > 0 and compute["machine"]["step_s"] >= 0
+    assert compute["machine"]["micro_batch_s_per_param"] > 0
+    sizes = sim_validation.CALIBRATION["pipeline"][1]
+    assert len(compute["profiles"]) == 2 * 2  # two processes at once, two mixes each
+    assert all(p["micro_batches"] == 3 * len(sizes) for p in compute["profiles"].values())
+    assert compute["engine"]["residual_s"]  # the one-rank engine runs were timed
     assert result["configs"] == saved["configs"]
 
 
