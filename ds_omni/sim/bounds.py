@@ -134,16 +134,23 @@ def refined_bound(shell: Shell, assignment, totals: dict) -> float:
 
 
 def _micro_arrays(assignment, per_sample: dict, micro: int):
-    """[D, M] LLM FLOPs, encoder FLOPs and tokens of each data-parallel rank's micro-batches."""
+    """[D, M] LLM FLOPs, encoder FLOPs and tokens of each data-parallel rank's micro-batches
+    (one weighted bincount over all cells: a sum per cell was most of a bound's time)."""
     rounds = assignment.rounds
-    out = [np.zeros((len(rounds), micro)) for _ in range(3)]
+    cells, picks = [], []
     for d, rs in enumerate(rounds):
         for k in range(micro):
-            s = rs[k].samples
-            if rs[k].block is None and s.size:
-                for arr, key in zip(out, ("llm", "enc", "tokens")):
-                    arr[d, k] = per_sample[key][s].sum()
-    return out
+            r = rs[k]
+            if r.block is None and r.samples.size:
+                cells.append(d * micro + k)
+                picks.append(r.samples)
+    size = len(rounds) * micro
+    if not picks:
+        return [np.zeros((len(rounds), micro)) for _ in range(3)]
+    idx = np.concatenate(picks)  # [n] the cells' samples
+    cell = np.repeat(np.asarray(cells), [p.size for p in picks])  # [n] each one's cell
+    return [np.bincount(cell, weights=per_sample[key][idx], minlength=size).reshape(
+        len(rounds), micro) for key in ("llm", "enc", "tokens")]
 
 
 def _traffic(shell: Shell, tokens: np.ndarray) -> np.ndarray:

@@ -35,8 +35,9 @@ class Link:
 
 def link_of(cluster: Cluster, ranks) -> Link:
     """The link a group of global `ranks` is held to: intra-node if they share one node."""
-    nodes = {cluster.node_of(int(r)) for r in ranks}
-    if len(nodes) <= 1:
+    ranks = np.asarray(ranks)
+    # node_of is monotone in the rank: one node iff the lowest and highest ranks share it
+    if ranks.size <= 1 or cluster.node_of(int(ranks.min())) == cluster.node_of(int(ranks.max())):
         return Link(cluster.intra_latency, cluster.intra_bw)
     return Link(cluster.inter_latency, cluster.inter_bw)
 
@@ -70,6 +71,12 @@ def all_reduce(nbytes: float, p: int, link: Link) -> float:
 
 def p2p(nbytes: float, link: Link) -> float:
     return link.latency + nbytes / link.bandwidth if nbytes > 0 else 0.0
+
+
+def p2p_each(nbytes: np.ndarray, link: Link) -> np.ndarray:
+    """`p2p` of every element of `nbytes` (the same arithmetic, in one array operation)."""
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    return np.where(nbytes > 0, link.latency + nbytes / link.bandwidth, 0.0)
 
 
 def all_to_all_ranks(sends: np.ndarray, ranks, cluster: Cluster) -> np.ndarray:
