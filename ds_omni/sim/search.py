@@ -141,10 +141,11 @@ def search(cluster: Cluster, model: ModelSpec, samples: Samples, base: SimPlan, 
     totals = bounds.totals_of(model, samples)
     heap = []  # (bound, order, refined?, plan, shell): the lowest bound first
     stage_plans: dict = {}
+    pplans: dict = {}
     for k, fields in enumerate(plans):
         try:
             plan = base.replace(**fields)
-            shell = Shell(cluster, model, samples, plan, stage_plans)
+            shell = Shell(cluster, model, samples, plan, stage_plans, pplans)
             heap.append((_admit(shell, check, totals), k, False, plan, shell))
         except DsOmniError as e:
             out.dropped.append({"plan": describe(fields), "reason": str(e)})
@@ -175,9 +176,9 @@ def _admit(shell: Shell, check, totals) -> float:
     """The plan's lower bound, or a DsOmniError saying why training refuses it or why its
     model states cannot fit."""
     plan, hbm = shell.plan, shell.cluster.hbm_bytes
+    plan.check_model(shell.model)  # the model's rules first: cheaper than the caller's check
     if check is not None:
         check(plan)
-    plan.check_model(shell.model)
     states, words = bounds.states_bytes(shell)
     if states > hbm:
         raise _OutOfMemory(f"out of memory: model states {states / GIB:.1f} GiB a GPU ({words}) "
