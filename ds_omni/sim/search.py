@@ -16,7 +16,9 @@ Three filters, cheapest first, none of which can drop a plan that would have ran
    simulation would rank first. Simulated plans whose peak memory does not fit are dropped
    with their figures.
 Every plan is simulated on the same samples; the loader's planning is shared between plans
-with the same data-parallel shape (`simulate(..., cache=)`).
+with the same data-parallel shape, and each round's encoder placement between plans whose rows
+and encoder mode are the same (`simulate(..., cache=)`); the resolved parallel plan (or its
+refusal) between plans that differ only in ZeRO stage and checkpointing.
 
 A time budget (`budget_s`) stops the search early; the result then says how many plans were
 left and their best bound (the top plans are then the best found, not proven best).

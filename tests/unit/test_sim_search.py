@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -200,7 +199,8 @@ def test_plan_search_on_1024_gpus_within_60_s_of_cpu(tmp_path, capsys):
     assert main(args + ["--json"]) == 0
     cpu = time.process_time() - cpu
     out = json.loads(capsys.readouterr().out)
-    print(f"1,024-GPU search: {cpu:.1f} s of CPU, {out['counts']}", file=sys.stderr)
+    with capsys.disabled():
+        print(f"\n1,024-GPU search: {cpu:.1f} s of CPU, {out['counts']}")
     assert cpu <= 60, f"the 1,024-GPU search took {cpu:.1f} s of CPU, over the issue's 60 s"
     assert out["counts"]["unexplored"] == 0 and 1 <= len(out["top"]) <= 5
     assert all(r["bound"] <= r["step_time"] for r in out["top"])
