@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -33,7 +34,9 @@ from ds_omni.data.cost import CostModel, EncoderDims, ModelDims  # noqa: E402
 from ds_omni.data.reorder import (BudgetPlanner, assign_fixed, loader_order,  # noqa: E402
                                   rank_budget)
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
+RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS")
+               or Path(__file__).resolve().parent / "results")
 DP_SIZES = (8, 64, 512, 4096)
 GROUP_SIZES = (1, 8, 64)
 MIXES = {"1:9": 0.1, "1:1": 0.5, "9:1": 0.9}  # image : text samples (audio takes its own share)

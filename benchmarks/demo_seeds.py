@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+# DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
+RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS") or REPO / "benchmarks" / "results")
 # the issue's bar (issue 27): caption accuracy of each attribute on eval-demo's 64 held-out images
 TARGETS = {"colour": 0.9, "place": 0.85, "size": 0.85, "shape": 0.8}
 ATTRIBUTES = (*TARGETS, "background", "exact")

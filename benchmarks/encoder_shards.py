@@ -35,7 +35,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.pipeline import config, rotating_rounds  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "results"
+# DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
+RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS") or REPO / "benchmarks" / "results")
 MIXES = ("image_heavy_9to1", "text_heavy_1to9")
 ENGINES = ("sharded", "replicated")
 

@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+# DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
+RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS") or ROOT / "benchmarks" / "results")
 WORDS = ("the a of man dog bus street what is in picture image colour left right people sitting "
          "table two three red blue wearing holding standing near large small white black next "
          "to on with describe detail why how many there are background scene").split()

@@ -37,7 +37,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-RESULTS = REPO / "benchmarks" / "results"
+# DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
+RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS") or REPO / "benchmarks" / "results")
 BATCH, MICRO = 16, 4
 # rows per parquet row group of the large files: what `datasets`' 100 MB cap gives for images of
 # ~100 KB (these 64x64 JPEGs are ~1 KB: its cap would put 84,000 of them in one group)

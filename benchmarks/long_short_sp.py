@@ -32,7 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-RESULTS = REPO / "benchmarks" / "results"
+# DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
+RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS") or REPO / "benchmarks" / "results")
 VISION = {"depth": 4, "embed_dim": 256, "num_heads": 8, "mlp_ratio": 4, "hidden_size": 256,
           "patch_size": 4, "spatial_merge_size": 2, "temporal_patch_size": 2}
 LONG, SHORT = (1, 48, 48), (1, 16, 16)  # image grids (t, h, w) in patches

@@ -34,7 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
-RESULTS = REPO / "benchmarks" / "results"
+# DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
+RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS") or REPO / "benchmarks" / "results")
 WORLD, BATCH, MICRO, ROWS, IMAGE_PX = 4, 16, 4, 512, 256
 CASES = [("sp1", 1, 1), ("sp2", 2, 1), ("sp4", 4, 1), ("tp2", 1, 2)]  # (name, sp, tp)
 SHARED = [name for name, sp, tp in CASES if sp * tp > 1]

@@ -49,7 +49,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-RESULTS = REPO / "benchmarks" / "results"
+# DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
+RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS") or REPO / "benchmarks" / "results")
 VISION = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 6,
           "num_attention_heads": 4, "image_size": 64, "patch_size": 8}
 LLM = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,

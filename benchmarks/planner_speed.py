@@ -18,6 +18,7 @@ import argparse
 import importlib
 import io
 import json
+import os
 import subprocess
 import sys
 import tarfile
@@ -34,7 +35,9 @@ import balance as bal  # noqa: E402
 from ds_omni.data import reorder  # noqa: E402
 from ds_omni.data.cost import CostModel  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
+RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS")
+               or Path(__file__).resolve().parent / "results")
 
 
 def load_baseline(rev: str, into: Path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -29,7 +30,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import planner_speed  # noqa: E402
 from ds_omni.parallelize import encoder_pool  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
+RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS")
+               or Path(__file__).resolve().parent / "results")
 
 
 def round_items(module, ranks: int, group: int, rng) -> list:

@@ -41,7 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from ds_omni.parallel.reshard import bytes_moved, item_slots, plan_reshard  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "results"
+# DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
+RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS") or REPO / "benchmarks" / "results")
 SP_SIZES = (2, 4, 8)
 TEXT, PLACEHOLDER, PAD = 1, 2, 0  # token ids of the synthetic rows
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,8 @@ from ds_omni.sim.cluster import cluster  # noqa: E402
 from ds_omni.sim.plan_spec import SimPlan  # noqa: E402
 from ds_omni.sim.workload import WorkloadSpec  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "results"
+# DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
+RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS") or REPO / "benchmarks" / "results")
 ROW_TOKENS, SEQUENCES_PER_GPU = 32768, 8
 # (model, GPUs, context): the per-sequence SP degrees ds_omni tries
 CASES = {("llm_7b", 1024, 262144): (16, 64), ("llm_70b", 1024, 262144): (16, 64),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,8 @@ from ds_omni.sim.cluster import cluster  # noqa: E402
 from ds_omni.sim.plan_spec import SimPlan  # noqa: E402
 from ds_omni.sim.workload import WorkloadSpec  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "results"
+# DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
+RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS") or REPO / "benchmarks" / "results")
 SETUPS = {"vit1b_llm12b_64gpus": ("vit_1b", "llm_12b", 64),
           "vit2p4b_llm70b_128gpus": ("vit_2.4b", "llm_70b", 128),
           "vit10b_llm70b_256gpus": ("vit_10b", "llm_70b", 256)}

@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -36,7 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-RESULTS = REPO / "benchmarks" / "results"
+# DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
+RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS") or REPO / "benchmarks" / "results")
 # name -> (world, workload, parallel section); workloads: "image" / "text" (pipeline.py's
 # mixes), "longtail" (per_sequence_sp.py's)
 CONFIGS = {

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -32,7 +33,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-RESULTS = REPO / "benchmarks" / "results"
+# DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
+RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS") or REPO / "benchmarks" / "results")
 STEPS, SAVE_EVERY, PEER_TIMEOUT = 500, 50, 20
 FAULTS = ("kill:1:forward:100,kill:0:backward:200,kill:1:save:300,kill:0:optimizer:400,"
           "stop:1:loader:450")

@@ -45,7 +45,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-RESULTS = REPO / "benchmarks" / "results"
+# DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
+RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS") or REPO / "benchmarks" / "results")
 WORLD = 4
 PLANS = {"tp1_zero2": (1, 2), "tp2_zero2": (2, 2), "tp4_zero2": (4, 2), "tp1_zero3": (1, 3)}
 BASELINE = "tp1_zero2"

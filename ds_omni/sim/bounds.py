@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ds_omni.errors import DsOmniError
 from ds_omni.sim import comm, memory, model_parallel, pipeline_sim
 from ds_omni.sim.cluster import Cluster
 from ds_omni.sim.model_spec import ModelSpec
@@ -35,9 +36,9 @@ class Shell:
     ranks_of = Step.ranks_of
 
     def __init__(self, cluster: Cluster, model: ModelSpec, samples: Samples, plan: SimPlan,
-                 stage_plans: dict | None = None):
+                 stage_plans: dict | None = None, pplans: dict | None = None):
         self.cluster, self.model, self.samples, self.plan = cluster, model, samples, plan
-        self.pplan = plan.parallel_plan(cluster.gpus)
+        self.pplan = resolved_plan(plan, cluster.gpus, pplans)
         if plan.pp > 1:  # the stage boundaries, shared by plans that give the same ones
             key = (plan.pp, self.pplan.dp, plan.micro_batches, plan.encoder_placement,
                    plan.stage_split)
@@ -45,6 +46,25 @@ class Shell:
             if key not in stage_plans:
                 stage_plans[key] = pipeline_sim.stage_plan(self)
             self.stage_plan = stage_plans[key]
+
+
+def resolved_plan(plan: SimPlan, gpus: int, pplans: dict | None = None):
+    """`plan.parallel_plan(gpus)` (or the error it raises), kept in `pplans` for the plans
+    that differ only in what it does not read (ZeRO stage, checkpointing): a search resolves
+    thousands, most of them refused by the same rule."""
+    if pplans is None:
+        return plan.parallel_plan(gpus)
+    key = (plan.dp, plan.sp, plan.pp, plan.tp, plan.ep, plan.max_sequence_sp,
+           plan.encoder_placement, plan.stage_split, plan.long_items,
+           plan.encoder_mode == "pool", plan.reorder, plan.reorder_group, plan.encoder_gpus)
+    if key not in pplans:
+        try:
+            pplans[key] = plan.parallel_plan(gpus)
+        except DsOmniError as e:
+            pplans[key] = e
+    if isinstance(pplans[key], DsOmniError):
+        raise pplans[key]
+    return pplans[key]
 
 
 def states_bytes(shell: Shell) -> tuple[float, str]:
@@ -134,16 +154,23 @@ def refined_bound(shell: Shell, assignment, totals: dict) -> float:
 
 
 def _micro_arrays(assignment, per_sample: dict, micro: int):
-    """[D, M] LLM FLOPs, encoder FLOPs and tokens of each data-parallel rank's micro-batches."""
+    """[D, M] LLM FLOPs, encoder FLOPs and tokens of each data-parallel rank's micro-batches
+    (one weighted bincount over all cells: a sum per cell was most of a bound's time)."""
     rounds = assignment.rounds
-    out = [np.zeros((len(rounds), micro)) for _ in range(3)]
+    cells, picks = [], []
     for d, rs in enumerate(rounds):
         for k in range(micro):
-            s = rs[k].samples
-            if rs[k].block is None and s.size:
-                for arr, key in zip(out, ("llm", "enc", "tokens")):
-                    arr[d, k] = per_sample[key][s].sum()
-    return out
+            r = rs[k]
+            if r.block is None and r.samples.size:
+                cells.append(d * micro + k)
+                picks.append(r.samples)
+    size = len(rounds) * micro
+    if not picks:
+        return [np.zeros((len(rounds), micro)) for _ in range(3)]
+    idx = np.concatenate(picks)  # [n] the cells' samples
+    cell = np.repeat(np.asarray(cells), [p.size for p in picks])  # [n] each one's cell
+    return [np.bincount(cell, weights=per_sample[key][idx], minlength=size).reshape(
+        len(rounds), micro) for key in ("llm", "enc", "tokens")]
 
 
 def _traffic(shell: Shell, tokens: np.ndarray) -> np.ndarray:

@@ -19,6 +19,7 @@ p2p (pipeline sends): alpha + n / beta over the link between the two ranks.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -35,10 +36,18 @@ class Link:
 
 def link_of(cluster: Cluster, ranks) -> Link:
     """The link a group of global `ranks` is held to: intra-node if they share one node."""
-    nodes = {cluster.node_of(int(r)) for r in ranks}
-    if len(nodes) <= 1:
+    # the simulator asks this about a million times in a 1,024-GPU search, mostly of the same
+    # few groups: the answer is kept per group (by its ranks' bytes)
+    if _one_node(cluster.gpus_per_node, np.asarray(ranks, dtype=np.int64).tobytes()):
         return Link(cluster.intra_latency, cluster.intra_bw)
     return Link(cluster.inter_latency, cluster.inter_bw)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _one_node(gpus_per_node: int, ranks: bytes) -> bool:
+    """Whether the ranks (int64 bytes) share one node (`Cluster.node_of`: rank // per node)."""
+    r = np.frombuffer(ranks, dtype=np.int64)
+    return r.size <= 1 or int(r.min()) // gpus_per_node == int(r.max()) // gpus_per_node
 
 
 def ring_all_reduce(nbytes: float, p: int, link: Link) -> float:
@@ -70,6 +79,12 @@ def all_reduce(nbytes: float, p: int, link: Link) -> float:
 
 def p2p(nbytes: float, link: Link) -> float:
     return link.latency + nbytes / link.bandwidth if nbytes > 0 else 0.0
+
+
+def p2p_each(nbytes: np.ndarray, link: Link) -> np.ndarray:
+    """`p2p` of every element of `nbytes` (the same arithmetic, in one array operation)."""
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    return np.where(nbytes > 0, link.latency + nbytes / link.bandwidth, 0.0)
 
 
 def all_to_all_ranks(sends: np.ndarray, ranks, cluster: Cluster) -> np.ndarray:

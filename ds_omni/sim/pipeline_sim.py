@@ -122,7 +122,7 @@ def run_pipeline(step) -> None:
                 continue
             if dep is not None:
                 link = comm.link_of(step.cluster, [ranks[s][0], ranks[dep[1]][0]])
-                tl.run(ranks[s], "p2p", [comm.p2p(b, link) for b in act[m]], COMM,
+                tl.run(ranks[s], "p2p", comm.p2p_each(act[m], link), COMM,
                        after=events[dep])
             enc_here = 0.0 if (uniform or s > 0) else enc[m] * (fwd_e if kind == "F" else 1 - fwd_e)
             share = 1 / 3 if kind == "F" else (2 + ckpt) / 3
@@ -188,7 +188,7 @@ def _uniform_encode(step, ranks, backward: bool) -> None:
         if s > 0:
             link = comm.link_of(step.cluster, [ranks[s][0], ranks[0][0]])
             nbytes = rows[s] * step.model.dims.hidden * 2
-            step.timeline.run(ranks[s], "p2p", [comm.p2p(b, link) for b in nbytes], COMM)
+            step.timeline.run(ranks[s], "p2p", comm.p2p_each(nbytes, link), COMM)
 
 
 def _pipeline_memory(step, tokens: np.ndarray, frac: np.ndarray) -> None:

@@ -16,7 +16,9 @@ Three filters, cheapest first, none of which can drop a plan that would have ran
    simulation would rank first. Simulated plans whose peak memory does not fit are dropped
    with their figures.
 Every plan is simulated on the same samples; the loader's planning is shared between plans
-with the same data-parallel shape (`simulate(..., cache=)`).
+with the same data-parallel shape, and each round's encoder placement between plans whose rows
+and encoder mode are the same (`simulate(..., cache=)`); the resolved parallel plan (or its
+refusal) between plans that differ only in ZeRO stage and checkpointing.
 
 A time budget (`budget_s`) stops the search early; the result then says how many plans were
 left and their best bound (the top plans are then the best found, not proven best).
@@ -143,10 +145,11 @@ def search(cluster: Cluster, model: ModelSpec, samples: Samples, base: SimPlan, 
     totals = bounds.totals_of(model, samples)
     heap = []  # (bound, order, refined?, plan, shell): the lowest bound first
     stage_plans: dict = {}
+    pplans: dict = {}
     for k, fields in enumerate(plans):
         try:
             plan = base.replace(**fields)
-            shell = Shell(cluster, model, samples, plan, stage_plans)
+            shell = Shell(cluster, model, samples, plan, stage_plans, pplans)
             heap.append((_admit(shell, check, totals), k, False, plan, shell))
         except DsOmniError as e:
             out.dropped.append({"plan": describe(fields), "reason": str(e)})
@@ -177,9 +180,9 @@ def _admit(shell: Shell, check, totals) -> float:
     """The plan's lower bound, or a DsOmniError saying why training refuses it or why its
     model states cannot fit."""
     plan, hbm = shell.plan, shell.cluster.hbm_bytes
+    plan.check_model(shell.model)  # the model's rules first: cheaper than the caller's check
     if check is not None:
         check(plan)
-    plan.check_model(shell.model)
     states, words = bounds.states_bytes(shell)
     if states > hbm:
         raise _OutOfMemory(f"out of memory: model states {states / GIB:.1f} GiB a GPU ({words}) "

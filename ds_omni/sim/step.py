@@ -18,6 +18,8 @@ backward 2/3, plus one forward more under activation checkpointing.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ds_omni.errors import DataError, ModelError
@@ -64,6 +66,7 @@ class Step:
         self.act_peak = np.zeros(cluster.gpus)  # [W] activation bytes at the busiest round
         self.a2a_bytes = {"reshard": 0.0, "pool_inputs": 0.0, "llm_ulysses": 0.0,
                           "encoder_ulysses": 0.0, "llm_tp": 0.0, "llm_experts": 0.0}
+        self.cache = cache
         self.assignment = loader_plan(self.sample_cost, samples.tokens, self.pplan, plan, cache)
 
     def llm_ranks(self) -> np.ndarray:
@@ -147,9 +150,7 @@ def run_round(step: Step, k: int) -> None:
     before = tl.compute[ranks].copy()
     shared = not step.plan.encoder_gpus  # DistTrain: the LLM's ranks encode nothing
     tp = step.pplan.tp  # a row's tp ranks all encode its items and hold all its tokens
-    work = round_work(rows if shared else [], step.layout, len(ranks),
-                      "replicated" if tp > 1 else step.plan.encoder_mode, step.plan.long_items,
-                      step.heads, step.model.cost.encoder_names)
+    work = encoder_work(step, rows if shared else [], k)
     llm = np.zeros(len(ranks))  # [W] LLM training FLOPs of the round
     tokens = np.zeros(len(ranks))  # [W] LLM tokens on each rank
     for row in rows:
@@ -177,6 +178,23 @@ def run_round(step: Step, k: int) -> None:
                * pipeline_sim.held_params(step)[0])
     _round_zero(step, ranks, tl.compute[ranks] - before)
     _activations(step, tokens, work.positions)
+
+
+def encoder_work(step: Step, rows: list[Row], k: int):
+    """Round k's encoder placement (`round_work`). It depends only on the rows (the loader's
+    assignment and the ranks a row spans, sp x tp), the encoder mode and the world, so plans
+    of one search sharing those share it through `cache` (a copy: the caller adds to flops)."""
+    mode = "replicated" if step.pplan.tp > 1 else step.plan.encoder_mode
+    args = (rows, step.layout, len(step.llm_ranks()), mode, step.plan.long_items, step.heads,
+            step.model.cost.encoder_names)
+    if step.cache is None:
+        return round_work(*args)
+    key = ("round_work", id(step.assignment), step.pplan.sp * step.pplan.tp, k, mode,
+           step.plan.long_items, step.plan.encoder_gpus, bool(rows))
+    if key not in step.cache:  # the assignment lives in the same cache: its id stays its own
+        step.cache[key] = round_work(*args)
+    work = step.cache[key]
+    return dataclasses.replace(work, flops=work.flops.copy())
 
 
 def dummy_flops(step: Step, work) -> np.ndarray:

@@ -26,8 +26,12 @@ class Timeline:
         self.compute = np.zeros(world)
         self.comm = np.zeros(world)
         self.idle = np.zeros(world)
-        self._cols = {k: [] for k in ("rank", "phase", "start", "end", "prev")}
-        self._end = np.zeros(0)  # [E] end of every event so far
+        # [E] each event's rank, phase, start, end and predecessor, in buffers that double
+        # when full (appending by concatenation copied every event on every call: quadratic
+        # in the events of a 1,024-rank step)
+        self._cols = {k: np.zeros(1024, dtype=np.int64 if k in ("rank", "phase", "prev")
+                                  else np.float64)
+                      for k in ("rank", "phase", "start", "end", "prev")}
         self._count = 0
 
     def run(self, ranks, phase: str, seconds, kind: int = COMPUTE, after=None) -> np.ndarray:
@@ -38,7 +42,7 @@ class Timeline:
         start, prev = self.clock[ranks].copy(), self.last[ranks].copy()
         if after is not None:
             after = np.asarray(after, dtype=np.int64)
-            dep_end = np.where(after >= 0, self._end[np.maximum(after, 0)], -np.inf)
+            dep_end = np.where(after >= 0, self._cols["end"][np.maximum(after, 0)], -np.inf)
             waits = dep_end > start
             prev = np.where(waits, after, prev)
             start = np.maximum(start, dep_end)
@@ -46,14 +50,20 @@ class Timeline:
         (self.compute if kind == COMPUTE else self.comm)[ranks] += seconds
         end = start + seconds
         ids = np.arange(self._count, self._count + ranks.size)
-        self._count += ranks.size
-        phase_id = self._phase(phase)
-        for k, v in (("rank", ranks), ("phase", np.full(ranks.size, phase_id)), ("start", start),
-                     ("end", end), ("prev", prev)):
-            self._cols[k].append(v)
-        self._end = np.concatenate([self._end, end])
+        self._append(rank=ranks, phase=self._phase(phase), start=start, end=end, prev=prev)
         self.clock[ranks], self.last[ranks] = end, ids
         return ids
+
+    def _append(self, **cols) -> None:
+        n = cols["rank"].size
+        need = self._count + n
+        if need > self._cols["end"].size:
+            for k, old in self._cols.items():
+                self._cols[k] = np.zeros(max(need, 2 * old.size), dtype=old.dtype)
+                self._cols[k][:self._count] = old[:self._count]
+        for k, v in cols.items():
+            self._cols[k][self._count:need] = v
+        self._count = need
 
     def sync(self, ranks, groups, phase: str, seconds) -> np.ndarray:
         """A collective: ranks [n] in groups [n] (group ids) each wait for their group's last
@@ -82,7 +92,7 @@ class Timeline:
         first to last: [{rank, phase, seconds}]."""
         if not self._count:
             return []
-        col = {k: np.concatenate(v) for k, v in self._cols.items()}
+        col = {k: v[:self._count] for k, v in self._cols.items()}
         event = int(np.argmax(col["end"]))
         chain = []
         while event >= 0:

@@ -1,9 +1,13 @@
 """benchmarks/summary.py regenerates BENCHMARKS.md's summary figures from the results files:
 today's table comes back unchanged, a planted wrong figure is rewritten to its results value (in
-the row's own format), and a row whose source does not match its figure is left and named."""
+the row's own format), and a row whose source does not match its figure is left and named.
+`make bench` (benchmarks/run_all.py) and the rows agree: every row's command is a run of it
+(at the row's settings into results/, or shortened into results/quick/), or is excused with a
+reason; a planted row command it does not run is named."""
 
 import functools
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -59,3 +63,97 @@ def test_check_mode_writes_nothing_and_fails_on_a_difference(tmp_path, capsys):
     assert doc.read_text() == before and "0.50x / 2.13x -> 0.96x / 2.13x" in capsys.readouterr().out
     assert _summary().main(["--doc", str(doc), "--results", str(RESULTS)]) == 0
     assert doc.read_text() == DOC.read_text()
+
+
+# ------------------------------------------------------------- make bench and the rows' commands
+@functools.cache
+def _run_all():
+    spec = importlib.util.spec_from_file_location("bench_run_all", ROOT / "benchmarks" / "run_all.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def row_commands(cell: str, previous: list[str]) -> list[str]:
+    """A command cell as commands without the interpreter ("loader.py --only memory"):
+    "(same)" repeats the row above's; "(and `--world 4`)" is the same script again."""
+    if cell.strip() == "(same)":
+        return previous
+    tokens = re.findall(r"`([^`]+)`", cell)
+    if not tokens:
+        return []
+    first = tokens[0].split("benchmarks/", 1)[1]
+    script = first.split()[0]
+    return [first] + [f"{script} {extra}" for extra in tokens[1:]]
+
+
+def unmatched(doc: str) -> list[str]:
+    """Rows of the summary whose command make bench / --full does not run with the row's
+    arguments and files, and that run_all.NOT_RUN does not excuse."""
+    ra = _run_all()
+    benches = {b.command: b for b in ra.BENCHES}
+    header, rows = re.split(r"\n## ", doc)[0], []
+    cmd_col = src_col = None
+    problems, previous = [], []
+    for line in header.splitlines():
+        if not line.startswith("|"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cmd_col is None:
+            cmd_col, src_col = cells.index("command"), cells.index("source")
+            continue
+        if set(cells[0]) <= {"-"}:
+            continue
+        commands = row_commands(cells[cmd_col], previous)
+        previous = commands
+        files = {f for f in re.findall(r"`([\w.]+\.json)`", cells[src_col])}
+        excused = {f for f in files if f in ra.NOT_RUN}
+        if any(c.split()[0] in ra.NOT_RUN for c in commands):
+            continue
+        written = set()
+        for c in commands:
+            if c in ra.NOT_RUN:
+                continue
+            if c not in benches:
+                problems.append(f"row '{cells[0][:50]}': `{c}` is not a run of run_all.py")
+            else:
+                written |= set(benches[c].writes)
+        if files - excused - written and all(c in benches or c in ra.NOT_RUN for c in commands):
+            problems.append(f"row '{cells[0][:50]}': its files {sorted(files - excused - written)} "
+                            f"are not what {commands} write")
+    return problems
+
+
+def test_every_rows_command_is_a_run_of_make_bench_or_excused():
+    assert unmatched(DOC.read_text()) == []
+    ra = _run_all()
+    assert all(ra.NOT_RUN.values()) and all(b.full_only or b.limit for b in ra.BENCHES)
+
+
+def test_a_row_whose_command_make_bench_does_not_run_is_named():
+    doc = DOC.read_text()
+    row = "`.venv/bin/python benchmarks/loader.py --only throughput --repeats 7 --steps 40`"
+    assert doc.count(row) == 1
+    planted = doc.replace(row, row.replace("--repeats 7", "--repeats 9"))
+    problems = unmatched(planted)
+    assert len(problems) == 1 and "--repeats 9" in problems[0]
+
+
+def test_make_bench_writes_a_rows_file_only_at_the_rows_settings():
+    """Quick (shorter) runs go to results/quick/; a run into results/ has the row's own
+    arguments; every script run sends its files where DS_OMNI_BENCH_RESULTS says."""
+    ra = _run_all()
+    plan = ra.plan_runs(full=False, only=None)
+    assert plan and not any(b.full_only for b, _ in plan)
+    for b, where in plan:
+        if where == ra.RESULTS:
+            assert b.quick is None and b.args(False) == b.command.split()[1:]
+        else:
+            assert where == ra.QUICK_RESULTS and b.quick is not None
+    for b, where in ra.plan_runs(full=True, only=None):
+        assert where == ra.RESULTS and b.args(True) == b.command.split()[1:]
+    for b in ra.BENCHES:
+        text = (ROOT / "benchmarks" / b.script).read_text()
+        assert "DS_OMNI_BENCH_RESULTS" in text or "from benchmarks.tensor_parallel import" \
+            in text, b.script
