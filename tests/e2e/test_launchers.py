@@ -40,6 +40,7 @@ def _same_run(out: str, reference: list[dict]) -> None:
     assert [r["sample_keys"] for r in got] == [r["sample_keys"] for r in reference]
 
 
+@pytest.mark.slow  # 60-140 s: the quick tier keeps the deepspeed launcher's run and its export
 def test_accelerate_reproduces_the_deepspeed_run(tmp_path, reference):
     cfg, ds, out = write_configs(tmp_path, steps=3)
     res = train("accelerate", 2, cfg, ds)
@@ -54,7 +55,7 @@ def test_accelerate_reproduces_the_deepspeed_run(tmp_path, reference):
 TORCHRUN_FAULTS = "kill:1:loader:2"
 
 
-@pytest.mark.slow  # 80 s: the quick tier keeps the accelerate and plain-process launches
+@pytest.mark.slow  # 80 s: the quick tier keeps the deepspeed and plain-process launches
 def test_torchrun_reproduces_the_deepspeed_run_across_a_killed_rank(tmp_path, reference):
     """Under `ds-omni supervise`: the kill ends the whole torchrun job within a bounded time,
     naming the dead rank; the resumed job ends as the uninterrupted deepspeed run."""
@@ -136,6 +137,7 @@ def test_export_loads_in_transformers_and_generates(deepspeed_run):
     assert generated.shape[1] == inputs["input_ids"].shape[1] + 5
 
 
+@pytest.mark.slow  # 40-75 s; the omni model's loss, gradients and round trip stay quick
 def test_omni_composition_trains_and_exports(tmp_path):
     """examples/tiny_omni.json: CLIP + Whisper + Qwen2 on image+audio+text data, 2 ranks, ZeRO-3."""
     from tests.e2e.launch import REPO, run, launcher_cmd
