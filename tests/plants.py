@@ -470,6 +470,16 @@ def _search_bound_too_tight(rank: int):
     yield from _patched(bounds, "refined_bound", lambda f: lambda *a: 3 * f(*a))
 
 
+
+# ------------------------------------------------ the simulator under tp (tests/unit/test_sim_tp.py)
+@plant("sim_tp_encodes_everything", "the simulator has every TP rank encode the whole row again "
+       "(the split of `plan_tp_encode` ignored)", "sim_tp")
+def _sim_tp_encodes_everything(rank: int):
+    from ds_omni.sim import encode_sim
+    yield from _patched(encode_sim, "_tp_apart", lambda f: lambda rows, layout, world, tp, order:
+                        encode_sim._per_tp_rank(rows, layout, world, "replicated", False, {},
+                                                order, tp))
+
 # ------------------------------------------------ the loader process (tests/dist/test_loader_process.py)
 @plant("loader_process_stale_position", "the loader process sends back, with each step, the "
        "loader's position before that step instead of after it (a resume reads it again)",

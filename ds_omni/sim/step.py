@@ -35,8 +35,8 @@ from ds_omni.sim.timeline import Timeline
 from ds_omni.sim.workload import Samples, WorkloadSpec
 from ds_omni.train.setup import encoder_dummies_needed
 
-PHASES = ("encode_fwd", "encode_sp", "reshard", "llm_fwd", "llm_sp", "llm_tp", "llm_ep",
-          "llm_bwd", "encode_bwd", "zero", "grad_sync")
+PHASES = ("encode_fwd", "encode_sp", "tp_gather", "reshard", "llm_fwd", "llm_sp", "llm_tp",
+          "llm_ep", "llm_bwd", "encode_bwd", "encode_tp", "zero", "grad_sync")
 
 
 class Step:
@@ -60,12 +60,18 @@ class Step:
         self.encoder_fwd = 1.0 if all(e.frozen for e in model.dims.encoders.values()) else 1 / 3
         self.heads = {n: model.heads(n) for n in model.dims.encoders}
         self.timeline = Timeline(cluster.gpus, PHASES)
-        # training's rule: under ZeRO-2/3 (and bf16 ZeRO-0) every rank runs every encoder
-        self.dummies = encoder_dummies_needed({"zero_optimization": {"stage": plan.zero_stage},
-                                               "bf16": {"enabled": True}}, plan.pp > 1)
+        # the TP ranks of a row encode different items (`ParallelConfig.tp_encodes_apart`)
+        self.tp_apart = (self.pplan.tp > 1 and self.pplan.sp == 1
+                         and plan.encoder_mode == "reshard" and not plan.encoder_gpus)
+        # training's rule: under ZeRO-2/3 (and bf16 ZeRO-0) every rank runs every encoder, and
+        # where the TP ranks sum encoder gradients (their hooks are collectives)
+        self.dummies = self.tp_apart or encoder_dummies_needed(
+            {"zero_optimization": {"stage": plan.zero_stage}, "bf16": {"enabled": True}},
+            plan.pp > 1)
         self.act_peak = np.zeros(cluster.gpus)  # [W] activation bytes at the busiest round
         self.a2a_bytes = {"reshard": 0.0, "pool_inputs": 0.0, "llm_ulysses": 0.0,
-                          "encoder_ulysses": 0.0, "llm_tp": 0.0, "llm_experts": 0.0}
+                          "encoder_ulysses": 0.0, "llm_tp": 0.0, "llm_experts": 0.0,
+                          "tp_gather": 0.0, "encoder_tp_grads": 0.0}
         self.cache = cache
         self.assignment = loader_plan(self.sample_cost, samples.tokens, self.pplan, plan, cache)
 
@@ -149,7 +155,7 @@ def run_round(step: Step, k: int) -> None:
     rows = round_rows(step, k)
     before = tl.compute[ranks].copy()
     shared = not step.plan.encoder_gpus  # DistTrain: the LLM's ranks encode nothing
-    tp = step.pplan.tp  # a row's tp ranks all encode its items and hold all its tokens
+    tp = step.pplan.tp  # a row's tp ranks all hold its tokens (its SP rank's share of them)
     work = encoder_work(step, rows if shared else [], k)
     llm = np.zeros(len(ranks))  # [W] LLM training FLOPs of the round
     tokens = np.zeros(len(ranks))  # [W] LLM tokens on each rank
@@ -161,18 +167,20 @@ def run_round(step: Step, k: int) -> None:
         work.flops += dummy_flops(step, work)
     tl.run(ranks, "encode_fwd", work.flops * step.encoder_fwd / rate)
     _encoder_sp(step, work, backward=False)
+    model_parallel.run_tp_gather(step, work)
     rows_s, inputs_s = _reshard_seconds(step, work)
     _sync_groups(step, work.groups, "reshard", rows_s + inputs_s)
     for backward in (False, True):
         tl.run(ranks, "llm_bwd" if backward else "llm_fwd",
                llm * ((2 + step.plan.checkpointing) if backward else 1) / 3 / rate)
-        if tp == 1:
-            _llm_sp(step, rows, backward)
+        _llm_sp(step, rows, backward)
         model_parallel.run_tp(step, rows, backward)
         model_parallel.run_ep(step, tokens, backward)
     _sync_groups(step, work.groups, "reshard", rows_s)  # the gradients go back; inputs do not
     _encoder_sp(step, work, backward=True)
     tl.run(ranks, "encode_bwd", work.flops * (1 - step.encoder_fwd) / rate)
+    if step.tp_apart:
+        model_parallel.run_tp_encoder_grads(step)
     if step.cluster.micro_batch_s_per_param:  # every rank runs every round
         tl.run(ranks, "framework", step.cluster.micro_batch_s_per_param
                * pipeline_sim.held_params(step)[0])
@@ -184,12 +192,12 @@ def encoder_work(step: Step, rows: list[Row], k: int):
     """Round k's encoder placement (`round_work`). It depends only on the rows (the loader's
     assignment and the ranks a row spans, sp x tp), the encoder mode and the world, so plans
     of one search sharing those share it through `cache` (a copy: the caller adds to flops)."""
-    mode = "replicated" if step.pplan.tp > 1 else step.plan.encoder_mode
+    mode = step.plan.encoder_mode
     args = (rows, step.layout, len(step.llm_ranks()), mode, step.plan.long_items, step.heads,
-            step.model.cost.encoder_names)
+            step.model.cost.encoder_names, step.pplan.tp)
     if step.cache is None:
         return round_work(*args)
-    key = ("round_work", id(step.assignment), step.pplan.sp * step.pplan.tp, k, mode,
+    key = ("round_work", id(step.assignment), step.pplan.sp, step.pplan.tp, k, mode,
            step.plan.long_items, step.plan.encoder_gpus, bool(rows))
     if key not in step.cache:  # the assignment lives in the same cache: its id stays its own
         step.cache[key] = round_work(*args)
@@ -257,23 +265,28 @@ def _sync_per_group(step: Step, groups: list, seconds: list, phase: str) -> None
     step.timeline.sync(ranks, gid, phase, np.asarray(seconds)[gid])
 
 
-def llm_sp_seconds(step: Step, tokens_per_rank: float, g: int, ranks, backward: bool) -> float:
+def llm_sp_seconds(step: Step, tokens_per_rank: float, g: int, ranks, backward: bool,
+                   tp: int = 1) -> float:
     """Ulysses in the LLM: per layer, q, k, v to heads and the output back: (2h + 2kv) values a
-    token, bf16; backward twice that, plus the recomputed forward under checkpointing."""
+    token, bf16; backward twice that, plus the recomputed forward under checkpointing. Under
+    tp x sp a TP rank holds heads / tp of them (AutoTP's split), so it sends 1/tp of that."""
     d = step.model.dims
-    per_layer = tokens_per_rank * (2 * d.hidden + 2 * step.model.kv) * 2
+    per_layer = tokens_per_rank * (2 * d.hidden + 2 * step.model.kv) * 2 / tp
     times = (2 + step.plan.checkpointing) if backward else 1
     step.a2a_bytes["llm_ulysses"] += per_layer * d.layers * times * (g - 1)
     return times * d.layers * comm.even_all_to_all(per_layer, g, comm.link_of(step.cluster, ranks))
 
 
 def _llm_sp(step: Step, rows: list[Row], backward: bool) -> None:
-    split = [r for r in rows if len(r.ranks) > 1]
-    if not split:
+    """Each row's SP group(s) meet at Ulysses' all-to-alls: under tp one SP group per TP rank
+    (the row's ranks of one tp coordinate), each with heads / tp."""
+    tp = step.pplan.tp
+    groups = [(r, r.ranks[t::tp]) for r in rows if len(r.ranks) > tp for t in range(tp)]
+    if not groups:
         return
-    seconds = [llm_sp_seconds(step, step.samples.tokens[r.samples].sum() / len(r.ranks),
-                              len(r.ranks), r.ranks, backward) for r in split]
-    _sync_per_group(step, [r.ranks for r in split], seconds, "llm_sp")
+    seconds = [llm_sp_seconds(step, step.samples.tokens[r.samples].sum() / len(g), len(g), g,
+                              backward, tp) for r, g in groups]
+    _sync_per_group(step, [g for _, g in groups], seconds, "llm_sp")
 
 
 def _round_zero(step: Step, ranks: np.ndarray, compute: np.ndarray) -> None:
