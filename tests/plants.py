@@ -480,6 +480,15 @@ def _sim_tp_encodes_everything(rank: int):
                         encode_sim._per_tp_rank(rows, layout, world, "replicated", False, {},
                                                 order, tp))
 
+
+@plant("sim_ulysses_backward_x2", "the simulator charges Ulysses' backward twice the forward's "
+       "all-to-all bytes (its model before the measured run)", "sim_a2a_measured")
+def _sim_ulysses_backward_x2(rank: int):
+    from ds_omni.sim import step
+    yield from _patched(step, "llm_sp_seconds", lambda f: lambda st, tok, g, ranks, backward,
+                        tp=1: f(st, tok, g, ranks, backward, tp)
+                        + (f(st, tok, g, ranks, backward, tp) if backward else 0.0))
+
 # ------------------------------------------------ the loader process (tests/dist/test_loader_process.py)
 @plant("loader_process_stale_position", "the loader process sends back, with each step, the "
        "loader's position before that step instead of after it (a resume reads it again)",

@@ -116,7 +116,7 @@ def lower_bound(shell: Shell, totals: dict) -> float:
             link.bandwidth
     if p.sp > 1:  # under tp: tokens / (dp sp) a rank, heads / tp: tokens / W
         link = comm.link_of(c, shell.ranks_of(0, 1)[::p.tp])
-        seconds += d.layers * (1 + 2 + ckpt) * (p.sp - 1) / p.sp * tokens / w * \
+        seconds += d.layers * (1 + 1 + ckpt) * (p.sp - 1) / p.sp * tokens / w * \
             (2 * d.hidden + 2 * m.kv) * 2 / link.bandwidth
     return seconds + min(grad_sync_seconds(shell, s) for s in range(p.pp))
 
@@ -199,7 +199,7 @@ def _traffic(shell: Shell, tokens: np.ndarray) -> np.ndarray:
             d.hidden * 2 / bw
     if p.sp > 1:  # each TP rank's SP group, heads / tp
         bw = comm.link_of(c, shell.ranks_of(0, 1)[::p.tp]).bandwidth
-        out = out + d.layers * (3 + ckpt) * (p.sp - 1) / p.sp * tokens / p.sp * \
+        out = out + d.layers * (2 + ckpt) * (p.sp - 1) / p.sp * tokens / p.sp * \
             (2 * d.hidden + 2 * m.kv) * 2 / p.tp / bw
     return out
 

@@ -90,13 +90,17 @@ def run_tp(step, rows, backward: bool) -> None:
     tp = step.pplan.tp
     if tp < 2 or not rows:
         return
-    groups, seconds = [], []
-    for r in rows:
-        sp = len(r.ranks) // tp
-        tokens = float(step.samples.tokens[r.samples].sum()) / sp
-        groups += [r.ranks[s * tp:(s + 1) * tp] for s in range(sp)]
-        seconds += [tp_seconds(step, tokens, backward) for _ in range(sp)]  # each counts bytes
-    _sync(step, groups, seconds, "llm_tp")
+    p, d = step.pplan, step.model.dims
+    ranks = np.concatenate([r.ranks for r in rows])  # each row's sp TP groups, in rank order
+    per_row = np.array([float(step.samples.tokens[r.samples].sum()) for r in rows]) / p.sp
+    tokens = np.repeat(per_row, p.sp)  # [G] a TP group's tokens (its SP rank's share)
+    calls = 2 * d.layers * ((1 + step.plan.checkpointing) if backward else 1)
+    nbytes = tokens * d.hidden * 2
+    step.a2a_bytes["llm_tp"] += calls * 2 * (tp - 1) * float(nbytes.sum())  # as `tp_seconds`
+    link = comm.links_each(step.cluster, ranks.reshape(-1, tp))
+    seconds = calls * comm.all_reduce_each(nbytes, tp, link)  # [G]
+    gid = np.arange(ranks.size) // tp
+    step.timeline.sync(ranks, gid, "llm_tp", seconds[gid])
 
 
 def _sync(step, groups: list, seconds: list, phase: str) -> None:

@@ -265,28 +265,44 @@ def _sync_per_group(step: Step, groups: list, seconds: list, phase: str) -> None
     step.timeline.sync(ranks, gid, phase, np.asarray(seconds)[gid])
 
 
-def llm_sp_seconds(step: Step, tokens_per_rank: float, g: int, ranks, backward: bool,
-                   tp: int = 1) -> float:
+def llm_sp_seconds(step: Step, tokens_per_rank: np.ndarray, g: int, ranks, backward: bool,
+                   tp: int = 1) -> np.ndarray:
     """Ulysses in the LLM: per layer, q, k, v to heads and the output back: (2h + 2kv) values a
-    token, bf16; backward twice that, plus the recomputed forward under checkpointing. Under
-    tp x sp a TP rank holds heads / tp of them (AutoTP's split), so it sends 1/tp of that."""
+    token, bf16; backward as many (each all-to-all's gradient goes back by one all-to-all of
+    the same size: DeepSpeed's `_SeqAllToAll.backward`; measured, tests/dist/
+    test_sim_a2a_measured.py), plus the recomputed forward's under checkpointing. Under
+    tp x sp a TP rank holds heads / tp of them (AutoTP's split), so it sends 1/tp of that.
+    `tokens_per_rank` [G]: a rank's tokens in each of G groups of g `ranks` ([G, g]); -> [G]
+    seconds (in arrays: the 1,024-GPU search runs ~10^6 of them)."""
     d = step.model.dims
     per_layer = tokens_per_rank * (2 * d.hidden + 2 * step.model.kv) * 2 / tp
-    times = (2 + step.plan.checkpointing) if backward else 1
-    step.a2a_bytes["llm_ulysses"] += per_layer * d.layers * times * (g - 1)
-    return times * d.layers * comm.even_all_to_all(per_layer, g, comm.link_of(step.cluster, ranks))
+    times = (1 + step.plan.checkpointing) if backward else 1
+    step.a2a_bytes["llm_ulysses"] += float(np.sum(per_layer)) * d.layers * times * (g - 1)
+    link = comm.links_each(step.cluster, np.asarray(ranks).reshape(-1, g))
+    return times * d.layers * comm.even_all_to_all_each(per_layer, g, link)
 
 
 def _llm_sp(step: Step, rows: list[Row], backward: bool) -> None:
     """Each row's SP group(s) meet at Ulysses' all-to-alls: under tp one SP group per TP rank
     (the row's ranks of one tp coordinate), each with heads / tp."""
-    tp = step.pplan.tp
-    groups = [(r, r.ranks[t::tp]) for r in rows if len(r.ranks) > tp for t in range(tp)]
-    if not groups:
-        return
-    seconds = [llm_sp_seconds(step, step.samples.tokens[r.samples].sum() / len(g), len(g), g,
-                              backward, tp) for r, g in groups]
-    _sync_per_group(step, [g for _, g in groups], seconds, "llm_sp")
+    tp, by_size = step.pplan.tp, {}
+    for r in rows:  # rows of one size together (per-sequence SP blocks differ)
+        if len(r.ranks) > tp:
+            by_size.setdefault(len(r.ranks), []).append(r)
+    ranks, gid, seconds = [], [], []
+    for n, rs in by_size.items():
+        g = n // tp
+        groups = np.stack([r.ranks for r in rs]).reshape(len(rs), g, tp).transpose(0, 2, 1)
+        tokens = np.repeat([step.samples.tokens[r.samples].sum() / g for r in rs], tp)  # [R tp]
+        t = llm_sp_seconds(step, tokens, g, groups.reshape(-1, g), backward, tp)  # [R tp]
+        first = sum(len(s) for s in seconds)
+        ranks.append(groups.reshape(-1))
+        gid.append(first + np.repeat(np.arange(t.size), g))
+        seconds.append(t)
+    if ranks:
+        seconds = np.concatenate(seconds)
+        gid = np.concatenate(gid)
+        step.timeline.sync(np.concatenate(ranks), gid, "llm_sp", seconds[gid])
 
 
 def _round_zero(step: Step, ranks: np.ndarray, compute: np.ndarray) -> None:
