@@ -118,7 +118,21 @@ def lower_bound(shell: Shell, totals: dict) -> float:
         link = comm.link_of(c, shell.ranks_of(0, 1)[::p.tp])
         seconds += d.layers * (1 + 1 + ckpt) * (p.sp - 1) / p.sp * tokens / w * \
             (2 * d.hidden + 2 * m.kv) * 2 / link.bandwidth
+    seconds += plan.micro_batches * tp_grads_seconds(shell)
     return seconds + min(grad_sync_seconds(shell, s) for s in range(p.pp))
+
+
+def tp_grads_seconds(shell) -> float:
+    """Under `tp_apart`, the bandwidth part of a micro-batch's encoder-gradient all-reduce over
+    TP (every rank, every round): 2 (tp - 1) / tp of the bf16 gradients, no more than the ring
+    or the tree the step charges."""
+    if not tp_apart(shell):
+        return 0.0
+    m, tp = shell.model, shell.pplan.tp
+    nbytes = sum(m.encoder_params(n) for n in m.dims.encoders if n not in m.frozen) * \
+        m.bytes_per_param
+    bw = comm.link_of(shell.cluster, shell.ranks_of(0, 1)[:tp]).bandwidth
+    return 2 * (tp - 1) / tp * nbytes / bw
 
 
 def tp_apart(shell) -> bool:
@@ -160,7 +174,7 @@ def refined_bound(shell: Shell, assignment, totals: dict) -> float:
     # a member's encoder work: its SP rank's share, or under tp alone its TP rank's (a mean
     # over the TP ranks, no more than the busiest's)
     own_enc = 0.0 if plan.encoder_mode == "pool" else enc / (p.tp if tp_apart(shell) else p.sp)
-    v = (llm * f / inner + own_enc) / rate + _traffic(shell, tok)  # [D, M] a member's seconds
+    v = (llm * f / inner + own_enc) / rate + _traffic(shell, tok) + tp_grads_seconds(shell)
     per_round = v.max(axis=0).sum() if plan.zero_stage >= 2 else v.sum(axis=1).max()
     return max(coarse, float(per_round) + sync)
 
