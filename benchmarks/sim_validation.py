@@ -426,23 +426,22 @@ def predict_all(raw: dict, out: Path, tmp: str, sources: dict) -> list[dict]:
 
 def run(args) -> dict:
     """Measure (or, --reuse, read the last measurement back) and predict."""
-    import pickle
     from tests.fixtures import long_source, text_source
     t0 = time.perf_counter()
-    raw_file = args.out / "sim_validation_raw.pkl"  # the measured runs, to re-predict from
+    raw_file = args.out / "sim_validation_raw.json"  # the measured runs, to re-predict from
     with tempfile.TemporaryDirectory(prefix="ds_omni_simval_") as tmp:
         sources = {"text": text_source(Path(tmp)),
                    "long": long_source(Path(tmp), weight=0.14, words=1200)}
         if args.reuse:
-            raw = pickle.loads(raw_file.read_bytes())
+            raw = json.loads(raw_file.read_text())
             if args.recalibrate:  # the compute calibration again, the measured runs kept
                 raw["compute"] = calibrate_compute(list(raw["logs"]), tmp, sources,
                                                    args.batches)
-                raw_file.write_bytes(pickle.dumps(raw))
+                raw_file.write_text(json.dumps(raw))
         else:
             raw = measure_all(args.configs, args.rounds, args.warmup, args.batches,
                               args.comm_repeats, args.out, tmp, sources)
-            raw_file.write_bytes(pickle.dumps(raw))
+            raw_file.write_text(json.dumps(raw))
         rows = predict_all(raw, args.out, tmp, sources)
     return report(rows, raw["comm"], raw["compute"], raw["rounds"], raw["warmup"],
                   time.perf_counter() - t0)
@@ -480,7 +479,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--comm-repeats", type=int, default=7)
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--reuse", action="store_true",
-                    help="predict again from the last run's measurements (sim_validation_raw.pkl)")
+                    help="predict again from the last run's measurements (sim_validation_raw.json)")
     ap.add_argument("--recalibrate", action="store_true",
                     help="with --reuse: run the compute calibration again")
     args = ap.parse_args(argv)

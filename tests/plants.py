@@ -439,6 +439,22 @@ def _aux_loss_dropped(rank: int):
     yield from _patched(omni, "router_aux_sum", lambda f: lambda *a: 0.0)
 
 
+@plant("moe_aux_not_reduced_over_sp", "under SP each rank prices its shard of a sample as if "
+       "it were the whole sample (the MoE aux loss's statistics are not summed over the row's "
+       "group) and adds that aux whole", "ep_sp")
+def _moe_aux_not_reduced_over_sp(rank: int):
+    import torch.distributed as dist
+    from ds_omni.model import moe_aux
+
+    def make(_original):
+        def planted(aux, logits, cu_seqlens, targets, group):
+            offset = dist.get_rank(group) * logits[0].shape[0]
+            return moe_aux.aux_from_stats(
+                aux, moe_aux.shard_stats(aux, logits, cu_seqlens, targets, offset))
+        return planted
+    yield from _patched(moe_aux, "sp_aux_sum", make)
+
+
 # --------------------------------------------------- the step simulator (tests/unit/test_sim_comm.py)
 @plant("a2a_even_splits", "the simulator prices an all-to-all as if every message carried the "
        "mean bytes (uneven splits ignored)", "sim")

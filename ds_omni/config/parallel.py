@@ -77,10 +77,12 @@ class ParallelConfig:
 
     ep: int = 1
     """Expert-parallel degree of an MoE LLM (DeepSpeed's AutoEP): each MoE layer's experts are
-    split over groups of ep data-parallel ranks (as DeepSpeed's MoE groups are drawn), tokens
-    reach their experts by all-to-all, and HF's router (top-k, normalisation, the auxiliary
-    load-balancing loss, shared experts) is kept. Must divide dp and the experts; the LLM's
-    family needs an AutoEP preset (`ds-omni plan` names them). sp = pp = 1 in this version."""
+    split over groups of ep consecutive ranks of the dp x sp ranks (as DeepSpeed's MoE groups are
+    drawn), tokens reach their experts by all-to-all, and HF's router (top-k, normalisation, the
+    auxiliary load-balancing loss, summed over a sample's SP shards, shared experts) is kept.
+    Must divide dp x sp and the experts; the LLM's family needs an AutoEP preset (`ds-omni plan`
+    names them). Combines with sp (ZeRO 1 or 2) and max_sequence_sp; tp = pp = 1 in this
+    version."""
 
     @property
     def tp_encodes_apart(self) -> bool:

@@ -132,13 +132,35 @@ class LoaderProcess:
         atexit.register(self._end)  # before multiprocessing joins its non-daemon children
         self.last_wait_s = 0.0
         self._skip_log: list[dict] = []
-        # built (or not) in the loader process: it imports torch and the processors' libraries
-        status, value = pickle.loads(self._receive(max(timeout_s, START_TIMEOUT_S)))
+        self._position: dict | None = None  # None: the loader process has not said it is built
+        self.taken_before: dict | None = None
+
+    @property
+    def position(self) -> dict:
+        """The loader's position after the steps taken (the trainer holds it). Its first use
+        waits for the loader process to have built the loader, not the constructor: the loader
+        processes of all ranks join their world together, and rank 0 builds its loader before
+        the other ranks start building theirs (`setup_training`: it makes the builtin assets
+        first), so a constructor that waited would wait for a peer that never comes."""
+        if self._position is None:
+            self._position = self._built()
+        return self._position
+
+    @position.setter
+    def position(self, value: dict) -> None:
+        self._position = value
+
+    def _built(self) -> dict:
+        """The loader process's first message: built (its position), or why it could not be."""
+        try:  # it imports torch and the processors' libraries, opens the sources, joins the world
+            status, value = pickle.loads(self._receive(max(self.timeout_s, START_TIMEOUT_S)))
+        except (EOFError, OSError):
+            self._died()
         if status == "error":
             self._end()
-            raise DataError(f"rank {rank}: the loader process could not build the loader: {value}")
-        self.position = value  # after the steps taken (the trainer holds it)
-        self.taken_before: dict | None = None
+            raise DataError(f"rank {self.rank}: the loader process could not build the loader: "
+                            f"{value}")
+        return value
 
     @property
     def pid(self) -> int:
@@ -220,6 +242,7 @@ class LoaderProcess:
         """Send a request, wait for its reply: a dead or silent loader process raises."""
         if self._closed:
             raise DataError(f"rank {self.rank}: the loader process is closed")
+        self.position  # noqa: B018 (its first message, "built", comes before any reply)
         try:
             self._conn.send_bytes(pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL))
             status, value = pickle.loads(self._receive())

@@ -95,6 +95,20 @@ def receive(comm: ShardComm, dp_rank: int) -> dict:
         raise DataError(
             f"rank {comm.rank} of the reader group of data-parallel rank {dp_rank} (its sp x tp "
             f"ranks) got no batch from the group's reader (rank {comm.reader}): "
-            f"{type(e).__name__}: {e}. The reader's log says why it stopped; "
+            f"{_why(e)} ({type(e).__name__}: {e}). The reader's log says why it stopped; "
             "data.shared_reading false makes every rank read its rows itself") from None
     return pickle.loads(data)
+
+
+# gloo's words for a peer whose process is gone (which one it says depends on when it looked)
+_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _why(e: Exception) -> str:
+    """What a failed receive means, in words: the reader gone, or silent past the timeout."""
+    text = str(e)
+    if any(w in text for w in _GONE):
+        return "its process is gone (the connection to it closed)"
+    if "Timed out" in text or "timeout" in text.lower():
+        return "it sent nothing within the group's timeout (alive but stuck, or very slow)"
+    return "the collective failed"

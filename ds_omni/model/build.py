@@ -21,7 +21,6 @@ from ds_omni.model.convert import is_omni_dir, load_omni_dir
 from ds_omni.model.family import Family
 from ds_omni.model.hf_dir import (check_vocab_fits, check_weights_present, load_tokenizer,
                                   read_model_type)
-from ds_omni.model.moe_aux import router_aux_of
 from ds_omni.model.omni import OmniModel
 
 
@@ -113,11 +112,6 @@ def check_sequence_parallel(cfg: ModelConfig, sp: int, llm=None) -> None:
     problem = sp_problem(per_sample_types(text))
     if problem is not None:
         raise ModelError(f"parallel.sp={sp}: {problem}")
-    if router_aux_of(text) is not None:  # a shard cannot price its sample's aux loss alone
-        raise ModelError(f"SP degree {sp}: the LLM's MoE auxiliary loss (output_router_logits) "
-                         "is per sample, which a sequence shard cannot compute alone in this "
-                         "version; set output_router_logits to false in the LLM config or the SP "
-                         "degrees (parallel.sp, parallel.max_sequence_sp) to 1")
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     if heads % sp:

@@ -18,6 +18,14 @@ losses do. The step's loss is then the target-weighted mean of HF's per-sample l
 
 which the trainer's normalisation (`train/step.py`) already applies to `loss_sum`.
 
+Under sequence parallelism (Ulysses, static or per-sequence) a rank holds only a shard of a
+sample's tokens. A sample's aux is a function of sums over its tokens (each expert's top-k picks,
+its router probabilities, the token and target counts: `SampleStats`), so each rank sums them
+over its shard and the row's group adds them up (the probabilities by an all-reduce autograd sees,
+whose backward sums the ranks' gradients) before the aux is formed; every rank then holds the
+whole sample's aux and adds 1 / size of it, so the group's loss sums, and ZeRO's sum of its
+gradients over the SP ranks, count each sample once.
+
 The router logits are read by forward hooks on each MoE layer's gate, which exist both on HF's
 block (`mlp.gate`: HF's router returns (logits, scores, indices), or logits alone) and on the
 block DeepSpeed's AutoEP puts in its place (`mlp.router.gate`, a Linear giving the logits): the
@@ -96,42 +104,98 @@ def recorded_router_logits(backbone: nn.Module):
 
 
 def router_aux_sum(aux: RouterAux | None, logits: dict[int, torch.Tensor],
-                   batch: "MicroBatch") -> torch.Tensor | float:
+                   batch: "MicroBatch", router=None) -> torch.Tensor | float:
     """coef x sum_s targets_s x aux_s over the samples of one row (0 without an aux loss):
-    `logits` the MoE layers' [T, E] (`recorded_router_logits`)."""
+    `logits` the MoE layers' [T, E] (`recorded_router_logits`). `router`: the plan's routing
+    (`OmniModel.router`, None without one), whose `aux_group(batch)` is (the group the row is
+    split over, its SP counts) or (None, None) for a row held whole: a split row's ranks each
+    return 1 / size of the row's sum (`sp_aux_sum`), and the counts note that reduction."""
     if aux is None:
         return 0.0
-    if batch.route.sharded:
-        raise ModelError(
-            "the MoE auxiliary loss (output_router_logits) is a per-sample loss that a sequence "
-            "shard cannot compute alone in this version; set parallel.sp and "
-            "parallel.max_sequence_sp to 1, or output_router_logits to false in the LLM config")
+    group, counts = router.aux_group(batch) if router is not None else (None, None)
     if not logits:
         raise ModelError("the LLM config asks for the MoE auxiliary loss (output_router_logits) "
                          "but no decoder layer has a router (`mlp.gate` or `mlp.router.gate`)")
-    return aux.coef * per_sample_aux(aux, [logits[i] for i in sorted(logits)],
-                                     batch.cu_seqlens, (batch.host or batch).targets)
+    layers = [logits[i] for i in sorted(logits)]
+    targets = (batch.host or batch).targets
+    if group is None:
+        return aux.coef * per_sample_aux(aux, layers, batch.cu_seqlens, targets)
+    if counts is not None:
+        counts.aux_reductions += 1
+    return aux.coef * sp_aux_sum(aux, layers, batch.cu_seqlens, targets, group)
 
 
 def per_sample_aux(aux: RouterAux, logits: list[torch.Tensor], cu_seqlens: torch.Tensor,
                    targets: torch.Tensor) -> torch.Tensor:
-    """sum_s targets_s x aux_s: `logits` each MoE layer's [T, E], `cu_seqlens` [n + 1] the
-    samples' bounds and `targets` [1, T] (IGNORE_INDEX, negative, where nothing is trained), both
-    on the host: no device sync."""
-    probs = torch.stack([F.softmax(x.float(), dim=-1) for x in logits])  # [L, T, E]
-    picks = torch.topk(probs, aux.top_k, dim=-1).indices  # [L, T, k]
-    # [L, T, E]: how often each token picked each expert (no gradient, as HF's histc)
+    """sum_s targets_s x aux_s of a row held whole: `logits` each MoE layer's [T, E],
+    `cu_seqlens` [n + 1] the samples' bounds and `targets` [1, T] (IGNORE_INDEX, negative,
+    where nothing is trained), both on the host: no device sync."""
+    return aux_from_stats(aux, shard_stats(aux, logits, cu_seqlens, targets, offset=0))
+
+
+@dataclass
+class SampleStats:
+    """What a sample's aux needs, per sample of a row, over the tokens one rank holds: sums
+    over those tokens, so the shards of a split row add up to the whole sample's."""
+
+    probs: torch.Tensor  # [n, E] summed router probabilities (MoE layers x tokens); grad
+    picks: torch.Tensor  # [n, E] top-k picks of each expert (no gradient, as HF's histc)
+    tokens: torch.Tensor  # [n] tokens of the sample held here
+    targets: torch.Tensor  # [n] trained tokens of the sample held here
+
+    def __add__(self, other: "SampleStats") -> "SampleStats":
+        return SampleStats(self.probs + other.probs, self.picks + other.picks,
+                           self.tokens + other.tokens, self.targets + other.targets)
+
+
+def shard_stats(aux: RouterAux, logits: list[torch.Tensor], cu_seqlens: torch.Tensor,
+                targets: torch.Tensor, offset: int) -> SampleStats:
+    """The `SampleStats` of this rank's tokens, positions [offset, offset + S) of the row:
+    `logits` each MoE layer's [S, E], `cu_seqlens` [n + 1] the whole (padded) row's bounds,
+    `targets` [1, S] this rank's, both on the host."""
+    probs = torch.stack([F.softmax(x.float(), dim=-1) for x in logits])  # [L, S, E]
+    picks = torch.topk(probs, aux.top_k, dim=-1).indices  # [L, S, k]
     ones = torch.ones(picks.shape, dtype=probs.dtype, device=probs.device)
-    counts = torch.zeros_like(probs).scatter_add_(-1, picks, ones)
-    trained = (targets[0] >= 0).tolist()  # [T], on the host
-    bounds = cu_seqlens.tolist()
-    total = probs.new_zeros(())
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        n_targets = sum(trained[start:end])
-        if not n_targets:  # padding, or a sample with nothing trained
-            continue
-        rows = probs.shape[0] * (end - start)  # R: MoE layers x tokens of the sample
-        c = counts[:, start:end].sum(dim=(0, 1)) / rows  # [E]
-        p = probs[:, start:end].sum(dim=(0, 1)) / rows  # [E]
-        total = total + n_targets * aux.num_experts * (c * p).sum()
-    return total
+    counts = torch.zeros_like(probs).scatter_add_(-1, picks, ones)  # [L, S, E]
+    s, n = probs.shape[1], cu_seqlens.numel() - 1
+    positions = torch.arange(offset, offset + s)
+    sample = torch.searchsorted(cu_seqlens[1:].long(), positions, right=True)  # [S] on the host
+    trained = (targets[0] >= 0).to(torch.float64)  # [S]
+    on = sample.to(probs.device)
+    return SampleStats(
+        probs=probs.new_zeros(n, probs.shape[-1]).index_add(0, on, probs.sum(dim=0)),
+        picks=probs.new_zeros(n, probs.shape[-1]).index_add(0, on, counts.sum(dim=0)),
+        tokens=torch.bincount(sample, minlength=n).to(probs.device, probs.dtype)
+        * probs.shape[0],  # R counts MoE layers x tokens
+        targets=torch.bincount(sample, weights=trained, minlength=n).to(probs.device,
+                                                                       probs.dtype))
+
+
+def aux_from_stats(aux: RouterAux, stats: SampleStats) -> torch.Tensor:
+    """sum_s targets_s x aux_s, aux_s = E x sum_e (c_e / R)(p_e / R) with R = MoE layers x the
+    sample's tokens (HF's `load_balancing_loss_func` on the sample alone); a sample with nothing
+    trained (padding) weighs 0."""
+    rows = stats.tokens.clamp(min=1).unsqueeze(1)  # [n, 1]
+    per_sample = ((stats.picks / rows) * (stats.probs / rows)).sum(dim=1)  # [n]
+    return (stats.targets * aux.num_experts * per_sample).sum()
+
+
+def sp_aux_sum(aux: RouterAux, logits: list[torch.Tensor], cu_seqlens: torch.Tensor,
+               targets: torch.Tensor, group) -> torch.Tensor:
+    """This rank's part of sum_s targets_s x aux_s of a row split over `group` (its shard's
+    `logits` [S, E] each, rank r of the group holding positions [r S, (r + 1) S)): the samples'
+    stats are summed over the group first, the probabilities by an all-reduce that autograd
+    sees (its backward sums the ranks' gradients), so every rank has the whole samples' aux;
+    each then returns 1 / size of it, so the sum over the group (as ZeRO sums the SP ranks'
+    gradients and the step the ranks' loss sums) counts each sample once. Every rank of the
+    group must call it, for every row the group runs."""
+    import torch.distributed as dist
+    from torch.distributed.nn.functional import all_reduce
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = shard_stats(aux, logits, cu_seqlens, targets, offset=rank * logits[0].shape[0])
+    n = mine.tokens.shape[0]
+    plain = torch.cat([mine.picks.flatten(), mine.tokens, mine.targets])  # one no-grad reduce
+    dist.all_reduce(plain, group=group)
+    picks, rest = plain[:mine.picks.numel()].view_as(mine.picks), plain[mine.picks.numel():]
+    whole = SampleStats(all_reduce(mine.probs, group=group), picks, rest[:n], rest[n:])
+    return aux_from_stats(aux, whole) / size

@@ -465,8 +465,8 @@ class OmniModel(nn.Module):
         # Their indices come from the host, so nothing here waits for the device.
         keep = batch.target_positions()  # [n]
         loss_sum = summed_token_loss(self.backbone.head, hidden, batch.targets, keep)
-        loss_sum = loss_sum + router_aux_sum(self.backbone.router_aux, router_logits, batch)
-        return LossOutput(loss_sum=loss_sum, num_targets=keep.shape[0])
+        aux = router_aux_sum(self.backbone.router_aux, router_logits, batch, self.router)
+        return LossOutput(loss_sum=loss_sum + aux, num_targets=keep.shape[0])
 
     # ---------------------------------------------------------------------------- structure
     def parts(self) -> dict[str, list[nn.Module]]:

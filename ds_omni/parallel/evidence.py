@@ -30,6 +30,9 @@ class SPCounts:
     """Embedding rows this rank's shard received from the rank that encoded them."""
     encoder_pieces: int = 0
     """Pieces of long items this rank encoded, Ulysses inside the tower (long-short SP)."""
+    aux_reductions: int = 0
+    """Forwards of a split row whose MoE aux-loss statistics (each sample's expert picks,
+    router probabilities, tokens) this rank summed over the row's group (`model.moe_aux`)."""
 
     def resharded(self, plan) -> None:
         """One resharding all-to-all of `plan` (a `RankReshard`) issued by this rank."""

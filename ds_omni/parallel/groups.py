@@ -242,21 +242,12 @@ def sequence_groups(plan: ParallelPlan, rank: int) -> "SequenceParallelMpu | Non
     return SequenceParallelMpu(sp_pg, seq_data_pg, alone)
 
 
-class SequenceParallelMpu:
-    """The `mpu` DeepSpeed is given under Ulysses SP, so ZeRO reduces over data x sequence ranks.
+class SequenceGroups:
+    """DeepSpeed's sequence-parallel interface over `_sp` (the Ulysses group) and `_seq_data`
+    (the sequence x data group ZeRO reduces over): what both SP mpus below offer."""
 
-    It offers what DeepSpeed's own `deepspeed.runtime.sequence_parallel.parallel_state_sp` module
-    offers (DeepSpeed recognises that interface by `initialize_sequence_parallel`), held by an object
-    instead of module globals. DeepSpeed then averages gradients over the dp ranks and sums them over
-    the sp ranks (`engine._reduce_non_expert_gradients`, ZeRO's `average_tensor`), which is what
-    `engine.gradient_divisor` accounts for.
-    """
-
-    def __init__(self, sp_group, seq_data_group, model_parallel_group):
-        self._sp, self._seq_data, self._mp = sp_group, seq_data_group, model_parallel_group
-
-    def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
-        raise RuntimeError("ds_omni builds its sequence-parallel groups from the ParallelPlan")
+    _sp: object
+    _seq_data: object
 
     def get_sequence_parallel_group(self):
         return self._sp
@@ -275,6 +266,23 @@ class SequenceParallelMpu:
 
     def get_sequence_data_parallel_rank(self) -> int:
         return dist.get_rank(self._seq_data)
+
+
+class SequenceParallelMpu(SequenceGroups):
+    """The `mpu` DeepSpeed is given under Ulysses SP, so ZeRO reduces over data x sequence ranks.
+
+    It offers what DeepSpeed's own `deepspeed.runtime.sequence_parallel.parallel_state_sp` module
+    offers (DeepSpeed recognises that interface by `initialize_sequence_parallel`), held by an object
+    instead of module globals. DeepSpeed then averages gradients over the dp ranks and sums them over
+    the sp ranks (`engine._reduce_non_expert_gradients`, ZeRO's `average_tensor`), which is what
+    `engine.gradient_divisor` accounts for.
+    """
+
+    def __init__(self, sp_group, seq_data_group, model_parallel_group):
+        self._sp, self._seq_data, self._mp = sp_group, seq_data_group, model_parallel_group
+
+    def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
+        raise RuntimeError("ds_omni builds its sequence-parallel groups from the ParallelPlan")
 
     # No tensor parallelism: each rank holds whole parameters. DeepSpeed's gradient clipping asks
     # for these (its own parallel_state_sp lacks them, so ZeRO-0 with clipping fails there).
@@ -323,7 +331,7 @@ class TensorParallelMpu:
         return dist.get_world_size(self._dp)
 
 
-class SequenceTensorParallelMpu(TensorParallelMpu):
+class SequenceTensorParallelMpu(SequenceGroups, TensorParallelMpu):
     """The `mpu` DeepSpeed is given under parallel.tp > 1 and parallel.sp > 1: Megatron's
     model-parallel interface for the TP group (`TensorParallelMpu`) and DeepSpeed's
     sequence-parallel one for the Ulysses group, held by one object.
@@ -338,24 +346,6 @@ class SequenceTensorParallelMpu(TensorParallelMpu):
     def __init__(self, tp_group, dp_group, sp_group, seq_data_group):
         super().__init__(tp_group, dp_group)
         self._sp, self._seq_data = sp_group, seq_data_group
-
-    def get_sequence_parallel_group(self):
-        return self._sp
-
-    def get_sequence_parallel_world_size(self) -> int:
-        return dist.get_world_size(self._sp)
-
-    def get_sequence_parallel_rank(self) -> int:
-        return dist.get_rank(self._sp)
-
-    def get_sequence_data_parallel_group(self):
-        return self._seq_data
-
-    def get_sequence_data_parallel_world_size(self) -> int:
-        return dist.get_world_size(self._seq_data)
-
-    def get_sequence_data_parallel_rank(self) -> int:
-        return dist.get_rank(self._seq_data)
 
 
 def loader_comms(plan: ParallelPlan, rank: int

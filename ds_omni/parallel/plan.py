@@ -82,10 +82,11 @@ class ParallelPlan:
         return self.ep > 1
 
     def ep_group_ranks(self) -> list[list[int]]:
-        """Expert-parallel groups: ep consecutive data-parallel ranks each, as DeepSpeed's
-        `groups._create_expert_and_data_parallel` draws them (sp = pp = 1: data-parallel rank =
-        rank)."""
-        return [list(range(start, start + self.ep)) for start in range(0, self.dp, self.ep)]
+        """Expert-parallel groups: ep consecutive ranks of the sequence x data group each (the
+        world: tp = pp = 1), as DeepSpeed's `groups._create_expert_and_data_parallel` draws them
+        (under sp its "sp" mode: consecutive ranks, so an EP group may be an SP group)."""
+        return [list(range(start, start + self.ep))
+                for start in range(0, self.dp * self.sp, self.ep)]
 
     @property
     def sp_enabled(self) -> bool:
@@ -232,18 +233,22 @@ def _powers_of_two(low: int, high: int) -> list[int]:
 
 
 def check_expert_parallel(cfg: ParallelConfig, dp: int) -> None:
-    """parallel.ep fits the plan: it divides dp, and the other axes are off (this version)."""
+    """parallel.ep fits the plan: it divides the dp x sp ranks (expert-parallel groups are drawn
+    from the sequence x data group, as DeepSpeed's AutoEP draws them), and tp, pp are off (this
+    version). Ulysses SP and per-sequence SP combine with it: each sample's aux-loss statistics
+    are summed over the ranks its row is split over (`ds_omni.model.moe_aux`)."""
     if cfg.ep == 1:
         return
-    if dp % cfg.ep:
-        raise LaunchError(f"parallel.ep={cfg.ep} does not divide the data-parallel degree {dp}: "
-                          "expert-parallel groups are drawn from data-parallel ranks; launch a "
-                          f"multiple of {cfg.ep} data-parallel ranks or change parallel.ep")
-    others = {"sp": cfg.sp, "tp": cfg.tp, "pp": cfg.pp, "max_sequence_sp": cfg.max_sequence_sp}
+    if (dp * cfg.sp) % cfg.ep:
+        raise LaunchError(f"parallel.ep={cfg.ep} does not divide the data-parallel x "
+                          f"sequence-parallel ranks {dp} x {cfg.sp} = {dp * cfg.sp}: "
+                          "expert-parallel groups are drawn from those ranks; launch a multiple "
+                          f"of {cfg.ep} of them or change parallel.ep")
+    others = {"tp": cfg.tp, "pp": cfg.pp}
     on = {k: v for k, v in others.items() if v > 1}
     if on:
         raise LaunchError(f"parallel.ep={cfg.ep} cannot be combined with "
                           f"{', '.join(f'parallel.{k}={v}' for k, v in on.items())} in this "
-                          "version (the MoE auxiliary loss is per sample, and a sequence shard "
-                          "or a pipeline stage does not see the whole sample; ep groups over "
-                          "tensor-parallel groups are not built yet): set them to 1")
+                          "version (a pipeline stage does not see the whole sample for the "
+                          "MoE auxiliary loss, and ep groups over tensor-parallel groups are not "
+                          "built yet): set them to 1")

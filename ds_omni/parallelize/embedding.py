@@ -76,6 +76,13 @@ class EmbeddingRouter:
                              "disagree on parallel.max_sequence_sp")
         return self.blocks[block]
 
+    def aux_group(self, batch: "MicroBatch") -> tuple[object, SPCounts | None]:
+        """(the group this micro-batch's row is split over, the SP counts), or (None, None) for
+        a row this rank holds whole: what an MoE LLM's per-sample aux loss is summed over
+        (`ds_omni.model.moe_aux.router_aux_sum`)."""
+        group = self.route(batch)[0]
+        return (group, self.sp_counts) if group is not None else (None, None)
+
     def attention(self, batch: "MicroBatch") -> PackedAttention | None:
         """The LLM attention of this micro-batch's row (None: the backbone's own)."""
         return self.route(batch)[1]

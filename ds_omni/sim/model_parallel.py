@@ -15,8 +15,8 @@ rank encodes its share of the row's items and the rows are all-gathered over TP
 under tp x sp each TP rank encodes its SP rank's share (as under sp alone) and runs Ulysses
 over its SP group with heads / tp (`step.llm_sp_seconds`).
 
-Expert parallelism (`parallel.ep`, DeepSpeed's AutoEP; sp = tp = pp = 1): each MoE layer's E
-experts are split over groups of ep consecutive data-parallel ranks; a token goes to its top-k
+Expert parallelism (`parallel.ep`, DeepSpeed's AutoEP; tp = pp = 1): each MoE layer's E
+experts are split over groups of ep consecutive ranks of the dp x sp ranks; a token goes to its top-k
 experts by an all-to-all and comes back by another: per MoE layer 2 all-to-alls forward and 2
 backward (+2 under checkpointing) of tokens x top-k x h bf16 a rank, (ep - 1) / ep of it to
 other ranks (routing taken as uniform). The experts' FLOPs of a group (top-k of E a token) are
@@ -61,7 +61,7 @@ def state_shards(step, stage: int, held: tuple[float, float]) -> list[StateShard
         experts = m.expert_params()
         groups = [ranks[e::p.ep] for e in range(p.ep)]  # ranks holding the same experts
         rest = StateShard(held[0] - experts, held[1] - experts * llm_trained, p.dp * p.sp, [ranks])
-        return [rest, StateShard(experts / p.ep, experts / p.ep * llm_trained, p.dp // p.ep,
+        return [rest, StateShard(experts / p.ep, experts / p.ep * llm_trained, p.dp * p.sp // p.ep,
                                  groups)]
     return [StateShard(held[0], held[1], p.dp * p.sp, [ranks])]
 

@@ -17,7 +17,7 @@ from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.parallelize.expert_parallel import autoep_section
 from ds_omni.parallelize.tensor_parallel import check_tensor_parallel, check_tp_with_sp
 from ds_omni.sim.encode_sim import ENCODER_MODES
-from ds_omni.train.ds_config import check_tensor_parallel_ds
+from ds_omni.train.ds_config import check_expert_sequence_ds, check_tensor_parallel_ds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +121,8 @@ class SimPlan:
             if model.moe is None:
                 raise ConfigError(f"parallel.ep={self.ep} needs an MoE LLM; this one is dense: "
                                   "set parallel.ep to 1")
+            check_expert_sequence_ds({"zero_optimization": {"stage": self.zero_stage}}, self.ep,
+                                     self.sp)
             if text is not None:
                 autoep_section(text, self.ep)
             elif model.moe.experts % self.ep:

@@ -75,6 +75,7 @@ def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
         section = out.setdefault("expert_parallel", {})
         for key, value in autoep_section(llm_text_config(cfg.model)[1], plan.ep).items():
             _merge(section, key, value, where=f"expert_parallel.{key}")
+        check_expert_sequence_ds(out, plan.ep, plan.sp)
     train = cfg.train
     optimizer = out.get("optimizer")
     if optimizer is not None:
@@ -93,6 +94,20 @@ def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
             _merge(params, key, values[key], where=f"scheduler.params.{key}")
     out.setdefault("steps_per_print", 10 ** 9)  # ds_omni reports progress itself
     return out
+
+
+def check_expert_sequence_ds(ds: dict, ep: int, sp: int) -> None:
+    """parallel.ep with parallel.sp > 1 runs ZeRO 1 or 2: there DeepSpeed divides every
+    gradient by dp before its reduction (experts over the ranks holding the same ones), where
+    ZeRO-0's expert reduction divides by the whole world (dp x sp: sp times too small) and
+    ZeRO-3 refuses AutoEP under SP."""
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if ep > 1 and sp > 1 and stage not in (1, 2):
+        raise ConfigError(f"parallel.ep={ep} with parallel.sp={sp} runs with ZeRO "
+                          f"stages 1 and 2 in this version; zero_optimization.stage={stage} is "
+                          "not supported with it (ZeRO-0 would scale the experts' gradients by "
+                          "1 / sp, ZeRO-3 is refused by DeepSpeed's AutoEP): set the stage to 1 "
+                          "or 2")
 
 
 def check_tensor_parallel_ds(ds: dict, tp: int) -> None:

@@ -71,7 +71,7 @@ def test_a_killed_reader_is_a_clear_error_at_once(tmp_path):
     assert got["message"] is not None, "the peer received a batch from a dead reader"
     assert "rank 1 of the reader group of data-parallel rank 0" in got["message"]
     assert "from the group's reader (rank 0)" in got["message"]
-    assert "Connection closed by peer" in got["message"]
+    assert "its process is gone" in got["message"]  # gloo says "closed" or "reset" by peer
     assert got["waited"] < HARNESS_TIMEOUT / 3, got  # not the group's timeout: gloo saw it die
 
 
@@ -80,5 +80,5 @@ def test_a_killed_reader_is_a_clear_error_at_once(tmp_path):
 def test_a_hung_reader_is_a_clear_error_after_the_groups_timeout(tmp_path):
     got = _outcome("hung", tmp_path)
     assert got["message"] is not None and "from the group's reader (rank 0)" in got["message"]
-    assert "Timed out" in got["message"]
+    assert "it sent nothing within the group's timeout" in got["message"]
     assert HANG_TIMEOUT_S - 0.5 < got["waited"] < HANG_TIMEOUT_S + 20, got

@@ -4,8 +4,9 @@ the joint pipeline) all train for real in one launch (`benchmarks/sim_validation
 busiest rank's CPU seconds, medians over rounds); the machine is fitted on runs of its own
 (`sim_validation.calibrate_compute`: other data seeds, one-rank engines); the search then
 ranks the space dp / sp / pp / tp / max_sequence_sp in {1, 2} x placements on the steps' own
-samples, and must put the measured best of the four first among them (a measured tie, within
-5 %, either way). Its full order is printed; one run (load average ~20, 672 s): measured CPU s
+samples, and must order every two plans the measurement tells apart (every round of one
+faster than every round of the other) as measured, and pick the measured best where the
+measurement tells it apart from all three others. Its full order is printed; one run (load average ~20, 672 s): measured CPU s
 dp2 0.949 < pp2 uniform 0.981 < pp2 stage0 1.203 < sp2 1.860, searched dp2 1.226 < pp2 stage0
 1.461 < pp2 uniform 1.526 < sp2 1.694: the best right, the two pipelines swapped
 (docs/benchmarks/sim_validation.md)."""
@@ -26,7 +27,6 @@ MEASURED = {  # plan of sim_validation.CONFIGS -> the SimPlan fields it is in th
     "pp2_stage0_image": dict(dp=1, sp=1, pp=2, encoder_placement="stage0"),
     "pp2_uniform_image": dict(dp=1, sp=1, pp=2, encoder_placement="uniform"),
 }
-TIE = 0.05  # measured within 5 %: either order counts as right
 
 
 def _searched(raw: dict, tmp: str, sources: dict) -> dict[str, float]:
@@ -63,7 +63,7 @@ def _searched(raw: dict, tmp: str, sources: dict) -> dict[str, float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_search_picks_the_measured_best_of_four_plans(tmp_path):
+def test_search_orders_the_plans_the_measurement_tells_apart(tmp_path):
     from ds_omni.sim.calibrate_comm import calibrate as calibrate_comm
     from tests.fixtures import long_source, text_source
     from tests.harness import run_on_ranks
@@ -74,11 +74,20 @@ def test_search_picks_the_measured_best_of_four_plans(tmp_path):
     comm = calibrate_comm((2,), sizes=(4096, 65536, 524288), repeats=3)
     Path(tmp, "sim_validation_cluster.json").write_text(json.dumps(comm["cluster"]))
     compute = sv.calibrate_compute(names, tmp, sources, batches=1, engine_steps=2)
-    per_rank = run_on_ranks(sv.ranks, 2, args=(names, tmp, sources, 2, 1), timeout=1200)
+    per_rank = run_on_ranks(sv.ranks, 2, args=(names, tmp, sources, 4, 1), timeout=1200)
     raw = {"logs": {n: [r[n] for r in per_rank] for n in names}, "compute": compute, "warmup": 1}
-    measured = {n: sv.measured(raw["logs"][n], 1)["measured_s"] for n in names}
+    rounds = {n: sv.measured(raw["logs"][n], 1)["measured_cpu_per_round"] for n in names}
+    measured = {n: statistics.median(v) for n, v in rounds.items()}
     predicted = _searched(raw, tmp, sources)
     print({n: (round(measured[n], 3), round(predicted[n], 3)) for n in names})
-    best_measured = min(measured, key=measured.get)
-    best_searched = min(predicted, key=predicted.get)
-    assert measured[best_searched] <= (1 + TIE) * measured[best_measured], (measured, predicted)
+    # what the measurement knows: plan a is faster than plan b when every round of a was
+    # (the plans' rounds do not overlap); closer plans swap places from run to run on a shared
+    # machine (dp=2 and the two pipelines are within 10 % of each other), so they are not known
+    known = [(a, b) for a in names for b in names if max(rounds[a]) < min(rounds[b])]
+    assert known, ("no two plans measured apart: the measurement decides nothing", rounds)
+    wrong = [(a, b) for a, b in known if not predicted[a] < predicted[b]]
+    assert not wrong, ("the search orders these measured-apart plans the other way", wrong,
+                       measured, predicted)
+    best = min(measured, key=measured.get)
+    if all((best, b) in known for b in names if b != best):  # a best the measurement knows
+        assert min(predicted, key=predicted.get) == best, (measured, predicted)

@@ -54,6 +54,7 @@ def test_accelerate_reproduces_the_deepspeed_run(tmp_path, reference):
 TORCHRUN_FAULTS = "kill:1:loader:2"
 
 
+@pytest.mark.slow  # 80 s: the quick tier keeps the accelerate and plain-process launches
 def test_torchrun_reproduces_the_deepspeed_run_across_a_killed_rank(tmp_path, reference):
     """Under `ds-omni supervise`: the kill ends the whole torchrun job within a bounded time,
     naming the dead rank; the resumed job ends as the uninterrupted deepspeed run."""

@@ -127,9 +127,32 @@ def test_ep_not_dividing_dp(tmp_path):
         _plan(tmp_path, 3, ep=2)
 
 
-def test_ep_with_sequence_parallelism_is_refused(tmp_path):
-    with pytest.raises(LaunchError, match="cannot be combined with parallel.sp=2"):
-        _plan(tmp_path, 4, ep=2, sp=2)
+def test_ep_with_sequence_parallelism_draws_ep_from_the_sp_x_dp_ranks(tmp_path):
+    """ep inside dp x sp: the expert-parallel groups are consecutive ranks of the sequence x
+    data group, as DeepSpeed's AutoEP draws them under an SP mpu (an EP group may be an SP
+    group: ep=2 x sp=2 on 2 ranks); ZeRO 0 and 3 are refused with it, tp and pp still are."""
+    plan, ds = _plan(tmp_path, 4, ep=2, sp=2)
+    assert plan.dp == 2 and plan.ep_group_ranks() == [[0, 1], [2, 3]]
+    assert ds["expert_parallel"]["autoep_size"] == 2
+    plan, _ = _plan(tmp_path, 2, ep=2, sp=2)
+    assert plan.dp == 1 and plan.ep_group_ranks() == [[0, 1]]
+    plan, _ = _plan(tmp_path, 4, ep=4, sp=2)
+    assert plan.ep_group_ranks() == [[0, 1, 2, 3]]
+    with pytest.raises(LaunchError, match=r"does not divide the data-parallel x sequence-parallel "
+                                          r"ranks 1 x 2 = 2"):
+        _plan(tmp_path, 2, ep=4, sp=2)
+    from ds_omni.train.setup import plan_run
+    cfg = tiny_config(str(tmp_path), global_batch_size=8)
+    cfg.model.llm.config = dict(MOE)
+    cfg.parallel.ep, cfg.parallel.sp = 2, 2
+    for stage in (0, 3):
+        with pytest.raises(ConfigError, match=f"zero_optimization.stage={stage} is not supported"):
+            plan_run(cfg, ds_config(stage), 4)
+
+
+def test_ep_with_pipeline_is_refused(tmp_path):
+    with pytest.raises(LaunchError, match="cannot be combined with parallel.pp=2"):
+        _plan(tmp_path, 4, ep=2, pp=2)
 
 
 def test_ep_below_one():
@@ -236,12 +259,59 @@ def test_aux_loss_with_decoder_layers_recomputed(tmp_path):
         torch.testing.assert_close(recomputed[1][name], grad, rtol=1e-6, atol=0, msg=name)
 
 
-def test_aux_loss_under_sequence_parallelism_is_refused(tmp_path):
-    """An MoE LLM with the aux loss on and an SP degree: a start-up error (not a forward's)."""
-    from ds_omni.errors import ModelError
+def test_aux_loss_with_sequence_parallelism_plans(tmp_path):
+    """An MoE LLM with the aux loss on and an SP degree plans (its aux is summed over the SP
+    ranks, `test_sharded_aux_is_hfs_on_the_whole_sample`)."""
     from ds_omni.train.setup import plan_run
     cfg = tiny_config(str(tmp_path))
     cfg.model.llm.config = dict(MOE)
     cfg.parallel.sp = 2
-    with pytest.raises(ModelError, match="MoE auxiliary loss"):
-        plan_run(cfg, ds_config(1), 2)
+    plan, _ = plan_run(cfg, ds_config(1), 2)
+    assert plan.sp == 2
+
+
+def _row(seed: int):
+    """Router logits of 2 MoE layers [2, T, E] (a leaf), over a row of 2 samples and padding
+    (T = 16: 5 + 7 + 4 tokens), its bounds and targets (some tokens untrained)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2, 16, 4, generator=g).requires_grad_()
+    cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+    targets = torch.randint(0, 50, (1, 16), generator=g)
+    targets[0, [0, 6, 7]] = -100
+    targets[0, 12:] = -100  # padding
+    return logits, cu, targets
+
+
+def _hf_row_aux(aux, logits, cu, targets):
+    """sum_s targets_s x HF's load_balancing_loss_func on sample s alone (its layers' logits)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    total = 0
+    for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        n = int((targets[0, lo:hi] >= 0).sum())
+        if n:
+            total = total + n * load_balancing_loss_func(tuple(logits[:, lo:hi]),
+                                                         aux.num_experts, aux.top_k)
+    return total
+
+
+def test_sharded_aux_is_hfs_on_the_whole_sample():
+    """A row split over 2 simulated SP shards (8 tokens each, a sample across the cut): each
+    shard's stats, summed (what `sp_aux_sum`'s all-reduces do), give HF's per-sample aux of the
+    whole row, value and gradient; one shard's stats alone (no reduction) do not."""
+    from ds_omni.model.moe_aux import RouterAux, aux_from_stats, per_sample_aux, shard_stats
+    aux = RouterAux(coef=0.5, num_experts=4, top_k=2)
+    logits, cu, targets = _row(0)
+    want = _hf_row_aux(aux, logits, cu, targets)
+    (want_grad,) = torch.autograd.grad(want, logits)
+    shards = [shard_stats(aux, list(logits[:, lo:lo + 8]), cu, targets[:, lo:lo + 8], lo)
+              for lo in (0, 8)]
+    got = aux_from_stats(aux, shards[0] + shards[1])
+    (got_grad,) = torch.autograd.grad(got, logits)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5,
+                               atol=1e-6 * float(want_grad.abs().max()))
+    assert float(want_grad.abs().max()) > 0
+    whole = per_sample_aux(aux, list(logits), cu, targets)  # a row held whole: the same
+    torch.testing.assert_close(whole, want, rtol=1e-6, atol=0)
+    alone = sum(aux_from_stats(aux, s).detach() for s in shards)  # the plant: no reduction
+    assert abs(float(alone) - float(want.detach())) > 1e-3 * abs(float(want.detach()))

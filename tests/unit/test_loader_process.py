@@ -70,7 +70,8 @@ def test_a_silent_loader_process_is_an_error_and_a_bad_build_says_why(built, tmp
     import dataclasses
     parts = _parts(built, tmp_path)
     silent = LoaderProcess(parts, 1, timeout_s=3)
-    os.kill(silent.pid, signal.SIGSTOP)  # hung: stops answering
+    assert silent.position["step"] == 0  # built (the first use waits for that)
+    os.kill(silent.pid, signal.SIGSTOP)  # then hung: stops answering
     t0 = time.perf_counter()
     batch = silent.next_step()
     assert time.perf_counter() - t0 < 10 and "gave no answer in 3 s" in batch.error
@@ -78,4 +79,4 @@ def test_a_silent_loader_process_is_an_error_and_a_bad_build_says_why(built, tmp
     missing = dataclasses.replace(parts, data=dataclasses.replace(parts.data, sources=[
         dataclasses.replace(parts.data.sources[0], path=str(tmp_path / "nowhere.parquet"))]))
     with pytest.raises(Exception, match="could not build the loader"):
-        LoaderProcess(missing, 1, timeout_s=60)
+        LoaderProcess(missing, 1, timeout_s=60).state_dict()  # its first use says it
