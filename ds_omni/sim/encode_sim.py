@@ -63,6 +63,9 @@ class RoundWork:
     present: dict = field(default_factory=dict)  # encoder -> [W] bool: the rank runs an item
     tp_gathers: list = field(default_factory=list)  # (src, dst, bytes) rows over TP, forward
     tp_groups: list = field(default_factory=list)  # TP groups (rank arrays) that gather rows
+    memo: dict = field(default_factory=dict)
+    """What the step derives from this placement alone (its collectives' seconds on the
+    cluster, the bytes they add), kept for the plans of a search that share it (`step.py`)."""
 
     def ran(self, encoder: str, ranks) -> None:
         self.present.setdefault(encoder, np.zeros(self.flops.size, dtype=bool))[ranks] = True
@@ -116,36 +119,49 @@ def round_work(rows: list[Row], layout: RowLayout, world: int, mode: str, long_i
             continue
         threshold = 0.0 if mode == "split_all" else None
         long = LongItems(threshold, heads) if (long_items or mode == "split_all") else None
-        plans = reshard.plan_reshard(slots, g, math.ceil(tokens / g), encoder_order, long)
-        _charge(plans, slots, ids, row, layout, work)
+        shard = math.ceil(tokens / g)
+        _charge(reshard.place_items(slots, g, shard, encoder_order, long), shard, slots, ids,
+                row, layout, work)
         work.groups.append(row.ranks)
     return work
 
 
-def _charge(plans, slots, ids, row: Row, layout: RowLayout, work: RoundWork) -> None:
+def _charge(placed, shard: int, slots, ids, row: Row, layout: RowLayout,
+            work: RoundWork) -> None:
     """Per rank of a row's group: the items it encodes whole, its pieces of the split ones, and
-    the embedding rows it sends to each member (`RankReshard.send_counts`)."""
-    key = {(s.encoder, s.index): k for k, s in enumerate(slots)}
+    the embedding rows it sends to each member: `plan_reshard`'s `send_counts`, from its
+    decisions (`place_items`) without building the receive side (most of its time). The
+    additions run in `plan_reshard`'s order (rank by rank, then the split items), so the sums
+    are the same to the last bit."""
+    owner, pieces, in_order = placed
     g = len(row.ranks)
-    for plan in plans:
-        r = row.ranks[plan.rank]
-        for enc, indices in plan.encode.items():
-            for index in indices:
-                k = key[(enc, index)]
-                work.flops[r] += slots[k].cost
-                work.positions[r] += layout.s.item_len[ids[k]]
-                work.ran(enc, r)
-        for dst, count in enumerate(plan.send_counts):
-            if count and dst != plan.rank:
-                work.sends.append((r, row.ranks[dst], count * layout.hidden * 2))
-    for enc, split in plans[0].split.items():
-        for index, _ in split:
-            k = key[(enc, index)]
-            work.flops[row.ranks] += slots[k].cost / g
-            length = int(layout.s.item_len[ids[k]])
-            work.positions[row.ranks] += length / g
-            work.split_positions.append((row.ranks, length / g, enc))
-            work.ran(enc, row.ranks)
+    src, pos = [], []  # per slot piece: the sending member, the rows' positions [n]
+    for k in in_order:
+        sl = slots[k]
+        if k in pieces:
+            b = pieces[k]
+            src += [np.full(b[r + 1] - b[r], r) for r in range(g)]
+            pos.append(sl.positions)
+            continue
+        r = row.ranks[owner[k]]
+        work.flops[r] += sl.cost
+        work.positions[r] += layout.s.item_len[ids[k]]
+        work.ran(sl.encoder, r)
+        src.append(np.full(len(sl.positions), owner[k]))
+        pos.append(sl.positions)
+    if pos:  # [g, g] rows member i sends member j (its output rows over the shards)
+        cell = np.concatenate(src).astype(np.int64) * g + np.concatenate(pos) // shard
+        counts = np.bincount(cell, minlength=g * g).reshape(g, g)
+        for i, j in zip(*np.nonzero(counts)):
+            if i != j:
+                work.sends.append((row.ranks[i], row.ranks[j],
+                                   int(counts[i, j]) * layout.hidden * 2))
+    for k in (k for k in in_order if k in pieces):
+        work.flops[row.ranks] += slots[k].cost / g
+        length = int(layout.s.item_len[ids[k]])
+        work.positions[row.ranks] += length / g
+        work.split_positions.append((row.ranks, length / g, slots[k].encoder))
+        work.ran(slots[k].encoder, row.ranks)
 
 
 def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> None:

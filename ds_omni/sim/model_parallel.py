@@ -84,15 +84,18 @@ def tp_seconds(step, tokens: float, backward: bool) -> float:
     return calls * comm.all_reduce(nbytes, p.tp, link)
 
 
-def run_tp(step, rows, backward: bool) -> None:
+def run_tp(step, rows, backward: bool, row_tokens: np.ndarray | None = None) -> None:
     """Each TP group of a row meets at its all-reduces (phase "llm_tp"); under sp each TP group
-    (one per SP rank) holds the row's tokens / sp."""
+    (one per SP rank) holds the row's tokens / sp. `row_tokens` [R]: the rows' tokens, if
+    known (`step.RoundRows`)."""
     tp = step.pplan.tp
     if tp < 2 or not rows:
         return
     p, d = step.pplan, step.model.dims
     ranks = np.concatenate([r.ranks for r in rows])  # each row's sp TP groups, in rank order
-    per_row = np.array([float(step.samples.tokens[r.samples].sum()) for r in rows]) / p.sp
+    if row_tokens is None:
+        row_tokens = np.array([step.samples.tokens[r.samples].sum() for r in rows])
+    per_row = row_tokens.astype(np.float64) / p.sp
     tokens = np.repeat(per_row, p.sp)  # [G] a TP group's tokens (its SP rank's share)
     calls = 2 * d.layers * ((1 + step.plan.checkpointing) if backward else 1)
     nbytes = tokens * d.hidden * 2
@@ -114,11 +117,15 @@ def run_tp_gather(step, work) -> None:
     all-to-all a row with items, forward only; phase "tp_gather"), priced by `comm`."""
     if not work.tp_gathers:
         return
-    src, dst, nbytes = (np.array(x, dtype=np.float64) for x in zip(*work.tp_gathers))
-    step.a2a_bytes["tp_gather"] += float(nbytes.sum())
-    per_rank = comm.all_to_all_pairs(src.astype(np.int64), dst.astype(np.int64), nbytes,
-                                     step.cluster)
-    _sync(step, work.tp_groups, [float(per_rank[g].max()) for g in work.tp_groups], "tp_gather")
+    if "tp_gather" not in work.memo:  # the placement's alone: plans sharing it share these
+        src, dst, nbytes = (np.array(x, dtype=np.float64) for x in zip(*work.tp_gathers))
+        per_rank = comm.all_to_all_pairs(src.astype(np.int64), dst.astype(np.int64), nbytes,
+                                         step.cluster)
+        work.memo["tp_gather"] = (float(nbytes.sum()),
+                                  [float(per_rank[g].max()) for g in work.tp_groups])
+    moved, seconds = work.memo["tp_gather"]
+    step.a2a_bytes["tp_gather"] += moved
+    _sync(step, work.tp_groups, seconds, "tp_gather")
 
 
 def run_tp_encoder_grads(step) -> None:
