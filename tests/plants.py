@@ -486,6 +486,44 @@ def _search_bound_too_tight(rank: int):
     yield from _patched(bounds, "refined_bound", lambda f: lambda *a: 3 * f(*a))
 
 
+
+# ------------------------------------------------ the simulator under tp (tests/unit/test_sim_tp.py)
+@plant("sim_tp_encodes_everything", "the simulator has every TP rank encode the whole row again "
+       "(the split of `plan_tp_encode` ignored)", "sim_tp")
+def _sim_tp_encodes_everything(rank: int):
+    from ds_omni.sim import encode_sim
+    yield from _patched(encode_sim, "_tp_apart", lambda f: lambda rows, layout, world, tp, order:
+                        encode_sim._per_tp_rank(rows, layout, world, "replicated", False, {},
+                                                order, tp))
+
+
+@plant("sim_ulysses_backward_x2", "the simulator charges Ulysses' backward twice the forward's "
+       "all-to-all bytes (its model before the measured run)", "sim_a2a_measured")
+def _sim_ulysses_backward_x2(rank: int):
+    from ds_omni.sim import step
+    yield from _patched(step, "llm_sp_seconds", lambda f: lambda st, tok, g, ranks, backward,
+                        tp=1: f(st, tok, g, ranks, backward, tp)
+                        + (f(st, tok, g, ranks, backward, tp) if backward else 0.0))
+
+# ------------------------------------------- the simulator's fast paths (tests/unit/test_sim_fast_paths.py)
+@plant("sim_reshard_shard_off_by_one", "the simulator's fast resharding charge counts a row's "
+       "rows against shards one token too long (not `plan_reshard`'s ceil(T / g))",
+       "sim_fast_paths")
+def _sim_reshard_shard_off_by_one(rank: int):
+    from ds_omni.sim import encode_sim
+    yield from _patched(encode_sim, "_charge", lambda f: lambda placed, shard, *a:
+                        f(placed, shard + 1, *a))
+
+
+@plant("sim_memo_one_direction", "the simulator's memo of a placement prices the encoders' "
+       "Ulysses backward as its forward (the direction left out of the memo's key)",
+       "sim_fast_paths")
+def _sim_memo_one_direction(rank: int):
+    from ds_omni.sim import step
+    yield from _patched(step, "_encoder_sp_groups", lambda f: lambda st, work, backward:
+                        f(st, work, False))
+
+
 # ------------------------------------------------ the loader process (tests/dist/test_loader_process.py)
 @plant("loader_process_stale_position", "the loader process sends back, with each step, the "
        "loader's position before that step instead of after it (a resume reads it again)",

@@ -124,14 +124,11 @@ def assign_items(slots: list[ItemSlots], sp: int, shard_len: int,
     return owner
 
 
-def plan_reshard(slots: list[ItemSlots], sp: int, shard_len: int, encoder_order: list[str],
-                 long_items: LongItems | None = None) -> list[RankReshard]:
-    """Every rank's part of the all-to-all (pure: identical on all ranks of the group).
-
-    A rank's output rows, per encoder in `encoder_order` (the order `OmniModel` runs its encoders
-    in): its whole items' embeddings in text order, then its pieces of the long items in text order.
-    `long_items` None: no item is split.
-    """
+def place_items(slots: list[ItemSlots], sp: int, shard_len: int, encoder_order: list[str],
+                long_items: LongItems | None = None) -> tuple[dict, dict, list[int]]:
+    """`plan_reshard`'s decisions alone: (owner {slot: rank} of the whole items, pieces {slot:
+    [sp + 1] row bounds} of the split ones, the slots in every rank's output order). The
+    simulator reads only these (it prices the sends, not the receive positions)."""
     total = sum(s.cost for s in slots)
     long = [i for i, s in enumerate(slots) if long_items is not None and long_items.is_long(
         s.encoder, s.cost, len(s.positions), sp, total)]
@@ -141,6 +138,18 @@ def plan_reshard(slots: list[ItemSlots], sp: int, shard_len: int, encoder_order:
     rank_order = {enc: i for i, enc in enumerate(encoder_order)}
     in_order = sorted(range(len(slots)), key=lambda i: (rank_order[slots[i].encoder],
                                                         i in pieces, slots[i].index))
+    return owner, pieces, in_order
+
+
+def plan_reshard(slots: list[ItemSlots], sp: int, shard_len: int, encoder_order: list[str],
+                 long_items: LongItems | None = None) -> list[RankReshard]:
+    """Every rank's part of the all-to-all (pure: identical on all ranks of the group).
+
+    A rank's output rows, per encoder in `encoder_order` (the order `OmniModel` runs its encoders
+    in): its whole items' embeddings in text order, then its pieces of the long items in text order.
+    `long_items` None: no item is split.
+    """
+    owner, pieces, in_order = place_items(slots, sp, shard_len, encoder_order, long_items)
     # rows of rank r in its output order, as global positions
     out_positions = []
     for r in range(sp):

@@ -91,31 +91,55 @@ def lower_bound(shell: Shell, totals: dict) -> float:
     """Seconds the step cannot beat: every rank's clock is at least its compute plus its
     communication, so the step is at least their mean over ranks, plus the end-of-step
     synchronisation every rank waits for. Compute: the LLM's FLOPs (one forward more under
-    checkpointing) and the encoders' (each tp rank of a row encodes all of it) over all GPUs;
+    checkpointing) and the encoders' over all GPUs (x tp unless the TP ranks encode apart:
+    under tp x sp or the pool every TP rank repeats its SP rank's / pool's items);
     communication: only the bandwidth part of tp's all-reduces, ep's and Ulysses' all-to-alls
-    (a ring all-reduce moves 2 (p - 1) / p of its buffer a rank); ZeRO's per-round collectives
-    and all latencies count as 0. Budget mode may defer samples: no bound (0)."""
+    (a ring all-reduce moves 2 (p - 1) / p of its buffer a rank); ZeRO's per-round collectives,
+    the TP row gathers and encoder-gradient sums, and all latencies count as 0. Budget mode may
+    defer samples: no bound (0)."""
     c, m, plan, p = shell.cluster, shell.model, shell.plan, shell.pplan
     if plan.reorder == "budget":
         return 0.0
     w, d, ckpt = c.gpus, m.dims, plan.checkpointing
-    flops = totals["llm"] * (3 + ckpt) / 3 + totals["encoders"] * p.tp
+    flops = totals["llm"] * (3 + ckpt) / 3 + totals["encoders"] * (1 if tp_apart(shell) else p.tp)
     seconds = flops / w / c.flops_per_s
     tokens = totals["tokens"]
-    if p.tp > 1:  # each rank holds its row's tokens whole: total / dp a rank on average
-        link = comm.link_of(c, shell.ranks_of(0, 1))
+    if p.tp > 1:  # a rank holds its row's tokens (/ sp): total / (dp sp) a rank on average
+        link = comm.link_of(c, shell.ranks_of(0, 1)[:p.tp])
         calls = 2 * d.layers * (1 + 1 + ckpt)
-        seconds += calls * 2 * (p.tp - 1) / p.tp * tokens / p.dp * d.hidden * 2 / link.bandwidth
+        seconds += calls * 2 * (p.tp - 1) / p.tp * tokens / (p.dp * p.sp) * d.hidden * 2 / \
+            link.bandwidth
     if p.ep > 1:
         link = comm.link_of(c, range(p.ep))
         calls = 2 * m.moe.layers * (1 + 1 + ckpt)
         seconds += calls * (p.ep - 1) / p.ep * tokens / w * m.moe.top_k * d.hidden * 2 / \
             link.bandwidth
-    if p.sp > 1:
-        link = comm.link_of(c, shell.ranks_of(0, 1))
-        seconds += d.layers * (1 + 2 + ckpt) * (p.sp - 1) / p.sp * tokens / w * \
+    if p.sp > 1:  # under tp: tokens / (dp sp) a rank, heads / tp: tokens / W
+        link = comm.link_of(c, shell.ranks_of(0, 1)[::p.tp])
+        seconds += d.layers * (1 + 1 + ckpt) * (p.sp - 1) / p.sp * tokens / w * \
             (2 * d.hidden + 2 * m.kv) * 2 / link.bandwidth
+    seconds += plan.micro_batches * tp_grads_seconds(shell)
     return seconds + min(grad_sync_seconds(shell, s) for s in range(p.pp))
+
+
+def tp_grads_seconds(shell) -> float:
+    """Under `tp_apart`, the bandwidth part of a micro-batch's encoder-gradient all-reduce over
+    TP (every rank, every round): 2 (tp - 1) / tp of the bf16 gradients, no more than the ring
+    or the tree the step charges."""
+    if not tp_apart(shell):
+        return 0.0
+    m, tp = shell.model, shell.pplan.tp
+    nbytes = sum(m.encoder_params(n) for n in m.dims.encoders if n not in m.frozen) * \
+        m.bytes_per_param
+    bw = comm.link_of(shell.cluster, shell.ranks_of(0, 1)[:tp]).bandwidth
+    return 2 * (tp - 1) / tp * nbytes / bw
+
+
+def tp_apart(shell) -> bool:
+    """The TP ranks of a row encode different items (`ParallelConfig.tp_encodes_apart`)."""
+    p = shell.pplan
+    return (p.tp > 1 and p.sp == 1 and shell.plan.encoder_mode == "reshard"
+            and not shell.plan.encoder_gpus)
 
 
 def totals_of(model: ModelSpec, samples: Samples) -> dict:
@@ -147,8 +171,10 @@ def refined_bound(shell: Shell, assignment, totals: dict) -> float:
     if p.pp > 1:
         return max(coarse, _pipeline_bound(shell, llm, enc) + sync)
     inner = p.sp * p.tp
-    own_enc = 0.0 if plan.encoder_mode == "pool" else enc * (1.0 if p.tp > 1 else 1 / p.sp)
-    v = (llm * f / inner + own_enc) / rate + _traffic(shell, tok)  # [D, M] a member's seconds
+    # a member's encoder work: its SP rank's share, or under tp alone its TP rank's (a mean
+    # over the TP ranks, no more than the busiest's)
+    own_enc = 0.0 if plan.encoder_mode == "pool" else enc / (p.tp if tp_apart(shell) else p.sp)
+    v = (llm * f / inner + own_enc) / rate + _traffic(shell, tok) + tp_grads_seconds(shell)
     per_round = v.max(axis=0).sum() if plan.zero_stage >= 2 else v.sum(axis=1).max()
     return max(coarse, float(per_round) + sync)
 
@@ -177,17 +203,18 @@ def _traffic(shell: Shell, tokens: np.ndarray) -> np.ndarray:
     """Seconds of a member's tp / ep / Ulysses bandwidth for rows of `tokens` (any shape)."""
     c, m, plan, p = shell.cluster, shell.model, shell.plan, shell.pplan
     d, ckpt, out = m.dims, plan.checkpointing, np.zeros_like(tokens)
-    if p.tp > 1:
-        bw = comm.link_of(c, shell.ranks_of(0, 1)).bandwidth
-        out = out + 2 * d.layers * (2 + ckpt) * 2 * (p.tp - 1) / p.tp * tokens * d.hidden * 2 / bw
+    if p.tp > 1:  # a TP group holds the row's tokens / sp
+        bw = comm.link_of(c, shell.ranks_of(0, 1)[:p.tp]).bandwidth
+        out = out + 2 * d.layers * (2 + ckpt) * 2 * (p.tp - 1) / p.tp * tokens / p.sp * \
+            d.hidden * 2 / bw
     if p.ep > 1:
         bw = comm.link_of(c, range(p.ep)).bandwidth
         out = out + 2 * m.moe.layers * (2 + ckpt) * (p.ep - 1) / p.ep * tokens * m.moe.top_k * \
             d.hidden * 2 / bw
-    if p.sp > 1:
-        bw = comm.link_of(c, shell.ranks_of(0, 1)).bandwidth
-        out = out + d.layers * (3 + ckpt) * (p.sp - 1) / p.sp * tokens / p.sp * \
-            (2 * d.hidden + 2 * m.kv) * 2 / bw
+    if p.sp > 1:  # each TP rank's SP group, heads / tp
+        bw = comm.link_of(c, shell.ranks_of(0, 1)[::p.tp]).bandwidth
+        out = out + d.layers * (2 + ckpt) * (p.sp - 1) / p.sp * tokens / p.sp * \
+            (2 * d.hidden + 2 * m.kv) * 2 / p.tp / bw
     return out
 
 

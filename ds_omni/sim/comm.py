@@ -56,6 +56,33 @@ def ring_all_reduce(nbytes: float, p: int, link: Link) -> float:
     return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * nbytes / link.bandwidth
 
 
+def links_each(cluster: Cluster, groups: np.ndarray) -> Link:
+    """`link_of` of every row of `groups` [G, p] at once: a Link of [G] latencies and
+    bandwidths (the 1,024-GPU search asks it of ~10^6 groups)."""
+    g = np.asarray(groups, dtype=np.int64)
+    one = g.min(axis=1) // cluster.gpus_per_node == g.max(axis=1) // cluster.gpus_per_node
+    return Link(np.where(one, cluster.intra_latency, cluster.inter_latency),
+                np.where(one, cluster.intra_bw, cluster.inter_bw))
+
+
+def all_reduce_each(nbytes: np.ndarray, p: int, link: Link) -> np.ndarray:
+    """`all_reduce` of every element of `nbytes` (the same arithmetic, in array operations)."""
+    n = np.asarray(nbytes, dtype=np.float64)
+    if p < 2:
+        return np.zeros_like(n)
+    ring = 2 * (p - 1) * link.latency + 2 * (p - 1) / p * n / link.bandwidth
+    tree = 2 * math.ceil(math.log2(p)) * (link.latency + n / link.bandwidth)
+    return np.where(n > 0, np.minimum(ring, tree), 0.0)
+
+
+def even_all_to_all_each(bytes_per_rank: np.ndarray, p: int, link: Link) -> np.ndarray:
+    """`even_all_to_all` of every element of `bytes_per_rank`."""
+    n = np.asarray(bytes_per_rank, dtype=np.float64)
+    if p < 2:
+        return np.zeros_like(n)
+    return np.where(n > 0, (p - 1) * (link.latency + n / p / link.bandwidth), 0.0)
+
+
 def reduce_scatter(nbytes: float, p: int, link: Link) -> float:
     if p < 2 or nbytes <= 0:
         return 0.0

@@ -8,6 +8,15 @@
 - "pool": every row's short items over all ranks by `parallelize.encoder_pool.plan_round`,
   long items split over their own row's group; moved items' inputs travel first.
 
+Under parallel.tp (ranks (dp, sp, tp), tp innermost) training's two cases:
+- tp alone with "reshard" (`ParallelConfig.tp_encodes_apart`): each TP rank of a row encodes
+  its share of the row's items by `parallel.tp_encode.plan_tp_encode` (LPT by modelled cost),
+  then one all-gather of the rows over the TP group (`tp_gathers`, forward only: its backward
+  sends nothing); the encoders' gradients are then summed over TP (`step.py`);
+- otherwise (tp x sp, or the pool): every TP rank runs the plan of its SP group / its pool
+  over the ranks of its own TP coordinate, all TP ranks alike: the mode is run once on the
+  world with tp folded away (`_per_tp_rank`) and copied to each TP rank.
+
 The row's layout: its samples packed in order, each sample's item rows first, then its text;
 a group of g ranks cuts the row into g shards of ceil(T / g) tokens.
 
@@ -24,6 +33,7 @@ import numpy as np
 from ds_omni.parallel import reshard
 from ds_omni.parallel.long_short import LongItems, split_rows
 from ds_omni.parallel.reshard import ItemSlots
+from ds_omni.parallel.tp_encode import first_rank, plan_tp_encode
 from ds_omni.parallelize import encoder_pool
 from ds_omni.parallelize.encoder_pool import PoolItem
 from ds_omni.sim.workload import Samples
@@ -51,6 +61,11 @@ class RoundWork:
     inputs: list = field(default_factory=list)  # (src, dst, bytes) pool: moved items' inputs
     groups: list = field(default_factory=list)  # rank arrays that meet at the resharding
     present: dict = field(default_factory=dict)  # encoder -> [W] bool: the rank runs an item
+    tp_gathers: list = field(default_factory=list)  # (src, dst, bytes) rows over TP, forward
+    tp_groups: list = field(default_factory=list)  # TP groups (rank arrays) that gather rows
+    memo: dict = field(default_factory=dict)
+    """What the step derives from this placement alone (its collectives' seconds on the
+    cluster, the bytes they add), kept for the plans of a search that share it (`step.py`)."""
 
     def ran(self, encoder: str, ranks) -> None:
         self.present.setdefault(encoder, np.zeros(self.flops.size, dtype=bool))[ranks] = True
@@ -82,8 +97,13 @@ class RowLayout:
 
 
 def round_work(rows: list[Row], layout: RowLayout, world: int, mode: str, long_items: bool,
-               heads: dict[str, int], encoder_order: list[str]) -> RoundWork:
-    """The encoder work of one round whose rows are `rows` (every rank in at most one)."""
+               heads: dict[str, int], encoder_order: list[str], tp: int = 1) -> RoundWork:
+    """The encoder work of one round whose rows are `rows` (every rank in at most one); `tp`:
+    the TP degree (a row's ranks are its sp x tp ranks, tp innermost)."""
+    if tp > 1:
+        if mode == "reshard" and all(len(r.ranks) == tp for r in rows):  # sp = 1
+            return _tp_apart(rows, layout, world, tp, encoder_order)
+        return _per_tp_rank(rows, layout, world, mode, long_items, heads, encoder_order, tp)
     work = RoundWork(np.zeros(world), np.zeros(world))
     if mode == "pool":
         _pool(rows, layout, world, long_items, heads, encoder_order, work)
@@ -99,36 +119,49 @@ def round_work(rows: list[Row], layout: RowLayout, world: int, mode: str, long_i
             continue
         threshold = 0.0 if mode == "split_all" else None
         long = LongItems(threshold, heads) if (long_items or mode == "split_all") else None
-        plans = reshard.plan_reshard(slots, g, math.ceil(tokens / g), encoder_order, long)
-        _charge(plans, slots, ids, row, layout, work)
+        shard = math.ceil(tokens / g)
+        _charge(reshard.place_items(slots, g, shard, encoder_order, long), shard, slots, ids,
+                row, layout, work)
         work.groups.append(row.ranks)
     return work
 
 
-def _charge(plans, slots, ids, row: Row, layout: RowLayout, work: RoundWork) -> None:
+def _charge(placed, shard: int, slots, ids, row: Row, layout: RowLayout,
+            work: RoundWork) -> None:
     """Per rank of a row's group: the items it encodes whole, its pieces of the split ones, and
-    the embedding rows it sends to each member (`RankReshard.send_counts`)."""
-    key = {(s.encoder, s.index): k for k, s in enumerate(slots)}
+    the embedding rows it sends to each member: `plan_reshard`'s `send_counts`, from its
+    decisions (`place_items`) without building the receive side (most of its time). The
+    additions run in `plan_reshard`'s order (rank by rank, then the split items), so the sums
+    are the same to the last bit."""
+    owner, pieces, in_order = placed
     g = len(row.ranks)
-    for plan in plans:
-        r = row.ranks[plan.rank]
-        for enc, indices in plan.encode.items():
-            for index in indices:
-                k = key[(enc, index)]
-                work.flops[r] += slots[k].cost
-                work.positions[r] += layout.s.item_len[ids[k]]
-                work.ran(enc, r)
-        for dst, count in enumerate(plan.send_counts):
-            if count and dst != plan.rank:
-                work.sends.append((r, row.ranks[dst], count * layout.hidden * 2))
-    for enc, split in plans[0].split.items():
-        for index, _ in split:
-            k = key[(enc, index)]
-            work.flops[row.ranks] += slots[k].cost / g
-            length = int(layout.s.item_len[ids[k]])
-            work.positions[row.ranks] += length / g
-            work.split_positions.append((row.ranks, length / g, enc))
-            work.ran(enc, row.ranks)
+    src, pos = [], []  # per slot piece: the sending member, the rows' positions [n]
+    for k in in_order:
+        sl = slots[k]
+        if k in pieces:
+            b = pieces[k]
+            src += [np.full(b[r + 1] - b[r], r) for r in range(g)]
+            pos.append(sl.positions)
+            continue
+        r = row.ranks[owner[k]]
+        work.flops[r] += sl.cost
+        work.positions[r] += layout.s.item_len[ids[k]]
+        work.ran(sl.encoder, r)
+        src.append(np.full(len(sl.positions), owner[k]))
+        pos.append(sl.positions)
+    if pos:  # [g, g] rows member i sends member j (its output rows over the shards)
+        cell = np.concatenate(src).astype(np.int64) * g + np.concatenate(pos) // shard
+        counts = np.bincount(cell, minlength=g * g).reshape(g, g)
+        for i, j in zip(*np.nonzero(counts)):
+            if i != j:
+                work.sends.append((row.ranks[i], row.ranks[j],
+                                   int(counts[i, j]) * layout.hidden * 2))
+    for k in (k for k in in_order if k in pieces):
+        work.flops[row.ranks] += slots[k].cost / g
+        length = int(layout.s.item_len[ids[k]])
+        work.positions[row.ranks] += length / g
+        work.split_positions.append((row.ranks, length / g, slots[k].encoder))
+        work.ran(slots[k].encoder, row.ranks)
 
 
 def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> None:
@@ -177,3 +210,45 @@ def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> Non
                 work.sends.append((int(row.ranks[j]), int(row.ranks[k]),
                                    int(dest[k]) * layout.hidden * 2))
     work.groups.append(np.arange(world))
+
+
+# ------------------------------------------------------------------------ tensor parallel
+def _tp_apart(rows, layout, world, tp, order) -> RoundWork:
+    """Each row's items over its TP ranks by training's plan (`plan_tp_encode`, ties from
+    `first_rank` of the row's sample ids, here their indices), and the gather of the rows: TP
+    rank r sends its N_r rows to each of the tp - 1 others."""
+    work = RoundWork(np.zeros(world), np.zeros(world))
+    for row in rows:
+        slots, ids, _ = layout.slots(row)
+        if not slots:
+            continue
+        first = first_rank([str(n) for n in row.samples.tolist()], tp)
+        key = {(s.encoder, s.index): k for k, s in enumerate(slots)}
+        for part in plan_tp_encode(slots, tp, order, first):
+            r = int(row.ranks[part.rank])
+            for enc, indices in part.encode.items():
+                for index in indices:
+                    k = key[(enc, index)]
+                    work.flops[r] += slots[k].cost
+                    work.positions[r] += layout.s.item_len[ids[k]]
+                    work.ran(enc, r)
+            own = part.rank_rows[part.rank] * layout.hidden * 2  # bf16 rows of width D
+            if own:
+                work.tp_gathers += [(r, int(d), own) for d in row.ranks if d != r]
+        work.tp_groups.append(row.ranks)
+    return work
+
+
+def _per_tp_rank(rows, layout, world, mode, long_items, heads, order, tp) -> RoundWork:
+    """`mode` on the world without its TP axis (rank g -> g // tp: each row's SP group, the
+    pool over the dp ranks), then copied to every TP rank t (g -> g * tp + t)."""
+    folded = [Row(r.ranks[::tp] // tp, r.samples) for r in rows]
+    w = round_work(folded, layout, world // tp, mode, long_items, heads, order)
+    out = RoundWork(np.repeat(w.flops, tp), np.repeat(w.positions, tp))
+    for t in range(tp):
+        out.split_positions += [(g * tp + t, n, e) for g, n, e in w.split_positions]
+        out.sends += [(s * tp + t, d * tp + t, b) for s, d, b in w.sends]
+        out.inputs += [(s * tp + t, d * tp + t, b) for s, d, b in w.inputs]
+        out.groups += [g * tp + t for g in w.groups]
+    out.present = {enc: np.repeat(ran, tp) for enc, ran in w.present.items()}
+    return out

@@ -1,13 +1,19 @@
 """Tensor and expert parallelism in the simulator, modelled from their communication volume
 (no planner of training decides anything here: AutoTP and AutoEP split evenly).
 
-Tensor parallelism (`parallel.tp`, DeepSpeed's AutoTP on the LLM's layers; sp = pp = 1): the tp
-ranks of a row each hold the whole row and run its encoders alike (the encoders are not split);
-each decoder layer's projections are split over them, so a rank runs 1/tp of the layers' FLOPs
-and, per layer, all-reduces its activations twice in forward (after o_proj and down_proj,
+Tensor parallelism (`parallel.tp`, DeepSpeed's AutoTP on the LLM's layers; pp = 1, any sp): the
+tp ranks of a row each hold the row's tokens (under sp, their SP rank's shard of it); each
+decoder layer's projections are split over them, so a rank runs 1/tp of the layers' FLOPs and,
+per layer, all-reduces its activations twice in forward (after o_proj and down_proj, its
 tokens x h bf16) and its input gradients twice in backward (before q/k/v and gate/up), twice
-more in backward under checkpointing (the recomputed forward). ZeRO partitions over the dp
-ranks (one ZeRO group per tp rank), the layers' share being 1/tp.
+more in backward under checkpointing (the recomputed forward). ZeRO partitions over the dp x sp
+ranks of one tp coordinate (one ZeRO group per tp rank), the layers' share being 1/tp.
+The encoders are not split (`encode_sim`): under `tp_encodes_apart` (sp = 1, no pool) each TP
+rank encodes its share of the row's items and the rows are all-gathered over TP
+(`run_tp_gather`), and every micro-batch's encoder gradients are summed over TP
+(`run_tp_encoder_grads`: trainable encoder + projector parameters, bf16, one ring all-reduce);
+under tp x sp each TP rank encodes its SP rank's share (as under sp alone) and runs Ulysses
+over its SP group with heads / tp (`step.llm_sp_seconds`).
 
 Expert parallelism (`parallel.ep`, DeepSpeed's AutoEP; tp = pp = 1): each MoE layer's E
 experts are split over groups of ep consecutive ranks of the dp x sp ranks; a token goes to its top-k
@@ -50,7 +56,7 @@ def state_shards(step, stage: int, held: tuple[float, float]) -> list[StateShard
     if p.tp > 1:
         cut = m.llm_params() - m.llm_params(tp=p.tp)  # what tp takes off each rank
         groups = [ranks[t::p.tp] for t in range(p.tp)]
-        return [StateShard(held[0] - cut, held[1] - cut * llm_trained, p.dp, groups)]
+        return [StateShard(held[0] - cut, held[1] - cut * llm_trained, p.dp * p.sp, groups)]
     if p.ep > 1:
         experts = m.expert_params()
         groups = [ranks[e::p.ep] for e in range(p.ep)]  # ranks holding the same experts
@@ -68,26 +74,73 @@ def shard_link(step, shard: StateShard) -> comm.Link:
 
 # ------------------------------------------------------------------------ tensor parallel
 def tp_seconds(step, tokens: float, backward: bool) -> float:
-    """Seconds of a TP group's all-reduces in one pass over a row of `tokens` (each rank holds
+    """Seconds of a TP group's all-reduces in one pass over `tokens` (each of its ranks holds
     all of them): 2 a layer forward, 2 backward (+2 recomputing under checkpointing)."""
     p, d = step.pplan, step.model.dims
     calls = 2 * d.layers * ((1 + step.plan.checkpointing) if backward else 1)
     nbytes = tokens * d.hidden * 2
-    link = comm.link_of(step.cluster, step.ranks_of(0, 1))
+    link = comm.link_of(step.cluster, step.ranks_of(0, 1)[:p.tp])
     step.a2a_bytes["llm_tp"] += calls * 2 * (p.tp - 1) * nbytes  # a ring all-reduce moves 2 (p - 1) / p n a rank
     return calls * comm.all_reduce(nbytes, p.tp, link)
 
 
-def run_tp(step, rows, backward: bool) -> None:
-    """Each row's TP group meets at its all-reduces (phase "llm_tp")."""
-    if step.pplan.tp < 2 or not rows:
+def run_tp(step, rows, backward: bool, row_tokens: np.ndarray | None = None) -> None:
+    """Each TP group of a row meets at its all-reduces (phase "llm_tp"); under sp each TP group
+    (one per SP rank) holds the row's tokens / sp. `row_tokens` [R]: the rows' tokens, if
+    known (`step.RoundRows`)."""
+    tp = step.pplan.tp
+    if tp < 2 or not rows:
         return
-    groups = [r.ranks for r in rows]
-    seconds = [tp_seconds(step, float(step.samples.tokens[r.samples].sum()), backward)
-               for r in rows]
+    p, d = step.pplan, step.model.dims
+    ranks = np.concatenate([r.ranks for r in rows])  # each row's sp TP groups, in rank order
+    if row_tokens is None:
+        row_tokens = np.array([step.samples.tokens[r.samples].sum() for r in rows])
+    per_row = row_tokens.astype(np.float64) / p.sp
+    tokens = np.repeat(per_row, p.sp)  # [G] a TP group's tokens (its SP rank's share)
+    calls = 2 * d.layers * ((1 + step.plan.checkpointing) if backward else 1)
+    nbytes = tokens * d.hidden * 2
+    step.a2a_bytes["llm_tp"] += calls * 2 * (tp - 1) * float(nbytes.sum())  # as `tp_seconds`
+    link = comm.links_each(step.cluster, ranks.reshape(-1, tp))
+    seconds = calls * comm.all_reduce_each(nbytes, tp, link)  # [G]
+    gid = np.arange(ranks.size) // tp
+    step.timeline.sync(ranks, gid, "llm_tp", seconds[gid])
+
+
+def _sync(step, groups: list, seconds: list, phase: str) -> None:
     ranks = np.concatenate(groups)
     gid = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
-    step.timeline.sync(ranks, gid, "llm_tp", np.asarray(seconds)[gid])
+    step.timeline.sync(ranks, gid, phase, np.asarray(seconds)[gid])
+
+
+def run_tp_gather(step, work) -> None:
+    """The round's all-gathers of embedding rows over TP (`GatherTPRows`: one uneven
+    all-to-all a row with items, forward only; phase "tp_gather"), priced by `comm`."""
+    if not work.tp_gathers:
+        return
+    if "tp_gather" not in work.memo:  # the placement's alone: plans sharing it share these
+        src, dst, nbytes = (np.array(x, dtype=np.float64) for x in zip(*work.tp_gathers))
+        per_rank = comm.all_to_all_pairs(src.astype(np.int64), dst.astype(np.int64), nbytes,
+                                         step.cluster)
+        work.memo["tp_gather"] = (float(nbytes.sum()),
+                                  [float(per_rank[g].max()) for g in work.tp_groups])
+    moved, seconds = work.memo["tp_gather"]
+    step.a2a_bytes["tp_gather"] += moved
+    _sync(step, work.tp_groups, seconds, "tp_gather")
+
+
+def run_tp_encoder_grads(step) -> None:
+    """Under `tp_encodes_apart`: every micro-batch, every TP group all-reduces (sums) its
+    trainable encoder and projector gradients (`tp_encoders.sum_grads_over_tp`: a hook per
+    parameter, bf16; every rank runs every encoder, dummies included). Phase "encode_tp"."""
+    m, tp = step.model, step.pplan.tp
+    nbytes = sum(m.encoder_params(n) for n in m.dims.encoders if n not in m.frozen) * \
+        m.bytes_per_param
+    if not nbytes:
+        return
+    groups = list(step.llm_ranks().reshape(-1, tp))
+    link = comm.link_of(step.cluster, groups[0])
+    step.a2a_bytes["encoder_tp_grads"] += len(groups) * tp * 2 * (tp - 1) / tp * nbytes
+    _sync(step, groups, [comm.all_reduce(nbytes, tp, link)] * len(groups), "encode_tp")
 
 
 # ------------------------------------------------------------------------ expert parallel

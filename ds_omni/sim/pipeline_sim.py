@@ -156,11 +156,11 @@ def stage_fractions(step) -> np.ndarray:
 def _ulysses(step, tokens: np.ndarray, backward: bool) -> np.ndarray:
     """[D] seconds of all the LLM's Ulysses all-to-alls of a micro-batch (`tokens` [D] per rank)
     over the SP group: per layer (2h + 2kv) bf16 values a token, split over the g ranks
-    (`comm.even_all_to_all`); backward twice, plus the recompute under checkpointing."""
+    (`comm.even_all_to_all`); backward as many, plus the recompute under checkpointing."""
     d, g = step.model.dims, step.pplan.sp
     link = comm.link_of(step.cluster, step.ranks_of(0, 1))
     per_layer = tokens * (2 * d.hidden + 2 * step.model.kv) * 2  # [D] bytes a rank sends
-    times = (2 + step.plan.checkpointing) if backward else 1
+    times = (1 + step.plan.checkpointing) if backward else 1
     step.a2a_bytes["llm_ulysses"] += float(per_layer.sum()) * d.layers * times * (g - 1) / g
     one = (g - 1) * (link.latency + per_layer / g / link.bandwidth)  # [D]
     return times * d.layers * one

@@ -15,7 +15,7 @@ from ds_omni.config import ParallelConfig, ReorderConfig
 from ds_omni.errors import ConfigError, ModelError
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.parallelize.expert_parallel import autoep_section
-from ds_omni.parallelize.tensor_parallel import check_tensor_parallel
+from ds_omni.parallelize.tensor_parallel import check_tensor_parallel, check_tp_with_sp
 from ds_omni.sim.encode_sim import ENCODER_MODES
 from ds_omni.train.ds_config import check_expert_sequence_ds, check_tensor_parallel_ds
 
@@ -31,7 +31,8 @@ class SimPlan:
     pp: int = 1
     """Pipeline stages."""
     tp: int = 1
-    """Tensor-parallel degree of the LLM's layers (AutoTP; with sp = pp = 1, ZeRO 0-2)."""
+    """Tensor-parallel degree of the LLM's layers (AutoTP; pp = 1, ZeRO 0-2; with sp > 1 each
+    TP rank's heads are split again over its SP group: tp x sp divides the heads)."""
     ep: int = 1
     """Expert-parallel degree of an MoE LLM (AutoEP; with sp = tp = pp = 1)."""
     zero_stage: int = 1
@@ -108,9 +109,14 @@ class SimPlan:
             check_tensor_parallel_ds({"zero_optimization": {"stage": self.zero_stage}}, self.tp)
             if text is not None:
                 check_tensor_parallel(text, self.tp, "the LLM")
+                if self.sp > 1:
+                    check_tp_with_sp(text, self.tp, self.sp, "the LLM")
             else:
                 _divides(self.tp, "parallel.tp", {"attention heads": model.llm_heads,
                                                   "MLP width": model.dims.intermediate})
+                if self.sp > 1:
+                    _divides(self.tp * self.sp, "parallel.tp x parallel.sp",
+                             {"attention heads": model.llm_heads})
         if self.ep > 1:
             if model.moe is None:
                 raise ConfigError(f"parallel.ep={self.ep} needs an MoE LLM; this one is dense: "

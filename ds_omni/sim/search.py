@@ -108,8 +108,8 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
     for sp, pp, tp, ep, msp in itertools.product(*[space.degrees] * 5):
         if tp > gpus_per_node or sp > gpus_per_node or (ep > 1 and model.moe is None):
             continue
-        if tp > 1 and sp > 1:  # training runs tp x sp, but the simulator prices them apart
-            continue
+        if tp > 1 and sp > 1 and (tp * sp > gpus_per_node or pp > 1 or msp > 1):
+            continue  # tp x sp inside a node, and without pp / per-sequence SP (training's rule)
         if sp * pp * tp > gpus or gpus % (sp * pp * tp):
             continue
         dp = gpus // (sp * pp * tp)
@@ -117,8 +117,8 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
         for zero, mode, place, group, ckpt in itertools.product(
                 space.zero_stages, space.encoder_modes, space.encoder_placements,
                 space.reorder_groups, space.checkpointing):
-            if place != "stage0" and pp == 1:
-                continue
+            if (place != "stage0" and pp == 1) or (mode == "pool" and tp > 1 and sp > 1):
+                continue  # (the pool runs with tp or with sp, not both: training's rule)
             fields = dict(name="candidate", dp=dp, sp=sp, pp=pp, tp=tp, ep=ep,
                           max_sequence_sp=msp, zero_stage=zero, encoder_mode=mode,
                           encoder_placement=place, reorder_group=min(group, dp),

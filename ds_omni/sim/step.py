@@ -19,6 +19,7 @@ backward 2/3, plus one forward more under activation checkpointing.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,8 +36,8 @@ from ds_omni.sim.timeline import Timeline
 from ds_omni.sim.workload import Samples, WorkloadSpec
 from ds_omni.train.setup import encoder_dummies_needed
 
-PHASES = ("encode_fwd", "encode_sp", "reshard", "llm_fwd", "llm_sp", "llm_tp", "llm_ep",
-          "llm_bwd", "encode_bwd", "zero", "grad_sync")
+PHASES = ("encode_fwd", "encode_sp", "tp_gather", "reshard", "llm_fwd", "llm_sp", "llm_tp",
+          "llm_ep", "llm_bwd", "encode_bwd", "encode_tp", "zero", "grad_sync")
 
 
 class Step:
@@ -60,12 +61,18 @@ class Step:
         self.encoder_fwd = 1.0 if all(e.frozen for e in model.dims.encoders.values()) else 1 / 3
         self.heads = {n: model.heads(n) for n in model.dims.encoders}
         self.timeline = Timeline(cluster.gpus, PHASES)
-        # training's rule: under ZeRO-2/3 (and bf16 ZeRO-0) every rank runs every encoder
-        self.dummies = encoder_dummies_needed({"zero_optimization": {"stage": plan.zero_stage},
-                                               "bf16": {"enabled": True}}, plan.pp > 1)
+        # the TP ranks of a row encode different items (`ParallelConfig.tp_encodes_apart`)
+        self.tp_apart = (self.pplan.tp > 1 and self.pplan.sp == 1
+                         and plan.encoder_mode == "reshard" and not plan.encoder_gpus)
+        # training's rule: under ZeRO-2/3 (and bf16 ZeRO-0) every rank runs every encoder, and
+        # where the TP ranks sum encoder gradients (their hooks are collectives)
+        self.dummies = self.tp_apart or encoder_dummies_needed(
+            {"zero_optimization": {"stage": plan.zero_stage}, "bf16": {"enabled": True}},
+            plan.pp > 1)
         self.act_peak = np.zeros(cluster.gpus)  # [W] activation bytes at the busiest round
         self.a2a_bytes = {"reshard": 0.0, "pool_inputs": 0.0, "llm_ulysses": 0.0,
-                          "encoder_ulysses": 0.0, "llm_tp": 0.0, "llm_experts": 0.0}
+                          "encoder_ulysses": 0.0, "llm_tp": 0.0, "llm_experts": 0.0,
+                          "tp_gather": 0.0, "encoder_tp_grads": 0.0}
         self.cache = cache
         self.assignment = loader_plan(self.sample_cost, samples.tokens, self.pplan, plan, cache)
 
@@ -142,37 +149,72 @@ def round_rows(step: Step, k: int) -> list[Row]:
     return rows
 
 
+@dataclass(frozen=True)
+class RoundRows:
+    """Round k's rows and what every plan of a search reads of them, in arrays (R rows)."""
+
+    rows: list[Row]
+    ranks: np.ndarray  # [sum of sizes] every row's ranks, row by row
+    size: np.ndarray  # [R] ranks of each row
+    llm: np.ndarray  # [R] LLM training FLOPs of each row
+    tokens: np.ndarray  # [R] tokens of each row (int)
+    by_size: dict  # rows of one size n (first seen first) -> ([R_n] row ids, [R_n, n] ranks)
+
+
+def round_rows_of(step: Step, k: int) -> RoundRows:
+    """`round_rows` with its sums, kept in the step's cache for the plans whose rows are the
+    same (one loader assignment, the same ranks a row spans)."""
+    key = ("rows", id(step.assignment), step.pplan.sp * step.pplan.tp, step.pplan.dp, k)
+    if step.cache is not None and key in step.cache:
+        return step.cache[key]
+    rows = round_rows(step, k)
+    size = np.array([len(r.ranks) for r in rows], dtype=np.int64)
+    by_size = {}
+    for i, n in enumerate(size.tolist()):
+        by_size.setdefault(n, []).append(i)
+    out = RoundRows(
+        rows, np.concatenate([r.ranks for r in rows]) if rows else np.zeros(0, np.int64), size,
+        np.array([step.llm_cost[r.samples].sum() for r in rows]),
+        np.array([step.samples.tokens[r.samples].sum() for r in rows], dtype=np.int64),
+        {n: (np.array(ids), np.stack([rows[i].ranks for i in ids])) for n, ids in by_size.items()})
+    if step.cache is not None:
+        step.cache[key] = out
+    return out
+
+
 def run_round(step: Step, k: int) -> None:
     """Round k on every LLM rank: encode, reshard, LLM forward / backward, reshard back, encode
     backward, and ZeRO-2/3's collectives of the round."""
     tl, ranks, rate = step.timeline, step.llm_ranks(), step.rate
-    rows = round_rows(step, k)
+    rr = round_rows_of(step, k)
+    rows = rr.rows
     before = tl.compute[ranks].copy()
     shared = not step.plan.encoder_gpus  # DistTrain: the LLM's ranks encode nothing
-    tp = step.pplan.tp  # a row's tp ranks all encode its items and hold all its tokens
+    tp = step.pplan.tp  # a row's tp ranks all hold its tokens (its SP rank's share of them)
     work = encoder_work(step, rows if shared else [], k)
     llm = np.zeros(len(ranks))  # [W] LLM training FLOPs of the round
     tokens = np.zeros(len(ranks))  # [W] LLM tokens on each rank
-    for row in rows:
-        llm[row.ranks] += step.llm_cost[row.samples].sum() / len(row.ranks)
-        tokens[row.ranks] += step.samples.tokens[row.samples].sum() / (len(row.ranks) // tp)
+    llm[rr.ranks] = np.repeat(rr.llm / rr.size, rr.size)  # a rank is in one row at most
+    tokens[rr.ranks] = np.repeat(rr.tokens / (rr.size // tp), rr.size)
     llm = model_parallel.ep_balance(step, llm, tokens)
     if shared and step.dummies:
         work.flops += dummy_flops(step, work)
     tl.run(ranks, "encode_fwd", work.flops * step.encoder_fwd / rate)
     _encoder_sp(step, work, backward=False)
+    model_parallel.run_tp_gather(step, work)
     rows_s, inputs_s = _reshard_seconds(step, work)
     _sync_groups(step, work.groups, "reshard", rows_s + inputs_s)
     for backward in (False, True):
         tl.run(ranks, "llm_bwd" if backward else "llm_fwd",
                llm * ((2 + step.plan.checkpointing) if backward else 1) / 3 / rate)
-        if tp == 1:
-            _llm_sp(step, rows, backward)
-        model_parallel.run_tp(step, rows, backward)
+        _llm_sp(step, rr, backward)
+        model_parallel.run_tp(step, rows, backward, rr.tokens)
         model_parallel.run_ep(step, tokens, backward)
     _sync_groups(step, work.groups, "reshard", rows_s)  # the gradients go back; inputs do not
     _encoder_sp(step, work, backward=True)
     tl.run(ranks, "encode_bwd", work.flops * (1 - step.encoder_fwd) / rate)
+    if step.tp_apart:
+        model_parallel.run_tp_encoder_grads(step)
     if step.cluster.micro_batch_s_per_param:  # every rank runs every round
         tl.run(ranks, "framework", step.cluster.micro_batch_s_per_param
                * pipeline_sim.held_params(step)[0])
@@ -184,12 +226,12 @@ def encoder_work(step: Step, rows: list[Row], k: int):
     """Round k's encoder placement (`round_work`). It depends only on the rows (the loader's
     assignment and the ranks a row spans, sp x tp), the encoder mode and the world, so plans
     of one search sharing those share it through `cache` (a copy: the caller adds to flops)."""
-    mode = "replicated" if step.pplan.tp > 1 else step.plan.encoder_mode
+    mode = step.plan.encoder_mode
     args = (rows, step.layout, len(step.llm_ranks()), mode, step.plan.long_items, step.heads,
-            step.model.cost.encoder_names)
+            step.model.cost.encoder_names, step.pplan.tp)
     if step.cache is None:
         return round_work(*args)
-    key = ("round_work", id(step.assignment), step.pplan.sp * step.pplan.tp, k, mode,
+    key = ("round_work", id(step.assignment), step.pplan.sp, step.pplan.tp, k, mode,
            step.plan.long_items, step.plan.encoder_gpus, bool(rows))
     if key not in step.cache:  # the assignment lives in the same cache: its id stays its own
         step.cache[key] = round_work(*args)
@@ -222,21 +264,41 @@ def _reshard_seconds(step: Step, work) -> tuple[np.ndarray, np.ndarray]:
     """[W] seconds of each rank in the round's embedding all-to-all (forward; backward sends
     the gradients the same way), and [W] in the pool's input all-to-all (forward only)."""
     c, n = step.cluster, len(step.llm_ranks())
-    out = []
-    for name, msgs, times in (("reshard", work.sends, 2), ("pool_inputs", work.inputs, 1)):
-        seconds = np.zeros(c.gpus)
-        if msgs:
-            src, dst, nbytes = (np.array(x, dtype=np.float64) for x in zip(*msgs))
-            step.a2a_bytes[name] += float(nbytes[src != dst].sum()) * times
-            seconds = comm.all_to_all_pairs(src.astype(np.int64), dst.astype(np.int64), nbytes, c)
-        out.append(seconds[:n])
-    return out[0], out[1]
+    if "reshard" not in work.memo:  # the placement's alone: plans sharing it share these
+        out = []
+        for msgs, times in ((work.sends, 2), (work.inputs, 1)):
+            seconds, moved = np.zeros(c.gpus), None
+            if msgs:
+                src, dst, nbytes = (np.array(x, dtype=np.float64) for x in zip(*msgs))
+                moved = float(nbytes[src != dst].sum()) * times
+                seconds = comm.all_to_all_pairs(src.astype(np.int64), dst.astype(np.int64),
+                                                nbytes, c)
+            out.append((seconds[:n], moved))
+        work.memo["reshard"] = out
+    (rows_s, rows_moved), (inputs_s, inputs_moved) = work.memo["reshard"]
+    for name, moved in (("reshard", rows_moved), ("pool_inputs", inputs_moved)):
+        if moved is not None:
+            step.a2a_bytes[name] += moved
+    return rows_s, inputs_s
 
 
 def _encoder_sp(step: Step, work, backward: bool) -> None:
     """Long-short SP inside the encoders: Ulysses' 4 all-to-alls a layer (q, k, v, output), each
-    rank holding its piece; backward sends the gradients the same way (twice the forward)."""
-    groups, seconds = {}, {}
+    rank holding its piece; backward sends the gradients the same way (twice the forward).
+    Kept in `work.memo` (the bytes as the additions they were, so their sum stays exact)."""
+    key = ("encode_sp", backward)
+    if key not in work.memo:
+        work.memo[key] = _encoder_sp_groups(step, work, backward)
+    groups, seconds, added = work.memo[key]
+    for nbytes in added:
+        step.a2a_bytes["encoder_ulysses"] += nbytes
+    if groups:
+        _sync_per_group(step, groups, seconds, "encode_sp")
+
+
+def _encoder_sp_groups(step: Step, work, backward: bool) -> tuple[list, list, list]:
+    """(the split items' groups, each one's seconds, the bytes of each item's exchanges)."""
+    groups, seconds, added = {}, {}, []
     for ranks, positions, enc in work.split_positions:
         e = step.model.dims.encoders[enc]
         per_layer = positions * 4 * e.hidden * 2  # bytes a rank sends in one layer's 4 exchanges
@@ -245,10 +307,9 @@ def _encoder_sp(step: Step, work, backward: bool) -> None:
         key = int(ranks[0])
         groups[key] = ranks
         seconds[key] = seconds.get(key, 0.0) + t * (2 if backward else 1)
-        step.a2a_bytes["encoder_ulysses"] += per_layer * e.layers * len(ranks) * (
-            len(ranks) - 1) / len(ranks) * (2 if backward else 1)
-    if groups:
-        _sync_per_group(step, list(groups.values()), [seconds[k] for k in groups], "encode_sp")
+        added.append(per_layer * e.layers * len(ranks) * (len(ranks) - 1) / len(ranks) * (
+            2 if backward else 1))
+    return list(groups.values()), [seconds[k] for k in groups], added
 
 
 def _sync_per_group(step: Step, groups: list, seconds: list, phase: str) -> None:
@@ -257,23 +318,43 @@ def _sync_per_group(step: Step, groups: list, seconds: list, phase: str) -> None
     step.timeline.sync(ranks, gid, phase, np.asarray(seconds)[gid])
 
 
-def llm_sp_seconds(step: Step, tokens_per_rank: float, g: int, ranks, backward: bool) -> float:
+def llm_sp_seconds(step: Step, tokens_per_rank: np.ndarray, g: int, ranks, backward: bool,
+                   tp: int = 1) -> np.ndarray:
     """Ulysses in the LLM: per layer, q, k, v to heads and the output back: (2h + 2kv) values a
-    token, bf16; backward twice that, plus the recomputed forward under checkpointing."""
+    token, bf16; backward as many (each all-to-all's gradient goes back by one all-to-all of
+    the same size: DeepSpeed's `_SeqAllToAll.backward`; measured, tests/dist/
+    test_sim_a2a_measured.py), plus the recomputed forward's under checkpointing. Under
+    tp x sp a TP rank holds heads / tp of them (AutoTP's split), so it sends 1/tp of that.
+    `tokens_per_rank` [G]: a rank's tokens in each of G groups of g `ranks` ([G, g]); -> [G]
+    seconds (in arrays: the 1,024-GPU search runs ~10^6 of them)."""
     d = step.model.dims
-    per_layer = tokens_per_rank * (2 * d.hidden + 2 * step.model.kv) * 2
-    times = (2 + step.plan.checkpointing) if backward else 1
-    step.a2a_bytes["llm_ulysses"] += per_layer * d.layers * times * (g - 1)
-    return times * d.layers * comm.even_all_to_all(per_layer, g, comm.link_of(step.cluster, ranks))
+    per_layer = tokens_per_rank * (2 * d.hidden + 2 * step.model.kv) * 2 / tp
+    times = (1 + step.plan.checkpointing) if backward else 1
+    step.a2a_bytes["llm_ulysses"] += float(np.sum(per_layer)) * d.layers * times * (g - 1)
+    link = comm.links_each(step.cluster, np.asarray(ranks).reshape(-1, g))
+    return times * d.layers * comm.even_all_to_all_each(per_layer, g, link)
 
 
-def _llm_sp(step: Step, rows: list[Row], backward: bool) -> None:
-    split = [r for r in rows if len(r.ranks) > 1]
-    if not split:
-        return
-    seconds = [llm_sp_seconds(step, step.samples.tokens[r.samples].sum() / len(r.ranks),
-                              len(r.ranks), r.ranks, backward) for r in split]
-    _sync_per_group(step, [r.ranks for r in split], seconds, "llm_sp")
+def _llm_sp(step: Step, rr: RoundRows, backward: bool) -> None:
+    """Each row's SP group(s) meet at Ulysses' all-to-alls: under tp one SP group per TP rank
+    (the row's ranks of one tp coordinate), each with heads / tp."""
+    tp = step.pplan.tp
+    ranks, gid, seconds = [], [], []
+    for n, (ids, stacked) in rr.by_size.items():  # rows of one size together (blocks differ)
+        if n <= tp:
+            continue
+        g = n // tp
+        groups = stacked.reshape(len(ids), g, tp).transpose(0, 2, 1)
+        tokens = np.repeat(rr.tokens[ids] / g, tp)  # [R tp]
+        t = llm_sp_seconds(step, tokens, g, groups.reshape(-1, g), backward, tp)  # [R tp]
+        first = sum(len(s) for s in seconds)
+        ranks.append(groups.reshape(-1))
+        gid.append(first + np.repeat(np.arange(t.size), g))
+        seconds.append(t)
+    if ranks:
+        seconds = np.concatenate(seconds)
+        gid = np.concatenate(gid)
+        step.timeline.sync(np.concatenate(ranks), gid, "llm_sp", seconds[gid])
 
 
 def _round_zero(step: Step, ranks: np.ndarray, compute: np.ndarray) -> None:

@@ -74,8 +74,10 @@ class Timeline:
         order = np.lexsort((-self.clock[ranks], groups))  # per group, the latest first
         first = np.ones(order.size, dtype=bool)
         first[1:] = groups[order][1:] != groups[order][:-1]
-        straggler = {int(g): int(r) for g, r in zip(groups[order][first], ranks[order][first])}
-        after = self.last[[straggler[int(g)] for g in groups]]
+        lo = int(groups.min()) if groups.size else 0  # group ids index a table from here
+        straggler = np.zeros(int(groups.max()) - lo + 1 if groups.size else 0, dtype=np.int64)
+        straggler[groups[order][first] - lo] = ranks[order][first]  # [groups] each one's last
+        after = self.last[straggler[groups - lo]]
         return self.run(ranks, phase, seconds, COMM, after)
 
     def _phase(self, phase: str) -> int:

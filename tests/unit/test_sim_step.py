@@ -72,7 +72,7 @@ def _counting(monkeypatch, owner, name: str) -> list:
 def test_the_simulator_runs_trainings_planners(monkeypatch):
     fixed = _counting(monkeypatch, reorder, "assign_fixed")
     pool = _counting(monkeypatch, encoder_pool, "plan_round")
-    resharded = _counting(monkeypatch, reshard, "plan_reshard")
+    resharded = _counting(monkeypatch, reshard, "place_items")  # plan_reshard's decisions
     c, m = cluster("h100", 8, 8), llava_7b()
     work = WorkloadSpec(image_fraction=0.8, max_tokens=8192, patches_range=(64, 2048))
     plan = SimPlan(sp=2, zero_stage=3, global_batch=32, micro_batches=2, pack_tokens=16384,
