@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ds_omni.data.cost import CostModel, EncoderDims, ModelDims  # noqa: E402
 from ds_omni.data.reorder import (BudgetPlanner, assign_fixed, loader_order,  # noqa: E402
                                   rank_budget)
+from ds_omni.sim.workload import WorkloadSpec  # noqa: E402
 
 # DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
 RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS")
@@ -42,75 +43,27 @@ GROUP_SIZES = (1, 8, 64)
 MIXES = {"1:9": 0.1, "1:1": 0.5, "9:1": 0.9}  # image : text samples (audio takes its own share)
 
 
-@dataclass(kw_only=True)
-class WorkloadParams:
-    """Parameters of the synthetic workload; all of them are written to the JSON."""
-
-    image_fraction: float
-    """Share of image samples among non-audio samples (the image:text mix)."""
-    audio_fraction: float = 0.1
-    """Share of audio samples (one clip each)."""
-    text_median: float = 700.0
-    """Median tokens of a text-only sample (lognormal)."""
-    text_sigma: float = 1.1
-    """Lognormal sigma of text-only samples: P(> 16k tokens) ~ 0.2%, clipped at max_tokens."""
-    caption_median: float = 200.0
-    """Median text tokens of an image sample (lognormal, sigma 1.0)."""
-    prompt_median: float = 150.0
-    """Median text tokens of an audio sample (lognormal, sigma 1.0)."""
-    images_geometric_p: float = 0.5
-    """Images per image sample: 1 + Geometric(p) - 1, capped at 8 (P(1) = p)."""
-    max_images: int = 8
-    """Most images in one sample."""
-    patches_range: tuple[int, int] = (64, 4096)
-    """ViT patches per image, log-uniform in this range (encoder sequence length)."""
-    llm_tokens_per_patch: float = 0.25
-    """LLM tokens per ViT patch (2x2 token merge, as Qwen2-VL / LLaVA-OneVision)."""
-    audio_seconds: tuple[float, float] = (1.0, 30.0)
-    """Clip length, uniform."""
-    encoder_frames_per_second: float = 50.0
-    """Whisper encoder positions per second (100 mel frames/s, conv stride 2); no 30 s padding."""
-    llm_tokens_per_second: float = 25.0
-    """LLM tokens per audio second (Qwen2-Audio pools encoder frames by 2)."""
-    max_tokens: int = 32768
-    """A sample's LLM tokens are clipped here (by trimming its text)."""
+def workload_spec(image_fraction: float) -> WorkloadSpec:
+    """The synthetic workload, the simulator's (`ds_omni.sim.workload`): heavy-tailed text
+    (lognormal, median 700, sigma 1.1: P(> 16k tokens) ~ 0.2 %), 1 + Geometric(0.5) images of
+    64-4096 ViT patches (log-uniform; 4 patches a token after a 2 x 2 merge), 10 % audio clips of
+    1-30 s (50 encoder frames, 25 LLM tokens a second) with prompts of median 150 tokens, image
+    captions of median 200; `image_fraction` of the non-audio samples have images."""
+    return WorkloadSpec(image_fraction=image_fraction, audio_fraction=0.1, prompt_median=150.0)
 
 
 class Workload:
-    """Draws samples' metadata and prices them; owns its seeded generator."""
+    """Draws samples' metadata (`WorkloadSpec.draw`) and prices them; owns its seeded generator,
+    so each draw goes on where the last one stopped."""
 
-    def __init__(self, params: WorkloadParams, cost_model: CostModel, seed):
-        self.p, self.cm = params, cost_model
+    def __init__(self, spec: WorkloadSpec, cost_model: CostModel, seed):
+        self.spec, self.cm = spec, cost_model
         self.rng = np.random.default_rng(seed)
 
     def draw(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """(cost [n], tokens [n]) of n fresh samples."""
-        p, rng = self.p, self.rng
-        kind = rng.choice(3, size=n, p=[(1 - p.audio_fraction) * (1 - p.image_fraction),
-                                        (1 - p.audio_fraction) * p.image_fraction, p.audio_fraction])
-        text = np.where(kind == 0, rng.lognormal(np.log(p.text_median), p.text_sigma, n),
-                        rng.lognormal(np.log(np.where(kind == 1, p.caption_median, p.prompt_median)),
-                                      1.0, n))
-        img_owner, patches = self._images(kind == 1)
-        audio_owner = np.flatnonzero(kind == 2)
-        seconds = rng.uniform(*p.audio_seconds, audio_owner.size)
-        frames = np.round(seconds * p.encoder_frames_per_second).astype(np.int64)
-        media = np.bincount(img_owner, weights=patches * p.llm_tokens_per_patch,
-                            minlength=n).astype(np.float64)  # empty weights give ints
-        media[audio_owner] += seconds * p.llm_tokens_per_second
-        tokens = np.minimum(np.maximum(text, 8) + media, p.max_tokens).astype(np.int64)
-        owner = np.concatenate([img_owner, audio_owner])
-        encoder = np.array(["vision"] * img_owner.size + ["audio"] * audio_owner.size)
-        length = np.concatenate([patches, frames])
-        return self.cm.sample_costs(tokens, owner, encoder, length), tokens
-
-    def _images(self, has_images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        count = np.where(has_images, np.minimum(self.rng.geometric(self.p.images_geometric_p,
-                                                                   has_images.size),
-                                                self.p.max_images), 0)
-        owner = np.repeat(np.arange(has_images.size), count)
-        lo, hi = np.log(self.p.patches_range[0]), np.log(self.p.patches_range[1])
-        return owner, np.round(np.exp(self.rng.uniform(lo, hi, owner.size))).astype(np.int64)
+        s = self.spec.draw(n, self.rng)
+        return self.cm.sample_costs(s.tokens, s.item_sample, s.item_encoder, s.item_len), s.tokens
 
 
 @dataclass(kw_only=True)
@@ -322,7 +275,7 @@ def run(setup: Setup, seed: int) -> dict:
     out = {"results": [], "budgets": {}, "no_outlier_budget": [], "loader_sensitivity": [],
            "long_tail": long_tail(cm, setup, [seed, 11])}
     for mix_i, (mix, frac) in enumerate(MIXES.items()):
-        params = WorkloadParams(image_fraction=frac)
+        params = workload_spec(frac)
         profile = Workload(params, cm, [seed, mix_i, 0]).draw(200_000)[0]  # [200k] sample costs
         out["budgets"][mix] = budget = rank_budget(profile, setup.samples_per_rank)
         for dp in DP_SIZES:
@@ -341,7 +294,7 @@ def run(setup: Setup, seed: int) -> dict:
 
 def run_planning(cm: CostModel, setup: Setup, budget: float, seed: int) -> dict:
     """The planning-time measurement alone (also `--planning-only`)."""
-    return planning_time(Workload(WorkloadParams(image_fraction=0.5), cm, [seed, 9]), setup,
+    return planning_time(Workload(workload_spec(0.5), cm, [seed, 9]), setup,
                          budget, [seed, 11])
 
 
@@ -511,7 +464,7 @@ def main(argv=None) -> None:
         "command": ".venv/bin/python benchmarks/balance.py", "seed": args.seed,
         "metric": "max/mean of modelled training FLOPs per rank over all DP ranks (and per "
                   "micro-batch over all DP x M micro-batches); median over global batches/steps",
-        "generator": {mix: dataclasses.asdict(WorkloadParams(image_fraction=f))
+        "generator": {mix: dataclasses.asdict(workload_spec(f))
                       for mix, f in MIXES.items()},
         "model_dims": dataclasses.asdict(model_dims()), "cost_coefficients": cm.coefficients,
         "setup": dataclasses.asdict(setup), "rank_budget": out["budgets"],

@@ -108,7 +108,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     cm = CostModel(bal.model_dims())
     lt = lambda k: bal.LongTailWorkload(bal.LongTailParams(), cm, [args.seed, k])  # noqa: E731
-    mm = lambda k: bal.Workload(bal.WorkloadParams(image_fraction=0.5), cm, [args.seed, k])  # noqa: E731
+    mm = lambda k: bal.Workload(bal.workload_spec(0.5), cm, [args.seed, k])  # noqa: E731
     cases = {"long_tail_per_sequence_sp": (lt(1), 32, 16, 32768, 8),
              "long_tail": (lt(2), 32, 16, 262144, 1),
              "multimodal_1:1_per_sequence_sp": (mm(3), 16, 4, 32768, 8),

@@ -65,6 +65,16 @@ def _patched(owner, attr: str, make: Callable) -> Iterator[None]:
         setattr(owner, attr, original)
 
 
+def _on_result(owner, attr: str, change: Callable) -> Iterator[None]:
+    """`owner.attr` gives back `change(its result, *its args, **its kwargs)` for the duration:
+    the plants that alter what a function (or a method: its args start with self) returns."""
+    def make(original):
+        def planted(*args, **kwargs):
+            return change(original(*args, **kwargs), *args, **kwargs)
+        return planted
+    yield from _patched(owner, attr, make)
+
+
 # ------------------------------------------------------------- data parallel (tests/dist/test_parity.py)
 @plant("loss_x2", "the loss handed to DeepSpeed's backward is scaled 2x", "dp")
 def _loss_x2(rank: int):
@@ -78,16 +88,13 @@ def _drop_sample(rank: int):
     from ds_omni.data.loader import OmniLoader
     from ds_omni.batch import IGNORE_INDEX
 
-    def make(next_step):
-        def planted(loader):
-            batch = next_step(loader)
-            if rank == 0 and batch.step == 0:
-                mb = batch.micro_batches[0]
-                assert mb.route.reshard is None, "plant drop_sample on data-parallel runs only"
-                mb.targets[:, int(mb.cu_seqlens[-2]):] = IGNORE_INDEX
-            return batch
-        return planted
-    yield from _patched(OmniLoader, "next_step", make)
+    def drop(batch, loader):
+        if rank == 0 and batch.step == 0:
+            mb = batch.micro_batches[0]
+            assert mb.route.reshard is None, "plant drop_sample on data-parallel runs only"
+            mb.targets[:, int(mb.cu_seqlens[-2]):] = IGNORE_INDEX
+        return batch
+    yield from _on_result(OmniLoader, "next_step", drop)
 
 
 # ------------------------------------- slow tier, data parallel (tests/dist/test_parity_slow.py)
@@ -96,12 +103,10 @@ def _drop_sample(rank: int):
 def _per_sample_whole_row(rank: int):
     from ds_omni.model import omni, per_sample
 
-    def make(run_per_sample):
-        def whole_row(layer, hidden, kwargs):
-            return layer(hidden, **{k: v for k, v in kwargs.items()
-                                    if k not in (*per_sample._ROW_ONLY, "cu_seqlens")})
-        return whole_row
-    yield from _patched(omni, "run_per_sample", make)
+    def whole_row(layer, hidden, kwargs):
+        return layer(hidden, **{k: v for k, v in kwargs.items()
+                                if k not in (*per_sample._ROW_ONLY, "cu_seqlens")})
+    yield from _patched(omni, "run_per_sample", lambda f: whole_row)
 
 
 # ------------------------ slow tier, sequence parallel (tests/dist/test_sequence_parallel_slow.py)
@@ -120,18 +125,15 @@ def _reshard_rows_swapped(rank: int):
     from ds_omni.data import packing
     done = []
 
-    def make(plan_reshard):
-        def planted(*args, **kwargs):
-            plans = plan_reshard(*args, **kwargs)
-            mine = plans[0]
-            if rank == 0 and not done and mine.rows_in >= 2:
-                where = list(mine.recv_positions)
-                where[0], where[-1] = where[-1], where[0]
-                plans[0] = dataclasses.replace(mine, recv_positions=where)
-                done.append(True)
-            return plans
-        return planted
-    yield from _patched(packing, "plan_reshard", make)
+    def swap(plans, *args, **kwargs):
+        mine = plans[0]
+        if rank == 0 and not done and mine.rows_in >= 2:
+            where = list(mine.recv_positions)
+            where[0], where[-1] = where[-1], where[0]
+            plans[0] = dataclasses.replace(mine, recv_positions=where)
+            done.append(True)
+        return plans
+    yield from _on_result(packing, "plan_reshard", swap)
 
 
 @plant("sp_block_ignored", "the model runs a long sequence's row without its block's Ulysses "
@@ -173,20 +175,16 @@ def _sp_whole_row(rank: int):
 def _reader_wrong_pixels(rank: int):
     from ds_omni.data import workers
 
-    def make(pack_shards):
-        def planted(samples, processors, shard):
-            shards = pack_shards(samples, processors, shard)
-            for mb in shards[1:]:
-                plan = mb.route.reshard
-                if plan is None:
-                    continue
-                mb.encoder_inputs = {
-                    e: processors[e].collate([mb.items[e][(k + 1) % len(mb.items[e])]
-                                              for k in idx])
-                    for e, idx in plan.encode.items() if idx}
-            return shards
-        return planted
-    yield from _patched(workers, "pack_shards", make)
+    def wrong_pixels(shards, samples, processors, shard):
+        for mb in shards[1:]:
+            plan = mb.route.reshard
+            if plan is None:
+                continue
+            mb.encoder_inputs = {
+                e: processors[e].collate([mb.items[e][(k + 1) % len(mb.items[e])] for k in idx])
+                for e, idx in plan.encode.items() if idx}
+        return shards
+    yield from _on_result(workers, "pack_shards", wrong_pixels)
 
 
 @plant("reader_group_tp_major", "the reader of an sp x tp group hands group rank g the shard "
@@ -194,12 +192,10 @@ def _reader_wrong_pixels(rank: int):
 def _reader_group_tp_major(rank: int):
     from ds_omni.data import shared_read
 
-    def make(peer_shards):
-        def planted(own, shards, group_size):
-            sp = len(shards) + 1
-            return [own if g % sp == 0 else shards[g % sp - 1] for g in range(1, group_size)]
-        return planted
-    yield from _patched(shared_read, "peer_shards", make)
+    def planted(own, shards, group_size):
+        sp = len(shards) + 1
+        return [own if g % sp == 0 else shards[g % sp - 1] for g in range(1, group_size)]
+    yield from _patched(shared_read, "peer_shards", lambda f: planted)
 
 
 @plant("tp_reader_wrong_pixels", "the TP group's reader sends its peer wrong pixels for the "
@@ -211,13 +207,10 @@ def _tp_reader_wrong_pixels(rank: int):
     def negate(inputs: dict) -> dict:
         return {k: -t if t.is_floating_point() else t for k, t in inputs.items()}
 
-    def make(peer_view):
-        def planted(mb, all_items):
-            mb = peer_view(mb, all_items)
-            return dataclasses.replace(mb, encoder_inputs={
-                e: negate(d) for e, d in mb.encoder_inputs.items()})
-        return planted
-    yield from _patched(shared_read, "peer_view", make)
+    def negated(mb, *args):
+        return dataclasses.replace(mb, encoder_inputs={
+            e: negate(d) for e, d in mb.encoder_inputs.items()})
+    yield from _on_result(shared_read, "peer_view", negated)
 
 
 # ------------------------------------------------------------------- bf16 (tests/dist/test_bf16.py)
@@ -269,13 +262,10 @@ def _bf16_lm_head_in_loss_fn(rank: int):
 def _weight_decay_dropped(rank: int):
     from ds_omni.train import ds_config
 
-    def make(derive):
-        def planted(*args):
-            out = derive(*args)
-            out["optimizer"]["params"]["weight_decay"] = 0.0
-            return out
-        return planted
-    yield from _patched(ds_config, "derive_ds_config", make)
+    def no_decay(out, *args):
+        out["optimizer"]["params"]["weight_decay"] = 0.0
+        return out
+    yield from _on_result(ds_config, "derive_ds_config", no_decay)
 
 
 @plant("lr_schedule_late", "the LR schedule runs one step late (step k at the scheduler's "
@@ -290,14 +280,12 @@ def _lr_schedule_late(rank: int):
 def _placeholders_as_targets(rank: int):
     from ds_omni.data.processing import SampleProcessor
 
-    def make(tokenize):
-        def planted(processor, segments, items, where, bos=True):
-            ids, mask, ordered, items_end = tokenize(processor, segments, items, where, bos)
-            placeholder = {t for enc, its in items.items() for k, it in enumerate(its)
-                           for t in processor.item_processors[enc].tokens_at(it, k)}
-            return ids, [m or t in placeholder for t, m in zip(ids, mask)], ordered, items_end
-        return planted
-    yield from _patched(SampleProcessor, "_tokenize", make)
+    def trained(tokenized, processor, segments, items, *args, **kwargs):
+        ids, mask, ordered, items_end = tokenized
+        placeholder = {t for enc, its in items.items() for k, it in enumerate(its)
+                       for t in processor.item_processors[enc].tokens_at(it, k)}
+        return ids, [m or t in placeholder for t, m in zip(ids, mask)], ordered, items_end
+    yield from _on_result(SampleProcessor, "_tokenize", trained)
 
 
 @plant("pool_wrong_rank", "the encoder pool files the rows a rank receives under the wrong "
@@ -307,17 +295,14 @@ def _pool_wrong_rank(rank: int):
     import dataclasses
     from ds_omni.parallelize.encoder_pool import PoolPlan
 
-    def make(reshard):
-        def planted(plan, pool_rank, row):
-            honest = reshard(plan, pool_rank, row)
-            blocks, at = [], 0
-            for n in honest.recv_counts:
-                blocks.append(honest.recv_positions[at:at + n])
-                at += n
-            return dataclasses.replace(honest, recv_positions=[
-                p for block in reversed(blocks) for p in block])
-        return planted
-    yield from _patched(PoolPlan, "reshard", make)
+    def reversed_senders(honest, *args):
+        blocks, at = [], 0
+        for n in honest.recv_counts:
+            blocks.append(honest.recv_positions[at:at + n])
+            at += n
+        return dataclasses.replace(honest, recv_positions=[
+            p for block in reversed(blocks) for p in block])
+    yield from _on_result(PoolPlan, "reshard", reversed_senders)
 
 
 # ------------------------------------------ pipeline, "uniform" placement (tests/dist/pipeline.py)
@@ -347,14 +332,12 @@ def _grad_norm_replicas_twice(rank: int):
     import torch.distributed as dist
     from ds_omni.parallelize import joint
 
-    def make(reduce_grads):
-        def planted(shards):
-            for _, bucket in shards._buckets():
-                flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # [E]
-                dist.all_reduce(flat, group=shards.group)
-                joint._unflatten_into(flat, [p.grad for p in bucket])
-        return planted
-    yield from _patched(joint.EncoderShards, "reduce_grads", make)
+    def planted(shards):
+        for _, bucket in shards._buckets():
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # [E]
+            dist.all_reduce(flat, group=shards.group)
+            joint._unflatten_into(flat, [p.grad for p in bucket])
+    yield from _patched(joint.EncoderShards, "reduce_grads", lambda f: planted)
 
 
 # ------------------------------------------ tp x sp (tests/dist/test_tensor_parallel.py, 4 ranks)
@@ -364,12 +347,10 @@ def _grad_norm_replicas_twice(rank: int):
 def _seq_data_across_tp(rank: int):
     from ds_omni.parallel.plan import ParallelPlan
 
-    def make(original):
-        def planted(plan):
-            return [[r for r in range(plan.world_size) if plan.coords(r).pp_stage == stage]
-                    for stage in range(plan.pp)]
-        return planted
-    yield from _patched(ParallelPlan, "seq_data_group_ranks", make)
+    def planted(plan):
+        return [[r for r in range(plan.world_size) if plan.coords(r).pp_stage == stage]
+                for stage in range(plan.pp)]
+    yield from _patched(ParallelPlan, "seq_data_group_ranks", lambda f: planted)
 
 
 # ----------------------------------------------------- tensor parallel (tests/dist/test_tensor_parallel.py)
@@ -378,12 +359,9 @@ def _seq_data_across_tp(rank: int):
 def _tp_bias_twice(rank: int):
     from deepspeed.module_inject.layers import LinearLayer
 
-    def make(forward):
-        def planted(self, input):
-            out = forward(self, input)
-            return out if self.bias is None else out + self.bias
-        return planted
-    yield from _patched(LinearLayer, "forward", make)
+    def bias_again(out, layer, *args):
+        return out if layer.bias is None else out + layer.bias
+    yield from _on_result(LinearLayer, "forward", bias_again)
 
 
 @plant("tp_input_grad_not_summed", "the column-parallel layers' input gradient is not summed "
@@ -423,14 +401,12 @@ def _tp_gather_grad_summed(rank: int):
 def _ep_wrong_rank(rank: int):
     from deepspeed.moe.ep_router import TokenChoiceTopKRouter
 
-    def make(forward):
-        def planted(self, x, expert_bias=None):
-            scores, picks, _ = forward(self, x, expert_bias)
-            from deepspeed.moe.ep_count import count_tokens_per_expert
-            picks = (picks + self.num_experts // 2) % self.num_experts  # ep=2: the other rank's
-            return scores, picks, count_tokens_per_expert(picks, self.num_experts)
-        return planted
-    yield from _patched(TokenChoiceTopKRouter, "forward", make)
+    def other_rank(routed, router, *args, **kwargs):
+        from deepspeed.moe.ep_count import count_tokens_per_expert
+        scores, picks, _ = routed
+        picks = (picks + router.num_experts // 2) % router.num_experts  # ep=2: the other rank's
+        return scores, picks, count_tokens_per_expert(picks, router.num_experts)
+    yield from _on_result(TokenChoiceTopKRouter, "forward", other_rank)
 
 
 @plant("aux_loss_dropped", "the MoE auxiliary load-balancing loss is left out of the loss", "ep")
@@ -446,13 +422,11 @@ def _moe_aux_not_reduced_over_sp(rank: int):
     import torch.distributed as dist
     from ds_omni.model import moe_aux
 
-    def make(_original):
-        def planted(aux, logits, cu_seqlens, targets, group):
-            offset = dist.get_rank(group) * logits[0].shape[0]
-            return moe_aux.aux_from_stats(
-                aux, moe_aux.shard_stats(aux, logits, cu_seqlens, targets, offset))
-        return planted
-    yield from _patched(moe_aux, "sp_aux_sum", make)
+    def planted(aux, logits, cu_seqlens, targets, group):
+        offset = dist.get_rank(group) * logits[0].shape[0]
+        return moe_aux.aux_from_stats(
+            aux, moe_aux.shard_stats(aux, logits, cu_seqlens, targets, offset))
+    yield from _patched(moe_aux, "sp_aux_sum", lambda f: planted)
 
 
 # --------------------------------------------------- the step simulator (tests/unit/test_sim_comm.py)

@@ -3,7 +3,7 @@ distribution (`WorkloadSpec`) or from a real dataset's `ds-omni data check --jso
 (`from_check_report`: its modality counts, token-length histogram and items per sample).
 
 Only metadata, never pixels: what the loader's planners see of a sample (`data/sample_reader`).
-The synthetic mix is `benchmarks/balance.py`'s: image samples with 1 + Geometric images of
+The synthetic mix (also `benchmarks/balance.py`'s): image samples with 1 + Geometric images of
 log-uniform patch counts, audio clips of uniform length, text of lognormal length.
 
 Dims: N samples, M encoder items (all encoders).
@@ -59,7 +59,10 @@ class WorkloadSpec:
     text_sigma: float = 1.1
     """Lognormal sigma of text-only lengths."""
     caption_median: float = 200.0
-    """Median text tokens of an image or audio sample (lognormal, sigma 1)."""
+    """Median text tokens of an image sample, and of an audio one unless `prompt_median`
+    (lognormal, sigma 1)."""
+    prompt_median: float | None = None
+    """Median text tokens of an audio sample, if not `caption_median`."""
     images_geometric_p: float = 0.5
     """Images per image sample: Geometric(p) (P(1) = p), capped at `max_images`."""
     max_images: int = 8
@@ -84,9 +87,11 @@ class WorkloadSpec:
             if not 0 <= getattr(self, name) <= 1:
                 raise DataError(f"WorkloadSpec.{name} must be in [0, 1], got {getattr(self, name)}")
 
-    def draw(self, n: int, seed: int, encoders: tuple[str, ...] = ("vision", "audio")) -> Samples:
-        """n samples from a generator seeded with `seed` (the same n and seed: the same samples).
-        `encoders`: the model's; a modality it has no encoder for is an error."""
+    def draw(self, n: int, seed: int | np.random.Generator,
+             encoders: tuple[str, ...] = ("vision", "audio")) -> Samples:
+        """n samples from a generator seeded with `seed` (the same n and seed: the same samples;
+        a Generator: drawn from it, where it stands). `encoders`: the model's; a modality it has
+        no encoder for is an error."""
         if n < 1:
             raise DataError(f"a workload needs at least one sample, got n={n}")
         self._check_encoders(encoders)
@@ -94,8 +99,10 @@ class WorkloadSpec:
         image = (1 - self.audio_fraction) * self.image_fraction
         kind = rng.choice(3, size=n, p=[1 - image - self.audio_fraction, image,
                                         self.audio_fraction])  # 0 text, 1 image, 2 audio
+        caption = math.log(self.caption_median)
+        prompt = caption if self.prompt_median is None else math.log(self.prompt_median)
         text = np.where(kind == 0, self._text(rng, n),
-                        rng.lognormal(math.log(self.caption_median), 1.0, n))
+                        rng.lognormal(np.where(kind == 2, prompt, caption), 1.0, n))
         img_owner, patches = self._images(rng, kind == 1)
         audio_owner = np.flatnonzero(kind == 2)
         seconds = rng.uniform(*self.audio_seconds, audio_owner.size)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import oracle, plants
+from tests import oracle, oracle_ranks, plants
 from tests.fixtures import ds_config, tiny_config
 from tests.harness import run_on_ranks
 
@@ -74,7 +74,7 @@ def hf_layout(seen: dict):
     import torch.distributed as tdist
     from deepspeed.utils import groups
     from ds_omni.parallelize.expert_parallel import autoep_layers, hf_expert_state
-    reads = oracle.full_params, oracle.full_grads, oracle.omni_names
+    reads = oracle_ranks.full_params, oracle_ranks.full_grads, oracle_ranks.omni_names
 
     def gathered(engine, named):
         layers = autoep_layers(engine.module)
@@ -89,13 +89,14 @@ def hf_layout(seen: dict):
             tdist.all_gather(parts, t.contiguous(), group=group)
             return parts
         return hf_expert_state(named, ep, gather)
-    oracle.full_params = lambda engine: gathered(engine, reads[0](engine))
-    oracle.full_grads = lambda engine: gathered(engine, reads[1](engine))
-    oracle.omni_names = lambda engine, built: _Same()
+    # replaced where `train_on_rank` reads them (tests/oracle.py only re-exports them)
+    oracle_ranks.full_params = lambda engine: gathered(engine, reads[0](engine))
+    oracle_ranks.full_grads = lambda engine: gathered(engine, reads[1](engine))
+    oracle_ranks.omni_names = lambda engine, built: _Same()
     try:
         yield
     finally:
-        oracle.full_params, oracle.full_grads, oracle.omni_names = reads
+        oracle_ranks.full_params, oracle_ranks.full_grads, oracle_ranks.omni_names = reads
 
 
 class _Same(dict):
@@ -110,14 +111,14 @@ def _ranks(rank, world, out_dir, stages, planted, model_dir=None, resume=False):
         with hf_layout(seen):
             results[f"plant-{plant}"] = oracle.train_on_rank(
                 rank, world, make_config(f"{out_dir}/plant-{plant}", 2), ds_config(1), 1, plant,
-                read_params=oracle.full_params)  # the patched one
+                read_params=oracle_ranks.full_params)  # the patched one
     for stage in stages:
         seen = {}
         with hf_layout(seen):
             results[f"zero{stage}"] = oracle.train_on_rank(
                 rank, world, make_config(f"{out_dir}/zero{stage}", 2, model_dir),
                 ds_config(stage), STEPS, resume_at=STEPS - 1 if resume else None,
-                read_params=oracle.full_params)
+                read_params=oracle_ranks.full_params)
         results[f"zero{stage}"]["seen"] = seen
     return results
 

@@ -2,12 +2,11 @@
 figure of its History table in the results file of its run (results/history/) (benchmarks/check_figures.py); a planted
 wrong figure, key or count is named."""
 
-import functools
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import bench_scripts
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "BENCHMARKS.md"
@@ -15,14 +14,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 LOADER_ROW = "| loader throughput, 1 process, against 0 / 2 workers | 0.96x / 2.13x |"
 
 
-@functools.cache
 def _checker():
-    script = ROOT / "benchmarks" / "check_figures.py"
-    spec = importlib.util.spec_from_file_location("check_figures", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_scripts.load("check_figures", "check_figures")
 
 
 def test_every_summary_figure_is_backed():

@@ -1,27 +1,17 @@
 """benchmarks/gpu_mfu.py runs (tiny dims, in-process) and reports figures that hold together,
 its FLOP model checked against torch's FLOP counter."""
 
-import functools
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_mfu.py"
+from tests import bench_scripts
 
 
-
-@functools.cache
 def _bench():
-    spec = importlib.util.spec_from_file_location("gpu_mfu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return bench_scripts.load("gpu_mfu", "gpu_mfu")
 
 
 def test_tiny_run_writes_sane_figures(tmp_path):

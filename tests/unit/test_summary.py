@@ -5,11 +5,10 @@ the row's own format), and a row whose source does not match its figure is left 
 (at the row's settings into results/, or shortened into results/quick/), or is excused with a
 reason; a planted row command it does not run is named."""
 
-import functools
-import importlib.util
 import re
-import sys
 from pathlib import Path
+
+from tests import bench_scripts
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "BENCHMARKS.md"
@@ -18,14 +17,8 @@ LOADER_ROW = "| loader throughput, 1 process, against 0 / 2 workers | 0.96x / 2.
 SOAK_FIGURE = "0.377016 = 0.377016; 0.0; 8,000 = 8,000; 2.38x"
 
 
-@functools.cache
 def _summary():
-    script = ROOT / "benchmarks" / "summary.py"
-    spec = importlib.util.spec_from_file_location("bench_summary", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_scripts.load("summary", "bench_summary")
 
 
 def test_regenerating_from_the_current_results_leaves_the_table_unchanged():
@@ -66,13 +59,8 @@ def test_check_mode_writes_nothing_and_fails_on_a_difference(tmp_path, capsys):
 
 
 # ------------------------------------------------------------- make bench and the rows' commands
-@functools.cache
 def _run_all():
-    spec = importlib.util.spec_from_file_location("bench_run_all", ROOT / "benchmarks" / "run_all.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_scripts.load("run_all", "bench_run_all")
 
 
 def row_commands(cell: str, previous: list[str]) -> list[str]:
