@@ -40,7 +40,7 @@ def sim_plan(cfg: OmniConfig, ds_json: dict, gpus: int) -> SimPlan:
     batch = cfg.train.global_batch_size
     pack = pack_tokens(cfg.data, batch, plan.dp, micro)  # the loader's packing budget
     par = cfg.parallel
-    return SimPlan(name="ds_omni", dp=plan.dp, sp=plan.sp, pp=plan.pp,
+    return SimPlan(name="ds_omni", dp=plan.dp, sp=plan.sp, pp=plan.pp, tp=plan.tp, ep=plan.ep,
                    zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
                    global_batch=batch, micro_batches=micro, pack_tokens=pack,
                    reorder=cfg.data.reorder.mode, reorder_group=cfg.data.reorder.group_size,
