@@ -445,6 +445,17 @@ def _a2a_even_splits(rank: int):
     yield from _patched(comm, "all_to_all_pairs", even)
 
 
+@plant("sim_ep_no_backward", "the simulator's expert-parallel all-to-alls are priced in the "
+       "forward pass only (backward's dispatch / combine, and the recompute, forgotten)",
+       "sim_ep_a2a_measured")
+def _sim_ep_no_backward(rank: int):
+    from ds_omni.sim import model_parallel
+
+    def make(run_ep):
+        return lambda step, tokens, backward: None if backward else run_ep(step, tokens, backward)
+    yield from _patched(model_parallel, "run_ep", make)
+
+
 # ----------------------------------- the simulator's link calibration (tests/unit/test_calibrate_comm.py)
 @plant("comm_fit_no_latency", "the alpha-beta fit sees no latency term (every collective charged "
        "its bytes only)", "calibrate_comm")

@@ -88,6 +88,12 @@ class ParallelPlan:
         return [list(range(start, start + self.ep))
                 for start in range(0, self.dp * self.sp, self.ep)]
 
+    def expert_data_group_ranks(self) -> list[list[int]]:
+        """The ranks holding the same experts (one of each EP group), over which the experts'
+        gradients are reduced (DeepSpeed's expert-data-parallel groups)."""
+        ranks = list(range(self.dp * self.sp))
+        return [ranks[e::self.ep] for e in range(self.ep)]
+
     @property
     def sp_enabled(self) -> bool:
         return self.sp > 1
@@ -186,11 +192,14 @@ class ParallelPlan:
         out = {"ranks": ranks, **({"tp_groups": self.tp_group_ranks()} if tp else {}),
                "sp_groups": self.sp_group_ranks(), "dp_groups": self.dp_group_ranks(),
                **({"seq_data_groups": self.seq_data_group_ranks()} if both else {}),
+               **({"ep_groups": self.ep_group_ranks(),
+                   "expert_data_groups": self.expert_data_group_ranks()}
+                  if self.ep_enabled else {}),
                "reorder_group_size": self.reorder_group,
                "reorder_groups": self.reorder_group_ranks(self.reorder_group)}
         if gpus_per_node:
-            kinds = [k for k in ("tp_groups", "sp_groups", "dp_groups", "seq_data_groups")
-                     if k in out]
+            kinds = [k for k in ("tp_groups", "sp_groups", "dp_groups", "seq_data_groups",
+                                 "ep_groups", "expert_data_groups") if k in out]
             out["cross_node"] = {kind: [g for g in out[kind] if _crosses(g, gpus_per_node)]
                                  for kind in kinds}
         return out

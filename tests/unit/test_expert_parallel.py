@@ -117,6 +117,25 @@ def test_plan_derives_the_autoep_section(tmp_path):
     assert shown["ep"] == 2 and shown["ep_groups"] == [[0, 1], [2, 3]]
 
 
+def test_plan_prints_the_expert_groups_and_which_cross_nodes():
+    """`ds-omni plan --gpus-per-node` lists the expert-parallel groups (each MoE layer's
+    all-to-alls) and the ranks holding the same experts (their gradients' reduction), and says
+    which of them cross nodes: ep2 x dp4 on 2-GPU nodes keeps the all-to-alls in a node."""
+    from ds_omni.config import ReorderConfig
+    from ds_omni.parallel.plan import ParallelPlan
+    plan = ParallelPlan.from_config(ParallelConfig(ep=2), 4, ReorderConfig())
+    layout = plan.layout(gpus_per_node=2)
+    assert layout["ep_groups"] == [[0, 1], [2, 3]]
+    assert layout["expert_data_groups"] == [[0, 2], [1, 3]]
+    assert layout["cross_node"]["ep_groups"] == []
+    assert layout["cross_node"]["expert_data_groups"] == [[0, 2], [1, 3]]
+    wide = ParallelPlan.from_config(ParallelConfig(ep=4, sp=2), 8, ReorderConfig())
+    assert wide.layout(gpus_per_node=2)["cross_node"]["ep_groups"] == [[0, 1, 2, 3],
+                                                                       [4, 5, 6, 7]]
+    assert "ep_groups" not in ParallelPlan.from_config(ParallelConfig(), 4,
+                                                       ReorderConfig()).layout(2)
+
+
 def test_ep_not_dividing_the_experts(tmp_path):
     with pytest.raises(ConfigError, match="parallel.ep=3 does not divide the LLM's 4 experts"):
         _plan(tmp_path, 3, ep=3)
