@@ -76,6 +76,7 @@ def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
         for key, value in autoep_section(llm_text_config(cfg.model)[1], plan.ep).items():
             _merge(section, key, value, where=f"expert_parallel.{key}")
         check_expert_sequence_ds(out, plan.ep, plan.sp)
+        check_expert_zero3_export(out, plan.ep, cfg.train.export_hf)
     train = cfg.train
     optimizer = out.get("optimizer")
     if optimizer is not None:
@@ -108,6 +109,20 @@ def check_expert_sequence_ds(ds: dict, ep: int, sp: int) -> None:
                           "not supported with it (ZeRO-0 would scale the experts' gradients by "
                           "1 / sp, ZeRO-3 is refused by DeepSpeed's AutoEP): set the stage to 1 "
                           "or 2")
+
+
+def check_expert_zero3_export(ds: dict, ep: int, export_hf: bool) -> None:
+    """parallel.ep under ZeRO-3 trains (equal to one process, tests/dist/test_expert_parallel.py)
+    but writes AutoEP's partitioned expert states, which the HF export does not read
+    (`model/expert_checkpoint.py`): refused at start-up when the run ends in an export, not
+    after the last step."""
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if ep > 1 and stage == 3 and export_hf:
+        raise ConfigError(f"parallel.ep={ep} with zero_optimization.stage=3 trains, but its "
+                          "checkpoints hold AutoEP's ZeRO-3-partitioned experts, which "
+                          "train.export_hf (and ds-omni convert) cannot read in this version: "
+                          "set zero_optimization.stage to 1 or 2 (each rank already holds 1/ep "
+                          "of the experts), or train.export_hf to false")
 
 
 def check_tensor_parallel_ds(ds: dict, tp: int) -> None:

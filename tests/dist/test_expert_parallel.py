@@ -40,7 +40,7 @@ MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
        "output_router_logits": True, "router_aux_loss_coef": 0.02}
 # launch -> (world, ZeRO stages, plants): the quick tier keeps one 2-rank parity and the plants
 LAUNCHES = {"ep2": (2, [1], True), "ep2_zero2": (2, [2], False), "ep2_dp2": (4, [1, 2], False),
-            "ep2_qwen3_vl_moe": (2, [2], False)}
+            "ep2_qwen3_vl_moe": (2, [2], False), "ep2_zero3": (2, [3], False)}
 RESUMED = "ep2_zero2"  # saves before its last step, resumes, reruns it; its checkpoint exported
 PLANTED = {"ep_wrong_rank": "losses", "aux_loss_dropped": "losses"}
 
@@ -159,7 +159,8 @@ def _check(name, per_rank, dp, tmp_path, steps=STEPS, model_dir=None):
 @pytest.mark.parametrize("launch", [pytest.param("ep2", marks=pytest.mark.slow),
                                     pytest.param("ep2_zero2", marks=pytest.mark.slow),
                                     pytest.param("ep2_dp2", marks=pytest.mark.slow),
-                                    pytest.param("ep2_qwen3_vl_moe", marks=pytest.mark.slow)])
+                                    pytest.param("ep2_qwen3_vl_moe", marks=pytest.mark.slow),
+                                    pytest.param("ep2_zero3", marks=pytest.mark.slow)])
 def test_expert_parallel_matches_single_process(launch, launches, tmp_path):
     results = launches(launch)
     world, stages, _ = LAUNCHES[launch]

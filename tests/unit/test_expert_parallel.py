@@ -136,6 +136,22 @@ def test_plan_prints_the_expert_groups_and_which_cross_nodes():
                                                        ReorderConfig()).layout(2)
 
 
+def test_zero3_with_ep_is_refused_before_a_run_that_would_export(tmp_path):
+    """ZeRO-3 under ep trains (the ep2_zero3 parity case) but its expert checkpoint does not
+    export: with train.export_hf on, start-up says so, not the end of the run."""
+    from ds_omni.train.setup import plan_run
+    cfg = tiny_config(str(tmp_path), global_batch_size=4)
+    cfg.model.llm.config = dict(MOE)
+    cfg.parallel.ep = 2
+    cfg.train.export_hf = True
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 with zero_optimization.stage=3 .*"
+                                          r"train.export_hf to false"):
+        plan_run(cfg, ds_config(3), 2)
+    cfg.train.export_hf = False
+    plan, ds = plan_run(cfg, ds_config(3), 2)
+    assert plan.ep == 2 and ds["zero_optimization"]["stage"] == 3
+
+
 def test_ep_not_dividing_the_experts(tmp_path):
     with pytest.raises(ConfigError, match="parallel.ep=3 does not divide the LLM's 4 experts"):
         _plan(tmp_path, 3, ep=3)

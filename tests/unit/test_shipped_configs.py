@@ -23,7 +23,13 @@ def test_there_are_configs():
 def test_example_with_deepspeed_config(example, ds_path):
     cfg = load_config(example)
     plan = ParallelPlan.from_config(cfg.parallel, cfg.parallel.sp * cfg.parallel.pp * 2, cfg.data.reorder)
-    merged = derive_ds_config(cfg, load_ds_json(ds_path), plan)
+    user = load_ds_json(ds_path)
+    if cfg.parallel.ep > 1 and user["zero_optimization"]["stage"] == 3 and cfg.train.export_hf:
+        from ds_omni.errors import ConfigError  # refused at start-up: the export could not read it
+        with pytest.raises(ConfigError, match="train.export_hf to false"):
+            derive_ds_config(cfg, user, plan)
+        return
+    merged = derive_ds_config(cfg, user, plan)
     assert merged["train_batch_size"] == cfg.train.global_batch_size
     assert '"auto"' not in json.dumps(merged)  # no value left "auto" (a key may say autoep_size)
 
