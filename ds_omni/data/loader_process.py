@@ -58,7 +58,7 @@ from ds_omni.data.cores import CorePlan, pin_pid, pin_self, pin_trainer, release
 from ds_omni.data.cost import CostModel
 from ds_omni.data.loader import OmniLoader, StepBatch
 from ds_omni.data.packing import SeqShard, empty_micro_batch
-from ds_omni.data.prefetch import Prefetcher, _Made
+from ds_omni.data.prefetch import Prefetcher, TakenSteps, _Made
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.rank_place import LoaderComms, LongSplits, RankPlace, SharedReading
 from ds_omni.data.sources import Source
@@ -105,7 +105,7 @@ class _World:
     shared: SharedReading | None  # its comm is rebuilt in the loader process; the rest kept
 
 
-class LoaderProcess:
+class LoaderProcess(TakenSteps):
     """This rank's loader, run in a spawned process (`data.workers` >= 1): the `OmniLoader`
     interface the training loop uses. `comm`: the trainer's own collectives (token totals,
     logging); `plan` and `rank`: where the loader processes rebuild their groups (needed when
@@ -176,14 +176,6 @@ class LoaderProcess:
         return self._proc.pid
 
     # ---------------------------------------------------------------------- the loop's view
-    @property
-    def step(self) -> int:
-        return self.position["step"]
-
-    @property
-    def skipped(self) -> dict[str, int]:
-        return dict(self.position["local"]["skipped"])
-
     def next_step(self) -> StepBatch:
         """The next step's batch; a dead or silent loader process is this step's error."""
         import time
@@ -370,6 +362,21 @@ class _AheadFeed(Prefetcher):
         return _Made(dumps(batch), self.loader._step_start, self.loader._position(),
                      self.loader.take_skipped())
 
+    def _take(self) -> _Made:
+        """A step made ahead, without waking the thread (`release` does, after the reply): it
+        would take the GIL from the reply's pipe writes (the hand-over took 5-20 ms a step)."""
+        with self._cond:
+            if self._made:
+                return self._made.popleft()
+        return super()._take()
+
+    def release(self) -> None:
+        """Let the thread make steps up to `ahead` past the steps taken (the reply is out)."""
+        with self._cond:
+            limit = self.position["step"] + self.ahead
+            self._limit = max(self._limit, limit if self.until is None else min(limit, self.until))
+            self._cond.notify_all()
+
 
 def _join(world: _World | None, parts: LoaderParts) -> LoaderComms:
     """The loader processes' own gloo world on the trainer's store, and the loader's groups."""
@@ -434,6 +441,7 @@ class _Server:
                 made = self.feed.taken
                 conn.send_bytes(pickle.dumps(("batch", (_sent_position(made), made.skipped))))
                 conn.send_bytes(payload)
+                self.feed.release()
                 return True
             value = getattr(self, f"_{op}")(*args)
         except Exception as e:  # every failure goes back as a reply: the trainer says it
