@@ -10,7 +10,9 @@ and packing per step). The training step is the tiny LLaVA's forward and backwar
 first micro-batch, slowed by a fixed number of matmuls (which release the GIL, as a GPU step's
 host thread does while it waits for the device) so that it takes about as long as loading a step
 (both measured first). The trainer holds one core (`torch.set_num_threads(1)`); the loader
-thread (and its worker) has the other.
+thread (and its worker) has the other. With the loader process (`data.workers` 1) the trainer
+and the loader process are pinned to a core each by `data.pin_cores` (the placement is in the
+results); the in-process variants are not pinned.
 
 Per repeat, the same N steps with `data.prefetch_steps` 0, then 1, then 1 with the thread and a
 pack worker, then 1 with `data.workers` 1 (fresh loaders, the same samples: checked); the loading time is what the trainer waits for data
@@ -56,7 +58,9 @@ def make_loader(cfg, built, workers: int, pack_workers: int = 0):
     loader in the training process driving that many pack workers (the former design)."""
     from ds_omni.data.build import build_loader, loader_parts
     from ds_omni.data.rank_place import LoaderComms
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=workers))
+    # data.pin_cores: with the loader process, the trainer on one core and it on the other
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=workers,
+                                                            pin_cores=True))
     num_micro = cfg.train.global_batch_size // MICRO
     if pack_workers:
         return loader_parts(cfg, built, dp_rank=0, dp_size=1, num_micro=num_micro).build(
@@ -80,8 +84,10 @@ def timed_steps(cfg, built, prefetch: int, steps: int, work, matmuls: int,
         keys.append(batch.keys)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     feed.close()
+    placement = loader.cores.record() if hasattr(loader, "cores") else None
     loader.close()
-    return {"wall_s": wall, "data_wait_s": wait, "keys": keys, "trainer_cpu_s": cpu}
+    return {"wall_s": wall, "data_wait_s": wait, "keys": keys, "trainer_cpu_s": cpu,
+            "placement": placement}
 
 
 def loading_cpu(cfg, built, workers: int, steps: int = 6, pack_workers: int = 0) -> float:
@@ -152,7 +158,10 @@ def main() -> None:
               "trainer_cpu_s_per_step": {k: statistics.median(r["trainer_cpu_s"] for r in v) /
                                          args.steps for k, v in runs.items()},
               "setup": {"global_batch": cfg.train.global_batch_size, "micro_batch": MICRO,
-                        "sources": 4, "image_px": IMAGE_PX, "trainer_threads": 1}}
+                        "sources": 4, "image_px": IMAGE_PX, "trainer_threads": 1},
+              # data.pin_cores of the loader process variant ("workers"); the others unpinned
+              "placement_workers": runs["workers"][-1]["placement"],
+              "cores": sorted(os.sched_getaffinity(0))}
     for name, tag in (("on", ""), ("thread_workers", "_thread_workers"), ("workers", "_workers")):
         pairs = list(zip(runs["off"], runs[name]))
         result[f"hidden_fraction_wall{tag}"] = statistics.median(

@@ -7,8 +7,10 @@ What the machinery costs when there is nothing to balance: 16 one-image samples 
 shapes conversations of `benchmarks/loader.py`, 256-pixel JPEGs, about the same length each),
 micro-batches of 4, a tiny LLaVA saved with `save_pretrained` and loaded back by both sides,
 ZeRO-2, fp32, torch AdamW, one data-parallel rank. The trainer holds one core
-(`torch.set_num_threads(1)`); ds_omni's loading runs on the other (`data.workers` 1: its loader
-process), as a GPU host's trainer would leave the device work to the GPU.
+(`torch.set_num_threads(1)`; `data.pin_cores` pins it there once ds_omni's loader is built, for
+both sides); ds_omni's loading runs on the other (`data.workers` 1: its loader process, pinned
+to it), as a GPU host's trainer would leave the device work to the GPU. The placement is in the
+results.
 
 - ds_omni: the run's own pieces (`setup_training`, its feed, `train_step`) from its config
   (`data.workers` 1: the whole loader in a loader process, the trainer receives finished batches);
@@ -144,7 +146,7 @@ def setup(root: Path):
     cfg = from_dict(OmniConfig, {
         "model": {"pretrained": str(model_dir)},
         "data": {"sources": make_sources(root / "data", 1, 2000, IMAGE_PX), "max_seq_len": 256,
-                 "chunk_rows": 256, "prefetch_steps": 1, "workers": 1},
+                 "chunk_rows": 256, "prefetch_steps": 1, "workers": 1, "pin_cores": True},
         "train": {"steps": 10 ** 6, "global_batch_size": BATCH, "micro_batch_size": MICRO,
                   "lr": 1e-4, "output_dir": str(root / "run"), "export_hf": False}})
     ds_path = root / "ds.json"
@@ -176,6 +178,7 @@ def main() -> None:
         print({k: (round(v["tokens_per_s"]), round(v.get("data_wait_s", 0), 3))
                for k, v in rounds[-1].items()}, flush=True)
     feed.close()
+    placement = feed.loader.cores.record()
     feed.loader.close()
     def ratio(a, b):
         return statistics.median(r[a]["tokens_per_s"] / r[b]["tokens_per_s"] for r in rounds)
@@ -185,7 +188,10 @@ def main() -> None:
               "load_average_1min": load, "steps_per_round": args.steps,
               "setup": {"global_batch": BATCH, "micro_batch": MICRO, "image_px": IMAGE_PX,
                         "trainer_threads": 1, "data_workers": 1, "prefetch_steps": 1,
-                        "zero_stage": 2}}
+                        "zero_stage": 2},
+              # data.pin_cores: the training process (both sides) on one core, the loader
+              # process on another
+              "placement": placement, "cores": sorted(os.sched_getaffinity(0))}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "uniform.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, indent=1))

@@ -199,6 +199,16 @@ class DataConfig:
     training step. "auto": 0 without a GPU, else 2 per rank (the shipped processors feed one
     H200 with at most 1.5 cores: docs/benchmarks/feed_rate.md), at most the host's cores per
     rank minus one."""
+    pin_cores: bool | Literal["auto"] = "auto"
+    """Hold each process of a rank to cores of its own (`ds_omni/data/cores.py`): each local rank
+    (LOCAL_RANK of LOCAL_WORLD_SIZE, or the deepspeed launcher's LOCAL_SIZE) takes its slice of
+    the cores the process may use; in it the loader process gets one core, each pack worker one
+    and the trainer the rest, torch's threads set to match. "auto" and true: pin when
+    data.workers >= 1 and every process gets a core (else nothing is pinned and the log says why;
+    a warning with true); false: never. Nothing is pinned on a platform without
+    os.sched_setaffinity (macOS, Windows), nor where the launcher did not say how many ranks
+    share the node. A launcher that already binds each rank to its own cores (deepspeed
+    --bind_cores_to_rank) leaves a rank too few to slice again: set false there."""
     shared_reading: bool = True
     """Under parallel.sp or parallel.tp > 1: the first of the ranks that train on the same rows
     (the sp x tp ranks of a data-parallel rank) reads, decodes and packs them once and sends each

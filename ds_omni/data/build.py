@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from ds_omni.config import OmniConfig
+from ds_omni.data.cores import trainer_plan
 from ds_omni.data.cost import CostModel, ModelDims
 from ds_omni.data.loader import OmniLoader
 from ds_omni.data.loader_process import LoaderParts, LoaderProcess
@@ -80,7 +81,7 @@ def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micr
 
     `data.workers` >= 1: the loader runs in a process of its own (`loader_process.py`), which
     rebuilds its groups from `plan` as global rank `rank` (`timeout_s`: how long the trainer
-    waits for it); `comm` stays the trainer's."""
+    waits for it); `comm` stays the trainer's; `data.pin_cores` places the processes on cores."""
     parts = loader_parts(cfg, built, dp_rank=dp_rank, dp_size=dp_size, num_micro=num_micro,
                          sp_rank=sp_rank, sp_size=sp_size, cost=cost, long_items=long_items,
                          reorder_group=reorder_group)
@@ -90,7 +91,7 @@ def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micr
         shared = (_reading(cfg, None) if cfg.data.shared_reading and sp_size * cfg.parallel.tp > 1
                   else None)
         return LoaderProcess(parts, workers, comm=comm, plan=plan, rank=rank, timeout_s=timeout_s,
-                             shared=shared)
+                             shared=shared, cores=trainer_plan(cfg.data.pin_cores, workers))
     return parts.build(LoaderComms(comm, step_comm, shared_reading(cfg, shard_comm)), 0)
 
 

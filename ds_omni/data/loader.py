@@ -69,12 +69,14 @@ class OmniLoader:
     """This rank's loader. Call `next_step()` on every rank in lockstep (it communicates).
 
     `place`: its ranks and micro-batches per step; `comms`: its collectives (alone by default);
-    `splits`: per-sequence and long-short SP (none by default)."""
+    `splits`: per-sequence and long-short SP (none by default); `worker_cores`: the cores of its
+    pack workers (`cores.py`; none: unpinned)."""
 
     def __init__(self, sources: list[Source], processors: dict[str, SampleProcessor],
                  cost_model: CostModel, cfg: DataConfig, *, global_batch_size: int,
                  place: RankPlace, comms: LoaderComms | None = None,
-                 splits: LongSplits | None = None):
+                 splits: LongSplits | None = None,
+                 worker_cores: tuple[tuple[int, ...], ...] = ()):
         comms, splits = comms or LoaderComms(), splits or LongSplits()
         self.sources = {s.name: s for s in sources}
         self.processors, self.cost_model, self.cfg = processors, cost_model, cfg
@@ -111,7 +113,8 @@ class OmniLoader:
                              f"{shared.comm.size}, its place says sp_rank {place.sp_rank} of "
                              f"{place.sp_size}")
         self.batches = MicroBatchLoader(self.reader, processors, cost_model, place, splits,
-                                        resolve_workers(cfg.workers), every_shard=self.shared is not None)
+                                        resolve_workers(cfg.workers), every_shard=self.shared is not None,
+                                        worker_cores=worker_cores)
         self.state = LoaderState(self.reader, self.planner, self.schedule, cfg, place, self.comm)
         self.step = 0
 

@@ -54,10 +54,11 @@ from datetime import timedelta
 import torch
 
 from ds_omni.config import DataConfig
+from ds_omni.data.cores import CorePlan, pin_pid, pin_self, pin_trainer, release_trainer
 from ds_omni.data.cost import CostModel
 from ds_omni.data.loader import OmniLoader, StepBatch
 from ds_omni.data.packing import SeqShard, empty_micro_batch
-from ds_omni.data.prefetch import Prefetcher, _Made
+from ds_omni.data.prefetch import Prefetcher, TakenSteps, _Made
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.rank_place import LoaderComms, LongSplits, RankPlace, SharedReading
 from ds_omni.data.sources import Source
@@ -80,13 +81,15 @@ class LoaderParts:
     place: RankPlace
     splits: LongSplits
 
-    def build(self, comms: LoaderComms, pack_workers: int) -> OmniLoader:
-        """The loader, with `pack_workers` processes of its own for decoding and packing."""
+    def build(self, comms: LoaderComms, pack_workers: int,
+              worker_cores: tuple[tuple[int, ...], ...] = ()) -> OmniLoader:
+        """The loader, with `pack_workers` processes of its own for decoding and packing (on
+        `worker_cores`, one tuple per worker; () unpinned)."""
         data = dataclasses.replace(self.data, workers=pack_workers)
         sources = [Source(s, chunk_rows=data.chunk_rows) for s in data.sources]
         return OmniLoader(sources, self.processors, self.cost_model, data,
                           global_batch_size=self.global_batch_size, place=self.place,
-                          comms=comms, splits=self.splits)
+                          comms=comms, splits=self.splits, worker_cores=worker_cores)
 
 
 @dataclass
@@ -102,14 +105,16 @@ class _World:
     shared: SharedReading | None  # its comm is rebuilt in the loader process; the rest kept
 
 
-class LoaderProcess:
+class LoaderProcess(TakenSteps):
     """This rank's loader, run in a spawned process (`data.workers` >= 1): the `OmniLoader`
     interface the training loop uses. `comm`: the trainer's own collectives (token totals,
     logging); `plan` and `rank`: where the loader processes rebuild their groups (needed when
-    more than one rank loads)."""
+    more than one rank loads). `cores`: where this rank's processes run (`cores.plan_cores`):
+    the trainer is held to its cores until the loader closes."""
 
     def __init__(self, parts: LoaderParts, workers: int, *, comm=None, plan: ParallelPlan | None
-                 = None, rank: int = 0, shared: SharedReading | None = None, timeout_s: float = 1800.0):
+                 = None, rank: int = 0, shared: SharedReading | None = None, timeout_s: float = 1800.0,
+                 cores: CorePlan | None = None):
         from ds_omni.data.rank_place import LocalComm
         place = parts.place
         self.comm = comm or LocalComm()
@@ -124,9 +129,13 @@ class LoaderProcess:
         ctx = mp.get_context("spawn")  # not fork: the trainer has threads (gloo, DeepSpeed)
         mine, theirs = ctx.Pipe()
         # pack workers are the loader process's children: a daemon may have none
-        self._proc = ctx.Process(target=_serve, args=(parts, workers - 1, world, theirs),
+        self.cores = cores or CorePlan(why_not="no plan given")
+        self._proc = ctx.Process(target=_serve, args=(parts, workers - 1, world, theirs,
+                                                      self.cores),
                                  name=f"ds-omni-loader-rank{rank}", daemon=workers == 1)
         self._proc.start()
+        pin_pid(self._proc.pid, self.cores.loader)  # now: its imports run on its own core
+        self._pinned = pin_trainer(self.cores)
         theirs.close()
         self._conn, self._closed = mine, False
         atexit.register(self._end)  # before multiprocessing joins its non-daemon children
@@ -167,14 +176,6 @@ class LoaderProcess:
         return self._proc.pid
 
     # ---------------------------------------------------------------------- the loop's view
-    @property
-    def step(self) -> int:
-        return self.position["step"]
-
-    @property
-    def skipped(self) -> dict[str, int]:
-        return dict(self.position["local"]["skipped"])
-
     def next_step(self) -> StepBatch:
         """The next step's batch; a dead or silent loader process is this step's error."""
         import time
@@ -223,6 +224,10 @@ class LoaderProcess:
     def counts(self):
         """What this rank's loader read and processed (`sample_reader.ReadCounts`)."""
         return self._ask("counts")
+
+    def placement(self) -> dict:
+        """The cores the loader process and its pack workers run on, read back from it."""
+        return self._ask("placement")
 
     def load_samples(self, keys: list[str]) -> list:
         return self._ask("load_samples", keys)
@@ -289,6 +294,8 @@ class LoaderProcess:
         if self._proc.is_alive():  # SIGKILL: a stopped (or hung) process ignores SIGTERM
             self._proc.kill()
             self._proc.join(5.0)
+        if self._pinned:
+            release_trainer()
         atexit.unregister(self._end)
 
 
@@ -355,6 +362,21 @@ class _AheadFeed(Prefetcher):
         return _Made(dumps(batch), self.loader._step_start, self.loader._position(),
                      self.loader.take_skipped())
 
+    def _take(self) -> _Made:
+        """A step made ahead, without waking the thread (`release` does, after the reply): it
+        would take the GIL from the reply's pipe writes (the hand-over took 5-20 ms a step)."""
+        with self._cond:
+            if self._made:
+                return self._made.popleft()
+        return super()._take()
+
+    def release(self) -> None:
+        """Let the thread make steps up to `ahead` past the steps taken (the reply is out)."""
+        with self._cond:
+            limit = self.position["step"] + self.ahead
+            self._limit = max(self._limit, limit if self.until is None else min(limit, self.until))
+            self._cond.notify_all()
+
 
 def _join(world: _World | None, parts: LoaderParts) -> LoaderComms:
     """The loader processes' own gloo world on the trainer's store, and the loader's groups."""
@@ -372,12 +394,14 @@ def _join(world: _World | None, parts: LoaderParts) -> LoaderComms:
     return LoaderComms(comm, step_comm, shared)
 
 
-def _serve(parts: LoaderParts, pack_workers: int, world: _World | None, conn) -> None:
+def _serve(parts: LoaderParts, pack_workers: int, world: _World | None, conn,
+           cores: CorePlan) -> None:
     """The loader process: requests in, replies out, until told to stop or orphaned."""
     torch.set_num_threads(1)  # the trainer keeps the other cores
+    pin_self(cores.loader)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's; we follow it
     try:
-        loader = parts.build(_join(world, parts), pack_workers)
+        loader = parts.build(_join(world, parts), pack_workers, cores.pack_workers)
         server = _Server(loader, world.timeout_s if world else 1800.0)
         reply = ("ok", loader._position())
     except Exception as e:
@@ -417,6 +441,7 @@ class _Server:
                 made = self.feed.taken
                 conn.send_bytes(pickle.dumps(("batch", (_sent_position(made), made.skipped))))
                 conn.send_bytes(payload)
+                self.feed.release()
                 return True
             value = getattr(self, f"_{op}")(*args)
         except Exception as e:  # every failure goes back as a reply: the trainer says it
@@ -454,6 +479,13 @@ class _Server:
 
     def _counts(self):
         return self.loader.counts
+
+    def _placement(self) -> dict:
+        """Where this process and its pack workers run, as the kernel says."""
+        pool = self.loader.batches.pool
+        return {"loader": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
+                "pack_workers": [sorted(os.sched_getaffinity(p.pid)) for p in pool._procs]
+                if pool is not None else []}
 
     def _load_samples(self, keys: list[str]) -> list:
         return self.loader.load_samples(keys)

@@ -46,7 +46,22 @@ class _Made:
     skipped: list[dict]
 
 
-class Prefetcher:
+class TakenSteps:
+    """`step` and `skipped` of the steps the trainer took, from `position` (the loader's
+    position after them), whatever was made ahead: the `Prefetcher`'s and the loader process's."""
+
+    position: dict
+
+    @property
+    def step(self) -> int:
+        return self.position["step"]
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        return dict(self.position["local"]["skipped"])
+
+
+class Prefetcher(TakenSteps):
     """Wraps one rank's `OmniLoader` for the training loop: `next_step`, `state_dict`, `rewind`,
     `set_weights`, `take_skipped`, `skipped`, `comm` as the loader has them, for the steps taken.
 
@@ -74,14 +89,6 @@ class Prefetcher:
         self._thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------------- the loop's view
-    @property
-    def step(self) -> int:
-        return self.position["step"]
-
-    @property
-    def skipped(self) -> dict[str, int]:
-        return dict(self.position["local"]["skipped"])
-
     def next_step(self) -> StepBatch:
         t0 = time.perf_counter()
         made = self._take() if self.ahead > 0 else self._make()

@@ -31,7 +31,7 @@ class MicroBatchLoader:
 
     def __init__(self, reader: SampleReader, processors: dict[str, SampleProcessor],
                  cost_model: CostModel, place: RankPlace, splits: LongSplits, workers: int,
-                 every_shard: bool = False):
+                 every_shard: bool = False, worker_cores: tuple[tuple[int, ...], ...] = ()):
         self.reader, self.cost_model = reader, cost_model
         # the SP group's reader (`ds_omni.data.shared_read`): it packs every rank's shard, and
         # `peers` holds the other ranks' micro-batches of the last `load`
@@ -49,7 +49,7 @@ class MicroBatchLoader:
                       if place.sp_size > 1 else None)
         # decoding, HF processing and packing: here, or in `data.workers` processes
         self.packer = Packer(processors, self._item_cost, self.long_items)
-        self.pool = WorkerPool(self.packer, workers) if workers else None
+        self.pool = WorkerPool(self.packer, workers, cores=worker_cores) if workers else None
 
     def load(self, mine: list[list[str]], stats: dict, step: int
              ) -> tuple[list[MicroBatch], list[str], list[str], float]:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ds_omni.batch import MicroBatch
+from ds_omni.data.cores import pin_pid
 from ds_omni.data.cost import CostModel
 from ds_omni.data.packing import SeqShard, empty_micro_batch, pack, pack_shards
 from ds_omni.data.processing import Sample, SampleProcessor
@@ -149,10 +150,13 @@ class WorkerPool:
     hand-off between the trainer's threads and a worker waits for the GIL (up to its 5 ms switch
     interval while the step's host thread holds it), so there are as few as possible.
 
+    `cores`: worker i is held to `cores[i]` (`cores.py`; none: unpinned, or where not given).
+
     One `map` at a time: the prefetch thread's and any other caller's maps take turns (two
     readers of one pipe would split a reply between them)."""
 
-    def __init__(self, fn, n: int, *, timeout_s: float = 1800.0):
+    def __init__(self, fn, n: int, *, timeout_s: float = 1800.0,
+                 cores: tuple[tuple[int, ...], ...] = ()):
         if n < 1:
             raise ValueError(f"a worker pool needs at least one worker, got {n}")
         ctx = mp.get_context("spawn")  # not fork: the trainer has threads (gloo, prefetch)
@@ -164,6 +168,7 @@ class WorkerPool:
             proc = ctx.Process(target=_serve, args=(fn, theirs), name=f"ds-omni-data-worker-{i}",
                                daemon=True)
             proc.start()
+            pin_pid(proc.pid, cores[i] if i < len(cores) else ())
             theirs.close()
             self._conns.append(mine)
             self._procs.append(proc)
