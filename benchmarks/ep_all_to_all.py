@@ -59,9 +59,11 @@ def _kind(stack) -> str:
         else "llm_experts"
 
 
-def count_all_to_alls(counts: dict) -> None:
+def count_all_to_alls(counts: dict, kind_of=_kind) -> None:
     """Wrap torch.distributed.all_to_all_single (deepspeed.comm calls it by keyword): per
-    caller, the bytes this rank sends to other ranks, and every row it hands the call."""
+    caller (`kind_of(stack)`: by default AutoEP's parts), the bytes this rank sends to other
+    ranks, and every row it hands the call (`<kind>_rows`). tests/dist/test_sim_a2a_measured.py
+    counts Ulysses' and resharding's calls with it."""
     import torch.distributed as dist
     original = dist.all_to_all_single
 
@@ -70,7 +72,7 @@ def count_all_to_alls(counts: dict) -> None:
         me, g = dist.get_rank(group), dist.get_world_size(group)
         per_row = input.numel() // max(1, input.shape[0]) * input.element_size()
         splits = input_split_sizes or [input.shape[0] // g] * g
-        kind = _kind(traceback.extract_stack())
+        kind = kind_of(traceback.extract_stack())
         counts[kind] = counts.get(kind, 0) + (sum(splits) - splits[me]) * per_row
         counts[kind + "_rows"] = counts.get(kind + "_rows", 0) + sum(splits)
         return original(output, input, output_split_sizes, input_split_sizes, group, async_op)

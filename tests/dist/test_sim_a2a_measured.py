@@ -19,7 +19,6 @@ shard boundary depends on where placeholders sit in the packed row, and the simu
 
 from __future__ import annotations
 
-import traceback
 
 import pytest
 
@@ -30,23 +29,10 @@ NAME = "sp2_static_image"
 KINDS = {"sequence/layer.py": "llm_ulysses", "parallel/reshard.py": "reshard"}
 
 
-def _count_all_to_alls(counts: dict):
-    """Wrap torch.distributed.all_to_all_single: bytes this rank sends to other ranks, by caller."""
-    import torch.distributed as dist
-    original = dist.all_to_all_single
-
-    def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
-                async_op=False):
-        me, g = dist.get_rank(group), dist.get_world_size(group)
-        per_row = input.numel() // max(1, input.shape[0]) * input.element_size()
-        splits = input_split_sizes or [input.shape[0] // g] * g
-        sent = (sum(splits) - splits[me]) * per_row
-        where = "".join(f.filename for f in traceback.extract_stack())
-        kind = next((k for path, k in KINDS.items() if path in where), "other")
-        counts[kind] = counts.get(kind, 0) + sent
-        return original(output, input, output_split_sizes, input_split_sizes, group, async_op)
-
-    dist.all_to_all_single = counted
+def _kind(stack) -> str:
+    """Who called the all-to-all: Ulysses' attention, resharding, or other."""
+    where = "".join(f.filename for f in stack)
+    return next((k for path, k in KINDS.items() if path in where), "other")
 
 
 def _ranks(rank: int, world: int, out_dir: str, sources: dict) -> list[dict]:
@@ -63,8 +49,9 @@ def _ranks(rank: int, world: int, out_dir: str, sources: dict) -> list[dict]:
     plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
     _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), rank, plan)
     ds_groups.mpu = engine.mpu
+    from benchmarks.ep_all_to_all import count_all_to_alls
     counts: dict = {}
-    _count_all_to_alls(counts)
+    count_all_to_alls(counts, _kind)
     log = []
     for _ in range(STEPS):
         batch = loader.next_step()
