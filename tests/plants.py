@@ -509,6 +509,14 @@ def _sim_memo_one_direction(rank: int):
                         f(st, work, False))
 
 
+# ------------------------------------------------------ the watchdog (tests/unit/test_watchdog.py)
+@plant("watchdog_explain_at_once", "after a failed collective, the watchdog names a peer only "
+       "from what it had seen when the error came (no fresh read, no second look)", "watchdog")
+def _watchdog_explain_at_once(rank: int):
+    from ds_omni.train.watchdog import Watchdog
+    yield from _patched(Watchdog, "explain", lambda f: lambda self, error: self.diagnose())
+
+
 # ------------------------------------------------ the loader process (tests/dist/test_loader_process.py)
 @plant("loader_process_stale_position", "the loader process sends back, with each step, the "
        "loader's position before that step instead of after it (a resume reads it again)",

@@ -45,6 +45,7 @@ from ds_omni.batch import EncodedItem, MicroBatch
 from ds_omni.data.rank_place import ShardComm
 from ds_omni.data.workers import dumps
 from ds_omni.errors import DataError
+from ds_omni.parallel.dist import peer_gone
 
 
 def peer_view(mb: MicroBatch, all_items: bool) -> MicroBatch:
@@ -100,14 +101,10 @@ def receive(comm: ShardComm, dp_rank: int) -> dict:
     return pickle.loads(data)
 
 
-# gloo's words for a peer whose process is gone (which one it says depends on when it looked)
-_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
 def _why(e: Exception) -> str:
     """What a failed receive means, in words: the reader gone, or silent past the timeout."""
     text = str(e)
-    if any(w in text for w in _GONE):
+    if peer_gone(e):
         return "its process is gone (the connection to it closed)"
     if "Timed out" in text or "timeout" in text.lower():
         return "it sent nothing within the group's timeout (alive but stuck, or very slow)"

@@ -26,6 +26,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# gloo's words when a peer's process is gone (which one it says depends on when it looked)
+PEER_GONE_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def peer_gone(error: BaseException) -> bool:
+    """Whether a failed collective says that the connection to a peer closed: its process died."""
+    return any(w in str(error) for w in PEER_GONE_WORDS)
+
+
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}  # accelerator -> process-group backend
 
 

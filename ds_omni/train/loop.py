@@ -45,7 +45,7 @@ def run(cfg: OmniConfig, ds_config_path: str, *, resume: bool = False,
         report = _run(cfg, ds_config, plan, rank, resume, stop_after, watchdog)
     except BaseException as e:
         if watchdog is not None:
-            cause = watchdog.diagnose()
+            cause = watchdog.explain(e)
             if cause:  # a collective failed because a peer died: say which
                 print(f"ds-omni: rank {rank}: {cause}", file=sys.stderr, flush=True)
             watchdog.close(failed=f"{type(e).__name__}: {e}")

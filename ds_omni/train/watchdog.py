@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from ds_omni.parallel.dist import peer_gone
+
 EXIT_PEER_FAILURE = 3
 WATCHED_PEERS = 4
 ABORT_KEY = "abort"
@@ -377,6 +379,24 @@ class Watchdog:
             if now - view.changed_at > 2 * self.interval and not seen:
                 return f"rank {rank} has sent no heartbeat for {now - view.changed_at:.0f} s"
         return None
+
+    def explain(self, error: BaseException, poll_s: float = 0.02) -> str | None:
+        """After this rank's training raised `error`: which watched peer's end explains it.
+        Two gaps would hide a peer killed mid-collective, so when the error says a connection
+        closed this first reads the peers' beats once more (the peer may have died before this
+        thread's first read, as under SIGTERM), then looks again until one is seen gone, for
+        at most one interval: the kernel closes a dying process's sockets before the process
+        becomes a zombie, and on a loaded host the collective's error can come in between.
+        (A peer on another host shows nothing here: its heartbeat has to stop.)"""
+        if not peer_gone(error):
+            return self.diagnose()
+        self._read_peers_once_more()
+        cause = self.diagnose()
+        deadline = time.monotonic() + self.interval
+        while cause is None and time.monotonic() < deadline:
+            time.sleep(poll_s)
+            cause = self.diagnose()
+        return cause
 
     def _end(self, culprit: int | None, why: str) -> None:
         """Say why (before anything that may block or make the launcher end this rank), stop a

@@ -205,3 +205,68 @@ def test_sigterm_from_a_launcher_names_the_peer_that_is_gone(read):
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert (f"ds-omni: rank 0: terminated (SIGTERM: a launcher sends it when another rank has "
             f"ended); rank 1 is gone: pid {dead_pid} on this host has exited") in err
+
+
+def _killed_on_the_third_look(dog: Watchdog, proc: subprocess.Popen) -> list[int]:
+    """`dog.diagnose` counted; on its third call `proc` dies (SIGKILL, left a zombie): the peer
+    whose connection closed while its process had not yet turned into one."""
+    import time
+    calls, diagnose = [], dog.diagnose
+
+    def counted():
+        calls.append(1)
+        if len(calls) == 3:
+            proc.kill()
+            while "has exited" not in local_state(Beat(seq=1, host=socket.gethostname(),
+                                                       pid=proc.pid)):
+                time.sleep(0.01)
+        return diagnose()
+    dog.diagnose = counted
+    return calls
+
+
+def check_a_collective_that_lost_its_peer_names_it():
+    """A peer killed mid-collective: the error can come before this host shows the peer exited,
+    and before the watchdog thread's first read of its beat (the CI failure of
+    tests/e2e/test_launchers.py's torchrun kill: no cause named). `explain` names it."""
+    store = dist.HashStore()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        store.set("beat/1", Beat(seq=1, host=socket.gethostname(), pid=proc.pid).dumps())
+        dog = Watchdog(0, 2, 60.0, store, interval_s=5.0, now=0.0)
+        assert dog.peers[1].beat is None  # never read by the watchdog thread
+        calls = _killed_on_the_third_look(dog, proc)
+        cause = dog.explain(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed "
+                                         "by peer [127.0.0.1]:29500"))
+        assert cause == f"rank 1 is gone: pid {proc.pid} on this host has exited"
+        assert len(calls) == 3
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_collective_that_lost_its_peer_names_it():
+    check_a_collective_that_lost_its_peer_names_it()
+
+
+def test_an_error_of_this_rank_is_not_waited_on():
+    """Any other error: one look, no waiting (the rank's own traceback is the cause)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dog = Watchdog(0, 2, 60.0, dist.HashStore(), interval_s=5.0, now=0.0)
+        dog.peers[1].beat = Beat(seq=1, host=socket.gethostname(), pid=proc.pid)
+        calls = _killed_on_the_third_look(dog, proc)
+        assert dog.explain(ValueError("a bad batch")) is None and len(calls) == 1
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+from tests import plants  # noqa: E402  (after the checks: the plants patch what they call)
+
+
+@pytest.mark.parametrize("plant", plants.for_launch("watchdog"))
+def test_plant_watchdog(plant):
+    with plants.applied(plant, 0):
+        with pytest.raises(AssertionError):
+            check_a_collective_that_lost_its_peer_names_it()
