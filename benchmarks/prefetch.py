@@ -15,8 +15,10 @@ and the loader process are pinned to a core each by `data.pin_cores` (the placem
 results); the in-process variants are not pinned.
 
 Per repeat, the same N steps with `data.prefetch_steps` 0, then 1, then 1 with the thread and a
-pack worker, then 1 with `data.workers` 1 (fresh loaders, the same samples: checked); the loading time is what the trainer waits for data
-with prefetch off (all of it). Hidden = (wall time off - wall time on) / loading time off; also
+pack worker, then 1 with `data.workers` 1, then 2 with `data.workers` 1 ("workers_ahead2": a
+step more of slack, since a model as slow as its loading runs the loader at full use, where a
+one-step buffer turns every slow step's jitter into waiting) (fresh loaders, the same samples:
+checked); the loading time is what the trainer waits for data with prefetch off (all of it). Hidden = (wall time off - wall time on) / loading time off; also
 1 - (wait on / wait off). The figures are medians over repeats; the machine's load average
 (`os.getloadavg`) is recorded with them.
 """
@@ -136,11 +138,12 @@ def main() -> None:
            "thread_and_pack_worker": loading_cpu(cfg, built, 0, pack_workers=1),
            "workers_1": loading_cpu(cfg, built, 1)}
     print(cpu, flush=True)
-    runs = {"off": [], "on": [], "thread_workers": [], "workers": []}
+    variants = (("off", 0, 0, 0), ("on", 1, 0, 0), ("thread_workers", 1, 0, 1),
+                ("workers", 1, 1, 0), ("workers_ahead2", 2, 1, 0))
+    runs = {name: [] for name, *_ in variants}
     load = [os.getloadavg()[0]]
     for _ in range(args.repeats):
-        for name, prefetch, workers, pack in (("off", 0, 0, 0), ("on", 1, 0, 0),
-                                              ("thread_workers", 1, 0, 1), ("workers", 1, 1, 0)):
+        for name, prefetch, workers, pack in variants:
             runs[name].append(timed_steps(cfg, built, prefetch, args.steps, work, cal["matmuls"],
                                           workers, pack))
         assert all(r[-1]["keys"] == runs["off"][-1]["keys"] for r in runs.values()), \
@@ -162,7 +165,8 @@ def main() -> None:
               # data.pin_cores of the loader process variant ("workers"); the others unpinned
               "placement_workers": runs["workers"][-1]["placement"],
               "cores": sorted(os.sched_getaffinity(0))}
-    for name, tag in (("on", ""), ("thread_workers", "_thread_workers"), ("workers", "_workers")):
+    for name, tag in (("on", ""), ("thread_workers", "_thread_workers"), ("workers", "_workers"),
+                      ("workers_ahead2", "_workers_ahead2")):
         pairs = list(zip(runs["off"], runs[name]))
         result[f"hidden_fraction_wall{tag}"] = statistics.median(
             (off["wall_s"] - on["wall_s"]) / off["data_wait_s"] for off, on in pairs)
