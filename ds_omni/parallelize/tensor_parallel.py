@@ -23,6 +23,10 @@ groups, so ranks past the KV head count hold no attention shard at all (zero-wid
 o_proj shards: rank 0 of tp=2 over one KV head holds the whole attention); the row-parallel
 all-reduce adds their empty share, so the result stays exact, but attention work does not scale
 past the KV head count. `check_tensor_parallel` logs that case.
+
+Sliding windows (Mistral, Qwen2's per-layer `layer_types`, Gemma 3) need nothing here: AutoTP
+swaps only the projections, so each attention module keeps its `sliding_window` and passes it to
+the packed kernel (`ds_omni.model.attention`), which applies it to this rank's heads as to all.
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ global batches made there): the losses (rel 1e-6), the full reduced gradients of
 Cases: the tiny LLaVA (Llama: 4 query / 2 key-value heads, no biases) and Qwen2-VL (3-D M-RoPE
 positions, q/k/v biases sharded with their rows, a text-only source mixed in); and LLaVA with a
 Qwen2 LLM of ONE key-value head (fewer than tp: DeepSpeed gives rank 0 the whole attention and
-rank 1 a zero-width share, see the module docstring of `tensor_parallel`). Packed rows
+rank 1 a zero-width share, see the module docstring of `tensor_parallel`); and a Qwen2 LLM with
+per-layer window types (layer 0 full, layer 1 a sliding window of 8 tokens, shorter than its
+packed samples): the TP ranks keep each layer's window, and the same model without it trains
+other losses, so the match needed the window (`_check_window_applies`). Packed rows
 (cu_seqlens) throughout. The mechanism is shown to run: the backbone's 14 projections are
 AutoTP's layers, each rank holds half of the MLP, and the encoders are whole; the TP ranks of a
 group encode different items of their row (each some, together all of them; the rows
@@ -47,6 +50,10 @@ STEPS = 3
 ONE_KV = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
           "max_position_embeddings": 256, "tie_word_embeddings": False}
+# Qwen2 with per-layer window types: layer 0 full, layer 1 a sliding window of 8 tokens, shorter
+# than the packed samples (an image's 16 tokens and the caption), so the window cuts
+WINDOWED = {**ONE_KV, "num_key_value_heads": 2, "use_sliding_window": True, "sliding_window": 8,
+            "max_window_layers": 1}
 
 
 def _config(case: dict, out_dir: str):
@@ -104,6 +111,7 @@ def slow_cases(tmp_path_factory):
         "qwen2_vl": {"stages": [2], "model_dir": str(family_dirs.make_qwen2_vl_dir(tmp / "q")),
                      "sources": [shapes, text_source(tmp)]},
         "one_kv_head": {"stages": [1], "llm": ONE_KV},
+        "sliding_window": {"stages": [2], "llm": WINDOWED},
     }
     return {**honest, **_planted(honest, "tp_slow", "qwen2_vl")}
 
@@ -198,6 +206,23 @@ def test_tensor_parallel_families_match_single_process(slow_cases, slow_results,
     q = [{n: s for n, s in r[("one_kv_head", 1)]["local_shapes"].items()
           if n == "backbone.layers.0.self_attn.q_proj.weight"} for r in slow_results]
     assert [list(d.values()) for d in q] == [[(64, 64)], [(0, 64)]], q
+    _check_window_applies(slow_cases["sliding_window"], slow_results, tmp_path)
+
+
+def _check_window_applies(case, results, tmp_path) -> None:
+    """The sliding window really ran under TP: each rank's sharded backbone kept its layers'
+    windows (full, then 8), and the same model without the window trains other losses on the
+    same rows, so the TP run's match with the windowed reference (`_check`) needed the window."""
+    from ds_omni.model.build import build_model
+    for r in results:
+        got = r[("sliding_window", 2)]["layer_windows"]
+        assert got == [None, 8], got
+    cfg = _config({**case, "llm": {**case["llm"], "use_sliding_window": False}},
+                  str(tmp_path / "ref_no_window"))
+    full = oracle.run_reference(
+        cfg, oracle.reference_step_keys(cfg, build_model(cfg.model), 1, STEPS)).losses
+    got = results[0][("sliding_window", 2)]["losses"]
+    assert all(abs(a - b) > 1e-4 * abs(b) for a, b in zip(got, full)), (got, full)
 
 
 def _check_tp_encode(results, name, stage, tp=2) -> None:
