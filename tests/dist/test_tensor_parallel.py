@@ -36,6 +36,8 @@ each rank only its items' part; in Qwen2-VL, a column shard's bias added twice, 
 embedding rows' gradient summed over the TP ranks in the gather's backward, tp x too large).
 """
 
+import re
+
 import pytest
 
 from tests import oracle, plants
@@ -189,6 +191,7 @@ def _check_export(name, output_dir, params) -> None:
 def test_tensor_parallel_matches_single_process(quick_cases, quick_results, tmp_path):
     _check("llava", quick_cases["llava"], quick_results, tmp_path)
     _check_shards(quick_results, "llava", 2)
+    _check_sharded_params(quick_cases["llava"], quick_results, "llava", 2, tmp_path)
     _check_tp_encode(quick_results, "llava", 2)
 
 
@@ -199,6 +202,7 @@ def test_tensor_parallel_families_match_single_process(slow_cases, slow_results,
         if "plant" not in case:
             _check(name, case, slow_results, tmp_path)
     _check_shards(slow_results, "qwen2_vl", 2)
+    _check_sharded_params(slow_cases["qwen2_vl"], slow_results, "qwen2_vl", 2, tmp_path)
     for name, case in slow_cases.items():
         if "plant" not in case:
             _check_tp_encode(slow_results, name, case["stages"][0])
@@ -223,6 +227,30 @@ def _check_window_applies(case, results, tmp_path) -> None:
         cfg, oracle.reference_step_keys(cfg, build_model(cfg.model), 1, STEPS)).losses
     got = results[0][("sliding_window", 2)]["losses"]
     assert all(abs(a - b) > 1e-4 * abs(b) for a, b in zip(got, full)), (got, full)
+
+
+# the parameters AutoTP splits: the decoder layers' projections, and the column layers' biases
+SPLIT = re.compile(r"backbone\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
+                   r"\.weight|backbone\.layers\.\d+\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.bias")
+
+
+def _check_sharded_params(case, results, name, stage, tmp_path) -> None:
+    """Which parameters are sharded over TP, against the whole model's shapes: exactly the
+    decoder layers' projections (`SPLIT`); the embedding and LM head are whole, [V, D], on every
+    rank (the module docstring of `tensor_parallel` says why), as are the norms and encoders."""
+    from ds_omni.model.build import build_model
+    whole = {n: tuple(p.shape) for n, p in
+             build_model(_config(case, str(tmp_path / f"shapes_{name}")).model).model
+             .named_parameters()}
+    expected = {n for n in whole if SPLIT.fullmatch(n)}
+    assert expected, (name, sorted(whole)[:5])
+    for rank, r in enumerate(results):
+        local = r[(name, stage)]["local_shapes"]
+        assert set(local) == set(whole), (name, rank)
+        split = {n for n, shape in local.items() if shape != whole[n]}
+        assert split == expected, (name, rank, sorted(split ^ expected))
+        for n in ("backbone.embed_tokens.weight", "backbone.lm_head.weight"):
+            assert local[n] == whole[n] and len(whole[n]) == 2, (name, rank, n, local[n])
 
 
 def _check_tp_encode(results, name, stage, tp=2) -> None:
