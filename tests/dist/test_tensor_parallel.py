@@ -206,10 +206,16 @@ def test_tensor_parallel_families_match_single_process(slow_cases, slow_results,
     for name, case in slow_cases.items():
         if "plant" not in case:
             _check_tp_encode(slow_results, name, case["stages"][0])
-    # one KV head, tp=2: rank 0 holds the whole attention, rank 1 a zero-width share
-    q = [{n: s for n, s in r[("one_kv_head", 1)]["local_shapes"].items()
-          if n == "backbone.layers.0.self_attn.q_proj.weight"} for r in slow_results]
-    assert [list(d.values()) for d in q] == [[(64, 64)], [(0, 64)]], q
+    # one KV head, tp=2: rank 0 holds the whole attention (4 query heads and the KV head of 16
+    # dims; o_proj all of its input), rank 1 zero-width shares of each; the MLP is halved
+    attn = {"q_proj.weight": [(64, 64), (0, 64)], "k_proj.weight": [(16, 64), (0, 64)],
+            "v_proj.weight": [(16, 64), (0, 64)], "o_proj.weight": [(64, 64), (64, 0)]}
+    for leaf, want in attn.items():
+        got = [r[("one_kv_head", 1)]["local_shapes"][f"backbone.layers.0.self_attn.{leaf}"]
+               for r in slow_results]
+        assert got == want, (leaf, got)
+    assert all(r[("one_kv_head", 1)]["local_shapes"]["backbone.layers.0.mlp.up_proj.weight"]
+               == (64, 64) for r in slow_results)
     _check_window_applies(slow_cases["sliding_window"], slow_results, tmp_path)
 
 

@@ -190,6 +190,22 @@ def test_ep_with_pipeline_is_refused(tmp_path):
         _plan(tmp_path, 4, ep=2, pp=2)
 
 
+def test_ep_with_tensor_parallelism_is_refused_naming_degrees_and_what_works(tmp_path):
+    """ep x tp: refused while planning (before any process group), the message naming both
+    degrees, why (AutoTP cannot convert the MoE families' HF tp plans, which tp alone on this
+    LLM shows too) and what works instead."""
+    with pytest.raises(LaunchError, match=r"parallel.ep=2 cannot be combined with parallel.tp=2"
+                                          r".*'packed_colwise'.*What works for an MoE LLM: "
+                                          r"parallel.ep inside dp x sp.*set parallel.tp to 1"):
+        _plan(tmp_path, 4, ep=2, tp=2)
+    from transformers import AutoConfig
+    from ds_omni.errors import ModelError
+    from ds_omni.parallelize.tensor_parallel import check_tensor_parallel
+    with pytest.raises(ModelError, match=r"AutoTP cannot shard model.llm \(qwen3_moe\).*"
+                                         r"'moe_tp_experts', 'packed_colwise'"):
+        check_tensor_parallel(AutoConfig.for_model(**MOE), 2, "model.llm")
+
+
 def test_ep_below_one():
     with pytest.raises(ConfigError, match="parallel.ep must be >= 1"):
         ParallelConfig(ep=0)

@@ -76,7 +76,21 @@ def test_tp_that_does_not_divide_the_heads_names_part_heads_and_degrees():
     with pytest.raises(ModelError, match=r"model.llm \(llama\) has 4 query heads, 2 key/value "
                                          r"heads and an MLP of 128; tp can be one of \[1, 2, 4\]"):
         check_tensor_parallel(_llama(), 3, "model.llm")
-    check_tensor_parallel(_llama(), 4, "model.llm")  # more ranks than KV heads: allowed, logged
+
+
+def test_gqa_with_fewer_kv_heads_than_tp_is_allowed_and_says_what_deepspeed_does(caplog):
+    """tp=4 over 2 KV heads: allowed (DeepSpeed's AutoTP splits attention by KV head groups, so
+    ranks 2 and 3 hold zero-width attention shards; exact, shown by the one_kv_head case of
+    tests/dist/test_tensor_parallel.py), and the log says so; tp <= KV heads logs nothing."""
+    import logging
+    from ds_omni.parallelize.tensor_parallel import check_tensor_parallel
+    with caplog.at_level(logging.WARNING, logger="ds_omni.parallelize.tensor_parallel"):
+        check_tensor_parallel(_llama(), 2, "model.llm")
+        assert not caplog.records
+        check_tensor_parallel(_llama(), 4, "model.llm")
+    [record] = caplog.records
+    assert ("parallel.tp=4 exceeds the LLM's 2 key/value heads" in record.getMessage()
+            and "first 2 tensor-parallel ranks only" in record.getMessage()), record.getMessage()
 
 
 def test_a_family_autotp_cannot_shard_is_refused():
