@@ -115,6 +115,11 @@ def test_zero3_and_engine_autotp_are_refused(tmp_path):
         plan_run(cfg, {**ds_config(2), "tensor_parallel": {"autotp_size": 2}}, 2)
     plan, ds = plan_run(cfg, ds_config(2), 4)
     assert (plan.dp, plan.tp) == (2, 2) and ds["gradient_accumulation_steps"] == 2
+    # TP on an encoder: the engine's switch would shard every module, so it is refused at tp 1
+    cfg.parallel = ParallelConfig()
+    with pytest.raises(ConfigError, match=r"autotp_size=2, which would shard the encoders"):
+        plan_run(cfg, {**ds_config(2), "tensor_parallel": {"autotp_size": 2}}, 2)
+    plan_run(cfg, ds_config(3), 2)  # ZeRO-3 without tp is fine
 
 
 def test_plan_run_checks_the_heads_before_any_launch(tmp_path):
