@@ -22,8 +22,8 @@ The embedding and the LM head stay whole (replicated) on every TP rank. What Dee
 training path would do with them: with a `partition_config` (the HF-tp_plan branch, ours) AutoTP
 slices an `nn.Embedding` or replaces a head only where a spec names it. The engine builds its
 specs from `_get_hf_tp_plan(model)`: the config's `base_model_tp_plan` (for llama, mistral,
-qwen2, qwen2_vl_text, qwen3 and qwen3_moe in transformers 5.24 it names the decoder layers' projections
-only, never `embed_tokens`; a plan that does says `embedding_rowwise`, which
+qwen2, qwen2_vl_text, qwen3 and qwen3_moe in transformers 5.24 it names the decoder layers'
+projections only, never `embed_tokens`; a plan that does says `embedding_rowwise`, which
 `TPPlanConverter` turns into a SKIP spec: whole) merged with the CausalLM class's `_tp_plan`,
 `{"lm_head": "colwise_gather_output"}`: a vocabulary-split head (`LinearLayer(gather_output=True)`)
 whose [n, V] logits are all-gathered over the TP group after every micro-batch, or, with
@@ -130,7 +130,9 @@ def shard_backbone(backbone: nn.Module, tp_group, text_config) -> TPCounts:
     autotp.mp_group, autotp.mp_size = tp_group, tp
     autotp.update_linear_policies()
     autotp._replace_module(backbone)
-    autotp.register_replicated_grad_hooks(backbone)  # none in the shipped plans; kept for others
+    # `replicated_with_grad_allreduce` parameters (Qwen3's and Qwen3.5's q/k norms, which see
+    # this rank's heads only): their gradients summed over the TP group
+    autotp.register_replicated_grad_hooks(backbone)
     counts = tp_counts(backbone)
     if not counts.column or not counts.row:
         raise ModelError(f"parallel.tp={tp}: DeepSpeed's AutoTP found no projections to split "

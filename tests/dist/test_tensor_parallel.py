@@ -12,7 +12,9 @@ Qwen2 LLM of ONE key-value head (fewer than tp: DeepSpeed gives rank 0 the whole
 rank 1 a zero-width share, see the module docstring of `tensor_parallel`); and a Qwen2 LLM with
 per-layer window types (layer 0 full, layer 1 a sliding window of 8 tokens, shorter than its
 packed samples): the TP ranks keep each layer's window, and the same model without it trains
-other losses, so the match needed the window (`_check_window_applies`). Packed rows
+other losses, so the match needed the window (`_check_window_applies`); and Qwen3.5's LLM (a gated
+delta net layer, run once per sample of the packed row, its projections split with their output
+gathered, and q/k norms whose gradients AutoTP sums over TP). Packed rows
 (cu_seqlens) throughout. The mechanism is shown to run: the backbone's 14 projections are
 AutoTP's layers, each rank holds half of the MLP, and the encoders are whole; the TP ranks of a
 group encode different items of their row (each some, together all of them; the rows
@@ -56,6 +58,15 @@ ONE_KV = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
 # than the packed samples (an image's 16 tokens and the caption), so the window cuts
 WINDOWED = {**ONE_KV, "num_key_value_heads": 2, "use_sliding_window": True, "sliding_window": 8,
             "max_window_layers": 1}
+# Qwen3.5's LLM: a gated delta net layer (run once per sample of a packed row,
+# `ds_omni.model.per_sample`; its projections column-split with the output gathered, as HF's
+# plan says) and a full-attention layer whose q/k norms see half the heads on each TP rank
+# (`replicated_with_grad_allreduce`: their gradient summed over TP by AutoTP's hooks)
+PER_SAMPLE_LAYERS = {**ONE_KV, "model_type": "qwen3_5_text", "num_key_value_heads": 2,
+                     "head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+                     "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                     "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                     "linear_conv_kernel_dim": 4}
 
 
 def _config(case: dict, out_dir: str):
@@ -114,6 +125,7 @@ def slow_cases(tmp_path_factory):
                      "sources": [shapes, text_source(tmp)]},
         "one_kv_head": {"stages": [1], "llm": ONE_KV},
         "sliding_window": {"stages": [2], "llm": WINDOWED},
+        "per_sample_layers": {"stages": [1], "llm": PER_SAMPLE_LAYERS},
     }
     return {**honest, **_planted(honest, "tp_slow", "qwen2_vl")}
 
@@ -217,6 +229,27 @@ def test_tensor_parallel_families_match_single_process(slow_cases, slow_results,
     assert all(r[("one_kv_head", 1)]["local_shapes"]["backbone.layers.0.mlp.up_proj.weight"]
                == (64, 64) for r in slow_results)
     _check_window_applies(slow_cases["sliding_window"], slow_results, tmp_path)
+    _check_per_sample_layer_split(slow_cases["per_sample_layers"], slow_results, tmp_path)
+
+
+def _check_per_sample_layer_split(case, results, tmp_path) -> None:
+    """Qwen3.5 under TP: the gated delta net's projections (a layer run per sample) hold half of
+    their output rows on each rank, its other parameters and the q/k norms of the attention
+    layer stay whole; `_check` showed the result exact (the norms' gradients summed over TP)."""
+    from ds_omni.model.build import build_model
+    whole = {n: tuple(p.shape) for n, p in
+             build_model(_config(case, str(tmp_path / "shapes_q35")).model).model
+             .named_parameters()}
+    layer = "backbone.layers.0.linear_attn."
+    split = [f"{layer}{p}.weight" for p in ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                             "in_proj_a", "out_proj")]
+    for r in results:
+        local = r[("per_sample_layers", 1)]["local_shapes"]
+        for n in split:
+            assert local[n] == (whole[n][0] // 2, whole[n][1]), (n, local[n], whole[n])
+        for n in (f"{layer}conv1d.weight", f"{layer}A_log",
+                  "backbone.layers.1.self_attn.q_norm.weight"):
+            assert local[n] == whole[n], (n, local[n], whole[n])
 
 
 def _check_window_applies(case, results, tmp_path) -> None:
@@ -237,7 +270,8 @@ def _check_window_applies(case, results, tmp_path) -> None:
 
 # the parameters AutoTP splits: the decoder layers' projections, and the column layers' biases
 SPLIT = re.compile(r"backbone\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
-                   r"\.weight|backbone\.layers\.\d+\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.bias")
+                   r"\.weight"
+                   r"|backbone\.layers\.\d+\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.bias")
 
 
 def _check_sharded_params(case, results, name, stage, tmp_path) -> None:
