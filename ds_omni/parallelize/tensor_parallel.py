@@ -91,10 +91,16 @@ def check_tensor_parallel(text_config, tp: int, where: str) -> None:
                          "ZeRO-3 to spread its parameters instead)")
     from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
     try:
-        TPPlanConverter.convert(plan)
+        specs = TPPlanConverter.convert(plan)
     except ValueError as e:
         raise ModelError(f"parallel.tp={tp}: DeepSpeed's AutoTP cannot shard {where} "
                          f"({model_type}): {e}; set parallel.tp to 1") from None
+    kinds = {spec.partition_type.value for spec in specs}
+    if not {"column", "row"} <= kinds:  # e.g. LFM2's plan names its embedding only
+        raise ModelError(f"parallel.tp={tp}: the HuggingFace tensor-parallel plan of {where} "
+                         f"({model_type}) splits no column- and row-parallel projection pair "
+                         f"({sorted(plan)}), so DeepSpeed's AutoTP would leave its layers whole; "
+                         "set parallel.tp to 1 (use ZeRO-3 to spread its parameters instead)")
     heads = text_config.num_attention_heads
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
     width = getattr(text_config, "intermediate_size", None)

@@ -102,6 +102,10 @@ def test_a_family_autotp_cannot_shard_is_refused():
     odd.base_model_tp_plan = {"layers.*.self_attn.q_proj": "local_colwise"}
     with pytest.raises(ModelError, match=r"AutoTP cannot shard model.llm \(llama\)"):
         check_tensor_parallel(odd, 2, "model.llm")
+    lfm2 = AutoConfig.for_model("lfm2", num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ModelError, match=r"\(lfm2\) splits no column- and row-parallel .*"
+                                         r"\['embed_tokens'\]"):
+        check_tensor_parallel(lfm2, 2, "model.llm")  # its plan names the embedding alone
 
 
 def test_zero3_and_engine_autotp_are_refused(tmp_path):
