@@ -22,6 +22,9 @@ Where AutoEP departs from HF, and what ds_omni does about it:
   ds_omni's forward does not use); ds_omni computes that loss itself from the router logits of
   either block (`ds_omni.model.moe_aux`), so it is the same with or without AutoEP.
 - Router jitter noise (Mixtral's `router_jitter_noise`) is not implemented by AutoEP: refused.
+- DeepSeek-V2/V3's routers (sigmoid scores and a correction bias, group-limited top-k, a routed
+  scaling factor) are not what `autoep_section` writes (softmax top-k, scale 1): refused
+  (`OTHER_ROUTERS`) rather than trained with another router than HF's.
 - Its experts live as [E/ep, ...] shards under AutoEP's names; `hf_expert_state` gathers them
   back into HF's layout (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], `gate.weight`).
 """
@@ -39,6 +42,14 @@ from ds_omni.errors import ConfigError
 # Qwen3-VL-MoE's text model has Qwen3-MoE's block (router `gate`, fused `experts`, softmax top-k).
 EXTRA_MODEL_TYPES = {"qwen3_vl_moe_text": "qwen3_moe", "qwen3_vl_moe": "qwen3_moe"}
 MOE_LAYERS = r"backbone\.layers\.\d+\.mlp"  # the backbone's MoE blocks, by OmniModel name
+# AutoEP presets whose HF router is not softmax top-k at scale 1, what `autoep_section` writes:
+# refused rather than routed otherwise than HF's model
+OTHER_ROUTERS = {
+    "deepseek_v2": "by softmax scores scaled by routed_scaling_factor, group-limited top-k where "
+                   "its topk_method says so",
+    "deepseek_v3": "by sigmoid scores with a correction bias (e_score_correction_bias), "
+                   "group-limited top-k and routed_scaling_factor",
+}
 
 
 def autoep_preset(model_type: str) -> str:
@@ -64,6 +75,12 @@ def autoep_section(llm_config, ep: int) -> dict:
         raise ConfigError(f"parallel.ep={ep} does not divide the LLM's {experts} experts: each "
                           f"expert-parallel rank holds experts / ep of them; choose an ep that "
                           f"divides {experts}")
+    if preset in OTHER_ROUTERS:
+        raise ConfigError(f"parallel.ep={ep}: the LLM ({llm_config.model_type}) routes tokens "
+                          f"{OTHER_ROUTERS[preset]}, while ds_omni configures AutoEP's router as "
+                          "softmax top-k with a route scale of 1 (HF's router in qwen3_moe, "
+                          "Qwen3-VL-MoE's text model, qwen3_5_moe and mixtral), so it would "
+                          "train other numbers than HF's model; set parallel.ep to 1 for it")
     if getattr(llm_config, "router_jitter_noise", 0.0):
         raise ConfigError(f"the LLM config sets router_jitter_noise="
                           f"{llm_config.router_jitter_noise}, which DeepSpeed's AutoEP does not "

@@ -206,6 +206,19 @@ def test_ep_with_tensor_parallelism_is_refused_naming_degrees_and_what_works(tmp
         check_tensor_parallel(AutoConfig.for_model(**MOE), 2, "model.llm")
 
 
+@pytest.mark.parametrize("model_type, says", [("deepseek_v3", "sigmoid scores"),
+                                               ("deepseek_v2", "routed_scaling_factor")])
+def test_a_preset_whose_hf_router_is_not_softmax_top_k_is_refused(model_type, says):
+    """DeepSeek-V2/V3 have AutoEP presets, but HF's routers there are not the softmax top-k at
+    scale 1 that ds_omni writes into AutoEP's section: refused, saying how they route."""
+    from transformers import AutoConfig
+    from ds_omni.parallelize.expert_parallel import autoep_section
+    config = AutoConfig.for_model(model_type, n_routed_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ConfigError, match=rf"parallel.ep=2: the LLM \({model_type}\) routes "
+                                          rf"tokens .*{says}.*set parallel.ep to 1"):
+        autoep_section(config, 2)
+
+
 def test_ep_below_one():
     with pytest.raises(ConfigError, match="parallel.ep must be >= 1"):
         ParallelConfig(ep=0)
