@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ds_omni.errors import ConfigError
+from ds_omni.model.expert_checkpoint import hf_shared_expert_key
 
 # Text configs that carry the same MoE block as a preset's family but another model_type.
 # Qwen3-VL-MoE's text model has Qwen3-MoE's block (router `gate`, fused `experts`, softmax top-k).
@@ -136,14 +137,15 @@ def hf_expert_state(named: dict[str, torch.Tensor], ep_size: int,
     order (an all-gather over the EP group; None with ep_size 1 or shards already whole).
 
     w1 / w3 [E/ep, I, H] (gate, up) -> experts.gate_up_proj [E, 2I, H]; w2 [E/ep, H, I] ->
-    experts.down_proj [E, H, I]; router.gate.weight -> gate.weight (HF's router)."""
+    experts.down_proj [E, H, I]; router.gate.weight -> gate.weight (HF's router); a shared
+    expert under HF's name (`hf_shared_expert_key`)."""
     full = (lambda t: torch.cat(gather(t), dim=0)) if gather is not None and ep_size > 1 \
         else (lambda t: t)
     out = {}
     for name, tensor in named.items():
         head, tail = _split_autoep(name)
         if tail is None:
-            out[name] = tensor
+            out[hf_shared_expert_key(name)] = tensor
         elif tail == "experts.w1":
             w3 = named[head + "experts.w3"]
             out[head + "experts.gate_up_proj"] = torch.cat([full(tensor), full(w3)], dim=1)

@@ -5,7 +5,11 @@ experts split by DeepSpeed's AutoEP) and on one process (`ds-omni train` alone, 
 HF's own MoE blocks). The loss falls over a few steps, and under AutoEP every step's record in
 metrics.jsonl carries the expert load: tokens per expert of the most loaded layer, which add up
 to top-k picks per token of the step, and its max / mean.
-(`tests/dist/test_expert_parallel.py` checks such runs against one process, exactly.)"""
+(`tests/dist/test_expert_parallel.py` checks such runs against one process, exactly.)
+
+And the same example with a Qwen3.5-MoE LLM (a shared expert behind a sigmoid gate, which
+AutoEP keeps whole under its own names) trains at ep=2 and exports HF's layout: the shared
+experts under HF's names, loadable with transformers, equal to the trained checkpoint's."""
 
 from __future__ import annotations
 
@@ -22,13 +26,14 @@ EXAMPLE = REPO / "examples" / "tiny_moe.json"
 STEPS = 8
 
 
-def _train(tmp_path, launcher: str, nproc: int, *sets: str) -> list[dict]:
-    """The example for STEPS steps (warm-up 1, no checkpoints in between): its metrics."""
+def _train(tmp_path, launcher: str, nproc: int, *sets: str, config=EXAMPLE) -> list[dict]:
+    """The example (or `config`) for STEPS steps (warm-up 1, no checkpoints in between): its
+    metrics."""
     out = tmp_path / "run"
     overrides = [f"train.steps={STEPS}", "train.warmup_steps=1", "train.save_every=0",
                  f"train.output_dir={out}", *sets]
     res = run(launcher_cmd(launcher, nproc) + [
-        "train", "--config", str(EXAMPLE), "--deepspeed", str(REPO / "ds_configs" / "zero2.json"),
+        "train", "--config", str(config), "--deepspeed", str(REPO / "ds_configs" / "zero2.json"),
         *[a for s in overrides for a in ("--set", s)]], timeout=600)
     assert res.returncode == 0, res.stdout[-3000:]
     records = read_metrics(str(out))
@@ -65,3 +70,29 @@ def test_tiny_moe_trains_on_one_process_without_expert_parallelism(tmp_path):
     """`ds-omni train` alone with parallel.ep=1 (HF's MoE blocks, every expert here)."""
     records = _train(tmp_path, "single", 1, "parallel.ep=1")
     _loss_falls(records)
+
+
+SHARED = {"model_type": "qwen3_5_moe_text", "hidden_size": 64, "moe_intermediate_size": 32,
+          "shared_expert_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+          "output_router_logits": True, "router_aux_loss_coef": 0.01, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+          "max_position_embeddings": 256, "tie_word_embeddings": False,
+          "layer_types": ["full_attention", "full_attention"]}
+
+
+def test_shared_experts_train_under_ep_and_export_under_hfs_names(tmp_path):
+    import torch
+    import ds_omni.model.families  # noqa: F401  (registers ds_omni's classes with transformers)
+    from transformers import AutoModelForImageTextToText
+    from ds_omni.model.convert import consolidate_checkpoint
+    config = json.loads(EXAMPLE.read_text())
+    config["model"]["llm"]["config"] = dict(SHARED)
+    path = tmp_path / "shared.json"
+    path.write_text(json.dumps(config))
+    _loss_falls(_train(tmp_path, "deepspeed", 2, config=path))
+    trained = consolidate_checkpoint(tmp_path / "run" / "checkpoints")
+    hf = AutoModelForImageTextToText.from_pretrained(tmp_path / "run" / "hf").state_dict()
+    shared = {k.split("layers.", 1)[1]: v for k, v in hf.items() if ".shared_expert" in k}
+    assert len(shared) == 2 * 4, sorted(shared)  # gate, up, down and the gate's, per layer
+    for leaf, value in shared.items():
+        assert torch.equal(value, trained[f"backbone.layers.{leaf}"]), leaf

@@ -256,6 +256,8 @@ def test_hf_expert_state_gathers_hfs_layout():
         e = slice(2 * r, 2 * r + 2)
         return {head + "experts.w1": gate_up[e, :3], head + "experts.w3": gate_up[e, 3:],
                 head + "experts.w2": down[e], head + "router.gate.weight": router,
+                head + "shared_experts.up_proj.weight": router,  # Qwen3.5-MoE's, AutoEP's name
+                head + "shared_experts_gate.weight": router[:1],
                 "backbone.norm.weight": torch.ones(5)}
     ranks = [shard(0), shard(1)]
     owner = {id(t): (k, ) for r in ranks for k, t in r.items()}
@@ -265,7 +267,8 @@ def test_hf_expert_state_gathers_hfs_layout():
         return [r[key] for r in ranks]
     out = hf_expert_state(ranks[0], 2, gather)
     assert set(out) == {head + "experts.gate_up_proj", head + "experts.down_proj",
-                        head + "gate.weight", "backbone.norm.weight"}
+                        head + "gate.weight", "backbone.norm.weight",
+                        head + "shared_expert.up_proj.weight", head + "shared_expert_gate.weight"}
     assert torch.equal(out[head + "experts.gate_up_proj"], gate_up)
     assert torch.equal(out[head + "experts.down_proj"], down)
     assert torch.equal(out[head + "gate.weight"], router)
