@@ -124,6 +124,8 @@ def _record_mechanisms(engine, built, plan, loader, out: dict) -> None:
     if tp_counts is not None:
         out["tp_counts"] = dataclasses.asdict(tp_counts)
         out["local_shapes"] = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
+        out["layer_windows"] = [getattr(getattr(layer, "self_attn", None), "sliding_window", None)
+                                for layer in built.model.backbone.layers]  # None: full
     router = router_of(engine.module)
     if router is not None and router.tp_encoders is not None:  # the encoders' split over TP
         out["tp_encode"] = dataclasses.asdict(router.tp_encoders.counts)

@@ -6,7 +6,8 @@ and the rest of the model in `mp_rank_00_model_states.pt`, with the router under
 (`mlp.router.gate.weight`, and an alias `mlp.gate.gate.weight`). ZeRO 1/2 keep whole weights
 there (the trained ones; under bf16 the bf16 copy, as for the pipeline's files), so the HF
 state is read from these files alone: experts stacked in global order, HF's fused
-`gate_up_proj` [E, 2I, H] = [gate; up] and `down_proj` [E, H, I], the router as `mlp.gate.weight`.
+`gate_up_proj` [E, 2I, H] = [gate; up] and `down_proj` [E, H, I], the router as `mlp.gate.weight`,
+a shared expert under HF's name (`hf_shared_expert_key`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,19 @@ from ds_omni.errors import ModelError
 EXPERT_FILE = "layer_*_expert_*_mp_rank_*_model_states.pt"
 _EXPERT_KEY = re.compile(r"(.*\.mlp\.)experts\.(w[123])\.(\d+)")
 _ROUTER_KEY = re.compile(r"(.*\.mlp\.)(router\.gate|gate\.gate)\.weight")
+_SHARED_KEY = re.compile(r"(.*\.mlp\.)shared_experts(_gate)?\.(.*)")
+
+
+def hf_shared_expert_key(key: str) -> str:
+    """HF's name of an AutoEP shared-expert parameter, other keys as they are. AutoEP keeps HF's
+    shared expert and its gate whole but registers them as `mlp.shared_experts` and
+    `mlp.shared_experts_gate`; Qwen3.5-MoE (the one preset with shared experts that parallel.ep
+    allows: DeepSeek's routers are refused) names them `mlp.shared_expert` and
+    `mlp.shared_expert_gate`."""
+    m = _SHARED_KEY.fullmatch(key)
+    if m is None:
+        return key
+    return f"{m.group(1)}shared_expert{m.group(2) or ''}.{m.group(3)}"
 
 
 def is_expert_checkpoint(tag_dir: Path) -> bool:
@@ -40,7 +54,7 @@ def expert_checkpoint_state(tag_dir: Path) -> dict[str, torch.Tensor]:
     for key, value in states["module"].items():
         router = _ROUTER_KEY.fullmatch(key)
         if router is None:
-            state[key] = value
+            state[hf_shared_expert_key(key)] = value
         elif router.group(2) == "router.gate":  # the alias gate.gate is the same tensor
             state[router.group(1) + "gate.weight"] = value
     state.update(_stacked_experts(tag_dir))

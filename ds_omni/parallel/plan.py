@@ -253,11 +253,16 @@ def check_expert_parallel(cfg: ParallelConfig, dp: int) -> None:
                           f"sequence-parallel ranks {dp} x {cfg.sp} = {dp * cfg.sp}: "
                           "expert-parallel groups are drawn from those ranks; launch a multiple "
                           f"of {cfg.ep} of them or change parallel.ep")
-    others = {"tp": cfg.tp, "pp": cfg.pp}
-    on = {k: v for k, v in others.items() if v > 1}
-    if on:
-        raise LaunchError(f"parallel.ep={cfg.ep} cannot be combined with "
-                          f"{', '.join(f'parallel.{k}={v}' for k, v in on.items())} in this "
-                          "version (a pipeline stage does not see the whole sample for the "
-                          "MoE auxiliary loss, and ep groups over tensor-parallel groups are not "
-                          "built yet): set them to 1")
+    if cfg.tp > 1:
+        raise LaunchError(
+            f"parallel.ep={cfg.ep} cannot be combined with parallel.tp={cfg.tp} in this version: "
+            "DeepSpeed 0.19.8's AutoTP cannot shard the MoE families AutoEP has presets for (their "
+            "HF tensor-parallel plans use the 'packed_colwise' and 'moe_tp_experts' styles, which "
+            "its TPPlanConverter rejects), and expert-parallel groups inside the data-parallel "
+            "ranks of each TP rank are not built. What works for an MoE LLM: parallel.ep inside "
+            "dp x sp (with parallel.sp or parallel.max_sequence_sp), under ZeRO 1 or 2 (ZeRO-3 "
+            "with sp = 1) to spread the rest; set parallel.tp to 1 (tp is for dense LLMs)")
+    if cfg.pp > 1:
+        raise LaunchError(f"parallel.ep={cfg.ep} cannot be combined with parallel.pp={cfg.pp} in "
+                          "this version (a pipeline stage does not see the whole sample for the "
+                          "MoE auxiliary loss): set parallel.pp to 1")

@@ -22,6 +22,9 @@ Where AutoEP departs from HF, and what ds_omni does about it:
   ds_omni's forward does not use); ds_omni computes that loss itself from the router logits of
   either block (`ds_omni.model.moe_aux`), so it is the same with or without AutoEP.
 - Router jitter noise (Mixtral's `router_jitter_noise`) is not implemented by AutoEP: refused.
+- DeepSeek-V2/V3's routers (sigmoid scores and a correction bias, group-limited top-k, a routed
+  scaling factor) are not what `autoep_section` writes (softmax top-k, scale 1): refused
+  (`OTHER_ROUTERS`) rather than trained with another router than HF's.
 - Its experts live as [E/ep, ...] shards under AutoEP's names; `hf_expert_state` gathers them
   back into HF's layout (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], `gate.weight`).
 """
@@ -34,11 +37,20 @@ import torch
 from torch import nn
 
 from ds_omni.errors import ConfigError
+from ds_omni.model.expert_checkpoint import hf_shared_expert_key
 
 # Text configs that carry the same MoE block as a preset's family but another model_type.
 # Qwen3-VL-MoE's text model has Qwen3-MoE's block (router `gate`, fused `experts`, softmax top-k).
 EXTRA_MODEL_TYPES = {"qwen3_vl_moe_text": "qwen3_moe", "qwen3_vl_moe": "qwen3_moe"}
 MOE_LAYERS = r"backbone\.layers\.\d+\.mlp"  # the backbone's MoE blocks, by OmniModel name
+# AutoEP presets whose HF router is not softmax top-k at scale 1, what `autoep_section` writes:
+# refused rather than routed otherwise than HF's model
+OTHER_ROUTERS = {
+    "deepseek_v2": "by softmax scores scaled by routed_scaling_factor, group-limited top-k where "
+                   "its topk_method says so",
+    "deepseek_v3": "by sigmoid scores with a correction bias (e_score_correction_bias), "
+                   "group-limited top-k and routed_scaling_factor",
+}
 
 
 def autoep_preset(model_type: str) -> str:
@@ -64,6 +76,12 @@ def autoep_section(llm_config, ep: int) -> dict:
         raise ConfigError(f"parallel.ep={ep} does not divide the LLM's {experts} experts: each "
                           f"expert-parallel rank holds experts / ep of them; choose an ep that "
                           f"divides {experts}")
+    if preset in OTHER_ROUTERS:
+        raise ConfigError(f"parallel.ep={ep}: the LLM ({llm_config.model_type}) routes tokens "
+                          f"{OTHER_ROUTERS[preset]}, while ds_omni configures AutoEP's router as "
+                          "softmax top-k with a route scale of 1 (HF's router in qwen3_moe, "
+                          "Qwen3-VL-MoE's text model, qwen3_5_moe and mixtral), so it would "
+                          "train other numbers than HF's model; set parallel.ep to 1 for it")
     if getattr(llm_config, "router_jitter_noise", 0.0):
         raise ConfigError(f"the LLM config sets router_jitter_noise="
                           f"{llm_config.router_jitter_noise}, which DeepSpeed's AutoEP does not "
@@ -119,14 +137,15 @@ def hf_expert_state(named: dict[str, torch.Tensor], ep_size: int,
     order (an all-gather over the EP group; None with ep_size 1 or shards already whole).
 
     w1 / w3 [E/ep, I, H] (gate, up) -> experts.gate_up_proj [E, 2I, H]; w2 [E/ep, H, I] ->
-    experts.down_proj [E, H, I]; router.gate.weight -> gate.weight (HF's router)."""
+    experts.down_proj [E, H, I]; router.gate.weight -> gate.weight (HF's router); a shared
+    expert under HF's name (`hf_shared_expert_key`)."""
     full = (lambda t: torch.cat(gather(t), dim=0)) if gather is not None and ep_size > 1 \
         else (lambda t: t)
     out = {}
     for name, tensor in named.items():
         head, tail = _split_autoep(name)
         if tail is None:
-            out[name] = tensor
+            out[hf_shared_expert_key(name)] = tensor
         elif tail == "experts.w1":
             w3 = named[head + "experts.w3"]
             out[head + "experts.gate_up_proj"] = torch.cat([full(tensor), full(w3)], dim=1)

@@ -18,11 +18,35 @@ its HF-tp_plan branch) on the backbone alone, with the plan's TP group, and the 
 `ds_omni.parallel.groups.TensorParallelMpu` (ZeRO reduces over the data-parallel ranks only and
 counts sharded parameters in the gradient norm over the TP group).
 
+The embedding and the LM head stay whole (replicated) on every TP rank. What DeepSpeed's AutoTP
+training path would do with them: with a `partition_config` (the HF-tp_plan branch, ours) AutoTP
+slices an `nn.Embedding` or replaces a head only where a spec names it. The engine builds its
+specs from `_get_hf_tp_plan(model)`: the config's `base_model_tp_plan` (for llama, mistral,
+qwen2, qwen2_vl_text, qwen3 and qwen3_moe in transformers 5.24 it names the decoder layers'
+projections only, never `embed_tokens`; a plan that does says `embedding_rowwise`, which
+`TPPlanConverter` turns into a SKIP spec: whole) merged with the CausalLM class's `_tp_plan`,
+`{"lm_head": "colwise_gather_output"}`: a vocabulary-split head (`LinearLayer(gather_output=True)`)
+whose [n, V] logits are all-gathered over the TP group after every micro-batch, or, with
+`tensor_parallel.vocab_parallel_lm_head`, a vocab-parallel head and DeepSpeed's own loss.
+ds_omni hands AutoTP the text config's `base_model_tp_plan` alone: the backbone is not an HF
+CausalLM and its head runs on target positions only, through `LogitRule.head` (softcapping and
+scaling around it) and ds_omni's full-vocabulary cross-entropy; a gathered head would save 1/tp
+of its weights but add an all-gather of the logits, and the vocab-parallel one would replace
+that loss. Both whole are exact with no extra collective: the hidden state entering the head
+is whole after the last row-parallel all-reduce, so every TP rank computes the same head
+gradient, and the embedding's gradient is whole because the column-parallel layers all-reduce
+their input gradient. `tests/dist/test_tensor_parallel.py` (`_check_sharded_params`) asserts
+that exactly the decoder layers' projections are split and the embedding and head are whole.
+
 GQA with fewer key-value heads than tp: DeepSpeed splits the attention by key-value head
 groups, so ranks past the KV head count hold no attention shard at all (zero-width q/k/v and
 o_proj shards: rank 0 of tp=2 over one KV head holds the whole attention); the row-parallel
 all-reduce adds their empty share, so the result stays exact, but attention work does not scale
 past the KV head count. `check_tensor_parallel` logs that case.
+
+Sliding windows (Mistral, Qwen2's per-layer `layer_types`, Gemma 3) need nothing here: AutoTP
+swaps only the projections, so each attention module keeps its `sliding_window` and passes it to
+the packed kernel (`ds_omni.model.attention`), which applies it to this rank's heads as to all.
 """
 
 from __future__ import annotations
@@ -67,10 +91,16 @@ def check_tensor_parallel(text_config, tp: int, where: str) -> None:
                          "ZeRO-3 to spread its parameters instead)")
     from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
     try:
-        TPPlanConverter.convert(plan)
+        specs = TPPlanConverter.convert(plan)
     except ValueError as e:
         raise ModelError(f"parallel.tp={tp}: DeepSpeed's AutoTP cannot shard {where} "
                          f"({model_type}): {e}; set parallel.tp to 1") from None
+    kinds = {spec.partition_type.value for spec in specs}
+    if not {"column", "row"} <= kinds:  # e.g. LFM2's plan names its embedding only
+        raise ModelError(f"parallel.tp={tp}: the HuggingFace tensor-parallel plan of {where} "
+                         f"({model_type}) splits no column- and row-parallel projection pair "
+                         f"({sorted(plan)}), so DeepSpeed's AutoTP would leave its layers whole; "
+                         "set parallel.tp to 1 (use ZeRO-3 to spread its parameters instead)")
     heads = text_config.num_attention_heads
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
     width = getattr(text_config, "intermediate_size", None)
@@ -106,7 +136,9 @@ def shard_backbone(backbone: nn.Module, tp_group, text_config) -> TPCounts:
     autotp.mp_group, autotp.mp_size = tp_group, tp
     autotp.update_linear_policies()
     autotp._replace_module(backbone)
-    autotp.register_replicated_grad_hooks(backbone)  # none in the shipped plans; kept for others
+    # `replicated_with_grad_allreduce` parameters (Qwen3's and Qwen3.5's q/k norms, which see
+    # this rank's heads only): their gradients summed over the TP group
+    autotp.register_replicated_grad_hooks(backbone)
     counts = tp_counts(backbone)
     if not counts.column or not counts.row:
         raise ModelError(f"parallel.tp={tp}: DeepSpeed's AutoTP found no projections to split "

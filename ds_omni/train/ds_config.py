@@ -69,8 +69,7 @@ def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
                               "and parallel.sp > 1 (DeepSpeed then scales gradients differently "
                               "by bucket size); remove it or set it to true")
         zero["reduce_scatter"] = True
-    if plan.tp_enabled:
-        check_tensor_parallel_ds(out, plan.tp)
+    check_tensor_parallel_ds(out, plan.tp)  # also at tp 1: the engine's own switch
     if plan.ep_enabled:  # AutoEP, with the router settings of the LLM's own config
         section = out.setdefault("expert_parallel", {})
         for key, value in autoep_section(llm_text_config(cfg.model)[1], plan.ep).items():
@@ -129,13 +128,16 @@ def check_tensor_parallel_ds(ds: dict, tp: int) -> None:
     """parallel.tp shards the backbone with AutoTP outside DeepSpeed's engine
     (`ds_omni.parallelize.tensor_parallel`): the config must not ask the engine to shard the
     whole model again, and ZeRO-3 (whose parameter partitioning that sharding has not been
-    tested under) is refused."""
-    if ds.get("tensor_parallel", {}).get("autotp_size", 0) > 1:
-        raise ConfigError("the DeepSpeed config sets tensor_parallel.autotp_size, which would "
-                          "shard the encoders too; remove it and set parallel.tp in the ds_omni "
-                          "config (ds_omni applies AutoTP to the LLM backbone alone)")
+    tested under) is refused. The engine's switch is refused at any parallel.tp (1 too): it is
+    the one way to ask for a tensor-parallel encoder, and encoders keep their own plan."""
+    autotp = ds.get("tensor_parallel", {}).get("autotp_size", 0)
+    if autotp > 1:
+        raise ConfigError(f"the DeepSpeed config sets tensor_parallel.autotp_size={autotp}, which "
+                          "would shard the encoders too (they are never tensor-parallel: they "
+                          "keep their own plan over all ranks); remove it and set parallel.tp in "
+                          "the ds_omni config (ds_omni applies AutoTP to the LLM backbone alone)")
     stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if stage == 3:
+    if tp > 1 and stage == 3:
         raise ConfigError(f"parallel.tp={tp} runs with ZeRO stages 0-2 in this version; "
                           "zero_optimization.stage=3 is not supported with it: use "
                           "ds_configs/zero2.json, or parallel.tp=1 with ZeRO-3")

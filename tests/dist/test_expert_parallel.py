@@ -4,7 +4,8 @@ The LLM is an MoE model (Qwen3-MoE: 4 experts, top-2, HF's auxiliary load-balanc
 behind a CLIP tower (the demo composition). Each case trains 3 optimizer steps on 2 ranks (ep=2:
 each rank holds 2 of the 4 experts of every layer) or 4 ranks (ep=2 x dp=2: two expert-parallel
 groups, each expert on two ranks), with reordering on; Qwen3-VL-MoE (the generic adapter: its
-M-RoPE, deepstack and always-renormalising router) on 2 ranks. All are in the slow tier (the
+M-RoPE, deepstack and always-renormalising router) on 2 ranks; Qwen3.5-MoE's block (a shared
+expert behind a sigmoid gate next to the routed ones) on 2 ranks. All are in the slow tier (the
 2-rank launch alone takes about 3 min on 2 quiet cores; the quick tier has no room). Each is compared
 with the oracle
 (`tests/oracle.py`): one process, plain PyTorch, HF's MoE block (no AutoEP), the same global
@@ -40,16 +41,22 @@ MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
        "output_router_logits": True, "router_aux_loss_coef": 0.02}
 # launch -> (world, ZeRO stages, plants): the quick tier keeps one 2-rank parity and the plants
 LAUNCHES = {"ep2": (2, [1], True), "ep2_zero2": (2, [2], False), "ep2_dp2": (4, [1, 2], False),
-            "ep2_qwen3_vl_moe": (2, [2], False), "ep2_zero3": (2, [3], False)}
+            "ep2_qwen3_vl_moe": (2, [2], False), "ep2_zero3": (2, [3], False),
+            "ep2_shared_experts": (2, [2], False)}
+# Qwen3.5-MoE's block: the routed experts and a shared expert behind a sigmoid gate, which
+# AutoEP keeps whole (as `shared_experts` / `shared_experts_gate`, HF's names in the oracle)
+SHARED_MOE = {**MOE, "model_type": "qwen3_5_moe_text", "shared_expert_intermediate_size": 32,
+              "layer_types": ["full_attention", "full_attention"]}
+LLMS = {"ep2_shared_experts": SHARED_MOE}  # a launch's LLM other than MOE
 RESUMED = "ep2_zero2"  # saves before its last step, resumes, reruns it; its checkpoint exported
 PLANTED = {"ep_wrong_rank": "losses", "aux_loss_dropped": "losses"}
 
 
-def make_config(out_dir: str, ep: int, model_dir: str | None = None):
-    """The demo composition with MOE as its LLM, or the HF directory `model_dir`."""
+def make_config(out_dir: str, ep: int, model_dir: str | None = None, llm: dict | None = None):
+    """The demo composition with MOE (or `llm`) as its LLM, or the HF directory `model_dir`."""
     from ds_omni.config import ModelConfig
     cfg = tiny_config(out_dir, steps=STEPS, weight_decay=0.1)
-    cfg.model.llm.config = dict(MOE)
+    cfg.model.llm.config = dict(llm or MOE)
     if model_dir is not None:
         cfg.model = ModelConfig(pretrained=model_dir)
     cfg.parallel.ep = ep
@@ -104,7 +111,7 @@ class _Same(dict):
         return key
 
 
-def _ranks(rank, world, out_dir, stages, planted, model_dir=None, resume=False):
+def _ranks(rank, world, out_dir, stages, planted, model_dir=None, resume=False, llm=None):
     results = {}
     for plant in planted:
         seen = {}
@@ -116,7 +123,7 @@ def _ranks(rank, world, out_dir, stages, planted, model_dir=None, resume=False):
         seen = {}
         with hf_layout(seen):
             results[f"zero{stage}"] = oracle.train_on_rank(
-                rank, world, make_config(f"{out_dir}/zero{stage}", 2, model_dir),
+                rank, world, make_config(f"{out_dir}/zero{stage}", 2, model_dir, llm),
                 ds_config(stage), STEPS, resume_at=STEPS - 1 if resume else None,
                 read_params=oracle_ranks.full_params)
         results[f"zero{stage}"]["seen"] = seen
@@ -134,15 +141,15 @@ def launches(tmp_path_factory):
             model_dir = qwen3_vl_moe_dir(tmp / "q3") if name.endswith("qwen3_vl_moe") else None
             done[name] = run_on_ranks(_ranks, world, timeout=600, args=(
                 str(tmp / "ep"), stages, plants.for_launch("ep") if planted else [], model_dir,
-                name == RESUMED))
+                name == RESUMED, LLMS.get(name)))
             done[name + "/model_dir"] = model_dir
         return done[name]
     return launch
 
 
-def _check(name, per_rank, dp, tmp_path, steps=STEPS, model_dir=None):
+def _check(name, per_rank, dp, tmp_path, steps=STEPS, model_dir=None, llm=None):
     from ds_omni.model.build import build_model
-    cfg = make_config(str(tmp_path / f"ref_{name}"), 1, model_dir)
+    cfg = make_config(str(tmp_path / f"ref_{name}"), 1, model_dir, llm)
     want = oracle.reference_step_keys(cfg, build_model(cfg.model), dp, steps)
     for step in range(steps):
         got = sorted(k for r in per_rank for k in r["keys"][step])
@@ -160,7 +167,8 @@ def _check(name, per_rank, dp, tmp_path, steps=STEPS, model_dir=None):
                                     pytest.param("ep2_zero2", marks=pytest.mark.slow),
                                     pytest.param("ep2_dp2", marks=pytest.mark.slow),
                                     pytest.param("ep2_qwen3_vl_moe", marks=pytest.mark.slow),
-                                    pytest.param("ep2_zero3", marks=pytest.mark.slow)])
+                                    pytest.param("ep2_zero3", marks=pytest.mark.slow),
+                                    pytest.param("ep2_shared_experts", marks=pytest.mark.slow)])
 def test_expert_parallel_matches_single_process(launch, launches, tmp_path):
     results = launches(launch)
     world, stages, _ = LAUNCHES[launch]
@@ -168,7 +176,7 @@ def test_expert_parallel_matches_single_process(launch, launches, tmp_path):
         name = f"zero{stage}"
         per_rank = [r[name] for r in results]
         _check(f"{launch}-{name}", per_rank, world, tmp_path,
-               model_dir=launches(launch + "/model_dir"))
+               model_dir=launches(launch + "/model_dir"), llm=LLMS.get(launch))
         if launch == RESUMED:
             _check_resume_and_export(per_rank[0], tmp_path)
         for r in per_rank:  # AutoEP's blocks ran: both MoE layers, with tokens routed

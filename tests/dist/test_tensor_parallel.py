@@ -9,7 +9,12 @@ global batches made there): the losses (rel 1e-6), the full reduced gradients of
 Cases: the tiny LLaVA (Llama: 4 query / 2 key-value heads, no biases) and Qwen2-VL (3-D M-RoPE
 positions, q/k/v biases sharded with their rows, a text-only source mixed in); and LLaVA with a
 Qwen2 LLM of ONE key-value head (fewer than tp: DeepSpeed gives rank 0 the whole attention and
-rank 1 a zero-width share, see the module docstring of `tensor_parallel`). Packed rows
+rank 1 a zero-width share, see the module docstring of `tensor_parallel`); and a Qwen2 LLM with
+per-layer window types (layer 0 full, layer 1 a sliding window of 8 tokens, shorter than its
+packed samples): the TP ranks keep each layer's window, and the same model without it trains
+other losses, so the match needed the window (`_check_window_applies`); and Qwen3.5's LLM (a gated
+delta net layer, run once per sample of the packed row, its projections split with their output
+gathered, and q/k norms whose gradients AutoTP sums over TP). Packed rows
 (cu_seqlens) throughout. The mechanism is shown to run: the backbone's 14 projections are
 AutoTP's layers, each rank holds half of the MLP, and the encoders are whole; the TP ranks of a
 group encode different items of their row (each some, together all of them; the rows
@@ -33,6 +38,8 @@ each rank only its items' part; in Qwen2-VL, a column shard's bias added twice, 
 embedding rows' gradient summed over the TP ranks in the gather's backward, tp x too large).
 """
 
+import re
+
 import pytest
 
 from tests import oracle, plants
@@ -47,6 +54,19 @@ STEPS = 3
 ONE_KV = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
           "max_position_embeddings": 256, "tie_word_embeddings": False}
+# Qwen2 with per-layer window types: layer 0 full, layer 1 a sliding window of 8 tokens, shorter
+# than the packed samples (an image's 16 tokens and the caption), so the window cuts
+WINDOWED = {**ONE_KV, "num_key_value_heads": 2, "use_sliding_window": True, "sliding_window": 8,
+            "max_window_layers": 1}
+# Qwen3.5's LLM: a gated delta net layer (run once per sample of a packed row,
+# `ds_omni.model.per_sample`; its projections column-split with the output gathered, as HF's
+# plan says) and a full-attention layer whose q/k norms see half the heads on each TP rank
+# (`replicated_with_grad_allreduce`: their gradient summed over TP by AutoTP's hooks)
+PER_SAMPLE_LAYERS = {**ONE_KV, "model_type": "qwen3_5_text", "num_key_value_heads": 2,
+                     "head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+                     "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                     "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                     "linear_conv_kernel_dim": 4}
 
 
 def _config(case: dict, out_dir: str):
@@ -104,6 +124,8 @@ def slow_cases(tmp_path_factory):
         "qwen2_vl": {"stages": [2], "model_dir": str(family_dirs.make_qwen2_vl_dir(tmp / "q")),
                      "sources": [shapes, text_source(tmp)]},
         "one_kv_head": {"stages": [1], "llm": ONE_KV},
+        "sliding_window": {"stages": [2], "llm": WINDOWED},
+        "per_sample_layers": {"stages": [1], "llm": PER_SAMPLE_LAYERS},
     }
     return {**honest, **_planted(honest, "tp_slow", "qwen2_vl")}
 
@@ -181,6 +203,7 @@ def _check_export(name, output_dir, params) -> None:
 def test_tensor_parallel_matches_single_process(quick_cases, quick_results, tmp_path):
     _check("llava", quick_cases["llava"], quick_results, tmp_path)
     _check_shards(quick_results, "llava", 2)
+    _check_sharded_params(quick_cases["llava"], quick_results, "llava", 2, tmp_path)
     _check_tp_encode(quick_results, "llava", 2)
 
 
@@ -191,13 +214,83 @@ def test_tensor_parallel_families_match_single_process(slow_cases, slow_results,
         if "plant" not in case:
             _check(name, case, slow_results, tmp_path)
     _check_shards(slow_results, "qwen2_vl", 2)
+    _check_sharded_params(slow_cases["qwen2_vl"], slow_results, "qwen2_vl", 2, tmp_path)
     for name, case in slow_cases.items():
         if "plant" not in case:
             _check_tp_encode(slow_results, name, case["stages"][0])
-    # one KV head, tp=2: rank 0 holds the whole attention, rank 1 a zero-width share
-    q = [{n: s for n, s in r[("one_kv_head", 1)]["local_shapes"].items()
-          if n == "backbone.layers.0.self_attn.q_proj.weight"} for r in slow_results]
-    assert [list(d.values()) for d in q] == [[(64, 64)], [(0, 64)]], q
+    # one KV head, tp=2: rank 0 holds the whole attention (4 query heads and the KV head of 16
+    # dims; o_proj all of its input), rank 1 zero-width shares of each; the MLP is halved
+    attn = {"q_proj.weight": [(64, 64), (0, 64)], "k_proj.weight": [(16, 64), (0, 64)],
+            "v_proj.weight": [(16, 64), (0, 64)], "o_proj.weight": [(64, 64), (64, 0)]}
+    for leaf, want in attn.items():
+        got = [r[("one_kv_head", 1)]["local_shapes"][f"backbone.layers.0.self_attn.{leaf}"]
+               for r in slow_results]
+        assert got == want, (leaf, got)
+    assert all(r[("one_kv_head", 1)]["local_shapes"]["backbone.layers.0.mlp.up_proj.weight"]
+               == (64, 64) for r in slow_results)
+    _check_window_applies(slow_cases["sliding_window"], slow_results, tmp_path)
+    _check_per_sample_layer_split(slow_cases["per_sample_layers"], slow_results, tmp_path)
+
+
+def _check_per_sample_layer_split(case, results, tmp_path) -> None:
+    """Qwen3.5 under TP: the gated delta net's projections (a layer run per sample) hold half of
+    their output rows on each rank, its other parameters and the q/k norms of the attention
+    layer stay whole; `_check` showed the result exact (the norms' gradients summed over TP)."""
+    from ds_omni.model.build import build_model
+    whole = {n: tuple(p.shape) for n, p in
+             build_model(_config(case, str(tmp_path / "shapes_q35")).model).model
+             .named_parameters()}
+    layer = "backbone.layers.0.linear_attn."
+    split = [f"{layer}{p}.weight" for p in ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                             "in_proj_a", "out_proj")]
+    for r in results:
+        local = r[("per_sample_layers", 1)]["local_shapes"]
+        for n in split:
+            assert local[n] == (whole[n][0] // 2, whole[n][1]), (n, local[n], whole[n])
+        for n in (f"{layer}conv1d.weight", f"{layer}A_log",
+                  "backbone.layers.1.self_attn.q_norm.weight"):
+            assert local[n] == whole[n], (n, local[n], whole[n])
+
+
+def _check_window_applies(case, results, tmp_path) -> None:
+    """The sliding window really ran under TP: each rank's sharded backbone kept its layers'
+    windows (full, then 8), and the same model without the window trains other losses on the
+    same rows, so the TP run's match with the windowed reference (`_check`) needed the window."""
+    from ds_omni.model.build import build_model
+    for r in results:
+        got = r[("sliding_window", 2)]["layer_windows"]
+        assert got == [None, 8], got
+    cfg = _config({**case, "llm": {**case["llm"], "use_sliding_window": False}},
+                  str(tmp_path / "ref_no_window"))
+    full = oracle.run_reference(
+        cfg, oracle.reference_step_keys(cfg, build_model(cfg.model), 1, STEPS)).losses
+    got = results[0][("sliding_window", 2)]["losses"]
+    assert all(abs(a - b) > 1e-4 * abs(b) for a, b in zip(got, full)), (got, full)
+
+
+# the parameters AutoTP splits: the decoder layers' projections, and the column layers' biases
+SPLIT = re.compile(r"backbone\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
+                   r"\.weight"
+                   r"|backbone\.layers\.\d+\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.bias")
+
+
+def _check_sharded_params(case, results, name, stage, tmp_path) -> None:
+    """Which parameters are sharded over TP, against the whole model's shapes: exactly the
+    decoder layers' projections (`SPLIT`); the embedding and LM head are whole, [V, D], on every
+    rank (the module docstring of `tensor_parallel` says why), as are the norms and encoders."""
+    from ds_omni.model.build import build_model
+    whole = {n: tuple(p.shape) for n, p in
+             build_model(_config(case, str(tmp_path / f"shapes_{name}")).model).model
+             .named_parameters()}
+    expected = {n for n in whole if SPLIT.fullmatch(n)}
+    assert expected, (name, sorted(whole)[:5])
+    for rank, r in enumerate(results):
+        local = r[(name, stage)]["local_shapes"]
+        assert set(local) == set(whole), (name, rank)
+        split = {n for n, shape in local.items() if shape != whole[n]}
+        assert split == expected, (name, rank, sorted(split ^ expected))
+        for n in ("backbone.embed_tokens.weight", "backbone.lm_head.weight"):
+            assert local[n] == whole[n] and len(whole[n]) == 2, (name, rank, n, local[n])
 
 
 def _check_tp_encode(results, name, stage, tp=2) -> None:

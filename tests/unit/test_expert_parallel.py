@@ -190,6 +190,35 @@ def test_ep_with_pipeline_is_refused(tmp_path):
         _plan(tmp_path, 4, ep=2, pp=2)
 
 
+def test_ep_with_tensor_parallelism_is_refused_naming_degrees_and_what_works(tmp_path):
+    """ep x tp: refused while planning (before any process group), the message naming both
+    degrees, why (AutoTP cannot convert the MoE families' HF tp plans, which tp alone on this
+    LLM shows too) and what works instead."""
+    with pytest.raises(LaunchError, match=r"parallel.ep=2 cannot be combined with parallel.tp=2"
+                                          r".*'packed_colwise'.*What works for an MoE LLM: "
+                                          r"parallel.ep inside dp x sp.*set parallel.tp to 1"):
+        _plan(tmp_path, 4, ep=2, tp=2)
+    from transformers import AutoConfig
+    from ds_omni.errors import ModelError
+    from ds_omni.parallelize.tensor_parallel import check_tensor_parallel
+    with pytest.raises(ModelError, match=r"AutoTP cannot shard model.llm \(qwen3_moe\).*"
+                                         r"'moe_tp_experts', 'packed_colwise'"):
+        check_tensor_parallel(AutoConfig.for_model(**MOE), 2, "model.llm")
+
+
+@pytest.mark.parametrize("model_type, says", [("deepseek_v3", "sigmoid scores"),
+                                               ("deepseek_v2", "routed_scaling_factor")])
+def test_a_preset_whose_hf_router_is_not_softmax_top_k_is_refused(model_type, says):
+    """DeepSeek-V2/V3 have AutoEP presets, but HF's routers there are not the softmax top-k at
+    scale 1 that ds_omni writes into AutoEP's section: refused, saying how they route."""
+    from transformers import AutoConfig
+    from ds_omni.parallelize.expert_parallel import autoep_section
+    config = AutoConfig.for_model(model_type, n_routed_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ConfigError, match=rf"parallel.ep=2: the LLM \({model_type}\) routes "
+                                          rf"tokens .*{says}.*set parallel.ep to 1"):
+        autoep_section(config, 2)
+
+
 def test_ep_below_one():
     with pytest.raises(ConfigError, match="parallel.ep must be >= 1"):
         ParallelConfig(ep=0)
@@ -227,6 +256,8 @@ def test_hf_expert_state_gathers_hfs_layout():
         e = slice(2 * r, 2 * r + 2)
         return {head + "experts.w1": gate_up[e, :3], head + "experts.w3": gate_up[e, 3:],
                 head + "experts.w2": down[e], head + "router.gate.weight": router,
+                head + "shared_experts.up_proj.weight": router,  # Qwen3.5-MoE's, AutoEP's name
+                head + "shared_experts_gate.weight": router[:1],
                 "backbone.norm.weight": torch.ones(5)}
     ranks = [shard(0), shard(1)]
     owner = {id(t): (k, ) for r in ranks for k, t in r.items()}
@@ -236,7 +267,8 @@ def test_hf_expert_state_gathers_hfs_layout():
         return [r[key] for r in ranks]
     out = hf_expert_state(ranks[0], 2, gather)
     assert set(out) == {head + "experts.gate_up_proj", head + "experts.down_proj",
-                        head + "gate.weight", "backbone.norm.weight"}
+                        head + "gate.weight", "backbone.norm.weight",
+                        head + "shared_expert.up_proj.weight", head + "shared_expert_gate.weight"}
     assert torch.equal(out[head + "experts.gate_up_proj"], gate_up)
     assert torch.equal(out[head + "experts.down_proj"], down)
     assert torch.equal(out[head + "gate.weight"], router)

@@ -76,7 +76,21 @@ def test_tp_that_does_not_divide_the_heads_names_part_heads_and_degrees():
     with pytest.raises(ModelError, match=r"model.llm \(llama\) has 4 query heads, 2 key/value "
                                          r"heads and an MLP of 128; tp can be one of \[1, 2, 4\]"):
         check_tensor_parallel(_llama(), 3, "model.llm")
-    check_tensor_parallel(_llama(), 4, "model.llm")  # more ranks than KV heads: allowed, logged
+
+
+def test_gqa_with_fewer_kv_heads_than_tp_is_allowed_and_says_what_deepspeed_does(caplog):
+    """tp=4 over 2 KV heads: allowed (DeepSpeed's AutoTP splits attention by KV head groups, so
+    ranks 2 and 3 hold zero-width attention shards; exact, shown by the one_kv_head case of
+    tests/dist/test_tensor_parallel.py), and the log says so; tp <= KV heads logs nothing."""
+    import logging
+    from ds_omni.parallelize.tensor_parallel import check_tensor_parallel
+    with caplog.at_level(logging.WARNING, logger="ds_omni.parallelize.tensor_parallel"):
+        check_tensor_parallel(_llama(), 2, "model.llm")
+        assert not caplog.records
+        check_tensor_parallel(_llama(), 4, "model.llm")
+    [record] = caplog.records
+    assert ("parallel.tp=4 exceeds the LLM's 2 key/value heads" in record.getMessage()
+            and "first 2 tensor-parallel ranks only" in record.getMessage()), record.getMessage()
 
 
 def test_a_family_autotp_cannot_shard_is_refused():
@@ -88,6 +102,10 @@ def test_a_family_autotp_cannot_shard_is_refused():
     odd.base_model_tp_plan = {"layers.*.self_attn.q_proj": "local_colwise"}
     with pytest.raises(ModelError, match=r"AutoTP cannot shard model.llm \(llama\)"):
         check_tensor_parallel(odd, 2, "model.llm")
+    lfm2 = AutoConfig.for_model("lfm2", num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ModelError, match=r"\(lfm2\) splits no column- and row-parallel .*"
+                                         r"\['embed_tokens'\]"):
+        check_tensor_parallel(lfm2, 2, "model.llm")  # its plan names the embedding alone
 
 
 def test_zero3_and_engine_autotp_are_refused(tmp_path):
@@ -101,6 +119,11 @@ def test_zero3_and_engine_autotp_are_refused(tmp_path):
         plan_run(cfg, {**ds_config(2), "tensor_parallel": {"autotp_size": 2}}, 2)
     plan, ds = plan_run(cfg, ds_config(2), 4)
     assert (plan.dp, plan.tp) == (2, 2) and ds["gradient_accumulation_steps"] == 2
+    # TP on an encoder: the engine's switch would shard every module, so it is refused at tp 1
+    cfg.parallel = ParallelConfig()
+    with pytest.raises(ConfigError, match=r"autotp_size=2, which would shard the encoders"):
+        plan_run(cfg, {**ds_config(2), "tensor_parallel": {"autotp_size": 2}}, 2)
+    plan_run(cfg, ds_config(3), 2)  # ZeRO-3 without tp is fine
 
 
 def test_plan_run_checks_the_heads_before_any_launch(tmp_path):
