@@ -509,6 +509,15 @@ def _sim_memo_one_direction(rank: int):
                         f(st, work, False))
 
 
+# ------------------------------------ HF's experts' load at ep=1 (tests/unit/test_expert_parallel.py)
+@plant("hf_experts_count_first_pick", "HF's expert modules count each token's first pick only "
+       "(top-1 of its top-k)", "hf_expert_count")
+def _hf_experts_count_first_pick(rank: int):
+    from ds_omni.parallelize import expert_parallel
+    yield from _patched(expert_parallel, "_count_picks", lambda f: lambda m, args, kwargs: f(
+        m, (args[0], args[1][:, :1], *args[2:]), kwargs))
+
+
 # ------------------------------------------------------ the watchdog (tests/unit/test_watchdog.py)
 @plant("watchdog_explain_at_once", "after a failed collective, the watchdog names a peer only "
        "from what it had seen when the error came (no fresh read, no second look)", "watchdog")

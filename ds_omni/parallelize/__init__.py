@@ -25,6 +25,7 @@ from ds_omni.model.attention import PackedAttention
 from ds_omni.model.omni import OmniModel
 from ds_omni.parallelize.embedding import EmbeddingRouter
 from ds_omni.parallelize.encoder_pool import EncoderPool
+from ds_omni.parallelize.expert_parallel import count_hf_experts
 from ds_omni.parallelize.pipeline import PipelineSpec, build_pipeline_module
 from ds_omni.parallelize.tensor_parallel import shard_backbone
 from ds_omni.parallelize.tp_encoders import TPEncoders
@@ -53,6 +54,8 @@ def parallelize(model: OmniModel, *, kernel: str | None = None, sp_group=None,
     different items of it (`tp_encoders.py`): their encoder gradients are summed over the TP
     group by hooks put in here, before DeepSpeed sees the model, and every micro-batch runs
     every encoder (the hooks are collectives: every TP rank must reach every parameter).
+    An MoE backbone's HF expert modules count their tokens (`count_hf_experts`, not on a
+    pipeline stage: its stages hold different layers, and the counts are all-reduced).
     """
     kernel = kernel or model.backbone.attention.asked
     if tp_encoders is not None:
@@ -65,6 +68,7 @@ def parallelize(model: OmniModel, *, kernel: str | None = None, sp_group=None,
     if tp_group is not None:
         model.tp_counts = shard_backbone(model.backbone, tp_group, llm_config)
     if pipeline is None:
+        count_hf_experts(model.backbone)  # the expert load of HF's MoE blocks (AutoEP counts its own)
         return model
     return build_pipeline_module(model, pipeline.plan, pipeline.stage_plan, pipeline.placement,
                                  pipeline.processors, pipeline.item_cost,

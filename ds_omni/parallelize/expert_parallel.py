@@ -109,19 +109,60 @@ def autoep_layers(module: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in module.named_modules() if isinstance(m, AutoEPMoELayer)}
 
 
+HF_COUNTER = "ds_omni_tokens_per_expert"  # the attribute `count_hf_experts` adds
+
+
+def count_hf_experts(module: nn.Module) -> int:
+    """Make each of HF's expert modules in `module` count the tokens HF's own router sends each
+    expert, as AutoEP's layers count theirs, for `expert_load` (parallel.ep 1, where HF's MoE
+    blocks stay). transformers' experts modules take the router's picks as an argument
+    (`forward(hidden_states, top_k_index, top_k_weights)`), so the count is HF's selection
+    whatever the router; like AutoEP's, it counts every forward (a checkpointed layer's
+    recompute too). Returns how many modules count."""
+    found = [m for m in module.modules() if _is_hf_experts(m)]
+    for m in found:
+        setattr(m, HF_COUNTER, torch.zeros(m.num_experts, dtype=torch.long))
+        m.register_forward_pre_hook(_count_picks, with_kwargs=True)
+    return len(found)
+
+
+def _is_hf_experts(m: nn.Module) -> bool:
+    import inspect
+    return (isinstance(getattr(m, "num_experts", None), int) and not hasattr(m, HF_COUNTER)
+            and "top_k_index" in inspect.signature(m.forward).parameters)
+
+
+def _count_picks(m: nn.Module, args: tuple, kwargs: dict) -> None:
+    picks = args[1] if len(args) > 1 else kwargs["top_k_index"]  # [tokens, top_k]
+    with torch.no_grad():  # an index outside 0..E-1 (some blocks' "no expert") is not counted
+        flat = picks.reshape(-1)
+        flat = flat[(flat >= 0) & (flat < m.num_experts)]
+        picked = torch.bincount(flat, minlength=m.num_experts)
+        setattr(m, HF_COUNTER, getattr(m, HF_COUNTER).to(picked.device) + picked)
+
+
 def expert_load(module: nn.Module, group=None) -> dict[str, float]:
     """Tokens per expert since the last call, summed over `group` (every rank: the step's load),
     as metrics: per layer's max / mean (1: even), and the counts of the most loaded layer.
-    Resets AutoEP's counters. Empty without AutoEP layers; every rank calls it."""
+    Resets the counters: AutoEP's layers', or HF's expert modules' (`count_hf_experts`). Empty
+    without either; every rank calls it."""
     import deepspeed.comm as dist
-    layers = autoep_layers(module)
-    if not layers:
-        return {}
-    counts = torch.stack([m.tokens_per_expert for m in layers.values()])  # [layers, E]
+    layers = list(autoep_layers(module).values())
+    if layers:
+        counts = torch.stack([m.tokens_per_expert for m in layers])  # [layers, E]
+    else:
+        layers = [m for m in module.modules() if hasattr(m, HF_COUNTER)]
+        if not layers:
+            return {}
+        counts = torch.stack([getattr(m, HF_COUNTER) for m in layers])
     counts = counts.detach().clone()
     dist.all_reduce(counts, group=group)
-    for m in layers.values():
-        m.tokens_per_expert.zero_()
+    for m in layers:
+        if hasattr(m, HF_COUNTER):
+            getattr(m, HF_COUNTER).zero_()
+        else:
+            m.tokens_per_expert.zero_()
+    counts = counts.float()
     ratio = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)  # [layers]
     worst = int(ratio.argmax())
     out = {"moe_load_max_over_mean": float(ratio.max()),

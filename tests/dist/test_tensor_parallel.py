@@ -121,7 +121,7 @@ def slow_cases(tmp_path_factory):
     shapes = {"name": "shapes", "path": "builtin:shapes"}
     honest = {
         "llava": {"stages": [1], "resume_at": 2},  # saved, resumed, exported to HF
-        "qwen2_vl": {"stages": [2], "model_dir": str(family_dirs.make_qwen2_vl_dir(tmp / "q")),
+        "qwen2_vl": {"stages": [1, 2], "model_dir": str(family_dirs.make_qwen2_vl_dir(tmp / "q")),
                      "sources": [shapes, text_source(tmp)]},
         "one_kv_head": {"stages": [1], "llm": ONE_KV},
         "sliding_window": {"stages": [2], "llm": WINDOWED},
@@ -340,9 +340,10 @@ def test_plant_slow_is_caught(plant, slow_cases, slow_results, tmp_path):
 
 @pytest.fixture(scope="module")
 def four_cases(tmp_path_factory):
-    """dp=2 x tp=2: two TP groups, each its own rows; tp=2 x sp=2 (dp=1): two SP groups ([0, 2],
-    [1, 3]), one per TP rank, all four ranks on the same rows: LLaVA under ZeRO 1 and 2,
-    Qwen2-VL (M-RoPE, text-only rows) under ZeRO-2; and the tp x sp plant."""
+    """dp=2 x tp=2: two TP groups, each its own rows: LLaVA and Qwen2-VL under ZeRO 1 and 2;
+    tp=2 x sp=2 (dp=1): two SP groups ([0, 2], [1, 3]), one per TP rank, all four ranks on the
+    same rows: LLaVA under ZeRO 1 and 2, Qwen2-VL (M-RoPE, text-only rows) under ZeRO-2; and the
+    tp x sp plant."""
     return four_cases_in(tmp_path_factory.mktemp("tp_four"))
 
 
@@ -352,7 +353,8 @@ def four_cases_in(tmp) -> dict:
                 "sources": [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]}
     from tests.data_files import skewed_source
     skewed = skewed_source(tmp / "skewed", dp=2)  # dp rank 0's rows hold every image
-    honest = {"llava": {"stages": [2]}, "tp_sp_llava": {"stages": [1, 2], "sp": 2},
+    honest = {"llava": {"stages": [1, 2]}, "qwen2_vl": {"stages": [1, 2], **qwen2_vl},
+              "tp_sp_llava": {"stages": [1, 2], "sp": 2},
               "tp_pool_llava": {"stages": [2], "pool": True, "sources": [skewed]},
               "tp_sp_qwen2_vl": {"stages": [2], "sp": 2, **qwen2_vl}}
     planted = _planted(honest, "tp_sp", "tp_sp_llava")
@@ -368,11 +370,12 @@ def four_results(four_cases, tmp_path_factory):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_tp2_x_dp2_matches_single_process(four_cases, four_results, tmp_path):
-    _check("llava", four_cases["llava"], four_results, tmp_path, dp=2)
-    _check_shards(four_results, "llava", 2)
+    for name in ("llava", "qwen2_vl"):
+        _check(name, four_cases[name], four_results, tmp_path, dp=2)
+        _check_shards(four_results, name, 2)
+        groups = [four_results[r][(name, 2)]["keys"] for r in (0, 2)]
+        assert groups[0] != groups[1], name  # the two TP groups read different rows
     _check_tp_encode(four_results, "llava", 2)
-    groups = [four_results[r][("llava", 2)]["keys"] for r in (0, 2)]
-    assert groups[0] != groups[1]  # the two TP groups read different rows
 
 
 def _check_tp_sp(name, case, results, tmp_path) -> None:

@@ -2,9 +2,9 @@
 demo data through the real CLI, as examples/tiny_llava.json does (`tests/e2e/test_demo_seeds.py`,
 `benchmarks/gpu_check.py`): as shipped (the deepspeed launcher, 2 ranks, parallel.ep=2, its
 experts split by DeepSpeed's AutoEP) and on one process (`ds-omni train` alone, parallel.ep=1,
-HF's own MoE blocks). The loss falls over a few steps, and under AutoEP every step's record in
-metrics.jsonl carries the expert load: tokens per expert of the most loaded layer, which add up
-to top-k picks per token of the step, and its max / mean.
+HF's own MoE blocks). The loss falls over a few steps, and every step's record in metrics.jsonl
+carries the expert load (AutoEP's counters; at ep=1 HF's router's picks): tokens per expert of
+the most loaded layer, which add up to top-k picks per token of the step, and its max / mean.
 (`tests/dist/test_expert_parallel.py` checks such runs against one process, exactly.)
 
 And the same example with a Qwen3.5-MoE LLM (a shared expert behind a sigmoid gate, which
@@ -51,25 +51,32 @@ def test_tiny_moe_trains_as_shipped_with_experts_over_two_ranks(tmp_path):
     """2 ranks, parallel.ep=2 as shipped: the loss falls and the expert load is in every record."""
     config = json.loads(EXAMPLE.read_text())
     assert config["parallel"]["ep"] == 2  # the shipped plan is the one under test
-    llm = config["model"]["llm"]["config"]
-    experts, top_k = llm["num_experts"], llm["num_experts_per_tok"]
     records = _train(tmp_path, "deepspeed", 2)
     _loss_falls(records)
-    for r in records:
-        counts = [r[f"moe_tokens_expert{e}"] for e in range(experts)]
-        # each token of the step (both ranks', `tokens` is global) picks top_k experts
-        assert sum(counts) == top_k * r["tokens"], (r["step"], counts, r["tokens"])
-        mean = sum(counts) / experts
-        assert r["moe_load_max_over_mean"] == pytest.approx(max(counts) / mean, rel=1e-6), r
-        assert 1.0 <= r["moe_load_max_over_mean_mean"] <= r["moe_load_max_over_mean"], r
+    _expert_load_adds_up(records, config)
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["world_size"] == 2 and report["final_step"] == STEPS
 
 
 def test_tiny_moe_trains_on_one_process_without_expert_parallelism(tmp_path):
-    """`ds-omni train` alone with parallel.ep=1 (HF's MoE blocks, every expert here)."""
+    """`ds-omni train` alone with parallel.ep=1 (HF's MoE blocks, every expert here): the expert
+    load is HF's own router's picks (`count_hf_experts`)."""
     records = _train(tmp_path, "single", 1, "parallel.ep=1")
     _loss_falls(records)
+    _expert_load_adds_up(records, json.loads(EXAMPLE.read_text()))
+
+
+def _expert_load_adds_up(records: list[dict], config: dict) -> None:
+    """Every record's expert load: each token of the step (all ranks': `tokens` is global) picks
+    top_k experts; the max / mean is that of the counts."""
+    llm = config["model"]["llm"]["config"]
+    experts, top_k = llm["num_experts"], llm["num_experts_per_tok"]
+    for r in records:
+        counts = [r[f"moe_tokens_expert{e}"] for e in range(experts)]
+        assert sum(counts) == top_k * r["tokens"], (r["step"], counts, r["tokens"])
+        mean = sum(counts) / experts
+        assert r["moe_load_max_over_mean"] == pytest.approx(max(counts) / mean, rel=1e-6), r
+        assert 1.0 <= r["moe_load_max_over_mean_mean"] <= r["moe_load_max_over_mean"], r
 
 
 SHARED = {"model_type": "qwen3_5_moe_text", "hidden_size": 64, "moe_intermediate_size": 32,

@@ -9,7 +9,7 @@ import torch
 from ds_omni.cli import main
 from ds_omni.config import ParallelConfig
 from ds_omni.errors import ConfigError, LaunchError
-from tests import oracle
+from tests import oracle, plants
 from tests.fixtures import ds_config, tiny_config, tiny_config_dict
 
 MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
@@ -382,3 +382,39 @@ def test_sharded_aux_is_hfs_on_the_whole_sample():
     torch.testing.assert_close(whole, want, rtol=1e-6, atol=0)
     alone = sum(aux_from_stats(aux, s).detach() for s in shards)  # the plant: no reduction
     assert abs(float(alone) - float(want.detach())) > 1e-3 * abs(float(want.detach()))
+
+
+@pytest.mark.slow  # about 3.5 s: builds the model
+def test_hf_experts_count_the_picks_of_hfs_own_router(tmp_path):
+    check_hf_experts_count(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", plants.for_launch("hf_expert_count"))
+def test_plant_hf_expert_count(plant, tmp_path):
+    with plants.applied(plant, 0):
+        with pytest.raises(AssertionError):
+            check_hf_experts_count(tmp_path)
+
+
+def check_hf_experts_count(tmp_path):
+    """parallel.ep=1 keeps HF's MoE blocks: `count_hf_experts` makes their experts modules count
+    the tokens their router sent each expert (what `expert_load` reports), equal to the top-k of
+    the router logits HF's own recorder returns from the same forward."""
+    from ds_omni.data.packing import pack
+    from ds_omni.model.convert import _plain_attention
+    from ds_omni.parallelize.expert_parallel import HF_COUNTER, count_hf_experts
+    cfg, built = _moe_model(tmp_path)
+    assert count_hf_experts(built.model.backbone) == MOE["num_hidden_layers"]
+    assert count_hf_experts(built.model.backbone) == 0  # counting once, however often asked
+    one = pack(_samples(cfg, built), built.item_processors)
+    hf = built.model.hf_model
+    with _plain_attention(hf.config), torch.no_grad():
+        out = hf.model.language_model(inputs_embeds=built.model.embed(one),
+                                      position_ids=one.position_ids, output_router_logits=True)
+    counters = [getattr(m, HF_COUNTER) for m in built.model.backbone.modules()
+                if hasattr(m, HF_COUNTER)]
+    for layer, (logits, counted) in enumerate(zip(out.router_logits, counters)):
+        picks = logits.topk(MOE["num_experts_per_tok"], dim=-1).indices
+        assert counted.tolist() == torch.bincount(picks.reshape(-1), minlength=4).tolist(), layer
+        assert int(counted.sum()) == MOE["num_experts_per_tok"] * one.position_ids.shape[-1]
