@@ -20,7 +20,8 @@ AutoTP's layers, each rank holds half of the MLP, and the encoders are whole; th
 group encode different items of their row (each some, together all of them; the rows
 all-gathered) and sum the encoders' gradients over TP (`_check_tp_encode`).
 
-On 4 ranks (slow tier, one launch): LLaVA at tp2 x dp2, also with the encoder pool (each TP
+On 4 ranks (slow tier, one launch): LLaVA and Qwen2-VL at tp2 x dp2 under ZeRO 1 and 2, LLaVA
+also with the encoder pool (each TP
 rank pools over its data-parallel ranks; dp rank 0's rows hold every image, so items move), and
 tp x sp: tp2 x sp2 (dp=1; SP groups
 [0, 2] and [1, 3], one per TP rank) for LLaVA under ZeRO 1 and 2 and Qwen2-VL (text-only rows
@@ -29,6 +30,9 @@ shown to run (AutoTP's layers on every rank; Ulysses attention in every decoder 
 row, each SP group's ranks on different shards, each target trained once per TP rank:
 `oracle.assert_split_work` over the ranks of one TP rank). `test_plant_tp_sp_is_caught`: ZeRO's
 sequence x data group built across the TP ranks (as without tp) is caught.
+
+On 8 ranks (slow tier, one launch): all three axes, tp2 x sp2 x dp2 (two data-parallel groups
+of 4 ranks, TP innermost, then SP), LLaVA under ZeRO-2, checked the same way.
 
 `test_plant_is_caught` / `test_plant_slow_is_caught`: the oracle fails on each planted error
 (`tests/plants.py`: the column-parallel input gradient not summed over the TP ranks, which
@@ -378,24 +382,28 @@ def test_tp2_x_dp2_matches_single_process(four_cases, four_results, tmp_path):
     _check_tp_encode(four_results, "llava", 2)
 
 
-def _check_tp_sp(name, case, results, tmp_path) -> None:
-    """tp=2 x sp=2 on 4 ranks (dp=1) against one process: every rank trained the one
-    data-parallel rank's rows; loss, every step's gradients (TP shards gathered whole) and the
-    parameters match the oracle; and both mechanisms ran: AutoTP's layers on every rank, and
-    the Ulysses work split inside each TP rank's SP group (`oracle.assert_split_work` over the
-    ranks of one TP rank: their targets add up to the global batch's once)."""
+def _check_tp_sp(name, case, results, tmp_path, dp=1) -> None:
+    """tp=2 x sp=2 (x dp) against one process: the 2 x 2 ranks of a data-parallel group (4
+    consecutive ranks, TP innermost) trained its rows; loss, every step's gradients (TP shards
+    gathered whole) and the parameters match the oracle; and both mechanisms ran: AutoTP's
+    layers on every rank, and the Ulysses work split inside each TP rank's SP groups
+    (`oracle.assert_split_work` over the ranks of one TP rank: their targets add up to the
+    global batch's once)."""
     from ds_omni.model.build import build_model
     steps = case.get("steps", STEPS)
     cfg = _config(case, str(tmp_path / f"ref_{name}"))
-    step_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), 1, steps)
+    step_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), dp, steps)
     ref = oracle.run_reference(cfg, step_keys)
     for stage in case["stages"]:
-        where = f"{name} tp=2 x sp=2 ZeRO-{stage}"
+        where = f"{name} tp=2 x sp=2 x dp={dp} ZeRO-{stage}"
         per_rank = [r[(name, stage)] for r in results]
-        assert all([sorted(k) for k in r["keys"]] == step_keys for r in per_rank), where
+        groups = [per_rank[g:g + 4] for g in range(0, len(per_rank), 4)]
+        assert all(r["keys"] == group[0]["keys"] for group in groups for r in group), where
+        assert [sorted(k for g in groups for k in g[0]["keys"][s]) for s in range(steps)] \
+            == step_keys, where
         oracle.assert_matches(ref, per_rank[0], where)
         assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank), where
-        for t in range(2):  # the SP group of TP rank t: global ranks t, t + 2
+        for t in range(2):  # the SP groups of TP rank t: global ranks t, t + 2 (+ 4, t + 6)
             oracle.assert_split_work(ref, [_in_tp_slice(r) for r in per_rank[t::2]],
                                      f"{where} TP rank {t}")
     oracle.assert_moved(ref, name)
@@ -437,3 +445,23 @@ def test_tp2_x_sp2_matches_single_process(four_cases, four_results, tmp_path):
 def test_plant_tp_sp_is_caught(plant, four_cases, four_results, tmp_path):
     with pytest.raises(AssertionError):
         _check_tp_sp(plant, four_cases[plant], four_results, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def eight_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_eight_runs")
+    return run_on_ranks(_train_ranks, 8, args=(EIGHT, str(out)), timeout=1200)
+
+
+# tp=2 x sp=2 x dp=2 on 8 ranks: two data-parallel groups of 4 (TP innermost, then SP), each
+# its own rows, each TP rank's SP groups inside them
+EIGHT = {"tp_sp_dp_llava": {"stages": [2], "sp": 2}}
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_tp2_x_sp2_x_dp2_matches_single_process(eight_results, tmp_path):
+    _check_tp_sp("tp_sp_dp_llava", EIGHT["tp_sp_dp_llava"], eight_results, tmp_path, dp=2)
+    _check_shards(eight_results, "tp_sp_dp_llava", 2)
+    groups = [eight_results[r][("tp_sp_dp_llava", 2)]["keys"] for r in (0, 4)]
+    assert groups[0] != groups[1]  # the two data-parallel groups read different rows
