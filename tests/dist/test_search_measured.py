@@ -72,8 +72,10 @@ def test_search_orders_the_plans_the_measurement_tells_apart(tmp_path):
     sources = {"text": text_source(tmp_path), "long": long_source(tmp_path, weight=0.14)}
     names = list(MEASURED)
     comm = calibrate_comm((2,), sizes=(4096, 65536, 524288), repeats=3)
-    Path(tmp, "sim_validation_cluster.json").write_text(json.dumps(comm["cluster"]))
-    compute = sv.calibrate_compute(names, tmp, sources, batches=1, engine_steps=2)
+    cluster_file = Path(tmp, "sim_validation_cluster.json")
+    cluster_file.write_text(json.dumps(comm["cluster"]))
+    compute = sv.calibrate_compute(names, tmp, sources, batches=1, cluster_file=str(cluster_file),
+                                   engine_steps=2)
     per_rank = run_on_ranks(sv.ranks, 2, args=(names, tmp, sources, 4, 1), timeout=1200)
     raw = {"logs": {n: [r[n] for r in per_rank] for n in names}, "compute": compute, "warmup": 1}
     rounds = {n: sv.measured(raw["logs"][n], 1)["measured_cpu_per_round"] for n in names}

@@ -41,7 +41,9 @@ def test_two_config_validation_end_to_end(tmp_path):
     sizes = sim_validation.CALIBRATION["pipeline"][1]
     assert len(compute["profiles"]) == 2 * 2  # two processes at once, two mixes each
     assert all(p["micro_batches"] == 3 * len(sizes) for p in compute["profiles"].values())
-    assert compute["engine"]["residual_s"]  # the one-rank engine runs were timed
+    assert compute["engine"]["residual_s"] and compute["engine"]["world"] == 2  # the 2-rank
+    # engine runs were timed, and the step's fixed cost reaches the simulated cluster
+    assert saved["command"].startswith(".venv/bin/python benchmarks/sim_validation.py --rounds 2")
     assert result["configs"] == saved["configs"]
 
 
