@@ -378,7 +378,8 @@ def measured(per_rank: list[list[dict]], warmup: int) -> dict:
     # of whichever two lie in the middle; the mean is the run's time a step, on the same steps
     # the simulator is given
     return {"measured_s": statistics.mean(cpu), "measured_median_s": statistics.median(cpu),
-            "measured_wall_s": statistics.mean(wall), "measured_cpu_per_round": cpu}
+            "measured_wall_s": statistics.mean(wall), "measured_cpu_per_round": cpu,
+            "measured_wall_per_round": wall}
 
 
 def pairwise_agreement(rows: list[dict]) -> tuple[float, list]:

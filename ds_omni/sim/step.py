@@ -423,7 +423,7 @@ def optimizer_seconds(step, stage: int) -> float:
 
 def grad_sync_seconds(step, stage: int) -> float:
     """The end of step's collectives of a rank of `stage`, over each of its ZeRO groups."""
-    m, t = step.model, 0.0
+    m, t = step.model, pipeline_sim.encoder_shard_seconds(step)
     held = pipeline_sim.held_params(step, stage)
     for shard in model_parallel.state_shards(step, stage, held):
         link, n = model_parallel.shard_link(step, shard), shard.group_size

@@ -180,6 +180,39 @@ def test_uniform_encoder_placement_unloads_stage_zero():
     assert stage0.critical_path[0]["rank"] < 2  # the first stage's ranks start the chain
 
 
+def test_joint_pipeline_touches_its_encoder_replicas_once_a_step():
+    """`uniform`: each stage encodes its share of the step's items once, before the schedule
+    (`parallelize.joint`), so the replicas' per-micro-batch weight cost is paid once a step,
+    not once per micro-batch; each stage steps 1/P of the encoders (their owners), and the
+    owners' gradients and parameters cross the pipeline once a step. On a machine with free
+    FLOPs, only the per-parameter costs are left: checked against those terms by hand."""
+    from ds_omni.sim import comm
+    from ds_omni.sim.cluster import Cluster
+    from ds_omni.sim.pipeline_sim import stage_params, stage_plan
+    from ds_omni.sim.step import Step
+    c = Cluster(gpus=2, gpus_per_node=2, flops=1e30, hbm_bytes=1e12, intra_bw=1e9,
+                intra_latency=1e-4, inter_bw=1e9, inter_latency=1e-4,
+                micro_batch_s_per_param=1e-9, optimizer_s_per_param=1e-8)
+    m = llava_7b()
+    samples = WorkloadSpec(image_fraction=1.0, max_tokens=4096,
+                           patches_range=(256, 512)).draw(8, seed=0, encoders=("vision",))
+    plan = SimPlan(pp=2, global_batch=8, micro_batches=4, pack_tokens=8192,
+                   encoder_placement="uniform", zero_stage=0, checkpointing=False)
+    r = simulate(c, m, samples, plan)
+    step = Step(c, m, samples, plan)
+    step.stage_plan = stage_plan(step)
+    enc = m.encoder_params("vision")
+    for s in range(2):
+        params, trained = stage_params(step, s)
+        llm = params - enc
+        assert trained == pytest.approx(llm + enc / 2)  # the owner's half of the encoder
+        want = (4 * llm + enc) * c.micro_batch_s_per_param + trained * c.optimizer_s_per_param
+        assert r.compute[s] == pytest.approx(want, rel=1e-9)
+    link = comm.link_of(c, [0, 1])
+    shards = comm.reduce_scatter(enc * 2, 2, link) + comm.all_gather(enc * 2, 2, link)
+    assert min(r.comm) > shards  # plus the stages' activations and the rows to stage 0
+
+
 def test_zero3_ranks_without_images_run_the_encoders_dummy():
     """Training's rule (`encoder_dummies_needed`): under ZeRO-3 a micro-batch with no image
     still runs the vision tower once on its dummy input; under ZeRO-1 it does not."""
