@@ -96,9 +96,11 @@ def config(name: str, out_dir: str, sources: dict, steps: int, seed: int = 0):
 
 # ------------------------------------------------------------------------- measured run
 def ranks(rank: int, world: int, names: list[str], out_dir: str, sources: dict, rounds: int,
-          warmup: int) -> dict:
+          warmup: int, calibration: tuple = ()) -> dict:
     """Every plan of `names` (all of `world` ranks) trained `warmup + rounds` steps, rotating;
-    per plan and step this rank's CPU and wall seconds and the metadata of its samples."""
+    per plan and step this rank's CPU and wall seconds and the metadata of its samples.
+    `calibration`: (plan, micro-batch size) of the engine calibration (`engine_config`, keyed
+    "plan/micro"), trained in the same rotation: under the load the validated plans meet."""
     import torch
     from deepspeed.utils import groups as ds_groups
     from ds_omni.parallel.plan import ParallelPlan
@@ -113,9 +115,16 @@ def ranks(rank: int, world: int, names: list[str], out_dir: str, sources: dict, 
         _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), rank,
                                            plan)
         runs[name] = (loader, engine)
-    log = {name: [] for name in names}
+    for name, micro in calibration:
+        cfg = engine_config(name, micro, out_dir, sources, warmup + rounds)
+        plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
+        _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), rank,
+                                           plan)
+        runs[f"{name}/{micro}"] = (loader, engine)
+    order = list(runs)
+    log = {name: [] for name in order}
     for i in range(warmup + rounds):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in order[i % len(order):] + order[:i % len(order)]:
             log[name].append(one_step(*runs[name], ds_groups))
     for name, (loader, _) in runs.items():  # outside the timings: what each step trained
         for record in log[name]:
@@ -180,15 +189,16 @@ CALIBRATION = {"pipeline": (("dp2_image", "dp2_text"), (1, 2, 4, 8)),
 
 
 def calibrate_compute(names: list[str], out_dir: str, sources: dict, batches: int,
-                      cluster_file: str, engine_steps: int = 3, stored: dict | None = None
-                      ) -> dict:
+                      cluster_file: str, engine_steps: int = 3, stored: dict | None = None,
+                      engine: bool = True) -> dict:
     """Per world size of `names`' plans, the machine in CPU seconds: `world` processes profile
     at once (`calibration_rank`), as the ranks of the measured runs share this machine's cores
     (a rank's CPU seconds grow when its neighbours run), on batches of other data seeds than
     the validated runs' (seed 0); one FLOP/s rate and one cost a micro-batch per parameter
     fitted over all of them (`fit_rate`), and the optimizer's seconds a parameter; then the
-    engine's costs on top (`calibrate_engine`). `stored`: an earlier run's result, whose
-    profiles are kept (only the engine calibration runs again)."""
+    engine's costs on top (`calibrate_engine`; `engine=False`: not yet, `with_engine` adds
+    them later). `stored`: an earlier run's result, whose profiles are kept (only the engine
+    calibration runs again)."""
     from tests.harness import run_on_ranks
     out = {}
     for world in sorted({CONFIGS[n][0] for n in names}):
@@ -199,12 +209,25 @@ def calibrate_compute(names: list[str], out_dir: str, sources: dict, batches: in
             per_rank = run_on_ranks(calibration_rank, world,
                                     args=(group, out_dir, sources, batches), timeout=1200)
             profiles = {f"rank{r}/{k}": v for r, p in enumerate(per_rank) for k, v in p.items()}
-        machine = fit_machine(profiles)
-        engine = calibrate_engine(group, machine, cluster_file, out_dir, sources, engine_steps)
-        machine |= {k: engine[k] for k in ("step_s",)}
-        machine["micro_batch_s_per_param"] += engine["engine_micro_batch_s_per_param"]
-        out[str(world)] = {"machine": machine, "engine": engine, "profiles": profiles}
+        out[str(world)] = {"machine": fit_machine(profiles), "profiles": profiles}
+        if engine:
+            out[str(world)] = with_engine(out[str(world)], calibrate_engine(
+                group, out[str(world)]["machine"], cluster_file, out_dir, sources, engine_steps))
     return out
+
+
+def with_engine(compute: dict, engine: dict) -> dict:
+    """One world's profiled machine (`calibrate_compute`) with the engine's fitted costs on
+    top: its step cost and its cost a micro-batch per parameter added to the profile's."""
+    machine = dict(compute["machine"], step_s=engine["step_s"])
+    machine["micro_batch_s_per_param"] += engine["engine_micro_batch_s_per_param"]
+    return dict(compute, machine=machine, engine=engine)
+
+
+def engine_specs(names: list[str]) -> list[tuple[str, int]]:
+    """The (plan, micro-batch size) runs of the engine calibration for `names`' models."""
+    return [(name, micro) for work, (name, sizes) in ENGINE_CALIBRATION.items()
+            if work in {model_of(n) for n in names} for micro in sizes]
 
 
 # the engine calibration: the `world` ranks train each model's data-parallel plan (dp=world,
@@ -245,14 +268,17 @@ def engine_rank(rank: int, world: int, specs: list, out_dir: str, sources: dict,
 
 
 def calibrate_engine(names: list[str], machine: dict, cluster_file: str, out_dir: str,
-                     sources: dict, steps: int = 3) -> dict:
+                     sources: dict, steps: int = 3, logs: dict | None = None,
+                     warmup: int = 1) -> dict:
     """What DeepSpeed's engine adds on this machine to the profiled model, under the measured
     runs' conditions (`world` ranks at once on the shared cores, their gradient collectives
     and hooks): the ranks train each model's data-parallel plan at two micro-batch sizes
     (`ENGINE_CALIBRATION`); the busiest rank's CPU seconds above the busy seconds the profiled
     machine and the fitted links predict for that step, fitted as a cost a micro-batch per
     parameter (the engine's hooks and gradient buffers) and one a step (`fit_rate`'s
-    non-negative least squares)."""
+    non-negative least squares). `logs`: the runs already trained ("plan/micro" -> per rank
+    the step records, `ranks`' calibration: in the measured launch), their first `warmup`
+    steps left out; else they train here, `steps` steps each."""
     import numpy as np
     from ds_omni.data.cost import nnls
     from ds_omni.sim.cluster import cluster
@@ -263,10 +289,11 @@ def calibrate_engine(names: list[str], machine: dict, cluster_file: str, out_dir
     from tests.fixtures import ds_config
     from tests.harness import run_on_ranks
     world = CONFIGS[names[0]][0]
-    specs = [(name, micro) for work, (name, sizes) in ENGINE_CALIBRATION.items()
-             if work in {model_of(n) for n in names} for micro in sizes]
-    per_rank = run_on_ranks(engine_rank, world, args=(specs, out_dir, sources, steps),
-                            timeout=1200)
+    specs = engine_specs(names)
+    if logs is None:
+        per_rank = run_on_ranks(engine_rank, world, args=(specs, out_dir, sources, steps),
+                                timeout=1200)
+        logs, warmup = {k: [r[k] for r in per_rank] for k in per_rank[0]}, 1
     machines = cluster(cluster_file, world, world, **machine_fields(machine))
     rows, residual = [], []
     for name, micro in specs:
@@ -275,12 +302,12 @@ def calibrate_engine(names: list[str], machine: dict, cluster_file: str, out_dir
         model = dataclasses.replace(ModelSpec.from_dims(base.dims, base.frozen),
                                     bytes_per_param=4)
         plan = sim_plan(cfg, ds_config(1), world)
-        logs = [r[f"{name}/{micro}"] for r in per_rank]
+        run = logs[f"{name}/{micro}"]
         rounds = plan.micro_batches  # a rank's micro-batches a step (dp only: every rank's)
-        for s in range(1, steps):  # the first step warms up
-            report = simulate(machines, model, samples_of(logs, s), plan)
+        for s in range(warmup, len(run[0])):  # the first steps warm up
+            report = simulate(machines, model, samples_of(run, s), plan)
             rows.append([rounds * model.total_params(), 1.0])
-            residual.append(max(log[s]["cpu_s"] for log in logs) - busy_s(report))
+            residual.append(max(log[s]["cpu_s"] for log in run) - busy_s(report))
     a, y = np.array(rows), np.maximum(np.array(residual), 0.0)
     scale = np.linalg.norm(a, axis=0)
     per_param, step_s = nnls(a / scale, y) / scale
@@ -428,16 +455,25 @@ def measure_all(names: list[str], rounds: int, warmup: int, batches: int, comm_r
     worlds = sorted({CONFIGS[n][0] for n in names})
     comm = calibrate_comm(tuple(worlds), repeats=comm_repeats)
     (out / "sim_validation_cluster.json").write_text(json.dumps(comm["cluster"], indent=1))
-    compute = calibrate_compute(names, tmp, sources, batches,
-                                str(out / "sim_validation_cluster.json"))
+    cluster_file = str(out / "sim_validation_cluster.json")
+    # the profiles first; the engine's runs train in the measured launch, rotating with the
+    # validated plans (the same load on the shared cores: the engine terms absorb it)
+    compute = calibrate_compute(names, tmp, sources, batches, cluster_file, engine=False)
     load = os.getloadavg()  # (1, 5, 15 minutes) after the calibration: the machine is shared
-    logs = {}
+    logs, engine_logs = {}, {}
     for world in worlds:
         group = [n for n in names if CONFIGS[n][0] == world]
-        per_rank = run_on_ranks(ranks, world, args=(group, tmp, sources, rounds, warmup),
-                                timeout=3000)
+        specs = engine_specs(group)
+        per_rank = run_on_ranks(ranks, world, args=(group, tmp, sources, rounds, warmup,
+                                                    specs), timeout=3000)
         logs |= {name: [r[name] for r in per_rank] for name in group}
-    return {"comm": comm, "compute": compute, "logs": logs, "rounds": rounds, "warmup": warmup,
+        engine_logs[str(world)] = {f"{n}/{m}": [r[f"{n}/{m}"] for r in per_rank]
+                                   for n, m in specs}
+        compute[str(world)] = with_engine(compute[str(world)], calibrate_engine(
+            group, compute[str(world)]["machine"], cluster_file, tmp, sources,
+            logs=engine_logs[str(world)], warmup=warmup))
+    return {"comm": comm, "compute": compute, "logs": logs, "engine_logs": engine_logs,
+            "rounds": rounds, "warmup": warmup,
             "load_average_calibration": load, "load_average_measured": os.getloadavg()}
 
 

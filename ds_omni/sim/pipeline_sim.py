@@ -23,11 +23,12 @@ from ds_omni.sim.timeline import COMM
 
 
 def stage_plan(step):
-    """The stage boundaries of the plan, for the step's typical micro-batch (its mean samples of
-    its mean tokens), as `ds_omni.train.setup.stage_plan` computes them."""
+    """The stage boundaries of the plan, as `ds_omni.train.setup.stage_plan` computes them: for
+    a typical micro-batch (its mean samples, each of the plan's `stage_tokens` tokens, as
+    training's config gives them; without one the step's mean sample)."""
     m, p = step.model, step.plan
     per_micro = max(1, round(len(step.samples) / (step.pplan.dp * p.micro_batches)))
-    tokens = max(1, int(step.samples.tokens.mean()))
+    tokens = p.stage_tokens or max(1, int(step.samples.tokens.mean()))
     d = m.dims
     layer_params = [d.hidden * d.vocab] + [m.llm_layer_params()] * d.layers + [d.hidden * d.vocab]
     encoder_params = sum(m.encoder_params(n) for n in d.encoders if n not in m.frozen)

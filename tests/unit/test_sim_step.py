@@ -213,6 +213,21 @@ def test_joint_pipeline_touches_its_encoder_replicas_once_a_step():
     assert min(r.comm) > shards  # plus the stages' activations and the rows to stage 0
 
 
+def test_a_disttrain_baseline_without_llm_gpus_is_an_error_not_a_crash():
+    """2 GPUs under pp=2: no GPU is left for the LLM beside the encoders' one; the search
+    reports that baseline's error (it used to stop on an empty max())."""
+    from ds_omni.sim.baselines import baseline_plans
+    from ds_omni.sim.search import _baselines
+    c, m = cluster("h100", 2, 2), llava_7b()
+    samples = WorkloadSpec(image_fraction=1.0, max_tokens=4096,
+                           patches_range=(256, 512)).draw(8, seed=0, encoders=("vision",))
+    plan = SimPlan(pp=2, global_batch=8, micro_batches=4, pack_tokens=8192, zero_stage=1)
+    assert baseline_plans(plan, 2, m, samples)["disttrain"].encoder_gpus == 2
+    res = _baselines(c, m, samples, plan, {})
+    assert "must leave GPUs for the LLM" in res["disttrain"]["error"]
+    assert res["megatron"]["step_time"] > 0
+
+
 def test_zero3_ranks_without_images_run_the_encoders_dummy():
     """Training's rule (`encoder_dummies_needed`): under ZeRO-3 a micro-batch with no image
     still runs the vision tower once on its dummy input; under ZeRO-1 it does not."""
