@@ -6,10 +6,12 @@ Calibration first, on runs apart from the validated ones: the links from `ds-omn
 calibrate-comm`'s collectives (gloo, 2 and 4 processes, alpha-beta least squares), the compute
 from `world` processes at once timing forward + backward of each model at several micro-batch
 sizes on batches of other data seeds (`train/calibrate.profile` on the CPU clock: one FLOP/s
-rate and a cost a micro-batch per parameter, the optimizer's cost a parameter), then one rank
-training each model with DeepSpeed at two micro-batch sizes (the engine's costs on top). Then
-every plan of CONFIGS trains for real (`setup_training` / `train_step`, the engines of one
-world in one launch, one step each per round in a rotating order) and is simulated on the same
+rate and a cost a micro-batch per parameter, the optimizer's cost a parameter). Then every
+plan of CONFIGS trains for real (`setup_training` / `train_step`, the engines of one world in
+one launch, one step each per round in a rotating order), and with them the engine
+calibration's runs (each model's dp plan with DeepSpeed at two micro-batch sizes, other data:
+the engine's costs on top of the profile, fitted under the load the validated plans met); each
+validated plan is simulated on the same
 global batches (the samples each step trained, their metadata read back from the loader) with
 the fitted cluster. The figure per plan: the median over rounds of the busiest rank's CPU
 seconds of the step (`time.process_time`; contention on a shared machine distorts it less than
