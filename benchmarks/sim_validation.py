@@ -221,21 +221,24 @@ def calibrate_compute(names: list[str], out_dir: str, sources: dict, batches: in
 def with_engine(compute: dict, engine: dict) -> dict:
     """One world's profiled machine (`calibrate_compute`) with the engine's fitted costs on
     top: its step cost and its cost a micro-batch per parameter added to the profile's."""
-    machine = dict(compute["machine"], step_s=engine["step_s"])
+    machine = dict(compute["machine"], step_s=engine["step_s"],
+                   a2a_call_s=engine.get("a2a_call_s", 0.0))
     machine["micro_batch_s_per_param"] += engine["engine_micro_batch_s_per_param"]
     return dict(compute, machine=machine, engine=engine)
 
 
 def engine_specs(names: list[str]) -> list[tuple[str, int]]:
     """The (plan, micro-batch size) runs of the engine calibration for `names`' models."""
-    return [(name, micro) for work, (name, sizes) in ENGINE_CALIBRATION.items()
-            if work in {model_of(n) for n in names} for micro in sizes]
+    return [(name, micro) for work, runs in ENGINE_CALIBRATION.items()
+            if work in {model_of(n) for n in names} for name, sizes in runs for micro in sizes]
 
 
 # the engine calibration: the `world` ranks train each model's data-parallel plan (dp=world,
 # never a validated run: data seed 1234, micro-batches of 1 and 4 samples where the validated
 # runs have 2) with DeepSpeed; the terms fitted on it are checked on the other 11 plans
-ENGINE_CALIBRATION = {"pipeline": ("dp2_image", (1, 4)), "longtail": ("dp4_longtail", (1, 4))}
+# and each model's static-SP plan the same way, for the seconds of a Ulysses call
+ENGINE_CALIBRATION = {"pipeline": (("dp2_image", (1, 4)), ("sp2_static_text", (1, 4))),
+                      "longtail": (("dp4_longtail", (1, 4)), ("sp2x2_static_longtail", (1, 4)))}
 
 
 def engine_config(name: str, micro: int, out_dir: str, sources: dict, steps: int):
@@ -277,8 +280,10 @@ def calibrate_engine(names: list[str], machine: dict, cluster_file: str, out_dir
     and hooks): the ranks train each model's data-parallel plan at two micro-batch sizes
     (`ENGINE_CALIBRATION`); the busiest rank's CPU seconds above the busy seconds the profiled
     machine and the fitted links predict for that step, fitted as a cost a micro-batch per
-    parameter (the engine's hooks and gradient buffers) and one a step (`fit_rate`'s
-    non-negative least squares). `logs`: the runs already trained ("plan/micro" -> per rank
+    parameter (the engine's hooks and gradient buffers), one a step and, from the sp runs,
+    one a Ulysses all-to-all call (DeepSpeed's `_SeqAllToAll` around the wire: its Python and
+    layout copies, on the CPU clock; `ulysses_calls`) (`fit_rate`'s non-negative least
+    squares). `logs`: the runs already trained ("plan/micro" -> per rank
     the step records, `ranks`' calibration: in the measured launch), their first `warmup`
     steps left out; else they train here, `steps` steps each."""
     import numpy as np
@@ -308,14 +313,27 @@ def calibrate_engine(names: list[str], machine: dict, cluster_file: str, out_dir
         rounds = plan.micro_batches  # a rank's micro-batches a step (dp only: every rank's)
         for s in range(warmup, len(run[0])):  # the first steps warm up
             report = simulate(machines, model, samples_of(run, s), plan)
-            rows.append([rounds * model.total_params(), 1.0])
+            rows.append([rounds * model.total_params(), 1.0, ulysses_calls(plan, model)])
             residual.append(max(log[s]["cpu_s"] for log in run) - busy_s(report))
     a, y = np.array(rows), np.maximum(np.array(residual), 0.0)
     scale = np.linalg.norm(a, axis=0)
-    per_param, step_s = nnls(a / scale, y) / scale
+    scale[scale == 0] = 1.0  # no sp run: no calls
+    per_param, step_s, call_s = nnls(a / scale, y) / scale
     return {"engine_micro_batch_s_per_param": float(per_param), "step_s": float(step_s),
+            "a2a_call_s": float(call_s),
             "residual_s": residual, "micro_batches_x_params": [r[0] for r in rows],
             "world": world}
+
+
+def ulysses_calls(plan, model) -> float:
+    """Ulysses all-to-all calls a rank makes in a step of `plan` (the LLM's, the encoders'
+    off in the calibration's sp plans): 4 a layer (`comm.ULYSSES_CALLS`) in forward, as many
+    in backward and in a recomputed forward, each micro-batch."""
+    from ds_omni.sim import comm
+    if plan.sp < 2:
+        return 0.0
+    return float(model.dims.layers * comm.ULYSSES_CALLS * (2 + plan.checkpointing)
+                 * plan.micro_batches)
 
 
 def busy_s(report) -> float:

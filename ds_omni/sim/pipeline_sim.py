@@ -188,7 +188,8 @@ def _ulysses(step, tokens: np.ndarray, backward: bool) -> np.ndarray:
     per_layer = tokens * (2 * d.hidden + 2 * step.model.kv) * 2  # [D] bytes a rank sends
     times = (1 + step.plan.checkpointing) if backward else 1
     step.a2a_bytes["llm_ulysses"] += float(per_layer.sum()) * d.layers * times * (g - 1) / g
-    one = comm.even_all_to_all_each(per_layer, g, link, comm.ULYSSES_CALLS)  # [D]
+    one = comm.even_all_to_all_each(per_layer, g, link, comm.ULYSSES_CALLS,
+                                    step.cluster.a2a_call_s)  # [D]
     return times * d.layers * one
 
 

@@ -304,7 +304,7 @@ def _encoder_sp_groups(step: Step, work, backward: bool) -> tuple[list, list, li
         per_layer = positions * 4 * e.hidden * 2  # bytes a rank sends in one layer's 4 exchanges
         link = comm.link_of(step.cluster, ranks)
         t = e.layers * comm.even_all_to_all(per_layer, len(ranks), link,
-                                            comm.ULYSSES_CALLS)
+                                            comm.ULYSSES_CALLS, step.cluster.a2a_call_s)
         key = int(ranks[0])
         groups[key] = ranks
         seconds[key] = seconds.get(key, 0.0) + t * (2 if backward else 1)
@@ -334,7 +334,8 @@ def llm_sp_seconds(step: Step, tokens_per_rank: np.ndarray, g: int, ranks, backw
     step.a2a_bytes["llm_ulysses"] += float(np.sum(per_layer)) * d.layers * times * (g - 1)
     link = comm.links_each(step.cluster, np.asarray(ranks).reshape(-1, g))
     return times * d.layers * comm.even_all_to_all_each(per_layer, g, link,
-                                                        comm.ULYSSES_CALLS)
+                                                        comm.ULYSSES_CALLS,
+                                                        step.cluster.a2a_call_s)
 
 
 def _llm_sp(step: Step, rr: RoundRows, backward: bool) -> None:

@@ -228,6 +228,23 @@ def test_a_disttrain_baseline_without_llm_gpus_is_an_error_not_a_crash():
     assert res["megatron"]["step_time"] > 0
 
 
+def test_each_ulysses_call_pays_the_fitted_call_cost():
+    """`Cluster.a2a_call_s` (fitted on CPU from sp runs): a rank's communication grows by it
+    once per Ulysses all-to-all call: 4 a layer in forward, 4 in backward, 4 more recomputing
+    under checkpointing, each micro-batch (text only: no encoder calls)."""
+    import dataclasses
+    from ds_omni.sim import comm
+    m, samples = llava_7b(), text_samples([4096] * 8)
+    base = cluster("h100", 2, 2)
+    for ckpt in (False, True):
+        plan = SimPlan(sp=2, global_batch=8, micro_batches=4, pack_tokens=8192,
+                       checkpointing=ckpt)
+        plain = simulate(base, m, samples, plan)
+        paid = simulate(dataclasses.replace(base, a2a_call_s=1e-3), m, samples, plan)
+        calls = m.dims.layers * comm.ULYSSES_CALLS * (2 + ckpt) * 4
+        assert paid.comm[0] - plain.comm[0] == pytest.approx(calls * 1e-3, rel=1e-9)
+
+
 def test_zero3_ranks_without_images_run_the_encoders_dummy():
     """Training's rule (`encoder_dummies_needed`): under ZeRO-3 a micro-batch with no image
     still runs the vision tower once on its dummy input; under ZeRO-1 it does not."""
