@@ -2,7 +2,7 @@
 pipeline.py's image-heavy workload (dp=2, sp=2, pp=2 with the encoders on stage 0, pp=2 with
 the joint pipeline) all train for real in one launch (`benchmarks/sim_validation.ranks`, the
 busiest rank's CPU seconds, medians over rounds); the machine is fitted on runs of its own
-(`sim_validation.calibrate_compute`: other data seeds, dp engines); the search then ranks the
+(`sim_validation.calibrate_compute`: other data seeds; dp and sp engines); the search then ranks the
 space dp / sp / pp / tp / max_sequence_sp in {1, 2} x placements on the steps' own samples.
 
 Like against like: the search ranks plans by step time, which includes a pipeline's bubble;
