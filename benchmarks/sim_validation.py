@@ -9,7 +9,7 @@ sizes on batches of other data seeds (`train/calibrate.profile` on the CPU clock
 rate and a cost a micro-batch per parameter, the optimizer's cost a parameter). Then every
 plan of CONFIGS trains for real (`setup_training` / `train_step`, the engines of one world in
 one launch, one step each per round in a rotating order), and with them the engine
-calibration's runs (each model's dp plan with DeepSpeed at two micro-batch sizes, other data:
+calibration's runs (each model's dp and static-SP plans at two micro-batch sizes, other data:
 the engine's costs on top of the profile, fitted under the load the validated plans met); each
 validated plan is simulated on the same
 global batches (the samples each step trained, their metadata read back from the loader) with
@@ -459,8 +459,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.scatter(r["measured_s"], r["predicted_s"], c="C0" if r["world"] == 2 else "C1")
         ax.annotate(r["name"], (r["measured_s"], r["predicted_s"]), fontsize=6)
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi),
-           xlabel="measured: busiest rank's CPU s a step (median)",
-           ylabel="simulated step s (fitted cluster)",
+           xlabel="measured: busiest rank's CPU s a step (mean)",
+           ylabel="simulated busy s, busiest rank (fitted cluster)",
            title="ds_omni.sim against measured CPU steps (blue 2 ranks, orange 4)")
     ax.legend(fontsize=7)
     fig.tight_layout()
