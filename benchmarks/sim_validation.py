@@ -6,10 +6,12 @@ Calibration first, on runs apart from the validated ones: the links from `ds-omn
 calibrate-comm`'s collectives (gloo, 2 and 4 processes, alpha-beta least squares), the compute
 from `world` processes at once timing forward + backward of each model at several micro-batch
 sizes on batches of other data seeds (`train/calibrate.profile` on the CPU clock: one FLOP/s
-rate and a cost a micro-batch per parameter, the optimizer's cost a parameter), then one rank
-training each model with DeepSpeed at two micro-batch sizes (the engine's costs on top). Then
-every plan of CONFIGS trains for real (`setup_training` / `train_step`, the engines of one
-world in one launch, one step each per round in a rotating order) and is simulated on the same
+rate and a cost a micro-batch per parameter, the optimizer's cost a parameter). Then every
+plan of CONFIGS trains for real (`setup_training` / `train_step`, the engines of one world in
+one launch, one step each per round in a rotating order), and with them the engine
+calibration's runs (each model's dp and static-SP plans at two micro-batch sizes, other data:
+the engine's costs on top of the profile, fitted under the load the validated plans met); each
+validated plan is simulated on the same
 global batches (the samples each step trained, their metadata read back from the loader) with
 the fitted cluster. The figure per plan: the median over rounds of the busiest rank's CPU
 seconds of the step (`time.process_time`; contention on a shared machine distorts it less than
@@ -96,9 +98,11 @@ def config(name: str, out_dir: str, sources: dict, steps: int, seed: int = 0):
 
 # ------------------------------------------------------------------------- measured run
 def ranks(rank: int, world: int, names: list[str], out_dir: str, sources: dict, rounds: int,
-          warmup: int) -> dict:
+          warmup: int, calibration: tuple = ()) -> dict:
     """Every plan of `names` (all of `world` ranks) trained `warmup + rounds` steps, rotating;
-    per plan and step this rank's CPU and wall seconds and the metadata of its samples."""
+    per plan and step this rank's CPU and wall seconds and the metadata of its samples.
+    `calibration`: (plan, micro-batch size) of the engine calibration (`engine_config`, keyed
+    "plan/micro"), trained in the same rotation: under the load the validated plans meet."""
     import torch
     from deepspeed.utils import groups as ds_groups
     from ds_omni.parallel.plan import ParallelPlan
@@ -113,9 +117,16 @@ def ranks(rank: int, world: int, names: list[str], out_dir: str, sources: dict, 
         _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), rank,
                                            plan)
         runs[name] = (loader, engine)
-    log = {name: [] for name in names}
+    for name, micro in calibration:
+        cfg = engine_config(name, micro, out_dir, sources, warmup + rounds)
+        plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
+        _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), rank,
+                                           plan)
+        runs[f"{name}/{micro}"] = (loader, engine)
+    order = list(runs)
+    log = {name: [] for name in order}
     for i in range(warmup + rounds):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in order[i % len(order):] + order[:i % len(order)]:
             log[name].append(one_step(*runs[name], ds_groups))
     for name, (loader, _) in runs.items():  # outside the timings: what each step trained
         for record in log[name]:
@@ -180,46 +191,67 @@ CALIBRATION = {"pipeline": (("dp2_image", "dp2_text"), (1, 2, 4, 8)),
 
 
 def calibrate_compute(names: list[str], out_dir: str, sources: dict, batches: int,
-                      engine_steps: int = 3) -> dict:
+                      cluster_file: str, engine_steps: int = 3, stored: dict | None = None,
+                      engine: bool = True) -> dict:
     """Per world size of `names`' plans, the machine in CPU seconds: `world` processes profile
     at once (`calibration_rank`), as the ranks of the measured runs share this machine's cores
     (a rank's CPU seconds grow when its neighbours run), on batches of other data seeds than
     the validated runs' (seed 0); one FLOP/s rate and one cost a micro-batch per parameter
-    fitted over all of them (`fit_rate`), and the optimizer's seconds a parameter."""
+    fitted over all of them (`fit_rate`), and the optimizer's seconds a parameter; then the
+    engine's costs on top (`calibrate_engine`; `engine=False`: not yet, `with_engine` adds
+    them later). `stored`: an earlier run's result, whose profiles are kept (only the engine
+    calibration runs again)."""
     from tests.harness import run_on_ranks
     out = {}
     for world in sorted({CONFIGS[n][0] for n in names}):
         group = [n for n in names if CONFIGS[n][0] == world]
-        per_rank = run_on_ranks(calibration_rank, world, args=(group, out_dir, sources, batches),
-                                timeout=1200)
-        profiles = {f"rank{r}/{k}": v for r, p in enumerate(per_rank) for k, v in p.items()}
-        machine = fit_machine(profiles)
-        engine = calibrate_engine(group, machine, out_dir, sources, engine_steps)
-        machine |= {k: engine[k] for k in ("step_s",)}
-        machine["micro_batch_s_per_param"] += engine["engine_micro_batch_s_per_param"]
-        out[str(world)] = {"machine": machine, "engine": engine, "profiles": profiles}
+        if stored:
+            profiles = stored[str(world)]["profiles"]
+        else:
+            per_rank = run_on_ranks(calibration_rank, world,
+                                    args=(group, out_dir, sources, batches), timeout=1200)
+            profiles = {f"rank{r}/{k}": v for r, p in enumerate(per_rank) for k, v in p.items()}
+        out[str(world)] = {"machine": fit_machine(profiles), "profiles": profiles}
+        if engine:
+            out[str(world)] = with_engine(out[str(world)], calibrate_engine(
+                group, out[str(world)]["machine"], cluster_file, out_dir, sources, engine_steps))
     return out
 
 
-# the engine calibration: one rank trains with DeepSpeed at these micro-batch sizes (its
-# gradient accumulation steps 16 / size), on a plan of each model
-ENGINE_CALIBRATION = {"pipeline": ("dp2_image", (1, 4)), "longtail": ("dp4_longtail", (1, 4))}
+def with_engine(compute: dict, engine: dict) -> dict:
+    """One world's profiled machine (`calibrate_compute`) with the engine's fitted costs on
+    top: its step cost and its cost a micro-batch per parameter added to the profile's."""
+    machine = dict(compute["machine"], step_s=engine["step_s"],
+                   a2a_call_s=engine.get("a2a_call_s", 0.0))
+    machine["micro_batch_s_per_param"] += engine["engine_micro_batch_s_per_param"]
+    return dict(compute, machine=machine, engine=engine)
+
+
+def engine_specs(names: list[str]) -> list[tuple[str, int]]:
+    """The (plan, micro-batch size) runs of the engine calibration for `names`' models."""
+    return [(name, micro) for work, runs in ENGINE_CALIBRATION.items()
+            if work in {model_of(n) for n in names} for name, sizes in runs for micro in sizes]
+
+
+# the engine calibration: the `world` ranks train each model's data-parallel plan (dp=world,
+# never a validated run: data seed 1234, micro-batches of 1 and 4 samples where the validated
+# runs have 2) with DeepSpeed; the terms fitted on it are checked on the other 11 plans
+# and each model's static-SP plan the same way, for the seconds of a Ulysses call
+ENGINE_CALIBRATION = {"pipeline": (("dp2_image", (1, 4)), ("sp2_static_text", (1, 4))),
+                      "longtail": (("dp4_longtail", (1, 4)), ("sp2x2_static_longtail", (1, 4)))}
 
 
 def engine_config(name: str, micro: int, out_dir: str, sources: dict, steps: int):
     cfg = config(name, f"{out_dir}/engine_{name}_{micro}", sources, steps, seed=1234)
-    data = dataclasses.replace(cfg.data, reorder=dataclasses.replace(cfg.data.reorder,
-                                                                     group_size=1))
-    data = dataclasses.replace(data, pack_tokens=data.max_seq_len * micro)
-    return dataclasses.replace(cfg, data=data, parallel=dataclasses.replace(
-        cfg.parallel, encoder_pool="off"), train=dataclasses.replace(
+    data = dataclasses.replace(cfg.data, pack_tokens=cfg.data.max_seq_len * micro)
+    return dataclasses.replace(cfg, data=data, train=dataclasses.replace(
         cfg.train, micro_batch_size=micro))
 
 
 def engine_rank(rank: int, world: int, specs: list, out_dir: str, sources: dict,
                 steps: int) -> dict:
-    """One rank, DeepSpeed's engine: `steps` steps of each (plan, micro-batch size) of
-    `specs`, the CPU seconds of each and its samples (as `ranks` records them)."""
+    """One of `world` ranks training with DeepSpeed: `steps` steps of each (plan, micro-batch
+    size) of `specs`, the CPU seconds of each and its samples (as `ranks` records them)."""
     import torch
     from deepspeed.utils import groups as ds_groups
     from ds_omni.parallel.plan import ParallelPlan
@@ -230,8 +262,8 @@ def engine_rank(rank: int, world: int, specs: list, out_dir: str, sources: dict,
     out = {}
     for name, micro in specs:
         cfg = engine_config(name, micro, out_dir, sources, steps)
-        plan = ParallelPlan.from_config(cfg.parallel, 1, cfg.data.reorder)
-        _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), 0,
+        plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
+        _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), rank,
                                            plan)
         log = [one_step(loader, engine, ds_groups) for _ in range(steps)]
         for record in log:
@@ -240,13 +272,20 @@ def engine_rank(rank: int, world: int, specs: list, out_dir: str, sources: dict,
     return out
 
 
-def calibrate_engine(names: list[str], machine: dict, out_dir: str, sources: dict,
-                     steps: int = 3) -> dict:
-    """What DeepSpeed's engine adds on this machine to the profiled model: one rank trains
-    each model of `names` at two micro-batch sizes (never a validated plan: one rank, seed
-    1234); the CPU seconds above the simulated step of the profiled machine, fitted as a cost
-    a micro-batch per parameter (the engine's hooks and gradient buffers) and one a step
-    (`fit_rate`'s non-negative least squares)."""
+def calibrate_engine(names: list[str], machine: dict, cluster_file: str, out_dir: str,
+                     sources: dict, steps: int = 3, logs: dict | None = None,
+                     warmup: int = 1) -> dict:
+    """What DeepSpeed's engine adds on this machine to the profiled model, under the measured
+    runs' conditions (`world` ranks at once on the shared cores, their gradient collectives
+    and hooks): the ranks train each model's data-parallel plan at two micro-batch sizes
+    (`ENGINE_CALIBRATION`); the busiest rank's CPU seconds above the busy seconds the profiled
+    machine and the fitted links predict for that step, fitted as a cost a micro-batch per
+    parameter (the engine's hooks and gradient buffers), one a step and, from the sp runs,
+    one a Ulysses all-to-all call (DeepSpeed's `_SeqAllToAll` around the wire: its Python and
+    layout copies, on the CPU clock; `ulysses_calls`) (`fit_rate`'s non-negative least
+    squares). `logs`: the runs already trained ("plan/micro" -> per rank
+    the step records, `ranks`' calibration: in the measured launch), their first `warmup`
+    steps left out; else they train here, `steps` steps each."""
     import numpy as np
     from ds_omni.data.cost import nnls
     from ds_omni.sim.cluster import cluster
@@ -256,26 +295,51 @@ def calibrate_engine(names: list[str], machine: dict, out_dir: str, sources: dic
     from ds_omni.train.calibrate import machine_fields
     from tests.fixtures import ds_config
     from tests.harness import run_on_ranks
-    specs = [(name, micro) for work, (name, sizes) in ENGINE_CALIBRATION.items()
-             if work in {model_of(n) for n in names} for micro in sizes]
-    logs = run_on_ranks(engine_rank, 1, args=(specs, out_dir, sources, steps), timeout=1200)[0]
+    world = CONFIGS[names[0]][0]
+    specs = engine_specs(names)
+    if logs is None:
+        per_rank = run_on_ranks(engine_rank, world, args=(specs, out_dir, sources, steps),
+                                timeout=1200)
+        logs, warmup = {k: [r[k] for r in per_rank] for k in per_rank[0]}, 1
+    machines = cluster(cluster_file, world, world, **machine_fields(machine))
     rows, residual = [], []
     for name, micro in specs:
         cfg = engine_config(name, micro, out_dir, sources, steps)
         base = model_spec(cfg)
         model = dataclasses.replace(ModelSpec.from_dims(base.dims, base.frozen),
                                     bytes_per_param=4)
-        plan = sim_plan(cfg, ds_config(1), 1)
-        machines = cluster("cpu", 1, 1, **machine_fields(machine))
-        for record in logs[f"{name}/{micro}"][1:]:  # the first step warms up
-            predicted = simulate(machines, model, samples_of([[record]], 0), plan).step_time
-            rows.append([plan.micro_batches * model.total_params(), 1.0])
-            residual.append(record["cpu_s"] - predicted)
+        plan = sim_plan(cfg, ds_config(1), world)
+        run = logs[f"{name}/{micro}"]
+        rounds = plan.micro_batches  # a rank's micro-batches a step (dp only: every rank's)
+        for s in range(warmup, len(run[0])):  # the first steps warm up
+            report = simulate(machines, model, samples_of(run, s), plan)
+            rows.append([rounds * model.total_params(), 1.0, ulysses_calls(plan, model)])
+            residual.append(max(log[s]["cpu_s"] for log in run) - busy_s(report))
     a, y = np.array(rows), np.maximum(np.array(residual), 0.0)
     scale = np.linalg.norm(a, axis=0)
-    per_param, step_s = nnls(a / scale, y) / scale
+    scale[scale == 0] = 1.0  # no sp run: no calls
+    per_param, step_s, call_s = nnls(a / scale, y) / scale
     return {"engine_micro_batch_s_per_param": float(per_param), "step_s": float(step_s),
-            "residual_s": residual, "micro_batches_x_params": [r[0] for r in rows]}
+            "a2a_call_s": float(call_s),
+            "residual_s": residual, "micro_batches_x_params": [r[0] for r in rows],
+            "world": world}
+
+
+def ulysses_calls(plan, model) -> float:
+    """Ulysses all-to-all calls a rank makes in a step of `plan` (the LLM's, the encoders'
+    off in the calibration's sp plans): 4 a layer (`comm.ULYSSES_CALLS`) in forward, as many
+    in backward and in a recomputed forward, each micro-batch."""
+    from ds_omni.sim import comm
+    if plan.sp < 2:
+        return 0.0
+    return float(model.dims.layers * comm.ULYSSES_CALLS * (2 + plan.checkpointing)
+                 * plan.micro_batches)
+
+
+def busy_s(report) -> float:
+    """The busiest rank's busy seconds of a simulated step (compute + communication, not the
+    waits): what its CPU clock counts (a rank waiting in gloo's receive spends no CPU)."""
+    return float(max(a + b for a, b in zip(report.compute, report.comm)))
 
 
 def calibration_rank(rank: int, world: int, names: list[str], out_dir: str, sources: dict,
@@ -341,9 +405,13 @@ def predict(name: str, per_rank: list[list[dict]], warmup: int, cluster_file: st
     for r in reports:
         for k, v in r.summary()["critical_path"]["by_phase"].items():
             phases.setdefault(k, []).append(v)
-    busy = [max(a + b for a, b in zip(r.compute, r.comm)) for r in reports]  # busiest rank
-    return {"predicted_s": statistics.median(r.step_time for r in reports),
-            "predicted_busy_s": statistics.median(busy),
+    # the figure: the busiest rank's busy seconds, what the measured CPU clock counts (the
+    # step time adds the waits, a pipeline's bubble: no CPU spent); the mean over the rounds,
+    # as `measured` (the same steps)
+    busy = [busy_s(r) for r in reports]
+    return {"predicted_s": statistics.mean(busy), "predicted_median_s": statistics.median(busy),
+            "predicted_per_round": busy,
+            "predicted_step_s": statistics.mean(r.step_time for r in reports),
             "predicted_phases_s": {k: statistics.median(v) for k, v in phases.items()},
             "predicted_critical_phase": reports[len(reports) // 2].critical_phase}
 
@@ -352,8 +420,13 @@ def measured(per_rank: list[list[dict]], warmup: int) -> dict:
     steps = range(warmup, len(per_rank[0]))
     cpu = [max(log[s]["cpu_s"] for log in per_rank) for s in steps]
     wall = [max(log[s]["wall_s"] for log in per_rank) for s in steps]
-    return {"measured_s": statistics.median(cpu), "measured_wall_s": statistics.median(wall),
-            "measured_cpu_per_round": cpu}
+    # the mean over the rounds: the long-tail steps are bimodal (a step with a ~1,500-token
+    # sample takes ~1.1 s, one without ~0.2 s), and the median of 4 such rounds is the midpoint
+    # of whichever two lie in the middle; the mean is the run's time a step, on the same steps
+    # the simulator is given
+    return {"measured_s": statistics.mean(cpu), "measured_median_s": statistics.median(cpu),
+            "measured_wall_s": statistics.mean(wall), "measured_cpu_per_round": cpu,
+            "measured_wall_per_round": wall}
 
 
 def pairwise_agreement(rows: list[dict]) -> tuple[float, list]:
@@ -386,8 +459,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.scatter(r["measured_s"], r["predicted_s"], c="C0" if r["world"] == 2 else "C1")
         ax.annotate(r["name"], (r["measured_s"], r["predicted_s"]), fontsize=6)
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi),
-           xlabel="measured: busiest rank's CPU s a step (median)",
-           ylabel="simulated step s (fitted cluster)",
+           xlabel="measured: busiest rank's CPU s a step (mean)",
+           ylabel="simulated busy s, busiest rank (fitted cluster)",
            title="ds_omni.sim against measured CPU steps (blue 2 ranks, orange 4)")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -402,14 +475,26 @@ def measure_all(names: list[str], rounds: int, warmup: int, batches: int, comm_r
     worlds = sorted({CONFIGS[n][0] for n in names})
     comm = calibrate_comm(tuple(worlds), repeats=comm_repeats)
     (out / "sim_validation_cluster.json").write_text(json.dumps(comm["cluster"], indent=1))
-    compute = calibrate_compute(names, tmp, sources, batches)
-    logs = {}
+    cluster_file = str(out / "sim_validation_cluster.json")
+    # the profiles first; the engine's runs train in the measured launch, rotating with the
+    # validated plans (the same load on the shared cores: the engine terms absorb it)
+    compute = calibrate_compute(names, tmp, sources, batches, cluster_file, engine=False)
+    load = os.getloadavg()  # (1, 5, 15 minutes) after the calibration: the machine is shared
+    logs, engine_logs = {}, {}
     for world in worlds:
         group = [n for n in names if CONFIGS[n][0] == world]
-        per_rank = run_on_ranks(ranks, world, args=(group, tmp, sources, rounds, warmup),
-                                timeout=3000)
+        specs = engine_specs(group)
+        per_rank = run_on_ranks(ranks, world, args=(group, tmp, sources, rounds, warmup,
+                                                    specs), timeout=3000)
         logs |= {name: [r[name] for r in per_rank] for name in group}
-    return {"comm": comm, "compute": compute, "logs": logs, "rounds": rounds, "warmup": warmup}
+        engine_logs[str(world)] = {f"{n}/{m}": [r[f"{n}/{m}"] for r in per_rank]
+                                   for n, m in specs}
+        compute[str(world)] = with_engine(compute[str(world)], calibrate_engine(
+            group, compute[str(world)]["machine"], cluster_file, tmp, sources,
+            logs=engine_logs[str(world)], warmup=warmup))
+    return {"comm": comm, "compute": compute, "logs": logs, "engine_logs": engine_logs,
+            "rounds": rounds, "warmup": warmup,
+            "load_average_calibration": load, "load_average_measured": os.getloadavg()}
 
 
 def predict_all(raw: dict, out: Path, tmp: str, sources: dict) -> list[dict]:
@@ -434,23 +519,43 @@ def run(args) -> dict:
                    "long": long_source(Path(tmp), weight=0.14, words=1200)}
         if args.reuse:
             raw = json.loads(raw_file.read_text())
-            if args.recalibrate:  # the compute calibration again, the measured runs kept
-                raw["compute"] = calibrate_compute(list(raw["logs"]), tmp, sources,
-                                                   args.batches)
+            if args.recalibrate or args.recalibrate_engine:  # the measured runs kept
+                raw["compute"] = calibrate_compute(
+                    list(raw["logs"]), tmp, sources, args.batches,
+                    str(args.out / "sim_validation_cluster.json"),
+                    stored=raw["compute"] if args.recalibrate_engine else None)
+                raw["load_average_calibration"] = os.getloadavg()
                 raw_file.write_text(json.dumps(raw))
         else:
             raw = measure_all(args.configs, args.rounds, args.warmup, args.batches,
                               args.comm_repeats, args.out, tmp, sources)
             raw_file.write_text(json.dumps(raw))
         rows = predict_all(raw, args.out, tmp, sources)
-    return report(rows, raw["comm"], raw["compute"], raw["rounds"], raw["warmup"],
-                  time.perf_counter() - t0)
+    result = report(rows, raw["comm"], raw["compute"], raw["rounds"], raw["warmup"],
+                    time.perf_counter() - t0, command(args))
+    return result | {"load_average": {"calibration": raw.get("load_average_calibration"),
+                                      "measured": raw.get("load_average_measured"),
+                                      "after": os.getloadavg()}}
 
 
-def report(rows, comm, compute, rounds, warmup, runtime) -> dict:
+def command(args) -> str:
+    """The command line that produced this result (what `--reuse` re-predicted from)."""
+    flags = [f for f, on in (("--reuse", args.reuse), ("--recalibrate", args.recalibrate),
+                             ("--recalibrate-engine", args.recalibrate_engine)) if on]
+    if not args.reuse:  # the measured run's own settings
+        flags += [f"--rounds {args.rounds}", f"--warmup {args.warmup}",
+                  f"--comm-repeats {args.comm_repeats}"]
+    if not args.reuse or args.recalibrate:
+        flags.append(f"--batches {args.batches}")
+    if args.configs != list(CONFIGS):
+        flags.append("--configs " + " ".join(args.configs))
+    return " ".join([".venv/bin/python benchmarks/sim_validation.py", *flags])
+
+
+def report(rows, comm, compute, rounds, warmup, runtime, cmd: str) -> dict:
     errors = [abs(r["error"]) for r in rows]
     agreement, wrong = pairwise_agreement(rows)
-    return {"command": ".venv/bin/python benchmarks/sim_validation.py", "rounds": rounds,
+    return {"command": cmd, "rounds": rounds,
             "warmup": warmup, "configs": rows,
             "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
             "pairwise_order_agreement": agreement, "pairs_ordered_wrong": wrong,
@@ -482,6 +587,9 @@ def main(argv=None) -> dict:
                     help="predict again from the last run's measurements (sim_validation_raw.json)")
     ap.add_argument("--recalibrate", action="store_true",
                     help="with --reuse: run the compute calibration again")
+    ap.add_argument("--recalibrate-engine", action="store_true",
+                    help="with --reuse: run the engine calibration again, the stored profiles "
+                         "kept")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     result = run(args)

@@ -45,6 +45,10 @@ def disttrain(plan: SimPlan, gpus: int, encoder_share: float) -> SimPlan:
     llm = unit * max(1, math.floor(gpus * (1 - encoder_share) / unit))
     llm = min(llm, unit * ((gpus - 1) // unit))
     dp = llm // unit
+    if dp < 1:  # no GPUs left for one LLM replica beside the encoders' (2 GPUs, pp=2): the plan
+        # asks for all of them as encoder GPUs, which simulating refuses (`SimPlan.llm_gpus`),
+        # and every caller reports as this baseline's error
+        return _plain(plan, "disttrain", encoder_gpus=gpus)
     group = max(g for g in range(1, min(plan.reorder_group, dp) + 1) if dp % g == 0)
     shared_dp = plan.dp or gpus // unit
     micro = math.ceil(plan.micro_batches * shared_dp / dp)

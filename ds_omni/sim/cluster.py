@@ -53,6 +53,10 @@ class Cluster:
     step_s: float = 0.0
     """Seconds a rank spends once a step outside micro-batches and the optimizer (the
     engine's bookkeeping)."""
+    a2a_call_s: float = 0.0
+    """Seconds a rank spends on each of Ulysses' all-to-all calls beyond the link's latency
+    and bytes (DeepSpeed's `_SeqAllToAll`: its Python, the layout copies around the wire):
+    fitted on CPU from sp runs of the engine calibration; 0 on the GPU presets."""
     name: str = "custom"
 
     def __post_init__(self):
@@ -69,7 +73,8 @@ class Cluster:
         for field in ("flops", "hbm_bytes", "intra_bw", "inter_bw"):
             if not getattr(self, field) > 0:
                 raise ConfigError(f"Cluster.{field} must be > 0, got {getattr(self, field)}")
-        for field in ("micro_batch_s_per_param", "optimizer_s_per_param", "step_s"):
+        for field in ("micro_batch_s_per_param", "optimizer_s_per_param", "step_s",
+                      "a2a_call_s"):
             if not getattr(self, field) >= 0:
                 raise ConfigError(f"Cluster.{field} is a time and must be >= 0, got "
                                   f"{getattr(self, field)}")

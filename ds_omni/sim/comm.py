@@ -28,6 +28,12 @@ import numpy as np
 from ds_omni.sim.cluster import Cluster
 
 
+# DeepSpeed's `DistributedAttention` (Ulysses) sends q, k, v and the output by one all-to-all
+# each: 4 calls a layer, each paying its latencies (on gloo ~0.7 ms a call: the latency, not the
+# bytes, is most of a small model's Ulysses time)
+ULYSSES_CALLS = 4
+
+
 @dataclass(frozen=True)
 class Link:
     latency: float
@@ -75,12 +81,14 @@ def all_reduce_each(nbytes: np.ndarray, p: int, link: Link) -> np.ndarray:
     return np.where(n > 0, np.minimum(ring, tree), 0.0)
 
 
-def even_all_to_all_each(bytes_per_rank: np.ndarray, p: int, link: Link) -> np.ndarray:
+def even_all_to_all_each(bytes_per_rank: np.ndarray, p: int, link: Link,
+                         calls: int = 1, call_s: float = 0.0) -> np.ndarray:
     """`even_all_to_all` of every element of `bytes_per_rank`."""
     n = np.asarray(bytes_per_rank, dtype=np.float64)
     if p < 2:
         return np.zeros_like(n)
-    return np.where(n > 0, (p - 1) * (link.latency + n / p / link.bandwidth), 0.0)
+    return np.where(n > 0, (p - 1) * (calls * link.latency + n / p / link.bandwidth)
+                    + calls * call_s, 0.0)
 
 
 def reduce_scatter(nbytes: float, p: int, link: Link) -> float:
@@ -155,9 +163,13 @@ def all_to_all(sends: np.ndarray, ranks, cluster: Cluster) -> float:
     return float(times.max()) if times.size else 0.0
 
 
-def even_all_to_all(bytes_per_rank: float, p: int, link: Link) -> float:
+def even_all_to_all(bytes_per_rank: float, p: int, link: Link, calls: int = 1,
+                    call_s: float = 0.0) -> float:
     """An all-to-all in which every rank sends `bytes_per_rank` in all, split evenly over the
-    p ranks (Ulysses' head/sequence swap): (p - 1) messages of bytes_per_rank / p."""
+    p ranks (Ulysses' head/sequence swap): (p - 1) messages of bytes_per_rank / p. `calls`:
+    the bytes go in that many all-to-alls (each its own (p - 1) latencies); `call_s`: a
+    rank's own seconds a call beyond the wire (`Cluster.a2a_call_s`)."""
     if p < 2 or bytes_per_rank <= 0:
         return 0.0
-    return (p - 1) * (link.latency + bytes_per_rank / p / link.bandwidth)
+    return (p - 1) * (calls * link.latency + bytes_per_rank / p / link.bandwidth) \
+        + calls * call_s

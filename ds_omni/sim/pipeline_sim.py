@@ -23,11 +23,12 @@ from ds_omni.sim.timeline import COMM
 
 
 def stage_plan(step):
-    """The stage boundaries of the plan, for the step's typical micro-batch (its mean samples of
-    its mean tokens), as `ds_omni.train.setup.stage_plan` computes them."""
+    """The stage boundaries of the plan, as `ds_omni.train.setup.stage_plan` computes them: for
+    a typical micro-batch (its mean samples, each of the plan's `stage_tokens` tokens, as
+    training's config gives them; without one the step's mean sample)."""
     m, p = step.model, step.plan
     per_micro = max(1, round(len(step.samples) / (step.pplan.dp * p.micro_batches)))
-    tokens = max(1, int(step.samples.tokens.mean()))
+    tokens = p.stage_tokens or max(1, int(step.samples.tokens.mean()))
     d = m.dims
     layer_params = [d.hidden * d.vocab] + [m.llm_layer_params()] * d.layers + [d.hidden * d.vocab]
     encoder_params = sum(m.encoder_params(n) for n in d.encoders if n not in m.frozen)
@@ -39,7 +40,9 @@ def stage_plan(step):
 def stage_params(step, s: int) -> tuple[float, float]:
     """(parameters, trained parameters) a rank of stage s holds: its decoder layers, the
     embedding on the first stage, the head on the last; the encoders on stage 0 ("stage0") or
-    on every stage (the joint pipeline's replicas)."""
+    on every stage (the joint pipeline's replicas, each trainable encoder parameter trained,
+    its optimizer state held, by one owner stage: `parallelize.joint.EncoderShards`, balanced
+    by size, so 1/P of them a stage)."""
     m, d = step.model, step.model.dims
     sp = step.stage_plan
     llm = len(sp.decoder_layers(s)) * m.llm_layer_params() + d.hidden * d.vocab * (
@@ -47,9 +50,29 @@ def stage_params(step, s: int) -> tuple[float, float]:
     enc = {n: m.encoder_params(n) for n in d.encoders}
     if step.plan.encoder_placement == "stage0" and s > 0:
         enc = {}
+    owned = 1 / step.pplan.pp if step.plan.encoder_placement == "uniform" else 1
     trained = ((0 if "llm" in m.frozen else llm)
-               + sum(v for n, v in enc.items() if n not in m.frozen))
+               + owned * sum(v for n, v in enc.items() if n not in m.frozen))
     return llm + sum(enc.values()), trained
+
+
+def encoder_shard_seconds(step) -> float:
+    """The joint pipeline's two collectives a step over one pipeline's P ranks
+    (`EncoderShards`): the trainable encoders' gradients reduced onto their owners and the
+    updated parameters broadcast back, priced as a reduce-scatter and an all-gather of them
+    (each rank sends and receives (P - 1) / P of the bytes each way). 0 without them."""
+    m, P = step.model, step.pplan.pp
+    if step.plan.encoder_placement != "uniform" or P < 2:
+        return 0.0
+    nbytes = sum(m.encoder_params(n) for n in m.dims.encoders if n not in m.frozen) \
+        * m.bytes_per_param
+    link = comm.link_of(step.cluster, [step.ranks_of(0, 1, s)[0] for s in range(P)])
+    return comm.reduce_scatter(nbytes, P, link) + comm.all_gather(nbytes, P, link)
+
+
+def encoder_params(step) -> float:
+    """Parameters of all the encoders (what a joint-pipeline stage's replica holds)."""
+    return float(sum(step.model.encoder_params(n) for n in step.model.dims.encoders))
 
 
 def held_params(step, s: int = 0) -> tuple[float, float]:
@@ -104,8 +127,11 @@ def run_pipeline(step) -> None:
     act = tokens * step.model.dims.hidden * 2  # [M, D] bytes sent between stages
     uniform = plan.encoder_placement == "uniform"
     fwd_e, ckpt = step.encoder_fwd, plan.checkpointing
-    # per micro-batch, each stage's weights read and gradients accumulated
-    overhead = [step.cluster.micro_batch_s_per_param * stage_params(step, s)[0] for s in range(P)]
+    # per micro-batch, each stage's weights read and gradients accumulated: the layers a
+    # micro-batch runs through (the joint pipeline's encoder replicas run once a step, in
+    # `_uniform_encode`, and pay their share there)
+    overhead = [step.cluster.micro_batch_s_per_param * (
+        stage_params(step, s)[0] - uniform * encoder_params(step)) for s in range(P)]
     if uniform:
         _uniform_encode(step, ranks, backward=False)
     events: dict = {}
@@ -162,7 +188,8 @@ def _ulysses(step, tokens: np.ndarray, backward: bool) -> np.ndarray:
     per_layer = tokens * (2 * d.hidden + 2 * step.model.kv) * 2  # [D] bytes a rank sends
     times = (1 + step.plan.checkpointing) if backward else 1
     step.a2a_bytes["llm_ulysses"] += float(per_layer.sum()) * d.layers * times * (g - 1) / g
-    one = (g - 1) * (link.latency + per_layer / g / link.bandwidth)  # [D]
+    one = comm.even_all_to_all_each(per_layer, g, link, comm.ULYSSES_CALLS,
+                                    step.cluster.a2a_call_s)  # [D]
     return times * d.layers * one
 
 
@@ -181,10 +208,13 @@ def _uniform_encode(step, ranks, backward: bool) -> None:
         for i, s in zip(ids.tolist(), stages):
             load[s, cols] += step.item_cost[i] / p.sp
             rows[s, cols] += step.samples.item_rows[i] / p.sp
+    # the replica's weights read (forward) and gradients written (backward) once a step on a
+    # stage with items: one pass over all of the step's items, not one a micro-batch
+    weights = step.cluster.micro_batch_s_per_param * encoder_params(step)
     for s in range(p.pp):
         share = (1 - fwd) if backward else fwd
         step.timeline.run(ranks[s], "encode_bwd" if backward else "encode_fwd",
-                          load[s] * share / rate)
+                          load[s] * share / rate + (load[s] > 0) * weights * share)
         if s > 0:
             link = comm.link_of(step.cluster, [ranks[s][0], ranks[0][0]])
             nbytes = rows[s] * step.model.dims.hidden * 2

@@ -57,6 +57,10 @@ class SimPlan:
     """Under pp > 1: "stage0" or "uniform" (the joint pipeline)."""
     stage_split: str = "cost"
     """Under pp > 1: "cost", "parameters" or "layers"."""
+    stage_tokens: int = 0
+    """Under pp > 1: tokens of the typical sample the stage boundaries are planned for, as
+    training plans them (`parallel.stage_tokens`, else `data.max_seq_len`: `sim_plan` sets
+    it); 0: the step's mean sample."""
     encoder_gpus: int = 0
     """DistTrain-style: this many GPUs run the encoders alone, the others the LLM (0: shared)."""
     checkpointing: bool = True

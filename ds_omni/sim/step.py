@@ -303,7 +303,8 @@ def _encoder_sp_groups(step: Step, work, backward: bool) -> tuple[list, list, li
         e = step.model.dims.encoders[enc]
         per_layer = positions * 4 * e.hidden * 2  # bytes a rank sends in one layer's 4 exchanges
         link = comm.link_of(step.cluster, ranks)
-        t = e.layers * comm.even_all_to_all(per_layer, len(ranks), link)
+        t = e.layers * comm.even_all_to_all(per_layer, len(ranks), link,
+                                            comm.ULYSSES_CALLS, step.cluster.a2a_call_s)
         key = int(ranks[0])
         groups[key] = ranks
         seconds[key] = seconds.get(key, 0.0) + t * (2 if backward else 1)
@@ -332,7 +333,9 @@ def llm_sp_seconds(step: Step, tokens_per_rank: np.ndarray, g: int, ranks, backw
     times = (1 + step.plan.checkpointing) if backward else 1
     step.a2a_bytes["llm_ulysses"] += float(np.sum(per_layer)) * d.layers * times * (g - 1)
     link = comm.links_each(step.cluster, np.asarray(ranks).reshape(-1, g))
-    return times * d.layers * comm.even_all_to_all_each(per_layer, g, link)
+    return times * d.layers * comm.even_all_to_all_each(per_layer, g, link,
+                                                        comm.ULYSSES_CALLS,
+                                                        step.cluster.a2a_call_s)
 
 
 def _llm_sp(step: Step, rr: RoundRows, backward: bool) -> None:
@@ -421,7 +424,7 @@ def optimizer_seconds(step, stage: int) -> float:
 
 def grad_sync_seconds(step, stage: int) -> float:
     """The end of step's collectives of a rank of `stage`, over each of its ZeRO groups."""
-    m, t = step.model, 0.0
+    m, t = step.model, pipeline_sim.encoder_shard_seconds(step)
     held = pipeline_sim.held_params(step, stage)
     for shard in model_parallel.state_shards(step, stage, held):
         link, n = model_parallel.shard_link(step, shard), shard.group_size

@@ -163,7 +163,13 @@ def machine_fields(result: dict) -> dict:
     prices FLOPs in this machine's seconds."""
     return {"flops": result["flops_per_s"], "achievable": 1.0,
             "micro_batch_s_per_param": result["micro_batch_s_per_param"],
-            "optimizer_s_per_param": result["optimizer_s_per_param"]}
+            "optimizer_s_per_param": result["optimizer_s_per_param"],
+            # the engine's fixed cost a step, where an engine calibration fitted one (a profile
+            # alone has none: 0)
+            "step_s": result.get("step_s", 0.0),
+            # the seconds of each Ulysses all-to-all call beyond the wire, where an engine
+            # calibration with sp runs fitted one
+            "a2a_call_s": result.get("a2a_call_s", 0.0)}
 
 
 def write(result: dict, out: str | Path) -> Path:

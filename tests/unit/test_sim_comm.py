@@ -93,3 +93,27 @@ def test_zero3_states_are_zero0_states_over_dp():
     assert frozen.total == 2 * 7e9 and not math.isnan(frozen.total)
     with pytest.raises(ConfigError, match="ZeRO stage must be 0, 1, 2 or 3"):
         memory.model_states(1, 1, 1, 4)
+
+
+def test_ulysses_pays_a_latency_per_all_to_all_call():
+    """DeepSpeed's `DistributedAttention` sends q, k, v and the output by one all-to-all each
+    (4 calls a layer; backward 4 more): at a link of 1 ms and no bytes' worth of time, a
+    2-rank SP step of one micro-batch spends layers x 2 x 4 latencies in Ulysses (it was
+    charged one call a layer, 4x short, while gloo's ~0.7 ms a call is most of it on CPU)."""
+    from ds_omni.data.cost import ModelDims
+    from ds_omni.sim.model_spec import ModelSpec
+    from ds_omni.sim.plan_spec import SimPlan
+    from ds_omni.sim.step import simulate
+    from ds_omni.sim.workload import Samples
+    assert comm.ULYSSES_CALLS == 4
+    assert comm.even_all_to_all(2e8, 2, INTRA, calls=4) == pytest.approx(4e-3 + 0.1)
+    assert comm.even_all_to_all_each(np.array([2e8, 0.0]), 2, INTRA, calls=4) == pytest.approx(
+        [4e-3 + 0.1, 0.0])
+    m = ModelSpec.from_dims(ModelDims(hidden=64, layers=3, intermediate=128, vocab=100))
+    empty = np.zeros(0, dtype=np.int64)
+    samples = Samples(np.array([256]), empty, np.array([], dtype=str), empty, empty)
+    plan = SimPlan(sp=2, zero_stage=1, global_batch=1, micro_batches=1, pack_tokens=256,
+                   checkpointing=False)  # no recomputed forward's 4 calls more
+    fast = cluster("cpu", 2, 2, intra_latency=1e-3, intra_bw=1e15)  # bytes cost ~nothing
+    phases = simulate(fast, m, samples, plan).summary()["critical_path"]["by_phase"]
+    assert phases["llm_sp"] == pytest.approx(3 * 2 * 4 * 1e-3, rel=1e-6)

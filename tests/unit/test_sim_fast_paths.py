@@ -7,17 +7,17 @@ may change a prediction:
   mode and group size (`reference_work` below is the charge the simulator used to make);
 - the rows' sums, the placement's collective seconds and bytes are kept between the plans of a
   search (`RoundRows`, `RoundWork.memo`), the timeline finds each group's last arrival in
-  arrays: checked against `fixtures/sim_predictions_ba8f589.json`, the step time, the critical
+  arrays: checked against `fixtures/sim_predictions_0bfff07.json`, the step time, the critical
   path, per-rank compute / comm / idle, all-to-all bytes and peak memory of 14 plans (tp alone,
   tp x sp, tp + pool, sp, pool, split_all, replicated, pp, per-sequence SP, ZeRO 1-3) as the
-  simulator of commit ba8f589 (before the speed-ups) predicted them; with and without a cache
+  simulator of commit 0bfff07 (before the speed-ups, with Ulysses' four calls a layer) predicted them; with and without a cache
   shared by the plans (the search's path), and the cache's second use (every memo hit);
 - a counter: a plan sharing another's placement runs no all-to-all pricing again;
 - planted errors (a shard one token too long in the fast charge; the encoders' Ulysses
   backward priced as its forward through the memo) make the checks fail.
 
-To write the fixture again from the unoptimized code: check out ba8f589 into DIR and run
-`PYTHONPATH=DIR python tests/unit/test_sim_fast_paths.py tests/unit/fixtures/sim_predictions_ba8f589.json`
+To write the fixture again from the unoptimized code: check out 0bfff07 into DIR and run
+`PYTHONPATH=DIR python tests/unit/test_sim_fast_paths.py tests/unit/fixtures/sim_predictions_0bfff07.json`
 (this file imports nothing that commit lacks at module level).
 """
 
@@ -34,7 +34,7 @@ import pytest
 from ds_omni.data.cost import EncoderDims, ModelDims
 from ds_omni.sim import ModelSpec, SimPlan, WorkloadSpec, cluster, comm, simulate
 
-FIXTURE = Path(__file__).parent / "fixtures" / "sim_predictions_ba8f589.json"
+FIXTURE = Path(__file__).parent / "fixtures" / "sim_predictions_0bfff07.json"
 PLANS = [dict(tp=2, zero_stage=1), dict(tp=2, sp=2, zero_stage=2), dict(tp=2, encoder_mode="pool"),
          dict(sp=4, zero_stage=3), dict(sp=2, encoder_mode="pool", checkpointing=False),
          dict(tp=4, sp=2, zero_stage=2, checkpointing=False), dict(zero_stage=3, reorder_group=4),

@@ -180,6 +180,71 @@ def test_uniform_encoder_placement_unloads_stage_zero():
     assert stage0.critical_path[0]["rank"] < 2  # the first stage's ranks start the chain
 
 
+def test_joint_pipeline_touches_its_encoder_replicas_once_a_step():
+    """`uniform`: each stage encodes its share of the step's items once, before the schedule
+    (`parallelize.joint`), so the replicas' per-micro-batch weight cost is paid once a step,
+    not once per micro-batch; each stage steps 1/P of the encoders (their owners), and the
+    owners' gradients and parameters cross the pipeline once a step. On a machine with free
+    FLOPs, only the per-parameter costs are left: checked against those terms by hand."""
+    from ds_omni.sim import comm
+    from ds_omni.sim.cluster import Cluster
+    from ds_omni.sim.pipeline_sim import stage_params, stage_plan
+    from ds_omni.sim.step import Step
+    c = Cluster(gpus=2, gpus_per_node=2, flops=1e30, hbm_bytes=1e12, intra_bw=1e9,
+                intra_latency=1e-4, inter_bw=1e9, inter_latency=1e-4,
+                micro_batch_s_per_param=1e-9, optimizer_s_per_param=1e-8)
+    m = llava_7b()
+    samples = WorkloadSpec(image_fraction=1.0, max_tokens=4096,
+                           patches_range=(256, 512)).draw(8, seed=0, encoders=("vision",))
+    plan = SimPlan(pp=2, global_batch=8, micro_batches=4, pack_tokens=8192,
+                   encoder_placement="uniform", zero_stage=0, checkpointing=False)
+    r = simulate(c, m, samples, plan)
+    step = Step(c, m, samples, plan)
+    step.stage_plan = stage_plan(step)
+    enc = m.encoder_params("vision")
+    for s in range(2):
+        params, trained = stage_params(step, s)
+        llm = params - enc
+        assert trained == pytest.approx(llm + enc / 2)  # the owner's half of the encoder
+        want = (4 * llm + enc) * c.micro_batch_s_per_param + trained * c.optimizer_s_per_param
+        assert r.compute[s] == pytest.approx(want, rel=1e-9)
+    link = comm.link_of(c, [0, 1])
+    shards = comm.reduce_scatter(enc * 2, 2, link) + comm.all_gather(enc * 2, 2, link)
+    assert min(r.comm) > shards  # plus the stages' activations and the rows to stage 0
+
+
+def test_a_disttrain_baseline_without_llm_gpus_is_an_error_not_a_crash():
+    """2 GPUs under pp=2: no GPU is left for the LLM beside the encoders' one; the search
+    reports that baseline's error (it used to stop on an empty max())."""
+    from ds_omni.sim.baselines import baseline_plans
+    from ds_omni.sim.search import _baselines
+    c, m = cluster("h100", 2, 2), llava_7b()
+    samples = WorkloadSpec(image_fraction=1.0, max_tokens=4096,
+                           patches_range=(256, 512)).draw(8, seed=0, encoders=("vision",))
+    plan = SimPlan(pp=2, global_batch=8, micro_batches=4, pack_tokens=8192, zero_stage=1)
+    assert baseline_plans(plan, 2, m, samples)["disttrain"].encoder_gpus == 2
+    res = _baselines(c, m, samples, plan, {})
+    assert "must leave GPUs for the LLM" in res["disttrain"]["error"]
+    assert res["megatron"]["step_time"] > 0
+
+
+def test_each_ulysses_call_pays_the_fitted_call_cost():
+    """`Cluster.a2a_call_s` (fitted on CPU from sp runs): a rank's communication grows by it
+    once per Ulysses all-to-all call: 4 a layer in forward, 4 in backward, 4 more recomputing
+    under checkpointing, each micro-batch (text only: no encoder calls)."""
+    import dataclasses
+    from ds_omni.sim import comm
+    m, samples = llava_7b(), text_samples([4096] * 8)
+    base = cluster("h100", 2, 2)
+    for ckpt in (False, True):
+        plan = SimPlan(sp=2, global_batch=8, micro_batches=4, pack_tokens=8192,
+                       checkpointing=ckpt)
+        plain = simulate(base, m, samples, plan)
+        paid = simulate(dataclasses.replace(base, a2a_call_s=1e-3), m, samples, plan)
+        calls = m.dims.layers * comm.ULYSSES_CALLS * (2 + ckpt) * 4
+        assert paid.comm[0] - plain.comm[0] == pytest.approx(calls * 1e-3, rel=1e-9)
+
+
 def test_zero3_ranks_without_images_run_the_encoders_dummy():
     """Training's rule (`encoder_dummies_needed`): under ZeRO-3 a micro-batch with no image
     still runs the vision tower once on its dummy input; under ZeRO-1 it does not."""

@@ -41,7 +41,16 @@ def test_two_config_validation_end_to_end(tmp_path):
     sizes = sim_validation.CALIBRATION["pipeline"][1]
     assert len(compute["profiles"]) == 2 * 2  # two processes at once, two mixes each
     assert all(p["micro_batches"] == 3 * len(sizes) for p in compute["profiles"].values())
-    assert compute["engine"]["residual_s"]  # the one-rank engine runs were timed
+    assert compute["engine"]["world"] == 2  # the 2-rank engine runs were timed in the
+    # measured launch (its 2 rounds after the warm-up, each micro-batch size), and the step's
+    # fixed cost reaches the simulated cluster
+    specs = sim_validation.engine_specs(names)
+    assert len(compute["engine"]["residual_s"]) == 2 * len(specs) == 8  # dp and sp runs
+    raw = json.loads((tmp_path / "sim_validation_raw.json").read_text())
+    assert set(raw["engine_logs"]["2"]) == {f"{n}/{m}" for n, m in specs}
+    assert compute["machine"]["step_s"] == compute["engine"]["step_s"]
+    assert compute["machine"]["a2a_call_s"] == compute["engine"]["a2a_call_s"] >= 0
+    assert saved["command"].startswith(".venv/bin/python benchmarks/sim_validation.py --rounds 2")
     assert result["configs"] == saved["configs"]
 
 
