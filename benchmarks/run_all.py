@@ -70,7 +70,7 @@ BENCHES = [
     Bench("loader.py --only memory", ("loader.json",), 300),
     Bench("prefetch.py --repeats 7 --steps 6", ("prefetch.json",), 300,
           quick=("--repeats", "3", "--steps", "6")),
-    Bench("uniform.py --rounds 7 --steps 8", ("uniform.json",), 300,
+    Bench("uniform.py --rounds 7 --steps 24", ("uniform.json",), 300,
           quick=("--rounds", "3", "--steps", "6")),
     Bench("balance.py --planning-only", ("balance.json",), 300),
     Bench("planner_speed.py --baseline 37aacd2", ("planner_speed.json",), 300),
