@@ -40,9 +40,9 @@ def _planted(tmp_path, old: str, new: str) -> Path:
     (LOADER_ROW, LOADER_ROW.replace("0.96x", "0.97x"),
      "figure 0.97 but `loader.json` `throughput.baseline_workers0.ds_omni_over_this` is 0.95829 "
      "(0.96 as printed)"),
-    # a percentage is the stored fraction x 100
-    ("| 99.8 %; 47 % |", "| 99.8 %; 49 % |",
-     "figure 49 % but `prefetch.json` `hidden_fraction_wall`"),
+    # a percentage is the stored fraction x 100 (a History row: its figures never change)
+    ("| 99.8 %; 47 %; 0.06x;", "| 99.8 %; 49 %; 0.06x;",
+     "figure 49 % but `prefetch.json@a3f57ea` `hidden_fraction_wall`"),
     # the end of a range is the max over every value selected
     ("| 1.00 vs 1.35-1.60 |", "| 1.00 vs 1.35-1.59 |",
      "figure 1.59 but `balance.json` "
