@@ -2,8 +2,10 @@
 budget-mode reordering) against one static context-parallel degree for every sequence, on
 long-tailed text, next to ByteScale's reported "up to 7.89x".
 
-    .venv/bin/python benchmarks/sim_bytescale.py                  # 636 s on 2 shared cores (load ~28)
-    .venv/bin/python benchmarks/sim_bytescale.py --gpus 1024      # the 1,024-GPU cases, ~8 minutes
+    .venv/bin/python benchmarks/sim_bytescale.py                  # ~6 s on 2 shared cores
+    .venv/bin/python benchmarks/sim_bytescale.py --gpus 1024      # the 1,024-GPU cases
+    .venv/bin/python benchmarks/sim_bytescale.py --gpus 1024 --contexts 2097152 --out quick
+                                                    # the two 2M-token cases alone, ~10 s
 
 Cases (H100s, 8 a node): Llama-2-7B and Llama-3-70B dims, 1,024 and 4,096 GPUs, contexts up to
 256K tokens; and up to 2M tokens on 1,024 GPUs. Lengths are long-tailed like ByteScale's
@@ -12,9 +14,15 @@ from 128K to the context (log-uniform in each band); 8 sequences a GPU per step,
 sequences for every plan of a case. Rows of 32K tokens a rank.
 
 ds_omni: budget mode with per-sequence SP blocks of up to `max_sequence_sp` ranks (reorder groups
-of that size), two degrees tried; short sequences run alone on one rank. The baseline
-(`ds_omni.sim.baselines.bytescale`): every sequence split over one static SP degree, the least
-whose shards hold the longest sequence or the ones ds_omni tried, its best taken; loader order.
+of that size), two degrees tried; short sequences run alone on one rank. Every SP degree must
+divide the LLM's query heads (Ulysses splits the heads over the group; training refuses other
+degrees, `check_sequence_parallel`, and so does the simulator): at most 32 for Llama-2-7B, 64 for
+Llama-3-70B. A case with no figure says why in its `no_figure` lines (printed under its "-"):
+7B at 2M has no plan at all (its sequences of 1.2M-2.0M tokens need 37-62 ranks of 32K tokens,
+more than 32), and at 70B ds_omni trains but the static degree that holds the longest, 64, needs
+124 GiB a GPU (the paper's "OOM"). The baseline (`ds_omni.sim.baselines.bytescale`): every
+sequence split over one static SP degree, the least whose shards hold the longest sequence or the
+ones ds_omni tried, its best taken; loader order.
 ZeRO-1 for 7B, ZeRO-3 for 70B (no TP / PP in this comparison). speed-up = ds_omni's tokens/s
 over the baseline's. Writes benchmarks/results/sim_bytescale.json and .png; the reading:
 docs/benchmarks/sim_papers.md.
@@ -39,10 +47,11 @@ from ds_omni.sim.workload import WorkloadSpec  # noqa: E402
 # DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
 RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS") or REPO / "benchmarks" / "results")
 ROW_TOKENS, SEQUENCES_PER_GPU = 32768, 8
-# (model, GPUs, context): the per-sequence SP degrees ds_omni tries
-CASES = {("llm_7b", 1024, 262144): (16, 64), ("llm_70b", 1024, 262144): (16, 64),
-         ("llm_7b", 1024, 2097152): (64, 256), ("llm_70b", 1024, 2097152): (64, 256),
-         ("llm_7b", 4096, 262144): (16, 64), ("llm_70b", 4096, 262144): (16, 64)}
+# (model, GPUs, context): the per-sequence SP degrees ds_omni tries, each dividing the LLM's
+# query heads (7B: 32, 70B: 64) as training requires
+CASES = {("llm_7b", 1024, 262144): (16, 32), ("llm_70b", 1024, 262144): (16, 64),
+         ("llm_7b", 1024, 2097152): (16, 32), ("llm_70b", 1024, 2097152): (32, 64),
+         ("llm_7b", 4096, 262144): (16, 32), ("llm_70b", 4096, 262144): (16, 64)}
 PAPER = {"max": 7.89}
 
 
@@ -75,7 +84,31 @@ def run_case(llm: str, gpus: int, context: int, degrees: tuple[int, ...], seed: 
             "zero_stage": zero, "longest": int(samples.tokens.max()),
             "tokens": int(samples.tokens.sum()), "ds_omni": ours, "baselines": theirs,
             "speedup": sim_common.speedups(ours, theirs), "plans_simulated": len(search.runs),
-            "simulation_s": search.seconds}
+            "no_figure": no_figure(search), "simulation_s": search.seconds}
+
+
+def no_figure(search: sim_common.Search) -> list[str]:
+    """One line per simulated plan that gives no figure: refused (training's message) or over
+    the GPUs' memory (its peak). A case printing "-" shows these lines, so the reason is read
+    from the output, not guessed."""
+    lines = []
+    for plan, run in search.runs.items():
+        what = (f"sp={plan.sp} max_sequence_sp={plan.max_sequence_sp} "
+                f"pack_tokens={plan.pack_tokens} {plan.reorder}")
+        if isinstance(run, Exception):
+            lines.append(f"{what}: refused: {run}")
+        elif not run.fits:
+            lines.append(f"{what}: does not fit: {run.peak_memory / 2 ** 30:.1f} GiB a GPU, "
+                         f"{search.cluster.hbm_bytes / 2 ** 30:.0f} GiB")
+    return list(dict.fromkeys(lines))  # baselines derived twice: one line
+
+
+def no_plan(case: dict) -> str:
+    """Which side of a case has no fitting plan."""
+    sides = [name for name, run in (("ds_omni", case["ds_omni"]),
+                                    ("static CP", case["baselines"]["bytescale"]))
+             if not run or not run["fits"]]
+    return " and ".join(sides) + " without a fitting plan"
 
 
 def plot(cases: list[dict], path: Path) -> None:
@@ -86,12 +119,16 @@ def plot(cases: list[dict], path: Path) -> None:
     names = [c["case"] for c in cases]
     ys = [c["speedup"]["bytescale"] or 0.0 for c in cases]
     ax.bar(range(len(cases)), ys, color="tab:blue", label="ds_omni, simulated")
+    for i, case in enumerate(cases):  # an empty bar says which side has no fitting plan
+        if not case["speedup"]["bytescale"]:
+            ax.text(i, 0.15, no_plan(case).replace(" without", "\nwithout"), ha="center",
+                    fontsize=6)
     ax.axhline(PAPER["max"], color="tab:red", ls="--", label="ByteScale's reported max 7.89x")
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks(range(len(cases)), names, rotation=20, fontsize=8)
     ax.set_ylabel("tokens/s over static CP")
     ax.set_title("ByteScale's setups, simulated (H100): per-sequence SP vs static CP "
-                 "(0: no plan fits)", fontsize=9)
+                 "(empty: no figure)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -124,6 +161,9 @@ def main(argv=None) -> int:
             s = case["speedup"]["bytescale"]
             print(f"{case['case']}: {f'{s:.2f}x' if s else '-'} over static CP "
                   f"({case['plans_simulated']} plans, {case['simulation_s']:.0f} s)", flush=True)
+            if not s:
+                print(f"  no figure ({no_plan(case)}):", *case["no_figure"], sep="\n    ",
+                      flush=True)
             write(args, cases, time.perf_counter() - start)  # after each case: a partial run counts
     plot(cases, RESULTS / f"{args.out}.png")
     print(f"wrote {RESULTS / args.out}.json and .png in {time.perf_counter() - start:.0f} s")
