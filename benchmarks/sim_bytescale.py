@@ -2,7 +2,7 @@
 budget-mode reordering) against one static context-parallel degree for every sequence, on
 long-tailed text, next to ByteScale's reported "up to 7.89x".
 
-    .venv/bin/python benchmarks/sim_bytescale.py                  # ~6 s on 2 shared cores
+    .venv/bin/python benchmarks/sim_bytescale.py                  # ~22 s on 2 shared cores
     .venv/bin/python benchmarks/sim_bytescale.py --gpus 1024      # the 1,024-GPU cases
     .venv/bin/python benchmarks/sim_bytescale.py --gpus 1024 --contexts 2097152 --out quick
                                                     # the two 2M-token cases alone, ~10 s
@@ -13,8 +13,9 @@ production mix (`benchmarks/balance.py`'s): 80 % of sequences 128-4K tokens, 19 
 from 128K to the context (log-uniform in each band); 8 sequences a GPU per step, the same drawn
 sequences for every plan of a case. Rows of 32K tokens a rank.
 
-ds_omni: budget mode with per-sequence SP blocks of up to `max_sequence_sp` ranks (reorder groups
-of that size), two degrees tried; short sequences run alone on one rank. Every SP degree must
+ds_omni: budget mode with per-sequence SP blocks of up to `max_sequence_sp` ranks, two degrees
+tried, each with reorder groups of that size and of every rank (its best taken); short sequences
+run alone on one rank. Every SP degree must
 divide the LLM's query heads (Ulysses splits the heads over the group; training refuses other
 degrees, `check_sequence_parallel`, and so does the simulator): at most 32 for Llama-2-7B, 64 for
 Llama-3-70B. A case with no figure says why in its `no_figure` lines (printed under its "-"):
@@ -71,13 +72,17 @@ def run_case(llm: str, gpus: int, context: int, degrees: tuple[int, ...], seed: 
     base = SimPlan(name="ds_omni", global_batch=SEQUENCES_PER_GPU * gpus, micro_batches=4,
                    pack_tokens=ROW_TOKENS, zero_stage=zero, reorder="budget",
                    encoder_mode="reshard")
-    plans = [base.replace(max_sequence_sp=d, reorder_group=d) for d in degrees]
+    # reorder groups (`data.reorder.group_size`) of the block size, or of every rank: the long
+    # sequences (1 % of them, ~80 % of the cost) fall unevenly on groups of 16-64 ranks, and
+    # budget mode balances inside a group only; ByteScale's scheduler balances over all ranks
+    blocks = [base.replace(max_sequence_sp=d, reorder_group=d) for d in degrees]
+    plans = blocks + [base.replace(max_sequence_sp=d, reorder_group=gpus) for d in degrees]
     samples = workload(context).draw(base.global_batch, seed, ())
     search = sim_common.Search(c, model, samples)
     best_plan, best = search.best(plans)
     ours = sim_common.brief(best_plan, best)
     # the static degree: the least that holds the longest sequence, or one ds_omni tried
-    statics = [base.replace(max_sequence_sp=1, reorder="loader_order")] + plans
+    statics = [base.replace(max_sequence_sp=1, reorder="loader_order")] + blocks
     theirs = {name: sim_common.brief(*pr)
               for name, pr in search.baselines(statics, names=("bytescale",)).items()}
     return {"case": case_name(llm, gpus, context), "llm": llm, "gpus": gpus, "context": context,
