@@ -14,7 +14,9 @@ group reads, decodes and packs every row of its group) and "after" (true: the gr
 does, and scatters each peer its shard, or under TP its micro-batches). Per rank and way: rows read, payload bytes read, encoder items processed (images
 decoded) from the loader's own counters (`OmniLoader.counts`), and loader CPU seconds
 (`time.process_time` of the rank's process over the steps, after one warm-up step). The launch
-checks that both ways give every rank the same keys and the same micro-batch tensors.
+checks that both ways give every rank the same keys and the same micro-batch tensors (under TP
+a peer's encoder inputs are only those of the items it encodes: a subsequence of what it read
+itself before).
 
 Writes benchmarks/results/mp_reader.json and mp_reader.png.
 """
@@ -42,15 +44,39 @@ SHARED = [name for name, sp, tp in CASES if sp * tp > 1]
 NAMES = ["sp1-before"] + [f"{n}-{way}" for n in SHARED for way in ("before", "after")]
 
 
-def _digest(batch) -> str:
-    """A hash of every tensor a rank trains on in a step (its shards, encoder inputs)."""
-    h = hashlib.sha256()
+def _h(t) -> str:
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+def _digest(batch) -> dict:
+    """What a rank trains on in a step: a hash of its token shards ("tokens"), and one hash per
+    encoder item ("items": each image's pixels, a row of the tiny CLIP's pixel_values), in order."""
+    tokens, items = hashlib.sha256(), []
     for mb in batch.micro_batches:
-        parts = [mb.input_ids, mb.targets, mb.position_ids, mb.cu_seqlens] + [
-            t for e in sorted(mb.encoder_inputs) for _, t in sorted(mb.encoder_inputs[e].items())]
-        for t in parts:
-            h.update(t.contiguous().numpy().tobytes())
-    return h.hexdigest()
+        for t in (mb.input_ids, mb.targets, mb.position_ids, mb.cu_seqlens):
+            tokens.update(_h(t).encode())
+        items += [_h(row) for e in sorted(mb.encoder_inputs)
+                  for _, t in sorted(mb.encoder_inputs[e].items()) for row in t]
+    return {"tokens": tokens.hexdigest(), "items": items}
+
+
+def _is_subsequence(part: list, whole: list) -> bool:
+    it = iter(whole)
+    return all(x in it for x in part)
+
+
+def _same_training(before: dict, after: dict, tp_peer: bool) -> bool:
+    """The two ways gave the rank the same keys and token shards, and the same encoder inputs:
+    all of them, or on a TP peer under shared reading those of the items it encodes (its share
+    of each row, `plan_tp_encode`), which the reader sends it without the others' pixels."""
+    if before["keys"] != after["keys"]:
+        return False
+    for b, a in zip(before["digests"], after["digests"]):
+        if b["tokens"] != a["tokens"]:
+            return False
+        if not (_is_subsequence(a["items"], b["items"]) if tp_peer else a["items"] == b["items"]):
+            return False
+    return True
 
 
 def _run(cfg, built, plan, rank: int, shared: bool, steps: int) -> dict:
@@ -109,8 +135,9 @@ def summarise(per_rank: list[dict]) -> dict:
                                  for k in ("rows", "bytes", "images", "cpu_s")}
     for name in SHARED:
         before, after = report[f"{name}-before"], report[f"{name}-after"]
-        same = all(per_rank[r][f"{name}-before"][k] == per_rank[r][f"{name}-after"][k]
-                   for r in range(len(per_rank)) for k in ("keys", "digests"))
+        tp = dict((n, t) for n, _, t in CASES)[name]
+        same = all(_same_training(per_rank[r][f"{name}-before"], per_rank[r][f"{name}-after"],
+                                  tp_peer=r % tp != 0) for r in range(len(per_rank)))
         assert same, f"{name}: the ranks' batches differ between the two ways"
         report[name] = {
             "same_batches": same,
