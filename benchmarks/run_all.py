@@ -1,7 +1,7 @@
 """`make bench`: every measured CPU benchmark in one go, with progress, then BENCHMARKS.md's
 summary figures regenerated from the results files (`benchmarks/summary.py`).
 
-    .venv/bin/python benchmarks/run_all.py            # make bench: about 30 minutes on 2 cores
+    .venv/bin/python benchmarks/run_all.py            # make bench: 15 minutes on 2 shared cores
     .venv/bin/python benchmarks/run_all.py --full     # every row's command at its own settings
     .venv/bin/python benchmarks/run_all.py --dry-run  # the runs, where each writes, last seconds
 
