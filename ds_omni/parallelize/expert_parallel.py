@@ -31,6 +31,7 @@ Where AutoEP departs from HF, and what ds_omni does about it:
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import torch
@@ -127,7 +128,6 @@ def count_hf_experts(module: nn.Module) -> int:
 
 
 def _is_hf_experts(m: nn.Module) -> bool:
-    import inspect
     return (isinstance(getattr(m, "num_experts", None), int) and not hasattr(m, HF_COUNTER)
             and "top_k_index" in inspect.signature(m.forward).parameters)
 
@@ -138,7 +138,11 @@ def _count_picks(m: nn.Module, args: tuple, kwargs: dict) -> None:
         flat = picks.reshape(-1)
         flat = flat[(flat >= 0) & (flat < m.num_experts)]
         picked = torch.bincount(flat, minlength=m.num_experts)
-        setattr(m, HF_COUNTER, getattr(m, HF_COUNTER).to(picked.device) + picked)
+        counter = getattr(m, HF_COUNTER)
+        if counter.device != picked.device:  # once: the model moved to its device after the hook
+            counter = counter.to(picked.device)
+            setattr(m, HF_COUNTER, counter)
+        counter += picked
 
 
 def expert_load(module: nn.Module, group=None) -> dict[str, float]:
@@ -147,21 +151,14 @@ def expert_load(module: nn.Module, group=None) -> dict[str, float]:
     Resets the counters: AutoEP's layers', or HF's expert modules' (`count_hf_experts`). Empty
     without either; every rank calls it."""
     import deepspeed.comm as dist
-    layers = list(autoep_layers(module).values())
-    if layers:
-        counts = torch.stack([m.tokens_per_expert for m in layers])  # [layers, E]
-    else:
-        layers = [m for m in module.modules() if hasattr(m, HF_COUNTER)]
-        if not layers:
-            return {}
-        counts = torch.stack([getattr(m, HF_COUNTER) for m in layers])
-    counts = counts.detach().clone()
+    counters = [m.tokens_per_expert for m in autoep_layers(module).values()] or [
+        getattr(m, HF_COUNTER) for m in module.modules() if hasattr(m, HF_COUNTER)]
+    if not counters:
+        return {}
+    counts = torch.stack(counters).detach().clone()  # [layers, E]
     dist.all_reduce(counts, group=group)
-    for m in layers:
-        if hasattr(m, HF_COUNTER):
-            getattr(m, HF_COUNTER).zero_()
-        else:
-            m.tokens_per_expert.zero_()
+    for c in counters:
+        c.zero_()
     counts = counts.float()
     ratio = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)  # [layers]
     worst = int(ratio.argmax())
