@@ -5,9 +5,9 @@
 Calibration first, on runs apart from the validated ones: the links from `ds-omni
 calibrate-comm`'s collectives (gloo, 2 and 4 processes, alpha-beta least squares), the compute
 from `world` processes at once timing forward + backward of each model at several micro-batch
-sizes on batches of other data seeds (`train/calibrate.profile` on the CPU clock: one FLOP/s
-rate and a cost a micro-batch per parameter, the optimizer's cost a parameter). Then every
-plan of CONFIGS trains for real (`setup_training` / `train_step`, the engines of one world in
+sizes on batches of other data seeds (`benchmarks/sim_calibration.py`: `train/calibrate.profile`
+on the CPU clock, one FLOP/s rate and a cost a micro-batch per parameter, the optimizer's cost a
+parameter). Then every plan of CONFIGS trains for real (`setup_training` / `train_step`, the engines of one world in
 one launch, one step each per round in a rotating order), and with them the engine
 calibration's runs (each model's dp and static-SP plans at two micro-batch sizes, other data:
 the engine's costs on top of the profile, fitted under the load the validated plans met); each
@@ -101,10 +101,11 @@ def ranks(rank: int, world: int, names: list[str], out_dir: str, sources: dict, 
           warmup: int, calibration: tuple = ()) -> dict:
     """Every plan of `names` (all of `world` ranks) trained `warmup + rounds` steps, rotating;
     per plan and step this rank's CPU and wall seconds and the metadata of its samples.
-    `calibration`: (plan, micro-batch size) of the engine calibration (`engine_config`, keyed
+    `calibration`: (plan, micro-batch size) of the engine calibration (`sim_calibration.engine_config`, keyed
     "plan/micro"), trained in the same rotation: under the load the validated plans meet."""
     import torch
     from deepspeed.utils import groups as ds_groups
+    from benchmarks import sim_calibration as cal
     from ds_omni.parallel.plan import ParallelPlan
     from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.train.setup import setup_training
@@ -118,7 +119,7 @@ def ranks(rank: int, world: int, names: list[str], out_dir: str, sources: dict, 
                                            plan)
         runs[name] = (loader, engine)
     for name, micro in calibration:
-        cfg = engine_config(name, micro, out_dir, sources, warmup + rounds)
+        cfg = cal.engine_config(name, micro, out_dir, sources, warmup + rounds)
         plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
         _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), rank,
                                            plan)
@@ -184,202 +185,10 @@ def model_of(name: str) -> str:
     return "longtail" if CONFIGS[name][1] == "longtail" else "pipeline"
 
 
-# what the compute calibration profiles: per model, (a plan of its workload, its mixes) and the
-# samples a micro-batch; text-only and image rows of several sizes, never the validated batches
-CALIBRATION = {"pipeline": (("dp2_image", "dp2_text"), (1, 2, 4, 8)),
-               "longtail": (("dp4_longtail",), (1, 2, 4))}
-
-
-def calibrate_compute(names: list[str], out_dir: str, sources: dict, batches: int,
-                      cluster_file: str, engine_steps: int = 3, stored: dict | None = None,
-                      engine: bool = True) -> dict:
-    """Per world size of `names`' plans, the machine in CPU seconds: `world` processes profile
-    at once (`calibration_rank`), as the ranks of the measured runs share this machine's cores
-    (a rank's CPU seconds grow when its neighbours run), on batches of other data seeds than
-    the validated runs' (seed 0); one FLOP/s rate and one cost a micro-batch per parameter
-    fitted over all of them (`fit_rate`), and the optimizer's seconds a parameter; then the
-    engine's costs on top (`calibrate_engine`; `engine=False`: not yet, `with_engine` adds
-    them later). `stored`: an earlier run's result, whose profiles are kept (only the engine
-    calibration runs again)."""
-    from tests.harness import run_on_ranks
-    out = {}
-    for world in sorted({CONFIGS[n][0] for n in names}):
-        group = [n for n in names if CONFIGS[n][0] == world]
-        if stored:
-            profiles = stored[str(world)]["profiles"]
-        else:
-            per_rank = run_on_ranks(calibration_rank, world,
-                                    args=(group, out_dir, sources, batches), timeout=1200)
-            profiles = {f"rank{r}/{k}": v for r, p in enumerate(per_rank) for k, v in p.items()}
-        out[str(world)] = {"machine": fit_machine(profiles), "profiles": profiles}
-        if engine:
-            out[str(world)] = with_engine(out[str(world)], calibrate_engine(
-                group, out[str(world)]["machine"], cluster_file, out_dir, sources, engine_steps))
-    return out
-
-
-def with_engine(compute: dict, engine: dict) -> dict:
-    """One world's profiled machine (`calibrate_compute`) with the engine's fitted costs on
-    top: its step cost and its cost a micro-batch per parameter added to the profile's."""
-    machine = dict(compute["machine"], step_s=engine["step_s"],
-                   a2a_call_s=engine.get("a2a_call_s", 0.0))
-    machine["micro_batch_s_per_param"] += engine["engine_micro_batch_s_per_param"]
-    return dict(compute, machine=machine, engine=engine)
-
-
-def engine_specs(names: list[str]) -> list[tuple[str, int]]:
-    """The (plan, micro-batch size) runs of the engine calibration for `names`' models."""
-    return [(name, micro) for work, runs in ENGINE_CALIBRATION.items()
-            if work in {model_of(n) for n in names} for name, sizes in runs for micro in sizes]
-
-
-# the engine calibration: the `world` ranks train each model's data-parallel plan (dp=world,
-# never a validated run: data seed 1234, micro-batches of 1 and 4 samples where the validated
-# runs have 2) with DeepSpeed; the terms fitted on it are checked on the other 11 plans
-# and each model's static-SP plan the same way, for the seconds of a Ulysses call
-ENGINE_CALIBRATION = {"pipeline": (("dp2_image", (1, 4)), ("sp2_static_text", (1, 4))),
-                      "longtail": (("dp4_longtail", (1, 4)), ("sp2x2_static_longtail", (1, 4)))}
-
-
-def engine_config(name: str, micro: int, out_dir: str, sources: dict, steps: int):
-    cfg = config(name, f"{out_dir}/engine_{name}_{micro}", sources, steps, seed=1234)
-    data = dataclasses.replace(cfg.data, pack_tokens=cfg.data.max_seq_len * micro)
-    return dataclasses.replace(cfg, data=data, train=dataclasses.replace(
-        cfg.train, micro_batch_size=micro))
-
-
-def engine_rank(rank: int, world: int, specs: list, out_dir: str, sources: dict,
-                steps: int) -> dict:
-    """One of `world` ranks training with DeepSpeed: `steps` steps of each (plan, micro-batch
-    size) of `specs`, the CPU seconds of each and its samples (as `ranks` records them)."""
-    import torch
-    from deepspeed.utils import groups as ds_groups
-    from ds_omni.parallel.plan import ParallelPlan
-    from ds_omni.train.ds_config import derive_ds_config
-    from ds_omni.train.setup import setup_training
-    from tests.fixtures import ds_config
-    torch.set_num_threads(1)
-    out = {}
-    for name, micro in specs:
-        cfg = engine_config(name, micro, out_dir, sources, steps)
-        plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
-        _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), rank,
-                                           plan)
-        log = [one_step(loader, engine, ds_groups) for _ in range(steps)]
-        for record in log:
-            record["samples"] = sample_meta(loader, record.pop("keys"))
-        out[f"{name}/{micro}"] = log
-    return out
-
-
-def calibrate_engine(names: list[str], machine: dict, cluster_file: str, out_dir: str,
-                     sources: dict, steps: int = 3, logs: dict | None = None,
-                     warmup: int = 1) -> dict:
-    """What DeepSpeed's engine adds on this machine to the profiled model, under the measured
-    runs' conditions (`world` ranks at once on the shared cores, their gradient collectives
-    and hooks): the ranks train each model's data-parallel plan at two micro-batch sizes
-    (`ENGINE_CALIBRATION`); the busiest rank's CPU seconds above the busy seconds the profiled
-    machine and the fitted links predict for that step, fitted as a cost a micro-batch per
-    parameter (the engine's hooks and gradient buffers), one a step and, from the sp runs,
-    one a Ulysses all-to-all call (DeepSpeed's `_SeqAllToAll` around the wire: its Python and
-    layout copies, on the CPU clock; `ulysses_calls`) (`fit_rate`'s non-negative least
-    squares). `logs`: the runs already trained ("plan/micro" -> per rank
-    the step records, `ranks`' calibration: in the measured launch), their first `warmup`
-    steps left out; else they train here, `steps` steps each."""
-    import numpy as np
-    from ds_omni.data.cost import nnls
-    from ds_omni.sim.cluster import cluster
-    from ds_omni.sim.from_config import model_spec, sim_plan
-    from ds_omni.sim.model_spec import ModelSpec
-    from ds_omni.sim.step import simulate
-    from ds_omni.train.calibrate import machine_fields
-    from tests.fixtures import ds_config
-    from tests.harness import run_on_ranks
-    world = CONFIGS[names[0]][0]
-    specs = engine_specs(names)
-    if logs is None:
-        per_rank = run_on_ranks(engine_rank, world, args=(specs, out_dir, sources, steps),
-                                timeout=1200)
-        logs, warmup = {k: [r[k] for r in per_rank] for k in per_rank[0]}, 1
-    machines = cluster(cluster_file, world, world, **machine_fields(machine))
-    rows, residual = [], []
-    for name, micro in specs:
-        cfg = engine_config(name, micro, out_dir, sources, steps)
-        base = model_spec(cfg)
-        model = dataclasses.replace(ModelSpec.from_dims(base.dims, base.frozen),
-                                    bytes_per_param=4)
-        plan = sim_plan(cfg, ds_config(1), world)
-        run = logs[f"{name}/{micro}"]
-        rounds = plan.micro_batches  # a rank's micro-batches a step (dp only: every rank's)
-        for s in range(warmup, len(run[0])):  # the first steps warm up
-            report = simulate(machines, model, samples_of(run, s), plan)
-            rows.append([rounds * model.total_params(), 1.0, ulysses_calls(plan, model)])
-            residual.append(max(log[s]["cpu_s"] for log in run) - busy_s(report))
-    a, y = np.array(rows), np.maximum(np.array(residual), 0.0)
-    scale = np.linalg.norm(a, axis=0)
-    scale[scale == 0] = 1.0  # no sp run: no calls
-    per_param, step_s, call_s = nnls(a / scale, y) / scale
-    return {"engine_micro_batch_s_per_param": float(per_param), "step_s": float(step_s),
-            "a2a_call_s": float(call_s),
-            "residual_s": residual, "micro_batches_x_params": [r[0] for r in rows],
-            "world": world}
-
-
-def ulysses_calls(plan, model) -> float:
-    """Ulysses all-to-all calls a rank makes in a step of `plan` (the LLM's, the encoders'
-    off in the calibration's sp plans): 4 a layer (`comm.ULYSSES_CALLS`) in forward, as many
-    in backward and in a recomputed forward, each micro-batch."""
-    from ds_omni.sim import comm
-    if plan.sp < 2:
-        return 0.0
-    return float(model.dims.layers * comm.ULYSSES_CALLS * (2 + plan.checkpointing)
-                 * plan.micro_batches)
-
-
 def busy_s(report) -> float:
     """The busiest rank's busy seconds of a simulated step (compute + communication, not the
     waits): what its CPU clock counts (a rank waiting in gloo's receive spends no CPU)."""
     return float(max(a + b for a, b in zip(report.compute, report.comm)))
-
-
-def calibration_rank(rank: int, world: int, names: list[str], out_dir: str, sources: dict,
-                     batches: int) -> dict:
-    """One calibration process: `train/calibrate.profile` of each model of `names` at its
-    CALIBRATION sizes and mixes, on data seed 1234 + rank, one thread (as the ranks train)."""
-    import torch
-    import torch.distributed as dist
-    from ds_omni.train.calibrate import profile
-    torch.set_num_threads(1)
-    dist.barrier()  # start together: the contention of the measured runs
-    out = {}
-    for work, (plans, sizes) in CALIBRATION.items():
-        if work not in {model_of(n) for n in names}:
-            continue
-        for name in plans:
-            cfg = config(name, f"{out_dir}/calib{rank}", sources, batches + 1, seed=1234 + rank)
-            # room for `size` samples in one packed row (the longest are ~1,500 tokens)
-            cfg = dataclasses.replace(cfg, data=dataclasses.replace(
-                cfg.data, pack_tokens=cfg.data.max_seq_len * max(sizes)))
-            out[f"{work}/{name}"] = profile(cfg, batches, clock=time.process_time, sizes=sizes)
-    return out
-
-
-def fit_machine(profiles: dict) -> dict:
-    """One FLOP/s rate and one cost a micro-batch per parameter over every profiled
-    micro-batch of `profiles` (`fit_rate`), the median optimizer seconds a parameter."""
-    import numpy as np
-    from ds_omni.train.calibrate import fit_rate
-    measured = [p["measured"] for p in profiles.values()]
-    flops = np.concatenate([m["flops"] for m in measured])
-    seconds = np.concatenate([m["seconds"] for m in measured])
-    params = np.concatenate([np.full(len(m["seconds"]), m["params"]) for m in measured])
-    rate, per_param = fit_rate(flops, seconds, params)
-    error = np.abs(flops / rate + params * per_param - seconds) / seconds
-    return {"flops_per_s": rate, "micro_batch_s_per_param": per_param,
-            "optimizer_s_per_param": float(np.median(
-                [p["optimizer_s_per_param"] for p in profiles.values()])),
-            "median_relative_error": float(np.median(error)),
-            "max_relative_error": float(np.max(error)), "micro_batches": int(flops.size)}
 
 
 def predict(name: str, per_rank: list[list[dict]], warmup: int, cluster_file: str,
@@ -470,6 +279,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def measure_all(names: list[str], rounds: int, warmup: int, batches: int, comm_repeats: int,
                 out: Path, tmp: str, sources: dict) -> dict:
     """The calibration runs and the measured runs: everything `predict_all` needs."""
+    from benchmarks import sim_calibration as cal
     from ds_omni.sim.calibrate_comm import calibrate as calibrate_comm
     from tests.harness import run_on_ranks
     worlds = sorted({CONFIGS[n][0] for n in names})
@@ -478,18 +288,19 @@ def measure_all(names: list[str], rounds: int, warmup: int, batches: int, comm_r
     cluster_file = str(out / "sim_validation_cluster.json")
     # the profiles first; the engine's runs train in the measured launch, rotating with the
     # validated plans (the same load on the shared cores: the engine terms absorb it)
-    compute = calibrate_compute(names, tmp, sources, batches, cluster_file, engine=False)
+    compute = cal.calibrate_compute(names, tmp, sources, batches, cluster_file,
+                                    engine=False)
     load = os.getloadavg()  # (1, 5, 15 minutes) after the calibration: the machine is shared
     logs, engine_logs = {}, {}
     for world in worlds:
         group = [n for n in names if CONFIGS[n][0] == world]
-        specs = engine_specs(group)
+        specs = cal.engine_specs(group)
         per_rank = run_on_ranks(ranks, world, args=(group, tmp, sources, rounds, warmup,
                                                     specs), timeout=3000)
         logs |= {name: [r[name] for r in per_rank] for name in group}
         engine_logs[str(world)] = {f"{n}/{m}": [r[f"{n}/{m}"] for r in per_rank]
                                    for n, m in specs}
-        compute[str(world)] = with_engine(compute[str(world)], calibrate_engine(
+        compute[str(world)] = cal.with_engine(compute[str(world)], cal.calibrate_engine(
             group, compute[str(world)]["machine"], cluster_file, tmp, sources,
             logs=engine_logs[str(world)], warmup=warmup))
     return {"comm": comm, "compute": compute, "logs": logs, "engine_logs": engine_logs,
@@ -511,6 +322,7 @@ def predict_all(raw: dict, out: Path, tmp: str, sources: dict) -> list[dict]:
 
 def run(args) -> dict:
     """Measure (or, --reuse, read the last measurement back) and predict."""
+    from benchmarks import sim_calibration as cal
     from tests.fixtures import long_source, text_source
     t0 = time.perf_counter()
     raw_file = args.out / "sim_validation_raw.json"  # the measured runs, to re-predict from
@@ -520,7 +332,7 @@ def run(args) -> dict:
         if args.reuse:
             raw = json.loads(raw_file.read_text())
             if args.recalibrate or args.recalibrate_engine:  # the measured runs kept
-                raw["compute"] = calibrate_compute(
+                raw["compute"] = cal.calibrate_compute(
                     list(raw["logs"]), tmp, sources, args.batches,
                     str(args.out / "sim_validation_cluster.json"),
                     stored=raw["compute"] if args.recalibrate_engine else None)

@@ -2,7 +2,7 @@
 pipeline.py's image-heavy workload (dp=2, sp=2, pp=2 with the encoders on stage 0, pp=2 with
 the joint pipeline) all train for real in one launch (`benchmarks/sim_validation.ranks`, the
 busiest rank's CPU seconds, medians over rounds); the machine is fitted on runs of its own
-(`sim_validation.calibrate_compute`: other data seeds; dp and sp engines); the search then ranks the
+(`sim_calibration.calibrate_compute`: other data seeds; dp and sp engines); the search then ranks the
 space dp / sp / pp / tp / max_sequence_sp in {1, 2} x placements on the steps' own samples.
 
 Like against like: the search ranks plans by step time, which includes a pipeline's bubble;
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import sim_calibration as cal
 from benchmarks import sim_validation as sv
 
 MEASURED = {  # plan of sim_validation.CONFIGS -> the SimPlan fields it is in the search's space
@@ -89,7 +90,7 @@ def test_search_orders_the_plans_the_measurement_tells_apart(tmp_path):
     comm = calibrate_comm((2,), sizes=(4096, 65536, 524288), repeats=3)
     cluster_file = Path(tmp, "sim_validation_cluster.json")
     cluster_file.write_text(json.dumps(comm["cluster"]))
-    compute = sv.calibrate_compute(names, tmp, sources, batches=1, cluster_file=str(cluster_file),
+    compute = cal.calibrate_compute(names, tmp, sources, batches=1, cluster_file=str(cluster_file),
                                    engine_steps=2)
     per_rank = run_on_ranks(sv.ranks, 2, args=(names, tmp, sources, 4, 1), timeout=1200)
     raw = {"logs": {n: [r[n] for r in per_rank] for n in names}, "compute": compute, "warmup": 1}

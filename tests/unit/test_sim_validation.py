@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from benchmarks import sim_validation
+from benchmarks import sim_calibration, sim_validation
 
 
 @pytest.mark.slow
@@ -38,13 +38,13 @@ def test_two_config_validation_end_to_end(tmp_path):
     compute = saved["calibration"]["compute"]["2"]  # the machine of the 2-rank plans
     assert compute["machine"]["flops_per_s"] > 0 and compute["machine"]["step_s"] >= 0
     assert compute["machine"]["micro_batch_s_per_param"] > 0
-    sizes = sim_validation.CALIBRATION["pipeline"][1]
+    sizes = sim_calibration.CALIBRATION["pipeline"][1]
     assert len(compute["profiles"]) == 2 * 2  # two processes at once, two mixes each
     assert all(p["micro_batches"] == 3 * len(sizes) for p in compute["profiles"].values())
     assert compute["engine"]["world"] == 2  # the 2-rank engine runs were timed in the
     # measured launch (its 2 rounds after the warm-up, each micro-batch size), and the step's
     # fixed cost reaches the simulated cluster
-    specs = sim_validation.engine_specs(names)
+    specs = sim_calibration.engine_specs(names)
     assert len(compute["engine"]["residual_s"]) == 2 * len(specs) == 8  # dp and sp runs
     raw = json.loads((tmp_path / "sim_validation_raw.json").read_text())
     assert set(raw["engine_logs"]["2"]) == {f"{n}/{m}" for n, m in specs}
