@@ -87,9 +87,9 @@ def test_search_orders_the_plans_the_measurement_tells_apart(tmp_path):
     tmp = str(tmp_path)
     sources = {"text": text_source(tmp_path), "long": long_source(tmp_path, weight=0.14)}
     names = list(MEASURED)
-    # Up to 8 MiB: on a quiet machine a gloo call of <= 512 KiB costs its latency alone (0.5-0.6 ms
-    # at 4 KiB and at 512 KiB), so a fit on those sizes finds no bandwidth term and refuses.
-    comm = calibrate_comm((2,), sizes=(4096, 2 ** 19, 2 ** 23), repeats=3)
+    # calibrate_comm.SIZES reach 8 MiB: on a quiet machine a gloo call of <= 512 KiB costs its
+    # latency alone, and a fit on those sizes alone finds no bandwidth term and refuses.
+    comm = calibrate_comm((2,), repeats=3)
     cluster_file = Path(tmp, "sim_validation_cluster.json")
     cluster_file.write_text(json.dumps(comm["cluster"]))
     compute = cal.calibrate_compute(names, tmp, sources, batches=1, cluster_file=str(cluster_file),
