@@ -77,19 +77,21 @@ def timed_steps(cfg, built, prefetch: int, steps: int, work, matmuls: int,
     feed = feed_for(loader, prefetch)
     for _ in range(2):  # warm-up: files opened, first streams (and the worker started)
         train_step(built.model, feed.next_step(), work, matmuls)
-    keys, wait = [], 0.0
+    keys, waits, walls = [], [], []
     t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
+        t_step = time.perf_counter()
         batch = feed.next_step()
-        wait += feed.last_wait_s
+        waits.append(feed.last_wait_s)
         train_step(built.model, batch, work, matmuls)
         keys.append(batch.keys)
+        walls.append(time.perf_counter() - t_step)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     feed.close()
     placement = loader.cores.record() if hasattr(loader, "cores") else None
     loader.close()
-    return {"wall_s": wall, "data_wait_s": wait, "keys": keys, "trainer_cpu_s": cpu,
-            "placement": placement}
+    return {"wall_s": wall, "data_wait_s": sum(waits), "keys": keys, "trainer_cpu_s": cpu,
+            "placement": placement, "step_wait_s": waits, "step_wall_s": walls}
 
 
 def loading_cpu(cfg, built, workers: int, steps: int = 6, pack_workers: int = 0) -> float:
@@ -105,16 +107,22 @@ def loading_cpu(cfg, built, workers: int, steps: int = 6, pack_workers: int = 0)
     return cpu
 
 
-def calibrate(cfg, built, work) -> dict:
-    """Seconds to load one step, to train one (unslowed), and per matmul; the matmuls that make
+def calibrate(cfg, built, work, steps: int = 12) -> dict:
+    """Seconds to load one step, to train one (unslowed), and per matmul (medians over `steps`
+    steps after a discarded run: a first loader of the process, or one hiccup of a short mean,
+    set a model 15-25 % shorter than the repeats' loading in earlier runs); the matmuls that make
     a step as long as its loading."""
-    off = timed_steps(cfg, built, 0, 6, work, 0)
-    load = off["data_wait_s"] / 6
-    step = (off["wall_s"] - off["data_wait_s"]) / 6
-    t0 = time.perf_counter()
-    for _ in range(50):
-        work @ work
-    per_mm = (time.perf_counter() - t0) / 50
+    timed_steps(cfg, built, 0, 4, work, 0)  # discarded: first image processing, first streams
+    off = timed_steps(cfg, built, 0, steps, work, 0)
+    load = statistics.median(off["step_wait_s"])
+    step = statistics.median(w - d for w, d in zip(off["step_wall_s"], off["step_wait_s"]))
+    per_mm = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            work @ work
+        per_mm.append((time.perf_counter() - t0) / 20)
+    per_mm = statistics.median(per_mm)
     return {"load_s_per_step": load, "model_s_per_step": step, "s_per_matmul": per_mm,
             "matmuls": max(0, round((load - step) / per_mm))}
 
@@ -155,6 +163,8 @@ def main() -> None:
               "trainer_cpu_s_per_step_loading_only": cpu,
               "load_average_1min": load,
               "wall_s": {k: [r["wall_s"] for r in v] for k, v in runs.items()},
+              "step_wait_s_median": {k: statistics.median(w for r in v for w in r["step_wait_s"])
+                                     for k, v in runs.items()},
               "data_wait_s": {k: [r["data_wait_s"] for r in v] for k, v in runs.items()},
               # CPU time of the training process (all its threads; not the worker's): what the
               # loading takes from the trainer, a figure the machine's load barely moves
@@ -165,6 +175,11 @@ def main() -> None:
               # data.pin_cores of the loader process variant ("workers"); the others unpinned
               "placement_workers": runs["workers"][-1]["placement"],
               "cores": sorted(os.sched_getaffinity(0))}
+    # the run's own condition: the slowed model's step over the loading step, both from the
+    # repeats' prefetch-off runs (1.0: as long, as the benchmark means; below 1, no feed can hide
+    # all the loading: at most this fraction of it)
+    result["model_over_loading_per_step"] = statistics.median(
+        (r["wall_s"] - r["data_wait_s"]) / r["data_wait_s"] for r in runs["off"])
     for name, tag in (("on", ""), ("thread_workers", "_thread_workers"), ("workers", "_workers"),
                       ("workers_ahead2", "_workers_ahead2")):
         pairs = list(zip(runs["off"], runs[name]))
