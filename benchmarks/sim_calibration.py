@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from benchmarks.sim_validation import (CONFIGS, busy_s, config, model_of, one_step, sample_meta,
-                                       samples_of)
+from benchmarks.sim_validation import (CONFIGS, busy_s, config, flop_model, model_of, one_step,
+                                       sample_meta, samples_of)
 
 
 # what the compute calibration profiles: per model, (a plan of its workload, its mixes) and the
@@ -119,8 +119,7 @@ def calibrate_engine(names: list[str], machine: dict, cluster_file: str, out_dir
     import numpy as np
     from ds_omni.data.cost import nnls
     from ds_omni.sim.cluster import cluster
-    from ds_omni.sim.from_config import model_spec, sim_plan
-    from ds_omni.sim.model_spec import ModelSpec
+    from ds_omni.sim.from_config import sim_plan
     from ds_omni.sim.step import simulate
     from ds_omni.train.calibrate import machine_fields
     from tests.fixtures import ds_config
@@ -135,9 +134,7 @@ def calibrate_engine(names: list[str], machine: dict, cluster_file: str, out_dir
     rows, residual = [], []
     for name, micro in specs:
         cfg = engine_config(name, micro, out_dir, sources, steps)
-        base = model_spec(cfg)
-        model = dataclasses.replace(ModelSpec.from_dims(base.dims, base.frozen),
-                                    bytes_per_param=4)
+        model = flop_model(cfg)
         plan = sim_plan(cfg, ds_config(1), world)
         run = logs[f"{name}/{micro}"]
         rounds = plan.micro_batches  # a rank's micro-batches a step (dp only: every rank's)
