@@ -41,11 +41,23 @@ def calibrate_compute(names: list[str], out_dir: str, sources: dict, batches: in
             per_rank = run_on_ranks(calibration_rank, world,
                                     args=(group, out_dir, sources, batches), timeout=1200)
             profiles = {f"rank{r}/{k}": v for r, p in enumerate(per_rank) for k, v in p.items()}
-        out[str(world)] = {"machine": fit_machine(profiles), "profiles": profiles}
+        out[str(world)] = {"machine": with_pool(fit_machine(profiles), world),
+                           "profiles": profiles}
         if engine:
             out[str(world)] = with_engine(out[str(world)], calibrate_engine(
                 group, out[str(world)]["machine"], cluster_file, out_dir, sources, engine_steps))
     return out
+
+
+def with_pool(machine: dict, world: int) -> dict:
+    """`machine` with the encoder pool's planning cost an item (`Cluster.pool_item_s`), timed
+    now by its micro-benchmark (`calibrate_comm.time_pool_planning`, ~0.1 s; pure, no process
+    group) for a pool of `world` ranks, where the machine has none yet (a measurement from
+    before it was calibrated: `--reuse` times it here)."""
+    from ds_omni.sim.calibrate_comm import time_pool_planning
+    if "pool_item_s" in machine:
+        return machine
+    return dict(machine, pool_item_s=time_pool_planning(world))
 
 
 def with_engine(compute: dict, engine: dict) -> dict:
