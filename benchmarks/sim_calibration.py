@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from benchmarks.sim_validation import (CONFIGS, busy_s, config, model_of, one_step, sample_meta,
-                                       samples_of)
+from benchmarks.sim_validation import (CONFIGS, busy_s, config, flop_model, model_of, one_step,
+                                       sample_meta, samples_of)
 
 
 # what the compute calibration profiles: per model, (a plan of its workload, its mixes) and the
@@ -41,11 +41,23 @@ def calibrate_compute(names: list[str], out_dir: str, sources: dict, batches: in
             per_rank = run_on_ranks(calibration_rank, world,
                                     args=(group, out_dir, sources, batches), timeout=1200)
             profiles = {f"rank{r}/{k}": v for r, p in enumerate(per_rank) for k, v in p.items()}
-        out[str(world)] = {"machine": fit_machine(profiles), "profiles": profiles}
+        out[str(world)] = {"machine": with_pool(fit_machine(profiles), world),
+                           "profiles": profiles}
         if engine:
             out[str(world)] = with_engine(out[str(world)], calibrate_engine(
                 group, out[str(world)]["machine"], cluster_file, out_dir, sources, engine_steps))
     return out
+
+
+def with_pool(machine: dict, world: int) -> dict:
+    """`machine` with the encoder pool's planning cost an item (`Cluster.pool_item_s`), timed
+    now by its micro-benchmark (`calibrate_comm.time_pool_planning`, ~0.1 s; pure, no process
+    group) for a pool of `world` ranks, where the machine has none yet (a measurement from
+    before it was calibrated: `--reuse` times it here)."""
+    from ds_omni.sim.calibrate_comm import time_pool_planning
+    if "pool_item_s" in machine:
+        return machine
+    return dict(machine, pool_item_s=time_pool_planning(world))
 
 
 def with_engine(compute: dict, engine: dict) -> dict:
@@ -119,8 +131,7 @@ def calibrate_engine(names: list[str], machine: dict, cluster_file: str, out_dir
     import numpy as np
     from ds_omni.data.cost import nnls
     from ds_omni.sim.cluster import cluster
-    from ds_omni.sim.from_config import model_spec, sim_plan
-    from ds_omni.sim.model_spec import ModelSpec
+    from ds_omni.sim.from_config import sim_plan
     from ds_omni.sim.step import simulate
     from ds_omni.train.calibrate import machine_fields
     from tests.fixtures import ds_config
@@ -135,9 +146,7 @@ def calibrate_engine(names: list[str], machine: dict, cluster_file: str, out_dir
     rows, residual = [], []
     for name, micro in specs:
         cfg = engine_config(name, micro, out_dir, sources, steps)
-        base = model_spec(cfg)
-        model = dataclasses.replace(ModelSpec.from_dims(base.dims, base.frozen),
-                                    bytes_per_param=4)
+        model = flop_model(cfg)
         plan = sim_plan(cfg, ds_config(1), world)
         run = logs[f"{name}/{micro}"]
         rounds = plan.micro_batches  # a rank's micro-batches a step (dp only: every rank's)

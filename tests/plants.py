@@ -509,6 +509,14 @@ def _sim_memo_one_direction(rank: int):
                         f(st, work, False))
 
 
+# ------------------------------------------- the simulator's encoder pool (tests/unit/test_sim_pool.py)
+@plant("sim_pool_plan_free", "the simulator charges the encoder pool's step planning nothing "
+       "(its metadata all-gather and `plan_round` over every rank's items forgotten)", "sim_pool")
+def _sim_pool_plan_free(rank: int):
+    from ds_omni.sim import step
+    yield from _patched(step, "plan_pool", lambda f: lambda st: None)
+
+
 # ------------------------------------ HF's experts' load at ep=1 (tests/unit/test_expert_parallel.py)
 @plant("hf_experts_count_first_pick", "HF's expert modules count each token's first pick only "
        "(top-1 of its top-k)", "hf_expert_count")

@@ -199,3 +199,48 @@ def write(result: dict, out: str | Path) -> Path:
     out = Path(out)
     out.write_text(json.dumps(result, indent=1))
     return out
+
+
+# ------------------------------------------------------------------ the encoder pool's planning
+POOL_META_BYTES = 64
+"""Pickled bytes of one item's metadata in the pool's all-gather (a `PoolItem` with one input,
+pixel_values [16, 3, 14, 14] float32: 63 bytes an item in a list of 8, `pickle.dumps`, which
+writes the repeated strings once)."""
+
+
+def pool_items(ranks: int, per_rank: int) -> list:
+    """[ranks][per_rank] the metadata of one round's items as every rank reports it: one image
+    each (pixel values [n, 3, 14, 14] float32), costs uneven enough that some items move."""
+    from ds_omni.parallelize.encoder_pool import PoolItem
+    return [[PoolItem(r, "vision", k, 16, 1.0 + ((r * 7 + k * 3) % 5),
+                      (("pixel_values", (16, 3, 14, 14), "float32"),))
+             for k in range(per_rank)] for r in range(ranks)]
+
+
+def time_pool_planning(ranks: int = 2, per_rank: int = 8, rounds: int = 4,
+                       repeats: int = 15) -> float:
+    """CPU seconds the encoder pool's step planning costs one rank per item of the group's step
+    (`Cluster.pool_item_s`): what `EncoderPool.plan_step` runs besides the wire, its metadata
+    pickled for `all_gather_object` and every rank's unpickled, then `plan_round` for each
+    round over every rank's items. A micro-benchmark of the pure planner on `time.process_time`
+    (no process group: the all-gather's wire is charged by the simulator's links); the median of
+    `repeats`."""
+    import pickle
+
+    import torch
+
+    from ds_omni.batch import EncodedItem
+    from ds_omni.parallelize.encoder_pool import item_meta, plan_round
+    step = [pool_items(ranks, per_rank) for _ in range(rounds)]  # [rounds][ranks][per_rank]
+    item = EncodedItem(inputs={"pixel_values": torch.zeros(16, 3, 14, 14)}, num_embeddings=16)
+    others = [pickle.dumps([(step[m][r], []) for m in range(rounds)]) for r in range(1, ranks)]
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time()  # rank 0: its own items' metadata out, everyone's in
+        mine = [([item_meta(0, it.encoder, it.index, item, it.cost) for it in step[m][0]], [])
+                for m in range(rounds)]
+        everyone = [pickle.loads(b) for b in [pickle.dumps(mine)] + others]
+        for m in range(rounds):
+            plan_round([it for r in everyone for it in r[m][0]], ranks, ["vision"])
+        times.append(time.process_time() - t0)
+    return statistics.median(times) / (ranks * per_rank * rounds)

@@ -57,6 +57,12 @@ class Cluster:
     """Seconds a rank spends on each of Ulysses' all-to-all calls beyond the link's latency
     and bytes (DeepSpeed's `_SeqAllToAll`: its Python, the layout copies around the wire):
     fitted on CPU from sp runs of the engine calibration; 0 on the GPU presets."""
+    pool_item_s: float = 0.0
+    """Seconds a rank of the encoder pool spends a step per item of the pool's step on its
+    planning (`EncoderPool.plan_step`: every rank's item metadata pickled for the all-gather and
+    unpickled, `plan_round` over all of them, every rank planning every round): measured by
+    `calibrate_comm.time_pool_planning` (a micro-benchmark of the pure planner on the CPU
+    clock); 0 on the GPU presets."""
     name: str = "custom"
 
     def __post_init__(self):
@@ -74,7 +80,7 @@ class Cluster:
             if not getattr(self, field) > 0:
                 raise ConfigError(f"Cluster.{field} must be > 0, got {getattr(self, field)}")
         for field in ("micro_batch_s_per_param", "optimizer_s_per_param", "step_s",
-                      "a2a_call_s"):
+                      "a2a_call_s", "pool_item_s"):
             if not getattr(self, field) >= 0:
                 raise ConfigError(f"Cluster.{field} is a time and must be >= 0, got "
                                   f"{getattr(self, field)}")

@@ -25,6 +25,7 @@ import numpy as np
 
 from ds_omni.errors import DataError, ModelError
 from ds_omni.sim import comm, memory, model_parallel, pipeline_sim
+from ds_omni.sim.calibrate_comm import POOL_META_BYTES
 from ds_omni.sim.cluster import Cluster
 from ds_omni.sim.encode_sim import Row, RowLayout, round_work
 from ds_omni.sim.loader_sim import plan_step
@@ -113,6 +114,8 @@ def simulate(cluster: Cluster, model: ModelSpec, workload: WorkloadSpec | Sample
     if plan.pp > 1:
         pipeline_sim.run_pipeline(step)
     else:
+        if plan.encoder_mode == "pool" and not plan.encoder_gpus:
+            plan_pool(step)
         for k in range(len(step.assignment.rounds[0])):
             run_round(step, k)
     if plan.encoder_gpus:
@@ -132,6 +135,45 @@ def check_fits_somewhere(cluster: Cluster, model: ModelSpec) -> None:
             f"GiB per GPU for its states even under ZeRO-3 over all {cluster.gpus} GPUs, more "
             f"than their {cluster.hbm_bytes / 2**30:.0f} GiB: no plan fits; use more GPUs, GPUs "
             "with more memory, or freeze parts of the model")
+
+
+# ------------------------------------------------------------------------ the encoder pool
+POOL_CALLS = 3
+"""All-to-all calls of a round whose pool plan moves an item (`EncoderPool.place`): the moved
+items' inputs (`exchange_inputs`), the embedding rows (`ReshardEmbeddings`) and their gradients
+back. A round that moves nothing makes none (it runs as without the pool)."""
+
+
+def pool_groups(step: Step) -> np.ndarray:
+    """[tp, P] the pool groups: the ranks of one TP coordinate (the pool runs per TP rank)."""
+    tp = step.pplan.tp
+    return step.llm_ranks().reshape(-1, tp).T
+
+
+def plan_pool(step: Step) -> None:
+    """The pool's planning once a step (`EncoderPool.plan_step`), before the rounds: every rank
+    all-gathers every rank's item metadata (`all_gather_object`: the sizes, then the pickled
+    lists, `calibrate_comm.POOL_META_BYTES` an item) and plans every round over all of them
+    (`Cluster.pool_item_s` an item of the step, CPU)."""
+    groups = pool_groups(step)
+    p = groups.shape[1]
+    items = int(np.isin(step.samples.item_sample, step.assignment.planned).sum())
+    link = comm.link_of(step.cluster, groups[0])
+    wire = comm.all_gather(8 * p, p, link) + comm.all_gather(
+        POOL_META_BYTES * items, p, link)
+    ranks = groups.reshape(-1)
+    step.timeline.sync(ranks, np.repeat(np.arange(len(groups)), p), "pool_plan", wire)
+    if step.cluster.pool_item_s:
+        step.timeline.run(ranks, "pool_plan", step.cluster.pool_item_s * items)
+
+
+def _pool_calls(step: Step, work) -> None:
+    """A round whose pool plan moves an item: each pool rank's own seconds of its `POOL_CALLS`
+    all-to-all calls beyond the wire (`Cluster.a2a_call_s`, the calibrated cost of a call;
+    the wire is in the resharding's)."""
+    if step.plan.encoder_mode == "pool" and work.inputs and step.cluster.a2a_call_s:
+        ranks = pool_groups(step).reshape(-1)
+        step.timeline.run(ranks, "pool_exchange", POOL_CALLS * step.cluster.a2a_call_s)
 
 
 # ----------------------------------------------------------------------------- one round
@@ -204,6 +246,7 @@ def run_round(step: Step, k: int) -> None:
     model_parallel.run_tp_gather(step, work)
     rows_s, inputs_s = _reshard_seconds(step, work)
     _sync_groups(step, work.groups, "reshard", rows_s + inputs_s)
+    _pool_calls(step, work)
     for backward in (False, True):
         tl.run(ranks, "llm_bwd" if backward else "llm_fwd",
                llm * ((2 + step.plan.checkpointing) if backward else 1) / 3 / rate)

@@ -169,7 +169,9 @@ def machine_fields(result: dict) -> dict:
             "step_s": result.get("step_s", 0.0),
             # the seconds of each Ulysses all-to-all call beyond the wire, where an engine
             # calibration with sp runs fitted one
-            "a2a_call_s": result.get("a2a_call_s", 0.0)}
+            "a2a_call_s": result.get("a2a_call_s", 0.0),
+            # the encoder pool's planning a step per item, where a micro-benchmark timed it
+            "pool_item_s": result.get("pool_item_s", 0.0)}
 
 
 def write(result: dict, out: str | Path) -> Path:

@@ -63,3 +63,17 @@ def test_calibration_runs_on_other_batches_than_the_validated_ones(tmp_path):
     assert len(sim_validation.CONFIGS) >= 10
     assert {w for w, _, _ in sim_validation.CONFIGS.values()} == {2, 4}
     assert {k for _, k, _ in sim_validation.CONFIGS.values()} == {"image", "text", "longtail"}
+
+
+def test_the_validated_model_keeps_its_attention_heads(tmp_path):
+    """The encoders' heads decide whether long-short SP may split an item (Ulysses needs them
+    divisible by the group); `ModelSpec.from_dims` dropped them and the tiny ViT (hidden 32,
+    4 heads) fell back to hidden // 64 = 1 head, so the simulator split nothing that training
+    split (sp2x2_long_short predicted equal to static)."""
+    from benchmarks.sim_validation import config, flop_model
+    from tests.fixtures import long_source, text_source
+    sources = {"text": text_source(tmp_path), "long": long_source(tmp_path, weight=0.14,
+                                                                  words=1200)}
+    model = flop_model(config("sp2x2_long_short_longtail", str(tmp_path), sources, 1))
+    assert model.heads("vision") == 4 and model.bytes_per_param == 4
+    assert model.cost.scales == type(model.cost)(model.dims).scales  # the FLOPs unscaled
