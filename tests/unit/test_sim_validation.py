@@ -32,6 +32,8 @@ def test_two_config_validation_end_to_end(tmp_path):
     assert saved["median_abs_error"] == pytest.approx(sum(errors) / 2)
     assert saved["max_abs_error"] == pytest.approx(errors[-1])
     assert saved["pairwise_order_agreement"] in (0.0, 1.0)  # one pair
+    assert saved["measured_pairs"] in (0, 1) and saved["order_of_measured_pairs"] in (0.0, 1.0)
+    assert all(len(r["measured_batch_per_round"]) == 2 for r in saved["configs"])
     fitted = json.loads((tmp_path / "sim_validation_cluster.json").read_text())
     assert fitted["intra_latency"] == saved["calibration"]["comm"]["alpha_s"] > 0
     assert fitted["intra_bw"] == saved["calibration"]["comm"]["beta_bytes_per_s"] > 0
@@ -77,3 +79,33 @@ def test_the_validated_model_keeps_its_attention_heads(tmp_path):
     model = flop_model(config("sp2x2_long_short_longtail", str(tmp_path), sources, 1))
     assert model.heads("vision") == 4 and model.bytes_per_param == 4
     assert model.cost.scales == type(model.cost)(model.dims).scales  # the FLOPs unscaled
+
+
+def _row(name, rounds, predicted, batches=("b0", "b1", "b2")):
+    return {"name": name, "measured_cpu_per_round": list(rounds), "predicted_s": predicted,
+            "measured_s": sum(rounds) / len(rounds), "measured_batch_per_round": list(batches)}
+
+
+def test_the_measurement_orders_a_pair_only_where_every_round_agrees():
+    """Paired rounds (the same batch each round): ordered only when every round's difference has
+    one sign; rounds of other batches: only when they do not overlap."""
+    fast, slow = _row("a", [1.0, 2.0, 0.5], 1.0), _row("b", [1.1, 2.2, 0.6], 2.0)
+    assert sim_validation.measured_apart(fast, slow) == -1
+    assert sim_validation.measured_apart(slow, fast) == 1
+    swapped = _row("c", [1.1, 1.9, 0.6], 2.0)  # one round the other way: no order known
+    assert sim_validation.measured_apart(fast, swapped) == 0
+    # other batches: the same figures overlap (0.5-2.0 against 0.6-2.2), no order
+    other = _row("d", [1.1, 2.2, 0.6], 2.0, batches=("x", "y", "z"))
+    assert sim_validation.measured_apart(fast, other) == 0
+    apart = _row("e", [2.5, 3.0, 2.1], 2.0, batches=("x", "y", "z"))
+    assert sim_validation.measured_apart(fast, apart) == -1
+
+
+def test_the_order_target_counts_the_pairs_the_measurement_orders():
+    a, b = _row("a", [1.0, 2.0, 0.5], 1.0), _row("b", [1.1, 2.2, 0.6], 2.0)
+    c = _row("c", [1.05, 1.9, 0.55], 0.5)  # below b every round; against a, one round each way
+    share, wrong, pairs = sim_validation.order_of_measured_pairs([a, b, c])
+    assert (share, wrong, pairs) == (1.0, [], 2)  # a < b, c < b; a vs c has no measured order
+    b_first = dict(b, predicted_s=0.8)  # predicted before a (1.0), still after c (0.5)
+    share, wrong, pairs = sim_validation.order_of_measured_pairs([a, b_first, c])
+    assert (share, wrong, pairs) == (0.5, [("a", "b")], 2)
