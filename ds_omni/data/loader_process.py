@@ -46,6 +46,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import secrets
 import signal
 import traceback
 from dataclasses import dataclass
@@ -56,13 +57,14 @@ import torch
 from ds_omni.config import DataConfig
 from ds_omni.data.cores import CorePlan, pin_pid, pin_self, pin_trainer, release_trainer
 from ds_omni.data.cost import CostModel
+from ds_omni.data.handover import Receiver, Sender, encode
 from ds_omni.data.loader import OmniLoader, StepBatch
 from ds_omni.data.packing import SeqShard, empty_micro_batch
 from ds_omni.data.prefetch import Prefetcher, TakenSteps, _Made
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.rank_place import LoaderComms, LongSplits, RankPlace, SharedReading
 from ds_omni.data.sources import Source
-from ds_omni.data.workers import ItemCost, _exit_text, dumps
+from ds_omni.data.workers import ItemCost, _exit_text
 from ds_omni.errors import DataError
 from ds_omni.parallel.plan import ParallelPlan
 
@@ -128,10 +130,14 @@ class LoaderProcess(TakenSteps):
         world = _world(plan, rank, place, shared, timeout_s)
         ctx = mp.get_context("spawn")  # not fork: the trainer has threads (gloo, DeepSpeed)
         mine, theirs = ctx.Pipe()
+        # the names of the loader process's shared-memory slots (`handover.py`): this process,
+        # this rank, and a token (a pid is reused)
+        prefix = f"dso_{os.getpid()}_{rank}_{secrets.token_hex(3)}_"
+        self._receiver = Receiver(prefix)
         # pack workers are the loader process's children: a daemon may have none
         self.cores = cores or CorePlan(why_not="no plan given")
         self._proc = ctx.Process(target=_serve, args=(parts, workers - 1, world, theirs,
-                                                      self.cores),
+                                                      self.cores, prefix),
                                  name=f"ds-omni-loader-rank{rank}", daemon=workers == 1)
         self._proc.start()
         pin_pid(self._proc.pid, self.cores.loader)  # now: its imports run on its own core
@@ -251,8 +257,9 @@ class LoaderProcess(TakenSteps):
         try:
             self._conn.send_bytes(pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL))
             status, value = pickle.loads(self._receive())
-            if status == "batch":  # the header; the batch follows, pickled ahead
-                return (*value, pickle.loads(self._receive()))
+            if status == "batch":  # position, skipped, and the step's hand-over header
+                after, skipped, header = value
+                return after, skipped, self._receiver.receive(header)
         except (EOFError, OSError):
             self._died()
         if status == "error":
@@ -294,6 +301,7 @@ class LoaderProcess(TakenSteps):
         if self._proc.is_alive():  # SIGKILL: a stopped (or hung) process ignores SIGTERM
             self._proc.kill()
             self._proc.join(5.0)
+        self._receiver.close(sender_gone=True)  # what a loader process killed left
         if self._pinned:
             release_trainer()
         atexit.unregister(self._end)
@@ -355,11 +363,12 @@ def _world(plan, rank: int, place: RankPlace, shared: SharedReading | None,
 # ------------------------------------------------------------------- the loader process itself
 class _AheadFeed(Prefetcher):
     """The step-ahead loop of the loader process: each step is pickled as it is made (on the
-    thread, while the trainer trains), and nothing is pinned (no CUDA in this process)."""
+    thread, while the trainer trains; its tensors' bytes are written into the shared-memory slot
+    only at its reply: `handover.py`), and nothing is pinned (no CUDA in this process)."""
 
     def _make(self) -> _Made:
         batch = self.loader.next_step()
-        return _Made(dumps(batch), self.loader._step_start, self.loader._position(),
+        return _Made(encode(batch), self.loader._step_start, self.loader._position(),
                      self.loader.take_skipped())
 
     def _take(self) -> _Made:
@@ -395,29 +404,33 @@ def _join(world: _World | None, parts: LoaderParts) -> LoaderComms:
 
 
 def _serve(parts: LoaderParts, pack_workers: int, world: _World | None, conn,
-           cores: CorePlan) -> None:
+           cores: CorePlan, prefix: str) -> None:
     """The loader process: requests in, replies out, until told to stop or orphaned."""
     torch.set_num_threads(1)  # the trainer keeps the other cores
     pin_self(cores.loader)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's; we follow it
     try:
         loader = parts.build(_join(world, parts), pack_workers, cores.pack_workers)
-        server = _Server(loader, world.timeout_s if world else 1800.0)
+        server = _Server(loader, world.timeout_s if world else 1800.0, Sender(prefix))
         reply = ("ok", loader._position())
     except Exception as e:
         server, reply = None, ("error", _failure(e))
     conn.send_bytes(pickle.dumps(reply))
     parent = mp.parent_process()
     watch = [conn] + ([parent.sentinel] if parent is not None else [])
-    while server is not None:
-        if conn not in mp.connection.wait(watch):  # the training process is gone
-            break
-        try:
-            op, args = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            break
-        if not server.answer(conn, op, args):
-            break
+    try:
+        while server is not None:
+            if conn not in mp.connection.wait(watch):  # the training process is gone
+                break
+            try:
+                op, args = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            if not server.answer(conn, op, args):
+                break
+    finally:  # closed, orphaned, or the trainer's end of the pipe broke mid-reply
+        if server is not None:
+            server.sender.close()
     os._exit(0)  # no interpreter shutdown: libraries' exit handlers (datasets sleeps 5 s)
 
 
@@ -429,18 +442,21 @@ def _failure(e: BaseException) -> str:
 class _Server:
     """Answers the trainer's requests with the loader and its step-ahead loop."""
 
-    def __init__(self, loader: OmniLoader, timeout_s: float):
-        self.loader, self.timeout_s = loader, timeout_s
+    def __init__(self, loader: OmniLoader, timeout_s: float, sender: Sender):
+        self.loader, self.timeout_s, self.sender = loader, timeout_s, sender
         self.feed = _AheadFeed(loader, 0, timeout_s=timeout_s)
 
     def answer(self, conn, op: str, args: tuple) -> bool:
         """Reply to one request; False: stop serving."""
         try:
             if op == "next":
-                payload = self.feed.next_step()
+                encoded = self.feed.next_step()
                 made = self.feed.taken
-                conn.send_bytes(pickle.dumps(("batch", (_sent_position(made), made.skipped))))
-                conn.send_bytes(payload)
+                # the request for this step has come: the trainer copied the last one out
+                header = self.sender.send(encoded)
+                conn.send_bytes(pickle.dumps(
+                    ("batch", (_sent_position(made), made.skipped, header)),
+                    protocol=pickle.HIGHEST_PROTOCOL))
                 self.feed.release()
                 return True
             value = getattr(self, f"_{op}")(*args)
@@ -493,6 +509,7 @@ class _Server:
     def _close(self, abort: bool) -> None:
         self.feed.close(abort=abort)
         self.loader.close()
+        self.sender.close()
 
 
 def _sent_position(made: _Made) -> dict:
