@@ -90,13 +90,18 @@ def serialising_cost(cfg, built, steps: int, repeats: int) -> dict:
         from ds_omni.data import handover
     except ImportError:  # before the shared-memory hand-over
         return {k: statistics.median(v) for k, v in out.items()}
-    out.update(shm_send_s=[], shm_receive_s=[], shm_header_bytes=[])
-    sender, receiver = handover.Sender(f"ds_omni_bench_{os.getpid()}"), handover.Receiver()
+    out.update(shm_send_s=[], shm_encode_s=[], shm_write_s=[], shm_receive_s=[],
+               shm_header_bytes=[])
+    prefix = f"dso_bench_{os.getpid()}_"
+    sender, receiver = handover.Sender(prefix), handover.Receiver(prefix)
     try:
         for batch in batches:
             # the loader process: pickled when made (`encode`), written at the reply (`send`)
             out["shm_send_s"].append(_cpu(lambda: sender.send(handover.encode(batch)), repeats))
-            header = sender.send(handover.encode(batch))
+            encoded = handover.encode(batch)
+            out["shm_encode_s"].append(_cpu(lambda: handover.encode(batch), repeats))
+            out["shm_write_s"].append(_cpu(lambda: sender.send(encoded), repeats))
+            header = sender.send(encoded)
             out["shm_header_bytes"].append(len(pickle.dumps(header)))
             out["shm_receive_s"].append(_cpu(lambda: receiver.receive(header), repeats))
     finally:
