@@ -13,7 +13,7 @@ the step from it (`handover.py`).
 
 The hand-over of a step (`handover.py`): its tensors' bytes go through one shared-memory slot,
 written at the reply (the trainer copied the last step out before it asked), the rest pickled
-over the pipe; benchmarks/handover.py: the trainer's CPU per step 1.04 -> 0.83 ms.
+over the pipe; benchmarks/handover.py: the trainer's CPU per step 1.04-1.09 -> 0.83-0.90 ms.
 
 `data.workers` N: the loader process, plus N - 1 pack workers (`workers.WorkerPool`) that it
 drives as the prefetch thread did before (N == 1: it decodes and packs itself, on its own
