@@ -561,3 +561,13 @@ def _rate_fit_no_overhead(rank: int):
     def make(nnls):
         return lambda a, y: np.array([nnls(a[:, :1], y)[0], 0.0])
     yield from _patched(calibrate, "nnls", make)
+
+
+# ------------------------------------- the loader process's hand-over (tests/unit/test_handover.py)
+@plant("handover_no_copy_out", "the trainer's tensors view the loader process's shared-memory "
+       "slot instead of a copy of it: the next step's hand-over overwrites a step still held",
+       "handover")
+def _handover_no_copy_out(rank: int):
+    from ds_omni.data import handover
+    yield from _patched(handover.Receiver, "_copy_out",
+                        lambda f: lambda self, written, end: self.shm.buf[:end])

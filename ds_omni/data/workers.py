@@ -13,8 +13,8 @@ slows the training step's own host thread (benchmarks/prefetch.py: 49 % of the l
 with a thread, in wall time).
 
 Results come back pickled, tensors as numpy arrays (`dumps`): one copy, no shared-memory file per
-tensor, and a tenth of the unpickling time of torch's own tensor pickling, which the training
-process pays.
+tensor, and a tenth of the unpickling time of torch's own tensor pickling. (The loader process
+hands its finished steps to the trainer through a shared-memory slot instead: `handover.py`.)
 A worker that dies (killed, out of memory) is a `DataError` naming it and its exit code at
 the next step that needs it, never a hang; workers exit when told, and by themselves when the
 training process is gone.

@@ -4,8 +4,12 @@ weight changes; its death and its silence are errors that name it, never a hang.
 ranks, SP's shared reading and resuming: tests/dist/test_loader_process.py.)"""
 
 import os
+import pickle
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,9 +42,13 @@ def test_the_loader_process_makes_the_steps_of_the_loader_in_process(built, tmp_
     here = parts.build(LoaderComms(), 0)
     there = LoaderProcess(parts, 1, timeout_s=60)
     feed = feed_for(there, 2)  # its step-ahead loop, in the loader process
+    held = []
     for _ in range(4):  # the corrupt images are skipped by policy on both sides
-        _same(here.next_step(), feed.next_step())
+        held.append((here.next_step(), feed.next_step()))
+        _same(*held[-1])
         assert _logged(here) == _logged(feed)
+    for a, b in held:  # still: each step was copied out of the shared-memory slot
+        _same(a, b)
     assert here.skipped == feed.skipped and here.state_dict() == feed.state_dict()
     here.rewind(), feed.rewind()  # the last step is read again, from the trainer's position
     _same(here.next_step(), feed.next_step())
@@ -63,6 +71,50 @@ def test_the_loader_process_makes_the_steps_of_the_loader_in_process(built, tmp_
     assert time.perf_counter() - t0 < 10 and len(batch.micro_batches) == 2 and not batch.keys
     assert "rank 0: the loader process (pid" in batch.error
     assert "died with signal SIGKILL" in batch.error and "data.workers 0" in batch.error
+    assert not _segments(there)  # the trainer unlinked the slot it left
+
+
+def _segments(loader: LoaderProcess) -> list[Path]:
+    """The shared-memory segments of `loader`'s hand-over that exist."""
+    return list(Path("/dev/shm").glob(f"{loader._receiver.prefix}*"))
+
+
+_TRAINER = """
+import os, pickle, signal, sys
+from ds_omni.data.loader_process import LoaderProcess, feed_for
+if __name__ == "__main__":
+    with open(sys.argv[1], "rb") as f:
+        loader = LoaderProcess(pickle.load(f), 1, timeout_s=60)
+    feed = feed_for(loader, 2)
+    feed.next_step(), feed.next_step()
+    print(loader._receiver.prefix, loader.pid, flush=True)
+    if sys.argv[2] == "close":
+        feed.close()
+        loader.close()
+    else:  # the trainer dies: its loader process sees it and unlinks the slot
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("end", ["close", "trainer_killed"])
+def test_no_shared_memory_is_left_whoever_ends_first(built, tmp_path, end):
+    """A trainer in a process of its own closes its loader process, or is killed: either way no
+    shared-memory segment is left and multiprocessing's resource tracker has nothing to warn
+    about (its warnings go to the trainer's stderr, read to its end: every process that holds it,
+    the loader process and the tracker too, has exited)."""
+    (tmp_path / "parts.pkl").write_bytes(pickle.dumps(_parts(built, tmp_path)))
+    (tmp_path / "trainer.py").write_text(_TRAINER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run([sys.executable, str(tmp_path / "trainer.py"),
+                          str(tmp_path / "parts.pkl"), end], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert run.returncode == (0 if end == "close" else -signal.SIGKILL), run.stderr
+    prefix, pid = run.stdout.split()
+    assert not list(Path("/dev/shm").glob(f"{prefix}*"))
+    assert "resource_tracker" not in run.stderr and "leaked" not in run.stderr, run.stderr
+    status = Path(f"/proc/{pid}/status")  # exited (a zombie until something reaps it)
+    assert not status.exists() or "State:\tZ" in status.read_text()
 
 
 @pytest.mark.slow
