@@ -539,16 +539,25 @@ def _watchdog_explain_at_once(rank: int):
        "loader's position before that step instead of after it (a resume reads it again)",
        "loader_process")
 def _loader_process_stale_position(rank: int):
-    from ds_omni.data import loader_process
-    yield from _patched(loader_process, "_serve", lambda f: _stale_serve)
+    from ds_omni.data import loader_serve
+    yield from _patched(loader_serve, "serve", lambda f: _stale_serve)
 
 
 def _stale_serve(*args) -> None:
     """The loader process's loop with the plant in (it runs in a spawned process of its own, so
     the trainer's patch names this function, which the loader process imports)."""
-    from ds_omni.data import loader_process
-    loader_process._sent_position = lambda made: made.before
-    loader_process._serve(*args)
+    from ds_omni.data import loader_serve
+    loader_serve.sent_position = lambda made: made.before
+    loader_serve.serve(*args)
+
+
+@plant("early_reply_dropped", "a request made while the reply to a \"next\" sent early is "
+       "pending drops that reply, also where the request leaves the loader where it is (a "
+       "state_dict for a checkpoint): the step made for it is lost", "early_reply")
+def _early_reply_dropped(rank: int):
+    from ds_omni.data.loader_process import LoaderProcess
+    yield from _patched(LoaderProcess, "_ask", lambda f: lambda self, op, *args, moves=False:
+                        f(self, op, *args, moves=True))
 
 
 # --------------------------------- the simulator's compute calibration (tests/unit/test_calibrate_rate.py)

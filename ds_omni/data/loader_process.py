@@ -6,14 +6,19 @@ light part (reading rows, measuring them, the grouped reordering's all-gathers, 
 state) cost the trainer 7.8 ms of CPU a step on the prefetch thread and held the interpreter's
 lock against the step's host thread (benchmarks/prefetch.py hid 69 % of the loading, in wall
 time). Here the whole `OmniLoader` and its step-ahead loop (`Prefetcher`) run in ONE spawned
-*loader process* per rank; the trainer keeps `LoaderProcess`, a thin proxy with the interface
-the loop uses (next step, position / step taken, state_dict, load_state_dict, set_weights,
-rewind, skipped, counts, close), and pays per step only a request, a small reply and building
-the step from it (`handover.py`).
+*loader process* per rank (its side: `loader_serve.py`); the trainer keeps `LoaderProcess`, a
+thin proxy with the interface the loop uses (next step, position / step taken, state_dict,
+load_state_dict, set_weights, rewind, skipped, counts, close), and pays per step only a request,
+a small reply and building the step from it (`handover.py`).
 
 The hand-over of a step (`handover.py`): its tensors' bytes go through one shared-memory slot,
 written at the reply (the trainer copied the last step out before it asked), the rest pickled
 over the pipe; benchmarks/handover.py: the trainer's CPU per step 1.04-1.09 -> 0.83-0.90 ms.
+While steps are made ahead, the request for the next step goes out as soon as a step is
+received (`next_step`), so the reply is ready when the trainer comes back for it: the round
+trip is off the step's critical path. Replies come in the order of the requests; any other
+request first reads a reply sent early (kept for the next step, or dropped by a request that
+moves the loader elsewhere: rewind, set_weights, load_state_dict, prefetch, close).
 
 `data.workers` N: the loader process, plus N - 1 pack workers (`workers.WorkerPool`) that it
 drives as the prefetch thread did before (N == 1: it decodes and packs itself, on its own
@@ -49,21 +54,20 @@ import multiprocessing.connection
 import os
 import pickle
 import secrets
-import signal
-import traceback
 from dataclasses import dataclass
 
 import torch
 
 from ds_omni.config import DataConfig
-from ds_omni.data.cores import CorePlan, pin_pid, pin_self, pin_trainer, release_trainer
+from ds_omni.data.cores import CorePlan, pin_pid, pin_trainer, release_trainer
 from ds_omni.data.cost import CostModel
-from ds_omni.data.handover import Receiver, Sender, encode
+from ds_omni.data import loader_serve
+from ds_omni.data.handover import Receiver
 from ds_omni.data.loader import OmniLoader, StepBatch
 from ds_omni.data.packing import SeqShard, empty_micro_batch
-from ds_omni.data.prefetch import Prefetcher, TakenSteps, _Made
+from ds_omni.data.prefetch import Prefetcher, TakenSteps
 from ds_omni.data.processing import SampleProcessor
-from ds_omni.data.loader_world import World, join_world, world_of
+from ds_omni.data.loader_world import world_of
 from ds_omni.data.rank_place import LoaderComms, LongSplits, RankPlace, SharedReading
 from ds_omni.data.sources import Source
 from ds_omni.data.workers import ItemCost, _exit_text
@@ -123,7 +127,7 @@ class LoaderProcess(TakenSteps):
         self._receiver = Receiver(prefix)
         # pack workers are the loader process's children: a daemon may have none
         self.cores = cores or CorePlan(why_not="no plan given")
-        self._proc = ctx.Process(target=_serve, args=(parts, workers - 1, world, theirs,
+        self._proc = ctx.Process(target=loader_serve.serve, args=(parts, workers - 1, world, theirs,
                                                       self.cores, prefix),
                                  name=f"ds-omni-loader-rank{rank}", daemon=workers == 1)
         self._proc.start()
@@ -136,6 +140,11 @@ class LoaderProcess(TakenSteps):
         self._skip_log: list[dict] = []
         self._position: dict | None = None  # None: the loader process has not said it is built
         self.taken_before: dict | None = None
+        # the step-ahead loop's settings (`prefetch`): whether to ask for a step early
+        self._ahead, self._until = 0, None
+        self._asked_next = False  # a "next" request sent early, its reply not read yet
+        self._early: tuple | None = None  # that reply, read before another request went out
+        self.early_replies = 0  # steps taken from a request sent early (the mechanism's counter)
 
     @property
     def position(self) -> dict:
@@ -170,11 +179,20 @@ class LoaderProcess(TakenSteps):
 
     # ---------------------------------------------------------------------- the loop's view
     def next_step(self) -> StepBatch:
-        """The next step's batch; a dead or silent loader process is this step's error."""
+        """The next step's batch; a dead or silent loader process is this step's error.
+
+        While the loader process makes steps ahead (`prefetch`), the request for the following
+        step goes out as soon as this one is received, so its reply (a few KB over the pipe, its
+        tensors written into the shared-memory slot: `handover.py`) is made while this step
+        trains, and the next call only reads it: the loader process's wake-up, its reply and the
+        trainer's own wait leave the step's critical path (about 0.3-0.5 ms a step here, and
+        any delay of the reply behind the loader process's step-ahead thread). The slot stays
+        safe: this step was copied out before the request that lets the slot be rewritten."""
         import time
         t0 = time.perf_counter()
         try:
-            after, skipped, batch = self._ask("next")
+            after, skipped, batch = self._next_reply()
+            self._ask_next_early(after)
         except DataError as e:
             batch = StepBatch(step=self.step, micro_batches=[
                 empty_micro_batch(self.family, self.item_processors, self.shard)] * self.num_micro,
@@ -194,23 +212,24 @@ class LoaderProcess(TakenSteps):
         return self._ask("state_dict", self.position)
 
     def load_state_dict(self, state: dict) -> None:
-        self.position = self._ask("load_state_dict", state)
+        self.position = self._ask("load_state_dict", state, moves=True)
         self.taken_before = None
 
     def set_weights(self, weights: dict[str, float]) -> None:
         """New mixing weights from the next step to be taken (call on every rank)."""
-        self.position = self._ask("set_weights", self.position, weights)
+        self.position = self._ask("set_weights", self.position, weights, moves=True)
 
     def rewind(self) -> None:
         """Undo the last step taken (it was not trained)."""
         if self.taken_before is not None:
-            self.position = self._ask("restore", self.taken_before)
+            self.position = self._ask("restore", self.taken_before, moves=True)
             self.taken_before = None
 
     def prefetch(self, steps: int, until: int | None = None) -> "ProcessFeed":
         """Make up to `steps` steps ahead (never one at or past `until`); `close()` the returned
         feed to stop."""
-        self.position = self._ask("prefetch", self.position, steps, until)
+        self.position = self._ask("prefetch", self.position, steps, until, moves=True)
+        self._ahead, self._until = steps, until
         return ProcessFeed(self)
 
     @property
@@ -230,25 +249,73 @@ class LoaderProcess(TakenSteps):
         if self._closed:
             return
         try:
-            self._ask("close", abort)
+            self._ask("close", abort, moves=True)
         except DataError:
             pass
         self._end()
 
     # ---------------------------------------------------------------------------- requests
-    def _ask(self, op: str, *args):
-        """Send a request, wait for its reply: a dead or silent loader process raises."""
+    def _next_reply(self) -> tuple:
+        """(position after, skipped samples, batch) of the next step: the reply read early, or
+        the one to the request sent early, or a request's now."""
+        if self._early is not None:
+            reply, self._early = self._early, None
+        elif self._asked_next:
+            self._asked_next = False
+            reply = self._reply()
+        else:
+            return self._value(self._request("next"))
+        if not self._proc.is_alive():  # its death is this step's error, as if asked now
+            self._died()
+        self.early_replies += 1
+        return self._value(reply)
+
+    def _ask_next_early(self, after: dict) -> None:
+        """Send the request for the step after `after` now, where the step-ahead loop makes it
+        anyway (the same steps on every rank: their loader processes stop in lockstep)."""
+        if self._ahead > 0 and (self._until is None or after["step"] < self._until):
+            self._send("next", True)
+            self._asked_next = True
+
+    def _ask(self, op: str, *args, moves: bool = False):
+        """Send a request, wait for its reply: a dead or silent loader process raises. A reply
+        to a "next" sent early is read first (the loader process answers in order): kept for
+        the next `next_step`, or dropped where `moves` (the request puts the loader at another
+        position, so that step is made again if it is still wanted)."""
+        if self._asked_next:
+            self._asked_next = False
+            self._early = self._reply()
+        if moves:
+            self._early = None
+        return self._value(self._request(op, *args))
+
+    def _request(self, op: str, *args) -> tuple:
+        self._send(op, *args)
+        return self._reply()
+
+    def _send(self, op: str, *args) -> None:
         if self._closed:
             raise DataError(f"rank {self.rank}: the loader process is closed")
         self.position  # noqa: B018 (its first message, "built", comes before any reply)
         try:
             self._conn.send_bytes(pickle.dumps((op, args), protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:
+            self._died()
+
+    def _reply(self) -> tuple:
+        """The next reply, as (status, value); a step's batch is copied out of the shared-memory
+        slot here, before any further request lets the loader process rewrite it."""
+        try:
             status, value = pickle.loads(self._receive())
             if status == "batch":  # position, skipped, and the step's hand-over header
                 after, skipped, header = value
-                return after, skipped, self._receiver.receive(header)
+                return status, (after, skipped, self._receiver.receive(header))
         except (EOFError, OSError):
             self._died()
+        return status, value
+
+    def _value(self, reply: tuple):
+        status, value = reply
         if status == "error":
             raise DataError(f"rank {self.rank}: the loader process (pid {self.pid}) failed: "
                             f"{value}")
@@ -323,7 +390,7 @@ class ProcessFeed:
     def close(self, abort: bool = False) -> None:
         if abort:  # an error is on its way: the loader process is ended with the run
             return
-        self.loader.position = self.loader._ask("prefetch", self.loader.position, 0, None)
+        self.loader.prefetch(0)
 
 
 def feed_for(loader, steps: int, *, until: int | None = None, timeout_s: float = 1800.0):
@@ -332,144 +399,3 @@ def feed_for(loader, steps: int, *, until: int | None = None, timeout_s: float =
     if isinstance(loader, LoaderProcess):
         return loader.prefetch(steps, until)
     return Prefetcher(loader, steps, until=until, timeout_s=timeout_s)
-
-
-# ------------------------------------------------------------------- the loader process itself
-class _AheadFeed(Prefetcher):
-    """The step-ahead loop of the loader process: each step is pickled as it is made (on the
-    thread, while the trainer trains; its tensors' bytes are written into the shared-memory slot
-    only at its reply: `handover.py`), and nothing is pinned (no CUDA in this process)."""
-
-    def _make(self) -> _Made:
-        batch = self.loader.next_step()
-        return _Made(encode(batch), self.loader._step_start, self.loader._position(),
-                     self.loader.take_skipped())
-
-    def _take(self) -> _Made:
-        """A step made ahead, without waking the thread (`release` does, after the reply): it
-        would take the GIL from the reply's pipe writes (the hand-over took 5-20 ms a step)."""
-        with self._cond:
-            if self._made:
-                return self._made.popleft()
-        return super()._take()
-
-    def release(self) -> None:
-        """Let the thread make steps up to `ahead` past the steps taken (the reply is out)."""
-        with self._cond:
-            limit = self.position["step"] + self.ahead
-            self._limit = max(self._limit, limit if self.until is None else min(limit, self.until))
-            self._cond.notify_all()
-
-
-def _serve(parts: LoaderParts, pack_workers: int, world: World | None, conn,
-           cores: CorePlan, prefix: str) -> None:
-    """The loader process: requests in, replies out, until told to stop or orphaned."""
-    torch.set_num_threads(1)  # the trainer keeps the other cores
-    pin_self(cores.loader)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's; we follow it
-    try:
-        loader = parts.build(join_world(world), pack_workers, cores.pack_workers)
-        server = _Server(loader, world.timeout_s if world else 1800.0, Sender(prefix))
-        reply = ("ok", loader._position())
-    except Exception as e:
-        server, reply = None, ("error", _failure(e))
-    conn.send_bytes(pickle.dumps(reply))
-    parent = mp.parent_process()
-    watch = [conn] + ([parent.sentinel] if parent is not None else [])
-    try:
-        while server is not None:
-            if conn not in mp.connection.wait(watch):  # the training process is gone
-                break
-            try:
-                op, args = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                break
-            if not server.answer(conn, op, args):
-                break
-    finally:  # closed, orphaned, or the trainer's end of the pipe broke mid-reply
-        if server is not None:
-            server.sender.close()
-    os._exit(0)  # no interpreter shutdown: libraries' exit handlers (datasets sleeps 5 s)
-
-
-def _failure(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e} (in loader process pid {os.getpid()}):\n" \
-           f"{traceback.format_exc()}"
-
-
-class _Server:
-    """Answers the trainer's requests with the loader and its step-ahead loop."""
-
-    def __init__(self, loader: OmniLoader, timeout_s: float, sender: Sender):
-        self.loader, self.timeout_s, self.sender = loader, timeout_s, sender
-        self.feed = _AheadFeed(loader, 0, timeout_s=timeout_s)
-
-    def answer(self, conn, op: str, args: tuple) -> bool:
-        """Reply to one request; False: stop serving."""
-        try:
-            if op == "next":
-                encoded = self.feed.next_step()
-                made = self.feed.taken
-                # the request for this step has come: the trainer copied the last one out
-                header = self.sender.send(encoded)
-                conn.send_bytes(pickle.dumps(
-                    ("batch", (_sent_position(made), made.skipped, header)),
-                    protocol=pickle.HIGHEST_PROTOCOL))
-                self.feed.release()
-                return True
-            value = getattr(self, f"_{op}")(*args)
-        except Exception as e:  # every failure goes back as a reply: the trainer says it
-            value, op = _failure(e), "error"
-        conn.send_bytes(pickle.dumps(("error" if op == "error" else "ok", value)))
-        return op != "close"
-
-    def _go_to(self, position: dict) -> None:
-        """Stop making steps ahead and go to the trainer's `position` (its steps taken)."""
-        self.feed.position = position
-        self.feed.close()
-        self.feed.taken = None
-
-    def _state_dict(self, position: dict) -> dict:
-        return self.loader.state_dict(position)
-
-    def _load_state_dict(self, state: dict) -> dict:
-        self.feed.close()
-        self.loader.load_state_dict(state)
-        return self._prefetch(self.loader._position(), self.feed.ahead, self.feed.until)
-
-    def _set_weights(self, position: dict, weights: dict) -> dict:
-        self._go_to(position)
-        self.loader.set_weights(weights)
-        return self.loader._position()
-
-    def _restore(self, position: dict) -> dict:
-        self._go_to(position)
-        return self.loader._position()
-
-    def _prefetch(self, position: dict, steps: int, until: int | None) -> dict:
-        self._go_to(position)
-        self.feed = _AheadFeed(self.loader, steps, until=until, timeout_s=self.timeout_s)
-        return self.feed.position
-
-    def _counts(self):
-        return self.loader.counts
-
-    def _placement(self) -> dict:
-        """Where this process and its pack workers run, as the kernel says."""
-        pool = self.loader.batches.pool
-        return {"loader": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(),
-                "pack_workers": [sorted(os.sched_getaffinity(p.pid)) for p in pool._procs]
-                if pool is not None else []}
-
-    def _load_samples(self, keys: list[str]) -> list:
-        return self.loader.load_samples(keys)
-
-    def _close(self, abort: bool) -> None:
-        self.feed.close(abort=abort)
-        self.loader.close()
-        self.sender.close()
-
-
-def _sent_position(made: _Made) -> dict:
-    """The loader's position after the step just made: what the trainer resumes from."""
-    return made.after

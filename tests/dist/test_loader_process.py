@@ -99,6 +99,8 @@ def _killed(rank, world, root, built) -> dict:
     state = feed.state_dict()
     if rank == 1:
         os.kill(loader.pid, signal.SIGKILL)
+        loader._proc.join(10)  # dead before the next step is asked for (SIGKILL is asynchronous;
+        # the reply to the request sent early may have come before it: the death is still seen)
     t0 = time.monotonic()
     batch = feed.next_step()
     errors = [None] * world

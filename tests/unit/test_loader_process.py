@@ -17,6 +17,7 @@ import torch
 from ds_omni.data.build import cost_model_for
 from ds_omni.data.loader_process import LoaderParts, LoaderProcess, feed_for
 from ds_omni.data.rank_place import LoaderComms, LongSplits, RankPlace
+from tests import plants
 from tests.unit.test_loader import _all_tensors, _logged, _worker_loader, built  # noqa: F401
 
 
@@ -72,6 +73,33 @@ def test_the_loader_process_makes_the_steps_of_the_loader_in_process(built, tmp_
     assert "rank 0: the loader process (pid" in batch.error
     assert "died with signal SIGKILL" in batch.error and "data.workers 0" in batch.error
     assert not _segments(there)  # the trainer unlinked the slot it left
+
+
+@pytest.mark.slow
+def test_the_next_step_is_asked_for_early_and_kept_across_other_requests(built, tmp_path):
+    """While steps are made ahead, the request for the next step goes out as soon as a step is
+    received; a request in between (the state for a checkpoint) reads that reply first and
+    keeps its step for the next `next_step`: the same steps as in-process, none skipped."""
+    parts = _parts(built, tmp_path)
+    here = parts.build(LoaderComms(), 0)
+    there = LoaderProcess(parts, 1, timeout_s=60)
+    feed = feed_for(there, 1)
+    _same(here.next_step(), feed.next_step())
+    assert there._asked_next  # out while this step trains
+    assert here.state_dict() == feed.state_dict()  # the steps taken, not the one asked early
+    for _ in range(3):
+        _same(here.next_step(), feed.next_step())
+    assert there.early_replies == 3  # every step after the first came from an early request
+    feed.close()
+    assert there.state_dict() == here.state_dict()  # the step asked early was dropped
+    here.close(), there.close()
+
+
+@pytest.mark.parametrize("plant", plants.for_launch("early_reply"))
+@pytest.mark.slow
+def test_plant_early_reply(built, tmp_path, plant):
+    with plants.applied(plant, 0), pytest.raises(AssertionError):
+        test_the_next_step_is_asked_for_early_and_kept_across_other_requests(built, tmp_path)
 
 
 def _segments(loader: LoaderProcess) -> list[Path]:
