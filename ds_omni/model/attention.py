@@ -264,8 +264,12 @@ def _sdpa_per_sample(q, k, v, cu_seqlens, scaling, dropout, window=None, blocks=
     The row is cut with one `split` (its backward is one concatenation; a slice per sample would
     make each backward write a zero [1, h, T, D] gradient and add them up) and the outputs are
     concatenated in the [1, T, h, D] layout (no copy to make it contiguous): the same numbers,
-    about a tenth less time than slicing."""
-    bounds = cu_seqlens.tolist()
+    about a tenth less time than slicing. Bounds past the tokens at hand are clipped to them,
+    as slicing clipped them: a row shard that arrives with its whole row's bounds (a plan that
+    skipped its Ulysses group) computes other numbers, for the parity tests to catch
+    (`tests/plants.py`: sp_block_ignored), rather than a shape error."""
+    tokens = q.shape[1]
+    bounds = [min(b, tokens) for b in cu_seqlens.tolist()]
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
     # [1, T, h, D] -> [1, h, T, D] -> a [1, h, L, D] view per sample
     q_parts, k_parts, v_parts = (t.transpose(1, 2).split(lengths, dim=2) for t in (q, k, v))
