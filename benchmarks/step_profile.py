@@ -165,7 +165,7 @@ def attention_kernels(batches: list, reps: int) -> dict:
 
     def per_sample(cu):
         q, k, v = packed(cu)
-        return _sdpa_per_sample(q, k, v, cu, None, 0.0)
+        return _sdpa_per_sample(*(t.transpose(1, 2) for t in (q, k, v)), cu, None, 0.0)
 
     def dense_mask(cu):
         q, k, v = packed(cu)
