@@ -145,72 +145,103 @@ def top_list(step, n: int, limit: int = 25) -> str:
 
 
 def attention_kernels(batches: list, reps: int) -> dict:
-    """CPU seconds of forward + backward of one layer's attention over the micro-batches of
-    `batches`, per kernel: ds_omni's per-sample SDPA, one SDPA call with a dense block-diagonal
-    causal mask, flex_attention with a document mask (eager, CPU), and HF's padded batch (SDPA,
-    the [B, 1, L, L] causal-and-padding mask). Shapes of the tiny LLaVA's LLM (4 heads, 2 KV
-    heads, head dim 16)."""
+    """CPU seconds of forward + backward of one layer's attention over the packed rows of
+    `batches` (median per row), per kernel, and whether each gives bitwise ds_omni's numbers
+    (output and q, k, v gradients): ds_omni's per-sample SDPA; one SDPA call with a dense
+    block-diagonal causal mask; flex_attention with a document mask (eager, CPU); the samples
+    padded at their ends into [n, L] and one causal SDPA call (no mask: a causal query never
+    sees the end padding), the padding and unpadding included; and HF's padded batch as HF lays
+    it out (SDPA with the [B, 1, L, L] causal-and-padding mask, the tensors made padded). Shapes
+    of the tiny LLaVA's LLM (4 heads, 2 KV heads, head dim 16)."""
     import torch
     import torch.nn.functional as F
     from ds_omni.model.attention import _sdpa_per_sample
     heads, kv, dim = 4, 2, 16
     rows = [mb.cu_seqlens for b in batches for mb in b.micro_batches]
 
-    def packed(cu):
-        t = int(cu[-1])
+    def packed(cu):  # [1, T, h, D] (q) and [1, T, hkv, D] (k, v), as a layer projects them
         g = torch.Generator().manual_seed(0)
-        q = torch.randn(1, t, heads, dim, generator=g, requires_grad=True)
-        k, v = (torch.randn(1, t, kv, dim, generator=g, requires_grad=True) for _ in range(2))
-        return q, k, v
+        return (torch.randn(1, int(cu[-1]), n, dim, generator=g).requires_grad_()
+                for n in (heads, kv, kv))
 
-    def per_sample(cu):
-        q, k, v = packed(cu)
+    def per_sample(q, k, v, cu):
         return _sdpa_per_sample(*(t.transpose(1, 2) for t in (q, k, v)), cu, None, 0.0)
 
-    def dense_mask(cu):
-        q, k, v = packed(cu)
+    def dense_mask(q, k, v, cu):
         doc = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff())
         pos = torch.arange(int(cu[-1]))
         mask = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])  # [T, T]
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                              v.transpose(1, 2), attn_mask=mask,
-                                              enable_gqa=True)
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                             attn_mask=mask, enable_gqa=True)
+        return out.transpose(1, 2)
 
-    def flex(cu):
+    def flex(q, k, v, cu):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        q, k, v = packed(cu)
         doc = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff())
         t = int(cu[-1])
         block = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi),
                                   None, None, t, t, device="cpu")
-        return flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                              block_mask=block, enable_gqa=True)
+        out = flex_attention(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=block,
+                             enable_gqa=True)
+        return out.transpose(1, 2)
 
-    def padded(cu):
+    def padded_causal(q, k, v, cu):
+        lengths = cu.diff()
+        n, width = len(lengths), int(lengths.max())
+        pos = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], lengths)
+        slot = torch.repeat_interleave(torch.arange(n), lengths) * width + pos  # [T]
+
+        def pad(t):  # [1, T, h, D] -> [n, h, L, D]
+            flat = t.new_zeros(n * width, *t.shape[2:]).index_copy(0, slot, t[0])
+            return flat.view(n, width, *t.shape[2:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True,
+                                             enable_gqa=True)  # [n, h, L, D]
+        return out.transpose(1, 2).reshape(n * width, heads, dim).index_select(0, slot)[None]
+
+    def hf_padded(cu):
         lengths = cu.diff()
         b, width = len(lengths), int(lengths.max())
         g = torch.Generator().manual_seed(0)
-        q = torch.randn(b, heads, width, dim, generator=g, requires_grad=True)
-        k, v = (torch.randn(b, kv, width, dim, generator=g, requires_grad=True)
-                for _ in range(2))
+        q, k, v = (torch.randn(b, n, width, dim, generator=g).requires_grad_()
+                   for n in (heads, kv, kv))
         pos = torch.arange(width)
         mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, :] < lengths[:, None, None])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
                                               enable_gqa=True)
 
+    def run(fn, cu):
+        if fn is hf_padded:
+            out = fn(cu)
+            out.sum().backward()
+            return None
+        q, k, v = packed(cu)
+        out = fn(q, k, v, cu)
+        out.sum().backward()
+        return out.detach(), q.grad, k.grad, v.grad
+
+    reference = [run(per_sample, cu) for cu in rows]
     out = {}
     for name, fn in (("per_sample_sdpa", per_sample), ("dense_block_mask_sdpa", dense_mask),
-                     ("flex_attention_eager", flex), ("hf_padded_sdpa", padded)):
+                     ("flex_attention_eager", flex), ("padded_causal_sdpa", padded_causal),
+                     ("hf_padded_sdpa", hf_padded)):
         times = []
         try:
+            got = [run(fn, cu) for cu in rows]
             for _ in range(reps):
                 for cu in rows:
                     t0 = time.process_time()
-                    fn(cu).sum().backward()
+                    run(fn, cu)
                     times.append(time.process_time() - t0)
-            out[name] = {"cpu_s_per_row_median": statistics.median(times)}
         except Exception as e:  # a kernel this torch cannot run on CPU: say so
             out[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            continue
+        out[name] = {"cpu_s_per_row_median": statistics.median(times)}
+        if fn is not hf_padded:
+            out[name]["bitwise_rows"] = sum(all(map(torch.equal, a, b))
+                                            for a, b in zip(got, reference))
+            out[name]["max_abs_diff"] = max(float((x - y).abs().max()) for a, b in
+                                            zip(got, reference) for x, y in zip(a, b))
+            out[name]["rows"] = len(rows)
     return out
 
 
