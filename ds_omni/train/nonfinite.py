@@ -6,10 +6,9 @@ before any reduction spreads it). A hook keeps only its gradient's min and max (
 `torch.aminmax`: NaN and +-inf show in them, and unlike a sum they cannot overflow), which are
 checked together once a micro-batch: the hook runs for every parameter of every micro-batch, and
 four small ops in it (isfinite, all, not, or) cost a tiny LLaVA's step 7 % of its CPU
-(`benchmarks/step_profile.py`). The flag
-stays on the device; after the step's last backward `tripped()` all-reduces it once, so every
-rank decides the same, before the optimizer runs. Then
-`train.on_nonfinite` says what happens:
+(`benchmarks/step_profile.py`). The flag stays on the device; after the step's last backward
+`tripped()` all-reduces it once, so every rank decides the same, before the optimizer runs.
+Then `train.on_nonfinite` says what happens:
 
 - "stop": the run ends with an error naming the step's samples (nothing was updated);
 - "skip": the update is dropped: weights, optimizer state and LR schedule stay as they were, and
