@@ -92,13 +92,21 @@ def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=N
 def _step_totals(batch: StepBatch, comm: TorchDataComm) -> tuple[float, ...]:
     """(samples, modelled cost sum, its max, most micro-batches, target tokens, tokens) over the
     data-parallel ranks; a data problem or stop on any rank stops every rank here, before a
-    collective of the step could hang."""
+    collective of the step could hang.
+
+    Two collectives (three under SP): the token-group sums ride with a sum already made over
+    that group (the data-parallel one without SP, the SP peers' error check under SP)."""
     dp_group, token_group = comm.dp_group, comm.token_group
+    counts = [sum(mb.num_targets for mb in batch.micro_batches),
+              sum(mb.num_tokens for mb in batch.micro_batches)]
     local = [len(batch.keys), batch.modelled_cost, float(batch.error is not None),
              float(batch.stop is not None)]
-    samples, cost_sum, errors, stops = dist.all_reduce_sum(local, dp_group)
-    if comm.sp_size > 1:  # SP peers share every forward: one's data problem must stop the others
-        errors, stops = dist.all_reduce_sum(local[2:], token_group)
+    if token_group is dp_group:  # no SP
+        samples, cost_sum, errors, stops, targets, tokens = dist.all_reduce_sum(local + counts,
+                                                                                dp_group)
+    else:  # SP peers share every forward: one's data problem must stop the others
+        samples, cost_sum = dist.all_reduce_sum(local[:2], dp_group)
+        errors, stops, targets, tokens = dist.all_reduce_sum(local[2:] + counts, token_group)
     # a data problem on any rank stops every rank here, before a collective could hang
     if errors:
         raise DataError(_first_error(batch, comm))
@@ -108,9 +116,6 @@ def _step_totals(batch: StepBatch, comm: TorchDataComm) -> tuple[float, ...]:
         raise StopTraining("every data source is exhausted (on_exhausted='drop')")
     cost_max, n_micro = dist.all_reduce_max([batch.modelled_cost, len(batch.micro_batches)],
                                             dp_group)
-    targets, tokens = dist.all_reduce_sum([sum(mb.num_targets for mb in batch.micro_batches),
-                                           sum(mb.num_tokens for mb in batch.micro_batches)],
-                                          token_group)
     return samples, cost_sum, cost_max, n_micro, targets, tokens
 
 
