@@ -251,6 +251,7 @@ def main() -> None:
     p.add_argument("--ready", type=int, default=8, help="distinct step batches, cycled")
     p.add_argument("--profile", type=int, default=0, help="cProfile this many steps a side")
     p.add_argument("--attention", action="store_true", help="time the attention kernels")
+    # uniform.RESULTS: benchmarks/results, or DS_OMNI_BENCH_RESULTS (make bench's quick runs)
     p.add_argument("--out", default=str(uniform.RESULTS / "step_profile.json"))
     args = p.parse_args()
     import torch
