@@ -245,13 +245,16 @@ class LoaderProcess(TakenSteps):
         return self._ask("load_samples", keys)
 
     def close(self, abort: bool = False) -> None:
-        """Stop the loader process (and its pack workers)."""
+        """Stop the loader process (and its pack workers). `abort` (an error is on its way) with
+        a step asked for early: ended at once, not told, since it answers in order and that step
+        may wait on a peer that is gone (`_end` kills it if it does not stop)."""
         if self._closed:
             return
-        try:
-            self._ask("close", abort, moves=True)
-        except DataError:
-            pass
+        if not (abort and self._asked_next):
+            try:
+                self._ask("close", abort, moves=True)
+            except DataError:
+                pass
         self._end()
 
     # ---------------------------------------------------------------------------- requests

@@ -69,13 +69,26 @@ def predictions(cache=None) -> list[dict]:
 
 
 def check_predictions_match_the_unoptimized_simulator() -> None:
+    """Against the fixture, with the encoder pool's planning charge left out: that mechanism
+    came after 0bfff07 (`step.plan_pool`: its metadata all-gather and its planning CPU, both
+    before the rounds, none of the fast paths'), and `tests/unit/test_sim_pool.py` checks it
+    exactly; that it runs at all is checked below."""
+    from unittest import mock
+
+    from ds_omni.sim import step as sim_step
     saved = json.loads(FIXTURE.read_text())
     assert [s["plan"] for s in saved] == PLANS
     cache: dict = {}
-    for run in (predictions(), predictions(cache), predictions(cache)):  # cold, filling, hits
+    with mock.patch.object(sim_step, "plan_pool", lambda step: None):
+        runs = (predictions(), predictions(cache), predictions(cache))  # cold, filling, hits
+    for run in runs:
         for got, want in zip(run, saved):
             for key, value in want["report"].items():
                 assert got["report"][key] == value, (want["plan"], key)  # exact, bit for bit
+    pooled = [i for i, plan in enumerate(PLANS) if plan.get("encoder_mode") == "pool"]
+    charged = predictions()  # the pool's planning in: those plans' steps only, and later
+    assert all((charged[i]["report"]["step_time"] > saved[i]["report"]["step_time"])
+               == (i in pooled) for i in range(len(PLANS)))
 
 
 @pytest.mark.slow  # ~3 s: 42 simulations
