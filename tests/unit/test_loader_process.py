@@ -93,6 +93,13 @@ def test_the_next_step_is_asked_for_early_and_kept_across_other_requests(built, 
     feed.close()
     assert there.state_dict() == here.state_dict()  # the step asked early was dropped
     here.close(), there.close()
+    failing = LoaderProcess(parts, 1, timeout_s=60)  # a run that fails with a step asked early
+    feed = feed_for(failing, 1)
+    feed.next_step()
+    t0 = time.perf_counter()
+    failing.close(abort=True)  # ended, not told: that step may wait on a peer that is gone
+    assert time.perf_counter() - t0 < 10 and not failing._proc.is_alive()
+    assert not _segments(failing)
 
 
 @pytest.mark.parametrize("plant", plants.for_launch("early_reply"))
