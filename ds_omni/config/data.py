@@ -188,8 +188,9 @@ class DataConfig:
     Jinja file, or "auto": "model" when the tokenizer has a template, else "plain". Checkpoints
     and HF exports carry the template used."""
     prefetch_steps: int = 1
-    """Steps whose batches a background thread reads, processes and packs while the current step
-    trains (same samples, same order); 0 loads each step when it is due."""
+    """Steps whose batches are read, processed and packed while the current step trains (a
+    background thread, or the loader process with `workers` >= 1, which also sends the next one
+    before it is asked for; same samples, same order); 0 loads each step when it is due."""
     workers: int | Literal["auto"] = "auto"
     """Processes per rank that load: N >= 1 runs the whole loader (reading, balancing with its
     all-gathers, the state, the step-ahead loop) in one loader process per rank, plus N - 1
