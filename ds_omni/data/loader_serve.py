@@ -43,18 +43,16 @@ class AheadFeed(Prefetcher):
         with self._cond:
             if self._made:
                 return self._made.popleft()
-        if not self.early:
-            return super()._take()
-        self.ahead -= 1  # (super()'s limit: the steps after this one that may be made now)
-        try:
-            return super()._take()
-        finally:
-            self.ahead += 1
+        return super()._take()
+
+    def _ahead_now(self) -> int:
+        """A step asked for early is itself one of the `ahead` made while a step trains."""
+        return self.ahead - self.early
 
     def release(self) -> None:
         """Let the thread make steps up to `ahead` past the steps taken (the reply is out)."""
         with self._cond:
-            limit = self.position["step"] + self.ahead - self.early
+            limit = self.position["step"] + self._ahead_now()
             self._limit = max(self._limit, limit if self.until is None else min(limit, self.until))
             self._cond.notify_all()
 

@@ -147,11 +147,16 @@ class Prefetcher(TakenSteps):
         return _Made(batch, self.loader._step_start, self.loader._position(),
                      self.loader.take_skipped())
 
+    def _ahead_now(self) -> int:
+        """The steps past the one being taken that may be made while it trains."""
+        return self.ahead
+
     def _take(self) -> _Made:
         want = self.position["step"]
         with self._cond:
-            self._limit = want + 1 + self.ahead if self.until is None else \
-                min(want + 1 + self.ahead, self.until)
+            ahead = self._ahead_now()
+            self._limit = want + 1 + ahead if self.until is None else \
+                min(want + 1 + ahead, self.until)
             self._limit = max(self._limit, want + 1)
             self._cond.notify_all()
             if self._thread is None:
