@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
 MAX_FIELD_DOC_LINES = 2  # a config field's docstring; the long explanation lives in docs/
+MAX_MODULE_DOC_LINES = 15  # what a module is for and what it is not; the why lives in docs/
 
 
 def _modules() -> dict[str, Path]:
@@ -163,6 +164,15 @@ def test_modules_and_functions_are_short():
     assert not long_modules + long_functions, (
         f"over {MAX_MODULE_LINES} lines a module, {MAX_FUNCTION_LINES} a function (split by what "
         "each part is):\n" + "\n".join(long_modules + long_functions))
+
+
+def test_module_docstrings_are_short():
+    long_docs = [f"{p.relative_to(PACKAGE.parent)}: {n} lines" for p in MODULES.values()
+                 if (doc := ast.get_docstring(ast.parse(p.read_text()), clean=False))
+                 and (n := len(doc.strip("\n").splitlines())) > MAX_MODULE_DOC_LINES]
+    assert not long_docs, (f"module docstrings over {MAX_MODULE_DOC_LINES} lines (say what the "
+                           "module is for; move the explanation to docs/ and name where):\n"
+                           + "\n".join(long_docs))
 
 
 def long_field_docs(paths) -> list[str]:
