@@ -3,9 +3,9 @@ stage, per-sequence SP, where encoders run, reorder group, checkpointing), each 
 with its reason or ranked by its simulated step time.
 
 Three filters, cheapest first, none of which can drop a plan that would have ranked:
-1. Training's rules (`SimPlan.parallel_plan` and `check_model`: the world size, tp and sp
-   dividing the heads, ep the experts, ZeRO limits of tp and the pipeline; from a config also
-   `plan_run`'s checks, through `check`): a refused plan is dropped with training's message.
+1. Training's rules (the composition table, `ds_omni.config.composition`; `SimPlan.parallel_plan`
+   and `check_model`: the world size, tp and sp dividing the heads, ep the experts; from a config
+   also `plan_run`'s checks, through `check`): a refused plan is dropped with training's message.
 2. Model states (exact, the simulator's own `state_shards` and ZeRO arithmetic): a plan whose
    states alone exceed a GPU's memory is dropped "out of memory" with the figures.
 3. Branch and bound: each plan gets a lower bound on its step time (`lower_bound`: its compute
@@ -113,8 +113,8 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
     for sp, pp, tp, ep, msp in itertools.product(*[space.degrees] * 5):
         if tp > gpus_per_node or sp > gpus_per_node or (ep > 1 and model.moe is None):
             continue
-        if tp > 1 and sp > 1 and (tp * sp > gpus_per_node or pp > 1 or msp > 1):
-            continue  # tp x sp inside a node, and without pp / per-sequence SP (training's rule)
+        if tp * sp > gpus_per_node:
+            continue  # tp x sp inside a node
         if sp * pp * tp > gpus or gpus % (sp * pp * tp):
             continue
         dp = gpus // (sp * pp * tp)
@@ -122,8 +122,8 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
         for zero, mode, place, group, ckpt in itertools.product(
                 space.zero_stages, space.encoder_modes, space.encoder_placements,
                 space.reorder_groups, space.checkpointing):
-            if (place != "stage0" and pp == 1) or (mode == "pool" and tp > 1 and sp > 1):
-                continue  # (the pool runs with tp or with sp, not both: training's rule)
+            if place != "stage0" and pp == 1:
+                continue  # the placement acts under pp only
             fields = dict(name="candidate", dp=dp, sp=sp, pp=pp, tp=tp, ep=ep,
                           max_sequence_sp=msp, zero_stage=zero, encoder_mode=mode,
                           encoder_placement=place, reorder_group=min(group, dp),
@@ -154,6 +154,7 @@ def search(cluster: Cluster, model: ModelSpec, samples: Samples, base: SimPlan, 
     for k, fields in enumerate(plans):
         try:
             plan = base.replace(**fields)
+            plan.check_composition(launch=True)  # what the table refuses, with its reason
             shell = Shell(cluster, model, samples, plan, stage_plans, pplans)
             heap.append((_admit(shell, check, totals), k, False, plan, shell))
         except DsOmniError as e:
