@@ -198,11 +198,16 @@ def message(rule: Rule, s: Setting) -> str:
             f"{' when ' + when if when else ''}: {rule.reason}; {rule.fix}")
 
 
+# The rules the parallel section decides alone first, then those that read the ZeRO stage, then
+# the launch's: a plan that several rules refuse is named by the same one wherever it is checked.
+ORDER = sorted(RULES, key=lambda r: ("zero" in (r.a, r.b, *r.shows), r.launch_only))
+
+
 def refusal(s: Setting, launch: bool = True) -> Rule | None:
-    """The first rule that refuses `s`, or None. `launch=False`: without the rules only
-    training's launch applies (`Rule.launch_only`)."""
+    """The first rule (in `ORDER`) that refuses `s`, or None. `launch=False`: without the rules
+    only training's launch applies (`Rule.launch_only`)."""
     on = {f.name for f in FEATURES if f.on(s)}
-    for rule in RULES:
+    for rule in ORDER:
         if (rule.refused is not None and rule.a in on and rule.b in on and rule.refused(s)
                 and (launch or not rule.launch_only)):
             return rule
