@@ -177,7 +177,7 @@ def _training_verdict(fields: dict) -> str | None:
     return None
 
 
-def test_the_search_drops_what_training_refuses_with_its_reason():
+def check_search_agrees_with_training() -> None:
     """Over every degree of {1, 2} (sp, tp, pp, ep, max_sequence_sp), every ZeRO stage, pool or
     not, both placements, on 8 GPUs with room for every plan's states: a candidate the
     training's validator refuses is dropped with its message; one it accepts is never dropped
@@ -197,6 +197,19 @@ def test_the_search_drops_what_training_refuses_with_its_reason():
         assert dropped.get(plan) == verdicts[plan], plan
     for plan, reason in dropped.items():
         assert plan in refused or "cannot be combined" not in reason, (plan, reason)
+
+
+def test_the_search_drops_what_training_refuses_with_its_reason():
+    check_search_agrees_with_training()
+
+
+def test_the_agreement_sees_a_search_that_ranks_what_only_the_launch_refuses(monkeypatch):
+    """Planted: the search checks the table as the simulator does (without the launch's rules),
+    so it would rank pp x sp plans that `ds-omni train` refuses."""
+    honest = SimPlan.check_composition
+    monkeypatch.setattr(SimPlan, "check_composition", lambda self, launch=False: honest(self))
+    with pytest.raises(AssertionError, match="pp=2"):
+        check_search_agrees_with_training()
 
 
 def test_docs_composition_md_is_the_table():
