@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from ds_omni.errors import DsOmniError, LaunchError
+from ds_omni.errors import ConfigError, DsOmniError, LaunchError
 
 DESCRIPTION = "Train multimodal LLMs (vision/audio encoders + an HF LLM) on DeepSpeed, and plan, " \
     "convert and check a run."
@@ -99,9 +99,12 @@ def _plan_args(sub) -> None:
     pl = _command(sub, "plan", "Print the parallel plan, its rank layout and the derived DeepSpeed "
                                "config, without launching.",
                   "ds-omni plan --config examples/tiny_llava.json --deepspeed "
-                  "ds_configs/zero2.json --world-size 8")
-    pl.add_argument("--config", required=True, help="ds_omni JSON config")
-    pl.add_argument("--deepspeed", required=True, help="DeepSpeed JSON config")
+                  "ds_configs/zero2.json --world-size 8", "ds-omni plan --composition")
+    pl.add_argument("--config", help="ds_omni JSON config (required but for --composition)")
+    pl.add_argument("--deepspeed", help="DeepSpeed JSON config (required but for --composition)")
+    pl.add_argument("--composition", action="store_true",
+                    help="print which parallel features compose, and why a pair is refused "
+                         "(docs/composition.md)")
     pl.add_argument("--world-size", type=int, help="ranks the run would have (--simulate: --gpus)")
     pl.add_argument("--gpus-per-node", type=int, default=None,
                     help="ranks per node: also print which groups cross nodes (--simulate: "
@@ -203,7 +206,6 @@ def cmd_train(args) -> None:
 
 
 def cmd_supervise(args) -> int:
-    from ds_omni.errors import ConfigError
     from ds_omni.train.supervise import output_dir_of, supervise
     command = args.run_command[1:] if args.run_command[:1] == ["--"] else args.run_command
     if not command:
@@ -244,7 +246,15 @@ def cmd_plan(args) -> None:
     """Print the plan, its rank layout and the derived DeepSpeed config (and the pipeline's
     stages), as the training's own set-up builds them (`ds_omni.train.setup.plan_run`): what can
     be checked without launching is checked (the world size, the SP degree against the LLM's
-    heads, the reorder group). --simulate / --search: the simulator's report instead."""
+    heads, the reorder group). --simulate / --search: the simulator's report instead;
+    --composition: the table of what composes (no config)."""
+    if args.composition:
+        from ds_omni.config.composition_doc import markdown
+        print(markdown(), end="")
+        return
+    missing = [f"--{name}" for name in ("config", "deepspeed") if getattr(args, name) is None]
+    if missing:
+        raise ConfigError(f"ds-omni plan needs {' and '.join(missing)} (or --composition alone)")
     if not (args.simulate or args.search):
         from ds_omni.config import load_config
         from ds_omni.train.ds_config import load_ds_json

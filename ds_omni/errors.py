@@ -14,6 +14,10 @@ class ConfigError(DsOmniError):
     """A config file or field is missing, unknown or has a bad value."""
 
 
+class CompositionError(ConfigError):
+    """Two features of the plan do not compose (`ds_omni.config.composition`'s table)."""
+
+
 class LaunchError(DsOmniError):
     """The world size, launcher environment or output directory does not fit the plan."""
 

@@ -7,6 +7,7 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
+from ds_omni.config.composition import check_composition
 from ds_omni.errors import ConfigError
 
 StageSplit = Literal["cost", "parameters", "layers"]  # parallel.stage_split (parallel/stages.py)
@@ -61,12 +62,6 @@ class ParallelConfig:
         if self.encoder_pool not in ("off", "dp"):
             raise ConfigError(f"parallel.encoder_pool must be \"off\" or \"dp\", got "
                               f"{self.encoder_pool!r}")
-        if self.encoder_pool == "dp" and self.pp > 1:
-            raise ConfigError(
-                "parallel.encoder_pool=\"dp\" spreads the items of rows held by one rank or by "
-                "an SP group; it cannot be combined with pipeline stages in this version "
-                f"(pp={self.pp}): set encoder_pool to \"off\" (encoder_placement \"uniform\" "
-                "balances encoders over the stages there) or pp to 1")
         if isinstance(self.encoder_sp, str) and self.encoder_sp not in ("auto", "off"):
             raise ConfigError(f"parallel.encoder_sp must be \"auto\", \"off\" or a cost threshold "
                               f"(a number >= 0), got {self.encoder_sp!r}")
@@ -87,21 +82,6 @@ class ParallelConfig:
         d = self.max_sequence_sp
         if d & (d - 1):
             raise ConfigError(f"parallel.max_sequence_sp must be a power of two, got {d}")
-        if d > 1 and (self.sp > 1 or self.pp > 1):
-            raise ConfigError("parallel.max_sequence_sp > 1 chooses an SP degree per sequence; it "
-                              f"cannot be combined with a static parallel.sp={self.sp} or "
-                              f"parallel.pp={self.pp} in this version: set those to 1")
-        if self.tp > 1 and (self.pp > 1 or d > 1):
-            raise ConfigError(
-                f"parallel.tp={self.tp} cannot be combined with parallel.pp={self.pp} or "
-                f"parallel.max_sequence_sp={d} in this version (DeepSpeed's pipeline engine has "
-                "no AutoTP path, and per-sequence SP blocks are runs of consecutive ranks, which "
-                "tp would cut across): set those to 1, or tp to 1 (a static parallel.sp works "
-                "with tp)")
-        if self.tp > 1 and self.sp > 1 and self.encoder_pool != "off":
-            raise ConfigError(f"parallel.encoder_pool={self.encoder_pool!r} with both parallel.tp="
-                              f"{self.tp} and parallel.sp={self.sp} is not supported in this "
-                              "version (the pool runs with tp or with sp): set encoder_pool to "
-                              "\"off\", or tp or sp to 1")
         if self.dp != "auto" and self.dp < 1:
             raise ConfigError(f"parallel.dp must be >= 1 or \"auto\", got {self.dp}")
+        check_composition(self, launch=False)  # the pairs: config/composition.py

@@ -243,9 +243,8 @@ def _powers_of_two(low: int, high: int) -> list[int]:
 
 def check_expert_parallel(cfg: ParallelConfig, dp: int) -> None:
     """parallel.ep fits the plan: it divides the dp x sp ranks (expert-parallel groups are drawn
-    from the sequence x data group, as DeepSpeed's AutoEP draws them), and tp, pp are off (this
-    version). Ulysses SP and per-sequence SP combine with it: each sample's aux-loss statistics
-    are summed over the ranks its row is split over (`ds_omni.model.moe_aux`)."""
+    from the sequence x data group, as DeepSpeed's AutoEP draws them). What it composes with is
+    `ds_omni.config.composition`'s table."""
     if cfg.ep == 1:
         return
     if (dp * cfg.sp) % cfg.ep:
@@ -253,16 +252,3 @@ def check_expert_parallel(cfg: ParallelConfig, dp: int) -> None:
                           f"sequence-parallel ranks {dp} x {cfg.sp} = {dp * cfg.sp}: "
                           "expert-parallel groups are drawn from those ranks; launch a multiple "
                           f"of {cfg.ep} of them or change parallel.ep")
-    if cfg.tp > 1:
-        raise LaunchError(
-            f"parallel.ep={cfg.ep} cannot be combined with parallel.tp={cfg.tp} in this version: "
-            "DeepSpeed 0.19.8's AutoTP cannot shard the MoE families AutoEP has presets for (their "
-            "HF tensor-parallel plans use the 'packed_colwise' and 'moe_tp_experts' styles, which "
-            "its TPPlanConverter rejects), and expert-parallel groups inside the data-parallel "
-            "ranks of each TP rank are not built. What works for an MoE LLM: parallel.ep inside "
-            "dp x sp (with parallel.sp or parallel.max_sequence_sp), under ZeRO 1 or 2 (ZeRO-3 "
-            "with sp = 1) to spread the rest; set parallel.tp to 1 (tp is for dense LLMs)")
-    if cfg.pp > 1:
-        raise LaunchError(f"parallel.ep={cfg.ep} cannot be combined with parallel.pp={cfg.pp} in "
-                          "this version (a pipeline stage does not see the whole sample for the "
-                          "MoE auxiliary loss): set parallel.pp to 1")

@@ -334,15 +334,10 @@ def is_pipeline(engine) -> bool:
 
 
 def check_pipeline(cfg, ds_config: dict, llm_config) -> None:
-    """What parallel.pp > 1 cannot run with, said before any process group exists
-    (`llm_config`: the LLM's HF config)."""
+    """What parallel.pp > 1 cannot run with besides the other features (those are
+    `ds_omni.config.composition`'s table), said before any process group exists (`llm_config`:
+    the LLM's HF config)."""
     pp = cfg.parallel.pp
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if stage not in (0, 1):
-        raise LaunchError(f"parallel.pp={pp} with ZeRO stage {stage}: DeepSpeed's pipeline engine "
-                          "runs with ZeRO 0 or 1 only (it partitions the model itself); use "
-                          "ds_configs/zero1.json (or zero_optimization.stage 0/1) or set "
-                          "parallel.pp to 1")
     check_stages(llm_config.num_hidden_layers, pp)
     if getattr(llm_config, "tie_word_embeddings", False):
         raise LaunchError(TIED)
@@ -352,12 +347,6 @@ def check_pipeline(cfg, ds_config: dict, llm_config) -> None:
                           "DeepSpeed then moves each gradient into fp32 as it is made, before the "
                           "encoders' gradients are summed over the pipeline's stages; remove "
                           "immediate_grad_update from the DeepSpeed config (or use \"stage0\")")
-    if cfg.parallel.sp > 1:
-        raise LaunchError(f"parallel.pp={pp} with parallel.sp={cfg.parallel.sp}: the pipeline "
-                          "engine runs without Ulysses sequence parallelism (DeepSpeed builds its "
-                          "groups from the pipeline's own grid of pipe, data and model axes and "
-                          "refuses an mpu, so no SP group gets its gradients summed; "
-                          "docs/parallelism.md, \"PP x SP\"); set one of them to 1")
     unsupported = {"data.reorder.mode \"budget\" (its micro-batch count varies per rank; the "
                    "pipeline schedule runs a fixed number)": cfg.data.reorder.mode == "budget",
                    "data.eval_sources (validation)": bool(cfg.data.eval_sources)}

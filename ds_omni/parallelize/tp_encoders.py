@@ -64,9 +64,9 @@ class TPEncoders:
         and its part of the gather; host tensors, before the batch moves to the device."""
         if mb.route.tp_encode is None:
             if mb.route.reshard is not None:
-                raise ModelError("parallel.tp: this micro-batch is also resharded over an SP "
-                                 "group (parallel.sp > 1), which the encoders' split over the TP "
-                                 "ranks does not handle yet; set parallel.sp to 1")
+                raise RuntimeError("TPEncoders got a micro-batch resharded over an SP group: "
+                                   "under parallel.sp > 1 the SP ranks split a row's items and "
+                                   "no TPEncoders is built (ParallelConfig.tp_encodes_apart)")
             mb = tp_share(mb, self.processors, self.rank, self.size, self.item_cost)
         self.counts.rows += 1
         self.counts.row_items += sum(map(len, mb.items.values()))

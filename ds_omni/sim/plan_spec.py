@@ -3,7 +3,9 @@ stage, the loader's reorder mode and group, per-sequence SP, where encoders run)
 baselines need that ds_omni does not do (encoders on their own GPUs, every item split).
 
 `parallel_plan` resolves it through the same `ParallelPlan.from_config` and config validation as
-training, so a plan the simulator accepts is one `ds-omni train` accepts, and the reverse.
+training, and `check_composition` reads the same table (`ds_omni.config.composition`), so a plan
+the simulator accepts is one `ds-omni train` accepts, and the reverse; but for the pairs only
+training's launch refuses (`Rule.launch_only`), which it models and the plan search drops.
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from ds_omni.config import ParallelConfig, ReorderConfig
+from ds_omni.config.composition import Setting, check_composition
 from ds_omni.errors import ConfigError, ModelError
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.parallelize.expert_parallel import autoep_section
 from ds_omni.parallelize.tensor_parallel import check_tensor_parallel, check_tp_with_sp
 from ds_omni.sim.encode_sim import ENCODER_MODES
-from ds_omni.train.ds_config import check_expert_sequence_ds, check_tensor_parallel_ds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,12 +77,6 @@ class SimPlan:
         if self.global_batch < 1 or self.micro_batches < 1 or self.pack_tokens < 1:
             raise ConfigError(f"SimPlan needs global_batch, micro_batches and pack_tokens >= 1, "
                               f"got {self.global_batch}, {self.micro_batches}, {self.pack_tokens}")
-        if self.pp > 1 and self.zero_stage > 1:
-            raise ConfigError(f"DeepSpeed's pipeline engine runs ZeRO 0 or 1 only, got "
-                              f"zero_stage={self.zero_stage} with pp={self.pp}")
-        if self.pp > 1 and self.encoder_mode == "pool":
-            raise ConfigError("encoder_mode=\"pool\" needs pp = 1 (parallel.encoder_pool); use "
-                              "encoder_placement=\"uniform\" under a pipeline")
 
     def replace(self, **changes) -> "SimPlan":
         return dataclasses.replace(self, **changes)
@@ -90,6 +86,16 @@ class SimPlan:
             raise ConfigError(f"encoder_gpus={self.encoder_gpus} must leave GPUs for the LLM "
                               f"out of {gpus}")
         return gpus - self.encoder_gpus
+
+    def check_composition(self, launch: bool = False) -> None:
+        """The composition table's rules on this plan, under its ZeRO stage (`launch`: also
+        those only training's launch applies, which the simulator models: the search does not
+        rank them)."""
+        pool = "dp" if self.encoder_mode == "pool" else "off"
+        setting = Setting(sp=self.sp, max_sequence_sp=self.max_sequence_sp, tp=self.tp,
+                          pp=self.pp, ep=self.ep, encoder_placement=self.encoder_placement,
+                          encoder_pool=pool, zero=self.zero_stage)
+        check_composition(setting, launch=launch)
 
     def parallel_plan(self, gpus: int) -> ParallelPlan:
         """The plan over the LLM's GPUs, resolved and checked by training's own code."""
@@ -104,13 +110,14 @@ class SimPlan:
         return ParallelPlan.from_config(cfg, world, reorder)
 
     def check_model(self, model) -> None:
-        """Training's rules that need the model (a `ModelSpec`): tp divides the LLM's heads and
-        MLP width and runs under ZeRO 0-2, ep divides an MoE LLM's experts, an SP degree divides
-        its heads. With the LLM's HF config (`ModelSpec.text_config`) training's own checks run
-        (`check_tensor_parallel`, `autoep_section`); without it, the same rules on its sizes."""
+        """Training's rules that need the model (a `ModelSpec`), after the composition table's
+        under the plan's ZeRO stage: tp divides the LLM's heads and MLP width, ep divides an MoE
+        LLM's experts, an SP degree divides its heads. With the LLM's HF config
+        (`ModelSpec.text_config`) training's own checks run (`check_tensor_parallel`,
+        `autoep_section`); without it, the same rules on its sizes."""
+        self.check_composition()
         text = model.text_config
         if self.tp > 1:
-            check_tensor_parallel_ds({"zero_optimization": {"stage": self.zero_stage}}, self.tp)
             if text is not None:
                 check_tensor_parallel(text, self.tp, "the LLM")
                 if self.sp > 1:
@@ -125,8 +132,6 @@ class SimPlan:
             if model.moe is None:
                 raise ConfigError(f"parallel.ep={self.ep} needs an MoE LLM; this one is dense: "
                                   "set parallel.ep to 1")
-            check_expert_sequence_ds({"zero_optimization": {"stage": self.zero_stage}}, self.ep,
-                                     self.sp)
             if text is not None:
                 autoep_section(text, self.ep)
             elif model.moe.experts % self.ep:

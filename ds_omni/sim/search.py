@@ -2,13 +2,14 @@
 reason or ranked by its simulated step time.
 
 Three filters, cheapest first, none of which can drop a plan that would have ranked: training's
-own rules (`SimPlan.parallel_plan`, `check_model`, `plan_run`'s checks: dropped with training's
-message); model states that alone exceed a GPU's memory; and branch and bound: plans simulated in
-order of a lower bound on their step time (compute spread perfectly, plus the traffic no schedule
-hides), stopping when the next bound is no better than the top-th best found. Plans share the
-loader's planning, encoder placements and resolved parallel plans where they can
-(`simulate(..., cache=)`). A time budget (`budget_s`) stops early and says how many plans were
-left and their best bound. More: docs/simulator.md.
+own rules (the composition table, `ds_omni.config.composition`; `SimPlan.parallel_plan`,
+`check_model`, `plan_run`'s checks: dropped with training's message); model states that alone
+exceed a GPU's memory; and branch and bound: plans simulated in order of a lower bound on their
+step time (compute spread perfectly, plus the traffic no schedule hides), stopping when the next
+bound is no better than the top-th best found. Plans share the loader's planning, encoder
+placements and resolved parallel plans where they can (`simulate(..., cache=)`). A time budget
+(`budget_s`) stops early and says how many plans were left and their best bound.
+More: docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
     for sp, pp, tp, ep, msp in itertools.product(*[space.degrees] * 5):
         if tp > gpus_per_node or sp > gpus_per_node or (ep > 1 and model.moe is None):
             continue
-        if tp > 1 and sp > 1 and (tp * sp > gpus_per_node or pp > 1 or msp > 1):
-            continue  # tp x sp inside a node, and without pp / per-sequence SP (training's rule)
+        if tp * sp > gpus_per_node:
+            continue  # tp x sp inside a node
         if sp * pp * tp > gpus or gpus % (sp * pp * tp):
             continue
         dp = gpus // (sp * pp * tp)
@@ -109,8 +110,8 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
         for zero, mode, place, group, ckpt in itertools.product(
                 space.zero_stages, space.encoder_modes, space.encoder_placements,
                 space.reorder_groups, space.checkpointing):
-            if (place != "stage0" and pp == 1) or (mode == "pool" and tp > 1 and sp > 1):
-                continue  # (the pool runs with tp or with sp, not both: training's rule)
+            if place != "stage0" and pp == 1:
+                continue  # the placement acts under pp only
             fields = dict(name="candidate", dp=dp, sp=sp, pp=pp, tp=tp, ep=ep,
                           max_sequence_sp=msp, zero_stage=zero, encoder_mode=mode,
                           encoder_placement=place, reorder_group=min(group, dp),
@@ -141,6 +142,7 @@ def search(cluster: Cluster, model: ModelSpec, samples: Samples, base: SimPlan, 
     for k, fields in enumerate(plans):
         try:
             plan = base.replace(**fields)
+            plan.check_composition(launch=True)  # what the table refuses, with its reason
             shell = Shell(cluster, model, samples, plan, stage_plans, pplans)
             heap.append((_admit(shell, check, totals), k, False, plan, shell))
         except DsOmniError as e:

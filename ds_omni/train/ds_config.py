@@ -56,6 +56,11 @@ def derived_fields(cfg: OmniConfig, plan: ParallelPlan) -> dict:
     return fields
 
 
+def zero_stage(ds: dict) -> int:
+    """The DeepSpeed config's ZeRO stage (0 where it names none, as DeepSpeed reads it)."""
+    return ds.get("zero_optimization", {}).get("stage", 0)
+
+
 def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
     """The user's DeepSpeed config with the derived fields filled in; conflicts are errors."""
     out = copy.deepcopy(user)
@@ -69,13 +74,11 @@ def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
                               "and parallel.sp > 1 (DeepSpeed then scales gradients differently "
                               "by bucket size); remove it or set it to true")
         zero["reduce_scatter"] = True
-    check_tensor_parallel_ds(out, plan.tp)  # also at tp 1: the engine's own switch
+    check_engine_autotp(out)
     if plan.ep_enabled:  # AutoEP, with the router settings of the LLM's own config
         section = out.setdefault("expert_parallel", {})
         for key, value in autoep_section(llm_text_config(cfg.model)[1], plan.ep).items():
             _merge(section, key, value, where=f"expert_parallel.{key}")
-        check_expert_sequence_ds(out, plan.ep, plan.sp)
-        check_expert_zero3_export(out, plan.ep, cfg.train.export_hf)
     train = cfg.train
     optimizer = out.get("optimizer")
     if optimizer is not None:
@@ -96,51 +99,18 @@ def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
     return out
 
 
-def check_expert_sequence_ds(ds: dict, ep: int, sp: int) -> None:
-    """parallel.ep with parallel.sp > 1 runs ZeRO 1 or 2: there DeepSpeed divides every
-    gradient by dp before its reduction (experts over the ranks holding the same ones), where
-    ZeRO-0's expert reduction divides by the whole world (dp x sp: sp times too small) and
-    ZeRO-3 refuses AutoEP under SP."""
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if ep > 1 and sp > 1 and stage not in (1, 2):
-        raise ConfigError(f"parallel.ep={ep} with parallel.sp={sp} runs with ZeRO "
-                          f"stages 1 and 2 in this version; zero_optimization.stage={stage} is "
-                          "not supported with it (ZeRO-0 would scale the experts' gradients by "
-                          "1 / sp, ZeRO-3 is refused by DeepSpeed's AutoEP): set the stage to 1 "
-                          "or 2")
-
-
-def check_expert_zero3_export(ds: dict, ep: int, export_hf: bool) -> None:
-    """parallel.ep under ZeRO-3 trains (equal to one process, tests/dist/test_expert_parallel.py)
-    but writes AutoEP's partitioned expert states, which the HF export does not read
-    (`model/expert_checkpoint.py`): refused at start-up when the run ends in an export, not
-    after the last step."""
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if ep > 1 and stage == 3 and export_hf:
-        raise ConfigError(f"parallel.ep={ep} with zero_optimization.stage=3 trains, but its "
-                          "checkpoints hold AutoEP's ZeRO-3-partitioned experts, which "
-                          "train.export_hf (and ds-omni convert) cannot read in this version: "
-                          "set zero_optimization.stage to 1 or 2 (each rank already holds 1/ep "
-                          "of the experts), or train.export_hf to false")
-
-
-def check_tensor_parallel_ds(ds: dict, tp: int) -> None:
+def check_engine_autotp(ds: dict) -> None:
     """parallel.tp shards the backbone with AutoTP outside DeepSpeed's engine
     (`ds_omni.parallelize.tensor_parallel`): the config must not ask the engine to shard the
-    whole model again, and ZeRO-3 (whose parameter partitioning that sharding has not been
-    tested under) is refused. The engine's switch is refused at any parallel.tp (1 too): it is
-    the one way to ask for a tensor-parallel encoder, and encoders keep their own plan."""
+    whole model again. Refused at any parallel.tp (1 too): it is the one way to ask for a
+    tensor-parallel encoder, and encoders keep their own plan. (tp with ZeRO-3:
+    `ds_omni.config.composition`.)"""
     autotp = ds.get("tensor_parallel", {}).get("autotp_size", 0)
     if autotp > 1:
         raise ConfigError(f"the DeepSpeed config sets tensor_parallel.autotp_size={autotp}, which "
                           "would shard the encoders too (they are never tensor-parallel: they "
                           "keep their own plan over all ranks); remove it and set parallel.tp in "
                           "the ds_omni config (ds_omni applies AutoTP to the LLM backbone alone)")
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if tp > 1 and stage == 3:
-        raise ConfigError(f"parallel.tp={tp} runs with ZeRO stages 0-2 in this version; "
-                          "zero_optimization.stage=3 is not supported with it: use "
-                          "ds_configs/zero2.json, or parallel.tp=1 with ZeRO-3")
 
 
 def _merge(target: dict, key: str, value, where: str) -> None:

@@ -20,6 +20,7 @@ import os
 import torch
 
 from ds_omni.config import OmniConfig
+from ds_omni.config.composition import check_composition
 from ds_omni.data.build import build_loader, cost_model_for, long_items_of
 from ds_omni.data.check import startup_check
 from ds_omni.data.cost import CostModel
@@ -37,7 +38,7 @@ from ds_omni.parallelize.pipeline import (PipelineSpec, check_pipeline, layer_pa
 from ds_omni.parallelize.tensor_parallel import check_tensor_parallel, check_tp_with_sp
 from ds_omni.parallelize.tp_encoders import TPEncoders
 from ds_omni.train import checkpoint
-from ds_omni.train.ds_config import derive_ds_config, load_ds_json
+from ds_omni.train.ds_config import derive_ds_config, load_ds_json, zero_stage
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,9 @@ log = logging.getLogger(__name__)
 # ------------------------------------------------------------------ 1. the plan, no process group
 def plan_run(cfg: OmniConfig, ds_json: dict, world_size: int) -> tuple[ParallelPlan, dict]:
     """(the plan, the derived DeepSpeed config) for `world_size` ranks, with every check of the
-    plan that needs no process group and no files but the model's configs."""
+    plan that needs no process group and no files but the model's configs; what composes first
+    (the table of `ds_omni.config.composition`, under the DeepSpeed JSON's ZeRO stage)."""
+    check_composition(cfg.parallel, zero_stage(ds_json), cfg.train.export_hf)
     plan = ParallelPlan.from_config(cfg.parallel, world_size, cfg.data.reorder)
     degrees = sorted({d for d in (plan.sp, plan.max_sequence_sp) if d > 1})
     needs_llm = degrees or plan.pp_enabled or plan.tp_enabled

@@ -125,7 +125,7 @@ def test_bad_plans_are_clear_errors_before_any_process_group():
 
     with pytest.raises(ConfigError, match="power of two"):
         config({"max_sequence_sp": 3})
-    with pytest.raises(ConfigError, match="static parallel.sp=2"):
+    with pytest.raises(ConfigError, match="max_sequence_sp=2 cannot be combined with parallel.sp=2"):
         config({"sp": 2, "max_sequence_sp": 2})
     with pytest.raises(ConfigError, match="max_sequence_sp"):  # the hint names the remedy
         config({}, {"max_seq_len": 512, "pack_tokens": 256})

@@ -183,7 +183,7 @@ def test_train_refuses_pipeline_with_zero2_before_any_process_group(tmp_path, ca
     monkeypatch.setattr(loop.dist, "init_distributed", None)
     assert main(["train", "--config", str(c), "--deepspeed", str(d)]) == 2
     err = capsys.readouterr().err
-    assert f"parallel.pp=2 with ZeRO stage {zero}" in err and "ZeRO 0 or 1 only" in err, err
+    assert f"parallel.pp=2 cannot be combined with zero_optimization.stage={zero}" in err and "ZeRO 0 or 1 only" in err, err
     assert "Traceback" not in err
 
 

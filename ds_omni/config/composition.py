@@ -1,0 +1,225 @@
+"""What composes with what: one table over every pair of the plan's features, and the one
+validator that reads it.
+
+A feature is on where a config enables it (`FEATURES`: tp when parallel.tp > 1; zero where the
+DeepSpeed JSON's ZeRO stage is known). Every pair of features has exactly one `Rule`: it composes,
+or it is refused (under its condition, if it has one) with the reason and what to set instead.
+`check_composition` raises the first refusal that applies as one error naming both features with
+their values. It runs where the parallel section is read (the ZeRO stage unknown: those rules
+wait) and in `ds_omni.train.setup.plan_run`, where the DeepSpeed JSON is known, before any process
+group; the plan search drops what it refuses, `ds-omni plan --composition` prints it and
+docs/composition.md is generated from it (`ds_omni.config.composition_doc`).
+
+A new axis (context parallelism: `cp`) is one `Feature` and one `Rule` per feature already here;
+`tests/unit/config/test_composition.py` names the pairs still missing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+from ds_omni.errors import CompositionError
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The values the table reads: a parallel section's (or a simulated plan's), and what only
+    the DeepSpeed JSON and the train section know."""
+
+    sp: int = 1
+    max_sequence_sp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    encoder_placement: str = "stage0"
+    encoder_pool: str = "off"
+    zero: int | None = None
+    """The DeepSpeed JSON's zero_optimization.stage; None where it is not known yet."""
+    export_hf: bool = False
+
+    @classmethod
+    def of(cls, parallel, zero: int | None = None, export_hf: bool = False) -> "Setting":
+        """The setting of `parallel` (a `ParallelConfig`, or anything with its fields)."""
+        return cls(**{f: getattr(parallel, f) for f in PARALLEL_FIELDS}, zero=zero,
+                   export_hf=export_hf)
+
+
+PARALLEL_FIELDS = ("sp", "max_sequence_sp", "tp", "pp", "ep", "encoder_placement", "encoder_pool")
+FIELDS = {"zero": "zero_optimization.stage", "export_hf": "train.export_hf",
+          **{f: f"parallel.{f}" for f in PARALLEL_FIELDS}}
+"""How errors and docs name each value of a `Setting`."""
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    """A field of `Setting`."""
+    on: Callable[[Setting], bool]
+    what: str
+    """When it is on, in words (docs/composition.md)."""
+
+
+FEATURES = (
+    Feature("zero", lambda s: s.zero is not None,
+            "data parallelism under the DeepSpeed JSON's ZeRO stage (always, once it is known)"),
+    Feature("sp", lambda s: s.sp > 1, "Ulysses sequence parallelism: parallel.sp > 1"),
+    Feature("max_sequence_sp", lambda s: s.max_sequence_sp > 1,
+            "per-sequence SP: parallel.max_sequence_sp > 1"),
+    Feature("tp", lambda s: s.tp > 1, "tensor parallelism of the backbone: parallel.tp > 1"),
+    Feature("pp", lambda s: s.pp > 1, "pipeline stages: parallel.pp > 1"),
+    Feature("encoder_placement", lambda s: s.encoder_placement != "stage0",
+            "the encoders on every stage: parallel.encoder_placement \"uniform\""),
+    Feature("encoder_pool", lambda s: s.encoder_pool != "off",
+            "the encoder pool: parallel.encoder_pool \"dp\""),
+    Feature("ep", lambda s: s.ep > 1, "expert parallelism of an MoE LLM: parallel.ep > 1"),
+)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One pair of features: it composes (`refused` None), or it is refused where both are on
+    and `refused` holds."""
+
+    a: str
+    b: str
+    refused: Callable[[Setting], bool] | None = None
+    when: str = ""
+    """The refusal's condition in words, beyond both features on (docs/composition.md)."""
+    shows: tuple[str, ...] = ()
+    """Further values the error names (those its condition reads)."""
+    reason: str = ""
+    """Why: the DeepSpeed limitation or the arithmetic behind it."""
+    fix: str = ""
+    """What to set instead."""
+    note: str = ""
+    """How a composing pair composes, or what it needs."""
+    launch_only: bool = False
+    """Refused by training's launch (`plan_run`) and the plan search only: the parallel section
+    and the simulator's plans take it (the simulator models it, as Megatron-LM runs it)."""
+
+
+def _composes(a: str, b: str, note: str = "") -> Rule:
+    return Rule(a, b, note=note)
+
+
+def _refused(a: str, b: str, reason: str, fix: str, refused=lambda s: True, **more) -> Rule:
+    return Rule(a, b, refused=refused, reason=reason, fix=fix, **more)
+
+
+PIPELINE_GRID = ("DeepSpeed's pipeline engine runs without Ulysses sequence parallelism: it "
+                 "builds its groups from its own grid of pipe, data and model axes and refuses an "
+                 "mpu, so no SP group would get its gradients summed")
+UNDER_PP = "encoder_placement acts under pp only"
+
+RULES = (
+    _composes("zero", "sp", "any stage; under ZeRO-3 zero_optimization.reduce_scatter stays true "
+              "(ds_omni sets it: one gradient reduction path, whose scaling is known)"),
+    _composes("zero", "max_sequence_sp", "any stage"),
+    _refused("tp", "zero", "AutoTP's sharding of the backbone runs with ZeRO stages 0-2 in this "
+             "version (ZeRO-3's partitioning of the sharded layers is untested)",
+             "use ds_configs/zero2.json (zero_optimization.stage 0-2), or parallel.tp=1 with "
+             "ZeRO-3", refused=lambda s: s.zero == 3, when="ZeRO stage 3"),
+    _refused("pp", "zero", "DeepSpeed's pipeline engine runs ZeRO 0 or 1 only (it partitions "
+             "the model itself)", "use ds_configs/zero1.json (zero_optimization.stage 0 or 1) or "
+             "set parallel.pp to 1", refused=lambda s: s.zero in (2, 3), when="ZeRO stage 2 or 3"),
+    _composes("zero", "encoder_placement", "under pp: ZeRO 0 or 1"),
+    _composes("zero", "encoder_pool", "pays most under ZeRO-3, whose parameter gathers make every "
+              "round wait for the busiest rank's encoder"),
+    _refused("ep", "zero", "ep under ZeRO-3 trains, but its checkpoints hold AutoEP's "
+             "ZeRO-3-partitioned experts, which train.export_hf (and ds-omni convert) cannot "
+             "read in this version", "set zero_optimization.stage to 1 or 2 (each rank already "
+             "holds 1/ep of the experts), or train.export_hf to false",
+             refused=lambda s: s.zero == 3 and s.export_hf, shows=("export_hf",),
+             when="ZeRO stage 3 and train.export_hf"),
+    _refused("max_sequence_sp", "sp", "max_sequence_sp chooses an SP degree per sequence, where "
+             "a static parallel.sp fixes one for all", "set parallel.sp to 1 (max_sequence_sp "
+             "splits the long sequences alone), or max_sequence_sp to 1"),
+    _composes("sp", "tp", "tp x sp must divide the query heads and tp the key/value heads (each "
+              "TP rank's heads are split again over its Ulysses group)"),
+    _refused("pp", "sp", PIPELINE_GRID, "set parallel.sp or parallel.pp to 1", launch_only=True),
+    _composes("sp", "encoder_placement", UNDER_PP),
+    _composes("sp", "encoder_pool", "the pool is every rank (dp x sp); a row's long items stay "
+              "split over its SP group"),
+    _refused("ep", "sp", "under sp, DeepSpeed's ZeRO-0 expert reduction divides the experts' "
+             "gradients by the whole world (dp x sp: sp times too small, where ZeRO 1 and 2 "
+             "divide by dp) and its AutoEP refuses ZeRO-3",
+             "set zero_optimization.stage to 1 or 2",
+             refused=lambda s: s.zero is not None and s.zero not in (1, 2), shows=("zero",),
+             when="ZeRO stage 0 or 3"),
+    _refused("tp", "max_sequence_sp", "per-sequence SP blocks are runs of consecutive ranks, "
+             "which tp's groups would cut across", "set parallel.max_sequence_sp to 1 (a static "
+             "parallel.sp works with tp), or parallel.tp to 1"),
+    _refused("max_sequence_sp", "pp", f"{PIPELINE_GRID} (a per-sequence block is one)",
+             "set parallel.max_sequence_sp or parallel.pp to 1"),
+    _composes("max_sequence_sp", "encoder_placement", UNDER_PP),
+    _composes("max_sequence_sp", "encoder_pool", "the pool spreads each round over its groups "
+              "(a long sequence's block, the other ranks alone)"),
+    _composes("max_sequence_sp", "ep", "a sample's aux-loss statistics are summed over the ranks "
+              "its row is split over"),
+    _refused("tp", "pp", "DeepSpeed's pipeline engine has no AutoTP path",
+             "set parallel.pp to 1 (tp with ZeRO 0-2 spreads a large backbone), or parallel.tp "
+             "to 1"),
+    _composes("tp", "encoder_placement", UNDER_PP),
+    _refused("tp", "encoder_pool", "the pool runs with tp (each TP rank pools over its own "
+             "data-parallel ranks) or with sp (over dp x sp), not with both",
+             "set encoder_pool to \"off\", or parallel.tp or parallel.sp to 1",
+             refused=lambda s: s.sp > 1, shows=("sp",), when="parallel.sp > 1"),
+    _refused("ep", "tp", "DeepSpeed 0.19.8's AutoTP cannot shard the MoE families AutoEP has "
+             "presets for (their HF tensor-parallel plans use the 'packed_colwise' and "
+             "'moe_tp_experts' styles, which its TPPlanConverter rejects), and expert-parallel "
+             "groups inside the data-parallel ranks of each TP rank are not built. What works for "
+             "an MoE LLM: parallel.ep inside dp x sp (with parallel.sp or "
+             "parallel.max_sequence_sp), under ZeRO 1 or 2 (ZeRO-3 with sp = 1) to spread the rest",
+             "set parallel.tp to 1 (tp is for dense LLMs)"),
+    _composes("pp", "encoder_placement", "where the encoders run under pp: \"stage0\" or "
+              "\"uniform\" (not with bf16.immediate_grad_update)"),
+    _refused("encoder_pool", "pp", "the pool spreads the items of rows held by one rank or by an "
+             "SP group, not by pipeline stages", "set encoder_pool to \"off\" (encoder_placement "
+             "\"uniform\" balances the encoders over the stages) or parallel.pp to 1"),
+    _refused("ep", "pp", "a pipeline stage does not see the whole sample for the MoE auxiliary "
+             "loss", "set parallel.pp to 1"),
+    _composes("encoder_placement", "encoder_pool", UNDER_PP),
+    _composes("encoder_placement", "ep", UNDER_PP),
+    _composes("encoder_pool", "ep"),
+)
+
+
+def shown(name: str, s: Setting) -> str:
+    """`name`'s field with its value as the JSON configs write it: `parallel.encoder_pool="dp"`."""
+    return f"{FIELDS[name]}={json.dumps(getattr(s, name))}"
+
+
+def message(rule: Rule, s: Setting) -> str:
+    """The error of a refused rule: both features with their values, the reason and the fix."""
+    when = " and ".join(shown(name, s) for name in rule.shows)
+    return (f"{shown(rule.a, s)} cannot be combined with {shown(rule.b, s)}"
+            f"{' when ' + when if when else ''}: {rule.reason}; {rule.fix}")
+
+
+# The rules the parallel section decides alone first, then those that read the ZeRO stage, then
+# the launch's: a plan that several rules refuse is named by the same one wherever it is checked.
+ORDER = sorted(RULES, key=lambda r: ("zero" in (r.a, r.b, *r.shows), r.launch_only))
+
+
+def refusal(s: Setting, launch: bool = True) -> Rule | None:
+    """The first rule (in `ORDER`) that refuses `s`, or None. `launch=False`: without the rules
+    only training's launch applies (`Rule.launch_only`)."""
+    on = {f.name for f in FEATURES if f.on(s)}
+    for rule in ORDER:
+        if (rule.refused is not None and rule.a in on and rule.b in on and rule.refused(s)
+                and (launch or not rule.launch_only)):
+            return rule
+    return None
+
+
+def check_composition(parallel, zero: int | None = None, export_hf: bool = False, *,
+                      launch: bool = True) -> None:
+    """Raise a `CompositionError` when the table refuses `parallel` (a `Setting`, a
+    `ParallelConfig`, or anything with its fields) under ZeRO stage `zero` (None: not known yet,
+    its rules wait) and `export_hf`."""
+    s = parallel if isinstance(parallel, Setting) else Setting.of(parallel, zero, export_hf)
+    rule = refusal(s, launch)
+    if rule is not None:
+        raise CompositionError(message(rule, s))

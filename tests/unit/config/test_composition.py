@@ -1,0 +1,230 @@
+"""The composition table (`ds_omni.config.composition`): every pair of features has one entry;
+every refusal the scattered checks made before it is still refused, before any process group,
+by one error naming both features, the reason and the fix; the plan search drops exactly what
+the training's validator refuses; docs/composition.md and `ds-omni plan --composition` are the
+table's."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from ds_omni.cli import main
+from ds_omni.config import ParallelConfig
+from ds_omni.config import composition_doc
+from ds_omni.config.composition import FEATURES, FIELDS, RULES, check_composition
+from ds_omni.errors import CompositionError, ConfigError
+from ds_omni.sim import SimPlan, cluster
+from ds_omni.sim.search import SearchSpace, candidates, describe, search
+from tests.fixtures import ds_config, tiny_config, tiny_config_dict
+from tests.unit.test_expert_parallel import MOE
+from tests.unit.test_sim_search import small_moe, text
+
+GIB = 2 ** 30
+
+
+def test_every_pair_of_features_has_exactly_one_entry():
+    names = [f.name for f in FEATURES]
+    pairs = [frozenset((r.a, r.b)) for r in RULES]
+    assert all(r.a != r.b and {r.a, r.b} <= set(names) for r in RULES)
+    duplicated = {tuple(sorted(p)) for p in pairs if pairs.count(p) > 1}
+    missing = {(a, b) for a, b in itertools.combinations(names, 2)} - {
+        tuple(sorted(p, key=names.index)) for p in pairs}
+    assert not duplicated, f"pairs with more than one entry: {sorted(duplicated)}"
+    assert not missing, f"pairs of features with no entry in RULES: {sorted(missing)}"
+
+
+def test_a_refusal_says_why_and_what_to_set_and_names_what_its_condition_reads():
+    for r in RULES:
+        if r.refused is not None:
+            assert r.reason and r.fix and set(r.shows) <= set(FIELDS), r
+        else:
+            assert not (r.reason or r.fix or r.shows or r.when or r.launch_only), r
+    assert all(f.name in FIELDS for f in FEATURES)
+
+
+# One case per refusal the code made before the table (where it was written), run through
+# `plan_run` as `ds-omni train` and `ds-omni plan` run it: (parallel, ZeRO stage, export_hf,
+# ranks, both features as the error names them, a fragment of the fix).
+OLD_REFUSALS = {
+    "config/parallel.py: encoder_pool x pp": (
+        dict(encoder_pool="dp", pp=2), 1, False, 2,
+        ('parallel.encoder_pool="dp"', "parallel.pp=2"), 'set encoder_pool to "off"'),
+    "config/parallel.py: max_sequence_sp x sp": (
+        dict(max_sequence_sp=2, sp=2), 1, False, 4,
+        ("parallel.max_sequence_sp=2", "parallel.sp=2"), "set parallel.sp to 1"),
+    "config/parallel.py: max_sequence_sp x pp": (
+        dict(max_sequence_sp=2, pp=2), 1, False, 2,
+        ("parallel.max_sequence_sp=2", "parallel.pp=2"), "or parallel.pp to 1"),
+    "config/parallel.py: tp x pp": (
+        dict(tp=2, pp=2), 1, False, 4, ("parallel.tp=2", "parallel.pp=2"), "set parallel.pp to 1"),
+    "config/parallel.py: tp x max_sequence_sp": (
+        dict(tp=2, max_sequence_sp=2), 1, False, 4,
+        ("parallel.tp=2", "parallel.max_sequence_sp=2"), "set parallel.max_sequence_sp to 1"),
+    "config/parallel.py: tp x encoder_pool under sp": (
+        dict(tp=2, sp=2, encoder_pool="dp"), 1, False, 4,
+        ("parallel.tp=2", 'parallel.encoder_pool="dp"', "when parallel.sp=2"),
+        'set encoder_pool to "off"'),
+    "parallel/plan.py: ep x tp": (
+        dict(ep=2, tp=2), 1, False, 4, ("parallel.ep=2", "parallel.tp=2"),
+        "set parallel.tp to 1"),
+    "parallel/plan.py: ep x pp": (
+        dict(ep=2, pp=2), 1, False, 4, ("parallel.ep=2", "parallel.pp=2"),
+        "set parallel.pp to 1"),
+    "parallelize/pipeline.py, sim/plan_spec.py: pp x ZeRO-2": (
+        dict(pp=2), 2, False, 2, ("parallel.pp=2", "zero_optimization.stage=2"),
+        "ds_configs/zero1.json"),
+    "parallelize/pipeline.py, sim/plan_spec.py: pp x ZeRO-3": (
+        dict(pp=2), 3, False, 2, ("parallel.pp=2", "zero_optimization.stage=3"),
+        "ds_configs/zero1.json"),
+    "parallelize/pipeline.py: pp x sp": (
+        dict(pp=2, sp=2), 1, False, 4, ("parallel.pp=2", "parallel.sp=2"),
+        "set parallel.sp or parallel.pp to 1"),
+    "train/ds_config.py, sim/plan_spec.py: tp x ZeRO-3": (
+        dict(tp=2), 3, False, 2, ("parallel.tp=2", "zero_optimization.stage=3"),
+        "ds_configs/zero2.json"),
+    "train/ds_config.py, sim/plan_spec.py: ep x sp under ZeRO-0": (
+        dict(ep=2, sp=2), 0, False, 4,
+        ("parallel.ep=2", "parallel.sp=2", "when zero_optimization.stage=0"),
+        "set zero_optimization.stage to 1 or 2"),
+    "train/ds_config.py, sim/plan_spec.py: ep x sp under ZeRO-3": (
+        dict(ep=2, sp=2), 3, False, 4,
+        ("parallel.ep=2", "parallel.sp=2", "when zero_optimization.stage=3"),
+        "set zero_optimization.stage to 1 or 2"),
+    "train/ds_config.py: ep x ZeRO-3 with export_hf": (
+        dict(ep=2), 3, True, 2,
+        ("parallel.ep=2", "zero_optimization.stage=3", "when train.export_hf=true"),
+        "train.export_hf to false"),
+}
+
+READ_TIME = {case for case in OLD_REFUSALS if case.startswith(("config/", "parallel/"))}
+"""The refusals the parallel section makes when it is read (those of parallel/plan.py moved
+there from `ParallelPlan.from_config`: earlier, still before any process group)."""
+
+
+def _config(tmp_path, parallel: dict, export_hf: bool):
+    """The tiny config with `parallel` set field by field (as `--set` overrides are, past the
+    config's own check), an MoE LLM where ep asks for one."""
+    cfg = tiny_config(str(tmp_path), global_batch_size=8, export_hf=export_hf)
+    if parallel.get("ep", 1) > 1:
+        cfg.model.llm.config = dict(MOE)
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    return cfg
+
+
+@pytest.mark.parametrize("case", list(OLD_REFUSALS))
+def test_each_old_refusal_is_refused_before_any_process_group(tmp_path, case):
+    from ds_omni.train.setup import plan_run
+    parallel, zero, export_hf, world, names, fix = OLD_REFUSALS[case]
+    with pytest.raises(CompositionError) as refused:
+        plan_run(_config(tmp_path, parallel, export_hf), ds_config(zero), world)
+    message = str(refused.value)
+    assert all(name in message for name in names) and fix in message, message
+    assert " cannot be combined with " in message and not torch.distributed.is_initialized()
+    if case in READ_TIME:  # the same error where the parallel section is read
+        with pytest.raises(CompositionError) as at_read:
+            ParallelConfig(**parallel)
+        assert str(at_read.value) == message
+    else:  # its rule waits for the ZeRO stage, or for the launch (the simulator models pp x sp)
+        ParallelConfig(**parallel)
+
+
+@pytest.mark.parametrize("parallel,zero", [({"pp": 2, "sp": 2}, 1), ({"tp": 2}, 3)])
+def test_train_refuses_before_the_process_group_and_the_model(tmp_path, capsys, monkeypatch,
+                                                              parallel, zero):
+    """`ds-omni train` stops at the table: the process group, the model and DeepSpeed are never
+    reached (they are replaced by None here, so reaching them would fail otherwise)."""
+    from ds_omni.train import loop
+    cfg = tiny_config_dict(str(tmp_path / "out"))
+    cfg["parallel"] = parallel
+    c, d = tmp_path / "cfg.json", tmp_path / "ds.json"
+    c.write_text(json.dumps(cfg))
+    d.write_text(json.dumps(ds_config(zero)))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(loop, "setup_training", None)
+    monkeypatch.setattr(loop.dist, "init_distributed", None)
+    assert main(["train", "--config", str(c), "--deepspeed", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be combined with" in err and "Traceback" not in err, err
+
+
+def test_the_validator_waits_for_the_stage_and_composes_the_rest():
+    check_composition(ParallelConfig(sp=2, ep=2), launch=False)  # ep x sp: stage unknown
+    check_composition(ParallelConfig(sp=2, ep=2), zero=1)
+    check_composition(ParallelConfig(ep=2), zero=3)  # trains; only its export is refused
+    check_composition(ParallelConfig(tp=2, encoder_pool="dp"), zero=2)
+    check_composition(ParallelConfig(max_sequence_sp=4, encoder_pool="dp", ep=2), zero=3)
+    with pytest.raises(ConfigError, match="parallel.ep=2 cannot be combined with parallel.sp=2"):
+        check_composition(ParallelConfig(sp=2, ep=2), zero=0)
+
+
+def _training_verdict(fields: dict) -> str | None:
+    """Training's verdict on a searched plan's degrees: the config's check, then plan_run's
+    (the stage known, the launch's rules too); None where they compose."""
+    try:
+        parallel = ParallelConfig(
+            sp=fields["sp"], tp=fields["tp"], pp=fields["pp"], ep=fields["ep"],
+            max_sequence_sp=fields["max_sequence_sp"],
+            encoder_placement=fields["encoder_placement"],
+            encoder_pool="dp" if fields["encoder_mode"] == "pool" else "off")
+        check_composition(parallel, zero=fields["zero_stage"])
+    except CompositionError as e:
+        return str(e)
+    return None
+
+
+def check_search_agrees_with_training() -> None:
+    """Over every degree of {1, 2} (sp, tp, pp, ep, max_sequence_sp), every ZeRO stage, pool or
+    not, both placements, on 8 GPUs with room for every plan's states: a candidate the
+    training's validator refuses is dropped with its message; one it accepts is never dropped
+    for composing (it is ranked, pruned, or dropped for another reason)."""
+    model, gpus = small_moe(), cluster("h100", 8, 8, hbm_bytes=1024 * GIB)
+    space = SearchSpace(degrees=(1, 2), zero_stages=(0, 1, 2, 3), reorder_groups=(4,),
+                        checkpointing=(True,))
+    base = SimPlan(global_batch=16, micro_batches=2, pack_tokens=4096)
+    every = candidates(base, 8, 8, model, space)
+    verdicts = {describe(f): _training_verdict(f) for f in every}
+    refused = {plan for plan, verdict in verdicts.items() if verdict is not None}
+    assert len(refused) > 20 and len(verdicts) - len(refused) > 20  # both kinds searched
+    samples = text([1000, 3000, 500, 2000] * 4)
+    out = search(gpus, model, samples, base, top=1, space=space, baselines=False)
+    dropped = {d["plan"]: d["reason"] for d in out.dropped}
+    for plan in refused:
+        assert dropped.get(plan) == verdicts[plan], plan
+    for plan, reason in dropped.items():
+        assert plan in refused or "cannot be combined" not in reason, (plan, reason)
+
+
+def test_the_search_drops_what_training_refuses_with_its_reason():
+    check_search_agrees_with_training()
+
+
+def test_the_agreement_sees_a_search_that_ranks_what_only_the_launch_refuses(monkeypatch):
+    """Planted: the search checks the table as the simulator does (without the launch's rules),
+    so it would rank pp x sp plans that `ds-omni train` refuses."""
+    honest = SimPlan.check_composition
+    monkeypatch.setattr(SimPlan, "check_composition", lambda self, launch=False: honest(self))
+    with pytest.raises(AssertionError, match="pp=2"):
+        check_search_agrees_with_training()
+
+
+def test_docs_composition_md_is_the_table():
+    path = composition_doc.DOCS_PATH
+    written = path.read_text() if path.exists() else ""
+    assert written == composition_doc.markdown(), (
+        "docs/composition.md disagrees with the table in ds_omni/config/composition.py; "
+        f"regenerate it with `{composition_doc.REGENERATE}` and commit the result")
+
+
+def test_plan_prints_the_table_without_a_config(capsys):
+    assert main(["plan", "--composition"]) == 0
+    out = capsys.readouterr().out
+    assert out == composition_doc.markdown()
+    refused = [r for r in RULES if r.refused is not None]
+    assert all(f"`{FIELDS[r.a]}` with `{FIELDS[r.b]}`" in out and r.fix in out for r in refused)
+    assert main(["plan", "--world-size", "2"]) == 2  # the plan itself still needs its configs
+    assert "needs --config and --deepspeed" in capsys.readouterr().err
