@@ -9,7 +9,7 @@
   long items split over their own row's group; moved items' inputs travel first.
 
 Under parallel.tp (ranks (dp, sp, tp), tp innermost) training's two cases:
-- tp alone with "reshard" (`ParallelConfig.tp_encodes_apart`): each TP rank of a row encodes
+- tp alone with "reshard" (`ParallelPlan.tp_encodes_apart`): each TP rank of a row encodes
   its share of the row's items by `parallel.tp_encode.plan_tp_encode` (LPT by modelled cost),
   then one all-gather of the rows over the TP group (`tp_gathers`, forward only: its backward
   sends nothing); the encoders' gradients are then summed over TP (`step.py`);
