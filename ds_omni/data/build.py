@@ -17,7 +17,7 @@ from ds_omni.data.workers import resolve_workers
 from ds_omni.data.templates import training_template
 from ds_omni.errors import ConfigError
 from ds_omni.parallel.long_short import LongItems
-from ds_omni.parallel.groups import RankGroups
+from ds_omni.parallel.groups import RankGroups, TorchDataComm
 from ds_omni.parallel.plan import ParallelPlan
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,8 @@ def build_loader(cfg: OmniConfig, built, plan: ParallelPlan | None = None,
                  cost: CostModel | None = None,
                  timeout_s: float = 1800.0) -> OmniLoader | LoaderProcess:
     """The loader of global rank `rank` of `plan` (None: one rank alone) over `groups`, its
-    collectives (None: no other rank). `cost`: the run's one cost model (None: its own).
+    collectives (None: it talks to no other rank, as a step of one rank alone). `cost`: the
+    run's one cost model (None: its own).
 
     `data.workers` >= 1: the loader runs in a process of its own (`loader_process.py`), which
     rebuilds its groups from the plan (`timeout_s`: how long the trainer waits for it); the
@@ -84,11 +85,12 @@ def build_loader(cfg: OmniConfig, built, plan: ParallelPlan | None = None,
         # one reader per sp x tp group: its collective is the loader processes' own
         shared = (_reading(cfg, place.plan, None)
                   if cfg.data.shared_reading and place.plan.reader_group_size > 1 else None)
-        return LoaderProcess(parts, workers, comm=groups.comm if groups else None, timeout_s=timeout_s,
-                             shared=shared, cores=trainer_plan(cfg.data.pin_cores, workers))
+        return LoaderProcess(parts, workers, comm=groups.comm if groups else TorchDataComm(),
+                             timeout_s=timeout_s, shared=shared,
+                             cores=trainer_plan(cfg.data.pin_cores, workers))
     comms = (LoaderComms(groups.comm, groups.step_comm,
                          shared_reading(cfg, place.plan, groups.shard_comm))
-             if groups is not None else LoaderComms())
+             if groups is not None else LoaderComms(TorchDataComm()))
     return parts.build(comms, 0)
 
 

@@ -61,7 +61,8 @@ def rank_groups(plan: ParallelPlan, rank: int, prefetch: bool) -> RankGroups:
     dp, reorder = data_groups(plan, rank)
     mpu = sequence_groups(plan, rank)
     blocks = sequence_blocks(plan, rank)
-    comm = TorchDataComm(plan, dp, reorder, mpu.get_sequence_data_parallel_group() if mpu else None)
+    comm = TorchDataComm(plan, dp, reorder,
+                         mpu.get_sequence_data_parallel_group() if mpu else None)
     tp = tensor_group(plan, rank)
     if tp is not None and mpu is not None:  # tp x sp: one mpu serving both of DeepSpeed's views
         mpu = SequenceTensorParallelMpu(tp, dp, mpu.get_sequence_parallel_group(),

@@ -63,7 +63,7 @@ class ParallelPlan:
                     f"{' x '.join('parallel.' + n for n in names)} = "
                     f"{values} = {model_parallel}; launch a multiple of {model_parallel} "
                     "processes or change the plan")
-            dp = world_size // model_parallel
+            dp = cls.auto_dp(world_size, cfg.sp, cfg.pp, cfg.tp)
         else:
             dp = cfg.dp
         if dp * model_parallel != world_size:
@@ -84,6 +84,12 @@ class ParallelPlan:
     def model_parallel_size(sp: int = 1, pp: int = 1, tp: int = 1) -> int:
         """Ranks of one data-parallel replica (sp x pp x tp): "auto" dp is the world over it."""
         return sp * pp * tp
+
+    @staticmethod
+    def auto_dp(world_size: int, sp: int = 1, pp: int = 1, tp: int = 1) -> int:
+        """dp "auto": the whole replicas of sp x pp x tp ranks in `world_size` (`from_config`
+        refuses a world they do not fill)."""
+        return world_size // ParallelPlan.model_parallel_size(sp, pp, tp)
 
     @property
     def ep_enabled(self) -> bool:
@@ -119,10 +125,16 @@ class ParallelPlan:
         return self.dp > 1
 
     @property
+    def seq_data_size(self) -> int:
+        """Ranks that hold the same parameters (the same stage and TP shard): dp x sp, over which
+        ZeRO partitions (`seq_data_group_ranks`)."""
+        return self.dp * self.sp
+
+    @property
     def pool_size(self) -> int:
         """Ranks of the encoder pool (`parallel.encoder_pool`): every rank of a pipeline stage
         (of one TP rank: each TP rank pools its own copy of the encoders)."""
-        return self.dp * self.sp
+        return self.seq_data_size
 
     def pool_rank(self, rank: int) -> int:
         """`rank`'s place in its encoder pool (the dp x sp ranks of its TP rank)."""

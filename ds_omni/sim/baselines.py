@@ -51,7 +51,7 @@ def disttrain(plan: SimPlan, gpus: int, encoder_share: float) -> SimPlan:
         # and every caller reports as this baseline's error
         return _plain(plan, "disttrain", encoder_gpus=gpus)
     group = max(g for g in range(1, min(plan.reorder_group, dp) + 1) if dp % g == 0)
-    shared_dp = plan.dp or gpus // unit
+    shared_dp = plan.dp or ParallelPlan.auto_dp(gpus, plan.sp, plan.pp, plan.tp)
     micro = math.ceil(plan.micro_batches * shared_dp / dp)
     return _plain(plan, "disttrain", reorder="fixed", reorder_group=group, encoder_mode="reshard",
                   micro_batches=micro,

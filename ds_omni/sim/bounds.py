@@ -107,7 +107,7 @@ def lower_bound(shell: Shell, totals: dict) -> float:
     if p.tp > 1:  # a rank holds its row's tokens (/ sp): total / (dp sp) a rank on average
         link = comm.link_of(c, shell.ranks_of(0, 1)[:p.tp])
         calls = 2 * d.layers * (1 + 1 + ckpt)
-        seconds += calls * 2 * (p.tp - 1) / p.tp * tokens / (p.dp * p.sp) * d.hidden * 2 / \
+        seconds += calls * 2 * (p.tp - 1) / p.tp * tokens / p.seq_data_size * d.hidden * 2 / \
             link.bandwidth
     if p.ep > 1:
         link = comm.link_of(c, range(p.ep))

@@ -108,7 +108,7 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
     """Every plan of `space` on `gpus` GPUs (the SimPlan fields that differ from `base`), with
     `base`'s batch: the same samples per step and per micro-batch row (its micro-batch size),
     so the gradient accumulation steps follow dp."""
-    base_dp = base.dp or gpus // ParallelPlan.model_parallel_size(base.sp, base.pp, base.tp)
+    base_dp = base.dp or ParallelPlan.auto_dp(gpus, base.sp, base.pp, base.tp)
     per_micro = base.global_batch / (base.micro_batches * base_dp)  # samples of one micro-batch
     out, seen = [], set()
     for sp, pp, tp, ep, msp in itertools.product(*[space.degrees] * 5):
@@ -116,10 +116,9 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
             continue
         if tp > 1 and sp > 1 and (tp * sp > gpus_per_node or pp > 1 or msp > 1):
             continue  # tp x sp inside a node, and without pp / per-sequence SP (training's rule)
-        replica = ParallelPlan.model_parallel_size(sp, pp, tp)
-        if replica > gpus or gpus % replica:
+        dp = ParallelPlan.auto_dp(gpus, sp, pp, tp)
+        if dp * ParallelPlan.model_parallel_size(sp, pp, tp) != gpus:  # no whole replicas
             continue
-        dp = gpus // replica
         micro = max(1, round(base.global_batch / (per_micro * dp)))
         for zero, mode, place, group, ckpt in itertools.product(
                 space.zero_stages, space.encoder_modes, space.encoder_placements,
