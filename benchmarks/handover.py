@@ -54,8 +54,7 @@ def next_step_cost(cfg, built, steps: int, idle_s: float) -> dict:
     from ds_omni.data.build import build_loader
     from ds_omni.data.loader_process import feed_for
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=1, pin_cores=True))
-    loader = build_loader(cfg, built, dp_rank=0, dp_size=1,
-                          num_micro=cfg.train.global_batch_size // MICRO)
+    loader = build_loader(cfg, built, num_micro=cfg.train.global_batch_size // MICRO)
     feed = feed_for(loader, AHEAD)
     for _ in range(2):  # warm-up: files opened, first streams
         feed.next_step()
@@ -76,8 +75,7 @@ def serialising_cost(cfg, built, steps: int, repeats: int) -> dict:
     """Both ends of the hand-over, in this process, on `steps` steps of an in-process loader."""
     from ds_omni.data.build import build_loader
     from ds_omni.data.workers import dumps
-    loader = build_loader(cfg, built, dp_rank=0, dp_size=1,
-                          num_micro=cfg.train.global_batch_size // MICRO)
+    loader = build_loader(cfg, built, num_micro=cfg.train.global_batch_size // MICRO)
     batches = [loader.next_step() for _ in range(steps)]
     loader.close()
     out = {"pipe_dumps_s": [], "pipe_loads_s": [], "step_bytes": []}

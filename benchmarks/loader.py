@@ -108,7 +108,7 @@ def model_and_config(sources: list[dict]):
 # ------------------------------------------------------------------------------ the loaders
 def run_ds_omni(cfg, built, steps: int):
     from ds_omni.data.build import build_loader
-    loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=BATCH // MICRO)
+    loader = build_loader(cfg, built, num_micro=BATCH // MICRO)
     n = 0
     for _ in range(steps):
         batch = loader.next_step()

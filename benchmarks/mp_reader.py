@@ -84,11 +84,8 @@ def _run(cfg, built, plan, rank: int, shared: bool, steps: int) -> dict:
     from ds_omni.parallel.groups import rank_groups
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, shared_reading=shared))
     groups = rank_groups(plan, rank, prefetch=False)
-    coords = plan.coords(rank)
-    loader = build_loader(cfg, built, dp_rank=coords.dp_rank, dp_size=plan.dp,
-                          num_micro=BATCH // (plan.dp * MICRO), comm=groups.comm,
-                          sp_rank=coords.sp_rank, sp_size=plan.sp, shard_comm=groups.shard_comm,
-                          reorder_group=plan.reorder_group)
+    loader = build_loader(cfg, built, plan, groups, rank=rank,
+                          num_micro=BATCH // (plan.dp * MICRO))
     loader.next_step()  # warm-up: files opened, first streams
     start = dataclasses.replace(loader.counts)
     cpu, wall = time.process_time(), time.perf_counter()

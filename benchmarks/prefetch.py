@@ -59,15 +59,15 @@ def make_loader(cfg, built, workers: int, pack_workers: int = 0):
     """`data.workers` as the run builds it (>= 1: a loader process), or (`pack_workers`) the
     loader in the training process driving that many pack workers (the former design)."""
     from ds_omni.data.build import build_loader, loader_parts
-    from ds_omni.data.rank_place import LoaderComms
+    from ds_omni.data.rank_place import LoaderComms, RankPlace
     # data.pin_cores: with the loader process, the trainer on one core and it on the other
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=workers,
                                                             pin_cores=True))
     num_micro = cfg.train.global_batch_size // MICRO
     if pack_workers:
-        return loader_parts(cfg, built, dp_rank=0, dp_size=1, num_micro=num_micro).build(
+        return loader_parts(cfg, built, RankPlace(num_micro=num_micro)).build(
             LoaderComms(), pack_workers)
-    return build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=num_micro)
+    return build_loader(cfg, built, num_micro=num_micro)
 
 
 def timed_steps(cfg, built, prefetch: int, steps: int, work, matmuls: int,

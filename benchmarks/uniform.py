@@ -82,7 +82,7 @@ def ready_batches(cfg, n_steps: int) -> tuple[list, list[list[dict]]]:
     from ds_omni.data.build import build_loader
     from ds_omni.model.build import build_model
     built = build_model(cfg.model)
-    loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=BATCH // MICRO)
+    loader = build_loader(cfg, built, num_micro=BATCH // MICRO)
     omni, hf = [], []
     for _ in range(n_steps):
         omni.append(loader.next_step())

@@ -50,14 +50,6 @@ class ParallelConfig:
     """Expert-parallel degree of an MoE LLM (AutoEP): must divide dp x sp and the experts count.
     More: docs/parallelism.md#expert-parallelism."""
 
-    @property
-    def tp_encodes_apart(self) -> bool:
-        """Under tp the TP ranks of a row encode different items of it (and sum the encoders'
-        gradients over TP), unless another plan already spreads the row's items: the SP ranks
-        under sp > 1 (each TP rank then encodes its SP rank's share), the pool's ranks under
-        encoder_pool (each TP rank's pool)."""
-        return self.tp > 1 and self.sp == 1 and self.encoder_pool == "off"
-
     def __post_init__(self):
         if self.encoder_pool not in ("off", "dp"):
             raise ConfigError(f"parallel.encoder_pool must be \"off\" or \"dp\", got "

@@ -11,13 +11,14 @@ from ds_omni.data.loader import OmniLoader
 from ds_omni.data.loader_process import LoaderParts, LoaderProcess
 from ds_omni.data.media import video_decoder
 from ds_omni.data.processing import SampleProcessor
-from ds_omni.data.rank_place import (DataComm, LoaderComms, LongSplits, RankPlace, ShardComm,
+from ds_omni.data.rank_place import (LoaderComms, LongSplits, RankPlace, ShardComm,
                                      SharedReading)
 from ds_omni.data.workers import resolve_workers
 from ds_omni.data.templates import training_template
 from ds_omni.errors import ConfigError
 from ds_omni.parallel.long_short import LongItems
-from ds_omni.parallel.plan import ParallelPlan, reorder_group_size
+from ds_omni.parallel.groups import RankGroups, TorchDataComm
+from ds_omni.parallel.plan import ParallelPlan
 
 log = logging.getLogger(__name__)
 
@@ -65,67 +66,58 @@ def sample_processors(cfg: OmniConfig, built, sources=None) -> dict[str, SampleP
         template=template) for s in sources}
 
 
-def build_loader(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micro: int,
-                 comm: DataComm | None = None, sp_rank: int = 0, sp_size: int = 1,
-                 step_comm: DataComm | None = None, cost: CostModel | None = None,
-                 long_items: LongItems | None = None,
-                 reorder_group: int | None = None,
-                 shard_comm: ShardComm | None = None, plan: ParallelPlan | None = None,
-                 rank: int = 0, timeout_s: float = 1800.0) -> OmniLoader | LoaderProcess:
-    """The loader of one data-parallel rank; under SP (sp_size > 1) it packs shard `sp_rank`.
-    `step_comm`: other groups for the all-gathers of its steps (a prefetch thread runs them).
-    A run's composition root (`ds_omni.train.setup`) passes the cost model, the long items and
-    the plan's reorder group it built once; a loader built alone (a tool, a test) derives its own
-    (None). `shard_comm`: the collective of the ranks that train on this rank's rows (its sp x
-    tp ranks), for one reader among them (`data.shared_reading`; None: each reads them itself).
+def build_loader(cfg: OmniConfig, built, plan: ParallelPlan | None = None,
+                 groups: RankGroups | None = None, *, num_micro: int, rank: int = 0,
+                 cost: CostModel | None = None,
+                 timeout_s: float = 1800.0) -> OmniLoader | LoaderProcess:
+    """The loader of global rank `rank` of `plan` (None: one rank alone) over `groups`, its
+    collectives (None: it talks to no other rank, as a step of one rank alone). `cost`: the
+    run's one cost model (None: its own).
 
     `data.workers` >= 1: the loader runs in a process of its own (`loader_process.py`), which
-    rebuilds its groups from `plan` as global rank `rank` (`timeout_s`: how long the trainer
-    waits for it); `comm` stays the trainer's; `data.pin_cores` places the processes on cores."""
-    parts = loader_parts(cfg, built, dp_rank=dp_rank, dp_size=dp_size, num_micro=num_micro,
-                         sp_rank=sp_rank, sp_size=sp_size, cost=cost, long_items=long_items,
-                         reorder_group=reorder_group)
+    rebuilds its groups from the plan (`timeout_s`: how long the trainer waits for it); the
+    trainer keeps `groups.comm`; `data.pin_cores` places the processes on cores."""
+    place = RankPlace(plan=plan or ParallelPlan(world_size=1, dp=1), rank=rank,
+                      num_micro=num_micro)
+    parts = loader_parts(cfg, built, place, cost)
     workers = resolve_workers(cfg.data.workers)
     if workers >= 1:
         # one reader per sp x tp group: its collective is the loader processes' own
-        shared = (_reading(cfg, None) if cfg.data.shared_reading and sp_size * cfg.parallel.tp > 1
-                  else None)
-        return LoaderProcess(parts, workers, comm=comm, plan=plan, rank=rank, timeout_s=timeout_s,
-                             shared=shared, cores=trainer_plan(cfg.data.pin_cores, workers))
-    return parts.build(LoaderComms(comm, step_comm, shared_reading(cfg, shard_comm)), 0)
+        shared = (_reading(cfg, place.plan, None)
+                  if cfg.data.shared_reading and place.plan.reader_group_size > 1 else None)
+        return LoaderProcess(parts, workers, comm=groups.comm if groups else TorchDataComm(),
+                             timeout_s=timeout_s, shared=shared,
+                             cores=trainer_plan(cfg.data.pin_cores, workers))
+    comms = (LoaderComms(groups.comm, groups.step_comm,
+                         shared_reading(cfg, place.plan, groups.shard_comm))
+             if groups is not None else LoaderComms(TorchDataComm()))
+    return parts.build(comms, 0)
 
 
-def loader_parts(cfg: OmniConfig, built, *, dp_rank: int, dp_size: int, num_micro: int,
-                 sp_rank: int = 0, sp_size: int = 1, cost: CostModel | None = None,
-                 long_items: LongItems | None = None,
-                 reorder_group: int | None = None) -> LoaderParts:
-    """What the loader of one data-parallel rank is built from (picklable)."""
+def loader_parts(cfg: OmniConfig, built, place: RankPlace,
+                 cost: CostModel | None = None) -> LoaderParts:
+    """What the loader of one rank is built from (picklable)."""
     if cost is None:
         cost = cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
-    processors = sample_processors(cfg, built)
-    if long_items is None:  # (where long-short SP is off this finds None again)
-        long_items = long_items_of(cfg, built.model, max(sp_size, cfg.parallel.max_sequence_sp))
-    if reorder_group is None:
-        reorder_group = reorder_group_size(cfg.data.reorder, dp_size)
-    place = RankPlace(dp_rank=dp_rank, dp_size=dp_size, num_micro=num_micro,
-                      reorder_group=reorder_group, sp_rank=sp_rank, sp_size=sp_size)
-    return LoaderParts(cfg.data, processors, cost, cfg.train.global_batch_size, place,
-                       LongSplits(cfg.parallel.max_sequence_sp, long_items))
+    long_items = long_items_of(cfg, built.model, place.plan.long_item_group)
+    return LoaderParts(cfg.data, sample_processors(cfg, built), cost, cfg.train.global_batch_size,
+                       place, LongSplits(long_items))
 
 
-def shared_reading(cfg: OmniConfig, comm: ShardComm | None) -> SharedReading | None:
+def shared_reading(cfg: OmniConfig, plan: ParallelPlan,
+                   comm: ShardComm | None) -> SharedReading | None:
     """One reader per sp x tp group where the config asks for it and the group has its collective.
     The encoder pool and the joint pipeline read other items' inputs on every rank of a row's
     group: its peers then get every item whole."""
     if comm is None or not cfg.data.shared_reading:
         return None
-    return _reading(cfg, comm)
+    return _reading(cfg, plan, comm)
 
 
-def _reading(cfg: OmniConfig, comm: ShardComm | None) -> SharedReading:
+def _reading(cfg: OmniConfig, plan: ParallelPlan, comm: ShardComm | None) -> SharedReading:
     """How a reader group shares its rows, over `comm`."""
-    return SharedReading(comm, all_items=cfg.parallel.encoder_pool != "off" or cfg.parallel.pp > 1,
-                         tp_apart=cfg.parallel.tp if cfg.parallel.tp_encodes_apart else 1)
+    return SharedReading(comm, all_items=plan.encoder_pool or plan.pp_enabled,
+                         tp_apart=plan.tp if plan.tp_encodes_apart else 1)
 
 
 def long_items_of(cfg: OmniConfig, model, group: int) -> LongItems | None:

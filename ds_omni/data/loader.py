@@ -34,7 +34,6 @@ from ds_omni.data.step_load import MicroBatchLoader
 from ds_omni.data.step_plan import StepPlanner
 from ds_omni.data.workers import resolve_workers
 from ds_omni.errors import DataError
-from ds_omni.parallel.plan import check_per_sequence
 
 
 def pack_tokens(cfg: DataConfig, global_batch_size: int, dp_size: int, num_micro: int) -> int:
@@ -85,9 +84,7 @@ class OmniLoader:
         if global_batch_size % self.dp_size:
             raise DataError(f"the global batch of {global_batch_size} samples does not split over "
                             f"{self.dp_size} data-parallel ranks")
-        self.max_degree = splits.max_sequence_sp  # per-sequence SP: blocks of up to this many ranks
-        if self.max_degree > 1:
-            check_per_sequence(self.mode, self.group_size, self.max_degree)
+        self.max_degree = place.max_sequence_sp  # per-sequence SP: blocks of up to this many ranks
         self.pack_tokens = pack_tokens(cfg, global_batch_size, self.dp_size, self.num_micro)
         self.schedule = MixSchedule({s.name: s.cfg.weight for s in sources}, cfg.schedule)
         for s in sources:

@@ -41,7 +41,6 @@ from ds_omni.data.rank_place import LoaderComms, LongSplits, RankPlace, SharedRe
 from ds_omni.data.sources import Source
 from ds_omni.data.workers import ItemCost, _exit_text
 from ds_omni.errors import DataError
-from ds_omni.parallel.plan import ParallelPlan
 
 START_TIMEOUT_S = 600.0  # the loader process's start: imports, sources opened, groups made
 
@@ -71,24 +70,25 @@ class LoaderParts:
 class LoaderProcess(TakenSteps):
     """This rank's loader, run in a spawned process (`data.workers` >= 1): the `OmniLoader`
     interface the training loop uses. `comm`: the trainer's own collectives (token totals,
-    logging); `plan` and `rank`: where the loader processes rebuild their groups (needed when
-    more than one rank loads). `cores`: where this rank's processes run (`cores.plan_cores`):
+    logging); the loader processes rebuild their groups from `parts.place` (its plan and rank,
+    when more than one rank loads). `cores`: where this rank's processes run (`cores.plan_cores`):
     the trainer is held to its cores until the loader closes."""
 
-    def __init__(self, parts: LoaderParts, workers: int, *, comm=None, plan: ParallelPlan | None
-                 = None, rank: int = 0, shared: SharedReading | None = None, timeout_s: float = 1800.0,
+    def __init__(self, parts: LoaderParts, workers: int, *, comm=None,
+                 shared: SharedReading | None = None, timeout_s: float = 1800.0,
                  cores: CorePlan | None = None):
         from ds_omni.data.rank_place import LocalComm
         place = parts.place
         self.comm = comm or LocalComm()
         self.dp_rank, self.dp_size, self.num_micro = place.dp_rank, place.dp_size, place.num_micro
+        rank = place.rank
         self.cost_model, self.timeout_s, self.rank = parts.cost_model, timeout_s, rank
         first = next(iter(parts.processors.values()))
         self.item_processors, self.family = first.item_processors, first.family
         self.shard = (SeqShard(place.sp_rank, place.sp_size, ItemCost(parts.cost_model),
                                parts.splits.long_items) if place.sp_size > 1 else None)
         self.sources = {s.name: s for s in parts.data.sources}  # (their configs, by name)
-        world = world_of(plan, rank, place, shared, timeout_s)
+        world = world_of(place, shared, timeout_s)
         ctx = mp.get_context("spawn")  # not fork: the trainer has threads (gloo, DeepSpeed)
         mine, theirs = ctx.Pipe()
         # its shared-memory slots' names (`handover.py`): a token too, since a pid is reused

@@ -31,15 +31,11 @@ class World:
     shared: SharedReading | None  # its comm is rebuilt in the loader process; the rest kept
 
 
-def world_of(plan, rank: int, place: RankPlace, shared: SharedReading | None,
-             timeout_s: float) -> World | None:
+def world_of(place: RankPlace, shared: SharedReading | None, timeout_s: float) -> World | None:
     """How the loader processes find each other: only where more than one rank loads."""
-    if place.dp_size == 1 and place.sp_size == 1 and (plan is None or plan.tp == 1):
+    if place.dp_size == 1 and place.plan.reader_group_size == 1:
         return None
-    if plan is None:
-        raise ValueError("a loader process of a data-parallel or SP rank rebuilds its groups "
-                         "from the ParallelPlan: pass plan= and rank= to build_loader")
-    return World(plan, rank, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+    return World(place.plan, place.rank, os.environ.get("MASTER_ADDR", "127.0.0.1"),
                  int(os.environ["MASTER_PORT"]), f"ds_omni_loader_{next(_GENERATION)}/",
                  timeout_s, shared)
 

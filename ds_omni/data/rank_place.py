@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ds_omni.parallel.long_short import LongItems
+from ds_omni.parallel.plan import ParallelPlan
 
 
 class DataComm(Protocol):
@@ -31,19 +32,41 @@ class LocalComm:
         return [obj]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RankPlace:
-    """Where this rank's loader sits: the data-parallel rank whose samples it reads (the ranks of
-    one SP group read the same rows), its shard of each row under SP, and the micro-batches of a
-    step."""
+    """Where this rank's loader sits: global rank `rank` of `plan` (default: one rank alone),
+    whose data-parallel rank names the samples it reads (the ranks of one SP group read the same
+    rows) and whose SP rank its shard of each row; `num_micro` micro-batches a step."""
 
-    dp_rank: int
-    dp_size: int
+    plan: ParallelPlan = ParallelPlan(world_size=1, dp=1)
+    rank: int = 0
     num_micro: int
-    reorder_group: int
-    """G: the data-parallel ranks whose loaders reorder together (`ParallelPlan.reorder_group`)."""
-    sp_rank: int = 0
-    sp_size: int = 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self.plan.coords(self.rank).dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.plan.dp
+
+    @property
+    def sp_rank(self) -> int:
+        return self.plan.coords(self.rank).sp_rank
+
+    @property
+    def sp_size(self) -> int:
+        return self.plan.sp
+
+    @property
+    def reorder_group(self) -> int:
+        """G: the data-parallel ranks whose loaders reorder together."""
+        return self.plan.reorder_group
+
+    @property
+    def max_sequence_sp(self) -> int:
+        """Per-sequence SP: the most ranks of a reorder group one long sequence is split over."""
+        return self.plan.max_sequence_sp
 
 
 class ShardComm(Protocol):
@@ -69,7 +92,7 @@ class SharedReading:
     comm: ShardComm
     all_items: bool = False
     tp_apart: int = 1
-    """parallel.tp when the TP ranks of a row encode different items of it (`ParallelConfig
+    """parallel.tp when the TP ranks of a row encode different items of it (`ParallelPlan
     .tp_encodes_apart`, sp = 1): peer g, TP rank g, then gets its own items' inputs only."""
 
 
@@ -90,9 +113,7 @@ class LoaderComms:
 
 @dataclass(frozen=True)
 class LongSplits:
-    """How long work is split over ranks: a long sequence over a block of up to `max_sequence_sp`
-    ranks of the reorder group (per-sequence SP), a long encoder item over the SP group
-    (long-short SP; None: no item is split)."""
+    """Which long encoder items are split over the ranks sharing their row (long-short SP;
+    None: no item is split). Long sequences split as `RankPlace.max_sequence_sp` says."""
 
-    max_sequence_sp: int = 1
     long_items: LongItems | None = None

@@ -43,7 +43,7 @@ class MicroBatchLoader:
         # the ranks of one SP group read the same rows; each packs its own shard of them
         self._item_cost = ItemCost(cost_model)
         self.long_items = splits.long_items  # items a whole SP group encodes (long-short SP)
-        self.max_degree = splits.max_sequence_sp  # per-sequence SP: blocks of up to this many ranks
+        self.max_degree = place.max_sequence_sp  # per-sequence SP: blocks of up to this many ranks
         self._steps_without_long_items = 0
         self.shard = (SeqShard(place.sp_rank, place.sp_size, self._item_cost, self.long_items)
                       if place.sp_size > 1 else None)

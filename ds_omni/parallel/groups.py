@@ -61,8 +61,8 @@ def rank_groups(plan: ParallelPlan, rank: int, prefetch: bool) -> RankGroups:
     dp, reorder = data_groups(plan, rank)
     mpu = sequence_groups(plan, rank)
     blocks = sequence_blocks(plan, rank)
-    comm = TorchDataComm(dp, reorder, plan.dp, plan.reorder_group,
-                         mpu.get_sequence_data_parallel_group() if mpu else None, plan.sp)
+    comm = TorchDataComm(plan, dp, reorder,
+                         mpu.get_sequence_data_parallel_group() if mpu else None)
     tp = tensor_group(plan, rank)
     if tp is not None and mpu is not None:  # tp x sp: one mpu serving both of DeepSpeed's views
         mpu = SequenceTensorParallelMpu(tp, dp, mpu.get_sequence_parallel_group(),
@@ -93,7 +93,7 @@ def loader_shard_comm(plan: ParallelPlan, rank: int) -> "TorchShardComm | None":
     `ParallelPlan.reader_group_ranks`) as a new gloo group of the loader's own (None when
     sp x tp == 1): the reader's scatter runs on the prefetch thread, which must not share a
     group with training."""
-    if plan.sp * plan.tp == 1:
+    if plan.reader_group_size == 1:
         return None
     world = dist.get_world_size() if dist.is_initialized() else 1
     members = next(m for m in plan.reader_group_ranks() if rank in m)
@@ -117,10 +117,9 @@ def loader_step_comm(plan: ParallelPlan, rank: int) -> "TorchDataComm":
     default group), for the all-gathers of loader steps run on a prefetch thread: two threads must
     not issue collectives on one group, and gloo keeps host-side objects off the accelerator."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return TorchDataComm(_own_group(plan.dp_group_ranks(), rank, world, fresh=True),
+    return TorchDataComm(plan, _own_group(plan.dp_group_ranks(), rank, world, fresh=True),
                          _own_group(plan.reorder_group_ranks(plan.reorder_group), rank, world,
-                                    fresh=True),
-                         plan.dp, plan.reorder_group)
+                                    fresh=True))
 
 
 def _own_group(groups: list[list[int]], rank: int, world: int, fresh: bool = False):
@@ -171,13 +170,26 @@ class TorchDataComm:
 
     `token_group` spans the ranks whose micro-batches together hold the global batch's tokens once:
     the dp group without SP; under SP the sequence x data group, since each SP rank holds a shard.
+    The sizes are `plan`'s (default: one rank alone).
     """
 
-    def __init__(self, dp_group=None, reorder_group=None, dp_size: int = 1, group_size: int = 1,
-                 seq_data_group=None, sp_size: int = 1):
+    def __init__(self, plan: ParallelPlan | None = None, dp_group=None, reorder_group=None,
+                 seq_data_group=None):
+        self.plan = plan or ParallelPlan(world_size=1, dp=1)
         self.dp_group, self.reorder_group = dp_group, reorder_group
-        self.dp_size, self.group_size, self.sp_size = dp_size, group_size, sp_size
-        self.token_group = seq_data_group if sp_size > 1 else dp_group
+        self.token_group = seq_data_group if self.plan.sp_enabled else dp_group
+
+    @property
+    def dp_size(self) -> int:
+        return self.plan.dp
+
+    @property
+    def sp_size(self) -> int:
+        return self.plan.sp
+
+    @property
+    def group_size(self) -> int:
+        return self.plan.reorder_group
 
     def group_all_gather(self, obj) -> list:
         return _all_gather(obj, self.reorder_group, self.group_size)
@@ -355,6 +367,6 @@ def loader_comms(plan: ParallelPlan, rank: int
     the steps' again as groups of their own, for its step-ahead thread, None with one
     data-parallel rank; its SP group's scatter, None without SP)."""
     dp, reorder = data_groups(plan, rank)
-    comm = TorchDataComm(dp, reorder, plan.dp, plan.reorder_group, None, plan.sp)
+    comm = TorchDataComm(plan, dp, reorder)
     step_comm = loader_step_comm(plan, rank) if plan.dp > 1 else None
     return comm, step_comm, loader_shard_comm(plan, rank)

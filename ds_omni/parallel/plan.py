@@ -44,13 +44,15 @@ class ParallelPlan:
     ep: int = 1
     """Expert parallelism: each MoE layer's experts split over groups of ep data-parallel ranks
     (1: off; `ds_omni.parallelize.expert_parallel`)."""
+    encoder_pool: bool = False
+    """parallel.encoder_pool="dp": each round's items are encoded over the pool's ranks."""
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int,
                     reorder: ReorderConfig) -> "ParallelPlan":
         """Resolve "auto" degrees and the reorder group, and check that the plan fits
         `world_size` ranks."""
-        model_parallel = cfg.sp * cfg.pp * cfg.tp
+        model_parallel = cls.model_parallel_size(cfg.sp, cfg.pp, cfg.tp)
         # the model-parallel degrees as the errors name them (tp only where it is set)
         names = ["sp", "tp", "pp"] if cfg.tp > 1 else ["sp", "pp"]
         values = " x ".join(str(getattr(cfg, n)) for n in names)
@@ -61,7 +63,7 @@ class ParallelPlan:
                     f"{' x '.join('parallel.' + n for n in names)} = "
                     f"{values} = {model_parallel}; launch a multiple of {model_parallel} "
                     "processes or change the plan")
-            dp = world_size // model_parallel
+            dp = cls.auto_dp(world_size, cfg.sp, cfg.pp, cfg.tp)
         else:
             dp = cfg.dp
         if dp * model_parallel != world_size:
@@ -75,7 +77,19 @@ class ParallelPlan:
             check_per_sequence(reorder.mode, group, cfg.max_sequence_sp)
         check_expert_parallel(cfg, dp)
         return cls(world_size=world_size, dp=dp, sp=cfg.sp, pp=cfg.pp, tp=cfg.tp,
-                   reorder_group=group, max_sequence_sp=cfg.max_sequence_sp, ep=cfg.ep)
+                   reorder_group=group, max_sequence_sp=cfg.max_sequence_sp, ep=cfg.ep,
+                   encoder_pool=cfg.encoder_pool == "dp")
+
+    @staticmethod
+    def model_parallel_size(sp: int = 1, pp: int = 1, tp: int = 1) -> int:
+        """Ranks of one data-parallel replica (sp x pp x tp): "auto" dp is the world over it."""
+        return sp * pp * tp
+
+    @staticmethod
+    def auto_dp(world_size: int, sp: int = 1, pp: int = 1, tp: int = 1) -> int:
+        """dp "auto": the whole replicas of sp x pp x tp ranks in `world_size` (`from_config`
+        refuses a world they do not fill)."""
+        return world_size // ParallelPlan.model_parallel_size(sp, pp, tp)
 
     @property
     def ep_enabled(self) -> bool:
@@ -111,9 +125,43 @@ class ParallelPlan:
         return self.dp > 1
 
     @property
-    def pool_size(self) -> int:
-        """Ranks of the encoder pool (`parallel.encoder_pool`): every rank of a pipeline stage."""
+    def seq_data_size(self) -> int:
+        """Ranks that hold the same parameters (the same stage and TP shard): dp x sp, over which
+        ZeRO partitions (`seq_data_group_ranks`)."""
         return self.dp * self.sp
+
+    @property
+    def pool_size(self) -> int:
+        """Ranks of the encoder pool (`parallel.encoder_pool`): every rank of a pipeline stage
+        (of one TP rank: each TP rank pools its own copy of the encoders)."""
+        return self.seq_data_size
+
+    def pool_rank(self, rank: int) -> int:
+        """`rank`'s place in its encoder pool (the dp x sp ranks of its TP rank)."""
+        c = self.coords(rank)
+        return c.dp_rank * self.sp + c.sp_rank
+
+    def replica_rank(self, rank: int) -> int:
+        """`rank` with its TP ranks counted as one (rank // tp): the TP ranks of a row run its
+        whole layers alike, so they share what is drawn per rank (the dropout stream)."""
+        return rank // self.tp
+
+    @property
+    def reader_group_size(self) -> int:
+        """Ranks that train on the same rows: the sp x tp ranks of one data-parallel rank."""
+        return self.sp * self.tp
+
+    @property
+    def tp_encodes_apart(self) -> bool:
+        """Under tp the TP ranks of a row encode different items of it (and sum the encoders'
+        gradients over TP), unless another plan already spreads the row's items: the SP ranks
+        under sp > 1, the pool's ranks under encoder_pool."""
+        return self.tp > 1 and self.sp == 1 and not self.encoder_pool
+
+    @property
+    def sp_degrees(self) -> list[int]:
+        """The Ulysses degrees the LLM runs under (sp, the largest per-sequence block), > 1."""
+        return sorted({d for d in (self.sp, self.max_sequence_sp) if d > 1})
 
     @property
     def long_item_group(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 from ds_omni.errors import DsOmniError
+from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.sim.plan_spec import SimPlan
 from ds_omni.sim.step import simulate
 from ds_omni.sim.workload import Samples
@@ -41,7 +42,7 @@ def disttrain(plan: SimPlan, gpus: int, encoder_share: float) -> SimPlan:
     """Encoder GPUs in proportion to the encoders' share of the step's FLOPs (at least one),
     the rest (a multiple of sp x pp) for the LLM; its fewer data-parallel ranks each run
     proportionally more micro-batches (the same global batch, the same packed row size)."""
-    unit = plan.sp * plan.pp * plan.tp
+    unit = ParallelPlan.model_parallel_size(plan.sp, plan.pp, plan.tp)
     llm = unit * max(1, math.floor(gpus * (1 - encoder_share) / unit))
     llm = min(llm, unit * ((gpus - 1) // unit))
     dp = llm // unit
@@ -50,7 +51,7 @@ def disttrain(plan: SimPlan, gpus: int, encoder_share: float) -> SimPlan:
         # and every caller reports as this baseline's error
         return _plain(plan, "disttrain", encoder_gpus=gpus)
     group = max(g for g in range(1, min(plan.reorder_group, dp) + 1) if dp % g == 0)
-    shared_dp = plan.dp or gpus // unit
+    shared_dp = plan.dp or ParallelPlan.auto_dp(gpus, plan.sp, plan.pp, plan.tp)
     micro = math.ceil(plan.micro_batches * shared_dp / dp)
     return _plain(plan, "disttrain", reorder="fixed", reorder_group=group, encoder_mode="reshard",
                   micro_batches=micro,
@@ -63,11 +64,11 @@ def static_degree(plan: SimPlan, samples: Samples) -> int:
     """The plan's largest SP degree, raised to the power of two whose shards hold the longest
     sequence within one micro-batch row."""
     need = max(1, math.ceil(int(samples.tokens.max()) / plan.pack_tokens))
-    return max(plan.sp, plan.max_sequence_sp, 1 << math.ceil(math.log2(need)))
+    return max(plan.long_item_group, 1 << math.ceil(math.log2(need)))
 
 
 def deepspeed(plan: SimPlan) -> SimPlan:
-    return _plain(plan, "deepspeed", sp=max(plan.sp, plan.max_sequence_sp), pp=1,
+    return _plain(plan, "deepspeed", sp=plan.long_item_group, pp=1,
                   encoder_mode="replicated")
 
 
@@ -79,7 +80,7 @@ def bytescale(plan: SimPlan, samples: Samples) -> SimPlan:
 
 
 def veomni(plan: SimPlan) -> SimPlan:
-    return _plain(plan, "veomni", sp=max(plan.sp, plan.max_sequence_sp), pp=1, tp=1, zero_stage=3,
+    return _plain(plan, "veomni", sp=plan.long_item_group, pp=1, tp=1, zero_stage=3,
                   encoder_mode="split_all")
 
 

@@ -107,7 +107,7 @@ def lower_bound(shell: Shell, totals: dict) -> float:
     if p.tp > 1:  # a rank holds its row's tokens (/ sp): total / (dp sp) a rank on average
         link = comm.link_of(c, shell.ranks_of(0, 1)[:p.tp])
         calls = 2 * d.layers * (1 + 1 + ckpt)
-        seconds += calls * 2 * (p.tp - 1) / p.tp * tokens / (p.dp * p.sp) * d.hidden * 2 / \
+        seconds += calls * 2 * (p.tp - 1) / p.tp * tokens / p.seq_data_size * d.hidden * 2 / \
             link.bandwidth
     if p.ep > 1:
         link = comm.link_of(c, range(p.ep))
@@ -136,10 +136,8 @@ def tp_grads_seconds(shell) -> float:
 
 
 def tp_apart(shell) -> bool:
-    """The TP ranks of a row encode different items (`ParallelConfig.tp_encodes_apart`)."""
-    p = shell.pplan
-    return (p.tp > 1 and p.sp == 1 and shell.plan.encoder_mode == "reshard"
-            and not shell.plan.encoder_gpus)
+    """The TP ranks of a row encode different items (`ParallelPlan.tp_encodes_apart`)."""
+    return shell.plan.tp_apart(shell.pplan)
 
 
 def totals_of(model: ModelSpec, samples: Samples) -> dict:
@@ -170,7 +168,7 @@ def refined_bound(shell: Shell, assignment, totals: dict) -> float:
     sync = min(grad_sync_seconds(shell, s) for s in range(p.pp))
     if p.pp > 1:
         return max(coarse, _pipeline_bound(shell, llm, enc) + sync)
-    inner = p.sp * p.tp
+    inner = p.reader_group_size
     # a member's encoder work: its SP rank's share, or under tp alone its TP rank's (a mean
     # over the TP ranks, no more than the busiest's)
     own_enc = 0.0 if plan.encoder_mode == "pool" else enc / (p.tp if tp_apart(shell) else p.sp)

@@ -43,14 +43,15 @@ def state_shards(step, stage: int, held: tuple[float, float]) -> list[StateShard
     if p.tp > 1:
         cut = m.llm_params() - m.llm_params(tp=p.tp)  # what tp takes off each rank
         groups = [ranks[t::p.tp] for t in range(p.tp)]
-        return [StateShard(held[0] - cut, held[1] - cut * llm_trained, p.dp * p.sp, groups)]
+        return [StateShard(held[0] - cut, held[1] - cut * llm_trained, p.seq_data_size, groups)]
     if p.ep > 1:
         experts = m.expert_params()
         groups = [ranks[e::p.ep] for e in range(p.ep)]  # ranks holding the same experts
-        rest = StateShard(held[0] - experts, held[1] - experts * llm_trained, p.dp * p.sp, [ranks])
-        return [rest, StateShard(experts / p.ep, experts / p.ep * llm_trained, p.dp * p.sp // p.ep,
-                                 groups)]
-    return [StateShard(held[0], held[1], p.dp * p.sp, [ranks])]
+        rest = StateShard(held[0] - experts, held[1] - experts * llm_trained, p.seq_data_size,
+                          [ranks])
+        return [rest, StateShard(experts / p.ep, experts / p.ep * llm_trained,
+                                 p.seq_data_size // p.ep, groups)]
+    return [StateShard(held[0], held[1], p.seq_data_size, [ranks])]
 
 
 def shard_link(step, shard: StateShard) -> comm.Link:

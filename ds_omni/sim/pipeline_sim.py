@@ -90,7 +90,7 @@ def _micro_arrays(step):
     """Per micro-batch and pipeline: LLM FLOPs [M, D], tokens [M, D], encoder FLOPs [M, D], all
     per rank (an SP group splits its row's work evenly)."""
     p, M = step.pplan, step.plan.micro_batches
-    shape = (M, p.dp * p.sp)
+    shape = (M, p.seq_data_size)
     llm, tokens, enc = np.zeros(shape), np.zeros(shape), np.zeros(shape)
     items_of = step.layout.items_of
     for d, rounds in enumerate(step.assignment.rounds):
@@ -198,8 +198,8 @@ def _uniform_encode(step, ranks, backward: bool) -> None:
     rows then gathered to stage 0 (its gradients sent back after the schedule)."""
     p, rate, fwd = step.pplan, step.rate, step.encoder_fwd
     items_of = step.layout.items_of
-    load = np.zeros((p.pp, p.dp * p.sp))  # [P, D] encoder FLOPs per rank
-    rows = np.zeros((p.pp, p.dp * p.sp))  # [P, D] rows each stage sends to stage 0
+    load = np.zeros((p.pp, p.seq_data_size))  # [P, D] encoder FLOPs per rank
+    rows = np.zeros((p.pp, p.seq_data_size))  # [P, D] rows each stage sends to stage 0
     for d, rounds in enumerate(step.assignment.rounds):
         ids = np.concatenate([items_of[n] for r in rounds for n in r.samples.tolist()]
                              or [np.zeros(0, np.int64)])

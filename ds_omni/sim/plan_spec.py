@@ -78,6 +78,9 @@ class SimPlan:
             raise ConfigError(f"SimPlan needs global_batch, micro_batches and pack_tokens >= 1, "
                               f"got {self.global_batch}, {self.micro_batches}, {self.pack_tokens}")
 
+    # the facts of its degrees, as training's plan computes them (the same fields)
+    long_item_group = ParallelPlan.long_item_group
+
     def replace(self, **changes) -> "SimPlan":
         return dataclasses.replace(self, **changes)
 
@@ -104,10 +107,13 @@ class SimPlan:
                              encoder_placement=self.encoder_placement, stage_split=self.stage_split,
                              encoder_sp="auto" if self.long_items else "off",
                              encoder_pool="dp" if self.encoder_mode == "pool" else "off")
-        world = self.llm_gpus(gpus)
-        dp = world // (self.sp * self.pp * self.tp) if self.dp is None else self.dp
-        reorder = ReorderConfig(mode=self.reorder, group_size=max(1, min(self.reorder_group, dp)))
-        return ParallelPlan.from_config(cfg, world, reorder)
+        reorder = ReorderConfig(mode=self.reorder, group_size=self.reorder_group)  # capped at dp
+        return ParallelPlan.from_config(cfg, self.llm_gpus(gpus), reorder)
+
+    def tp_apart(self, pplan: ParallelPlan) -> bool:
+        """The TP ranks of a row encode different items (`ParallelPlan.tp_encodes_apart`) where
+        the encoders run as ds_omni runs them (not a baseline's way, not on GPUs of their own)."""
+        return pplan.tp_encodes_apart and self.encoder_mode == "reshard" and not self.encoder_gpus
 
     def check_model(self, model) -> None:
         """Training's rules that need the model (a `ModelSpec`), after the composition table's

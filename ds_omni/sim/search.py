@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from ds_omni.errors import DsOmniError
+from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.sim import bounds
 from ds_omni.sim.baselines import baseline_plans
 from ds_omni.sim.bounds import GIB, Shell
@@ -95,7 +96,7 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
     """Every plan of `space` on `gpus` GPUs (the SimPlan fields that differ from `base`), with
     `base`'s batch: the same samples per step and per micro-batch row (its micro-batch size),
     so the gradient accumulation steps follow dp."""
-    base_dp = base.dp or gpus // (base.sp * base.pp * base.tp)
+    base_dp = base.dp or ParallelPlan.auto_dp(gpus, base.sp, base.pp, base.tp)
     per_micro = base.global_batch / (base.micro_batches * base_dp)  # samples of one micro-batch
     out, seen = [], set()
     for sp, pp, tp, ep, msp in itertools.product(*[space.degrees] * 5):
@@ -103,9 +104,9 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
             continue
         if tp * sp > gpus_per_node:
             continue  # tp x sp inside a node
-        if sp * pp * tp > gpus or gpus % (sp * pp * tp):
+        dp = ParallelPlan.auto_dp(gpus, sp, pp, tp)
+        if dp * ParallelPlan.model_parallel_size(sp, pp, tp) != gpus:  # no whole replicas
             continue
-        dp = gpus // (sp * pp * tp)
         micro = max(1, round(base.global_batch / (per_micro * dp)))
         for zero, mode, place, group, ckpt in itertools.product(
                 space.zero_stages, space.encoder_modes, space.encoder_placements,

@@ -58,9 +58,8 @@ class Step:
         self.encoder_fwd = 1.0 if all(e.frozen for e in model.dims.encoders.values()) else 1 / 3
         self.heads = {n: model.heads(n) for n in model.dims.encoders}
         self.timeline = Timeline(cluster.gpus, PHASES)
-        # the TP ranks of a row encode different items (`ParallelConfig.tp_encodes_apart`)
-        self.tp_apart = (self.pplan.tp > 1 and self.pplan.sp == 1
-                         and plan.encoder_mode == "reshard" and not plan.encoder_gpus)
+        # the TP ranks of a row encode different items (`ParallelPlan.tp_encodes_apart`)
+        self.tp_apart = plan.tp_apart(self.pplan)
         # training's rule: under ZeRO-2/3 (and bf16 ZeRO-0) every rank runs every encoder, and
         # where the TP ranks sum encoder gradients (their hooks are collectives)
         self.dummies = self.tp_apart or encoder_dummies_needed(
@@ -79,7 +78,7 @@ class Step:
     def ranks_of(self, dp_lo: int, dp_n: int, stage: int = 0) -> np.ndarray:
         """Global ranks of data-parallel ranks [dp_lo, dp_lo + dp_n) of `stage`, all SP (and TP)
         ranks."""
-        inner, dp = self.pplan.sp * self.pplan.tp, self.pplan.dp
+        inner, dp = self.pplan.reader_group_size, self.pplan.dp
         base = stage * dp * inner
         return np.arange(base + dp_lo * inner, base + (dp_lo + dp_n) * inner)
 
@@ -202,7 +201,7 @@ class RoundRows:
 def round_rows_of(step: Step, k: int) -> RoundRows:
     """`round_rows` with its sums, kept in the step's cache for the plans whose rows are the
     same (one loader assignment, the same ranks a row spans)."""
-    key = ("rows", id(step.assignment), step.pplan.sp * step.pplan.tp, step.pplan.dp, k)
+    key = ("rows", id(step.assignment), step.pplan.reader_group_size, step.pplan.dp, k)
     if step.cache is not None and key in step.cache:
         return step.cache[key]
     rows = round_rows(step, k)

@@ -128,7 +128,7 @@ def profile(cfg: OmniConfig, batches: int, clock=time.perf_counter,
     built = build_model(cfg.model)
     m = Measurements()
     for size in sizes or (cfg.train.global_batch_size,):
-        loader = build_loader(_with_batch(cfg, size), built, dp_rank=0, dp_size=1, num_micro=1)
+        loader = build_loader(_with_batch(cfg, size), built, num_micro=1)
         dummies = {name: enc.dummy_len for name, enc in loader.cost_model.dims.encoders.items()}
         for i in range(batches + 1):
             batch = loader.next_step()

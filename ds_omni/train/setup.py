@@ -21,7 +21,7 @@ import torch
 
 from ds_omni.config import OmniConfig
 from ds_omni.config.composition import check_composition
-from ds_omni.data.build import build_loader, cost_model_for, long_items_of
+from ds_omni.data.build import build_loader, cost_model_for
 from ds_omni.data.check import startup_check
 from ds_omni.data.cost import CostModel
 from ds_omni.data.templates import carry_template, training_template
@@ -50,10 +50,9 @@ def plan_run(cfg: OmniConfig, ds_json: dict, world_size: int) -> tuple[ParallelP
     (the table of `ds_omni.config.composition`, under the DeepSpeed JSON's ZeRO stage)."""
     check_composition(cfg.parallel, zero_stage(ds_json), cfg.train.export_hf)
     plan = ParallelPlan.from_config(cfg.parallel, world_size, cfg.data.reorder)
-    degrees = sorted({d for d in (plan.sp, plan.max_sequence_sp) if d > 1})
-    needs_llm = degrees or plan.pp_enabled or plan.tp_enabled
+    needs_llm = plan.sp_degrees or plan.pp_enabled or plan.tp_enabled
     llm = llm_text_config(cfg.model) if needs_llm else None  # read once
-    for degree in degrees:
+    for degree in plan.sp_degrees:
         check_sequence_parallel(cfg.model, degree, llm)
     if plan.tp_enabled:
         check_tensor_parallel(llm[1], plan.tp, _llm_part(cfg))
@@ -122,20 +121,15 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
         dist.barrier()
     built = _build_model(cfg)
     cost = cost_model(cfg, built)
-    coords = plan.coords(rank)
-    loader = build_loader(cfg, built, dp_rank=coords.dp_rank, dp_size=plan.dp,
-                          num_micro=ds_config["gradient_accumulation_steps"], comm=groups.comm,
-                          sp_rank=coords.sp_rank, sp_size=plan.sp, step_comm=groups.step_comm,
-                          cost=cost, reorder_group=plan.reorder_group,
-                          long_items=long_items_of(cfg, built.model, plan.long_item_group),
-                          shard_comm=groups.shard_comm, plan=plan, rank=rank,
+    loader = build_loader(cfg, built, plan, groups, rank=rank,
+                          num_micro=ds_config["gradient_accumulation_steps"], cost=cost,
                           timeout_s=float(os.environ.get("DS_OMNI_DIST_TIMEOUT", 1800.0)))
     if rank == 0:
         dist.barrier()
     # one random stream per data-parallel rank: the tensor-parallel ranks of a row run its
     # whole layers alike, so their dropout masks must agree (the encoders, which encode
     # different items on each, draw from a stream of their own: `parallelize.tp_encoders`)
-    torch.manual_seed(cfg.train.seed + rank // plan.tp)
+    torch.manual_seed(cfg.train.seed + plan.replica_rank(rank))
     ds_groups.mpu = None  # DeepSpeed keeps the last engine's mpu in a module global: don't inherit it
     module = _parallelize(cfg, ds_config, plan, groups, built, cost, rank)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=optimizer_params(module),
@@ -179,9 +173,9 @@ def _parallelize(cfg: OmniConfig, ds_config: dict, plan: ParallelPlan, groups: R
 def tp_encoders_for(cfg: OmniConfig, built, plan: ParallelPlan, rank: int, groups,
                     cost: CostModel) -> TPEncoders | None:
     """The TP ranks of a row encoding different items of it, where they do
-    (`ParallelConfig.tp_encodes_apart`; otherwise every TP rank encodes the same items and their
+    (`ParallelPlan.tp_encodes_apart`; otherwise every TP rank encodes the same items and their
     gradients are not summed over TP)."""
-    if not groups.tp or not cfg.parallel.tp_encodes_apart:
+    if not groups.tp or not plan.tp_encodes_apart:
         return None
     return TPEncoders(groups.tp, plan.coords(rank).tp_rank, plan.tp, built.item_processors,
                       _item_cost(cost))

@@ -217,7 +217,7 @@ def bf16_reference(cfg, step_keys: list[list[str]], clip: float = 1.0):
     init = {n: m.clone() for n, m in masters.items()}
     opt = torch.optim.AdamW(list(masters.values()), lr=cfg.train.lr, betas=(0.9, 0.95),
                             eps=ADAM_EPS, weight_decay=cfg.train.weight_decay)
-    fetch = build_loader(oracle.with_loader_order(cfg), built, dp_rank=0, dp_size=1, num_micro=1)
+    fetch = build_loader(oracle.with_loader_order(cfg), built, num_micro=1)
     losses = []
     for keys in step_keys:
         samples = fetch.load_samples(keys)

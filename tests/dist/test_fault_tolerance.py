@@ -6,6 +6,7 @@ run (budget-mode reordering, a changing mixing schedule) that one rank then resu
 fp32 weights, Adam moments, step count and LR as saved, and every sample of the data trained
 once, as in an uninterrupted run."""
 
+import dataclasses
 import math
 import time
 
@@ -144,9 +145,11 @@ def _sp_fault(rank, world, root, built) -> tuple[str | None, float]:
     cfg = tiny_config(root + "/sp", steps=STEPS)
     cfg.parallel.sp = 2
     plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
-    comm = rank_groups(plan, rank, prefetch=False).comm
-    loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=2, comm=comm,
-                          sp_rank=rank, sp_size=2)
+    groups = rank_groups(plan, rank, prefetch=False)
+    comm = groups.comm
+    # each SP rank reads its rows itself (no reader group): the failing processor is rank 1's
+    loader = build_loader(cfg, built, plan, dataclasses.replace(groups, shard_comm=None),
+                          rank=rank, num_micro=2)
     if rank == 1:
         _inject(loader, "processor")
 

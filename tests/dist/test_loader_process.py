@@ -28,11 +28,7 @@ def _config(root: str, sp: int, workers: int):
 
 def _loader(cfg, built, rank, world, groups, plan):
     from ds_omni.data.build import build_loader
-    coords = plan.coords(rank)
-    return build_loader(cfg, built, dp_rank=coords.dp_rank, dp_size=plan.dp, num_micro=2,
-                        comm=groups.comm, sp_rank=coords.sp_rank, sp_size=plan.sp,
-                        step_comm=groups.step_comm, shard_comm=groups.shard_comm,
-                        reorder_group=plan.reorder_group, plan=plan, rank=rank, timeout_s=60)
+    return build_loader(cfg, built, plan, groups, rank=rank, num_micro=2, timeout_s=60)
 
 
 def _digest(batch, model=None) -> tuple:

@@ -101,8 +101,7 @@ def _loader(built, sources, **kw):
                      reorder=ReorderConfig(mode="loader_order"), **kw)
     return OmniLoader([Source(s, cfg.chunk_rows) for s in cfg.sources],
                       {s.name: _proc(built) for s in cfg.sources}, cost_model_for(built, []), cfg,
-                      global_batch_size=4, place=RankPlace(dp_rank=0, dp_size=1, num_micro=2,
-                                                           reorder_group=1))
+                      global_batch_size=4, place=RankPlace(num_micro=2))
 
 
 def test_all_bad_source_is_an_error_not_a_hang(tmp_path, built):

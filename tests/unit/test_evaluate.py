@@ -52,7 +52,6 @@ class _Plain:
 def setup(tmp_path_factory):
     from ds_omni.data.build import build_loader
     from ds_omni.model.build import build_model
-    from ds_omni.parallel.groups import TorchDataComm
     tmp = tmp_path_factory.mktemp("eval")
     cfg = tiny_config(str(tmp / "out"))
     cfg.data.eval_sources = [from_dict(SourceConfig, s) for s in eval_sources(tmp)]
@@ -60,7 +59,7 @@ def setup(tmp_path_factory):
     with torch.no_grad():  # not the init the oracle builds: the parameters must really be loaded
         for p in built.model.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=1, comm=TorchDataComm())
+    loader = build_loader(cfg, built, num_micro=1)
     return cfg, built, loader
 
 

@@ -28,7 +28,7 @@ def _moe_model(tmp_path, **llm):
 
 def _samples(cfg, built, n=3):
     from ds_omni.data.build import build_loader
-    loader = build_loader(cfg, built, dp_rank=0, dp_size=1, num_micro=1)
+    loader = build_loader(cfg, built, num_micro=1)
     samples = loader.load_samples(loader.next_step().keys[:n])
     loader.close()
     return samples

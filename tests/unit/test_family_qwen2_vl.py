@@ -366,7 +366,7 @@ def test_a_video_source_trains_through_the_loader(built, videos, tmp_path):
         loader = OmniLoader([Source(s, data.chunk_rows) for s in data.sources],
                             sample_processors(SimpleNamespace(data=data), built),
                             cost_model_for(built, [], scales), data, global_batch_size=4,
-                            place=RankPlace(dp_rank=0, dp_size=1, num_micro=2, reorder_group=1),
+                            place=RankPlace(num_micro=2),
                             comms=LoaderComms(TorchDataComm()))
         return loader.next_step()
     batch = step()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ds_omni.config import DataConfig, ReorderConfig, SchemaConfig, SourceConfig
+from ds_omni.config import DataConfig, ParallelConfig, ReorderConfig, SchemaConfig, SourceConfig
 from ds_omni.data.build import cost_model_for
 from ds_omni.data.loader import OmniLoader
 from ds_omni.data.prefetch import Prefetcher
@@ -18,7 +18,7 @@ from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.rank_place import LoaderComms, RankPlace
 from ds_omni.data.sample_reader import key_locator
 from ds_omni.data.sources import Source
-from ds_omni.parallel.plan import reorder_group_size
+from ds_omni.parallel.plan import ParallelPlan
 from tests.data_files import conversation_rows, text_rows, write
 from tests.data_sim import on_ranks, thread_comms
 
@@ -61,9 +61,9 @@ def _loaders(built, cfg: DataConfig, dp: int, own_step_comms: bool = False):
     cost = cost_model_for(built, [])
     return [OmniLoader([Source(s, cfg.chunk_rows) for s in cfg.sources], procs, cost, cfg,
                        global_batch_size=GLOBAL_BATCH,
-                       place=RankPlace(dp_rank=r, dp_size=dp,
-                                       num_micro=GLOBAL_BATCH // (dp * MICRO) or 1,
-                                       reorder_group=reorder_group_size(cfg.reorder, dp)),
+                       place=RankPlace(plan=ParallelPlan.from_config(ParallelConfig(), dp,
+                                                                     cfg.reorder),
+                                       rank=r, num_micro=GLOBAL_BATCH // (dp * MICRO) or 1),
                        comms=LoaderComms(comms[r], step_comms[r]))
             for r in range(dp)]
 
@@ -276,8 +276,7 @@ def _worker_loader(built, tmp, workers: int) -> OmniLoader:
              for s in cfg.sources}
     return OmniLoader([Source(s, cfg.chunk_rows) for s in cfg.sources], procs,
                       cost_model_for(built, []), cfg, global_batch_size=8,
-                      place=RankPlace(dp_rank=0, dp_size=1, num_micro=2,
-                                      reorder_group=1))
+                      place=RankPlace(num_micro=2))
 
 
 def _logged(loader):

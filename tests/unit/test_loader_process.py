@@ -24,7 +24,7 @@ from tests.unit.test_loader import _all_tensors, _logged, _worker_loader, built 
 def _parts(built, tmp) -> LoaderParts:
     loader = _worker_loader(built, tmp, workers=0)  # its sources, processors and config
     parts = LoaderParts(loader.cfg, loader.processors, cost_model_for(built, []), 8,
-                        RankPlace(dp_rank=0, dp_size=1, num_micro=2, reorder_group=1),
+                        RankPlace(num_micro=2),
                         LongSplits())
     loader.close()
     return parts

@@ -14,6 +14,7 @@ from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.rank_place import LoaderComms, RankPlace, SharedReading
 from ds_omni.data.sources import Source
 from ds_omni.errors import DataError
+from ds_omni.parallel.plan import ParallelPlan
 from tests import plants
 from tests.data_files import conversation_rows, text_rows, write
 from tests.data_sim import on_ranks, thread_shard_comms
@@ -55,8 +56,8 @@ def _group(built, cfg, shared: bool, timeout: float = 60, sp: int = SP,
     comms = thread_shard_comms(sp * tp, timeout)
     return [OmniLoader([Source(s, cfg.chunk_rows) for s in cfg.sources], procs,
                        cost_model_for(built, []), cfg, global_batch_size=8,
-                       place=RankPlace(dp_rank=0, dp_size=1, num_micro=2, reorder_group=1,
-                                       sp_rank=g // tp, sp_size=sp),
+                       place=RankPlace(plan=ParallelPlan(world_size=sp * tp, dp=1, sp=sp, tp=tp),
+                                       rank=g, num_micro=2),
                        comms=LoaderComms(shared=SharedReading(comms[g]) if shared else None))
             for g in range(sp * tp)]
 

@@ -33,8 +33,7 @@ def _loader(built, path, schema, exhausted, mode="fixed") -> OmniLoader:
                                   max_seq_len=128)}
     return OmniLoader([Source(s, cfg.chunk_rows) for s in cfg.sources], procs,
                       cost_model_for(built, []), cfg, global_batch_size=BATCH,
-                      place=RankPlace(dp_rank=0, dp_size=1, num_micro=BATCH // MICRO,
-                                      reorder_group=1),
+                      place=RankPlace(num_micro=BATCH // MICRO),
                       comms=LoaderComms(TorchDataComm()))
 
 
