@@ -80,9 +80,9 @@ def apply_plan(model: OmniModel, *, kernel: str | None = None, sp_group=None,
     `sp_group`: the LLM's Ulysses group (None: no static SP; the encoders keep theirs);
     `blocks`: per-sequence SP, (first rank, size) -> the group of every block this rank can be
     in; `pool`: the encoder pool (parallel.encoder_pool="dp"); `encoder_dummies`: whether every
-    micro-batch runs every encoder, on a dummy where it has no item
-    (`encoder_dummies_needed`). The model gets an `EmbeddingRouter` holding
-    them, and its backbone the attention with `sp_group`, counted in the router's `sp_counts`.
+    micro-batch runs every encoder, on a dummy where it has no item (`encoder_dummies_needed`).
+    The model gets an `EmbeddingRouter` holding them, and its backbone the attention with
+    `sp_group`, counted in the router's `sp_counts`.
     `tp_group` (parallel.tp > 1): the backbone's decoder layers are split over it by DeepSpeed's
     AutoTP (`tensor_parallel.shard_backbone`, after `llm_config`'s tp plan); the encoders are
     not. What it did is the model's `tp_counts`. `tp_encoders`: the TP ranks of a row encode

@@ -48,8 +48,10 @@ class EmbeddingRouter:
     pool (its group carries the exchange of pooled micro-batches); `encoder_dummies`: every
     micro-batch runs every encoder, on a zero-weight dummy where it has no item (ZeRO-2 and -3
     need it); False where one reduction a step only needs a gradient, which a zero one gives
-    (`encoder_dummies_needed`); `tp_encoders`: under parallel.tp, the
-    split of a row's items over its TP ranks (`ds_omni.parallelize.tp_encoders`).
+    (`encoder_dummies_needed`); `tp_encoders`: under parallel.tp, the split of a row's items
+    over its TP ranks (`ds_omni.parallelize.tp_encoders`). The features that route a step's
+    micro-batches (the pool, the TP split, ZeRO-3's even encoder calls) register with
+    `on_step`; the step calls `prepare_step` and names none of them.
     """
 
     def __init__(self, *, kernel: str, sp_group=None, blocks: dict | None = None,
