@@ -77,7 +77,7 @@ def build(cfg, ds_json: dict, rank: int, plan, engine: str):
     if engine == "replicated":
         pipeline.EncoderShards = ReplicatedShards
     try:
-        built, loader, ds_engine = setup_training(cfg, derive_ds_config(cfg, ds_json, plan),
+        built, loader, ds_engine, groups = setup_training(cfg, derive_ds_config(cfg, ds_json, plan),
                                                   rank, plan)
     finally:
         pipeline.EncoderShards = original
@@ -85,7 +85,7 @@ def build(cfg, ds_json: dict, rank: int, plan, engine: str):
     if engine == "replicated" and joint.stage != 0:
         for p in joint.encoders.parameters():
             p.ds_pipe_replicated, p.model_parallel = True, False
-    return loader, ds_engine
+    return loader, ds_engine, groups
 
 
 def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: int,

@@ -94,14 +94,15 @@ def ranks(rank: int, world: int, out_dir: str, steps: int) -> list[dict]:
     torch.set_num_threads(1)
     cfg = make_config(out_dir, steps)
     plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
-    _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), rank, plan)
+    _, loader, engine, groups = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan),
+                                               rank, plan)
     counts: dict = {}
     count_all_to_alls(counts)
     log = []
     for _ in range(steps):
         batch = loader.next_step()
         counts.clear()
-        train_step(engine, batch, loader.comm)
+        train_step(engine, batch, groups)
         log.append({"a2a": dict(counts), "keys": sorted(batch.keys),
                     "load": expert_load(engine.module)})  # what the loop logs, every rank
     for record in log:

@@ -108,7 +108,8 @@ def measure_plan(rank: int, world: int, cfg, ds_json: dict, steps: int, warmup: 
     torch.set_num_threads(1)
     live_before, rss_before, t0 = live_tensor_bytes(), rss_bytes(), time.perf_counter()
     plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
-    built, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_json, plan), rank, plan)
+    built, loader, engine, groups = setup_training(cfg, derive_ds_config(cfg, ds_json, plan),
+                                                   rank, plan)
     saved = SavedActivations(engine.module)
     if rank == 0:
         print(f"  set up in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -118,7 +119,7 @@ def measure_plan(rank: int, world: int, cfg, ds_json: dict, steps: int, warmup: 
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
         with saved.counting():
-            losses.append(train_step(engine, batch, loader.comm).loss)
+            losses.append(train_step(engine, batch, groups).loss)
         took = torch.tensor([time.process_time() - start_cpu, time.perf_counter() - start],
                             dtype=torch.float64)
         dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the busiest / slowest rank's

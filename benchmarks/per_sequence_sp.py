@@ -64,15 +64,14 @@ def ranks(rank: int, world: int, out_dir: str, long: dict, rounds: int, warmup: 
     for label in VARIANTS:
         cfg = variant_config(label, out_dir, long, warmup + rounds)
         plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
-        _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), rank,
-                                           plan)
-        runs[label] = (loader, engine)
+        _, loader, engine, groups = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan),
+                                                   rank, plan)
+        runs[label] = (loader, engine, groups)
     labels = list(runs)
     log = {label: [] for label in labels}
     for i in range(warmup + rounds):
         for label in labels[i % len(labels):] + labels[:i % len(labels)]:
-            loader, engine = runs[label]
-            log[label].append(_one_step(loader, engine, ds_groups))
+            log[label].append(_one_step(*runs[label], ds_groups))
     return log
 
 

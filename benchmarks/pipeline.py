@@ -103,7 +103,8 @@ def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: 
     import torch
     from ds_omni.train.ds_config import derive_ds_config
     from ds_omni.parallel.plan import ParallelPlan
-    from ds_omni.train.setup import cost_model, setup_training, stage_plan
+    from ds_omni.parallelize.pipeline import stage_plan
+    from ds_omni.train.setup import cost_model, setup_training
     from tests.fixtures import ds_config
     torch.set_num_threads(1)
     runs, predicted = {}, {}
@@ -111,18 +112,18 @@ def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: 
         for placement in placements:
             cfg = config(mix, placement, out_dir, text, warmup + rounds, pp=world, layers=layers)
             plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
-            built, loader, engine = setup_training(
+            built, loader, engine, groups = setup_training(
                 cfg, derive_ds_config(cfg, ds_config(zero), plan), rank, plan)
-            runs[(mix, placement)] = (loader, engine)
+            runs[(mix, placement)] = (loader, engine, groups)
             stages = stage_plan(cfg, built, plan, cost_model(cfg, built))
             predicted[placement] = [t / 1e9 for t in stages.stage_time]
     log = rotating_rounds(runs, warmup + rounds)
-    parts = {f"{m}/{p}": list(e.module.parts) for (m, p), (_, e) in runs.items()}
+    parts = {f"{m}/{p}": list(e.module.parts) for (m, p), (_, e, _) in runs.items()}
     return {"log": log, "parts": parts, "predicted_stage_gflop": predicted}
 
 
 def rotating_rounds(runs: dict, steps: int) -> dict[str, list]:
-    """`steps` rounds of one step of every run ({(mix, name): (loader, engine)}), the order
+    """`steps` rounds of one step of every run ({(mix, name): (loader, engine, groups)}), the order
     rotated each round so that no run always goes first: {"mix/name": [one_step's record]}."""
     labels = list(runs)
     log = {f"{m}/{p}": [] for m, p in labels}
@@ -132,13 +133,13 @@ def rotating_rounds(runs: dict, steps: int) -> dict[str, list]:
     return log
 
 
-def one_step(loader, engine) -> dict:
+def one_step(loader, engine, groups) -> dict:
     import torch.distributed as dist
     from ds_omni.train.step import train_step
     batch = loader.next_step()
     dist.barrier()
     t0, c0 = time.perf_counter(), time.process_time()
-    result = train_step(engine, batch, loader.comm)
+    result = train_step(engine, batch, groups)
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
     images = sum(len(mb.items.get("vision", [])) for mb in batch.micro_batches)
     return {"step_s": wall, "cpu_s": cpu, "loss": result.loss, "images": images,

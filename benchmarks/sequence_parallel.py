@@ -282,9 +282,9 @@ def step_ranks(rank: int, world: int, name: str, zero_stage: int, out_dir: str) 
         t0 = time.perf_counter()
         cfg = workload_config(work, label, f"{out_dir}/{label}")
         plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
-        _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(zero_stage), plan),
-                                           rank, plan)
-        runs[label] = (loader, engine)
+        _, loader, engine, groups = setup_training(
+            cfg, derive_ds_config(cfg, ds_config(zero_stage), plan), rank, plan)
+        runs[label] = (loader, engine, groups)
         setup_s[label] = time.perf_counter() - t0
     labels = list(runs)
     log = {label: [] for label in labels}
@@ -295,7 +295,7 @@ def step_ranks(rank: int, world: int, name: str, zero_stage: int, out_dir: str) 
             "comm": _comm_profile(*runs["sp2"], ds_groups, work.profile_steps)}
 
 
-def _one_step(loader, engine, ds_groups) -> dict:
+def _one_step(loader, engine, groups, ds_groups) -> dict:
     import torch.distributed as dist
     from ds_omni.train.step import train_step
     # DeepSpeed reads its sequence-parallel degree and groups from a module global (set by the
@@ -305,7 +305,7 @@ def _one_step(loader, engine, ds_groups) -> dict:
     t0 = time.perf_counter()
     batch = loader.next_step()
     t1 = time.perf_counter()
-    result = train_step(engine, batch, loader.comm)
+    result = train_step(engine, batch, groups)
     t2 = time.perf_counter()
     items = sum(int(mb.encoder_inputs["vision"]["pixel_values"].shape[0])
                 for mb in batch.micro_batches if "vision" in mb.encoder_inputs)
@@ -320,12 +320,12 @@ the same Function again, so its total counts both directions) and ds_omni's resh
 the gloo call and the wait for the other rank inside it."""
 
 
-def _comm_profile(loader, engine, ds_groups, steps: int) -> dict:
+def _comm_profile(loader, engine, groups, ds_groups, steps: int) -> dict:
     """Share of sp=2's step time spent inside its all-to-alls, from a CPU profile of a few steps
     taken after the timed rounds (the profiler's overhead stays out of the timings)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        logs = [_one_step(loader, engine, ds_groups) for _ in range(steps)]
+        logs = [_one_step(loader, engine, groups, ds_groups) for _ in range(steps)]
     inside = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages() if e.key in COMM_EVENTS}
     wall = sum(log["step_s"] for log in logs)
     return {"steps": steps, "step_s": wall / steps,

@@ -105,9 +105,9 @@ def engine_rank(rank: int, world: int, specs: list, out_dir: str, sources: dict,
     for name, micro in specs:
         cfg = engine_config(name, micro, out_dir, sources, steps)
         plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
-        _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), rank,
-                                           plan)
-        log = [one_step(loader, engine, ds_groups) for _ in range(steps)]
+        _, loader, engine, groups = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan),
+                                                   rank, plan)
+        log = [one_step(loader, engine, groups, ds_groups) for _ in range(steps)]
         for record in log:
             record["samples"] = sample_meta(loader, record.pop("keys"))
         out[f"{name}/{micro}"] = log

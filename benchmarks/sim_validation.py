@@ -116,34 +116,34 @@ def ranks(rank: int, world: int, names: list[str], out_dir: str, sources: dict, 
     for name in names:
         cfg = config(name, out_dir, sources, warmup + rounds)
         plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
-        _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), rank,
-                                           plan)
-        runs[name] = (loader, engine)
+        _, loader, engine, groups = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan),
+                                                   rank, plan)
+        runs[name] = (loader, engine, groups)
     for name, micro in calibration:
         cfg = cal.engine_config(name, micro, out_dir, sources, warmup + rounds)
         plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
-        _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), rank,
-                                           plan)
-        runs[f"{name}/{micro}"] = (loader, engine)
+        _, loader, engine, groups = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan),
+                                                   rank, plan)
+        runs[f"{name}/{micro}"] = (loader, engine, groups)
     order = list(runs)
     log = {name: [] for name in order}
     for i in range(warmup + rounds):
         for name in order[i % len(order):] + order[:i % len(order)]:
             log[name].append(one_step(*runs[name], ds_groups))
-    for name, (loader, _) in runs.items():  # outside the timings: what each step trained
+    for name, (loader, *_) in runs.items():  # outside the timings: what each step trained
         for record in log[name]:
             record["samples"] = sample_meta(loader, record.pop("keys"))
     return log
 
 
-def one_step(loader, engine, ds_groups) -> dict:
+def one_step(loader, engine, groups, ds_groups) -> dict:
     import torch.distributed as dist
     from ds_omni.train.step import train_step
     ds_groups.mpu = engine.mpu  # DeepSpeed's SP groups are a module global: each engine its own
     batch = loader.next_step()
     dist.barrier()
     t0, c0 = time.perf_counter(), time.process_time()
-    result = train_step(engine, batch, loader.comm)
+    result = train_step(engine, batch, groups)
     cpu, wall = time.process_time() - c0, time.perf_counter() - t0
     return {"cpu_s": cpu, "wall_s": wall, "loss": result.loss, "keys": sorted(batch.keys)}
 

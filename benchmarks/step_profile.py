@@ -76,7 +76,7 @@ def omni_ready_side(cfg, ds_path: str, ready: list):
     from ds_omni.train.step import train_step
     plan, ds_config = preflight(cfg, ds_path)
     rank, _ = dist.init_distributed(600.0)
-    _, loader, engine = setup_training(cfg, ds_config, rank, plan)
+    _, loader, engine, groups = setup_training(cfg, ds_config, rank, plan)
     guard = NonFiniteGuard(engine)
     phases = Phases()
     instrument(engine, phases)
@@ -84,7 +84,7 @@ def omni_ready_side(cfg, ds_path: str, ready: list):
     it = iter(range(10 ** 9))
 
     def step():
-        train_step(engine, ready[next(it) % len(ready)], loader.comm, guard=guard)
+        train_step(engine, ready[next(it) % len(ready)], groups, guard=guard)
     return step, phases, engine, ds_config
 
 

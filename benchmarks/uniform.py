@@ -56,7 +56,7 @@ def omni_side(cfg, ds_path: str, ready: list):
     from ds_omni.train.nonfinite import NonFiniteGuard
     plan, ds_config = preflight(cfg, ds_path)
     rank, _ = dist.init_distributed(600.0)
-    _, loader, engine = setup_training(cfg, ds_config, rank, plan)
+    _, loader, engine, groups = setup_training(cfg, ds_config, rank, plan)
     feed = feed_for(loader, cfg.data.prefetch_steps)  # data.workers 1: the loader process's
     guard = NonFiniteGuard(engine)
 
@@ -64,14 +64,14 @@ def omni_side(cfg, ds_path: str, ready: list):
         batch = feed.next_step()
         step.wait_s += feed.last_wait_s
         assert batch.error is None, batch.error
-        train_step(engine, batch, loader.comm, guard=guard)
+        train_step(engine, batch, groups, guard=guard)
         return sum(mb.num_tokens for mb in batch.micro_batches)
     step.wait_s = 0.0
     it = iter(range(10 ** 9))
 
     def ready_step() -> int:
         batch = ready[next(it) % len(ready)]
-        train_step(engine, batch, loader.comm, guard=guard)
+        train_step(engine, batch, groups, guard=guard)
         return sum(mb.num_tokens for mb in batch.micro_batches)
     return step, ready_step, feed, ds_config
 

@@ -123,9 +123,10 @@ class Route:
     """What a parallel plan adds to a packed row: how its embeddings move between ranks and which
     group of ranks runs it. Empty (the default) for a row one rank runs whole.
 
-    Made where the plan shards a row (`ds_omni.data.packing.shard_row`); the loader, the step and
-    the encoder pool refine it by giving a micro-batch a new one (`MicroBatch.routed`), never by
-    changing one in place. Read by the plan's embedding router (`ds_omni.parallelize.embedding`).
+    Made where the loader packs a row (`ds_omni.data.packing`: `shard_row`, `tp_share`); at step
+    time only the features the router runs (`EmbeddingRouter.prepare_step`) refine it, by giving a
+    micro-batch a new one (`MicroBatch.routed`), never by changing one in place. Read by the
+    plan's embedding router (`ds_omni.parallelize.embedding`).
     """
 
     reshard: "RankReshard | None" = None
@@ -145,7 +146,7 @@ class Route:
     rank's), and `reshard` brings this row's rows home over the pool's group."""
     encode_calls: dict[str, int] | None = None
     """ZeRO-3: how many times each encoder runs on this micro-batch, the same on every rank
-    (the step sets it; the model tops up with zero-weight dummy runs). None: no top-up."""
+    (`EvenEncoderCalls` sets it; the model tops up with zero-weight dummy runs). None: no top-up."""
     tp_encode: "TPEncode | None" = None
     """Under parallel.tp: the items this TP rank encodes (`encoder_inputs` holds theirs only) and
     its part of the gather that gives every TP rank every row (`ds_omni.parallel.tp_encode`)."""

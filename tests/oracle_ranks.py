@@ -68,7 +68,8 @@ def _train(rank: int, world: int, cfg, ds_json: dict, steps: int, resume_at: int
     from ds_omni.train.setup import setup_training
     from ds_omni.train.step import train_step
     plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
-    built, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_json, plan), rank, plan)
+    built, loader, engine, groups = setup_training(cfg, derive_ds_config(cfg, ds_json, plan), rank,
+                                                   plan)
     # HF's from_pretrained (the model_dir families) hands models over in eval mode
     assert engine.module.training and all(m.training for m in engine.module.modules()), \
         "the trainer must run the model in train mode (dropout on)"
@@ -87,7 +88,7 @@ def _train(rank: int, world: int, cfg, ds_json: dict, steps: int, resume_at: int
         out["targets"].append(sum(mb.num_targets for mb in batch.micro_batches))
         if step > 0:  # the parameters this step's gradients are made at (every rank gathers)
             step_params.append(full_params(engine))
-        out["losses"].append(train_step(engine, batch, loader.comm,
+        out["losses"].append(train_step(engine, batch, groups,
                                           lambda e: grads.append(clip.grab(e))).loss)
         out.setdefault("pool_moved", []).append(  # the metric data_pool_moved
             pool_metrics(engine.module).get("data_pool_moved"))
@@ -95,10 +96,11 @@ def _train(rank: int, world: int, cfg, ds_json: dict, steps: int, resume_at: int
     _record_mechanisms(engine, built, plan, loader, out)
     if cfg.data.eval_sources:  # validation after the last step, on every rank
         from ds_omni.train.evaluate import Evaluator
-        out["eval"] = Evaluator(cfg, built, loader).run(engine)
+        out["eval"] = Evaluator(cfg, built, loader, groups).run(engine)
     params = read_params(engine)
     if resume_at is not None:
-        out["resumed"] = _resume_and_rerun(cfg, built, engine, loader, resume_at, steps, rank)
+        out["resumed"] = _resume_and_rerun(cfg, built, engine, loader, groups, resume_at, steps,
+                                           rank)
         first, params = params, full_params(engine)
         out["resumed"]["params_differ"] = [n for n, p in params.items()
                                            if not torch.equal(p, first[n])]
@@ -182,7 +184,7 @@ def _save(cfg, built, engine, loader, step: int, rank: int) -> None:
     checkpoint.save(engine, cfg.train.output_dir, step, loader.state_dict(), rank)
 
 
-def _resume_and_rerun(cfg, built, engine, loader, at: int, steps: int, rank: int) -> dict:
+def _resume_and_rerun(cfg, built, engine, loader, groups, at: int, steps: int, rank: int) -> dict:
     """Resume from the checkpoint saved before step `at` as `--resume` does (weights, optimizer,
     LR, RNG, data position), train steps `at`.. again and save the final checkpoint; returns the
     rerun's losses and sample keys."""
@@ -193,7 +195,7 @@ def _resume_and_rerun(cfg, built, engine, loader, at: int, steps: int, rank: int
     for _ in range(at, steps):
         batch = loader.next_step()
         got["keys"].append(batch.keys)
-        got["losses"].append(train_step(engine, batch, loader.comm).loss)
+        got["losses"].append(train_step(engine, batch, groups).loss)
     _save(cfg, built, engine, loader, steps, rank)
     return got
 

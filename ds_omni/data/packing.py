@@ -38,6 +38,7 @@ class SeqShard:
     size: int
     item_cost: Callable[[str, EncodedItem], float]
     long_items: LongItems | None = None  # which items the whole group encodes (None: none)
+    block: tuple[int, int] | None = None  # per-sequence SP: the row's block (`Route.sp_block`)
 
 
 def sample_targets(sample: Sample) -> torch.Tensor:
@@ -126,7 +127,8 @@ def shard_row(row: MicroBatch, items: dict[str, list[EncodedItem]],
         encoder_inputs={e: processors[e].collate([items[e][k] for k in idx])
                         for e, idx in plan.encode.items()},
         items=items, route=Route(
-            reshard=plan, row_positions={(sl.encoder, sl.index): sl.positions for sl in slots},
+            reshard=plan, sp_block=shard.block,
+            row_positions={(sl.encoder, sl.index): sl.positions for sl in slots},
             split_inputs={e: [processors[e].collate([items[e][k]]) for k, _ in long]
                           for e, long in plan.split.items()}))
 

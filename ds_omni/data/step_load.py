@@ -62,7 +62,7 @@ class MicroBatchLoader:
         shard = self.shard and (self.shard.rank, self.shard.size)
         todo = [self._long_job(entry) for entry in rounds] + [
             self._job([(k, True) for k in mb_keys], shard) for mb_keys in mine]
-        packed = self._pack([job for job, _, _ in todo], problems)
+        packed = self._pack([job for job, _ in todo], problems)
         self.reader.counts.items += sum(made.items_made for made in packed)
         micro = self._report(todo, packed, keys, problems, step)
         self.peers = [[made.peers[r] for made in packed] for r in range(self.shard.size - 1)] \
@@ -89,8 +89,8 @@ class MicroBatchLoader:
 
     def _job(self, members: list[tuple[str, bool]], shard, shard_empty: bool = True,
              sp_block: tuple[int, int] | None = None):
-        """(PackJob, its samples' (key, owner, row, problem reading it), the sp_block it gets
-        if a sample is packed) of one micro-batch."""
+        """(PackJob, its samples' (key, owner, row, problem reading it)) of one micro-batch;
+        `sp_block`: per-sequence SP, the block that splits its row (`Route.sp_block`)."""
         parts, samples = [], []
         sources = self.reader.sources
         for key, owner in members:
@@ -107,15 +107,15 @@ class MicroBatchLoader:
                 continue
             parts.append((loc.source, text, media, sid))
             samples.append((key, owner, row, None))
-        return PackJob(parts, shard, shard_empty, self.every_shard and shard is not None), \
-            samples, sp_block
+        return PackJob(parts, shard, shard_empty, self.every_shard and shard is not None,
+                       sp_block), samples
 
     def _long_job(self, entry):
         """This rank's shard of one long sequence (its block's Ulysses group splits it), or an
         empty micro-batch for a round this rank sits out. Every block member loads the sample
         (by locator) and packs the same row; only the first reports its key."""
         if entry is None:
-            return PackJob([], None), [], None
+            return PackJob([], None), []
         key, rank_in_block, size, first_rank = entry
         return self._job([(key, rank_in_block == 0)], (rank_in_block, size), shard_empty=False,
                          sp_block=(first_rank, size))
@@ -145,18 +145,14 @@ class MicroBatchLoader:
     def _report(self, todo, packed: list[Packed], keys: list, problems: list,
                 step: int) -> list[MicroBatch]:
         """The micro-batches, with each sample reported in order: the key of a packed one (by its
-        owner), a bad one skipped by policy or its error put in `problems`. A long sequence's
-        micro-batch is marked (sp_block) when its sample was packed."""
+        owner), a bad one skipped by policy or its error put in `problems`."""
         micro = []
-        for (_, samples, sp_block), made in zip(todo, packed):
+        for (_, samples), made in zip(todo, packed):
             worker_problems = iter(made.problems)
-            packed_any = False
             for key, owner, row, problem in samples:
                 problem = problem or next(worker_problems)
-                packed_any |= problem is None
                 self._account(key, owner, row, problem, keys, problems, step)
-            micro.append(made.micro_batch.routed(sp_block=sp_block) if packed_any and sp_block
-                         else made.micro_batch)
+            micro.append(made.micro_batch)
         return micro
 
     def _account(self, key: str, owner: bool, row, problem, keys: list, problems: list,

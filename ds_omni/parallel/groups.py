@@ -39,6 +39,8 @@ class RankGroups:
     shard_comm: "TorchShardComm | None" = None
     """Under parallel.sp or parallel.tp > 1: the ranks that train on this rank's rows (its sp x
     tp ranks), a gloo group of the loader's own (one reader per group, `ds_omni.data.shared_read`)."""
+    rank: int = 0
+    """This rank, whose groups these are."""
 
     @property
     def sp(self):
@@ -72,7 +74,7 @@ def rank_groups(plan: ParallelPlan, rank: int, prefetch: bool) -> RankGroups:
     step_comm = loader_step_comm(plan, rank) if prefetch else None
     return RankGroups(dp=dp, reorder=reorder, mpu=mpu, blocks=blocks, comm=comm,
                       step_comm=step_comm, tp=tp,
-                      shard_comm=loader_shard_comm(plan, rank))
+                      shard_comm=loader_shard_comm(plan, rank), rank=rank)
 
 
 def tensor_group(plan: ParallelPlan, rank: int):

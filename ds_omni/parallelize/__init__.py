@@ -1,8 +1,11 @@
-"""Parallelism applied to a built model, from outside: `parallelize(model, ...)`.
+"""Parallelism applied to a built model, from outside: `parallelize(built, plan, groups, cfg, cost,
+ds_config)`.
 
-The model is built whole and plain (`ds_omni.model.build`); this step applies the plan to it
-(torchtitan's `parallelize_fn`) and returns the module DeepSpeed is given:
-  embedding.py        the SP / per-sequence SP / encoder-pool routing of a micro-batch's embeddings
+The model is built whole and plain (`ds_omni.model.build`); `parallelize` builds what the plan
+needs (torchtitan's `parallelize_fn`) and returns the module DeepSpeed is given; `apply_plan`
+applies pieces already built:
+  embedding.py        the SP / per-sequence SP / pool routing of embeddings (`EmbeddingRouter`;
+                      its `prepare_step` is the step's one hook into the plan's features)
   encoder_pool.py     each round's encoder items placed over every data-parallel rank
   pipeline.py         the LLM over pipeline stages on DeepSpeed's PipelineModule (parallel.pp > 1)
   joint.py            "uniform" encoder placement: every stage encodes a share of the step's items
@@ -17,39 +20,75 @@ from __future__ import annotations
 
 from torch import nn
 
+from ds_omni.config import OmniConfig
+from ds_omni.data.cost import CostModel
 from ds_omni.model.attention import PackedAttention
 from ds_omni.model.omni import OmniModel
-from ds_omni.parallelize.embedding import EmbeddingRouter
-from ds_omni.parallelize.encoder_pool import EncoderPool
+from ds_omni.parallel.groups import RankGroups
+from ds_omni.parallel.plan import ParallelPlan
+from ds_omni.parallelize.embedding import EmbeddingRouter, EvenEncoderCalls, encoder_dummies_needed
+from ds_omni.parallelize.encoder_pool import EncoderPool, encoder_pool_for
 from ds_omni.parallelize.expert_parallel import count_hf_experts
-from ds_omni.parallelize.pipeline import PipelineSpec, build_pipeline_module
+from ds_omni.parallelize.pipeline import PipelineSpec, build_pipeline_module, pipeline_spec_for
 from ds_omni.parallelize.tensor_parallel import shard_backbone
-from ds_omni.parallelize.tp_encoders import TPEncoders
+from ds_omni.parallelize.tp_encoders import TPEncoders, tp_encoders_for
 
-__all__ = ["EmbeddingRouter", "PipelineSpec", "parallelize", "router_of"]
+__all__ = ["EmbeddingRouter", "PipelineSpec", "apply_plan", "parallelize", "router_of"]
 
 
-def parallelize(model: OmniModel, *, kernel: str | None = None, sp_group=None,
-                blocks: dict | None = None, pool: EncoderPool | None = None,
-                encoder_dummies: bool = True, pipeline: PipelineSpec | None = None,
-                tp_group=None, llm_config=None,
-                tp_encoders: TPEncoders | None = None) -> nn.Module:
-    """Apply the plan to a built model; returns what DeepSpeed is given: the model itself, or
+def parallelize(built, plan: ParallelPlan, groups: RankGroups, cfg: OmniConfig, cost: CostModel,
+                ds_config: dict) -> nn.Module:
+    """The plan applied to `built` (a `BuiltModel`) on this rank (`groups.rank`); returns the
+    module DeepSpeed is given: the model, or under parallel.pp > 1 this rank's pipeline stage,
+    split where `cost` (the loader's cost model) says. Builds what the plan needs: the encoder
+    pool (parallel.encoder_pool="dp"), the encoders' split over TP, the stages, and whether every
+    micro-batch runs every encoder on a dummy (`encoder_dummies_needed`, from `ds_config`)."""
+    item_cost = _item_cost(cost)
+    model, rank = built.model, groups.rank
+    pool = (encoder_pool_for(built, plan, rank, groups.pool, item_cost)
+            if cfg.parallel.encoder_pool == "dp" else None)
+    zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
+    even = (EvenEncoderCalls(list(model.encoders), groups.dp)
+            if zero3 and (plan.sp_enabled or plan.max_sequence_sp > 1) else None)
+    return apply_plan(model, kernel=cfg.model.attn_implementation, sp_group=groups.sp,
+                      blocks=groups.blocks, pool=pool,
+                      encoder_dummies=encoder_dummies_needed(ds_config, plan.pp_enabled),
+                      pipeline=pipeline_spec_for(cfg, built, plan, cost, item_cost),
+                      tp_group=groups.tp,
+                      llm_config=built.hf_config.get_text_config() if groups.tp else None,
+                      tp_encoders=tp_encoders_for(cfg, built, plan, rank, groups.tp, item_cost),
+                      even_calls=even)
+
+
+def _item_cost(cost: CostModel):
+    """(encoder name, EncodedItem) -> the item's modelled encoder cost."""
+    return lambda name, item: float(cost.encoder_cost(name, item.cost_seqs()).sum())
+
+
+def apply_plan(model: OmniModel, *, kernel: str | None = None, sp_group=None,
+               blocks: dict | None = None, pool: EncoderPool | None = None,
+               encoder_dummies: bool = True, pipeline: PipelineSpec | None = None,
+               tp_group=None, llm_config=None, tp_encoders: TPEncoders | None = None,
+               even_calls: EvenEncoderCalls | None = None) -> nn.Module:
+    """Apply the plan's pieces to a built model; returns what DeepSpeed is given: the model, or
     under `pipeline` (parallel.pp > 1) this rank's stage of it (`build_pipeline_module`).
 
     `kernel`: the LLM's packed-attention kernel (None: the one the model was built with);
     `sp_group`: the LLM's Ulysses group (None: no static SP; the encoders keep theirs);
     `blocks`: per-sequence SP, (first rank, size) -> the group of every block this rank can be
     in; `pool`: the encoder pool (parallel.encoder_pool="dp"); `encoder_dummies`: whether every
-    micro-batch runs every encoder, on a dummy where it has no item
-    (`ds_omni.train.setup.encoder_dummies_needed`). The model gets an `EmbeddingRouter` holding
-    them, and its backbone the attention with `sp_group`, counted in the router's `sp_counts`.
+    micro-batch runs every encoder, on a dummy where it has no item (`encoder_dummies_needed`).
+    The model gets an `EmbeddingRouter` holding them, and its backbone the attention with
+    `sp_group`, counted in the router's `sp_counts`.
     `tp_group` (parallel.tp > 1): the backbone's decoder layers are split over it by DeepSpeed's
     AutoTP (`tensor_parallel.shard_backbone`, after `llm_config`'s tp plan); the encoders are
     not. What it did is the model's `tp_counts`. `tp_encoders`: the TP ranks of a row encode
     different items of it (`tp_encoders.py`): their encoder gradients are summed over the TP
     group by hooks put in here, before DeepSpeed sees the model, and every micro-batch runs
     every encoder (the hooks are collectives: every TP rank must reach every parameter).
+    `even_calls`: ZeRO-3 under SP evens the encoder runs of a round over the ranks.
+    The features that route a step's micro-batches register with the router (`on_step`), in
+    the order the step needs: the even encoder calls, the pool, the TP split.
     An MoE backbone's HF expert modules count their tokens (`count_hf_experts`, not on a
     pipeline stage: its stages hold different layers, and the counts are all-reduced).
     """
@@ -59,6 +98,9 @@ def parallelize(model: OmniModel, *, kernel: str | None = None, sp_group=None,
         tp_encoders.sum_grads_over_tp(model.encoders)
     router = EmbeddingRouter(kernel=kernel, sp_group=sp_group, blocks=blocks, pool=pool,
                              encoder_dummies=encoder_dummies, tp_encoders=tp_encoders)
+    for feature in (even_calls, pool, tp_encoders):
+        if feature is not None:
+            router.on_step(feature)
     model.backbone.attention = PackedAttention(kernel, sp_group, router.sp_counts)
     model.router = router
     if tp_group is not None:

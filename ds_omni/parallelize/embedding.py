@@ -15,6 +15,7 @@ R rows its shard receives, D LLM hidden size, k deepstack levels.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +24,7 @@ from ds_omni.errors import ModelError
 from ds_omni.model.attention import PackedAttention
 from ds_omni.model.deepstack import Deepstack, split_levels
 from ds_omni.model.omni import OmniModel, checked_rows, top_up_calls, with_dummy_pass
+from ds_omni.parallel import dist
 from ds_omni.parallel.evidence import SPCounts
 from ds_omni.parallel.reshard import ReshardEmbeddings
 
@@ -41,8 +43,10 @@ class EmbeddingRouter:
     pool (its group carries the exchange of pooled micro-batches); `encoder_dummies`: every
     micro-batch runs every encoder, on a zero-weight dummy where it has no item (ZeRO-2 and -3
     need it); False where one reduction a step only needs a gradient, which a zero one gives
-    (`ds_omni.train.setup.encoder_dummies_needed`); `tp_encoders`: under parallel.tp, the
-    split of a row's items over its TP ranks (`ds_omni.parallelize.tp_encoders`).
+    (`encoder_dummies_needed`); `tp_encoders`: under parallel.tp, the split of a row's items
+    over its TP ranks (`ds_omni.parallelize.tp_encoders`). The features that route a step's
+    micro-batches (the pool, the TP split, ZeRO-3's even encoder calls) register with
+    `on_step`; the step calls `prepare_step` and names none of them.
     """
 
     def __init__(self, *, kernel: str, sp_group=None, blocks: dict | None = None,
@@ -58,6 +62,20 @@ class EmbeddingRouter:
         self.encoder_pool = pool
         self.encoder_dummies = encoder_dummies
         self.tp_encoders = tp_encoders
+        self.step_features: list = []  # what prepares a step's micro-batches (`on_step`)
+
+    def on_step(self, feature) -> None:
+        """Have `feature.prepare(micro_batches)` refine every step's micro-batches (in the order
+        registered): a feature of the plan that places work over ranks per step."""
+        self.step_features.append(feature)
+
+    def prepare_step(self, micro_batches: list) -> Iterator["MicroBatch"]:
+        """The step's micro-batches as the plan's features route them, each made as the step
+        takes it: a feature's per-micro-batch collective runs right before that micro-batch's
+        forward, in the same order on every rank."""
+        for feature in self.step_features:
+            micro_batches = feature.prepare(micro_batches)
+        return iter(micro_batches)
 
     def route(self, batch: "MicroBatch") -> tuple[object, PackedAttention | None]:
         """(SP group, attention) of this micro-batch: its block's, else the model's own (None:
@@ -145,3 +163,46 @@ class EmbeddingRouter:
 
 def _encoders_trainable(model: OmniModel) -> bool:
     return torch.is_grad_enabled() and any(p.requires_grad for p in model.encoders.parameters())
+
+
+class EvenEncoderCalls:
+    """ZeRO-3 under SP (static or per-sequence): each micro-batch routed to run each encoder as
+    often as the most runs any rank makes in that round (`Route.encode_calls`). Long-short SP
+    runs an encoder once more per long item on the ranks that share the item's row; ZeRO-3
+    gathers the encoder's parameters at every run, on all ranks together."""
+
+    def __init__(self, encoder_names: list[str], group):
+        self.names, self.group = list(encoder_names), group
+
+    def prepare(self, micro_batches: list) -> list:
+        names = self.names
+        runs = [1 + len(mb.route.reshard.split.get(name, [])) if mb.route.reshard is not None
+                else 1 for mb in micro_batches for name in names]
+        most = dist.all_reduce_max(runs, self.group) if runs else []
+        return [mb.routed(encode_calls={name: int(most[i * len(names) + j])
+                                        for j, name in enumerate(names)})
+                for i, mb in enumerate(micro_batches)]
+
+
+def encoder_dummies_needed(ds_config: dict, pipeline: bool) -> bool:
+    """Whether every micro-batch must run every encoder, on a zero-weight dummy where it has no
+    item (`EmbeddingRouter.encoder_dummies`), for DeepSpeed's collectives to line up over the
+    ranks.
+
+    ZeRO-3 gathers an encoder's parameters at each run, all ranks together; ZeRO-2 reduces at
+    every backward, ZeRO-1 with `overlap_comm` (or a `grad_accum_dtype`) at the last, both in the
+    order gradient hooks fire, so every rank's backward must reach the same parameters.
+    Otherwise ZeRO-0/1 reduce once a step, in parameter order, each parameter that has a
+    gradient (the pipeline engine always: ZeRO 0/1, after its last backward), so an encoder with
+    no item only needs a gradient, and a zero one (`fill_missing_grads`) is exactly what its
+    dummy would give. bf16 ZeRO-0 (DeepSpeed's BF16_Optimizer) keeps them: untested without.
+    """
+    if pipeline:
+        return False
+    zero = ds_config.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if not isinstance(stage, int) or stage >= 2 or zero.get("overlap_comm", False):
+        return True
+    if stage == 1:
+        return bool(ds_config.get("data_types", {}).get("grad_accum_dtype"))
+    return bool(ds_config.get("bf16", {}).get("enabled", False))

@@ -18,6 +18,7 @@ Dims: N rows (embeddings) of the round's items, N_r those rank r encodes, S a sh
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from functools import cached_property
 from math import prod
@@ -27,7 +28,10 @@ import torch
 import torch.distributed as dist
 
 from ds_omni.batch import EncodedItem
+from ds_omni.parallel.dist import comm_device
 from ds_omni.parallel.reshard import BALANCE_SLACK, RankReshard, item_slots
+
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------- pure
@@ -351,6 +355,12 @@ class EncoderPool:
         self.step_moved_group = sum(len(p.moved()) for p in plans)  # every rank's, same plans
         return plans
 
+    def prepare(self, micro_batches: list):
+        """The step's micro-batches placed round by round (`EmbeddingRouter.prepare_step`): the
+        step planned when the first is taken, each round placed as the step takes it."""
+        for mb, plan in zip(micro_batches, self.plan_step(micro_batches)):
+            yield self.place(mb, plan)
+
     def place(self, mb, plan: PoolPlan):
         """`mb` with the inputs of the items this rank encodes in `plan`, and the embedding
         exchange that brings its shard's rows from wherever they were encoded (collective);
@@ -395,3 +405,21 @@ def _encoded(item: PoolItem, local: dict[str, list], received, rank: int):
     if rank in item.group:
         return local[item.encoder][item.index]
     return EncodedItem(inputs=received, num_embeddings=item.rows)
+
+
+def encoder_pool_for(built, plan, rank: int, group, item_cost) -> EncoderPool | None:
+    """`parallel.encoder_pool="dp"`: this rank's pool over `group` (`RankGroups.pool`), every
+    rank of the (single) pipeline stage: the data-parallel ranks, under sp > 1 those times the SP
+    ranks, whose groups are consecutive pool ranks (under max_sequence_sp > 1 a block's
+    micro-batch names its group, `sp_block`); priced by the loader's cost model. None (said once)
+    when there is one data-parallel rank: the row's SP group (if any) already spreads its items."""
+    if plan.dp == 1:
+        if rank == 0:
+            log.warning("parallel.encoder_pool=\"dp\" with one data-parallel rank: there is no "
+                        "other row to share encoder work with; the pool is off")
+        return None
+    encoders = built.model.encoders
+    # its place in the pool: under tp the pool is the dp x sp ranks of one TP rank, tp apart
+    return EncoderPool(group, plan.pool_rank(rank), plan.pool_size, built.item_processors,
+                       {name: enc.placeholder_ids for name, enc in encoders.items()},
+                       item_cost, comm_device(), sp=plan.sp)

@@ -29,7 +29,7 @@ from ds_omni.batch import IGNORE_INDEX
 from ds_omni.errors import LaunchError, ModelError
 from ds_omni.model.omni import DEEPSTACK_ALONE, OmniModel, summed_token_loss
 from ds_omni.parallelize.joint import EncoderShards, JointEncoding, plan_joint
-from ds_omni.parallel.stages import StagePlan, check_stages
+from ds_omni.parallel.stages import StagePlan, check_stages, stage_plan_for
 
 
 TIED = ("the LLM ties its LM head to its token embedding (tie_word_embeddings), which would put "
@@ -303,6 +303,32 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
                                   module._grid.get_pipe_parallel_group(), encoder_dummies)
         module.joint.mark_replicas()
     return module
+
+
+def stage_plan(cfg, built, plan, cost, split: str | None = None) -> StagePlan:
+    """Pipeline stage boundaries by `split` (default `parallel.stage_split`), and each stage's
+    predicted time for a typical micro-batch (micro_batch_size samples of `stage_tokens` tokens,
+    one item per encoder each), from the loader's cost model."""
+    split = split or cfg.parallel.stage_split
+    layer_params, encoder_params = (layer_param_counts(built.model) if split == "parameters"
+                                    else (None, 0))
+    return stage_plan_for(cost, plan.pp, cfg.parallel.encoder_placement,
+                          cfg.train.micro_batch_size, stage_tokens(cfg), split=split,
+                          layer_params=layer_params, encoder_params=encoder_params)
+
+
+def stage_tokens(cfg) -> int:
+    """Tokens of the typical sample the stage boundaries are planned for."""
+    return cfg.parallel.stage_tokens or cfg.data.max_seq_len
+
+
+def pipeline_spec_for(cfg, built, plan, cost, item_cost: Callable) -> PipelineSpec | None:
+    """What `build_pipeline_module` needs under parallel.pp > 1, split where the cost model
+    says; None without a pipeline."""
+    if not plan.pp_enabled:
+        return None
+    return PipelineSpec(plan, stage_plan(cfg, built, plan, cost), cfg.parallel.encoder_placement,
+                        built.item_processors, item_cost)
 
 
 def engine_inputs(micro_batches: list) -> list[tuple]:

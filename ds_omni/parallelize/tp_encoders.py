@@ -66,12 +66,18 @@ class TPEncoders:
             if mb.route.reshard is not None:
                 raise RuntimeError("TPEncoders got a micro-batch resharded over an SP group: "
                                    "under parallel.sp > 1 the SP ranks split a row's items and "
-                                   "no TPEncoders is built (ParallelConfig.tp_encodes_apart)")
+                                   "no TPEncoders is built (ParallelPlan.tp_encodes_apart)")
             mb = tp_share(mb, self.processors, self.rank, self.size, self.item_cost)
         self.counts.rows += 1
         self.counts.row_items += sum(map(len, mb.items.values()))
         self.counts.items_encoded += mb.route.tp_encode.items
         return mb
+
+    def prepare(self, micro_batches):
+        """The step's micro-batches, each placed (`place`) as the step takes it
+        (`EmbeddingRouter.prepare_step`)."""
+        for mb in micro_batches:
+            yield self.place(mb)
 
     def embed(self, model: OmniModel, batch: MicroBatch,
               dummies: bool) -> tuple[torch.Tensor, Deepstack | None]:
@@ -137,3 +143,13 @@ def _encoder_rng(device: torch.device, tp_rank: int):
         if accelerator:
             torch.get_device_module(device.type).manual_seed(seed)  # this device only
         yield
+
+
+def tp_encoders_for(cfg, built, plan, rank: int, tp_group, item_cost) -> TPEncoders | None:
+    """The TP ranks of a row encoding different items of it, where they do
+    (`ParallelPlan.tp_encodes_apart`; otherwise every TP rank encodes the same items and their
+    gradients are not summed over TP)."""
+    if not tp_group or not plan.tp_encodes_apart:
+        return None
+    return TPEncoders(tp_group, plan.coords(rank).tp_rank, plan.tp, built.item_processors,
+                      item_cost)

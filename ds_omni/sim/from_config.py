@@ -48,7 +48,8 @@ def sim_plan(cfg: OmniConfig, ds_json: dict, gpus: int) -> SimPlan:
                    encoder_mode="pool" if par.encoder_pool == "dp" else "reshard",
                    long_items=par.encoder_sp != "off", encoder_placement=par.encoder_placement,
                    stage_split=par.stage_split,
-                   # the tokens training plans its stage boundaries for (train.setup.stage_tokens)
+                   # the tokens training plans its stage boundaries for
+                   # (`ds_omni.parallelize.pipeline.stage_tokens`)
                    stage_tokens=par.stage_tokens or cfg.data.max_seq_len,
                    checkpointing="llm" in cfg.model.checkpointed_parts())
 

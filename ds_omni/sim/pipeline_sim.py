@@ -23,9 +23,9 @@ from ds_omni.sim.timeline import COMM
 
 
 def stage_plan(step):
-    """The stage boundaries of the plan, as `ds_omni.train.setup.stage_plan` computes them: for
-    a typical micro-batch (its mean samples, each of the plan's `stage_tokens` tokens, as
-    training's config gives them; without one the step's mean sample)."""
+    """The stage boundaries of the plan, as `ds_omni.parallelize.pipeline.stage_plan` computes
+    them: for a typical micro-batch (its mean samples, each of the plan's `stage_tokens` tokens,
+    as training's config gives them; without one the step's mean sample)."""
     m, p = step.model, step.plan
     per_micro = max(1, round(len(step.samples) / (step.pplan.dp * p.micro_batches)))
     tokens = p.stage_tokens or max(1, int(step.samples.tokens.mean()))

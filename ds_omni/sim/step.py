@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ds_omni.errors import DataError, ModelError
+from ds_omni.parallelize.embedding import encoder_dummies_needed
 from ds_omni.sim import comm, memory, model_parallel, pipeline_sim
 from ds_omni.sim.calibrate_comm import POOL_META_BYTES
 from ds_omni.sim.cluster import Cluster
@@ -31,7 +32,6 @@ from ds_omni.sim.report import StepReport, build_report
 from ds_omni.sim.separate import run_separate
 from ds_omni.sim.timeline import Timeline
 from ds_omni.sim.workload import Samples, WorkloadSpec
-from ds_omni.train.setup import encoder_dummies_needed
 
 PHASES = ("encode_fwd", "encode_sp", "tp_gather", "reshard", "llm_fwd", "llm_sp", "llm_tp",
           "llm_ep", "llm_bwd", "encode_bwd", "encode_tp", "zero", "grad_sync")

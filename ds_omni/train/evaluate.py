@@ -41,13 +41,15 @@ def eval_due(step_done: int, every: int, last: int) -> bool:
 class Evaluator:
     """This rank's part of the eval set and the loop that evaluates it (call `run` on all ranks)."""
 
-    def __init__(self, cfg, built, loader):
+    def __init__(self, cfg, built, loader, groups=None):
         from ds_omni.data.build import sample_processors
         self.sources = {s.name: Source(s, chunk_rows=cfg.data.chunk_rows)
                         for s in cfg.data.eval_sources}
         self.processors = sample_processors(cfg, built, cfg.data.eval_sources)
         self.item_processors, self.family = loader.item_processors, loader.family
-        self.shard, self.comm = loader.shard, loader.comm
+        self.shard = loader.shard
+        # the ranks whose micro-batches hold the eval set once (`RankGroups`; None: one process)
+        self.comm = groups.comm if groups is not None else None
         self.every, self.last = cfg.train.eval_every, cfg.train.steps
         rows = [Locator(s.name, f, r) for s in self.sources.values()
                 for f, n in enumerate(s.file_rows) for r in range(n)]
@@ -110,6 +112,7 @@ class Evaluator:
         return samples, error, bad
 
 
-def build_evaluator(cfg, built, loader) -> Evaluator | None:
-    """The evaluator of this rank, or None when the config has no eval sources."""
-    return Evaluator(cfg, built, loader) if cfg.data.eval_sources else None
+def build_evaluator(cfg, built, loader, groups=None) -> Evaluator | None:
+    """The evaluator of this rank (its sums over `groups`, this rank's `RankGroups`), or None
+    when the config has no eval sources."""
+    return Evaluator(cfg, built, loader, groups) if cfg.data.eval_sources else None

@@ -56,7 +56,7 @@ def run(cfg: OmniConfig, ds_config_path: str, *, resume: bool = False,
 
 
 def _run(cfg, ds_config, plan, rank, resume, stop_after, watchdog) -> dict:
-    built, loader, engine = setup_training(cfg, ds_config, rank, plan)
+    built, loader, engine, groups = setup_training(cfg, ds_config, rank, plan)
     out = Path(cfg.train.output_dir)
     start = 0
     if resume:
@@ -69,8 +69,8 @@ def _run(cfg, ds_config, plan, rank, resume, stop_after, watchdog) -> dict:
         checkpoint.save_model_meta(checkpoint.checkpoint_root(out), built)
     logger = MetricsLogger(out, total_steps=cfg.train.steps, start_step=start, enabled=rank == 0,
                            monitor=getattr(engine, "monitor", None))
-    step = _loop(cfg, engine, loader, logger, plan, rank, start, stop_after, watchdog,
-                 build_evaluator(cfg, built, loader))
+    step = _loop(cfg, engine, loader, groups, logger, plan, rank, start, stop_after, watchdog,
+                 build_evaluator(cfg, built, loader, groups))
     logger.close()
     with _solo(watchdog):  # (the loader's state is gathered there: a loader process must live)
         report = _finish(cfg, engine, loader, rank, step, plan)
@@ -104,7 +104,7 @@ def restore_loader(loader, state: dict) -> None:
                           "before it") from None
 
 
-def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after, watchdog=None,
+def _loop(cfg, engine, loader, groups, logger, plan, rank, start, stop_after, watchdog=None,
           evaluator=None) -> int:
     """Train from `start`; the loader's next steps are made ahead on a thread
     (`data.prefetch_steps`), and it is left at the position of the steps trained."""
@@ -112,7 +112,7 @@ def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after, watchdog=N
     feed = feed_for(loader, cfg.data.prefetch_steps, until=end, timeout_s=float(
         os.environ.get("DS_OMNI_DIST_TIMEOUT", DEFAULT_DIST_TIMEOUT_S)))
     try:
-        step = _steps(cfg, engine, feed, logger, rank, start, end, watchdog, evaluator)
+        step = _steps(cfg, engine, feed, groups, logger, rank, start, end, watchdog, evaluator)
     except BaseException:
         feed.close(abort=True)
         raise
@@ -120,7 +120,7 @@ def _loop(cfg, engine, loader, logger, plan, rank, start, stop_after, watchdog=N
     return step
 
 
-def _steps(cfg, engine, loader, logger, rank, start, end, watchdog, evaluator) -> int:
+def _steps(cfg, engine, loader, groups, logger, rank, start, end, watchdog, evaluator) -> int:
     step = start
     weights_file = WeightsFile(cfg.train.output_dir, rank)
     guard = NonFiniteGuard(engine, cfg.train.on_nonfinite)
@@ -132,7 +132,7 @@ def _steps(cfg, engine, loader, logger, rank, start, end, watchdog, evaluator) -
         batch = loader.next_step()
         lr = engine.get_lr()[0]  # the LR this step uses (DeepSpeed moves it on after the step)
         try:
-            result = train_step(engine, batch, loader.comm, guard=guard)
+            result = train_step(engine, batch, groups, guard=guard)
         except StopTraining as e:
             if rank == 0:
                 print(f"ds-omni: stopping at step {step}: {e}")
@@ -158,7 +158,7 @@ def _steps(cfg, engine, loader, logger, rank, start, end, watchdog, evaluator) -
                                   "long_items")},
                       **pool_metrics(engine.module), **sp_metrics(engine.module), **moe}
             if cfg.train.log_samples:
-                record["sample_keys"] = sorted(k for part in loader.comm.world_all_gather(
+                record["sample_keys"] = sorted(k for part in groups.comm.world_all_gather(
                     batch.keys) for k in part)
             logger.log(record)
             flush_skipped(loader, cfg.train.output_dir, rank, step)

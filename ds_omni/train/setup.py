@@ -8,14 +8,14 @@ what it needs. Nothing else derives a fact of the plan again.
      (`describe_plan`).
   2. `setup_training` (after `init_distributed`): this rank's process groups (`RankGroups`), the
      model, ONE cost model (the loader's balancing, the encoder pool's placement and the pipeline's
-     stage split all price work with it), the long items, the loader, the parallelization of the
-     built model, and the DeepSpeed engine.
+     stage split all price work with it), the long items, the loader, the plan applied to the
+     built model (one call: `ds_omni.parallelize.parallelize`), and the DeepSpeed engine.
 """
 
 from __future__ import annotations
 
-import logging
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -30,17 +30,13 @@ from ds_omni.model.build import build_model, check_sequence_parallel, llm_text_c
 from ds_omni.parallel import dist
 from ds_omni.parallel.groups import RankGroups, rank_groups
 from ds_omni.parallel.plan import ParallelPlan
-from ds_omni.parallel.stages import SPLITS, StagePlan, describe, stage_plan_for
+from ds_omni.parallel.stages import SPLITS, describe
 from ds_omni.parallelize import parallelize
-from ds_omni.parallelize.encoder_pool import EncoderPool
-from ds_omni.parallelize.pipeline import (PipelineSpec, check_pipeline, layer_param_counts,
-                                         optimizer_params)
+from ds_omni.parallelize.pipeline import (check_pipeline, optimizer_params, stage_plan,
+                                         stage_tokens)
 from ds_omni.parallelize.tensor_parallel import check_tensor_parallel, check_tp_with_sp
-from ds_omni.parallelize.tp_encoders import TPEncoders
 from ds_omni.train import checkpoint
 from ds_omni.train.ds_config import derive_ds_config, load_ds_json, zero_stage
-
-log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------ 1. the plan, no process group
@@ -112,8 +108,18 @@ def _pipeline_stages(cfg: OmniConfig, plan: ParallelPlan, built, cost: CostModel
 
 
 # ------------------------------------------------------------------ 2. this rank's run
-def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPlan):
-    """(built model, loader, DeepSpeed engine) of this rank; call after `init_distributed`."""
+class Training(NamedTuple):
+    """What `setup_training` built for this rank."""
+
+    built: object  # the `BuiltModel`
+    loader: object
+    engine: object  # DeepSpeed's
+    groups: RankGroups  # this rank's process groups (what `train_step` reduces over)
+
+
+def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPlan) -> Training:
+    """(built model, loader, DeepSpeed engine, process groups) of this rank; call after
+    `init_distributed`."""
     import deepspeed
     from deepspeed.utils import groups as ds_groups
     groups = rank_groups(plan, rank, prefetch=bool(cfg.data.prefetch_steps))
@@ -131,11 +137,11 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     # different items on each, draw from a stream of their own: `parallelize.tp_encoders`)
     torch.manual_seed(cfg.train.seed + plan.replica_rank(rank))
     ds_groups.mpu = None  # DeepSpeed keeps the last engine's mpu in a module global: don't inherit it
-    module = _parallelize(cfg, ds_config, plan, groups, built, cost, rank)
+    module = parallelize(built, plan, groups, cfg, cost, ds_config)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=optimizer_params(module),
                                       config=ds_config, mpu=groups.mpu)
     align_lr_schedule(engine)
-    return built, loader, engine
+    return Training(built, loader, engine, groups)
 
 
 def _build_model(cfg: OmniConfig):
@@ -150,101 +156,6 @@ def _build_model(cfg: OmniConfig):
 def cost_model(cfg: OmniConfig, built) -> CostModel:
     """The run's one cost model (frozen encoders priced as forward only; calibrated scales)."""
     return cost_model_for(built, cfg.model.frozen_parts(), cfg.data.reorder.cost_scales)
-
-
-def _parallelize(cfg: OmniConfig, ds_config: dict, plan: ParallelPlan, groups: RankGroups,
-                 built, cost: CostModel, rank: int):
-    """The plan applied to the built model (`ds_omni.parallelize`: the LLM's attention goes
-    Ulysses under SP, encoders keep theirs); returns the module DeepSpeed is given (the model, or
-    this rank's pipeline stage, split where the cost model says)."""
-    pool = (encoder_pool_for(built, plan, rank, groups.pool, cost)
-            if cfg.parallel.encoder_pool == "dp" else None)
-    pipeline = (PipelineSpec(plan, stage_plan(cfg, built, plan, cost),
-                             cfg.parallel.encoder_placement, built.item_processors,
-                             _item_cost(cost)) if plan.pp_enabled else None)
-    return parallelize(built.model, kernel=cfg.model.attn_implementation, sp_group=groups.sp,
-                       blocks=groups.blocks, pool=pool,
-                       encoder_dummies=encoder_dummies_needed(ds_config, plan.pp_enabled),
-                       pipeline=pipeline, tp_group=groups.tp,
-                       llm_config=built.hf_config.get_text_config() if groups.tp else None,
-                       tp_encoders=tp_encoders_for(cfg, built, plan, rank, groups, cost))
-
-
-def tp_encoders_for(cfg: OmniConfig, built, plan: ParallelPlan, rank: int, groups,
-                    cost: CostModel) -> TPEncoders | None:
-    """The TP ranks of a row encoding different items of it, where they do
-    (`ParallelPlan.tp_encodes_apart`; otherwise every TP rank encodes the same items and their
-    gradients are not summed over TP)."""
-    if not groups.tp or not plan.tp_encodes_apart:
-        return None
-    return TPEncoders(groups.tp, plan.coords(rank).tp_rank, plan.tp, built.item_processors,
-                      _item_cost(cost))
-
-
-def _item_cost(cost: CostModel):
-    """(encoder name, EncodedItem) -> the item's modelled encoder cost."""
-    return lambda name, item: float(cost.encoder_cost(name, item.cost_seqs()).sum())
-
-
-def encoder_pool_for(built, plan: ParallelPlan, rank: int, group,
-                     cost: CostModel) -> EncoderPool | None:
-    """`parallel.encoder_pool="dp"`: this rank's pool over `group` (`RankGroups.pool`), every
-    rank of the (single) pipeline stage: the data-parallel ranks, under sp > 1 those times the SP
-    ranks, whose groups are consecutive pool ranks (under max_sequence_sp > 1 a block's
-    micro-batch names its group, `sp_block`); priced by the loader's cost model. None (said once)
-    when there is one data-parallel rank: the row's SP group (if any) already spreads its items."""
-    if plan.dp == 1:
-        if rank == 0:
-            log.warning("parallel.encoder_pool=\"dp\" with one data-parallel rank: there is no "
-                        "other row to share encoder work with; the pool is off")
-        return None
-    encoders = built.model.encoders
-    # its place in the pool: under tp the pool is the dp x sp ranks of one TP rank, tp apart
-    return EncoderPool(group, rank // plan.tp, plan.pool_size, built.item_processors,
-                       {name: enc.placeholder_ids for name, enc in encoders.items()},
-                       _item_cost(cost), dist.comm_device(), sp=plan.sp)
-
-
-def stage_plan(cfg: OmniConfig, built, plan: ParallelPlan, cost: CostModel,
-               split: str | None = None) -> StagePlan:
-    """Pipeline stage boundaries by `split` (default `parallel.stage_split`), and each stage's
-    predicted time for a typical micro-batch (micro_batch_size samples of `stage_tokens` tokens,
-    one item per encoder each), from the loader's cost model."""
-    split = split or cfg.parallel.stage_split
-    layer_params, encoder_params = (layer_param_counts(built.model) if split == "parameters"
-                                    else (None, 0))
-    return stage_plan_for(cost, plan.pp, cfg.parallel.encoder_placement,
-                          cfg.train.micro_batch_size, stage_tokens(cfg), split=split,
-                          layer_params=layer_params, encoder_params=encoder_params)
-
-
-def stage_tokens(cfg: OmniConfig) -> int:
-    """Tokens of the typical sample the stage boundaries are planned for."""
-    return cfg.parallel.stage_tokens or cfg.data.max_seq_len
-
-
-def encoder_dummies_needed(ds_config: dict, pipeline: bool) -> bool:
-    """Whether every micro-batch must run every encoder, on a zero-weight dummy where it has no
-    item (`EmbeddingRouter.encoder_dummies`), for DeepSpeed's collectives to line up over the
-    ranks.
-
-    ZeRO-3 gathers an encoder's parameters at each run, all ranks together; ZeRO-2 reduces at
-    every backward, ZeRO-1 with `overlap_comm` (or a `grad_accum_dtype`) at the last, both in the
-    order gradient hooks fire, so every rank's backward must reach the same parameters.
-    Otherwise ZeRO-0/1 reduce once a step, in parameter order, each parameter that has a
-    gradient (the pipeline engine always: ZeRO 0/1, after its last backward), so an encoder with
-    no item only needs a gradient, and a zero one (`fill_missing_grads`) is exactly what its
-    dummy would give. bf16 ZeRO-0 (DeepSpeed's BF16_Optimizer) keeps them: untested without.
-    """
-    if pipeline:
-        return False
-    zero = ds_config.get("zero_optimization", {})
-    stage = zero.get("stage", 0)
-    if not isinstance(stage, int) or stage >= 2 or zero.get("overlap_comm", False):
-        return True
-    if stage == 1:
-        return bool(ds_config.get("data_types", {}).get("grad_accum_dtype"))
-    return bool(ds_config.get("bf16", {}).get("enabled", False))
 
 
 def align_lr_schedule(engine) -> None:

@@ -22,7 +22,7 @@ import torch
 from ds_omni.data.loader import StepBatch
 from ds_omni.errors import DataError, LaunchError
 from ds_omni.parallel import dist
-from ds_omni.parallel.groups import TorchDataComm
+from ds_omni.parallel.groups import RankGroups, TorchDataComm
 from ds_omni.parallelize import router_of
 from ds_omni.parallelize.pipeline import (around_instructions, engine_inputs, fill_missing_grads,
                                          is_pipeline, late_grads_to_master, optimizer_params)
@@ -66,14 +66,16 @@ def gradient_divisor(engine, dp_size: int, sp_size: int) -> int:
     return dp_size
 
 
-def train_step(engine, batch: StepBatch, comm: TorchDataComm, on_reduced_grads=None,
+def train_step(engine, batch: StepBatch, groups: RankGroups, on_reduced_grads=None,
                guard: NonFiniteGuard | None = None) -> StepResult:
-    """One optimizer step on this rank's micro-batches (every rank calls it, in lockstep).
+    """One optimizer step on this rank's micro-batches (every rank calls it, in lockstep), its
+    totals reduced over `groups` (this rank's, `rank_groups`).
 
     `on_reduced_grads(engine)`, if given, runs after the last backward and before the optimizer
     step, when the gradients are reduced over the ranks (for tests that compare them). `guard`
     checks the losses and gradients before the optimizer step (`ds_omni.train.nonfinite`).
     """
+    comm = groups.comm
     samples, cost_sum, cost_max, n_micro, targets, tokens = _step_totals(batch, comm)
     scale = engine_loss(1.0, gradient_divisor(engine, comm.dp_size, comm.sp_size), targets)
     if is_pipeline(engine):
@@ -124,19 +126,13 @@ def _micro_batch_steps(engine, batch, comm, scale, n_micro, on_reduced_grads, gu
     summed token loss, the samples of a dropped update or None). `scale` turns a summed loss into
     the loss DeepSpeed is given (`engine_loss`)."""
     micro_batches = _even_micro_batches(batch, n_micro)
-    if engine.zero_optimization_stage() == 3 and (comm.sp_size > 1 or batch.filler is not None):
-        micro_batches = _even_encoder_calls(engine.module, micro_batches, comm.dp_group)
+    count = len(micro_batches)
     router = router_of(engine.module)
-    pool = router.encoder_pool if router is not None else None
-    tp_encoders = router.tp_encoders if router is not None else None
-    rounds = pool.plan_step(micro_batches) if pool is not None else None
+    if router is not None:  # the plan's features route each micro-batch as the loop takes it
+        micro_batches = router.prepare_step(micro_batches)
     losses, dropped = [], None
     for i, mb in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        if rounds is not None:  # parallel.encoder_pool: this round's items over all dp ranks
-            mb = pool.place(mb, rounds[i])
-        if tp_encoders is not None:  # parallel.tp: this TP rank's share of the row's items
-            mb = tp_encoders.place(mb)
+        last = i == count - 1
         if batch.filler is not None:  # per-sequence SP: the step's length is ours, not the config's
             engine.set_gradient_accumulation_boundary(last)
         out = engine(mb.to(engine.device))
@@ -224,20 +220,6 @@ def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list)
             joint.shards.broadcast_params()
     hooks[schedule.OptimizerStep] = optimizer_step
     return hooks
-
-
-def _even_encoder_calls(model, micro_batches: list, group) -> list:
-    """The micro-batches, each routed to run each encoder as often as the most runs any rank
-    makes in that round (`Route.encode_calls`). Long-short SP runs an encoder once more per long
-    item on the ranks that share the item's row; ZeRO-3 gathers the encoder's parameters at every
-    run, on all ranks together."""
-    names = list(model.encoders)
-    runs = [1 + len(mb.route.reshard.split.get(name, [])) if mb.route.reshard is not None else 1
-            for mb in micro_batches for name in names]
-    most = dist.all_reduce_max(runs, group) if runs else []
-    return [mb.routed(encode_calls={name: int(most[i * len(names) + j])
-                                    for j, name in enumerate(names)})
-            for i, mb in enumerate(micro_batches)]
 
 
 def _even_micro_batches(batch: StepBatch, n_micro: int) -> list:

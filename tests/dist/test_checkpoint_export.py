@@ -22,9 +22,9 @@ def _train_and_save(rank, world, root):
     for stage in STAGES:
         cfg = tiny_config(f"{root}/zero{stage}", steps=1)
         plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
-        built, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(stage), plan),
-                                               rank, plan)
-        train_step(engine, loader.next_step(), loader.comm)
+        built, loader, engine, ranks = setup_training(
+            cfg, derive_ds_config(cfg, ds_config(stage), plan), rank, plan)
+        train_step(engine, loader.next_step(), ranks)
         if rank == 0:
             checkpoint.save_model_meta(checkpoint.checkpoint_root(cfg.train.output_dir), built)
         checkpoint.save(engine, cfg.train.output_dir, 1, loader.state_dict(), rank)
@@ -65,11 +65,11 @@ def _frozen_ranks(rank, world, root, stage):
     cfg = tiny_config(root, steps=2)
     cfg.model.freeze = ["vision", "projector"]
     plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
-    built, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(stage), plan),
-                                           rank, plan)
+    built, loader, engine, ranks = setup_training(
+        cfg, derive_ds_config(cfg, ds_config(stage), plan), rank, plan)
     before = _full_params(engine)
     for _ in range(2):
-        train_step(engine, loader.next_step(), loader.comm)
+        train_step(engine, loader.next_step(), ranks)
     after = _full_params(engine)
     groups = engine.optimizer.fp16_groups if stage == 3 else engine.optimizer.bit16_groups
     in_optimizer = {id(p) for g in groups for p in g}
@@ -106,9 +106,9 @@ def _lora_ranks(rank, world, root):
         cfg.model.lora = LoraConfig(**LORA, export=export)
         plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
         ds = derive_ds_config(cfg, ds_config(stage), plan)
-        built, loader, engine = setup_training(cfg, ds, rank, plan)
+        built, loader, engine, ranks = setup_training(cfg, ds, rank, plan)
         before = _full_params(engine)
-        train_step(engine, loader.next_step(), loader.comm)
+        train_step(engine, loader.next_step(), ranks)
         if rank == 0:
             checkpoint.save_model_meta(checkpoint.checkpoint_root(cfg.train.output_dir), built)
         checkpoint.save(engine, cfg.train.output_dir, 1, loader.state_dict(), rank)
@@ -117,12 +117,12 @@ def _lora_ranks(rank, world, root):
         out[stage] = dict(before=before, saved=_full_params(engine),
                           in_optimizer={n for n, p in engine.module.named_parameters()
                                         if id(p) in in_optimizer})
-    second = train_step(engine, loader.next_step(), loader.comm).loss
+    second = train_step(engine, loader.next_step(), ranks).loss
     after = _full_params(engine)
-    _, loader, engine = setup_training(cfg, ds, rank, plan)
+    _, loader, engine, ranks = setup_training(cfg, ds, rank, plan)
     step, state = checkpoint.load(engine, cfg.train.output_dir, rank)
     loader.load_state_dict(state)
-    resumed = train_step(engine, loader.next_step(), loader.comm).loss
+    resumed = train_step(engine, loader.next_step(), ranks).loss
     out["resume"] = dict(step=step, second=second, after=after, resumed=resumed,
                          resumed_params=_full_params(engine))
     return out

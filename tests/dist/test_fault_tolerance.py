@@ -99,7 +99,7 @@ def _same(a, b) -> bool:
         torch.allclose(x, y, rtol=0, atol=0, equal_nan=True) for x, y in zip(a[0], b[0]))
 
 
-def _nonfinite(rank, engine, loader, stage0):
+def _nonfinite(rank, engine, loader, groups, stage0):
     """Per engine: "skip" drops the update and names the samples, the next step trains, "stop"
     raises naming them (the engine is left mid-step: a run ends there); weights and optimizer
     state untouched each time. Without the guard, no ZeRO takes the NaN into the weights."""
@@ -111,22 +111,22 @@ def _nonfinite(rank, engine, loader, stage0):
         guard = NonFiniteGuard(eng, "skip")
         before = _snapshot(eng)
         _nan_once(eng, rank)
-        result = train_step(eng, loader.next_step(), loader.comm, guard=guard)
+        result = train_step(eng, loader.next_step(), groups, guard=guard)
         out[f"{name}_skip"] = (bool(result.nonfinite_keys), _same(before, _snapshot(eng)))
-        result = train_step(eng, loader.next_step(), loader.comm, guard=guard)
+        result = train_step(eng, loader.next_step(), groups, guard=guard)
         after = _snapshot(eng)
         out[f"{name}_next"] = (not _same(before, after) and result.nonfinite_keys is None
                                and all(torch.isfinite(t).all() for t in after[0]))
         if name == "zero0":
             _nan_once(eng, rank)
-            train_step(eng, loader.next_step(), loader.comm)
+            train_step(eng, loader.next_step(), groups)
             out["unguarded_nan_weights"] = any(not torch.isfinite(p).all()
                                                for p in eng.module.parameters())
         before = _snapshot(eng)
         _nan_once(eng, rank)
         guard.policy = "stop"
         try:
-            train_step(eng, loader.next_step(), loader.comm, guard=guard)
+            train_step(eng, loader.next_step(), groups, guard=guard)
             out[f"{name}_stop"] = None
         except NonFiniteError as e:
             out[f"{name}_stop"] = ("samples:" in str(e), _same(before, _snapshot(eng)))
@@ -146,7 +146,6 @@ def _sp_fault(rank, world, root, built) -> tuple[str | None, float]:
     cfg.parallel.sp = 2
     plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
     groups = rank_groups(plan, rank, prefetch=False)
-    comm = groups.comm
     # each SP rank reads its rows itself (no reader group): the failing processor is rank 1's
     loader = build_loader(cfg, built, plan, dataclasses.replace(groups, shard_comm=None),
                           rank=rank, num_micro=2)
@@ -158,7 +157,7 @@ def _sp_fault(rank, world, root, built) -> tuple[str | None, float]:
             return 2
     t0 = time.monotonic()
     try:
-        train_step(NoEngine(), loader.next_step(), comm)
+        train_step(NoEngine(), loader.next_step(), groups)
         return None, time.monotonic() - t0
     except DataError as e:
         return str(e), time.monotonic() - t0
@@ -201,12 +200,12 @@ def _run(rank, world, root, sources):
     cfg = tiny_config(root, steps=STEPS, warmup_steps=WARMUP, lr=LR)
     plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
     ds = derive_ds_config(cfg, ds_config(2, scheduler=SCHEDULER), plan)
-    built, loader, engine = setup_training(cfg, ds, rank, plan)
+    built, loader, engine, groups = setup_training(cfg, ds, rank, plan)
     used = []
     hook = register_optimizer_step_pre_hook(
         lambda opt, *_: used.append(opt.param_groups[0]["lr"]))
     logger = MetricsLogger(root, total_steps=STEPS, start_step=0, enabled=rank == 0)
-    _loop(cfg, engine, loader, logger, plan, rank, 0, None)
+    _loop(cfg, engine, loader, groups, logger, plan, rank, 0, None)
     logger.close()
     hook.remove()
     logged = [r["lr"] for r in read_metrics(root)] if rank == 0 else None
@@ -216,7 +215,7 @@ def _run(rank, world, root, sources):
         mend = _inject(loader, fault) if rank == 1 else (lambda: None)
         t0 = time.monotonic()
         try:
-            train_step(engine, loader.next_step(), loader.comm)
+            train_step(engine, loader.next_step(), groups)
             faults[fault] = (None, time.monotonic() - t0)
         except DataError as e:
             faults[fault] = (str(e), time.monotonic() - t0)
@@ -224,10 +223,10 @@ def _run(rank, world, root, sources):
 
     plan0 = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
     cfg0 = tiny_config(root + "/zero0", steps=STEPS)
-    _, _, stage0 = setup_training(cfg0, derive_ds_config(cfg0, ds_config(0), plan0), rank, plan0)
+    stage0 = setup_training(cfg0, derive_ds_config(cfg0, ds_config(0), plan0), rank, plan0).engine
     faults["sp"] = _sp_fault(rank, world, root, built)
     faults["hang"] = _hang(rank, world)
-    return used, logged, faults, _nonfinite(rank, engine, loader, stage0), _resize_save(
+    return used, logged, faults, _nonfinite(rank, engine, loader, groups, stage0), _resize_save(
         rank, world, root, sources)
 
 
@@ -271,14 +270,14 @@ def _full_state(engine) -> dict:
             "lr": engine.get_lr()[0]}
 
 
-def _to_the_end(engine, loader) -> tuple[list[list[str]], list[float]]:
+def _to_the_end(engine, loader, groups) -> tuple[list[list[str]], list[float]]:
     """Train until every source is exhausted; each step's sample keys (all ranks) and loss."""
     from ds_omni.train.step import StopTraining, train_step
     keys, losses = [], []
     while len(keys) < 20:
         batch = loader.next_step()
         try:
-            losses.append(train_step(engine, batch, loader.comm).loss)
+            losses.append(train_step(engine, batch, groups).loss)
         except StopTraining:
             break
         keys.append(_step_keys(loader, batch))
@@ -295,11 +294,11 @@ def _resize_save(rank, world, root, sources, stages=RESIZE_STAGES) -> dict:
     from ds_omni.train.step import train_step
     out = {}
     for stage in stages:
-        cfg, loader, engine = _resize_engine(rank, world, root, sources, stage)
+        cfg, loader, engine, groups = _resize_engine(rank, world, root, sources, stage)
         keys = []
         for _ in range(SAVED_AT):
             batch = loader.next_step()
-            train_step(engine, batch, loader.comm)
+            train_step(engine, batch, groups)
             keys.append(_step_keys(loader, batch))
         checkpoint.save(engine, cfg.train.output_dir, SAVED_AT, loader.state_dict(), rank)
         out[stage] = {"before": keys, "saved": _full_state(engine)}
@@ -312,11 +311,11 @@ def _resize_load(rank, world, root, sources, stages=RESIZE_STAGES) -> dict:
     from ds_omni.train.loop import restore_loader
     out = {}
     for stage in stages:
-        cfg, loader, engine = _resize_engine(rank, world, root, sources, stage)
+        cfg, loader, engine, groups = _resize_engine(rank, world, root, sources, stage)
         step, state = checkpoint.load(engine, cfg.train.output_dir, rank)
         restore_loader(loader, state)
         loaded = _full_state(engine)
-        keys, losses = _to_the_end(engine, loader)
+        keys, losses = _to_the_end(engine, loader, groups)
         moved = any(not torch.equal(a[0], b[0]) for a, b in zip(
             loaded["params"].values(), _full_state(engine)["params"].values()))
         out[stage] = {"step": step, "loaded": loaded, "after": keys, "losses": losses,

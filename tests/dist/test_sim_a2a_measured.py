@@ -47,7 +47,8 @@ def _ranks(rank: int, world: int, out_dir: str, sources: dict) -> list[dict]:
     torch.set_num_threads(1)
     cfg = sv.config(NAME, out_dir, sources, STEPS)
     plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
-    _, loader, engine = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan), rank, plan)
+    _, loader, engine, groups = setup_training(cfg, derive_ds_config(cfg, ds_config(1), plan),
+                                               rank, plan)
     ds_groups.mpu = engine.mpu
     from benchmarks.ep_all_to_all import count_all_to_alls
     counts: dict = {}
@@ -56,7 +57,7 @@ def _ranks(rank: int, world: int, out_dir: str, sources: dict) -> list[dict]:
     for _ in range(STEPS):
         batch = loader.next_step()
         counts.clear()
-        train_step(engine, batch, loader.comm)
+        train_step(engine, batch, groups)
         log.append({"a2a": dict(counts), "keys": sorted(batch.keys)})
     for record in log:
         record["samples"] = sv.sample_meta(loader, record.pop("keys"))

@@ -24,7 +24,7 @@ from ds_omni.data.packing import SeqShard, pack
 from ds_omni.errors import ModelError
 from ds_omni.model import deepstack
 from ds_omni.model.deepstack import Deepstack
-from ds_omni.parallelize import embedding, parallelize
+from ds_omni.parallelize import apply_plan, embedding
 
 
 def build(folder, model_type: str):
@@ -119,7 +119,7 @@ def test_sharded_embedding_carries_the_levels_like_the_whole_row(request, monkey
                   for r in range(sp)]
         exchange = FakeExchange()
         monkeypatch.setattr(embedding, "ReshardEmbeddings", exchange)
-        parallelize(model)  # the plan's routing embeds the shards (no group: the fake exchange)
+        apply_plan(model)  # the plan's routing embeds the shards (no group: the fake exchange)
         for shard in shards:
             model.embed_deepstack(shard)
         exchange.deliver = True

@@ -1,7 +1,7 @@
 """Where DeepSpeed needs zero-weight dummy encoder passes (pure); the zero gradient that stands in
 for them elsewhere is checked on the tiny LLaVA (test_family_llava.py)."""
 
-from ds_omni.train.setup import encoder_dummies_needed
+from ds_omni.parallelize.embedding import encoder_dummies_needed
 
 
 def test_dummy_passes_only_where_deepspeed_reduces_in_hook_order():

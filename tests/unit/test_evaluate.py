@@ -113,6 +113,8 @@ def test_a_bad_eval_sample_stops_with_the_fix_or_is_left_out(setup, tmp_path):
 
 
 def test_the_loop_logs_eval_loss_in_metrics_bar_and_report(setup, tmp_path, capsys):
+    from ds_omni.parallel.groups import rank_groups
+    from ds_omni.parallel.plan import ParallelPlan
     from ds_omni.train.loop import _loop
     from ds_omni.train.metrics import MetricsLogger, read_metrics, write_report
     from tests.fake_engine import FakeEngine
@@ -121,7 +123,8 @@ def test_the_loop_logs_eval_loss_in_metrics_bar_and_report(setup, tmp_path, caps
     cfg.data.eval_sources, cfg.train.eval_every = setup[0].data.eval_sources, 2
     logger = MetricsLogger(tmp_path, total_steps=5, start_step=0, enabled=True)
     evaluator = Evaluator(cfg, built, loader)
-    _loop(cfg, FakeEngine(loss_per_target=0.5), loader, logger, None, 0, 0, None,
+    groups = rank_groups(ParallelPlan(world_size=1, dp=1), 0, prefetch=False)
+    _loop(cfg, FakeEngine(loss_per_target=0.5), loader, groups, logger, None, 0, 0, None,
           evaluator=evaluator)
     logger.close()
     records = read_metrics(tmp_path)

@@ -84,7 +84,7 @@ def test_without_dummies_a_text_only_row_skips_the_encoder_and_a_zero_grad_stand
     gradients are zero-filled, the same gradients as the zero-weight dummy pass, with the vision
     tower never run."""
     from ds_omni.data.packing import pack
-    from ds_omni.parallelize import parallelize
+    from ds_omni.parallelize import apply_plan
     from ds_omni.parallelize.pipeline import fill_missing_grads
     model, mb = built.model, pack([_samples(built)[1]], built.item_processors)
     runs = []
@@ -92,7 +92,7 @@ def test_without_dummies_a_text_only_row_skips_the_encoder_and_a_zero_grad_stand
     losses, grads = [], []
     try:
         for dummies in (True, False):
-            parallelize(model, encoder_dummies=dummies)
+            apply_plan(model, encoder_dummies=dummies)
             model.zero_grad(set_to_none=True)
             loss = model(mb).loss_sum
             loss.backward()

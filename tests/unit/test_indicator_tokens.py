@@ -18,7 +18,7 @@ from ds_omni.data.packing import SeqShard, pack
 from ds_omni.errors import ModelError
 from ds_omni.model.families.generic import with_indicators
 from ds_omni.model.families.hf_processor import INDICATOR_SLOTS
-from ds_omni.parallelize import embedding, parallelize
+from ds_omni.parallelize import apply_plan, embedding
 from tests.unit.test_deepstack import FakeExchange, build
 
 
@@ -56,7 +56,7 @@ def test_indicator_tokens_get_the_visual_table_and_ride_with_the_shards(ovis2, m
             assert len(at) and torch.equal(want[at], table.weight[last + i].expand(len(at), -1))
         exchange = FakeExchange()
         monkeypatch.setattr(embedding, "ReshardEmbeddings", exchange)
-        parallelize(model)  # the plan's routing embeds the shards (no group: the fake exchange)
+        apply_plan(model)  # the plan's routing embeds the shards (no group: the fake exchange)
         for shard in shards:
             model.embed(shard)
         exchange.deliver = True

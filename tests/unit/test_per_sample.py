@@ -122,7 +122,8 @@ def test_a_training_step_on_a_packed_row_equals_hf_per_sample(tmp_path):
     from ds_omni.data.packing import pack
     from ds_omni.data.processing import SampleProcessor
     from ds_omni.model.build import build_model
-    from ds_omni.parallel.groups import TorchDataComm
+    from ds_omni.parallel.groups import rank_groups
+    from ds_omni.parallel.plan import ParallelPlan
     from ds_omni.train.step import train_step
     torch.manual_seed(0)
     config, processor = sweep.RECIPES["qwen3_5"]()
@@ -148,7 +149,8 @@ def test_a_training_step_on_a_packed_row_equals_hf_per_sample(tmp_path):
     grads = {}
     built.model.backbone.checkpoint_layers = True  # the per-sample layer under recompute too
     step = StepBatch(step=0, micro_batches=[mb], keys=list(media))
-    result = train_step(PlainEngine(built.model), step, TorchDataComm(),
+    result = train_step(PlainEngine(built.model), step,
+                        rank_groups(ParallelPlan(world_size=1, dp=1), 0, prefetch=False),
                         on_reduced_grads=lambda e: grads.update(
                             {k: p.grad.clone() for k, p in e.module.named_parameters()
                              if p.grad is not None}))

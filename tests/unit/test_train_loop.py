@@ -8,12 +8,15 @@ from ds_omni.data.loader import OmniLoader
 from ds_omni.data.processing import SampleProcessor
 from ds_omni.data.rank_place import LoaderComms, RankPlace
 from ds_omni.data.sources import Source
-from ds_omni.parallel.groups import TorchDataComm
+from ds_omni.parallel.groups import TorchDataComm, rank_groups
+from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.train.loop import _loop
 from ds_omni.train.metrics import MetricsLogger, read_metrics
 from tests.data_files import text_rows, write
 from tests.fake_engine import FakeEngine
 from tests.fixtures import tiny_config
+
+ONE_RANK = rank_groups(ParallelPlan(world_size=1, dp=1), 0, prefetch=False)  # one process's groups
 
 STEPS, BATCH, MICRO = 5, 8, 2
 
@@ -41,7 +44,7 @@ def _train(out, engine, loader, start=0, **train):
     out.mkdir(parents=True, exist_ok=True)
     cfg = tiny_config(str(out), steps=STEPS, log_samples=True, **train)
     logger = MetricsLogger(out, total_steps=STEPS, start_step=start, enabled=True)
-    step = _loop(cfg, engine, loader, logger, None, 0, start, None)
+    step = _loop(cfg, engine, loader, ONE_RANK, logger, None, 0, start, None)
     logger.close()
     return step
 
@@ -101,7 +104,7 @@ def test_stop_after_ends_the_run_there_and_a_resume_goes_on_as_if_uninterrupted(
     out.mkdir()
     cfg = tiny_config(str(out), steps=STEPS, log_samples=True)
     logger = MetricsLogger(out, total_steps=STEPS, start_step=0, enabled=True)
-    assert _loop(cfg, FakeEngine(), first, logger, None, 0, 0, stop_after=2) == 2
+    assert _loop(cfg, FakeEngine(), first, ONE_RANK, logger, None, 0, 0, stop_after=2) == 2
     logger.close()
     resumed = _loader(built, path, schema, "repeat")
     resumed.load_state_dict(first.state_dict())
