@@ -1,5 +1,4 @@
-"""Parallelism applied to a built model, from outside: `parallelize(built, plan, groups, cfg, cost,
-ds_config)`.
+"""Parallelism applied to a built model, from outside (`parallelize`).
 
 The model is built whole and plain (`ds_omni.model.build`); `parallelize` builds what the plan
 needs (torchtitan's `parallelize_fn`) and returns the module DeepSpeed is given; `apply_plan`
