@@ -14,6 +14,9 @@ from ds_omni.errors import ConfigError
 class SchemaConfig:
     """Which columns of a source hold the text, the images and the audio."""
 
+    layout: Literal["auto", "llava", "messages", "cauldron", "text"] = "auto"
+    """How rows are laid out (docs/data.md): LLaVA turns, chat messages (string or typed-part
+    contents), The Cauldron's user/assistant pairs, plain text; "auto": found from the first rows."""
     text: str = "conversations"
     """Column with a LLaVA-style conversation (list of {"from", "value"}) or plain text."""
     image: str | None = "image"

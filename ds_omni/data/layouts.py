@@ -1,0 +1,291 @@
+"""Row layouts: how a row's conversation and media are laid out, found from the first rows.
+
+- "llava": LLaVA / ShareGPT turns ({"from", "value"}) with `<image>` markers, the media in columns;
+- "messages": chat messages ({"role", "content"}), each content a string (with markers, as
+  LLaMA-Factory writes it) or a list of typed parts (text / image / video / audio, and the
+  `image_url` / `input_audio` spellings), as transformers' `apply_chat_template` and TRL take them;
+  a media part holds its item inline (a path, bytes, an HF Image struct) or takes the next one of
+  the row's `images` / `videos` / `audios` column;
+- "cauldron": The Cauldron's `texts` ({"user", "assistant"} pairs) and `images`, the images (no
+  markers in the text) before the first user turn, as its processor places them;
+- "text": a plain text column, every token trained.
+
+Every layout becomes what the sample processor takes: turns with markers where the items stand,
+and per kind the items in text order. `detect` picks the layout and the columns when the schema
+leaves `layout` at "auto" (docs/data.md).
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ds_omni.data.problems import SampleError
+from ds_omni.errors import DataError
+
+LAYOUTS = ("llava", "messages", "cauldron", "text")
+KIND_OF_PART = {"image": "vision", "image_url": "vision", "video": "video", "video_url": "video",
+                "audio": "audio", "input_audio": "audio"}
+PART_NAMES = {"vision": "image", "video": "video", "audio": "audio"}
+TEXT_COLUMN = {"llava": "conversations", "messages": "messages", "cauldron": "texts",
+               "text": "text"}
+MEDIA_COLUMNS = {"vision": ("images", "image"), "video": ("videos", "video"),
+                 "audio": ("audios", "audio")}
+DEFAULT_TEXT = "conversations"  # SchemaConfig.text's default: other columns may be detected
+SCHEMA_FIELD = {"vision": "image", "video": "video", "audio": "audio"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A source's layout and the columns it is read from."""
+
+    name: str
+    """One of LAYOUTS."""
+    text: str
+    """The column holding the conversation (or the text)."""
+    media: dict[str, str | None] = field(default_factory=dict)
+    """Kind of item ("vision", "audio", "video") -> the column holding them."""
+    detected: bool = False
+    """Found from the rows (schema.layout "auto"), not named by the schema."""
+
+    def describe(self) -> str:
+        columns = ", ".join([f"text={self.text!r}"] + [f"{SCHEMA_FIELD[k]}={c!r}" for k, c in
+                                                         self.media.items() if c])
+        return f"layout {self.name!r} ({'detected' if self.detected else 'schema'}; {columns})"
+
+
+# -------------------------------------------------------------------------------- detection
+def columns(row: dict) -> list[str]:
+    """The columns of a row, with one level of nested objects as dotted names ("json.id")."""
+    out = []
+    for k, v in row.items():
+        out.append(k)
+        if isinstance(v, dict) and not {"bytes", "path"} & set(v):
+            out += [f"{k}.{n}" for n in v]
+    return out
+
+
+def lookup(row: dict, column: str) -> Any:
+    """`row[column]`; "a.b" looks inside nested dicts (webdataset: "json.conversations")."""
+    if column in row:
+        return row[column]
+    value: Any = row
+    for part in column.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def kind_of_value(value: Any) -> str | None:
+    """The layout a text column's value is written in, or None."""
+    if isinstance(value, str):
+        return "text"
+    if not isinstance(value, list) or not value or not all(isinstance(t, dict) for t in value):
+        return None
+    keys = set().union(*(k for t in value for k in [{k for k, v in t.items() if v is not None}]))
+    if {"user", "assistant"} & keys and not {"from", "role"} & keys:
+        return "cauldron"
+    if "role" in keys and "content" in keys:
+        return "messages"
+    if "from" in keys and "value" in keys:
+        return "llava"
+    return None
+
+
+def _first(rows: list[dict], column: str) -> Any:
+    return next((v for row in rows if (v := lookup(row, column)) is not None), None)
+
+
+def detect(schema, rows: list[dict], where: str) -> Layout:
+    """The layout of `rows` (a source's first rows) under `schema`: the schema's layout and text
+    column where it names them, else found from the rows' values; an ambiguous layout is a
+    `DataError` listing the candidates and the schema to write."""
+    if schema.layout != "auto":
+        text = schema.text if not rows or _first(rows, schema.text) is not None else \
+            TEXT_COLUMN[schema.layout]
+        return Layout(schema.layout, text, _media(schema, rows, schema.layout != "llava"))
+    if not rows:
+        return Layout("llava", schema.text, schema.media_columns())
+    found = kind_of_value(_first(rows, schema.text))
+    if found is not None or schema.text != DEFAULT_TEXT:  # the user's column, or the default's
+        found = found or "llava"  # (a column the rows lack: the start-up check names it)
+        return Layout(found, schema.text, _media(schema, rows, found in ("messages", "cauldron")),
+                      detected=True)
+    candidates = [(k, c) for c in rows[0] if (k := kind_of_value(_first(rows, c))) not in
+                  (None, "text")]
+    if not candidates:
+        candidates = [("text", c) for c in rows[0] if c == "text"
+                      and isinstance(_first(rows, c), str)]
+    if len(candidates) == 1:
+        name, column = candidates[0]
+        return Layout(name, column, _media(schema, rows, True), detected=True)
+    if not candidates:
+        raise DataError(f"{where}: no column of the first rows holds a conversation or a text "
+                        f"(schema.text={schema.text!r}): {missing_column_hint(rows)}. Set "
+                        f"schema.text (and schema.layout: one of {list(LAYOUTS)})")
+    schemas = "; or ".join(f'"schema": {{"layout": "{k}", "text": "{c}"}}' for k, c in candidates)
+    raise DataError(f"{where}: cannot tell the layout from the first rows: columns "
+                    f"{[c for _, c in candidates]} could each be the conversation "
+                    f"({', '.join(f'{c!r} as {k!r}' for k, c in candidates)}); write the schema, "
+                    f"e.g. {schemas}")
+
+
+def missing_column_hint(rows: list[dict]) -> str:
+    return f"its rows have {columns(rows[0])}"
+
+
+def _media(schema, rows: list[dict], conventional: bool) -> dict[str, str | None]:
+    """Per kind, the schema's column; where the rows do not have it and `conventional`, the
+    column that layout's datasets use ("images", "image", ...) if the rows have one."""
+    out = {}
+    for kind, column in schema.media_columns().items():
+        if conventional and (column is None or _first(rows, column) is None):
+            column = next((c for c in MEDIA_COLUMNS[kind] if _first(rows, c) is not None), column)
+        out[kind] = column
+    return out
+
+
+# -------------------------------------------------------------------------------- reading
+def to_turns(layout: Layout, value: Any, pools: dict[str, list], markers: dict[str, str],
+             where: str, rooted: Callable[[Any], Any]) -> tuple[Any, dict[str, list]]:
+    """(text, media) for the sample processor from a row's text value and its media columns'
+    items (`pools`, kind -> items in order): turns whose contents mark each item, the items in
+    the order of their markers. `rooted`: resolves a relative media path inline in a part."""
+    if layout.name in ("llava", "text") or not isinstance(value, list):
+        return value, {k: v for k, v in pools.items() if v is not None}
+    if layout.name == "cauldron":
+        value = cauldron_messages(value, pools, markers, where)
+    media: dict[str, list] = {k: [] for k in PART_NAMES}
+    taken = {k: 0 for k in PART_NAMES}
+    turns = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise SampleError(f"{where}: message {i} is {message!r}; messages are objects "
+                              "{\"role\", \"content\"}", "text")
+        content = message.get("content")
+        parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
+        text = "".join(_part_text(p, (i, j), pools, taken, media, markers, where, rooted)
+                       for j, p in enumerate(parts))
+        turns.append({"role": message.get("role"), "content": text})
+    for kind, items in pools.items():
+        if items and taken[kind] < len(items):
+            raise SampleError(
+                f"{where}: the {layout_column(kind)} column holds {len(items)} {PART_NAMES[kind]}s "
+                f"but the messages take {taken[kind]} ({PART_NAMES[kind]} parts with no media "
+                f"inline, and {markers.get(kind)} markers); add a {{\"type\": "
+                f"\"{PART_NAMES[kind]}\"}} part where each belongs, or drop the extra items",
+                "markers", kind)
+    return turns, {k: v for k, v in media.items() if v}
+
+
+def layout_column(kind: str) -> str:
+    return f"'{MEDIA_COLUMNS[kind][0]}'"
+
+
+def cauldron_messages(texts: list, pools: dict[str, list], markers: dict[str, str],
+                      where: str) -> list[dict]:
+    """The Cauldron's {"user", "assistant"} turns as messages; images no marker places go
+    before the first user turn."""
+    messages = []
+    for i, turn in enumerate(texts):
+        user, answer = (turn.get("user"), turn.get("assistant")) if isinstance(turn, dict) else \
+            (None, None)
+        if not isinstance(user, str) or not isinstance(answer, str):
+            raise SampleError(f"{where}: texts[{i}] is {turn!r}; The Cauldron's turns are "
+                              "{\"user\": str, \"assistant\": str}", "text")
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    if messages:
+        for kind, items in pools.items():
+            marked = sum(m["content"].count(markers[kind]) for m in messages
+                         if markers.get(kind))
+            if items and not marked:
+                messages[0]["content"] = markers[kind] * len(items) + messages[0]["content"]
+    return messages
+
+
+def _part_text(part: Any, at: tuple[int, int], pools, taken, media, markers, where,
+               rooted) -> str:
+    """One part's text: a text part's text (each marker in it taking the next item of its
+    kind), a media part's marker (its item inline, or the next of the row's column)."""
+    i, j = at
+    if not isinstance(part, dict):
+        raise SampleError(f"{where}: message {i} content part {j} is {part!r}; parts are objects "
+                          "with a 'type' (text, image, video, audio)", "text")
+    kind = part.get("type")
+    if kind == "text":
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise SampleError(f"{where}: message {i} part {j} is a text part without a string "
+                              f"'text' ({part!r})", "text")
+        for piece in _marker_split(text, markers):
+            k = next((k for k, m in markers.items() if m == piece), None)
+            if k is not None and k in pools:
+                media[k].append(_take(k, pools, taken, where, i, j))
+        return text
+    if kind not in KIND_OF_PART:
+        raise SampleError(f"{where}: message {i} part {j} has type {kind!r}; the part types read "
+                          f"are {['text'] + sorted(KIND_OF_PART)}. Fix the row (or set the "
+                          "source's on_bad_sample to \"skip\")", "text")
+    k = KIND_OF_PART[kind]
+    if k not in markers:
+        raise SampleError(f"{where}: message {i} part {j} is a {kind} part but the schema marks "
+                          f"no {PART_NAMES[k]}s", "other")
+    item = inline_item(part, kind)
+    media[k].append(rooted(item) if item is not None else
+                                   _take(k, pools, taken, where, i, j))
+    return markers[k]
+
+
+def _marker_split(text: str, markers: dict[str, str]) -> list[str]:
+    if not markers:
+        return [text]
+    return re.split("(" + "|".join(re.escape(m) for m in markers.values()) + ")", text)
+
+
+def _take(kind: str, pools, taken, where: str, i: int, j: int) -> Any:
+    items = pools.get(kind) or []
+    if taken.get(kind, 0) >= len(items):
+        raise SampleError(
+            f"{where}: message {i} part {j} is {PART_NAMES[kind]} part {taken.get(kind, 0) + 1} "
+            f"but the row's {layout_column(kind)} column holds {len(items)} {PART_NAMES[kind]}s "
+            f"and the part none inline; give each {PART_NAMES[kind]} part its media (in the "
+            f"column, in order, or in the part as '{PART_NAMES[kind]}') or remove the part",
+            "markers", kind)
+    item = items[taken[kind]]
+    taken[kind] += 1
+    if item is None:
+        raise SampleError(f"{where}: message {i} part {j}: {PART_NAMES[kind]} "
+                          f"{taken[kind]} of the row's {layout_column(kind)} column is missing "
+                          "(null); fill it in or drop the part", "media_missing")
+    return item
+
+
+def inline_item(part: dict, kind: str) -> Any:
+    """The media a part holds itself (None: it takes the next one of the row's column)."""
+    name = {"image_url": "image_url", "video_url": "video_url",
+            "input_audio": "input_audio"}.get(kind, kind)
+    value = part.get(name)
+    if value is None:
+        value = part.get("path") if part.get("path") is not None else part.get("url")
+    if isinstance(value, dict) and kind == "input_audio" and value.get("data") is not None:
+        return base64.b64decode(value["data"])
+    if isinstance(value, dict) and "url" in value and not {"bytes", "path"} & set(value):
+        value = value["url"]
+    if isinstance(value, str):
+        return _from_url(value)
+    return value
+
+
+def _from_url(url: str) -> Any:
+    """A path, a file:// URL, or a base64 data URL; a web URL is an error (no network)."""
+    if url.startswith("data:"):
+        return base64.b64decode(url.split(",", 1)[1])
+    if url.startswith("file://"):
+        return url[len("file://"):]
+    if url.startswith(("http://", "https://")):
+        raise SampleError(f"media at {url!r}: training reads no network; download the files "
+                          "and give their local paths", "media_missing")
+    return url
