@@ -37,6 +37,7 @@ from typing import Any, Iterator
 
 from ds_omni.config import SourceConfig
 from ds_omni.data import demo, index
+from ds_omni.data.hub_folder import hub_configs, hub_files
 from ds_omni.data.json_docs import JsonDocument, open_document
 from ds_omni.data.layouts import Layout, columns, detect, lookup, to_turns
 from ds_omni.data.problems import SampleError
@@ -82,7 +83,9 @@ def resolve_files(cfg: SourceConfig) -> tuple[str, list[str]]:
     p = Path(path)
     if p.is_dir() and (p / "dataset_info.json").exists() and (p / "state.json").exists():
         return "disk", [str(p)]
-    if p.is_dir():
+    if p.is_dir() and (cfg.config or hub_configs(p)):
+        files = hub_files(cfg, p)
+    elif p.is_dir():
         files = sorted(str(f) for f in p.iterdir() if f.suffix in FORMAT_BY_SUFFIX)
     else:
         files = sorted(glob.glob(path)) if any(c in path for c in "*?[") else [path] * p.is_file()
