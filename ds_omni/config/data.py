@@ -18,7 +18,8 @@ class SchemaConfig:
     """How rows are laid out (docs/data.md): LLaVA turns, chat messages (string or typed-part
     contents), The Cauldron's user/assistant pairs, plain text; "auto": found from the first rows."""
     text: str = "conversations"
-    """Column with a LLaVA-style conversation (list of {"from", "value"}) or plain text."""
+    """Column with the conversation (LLaVA turns, chat messages, The Cauldron's pairs) or plain
+    text; where the rows have no "conversations", the column is found from them (`layout`)."""
     image: str | None = "image"
     """Column with image bytes, an HF Image, or a path relative to `root`; one or a list."""
     audio: str | None = None

@@ -12,7 +12,6 @@ calling thread (a fast tokenizer must not be shared between threads).
 
 from __future__ import annotations
 
-import logging
 import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -30,21 +29,23 @@ from ds_omni.data.sources import (FIELD_OF_KIND, Locator, Source, columns, looku
                                   missing_column)
 from ds_omni.errors import DataError
 
-log = logging.getLogger(__name__)
 STARTUP_ROWS = 16  # rows of each source's first file the start-up check reads
 EXAMPLES = 5  # example messages kept per problem kind
 
 
 # --------------------------------------------------------------------------------- start-up
-def startup_check(cfg: OmniConfig, media: bool = True) -> None:
+def startup_check(cfg: OmniConfig, media: bool = True, announce: bool = False) -> None:
     """Raise a `DataError` naming the source for what can be seen in its first rows: the
-    schema's columns, and (with `media`) that relative media paths resolve."""
+    schema's columns, and (with `media`) that relative media paths resolve. `announce`: print
+    each source's layout and the columns taken."""
     for scfg in cfg.data.sources + cfg.data.eval_sources:
         source = Source(scfg, chunk_rows=cfg.data.chunk_rows)
         rows = [(Locator(source.name, 0, i), source.fetch(Locator(source.name, 0, i)))
                 for i in range(min(STARTUP_ROWS, source.file_rows[0]))]
         if rows:
-            log.info("data source '%s': %s", source.name, source.layout.describe())
+            if announce:
+                print(f"ds-omni: data source '{source.name}': {source.layout.describe()}",
+                      flush=True)
             _check_columns(source, rows)
         if rows and media:
             _check_media_paths(source, rows)

@@ -85,7 +85,7 @@ def kind_of_value(value: Any) -> str | None:
         return "text"
     if not isinstance(value, list) or not value or not all(isinstance(t, dict) for t in value):
         return None
-    keys = set().union(*(k for t in value for k in [{k for k, v in t.items() if v is not None}]))
+    keys = set().union(*({k for k, v in t.items() if v is not None} for t in value))
     if {"user", "assistant"} & keys and not {"from", "role"} & keys:
         return "cauldron"
     if "role" in keys and "content" in keys:
@@ -230,9 +230,6 @@ def _part_text(part: Any, at: tuple[int, int], pools, taken, media, markers, whe
                           f"are {['text'] + sorted(KIND_OF_PART)}. Fix the row (or set the "
                           "source's on_bad_sample to \"skip\")", "text")
     k = KIND_OF_PART[kind]
-    if k not in markers:
-        raise SampleError(f"{where}: message {i} part {j} is a {kind} part but the schema marks "
-                          f"no {PART_NAMES[k]}s", "other")
     item = inline_item(part, kind)
     media[k].append(rooted(item) if item is not None else
                                    _take(k, pools, taken, where, i, j))
