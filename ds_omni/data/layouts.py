@@ -34,6 +34,7 @@ TEXT_COLUMN = {"llava": "conversations", "messages": "messages", "cauldron": "te
 MEDIA_COLUMNS = {"vision": ("images", "image"), "video": ("videos", "video"),
                  "audio": ("audios", "audio")}
 DEFAULT_TEXT = "conversations"  # SchemaConfig.text's default: other columns may be detected
+DEFAULT_MEDIA = {"vision": "image", "video": None, "audio": None}  # SchemaConfig's defaults
 SCHEMA_FIELD = {"vision": "image", "video": "video", "audio": "audio"}
 
 
@@ -104,15 +105,15 @@ def detect(schema, rows: list[dict], where: str) -> Layout:
     column where it names them, else found from the rows' values; an ambiguous layout is a
     `DataError` listing the candidates and the schema to write."""
     if schema.layout != "auto":
-        text = schema.text if not rows or _first(rows, schema.text) is not None else \
-            TEXT_COLUMN[schema.layout]
-        return Layout(schema.layout, text, _media(schema, rows, schema.layout != "llava"))
+        text = TEXT_COLUMN[schema.layout] if schema.text == DEFAULT_TEXT and rows and \
+            _first(rows, schema.text) is None else schema.text
+        return Layout(schema.layout, text, _media(schema, rows, schema.layout))
     if not rows:
         return Layout("llava", schema.text, schema.media_columns())
     found = kind_of_value(_first(rows, schema.text))
     if found is not None or schema.text != DEFAULT_TEXT:  # the user's column, or the default's
         found = found or "llava"  # (a column the rows lack: the start-up check names it)
-        return Layout(found, schema.text, _media(schema, rows, found in ("messages", "cauldron")),
+        return Layout(found, schema.text, _media(schema, rows, found),
                       detected=True)
     candidates = [(k, c) for c in rows[0] if (k := kind_of_value(_first(rows, c))) not in
                   (None, "text")]
@@ -121,7 +122,7 @@ def detect(schema, rows: list[dict], where: str) -> Layout:
                       and isinstance(_first(rows, c), str)]
     if len(candidates) == 1:
         name, column = candidates[0]
-        return Layout(name, column, _media(schema, rows, True), detected=True)
+        return Layout(name, column, _media(schema, rows, name), detected=True)
     if not candidates:
         raise DataError(f"{where}: no column of the first rows holds a conversation or a text "
                         f"(schema.text={schema.text!r}): {missing_column_hint(rows)}. Set "
@@ -137,12 +138,14 @@ def missing_column_hint(rows: list[dict]) -> str:
     return f"its rows have {columns(rows[0])}"
 
 
-def _media(schema, rows: list[dict], conventional: bool) -> dict[str, str | None]:
-    """Per kind, the schema's column; where the rows do not have it and `conventional`, the
-    column that layout's datasets use ("images", "image", ...) if the rows have one."""
+def _media(schema, rows: list[dict], layout: str) -> dict[str, str | None]:
+    """Per kind, the schema's column; where that is the schema's default and the rows do not
+    have it, the column the layout's datasets use ("images", "image", ...) if the rows have one
+    (LLaVA rows: images only, as ShareGPT files with an "images" list have them)."""
     out = {}
     for kind, column in schema.media_columns().items():
-        if conventional and (column is None or _first(rows, column) is None):
+        swap = column == DEFAULT_MEDIA[kind] and (layout != "llava" or kind == "vision")
+        if swap and (column is None or _first(rows, column) is None):
             column = next((c for c in MEDIA_COLUMNS[kind] if _first(rows, c) is not None), column)
         out[kind] = column
     return out

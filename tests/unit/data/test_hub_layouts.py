@@ -91,3 +91,38 @@ def test_layout_found_from_the_rows_and_an_ambiguous_one_says_what_to_write(tmp_
     llava = write_parquet(part_rows(2), "parts", tmp_path / "p.parquet")
     assert Source(SourceConfig(name="p", path=str(llava))).layout.describe() == (
         "layout 'messages' (detected; text='messages', image='images')")
+
+
+def test_llama_factory_and_sharegpt_rows_take_their_images_column(tmp_path):
+    from tests.data_layouts import png
+    (tmp_path / "a.png").write_bytes(png(24, 16))
+    turns = {"messages": [{"role": "user", "content": "<image>What is it?"},
+                          {"role": "assistant", "content": "A square."}],
+             "conversations": [{"from": "human", "value": "<image>What is it?"},
+                               {"from": "gpt", "value": "A square."}]}
+    for column, layout in (("messages", "messages"), ("conversations", "llava")):
+        rows = [{column: turns[column], "images": ["a.png"]}] * 2
+        (tmp_path / f"{column}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        source = Source(SourceConfig(name="s", path=str(tmp_path / f"{column}.jsonl")))
+        assert (source.layout.name, source.layout.media["vision"]) == (layout, "images")
+        text, media, _ = source.parts(rows[0], Locator("s", 0, 0))
+        assert media == {"vision": [str(tmp_path / "a.png")]}
+        assert "<image>What is it?" in json.dumps(text)
+
+
+def test_bad_cauldron_rows_name_the_row_and_the_fix(tmp_path):
+    from ds_omni.data.problems import SampleError
+    rows = cauldron_rows(3)
+    rows[1]["texts"][0]["assistant"] = None
+    rows[2]["images"] = [None]
+    source = Source(SourceConfig(name="c", path=str(write_parquet(rows, "cauldron",
+                                                                  tmp_path / "c.parquet"))))
+    assert source.parts(source.fetch(Locator("c", 0, 0)), Locator("c", 0, 0))[0][0]["content"] \
+        .startswith("<image>")
+    with pytest.raises(SampleError, match=r"sample c/c:0:1: texts\[0\] is .*The Cauldron's turns "
+                                          r"are \{\"user\": str, \"assistant\": str\}") as e:
+        source.parts(source.fetch(Locator("c", 0, 1)), Locator("c", 0, 1))
+    assert e.value.kind == "text"
+    with pytest.raises(SampleError, match=r"sample c/c:0:2: message 0 part 0: image 1 of the "
+                                          r"row's 'images' column is missing \(null\)"):
+        source.parts(source.fetch(Locator("c", 0, 2)), Locator("c", 0, 2))

@@ -68,9 +68,10 @@ def _expected(tok, row):
     return ids, mask
 
 
-@pytest.fixture(scope="module")
-def parts_source(tmp_path_factory):
-    path = write_parquet(part_rows(4), "parts", tmp_path_factory.mktemp("p") / "d.parquet")
+@pytest.fixture(scope="module", params=["png", "jpeg"])
+def parts_source(tmp_path_factory, request):
+    path = write_parquet(part_rows(4, jpeg=request.param == "jpeg"), "parts",
+                         tmp_path_factory.mktemp("p") / "d.parquet")
     return Source(SourceConfig(name="p", path=str(path)))
 
 
