@@ -161,8 +161,7 @@ def to_turns(layout: Layout, value: Any, pools: dict[str, list], markers: dict[s
         return value, {k: v for k, v in pools.items() if v is not None}
     if layout.name == "cauldron":
         value = cauldron_messages(value, pools, markers, where)
-    media: dict[str, list] = {k: [] for k in PART_NAMES}
-    taken = {k: 0 for k in PART_NAMES}
+    items = _Items(pools, layout.media, markers, where, rooted)
     turns = []
     for i, message in enumerate(value):
         if not isinstance(message, dict):
@@ -170,22 +169,10 @@ def to_turns(layout: Layout, value: Any, pools: dict[str, list], markers: dict[s
                               "{\"role\", \"content\"}", "text")
         content = message.get("content")
         parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
-        text = "".join(_part_text(p, (i, j), pools, taken, media, markers, where, rooted)
-                       for j, p in enumerate(parts))
+        text = "".join(items.part_text(p, i, j) for j, p in enumerate(parts))
         turns.append({"role": message.get("role"), "content": text})
-    for kind, items in pools.items():
-        if items and taken[kind] < len(items):
-            raise SampleError(
-                f"{where}: the {layout_column(kind)} column holds {len(items)} {PART_NAMES[kind]}s "
-                f"but the messages take {taken[kind]} ({PART_NAMES[kind]} parts with no media "
-                f"inline, and {markers.get(kind)} markers); add a {{\"type\": "
-                f"\"{PART_NAMES[kind]}\"}} part where each belongs, or drop the extra items",
-                "markers", kind)
-    return turns, {k: v for k, v in media.items() if v}
-
-
-def layout_column(kind: str) -> str:
-    return f"'{MEDIA_COLUMNS[kind][0]}'"
+    items.check_all_taken()
+    return turns, {k: v for k, v in items.media.items() if v}
 
 
 def cauldron_messages(texts: list, pools: dict[str, list], markers: dict[str, str],
@@ -209,58 +196,73 @@ def cauldron_messages(texts: list, pools: dict[str, list], markers: dict[str, st
     return messages
 
 
-def _part_text(part: Any, at: tuple[int, int], pools, taken, media, markers, where,
-               rooted) -> str:
-    """One part's text: a text part's text (each marker in it taking the next item of its
-    kind), a media part's marker (its item inline, or the next of the row's column)."""
-    i, j = at
-    if not isinstance(part, dict):
-        raise SampleError(f"{where}: message {i} content part {j} is {part!r}; parts are objects "
-                          "with a 'type' (text, image, video, audio)", "text")
-    kind = part.get("type")
-    if kind == "text":
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise SampleError(f"{where}: message {i} part {j} is a text part without a string "
-                              f"'text' ({part!r})", "text")
-        for piece in _marker_split(text, markers):
-            k = next((k for k, m in markers.items() if m == piece), None)
-            if k is not None and k in pools:
-                media[k].append(_take(k, pools, taken, where, i, j))
-        return text
-    if kind not in KIND_OF_PART:
-        raise SampleError(f"{where}: message {i} part {j} has type {kind!r}; the part types read "
-                          f"are {['text'] + sorted(KIND_OF_PART)}. Fix the row (or set the "
-                          "source's on_bad_sample to \"skip\")", "text")
-    k = KIND_OF_PART[kind]
-    item = inline_item(part, kind)
-    media[k].append(rooted(item) if item is not None else
-                                   _take(k, pools, taken, where, i, j))
-    return markers[k]
+class _Items:
+    """The items of one row's messages, in the order their parts (or markers) place them."""
 
+    def __init__(self, pools: dict[str, list], columns: dict[str, str | None],
+                 markers: dict[str, str], where: str, rooted: Callable[[Any], Any]):
+        self.pools, self.columns, self.markers = pools, columns, markers
+        self.where, self.rooted = where, rooted
+        self.media: dict[str, list] = {k: [] for k in PART_NAMES}
+        self.taken = {k: 0 for k in PART_NAMES}
+        self._split = re.compile("(" + "|".join(map(re.escape, markers.values())) + ")")
 
-def _marker_split(text: str, markers: dict[str, str]) -> list[str]:
-    if not markers:
-        return [text]
-    return re.split("(" + "|".join(re.escape(m) for m in markers.values()) + ")", text)
+    def part_text(self, part: Any, i: int, j: int) -> str:
+        """One part's text: a text part's text (each marker in it taking the next item of its
+        kind), a media part's marker (its item inline, or the next of the row's column)."""
+        at = f"{self.where}: message {i} part {j}"
+        if not isinstance(part, dict):
+            raise SampleError(f"{at} is {part!r}; parts are objects with a 'type' (text, image, "
+                              "video, audio)", "text")
+        kind = part.get("type")
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise SampleError(f"{at} is a text part without a string 'text' ({part!r})",
+                                  "text")
+            for piece in self._split.split(text):
+                k = next((k for k, m in self.markers.items() if m == piece), None)
+                if k is not None and k in self.pools:
+                    self.media[k].append(self._take(k, at))
+            return text
+        if kind not in KIND_OF_PART:
+            raise SampleError(f"{at} has type {kind!r}; the part types read are "
+                              f"{['text'] + sorted(KIND_OF_PART)}. Fix the row (or set the "
+                              "source's on_bad_sample to \"skip\")", "text")
+        k = KIND_OF_PART[kind]
+        item = inline_item(part, kind)
+        self.media[k].append(self.rooted(item) if item is not None else self._take(k, at))
+        return self.markers[k]
 
+    def _column(self, kind: str) -> str:
+        return f"{self.columns.get(kind) or MEDIA_COLUMNS[kind][0]!r}"
 
-def _take(kind: str, pools, taken, where: str, i: int, j: int) -> Any:
-    items = pools.get(kind) or []
-    if taken.get(kind, 0) >= len(items):
-        raise SampleError(
-            f"{where}: message {i} part {j} is {PART_NAMES[kind]} part {taken.get(kind, 0) + 1} "
-            f"but the row's {layout_column(kind)} column holds {len(items)} {PART_NAMES[kind]}s "
-            f"and the part none inline; give each {PART_NAMES[kind]} part its media (in the "
-            f"column, in order, or in the part as '{PART_NAMES[kind]}') or remove the part",
-            "markers", kind)
-    item = items[taken[kind]]
-    taken[kind] += 1
-    if item is None:
-        raise SampleError(f"{where}: message {i} part {j}: {PART_NAMES[kind]} "
-                          f"{taken[kind]} of the row's {layout_column(kind)} column is missing "
-                          "(null); fill it in or drop the part", "media_missing")
-    return item
+    def _take(self, kind: str, at: str) -> Any:
+        """The next item of the row's column for `kind`."""
+        items, n, name = self.pools.get(kind) or [], self.taken[kind], PART_NAMES[kind]
+        if n >= len(items):
+            raise SampleError(
+                f"{at} is {name} part {n + 1} but the row's {self._column(kind)} column holds "
+                f"{len(items)} {name}s and the part none inline; give each {name} part its media "
+                f"(in the column, in order, or in the part as '{name}') or remove the part",
+                "markers", kind)
+        self.taken[kind] += 1
+        if items[n] is None:
+            raise SampleError(f"{at}: {name} {n + 1} of the row's {self._column(kind)} column is "
+                              "missing (null); fill it in or drop the part", "media_missing")
+        return items[n]
+
+    def check_all_taken(self) -> None:
+        """Items of a column that no part took are an error (they would be trained on nowhere)."""
+        for kind, items in self.pools.items():
+            if items and self.taken[kind] < len(items):
+                name = PART_NAMES[kind]
+                raise SampleError(
+                    f"{self.where}: the {self._column(kind)} column holds {len(items)} {name}s "
+                    f"but the messages take {self.taken[kind]} ({name} parts with no media "
+                    f"inline, and {self.markers.get(kind)} markers); add a {{\"type\": "
+                    f"\"{name}\"}} part where each belongs, or drop the extra items",
+                    "markers", kind)
 
 
 def inline_item(part: dict, kind: str) -> Any:

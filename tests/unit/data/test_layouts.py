@@ -184,3 +184,27 @@ def test_bad_rows_are_skipped_and_logged_under_skip(tmp_path):
     flush_skipped(loader, tmp_path, 0, 0)
     logged = [json.loads(line) for line in (tmp_path / "skipped.jsonl").read_text().splitlines()]
     assert {(e["id"], e["kind"]) for e in logged} == {("s/m1", "text"), ("s/m2", "markers")}
+
+
+def test_audio_and_video_parts_stand_where_they_are():
+    """`input_audio` base64 data and a video path inline; an audio part takes the `audios`
+    column's clip; each item's marker stands where its part does."""
+    from ds_omni.data.layouts import Layout, to_turns
+    wav = base64.b64encode(b"RIFF-clip").decode()
+    messages = [{"role": "user", "content": [
+        {"type": "audio"}, {"type": "text", "text": "and"},
+        {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}},
+        {"type": "video", "video": "/clips/v.mp4"}, {"type": "video_url",
+                                                     "video_url": {"url": "file:///clips/w.mp4"}}]},
+        {"role": "assistant", "content": "Two sounds, two clips."}]
+    layout = Layout("messages", "messages", {"audio": "audios", "video": "videos"})
+    markers = {"vision": "<image>", "audio": "<audio>", "video": "<video>"}
+    text, media = to_turns(layout, messages, {"audio": [b"column-clip"]}, markers, "sample x",
+                           lambda item: item)
+    assert text[0]["content"] == "<audio>and<audio><video><video>"
+    assert media == {"audio": [b"column-clip", b"RIFF-clip"],
+                     "video": ["/clips/v.mp4", "/clips/w.mp4"]}
+    with pytest.raises(SampleError, match="training reads no network; download the files"):
+        to_turns(layout, [{"role": "user", "content": [
+            {"type": "image", "url": "https://example.com/a.png"}]}], {}, markers, "sample x",
+            lambda item: item)
