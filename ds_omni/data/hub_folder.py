@@ -1,7 +1,7 @@
 """A local copy of a hub dataset (`snapshot_download`'s layout): data files in folders and a
-README.md whose YAML front matter lists `configs` (config_name, data_files per split). `datasets`
-resolves which files a config's split holds, as `load_dataset` would, from the folder alone (no
-request to the hub); the rows are then read by `sources.py`'s readers like any other files.
+README.md whose YAML front matter lists `configs` (config_name, data_files per split), or with
+none, shards named by split (`data/train-00000-of-00002.parquet`). `datasets` resolves which files
+a config's split holds, as `load_dataset` would, from the folder alone (no request to the hub); the rows are then read by `sources.py`'s readers like any other files.
 """
 
 from __future__ import annotations

@@ -83,10 +83,10 @@ def resolve_files(cfg: SourceConfig) -> tuple[str, list[str]]:
     p = Path(path)
     if p.is_dir() and (p / "dataset_info.json").exists() and (p / "state.json").exists():
         return "disk", [str(p)]
-    if p.is_dir() and (cfg.config or hub_configs(p)):
-        files = hub_files(cfg, p)
-    elif p.is_dir():
+    if p.is_dir():
         files = sorted(str(f) for f in p.iterdir() if f.suffix in FORMAT_BY_SUFFIX)
+        if cfg.config or hub_configs(p) or (not files and (p / "README.md").is_file()):
+            files = hub_files(cfg, p)  # a hub snapshot: its configs, or data/<split>-* shards
     else:
         files = sorted(glob.glob(path)) if any(c in path for c in "*?[") else [path] * p.is_file()
     if not files:

@@ -126,3 +126,12 @@ def test_bad_cauldron_rows_name_the_row_and_the_fix(tmp_path):
     with pytest.raises(SampleError, match=r"sample c/c:0:2: message 0 part 0: image 1 of the "
                                           r"row's 'images' column is missing \(null\)"):
         source.parts(source.fetch(Locator("c", 0, 2)), Locator("c", 0, 2))
+
+
+def test_hub_snapshot_without_configs_splits_by_file_name(tmp_path):
+    rows = part_rows(6)
+    write_parquet(rows[:4], "parts", tmp_path / "data" / "train-00000-of-00001.parquet")
+    write_parquet(rows[4:], "parts", tmp_path / "data" / "test-00000-of-00001.parquet")
+    (tmp_path / "README.md").write_text("# shapes\n")
+    assert len(Source(SourceConfig(name="s", path=str(tmp_path)))) == 4
+    assert len(Source(SourceConfig(name="s", path=str(tmp_path), split="test"))) == 2
