@@ -14,8 +14,12 @@ from ds_omni.errors import ConfigError
 class SchemaConfig:
     """Which columns of a source hold the text, the images and the audio."""
 
+    layout: Literal["auto", "llava", "messages", "cauldron", "text"] = "auto"
+    """How rows are laid out (docs/data.md): LLaVA turns, chat messages (string or typed-part
+    contents), The Cauldron's user/assistant pairs, plain text; "auto": found from the first rows."""
     text: str = "conversations"
-    """Column with a LLaVA-style conversation (list of {"from", "value"}) or plain text."""
+    """Column with the conversation (LLaVA turns, chat messages, The Cauldron's pairs) or plain
+    text; where the rows have no "conversations", the column is found from them (`layout`)."""
     image: str | None = "image"
     """Column with image bytes, an HF Image, or a path relative to `root`; one or a list."""
     audio: str | None = None
@@ -55,8 +59,13 @@ class SourceConfig:
     name: str
     """Short name, used in metrics and error messages."""
     path: str
-    """Local file, glob or directory (parquet, jsonl, arrow, webdataset .tar, save_to_disk);
-    "builtin:shapes" for the embedded demo data, made from a seed at first use."""
+    """Local file, glob or directory (parquet, jsonl, arrow, webdataset .tar, save_to_disk, a hub
+    dataset snapshot); "builtin:shapes" for the embedded demo data, made from a seed at first use."""
+    config: str | None = None
+    """A hub dataset snapshot folder (README with `configs`): the config to read; default: the
+    one marked default, or the only one."""
+    split: str = "train"
+    """A hub dataset snapshot folder: the split of the config to read."""
     weight: float = 1.0
     """Relative mixing weight."""
     format: Literal["auto", "parquet", "json", "arrow", "webdataset", "disk"] = "auto"
@@ -148,8 +157,11 @@ class VideoConfig:
 class DataConfig:
     """Where samples come from and how they are packed."""
 
-    sources: list[SourceConfig]
+    sources: list[SourceConfig] = field(default_factory=list)
     """The sources to mix."""
+    internvl_meta: str | None = None
+    """An InternVL meta JSON ({name: {root, annotation, repeat_time, length}}): each entry is a
+    source, weight length x repeat_time; a source of the same name in `sources` replaces it."""
     max_seq_len: int = 512
     """The most tokens one sample may have (images and audio expanded)."""
     pack_tokens: int | None = None
@@ -194,11 +206,15 @@ class DataConfig:
     their shards; false: every rank reads. More: docs/parallelism.md#sequence-parallelism."""
 
     def __post_init__(self):
+        if self.internvl_meta:
+            names = {s.name for s in self.sources}
+            self.sources += [s for s in internvl_sources(self.internvl_meta) if s.name not in names]
         eval_names = [s.name for s in self.eval_sources]
         if len(set(eval_names)) != len(eval_names):
             raise ConfigError(f"data.eval_sources: names must be unique, got {eval_names}")
         if not self.sources:
-            raise ConfigError("data.sources is empty: add at least one source")
+            raise ConfigError("data.sources is empty: add at least one source (or an "
+                              "internvl_meta file)")
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise ConfigError(f"data.sources: names must be unique, got {names}")
@@ -239,3 +255,33 @@ def check_template_spec(spec: str) -> None:
         raise ConfigError(f"data.template={spec!r} is neither one of {list(TEMPLATE_KEYWORDS)} nor "
                           "an existing Jinja file; give the path of a chat template file (e.g. a "
                           "model's chat_template.jinja), or \"model\" for the tokenizer's own")
+
+
+def internvl_sources(path: str) -> list[SourceConfig]:
+    """The sources of an InternVL meta JSON: per entry, its annotation file (LLaVA rows) with its
+    `root` as the media root and weight length x repeat_time; relative paths are relative to the
+    meta file's folder."""
+    import json
+    meta_path = Path(path)
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.internvl_meta={path!r} cannot be read as JSON ({e})") from None
+    if not isinstance(meta, dict) or not meta:
+        raise ConfigError(f"data.internvl_meta={path!r} is not a JSON object of named datasets")
+    out = []
+    for name, entry in meta.items():
+        where = f"data.internvl_meta {path!r} entry {name!r}"
+        if not isinstance(entry, dict) or "annotation" not in entry:
+            raise ConfigError(f"{where}: needs an 'annotation' file (and 'root', 'length', "
+                              f"'repeat_time'); got {entry!r}")
+        length, repeat = entry.get("length"), entry.get("repeat_time", 1)
+        if not isinstance(length, (int, float)) or not isinstance(repeat, (int, float)):
+            raise ConfigError(f"{where}: 'length' (rows of the annotation) and 'repeat_time' must "
+                              f"be numbers, got {length!r}, {repeat!r}; the weight is their product")
+        root = entry.get("root")
+        out.append(SourceConfig(
+            name=name, path=str(meta_path.parent / entry["annotation"]),
+            weight=float(length) * float(repeat),
+            schema=SchemaConfig(root=str(meta_path.parent / root) if root else None)))
+    return out

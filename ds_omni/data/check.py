@@ -25,7 +25,8 @@ from ds_omni.data.problems import kind_of
 from ds_omni.data.processing import SampleProcessor, conversation_string
 from ds_omni.data.build import item_processors
 from ds_omni.data.templates import training_template
-from ds_omni.data.sources import Locator, Source, columns, lookup, missing_column
+from ds_omni.data.sources import (FIELD_OF_KIND, Locator, Source, columns, lookup,
+                                  missing_column)
 from ds_omni.errors import DataError
 
 STARTUP_ROWS = 16  # rows of each source's first file the start-up check reads
@@ -33,27 +34,30 @@ EXAMPLES = 5  # example messages kept per problem kind
 
 
 # --------------------------------------------------------------------------------- start-up
-def startup_check(cfg: OmniConfig, media: bool = True) -> None:
+def startup_check(cfg: OmniConfig, media: bool = True, announce: bool = False) -> None:
     """Raise a `DataError` naming the source for what can be seen in its first rows: the
-    schema's columns, and (with `media`) that relative media paths resolve."""
+    schema's columns, and (with `media`) that relative media paths resolve. `announce`: print
+    each source's layout and the columns taken."""
     for scfg in cfg.data.sources + cfg.data.eval_sources:
         source = Source(scfg, chunk_rows=cfg.data.chunk_rows)
         rows = [(Locator(source.name, 0, i), source.fetch(Locator(source.name, 0, i)))
                 for i in range(min(STARTUP_ROWS, source.file_rows[0]))]
         if rows:
+            if announce:
+                print(f"ds-omni: data source '{source.name}': {source.layout.describe()}",
+                      flush=True)
             _check_columns(source, rows)
         if rows and media:
             _check_media_paths(source, rows)
 
 
 def _check_columns(source: Source, rows: list[tuple[Locator, dict]]) -> None:
-    schema, where = source.cfg.schema, f"data source '{source.name}'"
-    if all(lookup(row, schema.text) is None for _, row in rows):
-        raise DataError(f"{where}: {missing_column(source, 'text', schema.text, rows[0][1])}")
-    for field, marker in (("image", schema.image_marker), ("audio", schema.audio_marker),
-                          ("video", schema.video_marker)):
-        column = getattr(schema, field)
-        marked = any(marker in str(lookup(row, schema.text)) for _, row in rows)
+    layout, where = source.layout, f"data source '{source.name}'"
+    if all(lookup(row, layout.text) is None for _, row in rows):
+        raise DataError(f"{where}: {missing_column(source, 'text', layout.text, rows[0][1])}")
+    for kind, marker in source.cfg.schema.markers().items():
+        field, column = FIELD_OF_KIND[kind], layout.media.get(kind)
+        marked = any(marker in str(lookup(row, layout.text)) for _, row in rows)
         if marked and (not column or all(lookup(row, column) is None for _, row in rows)):
             hint = missing_column(source, field, column, rows[0][1]) if column else \
                 f"schema.{field} is null; set it to the column holding the {field}s"
@@ -200,10 +204,12 @@ class _SourceCheck:
         return problems
 
     def result(self) -> dict:
-        schema = self.source.cfg.schema
-        fields = {f: getattr(schema, f) for f in ("text", "image", "audio", "video", "id")}
+        schema, layout = self.source.cfg.schema, self.source.layout
+        fields = {"text": layout.text, **{FIELD_OF_KIND[k]: c for k, c in layout.media.items()},
+                  "id": schema.id}
         return {
             "format": self.source.fmt, "files": len(self.source.files),
+            "layout": layout.name, "layout_detected": layout.detected,
             "rows": len(self.source), "checked": self.rows,
             "columns": sorted(self.seen_columns),
             "schema": {f: {"column": c, "rows_with_it": self.seen_columns.get(c, 0) if c else None}
@@ -275,7 +281,8 @@ def format_report(report: dict) -> str:
         schema = ", ".join(f"{f}={v['column']!r} ({v['rows_with_it']} rows)"
                            for f, v in r["schema"].items() if v["column"])
         lines.append(f"  columns: {r['columns']}")
-        lines.append(f"  schema: {schema}")
+        how = "detected from the first rows" if r["layout_detected"] else "schema.layout"
+        lines.append(f"  layout: {r['layout']} ({how}); columns taken: {schema}")
         lines.append(f"  modalities: {r['modalities']}; items per sample: "
                      f"{r['items_per_sample']}")
         if r["tokens"]:

@@ -25,7 +25,9 @@ from typing import Any, Iterator
 
 from ds_omni.config import SourceConfig
 from ds_omni.data import demo, index
+from ds_omni.data.hub_folder import hub_configs, hub_files
 from ds_omni.data.json_docs import JsonDocument, open_document
+from ds_omni.data.layouts import Layout, columns, detect, lookup, to_turns
 from ds_omni.data.problems import SampleError
 from ds_omni.errors import DataError
 
@@ -34,6 +36,7 @@ FORMAT_BY_SUFFIX = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".
 FIELD_OF_KIND = {"vision": "image", "audio": "audio", "video": "video"}  # schema field per kind
 JSON_INDEX_STRIDE = 256  # jsonl: remember every 256th line start
 STREAM_BATCH = 256  # rows made into Python objects at a time when a chunk is read
+LAYOUT_ROWS = 16  # rows of the first file the layout is found from
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ def resolve_files(cfg: SourceConfig) -> tuple[str, list[str]]:
         return "disk", [str(p)]
     if p.is_dir():
         files = sorted(str(f) for f in p.iterdir() if f.suffix in FORMAT_BY_SUFFIX)
+        if cfg.config or hub_configs(p) or (not files and (p / "README.md").is_file()):
+            files = hub_files(cfg, p)  # a hub snapshot: its configs, or data/<split>-* shards
     else:
         files = sorted(glob.glob(path)) if any(c in path for c in "*?[") else [path] * p.is_file()
     if not files:
@@ -87,16 +92,6 @@ def resolve_files(cfg: SourceConfig) -> tuple[str, list[str]]:
     return fmt, files
 
 
-def columns(row: dict) -> list[str]:
-    """The columns of a row, with one level of nested objects as dotted names ("json.id")."""
-    out = []
-    for k, v in row.items():
-        out.append(k)
-        if isinstance(v, dict) and not {"bytes", "path"} & set(v):
-            out += [f"{k}.{n}" for n in v]
-    return out
-
-
 WEBDATASET_HINT = ("webdataset samples are keyed by file extension: images under 'jpg' or 'png', "
                    "text inside a json member as 'json.conversations', the sample id as '__key__'")
 
@@ -109,18 +104,6 @@ def missing_column(source: "Source", field: str, column: str, row: dict,
     return (f"schema.{field}={column!r} is not a column of {'this row of ' if one_row else ''}"
             f"source '{source.name}'; {whose} {'has' if one_row else 'have'} {columns(row)}. "
             f"If that is not right, set data.sources[{source.name}].schema.{field}{hint}")
-
-
-def lookup(row: dict, column: str) -> Any:
-    """`row[column]`; "a.b" looks inside nested dicts (webdataset: "json.conversations")."""
-    if column in row:
-        return row[column]
-    value: Any = row
-    for part in column.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return None
-        value = value[part]
-    return value
 
 
 class Source:
@@ -185,24 +168,34 @@ class Source:
         sid = lookup(row, self.cfg.schema.id) if self.cfg.schema.id else None
         return f"{self.name}/{sid if sid is not None else loc}"
 
+    @cached_property
+    def layout(self) -> Layout:
+        """The rows' layout and the columns it is read from (`layouts.detect` on the first
+        rows of the first file)."""
+        rows = [self.fetch(Locator(self.name, 0, i))
+                for i in range(min(LAYOUT_ROWS, self.file_rows[0]))] if self.files else []
+        return detect(self.cfg.schema, rows, f"data source '{self.name}'")
+
     def parts(self, row: dict, loc: Locator) -> tuple[Any, dict[str, list], str]:
         """(text, {"vision": [raw images], "audio": [raw clips], "video": [raw videos]}, sample id)
-        through the schema.
+        through the layout: the text a conversation with a marker where each item stands.
 
         A missing text column, or a relative media path that names no file, is a `DataError`
         naming the sample (a bad sample: the source's on_bad_sample policy applies)."""
-        schema = self.cfg.schema
+        layout = self.layout
         sid = self.sample_id(row, loc)
-        text = lookup(row, schema.text)
+        text = lookup(row, layout.text)
         if text is None:
-            raise SampleError(f"sample {sid}: {missing_column(self, 'text', schema.text, row)}",
+            raise SampleError(f"sample {sid}: {missing_column(self, 'text', layout.text, row)}",
                               "column")
-        media: dict[str, list] = {}
-        for kind, column in schema.media_columns().items():
+        pools: dict[str, list] = {}
+        for kind, column in layout.media.items():
             value = lookup(row, column) if column else None
             if value is not None:
                 items = value if isinstance(value, list) else [value]
-                media[kind] = [self._rooted(x, loc, sid) for x in items]
+                pools[kind] = [self._rooted(x, loc, sid) for x in items]
+        text, media = to_turns(layout, text, pools, self.cfg.schema.markers(), f"sample {sid}",
+                               lambda item: self._rooted(item, loc, sid))
         return text, media, sid
 
     def media_root(self, file: int) -> Path:
@@ -233,7 +226,7 @@ class Source:
         if not isinstance(error, SampleError) or error.kind != "markers" or error.encoder is None:
             return error
         field = FIELD_OF_KIND.get(error.encoder, error.encoder)
-        column = getattr(self.cfg.schema, field)
+        column = self.layout.media.get(error.encoder, getattr(self.cfg.schema, field, None))
         if column and lookup(row, column) is not None:
             return error
         hint = missing_column(self, field, column, row, one_row=True) if column else \

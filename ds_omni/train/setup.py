@@ -73,7 +73,8 @@ def preflight(cfg: OmniConfig, ds_config_path: str,
     checkpoint.check_writable(cfg.train.output_dir)
     if resume:
         checkpoint.check_resumable(cfg.train.output_dir)
-    startup_check(cfg)  # files, schema columns, relative media roots of every source
+    # files, layouts and schema columns, relative media roots of every source (rank 0 says)
+    startup_check(cfg, announce=os.environ.get("RANK", "0") == "0")
     return plan, ds_config
 
 
