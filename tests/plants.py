@@ -7,7 +7,7 @@ A plant is put in by monkeypatching (never by editing ds_omni): `applied` puts t
 entry and takes it out on exit, so one launch can train a planted case among the honest ones.
 Each plant names the launch whose oracle must fail on it (`launch`); the suite's tests called
 `test_plant_*` (so `pytest -k plant` runs them all) assert, for every plant of their launch, that
-the oracle's check FAILS with the plant in (`tests/unit/test_plants.py` holds every plant to a
+the oracle's check FAILS with the plant in (`tests/unit/project/test_plants.py` holds every plant to a
 test that runs it).
 
 To add one: a generator function `(rank) -> None` that patches, yields, and undoes, decorated
@@ -429,7 +429,7 @@ def _moe_aux_not_reduced_over_sp(rank: int):
     yield from _patched(moe_aux, "sp_aux_sum", lambda f: planted)
 
 
-# --------------------------------------------------- the step simulator (tests/unit/test_sim_comm.py)
+# --------------------------------------------------- the step simulator (tests/unit/sim/test_sim_comm.py)
 @plant("a2a_even_splits", "the simulator prices an all-to-all as if every message carried the "
        "mean bytes (uneven splits ignored)", "sim")
 def _a2a_even_splits(rank: int):
@@ -456,14 +456,14 @@ def _sim_ep_no_backward(rank: int):
     yield from _patched(model_parallel, "run_ep", make)
 
 
-# ----------------------------------- the simulator's link calibration (tests/unit/test_calibrate_comm.py)
+# ----------------------------------- the simulator's link calibration (tests/unit/sim/test_calibrate_comm.py)
 @plant("comm_fit_no_latency", "the alpha-beta fit sees no latency term (every collective charged "
        "its bytes only)", "calibrate_comm")
 def _comm_fit_no_latency(rank: int):
     from ds_omni.sim.calibrate_comm import Timing
     yield from _patched(Timing, "terms", lambda f: lambda self: (0.0, f(self)[1]))
 
-# ------------------------------------------------------ the plan search (tests/unit/test_sim_search.py)
+# ------------------------------------------------------ the plan search (tests/unit/sim/test_sim_search.py)
 @plant("search_bound_too_tight", "the plan search's lower bound overstated threefold, so it prunes "
        "plans that would have ranked", "sim_search")
 def _search_bound_too_tight(rank: int):
@@ -472,7 +472,7 @@ def _search_bound_too_tight(rank: int):
 
 
 
-# ------------------------------------------------ the simulator under tp (tests/unit/test_sim_tp.py)
+# ------------------------------------------------ the simulator under tp (tests/unit/sim/test_sim_tp.py)
 @plant("sim_tp_encodes_everything", "the simulator has every TP rank encode the whole row again "
        "(the split of `plan_tp_encode` ignored)", "sim_tp")
 def _sim_tp_encodes_everything(rank: int):
@@ -490,7 +490,7 @@ def _sim_ulysses_backward_x2(rank: int):
                         tp=1: f(st, tok, g, ranks, backward, tp)
                         + (f(st, tok, g, ranks, backward, tp) if backward else 0.0))
 
-# ------------------------------------------- the simulator's fast paths (tests/unit/test_sim_fast_paths.py)
+# ------------------------------------------- the simulator's fast paths (tests/unit/sim/test_sim_fast_paths.py)
 @plant("sim_reshard_shard_off_by_one", "the simulator's fast resharding charge counts a row's "
        "rows against shards one token too long (not `plan_reshard`'s ceil(T / g))",
        "sim_fast_paths")
@@ -509,7 +509,7 @@ def _sim_memo_one_direction(rank: int):
                         f(st, work, False))
 
 
-# ------------------------------------------- the simulator's encoder pool (tests/unit/test_sim_pool.py)
+# ------------------------------------------- the simulator's encoder pool (tests/unit/sim/test_sim_pool.py)
 @plant("sim_pool_plan_free", "the simulator charges the encoder pool's step planning nothing "
        "(its metadata all-gather and `plan_round` over every rank's items forgotten)", "sim_pool")
 def _sim_pool_plan_free(rank: int):
@@ -517,7 +517,7 @@ def _sim_pool_plan_free(rank: int):
     yield from _patched(step, "plan_pool", lambda f: lambda st: None)
 
 
-# ------------------------------------ HF's experts' load at ep=1 (tests/unit/test_expert_parallel.py)
+# ------------------------------------ HF's experts' load at ep=1 (tests/unit/parallelize/test_expert_parallel.py)
 @plant("hf_experts_count_first_pick", "HF's expert modules count each token's first pick only "
        "(top-1 of its top-k)", "hf_expert_count")
 def _hf_experts_count_first_pick(rank: int):
@@ -526,7 +526,7 @@ def _hf_experts_count_first_pick(rank: int):
         m, (args[0], args[1][:, :1], *args[2:]), kwargs))
 
 
-# ------------------------------------------------------ the watchdog (tests/unit/test_watchdog.py)
+# ------------------------------------------------------ the watchdog (tests/unit/train/test_watchdog.py)
 @plant("watchdog_explain_at_once", "after a failed collective, the watchdog names a peer only "
        "from what it had seen when the error came (no fresh read, no second look)", "watchdog")
 def _watchdog_explain_at_once(rank: int):
@@ -560,7 +560,7 @@ def _early_reply_dropped(rank: int):
                         f(self, op, *args, moves=True))
 
 
-# --------------------------------- the simulator's compute calibration (tests/unit/test_calibrate_rate.py)
+# --------------------------------- the simulator's compute calibration (tests/unit/train/test_calibrate_rate.py)
 @plant("rate_fit_no_overhead", "the FLOP/s fit leaves out the fixed cost of a micro-batch (all of "
        "its seconds charged to FLOPs)", "calibrate_rate")
 def _rate_fit_no_overhead(rank: int):
@@ -572,7 +572,7 @@ def _rate_fit_no_overhead(rank: int):
     yield from _patched(calibrate, "nnls", make)
 
 
-# ------------------------------------- the loader process's hand-over (tests/unit/test_handover.py)
+# ------------------------------------- the loader process's hand-over (tests/unit/data/test_handover.py)
 @plant("handover_no_copy_out", "the trainer's tensors view the loader process's shared-memory "
        "slot instead of a copy of it: the next step's hand-over overwrites a step still held",
        "handover")

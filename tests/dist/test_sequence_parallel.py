@@ -233,7 +233,7 @@ def launches(families, tmp_path_factory):
 
 @pytest.mark.dist
 # 4 ranks (about 80 s) in the slow tier: the 2-rank launch keeps every family, ZeRO stage,
-# reordering and the per-sequence degree in the quick tier, and tests/unit/test_encoder_pool.py
+# reordering and the per-sequence degree in the quick tier, and tests/unit/parallelize/test_encoder_pool.py
 # the pool's plans under SP
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_sequence_parallel_matches_single_process(world, families, launches, tmp_path):
@@ -410,7 +410,7 @@ def _check_pool(name, cfg, per_rank) -> None:
 # 4 ranks: when a 4-image row's block meets a 1-image row's, some of the first's images are
 # encoded outside its block, their rows sent to the block member(s) holding their placeholders
 # (evenly loaded blocks keep their own). Rounds that mix a block with lone or idle ranks are checked by the
-# pure tests (tests/unit/test_encoder_pool.py). Fixed-count reordering, as in PER_SEQUENCE.
+# pure tests (tests/unit/parallelize/test_encoder_pool.py). Fixed-count reordering, as in PER_SEQUENCE.
 POOL_PER_SEQUENCE = [("llava", 3)]
 
 

@@ -5,7 +5,7 @@ gradients, parameters after 3 steps against the one-process oracle), in one laun
   ZeRO-3: the real all-to-all carries each image's rows with their levels side by side. The
   planted error "deepstack_levels_dropped" (the ranks skip adding the levels, tests/plants.py)
   must fail the check. The quick tier checks the same path in one process
-  (tests/unit/test_deepstack.py: the shards' embeddings and levels after a simulated all-to-all
+  (tests/unit/model/test_deepstack.py: the shards' embeddings and levels after a simulated all-to-all
   equal the whole row's);
 - the per-sequence SP degree (`parallel.max_sequence_sp` 2) under ZeRO-2, which reduces
   gradients at every backward in the order their hooks fire, so every rank's backward must reach

@@ -45,7 +45,7 @@ class _HalfDocumented:
 
 
 def test_a_field_without_a_docstring_is_named():
-    with pytest.raises(ConfigError, match=r"_HalfDocumented\.bare \(tests/unit/"
+    with pytest.raises(ConfigError, match=r"_HalfDocumented\.bare \(tests/unit/config/"
                                           r"test_config_reference\.py:\d+\).*one-sentence"):
         reference.field_docs(_HalfDocumented)
 

@@ -19,7 +19,7 @@ from ds_omni.coverage import sweep, torchvision_rows
 from ds_omni.errors import ModelError
 from ds_omni.model.families import family_for, generic, hf_processor
 
-MODELS_DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+MODELS_DOC = Path(__file__).resolve().parents[3] / "docs" / "models.md"
 MUST_PASS = ("qwen2_vl", "qwen2_5_vl", "internvl", "llava_onevision", "idefics3", "smolvlm",
              "llava", "llava_next", "qwen2_5_omni_thinker", "qwen3_vl", "gemma3", "mistral3")
 # paligemma left the list when the sweep began to compare HF's tokens of whole samples:
@@ -226,7 +226,7 @@ def test_sequence_shards_carry_generic_items(tmp_path, sp):
     shard like a dedicated family's: the shards rebuild the row, every item is encoded by one shard
     and every placeholder is received where it sits, also for an image cut by a shard boundary."""
     from ds_omni.data.processing import SampleProcessor
-    from tests.unit.test_reshard import _samples, assert_shards_rebuild_the_row
+    from tests.unit.parallel.test_reshard import _samples, assert_shards_rebuild_the_row
     config, processor = sweep.RECIPES["qwen2_5_vl"]()
     sweep.save_processor_parts(processor, tmp_path)
     family = family_for("qwen2_5_vl")
@@ -247,7 +247,7 @@ def test_bidirectional_blocks_ride_along_packing_and_shards(tmp_path, model_type
     row's blocks (Ulysses' kernel sees the whole row), also past a padded end."""
     from ds_omni.data.packing import SeqShard, pack
     from ds_omni.data.processing import SampleProcessor
-    from tests.unit.test_reshard import _cost, _samples
+    from tests.unit.parallel.test_reshard import _cost, _samples
     config, processor = sweep.RECIPES[model_type]()
     sweep.save_processor_parts(processor, tmp_path)
     family = family_for(model_type)

@@ -9,7 +9,7 @@ import pytest
 from ds_omni.cli import main
 from ds_omni.sim.baselines import BASELINES
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ARGS = ["plan", "--config", str(ROOT / "examples/tiny_llava.json"), "--deepspeed",
         str(ROOT / "ds_configs/zero2.json"), "--simulate", "--gpus", "16", "--gpus-per-node", "8",
         "--gpu", "h100", "--set", "train.global_batch_size=256", "--set", "train.micro_batch_size=4"]
@@ -39,7 +39,7 @@ def test_plan_simulate_rejects_a_cluster_smaller_than_a_node(capsys):
 def test_workload_files(tmp_path):
     from ds_omni.errors import ConfigError
     from ds_omni.sim.from_config import load_workload
-    from tests.unit.test_sim_step import llava_7b
+    from tests.unit.sim.test_sim_step import llava_7b
     m = llava_7b()
     default = load_workload(None, m, 512)
     assert default.audio_fraction == 0 and default.max_tokens == 512  # no audio encoder

@@ -8,7 +8,7 @@ import torch
 
 from tests.family_checks import assert_logits_match, load_omni
 from tests.family_dirs import make_llava_next_siglip_dir
-from tests.unit.test_family_llava_next import _hf_inputs, _images, _samples
+from tests.unit.model.test_family_llava_next import _hf_inputs, _images, _samples
 
 SIGLIP_NORM = [0.5] * 3
 

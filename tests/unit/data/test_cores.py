@@ -10,7 +10,7 @@ from ds_omni.config import DataConfig, from_dict
 from ds_omni.data import cores
 from ds_omni.data.cores import local_ranks, plan_cores
 from ds_omni.errors import ConfigError
-from tests.unit.test_loader import built  # noqa: F401
+from tests.unit.data.test_loader import built  # noqa: F401
 
 
 def test_eight_local_ranks_on_96_cores_each_get_their_own_slice():
@@ -73,7 +73,7 @@ def test_the_config_field_takes_auto_true_false_only():
                     reason="needs sched_setaffinity and 2 cores")
 def test_a_spawned_loader_process_runs_on_its_cores_and_the_trainer_gets_its_own_back(
         built, tmp_path):
-    from tests.unit.test_loader_process import _parts
+    from tests.unit.data.test_loader_process import _parts
     from ds_omni.data.loader_process import LoaderProcess
     before, threads = os.sched_getaffinity(0), torch.get_num_threads()
     first, second = sorted(before)[:2]

@@ -18,7 +18,7 @@ from ds_omni.data.build import cost_model_for
 from ds_omni.data.loader_process import LoaderParts, LoaderProcess, feed_for
 from ds_omni.data.rank_place import LoaderComms, LongSplits, RankPlace
 from tests import plants
-from tests.unit.test_loader import _all_tensors, _logged, _worker_loader, built  # noqa: F401
+from tests.unit.data.test_loader import _all_tensors, _logged, _worker_loader, built  # noqa: F401
 
 
 def _parts(built, tmp) -> LoaderParts:

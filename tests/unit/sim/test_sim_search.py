@@ -27,7 +27,7 @@ from ds_omni.sim.search import SearchSpace, describe, search
 from tests import plants
 
 GIB = 2 ** 30
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def small_vlm() -> ModelSpec:
@@ -43,7 +43,7 @@ def small_moe() -> ModelSpec:
 
 
 def text(tokens):
-    from tests.unit.test_sim_step import text_samples
+    from tests.unit.sim.test_sim_step import text_samples
     return text_samples(tokens)
 
 

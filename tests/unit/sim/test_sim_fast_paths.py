@@ -17,7 +17,7 @@ may change a prediction:
   backward priced as its forward through the memo) make the checks fail.
 
 To write the fixture again from the unoptimized code: check out 0bfff07 into DIR and run
-`PYTHONPATH=DIR python tests/unit/test_sim_fast_paths.py tests/unit/fixtures/sim_predictions_0bfff07.json`
+`PYTHONPATH=DIR python tests/unit/sim/test_sim_fast_paths.py tests/unit/sim/fixtures/sim_predictions_0bfff07.json`
 (this file imports nothing that commit lacks at module level).
 """
 
@@ -71,7 +71,7 @@ def predictions(cache=None) -> list[dict]:
 def check_predictions_match_the_unoptimized_simulator() -> None:
     """Against the fixture, with the encoder pool's planning charge left out: that mechanism
     came after 0bfff07 (`step.plan_pool`: its metadata all-gather and its planning CPU, both
-    before the rounds, none of the fast paths'), and `tests/unit/test_sim_pool.py` checks it
+    before the rounds, none of the fast paths'), and `tests/unit/sim/test_sim_pool.py` checks it
     exactly; that it runs at all is checked below."""
     from unittest import mock
 

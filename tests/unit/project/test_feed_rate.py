@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[3] / "benchmarks"
 
 
 def _load(name: str):

@@ -8,7 +8,7 @@ import pytest
 
 from tests import bench_scripts
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOC = ROOT / "BENCHMARKS.md"
 RESULTS = ROOT / "benchmarks" / "results"
 LOADER_ROW = "| loader throughput, 1 process, against 0 / 2 workers | 0.96x / 2.13x |"

@@ -19,7 +19,7 @@ from ds_omni.errors import ModelError
 from ds_omni.model.families.generic import with_indicators
 from ds_omni.model.families.hf_processor import INDICATOR_SLOTS
 from ds_omni.parallelize import embedding, parallelize
-from tests.unit.test_deepstack import FakeExchange, build
+from tests.unit.model.test_deepstack import FakeExchange, build
 
 
 def test_rows_follow_the_slots():

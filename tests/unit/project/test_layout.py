@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "ds_omni"
+PACKAGE = Path(__file__).resolve().parents[3] / "ds_omni"
 
 # Bottom first. A module may import its own layer and the layers below it, never one above.
 LAYERS: tuple[tuple[str, ...], ...] = (
@@ -131,7 +131,7 @@ def layer_of(module: str) -> int:
         if top in names:
             return i
     raise AssertionError(f"{module}: its top-level name '{top}' is in no layer of LAYERS "
-                         f"(tests/unit/test_layout.py); add it to the layer it belongs to")
+                         f"(tests/unit/project/test_layout.py); add it to the layer it belongs to")
 
 
 def test_no_import_circles():
@@ -144,7 +144,7 @@ def test_no_upward_imports():
     upward = sorted(f"{m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})"
                     for m, targets in import_graph().items() for t in targets
                     if layer_of(t) > layer_of(m))
-    assert not upward, "imports that run up a layer (LAYERS in tests/unit/test_layout.py):\n" + \
+    assert not upward, "imports that run up a layer (LAYERS in tests/unit/project/test_layout.py):\n" + \
         "\n".join(upward)
 
 

@@ -9,7 +9,7 @@ from ds_omni.config import load_config
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.train.ds_config import derive_ds_config, load_ds_json
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((REPO / "examples").rglob("*.json"))  # two_stage/ too
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
 

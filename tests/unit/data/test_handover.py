@@ -2,7 +2,7 @@
 kind of field comes back exactly, the slot is reused only after the copy-out (a step written too
 early is an error, not a wrong batch), a step larger than the slot grows it (or goes over the
 pipe), and no shared-memory segment is left behind. (Through the loader process itself, its
-death and the trainer's: tests/unit/test_loader_process.py.)"""
+death and the trainer's: tests/unit/data/test_loader_process.py.)"""
 
 import copy
 import dataclasses

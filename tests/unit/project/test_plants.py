@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tests import plants
 
-TESTS = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parents[2]
 
 
 def _launch_of_plant_tests() -> set[str]:

@@ -13,7 +13,7 @@ from ds_omni.data.packing import pack, sample_targets
 from ds_omni.errors import ModelError
 from ds_omni.model.build import build_model
 from tests.family_dirs import make_llava_dir
-from tests.unit.test_family_llava import _hf_inputs, _samples
+from tests.unit.model.test_family_llava import _hf_inputs, _samples
 
 LORA = dict(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "mlp.down_proj"],
             parts=["llm"], trainable=["projector"])

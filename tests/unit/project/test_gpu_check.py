@@ -15,7 +15,7 @@ def _gpu_check(monkeypatch):
     """The script as a module; what its `main` puts on the paths is undone after the test."""
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", path)
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)

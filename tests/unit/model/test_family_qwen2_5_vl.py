@@ -8,7 +8,7 @@ import torch
 from tests.family_checks import (assert_logits_match, assert_loss_and_grads_match,
                                  assert_round_trip, load_omni)
 from tests.family_dirs import make_qwen2_5_vl_dir
-from tests.unit.test_family_qwen2_vl import (_hf_video_inputs, _video_samples, hf_processor,
+from tests.unit.model.test_family_qwen2_vl import (_hf_video_inputs, _video_samples, hf_processor,
                                              videos)  # noqa: F401  (a fixture)
 
 

@@ -19,7 +19,7 @@ import torch
 from ds_omni.data.packing import pack, tp_share
 from ds_omni.parallel.reshard import item_slots
 from ds_omni.parallel.tp_encode import assign_tp_items, first_rank, plan_tp_encode
-from tests.unit.test_reshard import PLACEHOLDER, _cost, llava, qwen2_vl, random_row  # noqa: F401
+from tests.unit.parallel.test_reshard import PLACEHOLDER, _cost, llava, qwen2_vl, random_row  # noqa: F401
 
 
 def simulate_gather(slots, plans) -> torch.Tensor:
