@@ -8,7 +8,7 @@ M-RoPE, deepstack and always-renormalising router) on 2 ranks; Qwen3.5-MoE's blo
 expert behind a sigmoid gate next to the routed ones) on 2 ranks. All are in the slow tier (the
 2-rank launch alone takes about 3 min on 2 quiet cores; the quick tier has no room). Each is compared
 with the oracle
-(`tests/oracle.py`): one process, plain PyTorch, HF's MoE block (no AutoEP), the same global
+(`tests/oracle/`): one process, plain PyTorch, HF's MoE block (no AutoEP), the same global
 batches. Loss (rel 1e-6), the full reduced gradients of every step and the parameters after the
 last step must agree; AutoEP's expert shards are gathered over the expert-parallel group and
 written back in HF's layout (`hf_expert_state`) for that. A counter shows AutoEP ran: every MoE
@@ -25,9 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import oracle, oracle_ranks, plants
+from tests import oracle, plants
 from tests.fixtures import ds_config, tiny_config
 from tests.harness import run_on_ranks
+from tests.oracle import ranks as oracle_ranks
 
 # a launch's ranks run inside the test that first needs them: more than the suite's 600 s on a
 # slow or loaded machine (their own run_on_ranks timeouts bound each launch)
@@ -96,7 +97,7 @@ def hf_layout(seen: dict):
             tdist.all_gather(parts, t.contiguous(), group=group)
             return parts
         return hf_expert_state(named, ep, gather)
-    # replaced where `train_on_rank` reads them (tests/oracle.py only re-exports them)
+    # replaced where `train_on_rank` reads them (tests/oracle/__init__.py only re-exports them)
     oracle_ranks.full_params = lambda engine: gathered(engine, reads[0](engine))
     oracle_ranks.full_grads = lambda engine: gathered(engine, reads[1](engine))
     oracle_ranks.omni_names = lambda engine, built: _Same()

@@ -1,6 +1,6 @@
 """Data-parallel training equals one process running the same global batches.
 
-Oracle (`tests/oracle.py`): plain PyTorch in one process (no DeepSpeed), the same init, global
+Oracle (`tests/oracle/`): plain PyTorch in one process (no DeepSpeed), the same init, global
 batches made there by dp loaders in loader order (not taken from the ranks), loss = sum of token
 losses / global target tokens, torch AdamW, the same clipping. After two steps with gradient
 accumulation the losses, the full reduced gradients of every step (a later step's at the

@@ -1,5 +1,5 @@
 """The slow tier of `test_parity.py`: more families, ranks and ZeRO stages through its config,
-launch and checks (against the one-process oracle of tests/oracle.py: loss 1e-6 rel, every
+launch and checks (against the one-process oracle of tests/oracle/: loss 1e-6 rel, every
 step's gradients, each parameter tensor to 0.1 % of its update), one start of the ranks per world
 size.
 

@@ -2,7 +2,7 @@
 
 The acceptance test of decoupled encoder/LLM parallelism, part 1. Each case trains 3 optimizer
 steps through DeepSpeed on 2 ranks (sp=2) or 4 ranks (dp=2 x sp=2) and is compared with the
-oracle (`tests/oracle.py`): one process, plain PyTorch, on global batches that `dp` loaders in
+oracle (`tests/oracle/`): one process, plain PyTorch, on global batches that `dp` loaders in
 loader order produce there (not the ranks' keys). Loss (rel 1e-6), the full reduced gradients of
 every step, and the parameters after the last step (each tensor to 0.1 % of its update) must
 agree; `oracle.assert_split_work` checks that the SP work really was split.

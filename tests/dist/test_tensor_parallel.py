@@ -2,7 +2,7 @@
 
 Two ranks (tp=2, so dp=1: both ranks read the same rows) train 3 optimizer steps through
 DeepSpeed under ZeRO 1 and 2 with grouped reordering on (the default "fixed" mode), and each
-case is compared with the oracle (`tests/oracle.py`: one process, plain PyTorch, the same
+case is compared with the oracle (`tests/oracle/`: one process, plain PyTorch, the same
 global batches made there): the losses (rel 1e-6), the full reduced gradients of every step (the ranks' shards gathered whole,
 `ds_omni.parallelize.tensor_parallel.gather_tp`), and the parameters after the last step.
 

@@ -1,7 +1,7 @@
 """Failures and resume, through the real launcher: a soak under `ds-omni supervise` with two killed
 ranks and a stopped one ends exactly as an uninterrupted run would.
 
-The uninterrupted run is `tests/oracle.py` in the test process (plain PyTorch on the global batches
+The uninterrupted run is `tests/oracle/` in the test process (plain PyTorch on the global batches
 2 loaders make in loader order), not another launch: the same samples at every step, the same
 losses. The soak also stands for the stop-and-resume test it replaced (a resume reproducing the
 oracle); `--stop-after` by tests/unit/train/test_train_loop.py. The other kill points: in a backward

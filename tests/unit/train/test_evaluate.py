@@ -1,5 +1,5 @@
 """Validation: the eval plan over ranks (pure), the evaluator against a one-process evaluation of
-the whole set (tests/oracle.py), bad eval samples, and the loop's metrics, bar and report.
+the whole set (tests/oracle/), bad eval samples, and the loop's metrics, bar and report.
 (tests/dist/test_parity.py checks the loss over 2 ranks under ZeRO 0-3, tests/dist/
 test_sequence_parallel.py under SP.)"""
 

@@ -8,7 +8,7 @@ gradient's rtol can absorb), the clipping coefficient where the ranks can see it
 the parameters after the last step, each tensor relative to the size of its own update.
 `assert_split_work`: sequence parallelism really split the work.
 
-Callers import it through `tests/oracle.py`.
+Callers import it through `tests/oracle/`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.oracle_reference import Reference
+from tests.oracle.reference import Reference
 
 # Gradients agree to rtol, plus an atol of this fraction of the largest gradient of the model:
 # gradients that are zero in exact arithmetic (a key bias cannot change a softmax) hold only float

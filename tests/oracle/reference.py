@@ -11,7 +11,7 @@
   processor are shared with the code under test, so an error there would be on both sides.
 - `reference_eval_losses`: the validation loss of the eval sources, in one process.
 
-Callers import it through `tests/oracle.py`.
+Callers import it through `tests/oracle/`.
 """
 
 from __future__ import annotations

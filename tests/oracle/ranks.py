@@ -1,8 +1,8 @@
 """The oracle's ranks' side: train through the real DeepSpeed engine and record what the
 comparisons need (losses, sample keys, reduced gradients, parameters, the counts that prove a
-mechanism ran), in a form `tests/oracle_compare.py` checks against the one-process reference.
+mechanism ran), in a form `tests/oracle/compare.py` checks against the one-process reference.
 
-Callers import it through `tests/oracle.py`; a test that changes how parameters or gradients
+Callers import it through `tests/oracle/`; a test that changes how parameters or gradients
 are read (AutoEP's expert shards) replaces `full_params` / `full_grads` / `omni_names` here.
 """
 

@@ -17,16 +17,16 @@
   can see it (ZeRO-0), and the parameters after the last step, each tensor relative to the size
   of its own update.
 
-The one import surface of three modules, by what they hold: `tests/oracle_reference.py` (the
-one-process reference), `tests/oracle_compare.py` (the comparisons and their tolerances) and
-`tests/oracle_ranks.py` (training on the ranks and what it records).
+The one import surface of three modules, by what they hold: `tests/oracle/reference.py` (the
+one-process reference), `tests/oracle/compare.py` (the comparisons and their tolerances) and
+`tests/oracle/ranks.py` (training on the ranks and what it records).
 """
 
-from tests.oracle_compare import (GRAD_ATOL_FRAC, GRAD_RTOL, PARAM_NOISE_FRAC,  # noqa: F401
+from tests.oracle.compare import (GRAD_ATOL_FRAC, GRAD_RTOL, PARAM_NOISE_FRAC,  # noqa: F401
                                   PARAM_RTOL, PARAM_UPDATE_FRAC, assert_grads_match,
                                   assert_matches, assert_moved, assert_params_match,
                                   assert_split_work, merge_stages)
-from tests.oracle_ranks import full_grads, full_params, omni_names, train_on_rank  # noqa: F401
-from tests.oracle_reference import (END_OF_TURN, Reference, check_targets,  # noqa: F401
+from tests.oracle.ranks import full_grads, full_params, omni_names, train_on_rank  # noqa: F401
+from tests.oracle.reference import (END_OF_TURN, Reference, check_targets,  # noqa: F401
                                     reference_eval_losses, reference_step_keys, run_reference,
                                     stream_reference, warmup_cosine_lr, with_loader_order)
