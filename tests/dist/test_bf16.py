@@ -7,7 +7,7 @@ its `BF16_Optimizer`: the image+audio composition with "uniform" encoder placeme
 with its encoder on stage 0 under ZeRO-0 and under ZeRO-1 with fp32 gradient accumulation
 (`data_types.grad_accum_dtype`, the ZeRO-1 path to BF16_Optimizer; plain bf16 ZeRO-1 steps with
 ZeRO's own optimizer); then every shipped `ds_configs/*_bf16.json` for 2 steps, and the planted
-errors of `tests/plants.py` whose launch is "bf16".
+errors of `tests/plants/bf16.py` whose launch is "bf16".
 
 The reference (`bf16_reference`) is mixed precision as DeepSpeed does it, built here in plain
 PyTorch: the model in bf16 from the same init, fp32 master weights made from those bf16 weights,

@@ -15,7 +15,7 @@ written back in HF's layout (`hf_expert_state`) for that. A counter shows AutoEP
 block is AutoEP's, and its tokens-per-expert counters saw every routed token.
 
 `test_plant_is_caught`: the checks fail when an expert's tokens are sent to the wrong rank, and
-when the auxiliary loss is dropped (`tests/plants.py`), one step each.
+when the auxiliary loss is dropped (`tests/plants/expert_parallel.py`), one step each.
 """
 
 import json

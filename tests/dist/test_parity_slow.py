@@ -11,7 +11,7 @@ size.
 - a tiny Qwen3.5 (a gated delta net layer, run once per sample of each packed row, and an
   attention layer) on 2 data-parallel ranks under ZeRO-3, where the per-sample layer runs several
   times in one forward, each time gathering its parameters; the planted error
-  "per_sample_whole_row" (tests/plants.py) must fail the check. The quick tier checks one process
+  "per_sample_whole_row" (tests/plants/) must fail the check. The quick tier checks one process
   (tests/unit/model/test_per_sample.py: a training step on a packed row equals HF per sample);
 - the joint pipeline's "uniform" placement under ZeRO-1 at PP=2, as the quick tier's ZeRO-0 case
   (clipped every step, saved before its last step, resumed, exported; tests/dist/pipeline.py).

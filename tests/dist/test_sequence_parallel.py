@@ -33,7 +33,7 @@ group's gradients: doubled targets and a doubled loss cancel), so every case als
 work was split (`oracle.assert_split_work`: targets trained once, different shards per rank, and
 the model's counts of Ulysses calls, resharding all-to-alls, rows moved and pieces encoded).
 `test_plant_is_caught` shows the checks fail on each planted error of the 2-rank launch
-(`tests/plants.py`: two resharded rows swapped, a block's `sp_block` ignored, whole rows on every
+(`tests/plants/`: two resharded rows swapped, a block's `sp_block` ignored, whole rows on every
 SP rank), one step each.
 """
 
@@ -443,7 +443,7 @@ def _check_pool_per_sequence(name, cfg, per_rank) -> None:
 
 
 # ------------------------------------------------------------------------- planted errors
-# One step each, in the 2-rank launch (`tests/plants.py`): plant -> (kind of case, family, ZeRO).
+# One step each, in the 2-rank launch (`tests/plants/`): plant -> (kind of case, family, ZeRO).
 # "static": sp=2 on 2 ranks (make_config); "per_sequence": the per-sequence degree (PER_SEQUENCE).
 PLANTED = {"reshard_rows_swapped": ("static", "llava", 0),
            "sp_block_ignored": ("per_sequence", "llava", 1),

@@ -3,7 +3,7 @@ gradients, parameters after 3 steps against the one-process oracle), in one laun
 
 - a tiny Qwen3-VL (deepstack levels added after the LLM's first layers) under Ulysses SP=2 and
   ZeRO-3: the real all-to-all carries each image's rows with their levels side by side. The
-  planted error "deepstack_levels_dropped" (the ranks skip adding the levels, tests/plants.py)
+  planted error "deepstack_levels_dropped" (the ranks skip adding the levels, tests/plants/)
   must fail the check. The quick tier checks the same path in one process
   (tests/unit/model/test_deepstack.py: the shards' embeddings and levels after a simulated all-to-all
   equal the whole row's);

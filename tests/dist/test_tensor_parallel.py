@@ -35,7 +35,7 @@ On 8 ranks (slow tier, one launch): all three axes, tp2 x sp2 x dp2 (two data-pa
 of 4 ranks, TP innermost, then SP), LLaVA under ZeRO-2, checked the same way.
 
 `test_plant_is_caught` / `test_plant_slow_is_caught`: the oracle fails on each planted error
-(`tests/plants.py`: the column-parallel input gradient not summed over the TP ranks, which
+(`tests/plants/`: the column-parallel input gradient not summed over the TP ranks, which
 leaves the loss alone and moves only the gradients of what is below: norms, embedding,
 projector, vision tower; the encoders' gradients not summed over the TP ranks, which leaves
 each rank only its items' part; in Qwen2-VL, a column shard's bias added twice, and the

@@ -51,7 +51,7 @@ def train_on_rank(rank: int, world: int, cfg, ds_json: dict, steps: int,
     (`_ClipWatch`), the eval result after the last step when the config has eval sources, and (on
     rank 0, or data-parallel rank 0 of each pipeline stage, to keep results small) every step's
     reduced gradients and the final parameters. `plant` puts in a known error
-    (`tests/plants.py`), from before the engine is built: the oracle must see it. `resume_at`:
+    (`tests/plants/`), from before the engine is built: the oracle must see it. `resume_at`:
     save a checkpoint before that step, and after the last step resume from it and train the rest
     again (`_resume_and_rerun`); the final parameters are then the rerun's. `read_params(engine)`
     reads the final parameters (by the engine's names; every rank calls it).

@@ -1,4 +1,4 @@
-"""Every planted error of `tests/plants.py` has a `test_plant_*` that runs it, and goes away
+"""Every planted error of `tests/plants/` has a `test_plant_*` that runs it, and goes away
 after its case."""
 
 import ast

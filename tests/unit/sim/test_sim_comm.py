@@ -1,7 +1,7 @@
 """The simulator's collective formulas against hand-computed values on small clusters (2 ranks on
 one node, 2 nodes), its cluster checks, and its ZeRO memory arithmetic.
 
-Planted error "a2a_even_splits" (tests/plants.py): an all-to-all priced as if its messages were
+Planted error "a2a_even_splits" (tests/plants/sim.py): an all-to-all priced as if its messages were
 even must fail the uneven-split check.
 """
 

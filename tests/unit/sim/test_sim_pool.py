@@ -4,7 +4,7 @@ whose plan moves an item, the pool's all-to-all calls (`POOL_CALLS` x `Cluster.a
 Before them a pool plan that moves nothing was priced exactly as plain data parallelism, while
 training runs `EncoderPool.plan_step` every step (the validation's pool2_image vs dp2_image).
 
-Planted error "sim_pool_plan_free" (tests/plants.py): the step's pool planning charged nothing.
+Planted error "sim_pool_plan_free" (tests/plants/sim.py): the step's pool planning charged nothing.
 """
 
 import dataclasses
