@@ -75,21 +75,16 @@ def _ranks(rank, world, out_dir, parallel, stages, planted, long):
     return results
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    done = {}
-
-    def launch(name):
-        if name not in done:
-            world, parallel, stages, planted = LAUNCHES[name]
-            tmp = tmp_path_factory.mktemp(name)
-            (tmp / "long").mkdir()
-            long = long_source(tmp / "long", weight=0.3, words=300)
-            done[name] = (run_on_ranks(_ranks, world, timeout=900, args=(
-                str(tmp / "ep"), parallel, stages,
-                plants.for_launch("ep_sp") if planted else [], long)), long)
-        return done[name]
-    return launch
+def start_launch(name, tmp_path_factory, fixture):
+    """The launch `name` (the `launches` fixture, tests/dist/conftest.py): its ranks' results
+    and the long-sequence source it read."""
+    world, parallel, stages, planted = LAUNCHES[name]
+    tmp = tmp_path_factory.mktemp(name)
+    (tmp / "long").mkdir()
+    long = long_source(tmp / "long", weight=0.3, words=300)
+    return run_on_ranks(_ranks, world, timeout=900, args=(
+        str(tmp / "ep"), parallel, stages, plants.for_launch("ep_sp") if planted else [],
+        long)), long
 
 
 def _check(name, launch, per_rank, long, tmp_path, steps=STEPS, split_work=True):
