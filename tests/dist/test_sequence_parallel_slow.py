@@ -60,7 +60,7 @@ def test_deepstack_under_sequence_parallelism(launch):
     families, _, tmp, results = launch
     cfg = make_config(families["qwen3_vl"], str(tmp / "ref_qwen3_vl"), sp=1, reorder=False)
     check_case(f"qwen3_vl-zero{DEEPSTACK_STAGE}-w{WORLD}", cfg, 1,
-                [r["qwen3_vl"] for r in results])
+               [r["qwen3_vl"] for r in results])
 
 
 @pytest.mark.parametrize("plant", plants.for_launch("sp_slow"))
@@ -75,4 +75,4 @@ def test_per_sequence_sp_under_zero2(launch):
     families, long, tmp, results = launch
     cfg = per_sequence_config(families, "llava", str(tmp / "ref_per_sequence"), WORLD, long)
     check_per_sequence(f"per_sequence-llava-zero{PER_SEQUENCE_STAGE}-w{WORLD}", cfg, WORLD,
-                        [r["per_sequence"] for r in results])
+                       [r["per_sequence"] for r in results])
