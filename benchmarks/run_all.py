@@ -16,7 +16,7 @@ settings must not overwrite that file, or the row's figure would silently change
 - `--full` runs every row's command at its own settings into benchmarks/results/ (hours).
 Runs too long for 30 minutes even shortened (`Bench.full_only`: the fixed-size long runs)
 and rows no command here reproduces (`NOT_RUN`: the GPU scripts, figures of renamed files)
-are listed with their reason; tests/unit/test_summary.py checks that every row's command is
+are listed with their reason; tests/unit/project/test_summary.py checks that every row's command is
 one of these. A script that fails or runs past its limit is reported and the others still
 run; the exit status is 1 then. Writes bench_run.json (each run's seconds and exit status)
 into each folder it wrote to.

@@ -250,7 +250,7 @@ def _sdpa_per_sample(q, k, v, cu_seqlens, scaling, dropout, window=None, blocks=
     about a tenth less time than slicing. Bounds past the tokens at hand are clipped to them,
     as slicing clipped them: a row shard that arrives with its whole row's bounds (a plan that
     skipped its Ulysses group) computes other numbers, for the parity tests to catch
-    (`tests/plants.py`: sp_block_ignored), rather than a shape error."""
+    (`tests/plants/sequence_parallel.py`: sp_block_ignored), rather than a shape error."""
     tokens = q.shape[2]
     bounds = [min(b, tokens) for b in cu_seqlens.tolist()]
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]

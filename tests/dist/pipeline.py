@@ -4,7 +4,7 @@ The cases train in `test_parity.py`'s 2-rank launch (PP=2, dp=1, 3 steps each; o
 all): the tiny LLaVA with its encoder on stage 0 (ZeRO-1) and the image+audio composition with
 "uniform" placement (ZeRO-0; 3 decoder layers split as Megatron-LM does, `parallel.stage_split`
 "layers": 1 + 2, where the cost model would split 2 + 1). The oracle
-(`tests/oracle.py`: plain PyTorch, one process, global batches built independently) must match the
+(`tests/oracle/`: plain PyTorch, one process, global batches built independently) must match the
 loss (1e-6 relative), every step's reduced gradients, each stage's clipping coefficient (ZeRO-0)
 and the final parameters (each tensor to 0.1 % of its update; fp32), under weight decay and the LR
 schedule of `test_parity.py`. Each stage returns its own parameters under the OmniModel's names; together they must be

@@ -7,13 +7,13 @@ its `BF16_Optimizer`: the image+audio composition with "uniform" encoder placeme
 with its encoder on stage 0 under ZeRO-0 and under ZeRO-1 with fp32 gradient accumulation
 (`data_types.grad_accum_dtype`, the ZeRO-1 path to BF16_Optimizer; plain bf16 ZeRO-1 steps with
 ZeRO's own optimizer); then every shipped `ds_configs/*_bf16.json` for 2 steps, and the planted
-errors of `tests/plants.py` whose launch is "bf16".
+errors of `tests/plants/bf16.py` whose launch is "bf16".
 
 The reference (`bf16_reference`) is mixed precision as DeepSpeed does it, built here in plain
 PyTorch: the model in bf16 from the same init, fp32 master weights made from those bf16 weights,
 each micro-batch's bf16 gradient added into an fp32 gradient, clipping and torch's AdamW on the
 masters, the masters copied back into the bf16 model after each step. Its global batches are the
-oracle's (`tests/oracle.py`: `dp` loaders in loader order, built apart from the ranks).
+oracle's (`tests/oracle/`: `dp` loaders in loader order, built apart from the ranks).
 
 What "equal" means in bf16 (8 significant bits: a rounding moves a value by up to 2^-9 of it, and
 the spacing of bf16 numbers is 2^-8 = 0.39 % of a value): the ranks and the reference compute the

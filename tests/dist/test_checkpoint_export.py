@@ -153,7 +153,7 @@ def _check_lora_export(tmp_path, stage, saved):
     from ds_omni.model.build import build_model
     from ds_omni.model.convert import export_checkpoint
     from tests.family_checks import omni_logits
-    from tests.unit.test_family_llava import _hf_inputs, _samples
+    from tests.unit.model.test_family_llava import _hf_inputs, _samples
     out = export_checkpoint(tmp_path / f"lora{stage}" / "checkpoints", tmp_path / f"lora_hf{stage}")
     hf = LlavaForConditionalGeneration.from_pretrained(str(out))
     if stage == 3:  # export "adapter"

@@ -8,14 +8,14 @@ M-RoPE, deepstack and always-renormalising router) on 2 ranks; Qwen3.5-MoE's blo
 expert behind a sigmoid gate next to the routed ones) on 2 ranks. All are in the slow tier (the
 2-rank launch alone takes about 3 min on 2 quiet cores; the quick tier has no room). Each is compared
 with the oracle
-(`tests/oracle.py`): one process, plain PyTorch, HF's MoE block (no AutoEP), the same global
+(`tests/oracle/`): one process, plain PyTorch, HF's MoE block (no AutoEP), the same global
 batches. Loss (rel 1e-6), the full reduced gradients of every step and the parameters after the
 last step must agree; AutoEP's expert shards are gathered over the expert-parallel group and
 written back in HF's layout (`hf_expert_state`) for that. A counter shows AutoEP ran: every MoE
 block is AutoEP's, and its tokens-per-expert counters saw every routed token.
 
 `test_plant_is_caught`: the checks fail when an expert's tokens are sent to the wrong rank, and
-when the auxiliary loss is dropped (`tests/plants.py`), one step each.
+when the auxiliary loss is dropped (`tests/plants/expert_parallel.py`), one step each.
 """
 
 import json
@@ -25,9 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import oracle, oracle_ranks, plants
+from tests import oracle, plants
 from tests.fixtures import ds_config, tiny_config
 from tests.harness import run_on_ranks
+from tests.oracle import ranks as oracle_ranks
 
 # a launch's ranks run inside the test that first needs them: more than the suite's 600 s on a
 # slow or loaded machine (their own run_on_ranks timeouts bound each launch)
@@ -96,7 +97,7 @@ def hf_layout(seen: dict):
             tdist.all_gather(parts, t.contiguous(), group=group)
             return parts
         return hf_expert_state(named, ep, gather)
-    # replaced where `train_on_rank` reads them (tests/oracle.py only re-exports them)
+    # replaced where `train_on_rank` reads them (tests/oracle/__init__.py only re-exports them)
     oracle_ranks.full_params = lambda engine: gathered(engine, reads[0](engine))
     oracle_ranks.full_grads = lambda engine: gathered(engine, reads[1](engine))
     oracle_ranks.omni_names = lambda engine, built: _Same()
@@ -130,21 +131,15 @@ def _ranks(rank, world, out_dir, stages, planted, model_dir=None, resume=False, 
     return results
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    done = {}
-
-    def launch(name):
-        if name not in done and not name.endswith("/model_dir"):
-            world, stages, planted = LAUNCHES[name]
-            tmp = tmp_path_factory.mktemp(name)
-            model_dir = qwen3_vl_moe_dir(tmp / "q3") if name.endswith("qwen3_vl_moe") else None
-            done[name] = run_on_ranks(_ranks, world, timeout=600, args=(
-                str(tmp / "ep"), stages, plants.for_launch("ep") if planted else [], model_dir,
-                name == RESUMED, LLMS.get(name)))
-            done[name + "/model_dir"] = model_dir
-        return done[name]
-    return launch
+def start_launch(name, tmp_path_factory, fixture):
+    """The launch `name` (the `launches` fixture, tests/dist/conftest.py): its ranks' results and
+    the model folder it trained (None: the tiny MoE)."""
+    world, stages, planted = LAUNCHES[name]
+    tmp = tmp_path_factory.mktemp(name)
+    model_dir = qwen3_vl_moe_dir(tmp / "q3") if name.endswith("qwen3_vl_moe") else None
+    return run_on_ranks(_ranks, world, timeout=600, args=(
+        str(tmp / "ep"), stages, plants.for_launch("ep") if planted else [], model_dir,
+        name == RESUMED, LLMS.get(name))), model_dir
 
 
 def _check(name, per_rank, dp, tmp_path, steps=STEPS, model_dir=None, llm=None):
@@ -170,13 +165,13 @@ def _check(name, per_rank, dp, tmp_path, steps=STEPS, model_dir=None, llm=None):
                                     pytest.param("ep2_zero3", marks=pytest.mark.slow),
                                     pytest.param("ep2_shared_experts", marks=pytest.mark.slow)])
 def test_expert_parallel_matches_single_process(launch, launches, tmp_path):
-    results = launches(launch)
+    results, model_dir = launches(launch)
     world, stages, _ = LAUNCHES[launch]
     for stage in stages:
         name = f"zero{stage}"
         per_rank = [r[name] for r in results]
         _check(f"{launch}-{name}", per_rank, world, tmp_path,
-               model_dir=launches(launch + "/model_dir"), llm=LLMS.get(launch))
+               model_dir=model_dir, llm=LLMS.get(launch))
         if launch == RESUMED:
             _check_resume_and_export(per_rank[0], tmp_path)
         for r in per_rank:  # AutoEP's blocks ran: both MoE layers, with tokens routed
@@ -210,6 +205,6 @@ def test_every_ep_plant_has_a_case():
 @pytest.mark.slow  # the ep2 launch (about 3 min on 2 quiet cores) is the slow tier's
 @pytest.mark.parametrize("plant", plants.for_launch("ep"))
 def test_plant_is_caught(plant, launches, tmp_path):
-    per_rank = [r[f"plant-{plant}"] for r in launches("ep2")]
+    per_rank = [r[f"plant-{plant}"] for r in launches("ep2")[0]]
     with pytest.raises(AssertionError, match=PLANTED[plant]):
         _check(plant, per_rank, 2, tmp_path, steps=1)

@@ -15,7 +15,7 @@ Launches, each started once with its cases looped inside (`run_on_ranks`):
   reduced over ranks 0, 2 or 1, 3), ZeRO 2;
 - "ep2_msp2": 2 ranks, max_sequence_sp=2, ep=2 (dp=2: short rows run on one rank, long ones on
   the 2-rank block, the aux summed over the block), ZeRO 2.
-Each is compared with the oracle (`tests/oracle.py`: one process, HF's MoE block, the same
+Each is compared with the oracle (`tests/oracle/`: one process, HF's MoE block, the same
 global batches): loss (rel 1e-6), every step's reduced gradients and the final parameters
 (AutoEP's shards gathered into HF's layout). Counters show the mechanism ran: every split row
 summed its aux statistics over its group (`sp_aux_reductions` = the rows run split), Ulysses ran
@@ -26,10 +26,11 @@ All slow: a 2-rank launch takes minutes on 2 cores.
 
 import pytest
 
-from tests import oracle, oracle_ranks, plants
+from tests import oracle, plants
 from tests.dist.test_expert_parallel import STEPS, hf_layout, make_config
 from tests.fixtures import ds_config, long_source
 from tests.harness import run_on_ranks
+from tests.oracle import ranks as oracle_ranks
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -74,21 +75,16 @@ def _ranks(rank, world, out_dir, parallel, stages, planted, long):
     return results
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    done = {}
-
-    def launch(name):
-        if name not in done:
-            world, parallel, stages, planted = LAUNCHES[name]
-            tmp = tmp_path_factory.mktemp(name)
-            (tmp / "long").mkdir()
-            long = long_source(tmp / "long", weight=0.3, words=300)
-            done[name] = (run_on_ranks(_ranks, world, timeout=900, args=(
-                str(tmp / "ep"), parallel, stages,
-                plants.for_launch("ep_sp") if planted else [], long)), long)
-        return done[name]
-    return launch
+def start_launch(name, tmp_path_factory, fixture):
+    """The launch `name` (the `launches` fixture, tests/dist/conftest.py): its ranks' results
+    and the long-sequence source it read."""
+    world, parallel, stages, planted = LAUNCHES[name]
+    tmp = tmp_path_factory.mktemp(name)
+    (tmp / "long").mkdir()
+    long = long_source(tmp / "long", weight=0.3, words=300)
+    return run_on_ranks(_ranks, world, timeout=900, args=(
+        str(tmp / "ep"), parallel, stages, plants.for_launch("ep_sp") if planted else [],
+        long)), long
 
 
 def _check(name, launch, per_rank, long, tmp_path, steps=STEPS, split_work=True):

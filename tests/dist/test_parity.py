@@ -1,6 +1,6 @@
 """Data-parallel training equals one process running the same global batches.
 
-Oracle (`tests/oracle.py`): plain PyTorch in one process (no DeepSpeed), the same init, global
+Oracle (`tests/oracle/`): plain PyTorch in one process (no DeepSpeed), the same init, global
 batches made there by dp loaders in loader order (not taken from the ranks), loss = sum of token
 losses / global target tokens, torch AdamW, the same clipping. After two steps with gradient
 accumulation the losses, the full reduced gradients of every step (a later step's at the
@@ -9,7 +9,7 @@ tensor to 0.1 % of its own update. Every case trains with weight decay and DeepS
 scheduler) over `train.warmup_steps` = 2, the reference running the schedule as the test writes it
 (`oracle.warmup_cosine_lr`): 2-step cases warm up, 3-step ones also decay. `test_plant_is_caught`
 and `test_plant_pipeline_is_caught` show the oracle fails on each planted error of
-`tests/plants.py` (a loss scaled 2x, one dropped sample, weight decay dropped, the schedule a
+`tests/plants/parity.py` (a loss scaled 2x, one dropped sample, weight decay dropped, the schedule a
 step late, placeholders trained on, pool rows filed under the wrong rank, a skipped encoder
 broadcast, a gradient norm counting replicas twice), each a 1-step case of this launch.
 

@@ -1,5 +1,5 @@
 """The slow tier of `test_parity.py`: more families, ranks and ZeRO stages through its config,
-launch and checks (against the one-process oracle of tests/oracle.py: loss 1e-6 rel, every
+launch and checks (against the one-process oracle of tests/oracle/: loss 1e-6 rel, every
 step's gradients, each parameter tensor to 0.1 % of its update), one start of the ranks per world
 size.
 
@@ -11,12 +11,12 @@ size.
 - a tiny Qwen3.5 (a gated delta net layer, run once per sample of each packed row, and an
   attention layer) on 2 data-parallel ranks under ZeRO-3, where the per-sample layer runs several
   times in one forward, each time gathering its parameters; the planted error
-  "per_sample_whole_row" (tests/plants.py) must fail the check. The quick tier checks one process
-  (tests/unit/test_per_sample.py: a training step on a packed row equals HF per sample);
+  "per_sample_whole_row" (tests/plants/) must fail the check. The quick tier checks one process
+  (tests/unit/model/test_per_sample.py: a training step on a packed row equals HF per sample);
 - the joint pipeline's "uniform" placement under ZeRO-1 at PP=2, as the quick tier's ZeRO-0 case
   (clipped every step, saved before its last step, resumed, exported; tests/dist/pipeline.py).
   The pipeline under ZeRO-2 or 3 is refused before any process group exists: DeepSpeed's pipeline
-  engine runs ZeRO 0/1 only (tests/unit/test_pipeline_stages.py).
+  engine runs ZeRO 0/1 only (tests/unit/parallelize/test_pipeline_stages.py).
 4 ranks:
 - the encoder pool for the demo LLaVA, ZeRO-3, micro-batches of 4 samples (so rank 0's 4 images
   a round spread one to each rank);

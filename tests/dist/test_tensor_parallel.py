@@ -2,7 +2,7 @@
 
 Two ranks (tp=2, so dp=1: both ranks read the same rows) train 3 optimizer steps through
 DeepSpeed under ZeRO 1 and 2 with grouped reordering on (the default "fixed" mode), and each
-case is compared with the oracle (`tests/oracle.py`: one process, plain PyTorch, the same
+case is compared with the oracle (`tests/oracle/`: one process, plain PyTorch, the same
 global batches made there): the losses (rel 1e-6), the full reduced gradients of every step (the ranks' shards gathered whole,
 `ds_omni.parallelize.tensor_parallel.gather_tp`), and the parameters after the last step.
 
@@ -35,7 +35,7 @@ On 8 ranks (slow tier, one launch): all three axes, tp2 x sp2 x dp2 (two data-pa
 of 4 ranks, TP innermost, then SP), LLaVA under ZeRO-2, checked the same way.
 
 `test_plant_is_caught` / `test_plant_slow_is_caught`: the oracle fails on each planted error
-(`tests/plants.py`: the column-parallel input gradient not summed over the TP ranks, which
+(`tests/plants/`: the column-parallel input gradient not summed over the TP ranks, which
 leaves the loss alone and moves only the gradients of what is below: norms, embedding,
 projector, vision tower; the encoders' gradients not summed over the TP ranks, which leaves
 each rank only its items' part; in Qwen2-VL, a column shard's bias added twice, and the

@@ -105,7 +105,7 @@ def _check_run(out: Path, base: Path, hf_class: str, template: str) -> None:
     assert not torch.equal(_llm_weight(_weights(hf)), _llm_weight(_weights(base)))
 
 
-@pytest.mark.slow  # the quick tier loads every example (tests/unit/test_shipped_configs.py)
+@pytest.mark.slow  # the quick tier loads every example (tests/unit/config/test_shipped_configs.py)
 def test_finetune_examples_train_on_tiny_folders_of_their_shape(tmp_path):
     train_file, val_file = finetune_dirs.write_llava_data(tmp_path / "data")
     configs, runs = [], {}

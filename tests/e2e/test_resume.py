@@ -1,10 +1,10 @@
 """Failures and resume, through the real launcher: a soak under `ds-omni supervise` with two killed
 ranks and a stopped one ends exactly as an uninterrupted run would.
 
-The uninterrupted run is `tests/oracle.py` in the test process (plain PyTorch on the global batches
+The uninterrupted run is `tests/oracle/` in the test process (plain PyTorch on the global batches
 2 loaders make in loader order), not another launch: the same samples at every step, the same
 losses. The soak also stands for the stop-and-resume test it replaced (a resume reproducing the
-oracle); `--stop-after` by tests/unit/test_train_loop.py. The other kill points: in a backward
+oracle); `--stop-after` by tests/unit/train/test_train_loop.py. The other kill points: in a backward
 (deepspeed launcher), tests/e2e/test_sequence_parallel_run.py; in the loader under torchrun,
 tests/e2e/test_launchers.py.
 """
@@ -35,8 +35,8 @@ FAULTS = "kill:1:save:10,kill:0:optimizer:15,stop:0:forward:20"
 # (tests/e2e/test_launchers.py, torchrun) and through the deepspeed launcher
 # (tests/e2e/test_sequence_parallel_run.py); a hung rank named by the watchdogs
 # (tests/dist/test_fault_tolerance.py) and a SIGSTOPped one told apart
-# (tests/unit/test_watchdog.py); an incomplete save passed over, and keep_checkpoints
-# (tests/unit/test_checkpoint.py).
+# (tests/unit/train/test_watchdog.py); an incomplete save passed over, and keep_checkpoints
+# (tests/unit/train/test_checkpoint.py).
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # ~4 launches
 def test_supervised_run_survives_killed_and_stopped_ranks(tmp_path):

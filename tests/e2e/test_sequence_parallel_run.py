@@ -3,7 +3,7 @@ resume (with data workers), export.
 
 One SP group of 2 ranks trains the same global batches as one process alone (dp=1 in both), so
 across the kill and a resume the run must reproduce, step for step, the oracle of
-`tests/oracle.py` run here in the test process (plain PyTorch on a loader-built batch): the same
+`tests/oracle/` run here in the test process (plain PyTorch on a loader-built batch): the same
 samples and the same losses; and its checkpoint exports to a HuggingFace directory.
 """
 

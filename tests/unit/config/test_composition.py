@@ -20,8 +20,8 @@ from ds_omni.errors import CompositionError, ConfigError
 from ds_omni.sim import SimPlan, cluster
 from ds_omni.sim.search import SearchSpace, candidates, describe, search
 from tests.fixtures import ds_config, tiny_config, tiny_config_dict
-from tests.unit.test_expert_parallel import MOE
-from tests.unit.test_sim_search import small_moe, text
+from tests.unit.parallelize.test_expert_parallel import MOE
+from tests.unit.sim.test_sim_search import small_moe, text
 
 GIB = 2 ** 30
 

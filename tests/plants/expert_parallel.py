@@ -1,0 +1,47 @@
+"""Planted errors of expert parallelism (tests/dist/test_expert_parallel.py,
+test_expert_sequence_parallel.py; tests/unit/parallelize/test_expert_parallel.py)."""
+
+from tests.plants.registry import on_result, patched, plant
+
+
+# --------------------------------------------- expert parallel (tests/dist/test_expert_parallel.py)
+@plant("ep_wrong_rank", "AutoEP's router sends each token's picks to the expert ep ranks over "
+       "(expert e -> e + E/ep): an expert's tokens reach the wrong rank", "ep")
+def _ep_wrong_rank(rank: int):
+    from deepspeed.moe.ep_router import TokenChoiceTopKRouter
+
+    def other_rank(routed, router, *args, **kwargs):
+        from deepspeed.moe.ep_count import count_tokens_per_expert
+        scores, picks, _ = routed
+        picks = (picks + router.num_experts // 2) % router.num_experts  # ep=2: the other rank's
+        return scores, picks, count_tokens_per_expert(picks, router.num_experts)
+    yield from on_result(TokenChoiceTopKRouter, "forward", other_rank)
+
+
+@plant("aux_loss_dropped", "the MoE auxiliary load-balancing loss is left out of the loss", "ep")
+def _aux_loss_dropped(rank: int):
+    from ds_omni.model import omni
+    yield from patched(omni, "router_aux_sum", lambda f: lambda *a: 0.0)
+
+
+@plant("moe_aux_not_reduced_over_sp", "under SP each rank prices its shard of a sample as if "
+       "it were the whole sample (the MoE aux loss's statistics are not summed over the row's "
+       "group) and adds that aux whole", "ep_sp")
+def _moe_aux_not_reduced_over_sp(rank: int):
+    import torch.distributed as dist
+    from ds_omni.model import moe_aux
+
+    def planted(aux, logits, cu_seqlens, targets, group):
+        offset = dist.get_rank(group) * logits[0].shape[0]
+        return moe_aux.aux_from_stats(
+            aux, moe_aux.shard_stats(aux, logits, cu_seqlens, targets, offset))
+    yield from patched(moe_aux, "sp_aux_sum", lambda f: planted)
+
+
+# ---------------------- HF's experts' load at ep=1 (tests/unit/parallelize/test_expert_parallel.py)
+@plant("hf_experts_count_first_pick", "HF's expert modules count each token's first pick only "
+       "(top-1 of its top-k)", "hf_expert_count")
+def _hf_experts_count_first_pick(rank: int):
+    from ds_omni.parallelize import expert_parallel
+    yield from patched(expert_parallel, "_count_picks", lambda f: lambda m, args, kwargs: f(
+       m, (args[0], args[1][:, :1], *args[2:]), kwargs))

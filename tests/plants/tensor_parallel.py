@@ -1,0 +1,74 @@
+"""Planted errors of tensor parallelism's launches (tests/dist/test_tensor_parallel.py)."""
+
+from tests.plants.registry import on_result, patched, plant
+
+
+# ------------------------------- the TP group's reader (tests/dist/test_tensor_parallel.py)
+@plant("tp_reader_wrong_pixels", "the TP group's reader sends its peer wrong pixels for the "
+       "items it encodes (every float encoder input negated)", "tp")
+def _tp_reader_wrong_pixels(rank: int):
+    import dataclasses
+    from ds_omni.data import shared_read
+
+    def negate(inputs: dict) -> dict:
+        return {k: -t if t.is_floating_point() else t for k, t in inputs.items()}
+
+    def negated(mb, *args):
+        return dataclasses.replace(mb, encoder_inputs={
+            e: negate(d) for e, d in mb.encoder_inputs.items()})
+    yield from on_result(shared_read, "peer_view", negated)
+
+
+# ------------------------------------------ tp x sp (tests/dist/test_tensor_parallel.py, 4 ranks)
+@plant("seq_data_across_tp", "under tp x sp the sequence x data group is every rank of the "
+       "stage (across the TP ranks, as without tp) instead of the dp x sp ranks of one TP rank",
+       "tp_sp")
+def _seq_data_across_tp(rank: int):
+    from ds_omni.parallel.plan import ParallelPlan
+
+    def planted(plan):
+        return [[r for r in range(plan.world_size) if plan.coords(r).pp_stage == stage]
+                for stage in range(plan.pp)]
+    yield from patched(ParallelPlan, "seq_data_group_ranks", lambda f: planted)
+
+
+# --------------------------------------------- tensor parallel (tests/dist/test_tensor_parallel.py)
+@plant("tp_bias_twice", "each column-parallel AutoTP layer adds its bias shard twice",
+       "tp_slow")
+def _tp_bias_twice(rank: int):
+    from deepspeed.module_inject.layers import LinearLayer
+
+    def bias_again(out, layer, *args):
+        return out if layer.bias is None else out + layer.bias
+    yield from on_result(LinearLayer, "forward", bias_again)
+
+
+@plant("tp_input_grad_not_summed", "the column-parallel layers' input gradient is not summed "
+       "over the TP ranks (each rank keeps its own part)", "tp")
+def _tp_input_grad_not_summed(rank: int):
+    from deepspeed.module_inject import layers
+
+    def make(backward):
+        return staticmethod(lambda ctx, grad_output: (None, grad_output))
+    yield from patched(layers.ColumnParallel, "backward", make)
+
+
+@plant("tp_encoder_grad_not_summed", "the encoders' parameter gradients are not summed over the "
+       "TP ranks (each keeps the part of the items it encoded)", "tp")
+def _tp_encoder_grad_not_summed(rank: int):
+    from ds_omni.parallelize.tp_encoders import TPEncoders
+    yield from patched(TPEncoders, "sum_grads_over_tp", lambda f: lambda self, encoders: 0)
+
+
+@plant("tp_gather_grad_summed", "the TP gather's backward sums the embedding rows' gradient over "
+       "the TP ranks (it is already whole on each)", "tp_slow")
+def _tp_gather_grad_summed(rank: int):
+    from ds_omni.parallel.tp_encode import GatherTPRows
+
+    def make(backward):
+        # the sum of a gradient that is the same on every TP rank, without the all-reduce (a
+        # rank whose rows need no gradient never runs this backward: no collective can be here)
+        def planted(ctx, grad):
+            return backward(ctx, grad * len(ctx.plan.rank_rows))
+        return staticmethod(planted)
+    yield from patched(GatherTPRows, "backward", make)

@@ -1,0 +1,73 @@
+"""`ds-omni plan --simulate` on a shipped example config: the plan's report and the five
+baselines, as JSON and for people; bad cluster input is an error without a traceback."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ds_omni.cli import main
+from ds_omni.sim.baselines import BASELINES
+
+ROOT = Path(__file__).resolve().parents[3]
+ARGS = ["plan", "--config", str(ROOT / "examples/tiny_llava.json"), "--deepspeed",
+        str(ROOT / "ds_configs/zero2.json"), "--simulate", "--gpus", "16", "--gpus-per-node", "8",
+        "--gpu", "h100", "--set", "train.global_batch_size=256", "--set", "train.micro_batch_size=4"]
+
+
+@pytest.mark.slow  # builds the model on the meta device (~10 s of imports and configs)
+def test_plan_simulate_prints_the_report_and_the_baselines(capsys):
+    assert main(ARGS + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    p = out["plan"]
+    assert p["plan"]["dp"] == 16 and p["plan"]["zero_stage"] == 2 and p["samples"] == 256
+    assert p["step_time"] > 0 and 0 < p["mfu"] < 1 and p["fits"]
+    assert set(out["baselines"]) == set(BASELINES)
+    assert all("step_time" in b for b in out["baselines"].values()), out["baselines"]
+    assert main(ARGS) == 0
+    text = capsys.readouterr().out
+    assert "critical path: rank" in text and "baselines (same model, same samples):" in text
+
+
+def test_plan_simulate_rejects_a_cluster_smaller_than_a_node(capsys):
+    args = [a if a != "16" else "4" for a in ARGS]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "gpus_per_node=8 is more than the cluster's gpus=4" in err and "Traceback" not in err
+
+
+def test_workload_files(tmp_path):
+    from ds_omni.errors import ConfigError
+    from ds_omni.sim.from_config import load_workload
+    from tests.unit.sim.test_sim_step import llava_7b
+    m = llava_7b()
+    default = load_workload(None, m, 512)
+    assert default.audio_fraction == 0 and default.max_tokens == 512  # no audio encoder
+    fields = tmp_path / "w.json"
+    fields.write_text(json.dumps({"image_fraction": 0.9, "patches_range": [64, 256]}))
+    spec = load_workload(str(fields), m, 4096)
+    assert spec.image_fraction == 0.9 and spec.patches_range == (64, 256)
+    report = tmp_path / "check.json"
+    report.write_text(json.dumps({"sources": {"a": {
+        "checked": 10, "modalities": {"image": 5, "audio": 0, "text_only": 5},
+        "tokens": {"buckets": {"<=1024": 10}}, "items_per_sample": {"0": 5, "1": 5}}}}))
+    assert load_workload(str(report), m, 2048).max_tokens == 2048
+    fields.write_text(json.dumps({"image_share": 0.9}))
+    with pytest.raises(ConfigError, match="unknown fields \\['image_share'\\]"):
+        load_workload(str(fields), m, 512)
+
+
+@pytest.mark.slow  # the meta-device model, then a search of ~3,000 plans (~15 s of CPU)
+def test_plan_search_prints_the_best_plans_the_baselines_and_the_dropped(capsys):
+    args = [a for a in ARGS if a != "--simulate"] + ["--search", "--top", "3"]
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)  # the JSON alone: DeepSpeed's logs go to stderr
+    assert 1 <= len(out["top"]) <= 3 and out["counts"]["unexplored"] == 0
+    times = [r["step_time"] for r in out["top"]]
+    assert times == sorted(times) and all(r["bound"] <= r["step_time"] for r in out["top"])
+    assert set(out["baselines"]) == set(BASELINES)
+    reasons = " ".join(d["reason"] for d in out["dropped"])
+    assert "must divide the LLM's attention heads" in reasons  # training's plan_run said so
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("searched ") and "baselines of plan 1" in text and "dropped:" in text

@@ -1,0 +1,85 @@
+"""The encoder pool's own costs in the simulator (`sim/step.py`: `plan_pool`, `_pool_calls`):
+the step's planning (the metadata all-gather, `Cluster.pool_item_s` an item) and, in a round
+whose plan moves an item, the pool's all-to-all calls (`POOL_CALLS` x `Cluster.a2a_call_s`).
+Before them a pool plan that moves nothing was priced exactly as plain data parallelism, while
+training runs `EncoderPool.plan_step` every step (the validation's pool2_image vs dp2_image).
+
+Planted error "sim_pool_plan_free" (tests/plants/sim.py): the step's pool planning charged nothing.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ds_omni.data.cost import EncoderDims, ModelDims
+from ds_omni.sim import calibrate_comm, step
+from ds_omni.sim.cluster import cluster
+from ds_omni.sim.model_spec import ModelSpec
+from ds_omni.sim.plan_spec import SimPlan
+from ds_omni.sim.step import simulate
+from ds_omni.sim.workload import Samples
+from tests import plants
+
+
+def tiny() -> ModelSpec:
+    return ModelSpec.from_dims(ModelDims(hidden=64, layers=2, intermediate=128, vocab=1000,
+                                         encoders={"vision": EncoderDims(hidden=32, layers=2,
+                                                                         intermediate=64)}))
+
+
+def image_samples(patches) -> Samples:
+    """One image a sample, of `patches` [N] encoder positions (16 text tokens around it)."""
+    n = len(patches)
+    rows = np.asarray(patches, dtype=np.int64)
+    return Samples(rows + 16, np.arange(n, dtype=np.int64), np.array(["vision"] * n),
+                   rows, rows)
+
+
+def busy(report) -> np.ndarray:
+    return np.asarray(report.compute) + np.asarray(report.comm)
+
+
+C = dataclasses.replace(cluster("cpu", 2, 2), pool_item_s=1e-3, a2a_call_s=2e-3)
+PLAN = SimPlan(global_batch=8, micro_batches=2, pack_tokens=4096, reorder="loader_order")
+
+
+def check_pool_planning_charged():
+    """Even images: the pool moves nothing, so only its planning separates it from dp."""
+    samples = image_samples([64] * 8)
+    dp = simulate(C, tiny(), samples, PLAN)
+    pool = simulate(C, tiny(), samples, PLAN.replace(encoder_mode="pool"))
+    gather = 2 * C.intra_latency  # two all-gathers of one latency each on 2 ranks
+    # 8 items: the CPU of their planning on every rank, plus the two all-gathers' latencies
+    assert busy(pool) - busy(dp) == pytest.approx(8 * 1e-3 + gather, rel=0.05)
+
+
+def test_pool_planning_is_charged_once_a_step():
+    check_pool_planning_charged()
+
+
+def test_a_round_that_moves_items_pays_the_pool_calls():
+    """Rank 0 reads the four large images, rank 1 four tiny ones (loader order): the pool moves
+    large ones to rank 1 and every rank pays POOL_CALLS calls in those rounds."""
+    samples = image_samples([2048] * 4 + [4] * 4)
+    calls = dataclasses.replace(C, pool_item_s=0.0)
+    free = dataclasses.replace(calls, a2a_call_s=0.0)
+    plan = PLAN.replace(encoder_mode="pool")
+    with_calls, without = simulate(calls, tiny(), samples, plan), simulate(free, tiny(), samples,
+                                                                             plan)
+    extra = busy(with_calls) - busy(without)
+    moved_rounds = round(extra[0] / (step.POOL_CALLS * 2e-3))
+    assert moved_rounds >= 1
+    assert extra == pytest.approx([moved_rounds * step.POOL_CALLS * 2e-3] * 2)
+
+
+def test_pool_planning_micro_benchmark_is_a_small_positive_time():
+    per_item = calibrate_comm.time_pool_planning(2, per_rank=4, rounds=2, repeats=3)
+    assert 0 < per_item < 1e-3  # microseconds an item in Python, not milliseconds
+
+
+@pytest.mark.parametrize("plant", plants.for_launch("sim_pool"))
+def test_plant_sim_pool(plant):
+    with plants.applied(plant, 0):
+        with pytest.raises(AssertionError):
+            check_pool_planning_charged()
