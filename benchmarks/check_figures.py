@@ -1,15 +1,17 @@
-"""Every figure of BENCHMARKS.md's summary and History tables, found in its results file.
+"""Every figure of BENCHMARKS.md, found in its results file.
 
-The summary table is the first table of BENCHMARKS.md; every later table with `figure` and
-`source` columns (the History of earlier runs) is checked the same way. Every number in a
-`figure` cell is a figure, and its `source` cell names, in backticks, a results file of
-`benchmarks/results/` and then one key per number, in the order the numbers are printed:
+BENCHMARKS.md's summary is its first table: one row per figure, `| [what](page) | figure |
+command |`. The linked page (docs/benchmarks/<name>.md) has the row in full in a table with
+`figure` and `source` columns, under the same `what`; the summary's figure must read exactly as
+the page's. Every table of every page with `figure` and `source` columns (the Figures and the
+History tables) is checked against the results: every number in a `figure` cell is a figure,
+and its `source` cell names, in backticks, a results file of `benchmarks/results/` and then one
+key per number, in the order the numbers are printed:
 
-    | what | figure | baseline | source | command |
+    | what | figure | ... | source | command |
     |---|---|---|---|---|
-    | loader throughput, 0 / 2 workers | 0.96x / 2.13x | ... | `loader.json`:
-      `throughput.baseline_workers0.ds_omni_over_this`,
-      `throughput.baseline_workers2.ds_omni_over_this` | ... |      (on one line in the table)
+    | loader vs 0 / 2 workers | 0.96x / 2.13x | ... | `loader.json`:
+      `throughput.{baseline_workers0,baseline_workers2}.ds_omni_over_this` | ... |  (one line)
 
 A key is a path of dict keys and list indexes joined by dots (`cpu.ratios.0`). Other forms:
 - `{a,b,c}.x`: one key per alternative, in that order (a figure per mix); inside range(), min()
@@ -27,6 +29,7 @@ files store fractions). Context that is not a measurement of that run (a modelle
 target) goes in the other columns, which are not checked.
 
 Run: python benchmarks/check_figures.py [--doc BENCHMARKS.md] [--results benchmarks/results].
+The pages are read from docs/benchmarks/ beside the doc.
 It prints one line per figure that is not backed (and what it found instead) and exits with 1,
 or prints how many figures it checked and exits with 0. No benchmark is run.
 """
@@ -172,18 +175,78 @@ def printed_as(figure: re.Match, value: float) -> str:
     return f"{value * (100 if figure.group(2) else 1):.{decimals}f}"
 
 
-def check(doc_path: Path, results: Path) -> tuple[int, list[str]]:
-    """(figures checked, one line per figure not backed) for the summary table of `doc_path`
-    and every later table with `figure` and `source` columns."""
-    found = tables(doc_path.read_text())
-    for name in ("figure", "source"):  # the summary table must have both
-        require(column(found[0][0], name), found[0][0], name)
-    checked, problems = 0, []
+LINK = re.compile(r"^\[([^\]]+)\]\(([^)#]+)(?:#[^)]*)?\)$")
+
+
+def pages_of(doc_path: Path) -> list[Path]:
+    """The experiment pages of `doc_path`: docs/benchmarks/*.md beside it."""
+    return sorted((doc_path.parent / "docs" / "benchmarks").glob("*.md"))
+
+
+def figure_tables(text: str):
+    """(header, rows, figure column, source column) of each table with both columns."""
+    try:
+        found = tables(text)
+    except FigureError:  # a page without tables
+        return
     for header, rows in found:
         fig_col, src_col = column(header, "figure"), column(header, "source")
         if fig_col is not None and src_col is not None:
+            yield header, rows, fig_col, src_col
+
+
+def summary_rows(doc_path: Path) -> list[tuple[str, str, str, Path]]:
+    """(what, figure, command cell, page) of each row of the summary, the doc's first table:
+    `| [what](docs/benchmarks/page.md) | figure | command |`."""
+    header, rows = tables(doc_path.read_text())[0]
+    fig_col = require(column(header, "figure"), header, "figure")
+    cmd_col = require(column(header, "command"), header, "command")
+    out = []
+    for row in rows:
+        link = LINK.match(row[0])
+        if link is None:
+            raise FigureError(f"summary row '{row[0]}': its `what` must link its page, "
+                              "`[what](docs/benchmarks/<name>.md)`")
+        out.append((link.group(1), row[fig_col], row[cmd_col], doc_path.parent / link.group(2)))
+    return out
+
+
+def page_rows(page: Path) -> dict[str, list[str]]:
+    """what -> the full row, for every row of the page's figure tables."""
+    return {row[0]: row for header, rows, _, _ in figure_tables(page.read_text()) for row in rows}
+
+
+def page_row(page: Path, what: str) -> tuple[list[str], int, int]:
+    """The page's row named `what`, with its figure and source columns."""
+    if not page.exists():
+        raise FigureError(f"its page {page} does not exist")
+    for header, rows, fig_col, src_col in figure_tables(page.read_text()):
+        for row in rows:
+            if row[0] == what:
+                return row, fig_col, src_col
+    raise FigureError(f"no row '{what}' in a table with figure and source columns of "
+                      f"{page.name}: add the row in full there")
+
+
+def check(doc_path: Path, results: Path) -> tuple[int, list[str]]:
+    """(figures checked, one line per figure not backed): every figure table of the pages
+    against the results, and every summary row against its page's row."""
+    checked, problems = 0, []
+    for page in pages_of(doc_path):
+        for header, rows, fig_col, src_col in figure_tables(page.read_text()):
             n, more = check_rows(rows, fig_col, src_col, results)
-            checked, problems = checked + n, problems + more
+            checked += n
+            problems += [f"{page.name}: {line}" for line in more]
+    for what, figure, _, page in summary_rows(doc_path):
+        try:
+            row, fig_col, _ = page_row(page, what)
+        except FigureError as e:
+            problems.append(f"summary row '{what}': {e}")
+            continue
+        if row[fig_col] != figure:
+            problems.append(f"summary row '{what}': figure {figure} but {page.name} has "
+                            f"{row[fig_col]} (run benchmarks/summary.py)")
+        checked += len(list(NUMBER.finditer(figure)))
     return checked, problems
 
 
@@ -225,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print(f"{len(problems)} figure(s) not backed by {args.results}/*.json")
         return 1
-    print(f"{checked} figures of {args.doc.name} (summary and History tables) found in "
-          f"{args.results}/*.json")
+    print(f"{checked} figures of {args.doc.name} and its pages (Figures and History tables) "
+          f"found in {args.results}/*.json")
     return 0
 
 

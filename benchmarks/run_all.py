@@ -5,7 +5,7 @@ summary figures regenerated from the results files (`benchmarks/summary.py`).
     .venv/bin/python benchmarks/run_all.py --full     # every row's command at its own settings
     .venv/bin/python benchmarks/run_all.py --dry-run  # the runs, where each writes, last seconds
 
-Where results go. A summary row names a command and the results file it wrote; a run at other
+Where results go. A summary row names a command, its page the results file it wrote; a run at other
 settings must not overwrite that file, or the row's figure would silently change meaning. So:
 - a run at the row's own settings (`Bench.quick` None: the command is short enough) writes to
   benchmarks/results/, and the summary regenerates the row from it;
@@ -235,7 +235,7 @@ def print_quick_figures() -> None:
     (shorter settings: a smoke check of the same code, not the row's figure)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import summary  # noqa: E402  (benchmarks/summary.py, beside this script)
-    _, changed, _ = summary.regenerate((REPO / "BENCHMARKS.md").read_text(), QUICK_RESULTS)
+    _, changed, _ = summary.regenerate_all(REPO / "BENCHMARKS.md", QUICK_RESULTS)
     print(f"quick runs' figures ({QUICK_RESULTS.relative_to(REPO)}/) beside the rows' own:")
     for line in changed:
         print("  " + line)

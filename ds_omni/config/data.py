@@ -70,9 +70,8 @@ class SourceConfig:
     """When the source runs out: start another epoch, stop training, or leave the mix (the other
     weights are renormalised)."""
     on_bad_sample: Literal["error", "skip"] = "error"
-    """A corrupt or missing image, unreadable audio, empty text or mismatched markers: stop with a
-    message naming the sample, or skip it (its id and the reason go to
-    <output_dir>/skipped.jsonl, the count per source to the console, metrics and report)."""
+    """"error": stop naming the bad sample (corrupt media, empty text, mismatched markers); "skip":
+    log it to <output_dir>/skipped.jsonl and go on. More: docs/data.md#several-sources."""
 
     def __post_init__(self):
         if self.weight < 0:
@@ -96,9 +95,8 @@ class ReorderConfig:
     """Balancing of modelled cost over data-parallel ranks (decentralized grouped reordering)."""
 
     mode: Literal["loader_order", "fixed", "budget"] = "fixed"
-    """loader_order: no balancing; fixed: a fixed number of samples per global batch, moved
-    between the ranks and micro-batches of a group; budget: every rank fills its micro-batches to
-    the same cost budget from a lookahead buffer its group shares."""
+    """loader_order: no balancing; fixed: a fixed count of samples a global batch, balanced over the
+    group; budget: every rank filled to one cost budget. More: docs/data.md#several-sources."""
     group_size: int = 8
     """G: consecutive data-parallel ranks that share metadata (think: one node)."""
     max_wait: int = 2
@@ -167,10 +165,8 @@ class DataConfig:
     seed: int = 0
     """Seed of the sample order."""
     image_aspect: Literal["crop", "pad", "resize"] = "crop"
-    """Images that are not square: "crop" leaves them to the model's processor (CLIP centre-crops
-    to a square, losing the ends of a wide image), "pad" pads them to a square with the
-    processor's mean colour first (LLaVA-1.5), "resize" stretches them to a square of the same
-    area."""
+    """Non-square images: "crop" leaves them to the processor's crop, "pad" pads to a square
+    (LLaVA-1.5), "resize" stretches to a square. More: docs/data.md#chat-templates."""
     video: VideoConfig = field(default_factory=VideoConfig)
     """Frame sampling and frame size of videos (`schema.video` columns, `<video>` markers)."""
     max_aspect_ratio: float = 5.0
@@ -182,41 +178,20 @@ class DataConfig:
     """Validation data (same fields as `sources`; weight and on_exhausted unused): every row of
     every eval source, evaluated at each `train.eval_every` (ds_omni/train/evaluate.py)."""
     template: str = "auto"
-    """Chat template conversations are rendered with: "model" (the tokenizer's own chat_template,
-    as apply_chat_template renders it; assistant turns and their end-of-turn token are trained
-    on), "plain" (USER: ... ASSISTANT: ..., for tokenizers without a template), the path of a
-    Jinja file, or "auto": "model" when the tokenizer has a template, else "plain". Checkpoints
-    and HF exports carry the template used."""
+    """Chat template: "model" (the tokenizer's), "plain" (USER: ... ASSISTANT: ...), a Jinja file's
+    path, or "auto" ("model" when the tokenizer has one). More: docs/data.md#chat-templates."""
     prefetch_steps: int = 1
-    """Steps whose batches are read, processed and packed while the current step trains (a
-    background thread, or the loader process with `workers` >= 1, which also sends the next one
-    before it is asked for; same samples, same order); 0 loads each step when it is due."""
+    """Steps loaded ahead while the current one trains (same samples, same order); 0 loads each step
+    when due. More: docs/data.md#loading-ahead."""
     workers: int | Literal["auto"] = "auto"
-    """Processes per rank that load: N >= 1 runs the whole loader (reading, balancing with its
-    all-gathers, the state, the step-ahead loop) in one loader process per rank, plus N - 1
-    that decode, process (HF processors) and pack for it (`ds_omni/data/loader_process.py`);
-    the training process only receives finished micro-batches, the same as with 0. 0: the
-    training process (or its prefetch thread) loads, sharing the interpreter's lock with the
-    training step. "auto": 0 without a GPU, else 2 per rank (the shipped processors feed one
-    H200 with at most 1.5 cores: docs/benchmarks/feed_rate.md), at most the host's cores per
-    rank minus one."""
+    """Loader processes per rank: N >= 1 loads in a loader process plus N - 1 pack workers; 0 in the
+    training process; "auto": 2 on a GPU host, else 0. More: docs/data.md#loading-ahead."""
     pin_cores: bool | Literal["auto"] = "auto"
-    """Hold each process of a rank to cores of its own (`ds_omni/data/cores.py`): each local rank
-    (LOCAL_RANK of LOCAL_WORLD_SIZE, or the deepspeed launcher's LOCAL_SIZE) takes its slice of
-    the cores the process may use; in it the loader process gets one core, each pack worker one
-    and the trainer the rest, torch's threads set to match. "auto" and true: pin when
-    data.workers >= 1 and every process gets a core (else nothing is pinned and the log says why;
-    a warning with true); false: never. Nothing is pinned on a platform without
-    os.sched_setaffinity (macOS, Windows), nor where the launcher did not say how many ranks
-    share the node. A launcher that already binds each rank to its own cores (deepspeed
-    --bind_cores_to_rank) leaves a rank too few to slice again: set false there."""
+    """Pin each rank's trainer, loader process and workers to cores of their own: "auto"/true when
+    data.workers >= 1 and cores suffice; false: never. More: docs/data.md#loading-ahead."""
     shared_reading: bool = True
-    """Under parallel.sp or parallel.tp > 1: the first of the ranks that train on the same rows
-    (the sp x tp ranks of a data-parallel rank) reads, decodes and packs them once and sends each
-    peer its token shard (a TP rank: its SP rank's) and the inputs of only the items it encodes
-    (over a gloo group of the loader's own, `ds_omni/data/shared_read.py`); false: every rank
-    reads and processes every row itself. The batches, the samples and the loader state are the
-    same either way."""
+    """Under sp or tp > 1, one rank of each sp x tp group reads the rows and sends its peers
+    their shards; false: every rank reads. More: docs/parallelism.md#sequence-parallelism."""
 
     def __post_init__(self):
         eval_names = [s.name for s in self.eval_sources]

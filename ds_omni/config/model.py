@@ -97,14 +97,11 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype as built; DeepSpeed's bf16 section decides the training precision."""
     attn_implementation: Literal["auto", "varlen", "sdpa", "flash_attention_2", "eager"] = "auto"
-    """Attention kernel of the LLM over packed rows. auto: torch's varlen flash kernel on CUDA when
-    torch has it, else SDPA per sample; varlen: torch's (CUDA only); flash_attention_2: the
-    flash-attn package (the `gpu` extra); sdpa / eager: one SDPA call per sample (same numbers)."""
+    """LLM attention over packed rows: auto (torch varlen flash on CUDA, else SDPA per sample),
+    varlen, flash_attention_2, sdpa or eager (same numbers). More: docs/gpus.md."""
     activation_checkpointing: bool | list[Literal["llm", "encoders", "vision", "audio"]] = False
-    """Recompute transformer layers in backward instead of keeping their activations (memory for
-    long rows and many images, at about a third more compute of the parts named): true for every
-    part, or a list of "llm" (the decoder layers), "encoders" (every encoder's layers), "vision",
-    "audio". Non-reentrant, so it works under ZeRO-3; the numbers are the same as without it."""
+    """Recompute layers in backward to save activation memory (about a third more compute): true,
+    or a list of "llm", "encoders", "vision", "audio". More: docs/gpus.md."""
     trust_remote_code: bool = False
     """Allow custom modelling code from the model directory. Off unless you trust the directory."""
     seed: int = 0

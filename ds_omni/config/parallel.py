@@ -21,68 +21,33 @@ class ParallelConfig:
     sp: int = 1
     """Ulysses sequence-parallel degree of the LLM."""
     tp: int = 1
-    """Tensor-parallel degree of the LLM backbone (DeepSpeed's AutoTP training layers): each
-    decoder layer's attention and MLP projections are split over tp neighbouring ranks, which
-    read the same rows; the embedding, norms, head and every encoder stay whole on each rank.
-    For a backbone too large for one device's memory, or to cut its per-rank time when the
-    data-parallel degree is already at its useful limit. tp must divide the backbone's attention
-    and key-value heads and MLP width (`ds-omni plan` names the degrees that work). With
-    sp > 1 each TP rank's heads (heads / tp) are split again over its Ulysses group, so tp x sp
-    must divide the query heads and tp the key-value heads. ZeRO 0-2, pp = 1 and
-    max_sequence_sp = 1 in this version, and encoder_pool only without sp (each TP rank then
-    pools over its own data-parallel ranks)."""
+    """Tensor-parallel degree of the LLM backbone (AutoTP): must divide its heads and MLP width.
+    More: docs/parallelism.md#tensor-parallelism."""
     pp: int = 1
-    """Pipeline stages of the LLM (DeepSpeed's pipeline engine; ZeRO 0/1 only, sp = 1). Stage
-    boundaries come from the cost model unless stage_split says otherwise (`ds-omni plan` prints
-    them and each stage's time)."""
+    """Pipeline stages of the LLM (DeepSpeed's pipeline engine; ZeRO 0/1, sp = 1); `ds-omni plan`
+    prints the boundaries. More: docs/parallelism.md#pipeline-parallelism."""
     encoder_placement: Literal["stage0", "uniform"] = "stage0"
-    """Under pp > 1, where the encoders run: "stage0" on the first stage's ranks (as Megatron-LM
-    and NeMo do); "uniform" on every stage's ranks, each encoding a share of the step's items
-    balanced by modelled cost (MegaScale-Omni's joint pipeline)."""
+    """Under pp > 1, where encoders run: "stage0" (the first stage, as Megatron-LM) or "uniform"
+    (every stage, a cost-balanced share). More: docs/parallelism.md#pipeline-parallelism."""
     stage_tokens: int = 0
-    """Under pp > 1, the tokens of a typical sample (one item per encoder) that the stage
-    boundaries are planned for; 0: data.max_seq_len. Full-length samples weigh the LLM most, so
-    for short samples (image captions) "stage0" would keep too many decoder layers on stage 0:
-    give their typical length (e.g. the mean `tokens` per sample of a few logged steps)."""
+    """Under pp > 1, tokens of a typical sample the stage boundaries are planned for; 0:
+    data.max_seq_len. More: docs/parallelism.md#pipeline-parallelism."""
     stage_split: StageSplit = "cost"
-    """Under pp > 1, how the stage boundaries are chosen: "cost", by the cost model, for the
-    smallest slowest-stage time (encoder work included); "parameters", DeepSpeed's default
-    (`partition_method="parameters"`: trainable parameter counts balanced, the encoders counted
-    on the first stage under "stage0"); "layers", Megatron-LM's (decoder layers split evenly,
-    embedding on the first stage, head on the last). The last two are baselines: `ds-omni plan`
-    prints each stage's predicted time under the split chosen, to compare them."""
+    """Under pp > 1, how stages are cut: "cost" (the cost model), or the baselines "parameters"
+    (DeepSpeed's) and "layers" (Megatron-LM's). More: docs/parallelism.md#pipeline-parallelism."""
     max_sequence_sp: int = 1
-    """Per-sequence SP degree (ByteScale's hybrid data parallelism): > 1 lets a sequence that
-    costs more than one rank's share of the step, or is longer than a micro-batch, run on a
-    Ulysses group of 2, 4, ... up to this many ranks (a power of two, inside a reorder group),
-    while every other sequence runs whole on one rank. Needs sp = 1, pp = 1 and reordering."""
+    """Per-sequence SP (ByteScale): > 1 lets a costly sequence run on a Ulysses group of up to this
+    many ranks (a power of two). More: docs/parallelism.md#a-per-sequence-sp."""
     encoder_sp: float | Literal["auto", "off"] = "auto"
-    """Long-short SP for encoders, inside every group of ranks that shares one row (parallel.sp, or a
-    per-sequence block): an image or audio item whose modelled encoder cost is above this threshold
-    is encoded by the whole group, with Ulysses attention inside the encoder; the others run whole,
-    one rank each. "auto": above one rank's share of the row's encoder work; a number: a cost in
-    the cost model's units (an item's modelled training FLOPs, rescaled by
-    data.reorder.cost_scales when calibrated); "off": never split."""
+    """Long-short SP for encoders: an item costlier than this is encoded by its SP group; "auto":
+    one rank's share; "off": never. More: docs/parallelism.md#long-short-sp."""
     encoder_pool: Literal["off", "dp"] = "off"
-    """Where each micro-batch round's images and clips are encoded: "off", by the rank whose row
-    holds them; "dp", spread over all data-parallel ranks by modelled cost (LPT; an item stays
-    home unless moving it evens the round), its inputs sent to the encoding rank and its
-    embeddings sent back (two all-to-alls a round). Pays under ZeRO-3, whose parameter gathers
-    make every round wait for the busiest rank's encoder; ZeRO 0-2 ranks meet once a step, where
-    data.reorder already evens the whole cost. Under sp > 1 the pool is every rank (dp x sp):
-    each row's long items stay split over its SP group (encoder_sp), its short items go to any
-    rank, their rows to the shards holding their placeholders; under max_sequence_sp > 1 the
-    same over each round's groups (a long sequence's block, the other ranks alone; ranks idle in
-    a round take short items of busy ones). Needs pp = 1."""
+    """"off": each row's items are encoded by its rank; "dp": each round's items are spread over all
+    ranks by modelled cost (pays under ZeRO-3). More: docs/parallelism.md#encoder-pool."""
 
     ep: int = 1
-    """Expert-parallel degree of an MoE LLM (DeepSpeed's AutoEP): each MoE layer's experts are
-    split over groups of ep consecutive ranks of the dp x sp ranks (as DeepSpeed's MoE groups are
-    drawn), tokens reach their experts by all-to-all, and HF's router (top-k, normalisation, the
-    auxiliary load-balancing loss, summed over a sample's SP shards, shared experts) is kept.
-    Must divide dp x sp and the experts; the LLM's family needs an AutoEP preset (`ds-omni plan`
-    names them). Combines with sp (ZeRO 1 or 2) and max_sequence_sp; tp = pp = 1 in this
-    version."""
+    """Expert-parallel degree of an MoE LLM (AutoEP): must divide dp x sp and the experts count.
+    More: docs/parallelism.md#expert-parallelism."""
 
     @property
     def tp_encodes_apart(self) -> bool:

@@ -3,7 +3,8 @@
 Every field's type and default come from the dataclass, its description from the string literal
 written right after it (read from the source with `ast`: Python keeps no such docstrings at run
 time). Sections follow `OmniConfig`'s nesting, fields their declaration order, so the output is
-stable. A field without a docstring is an error naming it.
+stable. A field without a docstring is an error naming it. A docstring's `docs/page.md#start`
+becomes a link to the section of docs/ whose heading starts so (where the field says more).
 
     python -m ds_omni.config.reference > docs/config.md
     python -m ds_omni.config.reference --write        # the same, into docs/config.md
@@ -16,6 +17,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import re
 import sys
 import types
 import typing
@@ -138,6 +140,28 @@ def _cell(text: str) -> str:
     return "`".join(parts)
 
 
+DOC_REF = re.compile(r"(?<![\w/])docs/([\w/]+\.md)(?:#([\w-]+))?")
+
+
+def _anchor(page: str, prefix: str) -> str:
+    """The anchor of the first heading of docs/`page` whose anchor starts with `prefix` (so a
+    two-line field docstring can name a long heading by its start); `prefix` when none does."""
+    path = DOCS_PATH.parent / page
+    headings = re.findall(r"^#+ (.*)", path.read_text(), re.M) if path.exists() else []
+    anchors = [re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings]
+    return next((a for a in anchors if a.startswith(prefix)), prefix)
+
+
+def _doc_links(text: str) -> str:
+    """Each `docs/page.md#start` outside code spans as a link from docs/config.md to that page's
+    section."""
+    parts = text.split("`")
+    for i in range(0, len(parts), 2):
+        parts[i] = DOC_REF.sub(lambda m: f"[{m.group(1)}]({m.group(1)}" + (
+            f"#{_anchor(m.group(1), m.group(2))})" if m.group(2) else ")"), parts[i])
+    return "`".join(parts)
+
+
 def _code(text: str) -> str:
     return "required" if text == "required" else _cell(f"`{text}`")
 
@@ -152,7 +176,7 @@ def table_lines(cls: type, paths: list[str]) -> list[str]:
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
     for f in dataclasses.fields(cls):
         lines.append(f"| `{f.name}` | {_code(type_name(hints[f.name]))} | "
-                     f"{_code(default_text(f))} | {_cell(docs[f.name])} |")
+                     f"{_code(default_text(f))} | {_doc_links(_cell(docs[f.name]))} |")
     return lines + [""]
 
 

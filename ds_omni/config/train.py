@@ -35,9 +35,8 @@ class TrainConfig:
     """A step whose loss or gradients are NaN/inf: "stop" ends the run naming its samples; "skip"
     drops its update (weights, optimizer state untouched) and records its samples in metrics."""
     peer_timeout_s: float = 90.0
-    """A rank that stops sending heartbeats (killed, stopped, node lost) or hangs outside any
-    collective while the others wait for it this many seconds ends the whole job, naming it
-    (0: off)."""
+    """Seconds a rank may go silent (killed, stopped, hung outside a collective) before the job ends
+    naming it; 0: off. More: docs/fault_tolerance.md#a-dead-or-hung-rank."""
     log_every: int = 1
     """Write metrics every N steps."""
     export_hf: bool = True

@@ -1,19 +1,15 @@
 """The HF side of the family checks and the coverage sweep, built apart from the code under test.
 
-ds_omni's side of a check is `SampleProcessor` (its templates, its loss mask) and `pack`; this
-module must not import them, so that a loss-mask or tokenisation bug cannot sit on both sides:
-- `render` writes a conversation in a fixed format (bos, `USER: ...\\n`, `ASSISTANT:\\n...{eos}\\n`:
-  `TEMPLATE`, which the sweep puts on its tokenizers as their chat template, so ds_omni renders
-  it with its own template code) or in ds_omni's documented plain one (`ASSISTANT: ...`), and
-  notes where each assistant span (its text and eos) lies in the text;
-- HF's own processor then tokenises that whole text with its images (the caller does that);
-- `token_mask` marks the tokens HF produced inside the assistant spans, by finding the spans
-  in the decoded ids (image expansions between them are skipped, not predicted);
+ds_omni's side of a check is `SampleProcessor` and `pack`; this module must not import them, so a
+loss-mask or tokenisation bug cannot sit on both sides:
+- `render` writes a conversation in a fixed format (`TEMPLATE`: bos, `USER: ...\\n`,
+  `ASSISTANT:\\n...{eos}\\n`, which the sweep puts on its tokenizers) or in ds_omni's plain one,
+  noting where each assistant span lies; HF's processor then tokenises the whole text;
+- `token_mask` marks the tokens HF produced inside the assistant spans;
 - `hf_loss` and `assert_grads_match` compare loss and every gradient.
-Trade-off: only these two formats are written here; a tokenizer with another chat template is
-refused, not guessed at. The plain format cuts the text at "ASSISTANT: " (the space before an
-answer is its own token), which HF's processor, tokenising the whole text, does not: the sweep
-uses `TEMPLATE`, whose prompt ends at a newline.
+Only these two formats are written; another chat template is refused, not guessed at. The sweep
+uses `TEMPLATE` (its prompt ends at a newline: the plain format's "ASSISTANT: " space is its own
+token, which HF's whole-text tokenising does not reproduce).
 """
 
 from __future__ import annotations

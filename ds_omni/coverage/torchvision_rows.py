@@ -1,20 +1,15 @@
 """The coverage sweep's rows that need torchvision, run in one child process.
 
 Many of transformers' image processors (and all its video processors) exist only as torchvision
-classes, and torchvision is no ds_omni dependency: PyPI's torchvision wheel is a CUDA build whose
-compiled ops (`_C.so`) do not load next to a CPU torch, and then `import torchvision` fails in its
-`_meta_registrations.py` ("operator torchvision::nms does not exist": it registers fake kernels for
-`torchvision::nms` and `torchvision::qnms` whatever loaded). HF's image processors use only
-`torchvision.transforms.v2.functional`, which is pure torch.
-
-So `make setup` installs that wheel's Python side OUTSIDE the venv's import path (`torchvision-py`
-next to the venv's `bin/`): an ordinary process must never see it, or transformers would take
-torchvision for available and fail at import. The sweep hands the types whose recipe needs it to
-one child process (`python -m ds_omni.coverage.child`) that puts the folder on its sys.path,
-defines the two op schemas when the compiled ops do not load (no image processor calls nms), imports
-torchvision, and answers with one JSON line per type. A torchvision installed normally is used as
-is, in the sweep's own process. Without either, the rows say why they are not checked. This module
-is the sweep's side: where that folder lies, why a row goes without it, and the child's handle.
+classes, and PyPI's torchvision wheel is a CUDA build whose compiled ops do not load next to a CPU
+torch. `make setup` installs its Python side outside the venv's import path (`torchvision-py`):
+an ordinary process must never see it, or transformers would take torchvision for available and
+fail at import. The sweep hands the types that need it to one child process
+(`python -m ds_omni.coverage.child`) that puts the folder on its sys.path, defines the two op
+schemas (`torchvision::nms`, `qnms`) when the compiled ops do not load, and answers with one JSON
+line per type. A normally installed torchvision is used in the sweep's own process; without
+either, the rows say why they are not checked. This module is the sweep's side: where that
+folder lies, why a row goes without it, and the child's handle.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
-"""Core placement (`data.pin_cores`): which CPU cores the training process, its loader process
-and the loader's pack workers run on.
+"""Core placement (`data.pin_cores`): which CPU cores the trainer, its loader process and the
+loader's pack workers run on.
 
-Why: with `data.workers` >= 1 a rank is several processes (the trainer, one loader process,
-`workers` - 1 pack workers). Unpinned, the kernel moves them and torch's intra-op threads over
-all the cores they may use, so the loader's decoding and the trainer's step take turns on the
-same core and share its caches (benchmarks/prefetch.py, benchmarks/uniform.py on 2 cores).
-Pinned, each process has cores of its own and torch's thread count matches them.
-
-The plan (`plan_cores`) is pure: the cores this process may use, its node-local rank and the
-node's local world size, the worker count. Each local rank takes its own contiguous slice of
-the cores; in it the loader process gets one core, each pack worker one, the trainer the rest
-(at least one). Where a slice has fewer cores than processes nothing is pinned (said once).
-The apply steps are thin: the trainer pins itself and its loader process by pid when it starts
-it (`pin_trainer`, `pin_pid`; the trainer's cores come back when the loader closes), the loader
-process sets its torch threads (`pin_self`) and pins its pack workers by pid (`WorkerPool`).
-A platform without `os.sched_setaffinity` (macOS, Windows) pins nothing.
+Unpinned, the kernel moves them and torch's threads over all cores, so decoding and the step take
+turns on one core. The plan (`plan_cores`) is pure: each local rank takes a contiguous slice of
+the usable cores; in it the loader process and each pack worker get one core, the trainer the rest
+(at least one); a slice with fewer cores than processes pins nothing (said once). The apply steps
+are thin: the trainer pins itself and its loader process by pid (`pin_trainer`, `pin_pid`), the
+loader process sets its torch threads (`pin_self`) and pins its workers (`WorkerPool`). Nothing is
+pinned without `os.sched_setaffinity`. More: docs/data.md, "Loading ahead".
 """
 
 from __future__ import annotations

@@ -1,40 +1,16 @@
-"""How a finished step goes from the loader process to the trainer (`loader_process.py`): the
-tensors' bytes through one shared-memory slot, everything else pickled over the pipe.
+"""How a finished step goes from the loader process to the trainer: the tensors' bytes through one
+shared-memory slot, everything else pickled over the pipe.
 
-A step is pickled once, when it is made (`encode`, on the loader process's step-ahead thread):
-pickle protocol 5 with the tensors as numpy arrays (`workers._Pickler`) and their bytes left
-out of band (`pickle.PickleBuffer`, PEP 574), so the pickle holds the structure and every
-non-tensor field (a few KB) and the tensors are a list of buffers. At the reply (`Sender.send`)
-the loader process copies those buffers into its slot, one shared-memory segment
-(`multiprocessing.shared_memory`, 64-byte aligned spans), and the header it sends over the
-pipe is the pickle and the spans. The trainer (`Receiver.receive`) copies the slot's bytes out
-in one `bytearray` (a memcpy: ~0.05 ms for a 0.4 MB step) and unpickles with those as the
-buffers: numpy arrays viewing the copy, `torch.from_numpy` over them. The same tensors (dtype,
-shape, values) and fields as pickling the whole step (`workers.dumps`), without the pipe's 64 KiB
-reads into a buffer and the unpickler's copy of each tensor.
-
-One slot is enough, and safe by construction: requests and replies alternate on the pipe (one
-request in flight), the slot is written only at a reply, and the trainer copies it out before
-its request returns, so when the loader process writes step k + 1 (its request has arrived)
-the trainer is done with step k. Writing a step into the slot when it is made (ahead) would
-overwrite the step the trainer is reading; a guard sees it: the slot's first 8 bytes hold the
-number of the step written (0 while writing), the header says which it should be, and the
-trainer checks it before and after its copy (a `DataError`, never a wrong batch).
-
-Bad cases. A step larger than the slot: the loader process replaces the slot by one of the next
-power of two (at least 1 MiB) under the next name (`prefix` + its number). Where that cannot be
-had (no /dev/shm, or too little room left in it: checked first, since writing past a tmpfs's
-room is a SIGBUS, not an error), the step's buffers go inline in the header, over the pipe.
-
-Cleanup, whoever ends first: the loader process unlinks its slot when it closes and when it
-sees the trainer gone; the trainer unlinks the last slot it was told of and the next name (the
-one reply in flight may have made it) when the loader process died. Both share multiprocessing's
-resource tracker (spawned children use their parent's), so it has nothing left to warn about.
-
-Why not torch's own sharing (`share_memory_()`, or a `torch.multiprocessing` queue, which
-passes file descriptors): each tensor becomes a shared-memory file of its own, made and mapped
-per step (a step holds ~50 tensors), with a file descriptor sent per tensor; and the trainer's
-tensors would stay views of memory the loader process reuses, unless copied anyway.
+`encode` pickles a step once, when it is made (protocol 5, tensors as numpy arrays with their bytes
+out of band); `Sender.send` copies the buffers into the slot at the reply and sends the pickle and
+the spans; `Receiver.receive` copies the slot out in one memcpy and unpickles over it. One slot is
+safe because requests and replies alternate and the trainer copies before its request returns; a
+step-number guard in the slot's first 8 bytes turns any overlap into a `DataError`, never a wrong
+batch. A step larger than the slot grows it (next power of two, a new name); without room in
+/dev/shm (checked first: writing past a tmpfs is a SIGBUS) the buffers go inline over the pipe.
+Whoever ends first unlinks the slot. Why not torch's `share_memory_()`: a file and a descriptor
+per tensor per step, and the trainer's tensors would alias memory the loader reuses.
+More: docs/internals.md, "The loader process".
 """
 
 from __future__ import annotations

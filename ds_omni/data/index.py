@@ -1,28 +1,14 @@
 """Row indexes of data files, built once per file and shared by every process that reads it.
 
 A JSON array, a JSON lines file or a webdataset tar has no row directory: finding row i means
-scanning the file once (a 1 GB LLaVA JSON array: about 80 s). Before this module, the start-up
-check and the loader each scanned it, on every rank of every node. Now every reader of a file
-goes through `load_or_build(path, kind, build, ...)`:
-
-  1. an in-process memo (the start-up check, `ds-omni data check` and the loader of one process
-     share one index);
-  2. an index file under `index_dir()` (`$DS_OMNI_INDEX_DIR`, else `index/` in the cache
-     directory `$DS_OMNI_CACHE`), which every rank and node that sees the same file system reads;
-  3. else a build, by one process: the builder holds an `fcntl.flock` on `<index>.lock`, the
-     others wait for it and then read what it wrote (a builder that dies releases the lock with
-     its last breath, and a waiter takes over). The file is written to a temporary name and
-     `os.replace`d, so a reader sees the whole index or none.
-
-An index file is JSON (never pickle: reading it runs no code) and records its format version, the
-data file's absolute path, size and `mtime_ns`, the reader's parameters and the index itself (row
-offsets: a few thousand ints for a 1 GB file, as one remembers every 256th row). One that does not
-match the file now (size, mtime_ns), was written by another version, does not parse, or holds
-offsets out of order or past the file's end (the reader's `valid` check) is rebuilt, with one
-log line saying why; it is never trusted. Where the index directory cannot be written, the index is
-built in memory (one log line), as before. Files under `MIN_INDEXED_BYTES` are scanned by each
-reader, as before (under 0.1 s): neither memo nor index file, so a small file rewritten within
-the file system's timestamp granularity is never mistaken for its earlier version.
+scanning the file. `load_or_build(path, kind, build, ...)` looks in an in-process memo, then an
+index file under `index_dir()` (`$DS_OMNI_INDEX_DIR`, else `index/` in `$DS_OMNI_CACHE`), else
+builds it in one process under an `fcntl.flock` while the others wait, writing to a temporary name
+and `os.replace`-ing it. An index file is JSON (reading it runs no code) with the data file's path,
+size and `mtime_ns`, the reader's parameters and the row offsets; one that does not match, parse or
+validate is rebuilt (one log line), never trusted. Where the directory cannot be written the index
+is built in memory; files under `MIN_INDEXED_BYTES` are scanned by each reader.
+More: docs/data.md, "Row indexes, built once".
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """The loader of one data-parallel rank: streams, mixing, grouped reordering, packing, state.
 
 One global step, on every data-parallel rank, in three phases:
-  1. read (`sample_reader.py`): the mixer picks a source for each of this rank's slots; each
-     source's cursor streams this rank's chunks; each row is *measured* (tokens, encoder
-     sequence lengths, modelled cost) without decoding its media;
-  2. plan (`step_plan.py`): the G ranks of the group all-gather only these measurements and each
-     computes the same assignment of the group's samples to ranks and micro-batches
-     (`reorder.py`), in "fixed" or "budget" mode;
-  3. load (`step_load.py`): each rank reads and preprocesses only the samples assigned to it
-     (no payload crosses data-parallel ranks) and packs each micro-batch into one row.
-Under SP or TP (`shared_read.py`, `data.shared_reading`) only the first rank of the ranks
-sharing a data-parallel rank runs these phases; it sends each peer its shard (TP: its rows) and
-its position after the step.
-
-The state (`loader_state.py`) is JSON: every rank's cursors and mixer, and each group's buffer,
-gathered to a single file that resumes under another data-parallel size. `OmniLoader` composes
-the phases and keeps the step count; what it is told about its ranks, its collectives and the
-splitting of long work comes in the values of `rank_place.py`.
+  1. read (`sample_reader.py`): the mixer picks a source for each slot; each source streams this
+     rank's chunks; each row is measured (tokens, encoder lengths, modelled cost) undecoded;
+  2. plan (`step_plan.py`): the G ranks of a group all-gather the measurements and each computes
+     the same assignment to ranks and micro-batches (`reorder.py`);
+  3. load (`step_load.py`): each rank reads and preprocesses only its own samples and packs each
+     micro-batch into one row.
+Under SP or TP with `data.shared_reading` one rank of the group runs these phases and sends its
+peers their shards (`shared_read.py`). The state (`loader_state.py`) is JSON and resumes under
+another data-parallel size. `OmniLoader` composes the phases; its ranks, collectives and the
+splitting of long work come in the values of `rank_place.py`.
 """
 
 from __future__ import annotations

@@ -1,48 +1,17 @@
-"""The loader in a process of its own: with `data.workers` >= 1 the training process only
-receives finished micro-batches.
+"""The loader in a process of its own: with `data.workers` >= 1 the trainer only receives finished
+micro-batches.
 
-Why a process and not a thread plus pack workers (what `data.workers` meant before): a step's
-light part (reading rows, measuring them, the grouped reordering's all-gathers, the JSON
-state) cost the trainer 7.8 ms of CPU a step on the prefetch thread and held the interpreter's
-lock against the step's host thread (benchmarks/prefetch.py hid 69 % of the loading, in wall
-time). Here the whole `OmniLoader` and its step-ahead loop (`Prefetcher`) run in ONE spawned
-*loader process* per rank (its side: `loader_serve.py`); the trainer keeps `LoaderProcess`, a
-thin proxy with the interface the loop uses (next step, position / step taken, state_dict,
-load_state_dict, set_weights, rewind, skipped, counts, close), and pays per step only a request,
-a small reply and building the step from it (`handover.py`).
-
-The hand-over of a step (`handover.py`): its tensors' bytes go through one shared-memory slot,
-written at the reply (the trainer copied the last step out before it asked), the rest pickled
-over the pipe; benchmarks/handover.py: the trainer's CPU per step 1.04-1.09 -> 0.83-0.90 ms.
-While steps are made ahead, the request for the next step goes out as soon as a step is
-received (`next_step`), so the reply is ready when the trainer comes back for it: the round
-trip is off the step's critical path. Replies come in the order of the requests; any other
-request first reads a reply sent early (kept for the next step, or dropped by a request that
-moves the loader elsewhere: rewind, set_weights, load_state_dict, prefetch, close).
-
-`data.workers` N: the loader process, plus N - 1 pack workers (`workers.WorkerPool`) that it
-drives as the prefetch thread did before (N == 1: it decodes and packs itself, on its own
-core). 0 keeps the in-process path (`OmniLoader` + `Prefetcher` in the trainer) untouched.
-
-Collectives (`loader_world.py`): the loader processes of all ranks form their own gloo world, on the
-trainer's own TCPStore (MASTER_ADDR / MASTER_PORT, under a prefix of their own), and rebuild
-the loader's groups from the `ParallelPlan` (`groups.loader_comms`): every all-gather of
-planning and of the state, and one-reader-per-SP-group's scatter (`shared_read.py`), run there,
-never on a training group. The trainer keeps its own `comm` (the step's token totals, logging).
-
-Exactness: the loader process runs the very `OmniLoader` and `Prefetcher` of the in-process
-path, so the samples, their order and the batches are those of `data.workers` 0. The position
-after each step comes back with its batch and the trainer holds it: the checkpointed state
-(`state_dict` sends that position back to be gathered), `rewind` and `set_weights` go back to
-it, so the state a checkpoint records is the trainer's steps taken, whatever the loader process
-made ahead.
-
-Failure: a loader process that dies is seen at once (its sentinel), one that stops answering
-after `timeout_s`; either is a `DataError` naming the rank, the pid and the exit code. At
-`next_step` it comes as the step's error (empty micro-batches), so the training step stops
-every rank with it after its all-reduce, never a hang; the loader processes of the other ranks
-see their gloo peer gone and report that as their step's error. Nothing was trained from the
-lost steps: resuming from the last checkpoint reads them again, none lost or repeated.
+The whole `OmniLoader` and its step-ahead loop (`Prefetcher`) run in one spawned loader process
+per rank (its side: `loader_serve.py`), with N - 1 pack workers (`workers.WorkerPool`); the
+trainer keeps `LoaderProcess`, a thin proxy with the loop's interface (next step, state_dict,
+load_state_dict, set_weights, rewind, skipped, counts, close), and pays per step a request, a
+small reply and the hand-over (`handover.py`). The next step is requested as soon as one is
+received, so the round trip is off the critical path. The loader processes form their own gloo
+world (`loader_world.py`), never a training group. The samples and batches are those of
+`data.workers` 0, and the checkpointed position is the trainer's, whatever was made ahead. A
+loader process that dies or stops answering is a `DataError` naming rank, pid and exit code,
+delivered as the step's error so every rank stops, never a hang.
+More: docs/internals.md, "The loader process"; docs/data.md, "Loading ahead".
 """
 
 from __future__ import annotations

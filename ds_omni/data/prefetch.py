@@ -1,23 +1,15 @@
 """Data loading off the critical path: the next steps' batches are made on a thread while the
 current step trains.
 
-The thread runs `OmniLoader.next_step` (reading, planning with its all-gathers, decoding, HF
-processing, packing) up to `data.prefetch_steps` steps ahead of the step being trained, and the
-trainer takes the batches in order: the samples and their order are those of a loader called
-step by step. What the trainer sees of the loader is its position after the step it took last
-(the checkpointed state, the skipped samples, `step`), never the prefetched one; a weight change
-or a rewind drops the prefetched steps and reads them again from that position.
-
-Collectives: the thread's all-gathers go over the loader's own gloo groups (`step_comm`, made at
-start-up), so they never interleave with the training step's collectives on one group. Stopping
-the thread is in lockstep over the ranks: it finishes every step it was allowed (the steps taken
-+ prefetch_steps, the same number on every rank), so no rank's thread is left in an all-gather
-its peers never enter. On an error the thread gets a minute to do the same, then is abandoned (a
-daemon: it cannot hold the process).
-
-Any step made on a thread of the training process holds the GIL against the training step's
-host thread, so with `data.workers` >= 1 the whole loader and this loop run in a loader
-process of its own (`loader_process.py`), and the trainer only receives finished batches.
+The thread runs `OmniLoader.next_step` up to `data.prefetch_steps` steps ahead and the trainer
+takes the batches in order: the same samples and order as a loader called step by step. What the
+trainer sees of the loader is its position after the step it took last (state, skipped samples,
+`step`), never the prefetched one; a weight change or rewind drops the prefetched steps. The
+thread's all-gathers go over the loader's own gloo groups (`step_comm`), never interleaving with
+the step's. Stopping is in lockstep: the thread finishes every step it was allowed (the same count
+on every rank), so no rank is left in an all-gather; on an error it gets a minute, then is
+abandoned (a daemon). A thread holds the GIL against the step, so with `data.workers` >= 1 this
+loop runs in the loader process instead (`loader_process.py`).
 """
 
 from __future__ import annotations

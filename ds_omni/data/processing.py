@@ -1,19 +1,12 @@
 """Raw rows -> `Sample`s: tokens with expanded placeholders, loss mask, positions, encoder items.
 
-A conversation is rendered with the run's chat template (`templates.py`): by default the
-tokenizer's own, whose assistant turns (their text and end-of-turn token) are trained on. The
-"plain" template, for tokenizers without one, is rendered here turn by turn:
-
-    <s>USER: {human turn}\\nASSISTANT: {assistant turn}</s>\\n
-
-(a system turn is its text and a newline; only assistant text and its end-of-sequence token are
-trained on). A plain-text column is trained on whole. Each `<image>` / `<audio>` marker becomes as
-many placeholder tokens as its item yields embeddings (the family's item processor says how many).
-
-A text that is a *string* holding a JSON conversation (a column written with `json.dumps`) would
-otherwise train as plain text with every token a target: it is parsed, or an error, as the
-schema's `conversation_strings` says. Images that are not square are padded or stretched to a
-square first when `data.image_aspect` asks (the processor would centre-crop them).
+A conversation is rendered with the run's chat template (`templates.py`); the "plain" template is
+rendered here turn by turn, `<s>USER: {human}\\nASSISTANT: {assistant}</s>\\n`, only assistant text
+and its end-of-sequence token trained on. A plain-text column is trained on whole. Each `<image>`
+/ `<audio>` marker becomes as many placeholder tokens as its item yields embeddings (the family's
+item processor says how many). A text that is a string holding a JSON conversation is parsed, or
+an error, as the schema's `conversation_strings` says. Non-square images are padded or stretched
+first when `data.image_aspect` asks. More: docs/data.md, "Chat templates".
 """
 
 from __future__ import annotations

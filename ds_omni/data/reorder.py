@@ -1,25 +1,17 @@
 """Deterministic assignment of one group's samples to its G ranks and their M micro-batches.
 
-The ranks of a group gather only the metadata of the group's samples (cost, tokens, key) and each
-runs the same function on it, so all of them compute the same assignment without further talk.
-These are the pure parts; the collectives around them live with the loader.
+The ranks of a group gather only the samples' metadata (cost, tokens, key) and each runs the same
+pure function, so all compute the same assignment; the collectives live with the loader.
+- fixed count (`assign_fixed`): a fixed-size global batch's samples moved between the group's
+  ranks and micro-batches; evens cost inside the group, not between groups;
+- budget (`BudgetPlanner`): every rank filled to one cost budget (each micro-batch to a token
+  budget) from a lookahead buffer; a sample waits at most `max_wait` steps; one costlier than a
+  rank's budget is an outlier, planned alone and reported.
+Both use LPT (`ds_omni.data.lpt`): decreasing cost onto the least-loaded rank with token room,
+then its least-loaded micro-batch; ties to the lower index, so the answer depends only on the
+input. More: docs/data.md, "Several sources".
 
-Two modes:
-- fixed count (`assign_fixed`): the group's samples of a fixed-size global batch are moved between
-  its ranks and micro-batches. Evens cost inside the group, not between groups.
-- budget (`BudgetPlanner`): every rank of every group is filled to the same cost budget (and each
-  micro-batch to a token budget) from a lookahead buffer, so cost is even across all groups. A
-  sample waits at most `max_wait` steps; a sample costlier than a whole rank's budget is an outlier,
-  planned alone on one rank and reported (sequence parallelism will spread it later).
-
-Greedy rule in both (`ds_omni.data.lpt`): samples in decreasing cost go to the least-loaded rank
-that has token room, then to that rank's least-loaded micro-batch with room
-(longest-processing-time first, LPT: within 4/3 of the optimal makespan, close to optimal when
-samples are many and small against a rank's load); ties go to the lower index, so the answer
-depends only on the input.
-
-Dims: N samples (of the group or of one plan), G ranks of the group, M micro-batches per rank,
-B samples in the budget buffer.
+Dims: N samples, G ranks of the group, M micro-batches per rank, B samples in the budget buffer.
 """
 
 from __future__ import annotations

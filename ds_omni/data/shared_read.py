@@ -1,39 +1,15 @@
 """One reader per model-parallel group: its first rank reads and processes the group's rows once.
 
-The ranks of one data-parallel rank train on the same rows: under Ulysses SP (parallel.sp > 1)
-each on its own token shard, under tensor parallelism (parallel.tp > 1) each on the whole row
-(its share of every layer's columns). Without this module each of them would read every row,
-decode every image and run the HF processors on it: sp x tp times the reads, decodes and loader
-CPU of one rank.
-
-With `data.shared_reading` the group's rank 0 (its *reader*; the group is
-`ParallelPlan.reader_group_ranks`: the sp x tp ranks of a data-parallel rank, in (sp, tp)
-order, so group rank g trains SP shard g // tp) runs the whole loader step (reading, the
-grouped reordering's all-gathers, decoding, packing), packs the row once and cuts every SP
-rank's shard of it (`packing.pack_shards`: the same `shard_row` each rank would run itself),
-then sends each peer, in one scatter over a gloo group of the loader's own
-(`parallel.groups.loader_shard_comm`: never a training group, so it cannot interleave with the
-step's collectives when a prefetch thread runs it):
-- its `StepBatch`: its shard's micro-batches (token ids, targets, positions, the collated inputs
-  of only the items it encodes, `peer_view`, and the long items every rank encodes a piece of),
-  keys, stats and error; a TP peer gets the micro-batches of its SP rank (without SP, the
-  reader's own);
-- the reader's loader position after the step, which the peer takes as its own: the loader
-  state every rank checkpoints is the same as before, and resuming (also under another
-  data-parallel size) works unchanged;
-- the samples the step skipped (the peer's skip log and counts match the reader's).
-The peers read and decode nothing (`ReadCounts` stays at zero).
-
-Why this scheme and not "each rank reads only the items it encodes": which rank encodes an item
-is decided by the reshard plan of the packed row, which needs every item's size, and the row's
-text is needed by all; a single reader needs no second planning round and keeps every sample's
-bad-row policy in one place. The price is one scatter per step of what the peers keep anyway.
-
-A reader that fails while making the step sends its peers the error (naming its rank, and the
-sample with its file where one is at fault) with empty micro-batches, so the trainer stops
-every rank with it; a reader that dies or hangs leaves its peers a `DataError` naming it (at
-once when its process is gone, when the group's timeout runs out when it hangs: the loader's
-groups take the world's timeout, `parallel.groups.world_timeout`), never a hang.
+The sp x tp ranks of a data-parallel rank train on the same rows; without this module each would
+read and decode every row. With `data.shared_reading` the group's rank 0 (`ParallelPlan
+.reader_group_ranks`, in (sp, tp) order) runs the whole loader step, packs the row once, cuts every
+SP rank's shard (`packing.pack_shards`) and scatters to each peer, over a gloo group of the
+loader's own (`loader_shard_comm`): its `StepBatch` (its shard, the inputs of only the items it
+encodes), the reader's loader position (so every rank checkpoints the same state) and the skipped
+samples. The peers read nothing. Why one reader and not "each reads what it encodes": who encodes
+an item is decided by the packed row's reshard plan. A reader that fails sends its peers the
+error with empty micro-batches; one that dies or hangs leaves them a `DataError` naming it (at the
+world's timeout), never a hang. More: docs/parallelism.md, "Sequence parallelism".
 """
 
 from __future__ import annotations

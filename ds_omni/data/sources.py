@@ -1,26 +1,14 @@
 """Data sources: local files read by chunk and by locator, with media left undecoded.
 
-A source is a list of files of one format (parquet, jsonl, arrow, webdataset tar, or one
-`save_to_disk` directory), cut into fixed chunks of rows. A data-parallel rank reads its own chunks
-sequentially, each from where it starts (`Source.stream`). Every row has a `Locator` (source, file,
-row), so after grouped reordering the rank a sample is assigned to reads that one row itself
-(`Source.fetch`): no payload crosses ranks.
-
-Both go through one reader per file, so a chunk costs its own rows, not the rows before it (HF
-streaming's `skip(start)` reads every skipped row: R^2 / 2C row reads per epoch for a file of R
-rows in chunks of C). Per format: parquet by row group (pyarrow: a chunk decodes the row groups
-it overlaps, from the first one's start), arrow and save_to_disk through datasets' memory map,
-jsonl through a sparse line-offset index (seek, then skip at most JSON_INDEX_STRIDE - 1 unparsed
-lines), a JSON array (or an object holding a list) through a sparse element-offset index
-(`json_docs.py`), tar through a member index (HF's builder fails on tars that mix image and
-text-only samples); each index is built lazily, only for the files a rank touches, and once per
-file version for every process that shares the index directory (`index.py`). Rows come
-as `datasets` streaming with `decode(False)` gives them (media as bytes/path structs), except
-that a jsonl row is what `json.loads` makes of its line (HF would add the keys other rows of
-its block have, as None).
-
-Relative media paths resolve against `schema.root`, else the folder of the data file the row came
-from (LLaVA's convention), so a config does not depend on the directory it is launched from.
+A source is a list of files of one format (parquet, jsonl, arrow, webdataset tar, a `save_to_disk`
+directory), cut into fixed chunks of rows. A rank streams its own chunks (`Source.stream`); every
+row has a `Locator` (source, file, row), so after reordering the rank a sample goes to reads that
+row itself (`Source.fetch`). One reader per file makes a chunk cost its own rows (HF streaming's
+`skip(start)` reads every skipped row): parquet by row group, arrow and save_to_disk by memory map,
+jsonl and JSON arrays through sparse offset indexes (`json_docs.py`, `index.py`), tar through a
+member index. Rows come as `datasets` streaming with `decode(False)` gives them (a jsonl row is
+what `json.loads` makes of its line). Relative media paths resolve against `schema.root`, else the
+data file's folder (LLaVA's convention). More: docs/data.md, "Several sources".
 """
 
 from __future__ import annotations

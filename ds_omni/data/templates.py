@@ -1,32 +1,14 @@
 """Chat templates: how a conversation becomes text, and which characters of it are trained on.
 
-`data.template` picks the template (`resolve_template`):
-- "model": the tokenizer's own `chat_template`, rendered as `apply_chat_template` renders it, so a
-  fine-tuned Instruct model is trained on the prompt format it is served with;
-- a path to a Jinja file: that template, the same way;
-- "plain": ds_omni's `USER: ... ASSISTANT: ...` format (`processing.py` renders it piece by piece,
-  as it always has), for tokenizers that have no template;
-- "auto" (the default): "model" when the tokenizer has a template, else "plain".
-
-Trained characters: a template with `{% generation %}` blocks marks the assistant text itself
-(HF's `return_assistant_tokens_mask` reads the same blocks). For any other template the assistant
-turns are found by rendering growing prefixes of the conversation: turn i spans from the end of
-the prompt that asks for it (messages before it, with the generation prompt) to the end of the
-conversation rendered up to and including it, less trailing whitespace: its content and its
-end-of-turn token. That only holds if the template is prefix-stable (every such prefix is a prefix
-of the whole rendering), which is checked on every sample, as is that the text cut at those points
-tokenises to the ids of the whole (`processing.py`); a template that fails either is an error that
-names the sample.
-
-Items: the `<image>` / `<audio>` markers stay in the message contents the template renders, and
-`processing.py` puts the family's placeholder tokens where they land, as the model's processor
-expands its image token in the rendered prompt. A template that reads contents only as lists of
-parts (LLaVA-1.5's, Idefics3's) gets HF's parts instead (text, and an image / audio part per
-marker), and what it writes for each item part is marked again.
-
-The template used in training is put on the tokenizer (`carry_template`), so every tokenizer saved
-afterwards (checkpoint, HF export) carries it and `apply_chat_template` on the export reproduces
-the training prompt. "plain" is carried as `plain_template_source`, its Jinja equivalent.
+`data.template` (`resolve_template`): "model" (the tokenizer's own, rendered as
+`apply_chat_template` does), a Jinja file's path, "plain" (`USER: ... ASSISTANT: ...`, rendered in
+`processing.py`), or "auto" ("model" when the tokenizer has one). Trained characters: a template's
+`{% generation %}` blocks, else the assistant turns found by rendering growing prefixes of the
+conversation; each sample is checked to be prefix-stable and to tokenise the same cut as whole,
+else an error naming it. `<image>` / `<audio>` markers stay in the contents (a template that reads
+only lists of parts gets HF's parts). The template used is carried on the tokenizer
+(`carry_template`), so checkpoints and HF exports reproduce the training prompt.
+More: docs/data.md, "Chat templates".
 """
 
 from __future__ import annotations

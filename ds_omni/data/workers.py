@@ -1,23 +1,13 @@
-"""Data worker processes: the heavy part of loading a step, off the training process.
+"""Data worker processes: the heavy part of loading a step, off the loader's own thread.
 
-A loader step has a light part that talks to the other ranks (reading rows, measuring them,
-the grouped reordering's all-gathers, the state) and a heavy part that does not: decoding the
-media, the HF image/audio processors, tokenising and packing each micro-batch. A loader
-built with `workers` = N > 0 runs the heavy part in N spawned processes and keeps the light
-part, every collective and every piece of loader state (with `data.workers` N >= 1 that loader
-runs in a loader process, `loader_process.py`, which drives N - 1 of these). A worker is a pure function of its job (`PackJob` -> `Packed`), so the
-batches are the same with or without workers, and resuming needs nothing from them.
-
-The GIL is why: decoding and the HF processors hold it long enough that a thread doing them
-slows the training step's own host thread (benchmarks/prefetch.py: 49 % of the loading hidden
-with a thread, in wall time).
-
-Results come back pickled, tensors as numpy arrays (`dumps`): one copy, no shared-memory file per
-tensor, and a tenth of the unpickling time of torch's own tensor pickling. (The loader process
-hands its finished steps to the trainer through a shared-memory slot instead: `handover.py`.)
-A worker that dies (killed, out of memory) is a `DataError` naming it and its exit code at
-the next step that needs it, never a hang; workers exit when told, and by themselves when the
-training process is gone.
+A loader step has a light part that talks to the other ranks (reading, measuring, the reordering's
+all-gathers, the state) and a heavy part that does not (decoding media, HF processors, tokenising,
+packing). With pack workers the heavy part runs in spawned processes, each a pure function of its
+job (`PackJob` -> `Packed`), so batches are the same with or without them and resuming needs
+nothing from them. Under `data.workers` N >= 1 the loader process drives N - 1 of these
+(`loader_process.py`). Results come back pickled with tensors as numpy arrays (`dumps`: a tenth of
+torch's unpickling time). A worker that dies is a `DataError` naming it and its exit code at the
+next step that needs it, never a hang; workers exit by themselves when the trainer is gone.
 """
 
 from __future__ import annotations

@@ -1,40 +1,17 @@
 """Attention over packed variable-length sequences, plugged into HF decoder layers.
 
-A micro-batch is one packed row of samples; `cu_seqlens` delimits them and no sample attends to
-another. The function `packed_attention` is registered in transformers' `AttentionInterface` under
-`PACKED_ATTENTION` and set on the LLM backbone's config only, so encoders keep their own attention
-(unlike a global monkey-patch, which would also catch a ViT using the same key). What it runs is
-decided by the `PackedAttention` object the backbone passes down with each call: one per model, so
-an encoder and the LLM, or two models, can hold different kernels and sequence-parallel groups in
-one process.
+A micro-batch is one packed row; `cu_seqlens` delimits its samples and none attends to another.
+`packed_attention` is registered in transformers' `AttentionInterface` (`PACKED_ATTENTION`) and set
+on the LLM backbone's config only, so encoders keep their own attention; the `PackedAttention`
+object passed with each call (one per model) picks the kernel and the SP group. Three kernels give
+the same numbers (`choose_kernel` picks for "auto"): torch's varlen kernel (CUDA), flash-attn's
+varlen kernel, or SDPA once per sample. Sliding windows and bidirectional blocks (Gemma 3's image
+tokens, PaliGemma's prefix) are applied as HF does; rows with blocks run on SDPA. Under Ulysses SP
+DeepSpeed's `DistributedAttention` trades the token split for a head split and the kernel runs on
+the whole row with the global `cu_seqlens`; KV heads are repeated until the ranks split them.
+More: docs/models.md; docs/parallelism.md, "Sequence parallelism".
 
-Three kernels give the same numbers (`choose_kernel` picks one for "auto"):
-- torch's own varlen kernel (`torch.nn.attention.varlen.varlen_attn`, FlashAttention-2 inside torch
-  since 2.10; CUDA only): "varlen", and what "auto" picks on a GPU;
-- flash-attn's varlen kernel when it is installed (the `gpu` extra) and `flash_attention_2` is asked;
-- SDPA, one causal call per sample: no T x T mask is built, at the cost of one kernel per sample
-  ("sdpa"; "eager" is the same path).
-
-Two deviations from plain causal attention inside a sample, both as HF computes them:
-- a sliding-window layer (Mistral, Qwen2's `max_window_layers`, Gemma 3's `layer_types`; the layer
-  itself passes its `sliding_window`, None on full layers): token q sees keys k with
-  q - window < k <= q. The varlen kernels take it as `window_size=(window - 1, 0)`; SDPA gets a
-  banded mask for a sample longer than the window (shorter ones stay on the mask-free causal call);
-- bidirectional blocks (Gemma 3's image tokens, PaliGemma's prefix): spans of the row, given as
-  `blocks` [m, 2] (start, end) by the model, whose tokens also see each other's later tokens; on a
-  sliding layer the window still applies on top, as in HF's `create_masks_for_vision_model`. The
-  varlen kernels cannot express this mask, so "auto" runs such rows on SDPA (logged once) and an
-  explicit "varlen" / "flash_attention_2" is an error.
-
-Under Ulysses sequence parallelism each rank holds S = T / sp consecutive tokens of the row.
-DeepSpeed's `DistributedAttention` all-to-alls q, k, v from [1, S, H, D] to [1, T, H/sp, D]; the
-kernel then runs on the whole row with the *global* `cu_seqlens`, so samples still attend only to
-themselves, and the output goes back to [1, S, H, D]. DeepSpeed's piece is used as it is; what it
-lacks for packed rows (it knows nothing of `cu_seqlens`, and refuses fewer KV heads than ranks) is
-supplied here: the boundaries ride along as kernel arguments, and KV heads are repeated until the
-ranks split them evenly.
-
-Dims: B batch (always 1 when packed), T packed tokens, S tokens of one SP shard, H query heads,
+Dims: B batch (1 when packed), T packed tokens, S tokens of one SP shard, H query heads,
 Hkv key/value heads, D head dim.
 """
 

@@ -1,17 +1,11 @@
 """Deepstack layer maps: before which LLM decoder layer each level of an HF model's vision features
 is added, read from its config, and its image-feature output flattened into rows [N, (1 + k) D]
-(the main embedding, then the k levels side by side); `Deepstack`: the levels at their rows, which
-the backbone adds.
+(the main embedding, then the k levels side by side); `Deepstack`: the levels at their rows.
 
-transformers 5.24 has two layouts:
-- Qwen3-VL and its kin: `get_image_features` returns the main rows (`pooler_output`) and k levels
-  (`deepstack_features`, one per `vision_config.deepstack_visual_indexes`); HF adds level i after
-  decoder layer i (`_deepstack_process`), that is before layer i + 1: the map 1..k.
-- Granite 4 Vision: no main rows (its forward zeroes the image tokens' embeddings, so they are
-  zeros here); `deepstack_features` are (LLM layer, features) pairs, one per `deepstack_layer_map`
-  entry then one per `spatial_target_layers` entry, which its text model adds before that layer.
-  It keeps them in a dict keyed by the layer (of two pairs for one layer, the later wins) and
-  looks only at the layers it has, so `granite_levels` keeps the same pairs and drops the others.
+Two layouts in transformers 5.24: Qwen3-VL and its kin return the main rows and k levels, added
+after decoder layers 0..k-1 (the map 1..k); Granite 4 Vision has no main rows (zeros here) and
+(LLM layer, features) pairs, one per `deepstack_layer_map` then `spatial_target_layers` entry, of
+which the later wins for a layer (`granite_levels` keeps the same pairs).
 
 Dims: N embeddings of the images of one call, D LLM width, k levels.
 """

@@ -1,36 +1,14 @@
 """The MoE auxiliary load-balancing loss, as HF computes it, for each sample of a packed row.
 
-HF's MoE LLMs (Qwen3-MoE, Qwen2-MoE, Mixtral, Qwen3-VL-MoE's text model) add
-`router_aux_loss_coef x load_balancing_loss_func(router_logits)` to the loss when
-`config.output_router_logits` is true. That loss (Switch Transformer's) is not a sum over tokens:
-with c_e the top-k picks of expert e and p_e its summed router probability, over every MoE layer
-and token of the forward,
-
-    aux = E x sum_e (c_e / R) (p_e / R),  R = MoE layers x tokens.
-
-So a packed row, a micro-batch split or a reordered step would each change it. ds_omni keeps the
-one definition that no assignment can change: each sample's aux is HF's for that sample alone
-(HF's forward on that one sequence), and a sample weighs in by its target tokens, as its token
-losses do. The step's loss is then the target-weighted mean of HF's per-sample loss
-(mean token loss + coef x aux):
-
-    loss = (sum of token losses + coef x sum_s targets_s x aux_s) / global target tokens
-
-which the trainer's normalisation (`train/step.py`) already applies to `loss_sum`.
-
-Under sequence parallelism (Ulysses, static or per-sequence) a rank holds only a shard of a
-sample's tokens. A sample's aux is a function of sums over its tokens (each expert's top-k picks,
-its router probabilities, the token and target counts: `SampleStats`), so each rank sums them
-over its shard and the row's group adds them up (the probabilities by an all-reduce autograd sees,
-whose backward sums the ranks' gradients) before the aux is formed; every rank then holds the
-whole sample's aux and adds 1 / size of it, so the group's loss sums, and ZeRO's sum of its
-gradients over the SP ranks, count each sample once.
-
-The router logits are read by forward hooks on each MoE layer's gate, which exist both on HF's
-block (`mlp.gate`: HF's router returns (logits, scores, indices), or logits alone) and on the
-block DeepSpeed's AutoEP puts in its place (`mlp.router.gate`, a Linear giving the logits): the
-same loss with or without expert parallelism. The hooks live for one forward: a layer recomputed
-in backward (activation checkpointing) does not record again.
+HF's load-balancing loss is not a sum over tokens (aux = E x sum_e (c_e / R) (p_e / R) over every
+MoE layer and token of the forward), so packing, splitting or reordering would change it. ds_omni
+keeps the one definition no assignment can change: each sample's aux is HF's for that sample
+alone, weighted by its target tokens like its token losses:
+    loss = (sum of token losses + coef x sum_s targets_s x aux_s) / global target tokens.
+Under sequence parallelism each rank sums a sample's statistics over its shard (`SampleStats`)
+and the group adds them (an all-reduce autograd sees) before the aux is formed. Router logits are
+read by forward hooks on each MoE gate, on HF's block and on AutoEP's alike, for one forward (a
+recomputed layer does not record again). More: docs/parallelism.md, "Expert parallelism".
 """
 
 from __future__ import annotations

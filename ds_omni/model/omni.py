@@ -1,21 +1,13 @@
 """OmniModel: one representation of any multimodal LLM.
 
-A model is a set of modality encoders (each an encoder plus its projector, producing LLM-width
-embeddings that replace placeholder tokens in the text) and an LLM backbone (token embedding, a list
-of decoder layers, final norm, head). The parallel machinery (sequence parallelism for encoders,
-resharding onto LLM sequence shards, the joint pipeline) works on this representation only; the
-family adapters in `ds_omni.model.families` map HF models onto it.
-
-The modules are the HF model's own modules, registered here under family-neutral names, so
-parameters are shared (not copied) and export back to HF is exact.
-
-Deepstack (Qwen3-VL and its kin, Granite 4 Vision): the vision tower also yields k levels of
-features per image token, which the LLM adds to its hidden states at the image positions, each
-before the decoder layer its encoder's layer map names (`ModalityEncoder.deepstack_layers`:
-Qwen3-VL's levels go after layers 0..k-1, i.e. before layers 1..k; Granite 4 Vision's before the
-layers its config names). Such an encoder's output rows are [N, (1 + k) D], the main embedding
-then the k levels side by side, so every path that moves rows (resharding under SP) carries the
-levels with them; `Deepstack` holds them, at their row positions, for the backbone.
+A model is a set of modality encoders (an encoder plus its projector, producing LLM-width
+embeddings that replace placeholder tokens) and an LLM backbone (token embedding, decoder layers,
+final norm, head). The parallel machinery works on this representation only; the family adapters
+in `ds_omni.model.families` map HF models onto it. The modules are the HF model's own, registered
+under family-neutral names, so parameters are shared and export back to HF is exact. Deepstack
+encoders (Qwen3-VL, Granite 4 Vision) yield rows [N, (1 + k) D], the main embedding then k levels,
+so every path that moves rows carries the levels; `Deepstack` holds them for the backbone.
+More: docs/models.md, "What a model is".
 
 Dims: T packed tokens of a micro-batch, N embeddings of one encoder in a micro-batch,
 D LLM hidden size, V vocabulary, k deepstack levels.

@@ -1,21 +1,12 @@
 """Numbers an HF model's forward applies outside its modules, which the backbone must apply too.
 
-Most LLMs' embedding and head are plain modules, but some HF forwards change their numbers in the
-forward itself, where a backbone that runs the modules would not see it:
-- Granite's LLM multiplies the embeddings it is given by `embedding_multiplier` (after the image
-  features are merged in, so those are scaled too: the multiply follows the `inputs_embeds` branch);
-- the head's logits are divided by `logits_scaling` (Granite), multiplied by `output_multiplier`
-  (Muse) or `logit_scale` (Cohere), soft-capped as `cap * tanh(logits / cap)`
-  (`final_logit_softcapping`: Gemma 2 / 4, Mistral Large 4, Muse), or set to the dtype's minimum
-  on tokens the model must not emit (Chameleon's VQ image tokens in text mode);
-- Inkling's forward divides the final hidden states by `logits_mup_width_multiplier` (muP) before
-  the head, and keeps only the first `unpadded_vocab_size` logits (a head padded past the
-  vocabulary).
-`embed_scale` and `logit_rule` read them from the HF classes' own forward code and the config,
-so a rule applies exactly where HF's forward applies it (a Granite LLM inside LLaVA gets the
-embedding multiplier, which its own forward applies, but not the logit scaling, which only
-Granite's causal-LM head does). `LogitRule` applies the head's in HF's order; `problem` says what
-is found but not known.
+Granite's embedding multiplier (after image features are merged in), the head's logit scaling
+(Granite), multipliers (Muse, Cohere), soft-capping (Gemma 2 / 4, Mistral Large 4, Muse),
+suppressed tokens (Chameleon), and Inkling's muP division and padded vocabulary. `embed_scale`
+and `logit_rule` read them from the HF classes' own forward code and the config, so a rule
+applies exactly where HF's forward applies it (a Granite LLM inside LLaVA gets the embedding
+multiplier but not the causal-LM head's scaling). `LogitRule` applies the head's in HF's order;
+`problem` says what is found but not known.
 
 Dims: n positions, V vocabulary.
 """

@@ -1,29 +1,14 @@
 """Decoder layers whose token mixing is not plain attention, run once per sample of a packed row.
 
-A packed row holds several samples, and ds_omni's packed attention keeps them apart through
-`cu_seqlens`. A layer that mixes tokens another way (a recurrence, a convolution over time, an
-indexer scoring every earlier token) knows nothing of `cu_seqlens`: run over the whole row, its
-state would flow from one sample into the next. Such a layer runs here once per sample: the row's
-hidden states [1, T, D] are cut at `cu_seqlens`, each piece gets its own slice of the position
-embeddings and position ids (what HF's own forward hands the layer for one unpadded sequence: no
-mask, no cache) and its own bidirectional spans, if any, and the outputs are joined. Attention
-inside such a layer still runs on the packed kernel, over a row of one sample.
-Attention layers stay on the packed kernel over the whole row.
-
-Which layer types go per sample, and why (`PER_SAMPLE`; `AS_ATTENTION`: the types that stay on
-the packed kernel; `NOT_SUPPORTED`: the ones refused, with why): keyed on the type the LLM's
-config gives each layer (`layer_types`), so one mechanism serves every family that names its
-layers so. An indexed (top-k sparse) layer also reads HF's causal mask (`WITH_MASK`): its sample
-runs on SDPA with the mask narrowed to the top-k pick, exact at any length (below k the pick is
-every earlier token, i.e. causal attention), at the price of an [L, L] mask per sample and no
-varlen kernel. The cost is one call of such a layer per sample (kernels of short samples are
-small); the gain is that any such layer is exact without knowing its internals. HF's torch
-fallbacks of these layers take no `cu_seqlens` (the fla / causal-conv1d kernels do, on CUDA
-only), so per sample is also the only exact path on CPU.
-
-Under Ulysses sequence parallelism a rank holds a shard of the row, not whole samples, so these
-layers cannot run there: `sp_problem` says so before training, `run_per_sample` if it happens.
-The pipeline engine runs each layer on the whole row, so these layers run there as here.
+A recurrence, a convolution over time or an indexer knows nothing of `cu_seqlens`: over a packed
+row its state would flow from one sample into the next. Such a layer runs here once per sample,
+each piece with its own position embeddings, ids and bidirectional spans (what HF hands it for one
+unpadded sequence), and the outputs are joined; attention layers stay on the packed kernel.
+`PER_SAMPLE`, `AS_ATTENTION` and `NOT_SUPPORTED` key on the config's `layer_types`; an indexed
+(top-k sparse) layer (`WITH_MASK`) runs its sample on SDPA with the mask narrowed to the top-k
+pick. The cost is one call a sample; the gain is exactness without knowing the layer's internals
+(HF's CPU fallbacks take no `cu_seqlens`). Under Ulysses SP a rank holds no whole sample, so these
+layers are refused (`sp_problem`). More: docs/models.md, "Which model types train exactly".
 
 Dims: T tokens of the row, L tokens of one sample, D hidden size, d rotary dim.
 """

@@ -1,19 +1,13 @@
 """Per-sequence SP degree (ByteScale's hybrid data parallelism): the pure placement math.
 
-All ranks of a reorder group form one pool. A sequence (one sample, packed alone) whose modelled
-cost is above one rank's share of the step, or whose tokens do not fit one micro-batch, gets a
-Ulysses group of its own: d ranks, the smallest power of two that brings its share per rank under
-both limits, aligned on a multiple of d inside the group (so groups of one size never overlap and
-stay inside a node). Every other sequence runs whole on one rank with no SP communication.
-
-A block's d ranks each carry cost / d of its sequence; the normal samples are then packed around
-those loads (`ds_omni.data.reorder`), so every rank's modelled cost per step comes out even.
-
-Ranks run their long sequences as extra micro-batches in *rounds*: in round k every rank runs one
-micro-batch (its block's shard, or a zero-weight empty one), so the forward passes of all ranks
-line up one for one. That keeps ZeRO-3's parameter all-gathers and ZeRO-2's per-backward
-reductions (collectives over all ranks) matched, and each block's Ulysses all-to-alls run while all
-its members are in the same micro-batch: no rank can wait on a peer that is inside another block.
+All ranks of a reorder group form one pool. A sequence whose modelled cost is above one rank's
+share of the step, or whose tokens do not fit one micro-batch, gets a Ulysses group of d ranks
+(the smallest power of two that brings its share under both limits, aligned on a multiple of d);
+every other sequence runs whole on one rank. A block's ranks each carry cost / d, and the normal
+samples are packed around those loads (`ds_omni.data.reorder`). Long sequences run in rounds: in
+round k every rank runs one micro-batch (its block's shard, or an empty one), so ZeRO's
+collectives and each block's all-to-alls line up and no rank waits on a peer inside another
+block. More: docs/parallelism.md, "A per-sequence SP degree".
 
 Dims: N candidate sequences, G ranks in the pool, D the largest degree allowed.
 """

@@ -1,26 +1,16 @@
 """Long-short sequence parallelism for encoders: a long item is encoded by a group of ranks.
 
-MegaScale-Omni's remedy for encoder stragglers: short items run whole, each on one rank of the
-group (`ds_omni.parallel.reshard` spreads them by cost); an item whose modelled cost is above a
-threshold is split over every rank of the group. Each rank runs the encoder's layers on a
-contiguous piece of the item's token sequence; inside attention, Ulysses all-to-alls trade the
-sequence split for a head split (every rank attends over the whole item with H / P heads) and
-back. Everything outside attention (MLP, norms, the projector) is per token, so the pieces need no
-other exchange: a rank's piece yields the item's embedding rows [a_r, b_r), which the reshard
-all-to-all then sends to whichever rank holds their placeholders, like any other rows.
-
-This module holds both halves:
-- pure math: `split_rows` (which embedding rows each rank yields) and `is_long` (the threshold);
-- the runtime: `EncoderShard` (a rank's piece of one item), `sharded` (the context in which an HF
-  encoder's attention becomes Ulysses attention) and `ulysses_attention` (registered in
-  transformers' `AttentionInterface` under `ENCODER_ULYSSES`).
-
-The attention name contains "flash" on purpose: HF vision towers that pack several images into one
-sequence (Qwen2-VL) then hand the attention function the item's `cu_seqlens` instead of cutting
-q, k, v by it themselves, which they could not do on a piece.
+Short items run whole, one rank each (`ds_omni.parallel.reshard` spreads them by cost); an item
+above the cost threshold is split over every rank of the group: each runs the encoder on a
+contiguous piece of its tokens, and inside attention Ulysses all-to-alls trade the sequence split
+for a head split and back. Everything else is per token, so a rank's piece yields the item's
+embedding rows [a_r, b_r), which the reshard all-to-all sends on like any other rows. Pure math:
+`split_rows`, `is_long`; runtime: `EncoderShard`, `sharded`, `ulysses_attention` (registered as
+`ENCODER_ULYSSES`; its name contains "flash" so packing towers like Qwen2-VL's hand it the item's
+`cu_seqlens`). More: docs/parallelism.md, "Long-short SP for encoders".
 
 Dims: B batch (1 for a split item), H heads, P ranks of the group, L the item's encoder tokens,
-L_r the tokens of rank r's piece (uneven: pieces follow embedding rows), D head dim.
+L_r the tokens of rank r's piece, D head dim.
 """
 
 from __future__ import annotations

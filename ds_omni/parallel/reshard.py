@@ -1,24 +1,16 @@
 """Adaptive resharding: encoder outputs -> the LLM sequence shards that hold their placeholders.
 
-Under LLM sequence parallelism (sp ranks split one packed row into sp contiguous token shards),
-every image / audio item of the row is encoded by exactly ONE rank of the SP group, chosen by
-modelled cost (longest-processing-time first, so encoder work is even), not by where its
-placeholders sit. After the projector, one all-to-all with uneven splits sends each embedding row
-to the rank whose shard holds that row's placeholder position; backward sends the gradients back
-the same way. An item cut by a shard boundary simply sends its rows to two ranks.
-
-The naive schemes move far more: every SP rank encoding every item of the row (sp x the encoder
-work, no traffic), or an all-gather of all embeddings (every rank receives every row).
-
-Long items (`ds_omni.parallel.long_short`): an item the plan marks long is encoded by every rank of
-the group, rank r yielding its embedding rows [a_r, b_r); each piece is sent on like a short item.
-
-The plan is a pure function of metadata that every rank of the group already has (the packed row
-is the same on all of them), so all ranks compute the same plan without communicating; only
-`ReshardEmbeddings` talks.
+Under LLM sequence parallelism every item of the packed row is encoded by one rank of the SP group,
+chosen by modelled cost (LPT), not by where its placeholders sit; one uneven all-to-all then sends
+each embedding row to the rank whose shard holds its placeholder (backward the same way back), an
+item cut by a shard boundary going to two ranks. The naive schemes move far more: every rank
+encoding every item, or an all-gather of all embeddings. Long items (`long_short`) are encoded by
+every rank of the group, each piece sent on like a short item. The plan is a pure function of the
+packed row, which every rank of the group has; only `ReshardEmbeddings` talks.
+More: docs/parallelism.md, "Sequence parallelism".
 
 Dims: T padded row length (a multiple of sp), S = T / sp tokens per shard, N embedding rows of the
-row (all encoders), N_r rows rank r encodes, D LLM hidden size.
+row, N_r rows rank r encodes, D LLM hidden size.
 """
 
 from __future__ import annotations

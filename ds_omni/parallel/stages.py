@@ -1,32 +1,13 @@
 """Pipeline stage boundaries from modelled cost, and the predicted time of each stage (pure).
 
-The pipeline's layers are, in order: the embedding layer (token embedding; with the encoders on
-stage 0, all encoder work too), the LLM's decoder layers, and the head (final norm, LM head, loss).
-A stage is a contiguous run of them. Its time is the sum of its layers' costs plus its share of
-the step's encoder work:
-
-- "stage0" (Megatron-LM, NeMo, torchtitan): stage 0 encodes everything, so the embedding layer
-  carries the whole encoder cost and the boundaries move decoder layers off stage 0 to make room.
-- "uniform" (MegaScale-Omni's joint pipeline): every stage's ranks encode an equal share (by
-  modelled cost) of the step's items before the schedule starts (`ds_omni.parallelize.joint`), so
-  each stage carries 1/P of the encoder work and the split only balances layer work.
-
-A pipeline runs at the pace of its slowest stage, so the "cost" split minimises the largest stage
-time (an exact dynamic programme over contiguous splits: L layers, P stages, O(P L^2)). Two other
-splits reproduce what other stacks do, as baselines (`parallel.stage_split`; the predicted stage
-times are computed the same way for all three, so `ds-omni plan` compares them):
-
-- "parameters" (DeepSpeed's default, `PipelineModule(partition_method="parameters")`): DeepSpeed's
-  `partition_balanced` (ported) over each layer's trainable parameter count. Under "stage0" the
-  encoders are part of the embedding layer, as they would be in a DeepSpeed user's first layer,
-  so their trainable parameters count there; under "uniform" every stage holds a replica, which
-  is no layer of the pipeline, so they count nowhere. Frozen parameters count nowhere (DeepSpeed
-  counts those with `requires_grad`).
-- "layers" (Megatron-LM, NeMo): the decoder layers split as evenly as possible, the embedding
-  (and under "stage0" the encoders) on the first stage, the head on the last, whatever they
-  cost. Megatron asks the layer count to divide by the stages; where it does not, the later
-  stages take the extra layers (the choice that favours "stage0", so the baseline is not
-  flattered).
+The pipeline's layers are the embedding layer (with the encoders under "stage0"), the decoder
+layers and the head; a stage is a contiguous run of them, its time their costs plus its share of
+encoder work (all of it on stage 0 under "stage0", 1/P on each stage under "uniform"). The "cost"
+split minimises the slowest stage (an exact dynamic programme, O(P L^2)). Two baselines
+(`parallel.stage_split`), priced the same way so `ds-omni plan` compares them: "parameters"
+(DeepSpeed's default: its `partition_balanced`, ported, over trainable parameter counts) and
+"layers" (Megatron-LM's even split, the later stages taking any remainder).
+More: docs/parallelism.md, "Pipeline parallelism".
 
 Dims: L pipeline layers (decoder layers + 2), P stages.
 """

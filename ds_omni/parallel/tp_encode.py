@@ -1,19 +1,14 @@
 """Encoder items over the tensor-parallel ranks of a row (parallel.tp): each TP rank encodes a
 share of the row's items, and one all-gather gives every TP rank every embedding row.
 
-The TP ranks of a group hold the same packed row whole (they split the LLM's layers, not its
-tokens), so unlike the SP resharding (`ds_omni.parallel.reshard`), where each row goes to the
-one shard that holds its placeholder, here every TP rank needs every row. Encoding every item
-on every TP rank is exact but does tp x the encoder work; this plan gives each item to ONE TP
-rank by modelled cost (longest-processing-time first: the busiest rank's load stays <= the mean
-+ the costliest item), and `GatherTPRows` all-gathers the rows.
+TP ranks hold the same packed row whole, so unlike the SP resharding every TP rank needs every
+row. Encoding every item on every TP rank is exact but tp x the work; this plan gives each item to
+one TP rank by modelled cost (LPT: the busiest load <= the mean + the costliest item), and
+`GatherTPRows` all-gathers the rows. The plan is a pure function of the row, so all TP ranks
+compute it without talking, and a loader reading once for the group can send each peer only the
+inputs it encodes. More: docs/parallelism.md, "Tensor parallelism".
 
-The plan is a pure function of the row (its tokens, its items' sizes and costs), which every TP
-rank has: they all compute the same plan without talking. A loader that reads once for the TP
-group (one reader) can call it to send each TP peer only the inputs of the items it encodes.
-
-Dims: N embedding rows of the row (all encoders), N_r rows TP rank r encodes, W a row's width
-((1 + k) D: the LLM's hidden size with k deepstack levels).
+Dims: N embedding rows of the row, N_r rows TP rank r encodes, W a row's width ((1 + k) D).
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """Parallelism applied to a built model, from outside: `parallelize(model, ...)`.
 
-The model is built whole and plain (`ds_omni.model.build`); this one step then applies the plan
-to it (torchtitan's `parallelize_fn(model, parallel_dims, job_config)`), and returns the module
-DeepSpeed is given:
-  embedding.py     the SP / per-sequence SP / encoder-pool routing of a micro-batch's embeddings
-                   (`EmbeddingRouter`, attached to the model) and the LLM's Ulysses attention
-  encoder_pool.py  the encoder pool: each round's items placed over every data-parallel rank
-  pipeline.py      the LLM over pipeline stages on DeepSpeed's PipelineModule (parallel.pp > 1)
-  joint.py         "uniform" encoder placement: every stage encodes a share of the step's items
-  tensor_parallel.py  the backbone's decoder layers split over the TP group (DeepSpeed's AutoTP)
-  tp_encoders.py   the encoders under TP: each TP rank encodes a share of the row's items, the
-                   rows all-gathered, the encoder gradients summed over the TP group
-  expert_parallel.py  an MoE LLM's experts over ep ranks: DeepSpeed's AutoEP, configured from
-                   the LLM's config (DeepSpeed swaps the blocks inside `deepspeed.initialize`)
+The model is built whole and plain (`ds_omni.model.build`); this step applies the plan to it
+(torchtitan's `parallelize_fn`) and returns the module DeepSpeed is given:
+  embedding.py        the SP / per-sequence SP / encoder-pool routing of a micro-batch's embeddings
+  encoder_pool.py     each round's encoder items placed over every data-parallel rank
+  pipeline.py         the LLM over pipeline stages on DeepSpeed's PipelineModule (parallel.pp > 1)
+  joint.py            "uniform" encoder placement: every stage encodes a share of the step's items
+  tensor_parallel.py  the backbone's decoder layers over the TP group (DeepSpeed's AutoTP)
+  tp_encoders.py      the encoders under TP: each TP rank encodes a share, rows all-gathered
+  expert_parallel.py  an MoE LLM's experts over ep ranks (DeepSpeed's AutoEP)
 The pure planners these call (reshard, long_short, hdp, stages) and the groups are in
-`ds_omni.parallel`.
+`ds_omni.parallel`. More: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """The plan's routing of a micro-batch's embeddings: Ulysses SP, per-sequence SP, the encoder pool.
 
-Under sequence parallelism a rank holds a shard of the row's tokens; under the encoder pool
-(`parallel.encoder_pool`) it encodes items that other ranks' rows hold. Either way its micro-batch
-carries a reshard plan (`Route.reshard`, `ds_omni.parallel.reshard`): the rank encodes the
-items the plan gives it, wherever their placeholders are (its whole items, and its piece of each
-long item, encoded by the whole row's group: `ds_omni.parallel.long_short`), then one all-to-all
-(`ReshardEmbeddings`) brings every row of this shard's placeholders from the rank that encoded
-it; a deepstack model's rows [N, (1 + k) D] carry their levels with them.
+Under SP a rank holds a shard of the row's tokens; under the encoder pool it encodes items other
+ranks' rows hold. Either way its micro-batch carries a reshard plan (`Route.reshard`): the rank
+encodes the items the plan gives it (and its piece of each long item), then one all-to-all
+(`ReshardEmbeddings`) brings every row of this shard's placeholders from the rank that encoded it;
+deepstack rows carry their levels. `EmbeddingRouter` holds what that needs of the plan (the SP
+group, the per-sequence blocks' groups, the pool, dummy passes, evidence counts) and is attached to
+the `OmniModel` by `parallelize`. A micro-batch without a reshard plan embeds whole.
+More: docs/parallelism.md, "Sequence parallelism".
 
-`EmbeddingRouter` holds what that needs of the plan, and `ds_omni.parallelize.parallelize`
-attaches it to a built `OmniModel` (`OmniModel.router`), which hands it every micro-batch: the
-LLM's SP group, the groups of the per-sequence blocks this rank can be in with their attention,
-the pool, whether encoders run a zero-weight dummy where they have nothing to encode, and the SP
-evidence counts. A micro-batch without a reshard plan embeds whole, on the model's own path.
-
-Dims: S tokens of this rank's shard (T, the whole row, for a pooled row at sp = 1), N_r rows this
-rank encoded, R rows its shard receives, D LLM hidden size, k deepstack levels.
+Dims: S tokens of this rank's shard (T for a pooled row at sp = 1), N_r rows this rank encoded,
+R rows its shard receives, D LLM hidden size, k deepstack levels.
 """
 
 from __future__ import annotations

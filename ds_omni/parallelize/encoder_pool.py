@@ -1,53 +1,18 @@
-"""Encoder pool: every micro-batch round, the encoder items of ALL data-parallel ranks are spread
-over those ranks by modelled cost, independently of which rank holds their text.
+"""Encoder pool (`parallel.encoder_pool`): every micro-batch round, the encoder items of all
+data-parallel ranks are spread over those ranks by modelled cost, whatever rank holds their text.
 
-Why: the budget planner (`data/reorder`) evens each rank's modelled cost over a whole step, but a
-rank whose micro-batch holds many images still runs its encoder longer in that round. Under ZeRO-3
-the ranks meet at every module's parameter gather, so each round waits for its busiest encoder;
-with sp = 1 nothing else spreads that work (resharding, `parallel.reshard`, balances only inside a
-row's SP group).
+Under ZeRO-3 the ranks meet at every parameter gather, so a round waits for its busiest encoder
+even when the step's total cost is even. Per step, one all-gather of the items' metadata; every
+rank computes the same plan of each round (`plan_round`, pure LPT with a locality slack that keeps
+items home unless moving evens the round). Per round, `exchange_inputs` sends moved items' inputs
+in one uneven all-to-all of bytes, the rank encodes its items (one call per encoder, as ZeRO-3
+needs), and `ReshardEmbeddings` sends every row to the shard holding its placeholder. Under sp > 1
+the pool is every rank (long items stay split over their group); under max_sequence_sp a round's
+groups are its blocks and idle ranks take short items. The pool is the whole data-parallel group,
+not the reorder group: ZeRO-3 waits for the busiest of all ranks that gather together.
+More: docs/parallelism.md, "Encoder pool".
 
-Under static SP (sp > 1) the pool is every rank (dp x sp, pp = 1): a round holds one row per
-SP group, each sharded over its group. Long items (`long_short`) stay split over their row's
-group: the group's members carry a share of their cost each, before any placement. Every short
-item of every row goes to ONE rank of the whole pool by the same LPT, preferring a rank of the
-row's own group (its inputs are there), then the one whose shard holds most of its
-placeholders. Why the whole pool and not the dp group of one SP rank: the rows' images sit on
-ALL of their group's ranks, and ZeRO-3 gathers over all dp x sp ranks, so the straggler is the
-busiest of them. One all-to-all over the pool then sends each embedding row to the shard
-holding its placeholder (`PoolPlan.reshard`: an item straddling a shard boundary sends rows to
-both, as in `reshard.plan_reshard`); a moved item's inputs come from the member of its home
-group at the encoding rank's place in its own group. "Moved" means encoded outside the row's
-group (the metrics).
-
-Under the per-sequence SP degree (`parallel.max_sequence_sp`, `parallel.hdp`) the pool is every
-data-parallel rank and a round's groups have mixed sizes: a long sequence's block of 2, 4, ...
-ranks (its micro-batch's `sp_block`, one row sharded over the block), the others alone (a group
-of one rank). The same plan serves: each row's group is its block, from `HomeRow(start, size)`.
-Ranks that sit a long-sequence round out (an empty micro-batch) or top up the step with fillers
-have no items but still take part in the round's exchanges, so the pool gives them short items
-of the busy rows: idle rounds absorb encoder work.
-
-Which ranks pool: the data-parallel group (at sp = pp = 1, the world), not the reorder group. The
-straggler that ZeRO-3 waits for is the busiest of ALL the ranks that gather together, which is the
-whole data-parallel group; pooling inside reorder groups of G ranks would leave the imbalance
-between groups. The price is one all-to-all over that group per round (inputs) plus the embedding
-exchange; the locality slack keeps items at home unless moving one evens the round, so most of the
-group's items never move.
-
-Per step: one all-gather of the items' metadata (encoder, rows, cost, input shapes and dtypes) over
-the group; every rank then computes the same plan of every round (pure, `plan_round`). Per round:
-1. `exchange_inputs`: the inputs of items that move travel to their encoding rank, all tensors of
-   the round as bytes in ONE uneven all-to-all (any family's per-item inputs: CLIP pixels, Qwen2-VL
-   patches + grid, Whisper features + mask, LLaVA-NeXT tiles + sizes);
-2. the rank encodes its items (collated by the family's own `collate`; one encoder call each, so
-   ZeRO-3 keeps equal call counts), and `ReshardEmbeddings` (the SP resharding's autograd
-   all-to-all, over this group) sends every embedding row to the rank whose row holds its
-   placeholder; backward sends the gradients back to the encoding rank.
-A round whose plan moves nothing runs as without the pool (no exchange).
-
-Dims: N rows (embeddings) of the round's items, N_r those rank r encodes (its whole items',
-then its pieces of its row's long items), S a shard's tokens under SP.
+Dims: N rows (embeddings) of the round's items, N_r those rank r encodes, S a shard's tokens.
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
-"""Expert parallelism for an MoE LLM backbone (parallel.ep): DeepSpeed's AutoEP, with HF's semantics.
+"""Expert parallelism for an MoE LLM backbone (parallel.ep): DeepSpeed's AutoEP, HF's semantics.
 
-DeepSpeed 0.19.8's AutoEP (`"expert_parallel": {"autoep_size": ep}` in the DeepSpeed config)
-swaps each HF MoE block, inside `deepspeed.initialize`, for an `AutoEPMoELayer`: its router
-(`router.gate`, HF's gate weight), this rank's 1/ep of the experts repacked as grouped tensors
-(`experts.w1/w2/w3`), and HF's shared experts kept as they are; tokens reach their experts'
-ranks by an all-to-all (uneven splits) and come back the same way. Expert gradients are reduced
-over the expert-data-parallel group (ranks holding the same experts), the rest over all
-data-parallel ranks; with ds_omni's loss (sum of token losses / global targets, x dp) that gives
-one process's gradients (checked by `tests/dist/test_expert_parallel.py`).
-
-Where AutoEP departs from HF, and what ds_omni does about it:
-- It reads the router's settings from `model.config`, which the model DeepSpeed is given (the
-  OmniModel) does not have; it would then fall back to its preset's, e.g. normalised top-k
-  weights for qwen3_moe, where HF's Qwen3-MoE default is `norm_topk_prob=False`. ds_omni writes
-  them into the DeepSpeed config from the LLM's own config (`autoep_section`): top_k,
-  route_norm = norm_topk_prob, softmax scores, a route scale of 1.
-- It matches MoE blocks by module name (`model.layers.N.mlp`); ds_omni names the backbone's
-  layers `backbone.layers.N`: the section's `moe_layer_pattern` says so, which also keeps AutoEP
-  off any encoder (backbone only).
-- It drops HF's auxiliary load-balancing loss (it retargets HF's router-logit recorder, which
-  ds_omni's forward does not use); ds_omni computes that loss itself from the router logits of
-  either block (`ds_omni.model.moe_aux`), so it is the same with or without AutoEP.
-- Router jitter noise (Mixtral's `router_jitter_noise`) is not implemented by AutoEP: refused.
-- DeepSeek-V2/V3's routers (sigmoid scores and a correction bias, group-limited top-k, a routed
-  scaling factor) are not what `autoep_section` writes (softmax top-k, scale 1): refused
-  (`OTHER_ROUTERS`) rather than trained with another router than HF's.
-- Its experts live as [E/ep, ...] shards under AutoEP's names; `hf_expert_state` gathers them
-  back into HF's layout (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I], `gate.weight`).
+AutoEP swaps each HF MoE block inside `deepspeed.initialize` for an `AutoEPMoELayer`: HF's router
+gate, this rank's 1/ep of the experts as grouped tensors, HF's shared experts; tokens reach their
+experts by uneven all-to-alls. Where AutoEP departs from HF, ds_omni: writes the router's settings
+from the LLM's own config (`autoep_section`: top_k, `norm_topk_prob`, softmax, scale 1), names
+the backbone's layers in `moe_layer_pattern` (so no encoder is touched), computes the auxiliary
+loss itself (`ds_omni.model.moe_aux`), refuses router jitter and DeepSeek-style routers
+(`OTHER_ROUTERS`), and gathers the experts back into HF's layout (`hf_expert_state`).
+More: docs/parallelism.md, "Expert parallelism".
 """
 
 from __future__ import annotations

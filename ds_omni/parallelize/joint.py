@@ -1,25 +1,17 @@
 """Encoder-LLM joint pipeline ("uniform" encoder placement): every stage encodes a share.
 
-With the encoders on stage 0, an image-heavy step makes stage 0 the pipeline's bottleneck while
-the other stages wait. Here the ranks of one pipeline (one rank per stage, same data-parallel
-coordinate, so the same micro-batches) split the step's encoder items by modelled cost, encode
-their share before the schedule starts, and one all-to-all over the pipeline's ranks brings every
-embedding row to stage 0, where the first stage's layer reads its micro-batch's rows from them.
-Backward mirrors it: once stage 0's last backward is done, the rows' gradients go back by the same
-all-to-all and each rank runs backward through what it encoded.
+The ranks of one pipeline (same data-parallel coordinate, so the same micro-batches) split the
+step's encoder items by modelled cost, encode their share before the schedule starts, and one
+all-to-all over the pipeline brings every embedding row to stage 0; after stage 0's last backward
+the rows' gradients go back the same way. Every stage holds the encoders, but each trainable
+encoder parameter has one owner stage (`owner_stages`): its gradient is summed onto the owner,
+only the owner's optimizer steps it, and the owner broadcasts it after the step
+(`EncoderShards`), so each stage steps 1/P of the encoders. Stage 0 holds the received rows as
+one leaf tensor, so the exchange back happens once a step.
+More: docs/parallelism.md, "Pipeline parallelism".
 
-Every stage holds the encoders (as DeepSpeed holds tied weights), but each trainable encoder
-parameter has one owner stage (`owner_stages`, balanced by size): its gradient is summed over the
-pipeline's ranks onto the owner only, only the owner's optimizer holds and steps it (DeepSpeed then
-reduces it over the owner's data-parallel ranks as any other parameter of that stage), and after the
-step the owner broadcasts it to the other stages (`EncoderShards`). So a stage steps the optimizer
-over 1/P of the encoders, not all of them, and the gradient norm counts each parameter once.
-
-Stage 0 holds the received rows as one leaf tensor: each micro-batch's backward adds into its
-gradient, so the exchange back happens once per step, not once per micro-batch.
-
-Dims: N rows (embeddings) of the step's items, N_s those stage s encodes, D LLM hidden size;
-E elements of one owner's parameters of one dtype (a flat bucket).
+Dims: N rows of the step's items, N_s those stage s encodes, D LLM hidden size; E elements of
+one owner's parameters of one dtype (a flat bucket).
 """
 
 from __future__ import annotations

@@ -1,35 +1,16 @@
 """The LLM backbone over pipeline stages, on DeepSpeed's pipeline engine (`PipelineModule`).
 
-The pipeline's layers are the OmniModel's own modules (so parameters, checkpoints of the whole
-model and the oracle's names stay the same), wrapped so each takes and returns what DeepSpeed's
-engine can send between stages, a tuple of tensors:
-
+The pipeline's layers are the OmniModel's own modules, wrapped to pass tuples of tensors:
     EmbedStage    (index [1], position_ids, cu_seqlens) -> (hidden [1, T, D], position_ids,
                                                           cu_seqlens, index)
     DecoderStage  (hidden, position_ids, cu_seqlens, index) -> the same
     HeadStage     (hidden, position_ids, cu_seqlens, index) -> scaled sum of token losses
-
-The names a stage registers its modules under are the keys of its layer's checkpoint file, which
-`ds_omni.model.layer_files.layer_modules` reads back into an OmniModel without this module.
-
-Only `hidden` is a float tensor, so it is the one tensor the engine sends a gradient back for.
-`position_ids` ([1, T], or [3, 1, T] for M-RoPE) and `cu_seqlens` [n + 1] travel with it, so a
-stage needs nothing but what it receives (lengths vary per micro-batch: `dynamic_shape=True`).
-The encoders' inputs vary in kind and number per family and micro-batch, so they do not travel
-through the engine: the step's micro-batches are held by `StepInputs`, and the first stage looks
-its micro-batch up by the index the engine hands it ("stage0" placement: stage 0 encodes); the
-index travels on, and the last stage looks up the micro-batch's targets by it.
-
-The whole loss, LM head included, is made inside the last stage's layers (the engine's `loss_fn`
-is None): DeepSpeed starts each backward pass (its `_backward_prologue`, from a hook on the
-module's output) when the first gradient reaches the module's output, and under bf16 its
-`BF16_Optimizer` then zeroes every bf16 gradient, to add them into its fp32 ones at the end. A
-weight used after the module's output, in a `loss_fn`, has its gradient made before that hook and
-zeroed by it: the LM head would never train under bf16 (and no error would say so).
-
-Gradient scale: the engine divides the last stage's loss by the accumulation steps and averages
-gradients over the data-parallel ranks; `StepInputs.scale` undoes both and divides by the global
-target-token count, so the gradient equals one process running the whole global batch.
+Only `hidden` is float (the one tensor sent a gradient); lengths vary (`dynamic_shape=True`). The
+encoders' inputs stay out of the engine: `StepInputs` holds the step's micro-batches, looked up
+by the index. The whole loss is made inside the last stage (`loss_fn` None): under bf16 DeepSpeed
+zeroes gradients made after the module's output, so a head in `loss_fn` would never train.
+`StepInputs.scale` undoes the engine's averaging so gradients equal one process's.
+More: docs/internals.md, "Pipeline"; docs/parallelism.md, "Pipeline parallelism".
 
 Dims: T packed tokens of a micro-batch, D LLM hidden size, n samples in the row.
 """

@@ -1,52 +1,15 @@
 """The LLM backbone tensor-parallel (parallel.tp) through DeepSpeed's AutoTP training layers.
 
-What runs is DeepSpeed's: `AutoTP` reads the backbone's HF tensor-parallel plan
-(`base_model_tp_plan`: q/k/v and gate/up projections column-parallel, o_proj and down_proj
-row-parallel) and swaps each of those `nn.Linear`s for its training layers (`LinearLayer`: the
-input's gradient all-reduced in backward; `LinearAllreduce`: the output all-reduced in forward).
-The embedding, norms, LM head and every encoder stay whole on each rank; the encoders' WORK is
-split instead, each TP rank encoding a share of the row's items (`tp_encoders`).
-
-Why ds_omni calls AutoTP itself instead of DeepSpeed's engine path
-(`"tensor_parallel": {"autotp_size": N}` in the DeepSpeed config):
-  - the engine shards every module it is given: here the encoders too, which must stay whole
-    (they keep their own plan over all ranks);
-  - the engine replaces the `mpu` it is handed by its own module `deepspeed.utils.groups`,
-    whose (dp, tp) mesh is built without ds_omni's rank layout.
-So this module makes the calls the engine makes (`DeepSpeedEngine._apply_autotp_partitioning`,
-its HF-tp_plan branch) on the backbone alone, with the plan's TP group, and the engine is given
-`ds_omni.parallel.groups.TensorParallelMpu` (ZeRO reduces over the data-parallel ranks only and
-counts sharded parameters in the gradient norm over the TP group).
-
-The embedding and the LM head stay whole (replicated) on every TP rank. What DeepSpeed's AutoTP
-training path would do with them: with a `partition_config` (the HF-tp_plan branch, ours) AutoTP
-slices an `nn.Embedding` or replaces a head only where a spec names it. The engine builds its
-specs from `_get_hf_tp_plan(model)`: the config's `base_model_tp_plan` (for llama, mistral,
-qwen2, qwen2_vl_text, qwen3 and qwen3_moe in transformers 5.24 it names the decoder layers'
-projections only, never `embed_tokens`; a plan that does says `embedding_rowwise`, which
-`TPPlanConverter` turns into a SKIP spec: whole) merged with the CausalLM class's `_tp_plan`,
-`{"lm_head": "colwise_gather_output"}`: a vocabulary-split head (`LinearLayer(gather_output=True)`)
-whose [n, V] logits are all-gathered over the TP group after every micro-batch, or, with
-`tensor_parallel.vocab_parallel_lm_head`, a vocab-parallel head and DeepSpeed's own loss.
-ds_omni hands AutoTP the text config's `base_model_tp_plan` alone: the backbone is not an HF
-CausalLM and its head runs on target positions only, through `LogitRule.head` (softcapping and
-scaling around it) and ds_omni's full-vocabulary cross-entropy; a gathered head would save 1/tp
-of its weights but add an all-gather of the logits, and the vocab-parallel one would replace
-that loss. Both whole are exact with no extra collective: the hidden state entering the head
-is whole after the last row-parallel all-reduce, so every TP rank computes the same head
-gradient, and the embedding's gradient is whole because the column-parallel layers all-reduce
-their input gradient. `tests/dist/test_tensor_parallel.py` (`_check_sharded_params`) asserts
-that exactly the decoder layers' projections are split and the embedding and head are whole.
-
-GQA with fewer key-value heads than tp: DeepSpeed splits the attention by key-value head
-groups, so ranks past the KV head count hold no attention shard at all (zero-width q/k/v and
-o_proj shards: rank 0 of tp=2 over one KV head holds the whole attention); the row-parallel
-all-reduce adds their empty share, so the result stays exact, but attention work does not scale
-past the KV head count. `check_tensor_parallel` logs that case.
-
-Sliding windows (Mistral, Qwen2's per-layer `layer_types`, Gemma 3) need nothing here: AutoTP
-swaps only the projections, so each attention module keeps its `sliding_window` and passes it to
-the packed kernel (`ds_omni.model.attention`), which applies it to this rank's heads as to all.
+`AutoTP` reads the backbone's HF `base_model_tp_plan` (q/k/v, gate/up column-parallel; o_proj,
+down_proj row-parallel) and swaps those Linears for its training layers. The embedding, norms, LM
+head and encoders stay whole on each rank; the encoders' work is split instead (`tp_encoders`).
+ds_omni makes the engine's AutoTP calls itself, on the backbone alone with the plan's TP group,
+and hands the engine `TensorParallelMpu`: the engine path would shard the encoders too and
+replace the mpu with its own mesh. Head and embedding whole are exact with no extra collective.
+GQA with fewer KV heads than tp leaves some ranks without an attention shard (exact, but attention
+does not scale past the KV head count; `check_tensor_parallel` logs it). Sliding windows need
+nothing here. More: docs/internals.md, "Tensor parallelism"; docs/parallelism.md,
+"Tensor parallelism".
 """
 
 from __future__ import annotations

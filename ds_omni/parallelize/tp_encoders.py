@@ -1,44 +1,17 @@
-"""The encoders under parallel.tp: never tensor-parallel, they keep their own plan, so the TP
-ranks of a group encode different items of the row they share, and every TP rank gets every row.
+"""The encoders under parallel.tp: never tensor-parallel, so the TP ranks of a group encode
+different items of the row they share, and every TP rank gets every row.
 
-Per micro-batch (`TPEncoders`):
-  1. `place` (in the step, on the host): the row's items go over the TP ranks by modelled cost
-     (`ds_omni.data.packing.tp_share`, the pure plan `ds_omni.parallel.tp_encode`); this rank
-     keeps the inputs of its items only. A micro-batch a loader already placed is left alone.
-  2. `embed` (in the model's forward): this rank encodes its items (a zero-weight dummy pass
-     where it has none), and `GatherTPRows` all-gathers the rows over the TP group, so each
-     rank scatters the whole row's embeddings into its (whole) token embeddings.
+Per micro-batch (`TPEncoders`): `place` (in the step, on the host) gives the row's items to the TP
+ranks by modelled cost (`ds_omni.parallel.tp_encode`), each keeping its items' inputs; `embed`
+encodes this rank's items (a zero-weight dummy where it has none) and `GatherTPRows` all-gathers
+the rows over the TP group. The encoders' gradients come from each rank's items alone, so
+`sum_grads_over_tp` sums them over TP in a pre-accumulation hook per parameter, before ZeRO sees
+them (as AutoTP does for replicated parameters); every TP rank must therefore run every encoder in
+every micro-batch. The encoders run on a random stream forked from the TP group's shared one
+(`_encoder_rng`). More: docs/internals.md, "Tensor parallelism".
 
-The gradients, and where each is made whole:
-  - at the LLM's input embeddings: already whole on every TP rank (`GatherTPRows`' docstring),
-    so the gather's backward hands each rank its own rows' slice, summing nothing;
-  - the encoders' (tower and projector) parameters: rank r's gradient now comes from its items
-    alone, so the whole one is the SUM over the TP ranks. `sum_grads_over_tp` registers a hook on
-    each trainable encoder parameter, before `deepspeed.initialize`, that all-reduces (sums) the
-    gradient over the TP group as autograd computes it, before it is accumulated: what
-    DeepSpeed's AutoTP does for its replicated parameters that see sharded activations
-    (`AutoTP.register_replicated_grad_hooks`). Why a hook and not a reduction over dp x tp in
-    ZeRO: ZeRO-2 reduces (and partitions) each gradient from its own post-accumulation hook
-    during backward, so there is no later point at which a sum over TP could still go in; a
-    pre-accumulation hook runs before it under ZeRO 0, 1 and 2 alike (and under gradient
-    accumulation, each micro-batch's part summed as it comes). A ZeRO reduction over dp x tp
-    instead would average where a sum is wanted and needs a parameter group of its own (MoE's
-    expert groups). After the sum the encoders' gradients are the same on every TP rank, so
-    ZeRO's average over the data-parallel ranks (`TensorParallelMpu`) and its gradient norm,
-    which counts a parameter AutoTP did not split on TP rank 0 only, count them once.
-  - the hooks are collectives: every TP rank must compute every encoder parameter's gradient
-    in every backward, in the same order. So under parallel.tp every micro-batch runs every
-    encoder, on a zero-weight dummy where a rank has no item (`parallelize` turns
-    `encoder_dummies` on): the dummy's zero gradient is this rank's share.
-
-Random streams: the TP ranks of a row share one (`ds_omni.train.setup`), so the dropout masks
-of the replicated layers agree; encoding different items would draw different amounts from it.
-The encoders run on a stream forked from it (`_encoder_rng`): one draw from the shared stream,
-the same on every TP rank, seeds each rank's encoder stream, and the shared stream goes on
-in step.
-
-Dims: T tokens of the row, N its embedding rows, N_r this rank's, D the LLM's width, k
-deepstack levels.
+Dims: T tokens of the row, N its embedding rows, N_r this rank's, D the LLM's width, k deepstack
+levels.
 """
 
 from __future__ import annotations

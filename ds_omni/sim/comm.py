@@ -1,20 +1,13 @@
-"""Collective times by the alpha-beta model: a message of n bytes over a link costs
-alpha + n / beta (alpha: latency, beta: bandwidth per direction).
+"""Collective times by the alpha-beta model: n bytes over a link cost alpha + n / beta.
 
-A group whose ranks all sit on one node uses the intra-node link; a group that spans nodes is
-held to the inter-node link (its slowest hop), the usual bound of flat ring algorithms.
-Rings (p ranks, a buffer of n bytes):
-  all-reduce:      2 (p - 1) alpha + 2 (p - 1) / p * n / beta
-  reduce-scatter:    (p - 1) alpha +   (p - 1) / p * n / beta   (n: the whole, unscattered buffer)
-  all-gather:        (p - 1) alpha +   (p - 1) / p * n / beta   (n: the whole, gathered buffer)
-Tree all-reduce (reduce up a binary tree, broadcast down, the message whole at each hop):
-  2 ceil(log2 p) (alpha + n / beta): fewer latencies, more bytes; better for small messages.
-All-to-all with uneven splits (`sends` [p, p] bytes, i -> j): every rank sends and receives at
-once; a rank's intra-node and inter-node traffic go over different links in parallel, so rank i
-finishes after alpha per peer it talks to plus the larger of its bytes over each link, in or out,
-divided by that link's bandwidth; the collective ends when the slowest rank does. An even split
-with the same total is never slower than an uneven one: that is why the splits are kept.
-p2p (pipeline sends): alpha + n / beta over the link between the two ranks.
+A group on one node uses the intra-node link; one that spans nodes is held to the inter-node link.
+Rings (p ranks, n bytes): all-reduce 2 (p - 1) alpha + 2 (p - 1) / p * n / beta; reduce-scatter and
+all-gather (p - 1) alpha + (p - 1) / p * n / beta (n: the whole buffer). Tree all-reduce:
+2 ceil(log2 p) (alpha + n / beta), better for small messages. All-to-all with uneven splits
+(`sends` [p, p]): a rank's intra- and inter-node traffic go over their links in parallel; it
+finishes after alpha per peer plus its larger bytes over a link divided by that link's bandwidth,
+and the collective ends with the slowest rank. p2p (pipeline sends): alpha + n / beta.
+More: docs/simulator.md.
 """
 
 from __future__ import annotations

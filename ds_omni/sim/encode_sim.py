@@ -1,24 +1,14 @@
 """A round's encoder work on simulated ranks, placed by the planners training runs:
-
-- "reshard": a row's items over its group (its SP group, or its per-sequence block) by
-  `parallel.reshard.plan_reshard` (LPT by modelled cost; long items split over the whole group
-  by long-short SP when `long_items`), then one uneven all-to-all to the placeholders' shards;
-- "split_all" (VeOmni): every item split over the row's group (the same planner, threshold 0);
+- "reshard": a row's items over its group by `parallel.reshard.plan_reshard` (long items split by
+  long-short SP), then one uneven all-to-all to the placeholders' shards;
+- "split_all" (VeOmni): every item split over the row's group;
 - "replicated" (HF Ulysses as shipped): every rank of a row's group encodes all its items;
-- "pool": every row's short items over all ranks by `parallelize.encoder_pool.plan_round`,
-  long items split over their own row's group; moved items' inputs travel first.
-
-Under parallel.tp (ranks (dp, sp, tp), tp innermost) training's two cases:
-- tp alone with "reshard" (`ParallelConfig.tp_encodes_apart`): each TP rank of a row encodes
-  its share of the row's items by `parallel.tp_encode.plan_tp_encode` (LPT by modelled cost),
-  then one all-gather of the rows over the TP group (`tp_gathers`, forward only: its backward
-  sends nothing); the encoders' gradients are then summed over TP (`step.py`);
-- otherwise (tp x sp, or the pool): every TP rank runs the plan of its SP group / its pool
-  over the ranks of its own TP coordinate, all TP ranks alike: the mode is run once on the
-  world with tp folded away (`_per_tp_rank`) and copied to each TP rank.
-
-The row's layout: its samples packed in order, each sample's item rows first, then its text;
-a group of g ranks cuts the row into g shards of ceil(T / g) tokens.
+- "pool": short items over all ranks by `encoder_pool.plan_round`, long ones over their group.
+Under parallel.tp: tp alone with "reshard" encodes apart (`plan_tp_encode`, then one all-gather
+over TP, `tp_gathers`); otherwise every TP rank runs its SP group's or pool's plan, run once with
+tp folded away (`_per_tp_rank`) and copied to each TP rank. A row packs its samples in order
+(each sample's item rows, then its text); a group of g ranks cuts it into g shards of
+ceil(T / g) tokens. More: docs/simulator.md.
 
 Dims: W ranks, K items of a row, T tokens of a row.
 """

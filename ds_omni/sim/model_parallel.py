@@ -1,28 +1,15 @@
 """Tensor and expert parallelism in the simulator, modelled from their communication volume
-(no planner of training decides anything here: AutoTP and AutoEP split evenly).
+(AutoTP and AutoEP split evenly: no planner decides anything here).
 
-Tensor parallelism (`parallel.tp`, DeepSpeed's AutoTP on the LLM's layers; pp = 1, any sp): the
-tp ranks of a row each hold the row's tokens (under sp, their SP rank's shard of it); each
-decoder layer's projections are split over them, so a rank runs 1/tp of the layers' FLOPs and,
-per layer, all-reduces its activations twice in forward (after o_proj and down_proj, its
-tokens x h bf16) and its input gradients twice in backward (before q/k/v and gate/up), twice
-more in backward under checkpointing (the recomputed forward). ZeRO partitions over the dp x sp
-ranks of one tp coordinate (one ZeRO group per tp rank), the layers' share being 1/tp.
-The encoders are not split (`encode_sim`): under `tp_encodes_apart` (sp = 1, no pool) each TP
-rank encodes its share of the row's items and the rows are all-gathered over TP
-(`run_tp_gather`), and every micro-batch's encoder gradients are summed over TP
-(`run_tp_encoder_grads`: trainable encoder + projector parameters, bf16, one ring all-reduce);
-under tp x sp each TP rank encodes its SP rank's share (as under sp alone) and runs Ulysses
-over its SP group with heads / tp (`step.llm_sp_seconds`).
-
-Expert parallelism (`parallel.ep`, DeepSpeed's AutoEP; tp = pp = 1): each MoE layer's E
-experts are split over groups of ep consecutive ranks of the dp x sp ranks; a token goes to its top-k
-experts by an all-to-all and comes back by another: per MoE layer 2 all-to-alls forward and 2
-backward (+2 under checkpointing) of tokens x top-k x h bf16 a rank, (ep - 1) / ep of it to
-other ranks (routing taken as uniform). The experts' FLOPs of a group (top-k of E a token) are
-spread evenly over its ranks; every layer's all-to-all makes the group wait for its slowest
-rank. Expert weights and their states are 1/ep a rank, partitioned by ZeRO over the dp / ep
-ranks that hold the same experts (their gradients are reduced there); the rest over all dp.
+TP: a rank runs 1/tp of the decoder layers' FLOPs and per layer all-reduces its activations twice
+forward and its input gradients twice backward (twice more under checkpointing); ZeRO partitions
+over the dp x sp ranks of one tp coordinate. Encoders are not split: under `tp_encodes_apart`
+each TP rank encodes its share and the rows are all-gathered (`run_tp_gather`), the encoder
+gradients summed over TP (`run_tp_encoder_grads`); under tp x sp each TP rank runs Ulysses with
+heads / tp. EP: per MoE layer 2 all-to-alls forward and 2 backward (+2 under checkpointing) of
+tokens x top-k x h bf16, (ep - 1) / ep to other ranks (uniform routing); expert FLOPs spread
+evenly over the group; expert states 1/ep a rank, partitioned over the dp / ep ranks holding the
+same experts. More: docs/simulator.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
-"""What the simulator needs of a model: parameter counts, training FLOPs per token and per
-encoder item (the project's `CostModel`, the one the loader balances with), bytes per parameter,
-and activation bytes per token with and without activation checkpointing.
+"""What the simulator needs of a model: parameter counts, training FLOPs per token and per encoder
+item (the loader's `CostModel`), bytes per parameter, and activation bytes per token.
 
-Parameter counts follow the cost model's weights (`ModelDims`): per LLM layer
-2h^2 + 2h kv + k h I (q and o, k and v, the MLP's k matrices), the token embedding and an untied
-LM head (h V each); per encoder layer 4 h_e^2 + k_e h_e I_e, and a projector h_e x h. Norms and
-biases are left out (< 0.1 %).
-
-Activations kept for backward, per token and layer, in bf16 (2 bytes a value), with
-FlashAttention (no s x s scores kept): the layer's input, the two norms' outputs, q, k and v,
-the attention output and the MLP's input and its k - 1 + 1 intermediate widths:
-  2 * (6h + 2 kv + k I) bytes           (Llama-2-7B: 131 kB; Korthikanti et al.'s 34 h: 139 kB)
-With full checkpointing a layer keeps only its input (2h bytes a token), and one layer at a time
-is recomputed whole in backward. The LM head's logits and their gradient: 4 V bytes a token
-(fp32, as HF's loss upcasts), once.
-
-Tensor parallelism (tp) splits q, k, v, the attention output and the MLP's widths over the
-tp ranks; the layer's input, its norms' outputs and the MLP's input stay whole on each:
-  2 * (4h + (2h + 2 kv + k I) / tp) bytes a token and layer; the embedding, the LM head and
-the encoders are not split (`ds_omni.parallelize.tensor_parallel`).
-
-An MoE LLM (`MoESpec`: Qwen3-MoE, Mixtral, Qwen2-MoE) keeps all E experts' weights but runs
-top-k of them a token: the cost model prices the active width (top-k x the expert's width, plus
-a shared expert), the parameter counts hold every expert.
+Parameters follow `ModelDims`: per LLM layer 2h^2 + 2h kv + k h I, embedding and untied head h V
+each, per encoder layer 4 h_e^2 + k_e h_e I_e, a projector h_e x h (norms and biases < 0.1 %).
+Activations kept per token and layer in bf16 with FlashAttention: 2 * (6h + 2 kv + k I) bytes
+(Llama-2-7B: 131 kB; Korthikanti et al.'s 34 h: 139 kB); under full checkpointing a layer keeps
+its input (2h) and one layer at a time is recomputed; the logits and their gradient 4 V bytes a
+token, once. TP splits q, k, v, the attention output and the MLP widths:
+2 * (4h + (2h + 2 kv + k I) / tp). An MoE LLM (`MoESpec`) keeps every expert's weights and prices
+the active width (top-k experts plus a shared one). More: docs/simulator.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
-"""Plan search: for a cluster, a model and a workload, every plan of a space (degrees, ZeRO
-stage, per-sequence SP, where encoders run, reorder group, checkpointing), each either dropped
-with its reason or ranked by its simulated step time.
+"""Plan search: for a cluster, a model and a workload, every plan of a space either dropped with its
+reason or ranked by its simulated step time.
 
-Three filters, cheapest first, none of which can drop a plan that would have ranked:
-1. Training's rules (`SimPlan.parallel_plan` and `check_model`: the world size, tp and sp
-   dividing the heads, ep the experts, ZeRO limits of tp and the pipeline; from a config also
-   `plan_run`'s checks, through `check`): a refused plan is dropped with training's message.
-2. Model states (exact, the simulator's own `state_shards` and ZeRO arithmetic): a plan whose
-   states alone exceed a GPU's memory is dropped "out of memory" with the figures.
-3. Branch and bound: each plan gets a lower bound on its step time (`lower_bound`: its compute
-   spread perfectly over all GPUs, plus the bandwidth part of its tp / ep / Ulysses traffic and
-   its end-of-step gradient synchronisation, none of which a schedule can hide). Plans are
-   simulated in order of their bound; the search stops when the next bound is no better than
-   the top-th best step time found, so the top plans are exactly those an exhaustive
-   simulation would rank first. Simulated plans whose peak memory does not fit are dropped
-   with their figures.
-Every plan is simulated on the same samples; the loader's planning is shared between plans
-with the same data-parallel shape, and each round's encoder placement between plans whose rows
-and encoder mode are the same (`simulate(..., cache=)`); the resolved parallel plan (or its
-refusal) between plans that differ only in ZeRO stage and checkpointing.
-
-A time budget (`budget_s`) stops the search early; the result then says how many plans were
-left and their best bound (the top plans are then the best found, not proven best).
+Three filters, cheapest first, none of which can drop a plan that would have ranked: training's
+own rules (`SimPlan.parallel_plan`, `check_model`, `plan_run`'s checks: dropped with training's
+message); model states that alone exceed a GPU's memory; and branch and bound: plans simulated in
+order of a lower bound on their step time (compute spread perfectly, plus the traffic no schedule
+hides), stopping when the next bound is no better than the top-th best found. Plans share the
+loader's planning, encoder placements and resolved parallel plans where they can
+(`simulate(..., cache=)`). A time budget (`budget_s`) stops early and says how many plans were
+left and their best bound. More: docs/simulator.md.
 """
 
 from __future__ import annotations

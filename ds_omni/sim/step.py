@@ -1,19 +1,15 @@
 """simulate(cluster, model, workload, plan) -> StepReport: one training step on simulated ranks.
 
 1. The workload's global batch is drawn (seeded) and priced by the loader's cost model.
-2. The loader's planning runs per reorder group (`loader_sim`: loader order, fixed-count LPT,
-   budget; per-sequence SP blocks and their rounds).
-3. Without a pipeline, the step is a series of rounds (the M micro-batches, then the long
-   rounds); in each, every rank encodes what the encoder planners give it (`encode_sim`), the
-   embeddings are resharded (one uneven all-to-all per group, forward and backward), the LLM runs
-   forward and backward (Ulysses all-to-alls per layer under SP), and under ZeRO-2/3 the ranks
-   meet at the round's gradient reduce-scatter / parameter gathers. With a pipeline, 1F1B over
-   the stages (`pipeline_sim`). Then the step's gradient synchronisation and optimizer gathers.
-4. Every phase is an event on a per-rank timeline (`timeline`): the step time, the critical path,
-   per-rank compute / communication / idle; MFU; memory per rank (`memory`); bytes moved.
-
-Compute time is FLOPs / (peak x achievable); forward is 1/3 of a trained part's training FLOPs,
-backward 2/3, plus one forward more under activation checkpointing.
+2. The loader's planning runs per reorder group (`loader_sim`).
+3. Without a pipeline, the step is a series of rounds; in each every rank encodes what the encoder
+   planners give it (`encode_sim`), embeddings are resharded, the LLM runs forward and backward
+   (Ulysses all-to-alls under SP), and under ZeRO-2/3 the ranks meet at the round's collectives.
+   With a pipeline, 1F1B over the stages (`pipeline_sim`). Then gradient sync and optimizer.
+4. Every phase is an event on a per-rank timeline (`timeline`): step time, critical path, per-rank
+   compute / communication / idle, MFU, memory (`memory`), bytes moved.
+Compute time is FLOPs / (peak x achievable); forward 1/3 of training FLOPs, backward 2/3, one
+forward more under checkpointing. More: docs/simulator.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,15 @@
 """Checkpoints: DeepSpeed's engine state plus what ds_omni owns, and resuming from them.
 
-Layout under `<output_dir>/checkpoints/`:
-
-    latest                      tag of the newest complete checkpoint (moved last, atomically)
-    model/                      HF config, tokenizer and processor: enough to export without the run
-    .step00000020.tmp/          a save in progress (or one a crash interrupted: never loaded)
-    step00000010/               DeepSpeed files (model, optimizer, LR schedule) for any ZeRO stage
-        manifest.json           size and sha256 of every file: written last, so it marks the
-                                directory complete; `--resume` checks it and, if a newer directory
-                                fails, says why and takes the newest that passes
-        loader_state.json       the data position (JSON, versioned, global over ranks)
-        rng_rank{r}.pt          RNG states of rank r: torch CPU and CUDA, numpy, Python `random`
-                                (tensors and numbers only: loads with weights_only)
-        trainer_state.json      step counter, and what the run was (`run_fingerprint`: model
-                                family, every parameter's shape, ZeRO stage, ranks, tp and
-                                ep), so that
-                                `--resume` with another model or layout says what differs
-                                before DeepSpeed reads a byte
-        universal/              made at the first `--resume` on another number of ranks: the
-                                same state as DeepSpeed's universal checkpoint (one folder per
-                                parameter: fp32 weights, Adam moments), which any number of
-                                ranks loads and re-partitions
-
-Resuming on another number of ranks: ZeRO (and bf16 without ZeRO) keeps the fp32 weights and
-the optimizer state in one shard per rank, cut for the number of ranks that wrote them. `load`
-sees that (`resharding_needed`), converts the checkpoint once with DeepSpeed's `ds_to_universal`
-(rank 0, in a temporary folder renamed when done) and loads it with DeepSpeed's universal
-loading, which re-partitions both exactly (measured: fp32 weights and Adam moments bit-equal after
-2 -> 1, 1 -> 2 and 4 -> 2 under ZeRO 1 and 3 on CPU/gloo). The data position is ds_omni's own and
-elastic (`OmniLoader.load_state_dict` deals the unread rows out to the new ranks); RNG states of
-ranks that did not exist before are left as seeded.
-
-DeepSpeed's own files are pickles that DeepSpeed reads; load only checkpoints you wrote.
+Under `<output_dir>/checkpoints/`: `latest` (the newest complete tag, moved last), `model/` (HF
+config, tokenizer, processor: enough to export), `.stepN.tmp/` (a save in progress, never
+loaded) and `stepN/` with DeepSpeed's files, `manifest.json` (size and sha256 of every file,
+written last: `--resume` checks it and falls back to the newest that passes),
+`loader_state.json`, `rng_rank{r}.pt` and `trainer_state.json` (the step and `run_fingerprint`,
+so resuming another model or layout says what differs before DeepSpeed reads a byte). On another
+number of ranks, `load` converts once with DeepSpeed's `ds_to_universal` into `universal/` and
+loads it re-partitioned (bit-equal fp32 weights and Adam moments, measured); the data position is
+elastic. DeepSpeed's files are pickles: load only checkpoints you wrote.
+More: docs/fault_tolerance.md.
 """
 
 from __future__ import annotations

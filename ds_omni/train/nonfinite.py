@@ -1,23 +1,13 @@
 """Non-finite loss or gradients: no NaN ever reaches the weights or the optimizer state.
 
-A `NonFiniteGuard` watches one engine: every micro-batch's loss, and every gradient as autograd
-computes it (a tensor hook per trainable parameter, so a NaN is seen on the rank that made it,
-before any reduction spreads it). A hook keeps only its gradient's min and max (one
-`torch.aminmax`: NaN and +-inf show in them, and unlike a sum they cannot overflow), which are
-checked together once a micro-batch: the hook runs for every parameter of every micro-batch, and
-four small ops in it (isfinite, all, not, or) cost a tiny LLaVA's step 7 % of its CPU
-(`benchmarks/step_profile.py`). The flag stays on the device; after the step's last backward
-`tripped()` all-reduces it once, so every rank decides the same, before the optimizer runs.
-Then `train.on_nonfinite` says what happens:
-
-- "stop": the run ends with an error naming the step's samples (nothing was updated);
-- "skip": the update is dropped: weights, optimizer state and LR schedule stay as they were, and
-  the step's samples are recorded in metrics.jsonl. Under ZeRO 1-3 DeepSpeed's own overflow path
-  drops it (ds_omni turns on its gradient check for bf16, which DeepSpeed leaves off); without
-  ZeRO (fp32) the optimizer's step is not called.
-
-With fp16, inf gradients are how the dynamic loss scaler finds its scale, and DeepSpeed already
-skips those steps: only the loss is watched there.
+A `NonFiniteGuard` watches every micro-batch's loss and every gradient as autograd makes it (a
+hook per trainable parameter keeping one `torch.aminmax`, which shows NaN and inf and cannot
+overflow; four small ops there cost a tiny step 7 % of its CPU). The flag stays on the device and
+is all-reduced once after the step's last backward, so every rank decides the same before the
+optimizer runs. `train.on_nonfinite`: "stop" ends the run naming the step's samples; "skip" drops
+the update (weights, optimizer state and LR schedule unchanged; under ZeRO through DeepSpeed's own
+overflow path) and records the samples. Under fp16 only the loss is watched (the loss scaler owns
+inf gradients). More: docs/fault_tolerance.md.
 """
 
 from __future__ import annotations

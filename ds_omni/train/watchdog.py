@@ -1,29 +1,15 @@
 """Peer watchdog: a rank that dies, stops or hangs ends the whole job within `train.peer_timeout_s`.
 
-Without it, the survivors of a dead or hung rank wait in their next collective for the process
-group's timeout (30 minutes by default), or forever on a rank stopped by SIGSTOP or a frozen node.
-
-Each rank runs one daemon thread. Every `interval` seconds (peer_timeout_s / 6, at most 5 s) it
-  - samples its own main thread's stack: is it inside a collective, and where is it;
-  - publishes that as a heartbeat to the rendezvous store (its own TCPStore client, short
-    timeouts, keys under `ds_omni_watchdog/`);
-  - reads the heartbeats of the next `WATCHED_PEERS` ranks of a ring (each rank is watched by that
-    many others: O(world) store traffic, not O(world^2)) and the job's abort key.
-
-Verdicts (`judge`, pure):
-  silent  no new heartbeat for peer_timeout_s: killed (kill -9, OOM killer, a crash in C code),
-          stopped (SIGSTOP, a frozen node) or its host lost;
-  hung    busy outside any collective, at one place of one step, for peer_timeout_s while this
-          rank waits for it in a collective (a deadlock, an endless loop, a stuck read);
-  failed  its training raised (its own error is in its log) and it did not come back;
-  store   the rendezvous store did not answer for peer_timeout_s (its host died or stopped).
-The first verdict goes into the abort key; every rank that sees it prints it and exits with
-`EXIT_PEER_FAILURE`, and the launcher ends whatever is left. A culprit stopped on this host is
-killed (SIGKILL), since a launcher's SIGTERM waits until a stopped process is continued.
-
-The training path pays one attribute write per step (`watchdog.step = step`); phases where one
-rank legitimately works while the others wait (checkpoint saves, the HF export) run under
-`watchdog.solo()`, where only silence counts.
+Without it the survivors wait in their next collective for the process group's timeout (30
+minutes), or forever on a stopped rank. Each rank runs a daemon thread that every `interval`
+samples its main thread's stack (inside a collective? where?), publishes a heartbeat to the
+rendezvous store, and reads the heartbeats of the next `WATCHED_PEERS` ranks of a ring and the
+abort key. Verdicts (`judge`, pure): silent (killed, stopped, host lost), hung (busy outside any
+collective while this rank waits for it), failed (its training raised), store (the store does not
+answer). The first verdict goes into the abort key; every rank prints it and exits with
+`EXIT_PEER_FAILURE`; a culprit stopped on this host is killed. The training path pays one
+attribute write a step; solo phases (saves, export) run under `watchdog.solo()`.
+More: docs/fault_tolerance.md.
 """
 
 from __future__ import annotations

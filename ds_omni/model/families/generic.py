@@ -1,37 +1,15 @@
 """The generic adapter: any transformers image-text-to-text model built on the common pattern.
 
-Most vision-language models of transformers 5.x share one shape: `model.model` holds a vision tower
-and a projector reached through `get_image_features(pixel_values, ...)`, whose output replaces the
-image placeholder tokens (`get_placeholder_mask`), and a decoder-only `language_model` (embedding,
-layers, norm, rotary embedding) under `model.lm_head`. For such a model nothing family-specific has
-to be written: HF's own processor says how an image becomes pixels and tokens, HF's own
-`get_image_features` encodes it, and HF's own `get_rope_index` gives 3-D positions where the family
-has them. This module only routes those calls through ds_omni's per-item representation; how HF's
-processor is found, loaded and called per image is `hf_processor`, how `get_rope_index` is called
-per sample is `hf_rope`.
-
-Trade-off: each image is encoded by its own `get_image_features` call (exactly the inputs HF's
-processor made for it alone), so images of different sizes, tile counts and padding never have to
-share a batch layout the family may not support; the cost is one tower call per image.
-
-Two deviations from a causal LLM are followed as HF computes them: sliding-window layers (each HF
-attention layer passes its own window to the packed kernel) and bidirectional blocks built from
-`token_type_ids` (`BIDIRECTIONAL`: Gemma 3's image tokens see each other both ways, PaliGemma's
-whole prompt prefix does), which ride along each row as `MicroBatch.blocks`. Vision features that
-a family also adds into the LLM's hidden states between layers (deepstack: Qwen3-VL after its first
-layers, Granite 4 Vision before the layers its config names; `ds_omni.model.deepstack`) travel as
-extra columns of the image rows (`ds_omni.model.deepstack.Deepstack`); tokens its forward replaces
-next to the image tokens (Ovis2's visual indicator tokens, `indicator_ids`) become part of the
-image's rows, in text order. Numbers its forwards apply outside the modules (Granite's
-multipliers, logit soft-capping, Chameleon's suppressed tokens) the backbone applies too
-(`ds_omni.model.outside`). Where a family deviates otherwise (another `token_type_ids` mask,
-features added onto the placeholders and one block over all of a sample's images (Molmo 2),
-Gemma 4's per-layer inputs, layers that are not attention), `class_problem` / `config_problem` say
-so and the model is refused rather than trained with other numbers; a dedicated file in
-`families/` is then the fix.
-The dedicated files of LLaVA, LLaVA-NeXT and Qwen2-VL predate this one and stay (each says why):
-the generic path is exact for them too, but they batch the tower over a micro-batch's images,
-build their processor from the config when a folder has none, and Qwen2-VL's carries video.
+Most VLMs of transformers 5.x have a vision tower and projector behind `get_image_features`, whose
+output replaces the image placeholder tokens, and a decoder-only `language_model`. For those
+nothing family-specific is written: HF's processor (`hf_processor`), `get_image_features` and
+`get_rope_index` (`hf_rope`) are routed through ds_omni's per-item representation, one tower call
+per image (so images of different sizes never share a batch layout). Sliding windows,
+bidirectional blocks from `token_type_ids` (`BIDIRECTIONAL`), deepstack levels (`deepstack.py`),
+indicator tokens and numbers applied outside the modules (`outside.py`) follow HF. A family that
+deviates otherwise is refused by `class_problem` / `config_problem`, never trained with other
+numbers. LLaVA, LLaVA-NeXT and Qwen2-VL keep dedicated files (batched towers, processors built
+from the config, video). More: docs/models.md, "The generic adapter".
 
 Dims: n images of a micro-batch, N embeddings of all of them, D LLM width, L tokens of one sample.
 """

@@ -1,20 +1,13 @@
 """Videos through the generic adapter (`generic.GenericFamily`): LLaVA-OneVision's `<video>`.
 
-For a family in `VIDEO_PROCESSORS`, a video is sampled into frames (`data.video`: `fps` or
-`num_frames`, as HF's default sampler picks them), each frame becomes pixels as HF's video
-processor makes them, all frames of a video go through HF's own `get_video_features` in one call
-(its tower per frame, projector, 2x2 pooling and one newline row), and the video is written in the
-text as the number of `<video>` tokens HF's processor expands it to (its own
-`_get_num_multimodal_tokens`).
-
-HF's video processors are torchvision classes (torchvision is no ds_omni dependency), so their
-arithmetic is repeated on CPU (`media.normalized_frames`): each frame resized to the processor's
-`size` (height x width) with torch's antialiased bicubic on uint8, the kernel torchvision's resize
-runs on CPU tensors, then the fused rescale-and-normalize (x - 255 mean) / (255 std) in fp32.
-Where it could differ from HF's: torchvision's resize of a uint8 frame on another device (CUDA
-rounds its own way), and the frames themselves where HF decodes with another backend than PyAV
-(torchcodec, decord, OpenCV may convert YUV to RGB with other rounding). Settings ds_omni does
-not repeat (a center crop, another resample, no normalization) are refused when the model loads.
+For a family in `VIDEO_PROCESSORS`, a video is sampled into frames (`data.video`), each frame
+becomes pixels as HF's video processor makes them, all frames go through HF's
+`get_video_features` in one call, and the text gets as many `<video>` tokens as HF's processor
+expands it to. HF's video processors are torchvision classes, so their arithmetic is repeated on
+CPU (`media.normalized_frames`: antialiased bicubic on uint8, then the fused rescale-normalize in
+fp32); it may differ from HF's only in torchvision's CUDA resize and in other video decoders'
+YUV rounding. Settings not repeated (a centre crop, another resample) are refused at load.
+More: docs/data.md, "Video".
 
 Dims: n sampled frames, C channels, H x W a resized frame (the tower's image size).
 """

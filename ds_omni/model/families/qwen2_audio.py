@@ -1,20 +1,14 @@
 """Qwen2-Audio: a Whisper-style audio encoder, a linear projector, a Qwen2 LLM.
 
-A clip is cut or padded to the feature extractor's window (30 s, 3000 mel frames, for the released
-models; HF's processor cuts longer clips silently and so do we). The encoder always runs on the whole
-window, because its position table has exactly one row per window position, but its attention
-sees only the clip's frames, and only the embeddings of those frames are kept:
-L valid mel frames -> (L - 1) // 2 + 1 after the stride-2 conv -> (that - 2) // 2 + 1 after the
-2x average pool. So the number of embeddings depends on the clip's length.
+A clip is cut or padded to the feature extractor's 30 s window (as HF's processor does). The
+encoder runs on the whole window (its position table has one row per position) but attends only
+to the clip's frames, and only their embeddings are kept: L valid mel frames -> (L - 1) // 2 + 1
+after the stride-2 conv -> (that - 2) // 2 + 1 after the 2x pool. In the text a clip is
+`<|audio_bos|> <|AUDIO|> * n <|audio_eos|>`. A dedicated file because the generic adapter covers
+image-text-to-text models only.
 
-In the text a clip is `<|audio_bos|> <|AUDIO|> * n <|audio_eos|>`: the chat template writes the
-wrapper around one `<|AUDIO|>` and HF's processor repeats that token n times.
-
-Why a dedicated file: the generic adapter (`generic.py`) covers image-text-to-text models only;
-Qwen2-Audio is audio-text-to-text.
-
-Dims: N clips, M mel bins, F mel frames of the window, S = F / 2 encoder positions, E embeddings kept
-of all clips, C encoder width, D LLM width.
+Dims: N clips, M mel bins, F mel frames of the window, S = F / 2 encoder positions, E embeddings
+kept of all clips, C encoder width, D LLM width.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Qwen2-VL: a ViT over native-resolution patch grids, a patch merger, a Qwen2 LLM with M-RoPE.
 
 An image is resized (aspect kept) to multiples of patch_size * merge_size and cut into a t x h x w
-grid of patches (t = 1 for an image: the frame is repeated temporal_patch_size times inside each
-patch). The tower attends within each image only; the merger folds every merge_size x merge_size
-block of patches into one LLM embedding, so an image yields t*h*w / merge_size^2 embeddings, written
-in the text as <|vision_start|> <|image_pad|> * n <|vision_end|>. Images of any size share one
-micro-batch: their patches are concatenated and `image_grid_thw` says where each one ends.
-
-A video is the same for the tower (`qwen2_vl_video`): frames sampled from the file (`data.video`),
-every temporal_patch_size consecutive frames one temporal patch, so a t x h x w grid with t > 1,
-written as <|vision_start|> <|video_pad|> * n <|vision_end|>. Images and videos of a micro-batch go
-through the tower together, in text order. Qwen2.5-VL (window attention in the tower, video time
-in seconds) is a subclass below.
-
-M-RoPE: every token has three positions (temporal, height, width). A text token has all three equal,
-counting on from the token before; an image's tokens sit at (s, s + row, s + col) with s the
-position where the image starts, and the text after it resumes at s + max(rows, cols). A video's
-temporal patch k sits at time s + k (Qwen2-VL) or s + floor(k x tokens_per_second x seconds per
-temporal patch) (Qwen2.5-VL).
+patch grid; the tower attends within each image; the merger folds merge_size^2 patches into one
+embedding, written as <|vision_start|> <|image_pad|> * n <|vision_end|>. Images of any size share
+a micro-batch (`image_grid_thw` says where each ends). A video is the same with t > 1
+(`qwen2_vl_video`, <|video_pad|>). Qwen2.5-VL (window attention, video time in seconds) is a
+subclass below. M-RoPE: three positions a token (temporal, height, width); text has all three
+equal; an image's tokens sit at (s, s + row, s + col) and the text after resumes at
+s + max(rows, cols); a video's temporal patch k at s + k (Qwen2-VL) or
+s + floor(k x tokens_per_second x seconds per temporal patch) (Qwen2.5-VL).
 """
 
 from __future__ import annotations

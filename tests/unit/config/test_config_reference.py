@@ -53,3 +53,11 @@ def test_a_field_without_a_docstring_is_named():
 def test_cells_keep_markup_out():
     assert reference._cell("a | b <dir>/x `<image> | c`") == "a \\| b &lt;dir&gt;/x `<image> \\| c`"
     assert reference.type_name(int | None) == "int | null"
+
+
+def test_a_docs_reference_becomes_a_link_to_its_section():
+    """`docs/page.md#start` in a field docstring links the section whose heading starts so
+    (a two-line docstring cannot hold a long anchor); inside a code span it stays text."""
+    text = reference._doc_links("More: docs/data.md#loading-ahead. `docs/data.md` stays.")
+    assert "[data.md](data.md#loading-ahead-prefetch-loader-processes-pinned-cores)" in text
+    assert "`docs/data.md` stays" in text

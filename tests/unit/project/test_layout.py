@@ -29,6 +29,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
+MAX_FIELD_DOC_LINES = 2  # a config field's docstring; the long explanation lives in docs/
+MAX_MODULE_DOC_LINES = 15  # what a module is for and what it is not; the why lives in docs/
 
 
 def _modules() -> dict[str, Path]:
@@ -164,7 +166,49 @@ def test_modules_and_functions_are_short():
         "each part is):\n" + "\n".join(long_modules + long_functions))
 
 
+def test_module_docstrings_are_short():
+    long_docs = [f"{p.relative_to(PACKAGE.parent)}: {n} lines" for p in MODULES.values()
+                 if (doc := ast.get_docstring(ast.parse(p.read_text()), clean=False))
+                 and (n := len(doc.strip("\n").splitlines())) > MAX_MODULE_DOC_LINES]
+    assert not long_docs, (f"module docstrings over {MAX_MODULE_DOC_LINES} lines (say what the "
+                           "module is for; move the explanation to docs/ and name where):\n"
+                           + "\n".join(long_docs))
+
+
+def long_field_docs(paths) -> list[str]:
+    """Dataclass fields of `paths` whose docstring (the string right after the field) has more
+    than MAX_FIELD_DOC_LINES lines."""
+    found = []
+    for path in paths:
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for field, after in zip(cls.body, cls.body[1:]):
+                if isinstance(field, ast.AnnAssign) and isinstance(after, ast.Expr) \
+                        and isinstance(after.value, ast.Constant) \
+                        and isinstance(after.value.value, str) \
+                        and len(after.value.value.strip().splitlines()) > MAX_FIELD_DOC_LINES:
+                    found.append(f"{path.name}:{field.lineno} {cls.name}.{ast.unparse(field.target)}")
+    return found
+
+
+def test_config_field_docstrings_are_short():
+    """A field says what it is, its unit and its default's meaning in two lines; docs/config.md
+    links the docs/ section that says more (`docs/page.md#heading-start` in the docstring)."""
+    long_docs = long_field_docs(sorted((PACKAGE / "config").glob("*.py")))
+    assert not long_docs, (f"config field docstrings over {MAX_FIELD_DOC_LINES} lines (move the "
+                           "explanation to docs/ and name its section):\n" + "\n".join(long_docs))
+
+
 # ------------------------------------------------------------------ the checker's own checks
+def test_field_doc_reader_sees_a_long_docstring(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("class A:\n    x: int = 0\n    \"\"\"One.\n    Two.\n    Three.\"\"\"\n"
+                      "    y: int = 0\n    \"\"\"One.\"\"\"\n")
+    assert long_field_docs([module]) == ["m.py:2 A.x"]
+
+
+
 def test_circle_finder_sees_a_hidden_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == [["a", "b", "c"]]
