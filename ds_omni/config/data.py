@@ -173,6 +173,9 @@ class DataConfig:
     area."""
     video: VideoConfig = field(default_factory=VideoConfig)
     """Frame sampling and frame size of videos (`schema.video` columns, `<video>` markers)."""
+    max_image_pixels: int = 89_478_485
+    """An image of more pixels (width x height) is a bad sample, refused before it is decoded
+    (default PIL's limit); raise it for huge images when the memory to decode them is there."""
     max_aspect_ratio: float = 5.0
     """`ds-omni data check` counts images whose long side is more than this times the short one."""
     max_bad_run: int = 1000

@@ -56,6 +56,7 @@ from ds_omni.model.convert import MODEL_META_DIR
 from ds_omni.model.tp_files import save_tp_layout
 from ds_omni.parallel.dist import barrier
 from ds_omni.parallelize.tensor_parallel import tp_layout
+from ds_omni.train import runs
 from ds_omni.train.fingerprint import (RESTART_FROM_HF, check_model_parallel,
                                        fingerprint_differences, run_fingerprint)
 
@@ -121,8 +122,8 @@ def save(engine, output_dir: str | Path, step: int, loader_state: dict, rank: in
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
         (tmp / "loader_state.json").write_text(json.dumps(loader_state, indent=1))
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step,
-                                                            "run": run_fingerprint(engine)}))
+        (tmp / "trainer_state.json").write_text(json.dumps(
+            {"step": step, "run": run_fingerprint(engine), "run_id": runs.run_of(root)}))
     engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
     barrier()
     digests = _digest_share(tmp, rank)  # each rank hashes and fsyncs a share of the files
@@ -242,27 +243,54 @@ def step_tags(root: Path) -> list[str]:
 
 def newest_complete(root: Path) -> tuple[str | None, list[str]]:
     """(tag of the newest usable checkpoint or None, why each newer one was passed over)."""
-    latest = latest_tag(root.parent)
+    latest, run = latest_tag(root.parent), runs.current_run(root)
     skipped = []
     for tag in step_tags(root):
-        problem = check_complete(root / tag, legacy_ok=tag == latest)
+        problem = (runs.same_run(run, root / tag)
+                   or check_complete(root / tag, legacy_ok=tag == latest))
         if problem is None:
             return tag, skipped
         skipped.append(f"{tag}: {problem}")
     return None, skipped
 
 
+def _finished(output_dir: str | Path) -> list[str]:
+    """Step directories whose save finished (a manifest, or the legacy one `latest` names),
+    newest first; no checksums."""
+    root, latest = checkpoint_root(output_dir), latest_tag(output_dir)
+    return [t for t in step_tags(root) if (root / t / MANIFEST).is_file() or (
+        t == latest and (root / t / "trainer_state.json").is_file())]
+
+
 def check_resumable(output_dir: str | Path) -> None:
     """Before any process group or model exists: --resume with no finished save at all (no step
     directory with a manifest) is an error now, not after the model is built and DeepSpeed
     started. Cheap (no checksums, every rank may call it): `load` verifies the files."""
-    root = checkpoint_root(output_dir)
-    latest = latest_tag(output_dir)
-    tags = step_tags(root)
-    if not any((root / t / MANIFEST).is_file() or (
-            t == latest and (root / t / "trainer_state.json").is_file()) for t in tags):
+    if not _finished(output_dir):
+        root = checkpoint_root(output_dir)
         raise _nothing_to_resume(root, [f"{t}: no manifest.json (its save did not finish)"
-                                        for t in tags])
+                                        for t in step_tags(root)])
+
+
+def check_fresh_start(output_dir: str | Path, overwrite: bool) -> None:
+    """A run started without --resume into a folder that holds a run's checkpoints would
+    overwrite them: refused (every rank, at start-up) unless train.overwrite_output_dir."""
+    done = _finished(output_dir)
+    if done and not overwrite:
+        raise LaunchError(
+            f"train.output_dir {str(output_dir)!r} already holds the checkpoints of a run "
+            f"(newest: {done[0]}, step {int(done[0][4:])}); starting without --resume would "
+            "overwrite them. Pass --resume to continue that run, set train.output_dir to "
+            "another folder for a new run, or set train.overwrite_output_dir: true to start a "
+            "new run here (--resume then passes the earlier run's checkpoints over)")
+
+
+def start_run(output_dir: str | Path) -> str:
+    """A run started without --resume (rank 0): a new run id, and `latest` (which names the
+    earlier run's checkpoint, if any) removed."""
+    root = checkpoint_root(output_dir)
+    (root / "latest").unlink(missing_ok=True)
+    return runs.set_run(root)
 
 
 def _nothing_to_resume(root: Path, skipped: list[str]) -> LaunchError:
@@ -289,6 +317,10 @@ def load(engine, output_dir: str | Path, rank: int) -> tuple[int, dict]:
     if tag is None:
         raise _nothing_to_resume(root, skipped)
     trainer_state = _read_json(root / tag / "trainer_state.json")
+    if rank == 0:
+        run = runs.set_run(root, trainer_state.get("run_id") or runs.current_run(root))
+        print(f"ds-omni: --resume: resuming run {run} from {str(root / tag)!r} (step "
+              f"{trainer_state.get('step')})", flush=True)
     now = run_fingerprint(engine)
     check_model_parallel(trainer_state.get("run"), now, root / tag)
     problems = fingerprint_differences(trainer_state.get("run"), now)

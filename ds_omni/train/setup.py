@@ -75,6 +75,8 @@ def preflight(cfg: OmniConfig, ds_config_path: str,
     checkpoint.check_writable(cfg.train.output_dir)
     if resume:
         checkpoint.check_resumable(cfg.train.output_dir)
+    else:
+        checkpoint.check_fresh_start(cfg.train.output_dir, cfg.train.overwrite_output_dir)
     startup_check(cfg)  # files, schema columns, relative media roots of every source
     return plan, ds_config
 
