@@ -21,7 +21,7 @@ import numpy as np
 
 from ds_omni.config import OmniConfig
 from ds_omni.data.media import media_name, is_constant, load_image
-from ds_omni.data.problems import kind_of
+from ds_omni.data.problems import MALFORMED, kind_of
 from ds_omni.data.processing import SampleProcessor, conversation_string
 from ds_omni.data.build import item_processors
 from ds_omni.data.templates import training_template
@@ -40,6 +40,10 @@ def startup_check(cfg: OmniConfig, media: bool = True) -> None:
         source = Source(scfg, chunk_rows=cfg.data.chunk_rows)
         rows = [(Locator(source.name, 0, i), source.fetch(Locator(source.name, 0, i)))
                 for i in range(min(STARTUP_ROWS, source.file_rows[0]))]
+        bad = [row[MALFORMED] for _, row in rows if MALFORMED in row]
+        if bad and (scfg.on_bad_sample == "error" or len(bad) == len(rows)):
+            raise DataError(f"data source '{source.name}': {bad[0]}")
+        rows = [(loc, row) for loc, row in rows if MALFORMED not in row]
         if rows:
             _check_columns(source, rows)
         if rows and media:

@@ -38,7 +38,7 @@ from typing import Any, Iterator
 from ds_omni.config import SourceConfig
 from ds_omni.data import demo, index
 from ds_omni.data.json_docs import JsonDocument, open_document
-from ds_omni.data.problems import SampleError
+from ds_omni.data.problems import MALFORMED, SampleError, malformed_line
 from ds_omni.errors import DataError
 
 FORMAT_BY_SUFFIX = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow",
@@ -203,6 +203,8 @@ class Source:
 
         A missing text column, or a relative media path that names no file, is a `DataError`
         naming the sample (a bad sample: the source's on_bad_sample policy applies)."""
+        if MALFORMED in row:
+            raise SampleError(f"sample {loc}: {row[MALFORMED]}", "malformed")
         schema = self.cfg.schema
         sid = self.sample_id(row, loc)
         text = lookup(row, schema.text)
@@ -375,16 +377,24 @@ class JsonRows:
         if start >= self.num_rows:
             raise IndexError(start)
         with open(self.path, "rb") as f:
-            f.seek(self.offsets[start // JSON_INDEX_STRIDE])
+            f.seek(pos := self.offsets[start // JSON_INDEX_STRIDE])
             i = start - start % JSON_INDEX_STRIDE
             for line in f:
+                pos += len(line)
                 if not line.strip():
                     continue
                 if i >= start:
-                    yield json.loads(line)
+                    yield self._parse(line, pos - len(line))
                 i += 1
                 if i >= stop:
                     return
+
+    def _parse(self, line: bytes, at: int) -> dict:
+        """One jsonl line (starting at byte `at`); one that does not parse is a bad sample."""
+        try:
+            return json.loads(line.rstrip())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return malformed_line(self.path, at, e)
 
 
 def _json_index(path: str, key: str | None, row_hint: str | None) -> dict:

@@ -37,17 +37,16 @@ DeepSpeed's own files are pickles that DeepSpeed reads; load only checkpoints yo
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
 import os
-import random
 import re
 import shutil
 from argparse import Namespace
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -59,6 +58,7 @@ from ds_omni.parallelize.tensor_parallel import tp_layout
 from ds_omni.train import runs
 from ds_omni.train.fingerprint import (RESTART_FROM_HF, check_model_parallel,
                                        fingerprint_differences, run_fingerprint)
+from ds_omni.train.rng import rng_state, set_rng_state
 
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST = "manifest.json"
@@ -119,12 +119,16 @@ def save(engine, output_dir: str | Path, step: int, loader_state: dict, rank: in
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         tmp.mkdir(parents=True)
     barrier()
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    if rank == 0:
-        (tmp / "loader_state.json").write_text(json.dumps(loader_state, indent=1))
-        (tmp / "trainer_state.json").write_text(json.dumps(
-            {"step": step, "run": run_fingerprint(engine), "run_id": runs.run_of(root)}))
-    engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+    try:
+        _write_files(engine, root, tmp, step, loader_state, rank)
+    except (OSError, RuntimeError) as e:
+        if not disk_full(e):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # not left holding the space
+        raise LaunchError(f"no space left on device at {str(root)!r}; the checkpoint needs about "
+                          f"{_needed_mb(engine, root)} MB. Free space there (or lower "
+                          "train.keep_checkpoints), or set train.output_dir to a disk with room, "
+                          "then --resume from the last complete checkpoint") from None
     barrier()
     digests = _digest_share(tmp, rank)  # each rank hashes and fsyncs a share of the files
     if rank == 0:
@@ -137,6 +141,37 @@ def save(engine, output_dir: str | Path, step: int, loader_state: dict, rank: in
             prune(root, keep, upto=tag)
     barrier()
     return root / tag
+
+
+def _write_files(engine, root: Path, tmp: Path, step: int, loader_state: dict,
+                 rank: int) -> None:
+    """This rank's files of a checkpoint into `tmp`: RNG, (rank 0) the data position and the
+    trainer state, and DeepSpeed's own."""
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    if rank == 0:
+        (tmp / "loader_state.json").write_text(json.dumps(loader_state, indent=1))
+        (tmp / "trainer_state.json").write_text(json.dumps(
+            {"step": step, "run": run_fingerprint(engine), "run_id": runs.run_of(root)}))
+    engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+
+
+def disk_full(error: BaseException) -> bool:
+    """An OSError ENOSPC, or torch's serializer failing on a full disk ("unexpected pos",
+    "file write failed")."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(error)
+    return any(s in text for s in ("unexpected pos", "file write failed", "No space left"))
+
+
+def _needed_mb(engine, root: Path) -> int:
+    """The size of the newest complete checkpoint, or, if none, 16 bytes a parameter (fp32
+    weights and Adam's two moments, and the model's own copy)."""
+    for tag in step_tags(root):
+        if (root / tag / MANIFEST).is_file():
+            files = json.loads((root / tag / MANIFEST).read_text())["files"]
+            return max(1, round(sum(size for size, _ in files.values()) / 2 ** 20))
+    return max(1, round(sum(p.numel() for p in engine.module.parameters()) * 16 / 2 ** 20))
 
 
 def _digest_share(directory: Path, rank: int) -> list[dict]:
@@ -448,34 +483,3 @@ def _engine_load(engine, root: Path, tag: str, universal: bool):
         if config is not None:
             config.load_universal_checkpoint = before
     return path
-
-
-def rng_state() -> dict:
-    """Every global generator a step may draw from (dropout, augmentation, user code): torch CPU
-    and CUDA, numpy and Python `random`, as tensors and numbers, so it loads with weights_only."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # MT19937: 624 uint32 keys
-    version, internal, gauss_next = random.getstate()  # 624 words + position
-    state = {"torch": torch.get_rng_state(),
-             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
-             "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
-                        "gauss_next": gauss_next}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what `rng_state` saved (a checkpoint from before numpy / Python were saved holds
-    "torch" only; CUDA states are set for the devices both runs have)."""
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        s = state["numpy"]
-        np.random.set_state((s["kind"], s["keys"].numpy().astype(np.uint32), s["pos"],
-                             s["has_gauss"], s["cached_gaussian"]))
-    if "python" in state:
-        s = state["python"]
-        random.setstate((s["version"], tuple(s["state"].tolist()), s["gauss_next"]))
-    if state.get("cuda") and torch.cuda.is_available():
-        for device, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(cuda_state, device)
