@@ -38,6 +38,9 @@ def startup_check(cfg: OmniConfig, media: bool = True) -> None:
     schema's columns, and (with `media`) that relative media paths resolve."""
     for scfg in cfg.data.sources + cfg.data.eval_sources:
         source = Source(scfg, chunk_rows=cfg.data.chunk_rows)
+        if not any(source.file_rows):
+            raise DataError(f"data source '{source.name}': its {len(source.files)} file(s) hold "
+                            f"no rows (e.g. {source.files[0]!r}); give it data, or remove it")
         rows = [(Locator(source.name, 0, i), source.fetch(Locator(source.name, 0, i)))
                 for i in range(min(STARTUP_ROWS, source.file_rows[0]))]
         bad = [row[MALFORMED] for _, row in rows if MALFORMED in row]

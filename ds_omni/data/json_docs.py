@@ -157,7 +157,7 @@ def open_document(path: str, key: str | None = None, row_hint: str | None = None
         try:
             lists, keys = _walk_object(sc, key)
         except DataError:
-            if _second_line_is_a_row(path):  # JSON lines whose first line is broken
+            if path.endswith(".jsonl") or _second_line_is_a_row(path):  # its first line broken
                 return None
             raise
         if sc.peek():  # another value follows: JSON lines

@@ -262,9 +262,10 @@ class Source:
                 if self.fmt == "json" else {}
             try:
                 self._readers[f] = cls(self.files[f], **kw)
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, tarfile.TarError) as e:
+                why = str(e).replace(":\n", ": ").replace("\n", "; ")
                 raise DataError(f"data source '{self.name}': cannot read {self.files[f]!r} as "
-                                f"{self.fmt} ({e})") from None
+                                f"{self.fmt} ({why})") from None
         return self._readers[f]
 
 
@@ -383,18 +384,15 @@ class JsonRows:
                 pos += len(line)
                 if not line.strip():
                     continue
-                if i >= start:
-                    yield self._parse(line, pos - len(line))
+                if i >= start:  # a line that does not parse is a bad sample, by file and line
+                    try:
+                        row = json.loads(line.rstrip())
+                    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                        row = malformed_line(self.path, pos - len(line), e)
+                    yield row
                 i += 1
                 if i >= stop:
                     return
-
-    def _parse(self, line: bytes, at: int) -> dict:
-        """One jsonl line (starting at byte `at`); one that does not parse is a bad sample."""
-        try:
-            return json.loads(line.rstrip())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return malformed_line(self.path, at, e)
 
 
 def _json_index(path: str, key: str | None, row_hint: str | None) -> dict:
