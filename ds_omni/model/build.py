@@ -95,6 +95,16 @@ def llm_text_config(cfg: ModelConfig):
     return family, text
 
 
+def check_model_files(cfg: ModelConfig) -> None:
+    """What building the model would refuse, from its files alone (at start-up): a folder
+    without safetensors weights, an encoder part of an unknown model type."""
+    if cfg.pretrained:
+        check_weights_present(Path(cfg.pretrained))
+    for name in ("vision", "audio"):
+        if getattr(cfg, name) is not None:
+            part_config(getattr(cfg, name), name, cfg.trust_remote_code)
+
+
 def check_positions(cfg: ModelConfig, max_seq_len: int, llm=None) -> None:
     """data.max_seq_len fits the LLM's positions (max_position_embeddings, times the factor of
     its rope scaling if any): longer samples would train at positions the model never had."""
