@@ -9,6 +9,8 @@ from typing import Literal
 
 from ds_omni.errors import ConfigError
 
+PIL_MAX_IMAGE_PIXELS = 89_478_485  # PIL.Image.MAX_IMAGE_PIXELS, the default pixel limit
+
 
 @dataclass(kw_only=True)
 class SchemaConfig:
@@ -173,7 +175,7 @@ class DataConfig:
     area."""
     video: VideoConfig = field(default_factory=VideoConfig)
     """Frame sampling and frame size of videos (`schema.video` columns, `<video>` markers)."""
-    max_image_pixels: int = 89_478_485
+    max_image_pixels: int = PIL_MAX_IMAGE_PIXELS
     """An image of more pixels (width x height) is a bad sample, refused before it is decoded
     (default PIL's limit); raise it for huge images when the memory to decode them is there."""
     max_aspect_ratio: float = 5.0

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ds_omni.config.data import PIL_MAX_IMAGE_PIXELS
 from ds_omni.errors import DataError
 
 
@@ -31,7 +32,7 @@ def _media_source(value: Any, kind: str = "image"):
                     f"{type(value).__name__}; give bytes, a path, or a dict with 'bytes' or 'path'")
 
 
-DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # PIL's Image.MAX_IMAGE_PIXELS: ds_omni checks it itself
+DEFAULT_MAX_IMAGE_PIXELS = PIL_MAX_IMAGE_PIXELS  # data.max_image_pixels' default
 
 
 def _open_image(value: Any, max_pixels: int | None):
