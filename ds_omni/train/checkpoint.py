@@ -12,11 +12,11 @@ Layout under `<output_dir>/checkpoints/`:
         loader_state.json       the data position (JSON, versioned, global over ranks)
         rng_rank{r}.pt          RNG states of rank r: torch CPU and CUDA, numpy, Python `random`
                                 (tensors and numbers only: loads with weights_only)
-        trainer_state.json      step counter, and what the run was (`run_fingerprint`: model
-                                family, every parameter's shape, ZeRO stage, ranks, tp and
-                                ep), so that
-                                `--resume` with another model or layout says what differs
-                                before DeepSpeed reads a byte
+        trainer_state.json      step counter, the run's id (`runs.py`: --resume follows the
+                                folder's current run), and what the run was
+                                (`run_fingerprint`: model family, every parameter's shape,
+                                ZeRO stage, ranks, tp and ep), so that `--resume` with another
+                                model or layout says what differs before DeepSpeed reads a byte
         universal/              made at the first `--resume` on another number of ranks: the
                                 same state as DeepSpeed's universal checkpoint (one folder per
                                 parameter: fp32 weights, Adam moments), which any number of
