@@ -175,8 +175,8 @@ class SampleProcessor:
         processor sees only the item)."""
         proc = self.item_processors[enc]
         try:
-            if proc.modality == "image":  # the header only: a huge image is refused undecoded
-                image_size(item, self.max_image_pixels)
+            if proc.modality == "image" and self.max_image_pixels is not None:
+                image_size(item, self.max_image_pixels)  # the header: refused before decoding
             if self.image_aspect != "crop" and proc.modality == "image" and not (
                     measure and _header_measure(proc)):
                 item = square_image(item, self.image_aspect, _mean_colour(proc))
