@@ -9,6 +9,8 @@ from typing import Literal
 
 from ds_omni.errors import ConfigError
 
+PIL_MAX_IMAGE_PIXELS = 89_478_485  # PIL.Image.MAX_IMAGE_PIXELS, the default pixel limit
+
 
 @dataclass(kw_only=True)
 class SchemaConfig:
@@ -181,6 +183,9 @@ class DataConfig:
     (LLaVA-1.5), "resize" stretches to a square. More: docs/data.md#chat-templates."""
     video: VideoConfig = field(default_factory=VideoConfig)
     """Frame sampling and frame size of videos (`schema.video` columns, `<video>` markers)."""
+    max_image_pixels: int = PIL_MAX_IMAGE_PIXELS
+    """An image of more pixels (width x height) is a bad sample, refused before it is decoded
+    (default PIL's limit); raise it for huge images when the memory to decode them is there."""
     max_aspect_ratio: float = 5.0
     """`ds-omni data check` counts images whose long side is more than this times the short one."""
     max_bad_run: int = 1000

@@ -27,6 +27,9 @@ class TrainConfig:
     """Seed for dropout and other randomness during training."""
     output_dir: str = "outputs/run"
     """Checkpoints, metrics, report and the exported model go here."""
+    overwrite_output_dir: bool = False
+    """Start a new run (no --resume) in an output_dir that holds another run's checkpoints; they
+    are kept but never resumed. Without it such a start is refused."""
     save_every: int = 0
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = 0

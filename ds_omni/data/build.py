@@ -63,7 +63,7 @@ def sample_processors(cfg: OmniConfig, built, sources=None) -> dict[str, SampleP
         markers=s.schema.markers(),
         max_seq_len=cfg.data.max_seq_len, overlong=cfg.data.overlong,
         conversation_strings=s.schema.conversation_strings, image_aspect=cfg.data.image_aspect,
-        template=template) for s in sources}
+        template=template, max_image_pixels=cfg.data.max_image_pixels) for s in sources}
 
 
 def build_loader(cfg: OmniConfig, built, plan: ParallelPlan | None = None,

@@ -20,8 +20,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from ds_omni.config import OmniConfig
-from ds_omni.data.media import image_size, load_image
-from ds_omni.data.problems import kind_of
+from ds_omni.data.media import media_name, is_constant, load_image
+from ds_omni.data.problems import MALFORMED, kind_of
 from ds_omni.data.processing import SampleProcessor, conversation_string
 from ds_omni.data.build import item_processors
 from ds_omni.data.templates import training_template
@@ -40,8 +40,15 @@ def startup_check(cfg: OmniConfig, media: bool = True, announce: bool = False) -
     each source's layout and the columns taken."""
     for scfg in cfg.data.sources + cfg.data.eval_sources:
         source = Source(scfg, chunk_rows=cfg.data.chunk_rows)
+        if not any(source.file_rows):
+            raise DataError(f"data source '{source.name}': its {len(source.files)} file(s) hold "
+                            f"no rows (e.g. {source.files[0]!r}); give it data, or remove it")
         rows = [(Locator(source.name, 0, i), source.fetch(Locator(source.name, 0, i)))
                 for i in range(min(STARTUP_ROWS, source.file_rows[0]))]
+        bad = [row[MALFORMED] for _, row in rows if MALFORMED in row]
+        if bad and (scfg.on_bad_sample == "error" or len(bad) == len(rows)):
+            raise DataError(f"data source '{source.name}': {bad[0]}")
+        rows = [(loc, row) for loc, row in rows if MALFORMED not in row]
         if rows:
             if announce:
                 print(f"ds-omni: data source '{source.name}': {source.layout.describe()}",
@@ -129,7 +136,8 @@ def _processor(cfg: OmniConfig, built, source: Source) -> SampleProcessor:
         item_processors=item_processors(cfg, built, [source.cfg]),
         markers=source.cfg.schema.markers(),
         max_seq_len=10 ** 9, conversation_strings="parse", image_aspect="crop",
-        template=training_template(cfg.data.template, built))
+        template=training_template(cfg.data.template, built),
+        max_image_pixels=cfg.data.max_image_pixels)
 
 
 class _SourceCheck:
@@ -145,6 +153,7 @@ class _SourceCheck:
         self.tokens: list[int] = []
         self.items: dict[int, int] = {}
         self.extreme_aspect = 0
+        self.blank: list[str] = []  # images of one value in every pixel
         self.seen_columns: dict[str, int] = {}
 
     def add(self, loc: Locator, row: dict) -> None:
@@ -185,10 +194,18 @@ class _SourceCheck:
         self.modalities["text_only"] += not media
         self.items[sum(len(v) for v in media.values())] = \
             self.items.get(sum(len(v) for v in media.values()), 0) + 1
-        for image, result in zip(images, self.pool.map(_inspect_image, images)):
+        limit = self.cfg.data.max_image_pixels
+        for image, result in zip(images, self.pool.map(_inspect_image, images,
+                                                       [limit] * len(images))):
             if isinstance(result, DataError):
                 problems.append((kind_of(result), f"{sid}: {result}"))
-            elif max(result) > self.cfg.data.max_aspect_ratio * max(1, min(result)):
+                continue
+            size, blank = result
+            if blank:  # trains, but likely not as meant: flagged, not a bad row
+                self.blank.append(f"{sid}: every pixel of the image {media_name(image)}has one "
+                                  "value (a blank image, or one saved in a form that lost its "
+                                  "pixels); replace it")
+            if max(size) > self.cfg.data.max_aspect_ratio * max(1, min(size)):
                 self.extreme_aspect += 1
         if any(kind != "conversation_string" for kind, _ in problems):
             return problems  # a broken image: measuring would report it again
@@ -219,6 +236,7 @@ class _SourceCheck:
             "items_per_sample": {str(k): v for k, v in sorted(self.items.items())},
             "over_max_seq_len": self.kinds.get("overlong", 0),
             "extreme_aspect": self.extreme_aspect,
+            "blank_images": {"count": len(self.blank), "examples": self.blank[:EXAMPLES]},
             "problems": dict(sorted(self.kinds.items())),
             "bad_rows": self.bad,
             "examples": self.examples,
@@ -249,13 +267,14 @@ class _SourceCheck:
         return out
 
 
-def _inspect_image(value) -> tuple[int, int] | DataError:
-    """(width, height) of an image that fully decodes, else its error."""
+def _inspect_image(value, max_pixels: int) -> tuple[tuple[int, int], bool] | DataError:
+    """((width, height), whether every pixel has one value) of an image that fully decodes,
+    else its error."""
     try:
-        load_image(value)
-        return image_size(value)
+        image = load_image(value, max_pixels)
     except DataError as e:
         return e
+    return image.size, is_constant(image)
 
 
 def _histogram(values: list[int], max_seq_len: int) -> dict:
@@ -289,9 +308,11 @@ def format_report(report: dict) -> str:
             t = r["tokens"]
             lines.append(f"  tokens: min {t['min']}, median {t['median']:g}, max {t['max']}; "
                          f"{t['buckets']}; over max_seq_len: {r['over_max_seq_len']}")
-        lines.append(f"  extreme aspect ratio: {r['extreme_aspect']}; bad rows: {r['bad_rows']}"
+        lines.append(f"  extreme aspect ratio: {r['extreme_aspect']}; blank images: "
+                     f"{r['blank_images']['count']}; bad rows: {r['bad_rows']}"
                      f" {r['problems'] or ''}")
-        for kind, examples in r["examples"].items():
+        for kind, examples in [*r["examples"].items(),
+                               ("blank_image", r["blank_images"]["examples"])]:
             for e in examples[:2]:
                 lines.append(f"    {kind}: {e}")
     lines += [f"ERROR: {e}" for e in report["errors"]] or ["no errors"]

@@ -154,10 +154,28 @@ def open_document(path: str, key: str | None = None, row_hint: str | None = None
             return JsonDocument(path, None, offsets, n)
         if first != "{":
             return None
-        lists, keys = _walk_object(sc, key)
+        try:
+            lists, keys = _walk_object(sc, key)
+        except DataError:
+            if path.endswith(".jsonl") or _second_line_is_a_row(path):  # its first line broken
+                return None
+            raise
         if sc.peek():  # another value follows: JSON lines
             return None
     return _pick_list(path, lists, keys, key, row_hint)
+
+
+def _second_line_is_a_row(path: str) -> bool:
+    """Whether the file's second non-empty line is a JSON object on its own (JSON lines; in a
+    document spread over lines it is a fragment)."""
+    with open(path, "rb") as f:
+        lines = (line for line in f if line.strip())
+        next(lines, None)
+        second = next(lines, None)
+    try:
+        return second is not None and isinstance(json.loads(second), dict)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
 
 
 def _index_array(sc: _Scanner) -> tuple[list[int], int, type | None]:

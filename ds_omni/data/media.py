@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ds_omni.config.data import PIL_MAX_IMAGE_PIXELS
 from ds_omni.errors import DataError
 
 
@@ -31,28 +32,95 @@ def _media_source(value: Any, kind: str = "image"):
                     f"{type(value).__name__}; give bytes, a path, or a dict with 'bytes' or 'path'")
 
 
-def load_image(value: Any):
-    """An RGB PIL image from a PIL image, an HF Image struct, raw bytes or a path."""
+DEFAULT_MAX_IMAGE_PIXELS = PIL_MAX_IMAGE_PIXELS  # data.max_image_pixels' default
+
+
+def _open_image(value: Any, max_pixels: int | None):
+    """PIL's lazy open (header read, no pixels decoded), with the pixel limit checked here
+    (PIL's own check is off: its error names neither the file nor the setting)."""
+    from PIL import Image
+    Image.MAX_IMAGE_PIXELS = None
+    im = Image.open(_media_source(value))
+    w, h = im.size
+    if max_pixels is not None and w * h > max_pixels:
+        im.close()
+        raise DataError(f"image {media_name(value)}is {w} x {h} = {w * h} pixels, above "
+                        f"data.max_image_pixels={max_pixels}; resize it, or raise "
+                        "data.max_image_pixels if the memory to decode it is there")
+    return im
+
+
+def media_name(value: Any) -> str:
+    """The file an image came from, quoted with a trailing space, or "" for bytes."""
+    path = value.get("path") if isinstance(value, dict) else value
+    return f"{str(path)!r} " if isinstance(path, (str, Path)) and path else ""
+
+
+def load_image(value: Any, max_pixels: int | None = None):
+    """An RGB PIL image from a PIL image, an HF Image struct, raw bytes or a path (`to_rgb`);
+    one of more than `max_pixels` pixels is a `DataError` before its pixels are decoded."""
     from PIL import Image, UnidentifiedImageError
     if isinstance(value, Image.Image):
-        return value.convert("RGB")
+        return to_rgb(value)
     try:
-        with Image.open(_media_source(value)) as im:
-            return im.convert("RGB")
+        with _open_image(value, max_pixels) as im:
+            return to_rgb(im)
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise DataError(f"unreadable image ({e})") from None
+        raise DataError(f"unreadable image {media_name(value)}({e})") from None
 
 
-def image_size(value: Any) -> tuple[int, int]:
-    """(width, height) from the image header alone (no pixel decode)."""
+def to_rgb(image):
+    """RGB as HF's processors make it (`convert_to_rgb`), for every PIL mode: 16- and 32-bit
+    integer and float pixels scaled to 0..255 (not clipped: a 16-bit PNG is not all white),
+    transparency (alpha, a palette's) composited on white, the rest by PIL's conversion."""
+    from PIL import Image
+    if image.mode == "RGB":
+        return image.copy()
+    if image.mode.startswith(("I", "F")):
+        return Image.fromarray(_scaled_to_8bit(image), "L").convert("RGB")
+    if image.mode in ("La", "RGBa"):  # premultiplied alpha: PIL un-multiplies on the way to RGBA
+        image = image.convert("RGBA" if image.mode == "RGBa" else "LA")
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def _scaled_to_8bit(image) -> np.ndarray:
+    """A one-channel 16-bit, 32-bit integer or float image as uint8 [H, W]: 16-bit by its full
+    range (65535 -> 255); 32-bit integers that fit 16 bits (how PIL may open a 16-bit PNG) the
+    same, wider ones by their own min..max; floats in 0..1 times 255, others by min..max."""
+    a = np.asarray(image, dtype=np.float64)  # [H, W]
+    lo, hi = (float(a.min()), float(a.max())) if a.size else (0.0, 0.0)
+    if image.mode.startswith("I;16") or (image.mode == "I" and lo >= 0 and hi <= 65535):
+        a = a * (255.0 / 65535.0)
+    elif image.mode == "F" and lo >= 0 and hi <= 1:
+        a = a * 255.0
+    elif hi > lo:
+        a = (a - lo) * (255.0 / (hi - lo))
+    else:
+        a = np.full_like(a, min(max(lo, 0.0), 255.0))
+    return np.rint(a).clip(0, 255).astype(np.uint8)
+
+
+def image_size(value: Any, max_pixels: int | None = None) -> tuple[int, int]:
+    """(width, height) from the image header alone (no pixel decode); one over `max_pixels` is
+    a `DataError` that names it and data.max_image_pixels."""
     from PIL import Image, UnidentifiedImageError
     if isinstance(value, Image.Image):
         return value.size
     try:
-        with Image.open(_media_source(value)) as im:
+        with _open_image(value, max_pixels) as im:
             return im.size
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise DataError(f"unreadable image ({e})") from None
+        raise DataError(f"unreadable image {media_name(value)}({e})") from None
+
+
+def is_constant(image) -> bool:
+    """Whether every pixel of an RGB image has one value (blank, or a conversion gone wrong)."""
+    lo, hi = zip(*image.getextrema())
+    return lo == hi
 
 
 def read_clip(clip: Any, sampling_rate: int) -> np.ndarray:

@@ -6,9 +6,14 @@ kind of problem it is; `ds-omni data check` tallies the kinds per source.
 
 from __future__ import annotations
 
+import json
+
 from ds_omni.errors import DataError
 
+MALFORMED = "__ds_omni_malformed__"  # the key of a row standing for a line that did not parse
+
 KINDS = {
+    "malformed": "a line of a JSON lines file that does not parse",
     "column": "a schema column the row does not have",
     "media_missing": "an image or audio file that does not exist",
     "media_unreadable": "an image or audio clip that does not decode",
@@ -42,3 +47,14 @@ def kind_of(error: DataError) -> str:
     if "unreadable" in text or "cannot read" in text:
         return "media_unreadable"
     return "other"
+
+
+def malformed_line(path: str, at: int, error: ValueError) -> dict:
+    """The row standing for the JSON lines line of `path` at byte `at` that did not parse:
+    `Source.parts` makes it a bad sample, named by file and 1-based line number."""
+    with open(path, "rb") as f:
+        number = f.read(at).count(b"\n") + 1
+    what = (f"{error.msg} at column {error.colno}" if isinstance(error, json.JSONDecodeError)
+            else error)
+    return {MALFORMED: f"{path!r} line {number} is not valid JSON ({what}); fix or remove the "
+                       "line, or set the source's on_bad_sample to \"skip\" to leave it out"}

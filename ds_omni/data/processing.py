@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ds_omni.batch import EncodedItem, ItemProcessor, SampleFamily, feeds
-from ds_omni.data.media import square_image
+from ds_omni.data.media import image_size, square_image
 from ds_omni.data.problems import SampleError
 from ds_omni.data.templates import (ChatTemplate, first_difference, render,
                                     resolve_template, to_messages)
@@ -77,11 +77,12 @@ class SampleProcessor:
     def __init__(self, *, tokenizer, family: SampleFamily, item_processors: dict[str, ItemProcessor],
                  markers: dict[str, str], max_seq_len: int, overlong: str = "error",
                  conversation_strings: str = "parse", image_aspect: str = "crop",
-                 template: ChatTemplate | None = None):
+                 template: ChatTemplate | None = None, max_image_pixels: int | None = None):
         self.tokenizer = tokenizer
         self.template = template or resolve_template("auto", tokenizer)
         self.conversation_strings = conversation_strings
         self.image_aspect = image_aspect
+        self.max_image_pixels = max_image_pixels
         self.family = family
         self.item_processors = item_processors
         self.max_seq_len = max_seq_len
@@ -167,6 +168,8 @@ class SampleProcessor:
         processor sees only the item)."""
         proc = self.item_processors[enc]
         try:
+            if proc.modality == "image" and self.max_image_pixels is not None:
+                image_size(item, self.max_image_pixels)  # the header: refused before decoding
             if self.image_aspect != "crop" and proc.modality == "image" and not (
                     measure and _header_measure(proc)):
                 item = square_image(item, self.image_aspect, _mean_colour(proc))

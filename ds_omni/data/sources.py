@@ -28,7 +28,7 @@ from ds_omni.data import demo, index
 from ds_omni.data.hub_folder import hub_configs, hub_files
 from ds_omni.data.json_docs import JsonDocument, open_document
 from ds_omni.data.layouts import Layout, columns, detect, lookup, to_turns
-from ds_omni.data.problems import SampleError
+from ds_omni.data.problems import MALFORMED, SampleError, malformed_line
 from ds_omni.errors import DataError
 
 FORMAT_BY_SUFFIX = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow",
@@ -182,6 +182,8 @@ class Source:
 
         A missing text column, or a relative media path that names no file, is a `DataError`
         naming the sample (a bad sample: the source's on_bad_sample policy applies)."""
+        if MALFORMED in row:
+            raise SampleError(f"sample {loc}: {row[MALFORMED]}", "malformed")
         layout = self.layout
         sid = self.sample_id(row, loc)
         text = lookup(row, layout.text)
@@ -241,9 +243,10 @@ class Source:
                 if self.fmt == "json" else {}
             try:
                 self._readers[f] = cls(self.files[f], **kw)
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, tarfile.TarError) as e:
+                why = str(e).replace(":\n", ": ").replace("\n", "; ")
                 raise DataError(f"data source '{self.name}': cannot read {self.files[f]!r} as "
-                                f"{self.fmt} ({e})") from None
+                                f"{self.fmt} ({why})") from None
         return self._readers[f]
 
 
@@ -356,13 +359,18 @@ class JsonRows:
         if start >= self.num_rows:
             raise IndexError(start)
         with open(self.path, "rb") as f:
-            f.seek(self.offsets[start // JSON_INDEX_STRIDE])
+            f.seek(pos := self.offsets[start // JSON_INDEX_STRIDE])
             i = start - start % JSON_INDEX_STRIDE
             for line in f:
+                pos += len(line)
                 if not line.strip():
                     continue
-                if i >= start:
-                    yield json.loads(line)
+                if i >= start:  # a line that does not parse is a bad sample, by file and line
+                    try:
+                        row = json.loads(line.rstrip())
+                    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                        row = malformed_line(self.path, pos - len(line), e)
+                    yield row
                 i += 1
                 if i >= stop:
                     return

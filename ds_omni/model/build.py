@@ -16,7 +16,7 @@ from ds_omni.batch import ItemProcessor
 from ds_omni.config import ModelConfig
 from ds_omni.errors import ModelError
 from ds_omni.model.attention import PackedAttention
-from ds_omni.model.compose import compose
+from ds_omni.model.compose import check_causal_lm, compose, part_config
 from ds_omni.model.convert import is_omni_dir, load_omni_dir
 from ds_omni.model.family import Family
 from ds_omni.model.hf_dir import (check_vocab_fits, check_weights_present, load_tokenizer,
@@ -90,11 +90,40 @@ def llm_text_config(cfg: ModelConfig):
     # a vision-only composition with the mlp2x_gelu projector is built as LLaVA (compose.compose)
     llava = cfg.audio is None and cfg.projector == "mlp2x_gelu"
     family = family_for("llava" if llava else "ds_omni_composed")
-    part = cfg.llm
-    if part.config is not None:
-        fields = dict(part.config)
-        return family, AutoConfig.for_model(fields.pop("model_type"), **fields)
-    return family, AutoConfig.from_pretrained(part.pretrained, trust_remote_code=cfg.trust_remote_code)
+    text = part_config(cfg.llm, "llm", cfg.trust_remote_code)
+    check_causal_lm(text)
+    return family, text
+
+
+def check_model_files(cfg: ModelConfig) -> None:
+    """What building the model would refuse, from its files alone (at start-up): a folder
+    without safetensors weights, an encoder part of an unknown model type."""
+    if cfg.pretrained:
+        check_weights_present(Path(cfg.pretrained))
+    for name in ("vision", "audio"):
+        if getattr(cfg, name) is not None:
+            part_config(getattr(cfg, name), name, cfg.trust_remote_code)
+
+
+def check_positions(cfg: ModelConfig, max_seq_len: int, llm=None) -> None:
+    """data.max_seq_len fits the LLM's positions (max_position_embeddings, times the factor of
+    its rope scaling if any): longer samples would train at positions the model never had."""
+    text = (llm if llm is not None else llm_text_config(cfg))[1]
+    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    if not limit or max_seq_len <= limit:
+        return
+    rope = getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type") or rope.get("type")
+    if rope_type not in (None, "default", "mrope") and rope.get("factor"):
+        covered = int(rope.get("original_max_position_embeddings") or limit) * rope["factor"]
+        if max_seq_len <= max(limit, covered):
+            return
+    where = f"the LLM of {cfg.pretrained!r}" if cfg.pretrained else "model.llm"
+    raise ModelError(f"data.max_seq_len={max_seq_len} is above the max_position_embeddings="
+                     f"{limit} of {where} ({text.model_type}): longer samples would train at "
+                     f"positions the model has none for. Lower data.max_seq_len to {limit} or "
+                     "less, or use an LLM with more positions (or rope scaling in its config, "
+                     "e.g. rope_scaling {\"rope_type\": \"linear\", \"factor\": 2.0})")
 
 
 def check_sequence_parallel(cfg: ModelConfig, sp: int, llm=None) -> None:

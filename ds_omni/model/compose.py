@@ -30,6 +30,21 @@ def part_config(part: PartConfig, what: str, trust_remote_code: bool = False):
         raise ModelError(f"model.{what}.config: unknown model_type {model_type!r} ({e})") from None
 
 
+def check_causal_lm(text_config) -> None:
+    """model.llm is a decoder-only causal LM: an encoder (BERT, RoBERTa: masked LMs that HF can
+    also run as decoders) or an encoder-decoder model is refused by name."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    kind = text_config.model_type
+    if kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and kind not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return
+    what = ("an encoder (a masked LM)" if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            else "not a causal LM")
+    raise ModelError(f"model.llm has model_type {kind!r}, {what}: the LLM of a composed model is "
+                     "a decoder-only causal LM (e.g. 'llama', 'qwen2', 'mistral', 'gemma'); set "
+                     "model.llm to one")
+
+
 def placeholder_id(tokenizer, token: str, what: str) -> int:
     tid = tokenizer.convert_tokens_to_ids(token)
     if tid is None or tid == tokenizer.unk_token_id:
@@ -40,6 +55,7 @@ def placeholder_id(tokenizer, token: str, what: str) -> int:
 
 def _llm_config(cfg: ModelConfig, tokenizer):
     text_config = part_config(cfg.llm, "llm", cfg.trust_remote_code)
+    check_causal_lm(text_config)
     if cfg.llm.config is not None and "vocab_size" not in cfg.llm.config:
         text_config.vocab_size = len(tokenizer)
     check_vocab_fits(tokenizer, text_config.vocab_size, "model.llm")

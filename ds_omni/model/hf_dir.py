@@ -69,9 +69,15 @@ def read_model_type(model_dir: Path) -> str:
     if not config_file.is_file():
         raise ModelError(f"{str(model_dir)!r} is not an HF model directory: no config.json. Give a "
                          "directory written by save_pretrained (or by ds-omni convert)")
-    model_type = json.loads(config_file.read_text()).get("model_type")
+    try:
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{str(config_file)!r} is not valid JSON ({e}); restore it from the "
+                         "model's source or save the model again with save_pretrained") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
     if not model_type:
-        raise ModelError(f"{config_file} has no 'model_type'")
+        raise ModelError(f"{str(config_file)!r} has no 'model_type'; give a directory written by "
+                         "save_pretrained (its config.json names the architecture)")
     return model_type
 
 

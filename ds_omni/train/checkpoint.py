@@ -4,28 +4,28 @@ Under `<output_dir>/checkpoints/`: `latest` (the newest complete tag, moved last
 config, tokenizer, processor: enough to export), `.stepN.tmp/` (a save in progress, never
 loaded) and `stepN/` with DeepSpeed's files, `manifest.json` (size and sha256 of every file,
 written last: `--resume` checks it and falls back to the newest that passes),
-`loader_state.json`, `rng_rank{r}.pt` and `trainer_state.json` (the step and `run_fingerprint`,
-so resuming another model or layout says what differs before DeepSpeed reads a byte). On another
-number of ranks, `load` converts once with DeepSpeed's `ds_to_universal` into `universal/` and
-loads it re-partitioned (bit-equal fp32 weights and Adam moments, measured); the data position is
-elastic. DeepSpeed's files are pickles: load only checkpoints you wrote.
+`loader_state.json`, `rng_rank{r}.pt` and `trainer_state.json` (the step, the run's id that
+`--resume` follows, and `run_fingerprint`, so resuming another model or layout says what
+differs before DeepSpeed reads a byte). On another number of ranks, `load` converts once with
+DeepSpeed's `ds_to_universal` into `universal/` and loads it re-partitioned (bit-equal fp32
+weights and Adam moments, measured); the data position is elastic. DeepSpeed's files are
+pickles: load only checkpoints you wrote.
 More: docs/fault_tolerance.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
 import os
-import random
 import re
 import shutil
 from argparse import Namespace
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -34,8 +34,10 @@ from ds_omni.model.convert import MODEL_META_DIR
 from ds_omni.model.tp_files import save_tp_layout
 from ds_omni.parallel.dist import barrier
 from ds_omni.parallelize.tensor_parallel import tp_layout
+from ds_omni.train import runs
 from ds_omni.train.fingerprint import (RESTART_FROM_HF, check_model_parallel,
                                        fingerprint_differences, run_fingerprint)
+from ds_omni.train.rng import rng_state, set_rng_state
 
 CHECKPOINT_DIR = "checkpoints"
 MANIFEST = "manifest.json"
@@ -96,12 +98,16 @@ def save(engine, output_dir: str | Path, step: int, loader_state: dict, rank: in
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         tmp.mkdir(parents=True)
     barrier()
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    if rank == 0:
-        (tmp / "loader_state.json").write_text(json.dumps(loader_state, indent=1))
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step,
-                                                            "run": run_fingerprint(engine)}))
-    engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+    try:
+        _write_files(engine, root, tmp, step, loader_state, rank)
+    except (OSError, RuntimeError) as e:
+        if not disk_full(e):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # not left holding the space
+        raise LaunchError(f"no space left on device at {str(root)!r}; the checkpoint needs about "
+                          f"{_needed_mb(engine, root)} MB. Free space there (or lower "
+                          "train.keep_checkpoints), or set train.output_dir to a disk with room, "
+                          "then --resume from the last complete checkpoint") from None
     barrier()
     digests = _digest_share(tmp, rank)  # each rank hashes and fsyncs a share of the files
     if rank == 0:
@@ -114,6 +120,37 @@ def save(engine, output_dir: str | Path, step: int, loader_state: dict, rank: in
             prune(root, keep, upto=tag)
     barrier()
     return root / tag
+
+
+def _write_files(engine, root: Path, tmp: Path, step: int, loader_state: dict,
+                 rank: int) -> None:
+    """This rank's files of a checkpoint into `tmp`: RNG, (rank 0) the data position and the
+    trainer state, and DeepSpeed's own."""
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    if rank == 0:
+        (tmp / "loader_state.json").write_text(json.dumps(loader_state, indent=1))
+        (tmp / "trainer_state.json").write_text(json.dumps(
+            {"step": step, "run": run_fingerprint(engine), "run_id": runs.run_of(root)}))
+    engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+
+
+def disk_full(error: BaseException) -> bool:
+    """An OSError ENOSPC, or torch's serializer failing on a full disk ("unexpected pos",
+    "file write failed")."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(error)
+    return any(s in text for s in ("unexpected pos", "file write failed", "No space left"))
+
+
+def _needed_mb(engine, root: Path) -> int:
+    """The size of the newest complete checkpoint, or, if none, 16 bytes a parameter (fp32
+    weights and Adam's two moments, and the model's own copy)."""
+    for tag in step_tags(root):
+        if (root / tag / MANIFEST).is_file():
+            files = json.loads((root / tag / MANIFEST).read_text())["files"]
+            return max(1, round(sum(size for size, _ in files.values()) / 2 ** 20))
+    return max(1, round(sum(p.numel() for p in engine.module.parameters()) * 16 / 2 ** 20))
 
 
 def _digest_share(directory: Path, rank: int) -> list[dict]:
@@ -220,27 +257,54 @@ def step_tags(root: Path) -> list[str]:
 
 def newest_complete(root: Path) -> tuple[str | None, list[str]]:
     """(tag of the newest usable checkpoint or None, why each newer one was passed over)."""
-    latest = latest_tag(root.parent)
+    latest, run = latest_tag(root.parent), runs.current_run(root)
     skipped = []
     for tag in step_tags(root):
-        problem = check_complete(root / tag, legacy_ok=tag == latest)
+        problem = (runs.same_run(run, root / tag)
+                   or check_complete(root / tag, legacy_ok=tag == latest))
         if problem is None:
             return tag, skipped
         skipped.append(f"{tag}: {problem}")
     return None, skipped
 
 
+def _finished(output_dir: str | Path) -> list[str]:
+    """Step directories whose save finished (a manifest, or the legacy one `latest` names),
+    newest first; no checksums."""
+    root, latest = checkpoint_root(output_dir), latest_tag(output_dir)
+    return [t for t in step_tags(root) if (root / t / MANIFEST).is_file() or (
+        t == latest and (root / t / "trainer_state.json").is_file())]
+
+
 def check_resumable(output_dir: str | Path) -> None:
     """Before any process group or model exists: --resume with no finished save at all (no step
     directory with a manifest) is an error now, not after the model is built and DeepSpeed
     started. Cheap (no checksums, every rank may call it): `load` verifies the files."""
-    root = checkpoint_root(output_dir)
-    latest = latest_tag(output_dir)
-    tags = step_tags(root)
-    if not any((root / t / MANIFEST).is_file() or (
-            t == latest and (root / t / "trainer_state.json").is_file()) for t in tags):
+    if not _finished(output_dir):
+        root = checkpoint_root(output_dir)
         raise _nothing_to_resume(root, [f"{t}: no manifest.json (its save did not finish)"
-                                        for t in tags])
+                                        for t in step_tags(root)])
+
+
+def check_fresh_start(output_dir: str | Path, overwrite: bool) -> None:
+    """A run started without --resume into a folder that holds a run's checkpoints would
+    overwrite them: refused (every rank, at start-up) unless train.overwrite_output_dir."""
+    done = _finished(output_dir)
+    if done and not overwrite:
+        raise LaunchError(
+            f"train.output_dir {str(output_dir)!r} already holds the checkpoints of a run "
+            f"(newest: {done[0]}, step {int(done[0][4:])}); starting without --resume would "
+            "overwrite them. Pass --resume to continue that run, set train.output_dir to "
+            "another folder for a new run, or set train.overwrite_output_dir: true to start a "
+            "new run here (--resume then passes the earlier run's checkpoints over)")
+
+
+def start_run(output_dir: str | Path) -> str:
+    """A run started without --resume (rank 0): a new run id, and `latest` (which names the
+    earlier run's checkpoint, if any) removed."""
+    root = checkpoint_root(output_dir)
+    (root / "latest").unlink(missing_ok=True)
+    return runs.set_run(root)
 
 
 def _nothing_to_resume(root: Path, skipped: list[str]) -> LaunchError:
@@ -267,6 +331,10 @@ def load(engine, output_dir: str | Path, rank: int) -> tuple[int, dict]:
     if tag is None:
         raise _nothing_to_resume(root, skipped)
     trainer_state = _read_json(root / tag / "trainer_state.json")
+    if rank == 0:
+        run = runs.set_run(root, trainer_state.get("run_id") or runs.current_run(root))
+        print(f"ds-omni: --resume: resuming run {run} from {str(root / tag)!r} (step "
+              f"{trainer_state.get('step')})", flush=True)
     now = run_fingerprint(engine)
     check_model_parallel(trainer_state.get("run"), now, root / tag)
     problems = fingerprint_differences(trainer_state.get("run"), now)
@@ -394,34 +462,3 @@ def _engine_load(engine, root: Path, tag: str, universal: bool):
         if config is not None:
             config.load_universal_checkpoint = before
     return path
-
-
-def rng_state() -> dict:
-    """Every global generator a step may draw from (dropout, augmentation, user code): torch CPU
-    and CUDA, numpy and Python `random`, as tensors and numbers, so it loads with weights_only."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # MT19937: 624 uint32 keys
-    version, internal, gauss_next = random.getstate()  # 624 words + position
-    state = {"torch": torch.get_rng_state(),
-             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
-             "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64),
-                        "gauss_next": gauss_next}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what `rng_state` saved (a checkpoint from before numpy / Python were saved holds
-    "torch" only; CUDA states are set for the devices both runs have)."""
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        s = state["numpy"]
-        np.random.set_state((s["kind"], s["keys"].numpy().astype(np.uint32), s["pos"],
-                             s["has_gauss"], s["cached_gaussian"]))
-    if "python" in state:
-        s = state["python"]
-        random.setstate((s["version"], tuple(s["state"].tolist()), s["gauss_next"]))
-    if state.get("cuda") and torch.cuda.is_available():
-        for device, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(cuda_state, device)

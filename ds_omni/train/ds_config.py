@@ -79,6 +79,7 @@ def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
         section = out.setdefault("expert_parallel", {})
         for key, value in autoep_section(llm_text_config(cfg.model)[1], plan.ep).items():
             _merge(section, key, value, where=f"expert_parallel.{key}")
+    check_types(out)
     train = cfg.train
     optimizer = out.get("optimizer")
     if optimizer is not None:
@@ -97,6 +98,31 @@ def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
             _merge(params, key, values[key], where=f"scheduler.params.{key}")
     out.setdefault("steps_per_print", 10 ** 9)  # ds_omni reports progress itself
     return out
+
+
+def check_types(ds: dict) -> None:
+    """The optimizer and scheduler types are ones DeepSpeed builds (its own, case-insensitive
+    for optimizers, or a torch.optim / torch.optim.lr_scheduler class): checked here, where
+    DeepSpeed would stop with a bare assertion after the model is built."""
+    import torch
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+    lr = torch.optim.lr_scheduler
+    for section, ours, module, base in (("optimizer", DEEPSPEED_OPTIMIZERS, torch.optim,
+                                         torch.optim.Optimizer),
+                                        ("scheduler", VALID_LR_SCHEDULES, lr, lr.LRScheduler)):
+        if not isinstance(ds.get(section), dict):
+            continue
+        kind = ds[section].get("type")
+        theirs = sorted(n for n, v in vars(module).items()
+                        if isinstance(v, type) and issubclass(v, base) and v is not base
+                        and not n.startswith("_"))
+        if kind in theirs or (isinstance(kind, str) and
+                              (kind.lower() if section == "optimizer" else kind) in ours):
+            continue
+        raise ConfigError(f"DeepSpeed config: {section}.type={kind!r} is not a type DeepSpeed "
+                          f"knows; use one of DeepSpeed's {sorted(ours)} or a "
+                          f"{module.__name__} class ({', '.join(theirs)})")
 
 
 def check_engine_autotp(ds: dict) -> None:

@@ -65,6 +65,7 @@ def _run(cfg, ds_config, plan, rank, resume, stop_after, watchdog) -> dict:
     elif rank == 0:
         (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / SKIPPED_FILE).unlink(missing_ok=True)
+        checkpoint.start_run(out)
     if rank == 0:
         checkpoint.save_model_meta(checkpoint.checkpoint_root(out), built)
     logger = MetricsLogger(out, total_steps=cfg.train.steps, start_step=start, enabled=rank == 0,

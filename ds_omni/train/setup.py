@@ -26,7 +26,8 @@ from ds_omni.data.check import startup_check
 from ds_omni.data.cost import CostModel
 from ds_omni.data.templates import carry_template, training_template
 from ds_omni.model.attention import resolve_kernel
-from ds_omni.model.build import build_model, check_sequence_parallel, llm_text_config
+from ds_omni.model.build import (build_model, check_model_files, check_positions,
+                                  check_sequence_parallel, llm_text_config)
 from ds_omni.parallel import dist
 from ds_omni.parallel.groups import RankGroups, rank_groups
 from ds_omni.parallel.plan import ParallelPlan
@@ -70,9 +71,13 @@ def preflight(cfg: OmniConfig, ds_config_path: str,
               resume: bool = False) -> tuple[ParallelPlan, dict]:
     """Every check that needs no process group, so a bad input fails on all ranks at once."""
     plan, ds_config = plan_run(cfg, load_ds_json(ds_config_path), dist.world_size_from_env())
+    check_positions(cfg.model, cfg.data.max_seq_len)  # also: model.llm is a causal LM
+    check_model_files(cfg.model)
     checkpoint.check_writable(cfg.train.output_dir)
     if resume:
         checkpoint.check_resumable(cfg.train.output_dir)
+    else:
+        checkpoint.check_fresh_start(cfg.train.output_dir, cfg.train.overwrite_output_dir)
     # files, layouts and schema columns, relative media roots of every source (rank 0 says)
     startup_check(cfg, announce=os.environ.get("RANK", "0") == "0")
     return plan, ds_config

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from ds_omni.cli import main
+from tests.bad_input.common import says, snapshot, train
 from tests.fixtures import ds_config, tiny_config_dict
 
 
@@ -115,3 +116,67 @@ def test_attention_kernel_this_machine_cannot_run(tmp_path, capsys, monkeypatch,
     err = _train(capsys, "--config", c, "--deepspeed", d)
     assert f"model.attn_implementation is '{kernel}'" in err and says in err
     assert "use 'auto'" in err
+
+
+# ---------------------------------------------------------------- table: the ds_omni config
+def _set(path: str, value):
+    """A change to the config dict: `path` dotted ("model.llm.config.model_type")."""
+    def change(cfg: dict) -> None:
+        *parents, last = path.split(".")
+        node = cfg
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    return change
+
+
+CONFIG_CASES = {  # name: (change, words the refusal must hold: what, where, how to fix)
+    "steps_zero": (_set("train.steps", 0), ["train.steps must be >= 1", "got 0"]),
+    "lr_zero": (_set("train.lr", 0.0), ["train.lr must be > 0"]),
+    "on_nonfinite_unknown": (_set("train.on_nonfinite", "ignore"),
+                             ["train.on_nonfinite", "\"stop\" or \"skip\"", "'ignore'"]),
+    "batch_not_divisible": (_set("train.global_batch_size", 7),
+                            ["train.global_batch_size=7 is not divisible", "multiple of 2"]),
+    "overlong_unknown": (_set("data.overlong", "cut"), ["overlong", "'cut'", "truncate"]),
+    "max_seq_len_over_positions": (
+        _set("data.max_seq_len", 1024),
+        ["data.max_seq_len=1024", "max_position_embeddings=256", "model.llm",
+         "Lower data.max_seq_len to 256", "rope scaling"]),
+    "llm_is_bert": (_set("model.llm.config", {"model_type": "bert", "hidden_size": 64,
+                                              "num_hidden_layers": 2, "num_attention_heads": 4,
+                                              "intermediate_size": 128}),
+                    ["model.llm has model_type 'bert'", "an encoder", "causal LM",
+                     "set model.llm to one"]),
+    "llm_is_t5": (_set("model.llm.config", {"model_type": "t5", "d_model": 64}),
+                  ["model_type 't5'", "not a causal LM", "'llama'"]),
+    "llm_unknown_type": (_set("model.llm.config.model_type", "llamaa"),
+                         ["model.llm.config: unknown model_type 'llamaa'"]),
+    "unknown_section_key": (_set("train.save_evry", 5), ["unknown key(s) ['save_evry'] in train"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_CASES))
+def test_bad_config_is_refused_at_start_up(tmp_path, capsys, no_training, name):
+    change, words = CONFIG_CASES[name]
+    cfg = tiny_config_dict(str(tmp_path / "out"))
+    change(cfg)
+    c, d = _write(tmp_path, cfg)
+    says(_train(capsys, "--config", c, "--deepspeed", d), *words)
+    assert snapshot(tmp_path / "out") == {}  # nothing written: the run never began
+
+
+def test_max_seq_len_covered_by_rope_scaling_starts(tmp_path, capsys, no_training):
+    """Above max_position_embeddings, but the LLM's linear rope scaling (x8) covers it."""
+    cfg = tiny_config_dict(str(tmp_path / "out"))
+    cfg["data"]["max_seq_len"] = 1024
+    cfg["model"]["llm"]["config"]["rope_scaling"] = {"rope_type": "linear", "factor": 8.0}
+    c, d = _write(tmp_path, cfg)
+    assert train(capsys, c, d)[0] == "started"
+
+
+def test_config_that_is_not_json(tmp_path, capsys, no_training):
+    c = tmp_path / "cfg.json"
+    c.write_text('{"model": {"tokenizer": "builtin:shapes",}')
+    _, d = _write(tmp_path, tiny_config_dict(str(tmp_path / "out")))
+    c.write_text('{"model": {"tokenizer": "builtin:shapes",}')
+    says(_train(capsys, "--config", str(c), "--deepspeed", d), "cfg.json", "JSON")
