@@ -79,7 +79,6 @@ def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
         section = out.setdefault("expert_parallel", {})
         for key, value in autoep_section(llm_text_config(cfg.model)[1], plan.ep).items():
             _merge(section, key, value, where=f"expert_parallel.{key}")
-    check_types(out)
     train = cfg.train
     optimizer = out.get("optimizer")
     if optimizer is not None:
@@ -102,8 +101,9 @@ def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
 
 def check_types(ds: dict) -> None:
     """The optimizer and scheduler types are ones DeepSpeed builds (its own, case-insensitive
-    for optimizers, or a torch.optim / torch.optim.lr_scheduler class): checked here, where
-    DeepSpeed would stop with a bare assertion after the model is built."""
+    for optimizers, or a torch.optim / torch.optim.lr_scheduler class): checked by training's
+    preflight (it imports DeepSpeed, which `ds-omni plan` does not), where DeepSpeed would stop
+    with a bare assertion after the model is built."""
     import torch
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
     from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES

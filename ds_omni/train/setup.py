@@ -37,7 +37,7 @@ from ds_omni.parallelize.pipeline import (check_pipeline, optimizer_params, stag
                                          stage_tokens)
 from ds_omni.parallelize.tensor_parallel import check_tensor_parallel, check_tp_with_sp
 from ds_omni.train import checkpoint
-from ds_omni.train.ds_config import derive_ds_config, load_ds_json, zero_stage
+from ds_omni.train.ds_config import check_types, derive_ds_config, load_ds_json, zero_stage
 
 
 # ------------------------------------------------------------------ 1. the plan, no process group
@@ -71,6 +71,7 @@ def preflight(cfg: OmniConfig, ds_config_path: str,
               resume: bool = False) -> tuple[ParallelPlan, dict]:
     """Every check that needs no process group, so a bad input fails on all ranks at once."""
     plan, ds_config = plan_run(cfg, load_ds_json(ds_config_path), dist.world_size_from_env())
+    check_types(ds_config)  # optimizer and scheduler types DeepSpeed builds
     check_positions(cfg.model, cfg.data.max_seq_len)  # also: model.llm is a causal LM
     check_model_files(cfg.model)
     checkpoint.check_writable(cfg.train.output_dir)

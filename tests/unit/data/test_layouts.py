@@ -176,7 +176,7 @@ def test_bad_rows_are_skipped_and_logged_under_skip(tmp_path):
                            max_seq_len=256)
     loader = OmniLoader([Source(s, cfg.chunk_rows) for s in cfg.sources], {"s": proc},
                         cost_model_for(built, []), cfg, global_batch_size=4,
-                        place=RankPlace(dp_rank=0, dp_size=1, num_micro=2, reorder_group=1))
+                        place=RankPlace(num_micro=2))
     for _ in range(2):  # 8 samples: every row read
         batch = loader.next_step()
         assert batch.error is None and len(batch.keys) == 4
