@@ -45,7 +45,7 @@ def parallelize(built, plan: ParallelPlan, groups: RankGroups, cfg: OmniConfig, 
     item_cost = _item_cost(cost)
     model, rank = built.model, groups.rank
     pool = (encoder_pool_for(built, plan, rank, groups.pool, item_cost)
-            if cfg.parallel.encoder_pool == "dp" else None)
+            if plan.encoder_pool else None)
     zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
     even = (EvenEncoderCalls(list(model.encoders), groups.dp)
             if zero3 and (plan.sp_enabled or plan.max_sequence_sp > 1) else None)
@@ -72,24 +72,13 @@ def apply_plan(model: OmniModel, *, kernel: str | None = None, sp_group=None,
     """Apply the plan's pieces to a built model; returns what DeepSpeed is given: the model, or
     under `pipeline` (parallel.pp > 1) this rank's stage of it (`build_pipeline_module`).
 
-    `kernel`: the LLM's packed-attention kernel (None: the one the model was built with);
-    `sp_group`: the LLM's Ulysses group (None: no static SP; the encoders keep theirs);
-    `blocks`: per-sequence SP, (first rank, size) -> the group of every block this rank can be
-    in; `pool`: the encoder pool (parallel.encoder_pool="dp"); `encoder_dummies`: whether every
-    micro-batch runs every encoder, on a dummy where it has no item (`encoder_dummies_needed`).
-    The model gets an `EmbeddingRouter` holding them, and its backbone the attention with
-    `sp_group`, counted in the router's `sp_counts`.
-    `tp_group` (parallel.tp > 1): the backbone's decoder layers are split over it by DeepSpeed's
-    AutoTP (`tensor_parallel.shard_backbone`, after `llm_config`'s tp plan); the encoders are
-    not. What it did is the model's `tp_counts`. `tp_encoders`: the TP ranks of a row encode
-    different items of it (`tp_encoders.py`): their encoder gradients are summed over the TP
-    group by hooks put in here, before DeepSpeed sees the model, and every micro-batch runs
-    every encoder (the hooks are collectives: every TP rank must reach every parameter).
-    `even_calls`: ZeRO-3 under SP evens the encoder runs of a round over the ranks.
-    The features that route a step's micro-batches register with the router (`on_step`), in
-    the order the step needs: the even encoder calls, the pool, the TP split.
-    An MoE backbone's HF expert modules count their tokens (`count_hf_experts`, not on a
-    pipeline stage: its stages hold different layers, and the counts are all-reduced).
+    `kernel`: the LLM's packed-attention kernel (None: the one it was built with); `sp_group`:
+    the LLM's Ulysses group; `blocks`: per-sequence SP, (first rank, size) -> group; `even_calls`,
+    `pool`, `tp_encoders`: the features that route a step's micro-batches, registered with
+    the router in that order (`on_step`); `encoder_dummies`: every micro-batch runs every encoder
+    (`encoder_dummies_needed`; forced on by `tp_encoders`, whose gradient hooks are collectives);
+    `tp_group`, `llm_config`: the backbone's decoder layers split by AutoTP
+    (`tensor_parallel.shard_backbone`). More: docs/architecture.md.
     """
     kernel = kernel or model.backbone.attention.asked
     if tp_encoders is not None:
