@@ -87,13 +87,22 @@ class Breakdown:
         return dict(self.__dict__)
 
 
+def _layer_gemm_seconds(h: int, ffn: int, tp: int, fit: KernelFit) -> float:
+    """Forward seconds x peak of one token through a layer's four GEMMs on one TP rank, each at
+    the fraction of its narrow side (QKV and the first MLP matrix split their outputs over tp,
+    the attention projection and the second MLP matrix their inputs)."""
+    shapes = ((3 * h * h, min(h, 3 * h / tp)), (h * h, h / tp),  # (parameters, narrow side)
+              (h * ffn, min(h, ffn / tp)), (h * ffn, min(ffn / tp, h)))
+    return sum(2 * n / tp / fit.gemm_fraction(narrow) for n, narrow in shapes)
+
+
 def _micro_compute(run: Run, fit: KernelFit, peak: float, hbm: float) -> tuple[float, float, float]:
     """(forward, backward, GEMM-part of forward) seconds of one micro-batch on one stage."""
     m, p = run.model, run.plan
     h, tp = m["hidden"], p["tp"]
     tokens = p["micro_batch"] * m["seq"] / p.get("cp", 1)
     layers = m["layers"] / p["pp"]
-    gemm = tokens * layers * (8 * h * h + 4 * h * m["ffn"]) / tp / (peak * fit.gemm_fraction(h / tp))
+    gemm = tokens * layers * _layer_gemm_seconds(h, m["ffn"], tp, fit) / peak
     attn = tokens * layers * 4 * m["seq"] * h / tp / (peak * fit.gemm_fraction(run.head_dim))
     split = 1 / tp if p["sequence_parallel"] else REPLICATED + (1 - REPLICATED) / tp
     elem = tokens * layers * fit.elementwise * h * split / hbm
