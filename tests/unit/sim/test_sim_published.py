@@ -97,3 +97,18 @@ def test_one_run_calibration_and_bad_inputs(doc):
     bad["plan"]["dp"] += 1
     with pytest.raises(ConfigError, match="not the run's"):
         Run.of(bad)
+
+
+def test_links_are_hierarchical():
+    """A data-parallel group with several ranks a node sends 1/k of the bytes across nodes; a
+    slower network slows only groups that span nodes."""
+    from ds_omni.sim import links
+    from ds_omni.sim.cluster import cluster
+    fast, slow = cluster("h100", 64), cluster("h100", 64, inter_bw=5e9)
+    nbytes = 1e9
+    one_a_node = links.all_reduce(fast, nbytes, 8, 1)  # 8 ranks on 8 nodes
+    eight_a_node = links.all_reduce(fast, nbytes, 64, 8)  # 64 ranks, 8 on each node
+    assert eight_a_node < one_a_node  # NVLink carries 7/8 of it first
+    assert links.all_reduce(slow, nbytes, 8, 8) == links.all_reduce(fast, nbytes, 8, 8)
+    assert links.all_reduce(slow, nbytes, 8, 1) > 5 * one_a_node
+    assert links.reduce_scatter(fast, nbytes, 64, 8) < links.all_reduce(fast, nbytes, 64, 8)
