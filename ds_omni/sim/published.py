@@ -96,8 +96,10 @@ def _layer_gemm_seconds(h: int, ffn: int, tp: int, fit: KernelFit) -> float:
     return sum(2 * n / tp / fit.gemm_fraction(narrow) for n, narrow in shapes)
 
 
-def _micro_compute(run: Run, fit: KernelFit, peak: float, hbm: float) -> tuple[float, float, float]:
-    """(forward, backward, GEMM-part of forward) seconds of one micro-batch on one stage."""
+def _micro_compute(run: Run, fit: KernelFit, peak: float, hbm: float, head: bool = False
+                   ) -> tuple[float, float, float]:
+    """(forward, backward, GEMM-part of forward) seconds of one micro-batch on one stage (its
+    layers; `head`: the last stage, which also runs the LM head and its loss)."""
     m, p = run.model, run.plan
     h, tp = m["hidden"], p["tp"]
     tokens = p["micro_batch"] * m["seq"] / p.get("cp", 1)
@@ -106,7 +108,7 @@ def _micro_compute(run: Run, fit: KernelFit, peak: float, hbm: float) -> tuple[f
     attn = tokens * layers * 4 * m["seq"] * h / tp / (peak * fit.gemm_fraction(run.head_dim))
     split = 1 / tp if p["sequence_parallel"] else REPLICATED + (1 - REPLICATED) / tp
     elem = tokens * layers * fit.elementwise * h * split / hbm
-    logits = tokens * 2 * h * m["vocab"] / tp / (peak * fit.gemm_fraction(h / tp)) / p["pp"]
+    logits = head * tokens * 2 * h * m["vocab"] / tp / (peak * fit.gemm_fraction(h / tp))
     fwd = gemm + attn + elem + logits
     bwd = 2 * (gemm + attn + logits) + 2 * elem + (fwd if p["recompute"] else 0.0)
     return fwd, bwd, gemm
@@ -147,16 +149,19 @@ def step_time(run: Run, fit: KernelFit) -> Breakdown:
     p = run.plan
     cl = cluster(run.gpu, run.gpus, run.gpus_per_node)
     hbm = hbm_bandwidth(run.gpu)
-    fwd, bwd, gemm = _micro_compute(run, fit, cl.flops, hbm)
-    tp_f, tp_b = _tp_seconds(run, cl, gemm)
     P, M, vp = p["pp"], run.micro_batches, p.get("vp", 1)
+    fwd, bwd, gemm = _micro_compute(run, fit, cl.flops, hbm)
+    head_f, head_b, _ = _micro_compute(run, fit, cl.flops, hbm, head=True)  # the last stage
+    tp_f, tp_b = _tp_seconds(run, cl, gemm)
     send = 0.0
     if P > 1:  # each TP rank sends its 1/tp of the activations; stages sit on other nodes
         nbytes = p["micro_batch"] * run.model["seq"] * run.model["hidden"] * BYTES / p["tp"]
         crosses = p["tp"] * p.get("cp", 1) * p["dp"] >= cl.gpus_per_node  # Megatron order
         send = 2 * vp * links.p2p(cl, nbytes / p.get("cp", 1), crosses)
-    micro = fwd + bwd + tp_f + tp_b + send
-    bubble = (P - 1) / vp * micro
+    micro = fwd + bwd + tp_f + tp_b + send  # a stage's micro-batch, the last stage's below
+    slowest = micro + (head_f + head_b - fwd - bwd)
+    # 1F1B: the slowest stage runs every micro-batch, the others fill and drain around it
+    bubble = (P - 1) / vp * (((P - 1) * micro + slowest) / P)
     reduce, gather = _dp_seconds(run, cl)
     if p.get("overlap_grad_reduce"):  # the last backward hides the gradient buckets, the
         reduce, gather = max(0.0, reduce - bwd / vp), max(0.0, gather - fwd / vp)  # next forward the gathers
@@ -165,8 +170,9 @@ def step_time(run: Run, fit: KernelFit) -> Breakdown:
     params = (m["layers"] * (4 * h * h + 2 * h * m["ffn"]) / P + h * m["vocab"]) / p["tp"]
     shard = p["dp"] if p.get("distributed_optimizer") else 1
     optimizer = params / shard * OPTIMIZER_BYTES / hbm
-    step = M * micro + bubble + dp + optimizer
-    return Breakdown(step, M * (fwd + bwd), bubble, M * (tp_f + tp_b), M * send, dp, optimizer)
+    step = M * slowest + bubble + dp + optimizer
+    return Breakdown(step, M * (head_f + head_b), bubble, M * (tp_f + tp_b), M * send, dp,
+                     optimizer)
 
 
 def predicted_tflops(entry: dict, fit: KernelFit, convention: str) -> float:
