@@ -25,6 +25,7 @@ from ds_omni.model.expert_checkpoint import hf_shared_expert_key
 # Qwen3-VL-MoE's text model has Qwen3-MoE's block (router `gate`, fused `experts`, softmax top-k).
 EXTRA_MODEL_TYPES = {"qwen3_vl_moe_text": "qwen3_moe", "qwen3_vl_moe": "qwen3_moe"}
 MOE_LAYERS = r"backbone\.layers\.\d+\.mlp"  # the backbone's MoE blocks, by OmniModel name
+STAGE_MOE_LAYERS = r"\d+\.layer\.mlp"  # the same in a pipeline stage (`pipeline.DecoderStage`)
 # AutoEP presets whose HF router is not softmax top-k at scale 1, what `autoep_section` writes:
 # refused rather than routed otherwise than HF's model
 OTHER_ROUTERS = {
@@ -49,9 +50,10 @@ def autoep_preset(model_type: str) -> str:
     return name
 
 
-def autoep_section(llm_config, ep: int) -> dict:
+def autoep_section(llm_config, ep: int, pipeline: bool = False) -> dict:
     """The DeepSpeed config's `expert_parallel` section for `ep`, with the router's settings
-    read from the LLM's HF config (`llm_config`, the text config) so AutoEP keeps HF's router."""
+    read from the LLM's HF config (`llm_config`, the text config) so AutoEP keeps HF's router;
+    `pipeline`: the MoE blocks named as a pipeline stage names them (parallel.pp > 1)."""
     preset = autoep_preset(llm_config.model_type)
     experts = getattr(llm_config, "num_experts", None) or getattr(llm_config, "num_local_experts")
     if experts % ep:
@@ -70,7 +72,8 @@ def autoep_section(llm_config, ep: int) -> dict:
                           "implement (its router would differ from HF's); set it to 0 or "
                           "parallel.ep to 1")
     return {"enabled": True, "autoep_size": ep, "preset_model": preset,
-            "moe_layer_pattern": MOE_LAYERS, "top_k": int(llm_config.num_experts_per_tok),
+            "moe_layer_pattern": STAGE_MOE_LAYERS if pipeline else MOE_LAYERS,
+            "top_k": int(llm_config.num_experts_per_tok),
             "route_norm": route_norm(llm_config, preset),
             "score_func": "softmax", "route_scale": 1.0}
 
