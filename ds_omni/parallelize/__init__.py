@@ -10,10 +10,9 @@ applies pieces already built:
   joint.py            "uniform" encoder placement: every stage encodes a share of the step's items
   tensor_parallel.py  the backbone's decoder layers over the TP group (DeepSpeed's AutoTP)
   tp_encoders.py      the encoders under TP: each TP rank encodes a share, rows all-gathered
-  expert_parallel.py  an MoE LLM's experts over ep ranks (DeepSpeed's AutoEP)
-  expert_folding.py   the experts beside tp: EP over dp x tp (AutoEP's folded layers)
-The pure planners these call (reshard, long_short, hdp, stages) and the groups are in
-`ds_omni.parallel`. More: docs/architecture.md.
+  expert_parallel.py  an MoE LLM's experts over ep ranks (DeepSpeed's AutoEP); beside tp:
+                      expert_folding.py; under pp, the aux loss: pipeline_moe.py
+Pure planners and groups: `ds_omni.parallel`. More: docs/architecture.md.
 """
 
 from __future__ import annotations

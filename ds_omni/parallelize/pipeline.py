@@ -5,10 +5,9 @@ The pipeline's layers are the OmniModel's own modules, wrapped to pass tuples of
                                                           cu_seqlens, index)
     DecoderStage  (hidden, position_ids, cu_seqlens, index) -> the same
     HeadStage     (hidden, position_ids, cu_seqlens, index) -> scaled sum of token losses
-An MoE LLM with HF's aux loss carries its router statistics after `index` (`pipeline_moe`).
-Only `hidden` is float (the one tensor sent a gradient); lengths vary (`dynamic_shape=True`). The
-encoders' inputs stay out of the engine: `StepInputs` holds the step's micro-batches, looked up
-by the index. The whole loss is made inside the last stage (`loss_fn` None): under bf16 DeepSpeed
+(an MoE LLM's aux statistics after `index`: `pipeline_moe`). Only `hidden` (and the aux
+probabilities) are sent a gradient; lengths vary (`dynamic_shape=True`). The encoders' inputs
+stay out of the engine: `StepInputs` holds the step's micro-batches, by index. The whole loss is made inside the last stage (`loss_fn` None): under bf16 DeepSpeed
 zeroes gradients made after the module's output, so a head in `loss_fn` would never train.
 `StepInputs.scale` undoes the engine's averaging so gradients equal one process's.
 More: docs/internals.md, "Pipeline"; docs/parallelism.md, "Pipeline parallelism".
