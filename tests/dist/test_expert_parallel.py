@@ -102,7 +102,7 @@ def hf_layout(seen: dict):
     import torch.distributed as tdist
     from deepspeed.utils import groups
     from ds_omni.parallelize.expert_folding import fold_counts
-    from ds_omni.parallelize.expert_parallel import autoep_layers, hf_expert_state
+    from ds_omni.parallelize.expert_parallel import autoep_layers, expert_load, hf_expert_state
     reads = oracle_ranks.full_params, oracle_ranks.full_grads, oracle_ranks.omni_names
 
     def gathered(engine, named):
@@ -111,8 +111,14 @@ def hf_layout(seen: dict):
         seen.update(autoep_layers=len(layers), micro=engine.gradient_accumulation_steps(),
                     aux_layers_added=carry.layers_added if carry is not None else None)
         seen["fold"] = fold_counts(engine.module)
-        seen["routed"] = max(seen.get("routed", 0),
-                             sum(float(m.tokens_per_expert.sum()) for m in layers.values()))
+        routed = sum(float(m.tokens_per_expert.sum()) for m in layers.values())
+        seen["routed"] = max(seen.get("routed", 0), routed)
+        seen["routed_total"] = seen.get("routed_total", 0) + routed
+        # the loop's moe_* metrics over the same counts (reduced: every rank alike; resets them)
+        load = expert_load(engine.module)
+        seen.setdefault("loads", []).append(load)
+        seen["load_sum"] = seen.get("load_sum", 0) + sum(
+            v for k, v in load.items() if k.startswith("moe_tokens_expert"))
         if not layers:  # a pipeline stage without an MoE layer
             return named
         ep = next(iter(layers.values())).ep_size
@@ -232,6 +238,7 @@ def test_expert_parallel_matches_single_process(launch, launches, tmp_path):
             assert all(r["seen"]["routed"] > 0 for r in stage_ranks), stage_ranks[0]["seen"]
         # both models: 2 MoE layers, over the stages
         assert sum(r["seen"]["autoep_layers"] for r in per_rank[::dp * tp]) == 2
+        _check_expert_load(per_rank, tp * pp)
 
 
 def _check_one(name, per_rank, tmp_path, dp, tp=1, pp=1, model_dir=None, llm=None,
@@ -241,6 +248,17 @@ def _check_one(name, per_rank, tmp_path, dp, tp=1, pp=1, model_dir=None, llm=Non
     stage holds that stage's gradients and parameters."""
     got = oracle.merge_stages(per_rank[::dp]) if pp > 1 else per_rank[0]
     _check(name, per_rank[:dp * tp], dp, tmp_path, steps, model_dir, llm, readers=tp, got=got)
+
+
+def _check_expert_load(per_rank: list[dict], replicas: int) -> None:
+    """The loop's moe_* metrics (`expert_load`) are the same on every rank, and their most loaded
+    layer's tokens are every routed token once (each MoE layer routes every token): the ranks'
+    counts per layer, over the tp x pp ranks that each see every token of their rows."""
+    loads = [r["seen"]["loads"] for r in per_rank]
+    assert all(load == loads[0] for load in loads), "the ranks report different expert loads"
+    routed = sum(r["seen"]["routed_total"] / r["seen"]["autoep_layers"] for r in per_rank)
+    load_sum = per_rank[0]["seen"]["load_sum"]
+    assert load_sum > 0 and load_sum == routed / replicas, (load_sum, routed, replicas)
 
 
 def _check_carried(per_rank: list[dict], dp: int) -> None:
