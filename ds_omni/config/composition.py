@@ -166,20 +166,28 @@ RULES = (
              "data-parallel ranks) or with sp (over dp x sp), not with both",
              "set encoder_pool to \"off\", or parallel.tp or parallel.sp to 1",
              refused=lambda s: s.sp > 1, shows=("sp",), when="parallel.sp > 1"),
-    _refused("ep", "tp", "DeepSpeed 0.19.8's AutoTP cannot shard the MoE families AutoEP has "
-             "presets for (their HF tensor-parallel plans use the 'packed_colwise' and "
-             "'moe_tp_experts' styles, which its TPPlanConverter rejects), and expert-parallel "
-             "groups inside the data-parallel ranks of each TP rank are not built. What works for "
-             "an MoE LLM: parallel.ep inside dp x sp (with parallel.sp or "
-             "parallel.max_sequence_sp), under ZeRO 1 or 2 (ZeRO-3 with sp = 1) to spread the rest",
-             "set parallel.tp to 1 (tp is for dense LLMs)"),
+    _refused("ep", "tp", "the experts beside tp are DeepSpeed's AutoEP+AutoTP folding, which "
+             "DeepSpeed 0.19.8 validates with neither Ulysses SP nor pipeline stages "
+             "(auto_ep_folding.validate_folding_global refuses both)",
+             "set parallel.sp and parallel.pp to 1 beside tp x ep, or parallel.tp to 1",
+             refused=lambda s: s.sp > 1 or s.pp > 1, shows=("sp", "pp"),
+             when="parallel.sp > 1 or parallel.pp > 1",
+             note="Megatron's expert-data-parallel layout: attention and dense MLPs over tp "
+             "(AutoTP's layers), the experts over ep consecutive ranks of a stage's dp x tp, "
+             "each TP rank dispatching 1/tp of a row's assignments; ep divides dp x tp"),
     _composes("pp", "encoder_placement", "where the encoders run under pp: \"stage0\" or "
               "\"uniform\" (not with bf16.immediate_grad_update)"),
     _refused("encoder_pool", "pp", "the pool spreads the items of rows held by one rank or by an "
              "SP group, not by pipeline stages", "set encoder_pool to \"off\" (encoder_placement "
              "\"uniform\" balances the encoders over the stages) or parallel.pp to 1"),
-    _refused("ep", "pp", "a pipeline stage does not see the whole sample for the MoE auxiliary "
-             "loss", "set parallel.pp to 1"),
+    _refused("ep", "pp", "the MoE aux statistics carried along the pipeline are a row's own: "
+             "under parallel.sp a stage would have to sum them over the row's SP ranks, which "
+             "this version does not", "set parallel.sp to 1 beside pp x ep",
+             refused=lambda s: s.sp > 1, shows=("sp",), when="parallel.sp > 1",
+             note="each stage's MoE blocks are AutoEP's with EP groups of ep consecutive ranks "
+             "of the stage's data-parallel ranks (ep divides them); every stage adds its layers' "
+             "per-sample router statistics to tensors that travel with the hidden states, and "
+             "the last stage forms HF's aux loss from the whole sums"),
     _composes("encoder_placement", "encoder_pool", UNDER_PP),
     _composes("encoder_placement", "ep", UNDER_PP),
     _composes("encoder_pool", "ep"),

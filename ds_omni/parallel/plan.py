@@ -96,17 +96,20 @@ class ParallelPlan:
         return self.ep > 1
 
     def ep_group_ranks(self) -> list[list[int]]:
-        """Expert-parallel groups: ep consecutive ranks of the sequence x data group each (the
-        world: tp = pp = 1), as DeepSpeed's `groups._create_expert_and_data_parallel` draws them
-        (under sp its "sp" mode: consecutive ranks, so an EP group may be an SP group)."""
-        return [list(range(start, start + self.ep))
-                for start in range(0, self.dp * self.sp, self.ep)]
+        """Expert-parallel groups: ep consecutive ranks of one pipeline stage's dp x sp x tp
+        ranks each, as DeepSpeed's `groups._create_expert_and_data_parallel` draws them (under
+        sp its "sp" mode: consecutive ranks, so an EP group may be an SP group; under tp its
+        AutoEP+AutoTP folding tables, `ds_omni.parallelize.expert_folding`)."""
+        stage = self.dp * self.sp * self.tp
+        return [list(range(start, start + self.ep)) for first in range(0, self.world_size, stage)
+                for start in range(first, first + stage, self.ep)]
 
     def expert_data_group_ranks(self) -> list[list[int]]:
-        """The ranks holding the same experts (one of each EP group), over which the experts'
-        gradients are reduced (DeepSpeed's expert-data-parallel groups)."""
-        ranks = list(range(self.dp * self.sp))
-        return [ranks[e::self.ep] for e in range(self.ep)]
+        """The ranks of one stage holding the same experts (one of each EP group), over which
+        the experts' gradients are reduced (DeepSpeed's expert-data-parallel groups)."""
+        stage = self.dp * self.sp * self.tp
+        return [list(range(first + e, first + stage, self.ep))
+                for first in range(0, self.world_size, stage) for e in range(self.ep)]
 
     @property
     def sp_enabled(self) -> bool:
@@ -290,13 +293,15 @@ def _powers_of_two(low: int, high: int) -> list[int]:
 
 
 def check_expert_parallel(cfg: ParallelConfig, dp: int) -> None:
-    """parallel.ep fits the plan: it divides the dp x sp ranks (expert-parallel groups are drawn
-    from the sequence x data group, as DeepSpeed's AutoEP draws them). What it composes with is
+    """parallel.ep fits the plan: it divides a pipeline stage's dp x sp x tp ranks (expert-parallel
+    groups are drawn from those, as DeepSpeed's AutoEP draws them). What it composes with is
     `ds_omni.config.composition`'s table."""
     if cfg.ep == 1:
         return
-    if (dp * cfg.sp) % cfg.ep:
+    stage = dp * cfg.sp * cfg.tp
+    if stage % cfg.ep:
         raise LaunchError(f"parallel.ep={cfg.ep} does not divide the data-parallel x "
-                          f"sequence-parallel ranks {dp} x {cfg.sp} = {dp * cfg.sp}: "
-                          "expert-parallel groups are drawn from those ranks; launch a multiple "
-                          f"of {cfg.ep} of them or change parallel.ep")
+                          f"sequence-parallel x tensor-parallel ranks of a pipeline stage, "
+                          f"{dp} x {cfg.sp} x {cfg.tp} = {stage}: expert-parallel groups are drawn "
+                          f"from those ranks; launch a multiple of {cfg.ep} of them per stage or "
+                          "change parallel.ep")

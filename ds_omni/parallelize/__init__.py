@@ -10,9 +10,9 @@ applies pieces already built:
   joint.py            "uniform" encoder placement: every stage encodes a share of the step's items
   tensor_parallel.py  the backbone's decoder layers over the TP group (DeepSpeed's AutoTP)
   tp_encoders.py      the encoders under TP: each TP rank encodes a share, rows all-gathered
-  expert_parallel.py  an MoE LLM's experts over ep ranks (DeepSpeed's AutoEP)
-The pure planners these call (reshard, long_short, hdp, stages) and the groups are in
-`ds_omni.parallel`. More: docs/architecture.md.
+  expert_parallel.py  an MoE LLM's experts over ep ranks (DeepSpeed's AutoEP); beside tp:
+                      expert_folding.py; under pp, the aux loss: pipeline_moe.py
+Pure planners and groups: `ds_omni.parallel`. More: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from ds_omni.parallel.groups import RankGroups
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.parallelize.embedding import EmbeddingRouter, EvenEncoderCalls, encoder_dummies_needed
 from ds_omni.parallelize.encoder_pool import EncoderPool, encoder_pool_for
+from ds_omni.parallelize.expert_folding import ExpertFold, expert_fold_for, fold_experts
 from ds_omni.parallelize.expert_parallel import count_hf_experts
 from ds_omni.parallelize.pipeline import PipelineSpec, build_pipeline_module, pipeline_spec_for
 from ds_omni.parallelize.tensor_parallel import shard_backbone
@@ -44,6 +45,7 @@ def parallelize(built, plan: ParallelPlan, groups: RankGroups, cfg: OmniConfig, 
     micro-batch runs every encoder on a dummy (`encoder_dummies_needed`, from `ds_config`)."""
     item_cost = _item_cost(cost)
     model, rank = built.model, groups.rank
+    llm_config = built.hf_config.get_text_config() if groups.tp else None
     pool = (encoder_pool_for(built, plan, rank, groups.pool, item_cost)
             if plan.encoder_pool else None)
     zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
@@ -53,8 +55,8 @@ def parallelize(built, plan: ParallelPlan, groups: RankGroups, cfg: OmniConfig, 
                       blocks=groups.blocks, pool=pool,
                       encoder_dummies=encoder_dummies_needed(ds_config, plan.pp_enabled),
                       pipeline=pipeline_spec_for(cfg, built, plan, cost, item_cost),
-                      tp_group=groups.tp,
-                      llm_config=built.hf_config.get_text_config() if groups.tp else None,
+                      tp_group=groups.tp, llm_config=llm_config,
+                      experts=expert_fold_for(plan, groups.tp, llm_config),
                       tp_encoders=tp_encoders_for(cfg, built, plan, rank, groups.tp, item_cost),
                       even_calls=even)
 
@@ -68,7 +70,8 @@ def apply_plan(model: OmniModel, *, kernel: str | None = None, sp_group=None,
                blocks: dict | None = None, pool: EncoderPool | None = None,
                encoder_dummies: bool = True, pipeline: PipelineSpec | None = None,
                tp_group=None, llm_config=None, tp_encoders: TPEncoders | None = None,
-               even_calls: EvenEncoderCalls | None = None) -> nn.Module:
+               even_calls: EvenEncoderCalls | None = None,
+               experts: ExpertFold | None = None) -> nn.Module:
     """Apply the plan's pieces to a built model; returns what DeepSpeed is given: the model, or
     under `pipeline` (parallel.pp > 1) this rank's stage of it (`build_pipeline_module`).
 
@@ -78,7 +81,8 @@ def apply_plan(model: OmniModel, *, kernel: str | None = None, sp_group=None,
     the router in that order (`on_step`); `encoder_dummies`: every micro-batch runs every encoder
     (`encoder_dummies_needed`; forced on by `tp_encoders`, whose gradient hooks are collectives);
     `tp_group`, `llm_config`: the backbone's decoder layers split by AutoTP
-    (`tensor_parallel.shard_backbone`). More: docs/architecture.md.
+    (`tensor_parallel.shard_backbone`); `experts`: the MoE blocks' experts folded over the TP
+    group (`expert_folding`, parallel.ep x tp). More: docs/architecture.md.
     """
     kernel = kernel or model.backbone.attention.asked
     if tp_encoders is not None:
@@ -92,7 +96,10 @@ def apply_plan(model: OmniModel, *, kernel: str | None = None, sp_group=None,
     model.backbone.attention = PackedAttention(kernel, sp_group, router.sp_counts)
     model.router = router
     if tp_group is not None:
-        model.tp_counts = shard_backbone(model.backbone, tp_group, llm_config)
+        model.tp_counts = shard_backbone(model.backbone, tp_group, llm_config,
+                                         experts_apart=experts is not None)
+    if experts is not None:
+        fold_experts(model, experts, tp_group)
     if pipeline is None:
         count_hf_experts(model.backbone)  # the expert load of HF's MoE blocks (AutoEP counts its own)
         return model

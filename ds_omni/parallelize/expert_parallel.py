@@ -25,6 +25,7 @@ from ds_omni.model.expert_checkpoint import hf_shared_expert_key
 # Qwen3-VL-MoE's text model has Qwen3-MoE's block (router `gate`, fused `experts`, softmax top-k).
 EXTRA_MODEL_TYPES = {"qwen3_vl_moe_text": "qwen3_moe", "qwen3_vl_moe": "qwen3_moe"}
 MOE_LAYERS = r"backbone\.layers\.\d+\.mlp"  # the backbone's MoE blocks, by OmniModel name
+STAGE_MOE_LAYERS = r"\d+\.layer\.mlp"  # the same in a pipeline stage (`pipeline.DecoderStage`)
 # AutoEP presets whose HF router is not softmax top-k at scale 1, what `autoep_section` writes:
 # refused rather than routed otherwise than HF's model
 OTHER_ROUTERS = {
@@ -49,9 +50,10 @@ def autoep_preset(model_type: str) -> str:
     return name
 
 
-def autoep_section(llm_config, ep: int) -> dict:
+def autoep_section(llm_config, ep: int, pipeline: bool = False) -> dict:
     """The DeepSpeed config's `expert_parallel` section for `ep`, with the router's settings
-    read from the LLM's HF config (`llm_config`, the text config) so AutoEP keeps HF's router."""
+    read from the LLM's HF config (`llm_config`, the text config) so AutoEP keeps HF's router;
+    `pipeline`: the MoE blocks named as a pipeline stage names them (parallel.pp > 1)."""
     preset = autoep_preset(llm_config.model_type)
     experts = getattr(llm_config, "num_experts", None) or getattr(llm_config, "num_local_experts")
     if experts % ep:
@@ -70,7 +72,8 @@ def autoep_section(llm_config, ep: int) -> dict:
                           "implement (its router would differ from HF's); set it to 0 or "
                           "parallel.ep to 1")
     return {"enabled": True, "autoep_size": ep, "preset_model": preset,
-            "moe_layer_pattern": MOE_LAYERS, "top_k": int(llm_config.num_experts_per_tok),
+            "moe_layer_pattern": STAGE_MOE_LAYERS if pipeline else MOE_LAYERS,
+            "top_k": int(llm_config.num_experts_per_tok),
             "route_norm": route_norm(llm_config, preset),
             "score_func": "softmax", "route_scale": 1.0}
 
@@ -129,24 +132,59 @@ def _count_picks(m: nn.Module, args: tuple, kwargs: dict) -> None:
 def expert_load(module: nn.Module, group=None) -> dict[str, float]:
     """Tokens per expert since the last call, summed over `group` (every rank: the step's load),
     as metrics: per layer's max / mean (1: even), and the counts of the most loaded layer.
-    Resets the counters: AutoEP's layers', or HF's expert modules' (`count_hf_experts`). Empty
-    without either; every rank calls it."""
+    Resets the counters: AutoEP's layers', or HF's expert modules' (`count_hf_experts`). Layers
+    are matched by name over the ranks, so pipeline stages holding different layers add up; a
+    layer folded over TP (`expert_folding`) counts on its TP rank 0 only (each TP rank routes
+    the same tokens). Empty for a model without MoE blocks; every rank calls it."""
     import deepspeed.comm as dist
-    counters = [m.tokens_per_expert for m in autoep_layers(module).values()] or [
-        getattr(m, HF_COUNTER) for m in module.modules() if hasattr(m, HF_COUNTER)]
-    if not counters:
+    if not _has_moe_blocks(module):
         return {}
-    counts = torch.stack(counters).detach().clone()  # [layers, E]
-    dist.all_reduce(counts, group=group)
-    for c in counters:
+    counters = _load_counters(module)
+    mine = {name: _counted(name, module, c) for name, c in counters.items()}
+    for c in counters.values():
         c.zero_()
-    counts = counts.float()
+    parts = [None] * dist.get_world_size(group=group) if dist.is_initialized() else [None]
+    if dist.is_initialized():
+        dist.all_gather_object(parts, mine, group=group)
+    else:
+        parts = [mine]
+    names = sorted({n for part in parts for n in part})
+    if not names:
+        return {}
+    counts = torch.tensor([[sum(p[n][e] for p in parts if n in p)
+                            for e in range(len(next(p[n] for p in parts if n in p)))]
+                           for n in names], dtype=torch.float64)  # [layers, E]
     ratio = counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1e-9)  # [layers]
     worst = int(ratio.argmax())
     out = {"moe_load_max_over_mean": float(ratio.max()),
            "moe_load_max_over_mean_mean": float(ratio.mean())}
     out.update({f"moe_tokens_expert{e}": float(c) for e, c in enumerate(counts[worst].tolist())})
     return out
+
+
+def _has_moe_blocks(module: nn.Module) -> bool:
+    """Whether the whole model has MoE blocks, on every rank alike: a pipeline stage looks at
+    every stage's layers (`PipelineModule._layer_specs`, built whole on each rank)."""
+    parts = getattr(module, "_layer_specs", None) or [module]
+    return any(hasattr(m, "experts") for part in parts if isinstance(part, nn.Module)
+               for m in part.modules())
+
+
+def _load_counters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """name -> tokens-per-expert counter [E] of AutoEP's layers, or of HF's expert modules."""
+    layers = autoep_layers(module)
+    if layers:
+        return {n: m.tokens_per_expert for n, m in layers.items()}
+    return {n: getattr(m, HF_COUNTER) for n, m in module.named_modules() if hasattr(m, HF_COUNTER)}
+
+
+def _counted(name: str, module: nn.Module, counter: torch.Tensor) -> list[int]:
+    """The counter's values, zeros on a folded layer's TP ranks past the first."""
+    layer = module.get_submodule(name)
+    handles = getattr(layer, "folding_group_handles", None)
+    if handles is not None and torch.distributed.get_rank(layer.tp_group) != 0:
+        return [0] * counter.numel()
+    return [int(c) for c in counter.tolist()]
 
 
 def hf_expert_state(named: dict[str, torch.Tensor], ep_size: int,

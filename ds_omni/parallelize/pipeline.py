@@ -5,9 +5,9 @@ The pipeline's layers are the OmniModel's own modules, wrapped to pass tuples of
                                                           cu_seqlens, index)
     DecoderStage  (hidden, position_ids, cu_seqlens, index) -> the same
     HeadStage     (hidden, position_ids, cu_seqlens, index) -> scaled sum of token losses
-Only `hidden` is float (the one tensor sent a gradient); lengths vary (`dynamic_shape=True`). The
-encoders' inputs stay out of the engine: `StepInputs` holds the step's micro-batches, looked up
-by the index. The whole loss is made inside the last stage (`loss_fn` None): under bf16 DeepSpeed
+(an MoE LLM's aux statistics after `index`: `pipeline_moe`). Only `hidden` (and the aux
+probabilities) are sent a gradient; lengths vary (`dynamic_shape=True`). The encoders' inputs
+stay out of the engine: `StepInputs` holds the step's micro-batches, by index. The whole loss is made inside the last stage (`loss_fn` None): under bf16 DeepSpeed
 zeroes gradients made after the module's output, so a head in `loss_fn` would never train.
 `StepInputs.scale` undoes the engine's averaging so gradients equal one process's.
 More: docs/internals.md, "Pipeline"; docs/parallelism.md, "Pipeline parallelism".
@@ -29,6 +29,7 @@ from ds_omni.batch import IGNORE_INDEX
 from ds_omni.errors import LaunchError, ModelError
 from ds_omni.model.omni import DEEPSTACK_ALONE, OmniModel, summed_token_loss
 from ds_omni.parallelize.joint import EncoderShards, JointEncoding, plan_joint
+from ds_omni.parallelize.pipeline_moe import AuxCarry
 from ds_omni.parallel.stages import StagePlan, check_stages, stage_plan_for
 
 
@@ -49,6 +50,7 @@ class StepInputs:
         self.joint: JointEncoding | None = None
         self.scale = 1.0
         self.sums: list[torch.Tensor] = []
+        self.aux_carry = AuxCarry(None)  # an MoE LLM's aux statistics (`pipeline_layers` sets)
 
 
 class EmbedStage(nn.Module):
@@ -63,6 +65,7 @@ class EmbedStage(nn.Module):
         self.encoders = model.encoders
         object.__setattr__(self, "omni", model)  # not a submodule: its layers live on other stages
         object.__setattr__(self, "step_inputs", step_inputs)
+        self.aux = step_inputs.aux_carry
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         index, position_ids, cu_seqlens = inputs
@@ -74,25 +77,29 @@ class EmbedStage(nn.Module):
             rows = {name: joint.rows_for(micro, name) for name in self.encoders}
             hidden = self.omni.embed_rows(batch, {k: v for k, v in rows.items() if v is not None})
         # what `Backbone.forward` does first (Granite's embedding multiplier)
-        return self.omni.backbone.scale_embeddings(hidden), position_ids, cu_seqlens, index
+        return (self.omni.backbone.scale_embeddings(hidden), position_ids, cu_seqlens, index,
+                *self.aux.start(cu_seqlens, hidden.device))
 
 
 class DecoderStage(nn.Module):
     """One LLM decoder layer over the packed row it receives."""
 
-    def __init__(self, model: OmniModel, index: int):
+    def __init__(self, model: OmniModel, index: int, aux: AuxCarry | None = None):
         super().__init__()
+        self.aux = aux or AuxCarry(None)  # an MoE LLM's aux statistics (`pipeline_moe`)
         backbone = model.backbone
         self.layer = backbone.layers[index]
         self.rotary_emb = backbone.rotary_emb  # no parameters; registered: it moves with the stage
         object.__setattr__(self, "backbone", backbone)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        hidden, position_ids, cu_seqlens, index = inputs
+        hidden, position_ids, cu_seqlens, index, *carry = inputs
         # the longest sample, from the boundaries (a host read on a GPU, once per layer and row)
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         kwargs = self.backbone.layer_kwargs(hidden, position_ids, cu_seqlens.cpu(), max_seqlen)
-        return self.backbone.run_layer(self.layer, hidden, kwargs), position_ids, cu_seqlens, index
+        with self.aux.through(self.layer, carry, cu_seqlens) as carried:
+            hidden = self.backbone.run_layer(self.layer, hidden, kwargs)
+        return hidden, position_ids, cu_seqlens, index, *carried
 
 
 class HeadStage(nn.Module):
@@ -107,6 +114,7 @@ class HeadStage(nn.Module):
         self.lm_head = model.backbone.lm_head
         self.logit_rule = model.backbone.logit_rule
         object.__setattr__(self, "step_inputs", step_inputs)
+        self.aux = step_inputs.aux_carry
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logit_rule.head(self.lm_head, hidden)
@@ -117,9 +125,10 @@ class HeadStage(nn.Module):
         return summed_token_loss(self.logits, normed, targets, keep)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        hidden, _, _, index = inputs
-        targets = self.step_inputs.batches[int(index[0])].targets
-        loss_sum = self.loss_sum(self.norm(hidden), targets)
+        hidden, _, cu_seqlens, index, *carry = inputs
+        batch = self.step_inputs.batches[int(index[0])]
+        loss_sum = (self.loss_sum(self.norm(hidden), batch.targets)
+                    + self.aux.loss(carry, cu_seqlens, (batch.host or batch).targets))
         self.step_inputs.sums.append(loss_sum.detach())
         return loss_sum * self.step_inputs.scale
 
@@ -141,8 +150,9 @@ def pipeline_layers(model: OmniModel, step_inputs: StepInputs) -> list[nn.Module
         raise ModelError(f"{model.family.name}'s LLM lets some tokens attend both ways "
                          f"({model.family.bidirectional}), a mask the pipeline stages do not "
                          "carry yet; set parallel.pp to 1 (ZeRO and sequence parallelism keep it)")
+    step_inputs.aux_carry = AuxCarry(backbone.router_aux)
     layers = [EmbedStage(model, step_inputs)]
-    layers += [DecoderStage(model, i) for i in range(len(backbone.layers))]
+    layers += [DecoderStage(model, i, step_inputs.aux_carry) for i in range(len(backbone.layers))]
     return layers + [HeadStage(model, step_inputs)]
 
 

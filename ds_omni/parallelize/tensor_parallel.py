@@ -36,17 +36,22 @@ class TPCounts:
     """`LinearAllreduce`s (row-parallel: o_proj, down_proj)."""
 
 
-def tp_plan_of(text_config) -> dict[str, str]:
-    """The LLM's HF tensor-parallel plan (its config's `base_model_tp_plan`), or {}."""
-    return dict(getattr(text_config, "base_model_tp_plan", None) or {})
+def tp_plan_of(text_config, experts_apart: bool = False) -> dict[str, str]:
+    """The LLM's HF tensor-parallel plan (its config's `base_model_tp_plan`), or {}.
+    `experts_apart` (parallel.ep > 1): without its routed experts' entries, which AutoEP splits
+    instead (`expert_folding`); DeepSpeed's TPPlanConverter rejects their styles
+    ('packed_colwise', 'moe_tp_experts'), so the MoE families' plans convert only without them."""
+    plan = dict(getattr(text_config, "base_model_tp_plan", None) or {})
+    return {k: v for k, v in plan.items() if ".experts" not in k} if experts_apart else plan
 
 
-def check_tensor_parallel(text_config, tp: int, where: str) -> None:
-    """parallel.tp can shard this LLM: its family has a tp plan DeepSpeed converts, and tp
-    divides its attention heads and MLP width. `where` names the part (e.g. "model.llm").
+def check_tensor_parallel(text_config, tp: int, where: str, experts_apart: bool = False) -> None:
+    """parallel.tp can shard this LLM: its family has a tp plan DeepSpeed converts (without the
+    routed experts' entries under `experts_apart`, parallel.ep > 1), and tp divides its
+    attention heads and MLP width. `where` names the part (e.g. "model.llm").
     No process group, no model: called by `plan_run` before anything is launched."""
     model_type = getattr(text_config, "model_type", "?")
-    plan = tp_plan_of(text_config)
+    plan = tp_plan_of(text_config, experts_apart)
     if not plan:
         raise ModelError(f"parallel.tp={tp}: {where} ({model_type}) has no HuggingFace "
                          "tensor-parallel plan (`base_model_tp_plan`), so DeepSpeed's AutoTP "
@@ -78,17 +83,19 @@ def check_tensor_parallel(text_config, tp: int, where: str) -> None:
                     "attention time does not scale past that)", tp, kv_heads, kv_heads)
 
 
-def shard_backbone(backbone: nn.Module, tp_group, text_config) -> TPCounts:
+def shard_backbone(backbone: nn.Module, tp_group, text_config,
+                   experts_apart: bool = False) -> TPCounts:
     """Split the backbone's decoder-layer projections over `tp_group` with DeepSpeed's AutoTP
-    (training mode), in place; its other modules stay whole. Every rank of the group calls it
-    with the same (whole) weights."""
+    (training mode), in place; its other modules stay whole (under `experts_apart`, the routed
+    experts too: AutoEP's, `expert_folding`). Every rank of the group calls it with the same
+    (whole) weights."""
     from deepspeed.module_inject.auto_tp import AutoTP
     from deepspeed.module_inject.autotp_config import AutoTPConfig
     from deepspeed.module_inject.layers import set_autotp_mode
     from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
     set_autotp_mode(training=True)
     tp = torch.distributed.get_world_size(tp_group)
-    specs = TPPlanConverter.convert(tp_plan_of(text_config))
+    specs = TPPlanConverter.convert(tp_plan_of(text_config, experts_apart))
     autotp = AutoTP(module=backbone, all_reduce_linears=(), prefix="", state_dict=None,
                     linear_layer_setting=(nn.Linear, nn.Embedding), orig_layer_impl=None,
                     partition_config=AutoTPConfig(tp_size=tp, layer_specs=specs),

@@ -125,7 +125,7 @@ class SimPlan:
         text = model.text_config
         if self.tp > 1:
             if text is not None:
-                check_tensor_parallel(text, self.tp, "the LLM")
+                check_tensor_parallel(text, self.tp, "the LLM", experts_apart=self.ep > 1)
                 if self.sp > 1:
                     check_tp_with_sp(text, self.tp, self.sp, "the LLM")
             else:

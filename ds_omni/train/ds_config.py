@@ -76,8 +76,12 @@ def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
         zero["reduce_scatter"] = True
     check_engine_autotp(out)
     if plan.ep_enabled:  # AutoEP, with the router settings of the LLM's own config
-        section = out.setdefault("expert_parallel", {})
-        for key, value in autoep_section(llm_text_config(cfg.model)[1], plan.ep).items():
+        autoep = autoep_section(llm_text_config(cfg.model)[1], plan.ep,  # checked under tp too
+                                pipeline=plan.pp_enabled)
+        # under tp ds_omni folds the experts itself (`parallelize.expert_folding`): DeepSpeed's
+        # engine refuses AutoEP beside a TP mpu
+        section = out.setdefault("expert_parallel", {}) if not plan.tp_enabled else {}
+        for key, value in autoep.items():
             _merge(section, key, value, where=f"expert_parallel.{key}")
     train = cfg.train
     optimizer = out.get("optimizer")

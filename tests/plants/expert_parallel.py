@@ -45,3 +45,26 @@ def _hf_experts_count_first_pick(rank: int):
     from ds_omni.parallelize import expert_parallel
     yield from patched(expert_parallel, "_count_picks", lambda f: lambda m, args, kwargs: f(
        m, (args[0], args[1][:, :1], *args[2:]), kwargs))
+
+
+# ------------------------------- pp x ep and ep x tp (tests/dist/test_expert_parallel.py, "ep_pp")
+@plant("pp_ep_wrong_group_rank", "inside each pipeline stage's EP group the ranks' experts are "
+       "swapped (EP rank r holds EP rank ep - 1 - r's experts): an expert's tokens reach the "
+       "stage group's rank that holds another expert", "ep_pp")
+def _pp_ep_wrong_group_rank(rank: int):
+    from deepspeed.module_inject.auto_ep import AutoEP
+
+    def make(original):
+        def planted(self, specs, ep_size, ep_rank, *args, **kwargs):
+            return original(self, specs, ep_size, ep_size - 1 - ep_rank, *args, **kwargs)
+        return planted
+    yield from patched(AutoEP, "replace_moe_layers", make)
+
+
+@plant("pp_stage_aux_dropped", "the first pipeline stage adds none of its MoE layers' router "
+       "statistics to the carried aux loss (one stage's aux loss dropped)", "ep_pp")
+def _pp_stage_aux_dropped(rank: int):
+    from ds_omni.parallelize.pipeline_moe import AuxCarry
+    first_stage = rank < 2  # pp2 x dp2: ranks 0 and 1 run stage 0
+    yield from patched(AuxCarry, "add", lambda f: (lambda self, carry, *a: carry)
+                       if first_stage else f)

@@ -68,12 +68,12 @@ OLD_REFUSALS = {
         dict(tp=2, sp=2, encoder_pool="dp"), 1, False, 4,
         ("parallel.tp=2", 'parallel.encoder_pool="dp"', "when parallel.sp=2"),
         'set encoder_pool to "off"'),
-    "parallel/plan.py: ep x tp": (
-        dict(ep=2, tp=2), 1, False, 4, ("parallel.ep=2", "parallel.tp=2"),
-        "set parallel.tp to 1"),
-    "parallel/plan.py: ep x pp": (
-        dict(ep=2, pp=2), 1, False, 4, ("parallel.ep=2", "parallel.pp=2"),
-        "set parallel.pp to 1"),
+    "parallel/plan.py: ep x tp under sp": (  # ep x tp composes since issue 37, not with sp
+        dict(ep=2, tp=2, sp=2), 1, False, 8,
+        ("parallel.ep=2", "parallel.tp=2", "when parallel.sp=2"), "set parallel.sp and"),
+    "parallel/plan.py: ep x pp under sp": (  # ep x pp composes since issue 37, not with sp
+        dict(ep=2, pp=2, sp=2), 1, False, 8,
+        ("parallel.ep=2", "parallel.pp=2", "when parallel.sp=2"), "set parallel.sp to 1"),
     "parallelize/pipeline.py, sim/plan_spec.py: pp x ZeRO-2": (
         dict(pp=2), 2, False, 2, ("parallel.pp=2", "zero_optimization.stage=2"),
         "ds_configs/zero1.json"),
@@ -131,6 +131,34 @@ def test_each_old_refusal_is_refused_before_any_process_group(tmp_path, case):
         assert str(at_read.value) == message
     else:  # its rule waits for the ZeRO stage, or for the launch (the simulator models pp x sp)
         ParallelConfig(**parallel)
+
+
+@pytest.mark.parametrize("parallel", [dict(ep=2, tp=2), dict(ep=2, pp=2)])
+def test_experts_compose_with_tp_and_pp(tmp_path, parallel):
+    """ep x tp (the experts folded over TP) and pp x ep (the aux loss carried along the stages)
+    plan on 4 ranks: the plan's EP groups are drawn inside each stage's dp x tp ranks."""
+    from ds_omni.train.setup import plan_run
+    plan, ds = plan_run(_config(tmp_path, parallel, False), ds_config(1), 4)
+    assert plan.ep_group_ranks() == [[0, 1], [2, 3]]
+    assert plan.expert_data_group_ranks() == ([[0, 2], [1, 3]] if plan.tp_enabled
+                                              else [[0], [1], [2], [3]])
+    # under tp ds_omni folds the experts itself: the engine's AutoEP stays off
+    assert ("expert_parallel" in ds) == (not plan.tp_enabled)
+
+
+def test_an_ep_that_does_not_divide_a_stage_or_the_experts_is_refused(tmp_path):
+    from ds_omni.errors import LaunchError
+    from ds_omni.train.setup import plan_run
+    from ds_omni.errors import ConfigError
+    with pytest.raises(LaunchError, match="does not divide the data-parallel x sequence-parallel "
+                       "x tensor-parallel ranks of a pipeline stage, 2 x 1 x 2 = 4"):
+        plan_run(_config(tmp_path, dict(ep=3, tp=2), False), ds_config(1), 4)
+    with pytest.raises(LaunchError, match="ranks of a pipeline stage, 2 x 1 x 1 = 2"):
+        plan_run(_config(tmp_path, dict(ep=4, pp=2), False), ds_config(1), 4)
+    cfg = _config(tmp_path, dict(ep=3, tp=2), False)  # 6 ranks: dp 3 x tp 2, a stage of 6
+    cfg.train.global_batch_size = 12
+    with pytest.raises(ConfigError, match="parallel.ep=3 does not divide the LLM's 4 experts"):
+        plan_run(cfg, ds_config(1), 6)
 
 
 @pytest.mark.parametrize("parallel,zero", [({"pp": 2, "sp": 2}, 1), ({"tp": 2}, 3)])

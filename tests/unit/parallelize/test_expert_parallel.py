@@ -174,7 +174,8 @@ def test_ep_with_sequence_parallelism_draws_ep_from_the_sp_x_dp_ranks(tmp_path):
     plan, _ = _plan(tmp_path, 4, ep=4, sp=2)
     assert plan.ep_group_ranks() == [[0, 1, 2, 3]]
     with pytest.raises(LaunchError, match=r"does not divide the data-parallel x sequence-parallel "
-                                          r"ranks 1 x 2 = 2"):
+                                          r"x tensor-parallel ranks of a pipeline stage, "
+                                          r"1 x 2 x 1 = 2"):
         _plan(tmp_path, 2, ep=4, sp=2)
     from ds_omni.train.setup import plan_run
     cfg = tiny_config(str(tmp_path), global_batch_size=8)
@@ -185,25 +186,39 @@ def test_ep_with_sequence_parallelism_draws_ep_from_the_sp_x_dp_ranks(tmp_path):
             plan_run(cfg, ds_config(stage), 4)
 
 
-def test_ep_with_pipeline_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="cannot be combined with parallel.pp=2"):
-        _plan(tmp_path, 4, ep=2, pp=2)
+def test_ep_with_pipeline_draws_ep_inside_each_stage(tmp_path):
+    """pp x ep: the EP groups are drawn inside each stage's data-parallel ranks, and AutoEP finds
+    the MoE blocks by the names a pipeline stage gives them; not with sp (its aux statistics
+    would have to be summed over the row's SP ranks)."""
+    plan, ds = _plan(tmp_path, 8, ep=2, pp=2)
+    assert plan.ep_group_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert plan.expert_data_group_ranks() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert ds["expert_parallel"]["moe_layer_pattern"] == r"\d+\.layer\.mlp"
+    with pytest.raises(ConfigError, match="parallel.ep=2 cannot be combined with parallel.pp=2 "
+                                          "when parallel.sp=2"):
+        _plan(tmp_path, 8, ep=2, pp=2, sp=2)
 
 
-def test_ep_with_tensor_parallelism_is_refused_naming_degrees_and_what_works(tmp_path):
-    """ep x tp: refused while planning (before any process group), the message naming both
-    degrees, why (AutoTP cannot convert the MoE families' HF tp plans, which tp alone on this
-    LLM shows too) and what works instead."""
-    with pytest.raises(ConfigError, match=r"parallel.ep=2 cannot be combined with parallel.tp=2"
-                                          r".*'packed_colwise'.*What works for an MoE LLM: "
-                                          r"parallel.ep inside dp x sp.*set parallel.tp to 1"):
-        _plan(tmp_path, 4, ep=2, tp=2)
+def test_ep_with_tensor_parallelism_shards_the_attention_and_folds_the_experts(tmp_path):
+    """ep x tp: the HF plan without its expert entries converts (AutoTP splits the attention;
+    the experts are AutoEP's, folded over TP), the engine's own AutoEP stays off; with them the
+    plan is what DeepSpeed refuses; a family with no tp plan at all is refused before any
+    process group, naming both degrees' way out."""
     from transformers import AutoConfig
     from ds_omni.errors import ModelError
-    from ds_omni.parallelize.tensor_parallel import check_tensor_parallel
+    from ds_omni.parallelize.tensor_parallel import check_tensor_parallel, tp_plan_of
+    plan, ds = _plan(tmp_path, 4, ep=2, tp=2)
+    assert plan.ep_group_ranks() == [[0, 1], [2, 3]] and "expert_parallel" not in ds
+    config = AutoConfig.for_model(**MOE)
+    assert not any(".experts" in k for k in tp_plan_of(config, experts_apart=True))
+    check_tensor_parallel(config, 2, "model.llm", experts_apart=True)
     with pytest.raises(ModelError, match=r"AutoTP cannot shard model.llm \(qwen3_moe\).*"
                                          r"'moe_tp_experts', 'packed_colwise'"):
-        check_tensor_parallel(AutoConfig.for_model(**MOE), 2, "model.llm")
+        check_tensor_parallel(config, 2, "model.llm")
+    config.base_model_tp_plan = None
+    with pytest.raises(ModelError, match=r"parallel.tp=2: model.llm \(qwen3_moe\) has no "
+                                         r"HuggingFace tensor-parallel plan"):
+        check_tensor_parallel(config, 2, "model.llm", experts_apart=True)
 
 
 @pytest.mark.parametrize("model_type, says", [("deepseek_v3", "sigmoid scores"),

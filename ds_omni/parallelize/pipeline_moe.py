@@ -1,0 +1,89 @@
+"""The MoE auxiliary loss of an LLM over pipeline stages (parallel.pp x an MoE LLM, ep or not).
+
+HF's aux loss of a sample is not a sum over layers (aux_s = E x sum_e (c_e / R)(p_e / R), c and
+p summed over every MoE layer: `ds_omni.model.moe_aux`), so no stage can price its own layers.
+Each stage adds its layers' per-sample statistics to two tensors that travel with the hidden
+states (`AuxCarry`): the router probabilities' sums [n, E] (float, sent a gradient back like the
+hidden states) and the top-k picks with the tokens counted, [n, E + 1] (integers, no gradient).
+The last stage forms every sample's aux from the whole sums, as one process does, and adds
+coef x sum_s targets_s x aux_s to the micro-batch's loss; its backward reaches each stage's
+routers through the carried probabilities. More: docs/parallelism.md, "Pipeline parallelism".
+
+Dims: n samples of the row, E experts, T packed tokens.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ds_omni.batch import IGNORE_INDEX
+from ds_omni.model.moe_aux import RouterAux, SampleStats, aux_from_stats, moe_gate, shard_stats
+
+
+class AuxCarry:
+    """The carried aux statistics of one model (`router_aux`, None: no aux loss, nothing
+    carried); `layers_added` counts the MoE layers' statistics this rank's stages added (the
+    tests' proof that every stage's layers reached the loss)."""
+
+    def __init__(self, aux: RouterAux | None):
+        self.aux = aux
+        self.layers_added = 0
+
+    def start(self, cu_seqlens: torch.Tensor, device) -> tuple[torch.Tensor, ...]:
+        """The first stage's empty statistics for a row with bounds `cu_seqlens` [n + 1]: ()
+        without an aux loss. The probabilities' sums are a leaf that asks for a gradient, so the
+        pipeline's backward has one to send even where a stage holds no MoE layer."""
+        if self.aux is None:
+            return ()
+        n, experts = cu_seqlens.numel() - 1, self.aux.num_experts
+        probs = torch.zeros(n, experts, device=device, requires_grad=True)  # [n, E]
+        counts = torch.zeros(n, experts + 1, dtype=torch.long, device=device)  # [n, E + 1]
+        return probs, counts
+
+    @contextmanager
+    def through(self, layer: nn.Module, carry: tuple, cu_seqlens: torch.Tensor):
+        """Around one decoder layer's forward: yields a list holding `carry`, which on exit
+        holds it with the layer's statistics added (unchanged for a dense layer or none)."""
+        out = list(carry)
+        gate = moe_gate(layer) if carry else None
+        if gate is None:
+            yield out
+            return
+        logits = []
+        handle = gate.register_forward_hook(
+            lambda _m, _a, o: logits.append(o[0] if isinstance(o, tuple) else o))
+        try:
+            yield out
+        finally:
+            handle.remove()
+        out[:] = self.add(out, logits[0], cu_seqlens)
+
+    def add(self, carry: list, logits: torch.Tensor, cu_seqlens: torch.Tensor) -> list:
+        """`carry` plus one MoE layer's statistics of its router `logits` [T, E]."""
+        probs, counts = carry
+        bounds = cu_seqlens.cpu()
+        untrained = torch.full((1, logits.shape[0]), IGNORE_INDEX)  # the last stage counts those
+        stats = shard_stats(self.aux, [logits], bounds, untrained, offset=0)
+        self.layers_added += 1
+        picked = torch.cat([stats.picks, stats.tokens.unsqueeze(1)], dim=1)  # [n, E + 1]
+        return [probs + stats.probs, counts + picked.round().long()]
+
+    def loss(self, carry: tuple, cu_seqlens: torch.Tensor, targets: torch.Tensor):
+        """coef x sum_s targets_s x aux_s of the row from the whole `carry` (0 without one);
+        `targets` [1, T] the row's, on the host."""
+        if not carry:
+            return 0.0
+        probs, counts = carry
+        experts = self.aux.num_experts
+        bounds = cu_seqlens.cpu()
+        sample = torch.searchsorted(bounds[1:].long(), torch.arange(targets.shape[1]),
+                                    right=True)  # [T]
+        trained = torch.bincount(sample, weights=(targets[0] >= 0).double(),
+                                 minlength=bounds.numel() - 1)  # [n]
+        stats = SampleStats(probs=probs, picks=counts[:, :experts].to(probs.dtype),
+                            tokens=counts[:, experts].to(probs.dtype),
+                            targets=trained.to(probs.device, probs.dtype))
+        return self.aux.coef * aux_from_stats(self.aux, stats)
