@@ -169,10 +169,17 @@ class ParallelPlan:
         return max(self.sp, self.max_sequence_sp)
 
     def sequence_blocks(self) -> list[tuple[int, int]]:
-        """Per-sequence SP: every aligned block (first rank, size) of 2, 4, ... max_sequence_sp
-        ranks, in the order every rank creates their groups."""
+        """Per-sequence SP: every aligned block (first data-parallel rank, size) of 2, 4, ...
+        max_sequence_sp data-parallel ranks, in the order every rank creates their groups."""
         return [(start, size) for size in _powers_of_two(2, self.max_sequence_sp)
-                for start in range(0, self.world_size, size)]
+                for start in range(0, self.dp, size)]
+
+    def sequence_block_ranks(self, start: int, size: int) -> list[list[int]]:
+        """The global ranks of block (start, size): one list per (pp, tp), so a block's ranks
+        share one TP rank and its all-to-alls never mix TP shards (without tp: the ranks
+        [start, start + size))."""
+        return [[self.rank_of(RankCoords(p, d, 0, t)) for d in range(start, start + size)]
+                for p in range(self.pp) for t in range(self.tp)]
 
     def coords(self, rank: int) -> RankCoords:
         tp_rank, rest = rank % self.tp, rank // self.tp

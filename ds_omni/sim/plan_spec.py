@@ -126,8 +126,8 @@ class SimPlan:
         if self.tp > 1:
             if text is not None:
                 check_tensor_parallel(text, self.tp, "the LLM")
-                if self.sp > 1:
-                    check_tp_with_sp(text, self.tp, self.sp, "the LLM")
+                if max(self.sp, self.max_sequence_sp) > 1:  # a block's Ulysses as sp's
+                    check_tp_with_sp(text, self.tp, max(self.sp, self.max_sequence_sp), "the LLM")
             else:
                 _divides(self.tp, "parallel.tp", {"attention heads": model.llm_heads,
                                                   "MLP width": model.dims.intermediate})

@@ -53,8 +53,8 @@ def plan_run(cfg: OmniConfig, ds_json: dict, world_size: int) -> tuple[ParallelP
         check_sequence_parallel(cfg.model, degree, llm)
     if plan.tp_enabled:
         check_tensor_parallel(llm[1], plan.tp, _llm_part(cfg))
-    if plan.tp_enabled and plan.sp_enabled:  # Ulysses splits each TP rank's heads again
-        check_tp_with_sp(llm[1], plan.tp, plan.sp, _llm_part(cfg))
+    if plan.tp_enabled and plan.sp_degrees:  # Ulysses splits each TP rank's heads again
+        check_tp_with_sp(llm[1], plan.tp, max(plan.sp_degrees), _llm_part(cfg))
     resolve_kernel(cfg.model.attn_implementation)  # varlen on CPU, flash-attn missing: say so now
     ds_config = derive_ds_config(cfg, ds_json, plan)
     if plan.pp_enabled:

@@ -42,8 +42,6 @@ def test_the_loaders_unit_is_the_tp_group():
 @pytest.mark.parametrize("kwargs, match", [
     ({"tp": 0}, r"parallel.tp must be >= 1"),
     ({"tp": 2, "pp": 2}, r"parallel.tp=2 cannot be combined with parallel.pp=2"),
-    ({"tp": 2, "sp": 2, "encoder_pool": "dp"}, r'parallel.tp=2 cannot be combined with parallel.encoder_pool="dp" when parallel.sp=2'),
-    ({"tp": 2, "max_sequence_sp": 2}, r"parallel.max_sequence_sp=2"),
 ])
 def test_bad_tp_config_is_refused(kwargs, match):
     with pytest.raises(ConfigError, match=match):
@@ -53,6 +51,8 @@ def test_bad_tp_config_is_refused(kwargs, match):
 def test_tp_composes_with_sp_and_with_the_pool():
     ParallelConfig(tp=2, sp=2)
     ParallelConfig(tp=2, encoder_pool="dp")
+    ParallelConfig(tp=2, sp=2, encoder_pool="dp")  # each TP rank pools over its dp x sp ranks
+    ParallelConfig(tp=2, max_sequence_sp=2)  # blocks over the dp ranks of one TP rank
 
 
 def test_world_size_must_fit_tp():
