@@ -97,3 +97,29 @@ def _block_encoder_grad_summed_over_tp(rank: int):
     def always_apart(cls_attr):
         return property(lambda self: True, lambda self, value: None)
     yield from patched(TPEncoders, "apart", always_apart)
+
+
+# -------------- tp x sp x encoder_pool (tests/dist/test_tensor_parallel.py, 8 ranks)
+@plant("pool_encoder_grad_summed_over_tp", "under tp x sp with the encoder pool the encoders' "
+       "gradients are summed over the TP ranks (as if each had encoded its own items), though "
+       "every TP rank pooled and encoded the same ones (tp times too large)", "tp_sp_pool")
+def _pool_encoder_grad_summed_over_tp(rank: int):
+    import torch
+    import ds_omni.parallelize as parallelize
+
+    def make(apply_plan):
+        def planted(model, **kwargs):
+            out = apply_plan(model, **kwargs)
+            group = kwargs.get("tp_group")
+            for p in model.encoders.parameters():
+                if p.requires_grad and group is not None:
+                    p.register_hook(lambda g: _summed(torch, g, group))
+            return out
+        return planted
+    yield from patched(parallelize, "apply_plan", make)
+
+
+def _summed(torch, grad, group):
+    grad = grad.contiguous()
+    torch.distributed.all_reduce(grad, group=group)
+    return grad
