@@ -252,11 +252,29 @@ class ParallelPlan:
                   if self.ep_enabled else {}),
                "reorder_group_size": self.reorder_group,
                "reorder_groups": self.reorder_group_ranks(self.reorder_group)}
-        if gpus_per_node:
-            kinds = [k for k in ("tp_groups", "sp_groups", "dp_groups", "seq_data_groups",
-                                 "ep_groups", "expert_data_groups") if k in out]
+        out.update(self._feature_groups())
+        if gpus_per_node:  # every kind of group
+            kinds = [k for k in out if k.endswith("_groups")]
             out["cross_node"] = {kind: [g for g in out[kind] if _crosses(g, gpus_per_node)]
                                  for kind in kinds}
+        return out
+
+    def pp_group_ranks(self) -> list[list[int]]:
+        """Ranks of one pipeline, stage by stage: one list per (dp, sp, tp)."""
+        return [[self.rank_of(RankCoords(p, d, s, t)) for p in range(self.pp)]
+                for d in range(self.dp) for s in range(self.sp) for t in range(self.tp)]
+
+    def _feature_groups(self) -> dict[str, list[list[int]]]:
+        """The groups of the features on (`layout`): the pipelines, the encoder pools (the
+        dp x sp ranks of one TP rank, `RankGroups.pool`), every per-sequence block's groups."""
+        out = {}
+        if self.pp_enabled:
+            out["pp_groups"] = self.pp_group_ranks()
+        if self.encoder_pool:
+            out["pool_groups"] = self.seq_data_group_ranks()
+        if self.max_sequence_sp > 1:
+            out["sequence_block_groups"] = [g for start, size in self.sequence_blocks()
+                                            for g in self.sequence_block_ranks(start, size)]
         return out
 
 
