@@ -29,7 +29,8 @@ class RankGroups:
     under parallel.tp > 1: the tensor-parallel group and the data-parallel one; under both, all
     four (`SequenceTensorParallelMpu`)."""
     blocks: dict[tuple[int, int], object]
-    """Per-sequence SP: (first rank, size) -> the group of every block that holds this rank."""
+    """Per-sequence SP: (first data-parallel rank, size) -> the group of every block that holds
+    this rank (under tp, its TP rank's: `ParallelPlan.sequence_block_ranks`)."""
     comm: "TorchDataComm"
     """The loader's metadata all-gathers (and the step's token totals)."""
     step_comm: "TorchDataComm | None"

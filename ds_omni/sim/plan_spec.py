@@ -127,7 +127,8 @@ class SimPlan:
             if text is not None:
                 check_tensor_parallel(text, self.tp, "the LLM")
                 if max(self.sp, self.max_sequence_sp) > 1:  # a block's Ulysses as sp's
-                    check_tp_with_sp(text, self.tp, max(self.sp, self.max_sequence_sp), "the LLM")
+                    check_tp_with_sp(text, self.tp, max(self.sp, self.max_sequence_sp), "the LLM",
+                                     "parallel.sp" if self.sp > 1 else "parallel.max_sequence_sp")
             else:
                 _divides(self.tp, "parallel.tp", {"attention heads": model.llm_heads,
                                                   "MLP width": model.dims.intermediate})
