@@ -148,9 +148,9 @@ RULES = (
              "set zero_optimization.stage to 1 or 2",
              refused=lambda s: s.zero is not None and s.zero not in (1, 2), shows=("zero",),
              when="ZeRO stage 0 or 3"),
-    _refused("tp", "max_sequence_sp", "per-sequence SP blocks are runs of consecutive ranks, "
-             "which tp's groups would cut across", "set parallel.max_sequence_sp to 1 (a static "
-             "parallel.sp works with tp), or parallel.tp to 1"),
+    _composes("tp", "max_sequence_sp", "a block is drawn over the data-parallel ranks of one TP "
+              "rank (its all-to-alls never mix TP shards); tp x max_sequence_sp must divide the "
+              "query heads and tp the key/value heads"),
     _refused("max_sequence_sp", "pp", f"{PIPELINE_GRID} (a per-sequence block is one)",
              "set parallel.max_sequence_sp or parallel.pp to 1"),
     _composes("max_sequence_sp", "encoder_placement", UNDER_PP),
@@ -162,10 +162,8 @@ RULES = (
              "set parallel.pp to 1 (tp with ZeRO 0-2 spreads a large backbone), or parallel.tp "
              "to 1"),
     _composes("tp", "encoder_placement", UNDER_PP),
-    _refused("tp", "encoder_pool", "the pool runs with tp (each TP rank pools over its own "
-             "data-parallel ranks) or with sp (over dp x sp), not with both",
-             "set encoder_pool to \"off\", or parallel.tp or parallel.sp to 1",
-             refused=lambda s: s.sp > 1, shows=("sp",), when="parallel.sp > 1"),
+    _composes("tp", "encoder_pool", "each TP rank pools over its own data-parallel (x SP) "
+              "ranks, all TP ranks alike"),
     _refused("ep", "tp", "the experts beside tp are DeepSpeed's AutoEP+AutoTP folding, which "
              "DeepSpeed 0.19.8 validates with neither Ulysses SP nor pipeline stages "
              "(auto_ep_folding.validate_folding_global refuses both)",

@@ -196,7 +196,8 @@ class OmniLoader:
                       for r in range(1, self.sp_size)]
         peers = shared_read.peer_shards(batch.micro_batches, shards, size)
         if self.shared.tp_apart > 1:  # TP rank g encodes its own items of each row only
-            peers = [[self.batches.tp_share(mb, g, self.shared.tp_apart) for mb in micro]
+            peers = [[mb if mb.route.sp_block is not None  # a block's row: split over its ranks
+                      else self.batches.tp_share(mb, g, self.shared.tp_apart) for mb in micro]
                      for g, micro in enumerate(peers, start=1)]
         dummies = self.batches.dummy_cost(batch.micro_batches)
         parcels = [{"batch": dataclasses.replace(

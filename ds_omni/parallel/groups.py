@@ -29,7 +29,8 @@ class RankGroups:
     under parallel.tp > 1: the tensor-parallel group and the data-parallel one; under both, all
     four (`SequenceTensorParallelMpu`)."""
     blocks: dict[tuple[int, int], object]
-    """Per-sequence SP: (first rank, size) -> the group of every block that holds this rank."""
+    """Per-sequence SP: (first data-parallel rank, size) -> the group of every block that holds
+    this rank (under tp, its TP rank's: `ParallelPlan.sequence_block_ranks`)."""
     comm: "TorchDataComm"
     """The loader's metadata all-gathers (and the step's token totals)."""
     step_comm: "TorchDataComm | None"
@@ -155,15 +156,17 @@ def world_timeout() -> timedelta:
 
 
 def sequence_blocks(plan: ParallelPlan, rank: int) -> dict[tuple[int, int], object]:
-    """Per-sequence SP: a process group for every block of `ParallelPlan.sequence_blocks`, created
-    once at start-up by every rank in the same order; returns {(first rank, size): group} for the
-    blocks that contain `rank` (empty when per-sequence SP is off). A block of the whole world
+    """Per-sequence SP: a process group for every block of `ParallelPlan.sequence_blocks` (under
+    tp one per TP rank, `sequence_block_ranks`), created once at start-up by every rank in the
+    same order; returns {(first data-parallel rank, size): group} for the blocks that contain
+    `rank` (empty when per-sequence SP is off). A block of the whole world
     gets a group of its own too: None would mean "no SP" to the model."""
     out = {}
     for start, size in plan.sequence_blocks():
-        group = dist.new_group(list(range(start, start + size)))
-        if start <= rank < start + size:
-            out[(start, size)] = group
+        for members in plan.sequence_block_ranks(start, size):  # one per TP rank
+            group = dist.new_group(members)
+            if rank in members:
+                out[(start, size)] = group
     return out
 
 

@@ -172,10 +172,17 @@ class ParallelPlan:
         return max(self.sp, self.max_sequence_sp)
 
     def sequence_blocks(self) -> list[tuple[int, int]]:
-        """Per-sequence SP: every aligned block (first rank, size) of 2, 4, ... max_sequence_sp
-        ranks, in the order every rank creates their groups."""
+        """Per-sequence SP: every aligned block (first data-parallel rank, size) of 2, 4, ...
+        max_sequence_sp data-parallel ranks, in the order every rank creates their groups."""
         return [(start, size) for size in _powers_of_two(2, self.max_sequence_sp)
-                for start in range(0, self.world_size, size)]
+                for start in range(0, self.dp, size)]
+
+    def sequence_block_ranks(self, start: int, size: int) -> list[list[int]]:
+        """The global ranks of block (start, size): one list per (pp, tp), so a block's ranks
+        share one TP rank and its all-to-alls never mix TP shards (without tp: the ranks
+        [start, start + size))."""
+        return [[self.rank_of(RankCoords(p, d, 0, t)) for d in range(start, start + size)]
+                for p in range(self.pp) for t in range(self.tp)]
 
     def coords(self, rank: int) -> RankCoords:
         tp_rank, rest = rank % self.tp, rank // self.tp
@@ -248,11 +255,29 @@ class ParallelPlan:
                   if self.ep_enabled else {}),
                "reorder_group_size": self.reorder_group,
                "reorder_groups": self.reorder_group_ranks(self.reorder_group)}
-        if gpus_per_node:
-            kinds = [k for k in ("tp_groups", "sp_groups", "dp_groups", "seq_data_groups",
-                                 "ep_groups", "expert_data_groups") if k in out]
+        out.update(self._feature_groups())
+        if gpus_per_node:  # every kind of group
+            kinds = [k for k in out if k.endswith("_groups")]
             out["cross_node"] = {kind: [g for g in out[kind] if _crosses(g, gpus_per_node)]
                                  for kind in kinds}
+        return out
+
+    def pp_group_ranks(self) -> list[list[int]]:
+        """Ranks of one pipeline, stage by stage: one list per (dp, sp, tp)."""
+        return [[self.rank_of(RankCoords(p, d, s, t)) for p in range(self.pp)]
+                for d in range(self.dp) for s in range(self.sp) for t in range(self.tp)]
+
+    def _feature_groups(self) -> dict[str, list[list[int]]]:
+        """The groups of the features on (`layout`): the pipelines, the encoder pools (the
+        dp x sp ranks of one TP rank, `RankGroups.pool`), every per-sequence block's groups."""
+        out = {}
+        if self.pp_enabled:
+            out["pp_groups"] = self.pp_group_ranks()
+        if self.encoder_pool:
+            out["pool_groups"] = self.seq_data_group_ranks()
+        if self.max_sequence_sp > 1:
+            out["sequence_block_groups"] = [g for start, size in self.sequence_blocks()
+                                            for g in self.sequence_block_ranks(start, size)]
         return out
 
 

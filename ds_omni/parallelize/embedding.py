@@ -106,6 +106,8 @@ class EmbeddingRouter:
         levels or None): of this rank's shard [1, S, D] for a micro-batch with a reshard plan,
         else of the whole row [1, T, D] (`OmniModel.embed_local`; a row split over its TP ranks:
         `TPEncoders.embed`)."""
+        if self.tp_encoders is not None:  # a block's row: no TP sum of its encoder gradients
+            self.tp_encoders.apart = batch.route.tp_encode is not None
         if batch.route.tp_encode is not None:
             return self.tp_encoders.embed(model, batch, self.encoder_dummies)
         if batch.route.reshard is None:

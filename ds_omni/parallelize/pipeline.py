@@ -384,8 +384,7 @@ def check_pipeline(cfg, ds_config: dict, llm_config) -> None:
                           "encoders' gradients are summed over the pipeline's stages; remove "
                           "immediate_grad_update from the DeepSpeed config (or use \"stage0\")")
     unsupported = {"data.reorder.mode \"budget\" (its micro-batch count varies per rank; the "
-                   "pipeline schedule runs a fixed number)": cfg.data.reorder.mode == "budget",
-                   "data.eval_sources (validation)": bool(cfg.data.eval_sources)}
+                   "pipeline schedule runs a fixed number)": cfg.data.reorder.mode == "budget"}
     for what, used in unsupported.items():
         if used:
             raise LaunchError(f"parallel.pp={pp}: {what} is not available with the pipeline engine "

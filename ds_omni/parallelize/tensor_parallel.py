@@ -7,7 +7,7 @@ ds_omni makes the engine's AutoTP calls itself, on the backbone alone with the p
 and hands the engine `TensorParallelMpu`: the engine path would shard the encoders too and
 replace the mpu with its own mesh. Head and embedding whole are exact with no extra collective.
 GQA with fewer KV heads than tp leaves some ranks without an attention shard (exact, but attention
-does not scale past the KV head count; `check_tensor_parallel` logs it). Sliding windows need
+does not scale past the KV head count; `tp_beyond_kv_heads` says so). Sliding windows need
 nothing here. More: docs/internals.md, "Tensor parallelism"; docs/parallelism.md,
 "Tensor parallelism".
 """
@@ -77,10 +77,19 @@ def check_tensor_parallel(text_config, tp: int, where: str, experts_apart: bool 
         raise ModelError(f"parallel.tp={tp} must divide the LLM's attention heads and MLP width: "
                          f"{where} ({model_type}) has {heads} query heads, {kv_heads} key/value "
                          f"heads and an MLP of {width}; tp can be one of {ok}")
-    if kv_heads < tp:
-        log.warning("parallel.tp=%d exceeds the LLM's %d key/value heads: DeepSpeed's AutoTP "
-                    "gives the attention to the first %d tensor-parallel ranks only (exact, but "
-                    "attention time does not scale past that)", tp, kv_heads, kv_heads)
+
+
+def tp_beyond_kv_heads(text_config, tp: int) -> str | None:
+    """The warning for a tp above the LLM's key/value heads, or None. Said once by what plans
+    a run (`ds_omni.train.setup.say_tp_warning`, the simulator's entry points), not by
+    `check_tensor_parallel`, which the plan search runs for every candidate."""
+    kv_heads = (getattr(text_config, "num_key_value_heads", None)
+                or text_config.num_attention_heads)
+    if kv_heads >= tp:
+        return None
+    return (f"parallel.tp={tp} exceeds the LLM's {kv_heads} key/value heads: DeepSpeed's AutoTP "
+            f"gives the attention to the first {kv_heads} tensor-parallel ranks only (exact, but "
+            "attention time does not scale past that)")
 
 
 def shard_backbone(backbone: nn.Module, tp_group, text_config,
@@ -168,14 +177,16 @@ def _split_dims(layer: nn.Module) -> dict[str, int | None]:
     return {}
 
 
-def check_tp_with_sp(text_config, tp: int, sp: int, where: str) -> None:
+def check_tp_with_sp(text_config, tp: int, sp: int, where: str,
+                     axis: str = "parallel.sp") -> None:
     """parallel.tp x parallel.sp can run this LLM: each TP rank holds heads / tp query heads and
     kv / tp key-value heads, which its Ulysses all-to-all splits again over the sp ranks. So
     tp x sp must divide the query heads, and tp the key-value heads (AutoTP would give ranks
     past the KV head count no heads at all, and an uneven split different head counts per TP
     rank, neither of which Ulysses can split); kv / tp below (or not a multiple of) sp is
     fine: the kernel repeats the local KV heads, as it does under sp alone (`repeat_kv_for_sp`).
-    No process group: called by `plan_run` before anything is launched."""
+    No process group: called by `plan_run` before anything is launched. `axis`: how the error
+    names the Ulysses degree (parallel.max_sequence_sp: the largest per-sequence block)."""
     model_type = getattr(text_config, "model_type", "?")
     heads = text_config.num_attention_heads
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
@@ -188,7 +199,7 @@ def check_tp_with_sp(text_config, tp: int, sp: int, where: str) -> None:
     ok = [(t, s) for t in range(1, heads + 1) for s in range(1, heads + 1)
           if heads % (t * s) == 0 and kv_heads % t == 0 and t * s <= heads and t > 1 and s > 1]
     raise ModelError(
-        f"parallel.tp={tp} x parallel.sp={sp}: {where} ({model_type}) has {heads} query heads "
+        f"parallel.tp={tp} x {axis}={sp}: {where} ({model_type}) has {heads} query heads "
         f"and {kv_heads} key/value heads; each TP rank holds heads / tp of them and Ulysses "
         "splits those again over sp, so tp x sp must divide the query heads and tp the "
         f"key/value heads. (tp, sp) can be one of {ok or 'none: use tp or sp alone'}")

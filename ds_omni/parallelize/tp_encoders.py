@@ -53,6 +53,10 @@ class TPEncodeCounts:
 class TPEncoders:
     """One rank's part in splitting encoder work over its TP group (module docstring)."""
 
+    apart: bool = True
+    """The micro-batch in flight was split over the TP ranks (the router sets it); False for a
+    per-sequence block's row, whose items its block splits, every TP rank alike: no TP sum."""
+
     def __init__(self, group, rank: int, size: int, processors: dict[str, ItemProcessor],
                  item_cost: Callable[[str, EncodedItem], float]):
         self.group, self.rank, self.size = group, rank, size
@@ -63,6 +67,8 @@ class TPEncoders:
         """`mb` (the whole row, every item's inputs) with the inputs of this rank's items only
         and its part of the gather; host tensors, before the batch moves to the device."""
         if mb.route.tp_encode is None:
+            if mb.route.sp_block is not None:  # its block's ranks split its items, TP ranks alike
+                return mb
             if mb.route.reshard is not None:
                 raise RuntimeError("TPEncoders got a micro-batch resharded over an SP group: "
                                    "under parallel.sp > 1 the SP ranks split a row's items and "
@@ -120,6 +126,8 @@ class TPEncoders:
         group, counts = self.group, self.counts
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
+            if not self.apart:  # a per-sequence block's row: every TP rank encoded its items
+                return grad
             grad = grad.contiguous()
             torch.distributed.all_reduce(grad, group=group)  # sum: each rank's items' part
             counts.grads_summed += 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from ds_omni.config import OmniConfig
 from ds_omni.data.loader import pack_tokens
 from ds_omni.errors import ConfigError, DsOmniError
 from ds_omni.model.build import build_model
+from ds_omni.parallelize.tensor_parallel import tp_beyond_kv_heads
 from ds_omni.sim.baselines import compare
 from ds_omni.sim.cluster import cluster
 from ds_omni.sim.model_spec import ModelSpec
@@ -24,6 +26,8 @@ from ds_omni.sim.plan_spec import SimPlan
 from ds_omni.sim.search import as_dict, search
 from ds_omni.sim.workload import WorkloadSpec, from_check_report
 from ds_omni.train.setup import plan_run
+
+log = logging.getLogger(__name__)
 
 
 def model_spec(cfg: OmniConfig) -> ModelSpec:
@@ -86,7 +90,9 @@ def simulate_config(cfg: OmniConfig, ds_json: dict, *, gpus: int, gpus_per_node:
     c = cluster(gpu, gpus, gpus_per_node)
     model = model_spec(cfg)
     work = load_workload(workload, model, cfg.data.max_seq_len)
-    reports = compare(c, model, work, sim_plan(cfg, ds_json, gpus), seed)
+    plan = sim_plan(cfg, ds_json, gpus)
+    say_tp_warnings(model, [plan.tp])
+    reports = compare(c, model, work, plan, seed)
     ours = reports.pop("ds_omni")
     out = {"cluster": {"gpu": gpu, "gpus": gpus, "gpus_per_node": gpus_per_node},
            "plan": ours.summary(), "baselines": {}}
@@ -125,6 +131,15 @@ def format_simulation(out: dict) -> str:
                      f"{b['speedup_of_plan']:.2f}x, mostly {b['critical_phase']}"
                      + ("" if b["fits"] else ", DOES NOT FIT")))
     return "\n".join(lines)
+
+
+def say_tp_warnings(model: ModelSpec, tps: list[int]) -> None:
+    """Log `tp_beyond_kv_heads` once for each distinct tp of `tps` (the plans reported)."""
+    if model.text_config is None:
+        return
+    for tp in sorted(set(tps)):
+        if tp > 1 and (note := tp_beyond_kv_heads(model.text_config, tp)):
+            log.warning(note)
 
 
 def _mmm(d: dict) -> str:
@@ -168,5 +183,6 @@ def search_config(cfg: OmniConfig, ds_json: dict, *, gpus: int, gpus_per_node: i
         base.global_batch, seed, tuple(model.dims.encoders))
     result = search(c, model, samples, base, top=top, check=training_check(cfg, ds_json, gpus),
                     budget_s=budget_s)
+    say_tp_warnings(model, [r.plan.tp for r in result.top])  # once, not per candidate
     return {"cluster": {"gpu": gpu, "gpus": gpus, "gpus_per_node": gpus_per_node},
             **as_dict(result)}

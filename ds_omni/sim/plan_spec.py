@@ -126,8 +126,9 @@ class SimPlan:
         if self.tp > 1:
             if text is not None:
                 check_tensor_parallel(text, self.tp, "the LLM", experts_apart=self.ep > 1)
-                if self.sp > 1:
-                    check_tp_with_sp(text, self.tp, self.sp, "the LLM")
+                if max(self.sp, self.max_sequence_sp) > 1:  # a block's Ulysses as sp's
+                    check_tp_with_sp(text, self.tp, max(self.sp, self.max_sequence_sp), "the LLM",
+                                     "parallel.sp" if self.sp > 1 else "parallel.max_sequence_sp")
             else:
                 _divides(self.tp, "parallel.tp", {"attention heads": model.llm_heads,
                                                   "MLP width": model.dims.intermediate})

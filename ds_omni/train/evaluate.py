@@ -9,7 +9,8 @@ activations, so a rank that sat one out would leave the others waiting.
 
 The loss is the sum of token losses over the whole set / its target tokens (token-weighted), the
 number one process evaluating the whole set gets, up to the order of the summation. No gradient
-is kept; the model runs in eval mode (no dropout) and goes back to its mode afterwards.
+is kept; the model runs in eval mode (no dropout) and goes back to its mode afterwards. Under
+parallel.pp > 1 the pipeline engine's `eval_batch` runs the forwards (`PipelineForwards`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ds_omni.data.packing import empty_micro_batch, pack
 from ds_omni.data.sources import Locator, Source
 from ds_omni.errors import DataError
 from ds_omni.parallel import dist
+from ds_omni.parallelize.pipeline import engine_inputs, is_pipeline
 
 
 def eval_plan(num_rows: int, dp_rank: int, dp_size: int, per_micro: int) -> list[list[int]]:
@@ -65,6 +67,7 @@ class Evaluator:
         module = engine.module
         was_training = module.training
         module.eval()
+        pipe = PipelineForwards(engine) if is_pipeline(engine) else None
         loss_sum, targets, skipped = 0.0, 0, 0
         try:
             with torch.no_grad():
@@ -76,13 +79,21 @@ class Evaluator:
                         raise DataError(error or "a bad sample in data.eval_sources on another rank")
                     mb = pack(samples, self.item_processors, self.shard) if samples else \
                         empty_micro_batch(self.family, self.item_processors, self.shard)
-                    loss_sum += float(engine(mb.to(engine.device)).loss_sum)
+                    if pipe is None:
+                        loss_sum += float(engine(mb.to(engine.device)).loss_sum)
+                    else:
+                        pipe.add(mb)
                     targets += mb.num_targets
+                if pipe is not None:
+                    loss_sum = pipe.finish()
         finally:
             module.train(was_training)
         sp = getattr(self.comm, "sp_size", 1)  # the ranks of an SP group skip the same samples
-        total, count, skipped = dist.all_reduce_sum([loss_sum, targets, skipped],
-                                                    getattr(self.comm, "token_group", None))
+        group = getattr(self.comm, "token_group", None)
+        if pipe is not None:  # the last stage's ranks hold the loss: they count, over the world
+            group, last = None, engine.is_last_stage()
+            targets, skipped = (targets, skipped) if last else (0, 0)
+        total, count, skipped = dist.all_reduce_sum([loss_sum, targets, skipped], group)
         if not count:
             raise DataError("data.eval_sources hold no target tokens: nothing to evaluate")
         skipped = int(skipped) // sp
@@ -110,6 +121,39 @@ class Evaluator:
             except Exception as e:  # a bug or a failing library: not a bad sample
                 error = error or f"evaluating {loc}: {type(e).__name__}: {e}"
         return samples, error, bad
+
+
+class PipelineForwards:
+    """Eval forwards through DeepSpeed's pipeline engine (`eval_batch`: its inference schedule,
+    up to its gradient-accumulation count of micro-batches a call). Every stage's ranks hold the
+    same micro-batches; the last stage's layers sum each one's token loss (`HeadStage`), read
+    back here. Under "uniform" placement stage 0 encodes every item (its encoders are current:
+    each owner broadcasts its parameters after every step)."""
+
+    def __init__(self, engine):
+        self.engine, self.pending, self.loss_sum = engine, [], 0.0
+
+    def add(self, mb) -> None:
+        self.pending.append(mb.to(self.engine.device))
+        if len(self.pending) == self.engine.gradient_accumulation_steps():
+            self._run()
+
+    def finish(self) -> float:
+        """This rank's summed token loss (0 off the last stage)."""
+        self._run()
+        return self.loss_sum
+
+    def _run(self) -> None:
+        if not self.pending:  # every rank has as many micro-batches (`eval_plan`): all skip
+            return
+        inputs = self.engine.module.step_inputs
+        inputs.batches, inputs.scale = self.pending, 1.0
+        try:
+            self.engine.eval_batch(iter(engine_inputs(self.pending)), reduce_output=None,
+                                   bcast_loss=False, num_micro_batches=len(self.pending))
+            self.loss_sum += float(torch.stack(inputs.sums).double().sum()) if inputs.sums else 0.0
+        finally:
+            inputs.sums, inputs.batches, self.pending = [], [], []
 
 
 def build_evaluator(cfg, built, loader, groups=None) -> Evaluator | None:

@@ -14,6 +14,7 @@ what it needs. Nothing else derives a fact of the plan again.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import NamedTuple
 
@@ -35,9 +36,12 @@ from ds_omni.parallel.stages import SPLITS, describe
 from ds_omni.parallelize import parallelize
 from ds_omni.parallelize.pipeline import (check_pipeline, optimizer_params, stage_plan,
                                          stage_tokens)
-from ds_omni.parallelize.tensor_parallel import check_tensor_parallel, check_tp_with_sp
+from ds_omni.parallelize.tensor_parallel import (check_tensor_parallel, check_tp_with_sp,
+                                                  tp_beyond_kv_heads)
 from ds_omni.train import checkpoint
 from ds_omni.train.ds_config import check_types, derive_ds_config, load_ds_json, zero_stage
+
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------ 1. the plan, no process group
@@ -53,13 +57,21 @@ def plan_run(cfg: OmniConfig, ds_json: dict, world_size: int) -> tuple[ParallelP
         check_sequence_parallel(cfg.model, degree, llm)
     if plan.tp_enabled:
         check_tensor_parallel(llm[1], plan.tp, _llm_part(cfg), experts_apart=plan.ep_enabled)
-    if plan.tp_enabled and plan.sp_enabled:  # Ulysses splits each TP rank's heads again
-        check_tp_with_sp(llm[1], plan.tp, plan.sp, _llm_part(cfg))
+    if plan.tp_enabled and plan.sp_degrees:  # Ulysses splits each TP rank's heads again
+        check_tp_with_sp(llm[1], plan.tp, max(plan.sp_degrees), _llm_part(cfg),
+                         "parallel.sp" if plan.sp_enabled else "parallel.max_sequence_sp")
     resolve_kernel(cfg.model.attn_implementation)  # varlen on CPU, flash-attn missing: say so now
     ds_config = derive_ds_config(cfg, ds_json, plan)
     if plan.pp_enabled:
         check_pipeline(cfg, ds_config, llm[1])
     return plan, ds_config
+
+
+def say_tp_warning(cfg: OmniConfig, plan: ParallelPlan) -> None:
+    """Log, once for a planned run, what `tp_beyond_kv_heads` has to say (`plan_run` itself
+    stays silent: the plan search runs it for many plans)."""
+    if plan.tp_enabled and (note := tp_beyond_kv_heads(llm_text_config(cfg.model)[1], plan.tp)):
+        log.warning(note)
 
 
 def _llm_part(cfg: OmniConfig) -> str:
@@ -71,6 +83,7 @@ def preflight(cfg: OmniConfig, ds_config_path: str,
               resume: bool = False) -> tuple[ParallelPlan, dict]:
     """Every check that needs no process group, so a bad input fails on all ranks at once."""
     plan, ds_config = plan_run(cfg, load_ds_json(ds_config_path), dist.world_size_from_env())
+    say_tp_warning(cfg, plan)
     check_types(ds_config)  # optimizer and scheduler types DeepSpeed builds
     check_positions(cfg.model, cfg.data.max_seq_len)  # also: model.llm is a causal LM
     check_model_files(cfg.model)
@@ -90,6 +103,7 @@ def describe_plan(cfg: OmniConfig, plan: ParallelPlan, ds_config: dict,
     `gpus_per_node`, those that cross nodes), the DeepSpeed config and, under pp > 1, the
     pipeline's stages (from the model built on the meta device: its sizes only, no weights made
     or read)."""
+    say_tp_warning(cfg, plan)
     degrees = {"world_size": plan.world_size, "dp": plan.dp, "sp": plan.sp, "pp": plan.pp}
     out = {"plan": {**degrees, **({"tp": plan.tp} if plan.tp_enabled else {})},
            "layout": plan.layout(gpus_per_node), "deepspeed": ds_config}

@@ -26,7 +26,8 @@ generic adapter through LLaVA-OneVision; images of
 several sizes, M-RoPE positions, audio clips), with text-only samples mixed in so that some ranks
 have micro-batches with nothing to encode (where DeepSpeed's ZeRO-3 would otherwise hang). The
 same launch trains the pipeline cases (PP=2, both encoder placements; `tests/dist/pipeline.py`),
-which also save a checkpoint before their last step, resume from it and export it to HF, and the
+which also save a checkpoint before their last step, resume from it and export it to HF (and
+evaluate the validation set through the pipeline engine's eval_batch), and the
 encoder pool cases (`parallel.encoder_pool: "dp"`, LLaVA ZeRO-1 and the image+audio composition
 ZeRO-3, 3 steps): rank 0's rows hold every image and clip, rank 1's are text alone, so each round
 rank 1 encodes some of rank 0's items and sends their rows back. A 4-rank launch trains budget
@@ -138,7 +139,7 @@ def cases(tmp_path_factory):
                           "reorder": {"mode": "loader_order"}},
         # PP=2 (dp=1): both placements, both models (test_pipeline_matches_single_process)
         "pp_llava_stage0": {"stages": [1], "placement": "stage0", "sources": vision, "steps": 3,
-                            "train": PP_BATCH, "resume_at": 2},
+                            "train": PP_BATCH, "resume_at": 2, "eval_sources": eval_sources(tmp)},
         # Megatron's even split: [0, 2, 5] (the cost model's would be [0, 3, 5]); a
         # gradient_clipping that clips every step: the norm counts each encoder parameter once,
         # on the stage that owns it (and steps it)
@@ -189,6 +190,13 @@ def _check_pipeline(name, case, results, tmp_path, dp=1):
     per_rank = [{name: r[(name, case["stages"][0])]} for r in results]
     cfg = _config(case, str(tmp_path / f"ref_{name}"))
     pipeline.check(name, case, per_rank, cfg, dp=dp, lr_at=_lr_at(cfg))
+    if case.get("eval_sources"):  # validation through the pipeline engine's eval_batch
+        params = oracle.merge_stages([r[name] for r in per_rank[::dp]])["params"]
+        (want,) = oracle.reference_eval_losses(cfg, [params])
+        evals = [r[name]["eval"] for r in per_rank]
+        assert all(e == evals[0] for e in evals), (name, evals)
+        assert evals[0]["eval_loss"] == pytest.approx(want, rel=1e-6), (name, evals[0], want)
+        assert evals[0]["eval_samples"] == 5, (name, evals[0])
 
 
 # what the oracle's failure names: 2x loss scaling leaves the reported loss alone and Adam's first
@@ -231,7 +239,8 @@ def four_ranks(tmp_path_factory):
                         "train": {"micro_batch_size": 1}},
              "dp2_pp_stage0": {"stages": [1], "placement": "stage0", "split": "parameters",
                                "parts": [0, 2, 4], **pp},
-             "dp2_pp_uniform": {"stages": [0], "placement": "uniform", **pp}}
+             "dp2_pp_uniform": {"stages": [0], "placement": "uniform", **pp,
+                                "eval_sources": eval_sources(tmp)}}
     return cases, run_on_ranks(_train_ranks, 4, args=(cases, str(tmp / "dp")), timeout=600)
 
 

@@ -87,6 +87,8 @@ def _config(case: dict, out_dir: str):
     if case.get("pool"):  # the encoder pool over each TP rank's data-parallel ranks, loader order
         from ds_omni.config import ReorderConfig
         cfg.parallel.encoder_pool, cfg.data.reorder = "dp", ReorderConfig(mode="loader_order")
+    if case.get("micro_batch_size"):  # samples per packed row
+        cfg.train.micro_batch_size = case["micro_batch_size"]
     return cfg
 
 
@@ -406,7 +408,7 @@ def _check_tp_sp(name, case, results, tmp_path, dp=1) -> None:
         assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank), where
         for t in range(2):  # the SP groups of TP rank t: global ranks t, t + 2 (+ 4, t + 6)
             oracle.assert_split_work(ref, [_in_tp_slice(r) for r in per_rank[t::2]],
-                                     f"{where} TP rank {t}")
+                                     f"{where} TP rank {t}", pooled=case.get("pool", False))
     oracle.assert_moved(ref, name)
 
 
@@ -449,20 +451,54 @@ def test_plant_tp_sp_is_caught(plant, four_cases, four_results, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def eight_results(tmp_path_factory):
+def eight_cases(tmp_path_factory):
+    return eight_cases_in(tmp_path_factory.mktemp("tp_eight"))
+
+
+def eight_cases_in(tmp) -> dict:
+    """tp=2 x sp=2 x dp=2 on 8 ranks: two data-parallel groups of 4 (TP innermost, then SP), each
+    its own rows, each TP rank's SP groups inside them; again with the encoder pool (each TP
+    rank pools over its 4 dp x sp ranks; dp rank 0's rows hold every image), and its plant."""
+    from tests.data_files import skewed_source
+    honest = {"tp_sp_dp_llava": {"stages": [2], "sp": 2},
+              # rows of 4 samples: 4 images a row of dp rank 0, 2 of them encoded by dp rank 1
+              "tp_sp_pool_llava": {"stages": [2], "sp": 2, "pool": True, "micro_batch_size": 4,
+                                   "sources": [skewed_source(tmp / "skewed", dp=2)]}}
+    return {**honest, **_planted(honest, "tp_sp_pool", "tp_sp_pool_llava")}
+
+
+@pytest.fixture(scope="module")
+def eight_results(eight_cases, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_eight_runs")
-    return run_on_ranks(_train_ranks, 8, args=(EIGHT, str(out)), timeout=1200)
-
-
-# tp=2 x sp=2 x dp=2 on 8 ranks: two data-parallel groups of 4 (TP innermost, then SP), each
-# its own rows, each TP rank's SP groups inside them
-EIGHT = {"tp_sp_dp_llava": {"stages": [2], "sp": 2}}
+    return run_on_ranks(_train_ranks, 8, args=(eight_cases, str(out)), timeout=1200)
 
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_tp2_x_sp2_x_dp2_matches_single_process(eight_results, tmp_path):
-    _check_tp_sp("tp_sp_dp_llava", EIGHT["tp_sp_dp_llava"], eight_results, tmp_path, dp=2)
+def test_tp2_x_sp2_x_dp2_matches_single_process(eight_cases, eight_results, tmp_path):
+    _check_tp_sp("tp_sp_dp_llava", eight_cases["tp_sp_dp_llava"], eight_results, tmp_path, dp=2)
     _check_shards(eight_results, "tp_sp_dp_llava", 2)
     groups = [eight_results[r][("tp_sp_dp_llava", 2)]["keys"] for r in (0, 4)]
     assert groups[0] != groups[1]  # the two data-parallel groups read different rows
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_tp2_x_sp2_x_dp2_encoder_pool_matches_single_process(eight_cases, eight_results,
+                                                             tmp_path):
+    """The encoder pool under tp x sp: each TP rank pools over its dp x sp ranks (0, 2, 4, 6 and
+    1, 3, 5, 7); the rows of dp rank 0 (ranks 0-3) hold every image, so dp rank 1's ranks encode
+    some of them, both TP ranks of a pair the same ones."""
+    _check_tp_sp("tp_sp_pool_llava", eight_cases["tp_sp_pool_llava"], eight_results, tmp_path,
+                 dp=2)
+    _check_shards(eight_results, "tp_sp_pool_llava", 2)
+    moved = [r[("tp_sp_pool_llava", 2)]["pool_items_moved"] for r in eight_results]
+    assert sum(moved[4:]) > 0 and moved[0::2] == moved[1::2], moved
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", plants.for_launch("tp_sp_pool"))
+def test_plant_tp_sp_pool_is_caught(plant, eight_cases, eight_results, tmp_path):
+    with pytest.raises(AssertionError, match="losses|grad of"):
+        _check_tp_sp(plant, eight_cases[plant], eight_results, tmp_path, dp=2)

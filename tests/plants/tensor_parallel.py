@@ -72,3 +72,54 @@ def _tp_gather_grad_summed(rank: int):
             return backward(ctx, grad * len(ctx.plan.rank_rows))
         return staticmethod(planted)
     yield from patched(GatherTPRows, "backward", make)
+
+
+# ------------------- tp x max_sequence_sp (tests/dist/test_tp_per_sequence.py, 4 ranks)
+@plant("block_across_tp", "under tp a per-sequence block is drawn across TP ranks (member d of "
+       "the block on TP rank t + d) instead of over the data-parallel ranks of one TP rank: its "
+       "Ulysses all-to-all mixes the heads of different TP shards", "tp_msp")
+def _block_across_tp(rank: int):
+    from ds_omni.parallel.plan import ParallelPlan, RankCoords
+
+    def planted(plan, start, size):
+        return [[plan.rank_of(RankCoords(p, d, 0, (t + d - start) % plan.tp))
+                 for d in range(start, start + size)] for p in range(plan.pp)
+                for t in range(plan.tp)]
+    yield from patched(ParallelPlan, "sequence_block_ranks", lambda f: planted)
+
+
+@plant("block_encoder_grad_summed_over_tp", "under tp the encoders' gradients of a per-sequence "
+       "block's row (whose items every TP rank encoded alike) are summed over the TP ranks too, "
+       "as a row split over them would be (tp times too large)", "tp_msp")
+def _block_encoder_grad_summed_over_tp(rank: int):
+    from ds_omni.parallelize.tp_encoders import TPEncoders
+
+    def always_apart(cls_attr):
+        return property(lambda self: True, lambda self, value: None)
+    yield from patched(TPEncoders, "apart", always_apart)
+
+
+# -------------- tp x sp x encoder_pool (tests/dist/test_tensor_parallel.py, 8 ranks)
+@plant("pool_encoder_grad_summed_over_tp", "under tp x sp with the encoder pool the encoders' "
+       "gradients are summed over the TP ranks (as if each had encoded its own items), though "
+       "every TP rank pooled and encoded the same ones (tp times too large)", "tp_sp_pool")
+def _pool_encoder_grad_summed_over_tp(rank: int):
+    import torch
+    import ds_omni.parallelize as parallelize
+
+    def make(apply_plan):
+        def planted(model, **kwargs):
+            out = apply_plan(model, **kwargs)
+            group = kwargs.get("tp_group")
+            for p in model.encoders.parameters():
+                if p.requires_grad and group is not None:
+                    p.register_hook(lambda g: _summed(torch, g, group))
+            return out
+        return planted
+    yield from patched(parallelize, "apply_plan", make)
+
+
+def _summed(torch, grad, group):
+    grad = grad.contiguous()
+    torch.distributed.all_reduce(grad, group=group)
+    return grad

@@ -61,13 +61,6 @@ OLD_REFUSALS = {
         ("parallel.max_sequence_sp=2", "parallel.pp=2"), "or parallel.pp to 1"),
     "config/parallel.py: tp x pp": (
         dict(tp=2, pp=2), 1, False, 4, ("parallel.tp=2", "parallel.pp=2"), "set parallel.pp to 1"),
-    "config/parallel.py: tp x max_sequence_sp": (
-        dict(tp=2, max_sequence_sp=2), 1, False, 4,
-        ("parallel.tp=2", "parallel.max_sequence_sp=2"), "set parallel.max_sequence_sp to 1"),
-    "config/parallel.py: tp x encoder_pool under sp": (
-        dict(tp=2, sp=2, encoder_pool="dp"), 1, False, 4,
-        ("parallel.tp=2", 'parallel.encoder_pool="dp"', "when parallel.sp=2"),
-        'set encoder_pool to "off"'),
     "parallel/plan.py: ep x tp under sp": (  # ep x tp composes since issue 37, not with sp
         dict(ep=2, tp=2, sp=2), 1, False, 8,
         ("parallel.ep=2", "parallel.tp=2", "when parallel.sp=2"), "set parallel.sp and"),

@@ -108,8 +108,23 @@ def test_the_plan_owns_its_derived_facts():
     loader_order = ReorderConfig(mode="loader_order")
     assert ParallelPlan.from_config(ParallelConfig(sp=2), 4, loader_order).reorder_group == 1
     assert ParallelPlan.from_config(ParallelConfig(sp=2), 4, loader_order).sequence_blocks() == []
+    assert plan.sequence_block_ranks(4, 4) == [[4, 5, 6, 7]]  # without tp: consecutive ranks
     from ds_omni.errors import DataError
     with pytest.raises(DataError, match="needs grouped reordering"):
         ParallelPlan.from_config(ParallelConfig(max_sequence_sp=2), 4, loader_order)
     with pytest.raises(DataError, match="must divide the data-parallel size 6"):
         ParallelPlan.from_config(ParallelConfig(), 6, ReorderConfig(group_size=4))
+
+
+def test_per_sequence_blocks_under_tp_share_one_tp_rank():
+    """tp x max_sequence_sp: a block (in data-parallel ranks) has one group per TP rank, each
+    over that TP rank's data-parallel ranks, so its all-to-alls never mix TP shards; every rank
+    is in exactly one group of each block."""
+    plan = ParallelPlan.from_config(ParallelConfig(tp=2, max_sequence_sp=4), 8, ReorderConfig())
+    assert (plan.dp, plan.sequence_blocks()) == (4, [(0, 2), (2, 2), (0, 4)])
+    assert plan.sequence_block_ranks(2, 2) == [[4, 6], [5, 7]]
+    assert plan.sequence_block_ranks(0, 4) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    for start, size in plan.sequence_blocks():
+        groups = plan.sequence_block_ranks(start, size)
+        assert all(len({plan.coords(r).tp_rank for r in g}) == 1 for g in groups)
+        assert [plan.coords(r).dp_rank for r in groups[0]] == list(range(start, start + size))
