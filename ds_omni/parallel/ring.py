@@ -25,10 +25,6 @@ class RingGroup:
     size: int
     prev: int
     next: int
-    steps: int = 0
-    """Ring passes this rank issued in forward (evidence: `SPCounts.ring_steps` reads it)."""
-    bytes_sent: int = 0
-    """Bytes those passes sent."""
     members: list[int] = field(default_factory=list)
 
     @classmethod
@@ -55,8 +51,6 @@ class RingPass(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, ring: RingGroup) -> torch.Tensor:
         ctx.ring = ring
-        ring.steps += 1
-        ring.bytes_sent += tensor.numel() * tensor.element_size()
         return _exchange(tensor, ring.next, ring.prev, ring.group)
 
     @staticmethod

@@ -129,6 +129,11 @@ def assert_split_work(ref: Reference, per_rank: list[dict], where: str, *,
             f"{where} rank {rank}: {exchanges} resharding all-to-alls for {rows} split rows "
             "with encoder items")
         assert counts["sp_encoder_pieces"] == r["long_items"], (where, rank, counts)
+        if "ring_per_row" in r:  # parallel.cp: every split row went around the whole ring
+            assert counts["sp_ring_steps"] == r["ring_per_row"] * r["sp_rows"], (
+                f"{where} rank {rank}: {counts['sp_ring_steps']} ring passes for {r['sp_rows']} "
+                f"split rows x {r['ring_per_row']}: a ring step was skipped")
+            assert counts["sp_ring_bytes"] > 0, (where, rank, counts)
     sent = sum(r["sp"]["sp_rows_sent"] for r in per_rank)
     assert sent == sum(r["sp"]["sp_rows_received"] for r in per_rank), (where, sent)
 

@@ -135,7 +135,11 @@ def _record_mechanisms(engine, built, plan, loader, out: dict) -> None:
     out["sp"] = sp_metrics(engine.module)
     if out["sp"]:  # Ulysses calls one SP row makes: every decoder layer, again when recomputed
         backbone = built.model.backbone
-        out["ulysses_per_row"] = len(backbone.layers) * (2 if backbone.checkpoint_layers else 1)
+        calls = len(backbone.layers) * (2 if backbone.checkpoint_layers else 1)
+        # under parallel.cp with sp 1 the ring alone runs (no Ulysses); each call passes cp - 1
+        out["ulysses_per_row"] = calls if plan.ulysses > 1 or plan.max_sequence_sp > 1 else 0
+        if plan.cp_enabled:
+            out["ring_per_row"] = calls * (plan.cp - 1)
     if plan.pp_enabled:  # the stage boundaries the engine was built with
         out["parts"] = list(engine.module.parts)
     joint = getattr(engine.module, "joint", None)  # "uniform": the owners' broadcasts issued
