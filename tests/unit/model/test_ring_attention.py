@@ -8,6 +8,7 @@ from ds_omni.model import ring_attention as ra
 from ds_omni.model.attention import _sdpa_per_sample
 from ds_omni.parallel.ring import RingGroup
 from ds_omni.parallel.zigzag import zigzag_layout
+from tests import plants
 
 
 def simulate(q, k, v, layout, cu, window=None, blocks=None, monkeypatch=None):
@@ -78,3 +79,29 @@ def test_a_block_nobody_sees_adds_nothing():
     q, k, v = (torch.randn(3, 2, 4) for _ in range(3))
     out, lse = ra.block_attention(q, k, v, torch.zeros(3, 3, dtype=torch.bool), 1.0)
     assert not out.any() and torch.isinf(lse).all()
+
+
+def _ring_equals_sdpa(monkeypatch):
+    for cp in (2, 3):
+        test_ring_equals_sdpa_with_gradients(cp, 1, None, None, monkeypatch)
+
+
+def _zigzag_balanced(monkeypatch):
+    from tests.unit.parallel.test_zigzag import test_causal_work_is_even
+    test_causal_work_is_even(2)
+
+
+CAUGHT_BY = {"ring_lse_merge_wrong": _ring_equals_sdpa, "ring_step_skipped": _ring_equals_sdpa,
+             "ring_causal_local": _ring_equals_sdpa, "zigzag_chunk_wrong_rank": _zigzag_balanced}
+
+
+def test_every_ring_plant_has_a_check():
+    assert sorted(CAUGHT_BY) == plants.for_launch("ring")
+
+
+@pytest.mark.parametrize("plant", plants.for_launch("ring"))
+def test_plant_is_caught(plant, monkeypatch):
+    """The checks above pass honestly and fail with each planted error of the ring."""
+    CAUGHT_BY[plant](monkeypatch)
+    with plants.applied(plant, 0), pytest.raises(AssertionError):
+        CAUGHT_BY[plant](monkeypatch)
