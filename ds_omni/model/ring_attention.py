@@ -8,11 +8,9 @@ exp(lse_b - lse), lse = logaddexp over the blocks. Which query may see which key
 the row positions of both (`ring_mask`): the same sample, causal or inside one bidirectional
 block (Gemma 3's images), within the sliding window: the masks of the SDPA path, so the numbers
 are the same. `block_attention` is pure torch and returns the log-sum-exp SDPA does not; only
-the query rows and key columns that see anything are computed (zigzag keeps that work even).
-Backward is autograd through these ops and `RingPass`: exact. On CUDA it runs the same ops:
-flash-attn's varlen kernel returns an lse but its autograd drops the lse's gradient, which the
-merge needs (it would need a hand-written ring backward); yunchang's torch backends return an
-all-zero lse, which weights every block alike (a wrong merge for any cp > 1), so neither is used.
+the rows and columns that see anything are computed. Backward: autograd through these ops and
+`RingPass`, exact. CUDA runs the same ops: flash-attn's varlen autograd drops the lse's gradient,
+which the merge needs; yunchang's torch backends return an all-zero lse (a wrong merge for cp > 1).
 
 Dims: C tokens of this cp rank, K of a key block, h query heads here, hkv key/value heads, D head dim.
 """

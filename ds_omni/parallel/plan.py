@@ -7,9 +7,7 @@ pp is outermost because its point-to-point traffic is the lightest.
 
     rank = ((pp_stage * dp + dp_rank) * sp + sp_rank) * tp + tp_rank
 
-Under ring attention (parallel.cp) the sequence axis sp holds parallel.sp x parallel.cp ranks:
-sp_rank = cp_rank * ulysses + ulysses_rank, Ulysses' all-to-alls among consecutive ranks and the
-ring's point-to-point passes across them (`ring_coords`, `cp_group_ranks`).
+Under parallel.cp the sp axis holds parallel.sp x parallel.cp ranks (`ring_coords`).
 
 The plan also owns what derives from the degrees and the config (the reorder group size G, the
 per-sequence SP blocks, the encoder pool's size, the group that shares long items), so nothing

@@ -4,12 +4,12 @@ looping over its cases), each case 3 optimizer steps through DeepSpeed against t
 the evidence that the ring ran (`oracle.assert_split_work`: every decoder layer of every split
 row made cp - 1 ring passes; targets trained once; shards differ).
 
-Quick tier (CASES): cp=2 under dp=2 (LLaVA, ZeRO-1); sp=2 x cp=2 (Qwen2-VL: M-RoPE positions
-travelling with their tokens, rows without images; ZeRO-2); cp=2 on Gemma 3 (bidirectional
-image blocks and sliding windows across the ring; ZeRO-0). The slow tier (SLOW_CASES): the ZeRO
-1/2/3 matrix under sp2 x cp2, with the encoder pool and long-short SP (every item split over
-the row's four ranks). The kernel, the zigzag split and the planted errors of the ring are
-checked in one process (tests/unit/model/test_ring_attention.py, tests/unit/parallel/test_zigzag.py).
+Quick tier (CASES, 2 steps): sp=2 x cp=2 on Qwen2-VL (GQA, M-RoPE positions travelling with
+their tokens, rows without images; ZeRO-2). Slow tier (SLOW_CASES): cp=2 under dp=2 with the
+encoder pool and long-short SP (every item split over its row's ranks; LLaVA, ZeRO-1); Gemma 3
+(bidirectional image blocks and sliding windows across the ring; ZeRO-2); sp2 x cp2 under ZeRO-3
+with the pool and long-short SP. The kernel, the zigzag split and the planted errors of the ring
+are checked in one process (tests/unit/model/test_ring_attention.py, tests/unit/parallel/).
 """
 
 import pytest
@@ -21,10 +21,10 @@ from tests.harness import run_on_ranks
 
 WORLD = 4
 #        (family, ZeRO, sp, cp, encoder pool, encoder_sp 0)
-CASES = [("llava", 1, 1, 2, False, False), ("qwen2_vl", 2, 2, 2, False, False),
-         ("gemma3", 0, 1, 2, False, False)]
-SLOW_CASES = [("llava", 1, 2, 2, True, True), ("qwen2_vl", 2, 2, 2, True, False),
-              ("llava", 3, 2, 2, False, True), ("qwen2_vl", 3, 1, 2, True, True)]
+CASES = [("qwen2_vl", 2, 2, 2, False, False)]
+SLOW_CASES = [("llava", 1, 1, 2, True, True), ("gemma3", 2, 1, 2, False, False),
+              ("llava", 3, 2, 2, True, True)]
+QUICK_STEPS = 2
 
 
 def case_name(case) -> str:
@@ -56,21 +56,21 @@ def case_config(family: dict, out_dir: str, case, *, reference: bool = False):
     return cfg
 
 
-def _ranks(rank, world, fams, out_dir, cases) -> dict:
+def _ranks(rank, world, fams, out_dir, cases, steps) -> dict:
     out = {}
     for case in cases:
         cfg = case_config(fams[case[0]], f"{out_dir}/{case_name(case)}", case)
-        out[case_name(case)] = oracle.train_on_rank(rank, world, cfg, ds_config(case[1]), STEPS)
+        out[case_name(case)] = oracle.train_on_rank(rank, world, cfg, ds_config(case[1]), steps)
     return out
 
 
-def check(case, fams, tmp, per_rank) -> None:
+def check(case, fams, tmp, per_rank, steps: int = STEPS) -> None:
     name, group = case_name(case), case[2] * case[3]
     cfg = case_config(fams[case[0]], str(tmp / f"ref_{name}"), case, reference=True)
     from ds_omni.model.build import build_model
     dp = WORLD // group
-    want_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), dp, STEPS)
-    for step in range(STEPS):  # the ranks of a row's sp x cp group train the same samples
+    want_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), dp, steps)
+    for step in range(steps):  # the ranks of a row's sp x cp group train the same samples
         assert all(r["keys"][step] == per_rank[0]["keys"][step] for r in per_rank[:group]), name
         got = sorted(k for r in per_rank[::group] for k in r["keys"][step])
         assert got == want_keys[step], f"{name} step {step}: the ranks trained another batch"
@@ -83,28 +83,29 @@ def check(case, fams, tmp, per_rank) -> None:
     oracle.assert_moved(ref, name)
 
 
-def _launch(tmp_path_factory, cases):
+def _launch(tmp_path_factory, cases, steps):
     tmp = tmp_path_factory.mktemp("cp")
     fams = families(tmp)
-    results = run_on_ranks(_ranks, WORLD, args=(fams, str(tmp / "cp"), cases), timeout=900)
+    results = run_on_ranks(_ranks, WORLD, args=(fams, str(tmp / "cp"), cases, steps),
+                           timeout=900)
     return fams, tmp, results
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
-    return _launch(tmp_path_factory, CASES)
+    return _launch(tmp_path_factory, CASES, QUICK_STEPS)
 
 
 @pytest.fixture(scope="module")
 def slow_launch(tmp_path_factory):
-    return _launch(tmp_path_factory, SLOW_CASES)
+    return _launch(tmp_path_factory, SLOW_CASES, STEPS)
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("case", CASES, ids=case_name)
 def test_ring_attention_matches_single_process(case, launch):
     fams, tmp, results = launch
-    check(case, fams, tmp, [r[case_name(case)] for r in results])
+    check(case, fams, tmp, [r[case_name(case)] for r in results], QUICK_STEPS)
 
 
 @pytest.mark.dist

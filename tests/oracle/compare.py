@@ -153,6 +153,8 @@ def _assert_shards_differ(per_rank: list[dict], where: str) -> None:
         assert all(len(ids) * size == row_len for ids, _, _ in shards.values()), (
             f"{at}: shards of {[len(ids) for ids, _, _ in shards.values()]} tokens, not 1/{size} "
             f"of the {row_len}-token row each")
-        # shards of padding alone may match (a short row under sp x cp: all pad tokens)
-        tokens = [tuple(ids) for ids, _, real in shards.values() if real]
+        # tokens with their positions (two shards of image placeholders alone hold the same
+        # ids); shards of padding alone may match (a short row under sp x cp)
+        tokens = [(tuple(ids), tuple(more["positions"])) for ids, _, more in shards.values()
+                  if more["real"]]
         assert len(set(tokens)) == len(tokens), f"{at}: two ranks hold the same shard"

@@ -232,7 +232,9 @@ def _record_shards(batch, plan, rank: int, out: dict) -> None:
     for i, mb in enumerate(batch.micro_batches):
         group = mb.route.sp_block or static
         out["shards"].append((len(out["keys"]), i, group, mb.input_ids[0].tolist(),
-                              int(mb.cu_seqlens[-1]), mb.num_tokens))
+                              int(mb.cu_seqlens[-1]),
+                              {"real": mb.num_tokens,
+                               "positions": mb.position_ids.reshape(-1).tolist()}))
         out["sp_rows"] += group is not None
         out["rows_with_items"] += bool(mb.route.reshard is not None and mb.route.reshard.group_rows)
 

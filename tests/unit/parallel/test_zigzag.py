@@ -36,3 +36,20 @@ def test_causal_work_is_even(cp):
     plain = np.arange(len(layout.order)).reshape(cp, -1)
     unbalanced = causal_pairs(plain, cu.tolist())
     assert max(unbalanced) > 1.5 * min(unbalanced), unbalanced
+
+
+def test_plan_facts_of_cp():
+    """sp x cp ranks split a row: Ulysses groups of consecutive ranks, rings across them, and
+    ZeRO's sequence x data group over all of them."""
+    from ds_omni.config import ParallelConfig, ReorderConfig
+    from ds_omni.parallel.plan import ParallelPlan
+    plan = ParallelPlan.from_config(ParallelConfig(sp=2, cp=2), 8, ReorderConfig())
+    assert (plan.dp, plan.sp, plan.cp, plan.ulysses) == (2, 4, 2, 2)
+    assert plan.sp_degrees == [2]  # the heads are checked against Ulysses' degree only
+    assert plan.ulysses_group_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert plan.cp_group_ranks() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert [plan.ring_coords(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert plan.seq_data_group_ranks() == [list(range(8))]
+    assert plan.layout()["cp_groups"] == plan.cp_group_ranks()
+    ring = ParallelPlan.from_config(ParallelConfig(cp=4), 4, ReorderConfig())
+    assert ring.cp_group_ranks() == [[0, 1, 2, 3]] and ring.sp_degrees == []
