@@ -9,10 +9,9 @@ varlen kernel, or SDPA once per sample. Sliding windows and bidirectional blocks
 tokens, PaliGemma's prefix) are applied as HF does; rows with blocks run on SDPA. Under Ulysses SP
 DeepSpeed's `DistributedAttention` trades the token split for a head split and the kernel runs on
 the whole row with the global `cu_seqlens`; KV heads are repeated until the ranks split them.
-More: docs/models.md; docs/parallelism.md, "Sequence parallelism".
-
-Dims: B batch (1 when packed), T packed tokens, S tokens of one SP shard, H query heads,
-Hkv key/value heads, D head dim.
+Under parallel.cp that kernel is the ring over the cp rank's tokens (`ring_attention`). More:
+docs/models.md; docs/parallelism.md, "Sequence parallelism", "Ring attention".
+Dims: B batch (1 packed), T packed tokens, S of one SP shard, H query heads, Hkv KV heads, D.
 """
 
 from __future__ import annotations

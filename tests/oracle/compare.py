@@ -155,6 +155,8 @@ def _assert_shards_differ(per_rank: list[dict], where: str) -> None:
             f"of the {row_len}-token row each")
         # tokens with their positions (two shards of image placeholders alone hold the same
         # ids); shards of padding alone may match (a short row under sp x cp)
-        tokens = [(tuple(ids), tuple(more["positions"])) for ids, _, more in shards.values()
-                  if more["real"]]
+        # under parallel.cp the row positions too: two zigzag shards may both be image tokens at
+        # the same offsets of two samples
+        tokens = [(tuple(ids), tuple(more["positions"]), tuple(more.get("slots", ())))
+                  for ids, _, more in shards.values() if more["real"]]
         assert len(set(tokens)) == len(tokens), f"{at}: two ranks hold the same shard"

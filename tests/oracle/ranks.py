@@ -234,9 +234,21 @@ def _record_shards(batch, plan, rank: int, out: dict) -> None:
         out["shards"].append((len(out["keys"]), i, group, mb.input_ids[0].tolist(),
                               int(mb.cu_seqlens[-1]),
                               {"real": mb.num_tokens,
-                               "positions": mb.position_ids.reshape(-1).tolist()}))
+                               "positions": mb.position_ids.reshape(-1).tolist(),
+                               "slots": _ring_slots(mb, plan, rank)}))
         out["sp_rows"] += group is not None
         out["rows_with_items"] += bool(mb.route.reshard is not None and mb.route.reshard.group_rows)
+
+
+def _ring_slots(mb, plan, rank: int) -> list[int]:
+    """Under parallel.cp: the row positions of this rank's tokens (its slice of the zigzag
+    layout the loader cut the row by); empty otherwise."""
+    index = mb.route.ring_index
+    if index is None:
+        return []
+    s = mb.input_ids.shape[1]
+    lo = plan.coords(rank).sp_rank * s
+    return index.reshape(-1)[lo:lo + s].tolist()
 
 
 def _count_encoder_work(batch, out: dict) -> None:
