@@ -47,9 +47,8 @@ class ParallelConfig:
     ranks by modelled cost (pays under ZeRO-3). More: docs/parallelism.md#encoder-pool."""
 
     cp: int = 1
-    """Ring attention (context parallelism): each row is split over sp x cp ranks, Ulysses inside
-    and a ring of cp across, so a sequence may use more ranks than the LLM has heads.
-    More: docs/parallelism.md#ring-attention-parallelcp."""
+    """Ring attention: each row split over sp x cp ranks, a ring of cp across the Ulysses groups
+    (no head limit). More: docs/parallelism.md#ring-attention-parallelcp."""
 
     ep: int = 1
     """Expert-parallel degree of an MoE LLM (AutoEP): must divide dp x sp and the experts count.
