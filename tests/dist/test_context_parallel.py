@@ -79,6 +79,10 @@ def check(case, fams, tmp, per_rank, steps: int = STEPS) -> None:
     assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank), name
     oracle.assert_split_work(ref, per_rank, name, pooled=case[4])
     assert all(r["sp"]["sp_ring_steps"] > 0 for r in per_rank), name
+    if case[5]:  # long-short SP: items really were split over the row's sp x cp ranks
+        assert sum(r["long_items"] for r in per_rank) > 0, name
+    if case[4]:  # the pool moved items between ranks
+        assert sum(r["pool_items_moved"] for r in per_rank) > 0, name
     check_one_reader(name, cfg, per_rank, sp=group)
     oracle.assert_moved(ref, name)
 
