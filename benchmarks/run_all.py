@@ -117,6 +117,7 @@ BENCHES = [
           full_only="4 ranks, 346 s at load 25-33"),
     Bench("ep_all_to_all.py", ("ep_all_to_all.json", "ep_all_to_all.png"), 600,
           full_only="2 ranks, about 90 s quiet"),
+    Bench("context_parallel.py", ("context_parallel.json",), 600, quick=("--tokens", "512")),
     Bench("balance.py", ("balance.json", "balance.png"), 2400,
           full_only="the DP 8-4096 sweep, 1,411 s alone"),
     Bench("index.py", ("index.json",), 900, full_only="indexes a 1 GB file three times"),

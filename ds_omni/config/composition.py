@@ -38,6 +38,7 @@ class Setting:
     zero: int | None = None
     """The DeepSpeed JSON's zero_optimization.stage; None where it is not known yet."""
     export_hf: bool = False
+    cp: int = 1
 
     @classmethod
     def of(cls, parallel, zero: int | None = None, export_hf: bool = False) -> "Setting":
@@ -46,7 +47,8 @@ class Setting:
                    export_hf=export_hf)
 
 
-PARALLEL_FIELDS = ("sp", "max_sequence_sp", "tp", "pp", "ep", "encoder_placement", "encoder_pool")
+PARALLEL_FIELDS = ("sp", "max_sequence_sp", "tp", "pp", "ep", "encoder_placement", "encoder_pool",
+                   "cp")
 FIELDS = {"zero": "zero_optimization.stage", "export_hf": "train.export_hf",
           **{f: f"parallel.{f}" for f in PARALLEL_FIELDS}}
 """How errors and docs name each value of a `Setting`."""
@@ -74,6 +76,7 @@ FEATURES = (
     Feature("encoder_pool", lambda s: s.encoder_pool != "off",
             "the encoder pool: parallel.encoder_pool \"dp\""),
     Feature("ep", lambda s: s.ep > 1, "expert parallelism of an MoE LLM: parallel.ep > 1"),
+    Feature("cp", lambda s: s.cp > 1, "ring attention (context parallelism): parallel.cp > 1"),
 )
 
 
@@ -189,6 +192,26 @@ RULES = (
     _composes("encoder_placement", "encoder_pool", UNDER_PP),
     _composes("encoder_placement", "ep", UNDER_PP),
     _composes("encoder_pool", "ep"),
+    # parallel.cp: ring attention across the sp x cp ranks of a row (docs/parallelism.md)
+    _composes("zero", "cp", "any stage: ZeRO reduces over the dp x sp x cp ranks, which hold "
+              "the same parameters and different tokens"),
+    _composes("sp", "cp", "Ulysses inside (sp consecutive ranks exchange heads), the ring across "
+              "them: sp must divide the query heads, cp need not"),
+    _refused("max_sequence_sp", "cp", "per-sequence SP blocks run Ulysses alone in this version "
+             "(a block with a ring inside is not built)", "set parallel.max_sequence_sp or "
+             "parallel.cp to 1"),
+    _refused("tp", "cp", "the ring's groups are drawn from the sequence ranks of one TP rank, "
+             "which no test checks against one process in this version",
+             "set parallel.tp to 1 (sp x cp splits the sequence of a large backbone), or "
+             "parallel.cp to 1"),
+    _refused("pp", "cp", f"{PIPELINE_GRID} (nor a ring)", "set parallel.cp or parallel.pp to 1",
+             launch_only=True),
+    _composes("encoder_placement", "cp", UNDER_PP),
+    _composes("encoder_pool", "cp", "the pool is every rank (dp x sp x cp); a row's long items "
+              "stay split over its sp x cp ranks"),
+    _refused("ep", "cp", "expert-parallel groups are drawn from the dp x sp ranks, and with a "
+             "ring among them no test checks an MoE LLM against one process in this version",
+             "set parallel.cp to 1 (parallel.sp splits an MoE LLM's rows with ep)"),
 )
 
 

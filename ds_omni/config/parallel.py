@@ -46,6 +46,10 @@ class ParallelConfig:
     """"off": each row's items are encoded by its rank; "dp": each round's items are spread over all
     ranks by modelled cost (pays under ZeRO-3). More: docs/parallelism.md#encoder-pool."""
 
+    cp: int = 1
+    """Ring attention: each row split over sp x cp ranks, a ring of cp across the Ulysses groups
+    (no head limit). More: docs/parallelism.md#ring-attention-parallelcp."""
+
     ep: int = 1
     """Expert-parallel degree of an MoE LLM (AutoEP): must divide dp x sp and the experts count.
     More: docs/parallelism.md#expert-parallelism."""
@@ -68,7 +72,7 @@ class ParallelConfig:
         if self.stage_tokens < 0:
             raise ConfigError(f"parallel.stage_tokens must be >= 0 (0: data.max_seq_len), got "
                               f"{self.stage_tokens}")
-        for name in ("sp", "tp", "pp", "max_sequence_sp", "ep"):
+        for name in ("sp", "tp", "pp", "max_sequence_sp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         d = self.max_sequence_sp

@@ -86,7 +86,8 @@ class LoaderProcess(TakenSteps):
         first = next(iter(parts.processors.values()))
         self.item_processors, self.family = first.item_processors, first.family
         self.shard = (SeqShard(place.sp_rank, place.sp_size, ItemCost(parts.cost_model),
-                               parts.splits.long_items) if place.sp_size > 1 else None)
+                               parts.splits.long_items, cp=place.cp)
+                      if place.sp_size > 1 else None)
         self.sources = {s.name: s for s in parts.data.sources}  # (their configs, by name)
         world = world_of(place, shared, timeout_s)
         ctx = mp.get_context("spawn")  # not fork: the trainer has threads (gloo, DeepSpeed)

@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ds_omni.batch import (IGNORE_INDEX, EncodedItem, ItemProcessor, MicroBatch, Route,
@@ -28,6 +29,7 @@ from ds_omni.data.processing import Sample
 from ds_omni.parallel.long_short import LongItems
 from ds_omni.parallel.reshard import item_slots, plan_reshard
 from ds_omni.parallel.tp_encode import first_rank, plan_tp_encode
+from ds_omni.parallel.zigzag import zigzag_layout
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class SeqShard:
     item_cost: Callable[[str, EncodedItem], float]
     long_items: LongItems | None = None  # which items the whole group encodes (None: none)
     block: tuple[int, int] | None = None  # per-sequence SP: the row's block (`Route.sp_block`)
+    cp: int = 1  # ring attention: `size` is sp x cp ranks, the row cut by its zigzag layout
 
 
 def sample_targets(sample: Sample) -> torch.Tensor:
@@ -109,25 +112,40 @@ def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
 
 def shard_row(row: MicroBatch, items: dict[str, list[EncodedItem]],
               processors: dict[str, ItemProcessor], shard: SeqShard) -> MicroBatch:
-    """Rank `shard.rank`'s part of the whole `row` (every rank of the group computes the same plan)."""
-    row = pad_row(row, shard.size, pad_id=_pad_id(processors))
+    """Rank `shard.rank`'s part of the whole `row` (every rank of the group computes the same plan).
+    Under ring attention (`shard.cp` > 1) the padded row is first laid out zigzag
+    (`ds_omni.parallel.zigzag`): the shard is a slice of that order, and its placeholders' rows
+    are sent where the layout put them."""
+    layout = None
+    if shard.cp > 1:
+        lengths = (row.cu_seqlens[1:] - row.cu_seqlens[:-1]).tolist()
+        layout = zigzag_layout(lengths, shard.cp, shard.size // shard.cp)
+        row = pad_tokens(row, layout.pad, _pad_id(processors))
+    else:
+        row = pad_row(row, shard.size, pad_id=_pad_id(processors))
     t = row.input_ids.shape[1]
     s = t // shard.size
     slots = item_slots(row.input_ids[0].numpy(), {e: placeholder_ids(processors, e) for e in items},
                        {e: [it.num_embeddings for it in its] for e, its in items.items()},
                        {e: [shard.item_cost(e, it) for it in its] for e, its in items.items()})
+    order = np.arange(t) if layout is None else layout.order  # [T'] row position of each slot
+    if layout is not None:  # placeholders at the slots the layout gives their row positions
+        where = layout.slots_of()
+        slots = [dataclasses.replace(sl, positions=where[sl.positions]) for sl in slots]
     plan = plan_reshard(slots, shard.size, s, list(items), shard.long_items)[shard.rank]
     lo, hi = shard.rank * s, (shard.rank + 1) * s
-    real_end = t - row.pad_tokens
+    # this shard's tokens: a slice of the row, or the row positions its slots of the layout hold
+    mine = slice(lo, hi) if layout is None else torch.from_numpy(order[lo:hi])
     return MicroBatch(
-        input_ids=row.input_ids[:, lo:hi], targets=row.targets[:, lo:hi],
-        position_ids=row.position_ids[..., lo:hi], cu_seqlens=row.cu_seqlens,
+        input_ids=row.input_ids[:, mine], targets=row.targets[:, mine],
+        position_ids=row.position_ids[..., mine], cu_seqlens=row.cu_seqlens,
         max_seqlen=row.max_seqlen, sample_ids=row.sample_ids, blocks=row.blocks,
-        pad_tokens=max(0, hi - max(lo, real_end)),
+        pad_tokens=int((order[lo:hi] >= t - row.pad_tokens).sum()),
         encoder_inputs={e: processors[e].collate([items[e][k] for k in idx])
                         for e, idx in plan.encode.items()},
         items=items, route=Route(
             reshard=plan, sp_block=shard.block,
+            ring_index=None if layout is None else layout.ring_index(),
             row_positions={(sl.encoder, sl.index): sl.positions for sl in slots},
             split_inputs={e: [processors[e].collate([items[e][k]]) for k, _ in long]
                           for e, long in plan.split.items()}))
@@ -152,8 +170,12 @@ def tp_share(row: MicroBatch, processors: dict[str, ItemProcessor], rank: int, s
 
 def pad_row(row: MicroBatch, multiple: int, pad_id: int) -> MicroBatch:
     """`row` padded to a multiple of `multiple` tokens by one more "sample" with no targets."""
+    return pad_tokens(row, -row.input_ids.shape[1] % multiple, pad_id)
+
+
+def pad_tokens(row: MicroBatch, pad: int, pad_id: int) -> MicroBatch:
+    """`row` with `pad` more tokens: one more "sample" with no targets (none for 0)."""
     t = row.input_ids.shape[1]
-    pad = -t % multiple
     if pad == 0:
         return row
     positions = torch.arange(pad).expand(*row.position_ids.shape[:-1], pad)  # [1, p] or [3, 1, p]

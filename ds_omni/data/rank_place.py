@@ -59,6 +59,11 @@ class RankPlace:
         return self.plan.sp
 
     @property
+    def cp(self) -> int:
+        """Ring attention: the cp ranks of the sp_size that a row's zigzag layout is cut for."""
+        return self.plan.cp
+
+    @property
     def reorder_group(self) -> int:
         """G: the data-parallel ranks whose loaders reorder together."""
         return self.plan.reorder_group

@@ -9,14 +9,14 @@ varlen kernel, or SDPA once per sample. Sliding windows and bidirectional blocks
 tokens, PaliGemma's prefix) are applied as HF does; rows with blocks run on SDPA. Under Ulysses SP
 DeepSpeed's `DistributedAttention` trades the token split for a head split and the kernel runs on
 the whole row with the global `cu_seqlens`; KV heads are repeated until the ranks split them.
-More: docs/models.md; docs/parallelism.md, "Sequence parallelism".
-
-Dims: B batch (1 when packed), T packed tokens, S tokens of one SP shard, H query heads,
-Hkv key/value heads, D head dim.
+Under parallel.cp that kernel is the ring over the cp rank's tokens (`ring_attention`). More:
+docs/models.md; docs/parallelism.md, "Sequence parallelism", "Ring attention".
+Dims: B batch (1 packed), T packed tokens, S of one SP shard, H query heads, Hkv KV heads, D.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -25,7 +25,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ds_omni.model.ring_attention import ring_attention
 from ds_omni.parallel.evidence import SPCounts
+from ds_omni.parallel.ring import RingGroup
 
 PACKED_ATTENTION = "ds_omni_packed"
 KERNELS = ("auto", "varlen", "sdpa", "eager", "flash_attention_2")
@@ -79,7 +81,8 @@ class PackedAttention:
     `counts`: where its Ulysses calls are counted (the model's `SPCounts`, shared by all of its
     attentions); None: counts of its own."""
 
-    def __init__(self, kernel: str = "sdpa", sp_group=None, counts: SPCounts | None = None):
+    def __init__(self, kernel: str = "sdpa", sp_group=None, counts: SPCounts | None = None,
+                 ring: "RingGroup | None" = None):
         if kernel not in KERNELS:
             raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS}")
         self.kernel = resolve_kernel(kernel)
@@ -89,6 +92,8 @@ class PackedAttention:
             log.info("ds_omni: packed attention kernel %r (asked %r)", self.kernel, kernel)
         self.sp_group = sp_group
         self.counts = counts if counts is not None else SPCounts()
+        self.ring = ring  # parallel.cp: this rank's ring (`ds_omni.model.ring_attention`)
+        self.row_index: torch.Tensor | None = None  # [cp, C] of the row at hand (`for_row`)
         self._ulysses = None
         if sp_group is not None:
             from deepspeed.sequence.layer import DistributedAttention
@@ -96,11 +101,18 @@ class PackedAttention:
             self._ulysses = DistributedAttention(self._local, sp_group, scatter_idx=2, gather_idx=1)
             self.sp = torch.distributed.get_world_size(sp_group)
 
+    def for_row(self, index) -> "PackedAttention":
+        """This attention for one ring row: `index` [cp, C] the row positions of every cp rank's
+        tokens (`Route.ring_index`), which the ring masks by."""
+        bound = copy.copy(self)
+        bound.row_index = torch.as_tensor(index)
+        return bound
+
     def boundaries(self, cu_seqlens: torch.Tensor, device: torch.device) -> torch.Tensor:
         """`cu_seqlens` where this kernel reads it: on the device (int32) for the varlen kernels,
         moved once per micro-batch rather than once per layer; on the host for per-sample SDPA,
         which slices by its values (reading them from a GPU would wait for the device)."""
-        if self.kernel in ("varlen", "flash_attention_2"):
+        if self.kernel in ("varlen", "flash_attention_2") and self.ring is None:
             return cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
         return cu_seqlens
 
@@ -111,20 +123,34 @@ class PackedAttention:
         `window`: the layer's sliding window (None: full); `blocks` [m, 2]: bidirectional spans of
         the whole row (None: none). Both are over the whole row, which Ulysses gathers per head.
         """
+        ring = {}
+        if self.ring is not None:
+            if self.row_index is None:
+                raise ValueError("a row under parallel.cp reached ring attention without its "
+                                 "zigzag index (Route.ring_index): the loader and the model "
+                                 "disagree on parallel.cp")
+            ring = {"ring_index": self.row_index}
         if self._ulysses is None:
             return self._local(q, k, v, cu_seqlens, max_seqlen, scaling, dropout, window, blocks,
-                               heads_first=True)
+                               heads_first=True, **ring)
         self.counts.ulysses_calls += 1
         k, v = (repeat_kv_for_sp(t, q.shape[1], self.sp) for t in (k, v))
         # [1, H, S, D] -> [1, S, H, D]; DistributedAttention: -> [1, T, H/sp, D] -> kernel -> back
+        # (under cp: T is this cp rank's C tokens)
         return self._ulysses(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None,
-                             cu_seqlens, max_seqlen, scaling, dropout, window, blocks)
+                             cu_seqlens, max_seqlen, scaling, dropout, window, blocks, **ring)
 
     def _local(self, q, k, v, cu_seqlens, max_seqlen, scaling, dropout, window=None,
-               blocks=None, heads_first: bool = False):
+               blocks=None, heads_first: bool = False, ring_index=None):
         """q [1, T, h, D], k/v [1, T, hkv, D] over the whole row -> [1, T, h, D]; `heads_first`:
         q, k, v come as the layer makes them ([1, h, T, D]), which is what SDPA takes (no
-        transposes there and back, nor their backward nodes)."""
+        transposes there and back, nor their backward nodes). `ring_index`: under parallel.cp,
+        T is this cp rank's tokens and the ring runs (`ring_attention`)."""
+        if ring_index is not None:
+            if heads_first:
+                q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [1, h, C, D] -> [1, C, h, D]
+            return ring_attention(q, k, v, ring_index, self.ring, cu_seqlens, scaling, dropout,
+                                  window, blocks, self.counts)
         kernel = self.kernel
         if blocks is not None and len(blocks) and kernel != "sdpa":
             kernel = self._blocks_fallback()

@@ -33,6 +33,10 @@ class SPCounts:
     aux_reductions: int = 0
     """Forwards of a split row whose MoE aux-loss statistics (each sample's expert picks,
     router probabilities, tokens) this rank summed over the row's group (`model.moe_aux`)."""
+    ring_steps: int = 0
+    """Ring-attention passes (parallel.cp): key/value blocks this rank sent to the next rank."""
+    ring_bytes: int = 0
+    """Bytes of those blocks."""
 
     def resharded(self, plan) -> None:
         """One resharding all-to-all of `plan` (a `RankReshard`) issued by this rank."""

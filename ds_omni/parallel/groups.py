@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ds_omni.parallel.plan import ParallelPlan
+from ds_omni.parallel.ring import RingGroup
 
 
 @dataclass
@@ -42,6 +43,11 @@ class RankGroups:
     tp ranks), a gloo group of the loader's own (one reader per group, `ds_omni.data.shared_read`)."""
     rank: int = 0
     """This rank, whose groups these are."""
+    ring: RingGroup | None = None
+    """Under parallel.cp > 1: this rank's ring (`ParallelPlan.cp_group_ranks`); None without."""
+    ulysses: object = None
+    """Under parallel.cp > 1 and parallel.sp > 1: the Ulysses group of this rank's cp shard (`sp`
+    is then the whole sequence group, sp x cp ranks, over which rows are resharded)."""
 
     @property
     def sp(self):
@@ -73,9 +79,30 @@ def rank_groups(plan: ParallelPlan, rank: int, prefetch: bool) -> RankGroups:
     elif tp is not None:
         mpu = TensorParallelMpu(tp, dp)
     step_comm = loader_step_comm(plan, rank) if prefetch else None
+    ulysses, ring = context_groups(plan, rank)
     return RankGroups(dp=dp, reorder=reorder, mpu=mpu, blocks=blocks, comm=comm,
                       step_comm=step_comm, tp=tp,
-                      shard_comm=loader_shard_comm(plan, rank), rank=rank)
+                      shard_comm=loader_shard_comm(plan, rank), rank=rank, ring=ring,
+                      ulysses=ulysses)
+
+
+def context_groups(plan: ParallelPlan, rank: int) -> tuple[object, RingGroup | None]:
+    """Under parallel.cp > 1: (this rank's Ulysses group, None when parallel.sp is 1; its ring),
+    every group made by every rank in the same order; (None, None) without cp."""
+    if not plan.cp_enabled:
+        return None, None
+    ulysses = None
+    if plan.ulysses > 1:
+        for members in plan.ulysses_group_ranks():
+            pg = dist.new_group(members)
+            if rank in members:
+                ulysses = pg
+    ring = None
+    for members in plan.cp_group_ranks():
+        pg = dist.new_group(members)
+        if rank in members:
+            ring = RingGroup.of(pg, members, rank)
+    return ulysses, ring
 
 
 def tensor_group(plan: ParallelPlan, rank: int):

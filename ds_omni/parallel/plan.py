@@ -7,6 +7,8 @@ pp is outermost because its point-to-point traffic is the lightest.
 
     rank = ((pp_stage * dp + dp_rank) * sp + sp_rank) * tp + tp_rank
 
+Under parallel.cp the sp axis holds parallel.sp x parallel.cp ranks (`ring_coords`).
+
 The plan also owns what derives from the degrees and the config (the reorder group size G, the
 per-sequence SP blocks, the encoder pool's size, the group that shares long items), so nothing
 else computes them again: `ds_omni.train.setup` builds the plan once and hands it on.
@@ -34,6 +36,7 @@ class ParallelPlan:
     world_size: int
     dp: int
     sp: int = 1
+    """Ranks that split one sequence: parallel.sp x parallel.cp (Ulysses' degree is `ulysses`)."""
     pp: int = 1
     tp: int = 1
     reorder_group: int = 1
@@ -46,15 +49,18 @@ class ParallelPlan:
     (1: off; `ds_omni.parallelize.expert_parallel`)."""
     encoder_pool: bool = False
     """parallel.encoder_pool="dp": each round's items are encoded over the pool's ranks."""
+    cp: int = 1
+    """Ring attention: the ranks of `sp` that pass key/value blocks around a ring (1: off)."""
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int,
                     reorder: ReorderConfig) -> "ParallelPlan":
         """Resolve "auto" degrees and the reorder group, and check that the plan fits
         `world_size` ranks."""
-        model_parallel = cls.model_parallel_size(cfg.sp, cfg.pp, cfg.tp)
-        # the model-parallel degrees as the errors name them (tp only where it is set)
-        names = ["sp", "tp", "pp"] if cfg.tp > 1 else ["sp", "pp"]
+        seq = cfg.sp * cfg.cp  # the ranks that split a row
+        model_parallel = cls.model_parallel_size(seq, cfg.pp, cfg.tp)
+        # the model-parallel degrees as the errors name them (tp, cp only where they are set)
+        names = ["sp", *(["cp"] if cfg.cp > 1 else []), *(["tp"] if cfg.tp > 1 else []), "pp"]
         values = " x ".join(str(getattr(cfg, n)) for n in names)
         if cfg.dp == "auto":
             if world_size % model_parallel:
@@ -63,7 +69,7 @@ class ParallelPlan:
                     f"{' x '.join('parallel.' + n for n in names)} = "
                     f"{values} = {model_parallel}; launch a multiple of {model_parallel} "
                     "processes or change the plan")
-            dp = cls.auto_dp(world_size, cfg.sp, cfg.pp, cfg.tp)
+            dp = cls.auto_dp(world_size, seq, cfg.pp, cfg.tp)
         else:
             dp = cfg.dp
         if dp * model_parallel != world_size:
@@ -76,9 +82,9 @@ class ParallelPlan:
         if cfg.max_sequence_sp > 1:
             check_per_sequence(reorder.mode, group, cfg.max_sequence_sp)
         check_expert_parallel(cfg, dp)
-        return cls(world_size=world_size, dp=dp, sp=cfg.sp, pp=cfg.pp, tp=cfg.tp,
+        return cls(world_size=world_size, dp=dp, sp=seq, pp=cfg.pp, tp=cfg.tp,
                    reorder_group=group, max_sequence_sp=cfg.max_sequence_sp, ep=cfg.ep,
-                   encoder_pool=cfg.encoder_pool == "dp")
+                   encoder_pool=cfg.encoder_pool == "dp", cp=cfg.cp)
 
     @staticmethod
     def model_parallel_size(sp: int = 1, pp: int = 1, tp: int = 1) -> int:
@@ -163,8 +169,36 @@ class ParallelPlan:
 
     @property
     def sp_degrees(self) -> list[int]:
-        """The Ulysses degrees the LLM runs under (sp, the largest per-sequence block), > 1."""
-        return sorted({d for d in (self.sp, self.max_sequence_sp) if d > 1})
+        """The Ulysses degrees the LLM runs under (`ulysses`, the largest per-sequence block),
+        > 1."""
+        return sorted({d for d in (self.ulysses, self.max_sequence_sp) if d > 1})
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ulysses(self) -> int:
+        """Ulysses' degree (parallel.sp): the consecutive sequence ranks that exchange heads."""
+        return self.sp // self.cp
+
+    def ring_coords(self, rank: int) -> tuple[int, int]:
+        """(cp rank, Ulysses rank) of `rank` in its sequence group: its place in its ring, and
+        in the Ulysses group of its cp shard."""
+        return divmod(self.coords(rank).sp_rank, self.ulysses)
+
+    def cp_group_ranks(self) -> list[list[int]]:
+        """Rings: the sequence ranks with the same Ulysses rank, in cp-rank order (one list per
+        sequence group and Ulysses rank)."""
+        u = self.ulysses
+        return [group[j::u] for group in self.sp_group_ranks() for j in range(u)]
+
+    def ulysses_group_ranks(self) -> list[list[int]]:
+        """Under cp: the Ulysses groups, the `ulysses` consecutive sequence ranks of one cp
+        shard (without cp, `sp_group_ranks`)."""
+        u = self.ulysses
+        return [group[c * u:(c + 1) * u] for group in self.sp_group_ranks()
+                for c in range(self.cp)]
 
     @property
     def long_item_group(self) -> int:
@@ -250,6 +284,8 @@ class ParallelPlan:
         out = {"ranks": ranks, **({"tp_groups": self.tp_group_ranks()} if tp else {}),
                "sp_groups": self.sp_group_ranks(), "dp_groups": self.dp_group_ranks(),
                **({"seq_data_groups": self.seq_data_group_ranks()} if both else {}),
+               **({"cp_groups": self.cp_group_ranks(),
+                   "ulysses_groups": self.ulysses_group_ranks()} if self.cp_enabled else {}),
                **({"ep_groups": self.ep_group_ranks(),
                    "expert_data_groups": self.expert_data_group_ranks()}
                   if self.ep_enabled else {}),

@@ -58,7 +58,7 @@ def parallelize(built, plan: ParallelPlan, groups: RankGroups, cfg: OmniConfig, 
                       tp_group=groups.tp, llm_config=llm_config,
                       experts=expert_fold_for(plan, groups.tp, llm_config),
                       tp_encoders=tp_encoders_for(cfg, built, plan, rank, groups.tp, item_cost),
-                      even_calls=even)
+                      even_calls=even, ring=groups.ring, ulysses_group=groups.ulysses)
 
 
 def _item_cost(cost: CostModel):
@@ -71,7 +71,8 @@ def apply_plan(model: OmniModel, *, kernel: str | None = None, sp_group=None,
                encoder_dummies: bool = True, pipeline: PipelineSpec | None = None,
                tp_group=None, llm_config=None, tp_encoders: TPEncoders | None = None,
                even_calls: EvenEncoderCalls | None = None,
-               experts: ExpertFold | None = None) -> nn.Module:
+               experts: ExpertFold | None = None, ring=None,
+               ulysses_group=None) -> nn.Module:
     """Apply the plan's pieces to a built model; returns what DeepSpeed is given: the model, or
     under `pipeline` (parallel.pp > 1) this rank's stage of it (`build_pipeline_module`).
 
@@ -82,7 +83,9 @@ def apply_plan(model: OmniModel, *, kernel: str | None = None, sp_group=None,
     (`encoder_dummies_needed`; forced on by `tp_encoders`, whose gradient hooks are collectives);
     `tp_group`, `llm_config`: the backbone's decoder layers split by AutoTP
     (`tensor_parallel.shard_backbone`); `experts`: the MoE blocks' experts folded over the TP
-    group (`expert_folding`, parallel.ep x tp). More: docs/architecture.md.
+    group (`expert_folding`, parallel.ep x tp); `ring`: parallel.cp's ring (a `RingGroup`), the
+    LLM's attention then Ulysses over `ulysses_group` (None: none) inside and the ring across,
+    each row bound to its zigzag index (`EmbeddingRouter.attention`). More: docs/architecture.md.
     """
     kernel = kernel or model.backbone.attention.asked
     if tp_encoders is not None:
@@ -93,7 +96,10 @@ def apply_plan(model: OmniModel, *, kernel: str | None = None, sp_group=None,
     for feature in (even_calls, pool, tp_encoders):
         if feature is not None:
             router.on_step(feature)
-    model.backbone.attention = PackedAttention(kernel, sp_group, router.sp_counts)
+    model.backbone.attention = PackedAttention(
+        kernel, ulysses_group if ring is not None else sp_group, router.sp_counts, ring=ring)
+    if ring is not None:
+        router.ring_attention = model.backbone.attention
     model.router = router
     if tp_group is not None:
         model.tp_counts = shard_backbone(model.backbone, tp_group, llm_config,

@@ -415,8 +415,8 @@ def _check_tp_sp(name, case, results, tmp_path, dp=1) -> None:
 def _in_tp_slice(result: dict) -> dict:
     """A rank's result with its SP groups renamed into its TP rank's slice of the world (rank r
     is r // tp there), as `oracle.assert_split_work` reads groups of consecutive ranks."""
-    shards = [(step, i, None if g is None else (g[0] // 2, g[1]), ids, n)
-              for step, i, g, ids, n in result["shards"]]
+    shards = [(step, i, None if g is None else (g[0] // 2, g[1]), ids, n, real)
+              for step, i, g, ids, n, real in result["shards"]]
     return {**result, "shards": shards}
 
 

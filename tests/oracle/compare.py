@@ -129,6 +129,11 @@ def assert_split_work(ref: Reference, per_rank: list[dict], where: str, *,
             f"{where} rank {rank}: {exchanges} resharding all-to-alls for {rows} split rows "
             "with encoder items")
         assert counts["sp_encoder_pieces"] == r["long_items"], (where, rank, counts)
+        if "ring_per_row" in r:  # parallel.cp: every split row went around the whole ring
+            assert counts["sp_ring_steps"] == r["ring_per_row"] * r["sp_rows"], (
+                f"{where} rank {rank}: {counts['sp_ring_steps']} ring passes for {r['sp_rows']} "
+                f"split rows x {r['ring_per_row']}: a ring step was skipped")
+            assert counts["sp_ring_bytes"] > 0, (where, rank, counts)
     sent = sum(r["sp"]["sp_rows_sent"] for r in per_rank)
     assert sent == sum(r["sp"]["sp_rows_received"] for r in per_rank), (where, sent)
 
@@ -137,16 +142,21 @@ def _assert_shards_differ(per_rank: list[dict], where: str) -> None:
     """Every split row (`_record_shards`) is on each rank of its group, as a shard of its own."""
     rows: dict[tuple, dict[int, tuple[list[int], int]]] = {}
     for rank, r in enumerate(per_rank):
-        for step, i, group, ids, row_len in r["shards"]:
+        for step, i, group, ids, row_len, real in r["shards"]:
             if group is not None:
-                rows.setdefault((step, i, group), {})[rank] = (ids, row_len)
+                rows.setdefault((step, i, group), {})[rank] = (ids, row_len, real)
     assert rows, f"{where}: no row was split over an SP group"
     for (step, i, (first, size)), shards in rows.items():
         at = f"{where} step {step} micro-batch {i}, ranks {first}..{first + size - 1}"
         assert sorted(shards) == list(range(first, first + size)), f"{at}: {sorted(shards)} hold it"
-        (row_len,) = {n for _, n in shards.values()}
-        assert all(len(ids) * size == row_len for ids, _ in shards.values()), (
-            f"{at}: shards of {[len(ids) for ids, _ in shards.values()]} tokens, not 1/{size} of "
-            f"the {row_len}-token row each")
-        tokens = [tuple(ids) for ids, _ in shards.values()]
-        assert len(set(tokens)) == size, f"{at}: two ranks hold the same shard"
+        (row_len,) = {n for _, n, _ in shards.values()}
+        assert all(len(ids) * size == row_len for ids, _, _ in shards.values()), (
+            f"{at}: shards of {[len(ids) for ids, _, _ in shards.values()]} tokens, not 1/{size} "
+            f"of the {row_len}-token row each")
+        # tokens with their positions (two shards of image placeholders alone hold the same
+        # ids); shards of padding alone may match (a short row under sp x cp)
+        # under parallel.cp the row positions too: two zigzag shards may both be image tokens at
+        # the same offsets of two samples
+        tokens = [(tuple(ids), tuple(more["positions"]), tuple(more.get("slots", ())))
+                  for ids, _, more in shards.values() if more["real"]]
+        assert len(set(tokens)) == len(tokens), f"{at}: two ranks hold the same shard"

@@ -135,7 +135,11 @@ def _record_mechanisms(engine, built, plan, loader, out: dict) -> None:
     out["sp"] = sp_metrics(engine.module)
     if out["sp"]:  # Ulysses calls one SP row makes: every decoder layer, again when recomputed
         backbone = built.model.backbone
-        out["ulysses_per_row"] = len(backbone.layers) * (2 if backbone.checkpoint_layers else 1)
+        calls = len(backbone.layers) * (2 if backbone.checkpoint_layers else 1)
+        # under parallel.cp with sp 1 the ring alone runs (no Ulysses); each call passes cp - 1
+        out["ulysses_per_row"] = calls if plan.ulysses > 1 or plan.max_sequence_sp > 1 else 0
+        if plan.cp_enabled:
+            out["ring_per_row"] = calls * (plan.cp - 1)
     if plan.pp_enabled:  # the stage boundaries the engine was built with
         out["parts"] = list(engine.module.parts)
     joint = getattr(engine.module, "joint", None)  # "uniform": the owners' broadcasts issued
@@ -228,9 +232,23 @@ def _record_shards(batch, plan, rank: int, out: dict) -> None:
     for i, mb in enumerate(batch.micro_batches):
         group = mb.route.sp_block or static
         out["shards"].append((len(out["keys"]), i, group, mb.input_ids[0].tolist(),
-                              int(mb.cu_seqlens[-1])))
+                              int(mb.cu_seqlens[-1]),
+                              {"real": mb.num_tokens,
+                               "positions": mb.position_ids.reshape(-1).tolist(),
+                               "slots": _ring_slots(mb, plan, rank)}))
         out["sp_rows"] += group is not None
         out["rows_with_items"] += bool(mb.route.reshard is not None and mb.route.reshard.group_rows)
+
+
+def _ring_slots(mb, plan, rank: int) -> list[int]:
+    """Under parallel.cp: the row positions of this rank's tokens (its slice of the zigzag
+    layout the loader cut the row by); empty otherwise."""
+    index = mb.route.ring_index
+    if index is None:
+        return []
+    s = mb.input_ids.shape[1]
+    lo = plan.coords(rank).sp_rank * s
+    return index.reshape(-1)[lo:lo + s].tolist()
 
 
 def _count_encoder_work(batch, out: dict) -> None:

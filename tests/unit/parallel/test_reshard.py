@@ -424,3 +424,28 @@ def test_split_rows_and_threshold_math():
     assert not is_long(5.0, rows=8, size=1, threshold=0.0, group_cost=5.0)  # no group
     assert is_long(5.1, rows=8, size=2, threshold=None, group_cost=10.0)
     assert not is_long(5.0, rows=8, size=2, threshold=None, group_cost=10.0)
+
+
+@pytest.mark.parametrize("sp,cp", [(1, 2), (2, 2), (1, 3)])
+@pytest.mark.parametrize("model", ["llava", "qwen2_vl"])
+def test_ring_shards_are_the_zigzag_row(model, sp, cp, request):
+    """Under parallel.cp the sp x cp shards are the padded row in its zigzag order: tokens,
+    targets and (M-RoPE) positions travel together, padding predicts nothing, and each shard
+    receives an embedding row for each placeholder it holds."""
+    family, processors, samples = request.getfixturevalue(model)
+    whole = pack(samples, processors)
+    t = whole.input_ids.shape[1]
+    shards = [pack(samples, processors, SeqShard(r, sp * cp, _cost, cp=cp))
+              for r in range(sp * cp)]
+    index = shards[0].route.ring_index  # [cp, C]
+    assert all((m.route.ring_index == index).all() for m in shards)
+    order = torch.from_numpy(index.reshape(-1))  # the row position of each slot
+    for field in ("input_ids", "targets", "position_ids"):
+        laid = torch.cat([getattr(m, field) for m in shards], dim=-1)
+        row = torch.empty_like(laid)
+        row[..., order] = laid
+        assert torch.equal(row[..., :t], getattr(whole, field)), field
+    targets = torch.cat([m.targets for m in shards], dim=-1)
+    assert int((targets != IGNORE_INDEX).sum()) == whole.num_targets
+    assert sum(m.num_tokens for m in shards) == t
+    _assert_items_split(samples, processors, shards)

@@ -1,0 +1,63 @@
+"""Planted errors of ring attention (parallel.cp), caught in one process by the ring simulated
+over its ranks against the SDPA path and by the zigzag layout's balance
+(tests/unit/model/test_ring_attention.py: `test_plant_is_caught`)."""
+
+from tests.plants.registry import patched, plant
+
+
+@plant("ring_lse_merge_wrong", "the online-softmax merge adds a new block's output without its "
+       "weight exp(lse_b - lse) (the running output is rescaled, the new one is not)", "ring")
+def _ring_lse_merge_wrong(rank: int):
+    import torch
+    from ds_omni.model import ring_attention
+
+    def merge(out, lse, out_b, lse_b):
+        both = torch.logaddexp(lse, lse_b)
+        return out * torch.exp(lse - both).transpose(0, 1)[..., None] + out_b, both
+    yield from patched(ring_attention, "merge", lambda original: merge)
+
+
+@plant("ring_step_skipped", "the ring stops one step short: the block of the rank after this "
+       "one (the last to arrive) is never attended to", "ring")
+def _ring_step_skipped(rank: int):
+    import torch
+    from ds_omni.model import ring_attention
+
+    def make(original):
+        def planted(q, k, v, index, ring, *args, **kwargs):
+            last = index[(ring.rank + 1) % ring.size]  # the last block to arrive
+            mask = ring_attention.ring_mask
+
+            def skip(q_pos, k_pos, *rest):
+                got = mask(q_pos, k_pos, *rest)
+                return torch.zeros_like(got) if ring.size > 1 and torch.equal(k_pos, last) else got
+            ring_attention.ring_mask = skip
+            try:
+                return original(q, k, v, index, ring, *args, **kwargs)
+            finally:
+                ring_attention.ring_mask = mask
+        return planted
+    yield from patched(ring_attention, "ring_attention", make)
+
+
+@plant("zigzag_chunk_wrong_rank", "each sample's tail chunks go to the ranks in order (chunk k "
+       "to rank k mod cp) instead of mirrored: the last rank gets the most causal work", "ring")
+def _zigzag_chunk_wrong_rank(rank: int):
+    from ds_omni.parallel import zigzag
+    yield from patched(zigzag, "chunk_owner", lambda original: lambda chunk, cp: chunk % cp)
+
+
+@plant("ring_causal_local", "the causal triangle is applied by each block's local slot (as if "
+       "every received block were the rank's own) instead of by row position", "ring")
+def _ring_causal_local(rank: int):
+    import torch
+    from ds_omni.model import ring_attention
+
+    def make(original):
+        def planted(q_pos, k_pos, bounds, window=None, spans=None):
+            local = torch.arange(len(k_pos))[None, :] <= torch.arange(len(q_pos))[:, None]
+            same = (ring_attention._sample_of(q_pos, bounds)[:, None]
+                    == ring_attention._sample_of(k_pos, bounds)[None, :])
+            return local & same  # the sample rule kept, causality by slot
+        return planted
+    yield from patched(ring_attention, "ring_mask", make)
