@@ -29,6 +29,8 @@ from ds_omni.batch import IGNORE_INDEX
 from ds_omni.errors import LaunchError, ModelError
 from ds_omni.model.omni import DEEPSTACK_ALONE, OmniModel, summed_token_loss
 from ds_omni.parallelize.joint import EncoderShards, JointEncoding, plan_joint
+from ds_omni.parallelize.pipe_grid import mark_norm_owners, pipe_topology
+from ds_omni.parallelize.tensor_parallel import tp_counts
 from ds_omni.parallel.stages import StagePlan, check_stages, stage_plan_for
 
 
@@ -261,7 +263,6 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
     is the `StepInputs` the step fills, its `joint` the `JointSetup` under "uniform" placement
     (else None). It has no `loss_fn`: the last stage's layers make the loss (module docstring)."""
     from deepspeed.pipe import PipelineModule
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
     step_inputs = StepInputs()
     layers = pipeline_layers(model, step_inputs)
     if stage_plan.parts[-1] != len(layers):
@@ -282,9 +283,8 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
             return {f"{i}.{n}": list(p.shape) for i, layer in enumerate(self._layer_specs)
                     for n, p in layer.named_parameters()}
 
-    # ranks: pipe outermost, then data (ds_omni's ParallelPlan with sp = 1)
-    topology = PipeDataParallelTopology(num_pp=plan.pp, num_dp=plan.dp)
-    module = CostSplitModule(layers=layers, topology=topology, loss_fn=None,
+    # ranks as the ParallelPlan numbers them: pipe, data (dp x sp), model (tp) (`pipe_grid`)
+    module = CostSplitModule(layers=layers, topology=pipe_topology(plan), loss_fn=None,
                              partition_method="ds_omni", dynamic_shape=True)
     module.step_inputs = step_inputs
     module.family = model.family  # what checkpoints record
@@ -302,6 +302,9 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
         module.joint = JointSetup(model, processors, item_cost, stage, plan.pp,
                                   module._grid.get_pipe_parallel_group(), encoder_dummies)
         module.joint.mark_replicas()
+    if plan.tp_enabled:  # the stage's decoder layers hold AutoTP's layers (`shard_backbone`)
+        module.tp_counts = tp_counts(module)
+        mark_norm_owners(module, module._grid.get_slice_parallel_rank())
     return module
 
 
