@@ -74,7 +74,11 @@ class EmbedStage(nn.Module):
             hidden = self.omni.embed(batch)  # [1, T, D]
         else:
             rows = {name: joint.rows_for(micro, name) for name in self.encoders}
-            hidden = self.omni.embed_rows(batch, {k: v for k, v in rows.items() if v is not None})
+            if batch.route.reshard is not None:  # an SP shard: the rows of its items, resharded
+                hidden, _ = self.omni.router.embed_shard(self.omni, batch, encoded=rows)
+            else:
+                hidden = self.omni.embed_rows(batch,
+                                              {k: v for k, v in rows.items() if v is not None})
         # what `Backbone.forward` does first (Granite's embedding multiplier)
         return self.omni.backbone.scale_embeddings(hidden), position_ids, cu_seqlens, index
 
@@ -173,10 +177,11 @@ class JointSetup:
 
     def start(self, micro_batches: list, device) -> JointEncoding:
         """Plan the step's items, encode this stage's share, send the rows to stage 0."""
-        plan = plan_joint([mb.items for mb in micro_batches], self.item_cost, self.stages)
+        shares = [EncodeShare(mb) for mb in micro_batches]
+        plan = plan_joint([share.items for share in shares], self.item_cost, self.stages)
         dtype = self.encoders_dtype()
         joint = JointEncoding(plan, self.stage, self.group, self.hidden, device, dtype)
-        joint.encode(self.encoders, micro_batches, self.processors, self.encoder_dummies)
+        joint.encode(self.encoders, shares, self.processors, self.encoder_dummies)
         return joint
 
     def encoders_dtype(self) -> torch.dtype:
@@ -205,6 +210,17 @@ class JointSetup:
         for p in self.encoders.parameters():
             p.model_parallel = id(p) in owned
             p.ds_pipe_replicated = id(p) not in owned
+
+
+class EncodeShare:
+    """The items of a micro-batch this rank's pipeline encodes under "uniform": all of them, or
+    on an SP shard those its reshard plan gives it (`RankReshard.encode`, text order; the other
+    SP ranks' pipelines encode the rest, and the shard's all-to-all brings their rows)."""
+
+    def __init__(self, mb):
+        plan = mb.route.reshard
+        self.items = mb.items if plan is None else {
+            e: [mb.items[e][k] for k in idx] for e, idx in plan.encode.items()}
 
 
 def optimizer_params(module) -> list[nn.Parameter]:

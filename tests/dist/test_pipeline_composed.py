@@ -49,14 +49,26 @@ def _train_ranks(rank, world, cases, out_dir):
 
 
 def _cases(tmp) -> dict:
+    """The quick tier's launch: pp2 x tp2 and pp2 x sp2 ("stage0", ZeRO-1), and their plants."""
     sources = [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]
     honest = {"pp2_tp2": {"tp": 2, "zero": 1, "sources": sources},
-              "pp2_tp2_uniform": {"tp": 2, "zero": 0, "placement": "uniform", "sources": sources},
               "pp2_sp2": {"sp": 2, "zero": 1, "sources": sources}}
     planted = {"pp_tp_grad_not_summed": "pp2_tp2", "pp_sp_wrong_peer": "pp2_sp2"}
     assert sorted(planted) == plants.for_launch("pp_composed")
     return {**honest, **{p: {**honest[base], "steps": 1, "plant": p}
                          for p, base in planted.items()}}
+
+
+def _slow_cases(tmp) -> dict:
+    """The slow tier's 8-rank launch: pp2 x tp2 x sp2, LLaVA and Qwen2-VL (M-RoPE), ZeRO-1,
+    both encoder placements."""
+    from tests import family_dirs
+    sources = [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]
+    qwen = str(family_dirs.make_qwen2_vl_dir(tmp / "q"))
+    return {f"{name}_{placement}": {"tp": 2, "sp": 2, "zero": 1, "placement": placement,
+                                    "sources": sources, **model}
+            for name, model in (("llava", {}), ("qwen2_vl", {"model_dir": qwen}))
+            for placement in ("stage0", "uniform")}
 
 
 @pytest.fixture(scope="module")
@@ -100,21 +112,22 @@ def _check_tp_ran(name, results) -> None:
 
 
 def _check_sp_ran(name, results, plan, ref) -> None:
-    """Per stage: each target trained on exactly one SP rank, the SP ranks of a row on different
-    shards, one Ulysses call per decoder layer of the stage for every split row."""
+    """Per stage and TP rank: each target trained on exactly one SP rank, the SP ranks of a row
+    on different shards, one Ulysses call per decoder layer of the stage for every split row."""
     per_stage = len(results) // plan.pp
     for stage in range(plan.pp):
-        first = stage * per_stage
-        ranks = [_as_stage(r[name], first, stage)
-                 for r in results[first:first + per_stage]]
-        oracle.assert_split_work(ref, ranks, f"{name} stage {stage}")
+        for t in range(plan.tp):  # the stage's ranks of TP rank t: rank = first + t + j x tp
+            first = stage * per_stage + t
+            ranks = [_as_stage(r[name], first, plan.tp, stage)
+                     for r in results[first:(stage + 1) * per_stage:plan.tp]]
+            oracle.assert_split_work(ref, ranks, f"{name} stage {stage} TP rank {t}")
 
 
-def _as_stage(r: dict, first: int, stage: int) -> dict:
-    """A rank's record as `assert_split_work` reads a stage's ranks: numbered from the stage's
-    first rank, Ulysses in the stage's decoder layers only, and encoding (the resharding, long
-    items' pieces) on stage 0 only."""
-    shards = [(step, i, (g[0] - first, g[1]) if g else g, ids, n)
+def _as_stage(r: dict, first: int, tp: int, stage: int) -> dict:
+    """A rank's record as `assert_split_work` reads the ranks of one stage and TP rank: numbered
+    from `first` in steps of `tp`, Ulysses in the stage's decoder layers only, and encoding (the
+    resharding, long items' pieces) on stage 0 only."""
+    shards = [(step, i, ((g[0] - first) // tp, g[1]) if g else g, ids, n)
               for step, i, g, ids, n in r["shards"]]
     encodes = stage == 0
     return {**r, "shards": shards, "ulysses_per_row": r["stage_layers"],
@@ -139,3 +152,16 @@ def test_plant_pipeline_composed_is_caught(plant, four_ranks, tmp_path):
     cases, results = four_ranks
     with pytest.raises(AssertionError, match=CAUGHT_BY[plant]):
         check(plant, cases[plant], results, _config(cases[plant], str(tmp_path / "ref")))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_pipeline_composed_8_ranks(tmp_path_factory, tmp_path):
+    """pp2 x tp2 x sp2 (dp=1): every rank of a stage holds AutoTP's layers, each TP rank's
+    heads split again over its SP group; "uniform" encodes each SP shard's items over its
+    column of stages."""
+    tmp = tmp_path_factory.mktemp("pp_composed_8")
+    cases = _slow_cases(tmp)
+    results = run_on_ranks(_train_ranks, 8, args=(cases, str(tmp / "runs")), timeout=1200)
+    for name, case in cases.items():
+        check(name, case, results, _config(case, str(tmp_path / f"ref_{name}")))
