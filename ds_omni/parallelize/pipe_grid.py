@@ -19,16 +19,20 @@ from ds_omni.parallel.plan import ParallelPlan, RankCoords
 
 
 def pipe_topology(plan: ParallelPlan):
-    """The engine's `PipeModelDataParallelTopology`: pp stages x (dp x sp) data x tp model, which
-    numbers every rank as `plan.rank_of` does (checked here: a mismatch would pair the wrong
-    ranks without an error)."""
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-    topology = PipeModelDataParallelTopology(num_pp=plan.pp, num_mp=plan.tp,
-                                             num_dp=plan.dp * plan.sp)
+    """The engine's topology: pp stages x (dp x sp) data x tp model
+    (`PipeModelDataParallelTopology`; without tp `PipeDataParallelTopology`, whose checkpoint
+    files name no model rank), which numbers every rank as `plan.rank_of` does (checked here:
+    a mismatch would pair the wrong ranks without an error)."""
+    from deepspeed.runtime.pipe.topology import (PipeDataParallelTopology,
+                                                 PipeModelDataParallelTopology)
+    data = plan.dp * plan.sp
+    topology = (PipeModelDataParallelTopology(num_pp=plan.pp, num_mp=plan.tp, num_dp=data)
+                if plan.tp_enabled else PipeDataParallelTopology(num_pp=plan.pp, num_dp=data))
     for rank in range(plan.world_size):
         c = plan.coords(rank)
-        got = topology.get_rank(pipe=c.pp_stage, data=c.dp_rank * plan.sp + c.sp_rank,
-                                model=c.tp_rank)
+        coord = {"pipe": c.pp_stage, "data": c.dp_rank * plan.sp + c.sp_rank,
+                 **({"model": c.tp_rank} if plan.tp_enabled else {})}
+        got = topology.get_rank(**coord)
         assert got == rank, f"the pipeline topology puts {c} at rank {got}, the plan at {rank}"
     return topology
 

@@ -1,20 +1,22 @@
 """The pipeline composed with tensor and sequence parallelism inside its stages, against one process.
 
 One 4-rank launch (ranks started once, the cases in a loop): the tiny LLaVA over 2 stages with
-AutoTP's layers over 2 TP ranks in each stage (pp2 x tp2, ZeRO-1, "stage0", and ZeRO-0
-"uniform"), and with Ulysses over 2 SP ranks in each stage (pp2 x sp2, ZeRO-1, "stage0"),
-3 steps of 4 micro-batches each with text-only rows among them. The oracle (`tests/oracle/`: one
-process, plain PyTorch, global batches built there) must match the losses (1e-6 relative), every
-step's reduced gradients (TP shards gathered whole) and the final parameters (relative to their
-update). Evidence each axis ran: every rank of a stage holds AutoTP's layers and half of each
-MLP (pp x tp); every SP rank makes one Ulysses call per decoder layer of its stage for each row,
-the SP ranks of a row hold different shards and each target is trained on one SP rank
-(pp x sp). Planted errors (`tests/plants/pipeline.py`): stage 0's column-parallel input
-gradients not summed over TP, and stage 0's SP shards sending their activations to the other SP
-shard of stage 1; the oracle fails on each (`test_plant_*`).
+AutoTP's layers over 2 TP ranks in each stage (pp2 x tp2), and with Ulysses over 2 SP ranks in
+each stage (pp2 x sp2), ZeRO-1, encoders on stage 0, 2 steps of 4 micro-batches each with
+text-only rows among them. The oracle (`tests/oracle/`: one process, plain PyTorch, global
+batches built there) must match the losses (1e-6 relative), every step's reduced gradients (TP
+shards gathered whole) and the final parameters (relative to their update). Evidence each axis
+ran: every rank of a stage holds AutoTP's layers and half of each MLP (pp x tp); every SP rank
+makes one Ulysses call per decoder layer of its stage for each row, the SP ranks of a row hold
+different shards, each target is trained on one SP rank of each TP rank, and stage 0's
+resharding all-to-all ran for every row with items (pp x sp). Planted errors
+(`tests/plants/pipeline.py`): stage 0's column-parallel input gradients not summed over TP, and
+stage 0's SP shards sending their activations to the other SP shard of stage 1; the oracle
+fails on each (`test_plant_*`).
 
 The slow tier (`test_pipeline_composed_8_ranks`): pp2 x tp2 x sp2 on 8 ranks, LLaVA and Qwen2-VL
-(M-RoPE) under ZeRO-1, both encoder placements.
+(M-RoPE), ZeRO-1, both encoder placements ("uniform": each SP shard's column of stages encodes
+the items its reshard plan gives it), 3 steps each, checked the same way.
 """
 
 import pytest
@@ -51,8 +53,8 @@ def _train_ranks(rank, world, cases, out_dir):
 def _cases(tmp) -> dict:
     """The quick tier's launch: pp2 x tp2 and pp2 x sp2 ("stage0", ZeRO-1), and their plants."""
     sources = [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]
-    honest = {"pp2_tp2": {"tp": 2, "zero": 1, "sources": sources},
-              "pp2_sp2": {"sp": 2, "zero": 1, "sources": sources}}
+    honest = {"pp2_tp2": {"tp": 2, "zero": 1, "sources": sources, "steps": 2},
+              "pp2_sp2": {"sp": 2, "zero": 1, "sources": sources, "steps": 2}}
     planted = {"pp_tp_grad_not_summed": "pp2_tp2", "pp_sp_wrong_peer": "pp2_sp2"}
     assert sorted(planted) == plants.for_launch("pp_composed")
     return {**honest, **{p: {**honest[base], "steps": 1, "plant": p}

@@ -23,3 +23,22 @@ def test_the_engine_groups_are_the_plan_groups(degrees):
         coords = {(c.dp_rank, c.sp_rank, c.tp_rank) for c in map(plan.coords, pipe)}
         assert len(coords) == 1 and [plan.coords(r).pp_stage for r in pipe] == list(range(plan.pp))
         assert [stage_peer(plan, pipe[0], s) for s in range(plan.pp)] == pipe
+
+
+@pytest.mark.parametrize("parallel,world,says", [
+    (dict(pp=2, tp=3), 6, "parallel.tp=3 must divide the LLM's attention heads"),
+    (dict(pp=2, sp=3), 6, "parallel.sp=3 must divide the LLM's attention heads"),
+    (dict(pp=2, tp=2, sp=4), 16, "tp x sp must divide the query heads"),
+    (dict(pp=3, tp=2), 6, "parallel.pp=3 pipeline stages but the LLM has only 2 decoder layers")])
+def test_a_degree_the_llm_cannot_split_is_one_error_before_any_process_group(
+        tmp_path, parallel, world, says):
+    import torch
+    from ds_omni.errors import LaunchError, ModelError
+    from ds_omni.train.setup import plan_run
+    from tests.fixtures import ds_config, tiny_config
+    cfg = tiny_config(str(tmp_path), global_batch_size=8)
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    with pytest.raises((ModelError, LaunchError), match=says.replace("x", ".")):
+        plan_run(cfg, ds_config(1), world)
+    assert not torch.distributed.is_initialized()
