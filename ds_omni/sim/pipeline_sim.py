@@ -212,13 +212,14 @@ def _uniform_encode(step, ranks, backward: bool) -> None:
     rows then gathered to stage 0 (its gradients sent back after the schedule)."""
     p, rate, fwd = step.pplan, step.rate, step.encoder_fwd
     items_of = step.layout.items_of
-    load = np.zeros((p.pp, p.seq_data_size))  # [P, D] encoder FLOPs per rank
-    rows = np.zeros((p.pp, p.seq_data_size))  # [P, D] rows each stage sends to stage 0
+    inner = p.reader_group_size  # every TP rank of a stage encodes its SP rank's items
+    load = np.zeros((p.pp, p.dp * inner))  # [P, D] encoder FLOPs per rank
+    rows = np.zeros((p.pp, p.dp * inner))  # [P, D] rows each stage sends to stage 0
     for d, rounds in enumerate(step.assignment.rounds):
         ids = np.concatenate([items_of[n] for r in rounds for n in r.samples.tolist()]
                              or [np.zeros(0, np.int64)])
         stages = assign_items(step.item_cost[ids].tolist(), p.pp)
-        cols = slice(d * p.sp, (d + 1) * p.sp)
+        cols = slice(d * inner, (d + 1) * inner)
         for i, s in zip(ids.tolist(), stages):
             load[s, cols] += step.item_cost[i] / p.sp
             rows[s, cols] += step.samples.item_rows[i] / p.sp
