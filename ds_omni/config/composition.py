@@ -111,9 +111,10 @@ def _refused(a: str, b: str, reason: str, fix: str, refused=lambda s: True, **mo
     return Rule(a, b, refused=refused, reason=reason, fix=fix, **more)
 
 
-PIPELINE_GRID = ("DeepSpeed's pipeline engine runs without Ulysses sequence parallelism: it "
-                 "builds its groups from its own grid of pipe, data and model axes and refuses an "
-                 "mpu, so no SP group would get its gradients summed")
+PIPELINE_GRID = ("DeepSpeed's pipeline engine sends each activation to one fixed peer of the "
+                 "next stage and runs the same number of micro-batches on every rank; a "
+                 "per-sequence SP block changes which ranks share a row from one sequence to the "
+                 "next and runs its long sequences in extra rounds")
 UNDER_PP = "encoder_placement acts under pp only"
 
 RULES = (
@@ -141,7 +142,9 @@ RULES = (
              "splits the long sequences alone), or max_sequence_sp to 1"),
     _composes("sp", "tp", "tp x sp must divide the query heads and tp the key/value heads (each "
               "TP rank's heads are split again over its Ulysses group)"),
-    _refused("pp", "sp", PIPELINE_GRID, "set parallel.sp or parallel.pp to 1", launch_only=True),
+    _composes("pp", "sp", "Ulysses inside every stage: the pipeline engine's data axis holds the "
+              "dp x sp ranks (ZeRO reduces over them), SP shard i of a stage sends to SP shard i "
+              "of the next (`parallelize/pipe_grid.py`)"),
     _composes("sp", "encoder_placement", UNDER_PP),
     _composes("sp", "encoder_pool", "the pool is every rank (dp x sp); a row's long items stay "
               "split over its SP group"),
@@ -154,16 +157,16 @@ RULES = (
     _composes("tp", "max_sequence_sp", "a block is drawn over the data-parallel ranks of one TP "
               "rank (its all-to-alls never mix TP shards); tp x max_sequence_sp must divide the "
               "query heads and tp the key/value heads"),
-    _refused("max_sequence_sp", "pp", f"{PIPELINE_GRID} (a per-sequence block is one)",
+    _refused("max_sequence_sp", "pp", PIPELINE_GRID,
              "set parallel.max_sequence_sp or parallel.pp to 1"),
     _composes("max_sequence_sp", "encoder_placement", UNDER_PP),
     _composes("max_sequence_sp", "encoder_pool", "the pool spreads each round over its groups "
               "(a long sequence's block, the other ranks alone)"),
     _composes("max_sequence_sp", "ep", "a sample's aux-loss statistics are summed over the ranks "
               "its row is split over"),
-    _refused("tp", "pp", "DeepSpeed's pipeline engine has no AutoTP path",
-             "set parallel.pp to 1 (tp with ZeRO 0-2 spreads a large backbone), or parallel.tp "
-             "to 1"),
+    _composes("tp", "pp", "AutoTP's layers inside every stage: the pipeline engine's topology has "
+              "a model axis of tp ranks (Megatron-DeepSpeed's); the encoders stay whole on every "
+              "TP rank"),
     _composes("tp", "encoder_placement", UNDER_PP),
     _composes("tp", "encoder_pool", "each TP rank pools over its own data-parallel (x SP) "
               "ranks, all TP ranks alike"),

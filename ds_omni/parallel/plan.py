@@ -164,8 +164,9 @@ class ParallelPlan:
     def tp_encodes_apart(self) -> bool:
         """Under tp the TP ranks of a row encode different items of it (and sum the encoders'
         gradients over TP), unless another plan already spreads the row's items: the SP ranks
-        under sp > 1, the pool's ranks under encoder_pool."""
-        return self.tp > 1 and self.sp == 1 and not self.encoder_pool
+        under sp > 1, the pool's ranks under encoder_pool; and not under pp, whose encoders run
+        on stage 0 or by "uniform"'s plan, every TP rank of a stage alike."""
+        return self.tp > 1 and self.sp == 1 and not self.encoder_pool and self.pp == 1
 
     @property
     def sp_degrees(self) -> list[int]:

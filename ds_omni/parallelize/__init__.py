@@ -1,12 +1,12 @@
 """Parallelism applied to a built model, from outside (`parallelize`).
 
-The model is built whole and plain (`ds_omni.model.build`); `parallelize` builds what the plan
-needs (torchtitan's `parallelize_fn`) and returns the module DeepSpeed is given; `apply_plan`
-applies pieces already built:
+The model is built whole (`ds_omni.model.build`); `parallelize` builds what the plan needs
+(torchtitan's `parallelize_fn`), returns what DeepSpeed is given; `apply_plan` applies pieces:
   embedding.py        the SP / per-sequence SP / pool routing of embeddings (`EmbeddingRouter`;
                       its `prepare_step` is the step's one hook into the plan's features)
   encoder_pool.py     each round's encoder items placed over every data-parallel rank
   pipeline.py         the LLM over pipeline stages on DeepSpeed's PipelineModule (parallel.pp > 1)
+  pipe_grid.py        the pipeline engine's topology with tp and sp inside the stages
   joint.py            "uniform" encoder placement: every stage encodes a share of the step's items
   tensor_parallel.py  the backbone's decoder layers over the TP group (DeepSpeed's AutoTP)
   tp_encoders.py      the encoders under TP: each TP rank encodes a share, rows all-gathered

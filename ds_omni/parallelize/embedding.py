@@ -123,15 +123,29 @@ class EmbeddingRouter:
             return model.embed_local(batch, dummies=self.encoder_dummies)
         return self.embed_shard(model, batch)
 
-    def embed_shard(self, model: OmniModel,
-                    batch: "MicroBatch") -> tuple[torch.Tensor, Deepstack | None]:
+    def embed_shard(self, model: OmniModel, batch: "MicroBatch",
+                    encoded: dict[str, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, Deepstack | None]:
         """Under SP: this rank's shard [1, S, D] of the row's embeddings (and deepstack levels);
         a pooled micro-batch: the same (the whole row [1, T, D] at sp = 1), its rows exchanged
-        over the pool group (long items still split in the row's group). Module docstring."""
+        over the pool group (long items still split in the row's group). `encoded`: the rows
+        of this rank's items, encoded elsewhere (the joint pipeline's stages), in the plan's
+        item order. Module docstring."""
         plan = batch.route.reshard
         sp_group = self.route(batch)[0]  # the row's group: it splits the long items
         exchange_group = self.encoder_pool.group if batch.route.pooled else sp_group
         hidden = model.backbone.embed_tokens(batch.input_ids)  # [1, S, D]
+        if encoded is None:
+            hidden, rows = self._encode_share(model, batch, hidden, sp_group)
+        else:
+            rows = {name: r.to(hidden.dtype) for name, r in encoded.items() if r is not None}
+        return self._reshard(model, plan, rows, hidden, exchange_group)
+
+    def _encode_share(self, model: OmniModel, batch: "MicroBatch", hidden: torch.Tensor,
+                      sp_group) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(hidden with any dummy passes added, encoder -> [N_r, D] the rows of the items this
+        rank encodes and its pieces of the long ones)."""
+        plan = batch.route.reshard
         rows: dict[str, torch.Tensor] = {}
         for name, encoder in model.encoders.items():
             inputs = batch.encoder_inputs.get(name)
@@ -154,6 +168,12 @@ class EmbeddingRouter:
                     f"{batch.sample_ids[:4]}); each item needs exactly as many placeholders as it "
                     "yields embeddings")
             rows[name] = feats
+        return hidden, rows
+
+    def _reshard(self, model: OmniModel, plan, rows: dict[str, torch.Tensor],
+                 hidden: torch.Tensor, exchange_group) -> tuple[torch.Tensor, Deepstack | None]:
+        """`hidden` [1, S, D] with the rows of its placeholders, brought from the ranks that
+        encoded them by one all-to-all (`ReshardEmbeddings`)."""
         if not plan.group_rows:  # no item in the whole row: no rank exchanges anything
             return hidden, None
         width = hidden.shape[-1]

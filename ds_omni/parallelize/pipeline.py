@@ -30,6 +30,8 @@ from ds_omni.errors import LaunchError, ModelError
 from ds_omni.model.omni import DEEPSTACK_ALONE, OmniModel, summed_token_loss
 from ds_omni.parallelize.joint import EncoderShards, JointEncoding, plan_joint
 from ds_omni.parallelize.pipeline_moe import AuxCarry
+from ds_omni.parallelize.pipe_grid import mark_norm_owners, pipe_topology
+from ds_omni.parallelize.tensor_parallel import tp_counts
 from ds_omni.parallel.stages import StagePlan, check_stages, stage_plan_for
 
 
@@ -75,7 +77,11 @@ class EmbedStage(nn.Module):
             hidden = self.omni.embed(batch)  # [1, T, D]
         else:
             rows = {name: joint.rows_for(micro, name) for name in self.encoders}
-            hidden = self.omni.embed_rows(batch, {k: v for k, v in rows.items() if v is not None})
+            if batch.route.reshard is not None:  # an SP shard: the rows of its items, resharded
+                hidden, _ = self.omni.router.embed_shard(self.omni, batch, encoded=rows)
+            else:
+                hidden = self.omni.embed_rows(batch,
+                                              {k: v for k, v in rows.items() if v is not None})
         # what `Backbone.forward` does first (Granite's embedding multiplier)
         return (self.omni.backbone.scale_embeddings(hidden), position_ids, cu_seqlens, index,
                 *self.aux.start(cu_seqlens, hidden.device))
@@ -181,10 +187,11 @@ class JointSetup:
 
     def start(self, micro_batches: list, device) -> JointEncoding:
         """Plan the step's items, encode this stage's share, send the rows to stage 0."""
-        plan = plan_joint([mb.items for mb in micro_batches], self.item_cost, self.stages)
+        shares = [EncodeShare(mb) for mb in micro_batches]
+        plan = plan_joint([share.items for share in shares], self.item_cost, self.stages)
         dtype = self.encoders_dtype()
         joint = JointEncoding(plan, self.stage, self.group, self.hidden, device, dtype)
-        joint.encode(self.encoders, micro_batches, self.processors, self.encoder_dummies)
+        joint.encode(self.encoders, shares, self.processors, self.encoder_dummies)
         return joint
 
     def encoders_dtype(self) -> torch.dtype:
@@ -213,6 +220,17 @@ class JointSetup:
         for p in self.encoders.parameters():
             p.model_parallel = id(p) in owned
             p.ds_pipe_replicated = id(p) not in owned
+
+
+class EncodeShare:
+    """The items of a micro-batch this rank's pipeline encodes under "uniform": all of them, or
+    on an SP shard those its reshard plan gives it (`RankReshard.encode`, text order; the other
+    SP ranks' pipelines encode the rest, and the shard's all-to-all brings their rows)."""
+
+    def __init__(self, mb):
+        plan = mb.route.reshard
+        self.items = mb.items if plan is None else {
+            e: [mb.items[e][k] for k in idx] for e, idx in plan.encode.items()}
 
 
 def optimizer_params(module) -> list[nn.Parameter]:
@@ -271,7 +289,6 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
     is the `StepInputs` the step fills, its `joint` the `JointSetup` under "uniform" placement
     (else None). It has no `loss_fn`: the last stage's layers make the loss (module docstring)."""
     from deepspeed.pipe import PipelineModule
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
     step_inputs = StepInputs()
     layers = pipeline_layers(model, step_inputs)
     if stage_plan.parts[-1] != len(layers):
@@ -292,9 +309,8 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
             return {f"{i}.{n}": list(p.shape) for i, layer in enumerate(self._layer_specs)
                     for n, p in layer.named_parameters()}
 
-    # ranks: pipe outermost, then data (ds_omni's ParallelPlan with sp = 1)
-    topology = PipeDataParallelTopology(num_pp=plan.pp, num_dp=plan.dp)
-    module = CostSplitModule(layers=layers, topology=topology, loss_fn=None,
+    # ranks as the ParallelPlan numbers them: pipe, data (dp x sp), model (tp) (`pipe_grid`)
+    module = CostSplitModule(layers=layers, topology=pipe_topology(plan), loss_fn=None,
                              partition_method="ds_omni", dynamic_shape=True)
     module.step_inputs = step_inputs
     module.family = model.family  # what checkpoints record
@@ -312,6 +328,9 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
         module.joint = JointSetup(model, processors, item_cost, stage, plan.pp,
                                   module._grid.get_pipe_parallel_group(), encoder_dummies)
         module.joint.mark_replicas()
+    if plan.tp_enabled:  # the stage's decoder layers hold AutoTP's layers (`shard_backbone`)
+        module.tp_counts = tp_counts(module)
+        mark_norm_owners(module, module._grid.get_slice_parallel_rank())
     return module
 
 

@@ -104,9 +104,10 @@ def lower_bound(shell: Shell, totals: dict) -> float:
     flops = totals["llm"] * (3 + ckpt) / 3 + totals["encoders"] * (1 if tp_apart(shell) else p.tp)
     seconds = flops / w / c.flops_per_s
     tokens = totals["tokens"]
-    if p.tp > 1:  # a rank holds its row's tokens (/ sp): total / (dp sp) a rank on average
+    if p.tp > 1:  # a rank holds its row's tokens (/ sp): total / (dp sp) a rank on average,
+        # in the layers of its stage (1 / pp of them on average)
         link = comm.link_of(c, shell.ranks_of(0, 1)[:p.tp])
-        calls = 2 * d.layers * (1 + 1 + ckpt)
+        calls = 2 * d.layers * (1 + 1 + ckpt) / p.pp
         seconds += calls * 2 * (p.tp - 1) / p.tp * tokens / p.seq_data_size * d.hidden * 2 / \
             link.bandwidth
     if p.ep > 1:
@@ -223,10 +224,11 @@ def _pipeline_bound(shell: Shell, llm: np.ndarray, enc: np.ndarray) -> float:
     times = np.asarray(shell.stage_plan.layer_time)
     frac = times / times.sum()  # [P]
     f = (3 + plan.checkpointing) / 3
-    total = llm.sum(axis=1) / p.sp  # [D] a member's LLM FLOPs of the step
+    inner = p.reader_group_size  # a row's sp x tp ranks split its LLM FLOPs (not its items)
+    total = llm.sum(axis=1) / inner  # [D] a member's LLM FLOPs of the step
     best = 0.0
     for s in range(p.pp):
-        fill = llm[:, 0] / p.sp * frac[:s].sum() / 3  # [D]
+        fill = llm[:, 0] / inner * frac[:s].sum() / 3  # [D]
         own = total * frac[s] * f + (enc.sum(axis=1) / p.sp if s == 0 and
                                      plan.encoder_placement == "stage0" else 0.0)
         best = max(best, float(((fill + own) / rate).max()))

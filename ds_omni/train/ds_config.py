@@ -51,6 +51,8 @@ def derived_fields(cfg: OmniConfig, plan: ParallelPlan) -> dict:
         "gradient_accumulation_steps": gradient_accumulation_steps(cfg, plan),
         "train_batch_size": cfg.train.global_batch_size,
     }
+    if plan.pp_enabled and plan.sp_enabled:  # the pipeline grid counts SP ranks as data ranks
+        fields["train_batch_size"] *= plan.sp
     if plan.sp_enabled:
         fields["sequence_parallel_size"] = plan.sp
     return fields
@@ -75,6 +77,13 @@ def derive_ds_config(cfg: OmniConfig, user: dict, plan: ParallelPlan) -> dict:
                               "by bucket size); remove it or set it to true")
         zero["reduce_scatter"] = True
     check_engine_autotp(out)
+    if plan.pp_enabled and plan.tp_enabled:
+        # the engine would send each TP rank 1/tp of the activations and all-gather them on the
+        # next stage, but it caches their shape from the first micro-batch (0.19.8: `pipe_
+        # partition_input_meta_cache`), which packed rows of varying length break
+        section = out.setdefault("pipeline", {})
+        for key in ("pipe_partitioned", "grad_partitioned"):
+            _merge(section, key, False, where=f"pipeline.{key}")
     if plan.ep_enabled:  # AutoEP, with the router settings of the LLM's own config
         autoep = autoep_section(llm_text_config(cfg.model)[1], plan.ep,  # checked under tp too
                                 pipeline=plan.pp_enabled)

@@ -161,8 +161,10 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     torch.manual_seed(cfg.train.seed + plan.replica_rank(rank))
     ds_groups.mpu = None  # DeepSpeed keeps the last engine's mpu in a module global: don't inherit it
     module = parallelize(built, plan, groups, cfg, cost, ds_config)
+    # the pipeline engine makes its own groups from the stage module's topology (`pipe_grid`)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=optimizer_params(module),
-                                      config=ds_config, mpu=groups.mpu)
+                                      config=ds_config,
+                                      mpu=None if plan.pp_enabled else groups.mpu)
     align_lr_schedule(engine)
     return Training(built, loader, engine, groups)
 

@@ -59,9 +59,12 @@ def gradient_divisor(engine, dp_size: int, sp_size: int) -> int:
     Without SP: the dp ranks. Under SP, DeepSpeed 0.19.8 is not consistent: ZeRO 0-2 (and ZeRO-3's
     contiguous all-reduce) divide by dp only, i.e. *sum* over the SP ranks of a group, but
     ZeRO-3's reduce-scatter (`__avg_scatter_grads`, which ds_omni makes the one ZeRO-3 path under
-    SP by setting `zero_optimization.reduce_scatter`) averages over all dp x sp ranks.
+    SP by setting `zero_optimization.reduce_scatter`) averages over all dp x sp ranks. The
+    pipeline engine (ZeRO 0/1) averages over its data axis: dp x sp (`parallelize.pipe_grid`).
     """
     if sp_size > 1 and engine.zero_optimization_stage() == 3:
+        return dp_size * sp_size
+    if is_pipeline(engine):  # its data axis holds the dp x sp ranks (`parallelize.pipe_grid`)
         return dp_size * sp_size
     return dp_size
 
@@ -172,7 +175,8 @@ def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
         around_instructions(engine, _pipeline_hooks(module, batch, comm, on_reduced_grads, guard,
                                                     dropped))
         engine.train_batch(data_iter=iter(engine_inputs(batch.micro_batches)))
-        sums = inputs.sums
+        # the TP ranks of the last stage hold the same losses: one of them reports
+        sums = inputs.sums if engine.grid.get_slice_parallel_rank() == 0 else []
         return float(torch.stack(sums).double().sum()) if sums else 0.0, dropped or None
     finally:
         inputs.sums, inputs.batches, inputs.joint = [], [], None

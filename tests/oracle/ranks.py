@@ -131,8 +131,8 @@ def _record_mechanisms(engine, built, plan, loader, out: dict) -> None:
     router = router_of(engine.module)
     if router is not None and router.tp_encoders is not None:  # the encoders' split over TP
         out["tp_encode"] = dataclasses.asdict(router.tp_encoders.counts)
-    # the SP work of training (the metrics sp_*)
-    out["sp"] = sp_metrics(engine.module)
+    # the SP work of training (the metrics sp_*; a pipeline stage's is its model's router's)
+    out["sp"] = sp_metrics(built.model if plan.pp_enabled else engine.module)
     if out["sp"]:  # Ulysses calls one SP row makes: every decoder layer, again when recomputed
         backbone = built.model.backbone
         calls = len(backbone.layers) * (2 if backbone.checkpoint_layers else 1)
@@ -140,8 +140,10 @@ def _record_mechanisms(engine, built, plan, loader, out: dict) -> None:
         out["ulysses_per_row"] = calls if plan.ulysses > 1 or plan.max_sequence_sp > 1 else 0
         if plan.cp_enabled:
             out["ring_per_row"] = calls * (plan.cp - 1)
-    if plan.pp_enabled:  # the stage boundaries the engine was built with
+    if plan.pp_enabled:  # the stage boundaries the engine was built with, its decoder layers
+        from ds_omni.parallelize.pipeline import DecoderStage
         out["parts"] = list(engine.module.parts)
+        out["stage_layers"] = sum(isinstance(m, DecoderStage) for m in engine.module.modules())
     joint = getattr(engine.module, "joint", None)  # "uniform": the owners' broadcasts issued
     out["encoder_broadcasts"] = joint.shards.broadcasts if joint is not None else 0
     pool = router.encoder_pool if router is not None else None  # items encoded for another rank

@@ -36,3 +36,45 @@ def _grad_norm_replicas_twice(rank: int):
             dist.all_reduce(flat, group=shards.group)
             joint._unflatten_into(flat, [p.grad for p in bucket])
     yield from patched(joint.EncoderShards, "reduce_grads", lambda f: planted)
+
+
+# ----------------------- pp x tp, pp x sp (tests/dist/test_pipeline_composed.py, 4 ranks: pp2)
+@plant("pp_tp_grad_not_summed", "stage 0's column-parallel AutoTP layers do not sum their input "
+       "gradient over the TP ranks (each keeps its own part); stage 1's do", "pp_composed")
+def _pp_tp_grad_not_summed(rank: int):
+    if rank >= 2:  # stage 1 of the 4-rank pp2 x tp2 launch: honest
+        yield
+        return
+    from deepspeed.module_inject import layers
+    yield from patched(layers.ColumnParallel, "backward",
+                       lambda f: staticmethod(lambda ctx, grad_output: (None, grad_output)))
+
+
+@plant("pp_sp_wrong_peer", "each SP shard of stage 0 sends its activations to the other SP "
+       "shard of stage 1 (and gets its gradients back from it)", "pp_composed")
+def _pp_sp_wrong_peer(rank: int):
+    from deepspeed.runtime.pipe import p2p
+
+    class Shifted:
+        """The engine's grid, whose peer on another stage is one data-axis place on: stage s
+        sends to data rank d + (t - s) of stage t, which receives from d (pp2 x sp2, dp=1: the
+        other SP shard)."""
+
+        def __init__(self, grid):
+            self.grid = grid
+
+        def __getattr__(self, attr):
+            return getattr(self.grid, attr)
+
+        def stage_to_global(self, stage_id, **kwargs):
+            grid = self.grid
+            me = grid._topo.get_coord(grid.global_rank)
+            data = (me.data + stage_id - me.pipe) % grid.data_parallel_size
+            return grid._topo.get_rank(**{**me._asdict(), "pipe": stage_id, "data": data})
+
+    def make(init):
+        def planted(grid):
+            init(grid)
+            p2p._grid = Shifted(grid)
+        return planted
+    yield from patched(p2p, "init_process_groups", make)

@@ -59,8 +59,6 @@ OLD_REFUSALS = {
     "config/parallel.py: max_sequence_sp x pp": (
         dict(max_sequence_sp=2, pp=2), 1, False, 2,
         ("parallel.max_sequence_sp=2", "parallel.pp=2"), "or parallel.pp to 1"),
-    "config/parallel.py: tp x pp": (
-        dict(tp=2, pp=2), 1, False, 4, ("parallel.tp=2", "parallel.pp=2"), "set parallel.pp to 1"),
     "parallel/plan.py: ep x tp under sp": (  # ep x tp composes since issue 37, not with sp
         dict(ep=2, tp=2, sp=2), 1, False, 8,
         ("parallel.ep=2", "parallel.tp=2", "when parallel.sp=2"), "set parallel.sp and"),
@@ -73,9 +71,6 @@ OLD_REFUSALS = {
     "parallelize/pipeline.py, sim/plan_spec.py: pp x ZeRO-3": (
         dict(pp=2), 3, False, 2, ("parallel.pp=2", "zero_optimization.stage=3"),
         "ds_configs/zero1.json"),
-    "parallelize/pipeline.py: pp x sp": (
-        dict(pp=2, sp=2), 1, False, 4, ("parallel.pp=2", "parallel.sp=2"),
-        "set parallel.sp or parallel.pp to 1"),
     "train/ds_config.py, sim/plan_spec.py: tp x ZeRO-3": (
         dict(tp=2), 3, False, 2, ("parallel.tp=2", "zero_optimization.stage=3"),
         "ds_configs/zero2.json"),
@@ -154,7 +149,7 @@ def test_an_ep_that_does_not_divide_a_stage_or_the_experts_is_refused(tmp_path):
         plan_run(cfg, ds_config(1), 6)
 
 
-@pytest.mark.parametrize("parallel,zero", [({"pp": 2, "sp": 2}, 1), ({"tp": 2}, 3)])
+@pytest.mark.parametrize("parallel,zero", [({"pp": 2, "sp": 2}, 2), ({"tp": 2}, 3)])
 def test_train_refuses_before_the_process_group_and_the_model(tmp_path, capsys, monkeypatch,
                                                               parallel, zero):
     """`ds-omni train` stops at the table: the process group, the model and DeepSpeed are never
@@ -224,13 +219,26 @@ def test_the_search_drops_what_training_refuses_with_its_reason():
     check_search_agrees_with_training()
 
 
-def test_the_agreement_sees_a_search_that_ranks_what_only_the_launch_refuses(monkeypatch):
-    """Planted: the search checks the table as the simulator does (without the launch's rules),
-    so it would rank pp x sp plans that `ds-omni train` refuses."""
-    honest = SimPlan.check_composition
-    monkeypatch.setattr(SimPlan, "check_composition", lambda self, launch=False: honest(self))
-    with pytest.raises(AssertionError, match="pp=2"):
+def test_the_agreement_sees_a_search_that_ranks_what_training_refuses(monkeypatch):
+    """Planted: the search does not check the table, so it would rank plans (pp x ZeRO-2,
+    max_sequence_sp x sp, ...) that `ds-omni train` refuses."""
+    monkeypatch.setattr(SimPlan, "check_composition", lambda self, launch=False: None)
+    with pytest.raises(AssertionError):
         check_search_agrees_with_training()
+
+
+@pytest.mark.parametrize("parallel", [dict(pp=2, tp=2), dict(pp=2, sp=2),
+                                      dict(pp=2, tp=2, sp=2, encoder_placement="uniform")])
+def test_the_pipeline_composes_with_tp_and_sp(tmp_path, parallel):
+    """pp x tp, pp x sp and all three (issue 37) pass the table and plan_run (ZeRO-1), and the
+    derived DeepSpeed config turns the engine's activation partitioning off under tp."""
+    from ds_omni.train.setup import plan_run
+    world = 2 * parallel.get("tp", 1) * parallel.get("sp", 1)
+    plan, ds = plan_run(_config(tmp_path, parallel, False), ds_config(1), world)
+    assert (plan.pp, plan.tp, plan.sp) == (2, parallel.get("tp", 1), parallel.get("sp", 1))
+    partitioned = ds.get("pipeline", {}).get("pipe_partitioned", True)
+    assert partitioned is (plan.tp == 1)
+    assert ds["train_batch_size"] == 8 * plan.sp  # the pipeline grid counts SP ranks as data
 
 
 def test_docs_composition_md_is_the_table():

@@ -82,7 +82,7 @@ def test_the_facts_are_what_the_groups_say(dp, sp, tp, pp, msp, ep, reorder, poo
         assert pool_ranks[plan.pool_rank(r)] == r  # its place in its pool's ranks
         tp_group = next(g for g in plan.tp_group_ranks() if r in g)
         assert {plan.replica_rank(t) for t in tp_group} == {plan.replica_rank(r)}
-    assert plan.tp_encodes_apart == (tp > 1 and sp == 1 and not pool)
+    assert plan.tp_encodes_apart == (tp > 1 and sp == 1 and not pool and pp == 1)
     assert len({plan.replica_rank(r) for r in range(plan.world_size)}) == plan.world_size // tp
 
 

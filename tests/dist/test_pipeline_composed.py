@@ -1,0 +1,169 @@
+"""The pipeline composed with tensor and sequence parallelism inside its stages, against one process.
+
+One 4-rank launch (ranks started once, the cases in a loop): the tiny LLaVA over 2 stages with
+AutoTP's layers over 2 TP ranks in each stage (pp2 x tp2), and with Ulysses over 2 SP ranks in
+each stage (pp2 x sp2), ZeRO-1, encoders on stage 0, 2 steps of 4 micro-batches each with
+text-only rows among them. The oracle (`tests/oracle/`: one process, plain PyTorch, global
+batches built there) must match the losses (1e-6 relative), every step's reduced gradients (TP
+shards gathered whole) and the final parameters (relative to their update). Evidence each axis
+ran: every rank of a stage holds AutoTP's layers and half of each MLP (pp x tp); every SP rank
+makes one Ulysses call per decoder layer of its stage for each row, the SP ranks of a row hold
+different shards, each target is trained on one SP rank of each TP rank, and stage 0's
+resharding all-to-all ran for every row with items (pp x sp). Planted errors
+(`tests/plants/pipeline.py`): stage 0's column-parallel input gradients not summed over TP, and
+stage 0's SP shards sending their activations to the other SP shard of stage 1; the oracle
+fails on each (`test_plant_*`).
+
+The slow tier (`test_pipeline_composed_8_ranks`): pp2 x tp2 x sp2 on 8 ranks, LLaVA and Qwen2-VL
+(M-RoPE), ZeRO-1, both encoder placements ("uniform": each SP shard's column of stages encodes
+the items its reshard plan gives it), 3 steps each, checked the same way.
+"""
+
+import pytest
+
+from tests import oracle, plants
+from tests.fixtures import ds_config, text_source, tiny_config
+from tests.harness import run_on_ranks
+
+pytestmark = pytest.mark.timeout(1500)
+
+STEPS = 3
+BATCH = {"global_batch_size": 4, "micro_batch_size": 1}  # 4 micro-batches a step
+
+
+def _config(case: dict, out_dir: str):
+    from ds_omni.config import ParallelConfig, SourceConfig, from_dict
+    cfg = tiny_config(out_dir, steps=case.get("steps", STEPS), weight_decay=0.1, **BATCH)
+    cfg.parallel = ParallelConfig(pp=2, tp=case.get("tp", 1), sp=case.get("sp", 1),
+                                  encoder_placement=case.get("placement", "stage0"))
+    if case.get("model_dir"):
+        cfg.model.pretrained, cfg.model.tokenizer = case["model_dir"], None
+        cfg.model.vision = cfg.model.llm = None
+    cfg.data.sources = [from_dict(SourceConfig, s) for s in case["sources"]]
+    return cfg
+
+
+def _train_ranks(rank, world, cases, out_dir):
+    return {name: oracle.train_on_rank(rank, world, _config(case, f"{out_dir}/{name}"),
+                                       ds_config(case["zero"]), case.get("steps", STEPS),
+                                       case.get("plant"))
+            for name, case in cases.items()}
+
+
+def _cases(tmp) -> dict:
+    """The quick tier's launch: pp2 x tp2 and pp2 x sp2 ("stage0", ZeRO-1), and their plants."""
+    sources = [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]
+    honest = {"pp2_tp2": {"tp": 2, "zero": 1, "sources": sources, "steps": 2},
+              "pp2_sp2": {"sp": 2, "zero": 1, "sources": sources, "steps": 2}}
+    planted = {"pp_tp_grad_not_summed": "pp2_tp2", "pp_sp_wrong_peer": "pp2_sp2"}
+    assert sorted(planted) == plants.for_launch("pp_composed")
+    return {**honest, **{p: {**honest[base], "steps": 1, "plant": p}
+                         for p, base in planted.items()}}
+
+
+def _slow_cases(tmp) -> dict:
+    """The slow tier's 8-rank launch: pp2 x tp2 x sp2, LLaVA and Qwen2-VL (M-RoPE), ZeRO-1,
+    both encoder placements."""
+    from tests import family_dirs
+    sources = [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]
+    qwen = str(family_dirs.make_qwen2_vl_dir(tmp / "q"))
+    return {f"{name}_{placement}": {"tp": 2, "sp": 2, "zero": 1, "placement": placement,
+                                    "sources": sources, **model}
+            for name, model in (("llava", {}), ("qwen2_vl", {"model_dir": qwen}))
+            for placement in ("stage0", "uniform")}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pp_composed")
+    cases = _cases(tmp)
+    return cases, run_on_ranks(_train_ranks, 4, args=(cases, str(tmp / "runs")), timeout=600)
+
+
+def check(name: str, case: dict, results: list, cfg) -> None:
+    """Case `name` (results: one dict per rank) equals the oracle of `cfg`, each axis shown to
+    run."""
+    from ds_omni.model.build import build_model
+    from ds_omni.parallel.plan import ParallelPlan
+    plan = ParallelPlan.from_config(cfg.parallel, len(results), cfg.data.reorder)
+    steps = case.get("steps", STEPS)
+    step_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), plan.dp, steps)
+    per_stage = len(results) // plan.pp
+    firsts = [results[s * per_stage][name] for s in range(plan.pp)]
+    readers = [results[d * plan.sp * plan.tp][name] for d in range(plan.dp)]  # stage 0's
+    got_keys = [sorted(k for r in readers for k in r["keys"][s]) for s in range(steps)]
+    assert got_keys == step_keys, f"{name}: the ranks trained another global batch"
+    assert all(r[name]["losses"] == firsts[0]["losses"] for r in results), name
+    got = oracle.merge_stages(firsts)
+    ref = oracle.run_reference(cfg, step_keys)
+    oracle.assert_matches(ref, got, f"{name} pp={plan.pp} tp={plan.tp} sp={plan.sp}")
+    oracle.assert_moved(ref, name)
+    if plan.tp_enabled:
+        _check_tp_ran(name, results)
+    if plan.sp_enabled:
+        _check_sp_ran(name, results, plan, ref)
+
+
+def _check_tp_ran(name, results) -> None:
+    """Every rank's stage holds AutoTP's layers (column and row), each MLP split in half."""
+    for rank, r in enumerate(results):
+        counts = r[name]["tp_counts"]
+        assert counts["column"] > 0 and counts["row"] > 0, (name, rank, counts)
+        ups = [s for n, s in r[name]["local_shapes"].items() if n.endswith("mlp.up_proj.weight")]
+        assert ups and all(s[0] == 128 // 2 for s in ups), (name, rank, ups)
+
+
+def _check_sp_ran(name, results, plan, ref) -> None:
+    """Per stage and TP rank: each target trained on exactly one SP rank, the SP ranks of a row
+    on different shards, one Ulysses call per decoder layer of the stage for every split row."""
+    per_stage = len(results) // plan.pp
+    for stage in range(plan.pp):
+        for t in range(plan.tp):  # the stage's ranks of TP rank t: rank = first + t + j x tp
+            first = stage * per_stage + t
+            ranks = [_as_stage(r[name], first, plan.tp, stage)
+                     for r in results[first:(stage + 1) * per_stage:plan.tp]]
+            oracle.assert_split_work(ref, ranks, f"{name} stage {stage} TP rank {t}")
+
+
+def _as_stage(r: dict, first: int, tp: int, stage: int) -> dict:
+    """A rank's record as `assert_split_work` reads the ranks of one stage and TP rank: numbered
+    from `first` in steps of `tp`, Ulysses in the stage's decoder layers only, and encoding (the
+    resharding, long items' pieces) on stage 0 only."""
+    shards = [(step, i, ((g[0] - first) // tp, g[1]) if g else g, ids, n)
+              for step, i, g, ids, n in r["shards"]]
+    encodes = stage == 0
+    return {**r, "shards": shards, "ulysses_per_row": r["stage_layers"],
+            "rows_with_items": r["rows_with_items"] if encodes else 0,
+            "long_items": r["long_items"] if encodes else 0}
+
+
+@pytest.mark.dist
+def test_pipeline_with_tp_and_sp_matches_single_process(four_ranks, tmp_path):
+    cases, results = four_ranks
+    for name, case in cases.items():
+        if "plant" not in case:
+            check(name, case, results, _config(case, str(tmp_path / f"ref_{name}")))
+
+
+CAUGHT_BY = {"pp_tp_grad_not_summed": "grad of", "pp_sp_wrong_peer": "losses"}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("plant", plants.for_launch("pp_composed"))
+def test_plant_pipeline_composed_is_caught(plant, four_ranks, tmp_path):
+    cases, results = four_ranks
+    with pytest.raises(AssertionError, match=CAUGHT_BY[plant]):
+        check(plant, cases[plant], results, _config(cases[plant], str(tmp_path / "ref")))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_pipeline_composed_8_ranks(tmp_path_factory, tmp_path):
+    """pp2 x tp2 x sp2 (dp=1): every rank of a stage holds AutoTP's layers, each TP rank's
+    heads split again over its SP group; "uniform" encodes each SP shard's items over its
+    column of stages."""
+    tmp = tmp_path_factory.mktemp("pp_composed_8")
+    cases = _slow_cases(tmp)
+    results = run_on_ranks(_train_ranks, 8, args=(cases, str(tmp / "runs")), timeout=1200)
+    for name, case in cases.items():
+        check(name, case, results, _config(case, str(tmp_path / f"ref_{name}")))
