@@ -43,7 +43,7 @@ def test_the_loaders_unit_is_the_tp_group():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"tp": 0}, r"parallel.tp must be >= 1"),
-    ({"tp": 2, "pp": 2}, r"parallel.tp=2 cannot be combined with parallel.pp=2"),
+    ({"tp": 2, "cp": 2}, r"parallel.tp=2 cannot be combined with parallel.cp=2"),
 ])
 def test_bad_tp_config_is_refused(kwargs, match):
     with pytest.raises(ConfigError, match=match):
