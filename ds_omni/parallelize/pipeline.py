@@ -177,6 +177,9 @@ class JointSetup:
         joint.encode(self.encoders, micro_batches, self.processors, self.encoder_dummies)
         return joint
 
+    def bind(self, engine) -> None:
+        """What the placement needs of the engine before a step (nothing, under "uniform")."""
+
     def encoders_dtype(self) -> torch.dtype:
         return next(self.encoders.parameters()).dtype
 
@@ -293,8 +296,10 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
     # would hold stage 0's gradients alone
     for p in module.parameters():
         p.model_parallel = True
+    from ds_omni.parallelize import bubble_schedule  # its instructions import DeepSpeed
     module.joint = None
-    if placement == "uniform":
+    module.clock = bubble_schedule.StageClock()  # bubble_fraction, every placement
+    if placement in ("uniform", "bubbles"):
         stage = module.stage_id
         if stage != 0:  # every stage holds the encoders; each parameter's owner steps it
             module.add_module("joint_encoders", model.encoders)
@@ -302,6 +307,9 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
         module.joint = JointSetup(model, processors, item_cost, stage, plan.pp,
                                   module._grid.get_pipe_parallel_group(), encoder_dummies)
         module.joint.mark_replicas()
+        if placement == "bubbles":  # the encoders' work inside the schedule's idle slots
+            module.joint = bubble_schedule.BubbleSetup(module.joint, stage_plan.layer_time,
+                                                       module.clock)
     return module
 
 
@@ -343,7 +351,8 @@ def around_instructions(engine, wraps: dict) -> None:
     """Make the engine's pipeline instructions of the types in `wraps` (e.g. `OptimizerStep`:
     the end of `train_batch`, every backward done and gradients reduced) call
     `wrap(engine, run)`, where `run()` executes the original instruction."""
-    cls_map = type(engine)._INSTRUCTION_MAP
+    # the class's map, or the one a placement installed with its own instructions
+    cls_map = engine.__dict__.get("_ds_omni_instructions", type(engine)._INSTRUCTION_MAP)
 
     def wrapped(kind, wrap):
         original = cls_map[kind]
@@ -367,7 +376,12 @@ def check_pipeline(cfg, ds_config: dict, llm_config) -> None:
     check_stages(llm_config.num_hidden_layers, pp)
     if getattr(llm_config, "tie_word_embeddings", False):
         raise LaunchError(TIED)
-    if (cfg.parallel.encoder_placement == "uniform"
+    if (cfg.parallel.encoder_placement == "bubbles"
+            and ds_config.get("bf16", {}).get("enabled", False)):
+        raise LaunchError("bf16 with parallel.encoder_placement \"bubbles\": its encoder backward "
+                          "runs between the engine's backward passes, whose bf16 optimizer moves "
+                          "gradients into fp32 at each; use \"uniform\" under bf16 (or fp32)")
+    if (cfg.parallel.encoder_placement in ("uniform", "bubbles")
             and ds_config.get("bf16", {}).get("immediate_grad_update", False)):
         raise LaunchError("bf16.immediate_grad_update with parallel.encoder_placement \"uniform\": "
                           "DeepSpeed then moves each gradient into fp32 as it is made, before the "
