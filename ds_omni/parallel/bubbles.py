@@ -197,7 +197,7 @@ def plan_bubbles(micro: list[int], costs: list[float], stages: int, micro_batche
         if best is None:  # nowhere: where "uniform" would run it, on the least loaded stage
             s = min(range(stages), key=lambda s: (unhidden[s], s))
             unhidden[s] += costs[i]
-            stage_of[i], f_at[i] = s, (2 * m if s == 0 else 0)
+            stage_of[i] = s
             continue
         _, s, fg, bg = best
         stage_of[i] = s
@@ -205,7 +205,6 @@ def plan_bubbles(micro: list[int], costs: list[float], stages: int, micro_batche
             fg[3] += ef
             f_at[i], hid_f[i] = fg[0], True
         else:
-            f_at[i] = 2 * m if s == 0 else 0
             unhidden[s] += ef
         if bg is not None:
             bg[3] = max(bg[3], base.backward_end[m]) + eb
@@ -263,25 +262,41 @@ def streams_of(plan: BubblePlan, micro: list[int], costs: list[float], fwd: list
 
 
 def _priced(plan: BubblePlan, micro, costs, fwd, bwd, forward_share) -> BubblePlan:
-    """The plan with its modelled times; if its replay deadlocks (it should not), everything
-    moves to where "uniform" runs it."""
+    """The plan with its modelled times. Where its replay is slower than "uniform" (the model's
+    gaps shift once unhidden work runs), or deadlocks (it should not), the items go where
+    "uniform" puts them instead (longest first to the least loaded stage, forward at the start,
+    backward before the reduction), streamed micro-batch by micro-batch."""
     from dataclasses import replace
     total = sum(costs)
     base = base_timeline(plan.stages, plan.micro_batches, fwd, bwd)
-    uniform = base.end + total / plan.stages  # every stage a 1/P share, before and after
+    shares = [0.0] * plan.stages  # "uniform": its shares before the schedule and after it
+    for i, s in enumerate(_longest_first(costs, plan.stages)):
+        shares[s] += costs[i]
+    uniform = base.end + max(shares)
     try:
         line = timeline(streams_of(plan, micro, costs, fwd, bwd, forward_share), plan.steps)
     except Deadlock:
-        plan = replace(plan, forward_at=[2 * m if s == 0 else 0 for m, s in
-                                         zip(micro, plan.stage_of)],
-                       backward_at=[plan.steps] * len(costs),
-                       hidden_forward=[False] * len(costs), hidden_backward=[False] * len(costs))
+        line = None
+    if line is None or line.end > uniform:
+        n = len(costs)
+        plan = replace(plan, stage_of=_longest_first(costs, plan.stages), forward_at=[0] * n,
+                       backward_at=[plan.steps] * n, hidden_forward=[False] * n,
+                       hidden_backward=[False] * n)
         line = timeline(streams_of(plan, micro, costs, fwd, bwd, forward_share), plan.steps)
     hidden = sum(c * (forward_share * hf + (1 - forward_share) * hb) for c, hf, hb in
                  zip(costs, plan.hidden_forward, plan.hidden_backward))
     return replace(plan, uniform_time=uniform, planned_time=line.end,
                    bubble_fractions=tuple(line.bubble_fractions()),
                    hidden_share=hidden / total if total else 1.0)
+
+
+def _longest_first(costs: list[float], stages: int) -> list[int]:
+    """Stage of each item: longest first to the least loaded (ties: the lower stage)."""
+    load, out = [0.0] * stages, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        out[i] = min(range(stages), key=lambda s: (load[s], s))
+        load[out[i]] += costs[i]
+    return out
 
 
 def describe_slots(plan: BubblePlan) -> list[dict]:
