@@ -315,3 +315,20 @@ def describe_slots(plan: BubblePlan) -> list[dict]:
                     "modelled_idle": round(plan.bubble_fractions[s], 4)
                     if plan.bubble_fractions else None})
     return out
+
+
+def typical_schedule(cost, stage_time: list[float], micro_batches: int, samples: int) -> dict:
+    """What `ds-omni plan` prints under "bubbles": the plan of a step of `micro_batches`
+    micro-batches of `samples` samples with one item per encoder each (the size the cost model
+    runs as a dummy), on stages costing `stage_time` a micro-batch: where each stage encodes
+    (`describe_slots`), the share of encoder work in idle slots and the modelled step against
+    "uniform"'s."""
+    per_item = [float(cost.encoder_cost(name, [max(e.dummy_len, 1)])[0])
+                for name, e in cost.dims.encoders.items()]
+    micro = [m for m in range(micro_batches) for _ in range(samples) for _ in per_item]
+    costs = [c for _ in range(micro_batches) for _ in range(samples) for c in per_item]
+    plan = plan_bubbles(micro, costs, len(stage_time), micro_batches, stage_time)
+    return {"hidden_share": round(plan.hidden_share, 4),
+            "modelled_step_vs_uniform": round(plan.planned_time / plan.uniform_time, 4)
+            if plan.uniform_time else 1.0,
+            "steps": plan.steps, "slots": describe_slots(plan)}

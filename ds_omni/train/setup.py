@@ -31,6 +31,7 @@ from ds_omni.model.build import (build_model, check_model_files, check_positions
 from ds_omni.parallel import dist
 from ds_omni.parallel.groups import RankGroups, rank_groups
 from ds_omni.parallel.plan import ParallelPlan
+from ds_omni.parallel.bubbles import typical_schedule
 from ds_omni.parallel.stages import SPLITS, describe
 from ds_omni.parallelize import parallelize
 from ds_omni.parallelize.pipeline import (check_pipeline, optimizer_params, stage_plan,
@@ -105,13 +106,18 @@ def describe_plan(cfg: OmniConfig, plan: ParallelPlan, ds_config: dict,
 def _pipeline_stages(cfg: OmniConfig, plan: ParallelPlan, built, cost: CostModel) -> dict:
     slowest = {split: max(stage_plan(cfg, built, plan, cost, split).stage_time)
                for split in SPLITS}
-    return {"encoder_placement": cfg.parallel.encoder_placement,
-            "stage_split": cfg.parallel.stage_split,
-            "workload": f"micro-batches of {cfg.train.micro_batch_size} samples x "
-                        f"{stage_tokens(cfg)} tokens, one item per encoder each",
-            "stages": describe(stage_plan(cfg, built, plan, cost)),
-            "slowest_stage_by_split": {split: round(t / slowest[cfg.parallel.stage_split], 4)
-                                       for split, t in slowest.items()}}
+    out = {"encoder_placement": cfg.parallel.encoder_placement,
+           "stage_split": cfg.parallel.stage_split,
+           "workload": f"micro-batches of {cfg.train.micro_batch_size} samples x "
+                       f"{stage_tokens(cfg)} tokens, one item per encoder each",
+           "stages": describe(stage_plan(cfg, built, plan, cost)),
+           "slowest_stage_by_split": {split: round(t / slowest[cfg.parallel.stage_split], 4)
+                                      for split, t in slowest.items()}}
+    if cfg.parallel.encoder_placement == "bubbles":  # which schedule steps each stage encodes in
+        micro = max(cfg.train.global_batch_size // (cfg.train.micro_batch_size * plan.dp), 1)
+        out["bubble_schedule"] = typical_schedule(
+            cost, stage_plan(cfg, built, plan, cost).layer_time, micro, cfg.train.micro_batch_size)
+    return out
 
 
 # ------------------------------------------------------------------ 2. this rank's run
