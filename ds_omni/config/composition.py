@@ -70,7 +70,8 @@ FEATURES = (
     Feature("tp", lambda s: s.tp > 1, "tensor parallelism of the backbone: parallel.tp > 1"),
     Feature("pp", lambda s: s.pp > 1, "pipeline stages: parallel.pp > 1"),
     Feature("encoder_placement", lambda s: s.encoder_placement != "stage0",
-            "the encoders on every stage: parallel.encoder_placement \"uniform\" or \"bubbles\""),
+            "the encoders on every stage: parallel.encoder_placement \"uniform\", \"bubbles\" or "
+            "\"auto\""),
     Feature("encoder_pool", lambda s: s.encoder_pool != "off",
             "the encoder pool: parallel.encoder_pool \"dp\""),
     Feature("ep", lambda s: s.ep > 1, "expert parallelism of an MoE LLM: parallel.ep > 1"),
@@ -174,8 +175,9 @@ RULES = (
              "parallel.max_sequence_sp), under ZeRO 1 or 2 (ZeRO-3 with sp = 1) to spread the rest",
              "set parallel.tp to 1 (tp is for dense LLMs)"),
     _composes("pp", "encoder_placement", "where the encoders run under pp: \"stage0\", "
-              "\"uniform\" (not with bf16.immediate_grad_update) or \"bubbles\" (fp32: its encoder "
-              "backward runs between the engine's backward passes)"),
+              "\"uniform\" (not with bf16.immediate_grad_update), \"bubbles\" (fp32: its encoder "
+              "backward runs between the engine's backward passes) or \"auto\" (\"bubbles\" where "
+              "the cost model predicts a gain, else \"uniform\")"),
     _refused("encoder_pool", "pp", "the pool spreads the items of rows held by one rank or by an "
              "SP group, not by pipeline stages", "set encoder_pool to \"off\" (encoder_placement "
              "\"uniform\" balances the encoders over the stages) or parallel.pp to 1"),

@@ -183,7 +183,7 @@ def plan_bubbles(micro: list[int], costs: list[float], stages: int, micro_batche
     n = len(costs)
     stage_of, f_at, b_at = [0] * n, [0] * n, [schedule_steps(stages, micro_batches)] * n
     hid_f, hid_b = [False] * n, [False] * n
-    unhidden = [0.0] * stages
+    late_f, late_b = [0.0] * stages, [0.0] * stages  # unhidden work: at the start, at the end
     for i in sorted(range(n), key=lambda i: (micro[i], -costs[i], i)):
         ef, eb, m = costs[i] * forward_share, costs[i] * (1 - forward_share), micro[i]
         best = None
@@ -191,26 +191,28 @@ def plan_bubbles(micro: list[int], costs: list[float], stages: int, micro_batche
             fg = _fit_forward(room[s], ef, base.forward_start[m], 2 * m if s == 0 else None)
             bg = _fit_backward(room[s], eb, base.backward_end[m],
                                2 * m + 2 * stages if s == 0 else None)
+            # what stays on the critical path: the largest unhidden share before the schedule
+            # and after it (the stages run theirs side by side, as under "uniform")
+            exposed = (max(late_f[t] + ef * (t == s and fg is None) for t in range(stages))
+                       + max(late_b[t] + eb * (t == s and bg is None) for t in range(stages)))
             hidden = ef * (fg is not None) + eb * (bg is not None)
-            if hidden > 0 and (best is None or hidden > best[0] + 1e-12):
-                best = (hidden, s, fg, bg)
-        if best is None:  # nowhere: where "uniform" would run it, on the least loaded stage
-            s = min(range(stages), key=lambda s: (unhidden[s], s))
-            unhidden[s] += costs[i]
-            stage_of[i] = s
-            continue
+            key = (exposed, -hidden, s)
+            if best is None or key < best[0]:
+                best = (key, s, fg, bg)
         _, s, fg, bg = best
         stage_of[i] = s
         if fg is not None:
             fg[3] += ef
             f_at[i], hid_f[i] = fg[0], True
         else:
-            unhidden[s] += ef
+            late_f[s] += ef
+            if s > 0 and room[s]:  # run at the start: it fills the stage's leading gap first
+                room[s][0][3] += ef
         if bg is not None:
             bg[3] = max(bg[3], base.backward_end[m]) + eb
             b_at[i], hid_b[i] = bg[0], True
         else:
-            unhidden[s] += eb
+            late_b[s] += eb
     plan = BubblePlan(stage_of, f_at, b_at, hid_f, hid_b, stages, micro_batches)
     return _priced(plan, micro, costs, fwd, bwd, forward_share)
 
@@ -332,3 +334,14 @@ def typical_schedule(cost, stage_time: list[float], micro_batches: int, samples:
             "modelled_step_vs_uniform": round(plan.planned_time / plan.uniform_time, 4)
             if plan.uniform_time else 1.0,
             "steps": plan.steps, "slots": describe_slots(plan)}
+
+
+def auto_placement(cost, stage_time: list[float], micro_batches: int, samples: int,
+                   bf16: bool) -> str:
+    """`encoder_placement: "auto"` under pp > 1: "bubbles" where the model of a typical step
+    (`typical_schedule`) predicts it faster than "uniform" by at least 1 %, else "uniform"
+    (always under bf16, which "bubbles" does not run)."""
+    if bf16:
+        return "uniform"
+    typical = typical_schedule(cost, stage_time, micro_batches, samples)
+    return "bubbles" if typical["modelled_step_vs_uniform"] <= 0.99 else "uniform"

@@ -320,7 +320,8 @@ def stage_plan(cfg, built, plan, cost, split: str | None = None) -> StagePlan:
     split = split or cfg.parallel.stage_split
     layer_params, encoder_params = (layer_param_counts(built.model) if split == "parameters"
                                     else (None, 0))
-    return stage_plan_for(cost, plan.pp, cfg.parallel.encoder_placement,
+    placement = cfg.parallel.encoder_placement
+    return stage_plan_for(cost, plan.pp, "uniform" if placement == "auto" else placement,
                           cfg.train.micro_batch_size, stage_tokens(cfg), split=split,
                           layer_params=layer_params, encoder_params=encoder_params)
 
@@ -330,13 +331,27 @@ def stage_tokens(cfg) -> int:
     return cfg.parallel.stage_tokens or cfg.data.max_seq_len
 
 
-def pipeline_spec_for(cfg, built, plan, cost, item_cost: Callable) -> PipelineSpec | None:
+def pipeline_spec_for(cfg, built, plan, cost, item_cost: Callable,
+                      ds_config: dict | None = None) -> PipelineSpec | None:
     """What `build_pipeline_module` needs under parallel.pp > 1, split where the cost model
-    says; None without a pipeline."""
+    says, the placement "auto" resolved (`resolved_placement`); None without a pipeline."""
     if not plan.pp_enabled:
         return None
-    return PipelineSpec(plan, stage_plan(cfg, built, plan, cost), cfg.parallel.encoder_placement,
+    stages = stage_plan(cfg, built, plan, cost)
+    return PipelineSpec(plan, stages, resolved_placement(cfg, plan, cost, stages, ds_config),
                         built.item_processors, item_cost)
+
+
+def resolved_placement(cfg, plan, cost, stages: StagePlan, ds_config: dict | None) -> str:
+    """parallel.encoder_placement, "auto" resolved by the cost model's model of a typical step
+    (`ds_omni.parallel.bubbles.auto_placement`: "bubbles" where it predicts a gain)."""
+    placement = cfg.parallel.encoder_placement
+    if placement != "auto":
+        return placement
+    from ds_omni.parallel.bubbles import auto_placement
+    micro = max(cfg.train.global_batch_size // (cfg.train.micro_batch_size * plan.dp), 1)
+    bf16 = bool((ds_config or {}).get("bf16", {}).get("enabled", False))
+    return auto_placement(cost, stages.layer_time, micro, cfg.train.micro_batch_size, bf16)
 
 
 def engine_inputs(micro_batches: list) -> list[tuple]:

@@ -80,3 +80,23 @@ def test_describe_slots_lists_every_item_once():
     rows = bubbles.describe_slots(plan)
     assert sum(sum(r["forward_steps"].values()) for r in rows) == len(mbs)
     assert sum(sum(r["backward_steps"].values()) for r in rows) == len(mbs)
+
+
+class _Cost:
+    """A cost model of one encoder whose typical item costs `item` (the FLOPs unit)."""
+
+    def __init__(self, item: float):
+        from types import SimpleNamespace
+        self.item = item
+        self.dims = SimpleNamespace(encoders={"vision": SimpleNamespace(dummy_len=16)})
+
+    def encoder_cost(self, name, lengths):
+        return [self.item for _ in lengths]
+
+
+def test_auto_picks_bubbles_where_the_model_predicts_a_gain():
+    stages = [3.0] * 4
+    assert bubbles.auto_placement(_Cost(1.0), stages, 4, 2, bf16=False) == "bubbles"
+    assert bubbles.auto_placement(_Cost(1.0), stages, 4, 2, bf16=True) == "uniform"
+    # no encoder work to hide: nothing to gain
+    assert bubbles.auto_placement(_Cost(0.0), stages, 4, 2, bf16=False) == "uniform"
