@@ -1,6 +1,6 @@
 """Encoder work in the pipeline's bubbles: step time of "bubbles" against "uniform" and stage 0.
 
-    .venv/bin/python benchmarks/pipeline_bubbles.py   # writes benchmarks/results/pipeline_bubbles.json
+    .venv/bin/python benchmarks/pipeline_bubbles.py   # benchmarks/results/pipeline_bubbles.json
 
 PP=2 (2 ranks, 4 decoder layers) and then PP=4 (4 ranks, 8 decoder layers), dp=1, ZeRO-1, fp32,
 the model and data of `benchmarks/pipeline.py` (a CLIP tower of 6 layers of width 256 on 64x64

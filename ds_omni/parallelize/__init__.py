@@ -7,7 +7,7 @@ applies pieces already built:
                       its `prepare_step` is the step's one hook into the plan's features)
   encoder_pool.py     each round's encoder items placed over every data-parallel rank
   pipeline.py         the LLM over pipeline stages on DeepSpeed's PipelineModule (parallel.pp > 1)
-  joint.py            "uniform" encoder placement: every stage encodes a share of the step's items
+  joint.py            "uniform" placement: each stage encodes a share (bubble_schedule.py: "bubbles")
   tensor_parallel.py  the backbone's decoder layers over the TP group (DeepSpeed's AutoTP)
   tp_encoders.py      the encoders under TP: each TP rank encodes a share, rows all-gathered
   expert_parallel.py  an MoE LLM's experts over ep ranks (DeepSpeed's AutoEP)

@@ -1,4 +1,4 @@
-"""Encoder work inside the pipeline's bubbles (`encoder_placement: "bubbles"`), on DeepSpeed's engine.
+"""Encoder work inside the pipeline's bubbles (`encoder_placement: "bubbles"`), on DeepSpeed.
 
 `BubbleSchedule` is DeepSpeed's `TrainSchedule` with four instructions of ds_omni's own put into
 its stream where `ds_omni.parallel.bubbles.plan_bubbles` says (registered in the engine's
@@ -63,7 +63,8 @@ class BubbleSchedule(schedule.TrainSchedule):
                 pre.append(EncodeBackward(items=self.backward_at[step]))
             out = pre
             for cmd in cmds:
-                if isinstance(cmd, schedule.ReduceTiedGrads) and self.plan.steps in self.backward_at:
+                at_end = self.plan.steps in self.backward_at
+                if isinstance(cmd, schedule.ReduceTiedGrads) and at_end:
                     out.append(EncodeBackward(items=self.backward_at[self.plan.steps]))
                 if isinstance(cmd, schedule.LoadMicroBatch) and self.stage_id == 0:
                     m, _ = self._step_to_micro_batch(step)
@@ -181,7 +182,8 @@ class BubbleEncoding:
             owner = self.plan.stage_of[i]
             if item.micro == micro and owner != 0:
                 piece = (grad[self.starts[i]:self.starts[i + 1]] if grad is not None else
-                         torch.zeros((item.rows, self.hidden), device=self.device, dtype=self.dtype))
+                         torch.zeros((item.rows, self.hidden), device=self.device,
+                                     dtype=self.dtype))
                 self.pending.append(dist.isend(piece.contiguous(), self._peer(owner),
                                                group=self.group))
 
