@@ -170,7 +170,8 @@ def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
         if module.clock is not None:  # the step's span, for bubble_fraction
             module.clock.begin()
         if module.joint is not None:  # "uniform": every stage encodes its share now
-            inputs.joint = module.joint.start(inputs.batches, engine.device)
+            inputs.joint = module.clock.timed(lambda: module.joint.start(inputs.batches,
+                                                                         engine.device))
             module.joint.bind(engine)
         around_instructions(engine, _pipeline_hooks(module, batch, comm, on_reduced_grads, guard,
                                                     dropped))
@@ -194,7 +195,7 @@ def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list)
     def encoders_backward(engine, run):
         if joint is not None:
             with late_grads_to_master(engine.optimizer):  # bf16: else they are dropped
-                joint.finish(module.step_inputs.joint)
+                module.clock.timed(lambda: joint.finish(module.step_inputs.joint))
         fill_missing_grads(optimizer_params(module))  # an encoder with no item in the whole step
         run()
     hooks[schedule.ReduceTiedGrads] = encoders_backward

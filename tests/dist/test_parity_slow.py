@@ -72,7 +72,8 @@ def two_rank_cases(tmp) -> dict:
         "pp_composed_bubbles_zero1": {
             "stages": [1], "placement": "bubbles", "model": pipeline.COMPOSED,
             "sources": [pipeline.SHAPES_TONES, text], "max_seq_len": 160, "steps": 3,
-            "train": PP_BATCH, "clip": pipeline.CLIP, "reorder": {"mode": "loader_order"}},
+            "train": PP_BATCH, "clip": pipeline.CLIP, "reorder": {"mode": "loader_order"},
+            "resume_at": 2},
     }
     return {**cases, **{plant: {**cases[PLANTED_IN[plant]], "plant": plant, "steps": 1}
                         for plant in plants.for_launch("dp_slow")}}
