@@ -140,29 +140,37 @@ class BubbleEncoding:
         return dist.get_global_rank(self.group, stage)
 
     def encode(self, items: list[int]) -> None:
-        """Encode `items` (one batch per encoder); stage 0 keeps their rows, others send them."""
-        for name, encoder in self.encoders.items():
-            mine = [i for i in items if self.joint.items[i].encoder == name]
-            if not mine:
-                continue
-            its = [self.batches[self.joint.items[i].micro].items[name][self.joint.items[i].index]
-                   for i in mine]
-            inputs = self.processors[name].collate(its)
-            out = encoder({k: v.to(self.device) for k, v in inputs.items()}).to(self.dtype)
-            taken = 0
-            for i in mine:
-                n = self.joint.items[i].rows
-                self.outputs[i] = out[taken:taken + n]
-                taken += n
-            if taken != out.shape[0]:
-                raise RuntimeError(f"encoder '{name}' produced {out.shape[0]} embeddings for "
-                                   f"items whose placeholders number {taken}")
+        """Encode `items`, one batch per encoder and backward slot (the items of one encoder call
+        share its graph, so their backward must run in one pass); stage 0 keeps their rows,
+        others send them."""
+        for name in self.encoders:
+            for at in sorted({self.plan.backward_at[i] for i in items}):
+                mine = [i for i in items if self.joint.items[i].encoder == name
+                        and self.plan.backward_at[i] == at]
+                if mine:
+                    self._encode_batch(name, mine)
         for i in items:
             if self.stage == 0:
                 self.rows.data[self.starts[i]:self.starts[i + 1]] = self.outputs[i].detach()
             else:
                 self.pending.append(dist.isend(self.outputs[i].detach().contiguous(),
                                                self._peer(0), group=self.group))
+
+    def _encode_batch(self, name: str, mine: list[int]) -> None:
+        """One call of encoder `name` on `mine`; each item's rows [n, D] kept with the graph."""
+        encoder = self.encoders[name]
+        its = [self.batches[self.joint.items[i].micro].items[name][self.joint.items[i].index]
+               for i in mine]
+        inputs = self.processors[name].collate(its)
+        out = encoder({k: v.to(self.device) for k, v in inputs.items()}).to(self.dtype)
+        taken = 0
+        for i in mine:
+            n = self.joint.items[i].rows
+            self.outputs[i] = out[taken:taken + n]
+            taken += n
+        if taken != out.shape[0]:
+            raise RuntimeError(f"encoder '{name}' produced {out.shape[0]} embeddings for "
+                               f"items whose placeholders number {taken}")
 
     def recv_rows(self, micro: int) -> None:
         """Stage 0: the rows of `micro`'s items the other stages encode, into `rows`."""

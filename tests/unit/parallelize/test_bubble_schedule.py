@@ -51,3 +51,34 @@ def _check_stage0(cmds, plan, mbs) -> None:
             assert all(k < forwards[mbs[i]] for i in c.items if i in own)
         if isinstance(c, EncodeBackward):
             assert all(k > backwards[mbs[i]] for i in c.items if i in own)
+
+
+def test_items_of_one_call_backward_in_different_slots():
+    """Items encoded in one step but backwarded in different cool-down slots: each encoder call
+    holds only items of one slot, so every slot's backward runs (one call's graph backwarded in
+    two passes would fail the second)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ds_omni.parallel.bubbles import BubblePlan
+    from ds_omni.parallelize.bubble_schedule import BubbleEncoding, StageClock
+    from ds_omni.parallelize.joint import Item, JointPlan
+
+    class Collate:
+        def collate(self, items):
+            return {"x": torch.stack(items)}
+
+    encoder = torch.nn.Linear(3, 4)
+    encoders = {"vision": lambda inputs: encoder(inputs["x"])}
+    batches = [SimpleNamespace(items={"vision": [torch.randn(3), torch.randn(3)]})]
+    joint = JointPlan([Item(0, "vision", 0, 1, 1.0), Item(0, "vision", 1, 1, 1.0)], [0, 0], 1)
+    plan = BubblePlan([0, 0], [0, 0], [3, 5], [True, True], [True, True], 1, 1)
+    enc = BubbleEncoding(joint, plan, 0, None, 4, "cpu", torch.float32, batches, encoders,
+                         {"vision": Collate()})
+    enc.encode([0, 1])
+    enc.rows.grad = torch.ones_like(enc.rows)
+    enc.backward([0], StageClock())
+    enc.backward([1], StageClock())
+    x = torch.stack(batches[0].items["vision"])
+    assert torch.allclose(encoder.weight.grad, torch.ones(2, 4).T @ x)
