@@ -21,6 +21,10 @@ after it resumes from that checkpoint and trains the step again: the same sample
 parameters, bit for bit (under "uniform" stage 1's optimizer state holds the encoder parameters
 it owns); the final checkpoint exports (DeepSpeed's per-layer files) to an HF
 directory that transformers loads, with exactly the trained weights.
+"bubbles" (`pp_composed_bubbles`: the composition split by cost, in loader order so items sit in
+later micro-batches) is checked as "uniform" is, and some item's forward must have run in an
+idle slot (`items_in_gaps`); two plants (rows received after the forward that needed them, an
+encoder backward skipped in the cool-down) must fail it.
 DP2 x PP2 (both placements) trains in `test_parity.py`'s 4-rank launch, checked the same way
 (`dp=2`: the reference trains the global batches of 2 data-parallel loaders). The slow tier
 (`test_parity_slow.py`) adds PP=4 (both placements, ZeRO-1, 6 decoder layers) and "uniform" under

@@ -11,7 +11,8 @@ scheduler) over `train.warmup_steps` = 2, the reference running the schedule as 
 and `test_plant_pipeline_is_caught` show the oracle fails on each planted error of
 `tests/plants/parity.py` (a loss scaled 2x, one dropped sample, weight decay dropped, the schedule a
 step late, placeholders trained on, pool rows filed under the wrong rank, a skipped encoder
-broadcast, a gradient norm counting replicas twice), each a 1-step case of this launch.
+broadcast, a gradient norm counting replicas twice, "bubbles" rows received late and an encoder
+backward skipped), each a 1-step case of this launch.
 
 Dropout: the "dropout" case turns the vision tower's attention dropout to 1.0 (in train mode
 every attention weight dropped: the tower's attention adds nothing). Masks of a dropout below 1
