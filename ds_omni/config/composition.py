@@ -72,7 +72,8 @@ FEATURES = (
     Feature("tp", lambda s: s.tp > 1, "tensor parallelism of the backbone: parallel.tp > 1"),
     Feature("pp", lambda s: s.pp > 1, "pipeline stages: parallel.pp > 1"),
     Feature("encoder_placement", lambda s: s.encoder_placement != "stage0",
-            "the encoders on every stage: parallel.encoder_placement \"uniform\""),
+            "the encoders on every stage: parallel.encoder_placement \"uniform\", \"bubbles\" or "
+            "\"auto\""),
     Feature("encoder_pool", lambda s: s.encoder_pool != "off",
             "the encoder pool: parallel.encoder_pool \"dp\""),
     Feature("ep", lambda s: s.ep > 1, "expert parallelism of an MoE LLM: parallel.ep > 1"),
@@ -145,7 +146,11 @@ RULES = (
     _composes("pp", "sp", "Ulysses inside every stage: the pipeline engine's data axis holds the "
               "dp x sp ranks (ZeRO reduces over them), SP shard i of a stage sends to SP shard i "
               "of the next (`parallelize/pipe_grid.py`)"),
-    _composes("sp", "encoder_placement", UNDER_PP),
+    _refused("sp", "encoder_placement", "the \"bubbles\" schedule sends a stage's encoder rows to one "
+             "peer of stage 0, not to the SP ranks that hold their placeholders",
+             "set encoder_placement to \"uniform\" beside parallel.sp",
+             refused=lambda s: s.encoder_placement == "bubbles",
+             when='encoder_placement="bubbles"', note=UNDER_PP + ' ("auto" picks "uniform" here)'),
     _composes("sp", "encoder_pool", "the pool is every rank (dp x sp); a row's long items stay "
               "split over its SP group"),
     _refused("ep", "sp", "under sp, DeepSpeed's ZeRO-0 expert reduction divides the experts' "
@@ -167,7 +172,11 @@ RULES = (
     _composes("tp", "pp", "AutoTP's layers inside every stage: the pipeline engine's topology has "
               "a model axis of tp ranks (Megatron-DeepSpeed's); the encoders stay whole on every "
               "TP rank"),
-    _composes("tp", "encoder_placement", UNDER_PP),
+    _refused("tp", "encoder_placement", "the \"bubbles\" schedule sends a stage's encoder rows to one "
+             "peer of stage 0, not to the TP ranks that hold their placeholders",
+             "set encoder_placement to \"uniform\" beside parallel.tp",
+             refused=lambda s: s.encoder_placement == "bubbles",
+             when='encoder_placement="bubbles"', note=UNDER_PP + ' ("auto" picks "uniform" here)'),
     _composes("tp", "encoder_pool", "each TP rank pools over its own data-parallel (x SP) "
               "ranks, all TP ranks alike"),
     _refused("ep", "tp", "the experts beside tp are DeepSpeed's AutoEP+AutoTP folding, which "
@@ -179,8 +188,10 @@ RULES = (
              note="Megatron's expert-data-parallel layout: attention and dense MLPs over tp "
              "(AutoTP's layers), the experts over ep consecutive ranks of a stage's dp x tp, "
              "each TP rank dispatching 1/tp of a row's assignments; ep divides dp x tp"),
-    _composes("pp", "encoder_placement", "where the encoders run under pp: \"stage0\" or "
-              "\"uniform\" (not with bf16.immediate_grad_update)"),
+    _composes("pp", "encoder_placement", "where the encoders run under pp: \"stage0\", "
+              "\"uniform\" (not with bf16.immediate_grad_update), \"bubbles\" (fp32: its encoder "
+              "backward runs between the engine's backward passes) or \"auto\" (\"bubbles\" where "
+              "the cost model predicts a gain, else \"uniform\")"),
     _refused("encoder_pool", "pp", "the pool spreads the items of rows held by one rank or by an "
              "SP group, not by pipeline stages", "set encoder_pool to \"off\" (encoder_placement "
              "\"uniform\" balances the encoders over the stages) or parallel.pp to 1"),

@@ -27,9 +27,9 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline stages of the LLM (DeepSpeed's pipeline engine; ZeRO 0/1, sp = 1); `ds-omni plan`
     prints the boundaries. More: docs/parallelism.md#pipeline-parallelism."""
-    encoder_placement: Literal["stage0", "uniform"] = "stage0"
-    """Under pp > 1, where encoders run: "stage0" (the first stage, as Megatron-LM) or "uniform"
-    (every stage, a cost-balanced share). More: docs/parallelism.md#pipeline-parallelism."""
+    encoder_placement: Literal["stage0", "uniform", "bubbles", "auto"] = "stage0"
+    """Under pp > 1, where encoders run: "stage0" (Megatron-LM), "uniform" (each stage a share),
+    "bubbles" (in idle slots) or "auto" (the cost model's pick). More: docs/parallelism.md."""
     stage_tokens: int = 0
     """Under pp > 1, tokens of a typical sample the stage boundaries are planned for; 0:
     data.max_seq_len. More: docs/parallelism.md#pipeline-parallelism."""

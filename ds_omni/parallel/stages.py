@@ -22,7 +22,7 @@ import numpy as np
 from ds_omni.config import StageSplit
 from ds_omni.errors import LaunchError
 
-PLACEMENTS = ("stage0", "uniform")
+PLACEMENTS = ("stage0", "uniform", "bubbles")  # "bubbles" splits stages as "uniform" does
 SPLITS = typing.get_args(StageSplit)
 
 

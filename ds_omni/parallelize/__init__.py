@@ -7,7 +7,7 @@ The model is built whole (`ds_omni.model.build`); `parallelize` builds what the 
   encoder_pool.py     each round's encoder items placed over every data-parallel rank
   pipeline.py         the LLM over pipeline stages on DeepSpeed's PipelineModule (parallel.pp > 1)
   pipe_grid.py        the pipeline engine's topology with tp and sp inside the stages
-  joint.py            "uniform" encoder placement: every stage encodes a share of the step's items
+  joint.py            "uniform" placement: each stage encodes a share (bubble_schedule.py: "bubbles")
   tensor_parallel.py  the backbone's decoder layers over the TP group (DeepSpeed's AutoTP)
   tp_encoders.py      the encoders under TP: each TP rank encodes a share, rows all-gathered
   expert_parallel.py  an MoE LLM's experts over ep ranks (DeepSpeed's AutoEP); beside tp:
@@ -54,7 +54,7 @@ def parallelize(built, plan: ParallelPlan, groups: RankGroups, cfg: OmniConfig, 
     return apply_plan(model, kernel=cfg.model.attn_implementation, sp_group=groups.sp,
                       blocks=groups.blocks, pool=pool,
                       encoder_dummies=encoder_dummies_needed(ds_config, plan.pp_enabled),
-                      pipeline=pipeline_spec_for(cfg, built, plan, cost, item_cost),
+                      pipeline=pipeline_spec_for(cfg, built, plan, cost, item_cost, ds_config),
                       tp_group=groups.tp, llm_config=llm_config,
                       experts=expert_fold_for(plan, groups.tp, llm_config),
                       tp_encoders=tp_encoders_for(cfg, built, plan, rank, groups.tp, item_cost),

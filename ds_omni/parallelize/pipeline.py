@@ -194,6 +194,9 @@ class JointSetup:
         joint.encode(self.encoders, shares, self.processors, self.encoder_dummies)
         return joint
 
+    def bind(self, engine) -> None:
+        """What the placement needs of the engine before a step (nothing, under "uniform")."""
+
     def encoders_dtype(self) -> torch.dtype:
         return next(self.encoders.parameters()).dtype
 
@@ -319,8 +322,10 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
     # would hold stage 0's gradients alone
     for p in module.parameters():
         p.model_parallel = True
+    from ds_omni.parallelize import bubble_schedule  # its instructions import DeepSpeed
     module.joint = None
-    if placement == "uniform":
+    module.clock = bubble_schedule.StageClock()  # bubble_fraction, every placement
+    if placement in ("uniform", "bubbles"):
         stage = module.stage_id
         if stage != 0:  # every stage holds the encoders; each parameter's owner steps it
             module.add_module("joint_encoders", model.encoders)
@@ -328,6 +333,9 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
         module.joint = JointSetup(model, processors, item_cost, stage, plan.pp,
                                   module._grid.get_pipe_parallel_group(), encoder_dummies)
         module.joint.mark_replicas()
+        if placement == "bubbles":  # the encoders' work inside the schedule's idle slots
+            module.joint = bubble_schedule.BubbleSetup(module.joint, stage_plan.layer_time,
+                                                       module.clock)
     if plan.tp_enabled:  # the stage's decoder layers hold AutoTP's layers (`shard_backbone`)
         module.tp_counts = tp_counts(module)
         mark_norm_owners(module, module._grid.get_slice_parallel_rank())
@@ -341,7 +349,8 @@ def stage_plan(cfg, built, plan, cost, split: str | None = None) -> StagePlan:
     split = split or cfg.parallel.stage_split
     layer_params, encoder_params = (layer_param_counts(built.model) if split == "parameters"
                                     else (None, 0))
-    return stage_plan_for(cost, plan.pp, cfg.parallel.encoder_placement,
+    placement = cfg.parallel.encoder_placement
+    return stage_plan_for(cost, plan.pp, "uniform" if placement == "auto" else placement,
                           cfg.train.micro_batch_size, stage_tokens(cfg), split=split,
                           layer_params=layer_params, encoder_params=encoder_params)
 
@@ -351,13 +360,29 @@ def stage_tokens(cfg) -> int:
     return cfg.parallel.stage_tokens or cfg.data.max_seq_len
 
 
-def pipeline_spec_for(cfg, built, plan, cost, item_cost: Callable) -> PipelineSpec | None:
+def pipeline_spec_for(cfg, built, plan, cost, item_cost: Callable,
+                      ds_config: dict | None = None) -> PipelineSpec | None:
     """What `build_pipeline_module` needs under parallel.pp > 1, split where the cost model
-    says; None without a pipeline."""
+    says, the placement "auto" resolved (`resolved_placement`); None without a pipeline."""
     if not plan.pp_enabled:
         return None
-    return PipelineSpec(plan, stage_plan(cfg, built, plan, cost), cfg.parallel.encoder_placement,
+    stages = stage_plan(cfg, built, plan, cost)
+    return PipelineSpec(plan, stages, resolved_placement(cfg, plan, cost, stages, ds_config),
                         built.item_processors, item_cost)
+
+
+def resolved_placement(cfg, plan, cost, stages: StagePlan, ds_config: dict | None) -> str:
+    """parallel.encoder_placement, "auto" resolved by the cost model's model of a typical step
+    (`ds_omni.parallel.bubbles.auto_placement`: "bubbles" where it predicts a gain)."""
+    placement = cfg.parallel.encoder_placement
+    if placement != "auto":
+        return placement
+    if plan.tp_enabled or plan.sp_enabled:  # "bubbles" is refused beside them (the table)
+        return "uniform"
+    from ds_omni.parallel.bubbles import auto_placement
+    micro = max(cfg.train.global_batch_size // (cfg.train.micro_batch_size * plan.dp), 1)
+    bf16 = bool((ds_config or {}).get("bf16", {}).get("enabled", False))
+    return auto_placement(cost, stages.layer_time, micro, cfg.train.micro_batch_size, bf16)
 
 
 def engine_inputs(micro_batches: list) -> list[tuple]:
@@ -372,7 +397,8 @@ def around_instructions(engine, wraps: dict) -> None:
     """Make the engine's pipeline instructions of the types in `wraps` (e.g. `OptimizerStep`:
     the end of `train_batch`, every backward done and gradients reduced) call
     `wrap(engine, run)`, where `run()` executes the original instruction."""
-    cls_map = type(engine)._INSTRUCTION_MAP
+    # the class's map, or the one a placement installed with its own instructions
+    cls_map = engine.__dict__.get("_ds_omni_instructions", type(engine)._INSTRUCTION_MAP)
 
     def wrapped(kind, wrap):
         original = cls_map[kind]
@@ -396,7 +422,12 @@ def check_pipeline(cfg, ds_config: dict, llm_config) -> None:
     check_stages(llm_config.num_hidden_layers, pp)
     if getattr(llm_config, "tie_word_embeddings", False):
         raise LaunchError(TIED)
-    if (cfg.parallel.encoder_placement == "uniform"
+    if (cfg.parallel.encoder_placement == "bubbles"
+            and ds_config.get("bf16", {}).get("enabled", False)):
+        raise LaunchError("bf16 with parallel.encoder_placement \"bubbles\": its encoder backward "
+                          "runs between the engine's backward passes, whose bf16 optimizer moves "
+                          "gradients into fp32 at each; use \"uniform\" under bf16 (or fp32)")
+    if (cfg.parallel.encoder_placement in ("uniform", "bubbles")
             and ds_config.get("bf16", {}).get("immediate_grad_update", False)):
         raise LaunchError("bf16.immediate_grad_update with parallel.encoder_placement \"uniform\": "
                           "DeepSpeed then moves each gradient into fp32 as it is made, before the "

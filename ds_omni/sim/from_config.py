@@ -50,7 +50,8 @@ def sim_plan(cfg: OmniConfig, ds_json: dict, gpus: int) -> SimPlan:
                    reorder=cfg.data.reorder.mode, reorder_group=cfg.data.reorder.group_size,
                    max_sequence_sp=plan.max_sequence_sp,
                    encoder_mode="pool" if par.encoder_pool == "dp" else "reshard",
-                   long_items=par.encoder_sp != "off", encoder_placement=par.encoder_placement,
+                   long_items=par.encoder_sp != "off", encoder_placement=(
+                       "uniform" if par.encoder_placement == "auto" else par.encoder_placement),
                    stage_split=par.stage_split,
                    # the tokens training plans its stage boundaries for
                    # (`ds_omni.parallelize.pipeline.stage_tokens`)

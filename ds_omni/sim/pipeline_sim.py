@@ -21,6 +21,10 @@ from ds_omni.parallelize.joint import assign_items
 from ds_omni.sim import comm, model_parallel
 from ds_omni.sim.timeline import COMM
 
+# the placements with encoders on every stage; "bubbles" is priced as "uniform" (its upper bound:
+# the bubbles' own timeline is `ds_omni.parallel.bubbles`, which `ds-omni plan` prints)
+JOINT = ("uniform", "bubbles")
+
 
 def stage_plan(step):
     """The stage boundaries of the plan, as `ds_omni.parallelize.pipeline.stage_plan` computes
@@ -50,7 +54,7 @@ def stage_params(step, s: int) -> tuple[float, float]:
     enc = {n: m.encoder_params(n) for n in d.encoders}
     if step.plan.encoder_placement == "stage0" and s > 0:
         enc = {}
-    owned = 1 / step.pplan.pp if step.plan.encoder_placement == "uniform" else 1
+    owned = 1 / step.pplan.pp if step.plan.encoder_placement in JOINT else 1
     trained = ((0 if "llm" in m.frozen else llm)
                + owned * sum(v for n, v in enc.items() if n not in m.frozen))
     return llm + sum(enc.values()), trained
@@ -62,7 +66,7 @@ def encoder_shard_seconds(step) -> float:
     updated parameters broadcast back, priced as a reduce-scatter and an all-gather of them
     (each rank sends and receives (P - 1) / P of the bytes each way). 0 without them."""
     m, P = step.model, step.pplan.pp
-    if step.plan.encoder_placement != "uniform" or P < 2:
+    if step.plan.encoder_placement not in JOINT or P < 2:
         return 0.0
     nbytes = sum(m.encoder_params(n) for n in m.dims.encoders if n not in m.frozen) \
         * m.bytes_per_param
@@ -127,7 +131,7 @@ def run_pipeline(step) -> None:
     llm, tokens, enc = _micro_arrays(step)
     ranks = [step.ranks_of(0, p.dp, s) for s in range(P)]  # [P][D]
     act = tokens * step.model.dims.hidden * 2  # [M, D] bytes sent between stages
-    uniform = plan.encoder_placement == "uniform"
+    uniform = plan.encoder_placement in JOINT
     fwd_e, ckpt = step.encoder_fwd, plan.checkpointing
     # per micro-batch, each stage's weights read and gradients accumulated: the layers a
     # micro-batch runs through (the joint pipeline's encoder replicas run once a step, in

@@ -21,6 +21,7 @@ from ds_omni.data.skipped import SKIPPED_FILE, flush_skipped, skipped_totals
 from ds_omni.errors import LaunchError
 from ds_omni.parallel import dist
 from ds_omni.parallelize import router_of
+from ds_omni.parallelize.bubble_schedule import bubble_metrics
 from ds_omni.parallelize.expert_parallel import expert_load
 from ds_omni.train import checkpoint
 from ds_omni.train.control import WeightsFile
@@ -157,7 +158,8 @@ def _steps(cfg, engine, loader, groups, logger, rank, start, end, watchdog, eval
                       **{f"data_{k}": v for k, v in batch.stats.items()
                          if k in ("skipped", "outliers", "mean_delay", "max_delay",
                                   "long_items")},
-                      **pool_metrics(engine.module), **sp_metrics(engine.module), **moe}
+                      **pool_metrics(engine.module), **sp_metrics(engine.module), **moe,
+                      **bubble_metrics(engine.module)}
             if cfg.train.log_samples:
                 record["sample_keys"] = sorted(k for part in groups.comm.world_all_gather(
                     batch.keys) for k in part)

@@ -32,10 +32,11 @@ from ds_omni.model.build import (build_model, check_context_parallel, check_mode
 from ds_omni.parallel import dist
 from ds_omni.parallel.groups import RankGroups, rank_groups
 from ds_omni.parallel.plan import ParallelPlan
+from ds_omni.parallel.bubbles import typical_schedule
 from ds_omni.parallel.stages import SPLITS, describe
 from ds_omni.parallelize import parallelize
-from ds_omni.parallelize.pipeline import (check_pipeline, optimizer_params, stage_plan,
-                                         stage_tokens)
+from ds_omni.parallelize.pipeline import (check_pipeline, optimizer_params, resolved_placement,
+                                         stage_plan, stage_tokens)
 from ds_omni.parallelize.tensor_parallel import (check_tensor_parallel, check_tp_with_sp,
                                                   tp_beyond_kv_heads)
 from ds_omni.train import checkpoint
@@ -114,20 +115,27 @@ def describe_plan(cfg: OmniConfig, plan: ParallelPlan, ds_config: dict,
     if plan.pp_enabled:
         with torch.device("meta"):
             built = build_model(cfg.model)
-        out["pipeline"] = _pipeline_stages(cfg, plan, built, cost_model(cfg, built))
+        out["pipeline"] = _pipeline_stages(cfg, plan, built, cost_model(cfg, built), ds_config)
     return out
 
 
-def _pipeline_stages(cfg: OmniConfig, plan: ParallelPlan, built, cost: CostModel) -> dict:
+def _pipeline_stages(cfg: OmniConfig, plan: ParallelPlan, built, cost: CostModel,
+                     ds_config: dict | None = None) -> dict:
+    placement = resolved_placement(cfg, plan, cost, stage_plan(cfg, built, plan, cost), ds_config)
     slowest = {split: max(stage_plan(cfg, built, plan, cost, split).stage_time)
                for split in SPLITS}
-    return {"encoder_placement": cfg.parallel.encoder_placement,
-            "stage_split": cfg.parallel.stage_split,
-            "workload": f"micro-batches of {cfg.train.micro_batch_size} samples x "
-                        f"{stage_tokens(cfg)} tokens, one item per encoder each",
-            "stages": describe(stage_plan(cfg, built, plan, cost)),
-            "slowest_stage_by_split": {split: round(t / slowest[cfg.parallel.stage_split], 4)
-                                       for split, t in slowest.items()}}
+    out = {"encoder_placement": placement,
+           "stage_split": cfg.parallel.stage_split,
+           "workload": f"micro-batches of {cfg.train.micro_batch_size} samples x "
+                       f"{stage_tokens(cfg)} tokens, one item per encoder each",
+           "stages": describe(stage_plan(cfg, built, plan, cost)),
+           "slowest_stage_by_split": {split: round(t / slowest[cfg.parallel.stage_split], 4)
+                                      for split, t in slowest.items()}}
+    if placement == "bubbles":  # which schedule steps each stage encodes in
+        micro = max(cfg.train.global_batch_size // (cfg.train.micro_batch_size * plan.dp), 1)
+        out["bubble_schedule"] = typical_schedule(
+            cost, stage_plan(cfg, built, plan, cost).layer_time, micro, cfg.train.micro_batch_size)
+    return out
 
 
 # ------------------------------------------------------------------ 2. this rank's run

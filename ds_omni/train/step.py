@@ -170,8 +170,12 @@ def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
     inputs.batches = [mb.to(engine.device) for mb in batch.micro_batches]
     dropped = []
     try:
+        if module.clock is not None:  # the step's span, for bubble_fraction
+            module.clock.begin()
         if module.joint is not None:  # "uniform": every stage encodes its share now
-            inputs.joint = module.joint.start(inputs.batches, engine.device)
+            inputs.joint = module.clock.timed(lambda: module.joint.start(inputs.batches,
+                                                                         engine.device))
+            module.joint.bind(engine)
         around_instructions(engine, _pipeline_hooks(module, batch, comm, on_reduced_grads, guard,
                                                     dropped))
         engine.train_batch(data_iter=iter(engine_inputs(batch.micro_batches)))
@@ -195,10 +199,20 @@ def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list)
     def encoders_backward(engine, run):
         if joint is not None:
             with late_grads_to_master(engine.optimizer):  # bf16: else they are dropped
-                joint.finish(module.step_inputs.joint)
+                module.clock.timed(lambda: joint.finish(module.step_inputs.joint))
         fill_missing_grads(optimizer_params(module))  # an encoder with no item in the whole step
         run()
     hooks[schedule.ReduceTiedGrads] = encoders_backward
+    clock = module.clock
+    if clock is not None:  # the schedule's own timestamps (bubble_fraction)
+        def timed(engine, run):
+            clock.timed(run)
+        hooks[schedule.ForwardPass] = hooks[schedule.BackwardPass] = timed
+
+        def reduce_tied(engine, run, backward=encoders_backward):
+            backward(engine, run)
+            clock.finish()
+        hooks[schedule.ReduceTiedGrads] = reduce_tied
 
     if joint is not None:
         def reduce_grads(engine, run):

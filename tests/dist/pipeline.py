@@ -21,6 +21,10 @@ after it resumes from that checkpoint and trains the step again: the same sample
 parameters, bit for bit (under "uniform" stage 1's optimizer state holds the encoder parameters
 it owns); the final checkpoint exports (DeepSpeed's per-layer files) to an HF
 directory that transformers loads, with exactly the trained weights.
+"bubbles" (`pp_composed_bubbles`: the composition split by cost, in loader order so items sit in
+later micro-batches) is checked as "uniform" is, and some item's forward must have run in an
+idle slot (`items_in_gaps`); two plants (rows received after the forward that needed them, an
+encoder backward skipped in the cool-down) must fail it.
 DP2 x PP2 (both placements) trains in `test_parity.py`'s 4-rank launch, checked the same way
 (`dp=2`: the reference trains the global batches of 2 data-parallel loaders). The slow tier
 (`test_parity_slow.py`) adds PP=4 (both placements, ZeRO-1, 6 decoder layers) and "uniform" under
@@ -29,6 +33,7 @@ ZeRO-1 at PP=2 (clipped, resumed and exported as the ZeRO-0 case).
 
 from tests import oracle
 
+JOINT = ("uniform", "bubbles")  # the placements that put encoders on every stage
 LR = 1e-3  # tiny_config's learning rate
 CLIP = 0.05  # gradient_clipping of the clipped "uniform" case: below every step's norm there
 
@@ -71,13 +76,15 @@ def check(name: str, case: dict, results: list, cfg, dp: int = 1, lr_at=None) ->
     oracle.assert_matches(ref, got, f"{name} PP={len(heads)} dp={dp}")
     oracle.assert_moved(ref, name)
     _check_replicas(case["placement"], heads)
-    if case["placement"] == "uniform" and case["stages"] == [0]:
+    if case["placement"] in JOINT and case["stages"] == [0]:
         _check_owners(heads, {n for n, p in built.model.named_parameters()
                               if p.requires_grad and n.startswith("encoders.")})
     # "uniform": after each step, every owner stage's broadcast (one bucket: fp32), on every rank
-    broadcasts = steps * len(heads) if case["placement"] == "uniform" else 0
+    broadcasts = steps * len(heads) if case["placement"] in JOINT else 0
     assert [r[name]["encoder_broadcasts"] for r in results] == [broadcasts] * len(results), name
     assert sum(r[name]["nothing_to_encode"] for r in results) > 0, name
+    if case["placement"] == "bubbles":  # some item's forward ran inside an idle slot
+        assert sum(r[name]["items_in_gaps"] for r in results) > 0, name
     if "resume_at" in case:
         _check_resume(name, case, results)
         _check_export(name, results[0][name]["resumed"]["output_dir"], got["params"])

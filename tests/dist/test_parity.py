@@ -11,7 +11,8 @@ scheduler) over `train.warmup_steps` = 2, the reference running the schedule as 
 and `test_plant_pipeline_is_caught` show the oracle fails on each planted error of
 `tests/plants/parity.py` (a loss scaled 2x, one dropped sample, weight decay dropped, the schedule a
 step late, placeholders trained on, pool rows filed under the wrong rank, a skipped encoder
-broadcast, a gradient norm counting replicas twice), each a 1-step case of this launch.
+broadcast, a gradient norm counting replicas twice, "bubbles" rows received late and an encoder
+backward skipped), each a 1-step case of this launch.
 
 Dropout: the "dropout" case turns the vision tower's attention dropout to 1.0 (in train mode
 every attention weight dropped: the tower's attention adds nothing). Masks of a dropout below 1
@@ -147,6 +148,12 @@ def cases(tmp_path_factory):
                                 "sources": [pipeline.SHAPES_TONES, text], "max_seq_len": 160,
                                 "steps": 3, "train": PP_BATCH, "resume_at": 2,
                                 "split": "layers", "parts": [0, 2, 5], "clip": pipeline.CLIP},
+        # the encoders' work inside the schedule's idle slots ("bubbles"), split by cost; in
+        # loader order, so items sit in later micro-batches (stage 1 encodes them in its warm-up)
+        "pp_composed_bubbles": {"stages": [0], "placement": "bubbles", "model": pipeline.COMPOSED,
+                                "sources": [pipeline.SHAPES_TONES, text], "max_seq_len": 160,
+                                "steps": 3, "train": PP_BATCH, "clip": pipeline.CLIP,
+                                "reorder": {"mode": "loader_order"}},
         # the vision tower's attention dropout at 1.0 (see the module docstring)
         "dropout": {"stages": [2], "dropout": 1.0},
     }
@@ -161,7 +168,9 @@ def cases(tmp_path_factory):
 
 # the honest case a plant's case copies (1 step, no resume)
 PLANTED_IN = {"pool_wrong_rank": "pool_llava", "skip_encoder_broadcast": "pp_composed_uniform",
-              "grad_norm_replicas_twice": "pp_composed_uniform"}
+              "grad_norm_replicas_twice": "pp_composed_uniform",
+              "bubble_rows_late": "pp_composed_bubbles",
+              "bubble_backward_skipped": "pp_composed_bubbles"}
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +215,8 @@ def _check_pipeline(name, case, results, tmp_path, dp=1):
 CAUGHT_BY = {"loss_x2": "grad of", "drop_sample": "losses", "pool_wrong_rank": "losses",
              "weight_decay_dropped": "param ", "lr_schedule_late": "param ",
              "placeholders_as_targets": "are targets",
-             "skip_encoder_broadcast": "param encoders", "grad_norm_replicas_twice": "clipped by"}
+             "skip_encoder_broadcast": "param encoders", "grad_norm_replicas_twice": "clipped by",
+             "bubble_rows_late": "losses", "bubble_backward_skipped": "grad of"}
 # plants put in the reference's process too: the oracle must see them on both sides
 IN_REFERENCE = {"placeholders_as_targets"}
 

@@ -22,7 +22,8 @@ size.
   a round spread one to each rank);
 - PP=4 in both placements (ZeRO-1): the tiny LLaVA with 6 decoder layers (so the cost model
   chooses the boundaries: 4 layers would force one a stage), 4 micro-batches of one sample a
-  step (text-only samples among them). The quick tier's PP=2 and DP2 x PP2 cases cover the
+  step (text-only samples among them); and "bubbles" on the image+audio composition (6 layers);
+- "bubbles" under ZeRO-1 at PP=2 (the quick tier's case is ZeRO-0). The quick tier's PP=2 and DP2 x PP2 cases cover the
   mechanism.
 Every pool case reads a skewed source: the rows of data-parallel rank 0 hold every image, the
 other ranks' rows are text alone, so each round the pool moves most of rank 0's items away; the
@@ -67,19 +68,34 @@ def two_rank_cases(tmp) -> dict:
             "sources": [pipeline.SHAPES_TONES, text], "max_seq_len": 160, "steps": 3,
             "train": PP_BATCH, "resume_at": 2, "split": "layers", "parts": [0, 2, 5],
             "clip": pipeline.CLIP},
+        # "bubbles" under ZeRO-1 (the quick tier's ZeRO-0 case), items in later micro-batches
+        "pp_composed_bubbles_zero1": {
+            "stages": [1], "placement": "bubbles", "model": pipeline.COMPOSED,
+            "sources": [pipeline.SHAPES_TONES, text], "max_seq_len": 160, "steps": 3,
+            "train": PP_BATCH, "clip": pipeline.CLIP, "reorder": {"mode": "loader_order"},
+            "resume_at": 2},
     }
     return {**cases, **{plant: {**cases[PLANTED_IN[plant]], "plant": plant, "steps": 1}
                         for plant in plants.for_launch("dp_slow")}}
 
 
+PP4_COMPOSED = {**pipeline.COMPOSED, "llm": {"config": {**pipeline.COMPOSED["llm"]["config"],
+                                                        "num_hidden_layers": 6}}}
+
+
 def four_rank_cases(tmp) -> dict:
     skewed = skewed_source(tmp / "skewed", dp=4, rows=64)  # 4 images a round on rank 0
+    text = text_source(tmp)
     pp4 = {"stages": [1], "pp": 4, "layers": 6, "steps": 3, "train": PP_BATCH,
-           "sources": [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]}
+           "sources": [{"name": "shapes", "path": "builtin:shapes"}, text]}
     return {"pool_llava_w4": {"stages": [3], "sources": [skewed], **POOL,
                               "train": {"global_batch_size": 16, "micro_batch_size": 4}},
             "pp4_stage0": {**pp4, "placement": "stage0"},
-            "pp4_uniform": {**pp4, "placement": "uniform"}}
+            "pp4_uniform": {**pp4, "placement": "uniform"},
+            # the image+audio composition over 4 stages, its encoders in the bubbles (ZeRO-1)
+            "pp4_bubbles": {**pp4, "placement": "bubbles", "model": PP4_COMPOSED,
+                            "sources": [pipeline.SHAPES_TONES, text],
+                            "max_seq_len": 160, "reorder": {"mode": "loader_order"}}}
 
 
 def _launch(tmp_path_factory, world: int, make_cases) -> tuple[dict, list, object]:

@@ -146,6 +146,7 @@ def _record_mechanisms(engine, built, plan, loader, out: dict) -> None:
         out["stage_layers"] = sum(isinstance(m, DecoderStage) for m in engine.module.modules())
     joint = getattr(engine.module, "joint", None)  # "uniform": the owners' broadcasts issued
     out["encoder_broadcasts"] = joint.shards.broadcasts if joint is not None else 0
+    out["items_in_gaps"] = getattr(joint, "items_in_gaps", 0)  # "bubbles": forwards in a gap
     pool = router.encoder_pool if router is not None else None  # items encoded for another rank
     out["pool_items_moved"] = pool.items_moved if pool is not None else 0
     if pool is not None:  # the per-step metric adds up to the items this rank encoded for others

@@ -78,3 +78,48 @@ def _pp_sp_wrong_peer(rank: int):
             p2p._grid = Shifted(grid)
         return planted
     yield from patched(p2p, "init_process_groups", make)
+
+
+# ------------------------------------ pipeline, "bubbles" placement (tests/dist/pipeline.py)
+@plant("bubble_rows_late", "stage 0 receives each micro-batch's encoder rows after the forward "
+       "that needed them (an item encoded after its micro-batch needed it): the forward reads "
+       "rows not there yet", "pp")
+def _bubble_rows_late(rank: int):
+    from deepspeed.runtime.pipe import schedule
+    from ds_omni.parallelize import bubble_schedule
+
+    def make(steps):
+        def planted(self):
+            late = []
+            for cmds in steps(self):
+                out = []
+                for cmd in cmds:
+                    if isinstance(cmd, bubble_schedule.RecvRows):
+                        late.append(cmd)
+                        continue
+                    out.append(cmd)
+                    if isinstance(cmd, schedule.ForwardPass):
+                        out += late
+                        late = []
+                yield out
+        return planted
+    yield from patched(bubble_schedule.BubbleSchedule, "steps", make)
+
+
+@plant("bubble_backward_skipped", "the encoder backward of the items placed in the cool-down's "
+       "idle slots is skipped (their gradients still received): those items never train the "
+       "encoders", "pp")
+def _bubble_backward_skipped(rank: int):
+    from ds_omni.parallelize import bubble_schedule
+
+    def make(backward):
+        def planted(enc, items, clock):
+            hidden = [i for i in items if enc.plan.hidden_backward[i]]
+            backward(enc, [i for i in items if i not in hidden], clock)
+            for i in hidden:  # received, then dropped
+                if enc.stage != 0:
+                    buf = bubble_schedule.torch.empty_like(enc.outputs[i])
+                    bubble_schedule.dist.irecv(buf, enc._peer(0), group=enc.group).wait()
+            enc.backwarded.update(hidden)
+        return planted
+    yield from patched(bubble_schedule.BubbleEncoding, "backward", make)

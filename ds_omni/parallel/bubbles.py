@@ -1,0 +1,347 @@
+"""Encoder work in the pipeline's bubbles: where each stage encodes, and a timeline of it (pure).
+
+DeepSpeed's 1F1B `TrainSchedule` leaves every stage idle for 2 (P - 1) slots a step: stage s
+waits s forward slots for its first micro-batch, then (P - 1 - s) backward slots for its first
+gradient, and the same mirrored in the cool-down. `timeline` replays the schedule's instruction
+streams (ported here as `step_micro`; a unit test holds it to DeepSpeed's) with modelled durations
+and blocking receives, and reports each stage's idle gaps. `plan_bubbles` places each encoder
+item's forward in a gap of one stage that ends before stage 0 needs the item's micro-batch, and its
+backward in a gap that starts after stage 0's backward of that micro-batch; what fits nowhere
+runs where "uniform" runs it (forward at the start, backward before the reduction), balanced.
+The plan is replayed with its own instructions, so a deadlock or a late item is found here.
+More: docs/parallelism.md, "Encoder work in the pipeline's bubbles".
+
+Dims: P stages, M micro-batches, 2 (M + P - 1) schedule steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def step_micro(step: int, stage: int, stages: int) -> tuple[int, bool]:
+    """(micro-batch, is_forward) of `stage`'s step `step` in DeepSpeed's TrainSchedule (the
+    micro-batch may be out of range: an idle slot). Forward of m at step 2m + s, backward of m
+    at step 2m + 2P - 1 - s."""
+    if (step - stage) % 2 == 0:
+        return (step - stage) // 2, True
+    return (step + stage + 1) // 2 - stages, False
+
+
+def schedule_steps(stages: int, micro_batches: int) -> int:
+    return 2 * (micro_batches + stages - 1)
+
+
+def stage_ops(stage: int, stages: int, micro_batches: int, fwd: float, bwd: float,
+              before: dict[int, list] | None = None, after_bwd: dict[int, list] | None = None,
+              before_fwd: dict[int, list] | None = None) -> list[tuple]:
+    """The stage's instruction stream as ops (kind, key or seconds, step): "send"/"recv" of a key
+    (("act", m, s), ("grad", m, s), or an encoder message), "work" of seconds; `before[t]`: ops
+    put in at the start of step t (t = the step count: before the reduction), `after_bwd[m]`
+    after the backward of m, `before_fwd[m]` right before the forward of m."""
+    before, after_bwd, before_fwd = before or {}, after_bwd or {}, before_fwd or {}
+    ops, prev, total = [], -1, schedule_steps(stages, micro_batches)
+    valid = range(micro_batches).__contains__
+    for step in range(total):
+        ops += [(kind, key, step) for kind, key in before.get(step, [])]
+        m, forward = step_micro(step, stage, stages)
+        if forward:
+            if valid(prev) and stage > 0:
+                ops.append(("send", ("grad", prev, stage - 1), step))
+            if valid(m) and stage > 0:
+                ops.append(("recv", ("act", m, stage), step))
+            if valid(m):
+                ops += [(kind, key, step) for kind, key in before_fwd.get(m, [])]
+                ops.append(("work", fwd, step))
+        else:
+            if valid(m) and stage < stages - 1:
+                ops.append(("recv", ("grad", m, stage), step))
+            if valid(prev) and stage < stages - 1:
+                ops.append(("send", ("act", prev, stage + 1), step))
+            if valid(m):
+                ops.append(("work", bwd, step))
+                ops += [(kind, key, step) for kind, key in after_bwd.get(m, [])]
+        prev = m
+    return ops + [(kind, key, total) for kind, key in before.get(total, [])]
+
+
+@dataclass
+class Timeline:
+    """Per stage: ops' (start, end) times, its idle gaps (step, start, end), its busy seconds and
+    its end; `end` the step's (the slowest stage's); `forward_start[m]` when stage 0 starts the
+    forward of m, `backward_end[m]` when it ends its backward."""
+
+    spans: list[list[tuple[float, float]]]
+    gaps: list[list[tuple[int, float, float]]]
+    busy: list[float]
+    ends: list[float]
+    forward_start: dict[int, float] = field(default_factory=dict)
+    backward_end: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def end(self) -> float:
+        return max(self.ends)
+
+    def bubble_fractions(self) -> list[float]:
+        """Each stage's share of the step spent idle (the step ends when the slowest does)."""
+        return [1.0 - b / self.end if self.end else 0.0 for b in self.busy]
+
+
+class Deadlock(RuntimeError):
+    pass
+
+
+def timeline(streams: list[list[tuple]], total_steps: int) -> Timeline:
+    """Replay the stages' op streams: a send takes no time and never blocks, a receive waits for
+    its send, work takes its seconds. Raises `Deadlock` when no stage can go on. A stage idles
+    from its end to the slowest's (a gap at step `total_steps`)."""
+    n = len(streams)
+    at, clock = [0] * n, [0.0] * n
+    sent: dict = {}
+    spans = [[] for _ in range(n)]
+    gaps = [[] for _ in range(n)]
+    busy = [0.0] * n
+    moved = True
+    while moved:
+        moved = False
+        for s in range(n):
+            while at[s] < len(streams[s]):
+                kind, key, step = streams[s][at[s]]
+                start = clock[s]
+                if kind == "recv":
+                    if key not in sent:
+                        break
+                    clock[s] = max(clock[s], sent[key])
+                    if clock[s] > start:
+                        gaps[s].append((step, start, clock[s]))
+                elif kind == "send":
+                    sent[key] = clock[s]
+                else:
+                    clock[s] += key
+                    busy[s] += key
+                spans[s].append((start, clock[s]))
+                at[s] += 1
+                moved = True
+    if any(at[s] < len(streams[s]) for s in range(n)):
+        stuck = [streams[s][at[s]] for s in range(n) if at[s] < len(streams[s])]
+        raise Deadlock(f"the pipeline schedule cannot go on: stages wait on {stuck}")
+    end = max(clock)
+    for s in range(n):  # idle until the slowest stage ends (the step's reduction)
+        if clock[s] < end:
+            gaps[s].append((total_steps, clock[s], end))
+    return Timeline(spans, gaps, busy, list(clock))
+
+
+def base_timeline(stages: int, micro_batches: int, fwd: list[float],
+                  bwd: list[float]) -> Timeline:
+    """The bare 1F1B schedule's timeline, with stage 0's forward starts and backward ends."""
+    streams = [stage_ops(s, stages, micro_batches, fwd[s], bwd[s]) for s in range(stages)]
+    line = timeline(streams, schedule_steps(stages, micro_batches))
+    for (kind, key, step), (start, end) in zip(streams[0], line.spans[0]):
+        if kind == "work":
+            m, forward = step_micro(step, 0, stages)
+            if forward:
+                line.forward_start[m] = start
+            else:
+                line.backward_end[m] = end
+    return line
+
+
+@dataclass(frozen=True)
+class BubblePlan:
+    """Per item (in the caller's order): its stage, the step its forward runs at the start of
+    and the step its backward does (the step count: before the reduction), and whether each was
+    placed in a gap; the modelled step time of "uniform" and of this plan, and the stages'
+    modelled idle shares under this plan."""
+
+    stage_of: list[int]
+    forward_at: list[int]
+    backward_at: list[int]
+    hidden_forward: list[bool]
+    hidden_backward: list[bool]
+    stages: int
+    micro_batches: int
+    uniform_time: float = 0.0
+    planned_time: float = 0.0
+    bubble_fractions: tuple[float, ...] = ()
+    hidden_share: float = 0.0  # of the modelled encoder work, the share put in gaps
+
+    @property
+    def steps(self) -> int:
+        return schedule_steps(self.stages, self.micro_batches)
+
+
+def plan_bubbles(micro: list[int], costs: list[float], stages: int, micro_batches: int,
+                 stage_cost: list[float], forward_share: float = 1 / 3) -> BubblePlan:
+    """Place items of micro-batch `micro[i]` and training cost `costs[i]` (the cost model's,
+    forward + backward) into the gaps of the 1F1B schedule whose stages cost `stage_cost` [P] a
+    micro-batch (forward + backward); a forward costs `forward_share` of either."""
+    fwd = [c * forward_share for c in stage_cost]
+    bwd = [c - f for c, f in zip(stage_cost, fwd)]
+    base = base_timeline(stages, micro_batches, fwd, bwd)
+    room = [[[step, start, end, start] for step, start, end in gaps] for gaps in base.gaps]
+    n = len(costs)
+    stage_of, f_at, b_at = [0] * n, [0] * n, [schedule_steps(stages, micro_batches)] * n
+    hid_f, hid_b = [False] * n, [False] * n
+    late_f, late_b = [0.0] * stages, [0.0] * stages  # unhidden work: at the start, at the end
+    for i in sorted(range(n), key=lambda i: (micro[i], -costs[i], i)):
+        ef, eb, m = costs[i] * forward_share, costs[i] * (1 - forward_share), micro[i]
+        best = None
+        for s in range(stages):
+            fg = _fit_forward(room[s], ef, base.forward_start[m], 2 * m if s == 0 else None)
+            bg = _fit_backward(room[s], eb, base.backward_end[m],
+                               2 * m + 2 * stages if s == 0 else None)
+            # what stays on the critical path: the largest unhidden share before the schedule
+            # and after it (the stages run theirs side by side, as under "uniform")
+            exposed = (max(late_f[t] + ef * (t == s and fg is None) for t in range(stages))
+                       + max(late_b[t] + eb * (t == s and bg is None) for t in range(stages)))
+            hidden = ef * (fg is not None) + eb * (bg is not None)
+            key = (exposed, -hidden, s)
+            if best is None or key < best[0]:
+                best = (key, s, fg, bg)
+        _, s, fg, bg = best
+        stage_of[i] = s
+        if fg is not None:
+            fg[3] += ef
+            f_at[i], hid_f[i] = fg[0], True
+        else:
+            late_f[s] += ef
+            if s > 0 and room[s]:  # run at the start: it fills the stage's leading gap first
+                room[s][0][3] += ef
+        if bg is not None:
+            bg[3] = max(bg[3], base.backward_end[m]) + eb
+            b_at[i], hid_b[i] = bg[0], True
+        else:
+            late_b[s] += eb
+    plan = BubblePlan(stage_of, f_at, b_at, hid_f, hid_b, stages, micro_batches)
+    return _priced(plan, micro, costs, fwd, bwd, forward_share)
+
+
+def _fit_forward(gaps: list[list], work: float, deadline: float, last_step: int | None):
+    """The first gap that holds `work` and ends it by `deadline` (at or before `last_step`)."""
+    for gap in gaps:
+        step, _, end, used = gap
+        if last_step is not None and step > last_step:
+            break
+        if used + work <= min(end, deadline) + 1e-12:
+            return gap
+    return None
+
+
+def _fit_backward(gaps: list[list], work: float, ready: float, first_step: int | None):
+    """The first gap (at or after `first_step`) that holds `work` started no earlier than
+    `ready`."""
+    for gap in gaps:
+        step, _, end, used = gap
+        if first_step is not None and step < first_step:
+            continue
+        if max(used, ready) + work <= end + 1e-12 and end > ready:
+            return gap
+    return None
+
+
+def streams_of(plan: BubblePlan, micro: list[int], costs: list[float], fwd: list[float],
+               bwd: list[float], forward_share: float = 1 / 3) -> list[list[tuple]]:
+    """The stages' op streams with the plan's encoder instructions (what `BubbleSchedule` runs)."""
+    out = []
+    for s in range(plan.stages):
+        before: dict[int, list] = {}
+        before_fwd: dict[int, list] = {}
+        after_bwd: dict[int, list] = {}
+        for i, (m, c) in enumerate(zip(micro, costs)):
+            if plan.stage_of[i] == s:
+                before.setdefault(plan.forward_at[i], []).append(("work", c * forward_share))
+                if s > 0:
+                    before[plan.forward_at[i]].append(("send", ("rows", i)))
+                    before.setdefault(plan.backward_at[i], []).append(("recv", ("rgrad", i)))
+                before.setdefault(plan.backward_at[i], []).append(("work", c * (1 - forward_share)))
+            if s == 0 and plan.stage_of[i] > 0:
+                before_fwd.setdefault(m, []).append(("recv", ("rows", i)))
+                after_bwd.setdefault(m, []).append(("send", ("rgrad", i)))
+        out.append(stage_ops(s, plan.stages, plan.micro_batches, fwd[s], bwd[s], before,
+                             after_bwd, before_fwd))
+    return out
+
+
+def _priced(plan: BubblePlan, micro, costs, fwd, bwd, forward_share) -> BubblePlan:
+    """The plan with its modelled times. Where its replay is slower than "uniform" (the model's
+    gaps shift once unhidden work runs), or deadlocks (it should not), the items go where
+    "uniform" puts them instead (longest first to the least loaded stage, forward at the start,
+    backward before the reduction), streamed micro-batch by micro-batch."""
+    from dataclasses import replace
+    total = sum(costs)
+    base = base_timeline(plan.stages, plan.micro_batches, fwd, bwd)
+    shares = [0.0] * plan.stages  # "uniform": its shares before the schedule and after it
+    for i, s in enumerate(_longest_first(costs, plan.stages)):
+        shares[s] += costs[i]
+    uniform = base.end + max(shares)
+    try:
+        line = timeline(streams_of(plan, micro, costs, fwd, bwd, forward_share), plan.steps)
+    except Deadlock:
+        line = None
+    if line is None or line.end > uniform:
+        n = len(costs)
+        plan = replace(plan, stage_of=_longest_first(costs, plan.stages), forward_at=[0] * n,
+                       backward_at=[plan.steps] * n, hidden_forward=[False] * n,
+                       hidden_backward=[False] * n)
+        line = timeline(streams_of(plan, micro, costs, fwd, bwd, forward_share), plan.steps)
+    hidden = sum(c * (forward_share * hf + (1 - forward_share) * hb) for c, hf, hb in
+                 zip(costs, plan.hidden_forward, plan.hidden_backward))
+    return replace(plan, uniform_time=uniform, planned_time=line.end,
+                   bubble_fractions=tuple(line.bubble_fractions()),
+                   hidden_share=hidden / total if total else 1.0)
+
+
+def _longest_first(costs: list[float], stages: int) -> list[int]:
+    """Stage of each item: longest first to the least loaded (ties: the lower stage)."""
+    load, out = [0.0] * stages, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        out[i] = min(range(stages), key=lambda s: (load[s], s))
+        load[out[i]] += costs[i]
+    return out
+
+
+def describe_slots(plan: BubblePlan) -> list[dict]:
+    """Per stage: the schedule steps it encodes in (forward: "step:items", backward likewise;
+    the step count means before the reduction), what `ds-omni plan` prints."""
+    out = []
+    for s in range(plan.stages):
+        fwd: dict[int, int] = {}
+        bwd: dict[int, int] = {}
+        for i, st in enumerate(plan.stage_of):
+            if st == s:
+                fwd[plan.forward_at[i]] = fwd.get(plan.forward_at[i], 0) + 1
+                bwd[plan.backward_at[i]] = bwd.get(plan.backward_at[i], 0) + 1
+        out.append({"stage": s, "forward_steps": {k: fwd[k] for k in sorted(fwd)},
+                    "backward_steps": {k: bwd[k] for k in sorted(bwd)},
+                    "modelled_idle": round(plan.bubble_fractions[s], 4)
+                    if plan.bubble_fractions else None})
+    return out
+
+
+def typical_schedule(cost, stage_time: list[float], micro_batches: int, samples: int) -> dict:
+    """What `ds-omni plan` prints under "bubbles": the plan of a step of `micro_batches`
+    micro-batches of `samples` samples with one item per encoder each (the size the cost model
+    runs as a dummy), on stages costing `stage_time` a micro-batch: where each stage encodes
+    (`describe_slots`), the share of encoder work in idle slots and the modelled step against
+    "uniform"'s."""
+    per_item = [float(cost.encoder_cost(name, [max(e.dummy_len, 1)])[0])
+                for name, e in cost.dims.encoders.items()]
+    micro = [m for m in range(micro_batches) for _ in range(samples) for _ in per_item]
+    costs = [c for _ in range(micro_batches) for _ in range(samples) for c in per_item]
+    plan = plan_bubbles(micro, costs, len(stage_time), micro_batches, stage_time)
+    return {"hidden_share": round(plan.hidden_share, 4),
+            "modelled_step_vs_uniform": round(plan.planned_time / plan.uniform_time, 4)
+            if plan.uniform_time else 1.0,
+            "steps": plan.steps, "slots": describe_slots(plan)}
+
+
+def auto_placement(cost, stage_time: list[float], micro_batches: int, samples: int,
+                   bf16: bool) -> str:
+    """`encoder_placement: "auto"` under pp > 1: "bubbles" where the model of a typical step
+    (`typical_schedule`) predicts it faster than "uniform" by at least 1 %, else "uniform"
+    (always under bf16, which "bubbles" does not run)."""
+    if bf16:
+        return "uniform"
+    typical = typical_schedule(cost, stage_time, micro_batches, samples)
+    return "bubbles" if typical["modelled_step_vs_uniform"] <= 0.99 else "uniform"
