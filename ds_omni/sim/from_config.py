@@ -39,18 +39,13 @@ def sim_plan(cfg: OmniConfig, ds_json: dict, gpus: int) -> SimPlan:
     micro = ds_config["gradient_accumulation_steps"]
     batch = cfg.train.global_batch_size
     pack = pack_tokens(cfg.data, batch, plan.dp, micro)  # the loader's packing budget
-    par = cfg.parallel
-    return SimPlan(name="ds_omni", dp=plan.dp, sp=plan.sp, pp=plan.pp, tp=plan.tp, ep=plan.ep,
+    # the config's section with the resolved dp and the tokens training plans its stage
+    # boundaries for (`ds_omni.parallelize.pipeline.stage_tokens`)
+    par = dataclasses.replace(cfg.parallel, dp=plan.dp,
+                              stage_tokens=cfg.parallel.stage_tokens or cfg.data.max_seq_len)
+    return SimPlan(name="ds_omni", parallel=par, reordering=cfg.data.reorder,
                    zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
                    global_batch=batch, micro_batches=micro, pack_tokens=pack,
-                   reorder=cfg.data.reorder.mode, reorder_group=cfg.data.reorder.group_size,
-                   max_sequence_sp=plan.max_sequence_sp,
-                   encoder_mode="pool" if par.encoder_pool == "dp" else "reshard",
-                   long_items=par.encoder_sp != "off", encoder_placement=par.encoder_placement,
-                   stage_split=par.stage_split,
-                   # the tokens training plans its stage boundaries for
-                   # (`ds_omni.parallelize.pipeline.stage_tokens`)
-                   stage_tokens=par.stage_tokens or cfg.data.max_seq_len,
                    checkpointing="llm" in cfg.model.checkpointed_parts())
 
 
@@ -138,12 +133,9 @@ def training_check(cfg: OmniConfig, ds_json: dict, gpus: int):
     seen: dict = {}
 
     def check(plan: SimPlan) -> None:
-        key = (plan.sp, plan.pp, plan.tp, plan.ep, plan.max_sequence_sp, plan.zero_stage,
-               plan.encoder_placement)
+        par = dataclasses.replace(plan.parallel, dp="auto", encoder_pool="off")
+        key = (tuple(vars(par).values()), plan.zero_stage)
         if key not in seen:
-            par = dataclasses.replace(cfg.parallel, dp="auto", sp=plan.sp, pp=plan.pp, tp=plan.tp,
-                                      ep=plan.ep, max_sequence_sp=plan.max_sequence_sp,
-                                      encoder_placement=plan.encoder_placement, encoder_pool="off")
             zero = dict(ds_json.get("zero_optimization", {}), stage=plan.zero_stage)
             try:
                 plan_run(dataclasses.replace(cfg, parallel=par),
