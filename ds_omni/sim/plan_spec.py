@@ -63,8 +63,9 @@ class SimPlan:
         par, reorder = _config_changes(fields)
         own = {f.name for f in dataclasses.fields(self)} - {"parallel", "reordering"}
         if set(fields) - own:
+            takes = own | set(PARALLEL_FIELDS) | {"encoder_mode", "long_items", "reorder"}
             raise TypeError(f"SimPlan got unknown fields {sorted(set(fields) - own)}; it takes "
-                            f"{sorted(own | set(PARALLEL_FIELDS) | {'encoder_mode', 'long_items'})}")
+                            f"{sorted(takes | {'reorder_group'})}")
         parallel = parallel or ParallelConfig()
         reordering = reordering or ReorderConfig()
         set_ = object.__setattr__
