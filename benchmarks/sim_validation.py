@@ -69,7 +69,8 @@ MIX = {"image": "image_heavy_9to1", "text": "text_heavy_1to9"}
 def config(name: str, out_dir: str, sources: dict, steps: int, seed: int = 0):
     """The OmniConfig of plan `name` (CONFIGS), built on its benchmark's workload."""
     from benchmarks import per_sequence_sp, pipeline
-    from ds_omni.config import OmniConfig, from_dict
+    from ds_omni.config import OmniConfig, ParallelConfig, from_dict
+    from ds_omni.parallel.plan import ParallelPlan
     from tests.fixtures import tiny_config_dict
     world, work, par = CONFIGS[name]
     if work == "longtail":
@@ -90,7 +91,7 @@ def config(name: str, out_dir: str, sources: dict, steps: int, seed: int = 0):
                                  "weight": pipeline.MIXES[MIX[work]]},
                                 dict(sources["text"], weight=1.0)]
         d["data"]["max_seq_len"] = 256
-    dp = world // par.get("sp", 1) // par.get("pp", 1)
+    dp = ParallelPlan.dp_of(ParallelConfig(**par), world)
     d["data"]["reorder"] = {"mode": "fixed", "group_size": dp}
     d["data"]["seed"] = seed
     d["parallel"] = dict(par)

@@ -178,9 +178,8 @@ class MicroBatch:
     """[m, 2] (start, end) spans of the whole row whose tokens attend to each other both ways
     (Gemma 3's images); host tensor, the same on every rank of an SP group. None: causal."""
     items: dict[str, list[EncodedItem]] = field(default_factory=dict, repr=False)
-    """The row's encoder items (host tensors), by encoder, in placeholder order: what a rank that
-    encodes only some of them (the joint pipeline's uniform placement, the encoder pool) collates
-    from; under SP the whole row's items."""
+    """The row's encoder items (host tensors; under SP the whole row's) by encoder, in placeholder
+    order: what a rank encoding only some (uniform placement, the pool) collates from."""
     route: Route = field(default_factory=Route)
     """What the parallel plan adds: resharding, the SP block, the pool, encoder top-ups."""
 

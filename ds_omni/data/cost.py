@@ -45,9 +45,8 @@ class EncoderDims:
     frozen: bool = False
     """A frozen encoder runs forward only (nothing before it needs its input gradient)."""
     dummy_len: int = 0
-    """Sequence length of the dummy input the encoder runs on a micro-batch with none of its
-    items (every rank runs every encoder every step, so ZeRO-3 never hangs): a whole window for
-    Whisper (max_source_positions, as costly as a real clip), one image otherwise; 0 if unknown."""
+    """Length of the dummy input the encoder runs on a micro-batch without its items (so ZeRO-3
+    never hangs): Whisper's whole window, else one image; 0 if unknown."""
 
 
 @dataclass(kw_only=True)

@@ -42,9 +42,8 @@ class Assignment:
     num_micro: int
     """M: micro-batches per rank."""
     blocks: dict[int, Block] = field(default_factory=dict)
-    """Per-sequence SP (`ds_omni.parallel.hdp`): sample index -> the block of ranks that runs it as
-    a micro-batch of its own. Such a sample's `rank` is its block's start and its `micro` 0; it is
-    in no rank's `members`."""
+    """Per-sequence SP (`parallel.hdp`): sample -> the block of ranks running it alone; its `rank`
+    is the block's start, its `micro` 0, and it is in no rank's `members`."""
 
     def __post_init__(self):
         self.rank = np.asarray(self.rank, dtype=np.int64)

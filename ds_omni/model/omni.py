@@ -57,11 +57,8 @@ class ModalityEncoder(nn.Module):
 
     modality: str = "image"
     deepstack_layers: tuple[int, ...] = ()
-    """The layer map of the k deepstack levels its rows carry after the main embedding
-    ([N, (1 + k) D]; module docstring): level i is added before LLM decoder layer
-    `deepstack_layers[i]` (0: onto the scaled embeddings; n, the number of layers: after the last
-    one, before the final norm; past n: never added). Empty for every encoder but deepstack
-    towers."""
+    """Deepstack towers: the LLM layer each of the k extra levels ([N, (1 + k) D]) is added before
+    (0: onto the embeddings; n layers: before the final norm; past n: never); else empty."""
 
     @property
     def deepstack(self) -> int:

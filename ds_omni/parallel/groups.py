@@ -26,9 +26,8 @@ class RankGroups:
     reorder: object
     """This rank's reorder group: G consecutive ranks of `dp` (`ParallelPlan.reorder_group`)."""
     mpu: "SequenceParallelMpu | TensorParallelMpu | SequenceTensorParallelMpu | None"
-    """DeepSpeed's mpu. Under parallel.sp > 1: the Ulysses group and the sequence x data group;
-    under parallel.tp > 1: the tensor-parallel group and the data-parallel one; under both, all
-    four (`SequenceTensorParallelMpu`)."""
+    """DeepSpeed's mpu: the Ulysses and sequence x data groups (sp > 1), the tensor- and
+    data-parallel groups (tp > 1), all four under both (`SequenceTensorParallelMpu`)."""
     blocks: dict[tuple[int, int], object]
     """Per-sequence SP: (first data-parallel rank, size) -> the group of every block that holds
     this rank (under tp, its TP rank's: `ParallelPlan.sequence_block_ranks`)."""

@@ -57,8 +57,7 @@ class ParallelPlan:
                     reorder: ReorderConfig) -> "ParallelPlan":
         """Resolve "auto" degrees and the reorder group, and check that the plan fits
         `world_size` ranks."""
-        seq = cfg.sp * cfg.cp  # the ranks that split a row
-        model_parallel = cls.model_parallel_size(seq, cfg.pp, cfg.tp)
+        model_parallel = cls.replica_size(cfg)  # sp x cp x pp x tp
         # the model-parallel degrees as the errors name them (tp, cp only where they are set)
         names = ["sp", *(["cp"] if cfg.cp > 1 else []), *(["tp"] if cfg.tp > 1 else []), "pp"]
         values = " x ".join(str(getattr(cfg, n)) for n in names)
@@ -96,6 +95,17 @@ class ParallelPlan:
         """dp "auto": the whole replicas of sp x pp x tp ranks in `world_size` (`from_config`
         refuses a world they do not fill)."""
         return world_size // ParallelPlan.model_parallel_size(sp, pp, tp)
+
+    @staticmethod
+    def replica_size(cfg: ParallelConfig) -> int:
+        """`model_parallel_size` of `cfg`'s degrees: the ranks of one data-parallel replica."""
+        return ParallelPlan.model_parallel_size(cfg.sp * cfg.cp, cfg.pp, cfg.tp)
+
+    @staticmethod
+    def dp_of(cfg: ParallelConfig, world_size: int) -> int:
+        """`cfg`'s dp on `world_size` ranks: its own, or "auto"'s whole replicas (unchecked:
+        `from_config` refuses a world they do not fill)."""
+        return world_size // ParallelPlan.replica_size(cfg) if cfg.dp == "auto" else cfg.dp
 
     @property
     def ep_enabled(self) -> bool:

@@ -42,7 +42,7 @@ def disttrain(plan: SimPlan, gpus: int, encoder_share: float) -> SimPlan:
     """Encoder GPUs in proportion to the encoders' share of the step's FLOPs (at least one),
     the rest (a multiple of sp x pp) for the LLM; its fewer data-parallel ranks each run
     proportionally more micro-batches (the same global batch, the same packed row size)."""
-    unit = ParallelPlan.model_parallel_size(plan.sp, plan.pp, plan.tp)
+    unit = ParallelPlan.replica_size(plan.parallel)
     llm = unit * max(1, math.floor(gpus * (1 - encoder_share) / unit))
     llm = min(llm, unit * ((gpus - 1) // unit))
     dp = llm // unit
@@ -51,7 +51,7 @@ def disttrain(plan: SimPlan, gpus: int, encoder_share: float) -> SimPlan:
         # and every caller reports as this baseline's error
         return _plain(plan, "disttrain", encoder_gpus=gpus)
     group = max(g for g in range(1, min(plan.reorder_group, dp) + 1) if dp % g == 0)
-    shared_dp = plan.dp or ParallelPlan.auto_dp(gpus, plan.sp, plan.pp, plan.tp)
+    shared_dp = ParallelPlan.dp_of(plan.parallel, gpus)
     micro = math.ceil(plan.micro_batches * shared_dp / dp)
     return _plain(plan, "disttrain", reorder="fixed", reorder_group=group, encoder_mode="reshard",
                   micro_batches=micro,

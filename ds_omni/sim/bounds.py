@@ -54,9 +54,7 @@ def resolved_plan(plan: SimPlan, gpus: int, pplans: dict | None = None):
     thousands, most of them refused by the same rule."""
     if pplans is None:
         return plan.parallel_plan(gpus)
-    key = (plan.dp, plan.sp, plan.pp, plan.tp, plan.ep, plan.max_sequence_sp,
-           plan.encoder_placement, plan.stage_split, plan.long_items,
-           plan.encoder_mode == "pool", plan.reorder, plan.reorder_group, plan.encoder_gpus)
+    key = plan.resolution_key()
     if key not in pplans:
         try:
             pplans[key] = plan.parallel_plan(gpus)

@@ -42,27 +42,20 @@ class Cluster:
     inter_latency: float = 10e-6
     """Seconds of one message between nodes."""
     micro_batch_s_per_param: float = 0.0
-    """Seconds a rank spends on one micro-batch's forward + backward per parameter it holds,
-    beyond its FLOPs / rate (weights read, gradients allocated and accumulated, dispatch):
-    fitted by `ds-omni calibrate-cost --sizes`; 0 on the GPU presets, where it hides under
-    the kernels."""
+    """Seconds of a micro-batch's forward + backward per held parameter beyond FLOPs / rate
+    (weights read, gradients accumulated): `ds-omni calibrate-cost --sizes`; 0 on GPU presets."""
     optimizer_s_per_param: float = 0.0
-    """Seconds of the optimizer step per parameter a rank updates (its ZeRO shard): fitted by
-    `ds-omni calibrate-cost` (AdamW over the model); 0 on the GPU presets (a fused kernel,
-    ~1 % of a step)."""
+    """Seconds of the optimizer step per parameter a rank updates (its ZeRO shard): `ds-omni
+    calibrate-cost`; 0 on the GPU presets (a fused kernel, ~1 % of a step)."""
     step_s: float = 0.0
     """Seconds a rank spends once a step outside micro-batches and the optimizer (the
     engine's bookkeeping)."""
     a2a_call_s: float = 0.0
-    """Seconds a rank spends on each of Ulysses' all-to-all calls beyond the link's latency
-    and bytes (DeepSpeed's `_SeqAllToAll`: its Python, the layout copies around the wire):
-    fitted on CPU from sp runs of the engine calibration; 0 on the GPU presets."""
+    """Seconds per Ulysses all-to-all call beyond latency and bytes (`_SeqAllToAll`'s Python and
+    layout copies): fitted on CPU from sp runs of the calibration; 0 on the GPU presets."""
     pool_item_s: float = 0.0
-    """Seconds a rank of the encoder pool spends a step per item of the pool's step on its
-    planning (`EncoderPool.plan_step`: every rank's item metadata pickled for the all-gather and
-    unpickled, `plan_round` over all of them, every rank planning every round): measured by
-    `calibrate_comm.time_pool_planning` (a micro-benchmark of the pure planner on the CPU
-    clock); 0 on the GPU presets."""
+    """Seconds a pool rank spends a step per pooled item on planning (metadata all-gathered, every
+    round planned): `calibrate_comm.time_pool_planning`; 0 on the GPU presets."""
     name: str = "custom"
 
     def __post_init__(self):

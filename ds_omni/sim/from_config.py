@@ -37,25 +37,25 @@ def model_spec(cfg: OmniConfig) -> ModelSpec:
                                     scales=cfg.data.reorder.cost_scales)
 
 
+def resolved_sim_placement(par) -> str:
+    """The simulator prices "auto" as "uniform" (as it prices "bubbles": its upper bound)."""
+    return "uniform" if par.encoder_placement == "auto" else par.encoder_placement
+
+
 def sim_plan(cfg: OmniConfig, ds_json: dict, gpus: int) -> SimPlan:
     """The config's plan on `gpus` ranks, checked as `ds-omni train` would check it."""
     plan, ds_config = plan_run(cfg, ds_json, gpus)
     micro = ds_config["gradient_accumulation_steps"]
     batch = cfg.train.global_batch_size
     pack = pack_tokens(cfg.data, batch, plan.dp, micro)  # the loader's packing budget
-    par = cfg.parallel
-    return SimPlan(name="ds_omni", dp=plan.dp, sp=plan.sp, pp=plan.pp, tp=plan.tp, ep=plan.ep,
+    # the config's section with the resolved dp and the tokens training plans its stage
+    # boundaries for (`ds_omni.parallelize.pipeline.stage_tokens`)
+    par = dataclasses.replace(cfg.parallel, dp=plan.dp,
+                              stage_tokens=cfg.parallel.stage_tokens or cfg.data.max_seq_len,
+                              encoder_placement=resolved_sim_placement(cfg.parallel))
+    return SimPlan(name="ds_omni", parallel=par, reordering=cfg.data.reorder,
                    zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
                    global_batch=batch, micro_batches=micro, pack_tokens=pack,
-                   reorder=cfg.data.reorder.mode, reorder_group=cfg.data.reorder.group_size,
-                   max_sequence_sp=plan.max_sequence_sp,
-                   encoder_mode="pool" if par.encoder_pool == "dp" else "reshard",
-                   long_items=par.encoder_sp != "off", encoder_placement=(
-                       "uniform" if par.encoder_placement == "auto" else par.encoder_placement),
-                   stage_split=par.stage_split,
-                   # the tokens training plans its stage boundaries for
-                   # (`ds_omni.parallelize.pipeline.stage_tokens`)
-                   stage_tokens=par.stage_tokens or cfg.data.max_seq_len,
                    checkpointing="llm" in cfg.model.checkpointed_parts())
 
 
@@ -154,12 +154,9 @@ def training_check(cfg: OmniConfig, ds_json: dict, gpus: int):
     seen: dict = {}
 
     def check(plan: SimPlan) -> None:
-        key = (plan.sp, plan.pp, plan.tp, plan.ep, plan.max_sequence_sp, plan.zero_stage,
-               plan.encoder_placement)
+        par = dataclasses.replace(plan.parallel, dp="auto", encoder_pool="off")
+        key = (tuple(vars(par).values()), plan.zero_stage)
         if key not in seen:
-            par = dataclasses.replace(cfg.parallel, dp="auto", sp=plan.sp, pp=plan.pp, tp=plan.tp,
-                                      ep=plan.ep, max_sequence_sp=plan.max_sequence_sp,
-                                      encoder_placement=plan.encoder_placement, encoder_pool="off")
             zero = dict(ds_json.get("zero_optimization", {}), stage=plan.zero_stage)
             try:
                 plan_run(dataclasses.replace(cfg, parallel=par),

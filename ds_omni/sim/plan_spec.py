@@ -1,68 +1,54 @@
-"""What the simulator is asked to run: a plan, in the terms of ds_omni's config (degrees, ZeRO
-stage, the loader's reorder mode and group, per-sequence SP, where encoders run), plus what the
-baselines need that ds_omni does not do (encoders on their own GPUs, every item split).
+"""What the simulator is asked to run: training's parallel section (`ParallelConfig`) and the
+loader's reordering (`ReorderConfig`), held as they are, plus what only the simulator needs (the
+batch, the ZeRO stage, the baselines' ways to encode and their encoder GPUs).
 
-`parallel_plan` resolves it through the same `ParallelPlan.from_config` and config validation as
-training, and `check_composition` reads the same table (`ds_omni.config.composition`), so a plan
-the simulator accepts is one `ds-omni train` accepts, and the reverse; but for the pairs only
-training's launch refuses (`Rule.launch_only`), which it models and the plan search drops.
+The degrees live once, in `SimPlan.parallel`: `SimPlan(sp=2, tp=2)` and `plan.replace(sp=4)` take
+any `ParallelConfig` field by its name and `plan.sp` reads it, so a new axis (a field of
+`ParallelConfig`) reaches `ParallelPlan.from_config` and the composition table (`Setting.of`)
+with no edit here; four fields have the simulator's spellings (`dp` None: "auto", `encoder_mode`,
+`long_items`, `reorder` / `reorder_group`). Every derived fact (dp, the long-item group, who
+encodes apart) is `ParallelPlan`'s: `parallel_plan` resolves the plan with training's own code,
+so a plan the simulator accepts is one `ds-omni train` accepts, and the reverse; but for the pairs
+only training's launch refuses (`Rule.launch_only`), which it models and the plan search drops.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ds_omni.config import ParallelConfig, ReorderConfig
-from ds_omni.config.composition import Setting, check_composition
+from ds_omni.config.composition import check_composition
 from ds_omni.errors import ConfigError, ModelError
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.parallelize.expert_parallel import autoep_section
 from ds_omni.parallelize.tensor_parallel import check_tensor_parallel, check_tp_with_sp
 from ds_omni.sim.encode_sim import ENCODER_MODES
 
+PARALLEL_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
+SPELLED = {"encoder_pool": "encoder_mode", "encoder_sp": "long_items"}
+"""Config fields the flat view (`SimPlan.as_dict`) shows in the simulator's spelling."""
+ENCODINGS = tuple(m for m in ENCODER_MODES if m != "pool")
 
-@dataclass(frozen=True, kw_only=True)
+
+@dataclass(frozen=True, init=False)
 class SimPlan:
     name: str = "plan"
     """A label for reports."""
-    dp: int | None = None
-    """Data-parallel degree; None: the LLM's GPUs / (sp x pp)."""
-    sp: int = 1
-    """Static Ulysses SP degree of the LLM."""
-    pp: int = 1
-    """Pipeline stages."""
-    tp: int = 1
-    """Tensor-parallel degree of the LLM's layers (AutoTP; pp = 1, ZeRO 0-2; with sp > 1 each
-    TP rank's heads are split again over its SP group: tp x sp divides the heads)."""
-    ep: int = 1
-    """Expert-parallel degree of an MoE LLM (AutoEP; with sp = tp = pp = 1)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The LLM's degrees and where its encoders run: training's section, checked by it."""
+    reordering: ReorderConfig = field(default_factory=ReorderConfig)
+    """The loader's reordering (`data.reorder`: its mode and group G, capped at dp)."""
     zero_stage: int = 1
+    encoding: str = "reshard"
+    """Without the pool, how a row's items are encoded: "reshard" (ds_omni's), or a baseline's
+    "split_all" or "replicated" (`encode_sim`)."""
     global_batch: int = 256
     """Samples per optimizer step (the same for every plan of one comparison)."""
     micro_batches: int = 4
     """M: packed micro-batches (gradient accumulation steps) per data-parallel rank."""
     pack_tokens: int = 32768
     """Tokens of one packed micro-batch row (before SP splits it)."""
-    reorder: str = "fixed"
-    """The loader's mode: "loader_order", "fixed" or "budget" (`data.reorder.mode`)."""
-    reorder_group: int = 8
-    """G: data-parallel ranks that reorder together (`data.reorder.group_size`; capped at dp)."""
-    max_sequence_sp: int = 1
-    """Per-sequence SP: the most ranks one long sequence is split over (1: off)."""
-    encoder_mode: str = "reshard"
-    """Where items are encoded (`encode_sim`): "reshard", "pool", "split_all", "replicated"."""
-    long_items: bool = True
-    """Long-short SP: items above one rank's share of their row's encoder work are split over
-    the row's group (`parallel.encoder_sp="auto"`; False: "off")."""
-    encoder_placement: str = "stage0"
-    """Under pp > 1: "stage0" or "uniform" (the joint pipeline)."""
-    stage_split: str = "cost"
-    """Under pp > 1: "cost", "parameters" or "layers"."""
-    stage_tokens: int = 0
-    """Under pp > 1: tokens of the typical sample the stage boundaries are planned for, as
-    training plans them (`parallel.stage_tokens`, else `data.max_seq_len`: `sim_plan` sets
-    it); 0: the step's mean sample."""
     encoder_gpus: int = 0
     """DistTrain-style: this many GPUs run the encoders alone, the others the LLM (0: shared)."""
     checkpointing: bool = True
@@ -70,19 +56,94 @@ class SimPlan:
     overlap_comm: bool = True
     """ZeRO's per-micro-batch collectives hide behind the round's compute of its fastest rank."""
 
-    def __post_init__(self):
-        if self.encoder_mode not in ENCODER_MODES:
+    def __init__(self, *, parallel: ParallelConfig | None = None,
+                 reordering: ReorderConfig | None = None, **fields):
+        """`parallel` and `reordering` (default: their configs' defaults) with `fields` over
+        them: any `ParallelConfig` field by name, the simulator's spellings, and SimPlan's own."""
+        par, reorder = _config_changes(fields)
+        own = {f.name for f in dataclasses.fields(self)} - {"parallel", "reordering"}
+        if set(fields) - own:
+            takes = own | set(PARALLEL_FIELDS) | {"encoder_mode", "long_items", "reorder"}
+            raise TypeError(f"SimPlan got unknown fields {sorted(set(fields) - own)}; it takes "
+                            f"{sorted(takes | {'reorder_group'})}")
+        parallel = parallel or ParallelConfig()
+        reordering = reordering or ReorderConfig()
+        set_ = object.__setattr__
+        set_(self, "parallel", dataclasses.replace(parallel, **par) if par else parallel)
+        set_(self, "reordering",
+             dataclasses.replace(reordering, **reorder) if reorder else reordering)
+        for f in dataclasses.fields(self):
+            if f.name in own:
+                set_(self, f.name, fields.get(f.name, f.default))
+        self._check()
+
+    def _check(self) -> None:
+        if self.encoding not in ENCODINGS or (self.encoding != "reshard"
+                                              and self.parallel.encoder_pool == "dp"):
             raise ConfigError(f"SimPlan.encoder_mode must be one of {ENCODER_MODES}, got "
-                              f"{self.encoder_mode!r}")
+                              f"{self.encoding!r} with parallel.encoder_pool="
+                              f"{self.parallel.encoder_pool!r}")
         if self.global_batch < 1 or self.micro_batches < 1 or self.pack_tokens < 1:
             raise ConfigError(f"SimPlan needs global_batch, micro_batches and pack_tokens >= 1, "
                               f"got {self.global_batch}, {self.micro_batches}, {self.pack_tokens}")
+
+    def __hash__(self) -> int:  # the configs are mutable dataclasses: hash their values
+        return hash((self.resolution_key(), *(getattr(self, f.name) for f in
+                                              dataclasses.fields(self) if f.name != "parallel"
+                                              and f.name != "reordering")))
+
+    def __getattr__(self, name: str):
+        """A field of the parallel section by its name (`plan.sp`, a new axis's too)."""
+        if name in PARALLEL_FIELDS and "parallel" in self.__dict__:
+            return getattr(self.__dict__["parallel"], name)
+        raise AttributeError(f"'SimPlan' object has no attribute {name!r}")
+
+    @property
+    def dp(self) -> int | None:
+        """Data-parallel degree; None: "auto" (the LLM's GPUs over one replica's)."""
+        return None if self.parallel.dp == "auto" else self.parallel.dp
+
+    @property
+    def encoder_mode(self) -> str:
+        """Where items are encoded (`encode_sim`): "pool" (parallel.encoder_pool="dp"), else
+        `encoding`."""
+        return "pool" if self.parallel.encoder_pool == "dp" else self.encoding
+
+    @property
+    def long_items(self) -> bool:
+        """Long-short SP: items above one rank's share split over their row's group."""
+        return self.parallel.encoder_sp != "off"
+
+    @property
+    def reorder(self) -> str:
+        """The loader's mode: "loader_order", "fixed" or "budget" (`data.reorder.mode`)."""
+        return self.reordering.mode
+
+    @property
+    def reorder_group(self) -> int:
+        """G as configured (`data.reorder.group_size`); the plan's is capped at dp."""
+        return self.reordering.group_size
 
     # the facts of its degrees, as training's plan computes them (the same fields)
     long_item_group = ParallelPlan.long_item_group
 
     def replace(self, **changes) -> "SimPlan":
-        return dataclasses.replace(self, **changes)
+        """This plan with `changes` (any field `SimPlan(...)` takes) over it."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return SimPlan(**(own | changes))
+
+    def as_dict(self) -> dict:
+        """The plan as the flat fields `SimPlan(...)` takes (what reports print)."""
+        par = {SPELLED.get(f, f): getattr(self, SPELLED.get(f, f)) for f in PARALLEL_FIELDS}
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("name", "parallel", "reordering", "encoding")}
+        return {"name": self.name, **par, "reorder": self.reorder,
+                "reorder_group": self.reorder_group, **own}
+
+    def resolution_key(self) -> tuple:
+        """What `parallel_plan` reads: plans equal in it resolve alike (`bounds.resolved_plan`)."""
+        return (tuple(vars(self.parallel).values()), self.reorder, self.reorder_group,
+                self.encoder_gpus)
 
     def llm_gpus(self, gpus: int) -> int:
         if not 0 <= self.encoder_gpus < gpus:
@@ -94,21 +155,11 @@ class SimPlan:
         """The composition table's rules on this plan, under its ZeRO stage (`launch`: also
         those only training's launch applies, which the simulator models: the search does not
         rank them)."""
-        pool = "dp" if self.encoder_mode == "pool" else "off"
-        setting = Setting(sp=self.sp, max_sequence_sp=self.max_sequence_sp, tp=self.tp,
-                          pp=self.pp, ep=self.ep, encoder_placement=self.encoder_placement,
-                          encoder_pool=pool, zero=self.zero_stage)
-        check_composition(setting, launch=launch)
+        check_composition(self.parallel, self.zero_stage, launch=launch)
 
     def parallel_plan(self, gpus: int) -> ParallelPlan:
         """The plan over the LLM's GPUs, resolved and checked by training's own code."""
-        cfg = ParallelConfig(dp="auto" if self.dp is None else self.dp, sp=self.sp, pp=self.pp,
-                             tp=self.tp, ep=self.ep, max_sequence_sp=self.max_sequence_sp,
-                             encoder_placement=self.encoder_placement, stage_split=self.stage_split,
-                             encoder_sp="auto" if self.long_items else "off",
-                             encoder_pool="dp" if self.encoder_mode == "pool" else "off")
-        reorder = ReorderConfig(mode=self.reorder, group_size=self.reorder_group)  # capped at dp
-        return ParallelPlan.from_config(cfg, self.llm_gpus(gpus), reorder)
+        return ParallelPlan.from_config(self.parallel, self.llm_gpus(gpus), self.reordering)
 
     def tp_apart(self, pplan: ParallelPlan) -> bool:
         """The TP ranks of a row encode different items (`ParallelPlan.tp_encodes_apart`) where
@@ -158,3 +209,23 @@ def _divides(degree: int, name: str, sizes: dict) -> None:
             ok = [d for d in range(1, int(size) + 1) if int(size) % d == 0]
             raise ModelError(f"{name}={degree} must divide the LLM's {what} ({int(size)}); it "
                              f"can be one of {ok}")
+
+
+def _config_changes(fields: dict) -> tuple[dict, dict]:
+    """Pop from `fields` the changes to the parallel section and to the reordering (the
+    simulator's spellings translated; `encoder_mode` also sets `fields["encoding"]`)."""
+    par = {k: fields.pop(k) for k in list(fields) if k in PARALLEL_FIELDS}
+    if par.get("dp", "auto") is None:
+        par["dp"] = "auto"
+    if "long_items" in fields:
+        par["encoder_sp"] = "auto" if fields.pop("long_items") else "off"
+    if "encoder_mode" in fields:
+        mode = fields.pop("encoder_mode")
+        if mode not in ENCODER_MODES:
+            raise ConfigError(f"SimPlan.encoder_mode must be one of {ENCODER_MODES}, got "
+                              f"{mode!r}")
+        par["encoder_pool"] = "dp" if mode == "pool" else "off"
+        fields["encoding"] = "reshard" if mode == "pool" else mode
+    names = {"reorder": "mode", "reorder_group": "group_size"}
+    reorder = {names[k]: fields.pop(k) for k in list(fields) if k in names}
+    return par, reorder

@@ -86,7 +86,7 @@ def build_report(step) -> StepReport:
         fits=bool(mem["total"][worst] <= c.hbm_bytes),
         all_to_all_bytes={k: float(v) for k, v in step.a2a_bytes.items()},
         samples=int(planned.size), tokens=int(step.samples.tokens[planned].sum()),
-        plan=dict(step.plan.__dict__))
+        plan=step.plan.as_dict())
 
 
 def rank_memory(step) -> dict[str, np.ndarray]:

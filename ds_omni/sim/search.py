@@ -79,7 +79,7 @@ class SearchResult:
 
 def describe(plan) -> str:
     """A plan (a SimPlan or the fields of a candidate) in one line of its searched fields."""
-    f = plan if isinstance(plan, dict) else plan.__dict__
+    f = plan if isinstance(plan, dict) else plan.as_dict()
     parts = [f"dp={f['dp']}"] + [f"{k}={f[k]}" for k in ("sp", "pp", "tp", "ep") if f[k] > 1]
     if f["max_sequence_sp"] > 1:
         parts.append(f"max_sequence_sp={f['max_sequence_sp']}")
@@ -96,7 +96,7 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
     """Every plan of `space` on `gpus` GPUs (the SimPlan fields that differ from `base`), with
     `base`'s batch: the same samples per step and per micro-batch row (its micro-batch size),
     so the gradient accumulation steps follow dp."""
-    base_dp = base.dp or ParallelPlan.auto_dp(gpus, base.sp, base.pp, base.tp)
+    base_dp = ParallelPlan.dp_of(base.parallel, gpus)
     per_micro = base.global_batch / (base.micro_batches * base_dp)  # samples of one micro-batch
     out, seen = [], set()
     for sp, pp, tp, ep, msp in itertools.product(*[space.degrees] * 5):
@@ -226,7 +226,7 @@ def _baselines(cluster, model, samples, plan: SimPlan, cache) -> dict:
 
 def as_dict(result: SearchResult) -> dict:
     """Plain data (what `ds-omni plan --search --json` prints)."""
-    return {"top": [{"plan": describe(r.plan), "fields": dict(r.plan.__dict__),
+    return {"top": [{"plan": describe(r.plan), "fields": r.plan.as_dict(),
                      "step_time": r.step_time, "mfu": r.mfu, "peak_memory_gib": r.peak_memory / GIB,
                      "critical_phase": r.critical_phase, "bound": r.bound} for r in result.top],
             "baselines": result.baselines, "dropped": result.dropped,

@@ -65,7 +65,7 @@ def _searched(raw: dict, tmp: str, sources: dict) -> tuple[dict, dict]:
         assert result.simulated >= len(MEASURED)  # the search simulated them (no shortcut)
         for ranked in result.top:
             for name, fields in MEASURED.items():
-                f = ranked.plan.__dict__
+                f = ranked.plan.as_dict()
                 if f["tp"] == 1 and f["max_sequence_sp"] == 1 and all(
                         f[k] == v for k, v in fields.items()):
                     report = simulate(machines, model, sv.samples_of(logs, s), ranked.plan)

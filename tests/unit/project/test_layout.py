@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
-MAX_FIELD_DOC_LINES = 2  # a config field's docstring; the long explanation lives in docs/
+MAX_FIELD_DOC_LINES = 2  # a field's docstring; the long explanation lives in docs/
 MAX_MODULE_DOC_LINES = 15  # what a module is for and what it is not; the why lives in docs/
 
 
@@ -192,11 +192,12 @@ def long_field_docs(paths) -> list[str]:
     return found
 
 
-def test_config_field_docstrings_are_short():
-    """A field says what it is, its unit and its default's meaning in two lines; docs/config.md
-    links the docs/ section that says more (`docs/page.md#heading-start` in the docstring)."""
-    long_docs = long_field_docs(sorted((PACKAGE / "config").glob("*.py")))
-    assert not long_docs, (f"config field docstrings over {MAX_FIELD_DOC_LINES} lines (move the "
+def test_field_docstrings_are_short():
+    """A field (of a config or any other class of the package) says what it is, its unit and its
+    default's meaning in two lines; docs/ says more (config.md links its section:
+    `docs/page.md#heading-start` in the docstring)."""
+    long_docs = long_field_docs(sorted(PACKAGE.rglob("*.py")))
+    assert not long_docs, (f"field docstrings over {MAX_FIELD_DOC_LINES} lines (move the "
                            "explanation to docs/ and name its section):\n" + "\n".join(long_docs))
 
 
