@@ -57,7 +57,8 @@ class ParallelPlan:
                     reorder: ReorderConfig) -> "ParallelPlan":
         """Resolve "auto" degrees and the reorder group, and check that the plan fits
         `world_size` ranks."""
-        model_parallel = cls.replica_size(cfg)  # sp x cp x pp x tp
+        seq = cfg.sp * cfg.cp  # the ranks that split a row
+        model_parallel = cls.replica_size(cfg)  # seq x pp x tp
         # the model-parallel degrees as the errors name them (tp, cp only where they are set)
         names = ["sp", *(["cp"] if cfg.cp > 1 else []), *(["tp"] if cfg.tp > 1 else []), "pp"]
         values = " x ".join(str(getattr(cfg, n)) for n in names)
