@@ -48,10 +48,10 @@ from ds_omni.sim.workload import WorkloadSpec  # noqa: E402
 # DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
 RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS") or REPO / "benchmarks" / "results")
 ROW_TOKENS, SEQUENCES_PER_GPU = 32768, 8
-# (model, GPUs, context): the per-sequence SP degrees ds_omni tries, each dividing the LLM's
-# query heads (7B: 32, 70B: 64) as training requires
+# (model, GPUs, context): the per-sequence SP degrees ds_omni tries; a block past the LLM's
+# query heads (7B: 32, 70B: 64) runs Ulysses over the heads inside and ring attention across
 CASES = {("llm_7b", 1024, 262144): (16, 32), ("llm_70b", 1024, 262144): (16, 64),
-         ("llm_7b", 1024, 2097152): (16, 32), ("llm_70b", 1024, 2097152): (32, 64),
+         ("llm_7b", 1024, 2097152): (32, 64), ("llm_70b", 1024, 2097152): (32, 64),
          ("llm_7b", 4096, 262144): (16, 32), ("llm_70b", 4096, 262144): (16, 64)}
 PAPER = {"max": 7.89}
 
@@ -81,8 +81,12 @@ def run_case(llm: str, gpus: int, context: int, degrees: tuple[int, ...], seed: 
     search = sim_common.Search(c, model, samples)
     best_plan, best = search.best(plans)
     ours = sim_common.brief(best_plan, best)
-    # the static degree: the least that holds the longest sequence, or one ds_omni tried
-    statics = [base.replace(max_sequence_sp=1, reorder="loader_order")] + blocks
+    # the static degree, its best of: the least that holds the longest sequence, one ds_omni
+    # tried, or a larger power of two up to every GPU (Ulysses up to the heads, ring attention
+    # past them: `baselines.bytescale`)
+    statics = [base.replace(max_sequence_sp=1, reorder="loader_order")] + blocks + [
+        base.replace(max_sequence_sp=d, reorder_group=gpus)
+        for d in (1 << k for k in range(max(degrees).bit_length(), gpus.bit_length()))]
     theirs = {name: sim_common.brief(*pr)
               for name, pr in search.baselines(statics, names=("bytescale",)).items()}
     return {"case": case_name(llm, gpus, context), "llm": llm, "gpus": gpus, "context": context,
@@ -98,7 +102,7 @@ def no_figure(search: sim_common.Search) -> list[str]:
     from the output, not guessed."""
     lines = []
     for plan, run in search.runs.items():
-        what = (f"sp={plan.sp} max_sequence_sp={plan.max_sequence_sp} "
+        what = (f"sp={plan.sp} cp={plan.cp} max_sequence_sp={plan.max_sequence_sp} "
                 f"pack_tokens={plan.pack_tokens} {plan.reorder}")
         if isinstance(run, Exception):
             lines.append(f"{what}: refused: {run}")

@@ -21,6 +21,8 @@ class ParallelConfig:
     """Data-parallel degree; "auto" takes what the world size leaves after sp and pp."""
     sp: int = 1
     """Ulysses sequence-parallel degree of the LLM."""
+    cp: int = 1
+    """Ring-attention (context-parallel) degree beside sp: a sequence split over sp x cp ranks."""
     tp: int = 1
     """Tensor-parallel degree of the LLM backbone (AutoTP): must divide its heads and MLP width.
     More: docs/parallelism.md#tensor-parallelism."""
@@ -68,7 +70,7 @@ class ParallelConfig:
         if self.stage_tokens < 0:
             raise ConfigError(f"parallel.stage_tokens must be >= 0 (0: data.max_seq_len), got "
                               f"{self.stage_tokens}")
-        for name in ("sp", "tp", "pp", "max_sequence_sp", "ep"):
+        for name in ("sp", "cp", "tp", "pp", "max_sequence_sp", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         d = self.max_sequence_sp

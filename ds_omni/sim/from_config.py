@@ -40,7 +40,8 @@ def sim_plan(cfg: OmniConfig, ds_json: dict, gpus: int) -> SimPlan:
     batch = cfg.train.global_batch_size
     pack = pack_tokens(cfg.data, batch, plan.dp, micro)  # the loader's packing budget
     par = cfg.parallel
-    return SimPlan(name="ds_omni", dp=plan.dp, sp=plan.sp, pp=plan.pp, tp=plan.tp, ep=plan.ep,
+    return SimPlan(name="ds_omni", dp=plan.dp, sp=plan.sp, cp=par.cp, pp=plan.pp, tp=plan.tp,
+                   ep=plan.ep,
                    zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)),
                    global_batch=batch, micro_batches=micro, pack_tokens=pack,
                    reorder=cfg.data.reorder.mode, reorder_group=cfg.data.reorder.group_size,
@@ -138,10 +139,11 @@ def training_check(cfg: OmniConfig, ds_json: dict, gpus: int):
     seen: dict = {}
 
     def check(plan: SimPlan) -> None:
-        key = (plan.sp, plan.pp, plan.tp, plan.ep, plan.max_sequence_sp, plan.zero_stage,
+        key = (plan.sp, plan.cp, plan.pp, plan.tp, plan.ep, plan.max_sequence_sp, plan.zero_stage,
                plan.encoder_placement)
         if key not in seen:
-            par = dataclasses.replace(cfg.parallel, dp="auto", sp=plan.sp, pp=plan.pp, tp=plan.tp,
+            par = dataclasses.replace(cfg.parallel, dp="auto", sp=plan.sp, cp=plan.cp, pp=plan.pp,
+                                      tp=plan.tp,
                                       ep=plan.ep, max_sequence_sp=plan.max_sequence_sp,
                                       encoder_placement=plan.encoder_placement, encoder_pool="off")
             zero = dict(ds_json.get("zero_optimization", {}), stage=plan.zero_stage)

@@ -30,6 +30,9 @@ class SimPlan:
     """Data-parallel degree; None: the LLM's GPUs / (sp x pp)."""
     sp: int = 1
     """Static Ulysses SP degree of the LLM."""
+    cp: int = 1
+    """Ring-attention degree beside sp: a row split over sp x cp ranks, Ulysses inside (the
+    sp consecutive ranks), the ring across (`ring_sim`; pp = 1)."""
     pp: int = 1
     """Pipeline stages."""
     tp: int = 1
@@ -77,6 +80,10 @@ class SimPlan:
         if self.global_batch < 1 or self.micro_batches < 1 or self.pack_tokens < 1:
             raise ConfigError(f"SimPlan needs global_batch, micro_batches and pack_tokens >= 1, "
                               f"got {self.global_batch}, {self.micro_batches}, {self.pack_tokens}")
+        if self.cp < 1 or (self.cp > 1 and self.pp > 1):
+            raise ConfigError(f"SimPlan.cp must be >= 1, and 1 under a pipeline (the simulator "
+                              f"prices ring attention without one), got cp={self.cp}, "
+                              f"pp={self.pp}")
 
     # the facts of its degrees, as training's plan computes them (the same fields)
     long_item_group = ParallelPlan.long_item_group
@@ -95,14 +102,17 @@ class SimPlan:
         those only training's launch applies, which the simulator models: the search does not
         rank them)."""
         pool = "dp" if self.encoder_mode == "pool" else "off"
-        setting = Setting(sp=self.sp, max_sequence_sp=self.max_sequence_sp, tp=self.tp,
+        setting = Setting(sp=self.sp * self.cp, max_sequence_sp=self.max_sequence_sp, tp=self.tp,
                           pp=self.pp, ep=self.ep, encoder_placement=self.encoder_placement,
                           encoder_pool=pool, zero=self.zero_stage)
         check_composition(setting, launch=launch)
 
     def parallel_plan(self, gpus: int) -> ParallelPlan:
         """The plan over the LLM's GPUs, resolved and checked by training's own code."""
-        cfg = ParallelConfig(dp="auto" if self.dp is None else self.dp, sp=self.sp, pp=self.pp,
+        # the layout's sequence axis holds the sp x cp ranks of a row (ring outer, Ulysses inner:
+        # `ring_sim.sequence_split`), so dp, ZeRO's groups and a row's ranks follow from it
+        cfg = ParallelConfig(dp="auto" if self.dp is None else self.dp, sp=self.sp * self.cp,
+                             pp=self.pp,
                              tp=self.tp, ep=self.ep, max_sequence_sp=self.max_sequence_sp,
                              encoder_placement=self.encoder_placement, stage_split=self.stage_split,
                              encoder_sp="auto" if self.long_items else "off",
@@ -118,7 +128,8 @@ class SimPlan:
     def check_model(self, model) -> None:
         """Training's rules that need the model (a `ModelSpec`), after the composition table's
         under the plan's ZeRO stage: tp divides the LLM's heads and MLP width, ep divides an MoE
-        LLM's experts, an SP degree divides its heads. With the LLM's HF config
+        LLM's experts, sp divides its heads (a per-sequence block may not: Ulysses over a
+        divisor inside, ring across, `hdp.ulysses_ring_split`). With the LLM's HF config
         (`ModelSpec.text_config`) training's own checks run (`check_tensor_parallel`,
         `autoep_section`); without it, the same rules on its sizes."""
         self.check_composition()
@@ -145,10 +156,8 @@ class SimPlan:
                                   f"{model.moe.experts} experts: each expert-parallel rank holds "
                                   f"experts / ep of them; choose an ep that divides "
                                   f"{model.moe.experts}")
-        for name, degree in (("parallel.sp", self.sp), ("parallel.max_sequence_sp",
-                                                        self.max_sequence_sp)):
-            if degree > 1:
-                _divides(degree, name, {"attention heads": model.llm_heads})
+        if self.sp > 1:  # a per-sequence block needs not: Ulysses inside, ring across
+            _divides(self.sp, "parallel.sp", {"attention heads": model.llm_heads})
 
 
 def _divides(degree: int, name: str, sizes: dict) -> None:
