@@ -2,7 +2,7 @@
 budget-mode reordering) against one static context-parallel degree for every sequence, on
 long-tailed text, next to ByteScale's reported "up to 7.89x".
 
-    .venv/bin/python benchmarks/sim_bytescale.py                  # ~22 s on 2 shared cores
+    .venv/bin/python benchmarks/sim_bytescale.py                  # ~25 s of CPU
     .venv/bin/python benchmarks/sim_bytescale.py --gpus 1024      # the 1,024-GPU cases
     .venv/bin/python benchmarks/sim_bytescale.py --gpus 1024 --contexts 2097152 --out quick
                                                     # the two 2M-token cases alone, ~10 s
@@ -15,15 +15,14 @@ sequences for every plan of a case. Rows of 32K tokens a rank.
 
 ds_omni: budget mode with per-sequence SP blocks of up to `max_sequence_sp` ranks, two degrees
 tried, each with reorder groups of that size and of every rank (its best taken); short sequences
-run alone on one rank. Every SP degree must
-divide the LLM's query heads (Ulysses splits the heads over the group; training refuses other
-degrees, `check_sequence_parallel`, and so does the simulator): at most 32 for Llama-2-7B, 64 for
-Llama-3-70B. A case with no figure says why in its `no_figure` lines (printed under its "-"):
-7B at 2M has no plan at all (its sequences of 1.2M-2.0M tokens need 37-62 ranks of 32K tokens,
-more than 32), and at 70B ds_omni trains but the static degree that holds the longest, 64, needs
-124 GiB a GPU (the paper's "OOM"). The baseline (`ds_omni.sim.baselines.bytescale`): every
-sequence split over one static SP degree, the least whose shards hold the longest sequence or the
-ones ds_omni tried, its best taken; loader order.
+run alone on one rank. A block up to the LLM's query heads (32 for Llama-2-7B, 64 for
+Llama-3-70B) is Ulysses over a divisor of them; a larger one (7B at 2M: its sequences of
+1.2M-2.0M tokens need 37-62 ranks of 32K tokens, so blocks of 64) runs Ulysses over the heads
+inside and ring attention across (`hdp.ulysses_ring_split`). The baseline
+(`ds_omni.sim.baselines.bytescale`): every sequence split over one static context-parallel
+degree (Ulysses up to the heads, ring past them), its best of the least whose shards hold the
+longest sequence, the ones ds_omni tried and every larger power of two up to all GPUs; loader
+order. A plan with no figure says why in the case's `no_figure` lines (refused, or over memory).
 ZeRO-1 for 7B, ZeRO-3 for 70B (no TP / PP in this comparison). speed-up = ds_omni's tokens/s
 over the baseline's. Writes benchmarks/results/sim_bytescale.json and .png; the reading:
 docs/benchmarks/sim_papers.md.
