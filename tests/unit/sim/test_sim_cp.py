@@ -13,7 +13,7 @@ from ds_omni.errors import DataError
 from ds_omni.parallel.hdp import ulysses_ring_split
 from ds_omni.sim import SimPlan, cluster, ring_sim, simulate
 from ds_omni.sim.baselines import bytescale
-from ds_omni.sim.search import SearchSpace, candidates, describe
+from ds_omni.sim.search import SearchSpace, candidates, describe, search
 from ds_omni.sim.workload import Samples
 
 LONG = 131072
@@ -104,3 +104,19 @@ def test_bytescale_2m_case_for_7b_plans_with_ring_blocks(llm_7b):
     static = bytescale(base, samples, llm_7b.llm_heads)
     assert (static.sp, static.cp) == (32, 2)  # 2M / 32K = 64 ranks: 32 x 2
     assert sim_bytescale.CASES["llm_7b", 1024, 2097152][-1] == 64
+
+
+def test_search_with_cp_keeps_the_exhaustive_best(llm_7b):
+    """The bound stays below every cp plan's step (a ring step may hide: it bounds nothing of
+    it), so pruning keeps the exhaustive top; cp plans are ranked."""
+    rng = np.random.default_rng(1)
+    samples = text(np.concatenate([[65536, 49152], rng.integers(512, 8192, 30)]))
+    base = SimPlan(global_batch=32, micro_batches=2, pack_tokens=LONG, zero_stage=1)
+    space = SearchSpace(degrees=(1, 2, 4), zero_stages=(1,), encoder_modes=("reshard",),
+                        reorder_groups=(8,), checkpointing=(True,))
+    c = cluster("h100", 8)
+    fast = search(c, llm_7b, samples, base, top=4, space=space, baselines=False)
+    every = search(c, llm_7b, samples, base, top=4, space=space, prune=False, baselines=False)
+    assert [describe(r.plan) for r in fast.top] == [describe(r.plan) for r in every.top]
+    assert all(r.bound <= r.step_time for r in every.top)
+    assert any(r.plan.cp > 1 for r in every.top)
