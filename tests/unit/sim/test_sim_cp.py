@@ -15,6 +15,7 @@ from ds_omni.sim import SimPlan, cluster, ring_sim, simulate
 from ds_omni.sim.baselines import bytescale
 from ds_omni.sim.search import SearchSpace, candidates, describe, search
 from ds_omni.sim.workload import Samples
+from tests import plants
 
 LONG = 131072
 
@@ -40,6 +41,10 @@ def ring_on_critical_path(report) -> float:
 
 
 def test_a_long_sequence_step_falls_with_cp(llm_7b):
+    check_steps_fall_with_cp(llm_7b)
+
+
+def check_steps_fall_with_cp(llm_7b):
     c = cluster("h100", 16)
     times = {cp: simulate(c, llm_7b, text([LONG]), one_long(cp=cp)) for cp in (1, 2, 4, 8)}
     for cp, r in times.items():  # attention dominates: the step falls about as 1/cp
@@ -55,6 +60,18 @@ def test_a_long_sequence_step_falls_with_cp(llm_7b):
 
 
 def test_ring_transfer_hides_behind_longer_attention(llm_7b):
+    check_ring_hides(llm_7b)
+
+
+@pytest.mark.parametrize("plant", plants.for_launch("sim_cp"))
+def test_plant_sim_cp(plant, llm_7b):
+    with plants.applied(plant, 0):
+        with pytest.raises(AssertionError):
+            check_ring_hides(llm_7b)
+            check_steps_fall_with_cp(llm_7b)
+
+
+def check_ring_hides(llm_7b):
     exposed = ring_sim.ring_layer_seconds(np.array([1.0, 3.0]), np.array([2.0, 2.0]), 4,
                                           backward=False, checkpointing=True)
     assert exposed.tolist() == [0.0, 3.0]  # (c - 1) x max(0, transfer - attention)
