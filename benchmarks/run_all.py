@@ -105,6 +105,7 @@ BENCHES = [
     Bench("sim_validation.py --rounds 7 --warmup 1 --batches 4 --comm-repeats 5",
           ("sim_validation.json", "sim_validation.png"), 600,
           quick=("--rounds", "3", "--warmup", "1", "--batches", "2", "--comm-repeats", "2")),
+    Bench("sim_published.py", ("sim_published.json", "sim_published.png"), 120),
     Bench("sim_megascale_omni.py", ("sim_megascale_omni.json", "sim_megascale_omni.png"), 600),
     Bench("sim_bytescale.py", ("sim_bytescale.json", "sim_bytescale.png"), 900),
     Bench("tensor_parallel.py", ("tensor_parallel.json", "tensor_parallel.png"), 900,
