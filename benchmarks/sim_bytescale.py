@@ -2,7 +2,7 @@
 budget-mode reordering) against one static context-parallel degree for every sequence, on
 long-tailed text, next to ByteScale's reported "up to 7.89x".
 
-    .venv/bin/python benchmarks/sim_bytescale.py                  # ~22 s on 2 shared cores
+    .venv/bin/python benchmarks/sim_bytescale.py                  # ~25 s of CPU
     .venv/bin/python benchmarks/sim_bytescale.py --gpus 1024      # the 1,024-GPU cases
     .venv/bin/python benchmarks/sim_bytescale.py --gpus 1024 --contexts 2097152 --out quick
                                                     # the two 2M-token cases alone, ~10 s
@@ -15,15 +15,14 @@ sequences for every plan of a case. Rows of 32K tokens a rank.
 
 ds_omni: budget mode with per-sequence SP blocks of up to `max_sequence_sp` ranks, two degrees
 tried, each with reorder groups of that size and of every rank (its best taken); short sequences
-run alone on one rank. Every SP degree must
-divide the LLM's query heads (Ulysses splits the heads over the group; training refuses other
-degrees, `check_sequence_parallel`, and so does the simulator): at most 32 for Llama-2-7B, 64 for
-Llama-3-70B. A case with no figure says why in its `no_figure` lines (printed under its "-"):
-7B at 2M has no plan at all (its sequences of 1.2M-2.0M tokens need 37-62 ranks of 32K tokens,
-more than 32), and at 70B ds_omni trains but the static degree that holds the longest, 64, needs
-124 GiB a GPU (the paper's "OOM"). The baseline (`ds_omni.sim.baselines.bytescale`): every
-sequence split over one static SP degree, the least whose shards hold the longest sequence or the
-ones ds_omni tried, its best taken; loader order.
+run alone on one rank. A block up to the LLM's query heads (32 for Llama-2-7B, 64 for
+Llama-3-70B) is Ulysses over a divisor of them; a larger one (7B at 2M: its sequences of
+1.2M-2.0M tokens need 37-62 ranks of 32K tokens, so blocks of 64) runs Ulysses over the heads
+inside and ring attention across (`hdp.ulysses_ring_split`). The baseline
+(`ds_omni.sim.baselines.bytescale`): every sequence split over one static context-parallel
+degree (Ulysses up to the heads, ring past them), its best of the least whose shards hold the
+longest sequence, the ones ds_omni tried and every larger power of two up to all GPUs; loader
+order. A plan with no figure says why in the case's `no_figure` lines (refused, or over memory).
 ZeRO-1 for 7B, ZeRO-3 for 70B (no TP / PP in this comparison). speed-up = ds_omni's tokens/s
 over the baseline's. Writes benchmarks/results/sim_bytescale.json and .png; the reading:
 docs/benchmarks/sim_papers.md.
@@ -48,10 +47,10 @@ from ds_omni.sim.workload import WorkloadSpec  # noqa: E402
 # DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
 RESULTS = Path(os.environ.get("DS_OMNI_BENCH_RESULTS") or REPO / "benchmarks" / "results")
 ROW_TOKENS, SEQUENCES_PER_GPU = 32768, 8
-# (model, GPUs, context): the per-sequence SP degrees ds_omni tries, each dividing the LLM's
-# query heads (7B: 32, 70B: 64) as training requires
+# (model, GPUs, context): the per-sequence SP degrees ds_omni tries; a block past the LLM's
+# query heads (7B: 32, 70B: 64) runs Ulysses over the heads inside and ring attention across
 CASES = {("llm_7b", 1024, 262144): (16, 32), ("llm_70b", 1024, 262144): (16, 64),
-         ("llm_7b", 1024, 2097152): (16, 32), ("llm_70b", 1024, 2097152): (32, 64),
+         ("llm_7b", 1024, 2097152): (32, 64), ("llm_70b", 1024, 2097152): (32, 64),
          ("llm_7b", 4096, 262144): (16, 32), ("llm_70b", 4096, 262144): (16, 64)}
 PAPER = {"max": 7.89}
 
@@ -81,8 +80,12 @@ def run_case(llm: str, gpus: int, context: int, degrees: tuple[int, ...], seed: 
     search = sim_common.Search(c, model, samples)
     best_plan, best = search.best(plans)
     ours = sim_common.brief(best_plan, best)
-    # the static degree: the least that holds the longest sequence, or one ds_omni tried
-    statics = [base.replace(max_sequence_sp=1, reorder="loader_order")] + blocks
+    # the static degree, its best of: the least that holds the longest sequence, one ds_omni
+    # tried, or a larger power of two up to every GPU (Ulysses up to the heads, ring attention
+    # past them: `baselines.bytescale`)
+    statics = [base.replace(max_sequence_sp=1, reorder="loader_order")] + blocks + [
+        base.replace(max_sequence_sp=d, reorder_group=gpus)
+        for d in (1 << k for k in range(max(degrees).bit_length(), gpus.bit_length()))]
     theirs = {name: sim_common.brief(*pr)
               for name, pr in search.baselines(statics, names=("bytescale",)).items()}
     return {"case": case_name(llm, gpus, context), "llm": llm, "gpus": gpus, "context": context,
@@ -98,7 +101,7 @@ def no_figure(search: sim_common.Search) -> list[str]:
     from the output, not guessed."""
     lines = []
     for plan, run in search.runs.items():
-        what = (f"sp={plan.sp} max_sequence_sp={plan.max_sequence_sp} "
+        what = (f"sp={plan.sp} cp={plan.cp} max_sequence_sp={plan.max_sequence_sp} "
                 f"pack_tokens={plan.pack_tokens} {plan.reorder}")
         if isinstance(run, Exception):
             lines.append(f"{what}: refused: {run}")

@@ -126,7 +126,7 @@ def brief(plan: SimPlan | None, report) -> dict | None:
     if plan is None:
         return None if report is None else {"fits": False, "tokens_per_s": None,
                                             "least_peak_memory_gib": report.peak_memory / 2 ** 30}
-    keep = ("sp", "pp", "zero_stage", "micro_batches", "pack_tokens", "reorder", "reorder_group",
+    keep = ("sp", "cp", "pp", "zero_stage", "micro_batches", "pack_tokens", "reorder", "reorder_group",
             "max_sequence_sp", "encoder_mode", "encoder_placement", "stage_split", "encoder_gpus")
     return {"plan": {k: getattr(plan, k) for k in keep},
             "step_time_s": report.step_time, "tokens": report.tokens, "samples": report.samples,

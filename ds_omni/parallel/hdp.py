@@ -7,7 +7,8 @@ every other sequence runs whole on one rank. A block's ranks each carry cost / d
 samples are packed around those loads (`ds_omni.data.reorder`). Long sequences run in rounds: in
 round k every rank runs one micro-batch (its block's shard, or an empty one), so ZeRO's
 collectives and each block's all-to-alls line up and no rank waits on a peer inside another
-block. More: docs/parallelism.md, "A per-sequence SP degree".
+block. A block larger than the LLM's heads runs Ulysses inside and ring attention across
+(`ulysses_ring_split`). More: docs/parallelism.md, "A per-sequence SP degree".
 
 Dims: N candidate sequences, G ranks in the pool, D the largest degree allowed.
 """
@@ -65,6 +66,14 @@ def degree_for(cost: float, tokens: int, rank_budget: float, token_cap: float,
                         f"({max_degree} ranks); raise parallel.max_sequence_sp or data.pack_tokens, "
                         "or lower data.max_seq_len")
     return min(degree, max_degree)
+
+
+def ulysses_ring_split(size: int, heads: int | None) -> tuple[int, int]:
+    """(Ulysses degree, ring degree) of a block of `size` ranks over an LLM of `heads` query heads
+    (None: unknown, no limit): Ulysses over the largest degree dividing both (gcd), consecutive
+    ranks, and ring attention across the rest, so a block may be larger than the heads."""
+    ulysses = math.gcd(size, heads) if heads else size
+    return ulysses, size // ulysses
 
 
 def place_blocks(cost: np.ndarray, tokens: np.ndarray, loads: np.ndarray, rank_budget: float,

@@ -6,11 +6,13 @@ is compared with (its degrees kept where the baseline has them):
 2. "disttrain": encoders and LLM on separate GPU pools (DistTrain-style), the encoder pool sized
    by the encoders' share of the workload's FLOPs; samples reordered.
 3. "deepspeed": a careful user's DeepSpeed run: packed rows in loader order, one static SP
-   degree (the plan's largest), HF's Ulysses (every SP rank encodes the whole row), no pipeline.
+   degree (the plan's largest), HF's Ulysses (every SP rank encodes the whole row), no pipeline,
+   no ring attention.
 4. "bytescale": ByteScale's baseline: one static context-parallel degree for every sequence,
-   large enough for the longest one; loader order; encoders balanced inside the SP group.
+   large enough for the longest one (Ulysses up to the heads, ring attention past them); loader
+   order; encoders balanced inside the SP group.
 5. "veomni": VeOmni-style: every encoder item split across the SP group, FSDP (ZeRO-3), no
-   pipeline, loader order.
+   pipeline, no ring attention, loader order.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import math
 
 from ds_omni.errors import DsOmniError
+from ds_omni.parallel.hdp import ulysses_ring_split
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.sim.plan_spec import SimPlan
 from ds_omni.sim.step import simulate
@@ -61,26 +64,30 @@ def disttrain(plan: SimPlan, gpus: int, encoder_share: float) -> SimPlan:
 
 
 def static_degree(plan: SimPlan, samples: Samples) -> int:
-    """The plan's largest SP degree, raised to the power of two whose shards hold the longest
-    sequence within one micro-batch row."""
+    """The plan's largest sequence degree (sp x cp, or its blocks'), raised to the power of two
+    whose shards hold the longest sequence within one micro-batch row."""
     need = max(1, math.ceil(int(samples.tokens.max()) / plan.pack_tokens))
-    return max(plan.long_item_group, 1 << math.ceil(math.log2(need)))
+    return max(plan.long_item_group * plan.cp, 1 << math.ceil(math.log2(need)))
 
 
 def deepspeed(plan: SimPlan) -> SimPlan:
-    return _plain(plan, "deepspeed", sp=plan.long_item_group, pp=1,
+    return _plain(plan, "deepspeed", sp=plan.long_item_group, cp=1, pp=1,
                   encoder_mode="replicated")
 
 
-def bytescale(plan: SimPlan, samples: Samples) -> SimPlan:
-    sp = static_degree(plan, samples)
-    return _plain(plan, "bytescale", sp=sp, pp=1, tp=1, ep=1 if sp > 1 else plan.ep,
+def bytescale(plan: SimPlan, samples: Samples, heads: int | None = None) -> SimPlan:
+    """Static CP of `static_degree` ranks: Ulysses over a degree dividing the LLM's `heads`,
+    ring attention across the rest (`hdp.ulysses_ring_split`: past the heads, as ByteScale's
+    context parallelism has no head limit)."""
+    degree = static_degree(plan, samples)
+    sp, cp = ulysses_ring_split(degree, heads)
+    return _plain(plan, "bytescale", sp=sp, cp=cp, pp=1, tp=1, ep=1 if degree > 1 else plan.ep,
                   encoder_mode="reshard",
-                  pack_tokens=plan.pack_tokens * sp // max(plan.sp, 1))
+                  pack_tokens=plan.pack_tokens * degree // max(plan.sp * plan.cp, 1))
 
 
 def veomni(plan: SimPlan) -> SimPlan:
-    return _plain(plan, "veomni", sp=plan.long_item_group, pp=1, tp=1, zero_stage=3,
+    return _plain(plan, "veomni", sp=plan.long_item_group, cp=1, pp=1, tp=1, zero_stage=3,
                   encoder_mode="split_all")
 
 
@@ -96,7 +103,7 @@ def baseline_plans(plan: SimPlan, gpus: int, model, samples: Samples) -> dict[st
     """The five baselines of `plan` for these samples."""
     share = encoder_share(model, samples)
     return {"megatron": megatron(plan), "disttrain": disttrain(plan, gpus, share),
-            "deepspeed": deepspeed(plan), "bytescale": bytescale(plan, samples),
+            "deepspeed": deepspeed(plan), "bytescale": bytescale(plan, samples, model.llm_heads),
             "veomni": veomni(plan)}
 
 

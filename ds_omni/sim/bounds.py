@@ -113,9 +113,10 @@ def lower_bound(shell: Shell, totals: dict) -> float:
         calls = 2 * m.moe.layers * (1 + 1 + ckpt)
         seconds += calls * (p.ep - 1) / p.ep * tokens / w * m.moe.top_k * d.hidden * 2 / \
             link.bandwidth
-    if p.sp > 1:  # under tp: tokens / (dp sp) a rank, heads / tp: tokens / W
-        link = comm.link_of(c, shell.ranks_of(0, 1)[::p.tp])
-        seconds += d.layers * (1 + 1 + ckpt) * (p.sp - 1) / p.sp * tokens / w * \
+    u = plan.sp  # Ulysses' degree: a ring's (cp) steps may all hide behind attention
+    if u > 1:  # under tp: tokens / (dp sp cp) a rank, heads / tp: tokens / W
+        link = comm.link_of(c, shell.ranks_of(0, 1)[::p.tp][:u])
+        seconds += d.layers * (1 + 1 + ckpt) * (u - 1) / u * tokens / w * \
             (2 * d.hidden + 2 * m.kv) * 2 / link.bandwidth
     seconds += plan.micro_batches * tp_grads_seconds(shell)
     return seconds + min(grad_sync_seconds(shell, s) for s in range(p.pp))
@@ -208,9 +209,10 @@ def _traffic(shell: Shell, tokens: np.ndarray) -> np.ndarray:
         bw = comm.link_of(c, range(p.ep)).bandwidth
         out = out + 2 * m.moe.layers * (2 + ckpt) * (p.ep - 1) / p.ep * tokens * m.moe.top_k * \
             d.hidden * 2 / bw
-    if p.sp > 1:  # each TP rank's SP group, heads / tp
-        bw = comm.link_of(c, shell.ranks_of(0, 1)[::p.tp]).bandwidth
-        out = out + d.layers * (2 + ckpt) * (p.sp - 1) / p.sp * tokens / p.sp * \
+    u = plan.sp  # each TP rank's Ulysses group, heads / tp (the ring's time may hide)
+    if u > 1:
+        bw = comm.link_of(c, shell.ranks_of(0, 1)[::p.tp][:u]).bandwidth
+        out = out + d.layers * (2 + ckpt) * (u - 1) / u * tokens / p.sp * \
             (2 * d.hidden + 2 * m.kv) * 2 / p.tp / bw
     return out
 

@@ -111,7 +111,9 @@ def format_simulation(out: dict) -> str:
     gib = 2 ** 30
     lines = [f"cluster: {out['cluster']['gpus']} x {out['cluster']['gpu']} "
              f"({out['cluster']['gpus_per_node']} per node)",
-             f"plan: dp={p['plan']['dp']} sp={p['plan']['sp']} pp={p['plan']['pp']} "
+             f"plan: dp={p['plan']['dp']} sp={p['plan']['sp']} "
+             + (f"cp={p['plan']['cp']} " if p['plan'].get("cp", 1) > 1 else "") +
+             f"pp={p['plan']['pp']} "
              f"zero={p['plan']['zero_stage']} reorder={p['plan']['reorder']} "
              f"encoders={p['plan']['encoder_mode']}",
              f"  step time {p['step_time']:.4f} s, MFU {p['mfu']:.1%}, "

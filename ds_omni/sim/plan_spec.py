@@ -86,6 +86,10 @@ class SimPlan:
         if self.global_batch < 1 or self.micro_batches < 1 or self.pack_tokens < 1:
             raise ConfigError(f"SimPlan needs global_batch, micro_batches and pack_tokens >= 1, "
                               f"got {self.global_batch}, {self.micro_batches}, {self.pack_tokens}")
+        if self.cp < 1 or (self.cp > 1 and self.pp > 1):
+            raise ConfigError(f"SimPlan.cp must be >= 1, and 1 under a pipeline (the simulator "
+                              f"prices ring attention without one), got cp={self.cp}, "
+                              f"pp={self.pp}")
 
     def __hash__(self) -> int:  # the configs are mutable dataclasses: hash their values
         return hash((self.resolution_key(), *(getattr(self, f.name) for f in
@@ -169,7 +173,8 @@ class SimPlan:
     def check_model(self, model) -> None:
         """Training's rules that need the model (a `ModelSpec`), after the composition table's
         under the plan's ZeRO stage: tp divides the LLM's heads and MLP width, ep divides an MoE
-        LLM's experts, an SP degree divides its heads. With the LLM's HF config
+        LLM's experts, sp divides its heads (a per-sequence block may not: Ulysses over a
+        divisor inside, ring across, `hdp.ulysses_ring_split`). With the LLM's HF config
         (`ModelSpec.text_config`) training's own checks run (`check_tensor_parallel`,
         `autoep_section`); without it, the same rules on its sizes."""
         self.check_composition()
@@ -197,10 +202,8 @@ class SimPlan:
                                   f"{model.moe.experts} experts: each expert-parallel rank holds "
                                   f"experts / ep of them; choose an ep that divides "
                                   f"{model.moe.experts}")
-        for name, degree in (("parallel.sp", self.sp), ("parallel.max_sequence_sp",
-                                                        self.max_sequence_sp)):
-            if degree > 1:
-                _divides(degree, name, {"attention heads": model.llm_heads})
+        if self.sp > 1:  # a per-sequence block needs not: Ulysses inside, ring across
+            _divides(self.sp, "parallel.sp", {"attention heads": model.llm_heads})
 
 
 def _divides(degree: int, name: str, sizes: dict) -> None:

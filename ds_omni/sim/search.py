@@ -48,6 +48,10 @@ class SearchSpace:
     """G, capped at dp. EVERY_RANK: one group of all data-parallel ranks, which balances a long
     tail of costly sequences that groups of 8-32 get unevenly (benchmarks/sim_bytescale.py)."""
     checkpointing: tuple[bool, ...] = (True, False)
+    ring_shard: int = 8192
+    """cp (ring attention beside sp, from `degrees`) is tried up to the least degree whose shard
+    of the longest sequence, longest / (sp x cp), is at most this many tokens: shorter shards
+    hide no ring step behind their attention."""
 
 
 @dataclass
@@ -80,7 +84,8 @@ class SearchResult:
 def describe(plan) -> str:
     """A plan (a SimPlan or the fields of a candidate) in one line of its searched fields."""
     f = plan if isinstance(plan, dict) else plan.as_dict()
-    parts = [f"dp={f['dp']}"] + [f"{k}={f[k]}" for k in ("sp", "pp", "tp", "ep") if f[k] > 1]
+    parts = [f"dp={f['dp']}"] + [f"{k}={f.get(k, 1)}" for k in ("sp", "cp", "pp", "tp", "ep")
+                                 if f.get(k, 1) > 1]
     if f["max_sequence_sp"] > 1:
         parts.append(f"max_sequence_sp={f['max_sequence_sp']}")
     parts += [f"zero={f['zero_stage']}", f"encoders={f['encoder_mode']}"]
@@ -92,10 +97,11 @@ def describe(plan) -> str:
 
 # ----------------------------------------------------------------------------- the space
 def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
-               space: SearchSpace = SearchSpace()) -> list[dict]:
+               space: SearchSpace = SearchSpace(), longest: int = 0) -> list[dict]:
     """Every plan of `space` on `gpus` GPUs (the SimPlan fields that differ from `base`), with
     `base`'s batch: the same samples per step and per micro-batch row (its micro-batch size),
-    so the gradient accumulation steps follow dp."""
+    so the gradient accumulation steps follow dp. `longest`: the longest sample's tokens (the
+    cp degrees tried, `SearchSpace.ring_shard`)."""
     base_dp = ParallelPlan.dp_of(base.parallel, gpus)
     per_micro = base.global_batch / (base.micro_batches * base_dp)  # samples of one micro-batch
     out, seen = [], set()
@@ -103,25 +109,43 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
         if tp > gpus_per_node or sp > gpus_per_node or (ep > 1 and model.moe is None):
             continue
         if tp * sp > gpus_per_node:
-            continue  # tp x sp inside a node
-        dp = ParallelPlan.auto_dp(gpus, sp, pp, tp)
-        if dp * ParallelPlan.model_parallel_size(sp, pp, tp) != gpus:  # no whole replicas
-            continue
-        micro = max(1, round(base.global_batch / (per_micro * dp)))
-        for zero, mode, place, group, ckpt in itertools.product(
-                space.zero_stages, space.encoder_modes, space.encoder_placements,
-                space.reorder_groups, space.checkpointing):
-            if place != "stage0" and pp == 1:
-                continue  # the placement acts under pp only
-            fields = dict(name="candidate", dp=dp, sp=sp, pp=pp, tp=tp, ep=ep,
-                          max_sequence_sp=msp, zero_stage=zero, encoder_mode=mode,
-                          encoder_placement=place, reorder_group=min(group, dp),
-                          checkpointing=ckpt, micro_batches=micro)
-            key = tuple(fields.values())
-            if key not in seen:  # a reorder group capped at dp repeats a smaller one
-                seen.add(key)
-                out.append(fields)
+            continue  # tp x sp inside a node (a ring may cross nodes)
+        for cp in _ring_degrees(space, longest, sp) if pp == msp == 1 else (1,):
+            _add_plans(out, seen, base, gpus, per_micro, space,
+                       dict(sp=sp, cp=cp, pp=pp, tp=tp, ep=ep, max_sequence_sp=msp))
     return out
+
+
+def _ring_degrees(space: SearchSpace, longest: int, sp: int) -> list[int]:
+    """1 and the powers of two of `space.degrees` up to the least cp whose shard of the longest
+    sequence is at most `space.ring_shard` tokens."""
+    need, out = max(1.0, longest / (sp * space.ring_shard)), [1]
+    for cp in sorted(d for d in space.degrees if d > 1 and not d & (d - 1)):
+        if cp / 2 < need:
+            out.append(cp)
+    return out
+
+
+def _add_plans(out: list, seen: set, base: SimPlan, gpus: int, per_micro: float,
+               space: SearchSpace, degrees: dict) -> None:
+    """The plans of one set of degrees over the space's other fields, each once."""
+    sp, cp, pp, tp = degrees["sp"], degrees["cp"], degrees["pp"], degrees["tp"]
+    dp = ParallelPlan.auto_dp(gpus, sp * cp, pp, tp)
+    if dp * ParallelPlan.model_parallel_size(sp * cp, pp, tp) != gpus:  # no whole replicas
+        return
+    micro = max(1, round(base.global_batch / (per_micro * dp)))
+    for zero, mode, place, group, ckpt in itertools.product(
+            space.zero_stages, space.encoder_modes, space.encoder_placements,
+            space.reorder_groups, space.checkpointing):
+        if place != "stage0" and pp == 1:
+            continue  # the placement acts under pp only
+        fields = dict(name="candidate", dp=dp, **degrees, zero_stage=zero, encoder_mode=mode,
+                      encoder_placement=place, reorder_group=min(group, dp),
+                      checkpointing=ckpt, micro_batches=micro)
+        key = tuple(fields.values())
+        if key not in seen:  # a reorder group capped at dp repeats a smaller one
+            seen.add(key)
+            out.append(fields)
 
 
 # ------------------------------------------------------------------------------ the search
@@ -134,7 +158,8 @@ def search(cluster: Cluster, model: ModelSpec, samples: Samples, base: SimPlan, 
     that passes the rules and the states check (the exhaustive answer the bound must keep)."""
     t0 = time.perf_counter()
     out = SearchResult(top=[])
-    plans = candidates(base, cluster.gpus, cluster.gpus_per_node, model, space)
+    plans = candidates(base, cluster.gpus, cluster.gpus_per_node, model, space,
+                       int(samples.tokens.max()))
     out.candidates = len(plans)
     totals = bounds.totals_of(model, samples)
     heap = []  # (bound, order, refined?, plan, shell): the lowest bound first
@@ -209,7 +234,8 @@ def _rank(out: SearchResult, cluster, model, samples, plan, bound, cache, top) -
 
 def _features(plan: SimPlan) -> tuple:
     """Among plans equally fast, the simpler first (fewer and smaller degrees, less ZeRO)."""
-    return (plan.max_sequence_sp * plan.sp * plan.pp * plan.tp * plan.ep, plan.zero_stage,
+    return (plan.max_sequence_sp * plan.sp * plan.cp * plan.pp * plan.tp * plan.ep,
+            plan.zero_stage,
             plan.encoder_mode != "reshard", plan.reorder_group, not plan.checkpointing)
 
 

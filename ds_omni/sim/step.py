@@ -21,7 +21,7 @@ import numpy as np
 
 from ds_omni.errors import DataError, ModelError
 from ds_omni.parallelize.embedding import encoder_dummies_needed
-from ds_omni.sim import comm, memory, model_parallel, pipeline_sim
+from ds_omni.sim import comm, memory, model_parallel, pipeline_sim, ring_sim
 from ds_omni.sim.calibrate_comm import POOL_META_BYTES
 from ds_omni.sim.cluster import Cluster
 from ds_omni.sim.encode_sim import Row, RowLayout, round_work
@@ -378,24 +378,29 @@ def llm_sp_seconds(step: Step, tokens_per_rank: np.ndarray, g: int, ranks, backw
 
 def _llm_sp(step: Step, rr: RoundRows, backward: bool) -> None:
     """Each row's SP group(s) meet at Ulysses' all-to-alls: under tp one SP group per TP rank
-    (the row's ranks of one tp coordinate), each with heads / tp."""
+    (the row's ranks of one tp coordinate), each with heads / tp; under ring attention one per
+    ring rank, then the rings (`ring_sim`)."""
     tp = step.pplan.tp
-    ranks, gid, seconds = [], [], []
+    ranks, gid, seconds, rings = [], [], [], []
     for n, (ids, stacked) in rr.by_size.items():  # rows of one size together (blocks differ)
         if n <= tp:
             continue
         g = n // tp
+        u, c = ring_sim.sequence_split(step, g)  # Ulysses inside, ring across (c = 1: none)
         groups = stacked.reshape(len(ids), g, tp).transpose(0, 2, 1)
-        tokens = np.repeat(rr.tokens[ids] / g, tp)  # [R tp]
-        t = llm_sp_seconds(step, tokens, g, groups.reshape(-1, g), backward, tp)  # [R tp]
+        tokens = np.repeat(rr.tokens[ids] / g, tp * c)  # [R tp c]
+        t = llm_sp_seconds(step, tokens, u, groups.reshape(-1, u), backward, tp)  # [R tp c]
         first = sum(len(s) for s in seconds)
         ranks.append(groups.reshape(-1))
-        gid.append(first + np.repeat(np.arange(t.size), g))
+        gid.append(first + np.repeat(np.arange(t.size), u))
         seconds.append(t)
+        rings.append((ids, groups.reshape(-1, g), u, c))
     if ranks:
         seconds = np.concatenate(seconds)
         gid = np.concatenate(gid)
         step.timeline.sync(np.concatenate(ranks), gid, "llm_sp", seconds[gid])
+    for ids, groups, u, c in rings:
+        ring_sim.run_ring(step, rr, ids, groups, u, c, backward)
 
 
 def _round_zero(step: Step, ranks: np.ndarray, compute: np.ndarray) -> None:

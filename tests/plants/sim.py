@@ -90,3 +90,19 @@ def _sim_memo_one_direction(rank: int):
 def _sim_pool_plan_free(rank: int):
     from ds_omni.sim import step
     yield from patched(step, "plan_pool", lambda f: lambda st: None)
+
+
+# ------------------------------------------ ring attention in the simulator (test_sim_cp.py)
+@plant("sim_ring_not_overlapped", "the simulator adds every ring step's key/value transfer to the "
+       "step instead of overlapping it with the block's attention", "sim_cp")
+def _sim_ring_not_overlapped(rank: int):
+    from ds_omni.sim import ring_sim
+    yield from patched(ring_sim, "ring_layer_seconds", lambda f: lambda transfer, block, c, *a, **k:
+                       f(transfer, 0.0 * block, c, *a, **k))
+
+
+@plant("sim_ring_as_ulysses", "the simulator runs a row's sp x cp ranks as one Ulysses group (the "
+       "ring and its kv transfers ignored)", "sim_cp")
+def _sim_ring_as_ulysses(rank: int):
+    from ds_omni.sim import ring_sim
+    yield from patched(ring_sim, "sequence_split", lambda f: lambda step, g: (g, 1))

@@ -14,8 +14,9 @@ from ds_omni.sim.plan_spec import SimPlan
 
 @pytest.mark.parametrize("case", list(sim_bytescale.CASES), ids=lambda c: f"{c}")
 def test_case_degrees_are_trainable(case):
-    """Every per-sequence SP degree a case tries divides its LLM's query heads (training's rule);
-    a degree that does not is a plan nobody can run, reported as "-" instead of a figure."""
+    """Every per-sequence SP degree a case tries is a plan the simulator accepts: up to the
+    LLM's query heads a divisor of them, past them (7B's 64 over 32 heads) Ulysses over the
+    heads inside and ring attention across (`hdp.ulysses_ring_split`)."""
     llm, _gpus, _context = case
     model = sim_common.model_spec(None, llm)
     for degree in sim_bytescale.CASES[case]:

@@ -1,0 +1,83 @@
+"""Ring attention (context parallelism) in the simulator: how a row's sequence ranks split into
+Ulysses inside and a ring across, and what the ring adds to a step.
+
+A row over g sequence ranks (the sp x cp ranks of one TP coordinate, or a per-sequence block)
+runs Ulysses over u consecutive ranks and a ring of c = g / u across them (`sequence_split`).
+After Ulysses' all-to-all a rank holds the ring shard's tokens (row / c) for heads / u. Per
+attention layer its ring runs c steps: its own key/value block, then c - 1 blocks passed on by
+its neighbour, each transfer (p2p, held to the ring's slowest link) overlapping the attention of
+the block before; with zigzag chunks every step does the same causal work, 1/c of the rank's
+attention. A step costs max(transfer, block attention); the attention is already the rank's
+compute, so the ring adds (c - 1) max(0, transfer - block attention) a layer. Backward passes
+the blocks again with their gradients (twice the bytes beside twice the attention); under
+checkpointing the recomputed forward's ring runs again. More: docs/simulator.md.
+
+Dims: R rows of one size, g sequence ranks of a row, u Ulysses ranks, c ring ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds_omni.parallel.hdp import ulysses_ring_split
+from ds_omni.sim import comm
+
+BF16 = 2
+
+
+def sequence_split(step, g: int) -> tuple[int, int]:
+    """(u, c) of a row over g sequence ranks: the static plan's (sp, cp) on its rows, and on a
+    per-sequence block's (static sp x cp is 1 there) `ulysses_ring_split` over the heads a TP
+    rank holds."""
+    plan = step.plan
+    if g == plan.sp * plan.cp:
+        return plan.sp, plan.cp
+    heads = step.model.llm_heads
+    return ulysses_ring_split(g, heads // step.pplan.tp if heads else None)
+
+
+def kv_bytes_per_token(model, u: int, tp: int = 1) -> float:
+    """Bytes of one token's key and value on a rank of Ulysses u (x tp): its share of the kv
+    heads, at least one head (fewer kv heads than ranks are repeated), bf16."""
+    width = model.kv / (u * tp)
+    if model.llm_kv_heads:
+        width = max(width, model.kv / model.llm_kv_heads)
+    return 2 * width * BF16
+
+
+def ring_layer_seconds(transfer: np.ndarray, block: np.ndarray, c: int,
+                       backward: bool, checkpointing: bool) -> np.ndarray:
+    """The ring's exposed seconds of one layer in one pass: (c - 1) steps of max(0, transfer -
+    block attention) (`transfer` [n]: one key/value block's p2p; `block` [n]: one step's
+    forward attention); backward twice both, plus the recomputed forward's."""
+    exposed = (c - 1) * np.maximum(0.0, transfer - block)
+    if not backward:
+        return exposed
+    twice = (c - 1) * np.maximum(0.0, 2 * transfer - 2 * block)
+    return twice + exposed * checkpointing
+
+
+def run_ring(step, rr, ids: np.ndarray, groups: np.ndarray, u: int, c: int,
+             backward: bool) -> None:
+    """Rows `ids` of `rr` (`step.RoundRows`), each over sequence ranks `groups` [R tp, g]
+    (Ulysses inside: g = c x u, ring-major), meet in their rings (phase "llm_cp")."""
+    if c < 2:
+        return
+    m, tp, plan = step.model, step.pplan.tp, step.plan
+    rings = groups.reshape(-1, c, u).transpose(0, 2, 1).reshape(-1, c)  # [R tp u, c]
+    per_ring = tp * u  # rings of one row
+    tokens = np.repeat(rr.tokens[ids].astype(np.float64), per_ring)  # [R tp u]
+    quad = m.cost.coefficients["llm_quad"]
+    attn = np.array([quad * float((step.samples.tokens[rr.rows[i].samples].astype(np.float64)
+                                   ** 2).sum()) for i in ids])  # [R] training FLOPs
+    # one step's forward attention on a rank: 1/3 of training, a layer's, the rank's, 1/c
+    block = np.repeat(attn, per_ring) / 3 / m.dims.layers / (u * c * tp) / c / step.rate
+    nbytes = tokens / c * kv_bytes_per_token(m, u, tp)  # [R tp u] one block
+    link = comm.links_each(step.cluster, rings)
+    seconds = m.dims.layers * ring_layer_seconds(comm.p2p_each(nbytes, link), block, c,
+                                                 backward, plan.checkpointing)
+    passes = (2 + plan.checkpointing) if backward else 1  # blocks sent, in forwards' worth
+    moved = float(nbytes.sum()) * c * (c - 1) * m.dims.layers * passes
+    step.a2a_bytes["llm_ring"] = step.a2a_bytes.get("llm_ring", 0.0) + moved
+    gid = np.repeat(np.arange(rings.shape[0]), c)
+    step.timeline.sync(rings.reshape(-1), gid, "llm_cp", seconds[gid])
