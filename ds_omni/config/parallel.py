@@ -21,8 +21,6 @@ class ParallelConfig:
     """Data-parallel degree; "auto" takes what the world size leaves after sp and pp."""
     sp: int = 1
     """Ulysses sequence-parallel degree of the LLM."""
-    cp: int = 1
-    """Ring-attention (context-parallel) degree beside sp: a sequence split over sp x cp ranks."""
     tp: int = 1
     """Tensor-parallel degree of the LLM backbone (AutoTP): must divide its heads and MLP width.
     More: docs/parallelism.md#tensor-parallelism."""
