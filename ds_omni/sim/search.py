@@ -49,9 +49,8 @@ class SearchSpace:
     tail of costly sequences that groups of 8-32 get unevenly (benchmarks/sim_bytescale.py)."""
     checkpointing: tuple[bool, ...] = (True, False)
     ring_shard: int = 8192
-    """cp (ring attention beside sp, from `degrees`) is tried up to the least degree whose shard
-    of the longest sequence, longest / (sp x cp), is at most this many tokens: shorter shards
-    hide no ring step behind their attention."""
+    """cp is tried up to the least degree whose shard of the longest sequence, longest / (sp x
+    cp), is at most this many tokens (shorter shards hide no ring step behind their attention)."""
 
 
 @dataclass
