@@ -138,7 +138,9 @@ RULES = (
              "splits the long sequences alone), or max_sequence_sp to 1"),
     _composes("sp", "tp", "tp x sp must divide the query heads and tp the key/value heads (each "
               "TP rank's heads are split again over its Ulysses group)"),
-    _refused("pp", "sp", PIPELINE_GRID, "set parallel.sp or parallel.pp to 1", launch_only=True),
+    _composes("pp", "sp", "Ulysses inside every stage: the SP ranks of a stage run its layers' "
+              "all-to-alls in ds_omni's own groups and reduce their gradients with its data "
+              "ranks"),
     _composes("sp", "encoder_placement", UNDER_PP),
     _composes("sp", "encoder_pool", "the pool is every rank (dp x sp); a row's long items stay "
               "split over its SP group"),
@@ -148,9 +150,8 @@ RULES = (
              "set zero_optimization.stage to 1 or 2",
              refused=lambda s: s.zero is not None and s.zero not in (1, 2), shows=("zero",),
              when="ZeRO stage 0 or 3"),
-    _refused("tp", "max_sequence_sp", "per-sequence SP blocks are runs of consecutive ranks, "
-             "which tp's groups would cut across", "set parallel.max_sequence_sp to 1 (a static "
-             "parallel.sp works with tp), or parallel.tp to 1"),
+    _composes("tp", "max_sequence_sp", "the per-sequence blocks are drawn over the "
+              "data-parallel ranks of one TP rank (each block's TP ranks split its heads)"),
     _refused("max_sequence_sp", "pp", f"{PIPELINE_GRID} (a per-sequence block is one)",
              "set parallel.max_sequence_sp or parallel.pp to 1"),
     _composes("max_sequence_sp", "encoder_placement", UNDER_PP),
@@ -158,28 +159,19 @@ RULES = (
               "(a long sequence's block, the other ranks alone)"),
     _composes("max_sequence_sp", "ep", "a sample's aux-loss statistics are summed over the ranks "
               "its row is split over"),
-    _refused("tp", "pp", "DeepSpeed's pipeline engine has no AutoTP path",
-             "set parallel.pp to 1 (tp with ZeRO 0-2 spreads a large backbone), or parallel.tp "
-             "to 1"),
+    _composes("tp", "pp", "tensor-parallel decoder layers inside every stage; ZeRO 0 or 1"),
     _composes("tp", "encoder_placement", UNDER_PP),
-    _refused("tp", "encoder_pool", "the pool runs with tp (each TP rank pools over its own "
-             "data-parallel ranks) or with sp (over dp x sp), not with both",
-             "set encoder_pool to \"off\", or parallel.tp or parallel.sp to 1",
-             refused=lambda s: s.sp > 1, shows=("sp",), when="parallel.sp > 1"),
-    _refused("ep", "tp", "DeepSpeed 0.19.8's AutoTP cannot shard the MoE families AutoEP has "
-             "presets for (their HF tensor-parallel plans use the 'packed_colwise' and "
-             "'moe_tp_experts' styles, which its TPPlanConverter rejects), and expert-parallel "
-             "groups inside the data-parallel ranks of each TP rank are not built. What works for "
-             "an MoE LLM: parallel.ep inside dp x sp (with parallel.sp or "
-             "parallel.max_sequence_sp), under ZeRO 1 or 2 (ZeRO-3 with sp = 1) to spread the rest",
-             "set parallel.tp to 1 (tp is for dense LLMs)"),
+    _composes("tp", "encoder_pool", "each TP rank pools over its own data-parallel (x SP) "
+              "ranks"),
+    _composes("ep", "tp", "attention tensor-parallel, the experts expert-parallel over the "
+              "ranks of dp x tp (Megatron's expert-data-parallel layout)"),
     _composes("pp", "encoder_placement", "where the encoders run under pp: \"stage0\" or "
               "\"uniform\" (not with bf16.immediate_grad_update)"),
     _refused("encoder_pool", "pp", "the pool spreads the items of rows held by one rank or by an "
              "SP group, not by pipeline stages", "set encoder_pool to \"off\" (encoder_placement "
              "\"uniform\" balances the encoders over the stages) or parallel.pp to 1"),
-    _refused("ep", "pp", "a pipeline stage does not see the whole sample for the MoE auxiliary "
-             "loss", "set parallel.pp to 1"),
+    _composes("ep", "pp", "each stage's experts over EP groups drawn from its data-parallel x "
+              "SP ranks; every stage's auxiliary loss is added to the last stage's"),
     _composes("encoder_placement", "encoder_pool", UNDER_PP),
     _composes("encoder_placement", "ep", UNDER_PP),
     _composes("encoder_pool", "ep"),

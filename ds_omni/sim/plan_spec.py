@@ -33,10 +33,12 @@ class SimPlan:
     pp: int = 1
     """Pipeline stages."""
     tp: int = 1
-    """Tensor-parallel degree of the LLM's layers (AutoTP; pp = 1, ZeRO 0-2; with sp > 1 each
-    TP rank's heads are split again over its SP group: tp x sp divides the heads)."""
+    """Tensor-parallel degree of the LLM's layers (AutoTP; ZeRO 0-2, inside every stage under
+    pp; with sp > 1 each TP rank's heads are split again over its SP group: tp x sp divides
+    the heads)."""
     ep: int = 1
-    """Expert-parallel degree of an MoE LLM (AutoEP; with sp = tp = pp = 1)."""
+    """Expert-parallel degree of an MoE LLM (AutoEP; groups of ep consecutive ranks of a
+    stage's dp x sp x tp: beside tp the experts spread over dp x tp)."""
     zero_stage: int = 1
     global_batch: int = 256
     """Samples per optimizer step (the same for every plan of one comparison)."""

@@ -59,30 +59,12 @@ OLD_REFUSALS = {
     "config/parallel.py: max_sequence_sp x pp": (
         dict(max_sequence_sp=2, pp=2), 1, False, 2,
         ("parallel.max_sequence_sp=2", "parallel.pp=2"), "or parallel.pp to 1"),
-    "config/parallel.py: tp x pp": (
-        dict(tp=2, pp=2), 1, False, 4, ("parallel.tp=2", "parallel.pp=2"), "set parallel.pp to 1"),
-    "config/parallel.py: tp x max_sequence_sp": (
-        dict(tp=2, max_sequence_sp=2), 1, False, 4,
-        ("parallel.tp=2", "parallel.max_sequence_sp=2"), "set parallel.max_sequence_sp to 1"),
-    "config/parallel.py: tp x encoder_pool under sp": (
-        dict(tp=2, sp=2, encoder_pool="dp"), 1, False, 4,
-        ("parallel.tp=2", 'parallel.encoder_pool="dp"', "when parallel.sp=2"),
-        'set encoder_pool to "off"'),
-    "parallel/plan.py: ep x tp": (
-        dict(ep=2, tp=2), 1, False, 4, ("parallel.ep=2", "parallel.tp=2"),
-        "set parallel.tp to 1"),
-    "parallel/plan.py: ep x pp": (
-        dict(ep=2, pp=2), 1, False, 4, ("parallel.ep=2", "parallel.pp=2"),
-        "set parallel.pp to 1"),
     "parallelize/pipeline.py, sim/plan_spec.py: pp x ZeRO-2": (
         dict(pp=2), 2, False, 2, ("parallel.pp=2", "zero_optimization.stage=2"),
         "ds_configs/zero1.json"),
     "parallelize/pipeline.py, sim/plan_spec.py: pp x ZeRO-3": (
         dict(pp=2), 3, False, 2, ("parallel.pp=2", "zero_optimization.stage=3"),
         "ds_configs/zero1.json"),
-    "parallelize/pipeline.py: pp x sp": (
-        dict(pp=2, sp=2), 1, False, 4, ("parallel.pp=2", "parallel.sp=2"),
-        "set parallel.sp or parallel.pp to 1"),
     "train/ds_config.py, sim/plan_spec.py: tp x ZeRO-3": (
         dict(tp=2), 3, False, 2, ("parallel.tp=2", "zero_optimization.stage=3"),
         "ds_configs/zero2.json"),
@@ -99,6 +81,17 @@ OLD_REFUSALS = {
         ("parallel.ep=2", "zero_optimization.stage=3", "when train.export_hf=true"),
         "train.export_hf to false"),
 }
+
+NOW_COMPOSE = [dict(tp=2, pp=2), dict(pp=2, sp=2), dict(pp=2, tp=2, sp=2), dict(ep=2, tp=2),
+               dict(ep=2, pp=2), dict(tp=2, max_sequence_sp=2),
+               dict(tp=2, sp=2, encoder_pool="dp")]
+"""The backbone's compositions of issue 37, refused before it (ZeRO-1: what the pipeline runs)."""
+
+
+@pytest.mark.parametrize("parallel", NOW_COMPOSE, ids=str)
+def test_the_backbone_compositions_compose(parallel):
+    check_composition(ParallelConfig(**parallel), zero=1)
+
 
 READ_TIME = {case for case in OLD_REFUSALS if case.startswith(("config/", "parallel/"))}
 """The refusals the parallel section makes when it is read (those of parallel/plan.py moved
@@ -133,7 +126,7 @@ def test_each_old_refusal_is_refused_before_any_process_group(tmp_path, case):
         ParallelConfig(**parallel)
 
 
-@pytest.mark.parametrize("parallel,zero", [({"pp": 2, "sp": 2}, 1), ({"tp": 2}, 3)])
+@pytest.mark.parametrize("parallel,zero", [({"pp": 2, "sp": 2}, 2), ({"tp": 2}, 3)])
 def test_train_refuses_before_the_process_group_and_the_model(tmp_path, capsys, monkeypatch,
                                                               parallel, zero):
     """`ds-omni train` stops at the table: the process group, the model and DeepSpeed are never
