@@ -164,7 +164,7 @@ def run_pipeline(step) -> None:
                                           + overhead[s] * share)
             if p.sp > 1:  # Ulysses inside the stage's layers (the SP ranks' work is even)
                 events[(kind, s, m)] = tl.run(ranks[s], "llm_sp",
-                                              _ulysses(step, tokens[m], kind == "B") * frac[s],
+                                              _ulysses(step, tokens[m], kind == "B", s) * frac[s],
                                               COMM)
             last = stage_parallel.stage_collectives(step, ranks[s], s, tokens[m], kind == "B")
             if last is not None:  # tp's all-reduces, ep's all-to-alls inside the stage
@@ -187,15 +187,17 @@ def stage_fractions(step) -> np.ndarray:
     return layers / max(1.0, layers.sum())
 
 
-def _ulysses(step, tokens: np.ndarray, backward: bool) -> np.ndarray:
+def _ulysses(step, tokens: np.ndarray, backward: bool, s: int = 0) -> np.ndarray:
     """[D] seconds of all the LLM's Ulysses all-to-alls of a micro-batch (`tokens` [D] per rank)
     over the SP group: per layer (2h + 2kv) bf16 values a token, split over the g ranks
-    (`comm.even_all_to_all`); backward as many, plus the recompute under checkpointing."""
+    (`comm.even_all_to_all`); backward as many, plus the recompute under checkpointing. The
+    bytes counted are stage s's layers' (the caller scales the seconds by its share)."""
     d, g, tp = step.model.dims, step.pplan.sp, step.pplan.tp
     link = comm.link_of(step.cluster, step.ranks_of(0, 1)[::tp])  # under tp: heads / tp
     per_layer = tokens * (2 * d.hidden + 2 * step.model.kv) * 2 / tp  # [D tp] bytes a rank sends
     times = (1 + step.plan.checkpointing) if backward else 1
-    step.a2a_bytes["llm_ulysses"] += float(per_layer.sum()) * d.layers * times * (g - 1) / g
+    layers = len(step.stage_plan.decoder_layers(s))  # the bytes of stage s's layers
+    step.a2a_bytes["llm_ulysses"] += float(per_layer.sum()) * layers * times * (g - 1) / g
     one = comm.even_all_to_all_each(per_layer, g, link, comm.ULYSSES_CALLS,
                                     step.cluster.a2a_call_s)  # [D]
     return times * d.layers * one

@@ -18,7 +18,8 @@ from ds_omni.config.composition import Setting, check_composition
 from ds_omni.errors import ConfigError, ModelError
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.parallelize.expert_parallel import autoep_section
-from ds_omni.parallelize.tensor_parallel import check_tensor_parallel, check_tp_with_sp
+from ds_omni.parallelize.tensor_parallel import check_tp_with_sp
+from ds_omni.parallelize.tp_beside_ep import check_tp
 from ds_omni.sim.encode_sim import ENCODER_MODES
 
 
@@ -127,7 +128,7 @@ class SimPlan:
         text = model.text_config
         if self.tp > 1:
             if text is not None:
-                check_tensor_parallel(text, self.tp, "the LLM")
+                check_tp(text, self.tp, self.ep, "the LLM")
                 if self.sp > 1:
                     check_tp_with_sp(text, self.tp, self.sp, "the LLM")
             else:

@@ -104,6 +104,8 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
             continue
         if tp * sp > gpus_per_node:
             continue  # tp x sp inside a node
+        if sp > 1 and msp > 1:
+            continue  # a static sp and a per-sequence degree contradict by definition
         dp = ParallelPlan.auto_dp(gpus, sp, pp, tp)
         if dp * ParallelPlan.model_parallel_size(sp, pp, tp) != gpus:  # no whole replicas
             continue

@@ -35,7 +35,8 @@ from ds_omni.parallel.stages import SPLITS, describe
 from ds_omni.parallelize import parallelize
 from ds_omni.parallelize.pipeline import (check_pipeline, optimizer_params, stage_plan,
                                          stage_tokens)
-from ds_omni.parallelize.tensor_parallel import check_tensor_parallel, check_tp_with_sp
+from ds_omni.parallelize.tensor_parallel import check_tp_with_sp
+from ds_omni.parallelize.tp_beside_ep import check_tp
 from ds_omni.train import checkpoint
 from ds_omni.train.ds_config import check_types, derive_ds_config, load_ds_json, zero_stage
 
@@ -52,7 +53,7 @@ def plan_run(cfg: OmniConfig, ds_json: dict, world_size: int) -> tuple[ParallelP
     for degree in plan.sp_degrees:
         check_sequence_parallel(cfg.model, degree, llm)
     if plan.tp_enabled:
-        check_tensor_parallel(llm[1], plan.tp, _llm_part(cfg))
+        check_tp(llm[1], plan.tp, plan.ep, _llm_part(cfg))
     if plan.tp_enabled and plan.sp_enabled:  # Ulysses splits each TP rank's heads again
         check_tp_with_sp(llm[1], plan.tp, plan.sp, _llm_part(cfg))
     resolve_kernel(cfg.model.attn_implementation)  # varlen on CPU, flash-attn missing: say so now
