@@ -34,9 +34,8 @@ class SimPlan:
     pp: int = 1
     """Pipeline stages."""
     tp: int = 1
-    """Tensor-parallel degree of the LLM's layers (AutoTP; ZeRO 0-2, inside every stage under
-    pp; with sp > 1 each TP rank's heads are split again over its SP group: tp x sp divides
-    the heads)."""
+    """Tensor-parallel degree of the LLM's layers (AutoTP; ZeRO 0-2; in every stage under pp;
+    under sp each TP rank's heads split again over its SP group: tp x sp divides the heads)."""
     ep: int = 1
     """Expert-parallel degree of an MoE LLM (AutoEP; groups of ep consecutive ranks of a
     stage's dp x sp x tp: beside tp the experts spread over dp x tp)."""

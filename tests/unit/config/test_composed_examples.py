@@ -7,6 +7,7 @@ weights: the plan builds the model on the meta device)."""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -45,8 +46,10 @@ CLIP_L_336 = {  # openai/clip-vit-large-patch14-336's vision tower
 
 
 def _folder(path: Path, config: dict) -> str:
+    """A model folder of `config` and an empty safetensors file (the plan reads no weights)."""
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(config))
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
     return str(path)
 
 

@@ -196,11 +196,12 @@ def test_the_search_drops_what_training_refuses_with_its_reason():
     check_search_agrees_with_training()
 
 
-def test_the_agreement_sees_a_search_that_ranks_what_only_the_launch_refuses(monkeypatch):
-    """Planted: the search checks the table as the simulator does (without the launch's rules),
-    so it would rank pp x sp plans that `ds-omni train` refuses."""
+def test_the_agreement_sees_a_search_that_ranks_what_the_zero_stage_refuses(monkeypatch):
+    """Planted: the search checks the table as if every plan ran ZeRO-1, so it would rank the
+    pp x ZeRO-2/3 plans that `ds-omni train` refuses."""
     honest = SimPlan.check_composition
-    monkeypatch.setattr(SimPlan, "check_composition", lambda self, launch=False: honest(self))
+    monkeypatch.setattr(SimPlan, "check_composition",
+                        lambda self, launch=False: honest(self.replace(zero_stage=1), launch))
     with pytest.raises(AssertionError, match="pp=2"):
         check_search_agrees_with_training()
 
