@@ -47,10 +47,34 @@ CLIP_L_336 = {  # openai/clip-vit-large-patch14-336's vision tower
 
 def _folder(path: Path, config: dict) -> str:
     """A model folder of `config` and an empty safetensors file (the plan reads no weights)."""
-    path.mkdir(parents=True)
+    path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     (path / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
     return str(path)
+
+
+def _qwen3_vl_moe(path: Path) -> str:
+    """The coverage sweep's tiny Qwen3-VL-MoE processor (its tokenizer, chat template and image
+    processor) beside the full-size config."""
+    from ds_omni.coverage.sweep import RECIPES, save_processor_parts
+    _, processor = RECIPES["qwen3_vl_moe"]()
+    path.mkdir(parents=True)
+    save_processor_parts(processor, path)
+    return _folder(path, QWEN3_VL_30B_A3B)
+
+
+def _llama_and_clip(tmp_path: Path) -> tuple[str, str]:
+    """A 70B-class LLM folder (a ChatML tokenizer with the example's image token) and a CLIP-L
+    vision folder (its image processor)."""
+    from transformers import CLIPImageProcessor
+
+    from tests.family_dirs import qwen_tokenizer
+    from tests.finetune_dirs import CHATML, QWEN2_5, _with_template
+    llm, vision = tmp_path / "llama_70b", tmp_path / "clip"
+    tok = _with_template(qwen_tokenizer(), CHATML + ["<|reserved_special_token_0|>"], QWEN2_5)
+    tok.save_pretrained(str(llm))
+    CLIPImageProcessor(size={"shortest_edge": 336}, crop_size=336).save_pretrained(str(vision))
+    return _folder(llm, LLAMA_70B), _folder(vision, CLIP_L_336)
 
 
 def _plan(example: str, world: int, sets: list[str], capsys) -> str:
@@ -66,15 +90,14 @@ def _plan(example: str, world: int, sets: list[str], capsys) -> str:
 
 
 def test_qwen3_vl_moe_example_plans_tp_pp_ep_on_two_nodes(tmp_path, capsys):
-    folder = _folder(tmp_path / "qwen3_vl_moe", QWEN3_VL_30B_A3B)
+    folder = _qwen3_vl_moe(tmp_path / "qwen3_vl_moe")
     out = _plan("finetune_qwen3_vl_moe.json", 16, [f"model.pretrained={json.dumps(folder)}"],
                 capsys)
     assert "tp=2" in out.replace(" ", "") or "tp 2" in out, out
 
 
 def test_70b_backbone_example_plans_pp_tp_sp_on_eight_nodes(tmp_path, capsys):
-    llm = _folder(tmp_path / "llama_70b", LLAMA_70B)
-    vision = _folder(tmp_path / "clip", CLIP_L_336)
+    llm, vision = _llama_and_clip(tmp_path)
     out = _plan("finetune_70b_backbone.json", 64, [f"model.llm.pretrained={json.dumps(llm)}",
                                                    f"model.vision.pretrained={json.dumps(vision)}"],
                 capsys)
