@@ -77,7 +77,8 @@ def build_model(cfg: ModelConfig) -> BuiltModel:
                             named=set() if isinstance(asked, bool) else set(asked) - {"encoders"})
     model.freeze(cfg.freeze)
     model.to(getattr(torch, cfg.dtype))
-    processors = family.item_processors(hf_model.config, model_dir, tokenizer=tokenizer)
+    with torch.device("cpu"):  # the processors' probes make real tensors, also on meta
+        processors = family.item_processors(hf_model.config, model_dir, tokenizer=tokenizer)
     return BuiltModel(model=model, tokenizer=tokenizer, family=family, hf_config=hf_model.config,
                       item_processors=processors, model_dir=model_dir)
 

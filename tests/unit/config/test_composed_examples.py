@@ -57,10 +57,12 @@ def _qwen3_vl_moe(path: Path) -> str:
     """The coverage sweep's tiny Qwen3-VL-MoE processor (its tokenizer, chat template and image
     processor) beside the full-size config."""
     from ds_omni.coverage.sweep import RECIPES, save_processor_parts
-    _, processor = RECIPES["qwen3_vl_moe"]()
+    tiny, processor = RECIPES["qwen3_vl_moe"]()
     path.mkdir(parents=True)
     save_processor_parts(processor, path)
-    return _folder(path, QWEN3_VL_30B_A3B)
+    ids = {k: getattr(tiny, k) for k in ("image_token_id", "video_token_id",
+                                         "vision_start_token_id", "vision_end_token_id")}
+    return _folder(path, {**QWEN3_VL_30B_A3B, **ids})  # the tokens of the tiny tokenizer
 
 
 def _llama_and_clip(tmp_path: Path) -> tuple[str, str]:
@@ -89,11 +91,19 @@ def _plan(example: str, world: int, sets: list[str], capsys) -> str:
     return capsys.readouterr().out
 
 
-def test_qwen3_vl_moe_example_plans_tp_pp_ep_on_two_nodes(tmp_path, capsys):
-    folder = _qwen3_vl_moe(tmp_path / "qwen3_vl_moe")
-    out = _plan("finetune_qwen3_vl_moe.json", 16, [f"model.pretrained={json.dumps(folder)}"],
-                capsys)
-    assert "tp=2" in out.replace(" ", "") or "tp 2" in out, out
+def test_qwen3_vl_moe_example_plans_tp_beside_ep_on_two_nodes(tmp_path, capsys):
+    """tp 2 beside ep 4 plans at 16 ranks; the shipped pp 2 waits only for the pipeline to carry
+    Qwen3-VL's deepstack features between stages (training's check, `check_pipeline`)."""
+    folder = json.dumps(_qwen3_vl_moe(tmp_path / "qwen3_vl_moe"))
+    out = _plan("finetune_qwen3_vl_moe.json", 16, [f"model.pretrained={folder}",
+                                                   "parallel.pp=1"], capsys)
+    plan = out[out.index('"plan"'):out.index('"layout"')]  # (AutoEP's log lines around it)
+    assert all(f'"{k}": {v}' in plan for k, v in (("tp", 2), ("ep", 4), ("dp", 8))), plan
+    args = ["plan", "--config", str(ROOT / "examples/finetune_qwen3_vl_moe.json"), "--deepspeed",
+            str(ROOT / "ds_configs/zero1.json"), "--world-size", "16", "--set",
+            f"model.pretrained={folder}"]
+    assert main(args) == 2
+    assert "deepstack" in capsys.readouterr().err
 
 
 def test_70b_backbone_example_plans_pp_tp_sp_on_eight_nodes(tmp_path, capsys):
@@ -101,4 +111,5 @@ def test_70b_backbone_example_plans_pp_tp_sp_on_eight_nodes(tmp_path, capsys):
     out = _plan("finetune_70b_backbone.json", 64, [f"model.llm.pretrained={json.dumps(llm)}",
                                                    f"model.vision.pretrained={json.dumps(vision)}"],
                 capsys)
-    assert "tp=4" in out.replace(" ", "") or "tp 4" in out, out
+    plan = json.loads(out)["plan"]
+    assert (plan["tp"], plan["pp"], plan["sp"], plan["dp"]) == (4, 4, 2, 2), plan
