@@ -41,9 +41,6 @@ def test_the_loaders_unit_is_the_tp_group():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"tp": 0}, r"parallel.tp must be >= 1"),
-    ({"tp": 2, "pp": 2}, r"parallel.tp=2 cannot be combined with parallel.pp=2"),
-    ({"tp": 2, "sp": 2, "encoder_pool": "dp"}, r'parallel.tp=2 cannot be combined with parallel.encoder_pool="dp" when parallel.sp=2'),
-    ({"tp": 2, "max_sequence_sp": 2}, r"parallel.max_sequence_sp=2"),
 ])
 def test_bad_tp_config_is_refused(kwargs, match):
     with pytest.raises(ConfigError, match=match):
