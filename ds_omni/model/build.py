@@ -38,7 +38,16 @@ def _load_pretrained(family: Family, model_dir: Path, trust_remote_code: bool):
     """The HF model of an HF directory, or of an OmniModel directory (see convert.save_omni)."""
     if is_omni_dir(model_dir):
         return load_omni_dir(model_dir)[0].hf_model
+    if on_meta():  # sizes only (a plan, the simulator): from the config, no weights read
+        from transformers import AutoConfig
+        return family.build_hf(AutoConfig.from_pretrained(str(model_dir),
+                                                          trust_remote_code=trust_remote_code))
     return family.load_hf(model_dir, trust_remote_code)
+
+
+def on_meta() -> bool:
+    """Built under `torch.device("meta")`: transformers' from_pretrained refuses to load there."""
+    return torch.empty(0).device.type == "meta"
 
 
 def build_model(cfg: ModelConfig) -> BuiltModel:
@@ -68,7 +77,8 @@ def build_model(cfg: ModelConfig) -> BuiltModel:
                             named=set() if isinstance(asked, bool) else set(asked) - {"encoders"})
     model.freeze(cfg.freeze)
     model.to(getattr(torch, cfg.dtype))
-    processors = family.item_processors(hf_model.config, model_dir, tokenizer=tokenizer)
+    with torch.device("cpu"):  # the processors' probes make real tensors, also on meta
+        processors = family.item_processors(hf_model.config, model_dir, tokenizer=tokenizer)
     return BuiltModel(model=model, tokenizer=tokenizer, family=family, hf_config=hf_model.config,
                       item_processors=processors, model_dir=model_dir)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from ds_omni.config import ModelConfig, PartConfig
 from ds_omni.errors import ModelError
 from ds_omni.model.hf_dir import check_vocab_fits, read_model_type
@@ -86,7 +88,8 @@ def compose(cfg: ModelConfig, tokenizer):
         config = _composed_config(cfg, tokenizer, text_config, vision_config, audio_config)
     family = family_for(config.model_type)
     hf_model = family.build_hf(config)
-    _load_parts(hf_model, cfg)
+    if torch.empty(0).device.type != "meta":  # on meta (sizes only) no weights are read
+        _load_parts(hf_model, cfg)
     return family, hf_model
 
 

@@ -107,7 +107,7 @@ def lower_bound(shell: Shell, totals: dict) -> float:
         link = comm.link_of(c, shell.ranks_of(0, 1)[:p.tp])
         calls = 2 * d.layers * (1 + 1 + ckpt) / p.pp
         seconds += calls * 2 * (p.tp - 1) / p.tp * tokens / p.seq_data_size * d.hidden * 2 / \
-            link.bandwidth
+            link.bandwidth / p.pp  # under pp a rank's stage runs L / pp layers on average
     if p.ep > 1:
         link = comm.link_of(c, range(p.ep))
         calls = 2 * m.moe.layers * (1 + 1 + ckpt)
@@ -118,7 +118,8 @@ def lower_bound(shell: Shell, totals: dict) -> float:
         link = comm.link_of(c, shell.ranks_of(0, 1)[::p.tp][:u])
         seconds += d.layers * (1 + 1 + ckpt) * (u - 1) / u * tokens / w * \
             (2 * d.hidden + 2 * m.kv) * 2 / link.bandwidth
-    seconds += plan.micro_batches * tp_grads_seconds(shell)
+    if p.pp == 1:  # under pp only stage 0's ranks sum them (0: a bound still)
+        seconds += plan.micro_batches * tp_grads_seconds(shell)
     return seconds + min(grad_sync_seconds(shell, s) for s in range(p.pp))
 
 
@@ -229,7 +230,8 @@ def _pipeline_bound(shell: Shell, llm: np.ndarray, enc: np.ndarray) -> float:
     best = 0.0
     for s in range(p.pp):
         fill = llm[:, 0] / inner * frac[:s].sum() / 3  # [D]
-        own = total * frac[s] * f + (enc.sum(axis=1) / p.sp if s == 0 and
+        own = total * frac[s] * f + (enc.sum(axis=1) / (p.tp if tp_apart(shell) else p.sp)
+                                     if s == 0 and
                                      plan.encoder_placement == "stage0" else 0.0)
         best = max(best, float(((fill + own) / rate).max()))
     return best

@@ -38,6 +38,8 @@ def state_shards(step, stage: int, held: tuple[float, float]) -> list[StateShard
     one over the stage's dp x sp ranks; under tp one per tp rank with the layers / tp; under
     ep the experts / ep over the ranks holding the same ones, the rest over all."""
     p, m = step.pplan, step.model
+    if (p.pp > 1 and (p.tp > 1 or p.ep > 1)) or (p.tp > 1 and p.ep > 1):
+        return composed_shards(step, stage, held)
     ranks = step.ranks_of(0, p.dp, stage)
     llm_trained = "llm" not in m.frozen
     if p.tp > 1:
@@ -52,6 +54,34 @@ def state_shards(step, stage: int, held: tuple[float, float]) -> list[StateShard
         return [rest, StateShard(experts / p.ep, experts / p.ep * llm_trained,
                                  p.seq_data_size // p.ep, groups)]
     return [StateShard(held[0], held[1], p.seq_data_size, [ranks])]
+
+
+def stage_layers(step, s: int) -> int:
+    """Decoder layers of stage s (all of them without a pipeline)."""
+    if step.pplan.pp == 1:
+        return step.model.dims.layers
+    return len(step.stage_plan.decoder_layers(s))
+
+
+def composed_shards(step, stage: int, held: tuple[float, float]) -> list[StateShard]:
+    """Under pp > 1 with tp or ep, or ep beside tp: the non-expert decoder parameters of the
+    stage / tp, ZeRO-partitioned over its dp x sp ranks of one TP coordinate; the stage's
+    experts / ep over the ranks holding the same ones (one of each EP group of ep consecutive
+    ranks of its dp x sp x tp: beside tp, Megatron's expert-data-parallel layout)."""
+    p, m = step.pplan, step.model
+    ranks = step.ranks_of(0, p.dp, stage)
+    trained = "llm" not in m.frozen
+    share = stage_layers(step, stage) / m.dims.layers  # the stage's part of the decoder
+    experts = m.expert_params() * share if p.ep > 1 else 0.0
+    dense = m.dims.layers * m.llm_layer_params() * share - experts  # split by tp
+    cut = dense * (1 - 1 / p.tp)
+    rest = StateShard(held[0] - cut - experts, held[1] - (cut + experts) * trained,
+                      p.seq_data_size, [ranks[t::p.tp] for t in range(p.tp)])
+    if p.ep == 1:
+        return [rest]
+    holders = len(ranks) // p.ep  # ranks holding the same experts: one of each EP group
+    return [rest, StateShard(experts / p.ep, experts / p.ep * trained, holders,
+                             [ranks[e::p.ep] for e in range(p.ep)])]
 
 
 def shard_link(step, shard: StateShard) -> comm.Link:
@@ -74,7 +104,7 @@ def tp_seconds(step, tokens: float, backward: bool) -> float:
 
 def run_tp(step, rows, backward: bool, row_tokens: np.ndarray | None = None) -> None:
     """Each TP group of a row meets at its all-reduces (phase "llm_tp"); under sp each TP group
-    (one per SP rank) holds the row's tokens / sp. `row_tokens` [R]: the rows' tokens, if
+    (one per SP rank) holds the row's tokens / sp, in a per-sequence block / its data ranks. `row_tokens` [R]: the rows' tokens, if
     known (`step.RoundRows`)."""
     tp = step.pplan.tp
     if tp < 2 or not rows:
@@ -83,8 +113,9 @@ def run_tp(step, rows, backward: bool, row_tokens: np.ndarray | None = None) -> 
     ranks = np.concatenate([r.ranks for r in rows])  # each row's sp TP groups, in rank order
     if row_tokens is None:
         row_tokens = np.array([step.samples.tokens[r.samples].sum() for r in rows])
-    per_row = row_tokens.astype(np.float64) / p.sp
-    tokens = np.repeat(per_row, p.sp)  # [G] a TP group's tokens (its SP rank's share)
+    groups = np.array([len(r.ranks) // tp for r in rows])  # sp, or a per-sequence block's
+    per_row = row_tokens.astype(np.float64) / groups
+    tokens = np.repeat(per_row, groups)  # [G] a TP group's tokens (its SP rank's share)
     calls = 2 * d.layers * ((1 + step.plan.checkpointing) if backward else 1)
     nbytes = tokens * d.hidden * 2
     step.a2a_bytes["llm_tp"] += calls * 2 * (tp - 1) * float(nbytes.sum())  # as `tp_seconds`

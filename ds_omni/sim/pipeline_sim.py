@@ -9,6 +9,9 @@ then the remaining backwards; a forward waits for the stage before (activations,
 backward for the stage after (gradients). Every pipeline (one per data-parallel x SP rank) has
 the same op order; its durations follow its own micro-batches.
 
+Under tp and ep each rank of a stage is a column, with TP's all-reduces and EP's all-to-alls
+after each of its passes (`stage_parallel`).
+
 Dims: P stages, M micro-batches, D pipelines (dp x sp), L decoder layers.
 """
 
@@ -18,7 +21,7 @@ import numpy as np
 
 from ds_omni.parallel.stages import stage_plan_for
 from ds_omni.parallelize.joint import assign_items
-from ds_omni.sim import comm, model_parallel
+from ds_omni.sim import comm, model_parallel, stage_parallel
 from ds_omni.sim.timeline import COMM
 
 # the placements with encoders on every stage; "bubbles" is priced as "uniform" (its upper bound:
@@ -129,7 +132,9 @@ def run_pipeline(step) -> None:
     step.stage_plan = stage_plan(step)
     frac = stage_fractions(step)  # [P] each stage's share of a micro-batch's LLM work
     llm, tokens, enc = _micro_arrays(step)
-    ranks = [step.ranks_of(0, p.dp, s) for s in range(P)]  # [P][D]
+    if p.tp > 1 or p.ep > 1:  # one column a rank of a stage (dp x sp x tp)
+        llm, tokens, enc = stage_parallel.per_rank(step, llm, tokens, enc)
+    ranks = [step.ranks_of(0, p.dp, s) for s in range(P)]  # [P][D tp]
     act = tokens * step.model.dims.hidden * 2  # [M, D] bytes sent between stages
     uniform = plan.encoder_placement in JOINT
     fwd_e, ckpt = step.encoder_fwd, plan.checkpointing
@@ -168,8 +173,11 @@ def run_pipeline(step) -> None:
                     step, float(tokens[m].max()), kind == "B", frac[s]), COMM)
             if p.sp > 1:  # Ulysses inside the stage's layers (the SP ranks' work is even)
                 events[(kind, s, m)] = tl.run(ranks[s], "llm_sp",
-                                              _ulysses(step, tokens[m], kind == "B") * frac[s],
+                                              _ulysses(step, tokens[m], kind == "B", s) * frac[s],
                                               COMM)
+            last = stage_parallel.stage_collectives(step, ranks[s], s, tokens[m], kind == "B")
+            if last is not None:  # tp's all-reduces, ep's all-to-alls inside the stage
+                events[(kind, s, m)] = last
             pointer[s] += 1
     if uniform:
         _uniform_encode(step, ranks, backward=True)
@@ -197,15 +205,17 @@ def stage_fractions(step) -> np.ndarray:
     return layers / max(1.0, layers.sum())
 
 
-def _ulysses(step, tokens: np.ndarray, backward: bool) -> np.ndarray:
+def _ulysses(step, tokens: np.ndarray, backward: bool, s: int = 0) -> np.ndarray:
     """[D] seconds of all the LLM's Ulysses all-to-alls of a micro-batch (`tokens` [D] per rank)
     over the SP group: per layer (2h + 2kv) bf16 values a token, split over the g ranks
-    (`comm.even_all_to_all`); backward as many, plus the recompute under checkpointing."""
-    d, g = step.model.dims, step.pplan.sp
-    link = comm.link_of(step.cluster, step.ranks_of(0, 1))
-    per_layer = tokens * (2 * d.hidden + 2 * step.model.kv) * 2  # [D] bytes a rank sends
+    (`comm.even_all_to_all`); backward as many, plus the recompute under checkpointing. The
+    bytes counted are stage s's layers' (the caller scales the seconds by its share)."""
+    d, g, tp = step.model.dims, step.pplan.sp, step.pplan.tp
+    link = comm.link_of(step.cluster, step.ranks_of(0, 1)[::tp])  # under tp: heads / tp
+    per_layer = tokens * (2 * d.hidden + 2 * step.model.kv) * 2 / tp  # [D tp] bytes a rank sends
     times = (1 + step.plan.checkpointing) if backward else 1
-    step.a2a_bytes["llm_ulysses"] += float(per_layer.sum()) * d.layers * times * (g - 1) / g
+    layers = len(step.stage_plan.decoder_layers(s))  # the bytes of stage s's layers
+    step.a2a_bytes["llm_ulysses"] += float(per_layer.sum()) * layers * times * (g - 1) / g
     one = comm.even_all_to_all_each(per_layer, g, link, comm.ULYSSES_CALLS,
                                     step.cluster.a2a_call_s)  # [D]
     return times * d.layers * one
@@ -227,6 +237,9 @@ def _uniform_encode(step, ranks, backward: bool) -> None:
         for i, s in zip(ids.tolist(), stages):
             load[s, cols] += step.item_cost[i] / p.sp
             rows[s, cols] += step.samples.item_rows[i] / p.sp
+    if p.tp > 1:  # every TP rank of a pipeline: its items (1/tp of them where they encode apart)
+        apart = p.tp if step.tp_apart else 1
+        load, rows = np.repeat(load, p.tp, axis=1) / apart, np.repeat(rows, p.tp, axis=1) / apart
     # the replica's weights read (forward) and gradients written (backward) once a step on a
     # stage with items: one pass over all of the step's items, not one a micro-batch
     weights = step.cluster.micro_batch_s_per_param * encoder_params(step)
@@ -243,10 +256,11 @@ def _uniform_encode(step, ranks, backward: bool) -> None:
 def _pipeline_memory(step, tokens: np.ndarray, frac: np.ndarray) -> None:
     """Stage s keeps the activations of min(P - s, M) micro-batches in flight (1F1B)."""
     m, ckpt, P, M = step.model, step.plan.checkpointing, step.pplan.pp, step.plan.micro_batches
-    biggest = tokens.max(axis=0)  # [D]
+    tp = step.pplan.tp
+    biggest = tokens.max(axis=0)  # [D tp]
     for s in range(P):
         layers = len(step.stage_plan.decoder_layers(s)) / m.dims.layers
-        kept = min(P - s, M) * biggest * m.llm_activation_bytes(ckpt) * layers
-        extra = biggest * m.llm_peak_extra_bytes(ckpt) if s == P - 1 else 0.0
+        kept = min(P - s, M) * biggest * m.llm_activation_bytes(ckpt, tp) * layers
+        extra = biggest * m.llm_peak_extra_bytes(ckpt, tp) if s == P - 1 else 0.0
         r = step.ranks_of(0, step.pplan.dp, s)
         step.act_peak[r] = np.maximum(step.act_peak[r], kept + extra)

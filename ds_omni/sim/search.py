@@ -109,6 +109,8 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
             continue
         if tp * sp > gpus_per_node:
             continue  # tp x sp inside a node (a ring may cross nodes)
+        if sp > 1 and msp > 1:
+            continue  # a static sp and a per-sequence degree contradict by definition
         for cp in _ring_degrees(space, longest, sp) if pp == msp == 1 else (1,):
             _add_plans(out, seen, base, gpus, per_micro, space,
                        dict(sp=sp, cp=cp, pp=pp, tp=tp, ep=ep, max_sequence_sp=msp))

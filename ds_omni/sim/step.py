@@ -233,7 +233,8 @@ def run_round(step: Step, k: int) -> None:
     tokens = np.zeros(len(ranks))  # [W] LLM tokens on each rank
     llm[rr.ranks] = np.repeat(rr.llm / rr.size, rr.size)  # a rank is in one row at most
     tokens[rr.ranks] = np.repeat(rr.tokens / (rr.size // tp), rr.size)
-    llm = model_parallel.ep_balance(step, llm, tokens)
+    ep_tokens = tokens / tp  # each TP rank dispatches its 1/tp of the row's tokens (ep x tp)
+    llm = model_parallel.ep_balance(step, llm, ep_tokens)
     if shared and step.dummies:
         work.flops += dummy_flops(step, work)
     tl.run(ranks, "encode_fwd", work.flops * step.encoder_fwd / rate)
@@ -247,7 +248,7 @@ def run_round(step: Step, k: int) -> None:
                llm * ((2 + step.plan.checkpointing) if backward else 1) / 3 / rate)
         _llm_sp(step, rr, backward)
         model_parallel.run_tp(step, rows, backward, rr.tokens)
-        model_parallel.run_ep(step, tokens, backward)
+        model_parallel.run_ep(step, ep_tokens, backward)
     _sync_groups(step, work.groups, "reshard", rows_s)  # the gradients go back; inputs do not
     _encoder_sp(step, work, backward=True)
     tl.run(ranks, "encode_bwd", work.flops * (1 - step.encoder_fwd) / rate)
