@@ -21,7 +21,7 @@ import numpy as np
 
 from ds_omni.parallel.stages import stage_plan_for
 from ds_omni.parallelize.joint import assign_items
-from ds_omni.sim import comm, model_parallel, stage_parallel
+from ds_omni.sim import comm, stage_parallel
 from ds_omni.sim.timeline import COMM
 
 # the placements with encoders on every stage; "bubbles" is priced as "uniform" (its upper bound:
@@ -95,18 +95,16 @@ def held_params(step, s: int = 0) -> tuple[float, float]:
 
 def _micro_arrays(step):
     """Per micro-batch and pipeline: LLM FLOPs [M, D], tokens [M, D], encoder FLOPs [M, D], all
-    per rank (an SP group splits its row's work evenly; its TP ranks split the LLM's FLOPs and
-    each holds the SP rank's tokens and encodes its items, `parallelize.pipe_grid`)."""
+    per rank (an SP group splits its row's work evenly)."""
     p, M = step.pplan, step.plan.micro_batches
-    inner = p.reader_group_size  # sp x tp ranks per data-parallel rank
-    shape = (M, p.dp * inner)
+    shape = (M, p.seq_data_size)
     llm, tokens, enc = np.zeros(shape), np.zeros(shape), np.zeros(shape)
     items_of = step.layout.items_of
     for d, rounds in enumerate(step.assignment.rounds):
         for m in range(M):
             s = rounds[m].samples
-            cols = slice(d * inner, (d + 1) * inner)
-            llm[m, cols] = step.llm_cost[s].sum() / inner
+            cols = slice(d * p.sp, (d + 1) * p.sp)
+            llm[m, cols] = step.llm_cost[s].sum() / p.sp
             tokens[m, cols] = step.samples.tokens[s].sum() / p.sp
             ids = np.concatenate([items_of[n] for n in s.tolist()] or [np.zeros(0, np.int64)])
             enc[m, cols] = step.item_cost[ids].sum() / p.sp
@@ -168,9 +166,6 @@ def run_pipeline(step) -> None:
                 tl.run(ranks[s], "encode_fwd" if kind == "F" else "encode_bwd", enc_here / rate)
             events[(kind, s, m)] = tl.run(ranks[s], phase, llm[m] * frac[s] * share / rate
                                           + overhead[s] * share)
-            if p.tp > 1:  # AutoTP's all-reduces inside the stage's layers
-                events[(kind, s, m)] = tl.run(ranks[s], "llm_tp", _tp_in_stage(
-                    step, float(tokens[m].max()), kind == "B", frac[s]), COMM)
             if p.sp > 1:  # Ulysses inside the stage's layers (the SP ranks' work is even)
                 events[(kind, s, m)] = tl.run(ranks[s], "llm_sp",
                                               _ulysses(step, tokens[m], kind == "B", s) * frac[s],
@@ -182,15 +177,6 @@ def run_pipeline(step) -> None:
     if uniform:
         _uniform_encode(step, ranks, backward=True)
     _pipeline_memory(step, tokens, frac)
-
-
-def _tp_in_stage(step, tokens: float, backward: bool, frac: float) -> float:
-    """Seconds of a stage's TP all-reduces in one pass over `tokens` (a TP rank's): its share
-    `frac` of the whole model's (`model_parallel.tp_seconds`), its bytes counted alike."""
-    before = step.a2a_bytes["llm_tp"]
-    seconds = model_parallel.tp_seconds(step, tokens, backward)
-    step.a2a_bytes["llm_tp"] = before + (step.a2a_bytes["llm_tp"] - before) * frac
-    return seconds * frac
 
 
 def stage_fractions(step) -> np.ndarray:
@@ -226,14 +212,13 @@ def _uniform_encode(step, ranks, backward: bool) -> None:
     rows then gathered to stage 0 (its gradients sent back after the schedule)."""
     p, rate, fwd = step.pplan, step.rate, step.encoder_fwd
     items_of = step.layout.items_of
-    inner = p.reader_group_size  # every TP rank of a stage encodes its SP rank's items
-    load = np.zeros((p.pp, p.dp * inner))  # [P, D] encoder FLOPs per rank
-    rows = np.zeros((p.pp, p.dp * inner))  # [P, D] rows each stage sends to stage 0
+    load = np.zeros((p.pp, p.seq_data_size))  # [P, D] encoder FLOPs per rank
+    rows = np.zeros((p.pp, p.seq_data_size))  # [P, D] rows each stage sends to stage 0
     for d, rounds in enumerate(step.assignment.rounds):
         ids = np.concatenate([items_of[n] for r in rounds for n in r.samples.tolist()]
                              or [np.zeros(0, np.int64)])
         stages = assign_items(step.item_cost[ids].tolist(), p.pp)
-        cols = slice(d * inner, (d + 1) * inner)
+        cols = slice(d * p.sp, (d + 1) * p.sp)
         for i, s in zip(ids.tolist(), stages):
             load[s, cols] += step.item_cost[i] / p.sp
             rows[s, cols] += step.samples.item_rows[i] / p.sp

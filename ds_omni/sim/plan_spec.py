@@ -22,7 +22,7 @@ from ds_omni.config.composition import check_composition
 from ds_omni.errors import ConfigError, ModelError
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.parallelize.expert_parallel import autoep_section
-from ds_omni.parallelize.tensor_parallel import check_tp_with_sp
+from ds_omni.parallelize.tensor_parallel import check_tensor_parallel, check_tp_with_sp
 from ds_omni.sim.encode_sim import ENCODER_MODES
 
 PARALLEL_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig))
