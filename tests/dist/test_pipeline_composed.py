@@ -129,8 +129,8 @@ def _as_stage(r: dict, first: int, tp: int, stage: int) -> dict:
     """A rank's record as `assert_split_work` reads the ranks of one stage and TP rank: numbered
     from `first` in steps of `tp`, Ulysses in the stage's decoder layers only, and encoding (the
     resharding, long items' pieces) on stage 0 only."""
-    shards = [(step, i, ((g[0] - first) // tp, g[1]) if g else g, ids, n)
-              for step, i, g, ids, n in r["shards"]]
+    shards = [(step, i, ((g[0] - first) // tp, g[1]) if g else g, ids, n, real)
+              for step, i, g, ids, n, real in r["shards"]]
     encodes = stage == 0
     return {**r, "shards": shards, "ulysses_per_row": r["stage_layers"],
             "rows_with_items": r["rows_with_items"] if encodes else 0,
