@@ -83,12 +83,25 @@ def check_predictions_match_the_unoptimized_simulator() -> None:
         runs = (predictions(), predictions(cache), predictions(cache))  # cold, filling, hits
     for run in runs:
         for got, want in zip(run, saved):
-            for key, value in want["report"].items():
+            for key, value in _fixed(want).items():
                 assert got["report"][key] == value, (want["plan"], key)  # exact, bit for bit
     pooled = [i for i, plan in enumerate(PLANS) if plan.get("encoder_mode") == "pool"]
     charged = predictions()  # the pool's planning in: those plans' steps only, and later
     assert all((charged[i]["report"]["step_time"] > saved[i]["report"]["step_time"])
                == (i in pooled) for i in range(len(PLANS)))
+
+
+def _fixed(want: dict) -> dict:
+    """The fixture's report with the one bug fixed since 0bfff07 (issue 37): under pp the
+    Ulysses bytes of all the layers were counted on every stage, pp times the bytes sent (its
+    seconds were right). Exact division by a power of two: still bit for bit."""
+    report = dict(want["report"])
+    pp = want["plan"].get("pp", 1)
+    if pp > 1 and "llm_ulysses" in report["all_to_all_bytes"]:
+        a2a = dict(report["all_to_all_bytes"])
+        a2a["llm_ulysses"] = a2a["llm_ulysses"] / pp
+        report["all_to_all_bytes"] = a2a
+    return report
 
 
 @pytest.mark.slow  # ~3 s: 42 simulations
