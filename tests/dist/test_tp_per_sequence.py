@@ -1,7 +1,8 @@
 """Tensor parallelism beside the per-sequence SP degree (parallel.tp x parallel.max_sequence_sp)
 equals one process.
 
-One 4-rank launch (the quick tier's), ranks started once for every case: tp2 x dp2 with
+One 4-rank launch (the slow tier's: the quick tier keeps tp and per-sequence SP apart, within
+its 12 minutes), ranks started once for every case: tp2 x dp2 with
 max_sequence_sp 2 (reorder group of the 2 data-parallel ranks). TP rank t's ranks are t and t + 2;
 a long sequence (more tokens than a micro-batch, an image inside) runs on a block of both
 data-parallel ranks OF ONE TP RANK (global ranks 0 and 2, and 1 and 3: its Ulysses all-to-alls
@@ -23,7 +24,7 @@ from tests.dist.sequence_parallel.per_sequence import check_per_sequence, per_se
 from tests.fixtures import ds_config, long_source
 from tests.harness import run_on_ranks
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 STEPS, TP, DP = 3, 2, 2
 CASES = {"tp_msp_llava": {"stage": 1, "steps": STEPS},
