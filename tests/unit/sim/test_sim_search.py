@@ -188,6 +188,7 @@ def large_vlm_config(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # about 260 s of CPU now (see below), with room for a loaded machine
 def test_plan_search_on_1024_gpus(tmp_path, capsys):
     """`ds-omni plan --search --gpus 1024 --gpus-per-node 8 --gpu h100` on a 7B-class VLM runs to
     the end (nothing left unexplored) and reports its best plans, baselines and drops. Its CPU
