@@ -112,6 +112,16 @@ def _refused(a: str, b: str, reason: str, fix: str, refused=lambda s: True, **mo
     return Rule(a, b, refused=refused, reason=reason, fix=fix, **more)
 
 
+def _no_bubbles_beside(axis: str) -> Rule:
+    """The "bubbles" placement is refused beside `axis` (its rows go to one peer of stage 0)."""
+    return _refused(axis, "encoder_placement", "the \"bubbles\" schedule sends a stage's encoder "
+                    f"rows to one peer of stage 0, not to the {axis.upper()} ranks that hold their "
+                    "placeholders", f"set encoder_placement to \"uniform\" beside parallel.{axis}",
+                    refused=lambda s: s.encoder_placement == "bubbles",
+                    when='encoder_placement="bubbles"',
+                    note=UNDER_PP + ' ("auto" picks "uniform" here)')
+
+
 PIPELINE_GRID = ("DeepSpeed's pipeline engine sends each activation to one fixed peer of the "
                  "next stage and runs the same number of micro-batches on every rank; a "
                  "per-sequence SP block changes which ranks share a row from one sequence to the "
@@ -146,11 +156,7 @@ RULES = (
     _composes("pp", "sp", "Ulysses inside every stage: the pipeline engine's data axis holds the "
               "dp x sp ranks (ZeRO reduces over them), SP shard i of a stage sends to SP shard i "
               "of the next (`parallelize/pipe_grid.py`)"),
-    _refused("sp", "encoder_placement", "the \"bubbles\" schedule sends a stage's encoder rows to one "
-             "peer of stage 0, not to the SP ranks that hold their placeholders",
-             "set encoder_placement to \"uniform\" beside parallel.sp",
-             refused=lambda s: s.encoder_placement == "bubbles",
-             when='encoder_placement="bubbles"', note=UNDER_PP + ' ("auto" picks "uniform" here)'),
+    _no_bubbles_beside("sp"),
     _composes("sp", "encoder_pool", "the pool is every rank (dp x sp); a row's long items stay "
               "split over its SP group"),
     _refused("ep", "sp", "under sp, DeepSpeed's ZeRO-0 expert reduction divides the experts' "
@@ -172,11 +178,7 @@ RULES = (
     _composes("tp", "pp", "AutoTP's layers inside every stage: the pipeline engine's topology has "
               "a model axis of tp ranks (Megatron-DeepSpeed's); the encoders stay whole on every "
               "TP rank"),
-    _refused("tp", "encoder_placement", "the \"bubbles\" schedule sends a stage's encoder rows to one "
-             "peer of stage 0, not to the TP ranks that hold their placeholders",
-             "set encoder_placement to \"uniform\" beside parallel.tp",
-             refused=lambda s: s.encoder_placement == "bubbles",
-             when='encoder_placement="bubbles"', note=UNDER_PP + ' ("auto" picks "uniform" here)'),
+    _no_bubbles_beside("tp"),
     _composes("tp", "encoder_pool", "each TP rank pools over its own data-parallel (x SP) "
               "ranks, all TP ranks alike"),
     _refused("ep", "tp", "the experts beside tp are DeepSpeed's AutoEP+AutoTP folding, which "

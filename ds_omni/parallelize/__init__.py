@@ -73,20 +73,9 @@ def apply_plan(model: OmniModel, *, kernel: str | None = None, sp_group=None,
                even_calls: EvenEncoderCalls | None = None,
                experts: ExpertFold | None = None, ring=None,
                ulysses_group=None) -> nn.Module:
-    """Apply the plan's pieces to a built model; returns what DeepSpeed is given: the model, or
-    under `pipeline` (parallel.pp > 1) this rank's stage of it (`build_pipeline_module`).
-
-    `kernel`: the LLM's packed-attention kernel (None: the one it was built with); `sp_group`:
-    the LLM's Ulysses group; `blocks`: per-sequence SP, (first rank, size) -> group; `even_calls`,
-    `pool`, `tp_encoders`: the features that route a step's micro-batches, registered with
-    the router in that order (`on_step`); `encoder_dummies`: every micro-batch runs every encoder
-    (`encoder_dummies_needed`; forced on by `tp_encoders`, whose gradient hooks are collectives);
-    `tp_group`, `llm_config`: the backbone's decoder layers split by AutoTP
-    (`tensor_parallel.shard_backbone`); `experts`: the MoE blocks' experts folded over the TP
-    group (`expert_folding`, parallel.ep x tp); `ring`: parallel.cp's ring (a `RingGroup`), the
-    LLM's attention then Ulysses over `ulysses_group` (None: none) inside and the ring across,
-    each row bound to its zigzag index (`EmbeddingRouter.attention`). More: docs/architecture.md.
-    """
+    """Apply the plan's pieces to a built model; returns the model, or under `pipeline` this
+    rank's stage. Each argument is one feature's piece, None where it is off; `parallelize`
+    builds them from the plan (each by its module's `*_for` builder, which says what it is)."""
     kernel = kernel or model.backbone.attention.asked
     if tp_encoders is not None:
         encoder_dummies = True
