@@ -158,9 +158,8 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
         dist.barrier()
     built = _build_model(cfg)
     cost = cost_model(cfg, built)
-    loader = build_loader(cfg, built, plan, groups, rank=rank,
-                          num_micro=ds_config["gradient_accumulation_steps"], cost=cost,
-                          timeout_s=float(os.environ.get("DS_OMNI_DIST_TIMEOUT", 1800.0)))
+    loader = build_loader(cfg, built, plan, groups,
+                          num_micro=ds_config["gradient_accumulation_steps"], cost=cost)
     if rank == 0:
         dist.barrier()
     # one random stream per data-parallel rank: the tensor-parallel ranks of a row run its
