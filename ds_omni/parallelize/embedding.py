@@ -100,11 +100,11 @@ class EmbeddingRouter:
     def attention(self, batch: "MicroBatch") -> PackedAttention | None:
         """The LLM attention of this micro-batch's row (None: the backbone's own); a ring row's
         bound to its zigzag index (parallel.cp)."""
-        index = batch.route.ring_index
+        index = batch.route.row_index
         if index is None:
             return self.route(batch)[1]
         if self.ring_attention is None:
-            raise ModelError("a micro-batch cut for ring attention (its route has a ring_index) "
+            raise ModelError("a micro-batch cut for ring attention (its route has a row_index) "
                              "but this model has no ring; the loader and the model disagree on "
                              "parallel.cp")
         return self.ring_attention.for_row(index)
