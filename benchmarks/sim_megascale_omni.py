@@ -69,7 +69,7 @@ def candidates(model, c) -> list[SimPlan]:
 
 AVERAGE_MIX = "5:5"
 """The mix the as-run baselines are sized for (once), and the full-space search runs on."""
-SEARCH_S = 45.0
+SEARCH_S = 30.0
 """Seconds the full-space search may take per setup (the best found when it runs out)."""
 AS_RUN_TP_PP = [(tp, pp) for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8)]
 """Megatron-LM's fixed tp x pp: the one of these fastest on the average mix, kept for all."""
@@ -98,15 +98,18 @@ def run_setup(setup: str, mixes: list[str], seed: int) -> list[dict]:
 
 
 def as_run_plans(avg: sim_common.Search, grid: list[SimPlan]) -> dict:
-    """{name: plan} of the papers' baselines, each the fastest fitting on the average mix of its
-    fixed family (Megatron-LM: tp x pp; disaggregated: the grid's degrees, its encoder pool sized
-    for the average mix's encoder share), kept for every mix."""
+    """{name: (plan, None) or (None, why)} of the papers' baselines, each the fastest fitting on
+    the average mix of its fixed family (Megatron-LM: tp x pp; disaggregated: the grid's degrees,
+    its encoder pool sized for the average mix's encoder share), kept for every mix; no plan
+    fitting: why (`sim_common.brief`: the least peak memory any of them needed)."""
     share = baselines.encoder_share(avg.model, avg.samples)
     base = grid[0].replace(zero_stage=1)
-    megatron, _ = avg.best(_built(lambda d: baselines.megatron_as_run(base, *d), AS_RUN_TP_PP))
-    disagg, _ = avg.best(_built(
+    megatron = avg.best(_built(lambda d: baselines.megatron_as_run(base, *d), AS_RUN_TP_PP))
+    disagg = avg.best(_built(
         lambda p: baselines.disaggregated_as_run(p, avg.cluster.gpus, share), grid))
-    return {"megatron_as_run": megatron, "disaggregated_as_run": disagg}
+    return {name: (plan, None if plan else sim_common.brief(None, report))
+            for name, (plan, report) in (("megatron_as_run", megatron),
+                                         ("disaggregated_as_run", disagg))}
 
 
 def _built(make, args) -> list[SimPlan]:
@@ -127,7 +130,8 @@ def run_mix(setup, mix, c, model, samples, grid, top, as_run, found) -> dict:
     best_plan, best = search.best(grid + top + [p for p in own if p is not None])
     ours = sim_common.brief(best_plan, best)
     theirs = {name: sim_common.brief(*pr) for name, pr in tuned.items()}
-    papers = {name: sim_common.fixed(search, plan) for name, plan in as_run.items()}
+    papers = {name: sim_common.fixed(search, plan) if plan else why
+              for name, (plan, why) in as_run.items()}
     return {"setup": setup, "mix": mix, "gpus": c.gpus, "ds_omni": ours, "baselines": theirs,
             "speedup": sim_common.speedups(ours, theirs), "as_run": papers,
             "speedup_as_run": sim_common.speedups(ours, papers),
