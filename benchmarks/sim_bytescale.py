@@ -2,7 +2,7 @@
 budget-mode reordering) against one static context-parallel degree for every sequence, on
 long-tailed text, next to ByteScale's reported "up to 7.89x".
 
-    .venv/bin/python benchmarks/sim_bytescale.py                  # ~25 s of CPU
+    .venv/bin/python benchmarks/sim_bytescale.py                  # 617 s at load ~60
     .venv/bin/python benchmarks/sim_bytescale.py --gpus 1024      # the 1,024-GPU cases
     .venv/bin/python benchmarks/sim_bytescale.py --gpus 1024 --contexts 2097152 --out quick
                                                     # the two 2M-token cases alone, ~10 s
@@ -23,8 +23,11 @@ inside and ring attention across (`hdp.ulysses_ring_split`). The baseline
 degree (Ulysses up to the heads, ring past them), its best of the least whose shards hold the
 longest sequence, the ones ds_omni tried and every larger power of two up to all GPUs; loader
 order. A plan with no figure says why in the case's `no_figure` lines (refused, or over memory).
-ZeRO-1 for 7B, ZeRO-3 for 70B (no TP / PP in this comparison). speed-up = ds_omni's tokens/s
-over the baseline's. Writes benchmarks/results/sim_bytescale.json and .png; the reading:
+ZeRO-1 for 7B, ZeRO-3 for 70B. ds_omni's plans also take the full plan space's top plans
+(`SEARCH_S` seconds a case) and the static-CP plans (tuned and as run) with its own reordering;
+static CP as ByteScale ran it (`baselines.static_cp_as_run`: the least degree holding the
+context, loader order) is a second comparison. speed-up = ds_omni's tokens/s over the baseline's.
+Writes benchmarks/results/sim_bytescale.json and .png; the reading:
 docs/benchmarks/sim_papers.md.
 """
 

@@ -1,7 +1,8 @@
-"""MegaScale-Omni's evaluation, in the step simulator: ds_omni's predicted speed-up over the five
-baselines on the paper's kind of setups, next to the paper's reported 1.27x-7.57x.
+"""MegaScale-Omni's evaluation, in the step simulator: ds_omni's predicted speed-up over the
+baselines as the paper ran them and over the simulator's five tuned ones, on the paper's kind of
+setups, next to the paper's reported 1.27x-7.57x.
 
-    .venv/bin/python benchmarks/sim_megascale_omni.py      # 280 s on 2 shared cores (load ~30)
+    .venv/bin/python benchmarks/sim_megascale_omni.py      # 375 s on 2 shared cores (load ~40)
 
 Setups (H100s, 8 a node): a ~1B ViT + a 12B LLM (Mistral-Nemo dims) on 64 GPUs; a 2.4B ViT +
 a 70B LLM (Llama-3-70B dims) on 128; a 10B ViT + the 70B on 256 (`sim_common.py` has the dims).
@@ -11,9 +12,12 @@ token), packed into 16K-token rows; 8 samples a GPU per step; the same drawn sam
 plan of a (setup, mix).
 
 For each (setup, mix), ds_omni's plan is the best (tokens/s, fitting in memory) of a small grid
-(`candidates`: SP degree, per-sequence SP, a joint pipeline of 2-8 stages), and each
-baseline gets its best over the baselines derived from the same grid (its degrees, not ours).
-speed-up = ds_omni's tokens/s / the baseline's. Writes benchmarks/results/sim_megascale_omni.json
+(`candidates`: SP degree, per-sequence SP, a joint pipeline of 2-8 stages), the full plan
+space's top plans (`ds_omni.sim.search`, `SEARCH_S` seconds on the 5:5 mix) and its runs of the
+tuned baselines' plans; each tuned baseline gets its best over the baselines derived from the
+grid (its degrees, not ours); the as-run ones (`baselines.AS_RUN`) are chosen once on the 5:5 mix
+and kept. speed-up = ds_omni's tokens/s / the baseline's; a missed target prints both sides'
+critical paths by phase (`phases_s` in the results). Writes benchmarks/results/sim_megascale_omni.json
 and .png. The reading (what differs from the paper and why): docs/benchmarks/sim_papers.md.
 """
 
