@@ -75,3 +75,26 @@ def test_own_version_refuses_what_training_cannot_run():
     """Encoders on GPUs of their own (DistTrain-style) is no plan of training's: no own version."""
     plan = SimPlan(sp=8, pack_tokens=8 * 16384, encoder_gpus=16)
     assert sim_common.own_version(plan, SimPlan()) is None
+
+
+def test_space_holds_the_tuned_colocated_baselines_plans():
+    """A small VLM on 16 GPUs: ds_omni's best over its grid and its runs of the tuned baselines'
+    plans is never slower than a tuned baseline whose plan training runs (all but DistTrain's)."""
+    from tests.unit.sim.test_sim_search import small_vlm
+    from ds_omni.sim.workload import WorkloadSpec
+    model, c = small_vlm(), cluster("h100", 16)
+    samples = WorkloadSpec(image_fraction=0.5, text_median=1000.0, max_tokens=4096,
+                           patches_range=(256, 4096)).draw(64, 0, tuple(model.dims.encoders))
+    base = SimPlan(name="ds_omni", global_batch=64, micro_batches=2, pack_tokens=4096,
+                   reorder="budget", reorder_group=8, zero_stage=1)
+    grid = [base, base.replace(sp=2, pack_tokens=8192)]
+    search = sim_common.Search(c, model, samples)
+    names = ("megatron", "deepspeed", "bytescale", "veomni")
+    tuned = search.baselines(grid, names=names)
+    own = [sim_common.own_version(plan, base) for plan, _ in tuned.values()]
+    plan, best = search.best(grid + [p for p in own if p is not None])
+    for (name, (theirs, report)), mine in zip(tuned.items(), own):
+        assert theirs is not None and mine is not None, name
+        assert (mine.sp, mine.cp, mine.tp, mine.pp, mine.pack_tokens, mine.reorder) == (
+            theirs.sp, theirs.cp, theirs.tp, theirs.pp, theirs.pack_tokens, "budget"), name
+        assert sim_common.tokens_per_s(best) >= sim_common.tokens_per_s(report), name
