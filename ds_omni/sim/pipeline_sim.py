@@ -166,7 +166,8 @@ def run_pipeline(step) -> None:
                 tl.run(ranks[s], "encode_fwd" if kind == "F" else "encode_bwd", enc_here / rate)
             seconds = llm[m] * frac[s] * share / step.llm_rate + overhead[s] * share
             events[(kind, s, m)] = tl.run(ranks[s], phase, seconds)
-            note_pass(step, ranks[s], seconds, kind == "B")
+            if plan.overlap_grad_sync:
+                note_pass(step, ranks[s], seconds, kind == "B")
             if p.sp > 1:  # Ulysses inside the stage's layers (the SP ranks' work is even)
                 events[(kind, s, m)] = tl.run(ranks[s], "llm_sp",
                                               _ulysses(step, tokens[m], kind == "B", s) * frac[s],

@@ -251,7 +251,8 @@ def run_round(step: Step, k: int) -> None:
     for backward in (False, True):
         seconds = llm * ((2 + step.plan.checkpointing) if backward else 1) / 3 / step.llm_rate
         tl.run(ranks, "llm_bwd" if backward else "llm_fwd", seconds)
-        pipeline_sim.note_pass(step, ranks, seconds, backward)
+        if step.plan.overlap_grad_sync:
+            pipeline_sim.note_pass(step, ranks, seconds, backward)
         _llm_sp(step, rr, backward)
         model_parallel.run_tp(step, rows, backward, rr.tokens,
                               seconds if step.plan.overlap_tp else None)

@@ -86,6 +86,11 @@ def test_the_simulator_prices_what_the_runs_used(doc):
     assert overlapped.get("grad_sync", 0.0) < base["grad_sync"]
     split = _report(doc, "GPT 39B", fit, sequence_parallel=True)
     assert split["step"] < base["step"]
+    flat = _report(doc, "GPT 7.5B", fit)  # tp 4 x dp 32: the rounds without a pipeline
+    assert _report(doc, "GPT 7.5B", fit, tp_comm_overlap=True).get("llm_tp", 0.0) < \
+        flat["llm_tp"]
+    assert _report(doc, "GPT 7.5B", fit, overlap_grad_reduce=True).get("grad_sync", 0.0) < \
+        flat["grad_sync"]
     entry = copy.deepcopy(next(r for r in doc["runs"] if r["name"] == "GPT 39B"))
     one = step_report(entry, fit).step_time / entry["global_batch"]
     entry["global_batch"] *= 2
