@@ -168,25 +168,7 @@ def check_context_parallel(cfg: ModelConfig, cp: int, sp: int, max_seq_len: int,
     over any two shards of a row (`ds_omni.model.ring_attention`), and a full row gives every
     rank its zigzag chunks. `llm`: (family, LLM config) as `llm_text_config` reads them."""
     family, text = llm if llm is not None else llm_text_config(cfg)
-    where = f"the LLM of {cfg.pretrained!r}" if cfg.pretrained else "model.llm"
-    if not family.sequence_parallel:
-        raise ModelError(f"parallel.cp={cp}: the {family.name!r} family's attention cannot be "
-                         "split over ranks in this version; set parallel.cp to 1")
-    from ds_omni.model.per_sample import per_sample_types, sp_problem
-    problem = sp_problem(per_sample_types(text))
-    if problem is not None:
-        raise ModelError(f"parallel.cp={cp}: {problem.replace('parallel.sp', 'parallel.cp')}")
-    experts = next((getattr(text, a) for a in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if getattr(text, a, None)), None)
-    if experts:
-        raise ModelError(f"parallel.cp={cp}: {where} ({text.model_type}) is an MoE LLM with "
-                         f"{experts} experts, whose per-sample router statistics are summed over "
-                         "contiguous shards, not the ring's zigzag ones; set parallel.cp to 1 "
-                         "(parallel.sp splits an MoE LLM's rows)")
-    if getattr(text, "attention_dropout", 0.0):
-        raise ModelError(f"parallel.cp={cp}: {where} has attention_dropout "
-                         f"{text.attention_dropout}, which ring attention does not apply; set "
-                         "it to 0 in the LLM's config or parallel.cp to 1")
+    check_ring(cfg, f"parallel.cp={cp}", "set parallel.cp to 1", "parallel.cp", (family, text))
     chunks = 2 * cp * sp
     if max_seq_len % chunks:
         raise ModelError(
@@ -195,3 +177,30 @@ def check_context_parallel(cfg: ModelConfig, cp: int, sp: int, max_seq_len: int,
             f"over sp ranks), so a full row would leave the ranks uneven shares; set "
             f"data.max_seq_len to {max_seq_len // chunks * chunks or chunks} or "
             f"{(max_seq_len // chunks + 1) * chunks}")
+
+
+def check_ring(cfg: ModelConfig, asked: str, fix: str, field: str, llm=None) -> None:
+    """The LLM's attention can run as a ring (`ds_omni.model.ring_attention`): `asked` names
+    what asks for one (parallel.cp, or a per-sequence block past the heads), `fix` how to ask
+    for none, `field` the config field that does. `llm`: (family, LLM config) as
+    `llm_text_config` reads them."""
+    family, text = llm if llm is not None else llm_text_config(cfg)
+    where = f"the LLM of {cfg.pretrained!r}" if cfg.pretrained else "model.llm"
+    if not family.sequence_parallel:
+        raise ModelError(f"{asked}: the {family.name!r} family's attention cannot be split over "
+                         f"ranks in this version (its family sets no sequence_parallel); {fix}")
+    from ds_omni.model.per_sample import per_sample_types, sp_problem
+    problem = sp_problem(per_sample_types(text))
+    if problem is not None:
+        raise ModelError(f"{asked}: {problem.replace('parallel.sp', field)}")
+    experts = next((getattr(text, a) for a in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(text, a, None)), None)
+    if experts:
+        raise ModelError(f"{asked}: {where} ({text.model_type}) is an MoE LLM with {experts} "
+                         "experts, whose per-sample router statistics are summed over contiguous "
+                         f"shards, not the ring's zigzag ones; {fix} (parallel.sp splits an MoE "
+                         "LLM's rows)")
+    if getattr(text, "attention_dropout", 0.0):
+        raise ModelError(f"{asked}: {where} has attention_dropout {text.attention_dropout}, "
+                         f"which ring attention does not apply; set it to 0 in the LLM's config, "
+                         f"or {fix}")

@@ -28,7 +28,8 @@ from ds_omni.data.cost import CostModel
 from ds_omni.data.templates import carry_template, training_template
 from ds_omni.model.attention import resolve_kernel
 from ds_omni.model.build import (build_model, check_context_parallel, check_model_files,
-                                  check_positions, check_sequence_parallel, llm_text_config)
+                                  check_positions, check_ring, check_sequence_parallel,
+                                  llm_text_config)
 from ds_omni.parallel import dist
 from ds_omni.parallel.groups import RankGroups, rank_groups
 from ds_omni.parallel.plan import ParallelPlan
@@ -52,12 +53,15 @@ def plan_run(cfg: OmniConfig, ds_json: dict, world_size: int) -> tuple[ParallelP
     (the table of `ds_omni.config.composition`, under the DeepSpeed JSON's ZeRO stage)."""
     check_composition(cfg.parallel, zero_stage(ds_json), cfg.train.export_hf)
     plan = ParallelPlan.from_config(cfg.parallel, world_size, cfg.data.reorder)
-    needs_llm = plan.sp_degrees or plan.pp_enabled or plan.tp_enabled or plan.cp_enabled
+    needs_llm = (plan.sp_degrees or plan.pp_enabled or plan.tp_enabled or plan.cp_enabled
+                 or plan.max_sequence_sp > 1)
     llm = llm_text_config(cfg.model) if needs_llm else None  # read once
+    plan = with_llm_heads(cfg, plan, llm)
     for degree in plan.sp_degrees:
         check_sequence_parallel(cfg.model, degree, llm)
     if plan.cp_enabled:
         check_context_parallel(cfg.model, plan.cp, plan.ulysses, cfg.data.max_seq_len, llm)
+    check_block_rings(cfg, plan, llm)
     if plan.tp_enabled:
         check_tensor_parallel(llm[1], plan.tp, _llm_part(cfg), experts_apart=plan.ep_enabled)
     if plan.tp_enabled and plan.sp_degrees:  # Ulysses splits each TP rank's heads again
@@ -68,6 +72,25 @@ def plan_run(cfg: OmniConfig, ds_json: dict, world_size: int) -> tuple[ParallelP
     if plan.pp_enabled:
         check_pipeline(cfg, ds_config, llm[1])
     return plan, ds_config
+
+
+def with_llm_heads(cfg: OmniConfig, plan: ParallelPlan, llm=None) -> ParallelPlan:
+    """Under parallel.max_sequence_sp: `plan` told the LLM's query heads, which split its blocks
+    into Ulysses and ring (`ParallelPlan.block_split`); `plan` itself otherwise."""
+    if plan.max_sequence_sp == 1 or plan.heads is not None:
+        return plan
+    return plan.with_heads((llm or llm_text_config(cfg.model))[1].num_attention_heads)
+
+
+def check_block_rings(cfg: OmniConfig, plan: ParallelPlan, llm) -> None:
+    """Per-sequence blocks larger than the heads run a ring across their Ulysses groups: the
+    LLM's attention must split that way (`check_ring`)."""
+    cp = plan.block_split(plan.max_sequence_sp)[1]
+    if cp > 1:
+        check_ring(cfg.model, f"parallel.max_sequence_sp={plan.max_sequence_sp} (blocks past "
+                   f"the LLM's {plan.heads} heads per TP rank run a ring of {cp})",
+                   f"set parallel.max_sequence_sp to at most {plan.heads}",
+                   "parallel.max_sequence_sp", llm)
 
 
 def say_tp_warning(cfg: OmniConfig, plan: ParallelPlan) -> None:
@@ -153,6 +176,7 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     `init_distributed`."""
     import deepspeed
     from deepspeed.utils import groups as ds_groups
+    plan = with_llm_heads(cfg, plan)  # a plan made without `plan_run` (tests)
     groups = rank_groups(plan, rank, prefetch=bool(cfg.data.prefetch_steps))
     if rank != 0:  # rank 0 makes builtin assets first; the others then only read them
         dist.barrier()
