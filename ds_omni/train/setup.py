@@ -65,7 +65,8 @@ def plan_run(cfg: OmniConfig, ds_json: dict, world_size: int) -> tuple[ParallelP
     if plan.tp_enabled:
         check_tensor_parallel(llm[1], plan.tp, _llm_part(cfg), experts_apart=plan.ep_enabled)
     if plan.tp_enabled and plan.sp_degrees:  # Ulysses splits each TP rank's heads again
-        check_tp_with_sp(llm[1], plan.tp, max(plan.sp_degrees), _llm_part(cfg),
+        # beside tp a whole block must fit the heads: a block's ring beside tp is unchecked
+        check_tp_with_sp(llm[1], plan.tp, max(plan.ulysses, plan.max_sequence_sp), _llm_part(cfg),
                          "parallel.sp" if plan.sp_enabled else "parallel.max_sequence_sp")
     resolve_kernel(cfg.model.attn_implementation)  # varlen on CPU, flash-attn missing: say so now
     ds_config = derive_ds_config(cfg, ds_json, plan)

@@ -1,14 +1,16 @@
 """Per-sequence blocks past the heads equal one process, exactly: an LLM of 2 query heads (1 KV
 head) and parallel.max_sequence_sp=4, so a long sequence's block of 4 runs Ulysses over 2 ranks
 inside and a ring of 2 across (`ParallelPlan.block_split`). One launch of 4 ranks, started once,
-looping over its cases, each against the oracle (`tests/oracle/`: loss rel 1e-6 every step, the
-reduced gradients, the final parameters) with the evidence of the ring: every block-of-4 row was
-cut zigzag and made cp - 1 ring passes in every decoder layer (`sp_ring_steps`), blocks of 2
-(Ulysses alone) none.
+looping over its cases (3 steps each), each against the oracle (`tests/oracle/`: loss rel 1e-6
+every step, the reduced gradients, the final parameters) with the evidence of the ring: every
+block-of-4 row was cut zigzag and made cp - 1 ring passes in every decoder layer
+(`sp_ring_steps`), blocks of 2 (Ulysses alone) none.
 
-Quick tier (CASES, 2 steps): ZeRO-2. Slow tier (SLOW_CASES, 3 steps): ZeRO-1 and ZeRO-3 with the
-encoder pool and long-short SP (the long sequences' images split over their block), and the
-plant `block_ring_transposed` (one step), which the oracle must catch.
+Cases: ZeRO-2; ZeRO-1 and ZeRO-3 with the encoder pool and long-short SP (the long sequences'
+images split over their block); the plant `block_ring_transposed` (one step), which the oracle
+must catch. Slow tier: the launch costs about 80 s of CPU for its first case alone (more than
+the quick tier's ~20 s); the split rule and the block's groups are checked in one process
+(tests/unit/parallel/test_block_split.py).
 """
 
 import pytest
@@ -22,10 +24,8 @@ from tests.harness import run_on_ranks
 WORLD, PACK = 4, 128  # long samples (~380 tokens) need 3 micro-batches: a block of 4
 TWO_HEADS = {**TINY_LLAMA, "num_attention_heads": 2, "num_key_value_heads": 1}
 #        (ZeRO, encoder pool and long-short SP, plant)
-CASES = [(2, False, None)]
-SLOW_CASES = [(1, True, None), (3, True, None),
-              *((2, False, p) for p in plants.for_launch("ring_block"))]
-QUICK_STEPS = 2
+CASES = [(2, False, None), (1, True, None), (3, True, None),
+         *((2, False, p) for p in plants.for_launch("ring_block"))]
 
 
 def case_name(case) -> str:
@@ -78,45 +78,29 @@ def check(case, long, tmp, per_rank, steps: int) -> None:
         assert sum(r["long_items"] for r in per_rank) > 0, name
 
 
-def _launch(tmp_path_factory, cases, steps):
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ring_block")
     long = long_source(tmp, weight=0.3, words=300)
-    results = run_on_ranks(_ranks, WORLD, args=(long, str(tmp / "run"), cases, steps),
+    results = run_on_ranks(_ranks, WORLD, args=(long, str(tmp / "run"), CASES, STEPS),
                            timeout=900)
     return long, tmp, results
 
 
-@pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    return _launch(tmp_path_factory, CASES, QUICK_STEPS)
-
-
-@pytest.fixture(scope="module")
-def slow_launch(tmp_path_factory):
-    return _launch(tmp_path_factory, SLOW_CASES, STEPS)
-
-
-@pytest.mark.dist
-@pytest.mark.parametrize("case", CASES, ids=case_name)
-def test_block_past_heads_matches_single_process(case, launch):
-    long, tmp, results = launch
-    check(case, long, tmp, [r[case_name(case)] for r in results], QUICK_STEPS)
-
-
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c for c in SLOW_CASES if not c[2]], ids=case_name)
-def test_block_past_heads_zero_matrix(case, slow_launch):
-    long, tmp, results = slow_launch
+@pytest.mark.parametrize("case", [c for c in CASES if not c[2]], ids=case_name)
+def test_block_past_heads_matches_single_process(case, launch):
+    long, tmp, results = launch
     check(case, long, tmp, [r[case_name(case)] for r in results], STEPS)
 
 
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("plant", plants.for_launch("ring_block"))
-def test_plant_is_caught(plant, slow_launch):
+def test_plant_is_caught(plant, launch):
     """The checks of the honest cases fail with the plant in."""
-    long, tmp, results = slow_launch
-    case = next(c for c in SLOW_CASES if c[2] == plant)
+    long, tmp, results = launch
+    case = next(c for c in CASES if c[2] == plant)
     with pytest.raises(AssertionError):
         check(case, long, tmp, [r[case_name(case)] for r in results], 1)
