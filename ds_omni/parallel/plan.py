@@ -349,6 +349,10 @@ class ParallelPlan:
         if self.max_sequence_sp > 1:
             out["sequence_block_groups"] = [g for start, size in self.sequence_blocks()
                                             for g in self.sequence_block_ranks(start, size)]
+            rings = [self.block_ring_ranks(g) for g in out["sequence_block_groups"]
+                     if self.block_split(len(g))[1] > 1]  # blocks past the heads
+            if rings:
+                out["sequence_block_ring_groups"] = [r for _, ring in rings for r in ring]
         return out
 
 

@@ -39,9 +39,9 @@ class EmbeddingRouter:
 
     `sp_group`: the LLM's Ulysses group (None: no static SP; encoders are never split, part 1);
     `blocks`: per-sequence SP, (first rank, size) -> the Ulysses group of every block this rank
-    can be in, each given its own packed attention with the model's kernel (`block_rings`: of
-    the blocks larger than the heads, (Ulysses group, ring), whose attention is a ring); `pool`: the encoder
-    pool (its group carries the exchange of pooled micro-batches); `encoder_dummies`: every
+    can be in, each given its own packed attention with the model's kernel (`block_rings`: the
+    (Ulysses group, ring) of blocks past the heads, whose attention is a ring); `pool`: the
+    encoder pool (its group carries the exchange of pooled micro-batches); `encoder_dummies`: every
     micro-batch runs every encoder, on a zero-weight dummy where it has no item (ZeRO-2 and -3
     need it); False where one reduction a step only needs a gradient, which a zero one gives
     (`encoder_dummies_needed`); `tp_encoders`: under parallel.tp, the split of a row's items

@@ -29,6 +29,13 @@ def test_block_split_is_the_simulators_rule(heads, size, split):
     assert plan.block_split(size) == split == ulysses_ring_split(size, heads)
 
 
+def test_ds_omni_plan_prints_the_blocks_rings():
+    layout = _plan(2).layout()  # blocks of 2 (Ulysses alone), 4 and 8 (rings of 2 and 4)
+    assert layout["sequence_block_ring_groups"] == [[0, 2], [1, 3], [4, 6], [5, 7],
+                                                    [0, 2, 4, 6], [1, 3, 5, 7]]
+    assert "sequence_block_ring_groups" not in _plan(8).layout()  # every block fits the heads
+
+
 def test_heads_are_counted_per_tp_rank():
     assert _plan(8, world=8, tp=2).heads == 4
     assert _plan(2).sp_degrees == [2]  # Ulysses' part of the largest block; the ring is not sp
