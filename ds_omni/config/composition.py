@@ -85,23 +85,30 @@ class Feature:
     """Its model check: why this LLM cannot run it, as an error that says the fix (None: it can)."""
 
 
-def _ring_fits(s: Setting, m: ModelFacts) -> str | None:
-    """Ring attention splits the LLM's attention over any two shards of a row
-    (`ds_omni.model.ring_attention`), and a full row gives every rank its zigzag chunks."""
+def ring_problem(m: ModelFacts, asked: str, fix: str, field: str) -> str | None:
+    """Why the LLM `m` cannot run its attention as a ring (`ds_omni.model.ring_attention`), as an
+    error: `asked` names what asks for one (parallel.cp, or a per-sequence block past the heads),
+    `fix` how to ask for none, `field` the config field that does (None: it can)."""
     if not m.splits:
-        return (f"parallel.cp={s.cp}: the {m.family!r} family's attention cannot be split over "
-                "ranks in this version; set parallel.cp to 1")
+        return (f"{asked}: the {m.family!r} family's attention cannot be split over ranks in "
+                f"this version (its family sets no sequence_parallel); {fix}")
     if m.per_sample is not None:
-        return f"parallel.cp={s.cp}: {m.per_sample.replace('parallel.sp', 'parallel.cp')}"
+        return f"{asked}: {m.per_sample.replace('parallel.sp', field)}"
     if m.experts:
-        return (f"parallel.cp={s.cp}: {m.where} ({m.model_type}) is an MoE LLM with {m.experts} "
-                "experts, whose per-sample router statistics are summed over contiguous shards, "
-                "not the ring's zigzag ones; set parallel.cp to 1 (parallel.sp splits an MoE "
-                "LLM's rows)")
+        return (f"{asked}: {m.where} ({m.model_type}) is an MoE LLM with {m.experts} experts, "
+                "whose per-sample router statistics are summed over contiguous shards, not the "
+                f"ring's zigzag ones; {fix} (parallel.sp splits an MoE LLM's rows)")
     if m.attention_dropout:
-        return (f"parallel.cp={s.cp}: {m.where} has attention_dropout {m.attention_dropout}, "
-                "which ring attention does not apply; set it to 0 in the LLM's config or "
-                "parallel.cp to 1")
+        return (f"{asked}: {m.where} has attention_dropout {m.attention_dropout}, which ring "
+                f"attention does not apply; set it to 0 in the LLM's config, or {fix}")
+    return None
+
+
+def _ring_fits(s: Setting, m: ModelFacts) -> str | None:
+    """Ring attention splits the LLM's attention over any two shards of a row (`ring_problem`),
+    and a full row gives every rank its zigzag chunks."""
+    if problem := ring_problem(m, f"parallel.cp={s.cp}", "set parallel.cp to 1", "parallel.cp"):
+        return problem
     chunks, n = 2 * s.cp * s.sp, m.max_seq_len
     if n % chunks:
         return (f"parallel.cp={s.cp} x parallel.sp={s.sp}: data.max_seq_len={n} is not a "
@@ -172,11 +179,19 @@ def _no_bubbles_beside(axis: str) -> Rule:
                     note=UNDER_PP + ' ("auto" picks "uniform" here)')
 
 
-PIPELINE_GRID = ("DeepSpeed's pipeline engine sends each activation to one fixed peer of the "
-                 "next stage and runs the same number of micro-batches on every rank; a "
-                 "per-sequence SP block changes which ranks share a row from one sequence to the "
-                 "next and runs its long sequences in extra rounds")
 UNDER_PP = "encoder_placement acts under pp only"
+PP_SECTION = 'docs/parallelism.md, "Per-sequence SP and ring attention under the pipeline"'
+BLOCKS_UNDER_PP = ("DeepSpeed's pipeline engine runs gradient_accumulation_steps micro-batches on "
+                   "every rank each step (its 1F1B schedule is built for that count), while "
+                   "per-sequence SP adds a varying number of long-sequence rounds to each step; "
+                   "and each stage runs its decoder layers with one attention fixed when the "
+                   "stage is built, so a block's Ulysses group (and ring) cannot be chosen per "
+                   f"micro-batch there ({PP_SECTION})")
+RING_UNDER_PP = ("each pipeline stage runs its decoder layers with one attention fixed when the "
+                 "stage is built, on the tensors the engine passes between stages (hidden states, "
+                 "positions, cu_seqlens, an index): a ring row's zigzag index is not bound per "
+                 "micro-batch there, and no stage's ring groups are drawn from the engine's grid "
+                 f"in this version ({PP_SECTION})")
 
 RULES = (
     _composes("zero", "sp", "any stage; under ZeRO-3 zero_optimization.reduce_scatter stays true "
@@ -218,7 +233,7 @@ RULES = (
     _composes("tp", "max_sequence_sp", "a block is drawn over the data-parallel ranks of one TP "
               "rank (its all-to-alls never mix TP shards); tp x max_sequence_sp must divide the "
               "query heads and tp the key/value heads"),
-    _refused("max_sequence_sp", "pp", PIPELINE_GRID,
+    _refused("max_sequence_sp", "pp", BLOCKS_UNDER_PP,
              "set parallel.max_sequence_sp or parallel.pp to 1"),
     _composes("max_sequence_sp", "encoder_placement", UNDER_PP),
     _composes("max_sequence_sp", "encoder_pool", "the pool spreads each round over its groups "
@@ -263,14 +278,16 @@ RULES = (
               "the same parameters and different tokens"),
     _composes("sp", "cp", "Ulysses inside (sp consecutive ranks exchange heads), the ring across "
               "them: sp must divide the query heads, cp need not"),
-    _refused("max_sequence_sp", "cp", "per-sequence SP blocks run Ulysses alone in this version "
-             "(a block with a ring inside is not built)", "set parallel.max_sequence_sp or "
-             "parallel.cp to 1"),
+    _refused("max_sequence_sp", "cp", "parallel.cp fixes one ring degree for every row, where "
+             "per-sequence SP picks each block's own split (Ulysses up to the heads, a ring "
+             "across: `ParallelPlan.block_split`)", "set parallel.cp to 1 (a block larger than "
+             "the LLM's heads runs its ring by itself), or parallel.max_sequence_sp to 1"),
     _refused("tp", "cp", "the ring's groups are drawn from the sequence ranks of one TP rank, "
              "which no test checks against one process in this version",
              "set parallel.tp to 1 (sp x cp splits the sequence of a large backbone), or "
              "parallel.cp to 1"),
-    _refused("pp", "cp", f"{PIPELINE_GRID} (nor a ring)", "set parallel.cp or parallel.pp to 1",
+    _refused("pp", "cp", RING_UNDER_PP, "set parallel.cp or parallel.pp to 1 (parallel.sp "
+             "splits rows under the pipeline)",
              launch_only=True),
     _composes("encoder_placement", "cp", UNDER_PP),
     _composes("encoder_pool", "cp", "the pool is every rank (dp x sp x cp); a row's long items "

@@ -37,8 +37,8 @@ class ParallelConfig:
     """Under pp > 1, how stages are cut: "cost" (the cost model), or the baselines "parameters"
     (DeepSpeed's) and "layers" (Megatron-LM's). More: docs/parallelism.md#pipeline-parallelism."""
     max_sequence_sp: int = 1
-    """Per-sequence SP (ByteScale): > 1 lets a costly sequence run on a Ulysses group of up to this
-    many ranks (a power of two). More: docs/parallelism.md#a-per-sequence-sp."""
+    """Per-sequence SP (ByteScale): > 1 lets a costly sequence run on a block of up to this many
+    ranks (a power of two; ring past the heads). More: docs/parallelism.md#a-per-sequence-sp."""
     encoder_sp: float | Literal["auto", "off"] = "auto"
     """Long-short SP for encoders: an item costlier than this is encoded by its SP group; "auto":
     one rank's share; "off": never. More: docs/parallelism.md#long-short-sp."""

@@ -44,6 +44,7 @@ class MicroBatchLoader:
         self._item_cost = ItemCost(cost_model)
         self.long_items = splits.long_items  # items a whole SP group encodes (long-short SP)
         self.max_degree = place.max_sequence_sp  # per-sequence SP: blocks of up to this many ranks
+        self.block_cut = place.plan.block_cut  # how a block cuts its row (ring past the heads)
         self._steps_without_long_items = 0
         self.shard = (SeqShard(place.sp_rank, place.sp_size, self._item_cost, self.long_items,
                                cut=place.row_cut) if place.sp_size > 1 else None)
@@ -117,8 +118,8 @@ class MicroBatchLoader:
         if entry is None:
             return PackJob([], None), []
         key, rank_in_block, size, first_rank = entry
-        return self._job([(key, rank_in_block == 0)], (rank_in_block, size), shard_empty=False,
-                         sp_block=(first_rank, size))
+        return self._job([(key, rank_in_block == 0)], (rank_in_block, size, self.block_cut(size)),
+                         shard_empty=False, sp_block=(first_rank, size))
 
     def _pack(self, jobs: list[PackJob], problems: list) -> list[Packed]:
         """The jobs made here or by the workers; a failed worker is this step's error (every rank

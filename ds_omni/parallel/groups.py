@@ -47,6 +47,9 @@ class RankGroups:
     ulysses: object = None
     """Under parallel.cp > 1 and parallel.sp > 1: the Ulysses group of this rank's cp shard (`sp`
     is then the whole sequence group, sp x cp ranks, over which rows are resharded)."""
+    block_rings: dict[tuple[int, int], tuple[object, RingGroup]] | None = None
+    """Per-sequence blocks larger than the heads (`ParallelPlan.block_split`): block -> (this
+    rank's Ulysses group in it, None at Ulysses degree 1; its ring)."""
 
     @classmethod
     def alone(cls, rank: int = 0) -> "RankGroups":
@@ -76,6 +79,7 @@ def rank_groups(plan: ParallelPlan, rank: int, prefetch: bool) -> RankGroups:
     dp, reorder = data_groups(plan, rank)
     mpu = sequence_groups(plan, rank)
     blocks = sequence_blocks(plan, rank)
+    block_rings = sequence_block_rings(plan, rank)
     comm = TorchDataComm(plan, dp, reorder,
                          mpu.get_sequence_data_parallel_group() if mpu else None)
     tp = tensor_group(plan, rank)
@@ -89,7 +93,7 @@ def rank_groups(plan: ParallelPlan, rank: int, prefetch: bool) -> RankGroups:
     return RankGroups(dp=dp, reorder=reorder, mpu=mpu, blocks=blocks, comm=comm,
                       step_comm=step_comm, tp=tp,
                       shard_comm=loader_shard_comm(plan, rank), rank=rank, ring=ring,
-                      ulysses=ulysses)
+                      ulysses=ulysses, block_rings=block_rings)
 
 
 def context_groups(plan: ParallelPlan, rank: int) -> tuple[object, RingGroup | None]:
@@ -200,6 +204,29 @@ def sequence_blocks(plan: ParallelPlan, rank: int) -> dict[tuple[int, int], obje
             group = dist.new_group(members)
             if rank in members:
                 out[(start, size)] = group
+    return out
+
+
+def sequence_block_rings(plan: ParallelPlan, rank: int
+                         ) -> dict[tuple[int, int], tuple[object, RingGroup]]:
+    """Per-sequence blocks with a ring (`ParallelPlan.block_split`): the Ulysses groups and
+    rings of every such block, made by every rank in the same order; {block: (this rank's
+    Ulysses group or None, its ring)} for the blocks that hold `rank`."""
+    out = {}
+    for start, size in plan.sequence_blocks():
+        if plan.block_split(size)[1] == 1:
+            continue
+        for members in plan.sequence_block_ranks(start, size):
+            ulysses_groups, rings = plan.block_ring_ranks(members)
+            mine = [None, None]
+            for group in ulysses_groups if len(ulysses_groups[0]) > 1 else []:
+                pg = dist.new_group(group)
+                mine[0] = pg if rank in group else mine[0]
+            for ring in rings:
+                pg = dist.new_group(ring)
+                mine[1] = RingGroup.of(pg, ring, rank) if rank in ring else mine[1]
+            if rank in members:
+                out[(start, size)] = tuple(mine)
     return out
 
 

@@ -16,11 +16,12 @@ else computes them again: `ds_omni.train.setup` builds the plan once and hands i
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ds_omni.config import ParallelConfig, ReorderConfig
 from ds_omni.errors import DataError, LaunchError
-from ds_omni.parallel.hdp import check_degree
+from ds_omni.parallel.hdp import check_degree, ulysses_ring_split
 from ds_omni.parallel.row_cut import RowCut
 
 
@@ -52,6 +53,9 @@ class ParallelPlan:
     """parallel.encoder_pool="dp": each round's items are encoded over the pool's ranks."""
     cp: int = 1
     """Ring attention: the ranks of `sp` that pass key/value blocks around a ring (1: off)."""
+    heads: int | None = None
+    """The LLM's query heads on one TP rank, which a per-sequence block's Ulysses part divides
+    (`block_split`; None: not known, every block all Ulysses); set by `with_heads`."""
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int,
@@ -182,9 +186,10 @@ class ParallelPlan:
 
     @property
     def sp_degrees(self) -> list[int]:
-        """The Ulysses degrees the LLM runs under (`ulysses`, the largest per-sequence block),
-        > 1."""
-        return sorted({d for d in (self.ulysses, self.max_sequence_sp) if d > 1})
+        """The Ulysses degrees the LLM runs under (`ulysses`, the largest per-sequence block's
+        Ulysses part), > 1."""
+        return sorted({d for d in (self.ulysses, self.block_split(self.max_sequence_sp)[0])
+                       if d > 1})
 
     @property
     def cp_enabled(self) -> bool:
@@ -234,6 +239,29 @@ class ParallelPlan:
         [start, start + size))."""
         return [[self.rank_of(RankCoords(p, d, 0, t)) for d in range(start, start + size)]
                 for p in range(self.pp) for t in range(self.tp)]
+
+    def with_heads(self, heads: int) -> "ParallelPlan":
+        """This plan for an LLM of `heads` query heads (split over tp): its blocks' splits."""
+        return dataclasses.replace(self, heads=heads // self.tp)
+
+    def block_split(self, size: int) -> tuple[int, int]:
+        """(Ulysses degree, ring degree) of a per-sequence block of `size` ranks: Ulysses over
+        the largest degree dividing the heads, ring attention across (`hdp.ulysses_ring_split`,
+        the simulator's rule too)."""
+        return ulysses_ring_split(size, self.heads)
+
+    def block_cut(self, size: int) -> RowCut:
+        """How a per-sequence block of `size` ranks cuts its row: zigzag over its ring
+        (`block_split`), contiguous where the block fits the heads."""
+        return RowCut(size, zigzag=self.block_split(size)[1])
+
+    def block_ring_ranks(self, members: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+        """(Ulysses groups, rings) of a block of global ranks `members` (in sequence-rank
+        order) whose `block_split` has a ring: as `ulysses_group_ranks` and `cp_group_ranks`
+        cut the static sequence group, sequence rank s = cp rank x ulysses + Ulysses rank."""
+        u, cp = self.block_split(len(members))
+        return ([members[c * u:(c + 1) * u] for c in range(cp)],
+                [members[j::u] for j in range(u)])
 
     def coords(self, rank: int) -> RankCoords:
         tp_rank, rest = rank % self.tp, rank // self.tp
@@ -331,6 +359,10 @@ class ParallelPlan:
         if self.max_sequence_sp > 1:
             out["sequence_block_groups"] = [g for start, size in self.sequence_blocks()
                                             for g in self.sequence_block_ranks(start, size)]
+            rings = [self.block_ring_ranks(g) for g in out["sequence_block_groups"]
+                     if self.block_split(len(g))[1] > 1]  # blocks past the heads
+            if rings:
+                out["sequence_block_ring_groups"] = [r for _, ring in rings for r in ring]
         return out
 
 

@@ -58,7 +58,8 @@ def parallelize(built, plan: ParallelPlan, groups: RankGroups, cfg: OmniConfig, 
                       tp_group=groups.tp, llm_config=llm_config,
                       experts=expert_fold_for(plan, groups.tp, llm_config),
                       tp_encoders=tp_encoders_for(cfg, built, plan, rank, groups.tp, item_cost),
-                      even_calls=even, ring=groups.ring, ulysses_group=groups.ulysses)
+                      even_calls=even, ring=groups.ring, ulysses_group=groups.ulysses,
+                      block_rings=groups.block_rings)
 
 
 def _item_cost(cost: CostModel):
@@ -72,7 +73,7 @@ def apply_plan(model: OmniModel, *, kernel: str | None = None, sp_group=None,
                tp_group=None, llm_config=None, tp_encoders: TPEncoders | None = None,
                even_calls: EvenEncoderCalls | None = None,
                experts: ExpertFold | None = None, ring=None,
-               ulysses_group=None) -> nn.Module:
+               ulysses_group=None, block_rings: dict | None = None) -> nn.Module:
     """Apply the plan's pieces to a built model; returns the model, or under `pipeline` this
     rank's stage. Each argument is one feature's piece, None where it is off; `parallelize`
     builds them from the plan (each by its module's `*_for` builder, which says what it is)."""
@@ -81,7 +82,8 @@ def apply_plan(model: OmniModel, *, kernel: str | None = None, sp_group=None,
         encoder_dummies = True
         tp_encoders.sum_grads_over_tp(model.encoders)
     router = EmbeddingRouter(kernel=kernel, sp_group=sp_group, blocks=blocks, pool=pool,
-                             encoder_dummies=encoder_dummies, tp_encoders=tp_encoders)
+                             encoder_dummies=encoder_dummies, tp_encoders=tp_encoders,
+                             block_rings=block_rings)
     for feature in (even_calls, pool, tp_encoders):
         if feature is not None:
             router.on_step(feature)

@@ -39,8 +39,9 @@ class EmbeddingRouter:
 
     `sp_group`: the LLM's Ulysses group (None: no static SP; encoders are never split, part 1);
     `blocks`: per-sequence SP, (first rank, size) -> the Ulysses group of every block this rank
-    can be in, each given its own packed attention with the model's kernel; `pool`: the encoder
-    pool (its group carries the exchange of pooled micro-batches); `encoder_dummies`: every
+    can be in, each given its own packed attention with the model's kernel (`block_rings`: the
+    (Ulysses group, ring) of blocks past the heads, whose attention is a ring); `pool`: the
+    encoder pool (its group carries the exchange of pooled micro-batches); `encoder_dummies`: every
     micro-batch runs every encoder, on a zero-weight dummy where it has no item (ZeRO-2 and -3
     need it); False where one reduction a step only needs a gradient, which a zero one gives
     (`encoder_dummies_needed`); `tp_encoders`: under parallel.tp, the split of a row's items
@@ -51,7 +52,7 @@ class EmbeddingRouter:
 
     def __init__(self, *, kernel: str, sp_group=None, blocks: dict | None = None,
                  pool: EncoderPool | None = None, encoder_dummies: bool = True,
-                 tp_encoders: TPEncoders | None = None):
+                 tp_encoders: TPEncoders | None = None, block_rings: dict | None = None):
         # what this rank's SP machinery did (Ulysses calls, rows resharded, pieces encoded), so
         # that a silent fallback to whole rows shows (`ds_omni.parallel.evidence`)
         self.sp_counts = SPCounts()
@@ -59,6 +60,9 @@ class EmbeddingRouter:
         self.blocks: dict[tuple[int, int], tuple[object, PackedAttention]] = {
             block: (group, PackedAttention(kernel, group, self.sp_counts))
             for block, group in (blocks or {}).items()}
+        for block, (ulysses, ring) in (block_rings or {}).items():  # Ulysses inside, ring across
+            self.blocks[block] = (self.blocks[block][0],
+                                  PackedAttention(kernel, ulysses, self.sp_counts, ring=ring))
         self.encoder_pool = pool
         self.encoder_dummies = encoder_dummies
         self.tp_encoders = tp_encoders
@@ -104,6 +108,13 @@ class EmbeddingRouter:
         index = batch.route.row_index
         if index is None:
             return self.route(batch)[1]
+        if batch.route.sp_block is not None:  # a block larger than the heads: its own ring
+            attention = self.route(batch)[1]
+            if attention.ring is None:
+                raise ModelError(f"a micro-batch of SP block {batch.route.sp_block} cut for ring "
+                                 "attention, but this rank's block has no ring; the loader and "
+                                 "the model disagree on the block's Ulysses x ring split")
+            return attention.for_row(index)
         if self.row_attention is None:
             raise ModelError("a micro-batch whose cut reorders its row (its route has a "
                              "row_index) but this model has no attention for such rows; the "

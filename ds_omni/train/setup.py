@@ -21,11 +21,12 @@ from typing import NamedTuple
 import torch
 
 from ds_omni.config import OmniConfig
-from ds_omni.config.composition import check_composition, check_model_fits
+from ds_omni.config.composition import ModelFacts, check_composition, check_model_fits, ring_problem
 from ds_omni.data.build import build_loader, cost_model_for
 from ds_omni.data.check import startup_check
 from ds_omni.data.cost import CostModel
 from ds_omni.data.templates import carry_template, training_template
+from ds_omni.errors import ModelError
 from ds_omni.model.attention import resolve_kernel
 from ds_omni.model.build import (build_model, check_model_files, check_positions,
                                   check_sequence_parallel, llm_text_config, model_facts)
@@ -54,20 +55,43 @@ def plan_run(cfg: OmniConfig, ds_json: dict, world_size: int) -> tuple[ParallelP
     plan = ParallelPlan.from_config(cfg.parallel, world_size, cfg.data.reorder)
     model_parallel = plan.sp_degrees or plan.world_size > plan.dp  # an axis splits the LLM
     llm = llm_text_config(cfg.model) if model_parallel else None  # read once
+    plan = with_llm_heads(cfg, plan, llm)
     for degree in plan.sp_degrees:
         check_sequence_parallel(cfg.model, degree, llm)
     if llm is not None:  # each feature's own model check (`Feature.fits`)
-        check_model_fits(cfg.parallel, model_facts(cfg.model, cfg.data.max_seq_len, llm))
+        facts = model_facts(cfg.model, cfg.data.max_seq_len, llm)
+        check_model_fits(cfg.parallel, facts)
+        check_block_rings(plan, facts)
     if plan.tp_enabled:
         check_tensor_parallel(llm[1], plan.tp, _llm_part(cfg), experts_apart=plan.ep_enabled)
     if plan.tp_enabled and plan.sp_degrees:  # Ulysses splits each TP rank's heads again
-        check_tp_with_sp(llm[1], plan.tp, max(plan.sp_degrees), _llm_part(cfg),
+        # beside tp a whole block must fit the heads: a block's ring beside tp is unchecked
+        check_tp_with_sp(llm[1], plan.tp, max(plan.ulysses, plan.max_sequence_sp), _llm_part(cfg),
                          "parallel.sp" if plan.sp_enabled else "parallel.max_sequence_sp")
     resolve_kernel(cfg.model.attn_implementation)  # varlen on CPU, flash-attn missing: say so now
     ds_config = derive_ds_config(cfg, ds_json, plan)
     if plan.pp_enabled:
         check_pipeline(cfg, ds_config, llm[1])
     return plan, ds_config
+
+
+def with_llm_heads(cfg: OmniConfig, plan: ParallelPlan, llm=None) -> ParallelPlan:
+    """Under parallel.max_sequence_sp: `plan` told the LLM's query heads, which split its blocks
+    into Ulysses and ring (`ParallelPlan.block_split`); `plan` itself otherwise."""
+    if plan.max_sequence_sp == 1 or plan.heads is not None:
+        return plan
+    return plan.with_heads((llm or llm_text_config(cfg.model))[1].num_attention_heads)
+
+
+def check_block_rings(plan: ParallelPlan, facts: ModelFacts) -> None:
+    """Per-sequence blocks larger than the heads run a ring across their Ulysses groups: the
+    LLM's attention must split that way (`composition.ring_problem`)."""
+    cp = plan.block_split(plan.max_sequence_sp)[1]
+    if cp > 1 and (problem := ring_problem(
+            facts, f"parallel.max_sequence_sp={plan.max_sequence_sp} (blocks past the LLM's "
+            f"{plan.heads} heads per TP rank run a ring of {cp})",
+            f"set parallel.max_sequence_sp to at most {plan.heads}", "parallel.max_sequence_sp")):
+        raise ModelError(problem)
 
 
 def say_tp_warning(cfg: OmniConfig, plan: ParallelPlan) -> None:
@@ -153,6 +177,7 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     `init_distributed`."""
     import deepspeed
     from deepspeed.utils import groups as ds_groups
+    plan = with_llm_heads(cfg, plan)  # a plan made without `plan_run` (tests)
     groups = rank_groups(plan, rank, prefetch=bool(cfg.data.prefetch_steps))
     if rank != 0:  # rank 0 makes builtin assets first; the others then only read them
         dist.barrier()

@@ -250,7 +250,8 @@ def _ring_slots(mb, plan, rank: int) -> list[int]:
     if index is None:
         return []
     s = mb.input_ids.shape[1]
-    lo = plan.coords(rank).sp_rank * s
+    c = plan.coords(rank)  # a per-sequence block's row: the rank's place in its block
+    lo = (c.dp_rank - mb.route.sp_block[0] if mb.route.sp_block else c.sp_rank) * s
     return index.reshape(-1)[lo:lo + s].tolist()
 
 

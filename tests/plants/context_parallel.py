@@ -61,3 +61,17 @@ def _ring_causal_local(rank: int):
             return local & same  # the sample rule kept, causality by slot
         return planted
     yield from patched(ring_attention, "ring_mask", make)
+
+
+@plant("block_ring_transposed", "a per-sequence block past the heads builds its rings from "
+       "consecutive ranks and its Ulysses groups across them (the split's Ulysses part ignored), "
+       "while the loader cuts the row with the Ulysses ranks consecutive", "ring_block")
+def _block_ring_transposed(rank: int):
+    from ds_omni.parallel.plan import ParallelPlan
+
+    def make(original):
+        def planted(self, members):
+            ulysses, rings = original(self, members)
+            return rings, ulysses  # same sizes here (2 x 2): the groups swapped
+        return planted
+    yield from patched(ParallelPlan, "block_ring_ranks", make)
