@@ -13,7 +13,8 @@ plan of a (setup, mix).
 For each (setup, mix), ds_omni's plan is the best (tokens/s, fitting in memory) of a small grid
 (`candidates`: SP degree, per-sequence SP, a joint pipeline of 2-8 stages), and each
 baseline gets its best over the baselines derived from the same grid (its degrees, not ours).
-speed-up = ds_omni's tokens/s / the baseline's. Writes benchmarks/results/sim_megascale_omni.json
+speed-up = ds_omni's tokens/s / the baseline's. Beside it, each joint pipeline with its encoders in
+the pipeline's bubbles ("bubbles") against "uniform" (`bubbles_beside_uniform`). Writes benchmarks/results/sim_megascale_omni.json
 and .png. The reading (what differs from the paper and why): docs/benchmarks/sim_papers.md.
 """
 
@@ -77,7 +78,22 @@ def run_case(setup: str, mix: str, seed: int) -> dict:
     theirs = {name: sim_common.brief(*pr) for name, pr in search.baselines(plans).items()}
     return {"setup": setup, "mix": mix, "gpus": gpus, "ds_omni": ours, "baselines": theirs,
             "speedup": sim_common.speedups(ours, theirs), "plans_simulated": len(search.runs),
+            "bubbles_beside_uniform": bubbles_beside_uniform(search, plans),
             "simulation_s": search.seconds}
+
+
+def bubbles_beside_uniform(search, plans) -> dict:
+    """Per joint-pipeline candidate ("pp4"): its tokens/s with encoders placed "uniform" and
+    in the pipeline's bubbles ("bubbles", issue 39), and bubbles over uniform (None: unfit)."""
+    out = {}
+    for plan in plans:
+        if plan.pp > 1 and plan.encoder_placement == "uniform":
+            runs = {w: search.run(plan.replace(encoder_placement=w)) for w in ("uniform", "bubbles")}
+            tps = {w: sim_common.tokens_per_s(r) if getattr(r, "fits", False) else None
+                   for w, r in runs.items()}
+            out[f"pp{plan.pp}"] = {**tps, "bubbles_over_uniform": tps["bubbles"] / tps["uniform"]
+                                   if tps["bubbles"] and tps["uniform"] else None}
+    return out
 
 
 def summarise(cases: list[dict]) -> dict:
@@ -154,6 +170,9 @@ def main(argv=None) -> int:
             shown = ", ".join(f"{k} {v:.2f}x" if v else f"{k} -" for k, v in case["speedup"].items())
             print(f"{setup} {mix}: {shown} ({case['plans_simulated']} plans, "
                   f"{case['simulation_s']:.0f} s)", flush=True)
+            print("  bubbles / uniform: " + ", ".join(
+                f"{k} {v['bubbles_over_uniform']:.3f}x" if v["bubbles_over_uniform"] else f"{k} -"
+                for k, v in case["bubbles_beside_uniform"].items()), flush=True)
             write(args, cases, time.perf_counter() - start)  # after each case: a partial run counts
     plot(cases, RESULTS / f"{args.out}.png")
     print(json.dumps(summarise(cases)["all"], indent=1))

@@ -1,4 +1,4 @@
-"""The step simulator against measured steps: 14 plans on 2 and 4 CPU ranks, predicted and timed.
+"""The step simulator against measured steps: 18 plans on 2 and 4 CPU ranks, predicted and timed.
 
     .venv/bin/python benchmarks/sim_validation.py     # 15-40 minutes on 2 shared cores
 
@@ -63,6 +63,13 @@ CONFIGS = {
     "per_sequence4_longtail": (4, "longtail", {"max_sequence_sp": 4}),
     "pool4_longtail": (4, "longtail", {"encoder_pool": "dp"}),
 }
+# the bubbles schedule (issue 39) beside "uniform" on 4 ranks, PP=2 x dp 2 and PP=4, the 9:1 mix:
+# a list of its own, joined to CONFIGS (other plans are added to CONFIGS above)
+BUBBLE_CONFIGS = {
+    f"pp{pp}_{where}_image_4ranks": (4, "image", {"pp": pp, "encoder_placement": where,
+                                                  "stage_tokens": 96})
+    for pp in (2, 4) for where in ("uniform", "bubbles")}
+CONFIGS.update(BUBBLE_CONFIGS)
 MIX = {"image": "image_heavy_9to1", "text": "text_heavy_1to9"}
 
 
