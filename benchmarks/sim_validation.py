@@ -148,6 +148,9 @@ def one_step(loader, engine, groups, ds_groups) -> dict:
     import torch.distributed as dist
     from ds_omni.train.step import train_step
     ds_groups.mpu = engine.mpu  # DeepSpeed's SP groups are a module global: each engine its own
+    if getattr(engine, "grid", None) is not None and engine.grid.pipe_parallel_size > 1:
+        from deepspeed.runtime.pipe import p2p  # its grid too (PP=2 and PP=4 in one launch)
+        p2p.init_process_groups(engine.grid)
     batch = loader.next_step()
     dist.barrier()
     t0, c0 = time.perf_counter(), time.process_time()

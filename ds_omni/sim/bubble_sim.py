@@ -40,7 +40,7 @@ def resolve_auto(step) -> None:
         stages = stage_plan_for(step.model.cost, p.pp, "uniform", per_micro, tokens,
                                 split=plan.stage_split)
         placement = auto_placement(step.model.cost, stages.layer_time, plan.micro_batches,
-                                   per_micro, bf16=False)
+                                   per_micro)
     step.plan = dataclasses.replace(plan, parallel=dataclasses.replace(
         plan.parallel, encoder_placement=placement))
 
