@@ -21,27 +21,27 @@ import dataclasses
 import numpy as np
 
 from ds_omni.parallel.bubbles import auto_placement, plan_bubbles
-from ds_omni.parallel.stages import stage_plan_for
 from ds_omni.sim import comm
 from ds_omni.sim.timeline import COMM
 
 
 def resolve_auto(step) -> None:
     """`encoder_placement: "auto"` -> "bubbles" where the cost model's typical step predicts a
-    gain, else "uniform" (`auto_placement`; "uniform" beside tp or sp, as training does), in
-    `step.plan`."""
+    gain, else "uniform" (`auto_placement` on the stages training splits; "uniform" beside tp
+    or sp, as training does), in `step.plan`."""
+    from ds_omni.sim.pipeline_sim import stage_plan  # (it imports this module)
     p, plan = step.pplan, step.plan
     if plan.encoder_placement != "auto":
         return
-    placement = "uniform"
+    step.plan = _placed(plan, "uniform")  # "bubbles" splits the stages as "uniform" does
     if p.tp == 1 and p.sp == 1:
         per_micro = max(1, round(len(step.samples) / (p.dp * plan.micro_batches)))
-        tokens = plan.stage_tokens or max(1, int(step.samples.tokens.mean()))
-        stages = stage_plan_for(step.model.cost, p.pp, "uniform", per_micro, tokens,
-                                split=plan.stage_split)
-        placement = auto_placement(step.model.cost, stages.layer_time, plan.micro_batches,
-                                   per_micro)
-    step.plan = dataclasses.replace(plan, parallel=dataclasses.replace(
+        step.plan = _placed(plan, auto_placement(step.model.cost, stage_plan(step).layer_time,
+                                                 plan.micro_batches, per_micro))
+
+
+def _placed(plan, placement: str):
+    return dataclasses.replace(plan, parallel=dataclasses.replace(
         plan.parallel, encoder_placement=placement))
 
 
