@@ -84,8 +84,7 @@ def _run(cfg, built, plan, rank: int, shared: bool, steps: int) -> dict:
     from ds_omni.parallel.groups import rank_groups
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, shared_reading=shared))
     groups = rank_groups(plan, rank, prefetch=False)
-    loader = build_loader(cfg, built, plan, groups, rank=rank,
-                          num_micro=BATCH // (plan.dp * MICRO))
+    loader = build_loader(cfg, built, plan, groups, num_micro=BATCH // (plan.dp * MICRO))
     loader.next_step()  # warm-up: files opened, first streams
     start = dataclasses.replace(loader.counts)
     cpu, wall = time.process_time(), time.perf_counter()

@@ -126,13 +126,51 @@ def brief(plan: SimPlan | None, report) -> dict | None:
     if plan is None:
         return None if report is None else {"fits": False, "tokens_per_s": None,
                                             "least_peak_memory_gib": report.peak_memory / 2 ** 30}
-    keep = ("sp", "cp", "pp", "zero_stage", "micro_batches", "pack_tokens", "reorder", "reorder_group",
+    keep = ("sp", "cp", "pp", "tp", "ep", "zero_stage", "micro_batches", "pack_tokens", "reorder", "reorder_group",
             "max_sequence_sp", "encoder_mode", "encoder_placement", "stage_split", "encoder_gpus")
     return {"plan": {k: getattr(plan, k) for k in keep},
             "step_time_s": report.step_time, "tokens": report.tokens, "samples": report.samples,
             "fits": True, "tokens_per_s": tokens_per_s(report), "mfu": report.mfu,
             "peak_memory_gib": report.peak_memory / 2 ** 30,
-            "critical_phase": report.critical_phase}
+            "critical_phase": report.critical_phase, "phases_s": phases(report)}
+
+
+def phases(report) -> dict:
+    """{phase: seconds} of the step's critical path (what the step waited on, by phase)."""
+    out: dict = {}
+    for seg in report.critical_path:
+        out[seg["phase"]] = out.get(seg["phase"], 0.0) + seg["seconds"]
+    return {k: round(v, 4) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+def space_plans(search: Search, base: SimPlan, space, budget_s: float, top: int = 4) -> list:
+    """The `top` plans of the full plan space (`ds_omni.sim.search`: dp, ZeRO stage, tp, pp with
+    both encoder placements, sp, cp, per-sequence SP, the pool, ep where the model has experts)
+    on the search's samples, within `budget_s` seconds (the best found when it runs out)."""
+    from ds_omni.sim.search import search as full_search
+    found = full_search(search.cluster, search.model, search.samples, base, top=top,
+                        space=space, budget_s=budget_s, baselines=False)
+    return [r.plan.replace(name=base.name) for r in found.top], found
+
+
+def own_version(plan: SimPlan, ours: SimPlan) -> SimPlan | None:
+    """A baseline's plan as ds_omni would run it (its degrees and batch; ds_omni's encoding and
+    reordering), or None when the plan is not one training runs (encoders on their own GPUs)."""
+    if plan is None or plan.encoder_gpus:
+        return None
+    return plan.replace(name=ours.name, encoder_mode="reshard", reorder=ours.reorder,
+                        reorder_group=ours.reorder_group)
+
+
+def fixed(search: Search, plan: SimPlan | None) -> dict | None:
+    """An as-run baseline's fixed plan on the search's samples (None: no plan was chosen)."""
+    if plan is None:
+        return None
+    run = search.run(plan)
+    if isinstance(run, DsOmniError):
+        return {"fits": False, "tokens_per_s": None, "error": str(run)}
+    return brief(plan, run) if run.fits else {
+        "fits": False, "tokens_per_s": None, "least_peak_memory_gib": run.peak_memory / 2 ** 30}
 
 
 def speedups(ours: dict, theirs: dict) -> dict:

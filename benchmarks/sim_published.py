@@ -1,16 +1,18 @@
-"""The dense-transformer step model (`ds_omni.sim.published`) against published cluster runs:
-each GPU type's two kernel numbers fitted on at most two runs (benchmarks/published_runs.json
+"""The step simulator (`simulate`, through `ds_omni.sim.published`) against published cluster
+runs: each GPU type's two kernel numbers fitted on at most two runs (benchmarks/published_runs.json
 names them), every other run predicted. Figure: TFLOP/s per GPU, as each source counts FLOPs
 (the same step time ratio as tokens/s per GPU). Targets over the validation runs: median
 absolute error <= 15 %, none above 30 %; within a source, the runs ordered as measured.
 
-    .venv/bin/python benchmarks/sim_published.py     # a second; writes sim_published.json / .png
+    .venv/bin/python benchmarks/sim_published.py     # ~4 min; writes sim_published.json / .png
+    .venv/bin/python benchmarks/sim_published.py --max-gpus 2048   # make bench's quick run
 
 Method, sources and tables: docs/benchmarks/sim_published.md.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -73,9 +75,28 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
+def table(rows: list[dict]) -> str:
+    """The results as docs/benchmarks/sim_published.md's table (markdown)."""
+    out = ["| source | run | GPUs | tp x pp x dp | measured TFLOP/s/GPU | predicted | error | role "
+           "| critical path: TP / p2p / grad sync |", "|" + "---|" * 9]
+    for r in rows:
+        p, b = r["plan"], r["breakdown"]
+        share = " / ".join(f"{100 * b.get(k, 0.0) / b['step']:.0f}"
+                           for k in ("llm_tp", "p2p", "grad_sync"))
+        out.append(f"| {r['source']} | {r['name']} | {r['gpus']:,} | {p['tp']} x {p['pp']} x "
+                   f"{p['dp']} | {r['measured']:.1f} | {r['predicted']:.1f} | "
+                   f"{100 * r['error']:+.1f} % | {r['role']} | {share} % |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-gpus", type=int, default=None,
+                    help="predict only runs of at most this many GPUs (the calibration runs "
+                         "are fitted all the same): the largest pipelines take minutes")
+    args = ap.parse_args(argv)
     doc = json.loads(RUNS.read_text())
-    result = reproduce(doc)
+    result = reproduce(doc, lambda r: args.max_gpus is None or r["gpus"] <= args.max_gpus)
     result.update(summarise(result))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "sim_published.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -83,6 +104,7 @@ def main() -> int:
     for r in result["runs"]:
         print(f"{r['source']:20} {r['name']:24} {r['gpus']:5} measured {r['measured']:6.1f} "
               f"predicted {r['predicted']:6.1f} ({100 * r['error']:+5.1f} %) {r['role']}")
+    print(table(result["runs"]))
     print(f"validation: median |error| {100 * result['median_abs_error']:.1f} %, max "
           f"{100 * result['max_abs_error']:.1f} %; pairs ordered {result['ordered_pairs']} of "
           f"{result['pairs']}")

@@ -147,9 +147,9 @@ class Route:
     encode_calls: dict[str, int] | None = None
     """ZeRO-3: how many times each encoder runs on this micro-batch, the same on every rank
     (`EvenEncoderCalls` sets it; the model tops up with zero-weight dummy runs). None: no top-up."""
-    ring_index: "np.ndarray | None" = None
-    """Under parallel.cp: [cp, C] the row positions of every cp rank's tokens (the zigzag layout,
-    `ds_omni.parallel.zigzag`), which the ring attention masks by; None: no ring."""
+    row_index: "np.ndarray | None" = None
+    """[parts, C] the row positions of every part's tokens where the row's cut reorders it
+    (`ds_omni.parallel.row_cut`), which attention masks by; None: contiguous shards."""
     tp_encode: "TPEncode | None" = None
     """Under parallel.tp: the items this TP rank encodes (`encoder_inputs` holds theirs only) and
     its part of the gather that gives every TP rank every row (`ds_omni.parallel.tp_encode`)."""

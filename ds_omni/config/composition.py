@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
-from ds_omni.errors import CompositionError
+from ds_omni.errors import CompositionError, ModelError
 
 
 @dataclass(frozen=True)
@@ -55,12 +55,61 @@ FIELDS = {"zero": "zero_optimization.stage", "export_hf": "train.export_hf",
 
 
 @dataclass(frozen=True)
+class ModelFacts:
+    """What a feature's model check reads of the LLM and its rows, read once from config files
+    (`ds_omni.model.build.model_facts`)."""
+
+    where: str
+    """How errors name the LLM: "model.llm", or the pretrained directory's."""
+    family: str
+    model_type: str
+    splits: bool
+    """The family's attention splits over ranks (`Family.sequence_parallel`)."""
+    per_sample: str | None
+    """Why the LLM's per-sample layers cannot be split over ranks (None: they can)."""
+    experts: int
+    """Routed experts per MoE layer (0: a dense LLM)."""
+    attention_dropout: float
+    max_seq_len: int
+    """data.max_seq_len: the tokens of a full row."""
+
+
+@dataclass(frozen=True)
 class Feature:
     name: str
     """A field of `Setting`."""
     on: Callable[[Setting], bool]
     what: str
     """When it is on, in words (docs/composition.md)."""
+    fits: "Callable[[Setting, ModelFacts], str | None] | None" = None
+    """Its model check: why this LLM cannot run it, as an error that says the fix (None: it can)."""
+
+
+def _ring_fits(s: Setting, m: ModelFacts) -> str | None:
+    """Ring attention splits the LLM's attention over any two shards of a row
+    (`ds_omni.model.ring_attention`), and a full row gives every rank its zigzag chunks."""
+    if not m.splits:
+        return (f"parallel.cp={s.cp}: the {m.family!r} family's attention cannot be split over "
+                "ranks in this version; set parallel.cp to 1")
+    if m.per_sample is not None:
+        return f"parallel.cp={s.cp}: {m.per_sample.replace('parallel.sp', 'parallel.cp')}"
+    if m.experts:
+        return (f"parallel.cp={s.cp}: {m.where} ({m.model_type}) is an MoE LLM with {m.experts} "
+                "experts, whose per-sample router statistics are summed over contiguous shards, "
+                "not the ring's zigzag ones; set parallel.cp to 1 (parallel.sp splits an MoE "
+                "LLM's rows)")
+    if m.attention_dropout:
+        return (f"parallel.cp={s.cp}: {m.where} has attention_dropout {m.attention_dropout}, "
+                "which ring attention does not apply; set it to 0 in the LLM's config or "
+                "parallel.cp to 1")
+    chunks, n = 2 * s.cp * s.sp, m.max_seq_len
+    if n % chunks:
+        return (f"parallel.cp={s.cp} x parallel.sp={s.sp}: data.max_seq_len={n} is not a "
+                f"multiple of the row's {chunks} chunks (2 x cp zigzag chunks per sample, each "
+                "cut over sp ranks), so a full row would leave the ranks uneven shares; set "
+                f"data.max_seq_len to {n // chunks * chunks or chunks} or "
+                f"{(n // chunks + 1) * chunks}")
+    return None
 
 
 FEATURES = (
@@ -77,7 +126,8 @@ FEATURES = (
     Feature("encoder_pool", lambda s: s.encoder_pool != "off",
             "the encoder pool: parallel.encoder_pool \"dp\""),
     Feature("ep", lambda s: s.ep > 1, "expert parallelism of an MoE LLM: parallel.ep > 1"),
-    Feature("cp", lambda s: s.cp > 1, "ring attention (context parallelism): parallel.cp > 1"),
+    Feature("cp", lambda s: s.cp > 1, "ring attention (context parallelism): parallel.cp > 1",
+            fits=_ring_fits),
 )
 
 
@@ -268,3 +318,12 @@ def check_composition(parallel, zero: int | None = None, export_hf: bool = False
     rule = refusal(s, launch)
     if rule is not None:
         raise CompositionError(message(rule, s))
+
+
+def check_model_fits(parallel, facts: ModelFacts) -> None:
+    """Raise a `ModelError` when a feature `parallel` turns on cannot run on the LLM `facts`
+    describes (each `Feature.fits`), before any process group."""
+    s = parallel if isinstance(parallel, Setting) else Setting.of(parallel)
+    for feature in FEATURES:
+        if feature.fits is not None and feature.on(s) and (problem := feature.fits(s, facts)):
+            raise ModelError(problem)

@@ -16,8 +16,9 @@ from ds_omni.data.rank_place import (LoaderComms, LongSplits, RankPlace, ShardCo
 from ds_omni.data.workers import resolve_workers
 from ds_omni.data.templates import training_template
 from ds_omni.errors import ConfigError
+from ds_omni.parallel import dist
 from ds_omni.parallel.long_short import LongItems
-from ds_omni.parallel.groups import RankGroups, TorchDataComm
+from ds_omni.parallel.groups import RankGroups
 from ds_omni.parallel.plan import ParallelPlan
 
 log = logging.getLogger(__name__)
@@ -67,17 +68,17 @@ def sample_processors(cfg: OmniConfig, built, sources=None) -> dict[str, SampleP
 
 
 def build_loader(cfg: OmniConfig, built, plan: ParallelPlan | None = None,
-                 groups: RankGroups | None = None, *, num_micro: int, rank: int = 0,
-                 cost: CostModel | None = None,
-                 timeout_s: float = 1800.0) -> OmniLoader | LoaderProcess:
-    """The loader of global rank `rank` of `plan` (None: one rank alone) over `groups`, its
-    collectives (None: it talks to no other rank, as a step of one rank alone). `cost`: the
-    run's one cost model (None: its own).
+                 groups: RankGroups | None = None, *, num_micro: int,
+                 cost: CostModel | None = None) -> OmniLoader | LoaderProcess:
+    """The loader of rank `groups.rank` of `plan` (None: one rank alone) over `groups`, its
+    collectives (None: `RankGroups.alone()`, it talks to no other rank); `num_micro`
+    micro-batches a step. `cost`: the run's one cost model (None: its own).
 
     `data.workers` >= 1: the loader runs in a process of its own (`loader_process.py`), which
-    rebuilds its groups from the plan (`timeout_s`: how long the trainer waits for it); the
+    rebuilds its groups from the plan (the trainer waits for it `dist.timeout_s()`); the
     trainer keeps `groups.comm`; `data.pin_cores` places the processes on cores."""
-    place = RankPlace(plan=plan or ParallelPlan(world_size=1, dp=1), rank=rank,
+    groups = groups or RankGroups.alone()
+    place = RankPlace(plan=plan or ParallelPlan(world_size=1, dp=1), rank=groups.rank,
                       num_micro=num_micro)
     parts = loader_parts(cfg, built, place, cost)
     workers = resolve_workers(cfg.data.workers)
@@ -85,12 +86,10 @@ def build_loader(cfg: OmniConfig, built, plan: ParallelPlan | None = None,
         # one reader per sp x tp group: its collective is the loader processes' own
         shared = (_reading(cfg, place.plan, None)
                   if cfg.data.shared_reading and place.plan.reader_group_size > 1 else None)
-        return LoaderProcess(parts, workers, comm=groups.comm if groups else TorchDataComm(),
-                             timeout_s=timeout_s, shared=shared,
-                             cores=trainer_plan(cfg.data.pin_cores, workers))
-    comms = (LoaderComms(groups.comm, groups.step_comm,
-                         shared_reading(cfg, place.plan, groups.shard_comm))
-             if groups is not None else LoaderComms(TorchDataComm()))
+        return LoaderProcess(parts, workers, comm=groups.comm, timeout_s=dist.timeout_s(),
+                             shared=shared, cores=trainer_plan(cfg.data.pin_cores, workers))
+    comms = LoaderComms(groups.comm, groups.step_comm,
+                        shared_reading(cfg, place.plan, groups.shard_comm))
     return parts.build(comms, 0)
 
 

@@ -86,7 +86,7 @@ class LoaderProcess(TakenSteps):
         first = next(iter(parts.processors.values()))
         self.item_processors, self.family = first.item_processors, first.family
         self.shard = (SeqShard(place.sp_rank, place.sp_size, ItemCost(parts.cost_model),
-                               parts.splits.long_items, cp=place.cp)
+                               parts.splits.long_items, cut=place.row_cut)
                       if place.sp_size > 1 else None)
         self.sources = {s.name: s for s in parts.data.sources}  # (their configs, by name)
         world = world_of(place, shared, timeout_s)

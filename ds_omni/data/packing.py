@@ -29,7 +29,7 @@ from ds_omni.data.processing import Sample
 from ds_omni.parallel.long_short import LongItems
 from ds_omni.parallel.reshard import item_slots, plan_reshard
 from ds_omni.parallel.tp_encode import first_rank, plan_tp_encode
-from ds_omni.parallel.zigzag import zigzag_layout
+from ds_omni.parallel.row_cut import RowCut
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,11 @@ class SeqShard:
     item_cost: Callable[[str, EncodedItem], float]
     long_items: LongItems | None = None  # which items the whole group encodes (None: none)
     block: tuple[int, int] | None = None  # per-sequence SP: the row's block (`Route.sp_block`)
-    cp: int = 1  # ring attention: `size` is sp x cp ranks, the row cut by its zigzag layout
+    cut: RowCut | None = None  # how the row is cut over the `size` ranks (None: contiguous)
+
+    @property
+    def row_cut(self) -> RowCut:
+        return self.cut or RowCut(self.size)
 
 
 def sample_targets(sample: Sample) -> torch.Tensor:
@@ -113,16 +117,12 @@ def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
 def shard_row(row: MicroBatch, items: dict[str, list[EncodedItem]],
               processors: dict[str, ItemProcessor], shard: SeqShard) -> MicroBatch:
     """Rank `shard.rank`'s part of the whole `row` (every rank of the group computes the same plan).
-    Under ring attention (`shard.cp` > 1) the padded row is first laid out zigzag
-    (`ds_omni.parallel.zigzag`): the shard is a slice of that order, and its placeholders' rows
-    are sent where the layout put them."""
-    layout = None
-    if shard.cp > 1:
-        lengths = (row.cu_seqlens[1:] - row.cu_seqlens[:-1]).tolist()
-        layout = zigzag_layout(lengths, shard.cp, shard.size // shard.cp)
-        row = pad_tokens(row, layout.pad, _pad_id(processors))
-    else:
-        row = pad_row(row, shard.size, pad_id=_pad_id(processors))
+    The row is padded and laid out as its cut says (`ds_omni.parallel.row_cut`): the shard is a
+    slice of that order, and its placeholders' rows are sent where the layout put them."""
+    layout = shard.row_cut.layout((row.cu_seqlens[1:] - row.cu_seqlens[:-1]).tolist())
+    row = pad_tokens(row, layout.pad, _pad_id(processors))
+    if layout.order is None:
+        layout = None
     t = row.input_ids.shape[1]
     s = t // shard.size
     slots = item_slots(row.input_ids[0].numpy(), {e: placeholder_ids(processors, e) for e in items},
@@ -145,7 +145,7 @@ def shard_row(row: MicroBatch, items: dict[str, list[EncodedItem]],
                         for e, idx in plan.encode.items()},
         items=items, route=Route(
             reshard=plan, sp_block=shard.block,
-            ring_index=None if layout is None else layout.ring_index(),
+            row_index=None if layout is None else layout.index,
             row_positions={(sl.encoder, sl.index): sl.positions for sl in slots},
             split_inputs={e: [processors[e].collate([items[e][k]]) for k, _ in long]
                           for e, long in plan.split.items()}))
@@ -166,11 +166,6 @@ def tp_share(row: MicroBatch, processors: dict[str, ItemProcessor], rank: int, s
     return dataclasses.replace(row, encoder_inputs={
         e: processors[e].collate([items[e][k] for k in idx]) for e, idx in plan.encode.items()
     }).routed(tp_encode=plan)
-
-
-def pad_row(row: MicroBatch, multiple: int, pad_id: int) -> MicroBatch:
-    """`row` padded to a multiple of `multiple` tokens by one more "sample" with no targets."""
-    return pad_tokens(row, -row.input_ids.shape[1] % multiple, pad_id)
 
 
 def pad_tokens(row: MicroBatch, pad: int, pad_id: int) -> MicroBatch:

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from ds_omni.parallel.long_short import LongItems
 from ds_omni.parallel.plan import ParallelPlan
+from ds_omni.parallel.row_cut import RowCut
 
 
 class DataComm(Protocol):
@@ -59,9 +60,9 @@ class RankPlace:
         return self.plan.sp
 
     @property
-    def cp(self) -> int:
-        """Ring attention: the cp ranks of the sp_size that a row's zigzag layout is cut for."""
-        return self.plan.cp
+    def row_cut(self) -> RowCut:
+        """How a row is cut over the sp_size ranks (`ParallelPlan.row_cut`)."""
+        return self.plan.row_cut()
 
     @property
     def reorder_group(self) -> int:

@@ -46,7 +46,7 @@ class MicroBatchLoader:
         self.max_degree = place.max_sequence_sp  # per-sequence SP: blocks of up to this many ranks
         self._steps_without_long_items = 0
         self.shard = (SeqShard(place.sp_rank, place.sp_size, self._item_cost, self.long_items,
-                               cp=place.cp) if place.sp_size > 1 else None)
+                               cut=place.row_cut) if place.sp_size > 1 else None)
         # decoding, HF processing and packing: here, or in `data.workers` processes
         self.packer = Packer(processors, self._item_cost, self.long_items)
         self.pool = WorkerPool(self.packer, workers, cores=worker_cores) if workers else None
@@ -59,7 +59,7 @@ class MicroBatchLoader:
         costs = stats.pop("costs", {})
         rounds = stats.pop("rounds", [])
         # per-sequence SP: the long sequences first, round by round; then the normal micro-batches
-        shard = self.shard and (self.shard.rank, self.shard.size, self.shard.cp)
+        shard = self.shard and (self.shard.rank, self.shard.size, self.shard.cut)
         todo = [self._long_job(entry) for entry in rounds] + [
             self._job([(k, True) for k in mb_keys], shard) for mb_keys in mine]
         packed = self._pack([job for job, _ in todo], problems)

@@ -71,7 +71,7 @@ class PackJob:
     """One micro-batch to make: its samples' raw parts, in order, and how to pack them."""
 
     parts: list[tuple[str, Any, dict, str]]  # (source, text, media, sample id) per sample
-    shard: tuple[int, ...] | None = None  # (rank, size[, cp]) in the group that splits the row
+    shard: tuple | None = None  # (rank, size[, RowCut]) in the group that splits the row
     shard_empty: bool = True  # a micro-batch with no good sample is sharded too (else whole)
     every_shard: bool = False  # the SP group's reader: make every rank's shard of the row
     sp_block: tuple[int, int] | None = None  # per-sequence SP: (first rank, size) of the block
@@ -111,7 +111,7 @@ class Packer:
         got = [self._process(*p) for p in job.parts]
         samples = [s for s in got if isinstance(s, Sample)]
         shard = (SeqShard(*job.shard[:2], self.item_cost, self.long_items, block=job.sp_block,
-                          cp=job.shard[2] if len(job.shard) > 2 else 1) if job.shard else None)
+                          cut=job.shard[2] if len(job.shard) > 2 else None) if job.shard else None)
         problems = [None if isinstance(s, Sample) else s for s in got]
         made = sum(len(s.items) for s in samples)
         if job.every_shard:  # one processing of the row, every rank's shard of it

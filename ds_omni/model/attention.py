@@ -103,7 +103,7 @@ class PackedAttention:
 
     def for_row(self, index) -> "PackedAttention":
         """This attention for one ring row: `index` [cp, C] the row positions of every cp rank's
-        tokens (`Route.ring_index`), which the ring masks by."""
+        tokens (`Route.row_index`), which the ring masks by."""
         bound = copy.copy(self)
         bound.row_index = torch.as_tensor(index)
         return bound
@@ -127,7 +127,7 @@ class PackedAttention:
         if self.ring is not None:
             if self.row_index is None:
                 raise ValueError("a row under parallel.cp reached ring attention without its "
-                                 "zigzag index (Route.ring_index): the loader and the model "
+                                 "zigzag index (Route.row_index): the loader and the model "
                                  "disagree on parallel.cp")
             ring = {"ring_index": self.row_index}
         if self._ulysses is None:

@@ -14,6 +14,7 @@ import torch
 
 from ds_omni.batch import ItemProcessor
 from ds_omni.config import ModelConfig
+from ds_omni.config.composition import ModelFacts
 from ds_omni.errors import ModelError
 from ds_omni.model.attention import PackedAttention
 from ds_omni.model.compose import check_causal_lm, compose, part_config
@@ -162,36 +163,16 @@ def check_sequence_parallel(cfg: ModelConfig, sp: int, llm=None) -> None:
                          f"{ok}")
 
 
-def check_context_parallel(cfg: ModelConfig, cp: int, sp: int, max_seq_len: int,
-                           llm=None) -> None:
-    """The LLM can run ring attention over cp ranks (of sp x cp per row): its attention splits
-    over any two shards of a row (`ds_omni.model.ring_attention`), and a full row gives every
-    rank its zigzag chunks. `llm`: (family, LLM config) as `llm_text_config` reads them."""
-    family, text = llm if llm is not None else llm_text_config(cfg)
-    where = f"the LLM of {cfg.pretrained!r}" if cfg.pretrained else "model.llm"
-    if not family.sequence_parallel:
-        raise ModelError(f"parallel.cp={cp}: the {family.name!r} family's attention cannot be "
-                         "split over ranks in this version; set parallel.cp to 1")
+def model_facts(cfg: ModelConfig, max_seq_len: int, llm=None) -> ModelFacts:
+    """What the composition table's model checks read of the LLM (`ModelFacts`). `llm`: (family,
+    LLM config) as `llm_text_config` reads them."""
     from ds_omni.model.per_sample import per_sample_types, sp_problem
-    problem = sp_problem(per_sample_types(text))
-    if problem is not None:
-        raise ModelError(f"parallel.cp={cp}: {problem.replace('parallel.sp', 'parallel.cp')}")
+    family, text = llm if llm is not None else llm_text_config(cfg)
     experts = next((getattr(text, a) for a in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if getattr(text, a, None)), None)
-    if experts:
-        raise ModelError(f"parallel.cp={cp}: {where} ({text.model_type}) is an MoE LLM with "
-                         f"{experts} experts, whose per-sample router statistics are summed over "
-                         "contiguous shards, not the ring's zigzag ones; set parallel.cp to 1 "
-                         "(parallel.sp splits an MoE LLM's rows)")
-    if getattr(text, "attention_dropout", 0.0):
-        raise ModelError(f"parallel.cp={cp}: {where} has attention_dropout "
-                         f"{text.attention_dropout}, which ring attention does not apply; set "
-                         "it to 0 in the LLM's config or parallel.cp to 1")
-    chunks = 2 * cp * sp
-    if max_seq_len % chunks:
-        raise ModelError(
-            f"parallel.cp={cp} x parallel.sp={sp}: data.max_seq_len={max_seq_len} is not a "
-            f"multiple of the row's {chunks} chunks (2 x cp zigzag chunks per sample, each cut "
-            f"over sp ranks), so a full row would leave the ranks uneven shares; set "
-            f"data.max_seq_len to {max_seq_len // chunks * chunks or chunks} or "
-            f"{(max_seq_len // chunks + 1) * chunks}")
+                    if getattr(text, a, None)), 0)
+    return ModelFacts(where=f"the LLM of {cfg.pretrained!r}" if cfg.pretrained else "model.llm",
+                      family=family.name, model_type=text.model_type,
+                      splits=family.sequence_parallel,
+                      per_sample=sp_problem(per_sample_types(text)), experts=experts,
+                      attention_dropout=getattr(text, "attention_dropout", 0.0),
+                      max_seq_len=max_seq_len)

@@ -54,6 +54,12 @@ def local_device_index(device_type: str, local_rank: int, device_count: int) -> 
     return local_rank
 
 
+def timeout_s() -> float:
+    """How long a collective (or a loader process) may keep a rank waiting: the environment's
+    `DS_OMNI_DIST_TIMEOUT` in seconds, 1800 unset."""
+    return float(os.environ.get("DS_OMNI_DIST_TIMEOUT", 1800.0))
+
+
 def init_distributed(timeout_s: float = 1800.0) -> tuple[int, int]:
     """Join (or, alone, create) the default process group; returns (rank, world size).
 

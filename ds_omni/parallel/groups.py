@@ -6,13 +6,13 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ds_omni.parallel.dist import timeout_s
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.parallel.ring import RingGroup
 
@@ -47,6 +47,13 @@ class RankGroups:
     ulysses: object = None
     """Under parallel.cp > 1 and parallel.sp > 1: the Ulysses group of this rank's cp shard (`sp`
     is then the whole sequence group, sp x cp ranks, over which rows are resharded)."""
+
+    @classmethod
+    def alone(cls, rank: int = 0) -> "RankGroups":
+        """The groups of global rank `rank` when it talks to no other rank: one rank alone, or
+        one process looping over simulated ranks (each loader reading its rank's samples)."""
+        return cls(dp=None, reorder=None, mpu=None, blocks={}, comm=TorchDataComm(),
+                   step_comm=None, rank=rank)
 
     @property
     def sp(self):
@@ -178,7 +185,7 @@ def world_timeout() -> timedelta:
     try:
         return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
     except (AttributeError, RuntimeError, ValueError):  # no CPU backend in the world group (NCCL only)
-        return timedelta(seconds=float(os.environ.get("DS_OMNI_DIST_TIMEOUT", 1800.0)))
+        return timedelta(seconds=timeout_s())
 
 
 def sequence_blocks(plan: ParallelPlan, rank: int) -> dict[tuple[int, int], object]:

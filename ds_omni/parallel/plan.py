@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from ds_omni.config import ParallelConfig, ReorderConfig
 from ds_omni.errors import DataError, LaunchError
 from ds_omni.parallel.hdp import check_degree
+from ds_omni.parallel.row_cut import RowCut
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,10 @@ class ParallelPlan:
         """(cp rank, Ulysses rank) of `rank` in its sequence group: its place in its ring, and
         in the Ulysses group of its cp shard."""
         return divmod(self.coords(rank).sp_rank, self.ulysses)
+
+    def row_cut(self) -> RowCut:
+        """How a row is cut over its `sp` ranks (the ring's zigzag under cp), for the loader."""
+        return RowCut(self.sp, zigzag=self.cp)
 
     def cp_group_ranks(self) -> list[list[int]]:
         """Rings: the sequence ranks with the same Ulysses rank, in cp-rank order (one list per

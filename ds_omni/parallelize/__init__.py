@@ -88,7 +88,7 @@ def apply_plan(model: OmniModel, *, kernel: str | None = None, sp_group=None,
     model.backbone.attention = PackedAttention(
         kernel, ulysses_group if ring is not None else sp_group, router.sp_counts, ring=ring)
     if ring is not None:
-        router.ring_attention = model.backbone.attention
+        router.row_attention = model.backbone.attention
     model.router = router
     if tp_group is not None:
         model.tp_counts = shard_backbone(model.backbone, tp_group, llm_config,

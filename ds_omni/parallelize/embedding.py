@@ -63,7 +63,8 @@ class EmbeddingRouter:
         self.encoder_dummies = encoder_dummies
         self.tp_encoders = tp_encoders
         self.step_features: list = []  # what prepares a step's micro-batches (`on_step`)
-        self.ring_attention: PackedAttention | None = None  # parallel.cp: the ring's (`apply_plan`)
+        # the attention of rows whose cut reorders them (`Route.row_index`; `apply_plan`)
+        self.row_attention: PackedAttention | None = None
 
     def on_step(self, feature) -> None:
         """Have `feature.prepare(micro_batches)` refine every step's micro-batches (in the order
@@ -98,16 +99,17 @@ class EmbeddingRouter:
         return (group, self.sp_counts) if group is not None else (None, None)
 
     def attention(self, batch: "MicroBatch") -> PackedAttention | None:
-        """The LLM attention of this micro-batch's row (None: the backbone's own); a ring row's
-        bound to its zigzag index (parallel.cp)."""
-        index = batch.route.ring_index
+        """The LLM attention of this micro-batch's row (None: the backbone's own); a row whose
+        cut reorders it, bound to its row positions (`ds_omni.parallel.row_cut`)."""
+        index = batch.route.row_index
         if index is None:
             return self.route(batch)[1]
-        if self.ring_attention is None:
-            raise ModelError("a micro-batch cut for ring attention (its route has a ring_index) "
-                             "but this model has no ring; the loader and the model disagree on "
-                             "parallel.cp")
-        return self.ring_attention.for_row(index)
+        if self.row_attention is None:
+            raise ModelError("a micro-batch whose cut reorders its row (its route has a "
+                             "row_index) but this model has no attention for such rows; the "
+                             "loader and the model disagree on the plan's row cut "
+                             "(ParallelPlan.row_cut)")
+        return self.row_attention.for_row(index)
 
     def embed(self, model: OmniModel,
               batch: "MicroBatch") -> tuple[torch.Tensor, Deepstack | None]:

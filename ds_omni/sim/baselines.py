@@ -1,18 +1,15 @@
 """The five baselines, each a `SimPlan` over the same cluster, model and samples as the plan it
-is compared with (its degrees kept where the baseline has them):
+is compared with (its degrees kept where the baseline has them): "megatron" (Megatron-LM style:
+the encoder on the first stage, layers split evenly, static DP x SP, every SP rank encoding its
+row's items, loader order); "disttrain" (encoders and LLM on separate GPU pools, the encoder pool
+sized by the encoders' FLOP share; samples reordered); "deepspeed" (packed rows in loader order,
+one static SP degree, HF's Ulysses: every SP rank encodes the whole row; no pipeline, no ring);
+"bytescale" (one static context-parallel degree for every sequence, large enough for the
+longest: Ulysses up to the heads, ring past them; loader order); "veomni" (every encoder item
+split across the SP group, ZeRO-3, no pipeline, no ring, loader order).
 
-1. "megatron": Megatron-LM style: the encoder on the first pipeline stage, decoder layers split
-   evenly, static DP x SP with every SP rank encoding its row's items, loader order.
-2. "disttrain": encoders and LLM on separate GPU pools (DistTrain-style), the encoder pool sized
-   by the encoders' share of the workload's FLOPs; samples reordered.
-3. "deepspeed": a careful user's DeepSpeed run: packed rows in loader order, one static SP
-   degree (the plan's largest), HF's Ulysses (every SP rank encodes the whole row), no pipeline,
-   no ring attention.
-4. "bytescale": ByteScale's baseline: one static context-parallel degree for every sequence,
-   large enough for the longest one (Ulysses up to the heads, ring attention past them); loader
-   order; encoders balanced inside the SP group.
-5. "veomni": VeOmni-style: every encoder item split across the SP group, FSDP (ZeRO-3), no
-   pipeline, no ring attention, loader order.
+The papers' baselines as the papers ran them (`AS_RUN`, fixed for a setup while the mix swings):
+`megatron_as_run`, `disaggregated_as_run`, `static_cp_as_run`; docs/benchmarks/sim_papers.md.
 """
 
 from __future__ import annotations
@@ -105,6 +102,34 @@ def baseline_plans(plan: SimPlan, gpus: int, model, samples: Samples) -> dict[st
     return {"megatron": megatron(plan), "disttrain": disttrain(plan, gpus, share),
             "deepspeed": deepspeed(plan), "bytescale": bytescale(plan, samples, model.llm_heads),
             "veomni": veomni(plan)}
+
+
+AS_RUN = ("megatron_as_run", "disaggregated_as_run", "static_cp_as_run")
+
+
+def megatron_as_run(plan: SimPlan, tp: int, pp: int) -> SimPlan:
+    """Megatron-LM as MegaScale-Omni ran it: `megatron` at a fixed tp x pp (no SP, no ring), the
+    encoder on the first stage, ZeRO-1 (its distributed optimizer), M = 4 x pp micro-batches."""
+    return megatron(plan.replace(tp=tp, pp=pp, sp=1, cp=1, ep=1, encoder_placement="stage0",
+                                 encoder_mode="replicated", max_sequence_sp=1,
+                                 micro_batches=4 * pp)).replace(name="megatron_as_run",
+                                                                zero_stage=1)
+
+
+def disaggregated_as_run(plan: SimPlan, gpus: int, average_share: float) -> SimPlan:
+    """Encoders and LLM on separate pools (DistTrain / Optimus-style) sized once by the encoders'
+    FLOP share of the *average* mix, kept for every mix (no re-sizing as the mix swings)."""
+    return disttrain(plan, gpus, average_share).replace(name="disaggregated_as_run")
+
+
+def static_cp_as_run(plan: SimPlan, context: int, heads: int | None = None) -> SimPlan:
+    """ByteScale's baseline as its paper ran it: static DP x CP, the CP degree the least power
+    of two whose shards of `plan.pack_tokens` hold the `context` (whatever the batch's longest),
+    Ulysses over the heads and ring across; loader order, no TP / PP."""
+    degree = 1 << math.ceil(math.log2(max(1, math.ceil(context / plan.pack_tokens))))
+    sp, cp = ulysses_ring_split(degree, heads)
+    return _plain(plan, "static_cp_as_run", sp=sp, cp=cp, pp=1, tp=1, ep=1,
+                  encoder_mode="reshard", pack_tokens=plan.pack_tokens * degree)
 
 
 def compare(cluster, model, workload, plan: SimPlan, seed: int = 0) -> dict:

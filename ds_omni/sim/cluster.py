@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ds_omni.errors import ConfigError
+from ds_omni.sim.gpus import KernelFit
 
 GIB = 1024 ** 3
 
@@ -56,6 +57,12 @@ class Cluster:
     pool_item_s: float = 0.0
     """Seconds a pool rank spends a step per pooled item on planning (metadata all-gathered, every
     round planned): `calibrate_comm.time_pool_planning`; 0 on the GPU presets."""
+    hierarchical: bool = False
+    """A group with k ranks a node spanning nodes gets min(intra_bw, k x inter_bw) (NCCL on NVLink
+    nodes); False: `inter_bw` (docs/simulator.md, "Against clusters")."""
+    kernels: KernelFit | None = None
+    """The GPU type's kernels by shape (`gpus.KernelFit`, `sim.published.calibrate`) for the
+    LLM's passes; None: all work at `achievable`."""
     name: str = "custom"
 
     def __post_init__(self):

@@ -37,9 +37,18 @@ def link_of(cluster: Cluster, ranks) -> Link:
     """The link a group of global `ranks` is held to: intra-node if they share one node."""
     # the simulator asks this about a million times in a 1,024-GPU search, mostly of the same
     # few groups: the answer is kept per group (by its ranks' bytes)
-    if _one_node(cluster.gpus_per_node, np.asarray(ranks, dtype=np.int64).tobytes()):
+    key = np.asarray(ranks, dtype=np.int64).tobytes()
+    if _one_node(cluster.gpus_per_node, key):
         return Link(cluster.intra_latency, cluster.intra_bw)
-    return Link(cluster.inter_latency, cluster.inter_bw)
+    share = _per_node(cluster.gpus_per_node, key) if cluster.hierarchical else 1
+    return Link(cluster.inter_latency, min(cluster.intra_bw, share * cluster.inter_bw))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _per_node(gpus_per_node: int, ranks: bytes) -> int:
+    """The most ranks (int64 bytes) of the group on one node."""
+    r = np.frombuffer(ranks, dtype=np.int64) // gpus_per_node
+    return int(np.unique(r, return_counts=True)[1].max())
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -60,8 +69,13 @@ def links_each(cluster: Cluster, groups: np.ndarray) -> Link:
     bandwidths (the 1,024-GPU search asks it of ~10^6 groups)."""
     g = np.asarray(groups, dtype=np.int64)
     one = g.min(axis=1) // cluster.gpus_per_node == g.max(axis=1) // cluster.gpus_per_node
+    inter = np.full(len(g), cluster.inter_bw)
+    if cluster.hierarchical and g.size:  # ranks a node over the nodes a group spans (even)
+        nodes = np.sort(g // cluster.gpus_per_node, axis=1)
+        spans = 1 + (np.diff(nodes, axis=1) != 0).sum(axis=1)
+        inter = np.minimum(cluster.intra_bw, g.shape[1] // spans * cluster.inter_bw)
     return Link(np.where(one, cluster.intra_latency, cluster.inter_latency),
-                np.where(one, cluster.intra_bw, cluster.inter_bw))
+                np.where(one, cluster.intra_bw, inter))
 
 
 def all_reduce_each(nbytes: np.ndarray, p: int, link: Link) -> np.ndarray:

@@ -39,6 +39,54 @@ class KernelFit:
         return self.gemm * narrow / (narrow + GEMM_HALF)
 
 
+REPLICATED = 0.2
+"""Share of the element-wise bytes every TP rank moves whole (the norms, dropouts and residuals
+outside the split attention and MLP: AutoTP's and Megatron's without sequence parallelism)."""
+
+
+def layer_seconds(fit: KernelFit, dims, tp: int, seq: float, peak: float, hbm: float,
+                  head_dim: int = 128, split_norms: bool = False) -> tuple[float, float]:
+    """(one decoder layer, the LM head) forward seconds of one token on one of `tp` ranks:
+    each GEMM at the fraction of its narrow side (QKV and all MLP matrices but the last split
+    their outputs over tp, the attention projection and the last MLP matrix their inputs),
+    causal attention (2 h s FLOPs a token, as `CostModel` counts it) at the head dimension's,
+    the element-wise bytes through HBM (all of them / tp where `split_norms`). `dims`: a
+    `ModelDims`."""
+    h, ffn, k = dims.hidden, dims.intermediate, dims.mlp_matrices
+    kv = dims.kv_hidden or h
+    shapes = [(h * (h + 2 * kv), min(h, (h + 2 * kv) / tp)), (h * h, h / tp)]
+    shapes += [(h * ffn, min(h, ffn / tp))] * (k - 1) + [(h * ffn, min(ffn / tp, h))]
+    gemm = sum(2 * n / tp / fit.gemm_fraction(narrow) for n, narrow in shapes) / peak
+    attn = 2 * h * seq / tp / (peak * fit.gemm_fraction(head_dim))
+    replicated = 0.0 if split_norms else REPLICATED
+    elem = fit.elementwise * h * (replicated + (1 - replicated) / tp) / hbm
+    head = 2 * h * dims.vocab / tp / (peak * fit.gemm_fraction(h / tp))
+    return gemm + attn + elem, head
+
+
+def llm_rate(fit: KernelFit, cost, tp: int, seq: float, peak: float, hbm: float,
+             head_dim: int = 128, split_norms: bool = False) -> float:
+    """FLOP/s the LLM's work reaches on a TP rank for samples of `seq` tokens: the `CostModel`'s
+    forward FLOPs of a token / tp over `layer_seconds` of its layers and head (the
+    simulator prices the LLM's passes at this rate where a cluster has `kernels`)."""
+    d = cost.dims
+    layer, head = layer_seconds(fit, d, tp, seq, peak, hbm, head_dim, split_norms)
+    flops = float(cost.llm_cost([seq])[0]) / seq / cost.train_factor
+    return flops / tp / (d.layers * layer + head)
+
+
+def cluster_llm_rate(cluster, model, tp: int, seq: float, split_norms: bool = False) -> float:
+    """FLOP/s of the LLM's passes on a rank of `cluster` (a `Cluster`) for `model` (a
+    `ModelSpec`): its kernels by shape (`llm_rate`, samples of `seq` tokens) where it has them,
+    else `Cluster.flops_per_s`."""
+    if cluster.kernels is None:
+        return cluster.flops_per_s
+    heads = model.llm_heads
+    return llm_rate(cluster.kernels, model.cost, tp, seq, cluster.flops,
+                    hbm_bandwidth(cluster.name), model.dims.hidden // heads if heads else 128,
+                    split_norms)
+
+
 def hbm_bandwidth(gpu: str) -> float:
     if gpu not in HBM_BW:
         raise ConfigError(f"no HBM bandwidth known for GPU type {gpu!r}; known: {sorted(HBM_BW)}")

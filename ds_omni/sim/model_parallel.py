@@ -102,7 +102,8 @@ def tp_seconds(step, tokens: float, backward: bool) -> float:
     return calls * comm.all_reduce(nbytes, p.tp, link)
 
 
-def run_tp(step, rows, backward: bool, row_tokens: np.ndarray | None = None) -> None:
+def run_tp(step, rows, backward: bool, row_tokens: np.ndarray | None = None,
+           hide: np.ndarray | None = None) -> None:
     """Each TP group of a row meets at its all-reduces (phase "llm_tp"); under sp each TP group
     (one per SP rank) holds the row's tokens / sp, in a per-sequence block / its data ranks. `row_tokens` [R]: the rows' tokens, if
     known (`step.RoundRows`)."""
@@ -121,6 +122,8 @@ def run_tp(step, rows, backward: bool, row_tokens: np.ndarray | None = None) -> 
     step.a2a_bytes["llm_tp"] += calls * 2 * (tp - 1) * float(nbytes.sum())  # as `tp_seconds`
     link = comm.links_each(step.cluster, ranks.reshape(-1, tp))
     seconds = calls * comm.all_reduce_each(nbytes, tp, link)  # [G]
+    if hide is not None:  # `SimPlan.overlap_tp`: [W] the pass's compute hides them
+        seconds = np.maximum(0.0, seconds - hide[ranks].reshape(-1, tp).min(axis=1))
     gid = np.arange(ranks.size) // tp
     step.timeline.sync(ranks, gid, "llm_tp", seconds[gid])
 

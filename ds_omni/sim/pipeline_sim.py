@@ -168,19 +168,32 @@ def run_pipeline(step) -> None:
             phase = "llm_fwd" if kind == "F" else "llm_bwd"
             if np.any(enc_here):
                 tl.run(ranks[s], "encode_fwd" if kind == "F" else "encode_bwd", enc_here / rate)
-            events[(kind, s, m)] = tl.run(ranks[s], phase, llm[m] * frac[s] * share / rate
-                                          + overhead[s] * share)
+            seconds = llm[m] * frac[s] * share / step.llm_rate + overhead[s] * share
+            events[(kind, s, m)] = tl.run(ranks[s], phase, seconds)
+            if plan.overlap_grad_sync:
+                note_pass(step, ranks[s], seconds, kind == "B")
             if p.sp > 1:  # Ulysses inside the stage's layers (the SP ranks' work is even)
                 events[(kind, s, m)] = tl.run(ranks[s], "llm_sp",
                                               _ulysses(step, tokens[m], kind == "B", s) * frac[s],
                                               COMM)
-            last = stage_parallel.stage_collectives(step, ranks[s], s, tokens[m], kind == "B")
+            last = stage_parallel.stage_collectives(step, ranks[s], s, tokens[m], kind == "B",
+                                                    seconds)
             if last is not None:  # tp's all-reduces, ep's all-to-alls inside the stage
                 events[(kind, s, m)] = last
             pointer[s] += 1
     if uniform and bubbles is None:
         _uniform_encode(step, ranks, backward=True)
     _pipeline_memory(step, tokens, frac)
+
+
+def note_pass(step, ranks, seconds, backward: bool) -> None:
+    """Keep the ranks' first LLM forward and latest LLM backward seconds (`Step.first_fwd`,
+    `Step.last_bwd`: what `SimPlan.overlap_grad_sync` hides the step's end behind)."""
+    if backward:
+        step.last_bwd[ranks] = seconds
+    else:
+        first = np.isnan(step.first_fwd[ranks])
+        step.first_fwd[ranks] = np.where(first, seconds, step.first_fwd[ranks])
 
 
 def stage_fractions(step) -> np.ndarray:

@@ -55,6 +55,15 @@ class SimPlan:
     """Activation checkpointing of the LLM's layers (recompute in backward)."""
     overlap_comm: bool = True
     """ZeRO's per-micro-batch collectives hide behind the round's compute of its fastest rank."""
+    overlap_grad_sync: bool = False
+    """The step's gradient reduction hides behind the last backward, ZeRO-1's gather behind the
+    first forward (Megatron's --overlap-grad-reduce --overlap-param-gather)."""
+    overlap_tp: bool = False
+    """TP's all-reduces overlap the pass's GEMMs (Megatron's --tp-comm-overlap): only what
+    outlasts the pass's compute is exposed."""
+    tp_splits_norms: bool = False
+    """Under tp the element-wise work splits over the TP ranks too (Megatron's sequence
+    parallelism; with `Cluster.kernels`); False: `gpus.REPLICATED` of it repeated (AutoTP)."""
 
     def __init__(self, *, parallel: ParallelConfig | None = None,
                  reordering: ReorderConfig | None = None, **fields):

@@ -1,29 +1,28 @@
-"""One training step of a dense transformer under Megatron-style tp x pp x dp (published runs):
-per micro-batch and pipeline stage, GEMMs, attention and element-wise work priced by shape
-(`gpus.KernelFit`), TP all-reduces on the critical path (or hidden behind the GEMMs where the run
-overlapped them), the 1F1B schedule (interleaved: `vp` chunks a stage) with its bubble, pipeline
-sends across nodes, the data-parallel gradient reduction over both link levels (`links`), hidden
-behind the last backward where the run overlapped it, and the optimizer's pass over HBM.
-`calibrate` fits a GPU type's two kernel numbers to at most two runs; `predict` prices the rest.
-More: docs/benchmarks/sim_published.md.
+"""Published runs of dense transformers under Megatron-style tp x pp x dp, priced by the step
+simulator itself: `sim_inputs` builds the cluster (its GPU type's `gpus.KernelFit`, Adam's pass
+over HBM), a text-only `ModelSpec`, the global batch of full-length samples and a `SimPlan` with
+the run's degrees, micro-batches, recompute and ZeRO stage (1: Megatron's distributed
+optimizer), and `simulate` runs it: 1F1B with its bubbles, TP all-reduces on the critical path,
+the gradient reduction at the end of the step (overlapped with the pipeline's drain), the
+network shared by a node's GPUs. `calibrate` fits a GPU type's two kernel numbers to at most two
+runs; `reproduce` predicts the rest. More: docs/benchmarks/sim_published.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from ds_omni.data.cost import ModelDims
 from ds_omni.errors import ConfigError
-from ds_omni.sim import links
 from ds_omni.sim.cluster import cluster
-from ds_omni.sim.gpus import KernelFit, hbm_bandwidth
-
-BYTES = 2  # 16-bit activations and parameters
-GRAD_BYTES = 4  # Megatron reduces fp32 main gradients
-OPTIMIZER_BYTES = 30  # Adam per parameter: fp32 master, m, v read and written, grad, param
-REPLICATED = 0.2
-"""Share of the element-wise bytes every TP rank moves whole without sequence parallelism (the
-norms, dropouts and residuals outside the split attention and MLP)."""
-
+from ds_omni.sim.gpus import KernelFit, hbm_bandwidth, layer_seconds
+from ds_omni.sim.model_spec import ModelSpec
+from ds_omni.sim.plan_spec import SimPlan
+from ds_omni.sim.report import StepReport
+from ds_omni.sim.step import simulate
+from ds_omni.sim.workload import Samples
 
 @dataclass(frozen=True)
 class Run:
@@ -71,153 +70,112 @@ def iteration_flops(run: Run, convention: str) -> float:
     return per_token * run.global_batch * s
 
 
-@dataclass(frozen=True)
-class Breakdown:
-    """Seconds of one step and its parts (per rank on the critical path)."""
-
-    step: float
-    compute: float
-    bubble: float
-    tp: float
-    p2p: float
-    dp: float
-    optimizer: float
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
+OPTIMIZER_BYTES = 30  # Adam per parameter: fp32 master, m, v read and written, grad, param
 
 
-def _layer_gemm_seconds(h: int, ffn: int, tp: int, fit: KernelFit) -> float:
-    """Forward seconds x peak of one token through a layer's four GEMMs on one TP rank, each at
-    the fraction of its narrow side (QKV and the first MLP matrix split their outputs over tp,
-    the attention projection and the second MLP matrix their inputs)."""
-    shapes = ((3 * h * h, min(h, 3 * h / tp)), (h * h, h / tp),  # (parameters, narrow side)
-              (h * ffn, min(h, ffn / tp)), (h * ffn, min(ffn / tp, h)))
-    return sum(2 * n / tp / fit.gemm_fraction(narrow) for n, narrow in shapes)
-
-
-def _micro_compute(run: Run, fit: KernelFit, peak: float, hbm: float, head: bool = False
-                   ) -> tuple[float, float, float]:
-    """(forward, backward, GEMM-part of forward) seconds of one micro-batch on one stage (its
-    layers; `head`: the last stage, which also runs the LM head and its loss)."""
+def sim_inputs(entry: dict, fit: KernelFit):
+    """(cluster, model, samples, plan) of a published run for `simulate`, with kernels `fit`."""
+    run = Run.of(entry)
     m, p = run.model, run.plan
-    h, tp = m["hidden"], p["tp"]
-    tokens = p["micro_batch"] * m["seq"] / p.get("cp", 1)
-    layers = m["layers"] / p["pp"]
-    gemm = tokens * layers * _layer_gemm_seconds(h, m["ffn"], tp, fit) / peak
-    attn = tokens * layers * 4 * m["seq"] * h / tp / (peak * fit.gemm_fraction(run.head_dim))
-    split = 1 / tp if p["sequence_parallel"] else REPLICATED + (1 - REPLICATED) / tp
-    elem = tokens * layers * fit.elementwise * h * split / hbm
-    logits = head * tokens * 2 * h * m["vocab"] / tp / (peak * fit.gemm_fraction(h / tp))
-    fwd = gemm + attn + elem + logits
-    bwd = 2 * (gemm + attn + logits) + 2 * elem + (fwd if p["recompute"] else 0.0)
-    return fwd, bwd, gemm
+    cl = cluster(run.gpu, run.gpus, run.gpus_per_node, kernels=fit, hierarchical=True,
+                 optimizer_s_per_param=OPTIMIZER_BYTES / hbm_bandwidth(run.gpu))
+    dims = ModelDims(hidden=m["hidden"], layers=m["layers"], intermediate=m["ffn"],
+                     vocab=m["vocab"], mlp_matrices=2)  # GPT: a plain two-matrix MLP
+    model = ModelSpec.from_dims(dims, heads=m.get("heads"))
+    n = run.global_batch
+    empty = np.zeros(0, dtype=np.int64)
+    samples = Samples(np.full(n, m["seq"], dtype=np.int64), empty, np.zeros(0, dtype=object),
+                      empty, empty)
+    plan = SimPlan(name=entry["name"], tp=p["tp"], pp=p["pp"], dp=p["dp"],
+                   zero_stage=1 if p.get("distributed_optimizer") else 0, global_batch=n,
+                   micro_batches=run.micro_batches, pack_tokens=m["seq"] * p["micro_batch"],
+                   checkpointing=bool(p["recompute"]), reorder="loader_order",
+                   overlap_grad_sync=bool(p.get("overlap_grad_reduce")),
+                   overlap_tp=bool(p.get("tp_comm_overlap")),
+                   tp_splits_norms=bool(p["sequence_parallel"]))
+    return cl, model, samples, plan
 
 
-def _tp_seconds(run: Run, cl, fwd_gemm: float) -> tuple[float, float]:
-    """(forward, backward) exposed TP all-reduce seconds of one micro-batch on one stage: 2 a
-    layer each way (+2 recomputing), hidden behind the GEMMs where the run overlapped them."""
-    m, p = run.model, run.plan
-    if p["tp"] < 2:
-        return 0.0, 0.0
-    nbytes = p["micro_batch"] * m["seq"] / p.get("cp", 1) * m["hidden"] * BYTES
-    one = links.all_reduce(cl, nbytes, p["tp"], cl.gpus_per_node)
-    layers = m["layers"] / p["pp"]
-    fwd, bwd = 2 * layers * one, 2 * layers * one * (1 + p["recompute"])
-    if p.get("tp_comm_overlap"):
-        return max(0.0, fwd - fwd_gemm), max(0.0, bwd - 2 * fwd_gemm)
-    return fwd, bwd
+def step_report(entry: dict, fit: KernelFit) -> StepReport:
+    """The simulator's step of a published run."""
+    return simulate(*sim_inputs(entry, fit))
 
 
-def _dp_seconds(run: Run, cl) -> tuple[float, float]:
-    """(reduce, gather): the stage's gradient reduction over its data-parallel ranks (fp32),
-    and under the distributed optimizer the updated parameters all-gathered back (16-bit)."""
-    m, p = run.model, run.plan
-    if p["dp"] < 2:
-        return 0.0, 0.0
-    h = m["hidden"]
-    params = (m["layers"] * (4 * h * h + 2 * h * m["ffn"]) / p["pp"] + h * m["vocab"]) / p["tp"]
-    per_node = max(1, cl.gpus_per_node // (p["tp"] * p.get("cp", 1)))  # dp ranks on one node
-    if p.get("distributed_optimizer"):
-        return (links.reduce_scatter(cl, params * GRAD_BYTES, p["dp"], per_node),
-                links.reduce_scatter(cl, params * BYTES, p["dp"], per_node))
-    return links.all_reduce(cl, params * GRAD_BYTES, p["dp"], per_node), 0.0
-
-
-def step_time(run: Run, fit: KernelFit) -> Breakdown:
-    """One iteration of `run` with the GPU type's kernels `fit`."""
-    p = run.plan
-    cl = cluster(run.gpu, run.gpus, run.gpus_per_node)
-    hbm = hbm_bandwidth(run.gpu)
-    P, M, vp = p["pp"], run.micro_batches, p.get("vp", 1)
-    fwd, bwd, gemm = _micro_compute(run, fit, cl.flops, hbm)
-    head_f, head_b, _ = _micro_compute(run, fit, cl.flops, hbm, head=True)  # the last stage
-    tp_f, tp_b = _tp_seconds(run, cl, gemm)
-    send = 0.0
-    if P > 1:  # each TP rank sends its 1/tp of the activations; stages sit on other nodes
-        nbytes = p["micro_batch"] * run.model["seq"] * run.model["hidden"] * BYTES / p["tp"]
-        crosses = p["tp"] * p.get("cp", 1) * p["dp"] >= cl.gpus_per_node  # Megatron order
-        send = 2 * vp * links.p2p(cl, nbytes / p.get("cp", 1), crosses)
-    micro = fwd + bwd + tp_f + tp_b + send  # a stage's micro-batch, the last stage's below
-    slowest = micro + (head_f + head_b - fwd - bwd)
-    # 1F1B: the slowest stage runs every micro-batch, the others fill and drain around it
-    bubble = (P - 1) / vp * (((P - 1) * micro + slowest) / P)
-    reduce, gather = _dp_seconds(run, cl)
-    if p.get("overlap_grad_reduce"):  # the last backward hides the gradient buckets, the
-        reduce, gather = max(0.0, reduce - bwd / vp), max(0.0, gather - fwd / vp)  # next forward the gathers
-    dp = reduce + gather
-    h, m = run.model["hidden"], run.model
-    params = (m["layers"] * (4 * h * h + 2 * h * m["ffn"]) / P + h * m["vocab"]) / p["tp"]
-    shard = p["dp"] if p.get("distributed_optimizer") else 1
-    optimizer = params / shard * OPTIMIZER_BYTES / hbm
-    step = M * slowest + bubble + dp + optimizer
-    return Breakdown(step, M * (head_f + head_b), bubble, M * (tp_f + tp_b), M * send, dp,
-                     optimizer)
+def breakdown(report: StepReport) -> dict:
+    """Seconds of the step and of each phase on its critical path."""
+    out = {"step": report.step_time}
+    for seg in report.critical_path:
+        out[seg["phase"]] = out.get(seg["phase"], 0.0) + seg["seconds"]
+    return out
 
 
 def predicted_tflops(entry: dict, fit: KernelFit, convention: str) -> float:
     """Predicted TFLOP/s per GPU of a published run, counted by its source's `convention`."""
     run = Run.of(entry)
-    return iteration_flops(run, convention) / step_time(run, fit).step / run.gpus / 1e12
+    return iteration_flops(run, convention) / step_report(entry, fit).step_time / run.gpus / 1e12
+
+
+def _gemm_for(entry: dict, convention: str) -> float:
+    """The GEMM fraction (no element-wise bytes) at which the simulator reproduces the run:
+    secant steps on 1 / gemm, which the step's time follows almost linearly."""
+    target = entry["measured"]["tflops_per_gpu"]
+
+    def gap(x: float) -> float:
+        return predicted_tflops(entry, KernelFit(min(1.0, 1 / x), 0.0), convention) / target - 1
+
+    x0, x1 = 2.0, 1.5
+    g0, g1 = gap(x0), gap(x1)
+    for _ in range(20):
+        if abs(g1) < 1e-6 or g1 == g0:
+            break
+        x0, x1, g0 = x1, max(1.0, x1 - g1 * (x1 - x0) / (g1 - g0)), g1
+        g1 = gap(x1)
+    if abs(g1) > 1e-3:
+        raise ConfigError(f"no GEMM fraction <= 1 reproduces {entry['name']} "
+                          f"({target} TFLOP/s per GPU): the run is faster than the simulator "
+                          "at peak; check its plan and FLOP count")
+    return 1 / x1
 
 
 def calibrate(entries: list[dict], conventions: list[str]) -> KernelFit:
     """The GPU type's `KernelFit` that reproduces its calibration runs (one or two, same GPU
     type): with one run the GEMM fraction alone (no element-wise bytes); with two also the
-    element-wise bytes, by nested bisection (each run's prediction rises with `gemm` and
-    falls with `elementwise`)."""
+    element-wise bytes. A run's LLM seconds a token are S1 / gemm + S2 x elementwise
+    (`gpus.layer_seconds`): each run's GEMM-only fit gives its seconds, and the two runs'
+    equations give (gemm, elementwise)."""
     if not 1 <= len(entries) <= 2 or len({e["gpu"] for e in entries}) != 1:
         raise ConfigError(f"calibrate takes one or two runs of one GPU type, got "
                           f"{[(e['gpu'], e['name']) for e in entries]}")
-
-    def bisect(f, lo: float, hi: float) -> float:
-        """The x in [lo, hi] where the increasing f crosses 0."""
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
-        return (lo + hi) / 2
-
-    def gap(entry, conv, gemm: float, elementwise: float) -> float:
-        return predicted_tflops(entry, KernelFit(gemm, elementwise), conv) / \
-            entry["measured"]["tflops_per_gpu"] - 1
-
-    def gemm_for(entry, conv, elementwise: float) -> float:
-        return bisect(lambda g: gap(entry, conv, g, elementwise), 1e-3, 1.0)
-
+    alone = [_gemm_for(e, c) for e, c in zip(entries, conventions)]
     if len(entries) == 1:
-        return KernelFit(gemm_for(entries[0], conventions[0], 0.0), 0.0)
-    (a, b), (ca, cb) = entries, conventions
-    # the most element-wise bytes a's GEMMs can make up for at full peak
-    top = bisect(lambda k: -gap(a, ca, 1.0, k), 0.0, 1e4)
-    sign = 1 if b["model"]["hidden"] > a["model"]["hidden"] else -1
-    k = bisect(lambda k: sign * gap(b, cb, gemm_for(a, ca, k), k), 0.0, top)
-    return KernelFit(gemm_for(a, ca, k), k)
+        return KernelFit(alone[0], 0.0)
+    rows, rhs = [], []
+    for e, g in zip(entries, alone):
+        s1, s2 = (_token_seconds(e, KernelFit(1.0, k)) for k in (0.0, 1.0))
+        rows.append([s1, s2 - s1])
+        rhs.append(s1 / g)  # the seconds the GEMM-only fit gives
+    inv_gemm, elementwise = np.linalg.solve(np.array(rows), np.array(rhs))
+    if elementwise < 0 or inv_gemm < 1:
+        raise ConfigError(f"the runs {[e['name'] for e in entries]} give gemm "
+                          f"{1 / inv_gemm:.3f}, elementwise {elementwise:.1f}: outside the "
+                          "model (0 < gemm <= 1, elementwise >= 0); calibrate on other runs")
+    return KernelFit(1 / inv_gemm, elementwise)
 
 
-def reproduce(doc: dict) -> dict:
+def _token_seconds(entry: dict, fit: KernelFit) -> float:
+    """Forward seconds of one token through the run's LLM on a TP rank (`gpus.layer_seconds`)."""
+    cl, model, samples, plan = sim_inputs(entry, fit)
+    layer, head = layer_seconds(fit, model.dims, plan.tp, float(samples.tokens.mean()), cl.flops,
+                                hbm_bandwidth(cl.name), Run.of(entry).head_dim,
+                                plan.tp_splits_norms)
+    return model.dims.layers * layer + head
+
+
+def reproduce(doc: dict, keep=lambda run: True) -> dict:
     """Calibrate each GPU type on the runs `doc["calibration"]` names (at most two a type) and
-    predict every run of `doc` (benchmarks/published_runs.json's layout). Returns
-    {"fits", "runs": [{source, name, gpus, plan, measured, predicted, error, role, breakdown}]}."""
+    predict every run of `doc` (benchmarks/published_runs.json's layout) that `keep` accepts.
+    Returns {"fits", "runs": [{source, name, gpus, plan, measured, predicted, error, role,
+    breakdown}]}."""
     runs, conventions = doc["runs"], {k: v["flops"] for k, v in doc["sources"].items()}
     by_name = {(r["source"], r["name"]): r for r in runs}
     fits = {}
@@ -227,15 +185,17 @@ def reproduce(doc: dict) -> dict:
         chosen = [by_name[tuple(n)] for n in names]
         fits[gpu] = calibrate(chosen, [conventions[e["source"]] for e in chosen])
     out = []
-    for r in runs:
+    for r in filter(keep, runs):
         fit = fits[r["gpu"]]
         measured = r["measured"]["tflops_per_gpu"]
-        predicted = predicted_tflops(r, fit, conventions[r["source"]])
+        report = step_report(r, fit)
+        predicted = iteration_flops(Run.of(r), conventions[r["source"]]) / report.step_time / \
+            r["gpus"] / 1e12
         role = "calibration" if [r["source"], r["name"]] in doc["calibration"][r["gpu"]] \
             else "validation"
         out.append(dict(source=r["source"], name=r["name"], gpus=r["gpus"], plan=r["plan"],
                         measured=measured, predicted=predicted, error=predicted / measured - 1,
-                        role=role, breakdown=step_time(Run.of(r), fit).as_dict()))
+                        role=role, breakdown=breakdown(report)))
     return {"fits": {g: dict(f.__dict__) for g, f in fits.items()}, "runs": out}
 
 

@@ -185,8 +185,12 @@ def search(cluster: Cluster, model: ModelSpec, samples: Samples, base: SimPlan, 
             out.unexplored, out.unexplored_bound = len(heap) + 1, bound
             break
         if prune and not refined:  # tighten it with the loader's plan, then look again
-            assignment = loader_plan(totals["per_sample"]["cost"], samples.tokens, shell.pplan,
-                                     plan, cache)
+            try:
+                assignment = loader_plan(totals["per_sample"]["cost"], samples.tokens,
+                                         shell.pplan, plan, cache)
+            except DsOmniError as e:  # the loader refuses (a sample longer than a row)
+                out.dropped.append({"plan": describe(plan), "reason": str(e)})
+                continue
             heapq.heappush(heap, (bounds.refined_bound(shell, assignment, totals), k, True,
                                   plan, shell))
             continue

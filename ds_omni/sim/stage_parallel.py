@@ -42,13 +42,17 @@ def per_rank(step, llm: np.ndarray, tokens: np.ndarray, enc: np.ndarray):
     return llm, tokens, enc
 
 
-def stage_collectives(step, ranks: np.ndarray, s: int, tokens: np.ndarray, backward: bool):
-    """After a micro-batch's pass through stage s (`ranks` [D tp], `tokens` [D tp] a rank's):
-    its TP all-reduces, its EP all-to-alls. Returns the last events' ids, or None."""
+def stage_collectives(step, ranks: np.ndarray, s: int, tokens: np.ndarray, backward: bool,
+                      compute=0.0):
+    """After a micro-batch's pass through stage s (`ranks` [D tp], `tokens` [D tp] a rank's,
+    `compute` its seconds): its TP all-reduces (less `compute` under `SimPlan.overlap_tp`), its
+    EP all-to-alls. Returns the last events' ids, or None."""
     last = None
     if step.pplan.tp > 1:
-        last = step.timeline.run(ranks, "llm_tp", tp_stage_seconds(step, s, tokens, backward),
-                                 COMM)
+        tp = tp_stage_seconds(step, s, tokens, backward)
+        if step.plan.overlap_tp:
+            tp = np.maximum(0.0, tp - compute)
+        last = step.timeline.run(ranks, "llm_tp", tp, COMM)
     if step.pplan.ep > 1 and step.model.moe is not None:
         last = ep_stage_sync(step, ranks, s, tokens / step.pplan.tp, backward)
     if backward and s == 0 and step.tp_apart and step.plan.encoder_placement == "stage0":

@@ -21,7 +21,7 @@ import numpy as np
 
 from ds_omni.errors import DataError, ModelError
 from ds_omni.parallelize.embedding import encoder_dummies_needed
-from ds_omni.sim import comm, memory, model_parallel, pipeline_sim, ring_sim
+from ds_omni.sim import comm, gpus, memory, model_parallel, pipeline_sim, ring_sim
 from ds_omni.sim.calibrate_comm import POOL_META_BYTES
 from ds_omni.sim.cluster import Cluster
 from ds_omni.sim.encode_sim import Row, RowLayout, round_work
@@ -46,6 +46,8 @@ class Step:
         self.pplan = plan.parallel_plan(cluster.gpus)
         plan.check_model(model)
         self.rate = cluster.flops_per_s
+        self.llm_rate = gpus.cluster_llm_rate(cluster, model, self.pplan.tp,
+                                              float(samples.tokens.mean()), plan.tp_splits_norms)
         cm = model.cost
         self.sample_cost = cm.sample_costs(samples.tokens, samples.item_sample,
                                            samples.item_encoder, samples.item_len)  # [N]
@@ -66,6 +68,9 @@ class Step:
             {"zero_optimization": {"stage": plan.zero_stage}, "bf16": {"enabled": True}},
             plan.pp > 1)
         self.act_peak = np.zeros(cluster.gpus)  # [W] activation bytes at the busiest round
+        # [W] seconds of each rank's first LLM forward and last LLM backward (what
+        # `SimPlan.overlap_grad_sync` hides the end of step's collectives behind)
+        self.first_fwd, self.last_bwd = np.full(cluster.gpus, np.nan), np.zeros(cluster.gpus)
         self.a2a_bytes = {"reshard": 0.0, "pool_inputs": 0.0, "llm_ulysses": 0.0,
                           "encoder_ulysses": 0.0, "llm_tp": 0.0, "llm_experts": 0.0,
                           "tp_gather": 0.0, "encoder_tp_grads": 0.0}
@@ -244,10 +249,13 @@ def run_round(step: Step, k: int) -> None:
     _sync_groups(step, work.groups, "reshard", rows_s + inputs_s)
     _pool_calls(step, work)
     for backward in (False, True):
-        tl.run(ranks, "llm_bwd" if backward else "llm_fwd",
-               llm * ((2 + step.plan.checkpointing) if backward else 1) / 3 / rate)
+        seconds = llm * ((2 + step.plan.checkpointing) if backward else 1) / 3 / step.llm_rate
+        tl.run(ranks, "llm_bwd" if backward else "llm_fwd", seconds)
+        if step.plan.overlap_grad_sync:
+            pipeline_sim.note_pass(step, ranks, seconds, backward)
         _llm_sp(step, rr, backward)
-        model_parallel.run_tp(step, rows, backward, rr.tokens)
+        model_parallel.run_tp(step, rows, backward, rr.tokens,
+                              seconds if step.plan.overlap_tp else None)
         model_parallel.run_ep(step, ep_tokens, backward)
     _sync_groups(step, work.groups, "reshard", rows_s)  # the gradients go back; inputs do not
     _encoder_sp(step, work, backward=True)
@@ -442,6 +450,11 @@ def end_of_step(step: Step) -> None:
     seconds = np.zeros(step.cluster.gpus)
     for s, ranks in enumerate(stage_ranks):
         seconds[ranks] = grad_sync_seconds(step, s)
+    if step.plan.overlap_grad_sync:  # the bucketed reduction in the last backward, the
+        # parameters' all-gather in the next step's first forward
+        hidden = step.last_bwd + np.nan_to_num(step.first_fwd) * (step.plan.zero_stage == 1)
+        for ranks in stage_ranks:
+            seconds[ranks] = max(0.0, float(seconds[ranks].max() - hidden[ranks].min()))
     ranks = np.concatenate(stage_ranks)
     tl.sync(ranks, np.repeat(np.arange(p.pp), len(stage_ranks[0])), "grad_sync", seconds[ranks])
     update = np.zeros(step.cluster.gpus)

@@ -10,7 +10,6 @@ data position).
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from pathlib import Path
@@ -32,15 +31,11 @@ from ds_omni.train.setup import preflight, setup_training
 from ds_omni.train.step import StopTraining, train_step
 from ds_omni.train.watchdog import Watchdog
 
-DEFAULT_DIST_TIMEOUT_S = 1800.0
-
-
 def run(cfg: OmniConfig, ds_config_path: str, *, resume: bool = False,
         stop_after: int | None = None) -> dict:
     """Train as `cfg` says; returns the report (on rank 0; {} elsewhere)."""
     plan, ds_config = preflight(cfg, ds_config_path, resume)
-    rank, world = dist.init_distributed(float(os.environ.get("DS_OMNI_DIST_TIMEOUT",
-                                                             DEFAULT_DIST_TIMEOUT_S)))
+    rank, world = dist.init_distributed(dist.timeout_s())
     watchdog = Watchdog.start(rank, world, cfg.train.peer_timeout_s)
     try:
         report = _run(cfg, ds_config, plan, rank, resume, stop_after, watchdog)
@@ -111,8 +106,7 @@ def _loop(cfg, engine, loader, groups, logger, plan, rank, start, stop_after, wa
     """Train from `start`; the loader's next steps are made ahead on a thread
     (`data.prefetch_steps`), and it is left at the position of the steps trained."""
     end = cfg.train.steps if stop_after is None else min(cfg.train.steps, start + stop_after)
-    feed = feed_for(loader, cfg.data.prefetch_steps, until=end, timeout_s=float(
-        os.environ.get("DS_OMNI_DIST_TIMEOUT", DEFAULT_DIST_TIMEOUT_S)))
+    feed = feed_for(loader, cfg.data.prefetch_steps, until=end, timeout_s=dist.timeout_s())
     try:
         step = _steps(cfg, engine, feed, groups, logger, rank, start, end, watchdog, evaluator)
     except BaseException:

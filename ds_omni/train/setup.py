@@ -21,14 +21,14 @@ from typing import NamedTuple
 import torch
 
 from ds_omni.config import OmniConfig
-from ds_omni.config.composition import check_composition
+from ds_omni.config.composition import check_composition, check_model_fits
 from ds_omni.data.build import build_loader, cost_model_for
 from ds_omni.data.check import startup_check
 from ds_omni.data.cost import CostModel
 from ds_omni.data.templates import carry_template, training_template
 from ds_omni.model.attention import resolve_kernel
-from ds_omni.model.build import (build_model, check_context_parallel, check_model_files,
-                                  check_positions, check_sequence_parallel, llm_text_config)
+from ds_omni.model.build import (build_model, check_model_files, check_positions,
+                                  check_sequence_parallel, llm_text_config, model_facts)
 from ds_omni.parallel import dist
 from ds_omni.parallel.groups import RankGroups, rank_groups
 from ds_omni.parallel.plan import ParallelPlan
@@ -52,12 +52,12 @@ def plan_run(cfg: OmniConfig, ds_json: dict, world_size: int) -> tuple[ParallelP
     (the table of `ds_omni.config.composition`, under the DeepSpeed JSON's ZeRO stage)."""
     check_composition(cfg.parallel, zero_stage(ds_json), cfg.train.export_hf)
     plan = ParallelPlan.from_config(cfg.parallel, world_size, cfg.data.reorder)
-    needs_llm = plan.sp_degrees or plan.pp_enabled or plan.tp_enabled or plan.cp_enabled
-    llm = llm_text_config(cfg.model) if needs_llm else None  # read once
+    model_parallel = plan.sp_degrees or plan.world_size > plan.dp  # an axis splits the LLM
+    llm = llm_text_config(cfg.model) if model_parallel else None  # read once
     for degree in plan.sp_degrees:
         check_sequence_parallel(cfg.model, degree, llm)
-    if plan.cp_enabled:
-        check_context_parallel(cfg.model, plan.cp, plan.ulysses, cfg.data.max_seq_len, llm)
+    if llm is not None:  # each feature's own model check (`Feature.fits`)
+        check_model_fits(cfg.parallel, model_facts(cfg.model, cfg.data.max_seq_len, llm))
     if plan.tp_enabled:
         check_tensor_parallel(llm[1], plan.tp, _llm_part(cfg), experts_apart=plan.ep_enabled)
     if plan.tp_enabled and plan.sp_degrees:  # Ulysses splits each TP rank's heads again
@@ -158,9 +158,8 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
         dist.barrier()
     built = _build_model(cfg)
     cost = cost_model(cfg, built)
-    loader = build_loader(cfg, built, plan, groups, rank=rank,
-                          num_micro=ds_config["gradient_accumulation_steps"], cost=cost,
-                          timeout_s=float(os.environ.get("DS_OMNI_DIST_TIMEOUT", 1800.0)))
+    loader = build_loader(cfg, built, plan, groups,
+                          num_micro=ds_config["gradient_accumulation_steps"], cost=cost)
     if rank == 0:
         dist.barrier()
     # one random stream per data-parallel rank: the tensor-parallel ranks of a row run its

@@ -148,7 +148,7 @@ def _sp_fault(rank, world, root, built) -> tuple[str | None, float]:
     groups = rank_groups(plan, rank, prefetch=False)
     # each SP rank reads its rows itself (no reader group): the failing processor is rank 1's
     loader = build_loader(cfg, built, plan, dataclasses.replace(groups, shard_comm=None),
-                          rank=rank, num_micro=2)
+                          num_micro=2)
     if rank == 1:
         _inject(loader, "processor")
 

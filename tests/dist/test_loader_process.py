@@ -27,8 +27,10 @@ def _config(root: str, sp: int, workers: int):
 
 
 def _loader(cfg, built, rank, world, groups, plan):
+    import os
     from ds_omni.data.build import build_loader
-    return build_loader(cfg, built, plan, groups, rank=rank, num_micro=2, timeout_s=60)
+    os.environ["DS_OMNI_DIST_TIMEOUT"] = "60"  # how long the trainer waits for its loader process
+    return build_loader(cfg, built, plan, groups, num_micro=2)
 
 
 def _digest(batch, model=None) -> tuple:

@@ -246,7 +246,7 @@ def _record_shards(batch, plan, rank: int, out: dict) -> None:
 def _ring_slots(mb, plan, rank: int) -> list[int]:
     """Under parallel.cp: the row positions of this rank's tokens (its slice of the zigzag
     layout the loader cut the row by); empty otherwise."""
-    index = mb.route.ring_index
+    index = mb.route.row_index
     if index is None:
         return []
     s = mb.input_ids.shape[1]

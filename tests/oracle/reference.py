@@ -31,10 +31,11 @@ END_OF_TURN = re.compile(r"<\|[^<>|\s]+\|>|</?s>")  # ChatML's <|im_end|>, Llama
 def reference_step_keys(cfg, built, dp: int, steps: int) -> list[list[str]]:
     """Sorted sample keys of each step's global batch: `dp` loaders in loader order, one process."""
     from ds_omni.data.build import build_loader
+    from ds_omni.parallel.groups import RankGroups
     from ds_omni.parallel.plan import ParallelPlan
     plain = with_loader_order(cfg)
-    loaders = [build_loader(plain, built, ParallelPlan(world_size=dp, dp=dp), rank=r, num_micro=1)
-               for r in range(dp)]
+    loaders = [build_loader(plain, built, ParallelPlan(world_size=dp, dp=dp), RankGroups.alone(r),
+                            num_micro=1) for r in range(dp)]
     keys = [sorted(k for loader in loaders for k in loader.next_step().keys) for _ in range(steps)]
     for loader in loaders:
         loader.close()
@@ -88,12 +89,13 @@ def stream_reference(cfg, dp: int, steps: int) -> tuple[list[list[str]], list[fl
     on the micro-batches the `dp` loaders pack in loader order instead of fetching every sample
     again by key (the same sums: packing never mixes samples), so long runs stay cheap."""
     from ds_omni.data.build import build_loader
+    from ds_omni.parallel.groups import RankGroups
     from ds_omni.parallel.plan import ParallelPlan
     from ds_omni.model.build import build_model
     built = build_model(cfg.model)
     plain = with_loader_order(cfg)
-    loaders = [build_loader(plain, built, ParallelPlan(world_size=dp, dp=dp), rank=r, num_micro=1)
-               for r in range(dp)]
+    loaders = [build_loader(plain, built, ParallelPlan(world_size=dp, dp=dp), RankGroups.alone(r),
+                            num_micro=1) for r in range(dp)]
     params = [p for p in built.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(0.9, 0.95), eps=ADAM_EPS,
                             weight_decay=cfg.train.weight_decay)

@@ -20,6 +20,7 @@ import torch
 from ds_omni.batch import IGNORE_INDEX
 from ds_omni.data.packing import SeqShard, empty_micro_batch, pack
 from ds_omni.parallel.long_short import LongItems, is_long, split_rows
+from ds_omni.parallel.row_cut import RowCut
 from ds_omni.parallel.reshard import BALANCE_SLACK, ItemSlots, assign_items, bytes_moved, item_slots, plan_reshard
 
 PLACEHOLDER = {"vision": 7, "audio": 9}
@@ -435,10 +436,10 @@ def test_ring_shards_are_the_zigzag_row(model, sp, cp, request):
     family, processors, samples = request.getfixturevalue(model)
     whole = pack(samples, processors)
     t = whole.input_ids.shape[1]
-    shards = [pack(samples, processors, SeqShard(r, sp * cp, _cost, cp=cp))
+    shards = [pack(samples, processors, SeqShard(r, sp * cp, _cost, cut=RowCut(sp * cp, zigzag=cp)))
               for r in range(sp * cp)]
-    index = shards[0].route.ring_index  # [cp, C]
-    assert all((m.route.ring_index == index).all() for m in shards)
+    index = shards[0].route.row_index  # [cp, C]
+    assert all((m.route.row_index == index).all() for m in shards)
     order = torch.from_numpy(index.reshape(-1))  # the row position of each slot
     for field in ("input_ids", "targets", "position_ids"):
         laid = torch.cat([getattr(m, field) for m in shards], dim=-1)

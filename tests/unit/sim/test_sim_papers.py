@@ -1,0 +1,100 @@
+"""The papers' baselines as their papers ran them (`ds_omni.sim.baselines`: `megatron_as_run`,
+`disaggregated_as_run`, `static_cp_as_run`) are built as the papers state them, and ds_omni's
+space holds the tuned baselines' plans: its best is never slower than a tuned baseline whose
+plan training can run (`sim_common.own_version`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import sim_bytescale, sim_common
+from ds_omni.sim import baselines
+from ds_omni.sim.cluster import cluster
+from ds_omni.sim.plan_spec import SimPlan
+
+
+def test_megatron_as_run_is_fixed_tp_pp_with_the_encoder_on_stage0():
+    base = SimPlan(global_batch=512, micro_batches=4, pack_tokens=16384, zero_stage=3,
+                   reorder="budget", reorder_group=8, encoder_mode="pool", sp=4,
+                   max_sequence_sp=1)
+    p = baselines.megatron_as_run(base, tp=8, pp=4)
+    assert (p.tp, p.pp, p.sp, p.cp, p.max_sequence_sp) == (8, 4, 1, 1, 1)
+    assert (p.encoder_placement, p.encoder_mode, p.stage_split) == ("stage0", "replicated",
+                                                                     "layers")
+    assert (p.reorder, p.zero_stage, p.micro_batches, p.encoder_gpus) == ("loader_order", 1,
+                                                                          16, 0)
+
+
+def test_disaggregated_as_run_sizes_its_pool_once_for_the_average_share():
+    """The pool is sized by the share it is given (the average mix's), not by the mix it runs:
+    64 GPUs, a share of 1/4, replicas of 8 ranks: 48 LLM GPUs, 16 encoder GPUs, for any mix."""
+    plan = SimPlan(global_batch=512, micro_batches=4, pack_tokens=16384 * 8, sp=8,
+                   reorder="budget", reorder_group=8)
+    p = baselines.disaggregated_as_run(plan, 64, 0.25)
+    assert (p.encoder_gpus, p.sp, p.reorder, p.encoder_mode) == (16, 8, "fixed", "reshard")
+    assert p.micro_batches == 6  # the same global batch over 6 data-parallel ranks, not 8
+    assert baselines.disaggregated_as_run(plan, 64, 0.1).encoder_gpus == 8
+
+
+def test_static_cp_as_run_holds_the_context_not_the_batch_longest():
+    """Static DP x CP at the least degree whose 32K-token shards hold the context: 2M -> 64
+    ranks (7B: Ulysses over its 32 heads x a ring of 2; 70B: 64 x 1), 256K -> 8."""
+    base = SimPlan(global_batch=8192, micro_batches=4, pack_tokens=32768, zero_stage=1,
+                   reorder="budget", max_sequence_sp=32)
+    seven = baselines.static_cp_as_run(base, 2097152, heads=32)
+    assert (seven.sp, seven.cp, seven.pack_tokens) == (32, 2, 2097152)
+    assert (seven.reorder, seven.max_sequence_sp, seven.tp, seven.pp) == ("loader_order", 1, 1, 1)
+    seventy = baselines.static_cp_as_run(base, 2097152, heads=64)
+    assert (seventy.sp, seventy.cp) == (64, 1)
+    assert (baselines.static_cp_as_run(base, 262144, heads=32).sp,
+            baselines.static_cp_as_run(base, 262144, heads=32).cp) == (8, 1)
+
+
+@pytest.mark.slow  # about 30 s on the loaded shared cores
+def test_space_holds_the_tuned_static_cp_plans():
+    """ByteScale's kind of case, small (Llama-2-7B dims, 64 GPUs, contexts to 128K, rows of 8K
+    a rank): ds_omni's per-sequence blocks plus its runs of the tuned static-CP plan are never
+    slower than the tuned static CP, and a per-phase breakdown comes with each."""
+    gpus, row = 64, 8192
+    model, c = sim_common.model_spec(None, "llm_7b"), cluster("h100", gpus)
+    samples = sim_bytescale.workload(131072).draw(4 * gpus, 0, ())
+    base = SimPlan(name="ds_omni", global_batch=4 * gpus, micro_batches=2, pack_tokens=row,
+                   zero_stage=1, reorder="budget", reorder_group=gpus)
+    search = sim_common.Search(c, model, samples)
+    statics = [base.replace(max_sequence_sp=d, reorder_group=d) for d in (16, 32, 64)]
+    tuned = search.baselines(statics, names=("bytescale",))
+    own = sim_common.own_version(tuned["bytescale"][0], base)
+    assert own is not None and own.reorder == "budget" and own.sp * own.cp > 1
+    plan, best = search.best(statics + [own])
+    ours, theirs = sim_common.brief(plan, best), sim_common.brief(*tuned["bytescale"])
+    assert ours["tokens_per_s"] >= theirs["tokens_per_s"]
+    assert sum(ours["phases_s"].values()) > 0 and "llm_fwd" in ours["phases_s"]
+
+
+def test_own_version_refuses_what_training_cannot_run():
+    """Encoders on GPUs of their own (DistTrain-style) is no plan of training's: no own version."""
+    plan = SimPlan(sp=8, pack_tokens=8 * 16384, encoder_gpus=16)
+    assert sim_common.own_version(plan, SimPlan()) is None
+
+
+def test_space_holds_the_tuned_colocated_baselines_plans():
+    """A small VLM on 16 GPUs: ds_omni's best over its grid and its runs of the tuned baselines'
+    plans is never slower than a tuned baseline whose plan training runs (all but DistTrain's)."""
+    from tests.unit.sim.test_sim_search import small_vlm
+    from ds_omni.sim.workload import WorkloadSpec
+    model, c = small_vlm(), cluster("h100", 16)
+    samples = WorkloadSpec(image_fraction=0.5, text_median=1000.0, max_tokens=4096,
+                           patches_range=(256, 4096)).draw(64, 0, tuple(model.dims.encoders))
+    base = SimPlan(name="ds_omni", global_batch=64, micro_batches=2, pack_tokens=4096,
+                   reorder="budget", reorder_group=8, zero_stage=1)
+    grid = [base, base.replace(sp=2, pack_tokens=8192)]
+    search = sim_common.Search(c, model, samples)
+    names = ("megatron", "deepspeed", "bytescale", "veomni")
+    tuned = search.baselines(grid, names=names)
+    own = [sim_common.own_version(plan, base) for plan, _ in tuned.values()]
+    plan, best = search.best(grid + [p for p in own if p is not None])
+    for (name, (theirs, report)), mine in zip(tuned.items(), own):
+        assert theirs is not None and mine is not None, name
+        assert (mine.sp, mine.cp, mine.tp, mine.pp, mine.pack_tokens, mine.reorder) == (
+            theirs.sp, theirs.cp, theirs.tp, theirs.pp, theirs.pack_tokens, "budget"), name
+        assert sim_common.tokens_per_s(best) >= sim_common.tokens_per_s(report), name
