@@ -25,11 +25,10 @@ from ds_omni.sim import comm
 from ds_omni.sim.timeline import COMM
 
 
-def resolve_auto(step) -> None:
+def resolve_auto(step, stage_plan) -> None:
     """`encoder_placement: "auto"` -> "bubbles" where the cost model's typical step predicts a
-    gain, else "uniform" (`auto_placement` on the stages training splits; "uniform" beside tp
-    or sp, as training does), in `step.plan`."""
-    from ds_omni.sim.pipeline_sim import stage_plan  # (it imports this module)
+    gain, else "uniform" (`auto_placement` on the stages training splits, `stage_plan(step)`;
+    "uniform" beside tp or sp, as training does), in `step.plan`."""
     p, plan = step.pplan, step.plan
     if plan.encoder_placement != "auto":
         return

@@ -124,7 +124,7 @@ def _orders(P: int, M: int) -> list[list[tuple[str, int]]]:
 
 def run_pipeline(step) -> None:
     """The whole step's schedule on every LLM rank of `step` (its `timeline`)."""
-    bubble_sim.resolve_auto(step)  # "auto": the placement training would choose
+    bubble_sim.resolve_auto(step, stage_plan)  # "auto": the placement training would choose
     p, plan, tl, rate = step.pplan, step.plan, step.timeline, step.rate
     P, M = p.pp, plan.micro_batches
     step.stage_plan = stage_plan(step)
@@ -136,16 +136,14 @@ def run_pipeline(step) -> None:
     act = tokens * step.model.dims.hidden * 2  # [M, D] bytes sent between stages
     uniform = plan.encoder_placement in JOINT
     fwd_e, ckpt = step.encoder_fwd, plan.checkpointing
-    # per micro-batch, each stage's weights read and gradients accumulated: the layers a
-    # micro-batch runs through (the joint pipeline's encoder replicas run once a step, in
-    # `_uniform_encode`, and pay their share there)
+    # per micro-batch, each stage's weights read and gradients accumulated (the joint
+    # pipeline's encoder replicas run once a step, and pay their share there)
     overhead = [step.cluster.micro_batch_s_per_param * (
         stage_params(step, s)[0] - uniform * encoder_params(step)) for s in range(P)]
     bubbles = bubble_sim.BubbleOps(step, ranks) if plan.encoder_placement == "bubbles" else None
     if uniform and bubbles is None:
         _uniform_encode(step, ranks, backward=False)
-    events: dict = {}
-    pointer = [0] * P
+    events, pointer = {}, [0] * P
     orders = _orders(P, M) if bubbles is None else bubbles.orders(_orders(P, M))
     while any(pointer[s] < len(orders[s]) for s in range(P)):
         for s in range(P):

@@ -78,7 +78,7 @@ def test_auto_is_the_placement_training_chooses_and_never_a_predicted_loss():
         plan = SimPlan(pp=pp, global_batch=32, micro_batches=micro, pack_tokens=8192,
                        encoder_placement="auto")
         step = Step(c, m, samples, plan)
-        bubble_sim.resolve_auto(step)
+        bubble_sim.resolve_auto(step, stage_plan)
         chosen = step.plan.encoder_placement
         picked.add(chosen)
         times = {w: simulate(c, m, samples, plan.replace(encoder_placement=w)).step_time
