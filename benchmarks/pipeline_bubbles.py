@@ -56,7 +56,8 @@ def config(mix: str, variant: str, out_dir: str, text: dict, steps: int, pp: int
     return from_dict(OmniConfig, d)
 
 
-def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: int) -> dict:
+def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: int,
+          mixes: list[str]) -> dict:
     import torch
     from ds_omni.parallel.plan import ParallelPlan
     from ds_omni.train.ds_config import derive_ds_config
@@ -64,7 +65,7 @@ def ranks(rank: int, world: int, out_dir: str, text: dict, rounds: int, warmup: 
     from tests.fixtures import ds_config
     torch.set_num_threads(1)
     runs = {}
-    for mix in base.MIXES:
+    for mix in mixes:
         for variant in VARIANTS:
             cfg = config(mix, variant, out_dir, text, warmup + rounds, world)
             plan = ParallelPlan.from_config(cfg.parallel, world, cfg.data.reorder)
@@ -88,14 +89,17 @@ def one_step(loader, engine, groups) -> dict:
     t0 = time.perf_counter()
     train_step(engine, batch, groups)
     wall = time.perf_counter() - t0
-    return {"step_s": wall, "bubble_fraction": engine.module.clock.last_fraction,
+    clock = engine.module.clock  # its spans from the step's start; the ranks left the barrier
+    offset = clock.start - t0  # together, so `offset` puts them on one time axis
+    return {"step_s": wall, "bubble_fraction": clock.last_fraction,
+            "spans": [(what, a + offset, b + offset) for what, a, b in clock.spans],
             "images": sum(len(mb.items.get("vision", [])) for mb in batch.micro_batches)}
 
 
-def summarise(per_rank: list[dict], warmup: int) -> dict:
+def summarise(per_rank: list[dict], warmup: int, mixes: list[str]) -> dict:
     logs = [r["log"] for r in per_rank]
     out = {}
-    for mix in base.MIXES:
+    for mix in mixes:
         steps = {v: [max(log[f"{mix}/{v}"][i]["step_s"] for log in logs)
                      for i in range(warmup, len(logs[0][f"{mix}/{v}"]))] for v in VARIANTS}
         entry = {f"{v}_step_s_median": statistics.median(steps[v]) for v in VARIANTS}
@@ -112,6 +116,41 @@ def summarise(per_rank: list[dict], warmup: int) -> dict:
     return out
 
 
+COLOURS = {"forward": "tab:blue", "backward": "tab:orange", "encode_fwd": "tab:green",
+           "encode_bwd": "tab:red"}
+
+
+def plot_timeline(per_rank: list[dict], mix: str, path: Path) -> None:
+    """One step's timeline per stage, "uniform" above "bubbles": each stage's timed pieces
+    (`StageClock.spans`: forward, backward, encoder forward and backward) of the round whose
+    step time is the median of "bubbles"'s (the same round for "uniform"); white is idle."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    logs = [r["log"] for r in per_rank]
+    rounds = [max(log[f"{mix}/bubbles"][i]["step_s"] for log in logs)
+              for i in range(len(logs[0][f"{mix}/bubbles"]))]
+    pick = sorted(range(len(rounds)), key=rounds.__getitem__)[len(rounds) // 2]
+    fig, axes = plt.subplots(2, 1, figsize=(10, 1.2 + 0.6 * len(logs) * 2), sharex=True)
+    for ax, variant in zip(axes, ("uniform", "bubbles")):
+        steps = [log[f"{mix}/{variant}"][pick] for log in logs]
+        for stage, rec in enumerate(steps):
+            for what, a, b in rec["spans"]:
+                ax.barh(stage, b - a, left=a, color=COLOURS.get(what, "grey"), height=0.7)
+        span = max(rec["step_s"] for rec in steps)
+        ax.set_yticks(range(len(logs)), [f"stage {s}" for s in range(len(logs))])
+        ax.invert_yaxis()
+        ax.set_title(f"{variant}: step {span:.2f} s, idle share per stage "
+                     + ", ".join(f"{rec['bubble_fraction']:.2f}" for rec in steps), fontsize=9)
+    axes[-1].set_xlabel("seconds from the step's start (each rank's own clock)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
+    fig.legend(handles, list(COLOURS), loc="upper right", fontsize=8, ncol=4)
+    fig.suptitle(f"PP={len(logs)}, {mix}: one step per stage", fontsize=10, x=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> None:
     from tests.fixtures import text_source
     from tests.harness import run_on_ranks
@@ -120,6 +159,9 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4], choices=(2, 4))
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--mixes", nargs="+", default=list(base.MIXES), choices=list(base.MIXES))
+    ap.add_argument("--timeline-mix", default="image_heavy_9to1", choices=list(base.MIXES),
+                    help="the mix of the PP=4 timeline picture (pipeline_bubbles_timeline.png)")
     args = ap.parse_args(argv)
     t0, load_before = time.perf_counter(), os.getloadavg()
     report = {"command": " ".join([".venv/bin/python benchmarks/pipeline_bubbles.py",
@@ -131,15 +173,18 @@ def main(argv=None) -> None:
     for pp in args.pp:
         with tempfile.TemporaryDirectory(prefix="ds_omni_bubbles_") as tmp:
             text = text_source(Path(tmp))
-            per_rank = run_on_ranks(ranks, pp, args=(tmp, text, args.rounds, args.warmup),
-                                    timeout=3000)
-        report[f"pp{pp}"] = {"llm": base.llm_config(pp), **summarise(per_rank, args.warmup)}
+            per_rank = run_on_ranks(ranks, pp, args=(tmp, text, args.rounds, args.warmup,
+                                                     args.mixes), timeout=3000)
+        report[f"pp{pp}"] = {"llm": base.llm_config(pp), **summarise(per_rank, args.warmup, args.mixes)}
+        if pp == 4 and args.timeline_mix in args.mixes:  # docs/benchmarks/pipeline_bubbles.md
+            args.out.mkdir(parents=True, exist_ok=True)
+            plot_timeline(per_rank, args.timeline_mix, args.out / "pipeline_bubbles_timeline.png")
     report["runtime_s"] = round(time.perf_counter() - t0, 1)
     report["load_average_after"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pipeline_bubbles.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({f"pp{pp} {m} {o}/bubbles": report[f"pp{pp}"][m][
-        f"{o}_over_bubbles_median_of_paired_ratios"] for pp in args.pp for m in base.MIXES
+        f"{o}_over_bubbles_median_of_paired_ratios"] for pp in args.pp for m in args.mixes
         for o in ("uniform", "stage0")}, indent=1))
 
 

@@ -17,8 +17,9 @@ space's top plans (`ds_omni.sim.search`, `SEARCH_S` seconds on the 5:5 mix) and 
 tuned baselines' plans; each tuned baseline gets its best over the baselines derived from the
 grid (its degrees, not ours); the as-run ones (`baselines.AS_RUN`) are chosen once on the 5:5 mix
 and kept. speed-up = ds_omni's tokens/s / the baseline's; a missed target prints both sides'
-critical paths by phase (`phases_s` in the results). Writes benchmarks/results/sim_megascale_omni.json
-and .png. The reading (what differs from the paper and why): docs/benchmarks/sim_papers.md.
+critical paths by phase (`phases_s` in the results). Beside them, each joint pipeline with its
+encoders in the pipeline's bubbles against "uniform" (`bubbles_beside_uniform`). Writes
+benchmarks/results/sim_megascale_omni.json and .png. The reading (what differs from the paper and why): docs/benchmarks/sim_papers.md.
 """
 
 from __future__ import annotations
@@ -142,7 +143,22 @@ def run_mix(setup, mix, c, model, samples, grid, top, as_run, found) -> dict:
             "full_space": {"top": [describe(p) for p in top], "candidates": found.candidates,
                            "simulated": found.simulated, "unexplored": found.unexplored,
                            "seconds": found.seconds},
+            "bubbles_beside_uniform": bubbles_beside_uniform(search, grid),
             "plans_simulated": len(search.runs), "simulation_s": search.seconds}
+
+
+def bubbles_beside_uniform(search, plans) -> dict:
+    """Per joint-pipeline candidate ("pp4"): its tokens/s with encoders placed "uniform" and
+    in the pipeline's bubbles ("bubbles", issue 39), and bubbles over uniform (None: unfit)."""
+    out = {}
+    for plan in plans:
+        if plan.pp > 1 and plan.encoder_placement == "uniform":
+            runs = {w: search.run(plan.replace(encoder_placement=w)) for w in ("uniform", "bubbles")}
+            tps = {w: sim_common.tokens_per_s(r) if getattr(r, "fits", False) else None
+                   for w, r in runs.items()}
+            out[f"pp{plan.pp}"] = {**tps, "bubbles_over_uniform": tps["bubbles"] / tps["uniform"]
+                                   if tps["bubbles"] and tps["uniform"] else None}
+    return out
 
 
 def summarise(cases: list[dict]) -> dict:
@@ -202,7 +218,9 @@ def show(case: dict) -> str:
     fmt = lambda d: ", ".join(f"{k} {v:.2f}x" if v else f"{k} -" for k, v in d.items())  # noqa
     ours = case["ds_omni"] or {}
     lines = [f"{case['setup']} {case['mix']}: ds_omni {ours.get('plan')}",
-             f"  tuned: {fmt(case['speedup'])}", f"  as run: {fmt(case['speedup_as_run'])}"]
+             f"  tuned: {fmt(case['speedup'])}", f"  as run: {fmt(case['speedup_as_run'])}",
+             "  bubbles / uniform: " + fmt({k: v["bubbles_over_uniform"] for k, v in
+                                            case.get("bubbles_beside_uniform", {}).items()})]
     for kind, floor in (("speedup", 1.0), ("speedup_as_run", PAPER["min"])):
         side = case["baselines"] if kind == "speedup" else case["as_run"]
         for name, v in case[kind].items():

@@ -1,4 +1,4 @@
-"""The step simulator against measured steps: 14 plans on 2 and 4 CPU ranks, predicted and timed.
+"""The step simulator against measured steps: 18 plans on 2 and 4 CPU ranks, predicted and timed.
 
     .venv/bin/python benchmarks/sim_validation.py     # 15-40 minutes on 2 shared cores
 
@@ -63,6 +63,13 @@ CONFIGS = {
     "per_sequence4_longtail": (4, "longtail", {"max_sequence_sp": 4}),
     "pool4_longtail": (4, "longtail", {"encoder_pool": "dp"}),
 }
+# the bubbles schedule (issue 39) beside "uniform" on 4 ranks, PP=2 x dp 2 and PP=4, the 9:1 mix:
+# a list of its own, joined to CONFIGS (other plans are added to CONFIGS above)
+BUBBLE_CONFIGS = {
+    f"pp{pp}_{where}_image_4ranks": (4, "image", {"pp": pp, "encoder_placement": where,
+                                                  "stage_tokens": 96})
+    for pp in (2, 4) for where in ("uniform", "bubbles")}
+CONFIGS.update(BUBBLE_CONFIGS)
 MIX = {"image": "image_heavy_9to1", "text": "text_heavy_1to9"}
 
 
@@ -141,6 +148,9 @@ def one_step(loader, engine, groups, ds_groups) -> dict:
     import torch.distributed as dist
     from ds_omni.train.step import train_step
     ds_groups.mpu = engine.mpu  # DeepSpeed's SP groups are a module global: each engine its own
+    if getattr(engine, "grid", None) is not None and engine.grid.pipe_parallel_size > 1:
+        from deepspeed.runtime.pipe import p2p  # its grid too (PP=2 and PP=4 in one launch)
+        p2p.init_process_groups(engine.grid)
     batch = loader.next_step()
     dist.barrier()
     t0, c0 = time.perf_counter(), time.process_time()

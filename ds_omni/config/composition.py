@@ -256,8 +256,8 @@ RULES = (
              "(AutoTP's layers), the experts over ep consecutive ranks of a stage's dp x tp, "
              "each TP rank dispatching 1/tp of a row's assignments; ep divides dp x tp"),
     _composes("pp", "encoder_placement", "where the encoders run under pp: \"stage0\", "
-              "\"uniform\" (not with bf16.immediate_grad_update), \"bubbles\" (fp32: its encoder "
-              "backward runs between the engine's backward passes) or \"auto\" (\"bubbles\" where "
+              "\"uniform\" (not with bf16.immediate_grad_update), \"bubbles\" (its encoder "
+              "backward in the engine's idle slots; bf16 too) or \"auto\" (\"bubbles\" where "
               "the cost model predicts a gain, else \"uniform\")"),
     _refused("encoder_pool", "pp", "the pool spreads the items of rows held by one rank or by an "
              "SP group, not by pipeline stages", "set encoder_pool to \"off\" (encoder_placement "

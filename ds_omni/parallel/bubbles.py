@@ -336,12 +336,8 @@ def typical_schedule(cost, stage_time: list[float], micro_batches: int, samples:
             "steps": plan.steps, "slots": describe_slots(plan)}
 
 
-def auto_placement(cost, stage_time: list[float], micro_batches: int, samples: int,
-                   bf16: bool) -> str:
+def auto_placement(cost, stage_time: list[float], micro_batches: int, samples: int) -> str:
     """`encoder_placement: "auto"` under pp > 1: "bubbles" where the model of a typical step
-    (`typical_schedule`) predicts it faster than "uniform" by at least 1 %, else "uniform"
-    (always under bf16, which "bubbles" does not run)."""
-    if bf16:
-        return "uniform"
+    (`typical_schedule`) predicts it faster than "uniform" by at least 1 %, else "uniform"."""
     typical = typical_schedule(cost, stage_time, micro_batches, samples)
     return "bubbles" if typical["modelled_step_vs_uniform"] <= 0.99 else "uniform"

@@ -16,6 +16,8 @@ Dims: N rows of the step's items, D LLM hidden size.
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 
 import torch
@@ -87,26 +89,31 @@ def _by_step(items: list[int], at: list[int]) -> dict[int, list[int]]:
 
 class StageClock:
     """This stage's busy seconds in the step just run (forward, backward, encoder work) and the
-    step's span, from the schedule's own timestamps: `bubble_fraction` = 1 - busy / span."""
+    step's span, from the schedule's own timestamps: `bubble_fraction` = 1 - busy / span;
+    `spans`: each timed piece (what, start, end) in seconds from the step's start (the timeline
+    `benchmarks/pipeline_bubbles.py` draws)."""
 
     def __init__(self):
         self.start = self.end = 0.0
         self.busy = 0.0
         self.last_fraction: float | None = None
+        self.spans: list[tuple[str, float, float]] = []
 
     def begin(self) -> None:
-        self.start, self.busy = time.perf_counter(), 0.0
+        self.start, self.busy, self.spans = time.perf_counter(), 0.0, []
 
     def finish(self) -> None:
         span = time.perf_counter() - self.start
         self.last_fraction = max(0.0, 1.0 - self.busy / span) if span > 0 else 0.0
 
-    def timed(self, run):
+    def timed(self, run, what: str = "work"):
         t0 = time.perf_counter()
         try:
             return run()
         finally:
-            self.busy += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.busy += t1 - t0
+            self.spans.append((what, t0 - self.start, t1 - self.start))
 
 
 class BubbleEncoding:
@@ -124,6 +131,7 @@ class BubbleEncoding:
         self.outputs: dict[int, torch.Tensor] = {}  # item -> its rows [n, D], with their graph
         self.pending: list = []  # isend works to wait on before the reduction
         self.backwarded: set[int] = set()
+        self.kept: dict = {}  # bf16: encoder parameter -> its gradients of the step so far
         self.rows = None
         if stage == 0:  # every row, a leaf: its gradient is what goes back
             self.rows = torch.zeros((starts[-1], hidden), device=device, dtype=dtype,
@@ -210,7 +218,7 @@ class BubbleEncoding:
         keep = [(self.outputs[i], g) for i, g in zip(items, grads) if self.outputs[i].requires_grad]
         if keep:
             clock.timed(lambda: torch.autograd.backward([t for t, _ in keep],
-                                                        [g for _, g in keep]))
+                                                        [g for _, g in keep]), "encode_bwd")
         self.backwarded.update(items)
 
     def finish(self) -> None:
@@ -258,7 +266,7 @@ def install(engine, clock: StageClock) -> None:
 
 def _exec_encode_forward(engine, items):
     enc = engine.module.step_inputs.joint
-    engine.module.clock.timed(lambda: enc.encode(items))
+    engine.module.clock.timed(lambda: enc.encode(items), "encode_fwd")
 
 
 def _exec_recv_rows(engine, micro):
@@ -270,7 +278,29 @@ def _exec_send_row_grads(engine, micro):
 
 
 def _exec_encode_backward(engine, items):
-    engine.module.step_inputs.joint.backward(items, engine.module.clock)
+    enc = engine.module.step_inputs.joint
+    with kept_apart_under_bf16(engine.optimizer, engine.module.joint.params, enc.kept):
+        enc.backward(items, engine.module.clock)
+
+
+@contextlib.contextmanager
+def kept_apart_under_bf16(optimizer, params, kept: dict):
+    """Under DeepSpeed's `BF16_Optimizer` the engine zeroes every bf16 gradient when a backward
+    pass starts (and adds them into fp32 when it ends): an encoder backward in a cool-down slot,
+    between two passes, would lose its gradients. They are made apart here (`params`' gradients
+    None before, added into `kept` after) and put back before the reduction
+    (`BubbleSetup.finish`), where "uniform" has them. Other optimizers: nothing to do."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    if not isinstance(optimizer, BF16_Optimizer):
+        yield
+        return
+    for p in params:  # zero (cleared by a pass) or already kept
+        p.grad = None
+    yield
+    for p in params:
+        if p.grad is not None:
+            kept[p] = p.grad if p not in kept else kept[p] + p.grad
+            p.grad = None
 
 
 INSTRUCTIONS = {EncodeForward: _exec_encode_forward, RecvRows: _exec_recv_rows,
@@ -312,6 +342,8 @@ class BubbleSetup:
 
     def finish(self, enc: BubbleEncoding) -> None:
         enc.finish()
+        for p, grad in enc.kept.items():  # bf16: the cool-down's gradients, kept apart
+            p.grad = grad
         for p in self.joint.params:  # an encoder with no item here: a zero gradient, as "uniform"
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

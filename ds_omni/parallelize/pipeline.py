@@ -360,18 +360,17 @@ def stage_tokens(cfg) -> int:
     return cfg.parallel.stage_tokens or cfg.data.max_seq_len
 
 
-def pipeline_spec_for(cfg, built, plan, cost, item_cost: Callable,
-                      ds_config: dict | None = None) -> PipelineSpec | None:
+def pipeline_spec_for(cfg, built, plan, cost, item_cost: Callable) -> PipelineSpec | None:
     """What `build_pipeline_module` needs under parallel.pp > 1, split where the cost model
     says, the placement "auto" resolved (`resolved_placement`); None without a pipeline."""
     if not plan.pp_enabled:
         return None
     stages = stage_plan(cfg, built, plan, cost)
-    return PipelineSpec(plan, stages, resolved_placement(cfg, plan, cost, stages, ds_config),
+    return PipelineSpec(plan, stages, resolved_placement(cfg, plan, cost, stages),
                         built.item_processors, item_cost)
 
 
-def resolved_placement(cfg, plan, cost, stages: StagePlan, ds_config: dict | None) -> str:
+def resolved_placement(cfg, plan, cost, stages: StagePlan) -> str:
     """parallel.encoder_placement, "auto" resolved by the cost model's model of a typical step
     (`ds_omni.parallel.bubbles.auto_placement`: "bubbles" where it predicts a gain)."""
     placement = cfg.parallel.encoder_placement
@@ -381,8 +380,7 @@ def resolved_placement(cfg, plan, cost, stages: StagePlan, ds_config: dict | Non
         return "uniform"
     from ds_omni.parallel.bubbles import auto_placement
     micro = max(cfg.train.global_batch_size // (cfg.train.micro_batch_size * plan.dp), 1)
-    bf16 = bool((ds_config or {}).get("bf16", {}).get("enabled", False))
-    return auto_placement(cost, stages.layer_time, micro, cfg.train.micro_batch_size, bf16)
+    return auto_placement(cost, stages.layer_time, micro, cfg.train.micro_batch_size)
 
 
 def engine_inputs(micro_batches: list) -> list[tuple]:
@@ -422,11 +420,6 @@ def check_pipeline(cfg, ds_config: dict, llm_config) -> None:
     check_stages(llm_config.num_hidden_layers, pp)
     if getattr(llm_config, "tie_word_embeddings", False):
         raise LaunchError(TIED)
-    if (cfg.parallel.encoder_placement == "bubbles"
-            and ds_config.get("bf16", {}).get("enabled", False)):
-        raise LaunchError("bf16 with parallel.encoder_placement \"bubbles\": its encoder backward "
-                          "runs between the engine's backward passes, whose bf16 optimizer moves "
-                          "gradients into fp32 at each; use \"uniform\" under bf16 (or fp32)")
     if (cfg.parallel.encoder_placement in ("uniform", "bubbles")
             and ds_config.get("bf16", {}).get("immediate_grad_update", False)):
         raise LaunchError("bf16.immediate_grad_update with parallel.encoder_placement \"uniform\": "

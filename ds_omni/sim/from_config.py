@@ -38,8 +38,9 @@ def model_spec(cfg: OmniConfig) -> ModelSpec:
 
 
 def resolved_sim_placement(par) -> str:
-    """The simulator prices "auto" as "uniform" (as it prices "bubbles": its upper bound)."""
-    return "uniform" if par.encoder_placement == "auto" else par.encoder_placement
+    """parallel.encoder_placement as given: the simulator resolves "auto" as training does
+    (`bubble_sim.resolve_auto`) and runs "bubbles" as its own schedule."""
+    return par.encoder_placement
 
 
 def sim_plan(cfg: OmniConfig, ds_json: dict, gpus: int) -> SimPlan:

@@ -21,11 +21,10 @@ import numpy as np
 
 from ds_omni.parallel.stages import stage_plan_for
 from ds_omni.parallelize.joint import assign_items
-from ds_omni.sim import comm, stage_parallel
+from ds_omni.sim import bubble_sim, comm, stage_parallel
 from ds_omni.sim.timeline import COMM
 
-# the placements with encoders on every stage; "bubbles" is priced as "uniform" (its upper bound:
-# the bubbles' own timeline is `ds_omni.parallel.bubbles`, which `ds-omni plan` prints)
+# the placements with encoders on every stage ("bubbles": `bubble_sim`; "auto" resolves to one)
 JOINT = ("uniform", "bubbles")
 
 
@@ -125,6 +124,7 @@ def _orders(P: int, M: int) -> list[list[tuple[str, int]]]:
 
 def run_pipeline(step) -> None:
     """The whole step's schedule on every LLM rank of `step` (its `timeline`)."""
+    bubble_sim.resolve_auto(step, stage_plan)  # "auto": the placement training would choose
     p, plan, tl, rate = step.pplan, step.plan, step.timeline, step.rate
     P, M = p.pp, plan.micro_batches
     step.stage_plan = stage_plan(step)
@@ -136,21 +136,23 @@ def run_pipeline(step) -> None:
     act = tokens * step.model.dims.hidden * 2  # [M, D] bytes sent between stages
     uniform = plan.encoder_placement in JOINT
     fwd_e, ckpt = step.encoder_fwd, plan.checkpointing
-    # per micro-batch, each stage's weights read and gradients accumulated: the layers a
-    # micro-batch runs through (the joint pipeline's encoder replicas run once a step, in
-    # `_uniform_encode`, and pay their share there)
+    # per micro-batch, each stage's weights read and gradients accumulated (the joint
+    # pipeline's encoder replicas run once a step, and pay their share there)
     overhead = [step.cluster.micro_batch_s_per_param * (
         stage_params(step, s)[0] - uniform * encoder_params(step)) for s in range(P)]
-    if uniform:
+    bubbles = bubble_sim.BubbleOps(step, ranks) if plan.encoder_placement == "bubbles" else None
+    if uniform and bubbles is None:
         _uniform_encode(step, ranks, backward=False)
-    events: dict = {}
-    pointer = [0] * P
-    orders = _orders(P, M)
+    events, pointer = {}, [0] * P
+    orders = _orders(P, M) if bubbles is None else bubbles.orders(_orders(P, M))
     while any(pointer[s] < len(orders[s]) for s in range(P)):
         for s in range(P):
             if pointer[s] == len(orders[s]):
                 continue
             kind, m = orders[s][pointer[s]]
+            if kind not in ("F", "B"):  # the bubbles' encoder ops (`bubble_sim`)
+                pointer[s] += bubbles.run(s, kind, m, events)
+                continue
             dep = ("F", s - 1, m) if kind == "F" and s > 0 else (
                 ("B", s + 1, m) if kind == "B" and s < P - 1 else None)
             if dep is not None and dep not in events:
@@ -177,7 +179,7 @@ def run_pipeline(step) -> None:
             if last is not None:  # tp's all-reduces, ep's all-to-alls inside the stage
                 events[(kind, s, m)] = last
             pointer[s] += 1
-    if uniform:
+    if uniform and bubbles is None:
         _uniform_encode(step, ranks, backward=True)
     _pipeline_memory(step, tokens, frac)
 

@@ -145,7 +145,7 @@ def describe_plan(cfg: OmniConfig, plan: ParallelPlan, ds_config: dict,
 
 def _pipeline_stages(cfg: OmniConfig, plan: ParallelPlan, built, cost: CostModel,
                      ds_config: dict | None = None) -> dict:
-    placement = resolved_placement(cfg, plan, cost, stage_plan(cfg, built, plan, cost), ds_config)
+    placement = resolved_placement(cfg, plan, cost, stage_plan(cfg, built, plan, cost))
     slowest = {split: max(stage_plan(cfg, built, plan, cost, split).stage_time)
                for split in SPLITS}
     out = {"encoder_placement": placement,

@@ -174,7 +174,8 @@ def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
             module.clock.begin()
         if module.joint is not None:  # "uniform": every stage encodes its share now
             inputs.joint = module.clock.timed(lambda: module.joint.start(inputs.batches,
-                                                                         engine.device))
+                                                                         engine.device),
+                                              "encode_fwd")
             module.joint.bind(engine)
         around_instructions(engine, _pipeline_hooks(module, batch, comm, on_reduced_grads, guard,
                                                     dropped))
@@ -199,15 +200,14 @@ def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list)
     def encoders_backward(engine, run):
         if joint is not None:
             with late_grads_to_master(engine.optimizer):  # bf16: else they are dropped
-                module.clock.timed(lambda: joint.finish(module.step_inputs.joint))
+                module.clock.timed(lambda: joint.finish(module.step_inputs.joint), "encode_bwd")
         fill_missing_grads(optimizer_params(module))  # an encoder with no item in the whole step
         run()
     hooks[schedule.ReduceTiedGrads] = encoders_backward
     clock = module.clock
     if clock is not None:  # the schedule's own timestamps (bubble_fraction)
-        def timed(engine, run):
-            clock.timed(run)
-        hooks[schedule.ForwardPass] = hooks[schedule.BackwardPass] = timed
+        hooks[schedule.ForwardPass] = lambda engine, run: clock.timed(run, "forward")
+        hooks[schedule.BackwardPass] = lambda engine, run: clock.timed(run, "backward")
 
         def reduce_tied(engine, run, backward=encoders_backward):
             backward(engine, run)

@@ -3,7 +3,8 @@
 One 2-rank launch trains, 3 steps each under `"bf16": {"enabled": true}`: the demo composition
 (LLaVA) data-parallel under ZeRO 0-3, under Ulysses SP=2 (ZeRO-2), with the encoder pool
 (ZeRO-1, rank 0's rows hold every image), and over 2 pipeline stages, where DeepSpeed steps with
-its `BF16_Optimizer`: the image+audio composition with "uniform" encoder placement (ZeRO-0), LLaVA
+its `BF16_Optimizer`: the image+audio composition with "uniform" and "bubbles" encoder placement
+(ZeRO-0; "bubbles" also against "uniform"), LLaVA
 with its encoder on stage 0 under ZeRO-0 and under ZeRO-1 with fp32 gradient accumulation
 (`data_types.grad_accum_dtype`, the ZeRO-1 path to BF16_Optimizer; plain bf16 ZeRO-1 steps with
 ZeRO's own optimizer); then every shipped `ds_configs/*_bf16.json` for 2 steps, and the planted
@@ -87,6 +88,7 @@ def _cases(tmp) -> dict:
         "pool": {"stage": 1, "pool": True, "sources": [skewed_source(tmp / "skewed")],
                  "reorder": {"mode": "loader_order"}},
         "pp_uniform": uniform,
+        "pp_bubbles": {**uniform, "placement": "bubbles"},
         "pp_stage0": {**stage0, "stage": 0},
         "pp_stage0_zero1": {**stage0, "stage": 1,
                             "ds": {"data_types": {"grad_accum_dtype": "fp32"}}},
@@ -158,7 +160,7 @@ def test_bf16_matches_single_process_in_bf16(cases, results, tmp_path):
     assert {"zero0", "zero1", "zero2", "zero3", "sp2", "pool"} <= set(checked)
 
 
-PIPELINE = ["pp_uniform", "pp_stage0", "pp_stage0_zero1"]
+PIPELINE = ["pp_uniform", "pp_bubbles", "pp_stage0", "pp_stage0_zero1"]
 
 
 @pytest.mark.parametrize("name", PIPELINE)
@@ -168,6 +170,29 @@ def test_bf16_pipeline_matches_single_process_in_bf16(name, cases, results, tmp_
     the encoders' included (module docstring: both were lost once)."""
     assert cases[name].get("placement") and "plant" not in cases[name]
     _check(name, cases[name], results, tmp_path)
+
+
+def test_bf16_bubbles_equals_uniform(cases, results):
+    """"bubbles" under bf16 (encoder backwards in the cool-down slots, their gradients kept apart
+    from the engine's bf16 passes, `kept_apart_under_bf16`) trains as "uniform" does, in this
+    launch's terms: the same global batches, losses within LOSS_RTOL, the fp32 masters' updates
+    in the same direction (UPDATE_COS whole-model, TENSOR_COS each tensor)."""
+    bubbles_equal_uniform(cases, results)
+
+
+def bubbles_equal_uniform(cases, results) -> tuple[float, list, list]:
+    """(whole-model update cosine, losses of "bubbles", of "uniform"): `results` of the
+    pp_bubbles and pp_uniform cases compared."""
+    got, want = ([r[name] for r in results] for name in ("pp_bubbles", "pp_uniform"))
+    assert [r["keys"] for r in got] == [r["keys"] for r in want]
+    assert got[0]["losses"] == pytest.approx(want[0]["losses"], rel=LOSS_RTOL)
+    masters = [{k: v for r in rs if "params" in r for k, v in r["params"].items()}
+               for rs in (got, want)]
+    whole, per = update_cosines(_initial_masters(cases["pp_uniform"]), masters[1], masters[0])
+    low = {n: round(c, 3) for n, c in per.items() if c < TENSOR_COS}
+    assert whole > UPDATE_COS and not low, (whole, low)
+    assert any(n.startswith("encoders.") for n in per)  # the encoders' updates were compared
+    return whole, got[0]["losses"], want[0]["losses"]
 
 
 def test_shipped_bf16_configs_train_two_steps(cases, results):

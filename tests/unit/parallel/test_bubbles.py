@@ -96,7 +96,6 @@ class _Cost:
 
 def test_auto_picks_bubbles_where_the_model_predicts_a_gain():
     stages = [3.0] * 4
-    assert bubbles.auto_placement(_Cost(1.0), stages, 4, 2, bf16=False) == "bubbles"
-    assert bubbles.auto_placement(_Cost(1.0), stages, 4, 2, bf16=True) == "uniform"
+    assert bubbles.auto_placement(_Cost(1.0), stages, 4, 2) == "bubbles"
     # no encoder work to hide: nothing to gain
-    assert bubbles.auto_placement(_Cost(0.0), stages, 4, 2, bf16=False) == "uniform"
+    assert bubbles.auto_placement(_Cost(0.0), stages, 4, 2) == "uniform"

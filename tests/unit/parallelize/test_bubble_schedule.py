@@ -82,3 +82,23 @@ def test_items_of_one_call_backward_in_different_slots():
     enc.backward([1], StageClock())
     x = torch.stack(batches[0].items["vision"])
     assert torch.allclose(encoder.weight.grad, torch.ones(2, 4).T @ x)
+
+
+def test_the_clock_keeps_each_timed_piece_for_the_timeline_picture():
+    """`StageClock.spans`: (what, start, end) from the step's start, in order, what
+    `benchmarks/pipeline_bubbles.py` draws; busy is their sum; a new step starts them anew."""
+    import time
+    from ds_omni.parallelize.bubble_schedule import StageClock
+    clock = StageClock()
+    clock.begin()
+    clock.timed(lambda: time.sleep(0.01), "forward")
+    time.sleep(0.01)
+    clock.timed(lambda: time.sleep(0.01), "encode_bwd")
+    clock.finish()
+    (w1, a1, b1), (w2, a2, b2) = clock.spans
+    assert (w1, w2) == ("forward", "encode_bwd")
+    assert 0 <= a1 < b1 < a2 < b2 and a2 - b1 >= 0.009  # the idle gap between them shows
+    assert clock.busy == pytest.approx((b1 - a1) + (b2 - a2))
+    assert 0 < clock.last_fraction < 1
+    clock.begin()
+    assert clock.spans == []
