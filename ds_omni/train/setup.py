@@ -27,6 +27,7 @@ from ds_omni.data.check import startup_check
 from ds_omni.data.cost import CostModel
 from ds_omni.data.templates import carry_template, training_template
 from ds_omni.model.attention import resolve_kernel
+from ds_omni.model.convert import load_omni_state
 from ds_omni.model.build import (build_model, check_context_parallel, check_model_files,
                                   check_positions, check_sequence_parallel, llm_text_config)
 from ds_omni.parallel import dist
@@ -148,15 +149,19 @@ class Training(NamedTuple):
     groups: RankGroups  # this rank's process groups (what `train_step` reduces over)
 
 
-def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPlan) -> Training:
+def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPlan,
+                   weights: dict | None = None) -> Training:
     """(built model, loader, DeepSpeed engine, process groups) of this rank; call after
-    `init_distributed`."""
+    `init_distributed`. `weights` (OmniModel names, whole): loaded before the plan shards the
+    model (a resume on another plan, `ds_omni.train.reshard`)."""
     import deepspeed
     from deepspeed.utils import groups as ds_groups
     groups = rank_groups(plan, rank, prefetch=bool(cfg.data.prefetch_steps))
     if rank != 0:  # rank 0 makes builtin assets first; the others then only read them
         dist.barrier()
     built = _build_model(cfg)
+    if weights is not None:
+        load_omni_state(built.model, weights)
     cost = cost_model(cfg, built)
     loader = build_loader(cfg, built, plan, groups, rank=rank,
                           num_micro=ds_config["gradient_accumulation_steps"], cost=cost,
