@@ -316,14 +316,11 @@ def _nothing_to_resume(root: Path, skipped: list[str]) -> LaunchError:
     return LaunchError(f"--resume: no complete checkpoint in {str(root)!r}: " + "; ".join(skipped))
 
 
-def load(engine, output_dir: str | Path, rank: int,
-         resharded: bool = False) -> tuple[int, dict]:
-    """Restore the newest complete checkpoint; returns (step, loader state).
-
-    Rank 0 checks the manifests (newest first) and every rank loads the one it picks; a newer
-    one that is incomplete or corrupted is reported and passed over. `resharded`: written
-    under another plan, its weights already in the engine (`ds_omni.train.reshard`).
-    """
+def load(engine, output_dir: str | Path, rank: int, resharded: bool = False) -> tuple[int, dict]:
+    """Restore the newest complete checkpoint; returns (step, loader state). Rank 0 checks the
+    manifests (newest first) and every rank loads the one it picks; a newer one that is
+    incomplete or corrupted is reported and passed over. `resharded`: another plan's, its
+    weights already in the engine (`ds_omni.train.reshard`)."""
     root = checkpoint_root(output_dir)
     choice = [newest_complete(root) if rank == 0 else None]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -382,17 +379,21 @@ def load(engine, output_dir: str | Path, rank: int,
 
 
 def _load_resharded(engine, directory: Path, trainer_state: dict) -> tuple[int, dict]:
-    """A checkpoint of another plan: the model family checked, the engine's step and LR
-    schedule restored (the weights came in whole before the plan sharded them; the RNG streams
-    of ranks with other roles are not carried over)."""
-    from ds_omni.train import reshard
+    """A checkpoint of another plan: the model family checked, the engine's step and sample
+    counts and the LR schedule restored (the weights came in whole before the plan sharded
+    them; the RNG streams of ranks with other roles are not carried over)."""
     saved, now = trainer_state.get("run") or {}, run_fingerprint(engine)
     if saved.get("family", now["family"]) != now["family"]:
         raise LaunchError(f"--resume: checkpoint {str(directory)!r} holds a "
                           f"{saved['family']!r} model, this run trains {now['family']!r}; "
                           "resume with the model it was written with")
-    reshard.restore(engine, directory)
+    states = torch.load(directory / "mp_rank_00_model_states.pt", map_location="cpu",
+                        weights_only=False)
+    engine.global_steps = states.get("global_steps", engine.global_steps)
+    engine.global_samples = states.get("global_samples", engine.global_samples)
     scheduler = engine.lr_scheduler
+    if scheduler is not None and states.get("lr_scheduler") is not None:
+        scheduler.load_state_dict(states["lr_scheduler"])
     if getattr(scheduler, "last_batch_iteration", -1) >= 0:  # the LR of the step that runs next
         scheduler.step(scheduler.last_batch_iteration)
     return trainer_state["step"], read_json(directory / "loader_state.json")

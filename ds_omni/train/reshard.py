@@ -3,8 +3,9 @@ ranks): ds_omni's own consolidation, not DeepSpeed's universal checkpoint.
 
 `resharded_weights` makes the newest checkpoint whole in HF's layout (`consolidate_checkpoint`:
 pipeline names mapped, AutoTP's shards joined, AutoEP's experts stacked) before the model is
-parallelized, so the new plan shards it as it shards `model.pretrained`; `restore` then gives
-the engine the step, the LR schedule and the loader its data position. The optimizer starts
+parallelized, so the new plan shards it as it shards `model.pretrained`;
+`checkpoint.load(resharded=True)` then gives the engine the step and the LR schedule and the
+loader its data position. The optimizer starts
 afresh (Adam's moments and step count): the next step's loss equals the old plan's, later ones
 differ by the moments. Why not DeepSpeed's universal checkpoint: `ds_to_universal` re-slices a
 tensor-parallel parameter only by the name patterns a model's `universal_checkpoint_info`
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ds_omni.model.convert import consolidate_checkpoint
+from ds_omni.train import checkpoint
 
 
 def saved_layout(directory: Path, run: dict | None) -> dict[str, int]:
@@ -46,7 +48,6 @@ def needs_reshard(saved: dict[str, int], plan) -> bool:
 def resharded_weights(output_dir: str | Path, plan, rank: int) -> dict | None:
     """The newest complete checkpoint's whole weights (OmniModel names, HF's layout) when it
     was written under another plan (`needs_reshard`), else None. Every rank calls this."""
-    from ds_omni.train import checkpoint
     root = checkpoint.checkpoint_root(output_dir)
     choice = [checkpoint.newest_complete(root)[0] if rank == 0 else None]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -65,14 +66,3 @@ def resharded_weights(output_dir: str | Path, plan, rank: int) -> dict | None:
               "and resharded; the optimizer starts afresh (Adam's moments are not carried "
               "across plans)", flush=True)
     return consolidate_checkpoint(root, tag)
-
-
-def restore(engine, directory: Path) -> None:
-    """What a resharded resume keeps of DeepSpeed's state besides the weights: the engine's
-    step and sample counts and the LR schedule's position."""
-    states = torch.load(directory / "mp_rank_00_model_states.pt", map_location="cpu",
-                        weights_only=False)
-    engine.global_steps = states.get("global_steps", engine.global_steps)
-    engine.global_samples = states.get("global_samples", engine.global_samples)
-    if engine.lr_scheduler is not None and states.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
