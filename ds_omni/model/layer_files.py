@@ -44,7 +44,7 @@ def _pp_degree(directory: Path) -> int:
     states = directory / "mp_rank_00_model_states.pt"
     if not states.is_file():
         return 1
-    dims = torch.load(states, map_location="cpu", weights_only=True).get(
+    dims = torch.load(states, map_location="cpu", weights_only=False).get(
         "checkpoint_parallel_dimensions") or {}
     return int(dims.get("pp_degree", 1))
 

@@ -30,9 +30,9 @@ def saved_layout(directory: Path, run: dict | None) -> dict[str, int]:
     """{"pp", "tp", "ep", "world_size"} the checkpoint in `directory` was written under (the
     run's fingerprint, and DeepSpeed's own record of the pipeline's degree)."""
     run = run or {}
-    states = torch.load(directory / "mp_rank_00_model_states.pt", map_location="cpu",
-                        weights_only=True)
-    dims = states.get("checkpoint_parallel_dimensions") or {}
+    states = directory / "mp_rank_00_model_states.pt"  # absent under ZeRO-3 (never with pp)
+    dims = (torch.load(states, map_location="cpu", weights_only=False).get(
+        "checkpoint_parallel_dimensions") or {}) if states.is_file() else {}
     return {"pp": int(dims.get("pp_degree", 1)), "tp": int(run.get("tp", 1)),
             "ep": int(run.get("ep", 1)), "world_size": int(run.get("world_size", 0))}
 

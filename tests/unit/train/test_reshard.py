@@ -29,3 +29,8 @@ def test_the_saved_layout_is_read_from_the_run_and_deepspeeds_record(tmp_path):
     assert saved_layout(tmp_path, {"tp": 2, "ep": 1, "world_size": 4}) == \
         {"pp": 2, "tp": 2, "ep": 1, "world_size": 4}
     assert saved_layout(tmp_path, None)["tp"] == 1
+
+
+def test_a_zero3_checkpoint_without_model_states_is_no_pipeline(tmp_path):
+    """ZeRO-3 writes no mp_rank_00_model_states.pt (and never runs with pp)."""
+    assert saved_layout(tmp_path, {"tp": 1, "ep": 1, "world_size": 2})["pp"] == 1
