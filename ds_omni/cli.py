@@ -88,7 +88,8 @@ def _convert_args(sub) -> None:
                                  "training checkpoints.",
                  "ds-omni convert --checkpoint outputs/run/checkpoints --out outputs/run/hf")
     src = c.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="<output_dir>/checkpoints of a run (any ZeRO stage) -> HF")
+    src.add_argument("--checkpoint",
+                     help="<output_dir>/checkpoints of a run (any ZeRO stage, pp, tp, ep) -> HF")
     src.add_argument("--hf", help="an HF MLLM directory -> an OmniModel directory")
     src.add_argument("--omni", help="an OmniModel directory -> an HF directory")
     c.add_argument("--tag", help="checkpoint tag (default: latest)")

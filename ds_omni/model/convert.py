@@ -5,9 +5,10 @@ an OmniModel directory for use is `build.load`, the same path as `model.pretrain
   (`encoders.vision.tower...`, `backbone.layers.3...`) plus the HF config, tokenizer and processor.
 - `export_hf`: an OmniModel (optionally with a state dict in OmniModel keys) -> an HF directory
   that `from_pretrained` loads, with tokenizer and processor.
-- `consolidate_checkpoint`: a DeepSpeed checkpoint of any ZeRO stage -> one fp32 state dict in
-  OmniModel keys (ZeRO-3 partitions and ZeRO-1/2 optimizer shards merged by DeepSpeed's own
-  `zero_to_fp32`; a pipeline checkpoint's per-layer files read by `layer_files`).
+- `consolidate_checkpoint`: a DeepSpeed checkpoint of any ZeRO stage and any pp / tp / ep ->
+  one fp32 state dict in OmniModel keys (ZeRO-3 partitions and ZeRO-1/2 optimizer shards merged
+  by DeepSpeed's own `zero_to_fp32`; a pipeline's files by `layer_files`, AutoTP's shards by
+  `tp_files`, AutoEP's experts by `expert_checkpoint`).
 - `export_checkpoint`: the two together: one command from a training run to an HF model.
 """
 
@@ -21,9 +22,10 @@ import torch
 
 from ds_omni.errors import ModelError
 from ds_omni.model.expert_checkpoint import expert_checkpoint_state, is_expert_checkpoint
-from ds_omni.model.layer_files import is_pipeline_checkpoint, load_layer_files
+from ds_omni.model.layer_files import (is_pipeline_checkpoint, omni_key, pipeline_prefixes,
+                                       pipeline_tp_states)
 from ds_omni.model.omni import OmniModel
-from ds_omni.model.tp_files import merge_tp_states, tp_layout_of
+from ds_omni.model.tp_files import merge_tp, merge_tp_states, tp_degree, tp_layout_of
 
 
 OMNI_WEIGHTS = "omni.safetensors"
@@ -147,30 +149,36 @@ def consolidate_checkpoint(ckpt_root: str | Path, tag: str | None = None,
                            model: OmniModel | None = None) -> dict[str, torch.Tensor]:
     """fp32 state dict (OmniModel keys) of a DeepSpeed checkpoint written under `ckpt_root`.
 
-    A pipeline checkpoint (parallel.pp > 1) keeps the weights in one file per pipeline layer,
-    read through `model` (default: rebuilt from the checkpoint's model/ directory); they are the
-    weights the stages trained with (bf16 ones under bf16: the fp32 master copy stays in the
-    optimizer shards, as for ZeRO-0)."""
+    Any model-parallel layout: a pipeline's per-layer (or, MoE, per-stage) files read through
+    `model` (default: rebuilt from the checkpoint's model/ directory), AutoTP's shards joined
+    (`tp_layout.json`), AutoEP's experts stacked into HF's layout. The weights are the ones the
+    model states hold: fp32 under fp32 training, the bf16 copies under bf16 (the fp32 master
+    copy stays in the optimizer shards)."""
     root = Path(ckpt_root)
     tag = tag or _latest(root)
-    files = list((root / tag).glob("*model_states.pt"))
-    if not files:
-        raise ModelError(f"{str(root / tag)!r} holds no DeepSpeed model states")
-    if is_pipeline_checkpoint(root / tag):
+    directory = root / tag
+    if not list(directory.glob("*model_states.pt")):
+        raise ModelError(f"{str(directory)!r} holds no DeepSpeed model states")
+    layout = tp_layout_of(root / MODEL_META_DIR)
+    rename = lambda key: key  # noqa: E731 (the expert files' keys: OmniModel names)
+    if is_pipeline_checkpoint(directory):
         model = model if model is not None else model_from_meta(root / MODEL_META_DIR)[0]
-        load_layer_files(model, root / tag)
-        state = model.state_dict()
-    elif (layout := tp_layout_of(root / MODEL_META_DIR)) is not None:  # parallel.tp > 1
-        state = merge_tp_states(root / tag, layout)
-    elif is_expert_checkpoint(root / tag):  # parallel.ep: AutoEP's per-expert files
-        state = expert_checkpoint_state(root / tag)
-    elif list((root / tag).glob("*optim_states.pt")):  # ZeRO 1/2/3: merge partitions
+        prefixes = pipeline_prefixes(model)
+        rename = lambda key: omni_key(key, prefixes)  # noqa: E731
+        shards = pipeline_tp_states(directory, prefixes, tp_degree(layout) if layout else 1)
+        state = merge_tp(shards, layout, directory) if layout else shards[0]
+    elif layout is not None:  # parallel.tp > 1 (beside ep or not)
+        state = merge_tp_states(directory, layout)
+    elif list(directory.glob("*optim_states.pt")) and not is_expert_checkpoint(directory):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
-    else:  # no ZeRO: every rank held the whole model; rank 0's copy is it
-        states = torch.load(root / tag / "mp_rank_00_model_states.pt", map_location="cpu",
-                            weights_only=True)
-        state = states["module"]
+        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)  # ZeRO 1/2/3
+    else:  # no ZeRO, or parallel.ep: every rank held the rest of the model whole; rank 0's
+        state = torch.load(directory / "mp_rank_00_model_states.pt", map_location="cpu",
+                           weights_only=False)["module"]
+    if is_expert_checkpoint(directory):  # parallel.ep: AutoEP's per-expert files
+        state = expert_checkpoint_state(directory, state, rename)
+    if model is not None:
+        state = _untie(model, state)  # a pipeline saves a tied weight on its first stage only
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 

@@ -7,7 +7,9 @@ and the rest of the model in `mp_rank_00_model_states.pt`, with the router under
 there (the trained ones; under bf16 the bf16 copy, as for the pipeline's files), so the HF
 state is read from these files alone: experts stacked in global order, HF's fused
 `gate_up_proj` [E, 2I, H] = [gate; up] and `down_proj` [E, H, I], the router as `mlp.gate.weight`,
-a shared expert under HF's name (`hf_shared_expert_key`).
+a shared expert under HF's name (`hf_shared_expert_key`). Under ep x tp and pp x ep the
+rest of the model is made whole first (TP shards joined, stages' pipeline names mapped) and
+handed in; a pipeline's expert files (`mp_rank_SS`: stage SS) hold pipeline names.
 """
 
 from __future__ import annotations
@@ -41,8 +43,11 @@ def is_expert_checkpoint(tag_dir: Path) -> bool:
     return any(Path(tag_dir).glob(EXPERT_FILE))
 
 
-def expert_checkpoint_state(tag_dir: Path) -> dict[str, torch.Tensor]:
-    """The model's state (OmniModel keys, HF's expert layout) of an AutoEP checkpoint."""
+def expert_checkpoint_state(tag_dir: Path, module: dict | None = None,
+                            rename=lambda key: key) -> dict[str, torch.Tensor]:
+    """The model's state (OmniModel keys, HF's expert layout) of an AutoEP checkpoint: `module`
+    the rest of the model made whole (default: `mp_rank_00_model_states.pt`'s), `rename` maps
+    the expert files' keys to OmniModel names (a pipeline's: `layer_files.omni_key`)."""
     states = torch.load(Path(tag_dir) / "mp_rank_00_model_states.pt", map_location="cpu",
                         weights_only=False)
     stage = states.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0)
@@ -51,21 +56,23 @@ def expert_checkpoint_state(tag_dir: Path) -> dict[str, torch.Tensor]:
                          "whose partitioned weights this export does not read; train with "
                          "ZeRO 1 or 2 under parallel.ep")
     state = {}
-    for key, value in states["module"].items():
+    for key, value in (states["module"] if module is None else module).items():
         router = _ROUTER_KEY.fullmatch(key)
         if router is None:
             state[hf_shared_expert_key(key)] = value
         elif router.group(2) == "router.gate":  # the alias gate.gate is the same tensor
             state[router.group(1) + "gate.weight"] = value
-    state.update(_stacked_experts(tag_dir))
+    state.update(_stacked_experts(tag_dir, rename))
     return state
 
 
-def _stacked_experts(tag_dir: Path) -> dict[str, torch.Tensor]:
+def _stacked_experts(tag_dir: Path, rename) -> dict[str, torch.Tensor]:
+    """Every expert file's weights, stacked per MoE layer in expert order (an expert saved by
+    more than one rank, as under ep x tp, once)."""
     pieces: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for path in sorted(Path(tag_dir).glob(EXPERT_FILE)):
         for key, value in torch.load(path, map_location="cpu", weights_only=True).items():
-            m = _EXPERT_KEY.fullmatch(key)
+            m = _EXPERT_KEY.fullmatch(rename(key))
             if m is None:
                 raise ModelError(f"{str(path)!r} holds {key!r}, not an AutoEP expert weight")
             pieces.setdefault((m.group(1), m.group(2)), {})[int(m.group(3))] = value

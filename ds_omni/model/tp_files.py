@@ -36,19 +36,29 @@ def tp_layout_of(meta_dir: Path) -> dict[str, dict] | None:
 def merge_tp_states(directory: Path, layout: dict[str, dict]) -> dict[str, torch.Tensor]:
     """The whole model state of a TP checkpoint directory: every TP rank's model states, split
     parameters concatenated along their dim in TP-rank order, the rest from TP rank 0."""
-    tp = len(next(iter(layout.values()))["sizes"])
+    tp = tp_degree(layout)
     files = [directory / f"mp_rank_{r:02d}_model_states.pt" for r in range(tp)]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise ModelError(f"the tensor-parallel checkpoint {str(directory)!r} (tp={tp}) lacks "
                          f"{missing}; was it copied whole?")
     states = [torch.load(f, map_location="cpu", weights_only=True)["module"] for f in files]
+    return merge_tp(states, layout, directory)
+
+
+def tp_degree(layout: dict[str, dict]) -> int:
+    return len(next(iter(layout.values()))["sizes"])
+
+
+def merge_tp(states: list[dict], layout: dict[str, dict], where: Path) -> dict[str, torch.Tensor]:
+    """One state from each TP rank's `states` (same keys): the split parameters of `layout`
+    concatenated along their dim in TP-rank order, the rest from TP rank 0."""
     out = dict(states[0])
     for name, split in layout.items():
         parts = [s[name] for s in states]
         widths = [p.shape[split["dim"]] for p in parts]
         if widths != split["sizes"]:
-            raise ModelError(f"{name}: the TP shards of {str(directory)!r} are {widths} wide, "
+            raise ModelError(f"{name}: the TP shards of {str(where)!r} are {widths} wide, "
                              f"its tp_layout.json says {split['sizes']}")
         out[name] = torch.cat(parts, dim=split["dim"])
     return out

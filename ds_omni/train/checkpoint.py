@@ -8,7 +8,9 @@ written last: `--resume` checks it and falls back to the newest that passes),
 `--resume` follows, and `run_fingerprint`, so resuming another model or layout says what
 differs before DeepSpeed reads a byte). On another number of ranks, `load` converts once with
 DeepSpeed's `ds_to_universal` into `universal/` and loads it re-partitioned (bit-equal fp32
-weights and Adam moments, measured); the data position is elastic. DeepSpeed's files are
+weights and Adam moments, measured); the data position is elastic. On another pp, tp or ep
+(or a pipeline on another number of ranks) `ds_omni.train.reshard` consolidates the weights
+before the model is sharded and `load(resharded=True)` restores the rest. DeepSpeed's files are
 pickles: load only checkpoints you wrote.
 More: docs/fault_tolerance.md.
 """
@@ -314,12 +316,11 @@ def _nothing_to_resume(root: Path, skipped: list[str]) -> LaunchError:
     return LaunchError(f"--resume: no complete checkpoint in {str(root)!r}: " + "; ".join(skipped))
 
 
-def load(engine, output_dir: str | Path, rank: int) -> tuple[int, dict]:
-    """Restore the newest complete checkpoint; returns (step, loader state).
-
-    Rank 0 checks the manifests (newest first) and every rank loads the one it picks; a newer
-    one that is incomplete or corrupted is reported and passed over.
-    """
+def load(engine, output_dir: str | Path, rank: int, resharded: bool = False) -> tuple[int, dict]:
+    """Restore the newest complete checkpoint; returns (step, loader state). Rank 0 checks the
+    manifests (newest first) and every rank loads the one it picks; a newer one that is
+    incomplete or corrupted is reported and passed over. `resharded`: another plan's, its
+    weights already in the engine (`ds_omni.train.reshard`)."""
     root = checkpoint_root(output_dir)
     choice = [newest_complete(root) if rank == 0 else None]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -330,11 +331,13 @@ def load(engine, output_dir: str | Path, rank: int) -> tuple[int, dict]:
             print(f"ds-omni: --resume: passing over checkpoint {note}")
     if tag is None:
         raise _nothing_to_resume(root, skipped)
-    trainer_state = _read_json(root / tag / "trainer_state.json")
+    trainer_state = read_json(root / tag / "trainer_state.json")
     if rank == 0:
         run = runs.set_run(root, trainer_state.get("run_id") or runs.current_run(root))
         print(f"ds-omni: --resume: resuming run {run} from {str(root / tag)!r} (step "
               f"{trainer_state.get('step')})", flush=True)
+    if resharded:
+        return _load_resharded(engine, root / tag, trainer_state)
     now = run_fingerprint(engine)
     check_model_parallel(trainer_state.get("run"), now, root / tag)
     problems = fingerprint_differences(trainer_state.get("run"), now)
@@ -343,16 +346,15 @@ def load(engine, output_dir: str | Path, rank: int) -> tuple[int, dict]:
                           "run: " + "; ".join(problems) + ". Resume with the model and DeepSpeed "
                           "config it was written with, or set train.output_dir to a new "
                           "directory to start afresh")
-    loader_state = _read_json(root / tag / "loader_state.json")
+    loader_state = read_json(root / tag / "loader_state.json")
     world = dist.get_world_size() if dist.is_initialized() else 1
     saved_ranks = shard_ranks(root / tag)
     universal = resharding_needed(saved_ranks, world)
     if universal and hasattr(engine.module, "whole_model_shapes"):  # a pipeline stage
         raise LaunchError(f"--resume: {saved_ranks} rank(s) wrote the pipeline checkpoint {tag}, "
-                          f"this run has {world}; a pipeline checkpoint (parallel.pp > 1) resumes "
-                          "on the ranks and parallel.pp that wrote it only. Resume with those, or "
-                          "export it (ds-omni convert --checkpoint) and start a new run from the "
-                          "HF directory")
+                          f"this run has {world}; DeepSpeed's loading cannot re-partition a "
+                          "pipeline checkpoint (parallel.pp > 1): resume it with `ds-omni train "
+                          "--resume`, which consolidates it first (ds_omni.train.reshard)")
     if universal and (now["tp"] > 1 or now["ep"] > 1):
         raise LaunchError(f"--resume: {saved_ranks} rank(s) wrote {tag}, this run has {world}; "
                           f"a checkpoint written under parallel.tp={now['tp']} / parallel.ep="
@@ -376,7 +378,28 @@ def load(engine, output_dir: str | Path, rank: int) -> tuple[int, dict]:
     return step, loader_state
 
 
-def _read_json(path: Path) -> dict:
+def _load_resharded(engine, directory: Path, trainer_state: dict) -> tuple[int, dict]:
+    """A checkpoint of another plan: the model family checked, the engine's step and sample
+    counts and the LR schedule restored (the weights came in whole before the plan sharded
+    them; the RNG streams of ranks with other roles are not carried over)."""
+    saved, now = trainer_state.get("run") or {}, run_fingerprint(engine)
+    if saved.get("family", now["family"]) != now["family"]:
+        raise LaunchError(f"--resume: checkpoint {str(directory)!r} holds a "
+                          f"{saved['family']!r} model, this run trains {now['family']!r}; "
+                          "resume with the model it was written with")
+    states = torch.load(directory / "mp_rank_00_model_states.pt", map_location="cpu",
+                        weights_only=False)
+    engine.global_steps = states.get("global_steps", engine.global_steps)
+    engine.global_samples = states.get("global_samples", engine.global_samples)
+    scheduler = engine.lr_scheduler
+    if scheduler is not None and states.get("lr_scheduler") is not None:
+        scheduler.load_state_dict(states["lr_scheduler"])
+    if getattr(scheduler, "last_batch_iteration", -1) >= 0:  # the LR of the step that runs next
+        scheduler.step(scheduler.last_batch_iteration)
+    return trainer_state["step"], read_json(directory / "loader_state.json")
+
+
+def read_json(path: Path) -> dict:
     try:
         value = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -22,7 +22,7 @@ from ds_omni.parallel import dist
 from ds_omni.parallelize import router_of
 from ds_omni.parallelize.bubble_schedule import bubble_metrics
 from ds_omni.parallelize.expert_parallel import expert_load
-from ds_omni.train import checkpoint
+from ds_omni.train import checkpoint, reshard
 from ds_omni.train.control import WeightsFile
 from ds_omni.train.evaluate import build_evaluator
 from ds_omni.train.metrics import MetricsLogger, write_report
@@ -52,12 +52,14 @@ def run(cfg: OmniConfig, ds_config_path: str, *, resume: bool = False,
 
 
 def _run(cfg, ds_config, plan, rank, resume, stop_after, watchdog) -> dict:
-    built, loader, engine, groups = setup_training(cfg, ds_config, rank, plan)
     out = Path(cfg.train.output_dir)
+    with _solo(watchdog):  # another plan's checkpoint: made whole, to be sharded anew
+        weights = reshard.resharded_weights(out, plan, rank) if resume else None
+    built, loader, engine, groups = setup_training(cfg, ds_config, rank, plan, weights)
     start = 0
     if resume:
         with _solo(watchdog):  # rank 0 may convert it first (another number of ranks)
-            start = resume_from(engine, loader, out, rank)
+            start = resume_from(engine, loader, out, rank, resharded=weights is not None)
     elif rank == 0:
         (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / SKIPPED_FILE).unlink(missing_ok=True)
@@ -80,10 +82,11 @@ def _solo(watchdog):
     return watchdog.solo() if watchdog is not None else contextlib.nullcontext()
 
 
-def resume_from(engine, loader, output_dir, rank: int) -> int:
+def resume_from(engine, loader, output_dir, rank: int, resharded: bool = False) -> int:
     """Load the newest complete checkpoint of `output_dir` into `engine` and `loader` (the data
-    position); returns its step. Every rank calls this."""
-    start, loader_state = checkpoint.load(engine, output_dir, rank)
+    position); returns its step. Every rank calls this. `resharded`: it was written under
+    another plan and its weights came in whole at setup (`ds_omni.train.reshard`)."""
+    start, loader_state = checkpoint.load(engine, output_dir, rank, resharded)
     restore_loader(loader, loader_state)
     if getattr(engine.module, "joint", None) is not None:  # "uniform": stage 0 holds them
         engine.module.joint.sync_replicas()

@@ -30,6 +30,7 @@ from ds_omni.errors import ModelError
 from ds_omni.model.attention import resolve_kernel
 from ds_omni.model.build import (build_model, check_model_files, check_positions,
                                   check_sequence_parallel, llm_text_config, model_facts)
+from ds_omni.model.convert import load_omni_state
 from ds_omni.parallel import dist
 from ds_omni.parallel.groups import RankGroups, rank_groups
 from ds_omni.parallel.plan import ParallelPlan
@@ -172,9 +173,11 @@ class Training(NamedTuple):
     groups: RankGroups  # this rank's process groups (what `train_step` reduces over)
 
 
-def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPlan) -> Training:
+def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPlan,
+                   weights: dict | None = None) -> Training:
     """(built model, loader, DeepSpeed engine, process groups) of this rank; call after
-    `init_distributed`."""
+    `init_distributed`. `weights` (OmniModel names, whole): loaded before the plan shards the
+    model (a resume on another plan, `ds_omni.train.reshard`)."""
     import deepspeed
     from deepspeed.utils import groups as ds_groups
     plan = with_llm_heads(cfg, plan)  # a plan made without `plan_run` (tests)
@@ -182,6 +185,8 @@ def setup_training(cfg: OmniConfig, ds_config: dict, rank: int, plan: ParallelPl
     if rank != 0:  # rank 0 makes builtin assets first; the others then only read them
         dist.barrier()
     built = _build_model(cfg)
+    if weights is not None:
+        load_omni_state(built.model, weights)
     cost = cost_model(cfg, built)
     loader = build_loader(cfg, built, plan, groups,
                           num_micro=ds_config["gradient_accumulation_steps"], cost=cost)

@@ -6,6 +6,6 @@
     plants.for_launch("dp")  # the plants a launch's `test_plant_*` must catch
 """
 
-from tests.plants import (bf16, context_parallel, data, expert_parallel,  # noqa: F401  (register)
+from tests.plants import (bf16, checkpoint, context_parallel, data, expert_parallel,  # noqa: F401  (register)
                           parity, pipeline, sequence_parallel, sim, tensor_parallel, train)
 from tests.plants.registry import PLANTS, Plant, applied, for_launch, plant  # noqa: F401

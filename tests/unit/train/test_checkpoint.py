@@ -219,8 +219,9 @@ def test_a_damaged_loader_state_is_named(tmp_path):
 
 
 def test_a_pipeline_checkpoint_on_another_number_of_ranks_says_what_to_do(tmp_path):
-    """DeepSpeed's universal checkpoints do not cover its pipeline engine: a pipeline checkpoint
-    written by 4 ranks (2 stages x dp 2) is refused on 1 rank, before DeepSpeed reads a byte."""
+    """DeepSpeed's loading cannot re-partition a pipeline checkpoint: one written by 4 ranks
+    (2 stages x dp 2) and loaded on 1 rank without ds_omni's consolidation (`--resume` runs it
+    first: `ds_omni.train.reshard`) is refused, before DeepSpeed reads a byte."""
     class PipelineStage(torch.nn.Linear):
         def whole_model_shapes(self):
             return {"0.weight": [1, 1], "0.bias": [1]}
@@ -238,5 +239,5 @@ def test_a_pipeline_checkpoint_on_another_number_of_ranks_says_what_to_do(tmp_pa
 
     checkpoint.save(PipelineEngine(), tmp_path, 3, {"step": 3}, rank=0)
     with pytest.raises(LaunchError, match="4 rank.*wrote the pipeline checkpoint step00000003, "
-                                          "this run has 1.*ds-omni convert --checkpoint"):
+                                          "this run has 1.*consolidates it first"):
         checkpoint.load(PipelineEngine(), tmp_path, rank=0)
