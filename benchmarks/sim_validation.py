@@ -63,6 +63,25 @@ CONFIGS = {
     "per_sequence4_longtail": (4, "longtail", {"max_sequence_sp": 4}),
     "pool4_longtail": (4, "longtail", {"encoder_pool": "dp"}),
 }
+# the composed backbone (issue 37) and ring context parallelism (issue 38), on 4 ranks: the
+# long tail's LLM ("longtail"), and an MoE LLM of the same width on the same data ("moe")
+COMPOSED = {
+    "pp2_tp2_longtail": (4, "longtail", {"pp": 2, "tp": 2, "encoder_placement": "stage0"}),
+    "pp2_sp2_longtail": (4, "longtail", {"pp": 2, "sp": 2, "encoder_placement": "stage0",
+                                         "encoder_sp": "off"}),
+    "pp2_ep2_moe": (4, "moe", {"pp": 2, "ep": 2, "encoder_placement": "stage0"}),
+    "ep2_tp2_moe": (4, "moe", {"ep": 2, "tp": 2}),
+    "cp2_longtail": (4, "longtail", {"cp": 2, "encoder_sp": "off"}),
+    "sp2_cp2_longtail": (4, "longtail", {"sp": 2, "cp": 2, "encoder_sp": "off"}),
+}
+CONFIGS |= COMPOSED
+# a Qwen3-MoE LLM as wide as the long tail's (`per_sequence_sp.LLM`): 4 experts of half its
+# MLP, top-2, HF's auxiliary loss on, 2 layers (one a stage under pp2)
+MOE_LLM = {"model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 512,
+           "moe_intermediate_size": 256, "num_experts": 4, "num_experts_per_tok": 2,
+           "norm_topk_prob": True, "output_router_logits": True, "router_aux_loss_coef": 0.01,
+           "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+           "head_dim": 32, "max_position_embeddings": 4096, "tie_word_embeddings": False}
 MIX = {"image": "image_heavy_9to1", "text": "text_heavy_1to9"}
 
 
@@ -73,11 +92,12 @@ def config(name: str, out_dir: str, sources: dict, steps: int, seed: int = 0):
     from ds_omni.parallel.plan import ParallelPlan
     from tests.fixtures import tiny_config_dict
     world, work, par = CONFIGS[name]
-    if work == "longtail":
+    if work in ("longtail", "moe"):
         d = tiny_config_dict(f"{out_dir}/{name}", steps=steps,
                              global_batch_size=per_sequence_sp.GLOBAL_BATCH,
                              micro_batch_size=per_sequence_sp.MICRO)
-        d["model"]["llm"]["config"].update(per_sequence_sp.LLM)
+        d["model"]["llm"]["config"].update(per_sequence_sp.LLM if work == "longtail"
+                                           else MOE_LLM)
         d["data"]["sources"].append(sources["long"])
         d["data"].update(max_seq_len=per_sequence_sp.MAX_LEN,
                          pack_tokens=per_sequence_sp.MAX_LEN * per_sequence_sp.MICRO)
@@ -183,8 +203,9 @@ def samples_of(per_rank: list[list[dict]], step: int):
 
 # ------------------------------------------------------------------------- calibration
 def model_of(name: str) -> str:
-    """The model (and calibration) a plan uses: its benchmark's."""
-    return "longtail" if CONFIGS[name][1] == "longtail" else "pipeline"
+    """The calibration a plan uses: its benchmark's (the MoE LLM's: the long tail's, its width
+    and data; the fitted machine is a FLOP rate and costs a parameter, not one model's)."""
+    return "longtail" if CONFIGS[name][1] in ("longtail", "moe") else "pipeline"
 
 
 def busy_s(report) -> float:
