@@ -74,11 +74,11 @@ def in_flight(summary: dict, per_plan: dict) -> None:
 
 
 def ratios(summary: dict) -> dict:
-    """'plan/baseline' -> the plan's figures over the baseline's (the same run)."""
+    """{plan}_over_{baseline} -> the plan's figures over the baseline's (the same run)."""
     keys = ("step_cpu_s_median", "param_bytes_max_mb", "optimizer_state_bytes_max_mb",
             "activation_peak_bytes_max_mb", "live_tensor_bytes_max_mb", "held_max_mb",
             "in_flight_held_max_mb")
-    return {f"{a}/{b}": {k: summary[a][k] / summary[b][k] for k in keys} for a, b in RATIOS}
+    return {f"{a}_over_{b}": {k: summary[a][k] / summary[b][k] for k in keys} for a, b in RATIOS}
 
 
 def whole_state_mb(summary: dict) -> float:
@@ -107,7 +107,8 @@ def main() -> None:
         per_plan = run_plans(plans, args.steps, args.warmup, counters)
     summary = summarise(per_plan, "zero3", args.cap_mb)
     in_flight(summary, per_plan)
-    out = {"world": WORLD, "llms": llms, "steps": args.steps, "warmup": args.warmup,
+    out = {"command": " ".join([".venv/bin/python benchmarks/composed_backbone.py",
+                                *sys.argv[1:]]), "world": WORLD, "llms": llms, "steps": args.steps, "warmup": args.warmup,
            "cap_mb": args.cap_mb, "dense_whole_state_mb": whole_state_mb(summary),
            "plans": {k: [v[0], v[1], v[2]] for k, v in PLANS.items()},
            "load_avg_before": load, "load_avg_after": os.getloadavg()[0],
