@@ -377,15 +377,36 @@ def predict_all(raw: dict, out: Path, tmp: str, sources: dict) -> list[dict]:
     machines = {int(w): with_pool(c["machine"], int(w)) for w, c in raw["compute"].items()}
     for w, m in machines.items():
         raw["compute"][str(w)]["machine"] = m  # the report's calibration says what was used
+    files = {int(w): out / f"sim_validation_cluster_w{w}.json"  # `merged`: each world's links
+             for w in raw.get("comm_by_world", {})}
+    for w, f in files.items():
+        f.write_text(json.dumps(raw["comm_by_world"][str(w)]["cluster"], indent=1))
     rows = []
     for name, logs in raw["logs"].items():
-        row = {"name": name, "world": CONFIGS[name][0], "workload": CONFIGS[name][1],
+        world = CONFIGS[name][0]
+        cluster_file = files.get(world, out / "sim_validation_cluster.json")
+        row = {"name": name, "world": world, "workload": CONFIGS[name][1],
                "parallel": CONFIGS[name][2], **measured(logs, raw["warmup"]),
-               **predict(name, logs, raw["warmup"], str(out / "sim_validation_cluster.json"),
-                         machines[CONFIGS[name][0]], tmp, sources)}
+               **predict(name, logs, raw["warmup"], str(cluster_file), machines[world], tmp,
+                         sources)}
         row["error"] = (row["predicted_s"] - row["measured_s"]) / row["measured_s"]
         rows.append(row)
     return rows
+
+
+def merged(raw: dict, other: dict) -> dict:
+    """`raw` with the worlds it did not measure taken from `other` (an earlier session's raw
+    file, `--merge`): their plans' runs, calibrations and links (`comm_by_world`), so that one
+    session may re-measure the 4-rank plans and keep the 2-rank ones."""
+    out = dict(raw, logs=dict(raw["logs"]), compute=dict(raw["compute"]),
+               engine_logs=dict(raw["engine_logs"]))
+    comm = out.setdefault("comm_by_world", {w: raw["comm"] for w in raw["compute"]})
+    for w in sorted(set(other["compute"]) - set(raw["compute"])):
+        out["logs"] |= {n: v for n, v in other["logs"].items() if CONFIGS[n][0] == int(w)}
+        out["compute"][w], out["engine_logs"][w] = other["compute"][w], other["engine_logs"][w]
+        comm[w] = other["comm"]
+        out.setdefault("merged_rounds", {})[w] = other["rounds"]
+    return out
 
 
 def run(args) -> dict:
@@ -399,6 +420,9 @@ def run(args) -> dict:
                    "long": long_source(Path(tmp), weight=0.14, words=1200)}
         if args.reuse:
             raw = json.loads(raw_file.read_text())
+            if args.merge:
+                raw = merged(raw, json.loads(args.merge.read_text()))
+                raw_file.write_text(json.dumps(raw))
             if args.recalibrate or args.recalibrate_engine:  # the measured runs kept
                 raw["compute"] = cal.calibrate_compute(
                     list(raw["logs"]), tmp, sources, args.batches,
@@ -420,7 +444,8 @@ def run(args) -> dict:
 
 def command(args) -> str:
     """The command line that produced this result (what `--reuse` re-predicted from)."""
-    flags = [f for f, on in (("--reuse", args.reuse), ("--recalibrate", args.recalibrate),
+    flags = [f for f, on in (("--reuse", args.reuse), (f"--merge {args.merge}", args.merge),
+                             ("--recalibrate", args.recalibrate),
                              ("--recalibrate-engine", args.recalibrate_engine)) if on]
     if not args.reuse:  # the measured run's own settings
         flags += [f"--rounds {args.rounds}", f"--warmup {args.warmup}",
@@ -468,6 +493,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--reuse", action="store_true",
                     help="predict again from the last run's measurements (sim_validation_raw.json)")
+    ap.add_argument("--merge", type=Path,
+                    help="with --reuse: an earlier raw file whose other worlds' plans to keep")
     ap.add_argument("--recalibrate", action="store_true",
                     help="with --reuse: run the compute calibration again")
     ap.add_argument("--recalibrate-engine", action="store_true",
