@@ -120,6 +120,8 @@ BENCHES = [
           full_only="4 ranks, 769 s at load 11-31"),
     Bench("expert_parallel.py", ("expert_parallel.json", "expert_parallel.png"), 900,
           full_only="4 ranks, 346 s at load 25-33"),
+    Bench("composed_backbone.py --steps 4", ("composed_backbone.json", "composed_backbone.png"),
+          900, full_only="4 ranks, 5 plans, 8-9 minutes at load 25-70"),
     Bench("ep_all_to_all.py", ("ep_all_to_all.json", "ep_all_to_all.png"), 600,
           full_only="2 ranks, about 90 s quiet"),
     Bench("context_parallel.py", ("context_parallel.json",), 600, quick=("--tokens", "512")),

@@ -52,12 +52,18 @@ def calibrate_compute(names: list[str], out_dir: str, sources: dict, batches: in
 def with_pool(machine: dict, world: int) -> dict:
     """`machine` with the encoder pool's planning cost an item (`Cluster.pool_item_s`), timed
     now by its micro-benchmark (`calibrate_comm.time_pool_planning`, ~0.1 s; pure, no process
-    group) for a pool of `world` ranks, where the machine has none yet (a measurement from
-    before it was calibrated: `--reuse` times it here)."""
-    from ds_omni.sim.calibrate_comm import time_pool_planning
-    if "pool_item_s" in machine:
-        return machine
-    return dict(machine, pool_item_s=time_pool_planning(world))
+    group) for a pool of `world` ranks, and ring attention's block FLOP/s
+    (`Cluster.ring_flops_per_s`, `time_ring_blocks`, ~2 s), where the machine has none yet (a
+    measurement from before they were calibrated: `--reuse` times them here)."""
+    from ds_omni.sim.calibrate_comm import time_pool_planning, time_ring_blocks
+    from benchmarks.per_sequence_sp import LLM
+    if "pool_item_s" not in machine:
+        machine = dict(machine, pool_item_s=time_pool_planning(world))
+    if "ring_flops_per_s" not in machine:  # ring attention's kernel at the long tail's heads
+        heads = LLM["num_attention_heads"]  # and blocks (a ~1,500-token row over a ring of 2)
+        machine = dict(machine, ring_flops_per_s=time_ring_blocks(
+            heads, LLM["hidden_size"] // heads, tokens=768))
+    return machine
 
 
 def with_engine(compute: dict, engine: dict) -> dict:

@@ -63,8 +63,27 @@ CONFIGS = {
     "per_sequence4_longtail": (4, "longtail", {"max_sequence_sp": 4}),
     "pool4_longtail": (4, "longtail", {"encoder_pool": "dp"}),
 }
+# the composed backbone (issue 37) and ring context parallelism (issue 38), on 4 ranks: the
+# long tail's LLM ("longtail"), and an MoE LLM of the same width on the same data ("moe")
+COMPOSED = {
+    "pp2_tp2_longtail": (4, "longtail", {"pp": 2, "tp": 2, "encoder_placement": "stage0"}),
+    "pp2_sp2_longtail": (4, "longtail", {"pp": 2, "sp": 2, "encoder_placement": "stage0",
+                                         "encoder_sp": "off"}),
+    "pp2_ep2_moe": (4, "moe", {"pp": 2, "ep": 2, "encoder_placement": "stage0"}),
+    "ep2_tp2_moe": (4, "moe", {"ep": 2, "tp": 2}),
+    "cp2_longtail": (4, "longtail", {"cp": 2, "encoder_sp": "off"}),
+    "sp2_cp2_longtail": (4, "longtail", {"sp": 2, "cp": 2, "encoder_sp": "off"}),
+}
+CONFIGS |= COMPOSED
+# a Qwen3-MoE LLM as wide as the long tail's (`per_sequence_sp.LLM`): 4 experts of half its
+# MLP, top-2, HF's auxiliary loss on, 2 layers (one a stage under pp2)
+MOE_LLM = {"model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 512,
+           "moe_intermediate_size": 256, "num_experts": 4, "num_experts_per_tok": 2,
+           "norm_topk_prob": True, "output_router_logits": True, "router_aux_loss_coef": 0.01,
+           "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+           "head_dim": 32, "max_position_embeddings": 4096, "tie_word_embeddings": False}
 # the bubbles schedule (issue 39) beside "uniform" on 4 ranks, PP=2 x dp 2 and PP=4, the 9:1 mix:
-# a list of its own, joined to CONFIGS (other plans are added to CONFIGS above)
+# a list of its own, joined to CONFIGS
 BUBBLE_CONFIGS = {
     f"pp{pp}_{where}_image_4ranks": (4, "image", {"pp": pp, "encoder_placement": where,
                                                   "stage_tokens": 96})
@@ -80,11 +99,12 @@ def config(name: str, out_dir: str, sources: dict, steps: int, seed: int = 0):
     from ds_omni.parallel.plan import ParallelPlan
     from tests.fixtures import tiny_config_dict
     world, work, par = CONFIGS[name]
-    if work == "longtail":
+    if work in ("longtail", "moe"):
         d = tiny_config_dict(f"{out_dir}/{name}", steps=steps,
                              global_batch_size=per_sequence_sp.GLOBAL_BATCH,
                              micro_batch_size=per_sequence_sp.MICRO)
-        d["model"]["llm"]["config"].update(per_sequence_sp.LLM)
+        d["model"]["llm"]["config"].update(per_sequence_sp.LLM if work == "longtail"
+                                           else MOE_LLM)
         d["data"]["sources"].append(sources["long"])
         d["data"].update(max_seq_len=per_sequence_sp.MAX_LEN,
                          pack_tokens=per_sequence_sp.MAX_LEN * per_sequence_sp.MICRO)
@@ -193,8 +213,9 @@ def samples_of(per_rank: list[list[dict]], step: int):
 
 # ------------------------------------------------------------------------- calibration
 def model_of(name: str) -> str:
-    """The model (and calibration) a plan uses: its benchmark's."""
-    return "longtail" if CONFIGS[name][1] == "longtail" else "pipeline"
+    """The calibration a plan uses: its benchmark's (the MoE LLM's: the long tail's, its width
+    and data; the fitted machine is a FLOP rate and costs a parameter, not one model's)."""
+    return "longtail" if CONFIGS[name][1] in ("longtail", "moe") else "pipeline"
 
 
 def busy_s(report) -> float:
@@ -366,15 +387,36 @@ def predict_all(raw: dict, out: Path, tmp: str, sources: dict) -> list[dict]:
     machines = {int(w): with_pool(c["machine"], int(w)) for w, c in raw["compute"].items()}
     for w, m in machines.items():
         raw["compute"][str(w)]["machine"] = m  # the report's calibration says what was used
+    files = {int(w): out / f"sim_validation_cluster_w{w}.json"  # `merged`: each world's links
+             for w in raw.get("comm_by_world", {})}
+    for w, f in files.items():
+        f.write_text(json.dumps(raw["comm_by_world"][str(w)]["cluster"], indent=1))
     rows = []
     for name, logs in raw["logs"].items():
-        row = {"name": name, "world": CONFIGS[name][0], "workload": CONFIGS[name][1],
+        world = CONFIGS[name][0]
+        cluster_file = files.get(world, out / "sim_validation_cluster.json")
+        row = {"name": name, "world": world, "workload": CONFIGS[name][1],
                "parallel": CONFIGS[name][2], **measured(logs, raw["warmup"]),
-               **predict(name, logs, raw["warmup"], str(out / "sim_validation_cluster.json"),
-                         machines[CONFIGS[name][0]], tmp, sources)}
+               **predict(name, logs, raw["warmup"], str(cluster_file), machines[world], tmp,
+                         sources)}
         row["error"] = (row["predicted_s"] - row["measured_s"]) / row["measured_s"]
         rows.append(row)
     return rows
+
+
+def merged(raw: dict, other: dict) -> dict:
+    """`raw` with the worlds it did not measure taken from `other` (an earlier session's raw
+    file, `--merge`): their plans' runs, calibrations and links (`comm_by_world`), so that one
+    session may re-measure the 4-rank plans and keep the 2-rank ones."""
+    out = dict(raw, logs=dict(raw["logs"]), compute=dict(raw["compute"]),
+               engine_logs=dict(raw["engine_logs"]))
+    comm = out.setdefault("comm_by_world", {w: raw["comm"] for w in raw["compute"]})
+    for w in sorted(set(other["compute"]) - set(raw["compute"])):
+        out["logs"] |= {n: v for n, v in other["logs"].items() if CONFIGS[n][0] == int(w)}
+        out["compute"][w], out["engine_logs"][w] = other["compute"][w], other["engine_logs"][w]
+        comm[w] = other["comm"]
+        out.setdefault("merged_rounds", {})[w] = other["rounds"]
+    return out
 
 
 def run(args) -> dict:
@@ -388,6 +430,9 @@ def run(args) -> dict:
                    "long": long_source(Path(tmp), weight=0.14, words=1200)}
         if args.reuse:
             raw = json.loads(raw_file.read_text())
+            if args.merge:
+                raw = merged(raw, json.loads(args.merge.read_text()))
+                raw_file.write_text(json.dumps(raw))
             if args.recalibrate or args.recalibrate_engine:  # the measured runs kept
                 raw["compute"] = cal.calibrate_compute(
                     list(raw["logs"]), tmp, sources, args.batches,
@@ -409,7 +454,8 @@ def run(args) -> dict:
 
 def command(args) -> str:
     """The command line that produced this result (what `--reuse` re-predicted from)."""
-    flags = [f for f, on in (("--reuse", args.reuse), ("--recalibrate", args.recalibrate),
+    flags = [f for f, on in (("--reuse", args.reuse), (f"--merge {args.merge}", args.merge),
+                             ("--recalibrate", args.recalibrate),
                              ("--recalibrate-engine", args.recalibrate_engine)) if on]
     if not args.reuse:  # the measured run's own settings
         flags += [f"--rounds {args.rounds}", f"--warmup {args.warmup}",
@@ -457,6 +503,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--reuse", action="store_true",
                     help="predict again from the last run's measurements (sim_validation_raw.json)")
+    ap.add_argument("--merge", type=Path,
+                    help="with --reuse: an earlier raw file whose other worlds' plans to keep")
     ap.add_argument("--recalibrate", action="store_true",
                     help="with --reuse: run the compute calibration again")
     ap.add_argument("--recalibrate-engine", action="store_true",

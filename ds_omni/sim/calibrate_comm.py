@@ -244,3 +244,26 @@ def time_pool_planning(ranks: int = 2, per_rank: int = 8, rounds: int = 4,
             plan_round([it for r in everyone for it in r[m][0]], ranks, ["vision"])
         times.append(time.process_time() - t0)
     return statistics.median(times) / (ranks * per_rank * rounds)
+
+
+def time_ring_blocks(heads: int = 8, head_dim: int = 32, tokens: int = 1024,
+                     repeats: int = 5) -> float:
+    """FLOP/s of ring attention's block kernel (`Cluster.ring_flops_per_s`): forward and
+    backward of `block_attention` on one dense `tokens` x `tokens` block (a packed row of 4
+    samples, zigzag: every query of a rank scores every key, masked), its matmuls' 3 x 4 h C K D
+    FLOPs over its `time.process_time` (the median of `repeats`; one thread)."""
+    import torch
+
+    from ds_omni.model.ring_attention import block_attention, ring_mask
+    pos = torch.arange(tokens)
+    bounds = torch.tensor([0, tokens // 4, tokens // 2, 3 * tokens // 4, tokens])
+    q = torch.randn(tokens, heads, head_dim, requires_grad=True)
+    k, v = (torch.randn(tokens, max(1, heads // 2), head_dim, requires_grad=True)
+            for _ in range(2))
+    times = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        out, lse = block_attention(q, k, v, ring_mask(pos, pos, bounds), head_dim ** -0.5)
+        (out.sum() + lse.clamp(min=-1e4).sum()).backward()
+        times.append(time.process_time() - t0)
+    return 3 * 4 * heads * tokens * tokens * head_dim / statistics.median(times)

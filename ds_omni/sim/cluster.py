@@ -63,6 +63,9 @@ class Cluster:
     kernels: KernelFit | None = None
     """The GPU type's kernels by shape (`gpus.KernelFit`, `sim.published.calibrate`) for the
     LLM's passes; None: all work at `achievable`."""
+    ring_flops_per_s: float = 0.0
+    """FLOP/s of ring attention's dense masked blocks (`model/ring_attention.block_attention`,
+    pure torch): `calibrate_comm.time_ring_blocks` on CPU; 0: a fused varlen kernel (presets)."""
     name: str = "custom"
 
     def __post_init__(self):
@@ -80,7 +83,7 @@ class Cluster:
             if not getattr(self, field) > 0:
                 raise ConfigError(f"Cluster.{field} must be > 0, got {getattr(self, field)}")
         for field in ("micro_batch_s_per_param", "optimizer_s_per_param", "step_s",
-                      "a2a_call_s", "pool_item_s"):
+                      "a2a_call_s", "pool_item_s", "ring_flops_per_s"):
             if not getattr(self, field) >= 0:
                 raise ConfigError(f"Cluster.{field} is a time and must be >= 0, got "
                                   f"{getattr(self, field)}")

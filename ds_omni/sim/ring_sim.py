@@ -73,6 +73,7 @@ def run_ring(step, rr, ids: np.ndarray, groups: np.ndarray, u: int, c: int,
     # one step's forward attention on a rank: 1/3 of training, a layer's, the rank's, 1/c
     block = np.repeat(attn, per_ring) / 3 / m.dims.layers / (u * c * tp) / c / step.rate
     nbytes = tokens / c * kv_bytes_per_token(m, u, tp)  # [R tp u] one block
+    dense_blocks(step, rings, block_flops(step, rr, ids, attn), per_ring, backward)
     link = comm.links_each(step.cluster, rings)
     seconds = m.dims.layers * ring_layer_seconds(comm.p2p_each(nbytes, link), block, c,
                                                  backward, plan.checkpointing)
@@ -81,3 +82,29 @@ def run_ring(step, rr, ids: np.ndarray, groups: np.ndarray, u: int, c: int,
     step.a2a_bytes["llm_ring"] = step.a2a_bytes.get("llm_ring", 0.0) + moved
     gid = np.repeat(np.arange(rings.shape[0]), c)
     step.timeline.sync(rings.reshape(-1), gid, "llm_cp", seconds[gid])
+
+
+def block_flops(step, rr, ids: np.ndarray, attn: np.ndarray) -> np.ndarray:
+    """[R] each row's ring attention in FLOPs at the step's rate, beyond the varlen cost the
+    step already charged (`attn`: the causal sum of its samples' squares): `block_attention`
+    scores every query of a rank against every key of each block, masked (zigzag puts every
+    sample on every rank, so no block is skipped): the full square of the row, twice its causal
+    L^2, at `Cluster.ring_flops_per_s` (its pure-torch kernel, calibrated on CPU). 0 there (the
+    GPU presets): a fused varlen ring kernel, nothing beyond `attn`."""
+    ring_rate = step.cluster.ring_flops_per_s
+    if not ring_rate:
+        return np.zeros(len(ids))
+    quad = step.model.cost.coefficients["llm_quad"]
+    dense = 2 * quad * rr.tokens[ids].astype(np.float64) ** 2 * step.rate / ring_rate
+    return np.maximum(0.0, dense - attn)
+
+
+def dense_blocks(step, rings: np.ndarray, flops: np.ndarray, per_ring: int,
+                 backward: bool) -> None:
+    """Each ring rank computes its 1/(u c tp) of its row's dense-block FLOPs `flops` [R] in this
+    pass (forward 1/3 of training, backward 2/3, plus the recomputed forward's)."""
+    c = rings.shape[1]
+    share = (2 + step.plan.checkpointing) / 3 if backward else 1 / 3
+    seconds = np.repeat(flops, per_ring) * share / (per_ring * c) / step.rate  # [R tp u]
+    step.timeline.run(rings.reshape(-1), "llm_bwd" if backward else "llm_fwd",
+                      np.repeat(seconds, c))

@@ -171,7 +171,9 @@ def machine_fields(result: dict) -> dict:
             # calibration with sp runs fitted one
             "a2a_call_s": result.get("a2a_call_s", 0.0),
             # the encoder pool's planning a step per item, where a micro-benchmark timed it
-            "pool_item_s": result.get("pool_item_s", 0.0)}
+            "pool_item_s": result.get("pool_item_s", 0.0),
+            # ring attention's dense blocks' FLOP/s, where a micro-benchmark timed it
+            "ring_flops_per_s": result.get("ring_flops_per_s", 0.0)}
 
 
 def write(result: dict, out: str | Path) -> Path:

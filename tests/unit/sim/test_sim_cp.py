@@ -137,3 +137,22 @@ def test_search_with_cp_keeps_the_exhaustive_best(llm_7b):
     assert [describe(r.plan) for r in fast.top] == [describe(r.plan) for r in every.top]
     assert all(r.bound <= r.step_time for r in every.top)
     assert any(r.plan.cp > 1 for r in every.top)
+
+
+def test_ring_blocks_are_priced_dense_at_their_own_rate(llm_7b):
+    """`block_attention` scores every query of a rank against every key of each block, masked
+    (zigzag puts every sample on every rank): a packed row of 8 samples costs its ring as much
+    as one sample of the row's length, not the sum of its samples' squares; at a slower
+    `ring_flops_per_s` the step grows. (0, the presets: a fused varlen kernel, priced as Σ n^2.)"""
+    c = cluster("h100", 2, 2)
+    c = cluster("h100", 2, 2, ring_flops_per_s=c.flops_per_s)  # the pure-torch kernel's
+    plan = SimPlan(cp=2, global_batch=8, micro_batches=1, pack_tokens=LONG, reorder="fixed",
+                   reorder_group=1)
+    eight = simulate(c, llm_7b, text([LONG // 8] * 8), plan)
+    one = simulate(c, llm_7b, text([LONG]), plan.replace(global_batch=1))
+    assert eight.step_time == pytest.approx(one.step_time, rel=0.02)
+    slow = cluster("h100", 2, 2, ring_flops_per_s=c.flops_per_s / 4)
+    assert simulate(slow, llm_7b, text([LONG]), plan.replace(global_batch=1)).step_time > \
+        2 * one.step_time
+    no_ring = simulate(c, llm_7b, text([LONG // 8] * 8), plan.replace(cp=1, sp=2))
+    assert no_ring.step_time < eight.step_time / 2  # Ulysses' varlen kernel: the samples' own

@@ -64,7 +64,8 @@ def test_calibration_runs_on_other_batches_than_the_validated_ones(tmp_path):
     assert validated.data.seed != calibration.data.seed
     assert len(sim_validation.CONFIGS) >= 10
     assert {w for w, _, _ in sim_validation.CONFIGS.values()} == {2, 4}
-    assert {k for _, k, _ in sim_validation.CONFIGS.values()} == {"image", "text", "longtail"}
+    assert {k for _, k, _ in sim_validation.CONFIGS.values()} == {"image", "text", "longtail",
+                                                                   "moe"}
 
 
 def test_the_validated_model_keeps_its_attention_heads(tmp_path):
