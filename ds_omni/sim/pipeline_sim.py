@@ -94,7 +94,18 @@ def held_params(step, s: int = 0) -> tuple[float, float]:
 
 def _micro_arrays(step):
     """Per micro-batch and pipeline: LLM FLOPs [M, D], tokens [M, D], encoder FLOPs [M, D], all
-    per rank (an SP group splits its row's work evenly)."""
+    per rank (an SP group splits its row's work evenly). Kept in the step's cache for the plans
+    of one loader assignment and sp (a search's pipelines differ there in ZeRO, encoders,
+    placement, checkpointing: read-only arrays)."""
+    key = ("pipe_micro", id(step.assignment), step.pplan.sp, step.pplan.seq_data_size)
+    if step.cache is None:
+        return _micro_arrays_of(step)
+    if key not in step.cache:  # the assignment lives in the same cache: its id stays its own
+        step.cache[key] = _micro_arrays_of(step)
+    return step.cache[key]
+
+
+def _micro_arrays_of(step):
     p, M = step.pplan, step.plan.micro_batches
     shape = (M, p.seq_data_size)
     llm, tokens, enc = np.zeros(shape), np.zeros(shape), np.zeros(shape)
@@ -226,6 +237,28 @@ def _uniform_encode(step, ranks, backward: bool) -> None:
     """The joint pipeline: each pipeline's items of the step over its stages (LPT by cost), the
     rows then gathered to stage 0 (its gradients sent back after the schedule)."""
     p, rate, fwd = step.pplan, step.rate, step.encoder_fwd
+    load, rows = _uniform_items(step)
+    # the replica's weights read (forward) and gradients written (backward) once a step on a
+    # stage with items: one pass over all of the step's items, not one a micro-batch
+    weights = step.cluster.micro_batch_s_per_param * encoder_params(step)
+    for s in range(p.pp):
+        share = (1 - fwd) if backward else fwd
+        step.timeline.run(ranks[s], "encode_bwd" if backward else "encode_fwd",
+                          load[s] * share / rate + (load[s] > 0) * weights * share)
+        if s > 0:
+            link = comm.link_of(step.cluster, [ranks[s][0], ranks[0][0]])
+            nbytes = rows[s] * step.model.dims.hidden * 2
+            step.timeline.run(ranks[s], "p2p", comm.p2p_each(nbytes, link), COMM)
+
+
+def _uniform_items(step) -> tuple[np.ndarray, np.ndarray]:
+    """[P, D tp] encoder FLOPs and rows of each rank of each stage under the joint pipeline,
+    kept in the step's cache for the plans of one assignment and shape (read-only)."""
+    p = step.pplan
+    key = ("pipe_items", id(step.assignment), p.pp, p.sp, p.tp, p.seq_data_size,
+           bool(step.tp_apart))
+    if step.cache is not None and key in step.cache:
+        return step.cache[key]
     items_of = step.layout.items_of
     load = np.zeros((p.pp, p.seq_data_size))  # [P, D] encoder FLOPs per rank
     rows = np.zeros((p.pp, p.seq_data_size))  # [P, D] rows each stage sends to stage 0
@@ -240,17 +273,9 @@ def _uniform_encode(step, ranks, backward: bool) -> None:
     if p.tp > 1:  # every TP rank of a pipeline: its items (1/tp of them where they encode apart)
         apart = p.tp if step.tp_apart else 1
         load, rows = np.repeat(load, p.tp, axis=1) / apart, np.repeat(rows, p.tp, axis=1) / apart
-    # the replica's weights read (forward) and gradients written (backward) once a step on a
-    # stage with items: one pass over all of the step's items, not one a micro-batch
-    weights = step.cluster.micro_batch_s_per_param * encoder_params(step)
-    for s in range(p.pp):
-        share = (1 - fwd) if backward else fwd
-        step.timeline.run(ranks[s], "encode_bwd" if backward else "encode_fwd",
-                          load[s] * share / rate + (load[s] > 0) * weights * share)
-        if s > 0:
-            link = comm.link_of(step.cluster, [ranks[s][0], ranks[0][0]])
-            nbytes = rows[s] * step.model.dims.hidden * 2
-            step.timeline.run(ranks[s], "p2p", comm.p2p_each(nbytes, link), COMM)
+    if step.cache is not None:
+        step.cache[key] = (load, rows)
+    return load, rows
 
 
 def _pipeline_memory(step, tokens: np.ndarray, frac: np.ndarray) -> None:

@@ -61,15 +61,21 @@ class Ranked:
     peak_memory: float
     critical_phase: str
     bound: float
+    breakdown: dict = field(default_factory=dict)
+    """{phase: seconds} of the step's critical path (what its step time is made of)."""
 
 
 @dataclass
 class SearchResult:
     top: list[Ranked]
     dropped: list[dict] = field(default_factory=list)
-    """[{plan, reason}] every plan not ranked, with why."""
+    """[{plan, reason}] every plan not ranked, with why: refused (training's message), out of
+    memory (the figures), pruned by the bound, slower than the top, left by the budget."""
     baselines: dict = field(default_factory=dict)
     """{name: step time | error} of the best plan's five baselines, same samples."""
+    baselines_as_run: dict = field(default_factory=dict)
+    """{name: step time | error} of the baselines as their papers ran them (filled by the
+    caller, `sim/baselines.py`; printed when present)."""
     candidates: int = 0
     simulated: int = 0
     pruned: int = 0
@@ -78,6 +84,8 @@ class SearchResult:
     """Plans left when the time budget ran out (0: the top is proven)."""
     unexplored_bound: float | None = None
     seconds: float = 0.0
+    below: list = field(default_factory=list, repr=False)
+    """Simulated plans pushed below the top (moved to `dropped` when the search ends)."""
 
 
 def describe(plan) -> str:
@@ -180,9 +188,14 @@ def search(cluster: Cluster, model: ModelSpec, samples: Samples, base: SimPlan, 
         bound, k, refined, plan, shell = heapq.heappop(heap)
         if prune and len(out.top) >= top and bound >= out.top[top - 1].step_time:
             out.pruned = len(heap) + 1
+            _left(out, heap, (bound, k, refined, plan, shell),
+                  f"pruned: bound {{:.4f}} s >= {out.top[top - 1].step_time:.4f} s, the "
+                  f"{_nth(top)} best step found")
             break
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
             out.unexplored, out.unexplored_bound = len(heap) + 1, bound
+            _left(out, heap, (bound, k, refined, plan, shell),
+                  f"left by the time budget ({budget_s:g} s): bound {{:.4f}} s")
             break
         if prune and not refined:  # tighten it with the loader's plan, then look again
             try:
@@ -195,6 +208,7 @@ def search(cluster: Cluster, model: ModelSpec, samples: Samples, base: SimPlan, 
                                   plan, shell))
             continue
         _rank(out, cluster, model, samples, plan, bound, cache, top)
+    _slower(out, top)
     if baselines and out.top:
         out.baselines = _baselines(cluster, model, samples, out.top[0].plan, cache)
     out.seconds = time.perf_counter() - t0
@@ -219,6 +233,36 @@ class _OutOfMemory(DsOmniError):
     """A plan that cannot fit: its figures in the message."""
 
 
+def _left(out: SearchResult, heap: list, first: tuple, reason: str) -> None:
+    """The plans the search stops before simulating (`first` and the heap's), each with
+    `reason` (a format of its bound)."""
+    for bound, _, _, plan, _ in [first] + heap:
+        out.dropped.append({"plan": describe(plan), "reason": reason.format(bound)})
+
+
+def _slower(out: SearchResult, top: int) -> None:
+    """The simulated plans that fit but fell below the top, each with its step time."""
+    if len(out.top) < top:
+        return
+    last = out.top[-1].step_time
+    for r in out.below:
+        out.dropped.append({"plan": describe(r.plan), "reason": (
+            f"slower: step {r.step_time:.4f} s > {last:.4f} s, the {_nth(top)} best")})
+    out.below.clear()
+
+
+def _nth(n: int) -> str:
+    return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
+
+
+def _by_phase(path: list[dict]) -> dict:
+    """{phase: seconds} of a critical path's segments."""
+    out: dict = {}
+    for seg in path:
+        out[seg["phase"]] = out.get(seg["phase"], 0.0) + seg["seconds"]
+    return out
+
+
 def _rank(out: SearchResult, cluster, model, samples, plan, bound, cache, top) -> None:
     out.simulated += 1
     try:
@@ -232,8 +276,10 @@ def _rank(out: SearchResult, cluster, model, samples, plan, bound, cache, top) -
             f"out of memory: peak {r.peak_memory / GIB:.1f} GiB on rank {r.peak_memory_rank} "
             f"({words}) > {cluster.hbm_bytes / GIB:.0f} GiB")})
         return
-    out.top.append(Ranked(plan, r.step_time, r.mfu, r.peak_memory, r.critical_phase, bound))
+    out.top.append(Ranked(plan, r.step_time, r.mfu, r.peak_memory, r.critical_phase, bound,
+                          _by_phase(r.critical_path)))
     out.top.sort(key=lambda x: (x.step_time, _features(x.plan)))
+    out.below += out.top[top:]
     del out.top[top:]
 
 
@@ -257,19 +303,25 @@ def _baselines(cluster, model, samples, plan: SimPlan, cache) -> dict:
 
 def as_dict(result: SearchResult) -> dict:
     """Plain data (what `ds-omni plan --search --json` prints)."""
+    refused = len(result.dropped) - result.pruned - result.unexplored - sum(
+        d["reason"].startswith("slower: ") for d in result.dropped)
     return {"top": [{"plan": describe(r.plan), "fields": r.plan.as_dict(),
                      "step_time": r.step_time, "mfu": r.mfu, "peak_memory_gib": r.peak_memory / GIB,
-                     "critical_phase": r.critical_phase, "bound": r.bound} for r in result.top],
-            "baselines": result.baselines, "dropped": result.dropped,
+                     "critical_phase": r.critical_phase, "bound": r.bound,
+                     "breakdown": r.breakdown} for r in result.top],
+            "baselines": result.baselines, "baselines_as_run": result.baselines_as_run,
+            "dropped": result.dropped,
             "counts": {"candidates": result.candidates, "simulated": result.simulated,
-                       "pruned_by_bound": result.pruned, "dropped": len(result.dropped),
+                       "pruned_by_bound": result.pruned, "dropped": refused,
                        "unexplored": result.unexplored},
             "unexplored_bound": result.unexplored_bound, "seconds": result.seconds}
 
 
-def format_search(d: dict, dropped_lines: int = 12) -> str:
-    """The search for people: the top plans with their speed-up over the best baseline, the
-    baselines, then why plans were dropped (grouped by reason)."""
+def format_search(d: dict, dropped_lines: int | None = None) -> str:
+    """The search for people: the top plans with their speed-up over the best baseline and
+    their critical path by phase, the baselines (tuned, and as their papers ran them where
+    given), then why every other plan was dropped (grouped by reason, `dropped_lines` groups:
+    None, all)."""
     base = {k: v["step_time"] for k, v in d["baselines"].items() if "step_time" in v}
     best_base = min(base.values()) if base else None
     c = d["counts"]
@@ -283,23 +335,44 @@ def format_search(d: dict, dropped_lines: int = 12) -> str:
         lines.append(f"{i}. {r['plan']}\n   step {r['step_time']:.4f} s, MFU {r['mfu']:.1%}, "
                      f"peak {r['peak_memory_gib']:.1f} GiB a GPU, mostly {r['critical_phase']}"
                      + speed)
-    if d["baselines"]:
-        lines.append("baselines of plan 1 (same model, same samples):")
-        for name, b in d["baselines"].items():
-            lines.append(f"  {name:10s} " + (f"error: {b['error']}" if "error" in b else
-                         f"step {b['step_time']:.4f} s, MFU {b['mfu']:.1%}"
-                         + ("" if b["fits"] else ", DOES NOT FIT")))
+        if r.get("breakdown"):
+            lines.append("   critical path: " + ", ".join(
+                f"{k} {v:.4f} s" for k, v in sorted(r["breakdown"].items(), key=lambda kv: -kv[1])))
+    for key, title in (("baselines", "baselines of plan 1 (same model, same samples):"),
+                       ("baselines_as_run", "baselines as their papers ran them:")):
+        lines += _baseline_lines(d.get(key) or {}, title)
+    return "\n".join(lines + _dropped_lines(d["dropped"], dropped_lines))
+
+
+def _baseline_lines(baselines: dict, title: str) -> list[str]:
+    if not baselines:
+        return []
+    return [title] + [f"  {name:10s} " + (f"error: {b['error']}" if "error" in b else
+                      f"step {b['step_time']:.4f} s, MFU {b['mfu']:.1%}"
+                      + ("" if b.get("fits", True) else ", DOES NOT FIT"))
+                      for name, b in baselines.items()]
+
+
+def _dropped_lines(dropped: list[dict], groups: int | None) -> list[str]:
+    """Why plans were dropped: a line per kind of reason (its count, one example in full)."""
     reasons: dict = {}
-    for x in d["dropped"]:
+    for x in dropped:
         reasons.setdefault(_reason_kind(x["reason"]), []).append(x)
-    if reasons:
-        lines.append("dropped:")
-    for kind, xs in sorted(reasons.items(), key=lambda kv: -len(kv[1]))[:dropped_lines]:
+    kinds = sorted(reasons.items(), key=lambda kv: -len(kv[1]))
+    lines = ["dropped:"] if reasons else []
+    for kind, xs in kinds[:groups]:
         lines.append(f"  {len(xs):4d} x {kind}; e.g. {xs[0]['plan']}: {xs[0]['reason']}")
-    return "\n".join(lines)
+    if groups is not None and len(kinds) > groups:
+        lines.append(f"  ... {sum(len(xs) for _, xs in kinds[groups:])} more plans for "
+                     f"{len(kinds) - groups} other reasons (--json lists every one)")
+    return lines
+
+
+SUMMED = ("out of memory", "pruned", "slower", "left by the time budget")
+"""Reasons grouped by their head alone (what precedes the colon): their figures differ."""
 
 
 def _reason_kind(reason: str) -> str:
     """A reason without its numbers, to group alike ones."""
-    head = reason.split(":")[0] if reason.startswith("out of memory") else reason[:60]
+    head = reason.split(":")[0] if reason.startswith(SUMMED) else reason[:60]
     return re.sub(r"\d+", "N", head).strip()
