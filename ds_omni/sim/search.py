@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from ds_omni.errors import DsOmniError
+from ds_omni.parallel.hdp import ulysses_ring_split
 from ds_omni.parallel.plan import ParallelPlan
 from ds_omni.sim import bounds
 from ds_omni.sim.baselines import baseline_plans
@@ -95,6 +96,8 @@ def describe(plan) -> str:
                                  if f.get(k, 1) > 1]
     if f["max_sequence_sp"] > 1:
         parts.append(f"max_sequence_sp={f['max_sequence_sp']}")
+    if "pack_tokens" in f and f.get("sp", 1) * f.get("cp", 1) > 1:  # a row split over them
+        parts.append(f"rows={f['pack_tokens'] // 1024}K")
     parts += [f"zero={f['zero_stage']}", f"encoders={f['encoder_mode']}"]
     if f["pp"] > 1:
         parts.append(f"placement={f['encoder_placement']}")
@@ -108,11 +111,14 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
     """Every plan of `space` on `gpus` GPUs (the SimPlan fields that differ from `base`), with
     `base`'s batch: the same samples per step and per micro-batch row (its micro-batch size),
     so the gradient accumulation steps follow dp. `longest`: the longest sample's tokens (the
-    cp degrees tried, `SearchSpace.ring_shard`)."""
+    cp degrees tried, `SearchSpace.ring_shard`); where longer than the base's row, also rows
+    of sp x cp times its tokens that hold it and per-sequence blocks that do (`_long_rows`)."""
     base_dp = ParallelPlan.dp_of(base.parallel, gpus)
     per_micro = base.global_batch / (base.micro_batches * base_dp)  # samples of one micro-batch
+    need = max(1, -(-longest // base.pack_tokens))  # ranks of base's rows the longest spans
     out, seen = [], set()
-    for sp, pp, tp, ep, msp in itertools.product(*[space.degrees] * 5):
+    for sp, pp, tp, ep, msp in itertools.product(*[space.degrees] * 4,
+                                                 _block_degrees(space, need)):
         if tp > gpus_per_node or sp > gpus_per_node or (ep > 1 and model.moe is None):
             continue
         if tp * sp > gpus_per_node:
@@ -122,7 +128,41 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
         for cp in _ring_degrees(space, longest, sp) if pp == msp == 1 else (1,):
             _add_plans(out, seen, base, gpus, per_micro, space,
                        dict(sp=sp, cp=cp, pp=pp, tp=tp, ep=ep, max_sequence_sp=msp))
+        for size in _long_rows(need, gpus) if pp == msp == 1 else ():
+            _add_long_rows(out, seen, base, gpus, per_micro, space, size, sp, tp, ep)
+    for size in _long_rows(need, gpus):  # static CP's splits (its best must be in the space)
+        ulysses = ulysses_ring_split(size, model.llm_heads)[0]
+        _add_long_rows(out, seen, base, gpus, per_micro, space, size, ulysses, 1, 1)
     return out
+
+
+def _add_long_rows(out, seen, base, gpus, per_micro, space, size, sp, tp, ep) -> None:
+    """Rows of `size` x the base's tokens over sp x cp = `size` ranks (where sp divides it)."""
+    if size >= sp:
+        _add_plans(out, seen, base, gpus, per_micro * size, space,
+                   dict(sp=sp, cp=size // sp, pp=1, tp=tp, ep=ep, max_sequence_sp=1),
+                   pack_tokens=base.pack_tokens * size)
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _block_degrees(space: SearchSpace, need: int) -> tuple[int, ...]:
+    """`space.degrees`, and the least power of two of ranks whose rows of the base's tokens hold
+    the longest sequence, where larger (a per-sequence block past them: Ulysses over the heads
+    inside, ring across, `hdp.ulysses_ring_split`)."""
+    block = _power_of_two(need)
+    return space.degrees + ((block,) if block > max(space.degrees) else ())
+
+
+def _long_rows(need: int, gpus: int) -> list[int]:
+    """Where the longest sequence spans `need` > 1 rows of the base's tokens: the sequence
+    degrees sp x cp of rows that hold it, each a power of two from the least up to every GPU
+    (the range static CP's tuned degree is chosen from, `baselines.bytescale`)."""
+    least = _power_of_two(need)
+    return [1 << k for k in range(least.bit_length() - 1, gpus.bit_length())
+            if need > 1 and 1 << k <= gpus]
 
 
 def _ring_degrees(space: SearchSpace, longest: int, sp: int) -> list[int]:
@@ -136,8 +176,9 @@ def _ring_degrees(space: SearchSpace, longest: int, sp: int) -> list[int]:
 
 
 def _add_plans(out: list, seen: set, base: SimPlan, gpus: int, per_micro: float,
-               space: SearchSpace, degrees: dict) -> None:
-    """The plans of one set of degrees over the space's other fields, each once."""
+               space: SearchSpace, degrees: dict, **rows) -> None:
+    """The plans of one set of degrees over the space's other fields, each once (`rows`:
+    pack_tokens, where not the base's; `per_micro`: the samples of such a row)."""
     sp, cp, pp, tp = degrees["sp"], degrees["cp"], degrees["pp"], degrees["tp"]
     dp = ParallelPlan.auto_dp(gpus, sp * cp, pp, tp)
     if dp * ParallelPlan.model_parallel_size(sp * cp, pp, tp) != gpus:  # no whole replicas
@@ -150,7 +191,7 @@ def _add_plans(out: list, seen: set, base: SimPlan, gpus: int, per_micro: float,
             continue  # the placement acts under pp only
         fields = dict(name="candidate", dp=dp, **degrees, zero_stage=zero, encoder_mode=mode,
                       encoder_placement=place, reorder_group=min(group, dp),
-                      checkpointing=ckpt, micro_batches=micro)
+                      checkpointing=ckpt, micro_batches=micro, **rows)
         key = tuple(fields.values())
         if key not in seen:  # a reorder group capped at dp repeats a smaller one
             seen.add(key)

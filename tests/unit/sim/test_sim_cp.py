@@ -156,3 +156,28 @@ def test_ring_blocks_are_priced_dense_at_their_own_rate(llm_7b):
         2 * one.step_time
     no_ring = simulate(c, llm_7b, text([LONG // 8] * 8), plan.replace(cp=1, sp=2))
     assert no_ring.step_time < eight.step_time / 2  # Ulysses' varlen kernel: the samples' own
+
+
+def test_search_plans_a_sequence_longer_than_a_row(llm_7b):
+    """ByteScale's 2M case scaled down: on 64 GPUs with rows of 8K tokens a rank, a sequence of
+    300K tokens needs 37 ranks (64: past Llama-2-7B's 32 heads). The space holds rows of 8K x
+    sp x cp and per-sequence blocks of 64 ranks; the search plans it, its best holding it."""
+    rng = np.random.default_rng(0)
+    longest = 300_000
+    samples = text(np.concatenate([[longest], rng.integers(128, 4096, 511)]))
+    base = SimPlan(global_batch=512, micro_batches=4, pack_tokens=8192, reorder="budget",
+                   zero_stage=1)
+    space = SearchSpace(zero_stages=(1,), encoder_modes=("reshard",), reorder_groups=(64,),
+                        checkpointing=(True,))
+    plans = candidates(base, 64, 8, llm_7b, space, longest=longest)
+    long_rows = {(p["sp"], p["cp"]) for p in plans if p.get("pack_tokens", 0) >= longest}
+    assert {(1, 64), (8, 8), (32, 2)} <= long_rows  # sp x cp = 64 ranks; 32 x 2: static CP's
+    assert all(p["pack_tokens"] == 8192 * p["sp"] * p["cp"] for p in plans if "pack_tokens" in p)
+    assert any(p["max_sequence_sp"] == 64 for p in plans)
+    found = search(cluster("h100", 64), llm_7b, samples, base, top=3, space=space,
+                   baselines=False)
+    assert found.top, found.dropped[:3]
+    for r in found.top:  # a row, or a per-sequence block of rows, holds the longest
+        assert r.plan.max_sequence_sp * r.plan.pack_tokens >= longest, describe(r.plan)
+    assert found.top[0].step_time <= simulate(
+        cluster("h100", 64), llm_7b, samples, bytescale(base, samples, 32)).step_time
