@@ -35,20 +35,11 @@ if TYPE_CHECKING:
 
 
 class EmbeddingRouter:
-    """The plan's routing of one model's micro-batches (module docstring).
-
-    `sp_group`: the LLM's Ulysses group (None: no static SP; encoders are never split, part 1);
-    `blocks`: per-sequence SP, (first rank, size) -> the Ulysses group of every block this rank
-    can be in, each given its own packed attention with the model's kernel (`block_rings`: the
-    (Ulysses group, ring) of blocks past the heads, whose attention is a ring); `pool`: the
-    encoder pool (its group carries the exchange of pooled micro-batches); `encoder_dummies`: every
-    micro-batch runs every encoder, on a zero-weight dummy where it has no item (ZeRO-2 and -3
-    need it); False where one reduction a step only needs a gradient, which a zero one gives
-    (`encoder_dummies_needed`); `tp_encoders`: under parallel.tp, the split of a row's items
-    over its TP ranks (`ds_omni.parallelize.tp_encoders`). The features that route a step's
-    micro-batches (the pool, the TP split, ZeRO-3's even encoder calls) register with
-    `on_step`; the step calls `prepare_step` and names none of them.
-    """
+    """The plan's routing of one model's micro-batches (module docstring): `sp_group` the LLM's
+    Ulysses group; `blocks` each per-sequence block's Ulysses group (`block_rings`: the (Ulysses
+    group, ring) of blocks past the heads); `pool`, `tp_encoders` the encoder pool and TP split;
+    `encoder_dummies` whether every micro-batch runs every encoder (`encoder_dummies_needed`).
+    Per-step features register with `on_step`; the step calls `prepare_step` only."""
 
     def __init__(self, *, kernel: str, sp_group=None, blocks: dict | None = None,
                  pool: EncoderPool | None = None, encoder_dummies: bool = True,
@@ -57,12 +48,10 @@ class EmbeddingRouter:
         # that a silent fallback to whole rows shows (`ds_omni.parallel.evidence`)
         self.sp_counts = SPCounts()
         self.sp_group = sp_group
-        self.blocks: dict[tuple[int, int], tuple[object, PackedAttention]] = {
-            block: (group, PackedAttention(kernel, group, self.sp_counts))
-            for block, group in (blocks or {}).items()}
-        for block, (ulysses, ring) in (block_rings or {}).items():  # Ulysses inside, ring across
-            self.blocks[block] = (self.blocks[block][0],
-                                  PackedAttention(kernel, ulysses, self.sp_counts, ring=ring))
+        self.blocks: dict[tuple[int, int], tuple[object, PackedAttention]] = {}
+        for block, group in (blocks or {}).items():  # past the heads: Ulysses inside, ring across
+            ulysses, ring = (block_rings or {}).get(block, (group, None))
+            self.blocks[block] = (group, PackedAttention(kernel, ulysses, self.sp_counts, ring=ring))
         self.encoder_pool = pool
         self.encoder_dummies = encoder_dummies
         self.tp_encoders = tp_encoders
