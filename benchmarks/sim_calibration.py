@@ -52,11 +52,15 @@ def calibrate_compute(names: list[str], out_dir: str, sources: dict, batches: in
 def with_pool(machine: dict, world: int) -> dict:
     """`machine` with the encoder pool's planning cost an item (`Cluster.pool_item_s`), timed
     now by its micro-benchmark (`calibrate_comm.time_pool_planning`, ~0.1 s; pure, no process
-    group) for a pool of `world` ranks, and ring attention's block FLOP/s
-    (`Cluster.ring_flops_per_s`, `time_ring_blocks`, ~2 s), where the machine has none yet (a
-    measurement from before they were calibrated: `--reuse` times them here)."""
+    group) for a pool of `world` ranks, ring attention's block FLOP/s
+    (`Cluster.ring_flops_per_s`, `time_ring_blocks`, ~2 s), and AutoEP's MoE layer beyond its
+    FLOPs (`Cluster.moe_token_flops`, `expert_half_tokens`: `calibrate_moe`, ~10 s, at the MoE
+    LLM's widths on random tokens), where the machine has none yet (a measurement from before
+    they were calibrated: `--reuse` times them here)."""
     from ds_omni.sim.calibrate_comm import time_pool_planning, time_ring_blocks
     from benchmarks.per_sequence_sp import LLM
+    if "moe_token_flops" not in machine:
+        machine = dict(machine, **moe_terms())
     if "pool_item_s" not in machine:
         machine = dict(machine, pool_item_s=time_pool_planning(world))
     if "ring_flops_per_s" not in machine:  # ring attention's kernel at the long tail's heads
@@ -64,6 +68,18 @@ def with_pool(machine: dict, world: int) -> dict:
         machine = dict(machine, ring_flops_per_s=time_ring_blocks(
             heads, LLM["hidden_size"] // heads, tokens=768))
     return machine
+
+
+def moe_terms() -> dict:
+    """`Cluster.moe_token_flops` and `expert_half_tokens` of the validation's MoE LLM's layer
+    (`sim_validation.MOE_LLM`), and what they were fitted from ("moe_layer")."""
+    from benchmarks.sim_validation import MOE_LLM
+    from ds_omni.sim.calibrate_moe import fit_moe_layer, time_moe_layer
+    timed = time_moe_layer(MOE_LLM["hidden_size"], MOE_LLM["num_experts"],
+                           MOE_LLM["num_experts_per_tok"], MOE_LLM["moe_intermediate_size"])
+    fit = fit_moe_layer(timed)
+    return {"moe_token_flops": fit["moe_token_flops"],
+            "expert_half_tokens": fit["expert_half_tokens"], "moe_layer": timed | fit}
 
 
 def with_engine(compute: dict, engine: dict) -> dict:

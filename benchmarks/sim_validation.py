@@ -414,8 +414,10 @@ def merged(raw: dict, other: dict) -> dict:
     for w in sorted(set(other["compute"]) - set(raw["compute"])):
         out["logs"] |= {n: v for n, v in other["logs"].items() if CONFIGS[n][0] == int(w)}
         out["compute"][w], out["engine_logs"][w] = other["compute"][w], other["engine_logs"][w]
-        comm[w] = other["comm"]
-        out.setdefault("merged_rounds", {})[w] = other["rounds"]
+        # `other` may itself be merged: its world's own links and rounds, not its session's
+        comm[w] = other.get("comm_by_world", {}).get(w, other["comm"])
+        out.setdefault("merged_rounds", {})[w] = other.get("merged_rounds", {}).get(
+            w, other["rounds"])
     return out
 
 

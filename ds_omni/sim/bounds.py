@@ -105,7 +105,7 @@ def lower_bound(shell: Shell, totals: dict) -> float:
     if p.tp > 1:  # a rank holds its row's tokens (/ sp): total / (dp sp) a rank on average,
         # in the layers of its stage (1 / pp of them on average)
         link = comm.link_of(c, shell.ranks_of(0, 1)[:p.tp])
-        calls = 2 * d.layers * (1 + 1 + ckpt) / p.pp
+        calls = (2 * d.layers * (1 + 1 + ckpt) - _folded(shell) * (1 + ckpt)) / p.pp
         seconds += calls * 2 * (p.tp - 1) / p.tp * tokens / p.seq_data_size * d.hidden * 2 / \
             link.bandwidth / p.pp  # under pp a rank's stage runs L / pp layers on average
     if p.ep > 1:
@@ -198,14 +198,21 @@ def _micro_arrays(assignment, per_sample: dict, micro: int):
         len(rounds), micro) for key in ("llm", "enc", "tokens")]
 
 
+def _folded(shell: Shell) -> int:
+    """MoE layers whose forward all-reduce over TP folded AutoEP replaces by its gathers (ep
+    beside tp, `model_parallel.fold_seconds`: their bandwidth counts as 0 here)."""
+    m = shell.model
+    return m.moe.layers if shell.pplan.ep > 1 and shell.pplan.tp > 1 and m.moe else 0
+
+
 def _traffic(shell: Shell, tokens: np.ndarray) -> np.ndarray:
     """Seconds of a member's tp / ep / Ulysses bandwidth for rows of `tokens` (any shape)."""
     c, m, plan, p = shell.cluster, shell.model, shell.plan, shell.pplan
     d, ckpt, out = m.dims, plan.checkpointing, np.zeros_like(tokens)
     if p.tp > 1:  # a TP group holds the row's tokens / sp
         bw = comm.link_of(c, shell.ranks_of(0, 1)[:p.tp]).bandwidth
-        out = out + 2 * d.layers * (2 + ckpt) * 2 * (p.tp - 1) / p.tp * tokens / p.sp * \
-            d.hidden * 2 / bw
+        out = out + (2 * d.layers * (2 + ckpt) - _folded(shell) * (1 + ckpt)) * 2 * \
+            (p.tp - 1) / p.tp * tokens / p.sp * d.hidden * 2 / bw
     if p.ep > 1:
         bw = comm.link_of(c, range(p.ep)).bandwidth
         out = out + 2 * m.moe.layers * (2 + ckpt) * (p.ep - 1) / p.ep * tokens * m.moe.top_k * \

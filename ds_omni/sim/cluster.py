@@ -66,6 +66,12 @@ class Cluster:
     ring_flops_per_s: float = 0.0
     """FLOP/s of ring attention's dense masked blocks (`model/ring_attention.block_attention`,
     pure torch): `calibrate_comm.time_ring_blocks` on CPU; 0: a fused varlen kernel (presets)."""
+    moe_token_flops: float = 0.0
+    """Work of an AutoEP MoE layer a token-expert assignment beyond its experts' matmuls (router,
+    sort, permutation, combine), training FLOPs at the LLM's rate: `calibrate_moe`; 0: presets."""
+    expert_half_tokens: float = 0.0
+    """Tokens an expert needs for its matmuls to reach half the LLM's rate (n / (n + this)):
+    `calibrate_moe` on CPU; 0: the LLM's rate at any count (the GPU presets)."""
     name: str = "custom"
 
     def __post_init__(self):
@@ -83,9 +89,10 @@ class Cluster:
             if not getattr(self, field) > 0:
                 raise ConfigError(f"Cluster.{field} must be > 0, got {getattr(self, field)}")
         for field in ("micro_batch_s_per_param", "optimizer_s_per_param", "step_s",
-                      "a2a_call_s", "pool_item_s", "ring_flops_per_s"):
+                      "a2a_call_s", "pool_item_s", "ring_flops_per_s", "moe_token_flops",
+                      "expert_half_tokens"):
             if not getattr(self, field) >= 0:
-                raise ConfigError(f"Cluster.{field} is a time and must be >= 0, got "
+                raise ConfigError(f"Cluster.{field} (a calibrated cost) must be >= 0, got "
                                   f"{getattr(self, field)}")
         if not 0 < self.achievable <= 1:
             raise ConfigError(f"Cluster.achievable is a fraction of peak in (0, 1], got "

@@ -7,9 +7,10 @@ over the dp x sp ranks of one tp coordinate. Encoders are not split: under `tp_e
 each TP rank encodes its share and the rows are all-gathered (`run_tp_gather`), the encoder
 gradients summed over TP (`run_tp_encoder_grads`); under tp x sp each TP rank runs Ulysses with
 heads / tp. EP: per MoE layer 2 all-to-alls forward and 2 backward (+2 under checkpointing) of
-tokens x top-k x h bf16, (ep - 1) / ep to other ranks (uniform routing); expert FLOPs spread
-evenly over the group; expert states 1/ep a rank, partitioned over the dp / ep ranks holding the
-same experts. More: docs/simulator.md.
+tokens x top-k x h bf16, (ep - 1) / ep to other ranks (uniform routing), after AutoEP's count
+exchange; expert FLOPs spread evenly over the group, AutoEP's routing and small-matmul costs on
+top (`autoep_flops`); beside tp, the folded layer's TP gathers (`fold_seconds`); expert states
+1/ep a rank over the dp / ep ranks holding the same experts. More: docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -117,15 +118,44 @@ def run_tp(step, rows, backward: bool, row_tokens: np.ndarray | None = None,
     groups = np.array([len(r.ranks) // tp for r in rows])  # sp, or a per-sequence block's
     per_row = row_tokens.astype(np.float64) / groups
     tokens = np.repeat(per_row, groups)  # [G] a TP group's tokens (its SP rank's share)
-    calls = 2 * d.layers * ((1 + step.plan.checkpointing) if backward else 1)
+    folded = p.ep > 1 and step.model.moe is not None  # folded AutoEP: no MLP all-reduce
+    forward = 2 * d.layers - (step.model.moe.layers if folded else 0)
+    calls = 2 * d.layers + step.plan.checkpointing * forward if backward else forward
     nbytes = tokens * d.hidden * 2
     step.a2a_bytes["llm_tp"] += calls * 2 * (tp - 1) * float(nbytes.sum())  # as `tp_seconds`
     link = comm.links_each(step.cluster, ranks.reshape(-1, tp))
     seconds = calls * comm.all_reduce_each(nbytes, tp, link)  # [G]
+    if folded:
+        seconds = seconds + fold_seconds(step, tokens, link, backward)
     if hide is not None:  # `SimPlan.overlap_tp`: [W] the pass's compute hides them
         seconds = np.maximum(0.0, seconds - hide[ranks].reshape(-1, tp).min(axis=1))
     gid = np.arange(ranks.size) // tp
     step.timeline.sync(ranks, gid, "llm_tp", seconds[gid])
+
+
+def fold_seconds(step, tokens: np.ndarray, link, backward: bool) -> np.ndarray:
+    """[G] seconds of a TP group's collectives in folded AutoEP's MoE layers (ep beside tp,
+    `deepspeed.moe.ep_tp_dispatch`) in a pass over `tokens` [G] (a TP rank's), where a dense
+    layer's MLP all-reduces: forward, the restore's 4 all-gathers of a rank's tokens x top-k /
+    tp assignments over TP (outputs, token indices, top-k slots, weights), each after one of
+    its row counts; backward, an all-reduce per TP rank of the outputs' and of the weights'
+    gradient rows, and the router's gradient (E x h) all-reduced over TP (the input gradient's
+    average over TP stands for the MLP's all-reduce), plus the forward's again where
+    recomputed. bf16 rows as everywhere (int64 indices)."""
+    m, tp = step.model, step.pplan.tp
+    h, k = m.dims.hidden, m.moe.top_k
+    rows = tokens * k / tp  # [G] a rank's assignments (the gathers pad to the largest: even)
+
+    def gather(nbytes):  # a ring all-gather of `nbytes` a rank
+        return (tp - 1) * (link.latency + nbytes / link.bandwidth)
+    fwd = 4 * gather(8.0) + gather(rows * h * 2) + 2 * gather(rows * 8) + gather(rows * 2)
+    out = fwd * (step.plan.checkpointing if backward else 1)
+    if backward:
+        out = out + tp * (comm.all_reduce_each(rows * h * 2, tp, link)
+                          + comm.all_reduce_each(rows * 2, tp, link)) + \
+            comm.all_reduce_each(np.full(rows.shape, m.moe.experts * h * m.bytes_per_param),
+                                 tp, link)
+    return m.moe.layers * np.where(tokens > 0, out, 0.0)
 
 
 def _sync(step, groups: list, seconds: list, phase: str) -> None:
@@ -171,17 +201,33 @@ def ep_groups(step) -> np.ndarray:
     return np.arange(step.pplan.world_size).reshape(-1, step.pplan.ep)
 
 
-def ep_balance(step, llm: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+def ep_balance(step, llm: np.ndarray, tokens: np.ndarray,
+               routed: np.ndarray | None = None) -> np.ndarray:
     """[W] LLM FLOPs of each rank with its tokens' expert FLOPs spread evenly over its EP group
-    (the experts of a group serve all its tokens)."""
+    (the experts of a group serve all its tokens), as AutoEP's layers run them
+    (`autoep_flops`); `routed`: the tokens each rank routes (default `tokens`)."""
     if step.pplan.ep < 2:
         return llm
-    experts = tokens * step.model.expert_flops_per_token()  # [W]
-    groups = ep_groups(step)
-    shared = experts[groups].mean(axis=1, keepdims=True)  # [dp / ep, 1]
-    out = llm - experts
-    out[groups] += shared
-    return out
+    return autoep_flops(step, llm, tokens, tokens if routed is None else routed)
+
+
+def autoep_flops(step, llm: np.ndarray, dispatched: np.ndarray,
+                 routed: np.ndarray) -> np.ndarray:
+    """[..., W] the LLM FLOPs `llm` of a pass's ranks (W: EP groups of ep consecutive ranks)
+    with the expert FLOPs of the tokens each dispatches (`dispatched`) spread evenly over its
+    group, at n / (n + `Cluster.expert_half_tokens`) of the rate (n: an expert's tokens of the
+    pass), plus `Cluster.moe_token_flops` a token-expert assignment of the tokens each rank
+    routes (`routed`: beside tp, folded AutoEP routes the row's all on every TP rank)."""
+    m, c, ep = step.model, step.cluster, step.pplan.ep
+    experts = dispatched * m.expert_flops_per_token()
+    grouped = dispatched.shape[:-1] + (dispatched.shape[-1] // ep, ep)  # [..., W / ep, ep]
+    shared = experts.reshape(grouped).mean(axis=-1, keepdims=True)
+    if c.expert_half_tokens:
+        n = dispatched.reshape(grouped).sum(axis=-1, keepdims=True) * m.moe.top_k / \
+            m.moe.experts  # an expert's tokens of the pass
+        shared = shared * (1 + c.expert_half_tokens / np.maximum(n, 1e-9))
+    spread = np.broadcast_to(shared, grouped).reshape(dispatched.shape)
+    return llm - experts + spread + routed * m.moe.top_k * m.moe.layers * c.moe_token_flops
 
 
 def ep_seconds(step, tokens: float, backward: bool) -> float:
@@ -191,7 +237,22 @@ def ep_seconds(step, tokens: float, backward: bool) -> float:
     calls = 2 * m.moe.layers * ((1 + step.plan.checkpointing) if backward else 1)
     nbytes = tokens * m.moe.top_k * m.dims.hidden * 2
     link = comm.link_of(step.cluster, ep_groups(step)[0])
-    return calls * comm.even_all_to_all(nbytes, p.ep, link)
+    if nbytes <= 0:
+        return 0.0
+    return calls * comm.even_all_to_all(nbytes, p.ep, link) + \
+        split_exchange(step, m.moe.layers, backward, link)
+
+
+COUNT_BYTES = 4  # AutoEP's per-expert token counts are int32
+
+
+def split_exchange(step, moe_layers: float, backward: bool, link) -> float:
+    """Seconds of AutoEP's split-size exchange in a pass of `moe_layers` MoE layers: before each
+    layer's dispatch (forward, and the recompute's under checkpointing) the EP group
+    all-to-alls its per-expert token counts (E int32 a rank, `compute_split_plan`) to size the
+    uneven all-to-alls: one more latency-bound all-to-all a layer."""
+    calls = moe_layers * (int(step.plan.checkpointing) if backward else 1)
+    return calls * comm.even_all_to_all(step.model.moe.experts * COUNT_BYTES, step.pplan.ep, link)
 
 
 def run_ep(step, tokens: np.ndarray, backward: bool) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from ds_omni.sim import comm
+from ds_omni.sim.model_parallel import autoep_flops, split_exchange
 from ds_omni.sim.model_parallel import stage_layers as layers_of
 from ds_omni.sim.timeline import COMM
 
@@ -34,11 +35,8 @@ def per_rank(step, llm: np.ndarray, tokens: np.ndarray, enc: np.ndarray):
     llm = llm / tp
     if step.tp_apart:
         enc = enc / tp
-    if p.ep > 1:
-        experts = tokens / tp * step.model.expert_flops_per_token()  # [M, D tp]
-        m, n = experts.shape
-        shared = experts.reshape(m, n // p.ep, p.ep).mean(axis=2, keepdims=True)
-        llm = llm - experts + np.broadcast_to(shared, (m, n // p.ep, p.ep)).reshape(m, n)
+    if p.ep > 1:  # [M, D tp]: each TP rank dispatches 1/tp of the tokens it routes
+        llm = autoep_flops(step, llm, tokens / tp, tokens)
     return llm, tokens, enc
 
 
@@ -86,6 +84,8 @@ def ep_stage_sync(step, ranks: np.ndarray, s: int, tokens: np.ndarray, backward:
     per_rank = busiest * m.moe.top_k * m.dims.hidden * 2
     link = comm.links_each(step.cluster, groups)
     seconds = calls * comm.even_all_to_all_each(per_rank, p.ep, link)
+    seconds = np.where(per_rank > 0, seconds + split_exchange(step, moe_layers, backward, link),
+                       0.0)
     step.a2a_bytes["llm_experts"] += float(tokens.sum()) * calls * m.moe.top_k * \
         m.dims.hidden * 2 * (p.ep - 1) / p.ep
     gid = np.repeat(np.arange(len(groups)), p.ep)

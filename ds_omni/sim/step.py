@@ -239,7 +239,7 @@ def run_round(step: Step, k: int) -> None:
     llm[rr.ranks] = np.repeat(rr.llm / rr.size, rr.size)  # a rank is in one row at most
     tokens[rr.ranks] = np.repeat(rr.tokens / (rr.size // tp), rr.size)
     ep_tokens = tokens / tp  # each TP rank dispatches its 1/tp of the row's tokens (ep x tp)
-    llm = model_parallel.ep_balance(step, llm, ep_tokens)
+    llm = model_parallel.ep_balance(step, llm, ep_tokens, tokens)  # each routes all its tokens
     if shared and step.dummies:
         work.flops += dummy_flops(step, work)
     tl.run(ranks, "encode_fwd", work.flops * step.encoder_fwd / rate)

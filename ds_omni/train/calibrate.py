@@ -173,7 +173,10 @@ def machine_fields(result: dict) -> dict:
             # the encoder pool's planning a step per item, where a micro-benchmark timed it
             "pool_item_s": result.get("pool_item_s", 0.0),
             # ring attention's dense blocks' FLOP/s, where a micro-benchmark timed it
-            "ring_flops_per_s": result.get("ring_flops_per_s", 0.0)}
+            "ring_flops_per_s": result.get("ring_flops_per_s", 0.0),
+            # AutoEP's MoE layer beyond its active MLP's FLOPs, where `sim.calibrate_moe` timed it
+            "moe_token_flops": result.get("moe_token_flops", 0.0),
+            "expert_half_tokens": result.get("expert_half_tokens", 0.0)}
 
 
 def write(result: dict, out: str | Path) -> Path:

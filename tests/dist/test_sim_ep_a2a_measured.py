@@ -12,8 +12,8 @@ Two claims a step:
   forward + backward, + the recompute under checkpointing), top-k copies and width are training's;
 - within TOLERANCE: the bytes that really left a rank. The simulator takes routing as uniform
   ((ep - 1) / ep leave); the tiny model's random router is not quite (one run: 0.995-1.035x,
-  sent shares 0.50-0.52). The per-expert count exchange (128 bytes a step) is left out by the
-  simulator and not held to it.
+  sent shares 0.50-0.52). The per-expert count exchange (128 bytes a step) the simulator
+  prices by its latency (`model_parallel.split_exchange`) and leaves out of these bytes.
 `test_expert_load_metrics_count_every_routed_token`: the loop's moe_* metrics (`expert_load`)
 count the step's tokens x top-k. `test_plant_sim_ep_a2a_measured`: the simulator's EP
 all-to-alls priced in forward only (`sim_ep_no_backward`) fail the check.
