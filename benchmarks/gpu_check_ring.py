@@ -7,14 +7,15 @@ pure-torch one, on one GPU in one short run (about a minute); results in JSON.
 Through the device tool: run(command="PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check_ring.py
 --out $OUT", timeout_s=300). Without CUDA (and without --cpu-smoke) it writes {"skipped": why}
 and exits 0: it is no test of the CPU suite (pytest never collects benchmarks/).
-1. `parity`: the ring simulated over cp 1 / 2 / 4 ranks in threads (`tests/ring_sim.py`) on
-   random packed rows (lognormal lengths, GQA 8 / 2 heads, head dim 64) with causal, sliding
-   window and image-block masks: kernel "cuda_flash" against "torch", bf16 (max |diff| of out,
-   dq, dk, dv against an fp32 reference, beside pure torch's own bf16 |diff|; pass: within 4x
-   that or 1% of the reference's max) and fp32 (flash takes 16-bit: the pure-torch fallback,
-   equal), with how many blocks ran on flash.
-2. `speed`: forward + backward of one 16K-token row (cp 1), both kernels: ms (CUDA events,
-   median of 5 after 2 warm-ups) and peak memory.
+1. `parity`: the ring simulated over cp 1 / 2 / 4 ranks in threads (`tests/ring_sim.py`, which on
+   CUDA calls `RingAttention`'s forward and backward directly) on random packed rows (lognormal
+   lengths, GQA 8 / 2 heads, head dim 64) with causal, sliding-window and image-block masks:
+   kernel "cuda_flash" against "torch"; bf16: max |diff| of out, dq, dk, dv from an fp32
+   reference beside pure torch's own at bf16 (`torch_diff`), pass within 4x that or 1% of the
+   reference's max; fp32 (flash takes 16-bit: the pure-torch fallback): equal. `blocks`: how
+   many blocks ran on flash and how many fell back.
+2. `speed`: forward + backward of one 16K-token row (cp 1), both kernels: ms (synchronized wall
+   time, median of the last 5 of 7) and peak memory.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def parity_case(kernel: str, cp: int, mask: str, dtype, device, tokens: int) -> 
         scale = float(pick(ref).abs().max())
         bound = 0.0 if dtype == torch.float32 and kernel == "cuda_flash" else max(
             4 * own, 0.01 * scale)
-        row[name] = {"max_diff": diff, "torch_bf16_diff": own, "ref_max": scale,
+        row[name] = {"max_diff": diff, "torch_diff": own, "ref_max": scale,
                      "ok": diff <= bound + 1e-6}
     row["ok"] = all(row[n]["ok"] for n in ("out", "dq", "dk", "dv"))
     return row
