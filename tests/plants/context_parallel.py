@@ -87,3 +87,20 @@ def _block_ring_transposed(rank: int):
             return rings, ulysses  # same sizes here (2 x 2): the groups swapped
         return planted
     yield from patched(ParallelPlan, "block_ring_ranks", make)
+
+
+@plant("ring_varlen_window_shifted", "the CUDA ring kernel's varlen plan gives flash a sliding "
+       "window one key wider than the mask's (window_size_left + 1)", "ring")
+def _ring_varlen_window_shifted(rank: int):
+    import torch
+    from ds_omni.model import ring_varlen
+
+    def make(original):
+        def planted(lo, hi, starts):
+            found = original(lo, hi, starts)
+            if found is None:
+                return None
+            L, nk, nq, left, right, run = found
+            return L, nk, nq, torch.where(left >= 0, left + 1, left), right, run
+        return planted
+    yield from patched(ring_varlen, "_run_windows", make)

@@ -75,9 +75,15 @@ def _zigzag_balanced(monkeypatch):
     test_causal_work_is_even(2)
 
 
+def _varlen_plan_exact(monkeypatch):
+    from tests.unit.model.test_ring_backward import test_varlen_plan_reproduces_every_ring_block
+    test_varlen_plan_reproduces_every_ring_block(2, 4, None)
+
+
 CAUGHT_BY = {"ring_lse_merge_wrong": _ring_equals_sdpa, "ring_step_skipped": _ring_equals_sdpa,
              "ring_causal_local": _ring_equals_sdpa, "zigzag_chunk_wrong_rank": _zigzag_balanced,
-             "ring_bwd_block_lse": _ring_equals_sdpa, "ring_dkv_not_home": _ring_equals_sdpa}
+             "ring_bwd_block_lse": _ring_equals_sdpa, "ring_dkv_not_home": _ring_equals_sdpa,
+             "ring_varlen_window_shifted": _varlen_plan_exact}
 
 
 def test_every_ring_plant_has_a_check():

@@ -2,7 +2,8 @@
 ring's `backward="autograd"` path), cp 1 / 2 / 4 simulated in one process with GQA, a sliding
 window and image blocks; the CPU flash kernel against pure torch; the CUDA kernel's varlen plan
 against the masks it must reproduce (the kernel itself: benchmarks/gpu_check_ring.py on a GPU).
-The planted errors of the backward are caught in test_ring_attention.py (`CAUGHT_BY`)."""
+The planted errors of the backward and the varlen plan are caught in test_ring_attention.py
+(`CAUGHT_BY`)."""
 
 import pytest
 import torch
