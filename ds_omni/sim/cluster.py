@@ -64,8 +64,8 @@ class Cluster:
     """The GPU type's kernels by shape (`gpus.KernelFit`, `sim.published.calibrate`) for the
     LLM's passes; None: all work at `achievable`."""
     ring_flops_per_s: float = 0.0
-    """FLOP/s of ring attention's dense masked blocks (`model/ring_attention.block_attention`,
-    pure torch): `calibrate_comm.time_ring_blocks` on CPU; 0: a fused varlen kernel (presets)."""
+    """FLOP/s of ring attention's dense masked blocks (`model/ring_kernels.TorchBlock`, pure
+    torch): `calibrate_comm.time_ring_blocks` on CPU; 0: a fused varlen kernel (presets)."""
     name: str = "custom"
 
     def __post_init__(self):
