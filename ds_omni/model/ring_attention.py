@@ -21,8 +21,11 @@ import math
 
 import torch
 
-from ds_omni.parallel.evidence import SPCounts
+from ds_omni.parallel.evidence import SPCounts, register
 from ds_omni.parallel.ring import RingGroup, RingPass
+
+register("cp", ring_steps="ring-attention passes: key/value blocks this rank sent to the next "
+         "rank", ring_bytes="bytes of those blocks")
 
 
 def _sample_of(positions: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
