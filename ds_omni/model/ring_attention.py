@@ -22,10 +22,13 @@ import torch
 
 from ds_omni.model.ring_kernels import CpuFlashBlock, TorchBlock, block_attention
 from ds_omni.model.ring_varlen import CudaFlashBlock
-from ds_omni.parallel.evidence import SPCounts
+from ds_omni.parallel.evidence import SPCounts, register
 from ds_omni.parallel.ring import RingGroup, RingPass, pass_on
 
 __all__ = ["block_attention", "merge", "ring_attention", "ring_mask", "RingAttention"]
+
+register("cp", ring_steps="ring-attention passes: key/value blocks this rank sent to the next "
+         "rank", ring_bytes="bytes of those blocks")
 
 
 def _sample_of(positions: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:

@@ -95,10 +95,6 @@ class SimPlan:
         if self.global_batch < 1 or self.micro_batches < 1 or self.pack_tokens < 1:
             raise ConfigError(f"SimPlan needs global_batch, micro_batches and pack_tokens >= 1, "
                               f"got {self.global_batch}, {self.micro_batches}, {self.pack_tokens}")
-        if self.cp < 1 or (self.cp > 1 and self.pp > 1):
-            raise ConfigError(f"SimPlan.cp must be >= 1, and 1 under a pipeline (the simulator "
-                              f"prices ring attention without one), got cp={self.cp}, "
-                              f"pp={self.pp}")
 
     def __hash__(self) -> int:  # the configs are mutable dataclasses: hash their values
         return hash((self.resolution_key(), *(getattr(self, f.name) for f in
