@@ -7,6 +7,7 @@ import random
 import pytest
 
 from ds_omni.parallel import bubbles
+from tests import plants
 
 
 def test_step_micro_is_deepspeeds_train_schedule():
@@ -147,18 +148,36 @@ MEASURED = {(2, 0.9): (0.97, 0.96), (2, 0.5): (0.95, 1.04), (2, 0.1): (0.98, 0.9
             (4, 0.9): (1.03, 1.00), (4, 0.5): (1.04, 1.03), (4, 0.1): (1.07, 1.08)}
 
 
-@pytest.mark.parametrize("pp,images", list(MEASURED))
-def test_auto_on_the_benchmark_never_picks_what_measured_slower(pp, images):
+def check_auto_on_the_benchmark() -> None:
     """On the benchmark's model, mixes (images a sample 0.9 / 0.5 / 0.1) and 4 micro-batches of
     2, with this machine's calibrated call and message costs: "auto" picks "bubbles" where both
     quiet runs measured it no slower than "uniform" (PP=4) and "uniform" where one measured it
-    slower (PP=2: there the plan hides nothing once the calls are priced). Without the mix and
-    the overhead (the old typical step: an image a sample, nothing priced) it picked "bubbles"
-    at PP=2, which measured up to 5 % slower."""
+    slower (PP=2: there the plan hides nothing once the calls are priced)."""
     from ds_omni.parallel.stages import stage_plan_for
-    cost = _bench_cost({2: 4, 4: 8}[pp])
-    stages = stage_plan_for(cost, pp, "uniform", 2, 96).layer_time
-    chosen = bubbles.auto_placement(cost, stages, 4, 2, {"vision": images})
-    assert chosen == ("bubbles" if min(MEASURED[(pp, images)]) >= 1.0 else "uniform")
-    free = bubbles.typical_schedule(cost, stages, 4, 2, None, bubbles.CallOverhead())
-    assert (free["modelled_step_vs_uniform"] <= 0.99) == (pp == 2)
+    for (pp, images), measured in MEASURED.items():
+        cost = _bench_cost({2: 4, 4: 8}[pp])
+        stages = stage_plan_for(cost, pp, "uniform", 2, 96).layer_time
+        chosen = bubbles.auto_placement(cost, stages, 4, 2, {"vision": images})
+        assert chosen == ("bubbles" if min(measured) >= 1.0 else "uniform"), (pp, images)
+        typical = bubbles.typical_schedule(cost, stages, 4, 2, {"vision": images})
+        assert typical["items_per_step"] == {"vision": round(8 * images)}  # the mix's images
+
+
+def test_auto_on_the_benchmark_never_picks_what_measured_slower():
+    """`check_auto_on_the_benchmark`; without the mix and the overhead (the old typical step: an
+    image a sample, nothing priced) the model picked "bubbles" at PP=2, which measured up to 5 %
+    slower, and "uniform" at PP=4."""
+    from ds_omni.parallel.stages import stage_plan_for
+    check_auto_on_the_benchmark()
+    for pp in (2, 4):
+        cost = _bench_cost({2: 4, 4: 8}[pp])
+        stages = stage_plan_for(cost, pp, "uniform", 2, 96).layer_time
+        free = bubbles.typical_schedule(cost, stages, 4, 2, None, bubbles.CallOverhead())
+        assert (free["modelled_step_vs_uniform"] <= 0.99) == (pp == 2)
+
+
+@pytest.mark.parametrize("plant", plants.for_launch("bubbles_auto"))
+def test_plant_bubbles_auto(plant):
+    with plants.applied(plant, 0):
+        with pytest.raises(AssertionError):
+            check_auto_on_the_benchmark()
