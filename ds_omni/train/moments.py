@@ -10,7 +10,7 @@ themselves, and sets them. Why written at save time rather than read from DeepSp
 without ZeRO the torch optimizer keys its state by parameter index, which only the writing
 plan's engine can name, and ZeRO's flat partitions (alignment padding, AutoEP's expert-data-
 parallel groups, a pipeline's model-parallel ranks) are DeepSpeed's internal layout. Cost: two
-fp32 copies of the model per checkpoint. ZeRO-3 is not covered (its engine keeps its own).
+fp32 copies of the model per checkpoint. Not covered: ZeRO-3, fp16 without ZeRO (`_kind`).
 More: docs/fault_tolerance.md, "Resuming on another plan".
 """
 
@@ -44,11 +44,10 @@ class Moments:
 
 def save(engine, directory: Path, rank: int) -> None:
     """Write this stage's whole moments into `directory`; every rank calls it (it gathers).
-    Nothing before the first optimizer step, or under ZeRO-3."""
-    step = adam_step(engine)
-    if not _everywhere(step is not None and engine.zero_optimization_stage() <= 2):
+    Nothing before the first optimizer step, or for an optimizer `_kind` does not know."""
+    step, params = adam_step(engine), stepped(engine.module)
+    if not _everywhere(step is not None and _kind(engine, params) is not None):
         return
-    params = stepped(engine.module)
     _link(engine.optimizer)  # (a load re-makes ZeRO's fragments unlinked until the next step)
     tensors = {}
     for key in MOMENTS:
@@ -85,8 +84,8 @@ def restore(engine, found: Moments, weights: dict[str, torch.Tensor]) -> str | N
     then starts afresh), None once set; every rank calls it."""
     params = stepped(engine.module)
     problem, local = None, {}
-    if engine.zero_optimization_stage() > 2:
-        problem = "ZeRO-3's partitioned optimizer is not covered"
+    if _kind(engine, params) is None:
+        problem = "ZeRO-3's optimizer, or fp16's without ZeRO, is not covered"
     else:
         try:
             cut = cutter(engine.module)
@@ -164,10 +163,11 @@ def _local(engine, params: dict, key: str) -> dict[str, torch.Tensor]:
     from deepspeed.utils import safe_get_full_optimizer_state
     state = _base(engine).state
     out = {}
+    hp = _kind(engine, params) == "hp"
     for name, p in params.items():
-        if hasattr(p, "_hp_mapping"):  # ZeRO 1/2, the bf16 optimizer: fp32 partitions
+        if hp:
             value = safe_get_full_optimizer_state(p, key)
-        else:  # no ZeRO, fp32: torch's optimizer steps the parameter itself
+        else:
             value = state[p][key] if key in state.get(p, {}) else torch.zeros_like(p)
         out[name] = value.detach().float().clone()
     return out
@@ -200,7 +200,7 @@ def _set(engine, params: dict, local: dict[str, dict[str, torch.Tensor]], step: 
     state (before its first step) is made here as torch's Adam would make it."""
     opt = engine.optimizer
     base = _base(engine)
-    if any(hasattr(p, "_hp_mapping") for p in params.values()):  # ZeRO 1/2, bf16
+    if _kind(engine, params) == "hp":
         from deepspeed.utils import safe_set_full_optimizer_state
         _fill_state(base, [t for g in base.param_groups for t in g["params"]], step)
         _link(opt)
@@ -226,6 +226,17 @@ def _fill_state(base, tensors: list[torch.Tensor], step: float) -> None:
     if not torch_adam:
         for group in base.param_groups:
             group["step"] = int(step)
+
+
+def _kind(engine, params: dict) -> str | None:
+    """"hp": ZeRO 1/2 or the bf16 optimizer (fp32 partitions, DeepSpeed's per-parameter views);
+    "torch": no ZeRO, fp32 (torch's optimizer steps the parameters themselves); None: another
+    (ZeRO-3's, fp16's without ZeRO), whose moments this module does not read or set."""
+    if engine.zero_optimization_stage() > 2:
+        return None
+    if any(hasattr(p, "_hp_mapping") for p in params.values()):
+        return "hp"
+    return "torch" if _base(engine) is engine.optimizer else None
 
 
 def _base(engine):
