@@ -27,6 +27,7 @@ from torch import nn
 
 from ds_omni.batch import IGNORE_INDEX
 from ds_omni.errors import LaunchError, ModelError
+from ds_omni.model.layer_files import pipeline_prefixes
 from ds_omni.model.omni import DEEPSTACK_ALONE, OmniModel, summed_token_loss
 from ds_omni.parallelize.joint import EncoderShards, JointEncoding, plan_joint
 from ds_omni.parallelize.pipeline_moe import AuxCarry
@@ -317,6 +318,7 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
                              partition_method="ds_omni", dynamic_shape=True)
     module.step_inputs = step_inputs
     module.family = model.family  # what checkpoints record
+    module.omni_prefixes = pipeline_prefixes(model)  # its names -> the OmniModel's (`omni_key`)
     # DeepSpeed's ZeRO-0 clipping (runtime.utils.clip_grad_norm_) counts a parameter of a stage
     # other than the first only if it is marked model-parallel: without this, the gradient norm
     # would hold stage 0's gradients alone
