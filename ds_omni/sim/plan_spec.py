@@ -64,6 +64,9 @@ class SimPlan:
     tp_splits_norms: bool = False
     """Under tp the element-wise work splits over the TP ranks too (Megatron's sequence
     parallelism; with `Cluster.kernels`); False: `gpus.REPLICATED` of it repeated (AutoTP)."""
+    vocab_parallel: bool = False
+    """Under tp the token embedding and LM head split over the TP ranks too (Megatron's
+    vocab-parallel layers): their states and gradients 1/tp a rank; False: whole (AutoTP)."""
     virtual_stages: int = 1
     """Model chunks a pipeline rank holds (Megatron's interleaved 1F1B, its virtual pipeline
     stages); 1: the plain 1F1B (DeepSpeed's, Megatron's default)."""

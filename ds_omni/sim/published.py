@@ -93,7 +93,7 @@ def sim_inputs(entry: dict, fit: KernelFit):
                    overlap_grad_sync=bool(p.get("overlap_grad_reduce")),
                    overlap_tp=bool(p.get("tp_comm_overlap")),
                    tp_splits_norms=bool(p["sequence_parallel"]), virtual_stages=p.get("vp", 1),
-                   p2p_scatter=bool(p.get("scatter_gather")))
+                   p2p_scatter=bool(p.get("scatter_gather")), vocab_parallel=True)
     return cl, model, samples, plan
 
 

@@ -110,8 +110,9 @@ def _small(doc, name: str, dp: int, **plan) -> dict:
 def test_interleaved_schedule_and_scatter_gather(doc):
     """Megatron's interleaved 1F1B (v model chunks a stage) shrinks the bubble for more p2p;
     its order runs each chunk's forward and backward of every micro-batch once, a forward
-    before its backward; scatter/gather sends 1/tp of the activations over the network. The
-    schedule needs micro-batches a multiple of pp (as Megatron's did)."""
+    before its backward; scatter/gather sends 1/tp of the activations over the network; the
+    vocab-parallel embedding and head reduce 1/tp of their gradients a rank. The schedule
+    needs micro-batches a multiple of pp (as Megatron's did)."""
     from ds_omni.sim.pipeline_sim import _orders
     for s, ops in enumerate(_orders(4, 8, 2)):
         assert sorted(ops) == sorted((k, m, c) for k in "FB" for m in range(8) for c in range(2))
@@ -124,6 +125,11 @@ def test_interleaved_schedule_and_scatter_gather(doc):
     assert chunks.step_time < plain.step_time
     p2p = breakdown(step_report(_small(doc, "GPT 145B", 1), fit)).get("p2p", 0.0)
     assert p2p < breakdown(chunks)["p2p"]
+    from ds_omni.sim.step import simulate
+    cl, model, samples, plan = sim_inputs(_small(doc, "GPT 145B", 2), fit)
+    vocab = [breakdown(simulate(cl, model, samples, plan.replace(vocab_parallel=v)))["grad_sync"]
+             for v in (True, False)]  # Megatron's vocab-parallel embedding and head: 1/tp
+    assert vocab[0] < vocab[1]
     bad = _small(doc, "GPT 145B", 1)
     bad["global_batch"] = 2 * 44  # 44 micro-batches of 2 over pp 8
     with pytest.raises(ConfigError, match="multiple of pp"):
