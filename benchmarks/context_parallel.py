@@ -5,7 +5,9 @@ passes answered with the blocks the other ranks would send, as received tensors)
 decoder blocks (q/k/v/o projections, `ds_omni.model.ring_attention`, an MLP) of width `width`.
 Activations are the bytes autograd saves for backward (`saved_tensors_hooks`, each storage
 once, parameters excluded), the largest rank's. Baseline: cp 1, the same kernel over the whole
-row in one rank. Writes benchmarks/results/context_parallel.json.
+row in one rank. `cp`: the ring's own backward (`RingAttention`, the default: it keeps q, k, v,
+out and lse); `autograd_cp`: autograd through the pure-torch blocks (it keeps every block's
+probabilities). Writes benchmarks/results/context_parallel.json.
 
 Run: .venv/bin/python benchmarks/context_parallel.py [--tokens 2048] [--layers 2]
 """
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_omni.model import ring_attention as ra
-from ds_omni.parallel.ring import RingGroup
+from ds_omni.parallel.ring import Pending, RingGroup
 from ds_omni.parallel.zigzag import zigzag_layout
 
 # DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
@@ -40,7 +42,7 @@ def _weights(width: int, seed: int = 0) -> dict[str, torch.Tensor]:
             for n, s in shapes.items()}
 
 
-def _block(x, w, index, rank, cp, cu, whole_kv):
+def _block(x, w, index, rank, cp, cu, whole_kv, backward):
     """One decoder block of cp rank `rank` over its tokens x [C, width]."""
     c, width = x.shape
     dim = width // HEADS
@@ -49,12 +51,12 @@ def _block(x, w, index, rank, cp, cu, whole_kv):
     v = (x @ w["v"]).view(1, c, KV_HEADS, dim)
     steps = iter(range(1, cp))
 
-    def received(kv, ring):  # the block the ring brings: another rank's, as received
-        theirs = index[(rank - next(steps)) % cp]
-        return whole_kv[:, theirs].detach().clone().requires_grad_()
-    ra.RingPass.apply = received
-    ring = RingGroup(group=None, rank=rank, size=cp, prev=(rank - 1) % cp, next=(rank + 1) % cp)
-    out = ra.ring_attention(q, k, v, index, ring, cu, None)[0].reshape(c, width)
+    def received(kv, send_to, recv_from, tag):  # the block the ring brings: another rank's
+        return Pending(whole_kv[:, index[(rank - next(steps)) % cp]].detach().clone())
+    ring = RingGroup(group=None, rank=rank, size=cp, prev=(rank - 1) % cp, next=(rank + 1) % cp,
+                     transport=received)
+    out = ra.ring_attention(q, k, v, index, ring, cu, None, backward=backward)
+    out = out[0].reshape(c, width)
     x = x + out @ w["o"]
     return x + F.gelu(x @ w["up"]) @ w["down"]
 
@@ -73,7 +75,8 @@ def saved_bytes(fn, params) -> int:
     return sum(seen.values())
 
 
-def measure(lengths: list[int], cp: int, width: int, layers: int) -> dict:
+def measure(lengths: list[int], cp: int, width: int, layers: int,
+            backward: str = "ring") -> dict:
     layout = zigzag_layout(lengths, cp)
     index = torch.as_tensor(layout.ring_index())
     total = len(layout.order)
@@ -90,7 +93,7 @@ def measure(lengths: list[int], cp: int, width: int, layers: int) -> dict:
             for _ in range(layers):
                 with torch.no_grad():  # what the other ranks' k/v would be at this layer
                     kv = torch.stack([(hidden @ w[n]).view(total, KV_HEADS, dim) for n in "kv"])
-                x = _block(x, w, index, rank, cp, cu, kv)
+                x = _block(x, w, index, rank, cp, cu, kv, backward)
             return x
         per_rank.append(saved_bytes(forward, list(w.values())))
     return {"tokens_per_rank": layout.rank_tokens, "activation_bytes": per_rank,
@@ -107,16 +110,22 @@ def main(argv=None) -> dict:
     # one long packed row: a long sample and shorter ones
     lengths = [args.tokens // 2, args.tokens // 4, args.tokens // 8, args.tokens // 8]
     start = time.perf_counter()
-    runs = {str(cp): measure(lengths, cp, args.width, args.layers) for cp in (1, 2, 4)}
-    base = runs["1"]["activation_bytes_max"]
-    for run in runs.values():
-        run["over_cp1"] = run["activation_bytes_max"] / base
     out = {"row_tokens": sum(lengths), "samples": lengths, "layers": args.layers,
-           "width": args.width, "heads": HEADS, "kv_heads": KV_HEADS, "cp": runs,
-           "seconds": time.perf_counter() - start}
+           "width": args.width, "heads": HEADS, "kv_heads": KV_HEADS}
+    for key, backward in (("cp", "ring"), ("autograd_cp", "autograd")):
+        runs = {str(cp): measure(lengths, cp, args.width, args.layers, backward)
+                for cp in (1, 2, 4)}
+        for run in runs.values():
+            run["over_cp1"] = run["activation_bytes_max"] / runs["1"]["activation_bytes_max"]
+        out[key] = runs
+    out["ring_over_autograd"] = {cp: out["cp"][cp]["activation_bytes_max"]
+                                 / out["autograd_cp"][cp]["activation_bytes_max"]
+                                 for cp in out["cp"]}
+    out["seconds"] = time.perf_counter() - start
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
-    print(json.dumps({cp: round(r["over_cp1"], 3) for cp, r in runs.items()}))
+    print(json.dumps({key: {cp: round(r["over_cp1"], 3) for cp, r in out[key].items()}
+                      for key in ("cp", "autograd_cp")}))
     return out
 
 

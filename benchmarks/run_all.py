@@ -90,7 +90,7 @@ BENCHES = [
     Bench("encoder_shards.py", ("encoder_shards.json",), 400, quick=("--rounds", "4")),
     Bench("encoder_shards.py --pp 4 --layers 4 --rounds 16", ("encoder_shards_pp4.json",), 400,
           full_only="4 ranks x 16 rounds (178 s quiet); the PP=2 run covers the code"),
-    Bench("pipeline_bubbles.py --rounds 6 --warmup 1", ("pipeline_bubbles.json",), 900,
+    Bench("pipeline_bubbles.py --rounds 12 --warmup 2", ("pipeline_bubbles.json",), 900,
           quick=("--rounds", "2", "--warmup", "1", "--pp", "2")),
     Bench("pipeline.py", ("pipeline.json",), 600, quick=("--rounds", "4")),
     Bench("pipeline.py --zero 0", ("pipeline_zero0.json",), 600,

@@ -4,7 +4,7 @@ names them), every other run predicted. Figure: TFLOP/s per GPU, as each source 
 (the same step time ratio as tokens/s per GPU). Targets over the validation runs: median
 absolute error <= 15 %, none above 30 %; within a source, the runs ordered as measured.
 
-    .venv/bin/python benchmarks/sim_published.py     # ~4 min; writes sim_published.json / .png
+    .venv/bin/python benchmarks/sim_published.py     # ~1 min; writes sim_published.json / .png
     .venv/bin/python benchmarks/sim_published.py --max-gpus 2048   # make bench's quick run
 
 Method, sources and tables: docs/benchmarks/sim_published.md.
@@ -77,14 +77,16 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def table(rows: list[dict]) -> str:
     """The results as docs/benchmarks/sim_published.md's table (markdown)."""
-    out = ["| source | run | GPUs | tp x pp x dp | measured TFLOP/s/GPU | predicted | error | role "
+    out = ["| source | run | GPUs | tp x pp x dp (micro-batch, chunks) | measured TFLOP/s/GPU | "
+           "predicted | error | role "
            "| critical path: TP / p2p / grad sync |", "|" + "---|" * 9]
     for r in rows:
         p, b = r["plan"], r["breakdown"]
         share = " / ".join(f"{100 * b.get(k, 0.0) / b['step']:.0f}"
                            for k in ("llm_tp", "p2p", "grad_sync"))
         out.append(f"| {r['source']} | {r['name']} | {r['gpus']:,} | {p['tp']} x {p['pp']} x "
-                   f"{p['dp']} | {r['measured']:.1f} | {r['predicted']:.1f} | "
+                   f"{p['dp']} ({p['micro_batch']}, {p.get('vp', 1)}) | {r['measured']:.1f} | "
+                   f"{r['predicted']:.1f} | "
                    f"{100 * r['error']:+.1f} % | {r['role']} | {share} % |")
     return "\n".join(out)
 

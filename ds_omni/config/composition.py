@@ -138,6 +138,12 @@ FEATURES = (
 )
 
 
+DEGREES = tuple(f.name for f in FEATURES if f.name in PARALLEL_FIELDS
+                and type(getattr(Setting(), f.name)) is int)
+"""The features that are degrees of the parallel section (sp, tp, ..., cp): what the simulator
+enumerates, describes and turns off in its baselines without naming them one by one."""
+
+
 @dataclass(frozen=True)
 class Rule:
     """One pair of features: it composes (`refused` None), or it is refused where both are on

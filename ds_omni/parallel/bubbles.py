@@ -9,6 +9,7 @@ item's forward in a gap of one stage that ends before stage 0 needs the item's m
 backward in a gap that starts after stage 0's backward of that micro-batch; what fits nowhere
 runs where "uniform" runs it (forward at the start, backward before the reduction), balanced.
 The plan is replayed with its own instructions, so a deadlock or a late item is found here.
+"auto" replays a typical step of the data's mix with each placement's calls and messages priced.
 More: docs/parallelism.md, "Encoder work in the pipeline's bubbles".
 
 Dims: P stages, M micro-batches, 2 (M + P - 1) schedule steps.
@@ -172,10 +173,13 @@ class BubblePlan:
 
 
 def plan_bubbles(micro: list[int], costs: list[float], stages: int, micro_batches: int,
-                 stage_cost: list[float], forward_share: float = 1 / 3) -> BubblePlan:
+                 stage_cost: list[float], forward_share: float = 1 / 3,
+                 calls: "CallCosts | None" = None) -> BubblePlan:
     """Place items of micro-batch `micro[i]` and training cost `costs[i]` (the cost model's,
     forward + backward) into the gaps of the 1F1B schedule whose stages cost `stage_cost` [P] a
-    micro-batch (forward + backward); a forward costs `forward_share` of either."""
+    micro-batch (forward + backward); a forward costs `forward_share` of either. `calls`: what
+    the placement's encoder calls and messages cost beyond the items (priced in the modelled
+    times, both placements'; None: nothing)."""
     fwd = [c * forward_share for c in stage_cost]
     bwd = [c - f for c, f in zip(stage_cost, fwd)]
     base = base_timeline(stages, micro_batches, fwd, bwd)
@@ -214,7 +218,7 @@ def plan_bubbles(micro: list[int], costs: list[float], stages: int, micro_batche
         else:
             late_b[s] += eb
     plan = BubblePlan(stage_of, f_at, b_at, hid_f, hid_b, stages, micro_batches)
-    return _priced(plan, micro, costs, fwd, bwd, forward_share)
+    return _priced(plan, micro, costs, fwd, bwd, forward_share, calls)
 
 
 def _fit_forward(gaps: list[list], work: float, deadline: float, last_step: int | None):
@@ -240,9 +244,22 @@ def _fit_backward(gaps: list[list], work: float, ready: float, first_step: int |
     return None
 
 
+@dataclass(frozen=True)
+class CallCosts:
+    """What encoding costs beyond its items, in the cost model's units: `encoder[i]` item i's
+    encoder (an index into `per_call`), `per_call[e]` one call of encoder e (forward + backward:
+    its pass over the encoder's weights), `message` one point-to-point message."""
+
+    encoder: list[int]
+    per_call: list[float]
+    message: float = 0.0
+
+
 def streams_of(plan: BubblePlan, micro: list[int], costs: list[float], fwd: list[float],
-               bwd: list[float], forward_share: float = 1 / 3) -> list[list[tuple]]:
-    """The stages' op streams with the plan's encoder instructions (what `BubbleSchedule` runs)."""
+               bwd: list[float], forward_share: float = 1 / 3,
+               calls: CallCosts | None = None) -> list[list[tuple]]:
+    """The stages' op streams with the plan's encoder instructions (what `BubbleSchedule` runs);
+    with `calls`, each call's and message's cost as work where the runtime makes it."""
     out = []
     for s in range(plan.stages):
         before: dict[int, list] = {}
@@ -258,25 +275,51 @@ def streams_of(plan: BubblePlan, micro: list[int], costs: list[float], fwd: list
             if s == 0 and plan.stage_of[i] > 0:
                 before_fwd.setdefault(m, []).append(("recv", ("rows", i)))
                 after_bwd.setdefault(m, []).append(("send", ("rgrad", i)))
+        if calls is not None:
+            _call_work(plan, micro, s, calls, forward_share, before, before_fwd, after_bwd)
         out.append(stage_ops(s, plan.stages, plan.micro_batches, fwd[s], bwd[s], before,
                              after_bwd, before_fwd))
     return out
 
 
-def _priced(plan: BubblePlan, micro, costs, fwd, bwd, forward_share) -> BubblePlan:
+def _call_work(plan: BubblePlan, micro: list[int], s: int, calls: CallCosts,
+               forward_share: float, before: dict, before_fwd: dict, after_bwd: dict) -> None:
+    """Stage s's call and message costs added to its ops: one encoder call per (forward step,
+    encoder, backward step) of its items (`BubbleEncoding.encode`), its forward share before
+    the items' forwards and the rest with their backward; a message per item sent to stage 0
+    and per gradient sent back, on each end (stage 0's at the micro-batch's forward and
+    backward)."""
+    groups = {(plan.forward_at[i], calls.encoder[i], plan.backward_at[i])
+              for i, st in enumerate(plan.stage_of) if st == s}
+    for t_f, e, t_b in sorted(groups):
+        before.setdefault(t_f, []).insert(0, ("work", calls.per_call[e] * forward_share))
+        before.setdefault(t_b, []).insert(0, ("work", calls.per_call[e] * (1 - forward_share)))
+    if not calls.message:
+        return
+    for i, st in enumerate(plan.stage_of):
+        if st == s and s > 0:
+            before[plan.forward_at[i]].append(("work", calls.message))
+            before[plan.backward_at[i]].insert(0, ("work", calls.message))
+        elif s == 0 and st > 0:
+            m = micro[i]
+            before_fwd.setdefault(m, []).append(("work", calls.message))
+            after_bwd.setdefault(m, []).insert(0, ("work", calls.message))
+
+
+def _priced(plan: BubblePlan, micro, costs, fwd, bwd, forward_share,
+            calls: CallCosts | None = None) -> BubblePlan:
     """The plan with its modelled times. Where its replay is slower than "uniform" (the model's
-    gaps shift once unhidden work runs), or deadlocks (it should not), the items go where
-    "uniform" puts them instead (longest first to the least loaded stage, forward at the start,
-    backward before the reduction), streamed micro-batch by micro-batch."""
+    gaps shift once unhidden work runs, or its calls and messages cost more than it hides), or
+    deadlocks (it should not), the items go where "uniform" puts them instead (longest first to
+    the least loaded stage, forward at the start, backward before the reduction), streamed
+    micro-batch by micro-batch."""
     from dataclasses import replace
     total = sum(costs)
     base = base_timeline(plan.stages, plan.micro_batches, fwd, bwd)
-    shares = [0.0] * plan.stages  # "uniform": its shares before the schedule and after it
-    for i, s in enumerate(_longest_first(costs, plan.stages)):
-        shares[s] += costs[i]
-    uniform = base.end + max(shares)
+    uniform = base.end + _uniform_encoding(costs, plan.stages, calls)
     try:
-        line = timeline(streams_of(plan, micro, costs, fwd, bwd, forward_share), plan.steps)
+        line = timeline(streams_of(plan, micro, costs, fwd, bwd, forward_share, calls),
+                        plan.steps)
     except Deadlock:
         line = None
     if line is None or line.end > uniform:
@@ -284,12 +327,27 @@ def _priced(plan: BubblePlan, micro, costs, fwd, bwd, forward_share) -> BubblePl
         plan = replace(plan, stage_of=_longest_first(costs, plan.stages), forward_at=[0] * n,
                        backward_at=[plan.steps] * n, hidden_forward=[False] * n,
                        hidden_backward=[False] * n)
-        line = timeline(streams_of(plan, micro, costs, fwd, bwd, forward_share), plan.steps)
+        line = timeline(streams_of(plan, micro, costs, fwd, bwd, forward_share, calls),
+                        plan.steps)
     hidden = sum(c * (forward_share * hf + (1 - forward_share) * hb) for c, hf, hb in
                  zip(costs, plan.hidden_forward, plan.hidden_backward))
     return replace(plan, uniform_time=uniform, planned_time=line.end,
                    bubble_fractions=tuple(line.bubble_fractions()),
                    hidden_share=hidden / total if total else 1.0)
+
+
+def _uniform_encoding(costs: list[float], stages: int, calls: CallCosts | None) -> float:
+    """What "uniform" adds to the bare schedule: the largest stage's share (before the schedule
+    and after it), with a call of each encoder it has items of (no dummy calls in a pipeline),
+    and stage 0's two all-to-alls, a message from and to each other stage (`JointEncoding`)."""
+    load = [0.0] * stages
+    used: set = set()
+    for i, s in enumerate(_longest_first(costs, stages)):
+        load[s] += costs[i]
+        if calls is not None and (s, calls.encoder[i]) not in used:
+            used.add((s, calls.encoder[i]))
+            load[s] += calls.per_call[calls.encoder[i]]
+    return max(load) + (2 * (stages - 1) * calls.message if calls is not None else 0.0)
 
 
 def _longest_first(costs: list[float], stages: int) -> list[int]:
@@ -319,25 +377,95 @@ def describe_slots(plan: BubblePlan) -> list[dict]:
     return out
 
 
-def typical_schedule(cost, stage_time: list[float], micro_batches: int, samples: int) -> dict:
-    """What `ds-omni plan` prints under "bubbles": the plan of a step of `micro_batches`
-    micro-batches of `samples` samples with one item per encoder each (the size the cost model
-    runs as a dummy), on stages costing `stage_time` a micro-batch: where each stage encodes
-    (`describe_slots`), the share of encoder work in idle slots and the modelled step against
-    "uniform"'s."""
-    per_item = [float(cost.encoder_cost(name, [max(e.dummy_len, 1)])[0])
-                for name, e in cost.dims.encoders.items()]
-    micro = [m for m in range(micro_batches) for _ in range(samples) for _ in per_item]
-    costs = [c for _ in range(micro_batches) for _ in range(samples) for c in per_item]
-    plan = plan_bubbles(micro, costs, len(stage_time), micro_batches, stage_time)
-    return {"hidden_share": round(plan.hidden_share, 4),
+@dataclass(frozen=True)
+class CallOverhead:
+    """What an encoder call and a message cost beyond their FLOPs, as FLOPs at the machine's
+    rate: `per_param`, a call's pass over each encoder weight (forward + backward); `message`,
+    one point-to-point message."""
+
+    per_param: float = 0.0
+    message: float = 0.0
+
+
+CPU_OVERHEAD = CallOverhead(per_param=255.0, message=9.35e7)
+"""This project's CPU ranks, as calibrated (benchmarks/results/sim_validation.json,
+"calibration"): `micro_batch_s_per_param` x `flops_per_s` of compute "2" (the pipeline model's
+profile) and comm's `intra_latency` x that rate."""
+
+
+def call_costs(cost, encoder: list[int], overhead: CallOverhead) -> CallCosts:
+    """`CallCosts` in the cost model's units (its encoders' linear scales turn FLOPs into them,
+    seconds where calibrated): a call reads every weight of its encoder, a frozen one forward
+    only."""
+    per_call, scales = [], []
+    for name, e in cost.dims.encoders.items():
+        params = e.layers * (4 * e.hidden ** 2 + e.mlp_matrices * e.hidden * e.intermediate)
+        scale = cost.scales.get(f"{name}_lin", 1.0)
+        share = 1.0 / cost.train_factor if e.frozen else 1.0
+        per_call.append(overhead.per_param * params * share * scale)
+        scales.append(scale)
+    message = overhead.message * (sum(scales) / len(scales) if scales else 1.0)
+    return CallCosts(encoder, per_call, message)
+
+
+def typical_items(cost, micro_batches: int, samples: int,
+                  items_per_sample: dict[str, float] | None = None) -> tuple[list, list, list]:
+    """(micro-batch, cost, encoder index) of each item of a typical step of `micro_batches`
+    micro-batches of `samples` samples: of encoder `name`, round(M x samples x
+    items_per_sample[name]) items (None: one a sample), each of the size the cost model runs as
+    a dummy, spread evenly from the first micro-batch (item k of K in floor(k M / K)): a sparse
+    mix is not credited with a later micro-batch to hide in that a drawn step often lacks."""
+    micro, costs, encoder = [], [], []
+    for e, (name, dims) in enumerate(cost.dims.encoders.items()):
+        rate = 1.0 if items_per_sample is None else items_per_sample.get(name, 0.0)
+        count = round(micro_batches * samples * rate)
+        one = float(cost.encoder_cost(name, [max(dims.dummy_len, 1)])[0])
+        for k in range(count):
+            micro.append(k * micro_batches // count)
+            costs.append(one)
+            encoder.append(e)
+    order = sorted(range(len(micro)), key=lambda i: (micro[i], encoder[i]))
+    return ([micro[i] for i in order], [costs[i] for i in order], [encoder[i] for i in order])
+
+
+def typical_schedule(cost, stage_time: list[float], micro_batches: int, samples: int,
+                     items_per_sample: dict[str, float] | None = None,
+                     overhead: CallOverhead = CPU_OVERHEAD) -> dict:
+    """What `ds-omni plan` prints under "bubbles" and "auto" decides by: the plan of a typical
+    step (`typical_items`: the data's items a sample, `items_per_sample`) on stages costing
+    `stage_time` a micro-batch, with each placement's encoder calls and messages priced
+    (`overhead`): where each stage encodes (`describe_slots`), the share of encoder work in idle
+    slots and the modelled step against "uniform"'s."""
+    micro, costs, encoder = typical_items(cost, micro_batches, samples, items_per_sample)
+    plan = plan_bubbles(micro, costs, len(stage_time), micro_batches, stage_time,
+                        calls=call_costs(cost, encoder, overhead))
+    return {"items_per_step": {name: encoder.count(e)
+                               for e, name in enumerate(cost.dims.encoders)},
+            "hidden_share": round(plan.hidden_share, 4),
             "modelled_step_vs_uniform": round(plan.planned_time / plan.uniform_time, 4)
             if plan.uniform_time else 1.0,
             "steps": plan.steps, "slots": describe_slots(plan)}
 
 
-def auto_placement(cost, stage_time: list[float], micro_batches: int, samples: int) -> str:
+AUTO_MARGIN = 0.01
+"""The modelled gain "auto" asks of "bubbles" over "uniform" (a step at most 0.99x)."""
+
+
+def picks_bubbles(typical: dict) -> bool:
+    """Whether "auto" takes "bubbles" on a `typical_schedule`: its plan hides some encoder work
+    and its step is modelled faster than "uniform"'s by `AUTO_MARGIN` or more. A plan that hides
+    nothing runs "uniform"'s places streamed: what the model gives it then is message
+    accounting, not the bubbles."""
+    return (typical["hidden_share"] > 0
+            and typical["modelled_step_vs_uniform"] <= 1 - AUTO_MARGIN)
+
+
+def auto_placement(cost, stage_time: list[float], micro_batches: int, samples: int,
+                   items_per_sample: dict[str, float] | None = None,
+                   overhead: CallOverhead = CPU_OVERHEAD) -> str:
     """`encoder_placement: "auto"` under pp > 1: "bubbles" where the model of a typical step
-    (`typical_schedule`) predicts it faster than "uniform" by at least 1 %, else "uniform"."""
-    typical = typical_schedule(cost, stage_time, micro_batches, samples)
-    return "bubbles" if typical["modelled_step_vs_uniform"] <= 0.99 else "uniform"
+    of the data's mix (`typical_schedule`, its calls and messages priced) predicts a gain
+    (`picks_bubbles`), else "uniform"."""
+    typical = typical_schedule(cost, stage_time, micro_batches, samples, items_per_sample,
+                               overhead)
+    return "bubbles" if picks_bubbles(typical) else "uniform"

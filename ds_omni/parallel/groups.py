@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -42,11 +42,9 @@ class RankGroups:
     tp ranks), a gloo group of the loader's own (one reader per group, `ds_omni.data.shared_read`)."""
     rank: int = 0
     """This rank, whose groups these are."""
-    ring: RingGroup | None = None
-    """Under parallel.cp > 1: this rank's ring (`ParallelPlan.cp_group_ranks`); None without."""
-    ulysses: object = None
-    """Under parallel.cp > 1 and parallel.sp > 1: the Ulysses group of this rank's cp shard (`sp`
-    is then the whole sequence group, sp x cp ranks, over which rows are resharded)."""
+    axes: dict[str, tuple[object, list[int]]] = field(default_factory=dict)
+    """Each kind of `ParallelPlan.axis_group_ranks` (groups of more than one rank): name -> (this
+    rank's group, its members); under cp, "cp" (its ring) and "ulysses" (parallel.sp > 1)."""
     block_rings: dict[tuple[int, int], tuple[object, RingGroup]] | None = None
     """Per-sequence blocks larger than the heads (`ParallelPlan.block_split`): block -> (this
     rank's Ulysses group in it, None at Ulysses degree 1; its ring)."""
@@ -89,30 +87,25 @@ def rank_groups(plan: ParallelPlan, rank: int, prefetch: bool) -> RankGroups:
     elif tp is not None:
         mpu = TensorParallelMpu(tp, dp)
     step_comm = loader_step_comm(plan, rank) if prefetch else None
-    ulysses, ring = context_groups(plan, rank)
+    axes = axis_groups(plan, rank)
     return RankGroups(dp=dp, reorder=reorder, mpu=mpu, blocks=blocks, comm=comm,
                       step_comm=step_comm, tp=tp,
-                      shard_comm=loader_shard_comm(plan, rank), rank=rank, ring=ring,
-                      ulysses=ulysses, block_rings=block_rings)
+                      shard_comm=loader_shard_comm(plan, rank), rank=rank, axes=axes,
+                      block_rings=block_rings)
 
 
-def context_groups(plan: ParallelPlan, rank: int) -> tuple[object, RingGroup | None]:
-    """Under parallel.cp > 1: (this rank's Ulysses group, None when parallel.sp is 1; its ring),
-    every group made by every rank in the same order; (None, None) without cp."""
-    if not plan.cp_enabled:
-        return None, None
-    ulysses = None
-    if plan.ulysses > 1:
-        for members in plan.ulysses_group_ranks():
+def axis_groups(plan: ParallelPlan, rank: int) -> dict[str, tuple[object, list[int]]]:
+    """The groups of `ParallelPlan.axis_group_ranks`, every one made by every rank in the same
+    order (kinds of one-rank groups skipped); {name: (this rank's group, its members)}."""
+    out = {}
+    for name, groups in plan.axis_group_ranks().items():
+        if max(map(len, groups)) == 1:
+            continue
+        for members in groups:
             pg = dist.new_group(members)
             if rank in members:
-                ulysses = pg
-    ring = None
-    for members in plan.cp_group_ranks():
-        pg = dist.new_group(members)
-        if rank in members:
-            ring = RingGroup.of(pg, members, rank)
-    return ulysses, ring
+                out[name] = (pg, members)
+    return out
 
 
 def tensor_group(plan: ParallelPlan, rank: int):

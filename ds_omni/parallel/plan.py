@@ -222,6 +222,14 @@ class ParallelPlan:
         return [group[c * u:(c + 1) * u] for group in self.sp_group_ranks()
                 for c in range(self.cp)]
 
+    def axis_group_ranks(self) -> dict[str, list[list[int]]]:
+        """The process groups an axis needs of its own, by name (`<name>_groups` in `layout`):
+        `rank_groups` makes each kind whose groups have more than one rank and hands this rank's
+        on (`RankGroups.axes`). Under cp: the rings and the Ulysses groups of the cp shards."""
+        if not self.cp_enabled:
+            return {}
+        return {"cp": self.cp_group_ranks(), "ulysses": self.ulysses_group_ranks()}
+
     @property
     def long_item_group(self) -> int:
         """The most ranks that share one row and so may split its long items (long-short SP)."""
@@ -329,8 +337,7 @@ class ParallelPlan:
         out = {"ranks": ranks, **({"tp_groups": self.tp_group_ranks()} if tp else {}),
                "sp_groups": self.sp_group_ranks(), "dp_groups": self.dp_group_ranks(),
                **({"seq_data_groups": self.seq_data_group_ranks()} if both else {}),
-               **({"cp_groups": self.cp_group_ranks(),
-                   "ulysses_groups": self.ulysses_group_ranks()} if self.cp_enabled else {}),
+               **{f"{name}_groups": ranks for name, ranks in self.axis_group_ranks().items()},
                **({"ep_groups": self.ep_group_ranks(),
                    "expert_data_groups": self.expert_data_group_ranks()}
                   if self.ep_enabled else {}),

@@ -25,6 +25,7 @@ from ds_omni.model.attention import PackedAttention
 from ds_omni.model.omni import OmniModel
 from ds_omni.parallel.groups import RankGroups
 from ds_omni.parallel.plan import ParallelPlan
+from ds_omni.parallel.ring import RingGroup
 from ds_omni.parallelize.embedding import EmbeddingRouter, EvenEncoderCalls, encoder_dummies_needed
 from ds_omni.parallelize.encoder_pool import EncoderPool, encoder_pool_for
 from ds_omni.parallelize.expert_folding import ExpertFold, expert_fold_for, fold_experts
@@ -58,8 +59,14 @@ def parallelize(built, plan: ParallelPlan, groups: RankGroups, cfg: OmniConfig, 
                       tp_group=groups.tp, llm_config=llm_config,
                       experts=expert_fold_for(plan, groups.tp, llm_config),
                       tp_encoders=tp_encoders_for(cfg, built, plan, rank, groups.tp, item_cost),
-                      even_calls=even, ring=groups.ring, ulysses_group=groups.ulysses,
+                      even_calls=even, ring=_ring(groups),
+                      ulysses_group=groups.axes.get("ulysses", (None,))[0],
                       block_rings=groups.block_rings)
+
+
+def _ring(groups: RankGroups) -> RingGroup | None:
+    """parallel.cp: this rank's ring (`ParallelPlan.cp_group_ranks`); None without cp."""
+    return RingGroup.of(*groups.axes["cp"], groups.rank) if "cp" in groups.axes else None
 
 
 def _item_cost(cost: CostModel):

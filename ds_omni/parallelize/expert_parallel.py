@@ -213,6 +213,25 @@ def hf_expert_state(named: dict[str, torch.Tensor], ep_size: int,
     return out
 
 
+def autoep_piece(name: str, hf_state: dict[str, torch.Tensor],
+                 experts: slice | None = None) -> torch.Tensor:
+    """`hf_expert_state` inverted for one parameter: this rank's tensor `name` (AutoEP's
+    names, OmniModel-style; any other parameter too) from a whole state in HF's layout and
+    names; `experts`: the global experts this rank holds (AutoEP's layer's `ep_rank` block).
+
+    experts.gate_up_proj [E, 2I, H] -> w1 [E/ep, I, H] (gate), w3 (up); experts.down_proj
+    -> w2 [E/ep, H, I]; gate.weight -> router.gate.weight; HF's shared expert by its name."""
+    head, tail = _split_autoep(name)
+    if tail is None:
+        return hf_state[hf_shared_expert_key(name)]
+    if tail == "router.gate.weight":
+        return hf_state[head + "gate.weight"]
+    if tail == "experts.w2":
+        return hf_state[head + "experts.down_proj"][experts]  # [E/ep, H, I]
+    gate, up = hf_state[head + "experts.gate_up_proj"][experts].chunk(2, dim=1)  # [E/ep, I, H]
+    return gate if tail == "experts.w1" else up
+
+
 def _split_autoep(name: str) -> tuple[str, str | None]:
     """("backbone.layers.3.mlp.", "experts.w1") for an AutoEP parameter, else (name, None)."""
     m = re.fullmatch(r"(.*\.mlp\.)(experts\.w[123]|router\.gate\.weight)", name)

@@ -27,6 +27,7 @@ from torch import nn
 
 from ds_omni.batch import IGNORE_INDEX
 from ds_omni.errors import LaunchError, ModelError
+from ds_omni.model.layer_files import pipeline_prefixes
 from ds_omni.model.omni import DEEPSTACK_ALONE, OmniModel, summed_token_loss
 from ds_omni.parallelize.joint import EncoderShards, JointEncoding, plan_joint
 from ds_omni.parallelize.pipeline_moe import AuxCarry
@@ -317,6 +318,7 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
                              partition_method="ds_omni", dynamic_shape=True)
     module.step_inputs = step_inputs
     module.family = model.family  # what checkpoints record
+    module.omni_prefixes = pipeline_prefixes(model)  # its names -> the OmniModel's (`omni_key`)
     # DeepSpeed's ZeRO-0 clipping (runtime.utils.clip_grad_norm_) counts a parameter of a stage
     # other than the first only if it is marked model-parallel: without this, the gradient norm
     # would hold stage 0's gradients alone
@@ -372,15 +374,27 @@ def pipeline_spec_for(cfg, built, plan, cost, item_cost: Callable) -> PipelineSp
 
 def resolved_placement(cfg, plan, cost, stages: StagePlan) -> str:
     """parallel.encoder_placement, "auto" resolved by the cost model's model of a typical step
-    (`ds_omni.parallel.bubbles.auto_placement`: "bubbles" where it predicts a gain)."""
+    of the data's mix (`ds_omni.parallel.bubbles.auto_placement`: "bubbles" where it predicts a
+    gain beyond its margin, its calls and messages priced for this machine)."""
     placement = cfg.parallel.encoder_placement
     if placement != "auto":
         return placement
     if plan.tp_enabled or plan.sp_enabled:  # "bubbles" is refused beside them (the table)
         return "uniform"
     from ds_omni.parallel.bubbles import auto_placement
+    return auto_placement(cost, stages.layer_time, *typical_step(cfg, plan, cost))
+
+
+def typical_step(cfg, plan, cost) -> tuple:
+    """(micro-batches, samples a micro-batch, items a sample by encoder, call overhead) of the
+    step "auto" and `ds-omni plan` model: the data's mix (`data.typical`), and this project's
+    calibrated CPU overhead where no GPU is visible (none calibrated on GPUs: 0)."""
+    from ds_omni.data.typical import encoder_items_per_sample
+    from ds_omni.parallel.bubbles import CPU_OVERHEAD, CallOverhead
     micro = max(cfg.train.global_batch_size // (cfg.train.micro_batch_size * plan.dp), 1)
-    return auto_placement(cost, stages.layer_time, micro, cfg.train.micro_batch_size)
+    items = encoder_items_per_sample(cfg.data, list(cost.dims.encoders))
+    overhead = CallOverhead() if torch.cuda.is_available() else CPU_OVERHEAD
+    return micro, cfg.train.micro_batch_size, items, overhead
 
 
 def engine_inputs(micro_batches: list) -> list[tuple]:

@@ -167,6 +167,26 @@ def tp_layout(module: nn.Module) -> dict[str, dict]:
     return out
 
 
+def tp_cuts(module: nn.Module) -> dict[str, tuple[int, tuple[int, ...], int]]:
+    """{parameter name: (split dim, each TP rank's width, this rank's index)} of every split
+    parameter of `module`: how AutoTP cut it from the whole, what `tp_piece` cuts again (the
+    optimizer's moments on a resume on another plan, `ds_omni.train.moments`)."""
+    out = {}
+    for name, layer in module.named_modules():
+        for leaf, dim in _split_dims(layer).items():
+            if dim is not None and getattr(layer, leaf, None) is not None:
+                out[f"{name}.{leaf}" if name else leaf] = (dim, tuple(layer._partition_sizes),
+                                                           layer.tp_index)
+    return out
+
+
+def tp_piece(whole: torch.Tensor, cut: tuple[int, tuple[int, ...], int]) -> torch.Tensor:
+    """This rank's shard of `whole` by `cut` (`tp_cuts`): AutoTP's own split (its layers'
+    `uneven_partition`), the inverse of `gather_tp` and of the export's `merge_tp`."""
+    dim, sizes, index = cut
+    return whole.split(list(sizes), dim=dim)[index]
+
+
 def _split_dims(layer: nn.Module) -> dict[str, int | None]:
     """{"weight": dim, "bias": dim or None (whole)} for an AutoTP layer; {} otherwise."""
     from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from ds_omni.config.composition import FEATURES, PARALLEL_FIELDS, Setting
 from ds_omni.errors import DsOmniError
 from ds_omni.parallel.hdp import ulysses_ring_split
 from ds_omni.parallel.plan import ParallelPlan
@@ -24,13 +25,18 @@ from ds_omni.sim.step import simulate
 from ds_omni.sim.workload import Samples
 
 BASELINES = ("megatron", "disttrain", "deepspeed", "bytescale", "veomni")
+NAMED = ("sp", "max_sequence_sp", "tp", "pp", "ep", "cp", "encoder_placement", "encoder_pool")
+"""The composition table's features the baselines below set or keep on purpose; any other
+(a new axis) is at its default, off, in every baseline (`_plain`)."""
 
 
 def _plain(plan: SimPlan, name: str, **changes) -> SimPlan:
     """The plan with ds_omni's own techniques off, then `changes`."""
     off = dict(name=name, dp=None, reorder="loader_order", max_sequence_sp=1, long_items=False,
                encoder_gpus=0)
-    return plan.replace(**(off | changes))
+    new = {f.name: getattr(Setting(), f.name) for f in FEATURES
+           if f.name in PARALLEL_FIELDS and f.name not in NAMED}
+    return plan.replace(**(new | off | changes))
 
 
 def megatron(plan: SimPlan) -> SimPlan:

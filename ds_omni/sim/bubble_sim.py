@@ -20,23 +20,38 @@ import dataclasses
 
 import numpy as np
 
-from ds_omni.parallel.bubbles import auto_placement, plan_bubbles
+from ds_omni.parallel.bubbles import CallOverhead, auto_placement, plan_bubbles
 from ds_omni.sim import comm
 from ds_omni.sim.timeline import COMM
 
 
 def resolve_auto(step, stage_plan) -> None:
     """`encoder_placement: "auto"` -> "bubbles" where the cost model's typical step predicts a
-    gain, else "uniform" (`auto_placement` on the stages training splits, `stage_plan(step)`;
+    gain, else "uniform" (`auto_placement` on the stages training splits, `stage_plan(step)`, the
+    drawn samples' items a sample and the cluster's call and message costs, `typical_inputs`;
     "uniform" beside tp or sp, as training does), in `step.plan`."""
     p, plan = step.pplan, step.plan
     if plan.encoder_placement != "auto":
         return
     step.plan = _placed(plan, "uniform")  # "bubbles" splits the stages as "uniform" does
     if p.tp == 1 and p.sp == 1:
-        per_micro = max(1, round(len(step.samples) / (p.dp * plan.micro_batches)))
         step.plan = _placed(plan, auto_placement(step.model.cost, stage_plan(step).layer_time,
-                                                 plan.micro_batches, per_micro))
+                                                 *typical_inputs(step)))
+
+
+def typical_inputs(step) -> tuple:
+    """(micro-batches, samples a micro-batch, items a sample by encoder, call overhead) of the
+    typical step "auto" models: the mix of the drawn samples (training reads its sources'), the
+    overhead from the cluster's fields (FLOPs at its rate: `micro_batch_s_per_param` a weight a
+    call, `intra_latency` a message)."""
+    p, plan, c = step.pplan, step.plan, step.cluster
+    per_micro = max(1, round(len(step.samples) / (p.dp * plan.micro_batches)))
+    n = max(len(step.samples), 1)
+    encoders = step.samples.item_encoder.tolist()
+    items = {name: encoders.count(name) / n for name in step.model.cost.dims.encoders}
+    overhead = CallOverhead(per_param=c.micro_batch_s_per_param * c.flops_per_s,
+                            message=c.intra_latency * c.flops_per_s)
+    return plan.micro_batches, per_micro, items, overhead
 
 
 def _placed(plan, placement: str):

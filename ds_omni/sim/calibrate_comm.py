@@ -248,22 +248,24 @@ def time_pool_planning(ranks: int = 2, per_rank: int = 8, rounds: int = 4,
 
 def time_ring_blocks(heads: int = 8, head_dim: int = 32, tokens: int = 1024,
                      repeats: int = 5) -> float:
-    """FLOP/s of ring attention's block kernel (`Cluster.ring_flops_per_s`): forward and
-    backward of `block_attention` on one dense `tokens` x `tokens` block (a packed row of 4
-    samples, zigzag: every query of a rank scores every key, masked), its matmuls' 3 x 4 h C K D
-    FLOPs over its `time.process_time` (the median of `repeats`; one thread)."""
+    """FLOP/s of ring attention's block kernel (`Cluster.ring_flops_per_s`): the CPU kernel
+    training runs (`ring_kernels.TorchBlock`), forward and its written-out backward, on one dense
+    `tokens` x `tokens` block (a packed row of 4 samples, zigzag: every query of a rank scores
+    every key, masked); its matmuls' 3 x 4 h C K D FLOPs over its `time.process_time` (the median
+    of `repeats`; one thread)."""
     import torch
 
-    from ds_omni.model.ring_attention import block_attention, ring_mask
+    from ds_omni.model.ring_attention import ring_mask
+    from ds_omni.model.ring_kernels import TorchBlock
     pos = torch.arange(tokens)
     bounds = torch.tensor([0, tokens // 4, tokens // 2, 3 * tokens // 4, tokens])
-    q = torch.randn(tokens, heads, head_dim, requires_grad=True)
-    k, v = (torch.randn(tokens, max(1, heads // 2), head_dim, requires_grad=True)
-            for _ in range(2))
+    q = torch.randn(tokens, heads, head_dim)
+    k, v = (torch.randn(tokens, max(1, heads // 2), head_dim) for _ in range(2))
+    allowed, kernel, scaling = ring_mask(pos, pos, bounds), TorchBlock(), head_dim ** -0.5
     times = []
     for _ in range(repeats):
         t0 = time.process_time()
-        out, lse = block_attention(q, k, v, ring_mask(pos, pos, bounds), head_dim ** -0.5)
-        (out.sum() + lse.clamp(min=-1e4).sum()).backward()
+        out, lse = kernel.forward(q, k, v, allowed, scaling)
+        kernel.backward(torch.ones_like(out), q, k, v, out, lse, allowed, scaling)
         times.append(time.process_time() - t0)
     return 3 * 4 * heads * tokens * tokens * head_dim / statistics.median(times)

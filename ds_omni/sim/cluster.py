@@ -64,8 +64,8 @@ class Cluster:
     """The GPU type's kernels by shape (`gpus.KernelFit`, `sim.published.calibrate`) for the
     LLM's passes; None: all work at `achievable`."""
     ring_flops_per_s: float = 0.0
-    """FLOP/s of ring attention's dense masked blocks (`model/ring_attention.block_attention`,
-    pure torch): `calibrate_comm.time_ring_blocks` on CPU; 0: a fused varlen kernel (presets)."""
+    """FLOP/s of ring attention's dense masked blocks (`model/ring_kernels.TorchBlock`, pure
+    torch): `calibrate_comm.time_ring_blocks` on CPU; 0: a fused varlen kernel (presets)."""
     moe_token_flops: float = 0.0
     """Work of an AutoEP MoE layer a token-expert assignment beyond its experts' matmuls (router,
     sort, permutation, combine), training FLOPs at the LLM's rate: `calibrate_moe`; 0: presets."""

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ds_omni.config import OmniConfig
+from ds_omni.config.composition import DEGREES
 from ds_omni.data.loader import pack_tokens
 from ds_omni.errors import ConfigError, DsOmniError
 from ds_omni.model.build import build_model
@@ -106,6 +107,11 @@ def simulate_config(cfg: OmniConfig, ds_json: dict, *, gpus: int, gpus_per_node:
     return out
 
 
+UNSHOWN = ("sp", "pp", "tp", "ep", "max_sequence_sp")
+"""Degrees the summary line shows always (sp, pp) or never (as it always has); any other degree
+of the composition table is shown where it is > 1 (`format_simulation`)."""
+
+
 def format_simulation(out: dict) -> str:
     """The simulation for people: the plan's step, then a line per baseline."""
     p = out["plan"]
@@ -113,7 +119,8 @@ def format_simulation(out: dict) -> str:
     lines = [f"cluster: {out['cluster']['gpus']} x {out['cluster']['gpu']} "
              f"({out['cluster']['gpus_per_node']} per node)",
              f"plan: dp={p['plan']['dp']} sp={p['plan']['sp']} "
-             + (f"cp={p['plan']['cp']} " if p['plan'].get("cp", 1) > 1 else "") +
+             + "".join(f"{d}={p['plan'][d]} " for d in DEGREES  # cp, a new axis: where > 1
+                       if d not in UNSHOWN and p['plan'].get(d, 1) > 1) +
              f"pp={p['plan']['pp']} "
              f"zero={p['plan']['zero_stage']} reorder={p['plan']['reorder']} "
              f"encoders={p['plan']['encoder_mode']}",

@@ -44,7 +44,7 @@ def state_shards(step, stage: int, held: tuple[float, float]) -> list[StateShard
     ranks = step.ranks_of(0, p.dp, stage)
     llm_trained = "llm" not in m.frozen
     if p.tp > 1:
-        cut = m.llm_params() - m.llm_params(tp=p.tp)  # what tp takes off each rank
+        cut = m.llm_params() - m.llm_params(tp=p.tp) + vocab_cut(step, stage)  # tp's split
         groups = [ranks[t::p.tp] for t in range(p.tp)]
         return [StateShard(held[0] - cut, held[1] - cut * llm_trained, p.seq_data_size, groups)]
     if p.ep > 1:
@@ -55,6 +55,16 @@ def state_shards(step, stage: int, held: tuple[float, float]) -> list[StateShard
         return [rest, StateShard(experts / p.ep, experts / p.ep * llm_trained,
                                  p.seq_data_size // p.ep, groups)]
     return [StateShard(held[0], held[1], p.seq_data_size, [ranks])]
+
+
+def vocab_cut(step, stage: int) -> float:
+    """Embedding and LM head parameters tp takes off a rank of `stage` under
+    `SimPlan.vocab_parallel` (the embedding on the first stage, the head on the last)."""
+    p, d = step.pplan, step.model.dims
+    if not step.plan.vocab_parallel or p.tp == 1:
+        return 0.0
+    held = d.hidden * d.vocab * ((stage == 0) + (stage == p.pp - 1))
+    return held * (1 - 1 / p.tp)
 
 
 def stage_layers(step, s: int) -> int:
@@ -75,7 +85,7 @@ def composed_shards(step, stage: int, held: tuple[float, float]) -> list[StateSh
     share = stage_layers(step, stage) / m.dims.layers  # the stage's part of the decoder
     experts = m.expert_params() * share if p.ep > 1 else 0.0
     dense = m.dims.layers * m.llm_layer_params() * share - experts  # split by tp
-    cut = dense * (1 - 1 / p.tp)
+    cut = dense * (1 - 1 / p.tp) + vocab_cut(step, stage)
     rest = StateShard(held[0] - cut - experts, held[1] - (cut + experts) * trained,
                       p.seq_data_size, [ranks[t::p.tp] for t in range(p.tp)])
     if p.ep == 1:

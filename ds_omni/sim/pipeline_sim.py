@@ -6,8 +6,8 @@ planner (`parallelize.joint.assign_items`, "uniform"), the rows then sent to sta
 
 1F1B: stage s runs min(P - s - 1, M) forwards, then alternates one forward and one backward,
 then the remaining backwards; a forward waits for the stage before (activations, p2p), a
-backward for the stage after (gradients). Every pipeline (one per data-parallel x SP rank) has
-the same op order; its durations follow its own micro-batches.
+backward for the stage after (gradients); interleaved (`SimPlan.virtual_stages` v): the same
+over P v model chunks, Megatron's order. Every pipeline has the same op order.
 
 Under tp and ep each rank of a stage is a column, with TP's all-reduces and EP's all-to-alls
 after each of its passes (`stage_parallel`).
@@ -121,8 +121,11 @@ def _micro_arrays_of(step):
     return llm, tokens, enc
 
 
-def _orders(P: int, M: int) -> list[list[tuple[str, int]]]:
-    """Each stage's 1F1B op order: ("F" | "B", micro-batch)."""
+def _orders(P: int, M: int, v: int = 1) -> list[list[tuple]]:
+    """Each stage's op order: ("F" | "B", micro-batch[, model chunk]). v = 1: 1F1B; v > 1:
+    Megatron's interleaved 1F1B (`_interleaved`)."""
+    if v > 1:
+        return [_interleaved(P, M, v, s) for s in range(P)]
     out = []
     for s in range(P):
         warm = min(P - s - 1, M)
@@ -133,66 +136,128 @@ def _orders(P: int, M: int) -> list[list[tuple[str, int]]]:
     return out
 
 
+def _warmup(P: int, M: int, v: int, s: int) -> int:
+    """Forwards stage s runs before its first backward (Megatron's schedules: 1F1B's P - s - 1;
+    interleaved 2 (P - s - 1) + (v - 1) P, all of them when M = P), capped at its M v."""
+    if v == 1:
+        return min(P - s - 1, M)
+    return M * v if M == P else min(2 * (P - s - 1) + (v - 1) * P, M * v)
+
+
+def _interleaved(P: int, M: int, v: int, s: int) -> list[tuple[str, int, int]]:
+    """Stage s's ops under the interleaved schedule (M a multiple of P): its k-th forward runs
+    chunk (k mod P v) // P on micro-batch (k // P v) P + k mod P, its backwards the chunks the
+    other way round; warm-up forwards, then one forward and one backward, then the rest."""
+    def op(kind: str, k: int) -> tuple[str, int, int]:
+        chunk = (k % (P * v)) // P
+        return kind, (k // (P * v)) * P + k % P, chunk if kind == "F" else v - 1 - chunk
+    total, warm = M * v, _warmup(P, M, v, s)
+    ops = [op("F", k) for k in range(warm)]
+    for k in range(total - warm):
+        ops += [op("F", warm + k), op("B", k)]
+    return ops + [op("B", k) for k in range(total - warm, total)]
+
+
 def run_pipeline(step) -> None:
     """The whole step's schedule on every LLM rank of `step` (its `timeline`)."""
     bubble_sim.resolve_auto(step, stage_plan)  # "auto": the placement training would choose
-    p, plan, tl, rate = step.pplan, step.plan, step.timeline, step.rate
-    P, M = p.pp, plan.micro_batches
+    p, plan = step.pplan, step.plan
+    P, M, v = p.pp, plan.micro_batches, plan.virtual_stages
     step.stage_plan = stage_plan(step)
     frac = stage_fractions(step)  # [P] each stage's share of a micro-batch's LLM work
     llm, tokens, enc = _micro_arrays(step)
     if p.tp > 1 or p.ep > 1:  # one column a rank of a stage (dp x sp x tp)
         llm, tokens, enc = stage_parallel.per_rank(step, llm, tokens, enc)
     ranks = [step.ranks_of(0, p.dp, s) for s in range(P)]  # [P][D tp]
-    act = tokens * step.model.dims.hidden * 2  # [M, D] bytes sent between stages
     uniform = plan.encoder_placement in JOINT
-    fwd_e, ckpt = step.encoder_fwd, plan.checkpointing
     # per micro-batch, each stage's weights read and gradients accumulated (the joint
     # pipeline's encoder replicas run once a step, and pay their share there)
     overhead = [step.cluster.micro_batch_s_per_param * (
         stage_params(step, s)[0] - uniform * encoder_params(step)) for s in range(P)]
+    pipe = _Pipe(ranks, llm, tokens, enc, tokens * step.model.dims.hidden * 2, frac / v,
+                 np.array(overhead) / v, uniform)
     bubbles = bubble_sim.BubbleOps(step, ranks) if plan.encoder_placement == "bubbles" else None
     if uniform and bubbles is None:
         _uniform_encode(step, ranks, backward=False)
     events, pointer = {}, [0] * P
-    orders = _orders(P, M) if bubbles is None else bubbles.orders(_orders(P, M))
+    orders = _orders(P, M, v) if bubbles is None else bubbles.orders(_orders(P, M))
     while any(pointer[s] < len(orders[s]) for s in range(P)):
+        moved = False
         for s in range(P):
             if pointer[s] == len(orders[s]):
                 continue
-            kind, m = orders[s][pointer[s]]
+            kind, m = orders[s][pointer[s]][:2]
             if kind not in ("F", "B"):  # the bubbles' encoder ops (`bubble_sim`)
-                pointer[s] += bubbles.run(s, kind, m, events)
+                ran = bubbles.run(s, kind, m, events)
+                pointer[s], moved = pointer[s] + ran, moved or bool(ran)
                 continue
-            dep = ("F", s - 1, m) if kind == "F" and s > 0 else (
-                ("B", s + 1, m) if kind == "B" and s < P - 1 else None)
-            if dep is not None and dep not in events:
-                continue
-            if dep is not None:
-                link = comm.link_of(step.cluster, [ranks[s][0], ranks[dep[1]][0]])
-                tl.run(ranks[s], "p2p", comm.p2p_each(act[m], link), COMM,
-                       after=events[dep])
-            enc_here = 0.0 if (uniform or s > 0) else enc[m] * (fwd_e if kind == "F" else 1 - fwd_e)
-            share = 1 / 3 if kind == "F" else (2 + ckpt) / 3
-            phase = "llm_fwd" if kind == "F" else "llm_bwd"
-            if np.any(enc_here):
-                tl.run(ranks[s], "encode_fwd" if kind == "F" else "encode_bwd", enc_here / rate)
-            seconds = llm[m] * frac[s] * share / step.llm_rate + overhead[s] * share
-            events[(kind, s, m)] = tl.run(ranks[s], phase, seconds)
-            if plan.overlap_grad_sync:
-                note_pass(step, ranks[s], seconds, kind == "B")
-            if p.sp > 1:  # Ulysses inside the stage's layers (the SP ranks' work is even)
-                events[(kind, s, m)] = tl.run(ranks[s], "llm_sp",
-                                              _ulysses(step, tokens[m], kind == "B", s) * frac[s],
-                                              COMM)
-            last = stage_parallel.stage_collectives(step, ranks[s], s, tokens[m], kind == "B",
-                                                    seconds)
-            if last is not None:  # tp's all-reduces, ep's all-to-alls inside the stage
-                events[(kind, s, m)] = last
-            pointer[s] += 1
+            chunk = orders[s][pointer[s]][2] if v > 1 else 0
+            if _run_op(step, pipe, events, s, kind, m, chunk):
+                pointer[s] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError(f"the pipeline schedule deadlocked at {pointer} (a bug)")
     if uniform and bubbles is None:
         _uniform_encode(step, ranks, backward=True)
     _pipeline_memory(step, tokens, frac)
+
+
+class _Pipe:
+    """A pipelined step's per-rank arrays (`run_pipeline`): `frac` and `overhead` a model
+    chunk's share of each stage's ([P])."""
+
+    def __init__(self, ranks, llm, tokens, enc, act, frac, overhead, uniform):
+        self.ranks, self.llm, self.tokens, self.enc, self.act = ranks, llm, tokens, enc, act
+        self.frac, self.overhead, self.uniform = frac, overhead, uniform
+
+
+def _run_op(step, pipe: _Pipe, events: dict, s: int, kind: str, m: int, chunk: int) -> bool:
+    """Stage s runs its pass `kind` of micro-batch m through its model chunk `chunk` (virtual
+    stage chunk x P + s) once the virtual stage before (forward) or after (backward) has sent
+    it its activations or gradients; False while it has not."""
+    P, plan, tl = step.pplan.pp, step.plan, step.timeline
+    vs, last = chunk * P + s, P * plan.virtual_stages - 1
+    dep = ("F", vs - 1, m) if kind == "F" and vs > 0 else (
+        ("B", vs + 1, m) if kind == "B" and vs < last else None)
+    if dep is not None and dep not in events:
+        return False
+    ranks = pipe.ranks[s]
+    if dep is not None:
+        tl.run(ranks, "p2p", _p2p_seconds(step, pipe.ranks[dep[1] % P][0], ranks[0],
+                                          pipe.act[m]), COMM, after=events[dep])
+    enc_here = 0.0 if (pipe.uniform or vs > 0) else pipe.enc[m] * (
+        step.encoder_fwd if kind == "F" else 1 - step.encoder_fwd)
+    share = 1 / 3 if kind == "F" else (2 + plan.checkpointing) / 3
+    if np.any(enc_here):
+        tl.run(ranks, "encode_fwd" if kind == "F" else "encode_bwd", enc_here / step.rate)
+    seconds = pipe.llm[m] * pipe.frac[s] * share / step.llm_rate + pipe.overhead[s] * share
+    events[(kind, vs, m)] = tl.run(ranks, "llm_fwd" if kind == "F" else "llm_bwd", seconds)
+    if plan.overlap_grad_sync:
+        note_pass(step, ranks, seconds, kind == "B")
+    if step.pplan.sp > 1:  # Ulysses inside the stage's layers (the SP ranks' work is even)
+        events[(kind, vs, m)] = tl.run(ranks, "llm_sp", _ulysses(
+            step, pipe.tokens[m], kind == "B", s) * pipe.frac[s], COMM)
+    done = stage_parallel.stage_collectives(step, ranks, s, pipe.tokens[m], kind == "B",
+                                            seconds, 1 / plan.virtual_stages)
+    if done is not None:  # tp's all-reduces, ep's all-to-alls inside the stage
+        events[(kind, vs, m)] = done
+    return True
+
+
+def _p2p_seconds(step, src: int, dst: int, act: np.ndarray) -> np.ndarray:
+    """[D tp] seconds of a stage's receive of `act` bytes a rank from rank `src`'s stage: whole
+    from each TP rank, or 1/tp of them under Megatron's sequence parallelism (a rank holds its
+    slice of the sequence between layers) and scatter/gather (the slices then all-gathered over
+    the TP group's link)."""
+    link = comm.link_of(step.cluster, [src, dst])
+    tp, plan = step.pplan.tp, step.plan
+    if tp == 1 or not (plan.p2p_scatter or plan.tp_splits_norms):
+        return comm.p2p_each(act, link)
+    wire = comm.p2p_each(act / tp, link)
+    if plan.tp_splits_norms:
+        return wire
+    inside = comm.link_of(step.cluster, step.ranks_of(0, 1)[:tp])
+    return wire + (tp - 1) * (inside.latency + act / tp / inside.bandwidth)
 
 
 def note_pass(step, ranks, seconds, backward: bool) -> None:
@@ -279,13 +344,15 @@ def _uniform_items(step) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _pipeline_memory(step, tokens: np.ndarray, frac: np.ndarray) -> None:
-    """Stage s keeps the activations of min(P - s, M) micro-batches in flight (1F1B)."""
+    """Stage s keeps the activations of its warm-up's micro-batches and one more in flight
+    (1F1B: min(P - s, M); interleaved: as many model chunks, each 1/v of its layers)."""
     m, ckpt, P, M = step.model, step.plan.checkpointing, step.pplan.pp, step.plan.micro_batches
-    tp = step.pplan.tp
+    tp, v = step.pplan.tp, step.plan.virtual_stages
     biggest = tokens.max(axis=0)  # [D tp]
     for s in range(P):
         layers = len(step.stage_plan.decoder_layers(s)) / m.dims.layers
-        kept = min(P - s, M) * biggest * m.llm_activation_bytes(ckpt, tp) * layers
+        chunks = min(_warmup(P, M, v, s) + 1, M * v) / v  # 1F1B: min(P - s, M)
+        kept = chunks * biggest * m.llm_activation_bytes(ckpt, tp) * layers
         extra = biggest * m.llm_peak_extra_bytes(ckpt, tp) if s == P - 1 else 0.0
         r = step.ranks_of(0, step.pplan.dp, s)
         step.act_peak[r] = np.maximum(step.act_peak[r], kept + extra)

@@ -64,6 +64,15 @@ class SimPlan:
     tp_splits_norms: bool = False
     """Under tp the element-wise work splits over the TP ranks too (Megatron's sequence
     parallelism; with `Cluster.kernels`); False: `gpus.REPLICATED` of it repeated (AutoTP)."""
+    vocab_parallel: bool = False
+    """Under tp the token embedding and LM head split over the TP ranks too (Megatron's
+    vocab-parallel layers): their states and gradients 1/tp a rank; False: whole (AutoTP)."""
+    virtual_stages: int = 1
+    """Model chunks a pipeline rank holds (Megatron's interleaved 1F1B, its virtual pipeline
+    stages); 1: the plain 1F1B (DeepSpeed's, Megatron's default)."""
+    p2p_scatter: bool = False
+    """Under tp each rank sends 1/tp of a stage's activations, the next stage all-gathers them
+    inside its node (Megatron's scatter/gather); False: every TP rank sends them whole."""
 
     def __init__(self, *, parallel: ParallelConfig | None = None,
                  reordering: ReorderConfig | None = None, **fields):
@@ -95,10 +104,14 @@ class SimPlan:
         if self.global_batch < 1 or self.micro_batches < 1 or self.pack_tokens < 1:
             raise ConfigError(f"SimPlan needs global_batch, micro_batches and pack_tokens >= 1, "
                               f"got {self.global_batch}, {self.micro_batches}, {self.pack_tokens}")
-        if self.cp < 1 or (self.cp > 1 and self.pp > 1):
-            raise ConfigError(f"SimPlan.cp must be >= 1, and 1 under a pipeline (the simulator "
-                              f"prices ring attention without one), got cp={self.cp}, "
-                              f"pp={self.pp}")
+        if self.virtual_stages < 1 or (self.virtual_stages > 1 and (
+                self.pp < 2 or self.micro_batches % self.pp or self.ep > 1
+                or self.encoder_placement != "stage0")):
+            raise ConfigError(f"SimPlan.virtual_stages={self.virtual_stages} needs pp >= 2, "
+                              f"micro-batches a multiple of pp (Megatron's interleaved "
+                              f"schedule), ep 1 and encoder_placement 'stage0'; got pp="
+                              f"{self.pp}, micro_batches={self.micro_batches}, ep={self.ep}, "
+                              f"encoder_placement={self.encoder_placement!r}")
 
     def __hash__(self) -> int:  # the configs are mutable dataclasses: hash their values
         return hash((self.resolution_key(), *(getattr(self, f.name) for f in

@@ -92,7 +92,8 @@ def sim_inputs(entry: dict, fit: KernelFit):
                    checkpointing=bool(p["recompute"]), reorder="loader_order",
                    overlap_grad_sync=bool(p.get("overlap_grad_reduce")),
                    overlap_tp=bool(p.get("tp_comm_overlap")),
-                   tp_splits_norms=bool(p["sequence_parallel"]))
+                   tp_splits_norms=bool(p["sequence_parallel"]), virtual_stages=p.get("vp", 1),
+                   p2p_scatter=bool(p.get("scatter_gather")), vocab_parallel=True)
     return cl, model, samples, plan
 
 

@@ -19,10 +19,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from ds_omni.errors import ConfigError
 from ds_omni.parallel.hdp import ulysses_ring_split
 from ds_omni.sim import comm
 
 BF16 = 2
+
+
+def check_plan(plan) -> None:
+    """A `SimPlan` whose ring this module prices: parallel.cp is 1 under a pipeline."""
+    if plan.cp > 1 and plan.pp > 1:
+        raise ConfigError(f"SimPlan.cp must be 1 under a pipeline (the simulator prices ring "
+                          f"attention without one), got cp={plan.cp}, pp={plan.pp}")
 
 
 def sequence_split(step, g: int) -> tuple[int, int]:
@@ -45,16 +53,22 @@ def kv_bytes_per_token(model, u: int, tp: int = 1) -> float:
     return 2 * width * BF16
 
 
+# the ring's own backward (`model/ring_attention.RingAttention`) passes the bf16 key/value blocks
+# around again with their float32 gradient accumulators: 1 + 2 blocks' bytes a step
+BACKWARD_BLOCKS = 3
+
+
 def ring_layer_seconds(transfer: np.ndarray, block: np.ndarray, c: int,
                        backward: bool, checkpointing: bool) -> np.ndarray:
     """The ring's exposed seconds of one layer in one pass: (c - 1) steps of max(0, transfer -
     block attention) (`transfer` [n]: one key/value block's p2p; `block` [n]: one step's
-    forward attention); backward twice both, plus the recomputed forward's."""
+    forward attention); backward BACKWARD_BLOCKS transfers against twice the attention, plus
+    the recomputed forward's."""
     exposed = (c - 1) * np.maximum(0.0, transfer - block)
     if not backward:
         return exposed
-    twice = (c - 1) * np.maximum(0.0, 2 * transfer - 2 * block)
-    return twice + exposed * checkpointing
+    back = (c - 1) * np.maximum(0.0, BACKWARD_BLOCKS * transfer - 2 * block)
+    return back + exposed * checkpointing
 
 
 def run_ring(step, rr, ids: np.ndarray, groups: np.ndarray, u: int, c: int,
@@ -77,7 +91,7 @@ def run_ring(step, rr, ids: np.ndarray, groups: np.ndarray, u: int, c: int,
     link = comm.links_each(step.cluster, rings)
     seconds = m.dims.layers * ring_layer_seconds(comm.p2p_each(nbytes, link), block, c,
                                                  backward, plan.checkpointing)
-    passes = (2 + plan.checkpointing) if backward else 1  # blocks sent, in forwards' worth
+    passes = (BACKWARD_BLOCKS + plan.checkpointing) if backward else 1  # in forwards' worth
     moved = float(nbytes.sum()) * c * (c - 1) * m.dims.layers * passes
     step.a2a_bytes["llm_ring"] = step.a2a_bytes.get("llm_ring", 0.0) + moved
     gid = np.repeat(np.arange(rings.shape[0]), c)

@@ -19,7 +19,9 @@ import itertools
 import re
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
+from ds_omni.config.composition import DEGREES
 from ds_omni.errors import DsOmniError
 from ds_omni.parallel.hdp import ulysses_ring_split
 from ds_omni.parallel.plan import ParallelPlan
@@ -92,8 +94,7 @@ class SearchResult:
 def describe(plan) -> str:
     """A plan (a SimPlan or the fields of a candidate) in one line of its searched fields."""
     f = plan if isinstance(plan, dict) else plan.as_dict()
-    parts = [f"dp={f['dp']}"] + [f"{k}={f.get(k, 1)}" for k in ("sp", "cp", "pp", "tp", "ep")
-                                 if f.get(k, 1) > 1]
+    parts = [f"dp={f['dp']}"] + [f"{k}={f.get(k, 1)}" for k in DESCRIBED if f.get(k, 1) > 1]
     if f["max_sequence_sp"] > 1:
         parts.append(f"max_sequence_sp={f['max_sequence_sp']}")
     if "pack_tokens" in f and f.get("sp", 1) * f.get("cp", 1) > 1:  # a row split over them
@@ -106,6 +107,19 @@ def describe(plan) -> str:
 
 
 # ----------------------------------------------------------------------------- the space
+SEARCHED = ("sp", "pp", "tp", "ep", "max_sequence_sp", "cp")
+"""The composition table's degrees `candidates` enumerates by rules of their own; any other (a
+new axis) is tried at every value of `SearchSpace.degrees` (`_other_degrees`)."""
+DESCRIBED = ("sp", "cp", "pp", "tp", "ep") + tuple(d for d in DEGREES if d not in SEARCHED)
+
+
+def _other_degrees(space: SearchSpace) -> list[dict]:
+    """Every combination of the table's degrees not in `SEARCHED` over `space.degrees` ([{}]
+    where there are none); the table drops what it refuses."""
+    others = [d for d in DEGREES if d not in SEARCHED]
+    return [dict(zip(others, v)) for v in itertools.product(space.degrees, repeat=len(others))]
+
+
 def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
                space: SearchSpace = SearchSpace(), longest: int = 0) -> list[dict]:
     """Every plan of `space` on `gpus` GPUs (the SimPlan fields that differ from `base`), with
@@ -116,7 +130,7 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
     base_dp = ParallelPlan.dp_of(base.parallel, gpus)
     per_micro = base.global_batch / (base.micro_batches * base_dp)  # samples of one micro-batch
     need = max(1, -(-longest // base.pack_tokens))  # ranks of base's rows the longest spans
-    out, seen = [], set()
+    out, seen, others = [], set(), _other_degrees(space)
     for sp, pp, tp, ep, msp in itertools.product(*[space.degrees] * 4,
                                                  _block_degrees(space, need)):
         if tp > gpus_per_node or sp > gpus_per_node or (ep > 1 and model.moe is None):
@@ -125,9 +139,10 @@ def candidates(base: SimPlan, gpus: int, gpus_per_node: int, model: ModelSpec,
             continue  # tp x sp inside a node (a ring may cross nodes)
         if sp > 1 and msp > 1:
             continue  # a static sp and a per-sequence degree contradict by definition
-        for cp in _ring_degrees(space, longest, sp) if pp == msp == 1 else (1,):
+        for cp, more in itertools.product(
+                _ring_degrees(space, longest, sp) if pp == msp == 1 else (1,), others):
             _add_plans(out, seen, base, gpus, per_micro, space,
-                       dict(sp=sp, cp=cp, pp=pp, tp=tp, ep=ep, max_sequence_sp=msp))
+                       dict(sp=sp, cp=cp, pp=pp, tp=tp, ep=ep, max_sequence_sp=msp, **more))
         for size in _long_rows(need, gpus) if pp == msp == 1 else ():
             _add_long_rows(out, seen, base, gpus, per_micro, space, size, sp, tp, ep)
     for size in _long_rows(need, gpus):  # static CP's splits (its best must be in the space)
@@ -179,9 +194,10 @@ def _add_plans(out: list, seen: set, base: SimPlan, gpus: int, per_micro: float,
                space: SearchSpace, degrees: dict, **rows) -> None:
     """The plans of one set of degrees over the space's other fields, each once (`rows`:
     pack_tokens, where not the base's; `per_micro`: the samples of such a row)."""
-    sp, cp, pp, tp = degrees["sp"], degrees["cp"], degrees["pp"], degrees["tp"]
-    dp = ParallelPlan.auto_dp(gpus, sp * cp, pp, tp)
-    if dp * ParallelPlan.model_parallel_size(sp * cp, pp, tp) != gpus:  # no whole replicas
+    pp, unit = degrees["pp"], ParallelPlan.replica_size(SimpleNamespace(**(vars(base.parallel)
+                                                                          | degrees)))
+    dp = gpus // unit
+    if dp * unit != gpus:  # no whole replicas
         return
     micro = max(1, round(base.global_batch / (per_micro * dp)))
     for zero, mode, place, group, ckpt in itertools.product(

@@ -41,13 +41,14 @@ def per_rank(step, llm: np.ndarray, tokens: np.ndarray, enc: np.ndarray):
 
 
 def stage_collectives(step, ranks: np.ndarray, s: int, tokens: np.ndarray, backward: bool,
-                      compute=0.0):
+                      compute=0.0, share: float = 1.0):
     """After a micro-batch's pass through stage s (`ranks` [D tp], `tokens` [D tp] a rank's,
-    `compute` its seconds): its TP all-reduces (less `compute` under `SimPlan.overlap_tp`), its
-    EP all-to-alls. Returns the last events' ids, or None."""
+    `compute` its seconds; `share`: the part of the stage's layers the pass ran, a model chunk's
+    under the interleaved schedule): its TP all-reduces (less `compute` under
+    `SimPlan.overlap_tp`), its EP all-to-alls. Returns the last events' ids, or None."""
     last = None
     if step.pplan.tp > 1:
-        tp = tp_stage_seconds(step, s, tokens, backward)
+        tp = tp_stage_seconds(step, s, tokens, backward, share)
         if step.plan.overlap_tp:
             tp = np.maximum(0.0, tp - compute)
         last = step.timeline.run(ranks, "llm_tp", tp, COMM)
@@ -58,10 +59,12 @@ def stage_collectives(step, ranks: np.ndarray, s: int, tokens: np.ndarray, backw
     return last
 
 
-def tp_stage_seconds(step, s: int, tokens: np.ndarray, backward: bool) -> np.ndarray:
-    """[n] seconds of a TP group's all-reduces in one pass of stage s over `tokens` [n]."""
+def tp_stage_seconds(step, s: int, tokens: np.ndarray, backward: bool,
+                     share: float = 1.0) -> np.ndarray:
+    """[n] seconds of a TP group's all-reduces in one pass of `share` of stage s's layers over
+    `tokens` [n]."""
     p, d = step.pplan, step.model.dims
-    calls = 2 * layers_of(step, s) * ((1 + step.plan.checkpointing) if backward else 1)
+    calls = 2 * layers_of(step, s) * share * ((1 + step.plan.checkpointing) if backward else 1)
     nbytes = tokens * d.hidden * 2
     step.a2a_bytes["llm_tp"] += calls * 2 * (p.tp - 1) / p.tp * float(nbytes.sum())
     link = comm.link_of(step.cluster, step.ranks_of(0, 1)[:p.tp])

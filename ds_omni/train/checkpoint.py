@@ -10,7 +10,7 @@ differs before DeepSpeed reads a byte). On another number of ranks, `load` conve
 DeepSpeed's `ds_to_universal` into `universal/` and loads it re-partitioned (bit-equal fp32
 weights and Adam moments, measured); the data position is elastic. On another pp, tp or ep
 (or a pipeline on another number of ranks) `ds_omni.train.reshard` consolidates the weights
-before the model is sharded and `load(resharded=True)` restores the rest. DeepSpeed's files are
+and the whole moments each save adds (`ds_omni.train.moments`). DeepSpeed's files are
 pickles: load only checkpoints you wrote.
 More: docs/fault_tolerance.md.
 """
@@ -36,7 +36,7 @@ from ds_omni.model.convert import MODEL_META_DIR
 from ds_omni.model.tp_files import save_tp_layout
 from ds_omni.parallel.dist import barrier
 from ds_omni.parallelize.tensor_parallel import tp_layout
-from ds_omni.train import runs
+from ds_omni.train import moments, runs
 from ds_omni.train.fingerprint import (RESTART_FROM_HF, check_model_parallel,
                                        fingerprint_differences, run_fingerprint)
 from ds_omni.train.rng import rng_state, set_rng_state
@@ -127,13 +127,14 @@ def save(engine, output_dir: str | Path, step: int, loader_state: dict, rank: in
 def _write_files(engine, root: Path, tmp: Path, step: int, loader_state: dict,
                  rank: int) -> None:
     """This rank's files of a checkpoint into `tmp`: RNG, (rank 0) the data position and the
-    trainer state, and DeepSpeed's own."""
+    trainer state, DeepSpeed's own, and (a stage's first rank) its whole moments."""
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
         (tmp / "loader_state.json").write_text(json.dumps(loader_state, indent=1))
         (tmp / "trainer_state.json").write_text(json.dumps(
             {"step": step, "run": run_fingerprint(engine), "run_id": runs.run_of(root)}))
     engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
+    moments.save(engine, tmp, rank)  # Adam's moments whole, for a resume on another plan
 
 
 def disk_full(error: BaseException) -> bool:
@@ -146,13 +147,13 @@ def disk_full(error: BaseException) -> bool:
 
 
 def _needed_mb(engine, root: Path) -> int:
-    """The size of the newest complete checkpoint, or, if none, 16 bytes a parameter (fp32
-    weights and Adam's two moments, and the model's own copy)."""
+    """The size of the newest complete checkpoint, or, if none, 24 bytes a parameter (fp32
+    weights and Adam's two moments, the model's own copy, the moments whole once more)."""
     for tag in step_tags(root):
         if (root / tag / MANIFEST).is_file():
             files = json.loads((root / tag / MANIFEST).read_text())["files"]
             return max(1, round(sum(size for size, _ in files.values()) / 2 ** 20))
-    return max(1, round(sum(p.numel() for p in engine.module.parameters()) * 16 / 2 ** 20))
+    return max(1, round(sum(p.numel() for p in engine.module.parameters()) * 24 / 2 ** 20))
 
 
 def _digest_share(directory: Path, rank: int) -> list[dict]:

@@ -54,12 +54,14 @@ def run(cfg: OmniConfig, ds_config_path: str, *, resume: bool = False,
 def _run(cfg, ds_config, plan, rank, resume, stop_after, watchdog) -> dict:
     out = Path(cfg.train.output_dir)
     with _solo(watchdog):  # another plan's checkpoint: made whole, to be sharded anew
-        weights = reshard.resharded_weights(out, plan, rank) if resume else None
-    built, loader, engine, groups = setup_training(cfg, ds_config, rank, plan, weights)
+        resharded = reshard.resharded_checkpoint(out, plan, rank) if resume else None
+    built, loader, engine, groups = setup_training(
+        cfg, ds_config, rank, plan, resharded.weights if resharded is not None else None)
     start = 0
     if resume:
         with _solo(watchdog):  # rank 0 may convert it first (another number of ranks)
-            start = resume_from(engine, loader, out, rank, resharded=weights is not None)
+            start = resume_from(engine, loader, out, rank, resharded=resharded)
+        resharded = None  # the whole weights and moments: not held while training
     elif rank == 0:
         (out / "metrics.jsonl").unlink(missing_ok=True)
         (out / SKIPPED_FILE).unlink(missing_ok=True)
@@ -82,11 +84,15 @@ def _solo(watchdog):
     return watchdog.solo() if watchdog is not None else contextlib.nullcontext()
 
 
-def resume_from(engine, loader, output_dir, rank: int, resharded: bool = False) -> int:
+def resume_from(engine, loader, output_dir, rank: int,
+                resharded: reshard.Resharded | None = None) -> int:
     """Load the newest complete checkpoint of `output_dir` into `engine` and `loader` (the data
     position); returns its step. Every rank calls this. `resharded`: it was written under
-    another plan and its weights came in whole at setup (`ds_omni.train.reshard`)."""
-    start, loader_state = checkpoint.load(engine, output_dir, rank, resharded)
+    another plan, its weights came in whole at setup, its moments come in here
+    (`ds_omni.train.reshard`)."""
+    start, loader_state = checkpoint.load(engine, output_dir, rank, resharded is not None)
+    if resharded is not None:
+        reshard.restore_moments(engine, resharded, rank)
     restore_loader(loader, loader_state)
     if getattr(engine.module, "joint", None) is not None:  # "uniform": stage 0 holds them
         engine.module.joint.sync_replicas()

@@ -38,7 +38,7 @@ from ds_omni.parallel.bubbles import typical_schedule
 from ds_omni.parallel.stages import SPLITS, describe
 from ds_omni.parallelize import parallelize
 from ds_omni.parallelize.pipeline import (check_pipeline, optimizer_params, resolved_placement,
-                                         stage_plan, stage_tokens)
+                                         stage_plan, stage_tokens, typical_step)
 from ds_omni.parallelize.tensor_parallel import (check_tensor_parallel, check_tp_with_sp,
                                                   tp_beyond_kv_heads)
 from ds_omni.train import checkpoint
@@ -156,10 +156,10 @@ def _pipeline_stages(cfg: OmniConfig, plan: ParallelPlan, built, cost: CostModel
            "stages": describe(stage_plan(cfg, built, plan, cost)),
            "slowest_stage_by_split": {split: round(t / slowest[cfg.parallel.stage_split], 4)
                                       for split, t in slowest.items()}}
-    if placement == "bubbles":  # which schedule steps each stage encodes in
-        micro = max(cfg.train.global_batch_size // (cfg.train.micro_batch_size * plan.dp), 1)
+    if placement == "bubbles" or cfg.parallel.encoder_placement == "auto":
+        # which schedule steps each stage encodes in, and what "auto" decided by
         out["bubble_schedule"] = typical_schedule(
-            cost, stage_plan(cfg, built, plan, cost).layer_time, micro, cfg.train.micro_batch_size)
+            cost, stage_plan(cfg, built, plan, cost).layer_time, *typical_step(cfg, plan, cost))
     return out
 
 

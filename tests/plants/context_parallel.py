@@ -24,20 +24,32 @@ def _ring_step_skipped(rank: int):
     from ds_omni.model import ring_attention
 
     def make(original):
-        def planted(q, k, v, index, ring, *args, **kwargs):
-            last = index[(ring.rank + 1) % ring.size]  # the last block to arrive
-            mask = ring_attention.ring_mask
-
-            def skip(q_pos, k_pos, *rest):
-                got = mask(q_pos, k_pos, *rest)
-                return torch.zeros_like(got) if ring.size > 1 and torch.equal(k_pos, last) else got
-            ring_attention.ring_mask = skip
-            try:
-                return original(q, k, v, index, ring, *args, **kwargs)
-            finally:
-                ring_attention.ring_mask = mask
+        def planted(self, step):
+            got = original(self, step)
+            return torch.zeros_like(got) if step and step == self.ring.size - 1 else got
         return planted
-    yield from patched(ring_attention, "ring_attention", make)
+    yield from patched(ring_attention.RingSpec, "allowed", make)
+
+
+@plant("ring_bwd_block_lse", "the ring's backward runs each block's kernel with that block's own "
+       "log-sum-exp instead of the final one over the whole ring", "ring")
+def _ring_bwd_block_lse(rank: int):
+    from ds_omni.model import ring_attention
+
+    def planted(kernel, dout, q, k, v, out, lse, allowed, scaling):
+        _, block_lse = kernel.forward(q, k, v, allowed, scaling)
+        return kernel.backward(dout, q, k, v, out, block_lse, allowed, scaling)
+    yield from patched(ring_attention, "_block_grads", lambda original: planted)
+
+
+@plant("ring_dkv_not_home", "the ring's backward never sends the key/value gradient accumulators "
+       "home after the last step (each rank keeps the next rank's)", "ring")
+def _ring_dkv_not_home(rank: int):
+    from ds_omni.model import ring_attention
+
+    def make(original):
+        return lambda dkv, ring, last: dkv if last else original(dkv, ring, last)
+    yield from patched(ring_attention, "_pass_grads", make)
 
 
 @plant("zigzag_chunk_wrong_rank", "each sample's tail chunks go to the ranks in order (chunk k "
@@ -75,3 +87,20 @@ def _block_ring_transposed(rank: int):
             return rings, ulysses  # same sizes here (2 x 2): the groups swapped
         return planted
     yield from patched(ParallelPlan, "block_ring_ranks", make)
+
+
+@plant("ring_varlen_window_shifted", "the CUDA ring kernel's varlen plan gives flash a sliding "
+       "window one key wider than the mask's (window_size_left + 1)", "ring")
+def _ring_varlen_window_shifted(rank: int):
+    import torch
+    from ds_omni.model import ring_varlen
+
+    def make(original):
+        def planted(lo, hi, starts):
+            found = original(lo, hi, starts)
+            if found is None:
+                return None
+            L, nk, nq, left, right, run = found
+            return L, nk, nq, torch.where(left >= 0, left + 1, left), right, run
+        return planted
+    yield from patched(ring_varlen, "_run_windows", make)

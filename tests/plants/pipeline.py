@@ -123,3 +123,25 @@ def _bubble_backward_skipped(rank: int):
             enc.backwarded.update(hidden)
         return planted
     yield from patched(bubble_schedule.BubbleEncoding, "backward", make)
+
+
+# ----------------------- "auto" choosing "bubbles" (tests/unit/parallel/test_bubbles.py)
+@plant("auto_calls_unpriced", "\"auto\" models the bubbles schedule's encoder calls and "
+       "messages as free (its model before the quiet benchmark run)", "bubbles_auto")
+def _auto_calls_unpriced(rank: int):
+    from ds_omni.parallel import bubbles
+
+    def make(call_costs):
+        return lambda cost, encoder, overhead: call_costs(cost, encoder, bubbles.CallOverhead())
+    yield from patched(bubbles, "call_costs", make)
+
+
+@plant("auto_mix_blind", "\"auto\"'s typical step has one item a sample whatever the data's "
+       "mix", "bubbles_auto")
+def _auto_mix_blind(rank: int):
+    from ds_omni.parallel import bubbles
+
+    def make(typical_items):
+        return lambda cost, micro_batches, samples, items_per_sample=None: typical_items(
+            cost, micro_batches, samples, None)
+    yield from patched(bubbles, "typical_items", make)

@@ -1,36 +1,15 @@
-"""Ring attention (parallel.cp) in one process: every cp rank of the ring simulated in a loop
-(`simulate`), its output and gradients against the SDPA path over the whole row."""
+"""Ring attention (parallel.cp) in one process: every cp rank of the ring simulated in its own
+thread (`tests/ring_sim.py`), its output and gradients (the ring's own backward) against the
+SDPA path over the whole row."""
 
 import pytest
 import torch
 
 from ds_omni.model import ring_attention as ra
 from ds_omni.model.attention import _sdpa_per_sample
-from ds_omni.parallel.ring import RingGroup
 from ds_omni.parallel.zigzag import zigzag_layout
 from tests import plants
-
-
-def simulate(q, k, v, layout, cu, window=None, blocks=None, monkeypatch=None):
-    """The ring's output [1, T', h, D] over the padded row, put back in row order: each cp rank
-    runs `ring_attention` on its tokens, its passes answered with the block of the rank the
-    real ring would have sent (rank - step)."""
-    cp, index = layout.cp, torch.as_tensor(layout.ring_index())
-    out = torch.empty_like(q)
-    for rank in range(cp):
-        mine = index[rank]
-        sent = iter(range(1, cp))
-
-        def fake_pass(kv, ring, rank=rank, sent=sent):
-            source = (rank - next(sent)) % cp
-            theirs = index[source]
-            return torch.stack([k[0, theirs], v[0, theirs]])
-        monkeypatch.setattr(ra.RingPass, "apply", fake_pass)
-        ring = RingGroup(group=None, rank=rank, size=cp, prev=(rank - 1) % cp, next=(rank + 1) % cp)
-        got = ra.ring_attention(q[:, mine], k[:, mine], v[:, mine], index, ring, cu, None,
-                                window=window, blocks=blocks)
-        out = out.index_copy(1, mine, got)
-    return out
+from tests.ring_sim import simulate
 
 
 def _row(lengths, cp, ulysses, heads=4, kv_heads=2, dim=8, seed=0):
@@ -45,20 +24,25 @@ def _row(lengths, cp, ulysses, heads=4, kv_heads=2, dim=8, seed=0):
     return layout, cu, q, k, v
 
 
-@pytest.mark.parametrize("cp,ulysses", [(2, 1), (2, 2), (3, 1), (4, 2)])
-@pytest.mark.parametrize("window,spans", [(None, None), (4, None), (None, [[3, 7], [20, 25]])])
-def test_ring_equals_sdpa_with_gradients(cp, ulysses, window, spans, monkeypatch):
-    lengths = [9, 2, 17, 11]
+def check_against_sdpa(lengths, cp, ulysses, window=None, spans=None, tol=1e-10, **kwargs):
+    """The simulated ring's output and q/k/v gradients equal the SDPA path's over the row."""
     layout, cu, q, k, v = _row(lengths, cp, ulysses)
     blocks = torch.tensor(spans) if spans else None
-    got = simulate(q, k, v, layout, cu, window, blocks, monkeypatch)
     want = _sdpa_per_sample(*(t.transpose(1, 2) for t in (q, k, v)), cu, None, 0.0, window,
                             blocks)
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-    weights = torch.randn_like(want)
-    grads = [torch.autograd.grad((x * weights).sum(), (q, k, v)) for x in (got, want)]
-    for g_ring, g_sdpa in zip(*grads):
-        torch.testing.assert_close(g_ring, g_sdpa, rtol=1e-10, atol=1e-10)
+    weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(2),
+                          dtype=want.dtype)
+    index = torch.as_tensor(layout.ring_index())
+    got, grads = simulate(q, k, v, index, cu, weights, window=window, blocks=blocks, **kwargs)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    for g_ring, g_sdpa in zip(grads, torch.autograd.grad((want * weights).sum(), (q, k, v))):
+        torch.testing.assert_close(g_ring, g_sdpa, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("cp,ulysses", [(2, 1), (2, 2), (3, 1), (4, 2)])
+@pytest.mark.parametrize("window,spans", [(None, None), (4, None), (None, [[3, 7], [20, 25]])])
+def test_ring_equals_sdpa_with_gradients(cp, ulysses, window, spans):
+    check_against_sdpa([9, 2, 17, 11], cp, ulysses, window, spans)
 
 
 def test_merge_is_order_free_and_exact():
@@ -83,7 +67,7 @@ def test_a_block_nobody_sees_adds_nothing():
 
 def _ring_equals_sdpa(monkeypatch):
     for cp in (2, 3):
-        test_ring_equals_sdpa_with_gradients(cp, 1, None, None, monkeypatch)
+        test_ring_equals_sdpa_with_gradients(cp, 1, None, None)
 
 
 def _zigzag_balanced(monkeypatch):
@@ -91,8 +75,15 @@ def _zigzag_balanced(monkeypatch):
     test_causal_work_is_even(2)
 
 
+def _varlen_plan_exact(monkeypatch):
+    from tests.unit.model.test_ring_backward import test_varlen_plan_reproduces_every_ring_block
+    test_varlen_plan_reproduces_every_ring_block(2, 4, None)
+
+
 CAUGHT_BY = {"ring_lse_merge_wrong": _ring_equals_sdpa, "ring_step_skipped": _ring_equals_sdpa,
-             "ring_causal_local": _ring_equals_sdpa, "zigzag_chunk_wrong_rank": _zigzag_balanced}
+             "ring_causal_local": _ring_equals_sdpa, "zigzag_chunk_wrong_rank": _zigzag_balanced,
+             "ring_bwd_block_lse": _ring_equals_sdpa, "ring_dkv_not_home": _ring_equals_sdpa,
+             "ring_varlen_window_shifted": _varlen_plan_exact}
 
 
 def test_every_ring_plant_has_a_check():

@@ -167,6 +167,18 @@ def test_plan_prints_stages_and_their_predicted_time(tmp_path, capsys, monkeypat
     assert pipeline["slowest_stage_by_split"] == {"cost": 1.0, "parameters": 1.0, "layers": 1.0}
 
 
+def test_plan_prints_the_typical_step_auto_decides_by(tmp_path, capsys):
+    """Under "auto" `ds-omni plan` prints the typical step's plan: the demo data (one image a
+    sample) gives the step's 8 images, and the placement is what that plan's gain says."""
+    from ds_omni.parallel.bubbles import picks_bubbles
+    code, out = _plan(tmp_path, capsys, {"pp": 2, "encoder_placement": "auto"})
+    assert code in (0, None), out
+    pipeline = json.loads(out[out.index("{"):])["pipeline"]
+    typical = pipeline["bubble_schedule"]
+    assert typical["items_per_step"] == {"vision": 8}
+    assert pipeline["encoder_placement"] == ("bubbles" if picks_bubbles(typical) else "uniform")
+
+
 @pytest.mark.parametrize("zero", [2, 3])
 def test_train_refuses_pipeline_with_zero2_before_any_process_group(tmp_path, capsys, monkeypatch,
                                                                     zero):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ds_omni.data.cost import EncoderDims, ModelDims
-from ds_omni.parallel.bubbles import typical_schedule
+from ds_omni.parallel.bubbles import picks_bubbles, typical_schedule
 from ds_omni.sim import bubble_sim
 from ds_omni.sim.cluster import cluster
 from ds_omni.sim.model_spec import ModelSpec
@@ -66,8 +66,9 @@ def test_encoder_work_the_bubbles_cannot_hold_stays_on_the_critical_path():
 
 def test_auto_is_the_placement_training_chooses_and_never_a_predicted_loss():
     """"auto" is simulated as the placement training resolves it to (the cost model's typical
-    step, `auto_placement`); it is "bubbles" only where that model predicts a gain, and there the
-    simulated step of the drawn batch is not slower than "uniform"'s beyond the 1 % margin."""
+    step of the drawn mix, `auto_placement`); it is "bubbles" only where that model predicts a
+    gain, and there the simulated step of the drawn batch is not slower than "uniform"'s beyond
+    the 1 % margin."""
     from ds_omni.sim.pipeline_sim import stage_plan
     c, picked = cluster("h100", 8, 8), set()
     cases = [(vlm(32, 24, 1024, 576), 0.5, 4, 4), (vlm(32, 24, 1024, 576), 0.9, 4, 8),
@@ -84,9 +85,9 @@ def test_auto_is_the_placement_training_chooses_and_never_a_predicted_loss():
         times = {w: simulate(c, m, samples, plan.replace(encoder_placement=w)).step_time
                  for w in ("auto", "bubbles", "uniform")}
         assert times["auto"] == times[chosen]
-        typical = typical_schedule(m.cost, stage_plan(step).layer_time, micro,
-                                   round(32 / (step.pplan.dp * micro)))
-        assert (chosen == "bubbles") == (typical["modelled_step_vs_uniform"] <= 0.99)
+        typical = typical_schedule(m.cost, stage_plan(step).layer_time,
+                                   *bubble_sim.typical_inputs(step))
+        assert (chosen == "bubbles") == picks_bubbles(typical)
         if chosen == "bubbles":
             assert times["bubbles"] <= 1.01 * times["uniform"]
     assert picked == {"bubbles", "uniform"}  # both choices are made on this grid

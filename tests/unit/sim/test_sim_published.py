@@ -86,16 +86,54 @@ def test_the_simulator_prices_what_the_runs_used(doc):
     assert overlapped.get("grad_sync", 0.0) < base["grad_sync"]
     split = _report(doc, "GPT 39B", fit, sequence_parallel=True)
     assert split["step"] < base["step"]
-    flat = _report(doc, "GPT 7.5B", fit)  # tp 4 x dp 32: the rounds without a pipeline
-    assert _report(doc, "GPT 7.5B", fit, tp_comm_overlap=True).get("llm_tp", 0.0) < \
-        flat["llm_tp"]
-    assert _report(doc, "GPT 7.5B", fit, overlap_grad_reduce=True).get("grad_sync", 0.0) < \
-        flat["grad_sync"]
+    flat = _report(doc, "GPT 7.5B", fit, overlap_grad_reduce=False)  # tp 4 x dp 32, no pp
+    assert _report(doc, "GPT 7.5B", fit, tp_comm_overlap=True,
+                   overlap_grad_reduce=False).get("llm_tp", 0.0) < flat["llm_tp"]
+    assert _report(doc, "GPT 7.5B", fit).get("grad_sync", 0.0) < flat["grad_sync"]  # DDP torch
     entry = copy.deepcopy(next(r for r in doc["runs"] if r["name"] == "GPT 39B"))
     one = step_report(entry, fit).step_time / entry["global_batch"]
     entry["global_batch"] *= 2
     two = step_report(entry, fit).step_time / entry["global_batch"]
     assert two < one  # the fill and drain amortised over twice the micro-batches
+
+
+def _small(doc, name: str, dp: int, **plan) -> dict:
+    """A published run on `dp` data-parallel ranks (its micro-batches a rank kept)."""
+    entry = copy.deepcopy(next(r for r in doc["runs"] if r["name"] == name))
+    per_rank = entry["global_batch"] // entry["plan"]["dp"]
+    entry["plan"].update(dp=dp, **plan)
+    entry["gpus"] = entry["plan"]["tp"] * entry["plan"]["pp"] * dp
+    entry["global_batch"] = per_rank * dp
+    return entry
+
+
+def test_interleaved_schedule_and_scatter_gather(doc):
+    """Megatron's interleaved 1F1B (v model chunks a stage) shrinks the bubble for more p2p;
+    its order runs each chunk's forward and backward of every micro-batch once, a forward
+    before its backward; scatter/gather sends 1/tp of the activations over the network; the
+    vocab-parallel embedding and head reduce 1/tp of their gradients a rank. The schedule
+    needs micro-batches a multiple of pp (as Megatron's did)."""
+    from ds_omni.sim.pipeline_sim import _orders
+    for s, ops in enumerate(_orders(4, 8, 2)):
+        assert sorted(ops) == sorted((k, m, c) for k in "FB" for m in range(8) for c in range(2))
+        assert all(ops.index(("F", m, c)) < ops.index(("B", m, c)) for m in range(8)
+                   for c in range(2))
+    fit = KernelFit(0.7, 150.0)
+    base = _small(doc, "GPT 145B", 1, vp=1, scatter_gather=False)  # tp 8 x pp 8, 48 micro
+    plain, chunks = (step_report(e, fit) for e in (base, _small(doc, "GPT 145B", 1,
+                                                                 scatter_gather=False)))
+    assert chunks.step_time < plain.step_time
+    p2p = breakdown(step_report(_small(doc, "GPT 145B", 1), fit)).get("p2p", 0.0)
+    assert p2p < breakdown(chunks)["p2p"]
+    from ds_omni.sim.step import simulate
+    cl, model, samples, plan = sim_inputs(_small(doc, "GPT 145B", 2), fit)
+    vocab = [breakdown(simulate(cl, model, samples, plan.replace(vocab_parallel=v)))["grad_sync"]
+             for v in (True, False)]  # Megatron's vocab-parallel embedding and head: 1/tp
+    assert vocab[0] < vocab[1]
+    bad = _small(doc, "GPT 145B", 1)
+    bad["global_batch"] = 2 * 44  # 44 micro-batches of 2 over pp 8
+    with pytest.raises(ConfigError, match="multiple of pp"):
+        step_report(bad, fit)
 
 
 def test_kernels_price_by_shape_and_leave_other_clusters_alone(doc):
