@@ -293,8 +293,7 @@ RULES = (
              "set parallel.tp to 1 (sp x cp splits the sequence of a large backbone), or "
              "parallel.cp to 1"),
     _refused("pp", "cp", RING_UNDER_PP, "set parallel.cp or parallel.pp to 1 (parallel.sp "
-             "splits rows under the pipeline)",
-             launch_only=True),
+             "splits rows under the pipeline)"),
     _composes("encoder_placement", "cp", UNDER_PP),
     _composes("encoder_pool", "cp", "the pool is every rank (dp x sp x cp); a row's long items "
               "stay split over its sp x cp ranks"),

@@ -19,18 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds_omni.errors import ConfigError
 from ds_omni.parallel.hdp import ulysses_ring_split
 from ds_omni.sim import comm
 
 BF16 = 2
-
-
-def check_plan(plan) -> None:
-    """A `SimPlan` whose ring this module prices: parallel.cp is 1 under a pipeline."""
-    if plan.cp > 1 and plan.pp > 1:
-        raise ConfigError(f"SimPlan.cp must be 1 under a pipeline (the simulator prices ring "
-                          f"attention without one), got cp={plan.cp}, pp={plan.pp}")
 
 
 def sequence_split(step, g: int) -> tuple[int, int]:

@@ -106,7 +106,6 @@ def simulate(cluster: Cluster, model: ModelSpec, workload: WorkloadSpec | Sample
     drawn with `seed`, or given samples: the same samples for every plan compared). `cache`: a
     dict shared by plans simulated on the same samples (the loader's planning is kept there)."""
     check_fits_somewhere(cluster, model)
-    ring_sim.check_plan(plan)
     samples = workload if isinstance(workload, Samples) else workload.draw(
         plan.global_batch, seed, tuple(model.dims.encoders))
     if len(samples) == 0:
