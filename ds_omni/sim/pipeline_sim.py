@@ -136,7 +136,7 @@ def _orders(P: int, M: int) -> list[list[tuple[str, int]]]:
 def run_pipeline(step) -> None:
     """The whole step's schedule on every LLM rank of `step` (its `timeline`)."""
     bubble_sim.resolve_auto(step, stage_plan)  # "auto": the placement training would choose
-    p, plan, tl, rate = step.pplan, step.plan, step.timeline, step.rate
+    p, plan, tl = step.pplan, step.plan, step.timeline
     P, M = p.pp, plan.micro_batches
     step.stage_plan = stage_plan(step)
     frac = stage_fractions(step)  # [P] each stage's share of a micro-batch's LLM work
@@ -144,13 +144,8 @@ def run_pipeline(step) -> None:
     if p.tp > 1 or p.ep > 1:  # one column a rank of a stage (dp x sp x tp)
         llm, tokens, enc = stage_parallel.per_rank(step, llm, tokens, enc)
     ranks = [step.ranks_of(0, p.dp, s) for s in range(P)]  # [P][D tp]
-    act = tokens * step.model.dims.hidden * 2  # [M, D] bytes sent between stages
     uniform = plan.encoder_placement in JOINT
-    fwd_e, ckpt = step.encoder_fwd, plan.checkpointing
-    # per micro-batch, each stage's weights read and gradients accumulated (the joint
-    # pipeline's encoder replicas run once a step, and pay their share there)
-    overhead = [step.cluster.micro_batch_s_per_param * (
-        stage_params(step, s)[0] - uniform * encoder_params(step)) for s in range(P)]
+    passes = _Passes(step, ranks, frac, llm, tokens, enc, uniform)
     bubbles = bubble_sim.BubbleOps(step, ranks) if plan.encoder_placement == "bubbles" else None
     if uniform and bubbles is None:
         _uniform_encode(step, ranks, backward=False)
@@ -169,30 +164,80 @@ def run_pipeline(step) -> None:
             if dep is not None and dep not in events:
                 continue
             if dep is not None:
-                link = comm.link_of(step.cluster, [ranks[s][0], ranks[dep[1]][0]])
-                tl.run(ranks[s], "p2p", comm.p2p_each(act[m], link), COMM,
-                       after=events[dep])
-            enc_here = 0.0 if (uniform or s > 0) else enc[m] * (fwd_e if kind == "F" else 1 - fwd_e)
-            share = 1 / 3 if kind == "F" else (2 + ckpt) / 3
-            phase = "llm_fwd" if kind == "F" else "llm_bwd"
-            if np.any(enc_here):
-                tl.run(ranks[s], "encode_fwd" if kind == "F" else "encode_bwd", enc_here / rate)
-            seconds = llm[m] * frac[s] * share / step.llm_rate + overhead[s] * share
-            events[(kind, s, m)] = tl.run(ranks[s], phase, seconds)
+                tl.run(ranks[s], "p2p", passes.p2p(kind, s)[m], COMM, after=events[dep])
+            if not uniform and s == 0:
+                enc_s, has = passes.encode(kind)
+                if has[m]:
+                    tl.run(ranks[s], "encode_fwd" if kind == "F" else "encode_bwd", enc_s[m])
+            seconds = passes.compute(kind, s)[m]
+            events[(kind, s, m)] = tl.run(ranks[s], "llm_fwd" if kind == "F" else "llm_bwd",
+                                          seconds)
             if plan.overlap_grad_sync:
                 note_pass(step, ranks[s], seconds, kind == "B")
             if p.sp > 1:  # Ulysses inside the stage's layers (the SP ranks' work is even)
-                events[(kind, s, m)] = tl.run(ranks[s], "llm_sp",
-                                              _ulysses(step, tokens[m], kind == "B", s) * frac[s],
-                                              COMM)
-            last = stage_parallel.stage_collectives(step, ranks[s], s, tokens[m], kind == "B",
-                                                    seconds)
+                sp_s, moved = passes.ulysses(kind, s)
+                step.a2a_bytes["llm_ulysses"] += moved[m]
+                events[(kind, s, m)] = tl.run(ranks[s], "llm_sp", sp_s[m], COMM)
+            tp = passes.tp(kind, s) if p.tp > 1 else None
+            last = stage_parallel.stage_collectives(
+                step, ranks[s], s, tokens[m], kind == "B", seconds,
+                None if tp is None else (tp[0][m], tp[1][m]))
             if last is not None:  # tp's all-reduces, ep's all-to-alls inside the stage
                 events[(kind, s, m)] = last
             pointer[s] += 1
     if uniform and bubbles is None:
         _uniform_encode(step, ranks, backward=True)
     _pipeline_memory(step, tokens, frac)
+
+
+class _Passes:
+    """A pipeline's passes, priced for all M micro-batches at once per (kind, stage): [M, n]
+    seconds, row m micro-batch m's, element by element the arithmetic of one micro-batch's
+    (so the same to the last bit), and the bytes each pass adds. The schedule reads them."""
+
+    def __init__(self, step, ranks, frac, llm, tokens, enc, uniform: bool):
+        self.step, self.ranks, self.frac, self.memo = step, ranks, frac, {}
+        self.llm, self.tokens, self.enc = llm, tokens, enc
+        self.act = tokens * step.model.dims.hidden * 2  # [M, D] bytes sent between stages
+        # per micro-batch, each stage's weights read and gradients accumulated (the joint
+        # pipeline's encoder replicas run once a step, and pay their share there)
+        self.overhead = [step.cluster.micro_batch_s_per_param * (
+            stage_params(step, s)[0] - uniform * encoder_params(step))
+            for s in range(step.pplan.pp)]
+
+    def _get(self, key, make):
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
+
+    def p2p(self, kind: str, s: int) -> np.ndarray:
+        """The activations (F, from stage s - 1) or their gradients (B, from s + 1)."""
+        other = s - 1 if kind == "F" else s + 1
+        return self._get(("p2p", kind, s), lambda: comm.p2p_each(self.act, comm.link_of(
+            self.step.cluster, [self.ranks[s][0], self.ranks[other][0]])))
+
+    def encode(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        """Stage 0's encoder seconds ("stage0"), and [M] whether micro-batch m has any."""
+        fwd_e = self.step.encoder_fwd
+
+        def make():
+            here = self.enc * (fwd_e if kind == "F" else 1 - fwd_e)
+            return here / self.step.rate, here.any(axis=1)
+        return self._get(("encode", kind), make)
+
+    def compute(self, kind: str, s: int) -> np.ndarray:
+        step = self.step
+        share = 1 / 3 if kind == "F" else (2 + step.plan.checkpointing) / 3
+        return self._get(("compute", kind, s), lambda: self.llm * self.frac[s] * share
+                         / step.llm_rate + self.overhead[s] * share)
+
+    def ulysses(self, kind: str, s: int) -> tuple[np.ndarray, list[float]]:
+        return self._get(("sp", kind, s), lambda: _ulysses(self.step, self.tokens, kind == "B",
+                                                           s, self.frac[s]))
+
+    def tp(self, kind: str, s: int) -> tuple[np.ndarray, list[float]]:
+        return self._get(("tp", kind, s), lambda: stage_parallel.tp_stage_seconds(
+            self.step, s, self.tokens, kind == "B"))
 
 
 def note_pass(step, ranks, seconds, backward: bool) -> None:
@@ -217,20 +262,20 @@ def stage_fractions(step) -> np.ndarray:
     return layers / max(1.0, layers.sum())
 
 
-def _ulysses(step, tokens: np.ndarray, backward: bool, s: int = 0) -> np.ndarray:
-    """[D] seconds of all the LLM's Ulysses all-to-alls of a micro-batch (`tokens` [D] per rank)
-    over the SP group: per layer (2h + 2kv) bf16 values a token, split over the g ranks
-    (`comm.even_all_to_all`); backward as many, plus the recompute under checkpointing. The
-    bytes counted are stage s's layers' (the caller scales the seconds by its share)."""
+def _ulysses(step, tokens: np.ndarray, backward: bool, s: int, frac: float):
+    """([M, D] seconds of all the LLM's Ulysses all-to-alls of each micro-batch (`tokens`
+    [M, D] per rank) over the SP group, x `frac` (stage s's share), and [M] the bytes each sends:
+    per layer (2h + 2kv) bf16 values a token, split over the g ranks (`comm.even_all_to_all`);
+    backward as many, plus the recompute under checkpointing. The bytes are stage s's layers'."""
     d, g, tp = step.model.dims, step.pplan.sp, step.pplan.tp
     link = comm.link_of(step.cluster, step.ranks_of(0, 1)[::tp])  # under tp: heads / tp
-    per_layer = tokens * (2 * d.hidden + 2 * step.model.kv) * 2 / tp  # [D tp] bytes a rank sends
+    per_layer = tokens * (2 * d.hidden + 2 * step.model.kv) * 2 / tp  # [M, D tp] a rank sends
     times = (1 + step.plan.checkpointing) if backward else 1
     layers = len(step.stage_plan.decoder_layers(s))  # the bytes of stage s's layers
-    step.a2a_bytes["llm_ulysses"] += float(per_layer.sum()) * layers * times * (g - 1) / g
+    moved = [float(row.sum()) * layers * times * (g - 1) / g for row in per_layer]
     one = comm.even_all_to_all_each(per_layer, g, link, comm.ULYSSES_CALLS,
-                                    step.cluster.a2a_call_s)  # [D]
-    return times * d.layers * one
+                                    step.cluster.a2a_call_s)  # [M, D]
+    return times * d.layers * one * frac, moved
 
 
 def _uniform_encode(step, ranks, backward: bool) -> None:
