@@ -31,8 +31,9 @@ class Timeline:
         # the events, a block per call: ids [first, first + n) with their ranks, phase, start,
         # end and predecessor ([n] arrays kept as made: appending them to growing columns
         # copied most of a pipeline's step, ~10^6 events, again and again)
-        self._blocks: list[tuple] = []  # (ranks, phase, start, end, prev)
+        self._blocks: list[tuple] = []  # (ranks, phase, start, end, prev, the ids returned)
         self._firsts: list[int] = []  # [B] each block's first id
+        self._by_ids: dict[int, int] = {}  # id() of the ids a call returned -> its block
         self._count = 0
 
     def run(self, ranks, phase: str, seconds, kind: int = COMPUTE, after=None) -> np.ndarray:
@@ -53,15 +54,19 @@ class Timeline:
         if end.shape != ranks.shape:  # a scalar's seconds on one rank
             end = np.broadcast_to(end, ranks.shape).copy()
         ids = np.arange(self._count, self._count + ranks.size)
+        self._by_ids[id(ids)] = len(self._blocks)
         self._firsts.append(self._count)
         self._blocks.append((ranks.reshape(-1), self._phase(phase), start.reshape(-1),
-                             end.reshape(-1), prev.reshape(-1)))
+                             end.reshape(-1), prev.reshape(-1), ids))
         self._count += ranks.size
         self.clock[ranks], self.last[ranks] = end, ids
         return ids
 
     def _ends(self, ids: np.ndarray) -> np.ndarray:
         """[n] the end of each event `ids` [n] (-inf where -1: none)."""
+        b = self._by_ids.get(id(ids))
+        if b is not None and self._blocks[b][5] is ids:  # the ids a call returned (kept)
+            return self._blocks[b][3]
         valid = ids >= 0
         if not valid.any():
             return np.full(ids.shape, -np.inf)
@@ -100,7 +105,7 @@ class Timeline:
     def _event(self, e: int) -> tuple[int, int, float, int]:
         """(rank, phase, seconds, predecessor) of event e."""
         b = bisect.bisect_right(self._firsts, e) - 1
-        ranks, phase, start, end, prev = self._blocks[b]
+        ranks, phase, start, end, prev, _ = self._blocks[b]
         k = e - self._firsts[b]
         return int(ranks[k]), phase, float(end[k] - start[k]), int(prev[k])
 
@@ -109,12 +114,7 @@ class Timeline:
         first to last: [{rank, phase, seconds}]."""
         if not self._count:
             return []
-        best, event = -np.inf, -1  # the first event of the latest end (np.argmax's)
-        for first, blk in zip(self._firsts, self._blocks):
-            if blk[3].size and (top := blk[3].max()) > best:
-                best, event = top, first + int(np.argmax(blk[3]))
-        if event < 0:  # every end is nan or -inf: np.argmax's 0
-            event = 0
+        event = int(np.argmax(np.concatenate([blk[3] for blk in self._blocks])))
         chain = []
         while event >= 0:
             rank, phase, seconds, prev = self._event(event)
