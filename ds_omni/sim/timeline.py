@@ -34,6 +34,10 @@ class Timeline:
         self._blocks: list[tuple] = []  # (ranks, phase, start, end, prev, the ids returned)
         self._firsts: list[int] = []  # [B] each block's first id
         self._by_ids: dict[int, int] = {}  # id() of the ids a call returned -> its block
+        self._slices: dict[int, tuple] = {}  # id() of a ranks array -> (it, slice or itself)
+        self._phase_ids: dict[str, int] = {}
+        for k, p in enumerate(self.phases):
+            self._phase_ids.setdefault(p, k)
         self._count = 0
 
     def run(self, ranks, phase: str, seconds, kind: int = COMPUTE, after=None) -> np.ndarray:
@@ -41,26 +45,43 @@ class Timeline:
         end of its event `after` [n] (-1: none). Returns the new events' ids [n]."""
         ranks = np.asarray(ranks, dtype=np.int64)
         seconds = np.asarray(seconds, dtype=np.float64)
-        start, prev = self.clock[ranks], self.last[ranks]  # copies (an index array)
-        if after is not None:
+        at = self._at(ranks)  # a slice where the ranks are a range (a view: no gather)
+        start, prev = self.clock[at], self.last[at]
+        if at is not ranks:
+            start, prev = start.copy(), prev.copy()
+        if after is not None:  # without, each starts at its clock: no idle time to add
             after = np.asarray(after, dtype=np.int64)
             dep_end = self._ends(after)
             waits = dep_end > start
             prev = np.where(waits, after, prev)
             start = np.maximum(start, dep_end)
-        self.idle[ranks] += start - self.clock[ranks]
-        (self.compute if kind == COMPUTE else self.comm)[ranks] += seconds
+            self.idle[at] += start - self.clock[at]
+        (self.compute if kind == COMPUTE else self.comm)[at] += seconds
         end = start + seconds
         if end.shape != ranks.shape:  # a scalar's seconds on one rank
             end = np.broadcast_to(end, ranks.shape).copy()
         ids = np.arange(self._count, self._count + ranks.size)
         self._by_ids[id(ids)] = len(self._blocks)
         self._firsts.append(self._count)
-        self._blocks.append((ranks.reshape(-1), self._phase(phase), start.reshape(-1),
-                             end.reshape(-1), prev.reshape(-1), ids))
+        block = (ranks, self._phase(phase), start, end, prev, ids)
+        self._blocks.append(block if ranks.ndim == 1 else tuple(
+            x if k == 1 else np.reshape(x, -1) for k, x in enumerate(block)))
         self._count += ranks.size
-        self.clock[ranks], self.last[ranks] = end, ids
+        self.clock[at], self.last[at] = end, ids
         return ids
+
+    def _at(self, ranks: np.ndarray):
+        """`ranks`, or the slice they are where they are a range of 16+ ranks (kept per array:
+        a pipeline's stages run hundreds of passes each on the same ranks)."""
+        hit = self._slices.get(id(ranks))
+        if hit is not None and hit[0] is ranks:
+            return hit[1]
+        at = ranks
+        if ranks.ndim == 1 and ranks.size >= 16 and ranks[0] >= 0 and \
+                ranks[-1] - ranks[0] == ranks.size - 1 and bool((np.diff(ranks) == 1).all()):
+            at = slice(int(ranks[0]), int(ranks[-1]) + 1)
+        self._slices[id(ranks)] = (ranks, at)  # the array kept: its id stays its own
+        return at
 
     def _ends(self, ids: np.ndarray) -> np.ndarray:
         """[n] the end of each event `ids` [n] (-inf where -1: none)."""
@@ -94,9 +115,11 @@ class Timeline:
         return self.run(ranks, phase, seconds, COMM, after)
 
     def _phase(self, phase: str) -> int:
-        if phase not in self.phases:
+        k = self._phase_ids.get(phase)
+        if k is None:
+            k = self._phase_ids[phase] = len(self.phases)
             self.phases.append(phase)
-        return self.phases.index(phase)
+        return k
 
     @property
     def step_time(self) -> float:
