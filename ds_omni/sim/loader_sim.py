@@ -60,9 +60,9 @@ def plan_step(cost: np.ndarray, tokens: np.ndarray, dp: int, group: int, num_mic
         assignment = _assign(cost[idx], tokens[idx], group, num_micro, mode, pack_tokens,
                              max_degree)
         planned.append(idx[assignment.planned])
-        members, longs = _members(assignment.a), _rounds(assignment.a)
+        members, longs = _members(assignment.a, idx[assignment.take]), _rounds(assignment.a)
         for g in range(group):
-            micro = [Round(idx[assignment.take[m]]) for m in members[g]]
+            micro = [Round(m) for m in members[g]]
             long = [Round(np.zeros(0, np.int64)) if i is None else
                     Round(idx[assignment.take[[i]]], _block(assignment.a.blocks[i], start))
                     for i in longs[g]]
@@ -73,15 +73,16 @@ def plan_step(cost: np.ndarray, tokens: np.ndarray, dp: int, group: int, num_mic
     return StepAssignment(rounds, np.sort(np.concatenate(planned)))
 
 
-def _members(a: reorder.Assignment) -> list[list[np.ndarray]]:
-    """[G][M] `a.members(g)` of every rank g at once (one stable sort, not a scan a rank)."""
+def _members(a: reorder.Assignment, values: np.ndarray) -> list[list[np.ndarray]]:
+    """[G][M] `values[a.members(g)]` of every rank g at once (one stable sort and one
+    gather, not a scan a rank; views of one array)."""
     normal = np.ones(a.rank.size, dtype=bool)
     normal[list(a.blocks)] = False
     mine = np.flatnonzero(normal)  # ascending: a cell's samples stay in index order
     cell = a.rank[mine] * a.num_micro + a.micro[mine]
     order = np.argsort(cell, kind="stable")
     bounds = np.searchsorted(cell[order], np.arange(a.num_ranks * a.num_micro + 1))
-    picked = mine[order]
+    picked = values[mine[order]]
     return [[picked[bounds[c]:bounds[c + 1]] for c in range(g * a.num_micro, (g + 1) * a.num_micro)]
             for g in range(a.num_ranks)]
 

@@ -164,21 +164,21 @@ def run_pipeline(step) -> None:
             if dep is not None and dep not in events:
                 continue
             if dep is not None:
-                tl.run(ranks[s], "p2p", passes.p2p(kind, s)[m], COMM, after=events[dep])
+                tl.run(ranks[s], "p2p", passes.p2p[kind, s][m], COMM, after=events[dep])
             if not uniform and s == 0:
-                enc_s, has = passes.encode(kind)
+                enc_s, has = passes.encode[kind]
                 if has[m]:
                     tl.run(ranks[s], "encode_fwd" if kind == "F" else "encode_bwd", enc_s[m])
-            seconds = passes.compute(kind, s)[m]
+            seconds = passes.compute[kind, s][m]
             events[(kind, s, m)] = tl.run(ranks[s], "llm_fwd" if kind == "F" else "llm_bwd",
                                           seconds)
             if plan.overlap_grad_sync:
                 note_pass(step, ranks[s], seconds, kind == "B")
             if p.sp > 1:  # Ulysses inside the stage's layers (the SP ranks' work is even)
-                sp_s, moved = passes.ulysses(kind, s)
+                sp_s, moved = passes.ulysses[kind, s]
                 step.a2a_bytes["llm_ulysses"] += moved[m]
                 events[(kind, s, m)] = tl.run(ranks[s], "llm_sp", sp_s[m], COMM)
-            tp = passes.tp(kind, s) if p.tp > 1 else None
+            tp = passes.tp[kind, s] if p.tp > 1 else None
             last = stage_parallel.stage_collectives(
                 step, ranks[s], s, tokens[m], kind == "B", seconds,
                 None if tp is None else (tp[0][m], tp[1][m]))
@@ -193,51 +193,33 @@ def run_pipeline(step) -> None:
 class _Passes:
     """A pipeline's passes, priced for all M micro-batches at once per (kind, stage): [M, n]
     seconds, row m micro-batch m's, element by element the arithmetic of one micro-batch's
-    (so the same to the last bit), and the bytes each pass adds. The schedule reads them."""
+    (so the same to the last bit), and the bytes each pass adds. The schedule reads them:
+    `p2p`, `compute`, `ulysses`, `tp` by (kind, s); `encode` by kind (stage 0's)."""
 
     def __init__(self, step, ranks, frac, llm, tokens, enc, uniform: bool):
-        self.step, self.ranks, self.frac, self.memo = step, ranks, frac, {}
-        self.llm, self.tokens, self.enc = llm, tokens, enc
-        self.act = tokens * step.model.dims.hidden * 2  # [M, D] bytes sent between stages
+        p, P, fwd_e = step.pplan, step.pplan.pp, step.encoder_fwd
+        act = tokens * step.model.dims.hidden * 2  # [M, D] bytes sent between stages
         # per micro-batch, each stage's weights read and gradients accumulated (the joint
         # pipeline's encoder replicas run once a step, and pay their share there)
-        self.overhead = [step.cluster.micro_batch_s_per_param * (
-            stage_params(step, s)[0] - uniform * encoder_params(step))
-            for s in range(step.pplan.pp)]
-
-    def _get(self, key, make):
-        if key not in self.memo:
-            self.memo[key] = make()
-        return self.memo[key]
-
-    def p2p(self, kind: str, s: int) -> np.ndarray:
-        """The activations (F, from stage s - 1) or their gradients (B, from s + 1)."""
-        other = s - 1 if kind == "F" else s + 1
-        return self._get(("p2p", kind, s), lambda: comm.p2p_each(self.act, comm.link_of(
-            self.step.cluster, [self.ranks[s][0], self.ranks[other][0]])))
-
-    def encode(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
-        """Stage 0's encoder seconds ("stage0"), and [M] whether micro-batch m has any."""
-        fwd_e = self.step.encoder_fwd
-
-        def make():
-            here = self.enc * (fwd_e if kind == "F" else 1 - fwd_e)
-            return here / self.step.rate, here.any(axis=1)
-        return self._get(("encode", kind), make)
-
-    def compute(self, kind: str, s: int) -> np.ndarray:
-        step = self.step
-        share = 1 / 3 if kind == "F" else (2 + step.plan.checkpointing) / 3
-        return self._get(("compute", kind, s), lambda: self.llm * self.frac[s] * share
-                         / step.llm_rate + self.overhead[s] * share)
-
-    def ulysses(self, kind: str, s: int) -> tuple[np.ndarray, list[float]]:
-        return self._get(("sp", kind, s), lambda: _ulysses(self.step, self.tokens, kind == "B",
-                                                           s, self.frac[s]))
-
-    def tp(self, kind: str, s: int) -> tuple[np.ndarray, list[float]]:
-        return self._get(("tp", kind, s), lambda: stage_parallel.tp_stage_seconds(
-            self.step, s, self.tokens, kind == "B"))
+        overhead = [step.cluster.micro_batch_s_per_param * (
+            stage_params(step, s)[0] - uniform * encoder_params(step)) for s in range(P)]
+        self.p2p, self.compute, self.ulysses, self.tp, self.encode = {}, {}, {}, {}, {}
+        for kind in ("F", "B"):
+            share = 1 / 3 if kind == "F" else (2 + step.plan.checkpointing) / 3
+            here = enc * (fwd_e if kind == "F" else 1 - fwd_e)
+            self.encode[kind] = (here / step.rate, here.any(axis=1))  # "stage0": stage 0's
+            for s in range(P):
+                other = s - 1 if kind == "F" else s + 1  # activations in, or their gradients
+                if 0 <= other < P:
+                    self.p2p[kind, s] = comm.p2p_each(act, comm.link_of(
+                        step.cluster, [ranks[s][0], ranks[other][0]]))
+                self.compute[kind, s] = llm * frac[s] * share / step.llm_rate + \
+                    overhead[s] * share
+                if p.sp > 1:
+                    self.ulysses[kind, s] = _ulysses(step, tokens, kind == "B", s, frac[s])
+                if p.tp > 1:
+                    self.tp[kind, s] = stage_parallel.tp_stage_seconds(step, s, tokens,
+                                                                       kind == "B")
 
 
 def note_pass(step, ranks, seconds, backward: bool) -> None:

@@ -46,14 +46,14 @@ class Timeline:
         ranks = np.asarray(ranks, dtype=np.int64)
         seconds = np.asarray(seconds, dtype=np.float64)
         at = self._at(ranks)  # a slice where the ranks are a range (a view: no gather)
-        start, prev = self.clock[at], self.last[at]
-        if at is not ranks:
+        start, prev = self.clock[at], self.last[at]  # views of a slice: new arrays below
+        if after is None and at is not ranks:
             start, prev = start.copy(), prev.copy()
         if after is not None:  # without, each starts at its clock: no idle time to add
             after = np.asarray(after, dtype=np.int64)
             dep_end = self._ends(after)
             waits = dep_end > start
-            prev = np.where(waits, after, prev)
+            prev = np.where(waits, after, prev)  # new arrays (not views of the clocks)
             start = np.maximum(start, dep_end)
             self.idle[at] += start - self.clock[at]
         (self.compute if kind == COMPUTE else self.comm)[at] += seconds
