@@ -24,7 +24,7 @@ from ds_omni.parallelize.embedding import encoder_dummies_needed
 from ds_omni.sim import comm, gpus, memory, model_parallel, pipeline_sim, ring_sim
 from ds_omni.sim.calibrate_comm import POOL_META_BYTES
 from ds_omni.sim.cluster import Cluster
-from ds_omni.sim.encode_sim import Row, RowLayout, round_work
+from ds_omni.sim.encode_sim import Row, round_work, step_costs
 from ds_omni.sim.loader_sim import plan_step
 from ds_omni.sim.model_spec import ModelSpec
 from ds_omni.sim.plan_spec import SimPlan
@@ -48,10 +48,9 @@ class Step:
         self.rate = cluster.flops_per_s
         self.llm_rate = gpus.cluster_llm_rate(cluster, model, self.pplan.tp,
                                               float(samples.tokens.mean()), plan.tp_splits_norms)
-        # [N] samples' costs, [M] items', [N] the LLM's, the rows' layout (read-only, shared
-        # by the plans of one cache: one model, one draw of samples)
-        self.sample_cost, self.item_cost, self.llm_cost, self.layout = _costs(model, samples,
-                                                                              cache)
+        # [N] samples' costs, [M] items', [N] the LLM's, the rows' layout (read-only, shared)
+        self.sample_cost, self.item_cost, self.llm_cost, self.layout = step_costs(model, samples,
+                                                                                  cache)
         self.encoder_fwd = 1.0 if all(e.frozen for e in model.dims.encoders.values()) else 1 / 3
         self.heads = {n: model.heads(n) for n in model.dims.encoders}
         self.timeline = Timeline(cluster.gpus, PHASES)
@@ -81,27 +80,6 @@ class Step:
         inner, dp = self.pplan.reader_group_size, self.pplan.dp
         base = stage * dp * inner
         return np.arange(base + dp_lo * inner, base + (dp_lo + dp_n) * inner)
-
-
-def _costs(model: ModelSpec, samples: Samples, cache: dict | None) -> tuple:
-    """(sample costs [N], item costs [M], LLM costs [N], RowLayout) of the samples, kept in
-    `cache` (its plans share the model and the samples: `simulate`'s `cache`)."""
-    key = ("costs", id(model), id(samples))
-    if cache is not None and key in cache and cache[key][0] is model and \
-            cache[key][1] is samples:
-        return cache[key][2]
-    cm = model.cost
-    sample_cost = cm.sample_costs(samples.tokens, samples.item_sample, samples.item_encoder,
-                                  samples.item_len)  # [N]
-    item_cost = np.zeros(samples.item_len.size)  # [M]
-    for name in cm.encoder_names:
-        mask = samples.item_encoder == name
-        item_cost[mask] = cm.encoder_cost(name, samples.item_len[mask])
-    llm_cost = cm.llm_cost(samples.tokens)  # [N]
-    out = (sample_cost, item_cost, llm_cost, RowLayout(samples, item_cost, model.dims.hidden))
-    if cache is not None:  # the model and samples kept with it: their ids stay theirs
-        cache[key] = (model, samples, out)
-    return out
 
 
 def loader_plan(sample_cost: np.ndarray, tokens: np.ndarray, pplan, plan: SimPlan,
