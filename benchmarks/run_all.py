@@ -113,6 +113,8 @@ BENCHES = [
           quick=("--setups", "vit1b_llm12b_64gpus", "vit2p4b_llm70b_128gpus")),
     Bench("sim_bytescale.py", ("sim_bytescale.json", "sim_bytescale.png"), 900,
           quick=("--gpus", "1024")),
+    Bench("plan_search_speed.py --baseline 6c0bd48", ("plan_search_4096.json",), 900,
+          quick=("--baseline", "6c0bd48", "--gpus", "256")),
     Bench("tensor_parallel.py", ("tensor_parallel.json", "tensor_parallel.png"), 900,
           full_only="4 ranks, 626 s at load 33-41"),
     Bench("tensor_parallel.py --encoders", ("tensor_parallel_encoders.json",

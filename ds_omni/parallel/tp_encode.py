@@ -97,7 +97,8 @@ def plan_tp_encode(slots: list[ItemSlots], tp: int, encoder_order: list[str],
         rows[r][s.encoder] = rows[r].get(s.encoder, 0) + len(s.positions)
         positions[r].append(s.positions)
     rank_rows = [sum(rows[r].values()) for r in range(tp)]
-    gathered = [int(p) for r in range(tp) for part in positions[r] for p in part]
+    parts = [part for r in range(tp) for part in positions[r]]
+    gathered = np.concatenate(parts).astype(np.int64).tolist() if parts else []
     return [TPEncode(rank=r, order=list(encoder_order), encode=encode[r], encode_rows=rows[r],
                      rank_rows=rank_rows, positions=gathered) for r in range(tp)]
 

@@ -86,6 +86,25 @@ class RowLayout:
         return slots, ids, offset
 
 
+def step_costs(model, samples: Samples, cache: dict | None) -> tuple:
+    """(sample costs [N], item costs [M], LLM costs [N], RowLayout) of `model` (a `ModelSpec`)
+    on `samples`, kept in `cache` (with the model and samples: their ids stay theirs) for the
+    plans of a search, which share them (`step.simulate`'s cache)."""
+    key, cm = ("costs", id(model), id(samples)), model.cost
+    if cache is not None and key in cache:
+        return cache[key][2]
+    item_cost = np.zeros(samples.item_len.size)  # [M]
+    for name in cm.encoder_names:
+        mask = samples.item_encoder == name
+        item_cost[mask] = cm.encoder_cost(name, samples.item_len[mask])
+    out = (cm.sample_costs(samples.tokens, samples.item_sample, samples.item_encoder,
+                           samples.item_len), item_cost, cm.llm_cost(samples.tokens),
+           RowLayout(samples, item_cost, model.dims.hidden))
+    if cache is not None:
+        cache[key] = (model, samples, out)
+    return out
+
+
 def round_work(rows: list[Row], layout: RowLayout, world: int, mode: str, long_items: bool,
                heads: dict[str, int], encoder_order: list[str], tp: int = 1) -> RoundWork:
     """The encoder work of one round whose rows are `rows` (every rank in at most one); `tp`:

@@ -60,16 +60,41 @@ def plan_step(cost: np.ndarray, tokens: np.ndarray, dp: int, group: int, num_mic
         assignment = _assign(cost[idx], tokens[idx], group, num_micro, mode, pack_tokens,
                              max_degree)
         planned.append(idx[assignment.planned])
+        members, longs = _members(assignment.a, idx[assignment.take]), _rounds(assignment.a)
         for g in range(group):
-            micro = [Round(idx[assignment.take[m]]) for m in assignment.a.members(g)]
+            micro = [Round(m) for m in members[g]]
             long = [Round(np.zeros(0, np.int64)) if i is None else
                     Round(idx[assignment.take[[i]]], _block(assignment.a.blocks[i], start))
-                    for i in assignment.a.rounds(g)]
+                    for i in longs[g]]
             rounds.append(micro + long)
     width = max(len(r) for r in rounds)  # every rank runs as many rounds (ZeRO's collectives)
     for r in rounds:
         r += [Round(np.zeros(0, np.int64))] * (width - len(r))
     return StepAssignment(rounds, np.sort(np.concatenate(planned)))
+
+
+def _members(a: reorder.Assignment, values: np.ndarray) -> list[list[np.ndarray]]:
+    """[G][M] `values[a.members(g)]` of every rank g at once (one stable sort and one
+    gather, not a scan a rank; views of one array)."""
+    normal = np.ones(a.rank.size, dtype=bool)
+    normal[list(a.blocks)] = False
+    mine = np.flatnonzero(normal)  # ascending: a cell's samples stay in index order
+    cell = a.rank[mine] * a.num_micro + a.micro[mine]
+    order = np.argsort(cell, kind="stable")
+    bounds = np.searchsorted(cell[order], np.arange(a.num_ranks * a.num_micro + 1))
+    picked = values[mine[order]]
+    return [[picked[bounds[c]:bounds[c + 1]] for c in range(g * a.num_micro, (g + 1) * a.num_micro)]
+            for g in range(a.num_ranks)]
+
+
+def _rounds(a: reorder.Assignment) -> list[list[int | None]]:
+    """[G][R] `a.rounds(g)` of every rank g at once (each block once, not once a rank)."""
+    n_rounds = 1 + max((b.round for b in a.blocks.values()), default=-1)
+    out: list[list[int | None]] = [[None] * n_rounds for _ in range(a.num_ranks)]
+    for i, b in a.blocks.items():
+        for r in range(max(0, b.start), min(a.num_ranks, b.start + b.size)):
+            out[r][b.round] = i
+    return out
 
 
 def _block(b, group_start: int) -> tuple[int, int]:

@@ -170,12 +170,7 @@ def run_pipeline(step) -> None:
         llm, tokens, enc = stage_parallel.per_rank(step, llm, tokens, enc)
     ranks = [step.ranks_of(0, p.dp, s) for s in range(P)]  # [P][D tp]
     uniform = plan.encoder_placement in JOINT
-    # per micro-batch, each stage's weights read and gradients accumulated (the joint
-    # pipeline's encoder replicas run once a step, and pay their share there)
-    overhead = [step.cluster.micro_batch_s_per_param * (
-        stage_params(step, s)[0] - uniform * encoder_params(step)) for s in range(P)]
-    pipe = _Pipe(ranks, llm, tokens, enc, tokens * step.model.dims.hidden * 2, frac / v,
-                 np.array(overhead) / v, uniform)
+    passes = _Passes(step, ranks, frac, llm, tokens, enc, uniform)
     bubbles = bubble_sim.BubbleOps(step, ranks) if plan.encoder_placement == "bubbles" else None
     if uniform and bubbles is None:
         _uniform_encode(step, ranks, backward=False)
@@ -192,7 +187,7 @@ def run_pipeline(step) -> None:
                 pointer[s], moved = pointer[s] + ran, moved or bool(ran)
                 continue
             chunk = orders[s][pointer[s]][2] if v > 1 else 0
-            if _run_op(step, pipe, events, s, kind, m, chunk):
+            if _run_op(step, passes, events, s, kind, m, chunk):
                 pointer[s] += 1
                 moved = True
         if not moved:
@@ -202,16 +197,42 @@ def run_pipeline(step) -> None:
     _pipeline_memory(step, tokens, frac)
 
 
-class _Pipe:
-    """A pipelined step's per-rank arrays (`run_pipeline`): `frac` and `overhead` a model
-    chunk's share of each stage's ([P])."""
+class _Passes:
+    """A pipeline's passes, priced for all M micro-batches at once per (kind, stage): [M, n]
+    seconds, row m micro-batch m's, element by element the arithmetic of one micro-batch's,
+    and the bytes each pass adds; a model chunk's share of the stage under the interleaved
+    schedule (v chunks). `_run_op` reads `p2p`, `compute`, `ulysses`, `tp` by (kind, s) and
+    `encode` by kind (stage 0's)."""
 
-    def __init__(self, ranks, llm, tokens, enc, act, frac, overhead, uniform):
-        self.ranks, self.llm, self.tokens, self.enc, self.act = ranks, llm, tokens, enc, act
-        self.frac, self.overhead, self.uniform = frac, overhead, uniform
+    def __init__(self, step, ranks, frac, llm, tokens, enc, uniform: bool):
+        p, P, fwd_e, v = step.pplan, step.pplan.pp, step.encoder_fwd, step.plan.virtual_stages
+        self.ranks, self.tokens, self.uniform = ranks, tokens, uniform
+        act = tokens * step.model.dims.hidden * 2  # [M, D] bytes sent between stages
+        # per micro-batch, each stage's weights read and gradients accumulated (the joint
+        # pipeline's encoder replicas run once a step, and pay their share there)
+        overhead = np.array([step.cluster.micro_batch_s_per_param * (
+            stage_params(step, s)[0] - uniform * encoder_params(step)) for s in range(P)]) / v
+        frac = frac / v
+        self.p2p, self.compute, self.ulysses, self.tp, self.encode = {}, {}, {}, {}, {}
+        for kind in ("F", "B"):
+            share = 1 / 3 if kind == "F" else (2 + step.plan.checkpointing) / 3
+            here = enc * (fwd_e if kind == "F" else 1 - fwd_e)
+            self.encode[kind] = (here / step.rate, here.any(axis=1))  # "stage0": stage 0's
+            for s in range(P):
+                other = s - 1 if kind == "F" else s + 1  # activations in, or their gradients
+                if v > 1 or 0 <= other < P:  # interleaved: the last stage feeds the first
+                    self.p2p[kind, s] = _p2p_seconds(step, ranks[other % P][0], ranks[s][0], act)
+                self.compute[kind, s] = llm * frac[s] * share / step.llm_rate + \
+                    overhead[s] * share
+                if p.sp > 1:
+                    seconds, moved = _ulysses(step, tokens, kind == "B", s, frac[s])
+                    self.ulysses[kind, s] = seconds, [b / v for b in moved]
+                if p.tp > 1:
+                    self.tp[kind, s] = stage_parallel.tp_stage_seconds(step, s, tokens,
+                                                                       kind == "B", 1 / v)
 
 
-def _run_op(step, pipe: _Pipe, events: dict, s: int, kind: str, m: int, chunk: int) -> bool:
+def _run_op(step, passes: _Passes, events: dict, s: int, kind: str, m: int, chunk: int) -> bool:
     """Stage s runs its pass `kind` of micro-batch m through its model chunk `chunk` (virtual
     stage chunk x P + s) once the virtual stage before (forward) or after (backward) has sent
     it its activations or gradients; False while it has not."""
@@ -221,24 +242,24 @@ def _run_op(step, pipe: _Pipe, events: dict, s: int, kind: str, m: int, chunk: i
         ("B", vs + 1, m) if kind == "B" and vs < last else None)
     if dep is not None and dep not in events:
         return False
-    ranks = pipe.ranks[s]
+    ranks = passes.ranks[s]
     if dep is not None:
-        tl.run(ranks, "p2p", _p2p_seconds(step, pipe.ranks[dep[1] % P][0], ranks[0],
-                                          pipe.act[m]), COMM, after=events[dep])
-    enc_here = 0.0 if (pipe.uniform or vs > 0) else pipe.enc[m] * (
-        step.encoder_fwd if kind == "F" else 1 - step.encoder_fwd)
-    share = 1 / 3 if kind == "F" else (2 + plan.checkpointing) / 3
-    if np.any(enc_here):
-        tl.run(ranks, "encode_fwd" if kind == "F" else "encode_bwd", enc_here / step.rate)
-    seconds = pipe.llm[m] * pipe.frac[s] * share / step.llm_rate + pipe.overhead[s] * share
+        tl.run(ranks, "p2p", passes.p2p[kind, s][m], COMM, after=events[dep])
+    if not passes.uniform and vs == 0:
+        enc_s, has = passes.encode[kind]
+        if has[m]:
+            tl.run(ranks, "encode_fwd" if kind == "F" else "encode_bwd", enc_s[m])
+    seconds = passes.compute[kind, s][m]
     events[(kind, vs, m)] = tl.run(ranks, "llm_fwd" if kind == "F" else "llm_bwd", seconds)
     if plan.overlap_grad_sync:
         note_pass(step, ranks, seconds, kind == "B")
     if step.pplan.sp > 1:  # Ulysses inside the stage's layers (the SP ranks' work is even)
-        events[(kind, vs, m)] = tl.run(ranks, "llm_sp", _ulysses(
-            step, pipe.tokens[m], kind == "B", s) * pipe.frac[s], COMM)
-    done = stage_parallel.stage_collectives(step, ranks, s, pipe.tokens[m], kind == "B",
-                                            seconds, 1 / plan.virtual_stages)
+        sp_s, moved = passes.ulysses[kind, s]
+        step.a2a_bytes["llm_ulysses"] += moved[m]
+        events[(kind, vs, m)] = tl.run(ranks, "llm_sp", sp_s[m], COMM)
+    tp = passes.tp[kind, s] if step.pplan.tp > 1 else None
+    done = stage_parallel.stage_collectives(step, ranks, s, passes.tokens[m], kind == "B",
+                                            seconds, None if tp is None else (tp[0][m], tp[1][m]))
     if done is not None:  # tp's all-reduces, ep's all-to-alls inside the stage
         events[(kind, vs, m)] = done
     return True
@@ -282,20 +303,20 @@ def stage_fractions(step) -> np.ndarray:
     return layers / max(1.0, layers.sum())
 
 
-def _ulysses(step, tokens: np.ndarray, backward: bool, s: int = 0) -> np.ndarray:
-    """[D] seconds of all the LLM's Ulysses all-to-alls of a micro-batch (`tokens` [D] per rank)
-    over the SP group: per layer (2h + 2kv) bf16 values a token, split over the g ranks
-    (`comm.even_all_to_all`); backward as many, plus the recompute under checkpointing. The
-    bytes counted are stage s's layers' (the caller scales the seconds by its share)."""
+def _ulysses(step, tokens: np.ndarray, backward: bool, s: int, frac: float):
+    """([M, D] seconds of all the LLM's Ulysses all-to-alls of each micro-batch (`tokens`
+    [M, D] per rank) over the SP group, x `frac` (stage s's share), and [M] the bytes each sends:
+    per layer (2h + 2kv) bf16 values a token, split over the g ranks (`comm.even_all_to_all`);
+    backward as many, plus the recompute under checkpointing. The bytes are stage s's layers'."""
     d, g, tp = step.model.dims, step.pplan.sp, step.pplan.tp
     link = comm.link_of(step.cluster, step.ranks_of(0, 1)[::tp])  # under tp: heads / tp
-    per_layer = tokens * (2 * d.hidden + 2 * step.model.kv) * 2 / tp  # [D tp] bytes a rank sends
+    per_layer = tokens * (2 * d.hidden + 2 * step.model.kv) * 2 / tp  # [M, D tp] a rank sends
     times = (1 + step.plan.checkpointing) if backward else 1
     layers = len(step.stage_plan.decoder_layers(s))  # the bytes of stage s's layers
-    step.a2a_bytes["llm_ulysses"] += float(per_layer.sum()) * layers * times * (g - 1) / g
+    moved = [float(row.sum()) * layers * times * (g - 1) / g for row in per_layer]
     one = comm.even_all_to_all_each(per_layer, g, link, comm.ULYSSES_CALLS,
-                                    step.cluster.a2a_call_s)  # [D]
-    return times * d.layers * one
+                                    step.cluster.a2a_call_s)  # [M, D]
+    return times * d.layers * one * frac, moved
 
 
 def _uniform_encode(step, ranks, backward: bool) -> None:

@@ -41,17 +41,18 @@ def per_rank(step, llm: np.ndarray, tokens: np.ndarray, enc: np.ndarray):
 
 
 def stage_collectives(step, ranks: np.ndarray, s: int, tokens: np.ndarray, backward: bool,
-                      compute=0.0, share: float = 1.0):
+                      compute=0.0, tp=None):
     """After a micro-batch's pass through stage s (`ranks` [D tp], `tokens` [D tp] a rank's,
-    `compute` its seconds; `share`: the part of the stage's layers the pass ran, a model chunk's
-    under the interleaved schedule): its TP all-reduces (less `compute` under
-    `SimPlan.overlap_tp`), its EP all-to-alls. Returns the last events' ids, or None."""
+    `compute` its seconds): its TP all-reduces (`tp`: their seconds and bytes, from
+    `tp_stage_seconds`; less `compute` under `SimPlan.overlap_tp`), its EP all-to-alls.
+    Returns the last events' ids, or None."""
     last = None
     if step.pplan.tp > 1:
-        tp = tp_stage_seconds(step, s, tokens, backward, share)
+        seconds, moved = tp
+        step.a2a_bytes["llm_tp"] += moved
         if step.plan.overlap_tp:
-            tp = np.maximum(0.0, tp - compute)
-        last = step.timeline.run(ranks, "llm_tp", tp, COMM)
+            seconds = np.maximum(0.0, seconds - compute)
+        last = step.timeline.run(ranks, "llm_tp", seconds, COMM)
     if step.pplan.ep > 1 and step.model.moe is not None:
         last = ep_stage_sync(step, ranks, s, tokens / step.pplan.tp, backward)
     if backward and s == 0 and step.tp_apart and step.plan.encoder_placement == "stage0":
@@ -59,16 +60,16 @@ def stage_collectives(step, ranks: np.ndarray, s: int, tokens: np.ndarray, backw
     return last
 
 
-def tp_stage_seconds(step, s: int, tokens: np.ndarray, backward: bool,
-                     share: float = 1.0) -> np.ndarray:
-    """[n] seconds of a TP group's all-reduces in one pass of `share` of stage s's layers over
-    `tokens` [n]."""
+def tp_stage_seconds(step, s: int, tokens: np.ndarray, backward: bool, share: float = 1.0):
+    """([M, n] seconds of a TP group's all-reduces in one pass of `share` of stage s's layers
+    (a model chunk's under the interleaved schedule) over each row of `tokens` [M, n], [M] the
+    bytes each pass moves)."""
     p, d = step.pplan, step.model.dims
     calls = 2 * layers_of(step, s) * share * ((1 + step.plan.checkpointing) if backward else 1)
     nbytes = tokens * d.hidden * 2
-    step.a2a_bytes["llm_tp"] += calls * 2 * (p.tp - 1) / p.tp * float(nbytes.sum())
+    moved = [calls * 2 * (p.tp - 1) / p.tp * float(row.sum()) for row in nbytes]
     link = comm.link_of(step.cluster, step.ranks_of(0, 1)[:p.tp])
-    return calls * comm.all_reduce_each(nbytes, p.tp, link)
+    return calls * comm.all_reduce_each(nbytes, p.tp, link), moved
 
 
 def ep_groups_of(ranks: np.ndarray, ep: int) -> np.ndarray:

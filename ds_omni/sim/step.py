@@ -24,7 +24,7 @@ from ds_omni.parallelize.embedding import encoder_dummies_needed
 from ds_omni.sim import comm, gpus, memory, model_parallel, pipeline_sim, ring_sim
 from ds_omni.sim.calibrate_comm import POOL_META_BYTES
 from ds_omni.sim.cluster import Cluster
-from ds_omni.sim.encode_sim import Row, RowLayout, round_work
+from ds_omni.sim.encode_sim import Row, round_work, step_costs
 from ds_omni.sim.loader_sim import plan_step
 from ds_omni.sim.model_spec import ModelSpec
 from ds_omni.sim.plan_spec import SimPlan
@@ -48,15 +48,9 @@ class Step:
         self.rate = cluster.flops_per_s
         self.llm_rate = gpus.cluster_llm_rate(cluster, model, self.pplan.tp,
                                               float(samples.tokens.mean()), plan.tp_splits_norms)
-        cm = model.cost
-        self.sample_cost = cm.sample_costs(samples.tokens, samples.item_sample,
-                                           samples.item_encoder, samples.item_len)  # [N]
-        self.item_cost = np.zeros(samples.item_len.size)  # [M]
-        for name in cm.encoder_names:
-            mask = samples.item_encoder == name
-            self.item_cost[mask] = cm.encoder_cost(name, samples.item_len[mask])
-        self.llm_cost = cm.llm_cost(samples.tokens)  # [N]
-        self.layout = RowLayout(samples, self.item_cost, model.dims.hidden)
+        # [N] samples' costs, [M] items', [N] the LLM's, the rows' layout (read-only, shared)
+        self.sample_cost, self.item_cost, self.llm_cost, self.layout = step_costs(model, samples,
+                                                                                  cache)
         self.encoder_fwd = 1.0 if all(e.frozen for e in model.dims.encoders.values()) else 1 / 3
         self.heads = {n: model.heads(n) for n in model.dims.encoders}
         self.timeline = Timeline(cluster.gpus, PHASES)

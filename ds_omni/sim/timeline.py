@@ -13,6 +13,8 @@ Dims: W ranks, E events.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 COMPUTE, COMM = 0, 1
@@ -26,44 +28,76 @@ class Timeline:
         self.compute = np.zeros(world)
         self.comm = np.zeros(world)
         self.idle = np.zeros(world)
-        # [E] each event's rank, phase, start, end and predecessor, in buffers that double
-        # when full (appending by concatenation copied every event on every call: quadratic
-        # in the events of a 1,024-rank step)
-        self._cols = {k: np.zeros(1024, dtype=np.int64 if k in ("rank", "phase", "prev")
-                                  else np.float64)
-                      for k in ("rank", "phase", "start", "end", "prev")}
+        # the events, a block per call: ids [first, first + n) with their ranks, phase, start,
+        # end and predecessor ([n] arrays kept as made: appending them to growing columns
+        # copied most of a pipeline's step, ~10^6 events, again and again)
+        self._blocks: list[tuple] = []  # (ranks, phase, start, end, prev, the ids returned)
+        self._firsts: list[int] = []  # [B] each block's first id
+        self._by_ids: dict[int, int] = {}  # id() of the ids a call returned -> its block
+        self._slices: dict[int, tuple] = {}  # id() of a ranks array -> (it, slice or itself)
+        self._phase_ids: dict[str, int] = {}
+        for k, p in enumerate(self.phases):
+            self._phase_ids.setdefault(p, k)
         self._count = 0
 
     def run(self, ranks, phase: str, seconds, kind: int = COMPUTE, after=None) -> np.ndarray:
         """Run `phase` on `ranks` [n] for `seconds` ([n] or a scalar), each no earlier than the
         end of its event `after` [n] (-1: none). Returns the new events' ids [n]."""
         ranks = np.asarray(ranks, dtype=np.int64)
-        seconds = np.broadcast_to(np.asarray(seconds, dtype=np.float64), ranks.shape)
-        start, prev = self.clock[ranks].copy(), self.last[ranks].copy()
-        if after is not None:
+        seconds = np.asarray(seconds, dtype=np.float64)
+        at = self._at(ranks)  # a slice where the ranks are a range (a view: no gather)
+        start, prev = self.clock[at], self.last[at]  # views of a slice: new arrays below
+        if after is None and at is not ranks:
+            start, prev = start.copy(), prev.copy()
+        if after is not None:  # without, each starts at its clock: no idle time to add
             after = np.asarray(after, dtype=np.int64)
-            dep_end = np.where(after >= 0, self._cols["end"][np.maximum(after, 0)], -np.inf)
+            dep_end = self._ends(after)
             waits = dep_end > start
-            prev = np.where(waits, after, prev)
+            prev = np.where(waits, after, prev)  # new arrays (not views of the clocks)
             start = np.maximum(start, dep_end)
-        self.idle[ranks] += start - self.clock[ranks]
-        (self.compute if kind == COMPUTE else self.comm)[ranks] += seconds
+            self.idle[at] += start - self.clock[at]
+        (self.compute if kind == COMPUTE else self.comm)[at] += seconds
         end = start + seconds
+        if end.shape != ranks.shape:  # a scalar's seconds on one rank
+            end = np.broadcast_to(end, ranks.shape).copy()
         ids = np.arange(self._count, self._count + ranks.size)
-        self._append(rank=ranks, phase=self._phase(phase), start=start, end=end, prev=prev)
-        self.clock[ranks], self.last[ranks] = end, ids
+        self._by_ids[id(ids)] = len(self._blocks)
+        self._firsts.append(self._count)
+        block = (ranks, self._phase(phase), start, end, prev, ids)
+        self._blocks.append(block if ranks.ndim == 1 else tuple(
+            x if k == 1 else np.reshape(x, -1) for k, x in enumerate(block)))
+        self._count += ranks.size
+        self.clock[at], self.last[at] = end, ids
         return ids
 
-    def _append(self, **cols) -> None:
-        n = cols["rank"].size
-        need = self._count + n
-        if need > self._cols["end"].size:
-            for k, old in self._cols.items():
-                self._cols[k] = np.zeros(max(need, 2 * old.size), dtype=old.dtype)
-                self._cols[k][:self._count] = old[:self._count]
-        for k, v in cols.items():
-            self._cols[k][self._count:need] = v
-        self._count = need
+    def _at(self, ranks: np.ndarray):
+        """`ranks`, or the slice they are where they are a range of 16+ ranks (kept per array:
+        a pipeline's stages run hundreds of passes each on the same ranks)."""
+        hit = self._slices.get(id(ranks))
+        if hit is not None and hit[0] is ranks:
+            return hit[1]
+        at = ranks
+        if ranks.ndim == 1 and ranks.size >= 16 and ranks[0] >= 0 and \
+                ranks[-1] - ranks[0] == ranks.size - 1 and bool((np.diff(ranks) == 1).all()):
+            at = slice(int(ranks[0]), int(ranks[-1]) + 1)
+        self._slices[id(ranks)] = (ranks, at)  # the array kept: its id stays its own
+        return at
+
+    def _ends(self, ids: np.ndarray) -> np.ndarray:
+        """[n] the end of each event `ids` [n] (-inf where -1: none)."""
+        b = self._by_ids.get(id(ids))
+        if b is not None and self._blocks[b][5] is ids:  # the ids a call returned (kept)
+            return self._blocks[b][3]
+        valid = ids >= 0
+        if not valid.any():
+            return np.full(ids.shape, -np.inf)
+        lo, hi = int(ids[valid].min()), int(ids[valid].max())
+        b = bisect.bisect_right(self._firsts, lo) - 1
+        first, end = self._firsts[b], self._blocks[b][3]
+        if hi < first + end.size:  # one block's (a pass's events, as the pipeline asks)
+            return np.where(valid, end[np.where(valid, ids - first, 0)], -np.inf)
+        ends = np.concatenate([blk[3] for blk in self._blocks])
+        return np.where(valid, ends[np.maximum(ids, 0)], -np.inf)
 
     def sync(self, ranks, groups, phase: str, seconds) -> np.ndarray:
         """A collective: ranks [n] in groups [n] (group ids) each wait for their group's last
@@ -81,29 +115,37 @@ class Timeline:
         return self.run(ranks, phase, seconds, COMM, after)
 
     def _phase(self, phase: str) -> int:
-        if phase not in self.phases:
+        k = self._phase_ids.get(phase)
+        if k is None:
+            k = self._phase_ids[phase] = len(self.phases)
             self.phases.append(phase)
-        return self.phases.index(phase)
+        return k
 
     @property
     def step_time(self) -> float:
         return float(self.clock.max())
+
+    def _event(self, e: int) -> tuple[int, int, float, int]:
+        """(rank, phase, seconds, predecessor) of event e."""
+        b = bisect.bisect_right(self._firsts, e) - 1
+        ranks, phase, start, end, prev, _ = self._blocks[b]
+        k = e - self._firsts[b]
+        return int(ranks[k]), phase, float(end[k] - start[k]), int(prev[k])
 
     def critical_path(self) -> list[dict]:
         """The chain of events the step's end waited on, merged into runs of one (rank, phase),
         first to last: [{rank, phase, seconds}]."""
         if not self._count:
             return []
-        col = {k: v[:self._count] for k, v in self._cols.items()}
-        event = int(np.argmax(col["end"]))
+        event = int(np.argmax(np.concatenate([blk[3] for blk in self._blocks])))
         chain = []
         while event >= 0:
-            chain.append(event)
-            event = int(col["prev"][event])
+            rank, phase, seconds, prev = self._event(event)
+            chain.append((rank, phase, seconds))
+            event = prev
         out: list[dict] = []
-        for e in reversed(chain):
-            rank, phase = int(col["rank"][e]), self.phases[col["phase"][e]]
-            seconds = float(col["end"][e] - col["start"][e])
+        for rank, phase, seconds in reversed(chain):
+            phase = self.phases[phase]
             if out and out[-1]["rank"] == rank and out[-1]["phase"] == phase:
                 out[-1]["seconds"] += seconds
             else:
