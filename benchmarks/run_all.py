@@ -104,7 +104,7 @@ BENCHES = [
     Bench("mp_reader.py --steps 6", ("mp_reader.json", "mp_reader.png"), 400,
           quick=("--steps", "3")),
     Bench("feed_rate.py", ("feed_rate.json",), 300, quick=("--repeats", "3")),
-    Bench("sim_validation.py --rounds 7 --warmup 1 --batches 4 --comm-repeats 5",
+    Bench("sim_validation.py --rounds 5 --warmup 1 --batches 4 --comm-repeats 5",
           ("sim_validation.json", "sim_validation.png"), 600,
           quick=("--rounds", "3", "--warmup", "1", "--batches", "2", "--comm-repeats", "2")),
     Bench("sim_published.py", ("sim_published.json", "sim_published.png"), 300,
