@@ -34,6 +34,9 @@ class TrainConfig:
     """Save a checkpoint every N steps (0: only at the end)."""
     keep_checkpoints: int = 0
     """Keep only the newest N checkpoints (0: keep all)."""
+    save_whole_moments: bool = True
+    """Each save also writes Adam's moments whole (a stage's first rank holds its stage's, twice in
+    fp32), so --resume on another pp/tp/ep continues exactly; False: it restarts them."""
     on_nonfinite: str = "stop"
     """A step whose loss or gradients are NaN/inf: "stop" ends the run naming its samples; "skip"
     drops its update (weights, optimizer state untouched) and records its samples in metrics."""

@@ -85,13 +85,14 @@ def save_model_meta(root: Path, built) -> None:
 
 
 def save(engine, output_dir: str | Path, step: int, loader_state: dict, rank: int,
-         keep: int = 0) -> Path:
+         keep: int = 0, whole_moments: bool = True) -> Path:
     """Write a complete checkpoint for `step` (every rank calls this), so that a crash at any
     moment leaves the previous one usable.
 
     Every file goes into `.<tag>.tmp/`; when all ranks have written and fsynced theirs, rank 0
     adds `manifest.json` (size and sha256 of every file), renames the directory to `<tag>` and
-    only then moves `latest` (write, fsync, rename). `keep` > 0 removes all but the newest `keep`.
+    only then moves `latest` (write, fsync, rename). `keep` > 0 removes all but the newest `keep`;
+    `whole_moments`: Adam's moments whole too (`ds_omni.train.moments`).
     """
     root = checkpoint_root(output_dir)
     tag = tag_for(step)
@@ -101,7 +102,7 @@ def save(engine, output_dir: str | Path, step: int, loader_state: dict, rank: in
         tmp.mkdir(parents=True)
     barrier()
     try:
-        _write_files(engine, root, tmp, step, loader_state, rank)
+        _write_files(engine, root, tmp, step, loader_state, rank, whole_moments)
     except (OSError, RuntimeError) as e:
         if not disk_full(e):
             raise
@@ -125,7 +126,7 @@ def save(engine, output_dir: str | Path, step: int, loader_state: dict, rank: in
 
 
 def _write_files(engine, root: Path, tmp: Path, step: int, loader_state: dict,
-                 rank: int) -> None:
+                 rank: int, whole_moments: bool) -> None:
     """This rank's files of a checkpoint into `tmp`: RNG, (rank 0) the data position and the
     trainer state, DeepSpeed's own, and (a stage's first rank) its whole moments."""
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
@@ -134,7 +135,8 @@ def _write_files(engine, root: Path, tmp: Path, step: int, loader_state: dict,
         (tmp / "trainer_state.json").write_text(json.dumps(
             {"step": step, "run": run_fingerprint(engine), "run_id": runs.run_of(root)}))
     engine.save_checkpoint(str(root), tag=tmp.name, save_latest=False)
-    moments.save(engine, tmp, rank)  # Adam's moments whole, for a resume on another plan
+    if whole_moments:  # Adam's moments whole, for a resume on another plan
+        moments.save(engine, tmp, rank)
 
 
 def disk_full(error: BaseException) -> bool:

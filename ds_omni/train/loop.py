@@ -173,7 +173,8 @@ def _steps(cfg, engine, loader, groups, logger, rank, start, end, watchdog, eval
         if cfg.train.save_every and step % cfg.train.save_every == 0 and step < end:
             with _solo(watchdog):
                 checkpoint.save(engine, cfg.train.output_dir, step, loader.state_dict(), rank,
-                                keep=cfg.train.keep_checkpoints)
+                                keep=cfg.train.keep_checkpoints,
+                                whole_moments=cfg.train.save_whole_moments)
     guard.close()
     return step
 
@@ -201,7 +202,8 @@ def sp_metrics(module) -> dict:
 
 def _finish(cfg, engine, loader, rank, step, plan) -> dict:
     checkpoint.save(engine, cfg.train.output_dir, step, loader.state_dict(), rank,
-                    keep=cfg.train.keep_checkpoints)
+                    keep=cfg.train.keep_checkpoints,
+                    whole_moments=cfg.train.save_whole_moments)
     flush_skipped(loader, cfg.train.output_dir, rank, step)
     skipped = skipped_totals(loader)
     dist.barrier()

@@ -75,7 +75,8 @@ def resharded_checkpoint(output_dir: str | Path, plan, rank: int) -> Resharded |
         carried = ("its weights and Adam's moments are consolidated and resharded"
                    if found is not None else "its weights are consolidated and resharded; the "
                    "optimizer starts afresh (the checkpoint holds no whole moments: written "
-                   "under ZeRO-3, before its first step, or by an older ds_omni)")
+                   "with train.save_whole_moments false, under ZeRO-3, before its first step, or by "
+                   "an older ds_omni)")
         print(f"ds-omni: --resume: {tag} was written under pp={saved['pp']} tp={saved['tp']} "
               f"ep={saved['ep']} on {saved['world_size']} ranks, this run has pp={plan.pp} "
               f"tp={plan.tp} ep={plan.ep} on {plan.world_size}: {carried}", flush=True)

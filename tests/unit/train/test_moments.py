@@ -6,13 +6,15 @@ The real plans: tests/dist/test_checkpoint_plans.py (slow tier)."""
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torch import nn
 
 from ds_omni.model.tp_files import merge_tp
 from ds_omni.parallelize.expert_parallel import autoep_piece, hf_expert_state
 from ds_omni.parallelize.tensor_parallel import tp_piece
-from ds_omni.train import moments
+from ds_omni.train import checkpoint, moments
+from tests.fake_engine import FakeEngine
 
 
 def test_autoep_pieces_invert_the_gather_into_hfs_layout():
@@ -102,3 +104,19 @@ def test_a_cut_that_does_not_give_the_weights_back_sets_nothing(tmp_path):
     assert problem is not None and "0.weight" in problem
     assert not other.optimizer.state  # the optimizer starts afresh
     assert moments.read(tmp_path / "none") is None
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_save_writes_whole_moments_only_when_asked(tmp_path, whole):
+    """`train.save_whole_moments` (`checkpoint.save(whole_moments=)`): the moments file is in the
+    checkpoint, readable, or absent (a resume on another plan then restarts Adam's moments)."""
+    engine, stepped = FakeEngine(), _engine()
+    _steps(stepped, [torch.randn(8, 4)])
+    engine.module, engine.optimizer = stepped.module, stepped.optimizer
+    engine.zero_optimization_stage = lambda: 0
+    saved = checkpoint.save(engine, tmp_path, 1, {"step": 1}, rank=0, whole_moments=whole)
+    found = moments.read(saved)
+    assert (found is not None) == whole
+    if whole:
+        assert found.step == 1.0 and set(found.tensors["exp_avg"]) == set(
+            dict(stepped.module.named_parameters()))
