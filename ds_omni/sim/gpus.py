@@ -1,7 +1,8 @@
 """GPU kernels as the simulator prices them by shape: a GEMM reaches a fitted fraction of peak
 that falls as its narrow side shrinks toward a few tiles; attention is priced as GEMMs of the
-head dimension; the element-wise work around them (norms, activations, dropout, residuals) is
-bytes through HBM. Two numbers a GPU type, fitted from at most two published runs
+head dimension; the element-wise work around them (norms, activations, dropout, residuals), and
+unfused attention's score matrices (a counted constant, `scores`), are bytes through HBM. Two
+numbers a GPU type, fitted from at most two published runs
 (`ds_omni.sim.published.calibrate`); the peaks and bandwidths are the vendors' (`cluster.PRESETS`
 plus HBM bandwidth here). More: docs/benchmarks/sim_published.md.
 """
@@ -28,11 +29,15 @@ class KernelFit:
     elementwise: float
     """Bytes moved through HBM per token, layer and unit of hidden size by the non-GEMM work of
     a forward pass (a backward moves twice that)."""
+    scores: float = 0.0
+    """Bytes through HBM per head, query token and key of a pass where attention materialises
+    its scores (unfused, before flash attention); 0: fused (flash) attention."""
 
     def __post_init__(self):
-        if not 0 < self.gemm <= 1 or self.elementwise < 0:
-            raise ConfigError(f"KernelFit needs 0 < gemm <= 1 and elementwise >= 0, got "
-                              f"gemm={self.gemm}, elementwise={self.elementwise}")
+        if not 0 < self.gemm <= 1 or self.elementwise < 0 or self.scores < 0:
+            raise ConfigError(f"KernelFit needs 0 < gemm <= 1, elementwise >= 0 and scores >= "
+                              f"0, got gemm={self.gemm}, elementwise={self.elementwise}, "
+                              f"scores={self.scores}")
 
     def gemm_fraction(self, narrow: float) -> float:
         """Fraction of peak of a GEMM whose narrowest side is `narrow` columns."""
@@ -50,7 +55,8 @@ def layer_seconds(fit: KernelFit, dims, tp: int, seq: float, peak: float, hbm: f
     each GEMM at the fraction of its narrow side (QKV and all MLP matrices but the last split
     their outputs over tp, the attention projection and the last MLP matrix their inputs),
     causal attention (2 h s FLOPs a token, as `CostModel` counts it) at the head dimension's,
-    the element-wise bytes through HBM (all of them / tp where `split_norms`). `dims`: a
+    the element-wise bytes through HBM (all of them / tp where `split_norms`), and under unfused
+    attention its score matrices' bytes (`fit.scores` a head, token and key). `dims`: a
     `ModelDims`."""
     h, ffn, k = dims.hidden, dims.intermediate, dims.mlp_matrices
     kv = dims.kv_hidden or h
@@ -60,6 +66,7 @@ def layer_seconds(fit: KernelFit, dims, tp: int, seq: float, peak: float, hbm: f
     attn = 2 * h * seq / tp / (peak * fit.gemm_fraction(head_dim))
     replicated = 0.0 if split_norms else REPLICATED
     elem = fit.elementwise * h * (replicated + (1 - replicated) / tp) / hbm
+    elem += fit.scores * h / head_dim / tp * seq / hbm
     head = 2 * h * dims.vocab / tp / (peak * fit.gemm_fraction(h / tp))
     return gemm + attn + elem, head
 

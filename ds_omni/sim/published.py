@@ -4,13 +4,14 @@ over HBM), a text-only `ModelSpec`, the global batch of full-length samples and 
 the run's degrees, micro-batches, recompute and ZeRO stage (1: Megatron's distributed
 optimizer), and `simulate` runs it: 1F1B with its bubbles, TP all-reduces on the critical path,
 the gradient reduction at the end of the step (overlapped with the pipeline's drain), the
-network shared by a node's GPUs. `calibrate` fits a GPU type's two kernel numbers to at most two
-runs; `reproduce` predicts the rest. More: docs/benchmarks/sim_published.md.
+network shared by a node's GPUs, unfused attention's score bytes (`UNFUSED_SCORES`).
+`calibrate` fits a GPU type's two kernel numbers to at most two runs; `reproduce` predicts the
+rest. More: docs/benchmarks/sim_published.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -71,12 +72,18 @@ def iteration_flops(run: Run, convention: str) -> float:
 
 
 OPTIMIZER_BYTES = 30  # Adam per parameter: fp32 master, m, v read and written, grad, param
+UNFUSED_SCORES = 20 / 3
+"""fp16 bytes a head, query token and key that Megatron's unfused attention moves through HBM
+between its two batched GEMMs (those are priced as GEMMs), a third a pass: forward 9 (fused
+scale-mask-softmax reads, writes; dropout reads, writes, a 1-byte mask), backward 11 (dropout's
+gradient reads, mask, writes; softmax's reads the gradient and its output, writes)."""
 
 
 def sim_inputs(entry: dict, fit: KernelFit):
     """(cluster, model, samples, plan) of a published run for `simulate`, with kernels `fit`."""
     run = Run.of(entry)
     m, p = run.model, run.plan
+    fit = replace(fit, scores=UNFUSED_SCORES if p.get("attention") == "unfused" else 0.0)
     cl = cluster(run.gpu, run.gpus, run.gpus_per_node, kernels=fit, hierarchical=True,
                  optimizer_s_per_param=OPTIMIZER_BYTES / hbm_bandwidth(run.gpu))
     dims = ModelDims(hidden=m["hidden"], layers=m["layers"], intermediate=m["ffn"],
@@ -152,7 +159,7 @@ def calibrate(entries: list[dict], conventions: list[str]) -> KernelFit:
         return KernelFit(alone[0], 0.0)
     rows, rhs = [], []
     for e, g in zip(entries, alone):
-        s1, s2 = (_token_seconds(e, KernelFit(1.0, k)) for k in (0.0, 1.0))
+        s1, s2 = (_token_seconds(e, KernelFit(1.0, k), False) for k in (0.0, 1.0))
         rows.append([s1, s2 - s1])
         rhs.append(s1 / g)  # the seconds the GEMM-only fit gives
     inv_gemm, elementwise = np.linalg.solve(np.array(rows), np.array(rhs))
@@ -163,10 +170,12 @@ def calibrate(entries: list[dict], conventions: list[str]) -> KernelFit:
     return KernelFit(1 / inv_gemm, elementwise)
 
 
-def _token_seconds(entry: dict, fit: KernelFit) -> float:
-    """Forward seconds of one token through the run's LLM on a TP rank (`gpus.layer_seconds`)."""
+def _token_seconds(entry: dict, fit: KernelFit, scores: bool = True) -> float:
+    """Forward seconds of one token through the run's LLM on a TP rank (`gpus.layer_seconds`),
+    without unfused attention's score bytes unless `scores`."""
     cl, model, samples, plan = sim_inputs(entry, fit)
-    layer, head = layer_seconds(fit, model.dims, plan.tp, float(samples.tokens.mean()), cl.flops,
+    kernels = cl.kernels if scores else replace(cl.kernels, scores=0.0)
+    layer, head = layer_seconds(kernels, model.dims, plan.tp, float(samples.tokens.mean()), cl.flops,
                                 hbm_bandwidth(cl.name), Run.of(entry).head_dim,
                                 plan.tp_splits_norms)
     return model.dims.layers * layer + head

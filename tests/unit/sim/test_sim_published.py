@@ -151,6 +151,35 @@ def test_kernels_price_by_shape_and_leave_other_clusters_alone(doc):
     assert Step(plain, model, samples, plan).llm_rate == plain.flops_per_s
 
 
+def test_unfused_attention_moves_its_scores_through_hbm(doc):
+    """A run whose attention materialises its scores (SC'21's, MT-NLG's) pays UNFUSED_SCORES
+    bytes a head, token and key a pass through HBM: a smaller share of a wider model's time;
+    a fused (flash) run pays none; calibration still reproduces its runs."""
+    from ds_omni.sim.published import UNFUSED_SCORES, predicted_tflops
+    assert 6 < UNFUSED_SCORES < 7 and KernelFit(0.7, 0.0).scores == 0.0
+    with pytest.raises(ConfigError, match="scores"):
+        KernelFit(0.7, 0.0, -1.0)
+    from ds_omni.sim.gpus import layer_seconds
+    fit, slower = KernelFit(0.7, 150.0), {}
+    for name in ("GPT 1.7B", "GPT 1T"):
+        entry = copy.deepcopy(next(r for r in doc["runs"] if r["name"] == name))
+        assert entry["plan"]["attention"] == "unfused"
+        seconds = []
+        for attention in ("unfused", "fused"):
+            entry["plan"]["attention"] = attention
+            cl, model, samples, plan = sim_inputs(entry, fit)
+            seconds.append(layer_seconds(cl.kernels, model.dims, plan.tp, 2048.0, cl.flops,
+                                         2.0e12, Run.of(entry).head_dim)[0])
+        assert cl.kernels.scores == 0.0
+        slower[name] = seconds[0] / seconds[1] - 1
+    assert slower["GPT 1.7B"] > 0.1 > slower["GPT 1T"] > 0
+    runs = [next(r for r in doc["runs"] if r["name"] == n) for n in ("GPT 1.7B", "GPT 18B")]
+    fitted = calibrate(runs, ["recompute"] * 2)
+    for r in runs:
+        got = predicted_tflops(r, fitted, "recompute")
+        assert got == pytest.approx(r["measured"]["tflops_per_gpu"], rel=1e-3)
+
+
 def test_one_run_calibration_and_bad_inputs(doc):
     run = doc["runs"][0]
     fit = calibrate([run], [doc["sources"][run["source"]]["flops"]])
