@@ -7,7 +7,10 @@ states (`AuxCarry`): the router probabilities' sums [n, E] (float, sent a gradie
 hidden states) and the top-k picks with the tokens counted, [n, E + 1] (integers, no gradient).
 The last stage forms every sample's aux from the whole sums, as one process does, and adds
 coef x sum_s targets_s x aux_s to the micro-batch's loss; its backward reaches each stage's
-routers through the carried probabilities. More: docs/parallelism.md, "Pipeline parallelism".
+routers through the carried probabilities. DeepSpeed runs a stage's backward as one
+`Tensor.backward` per floating output (the hidden states, then the probabilities): the second
+would walk the stage's graph below its routers (attention, embeddings, encoders) again;
+`one_backward` makes them one pass. More: docs/parallelism.md, "Pipeline parallelism".
 
 Dims: n samples of the row, E experts, T packed tokens.
 """
@@ -21,6 +24,41 @@ from torch import nn
 
 from ds_omni.batch import IGNORE_INDEX
 from ds_omni.model.moe_aux import RouterAux, SampleStats, aux_from_stats, moe_gate, shard_stats
+
+
+@contextmanager
+def one_backward(engine):
+    """Around a stage's `BackwardPass` (not the last stage's): DeepSpeed's
+    `out.backward(grad, retain_graph=True)` per floating output but the last are gathered and
+    run with the last as one `torch.autograd.backward`, each node of the graph once (the
+    gradients are the same sums)."""
+    if engine.is_last_stage():
+        yield
+        return
+    original, pending = torch.Tensor.backward, []
+
+    def gathered(out, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+        if create_graph or inputs is not None:  # not DeepSpeed's call: as it was
+            return original(out, gradient, retain_graph, create_graph, inputs)
+        pending.append((out, gradient))
+        if not retain_graph:
+            tensors, grads = zip(*pending)
+            pending.clear()
+            run_gathered(list(tensors), list(grads))
+        return None
+
+    torch.Tensor.backward = gathered
+    try:
+        yield
+    finally:
+        torch.Tensor.backward = original
+    if pending:
+        raise RuntimeError(f"{len(pending)} stage outputs' backward never ran")
+
+
+def run_gathered(tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """The backward of a stage's floating outputs from their gradients, in one pass."""
+    torch.autograd.backward(tensors, grads)
 
 
 class AuxCarry:

@@ -26,6 +26,7 @@ from ds_omni.parallel.groups import RankGroups, TorchDataComm
 from ds_omni.parallelize import router_of
 from ds_omni.parallelize.pipeline import (around_instructions, engine_inputs, fill_missing_grads,
                                          is_pipeline, late_grads_to_master, optimizer_params)
+from ds_omni.parallelize.pipeline_moe import one_backward
 from ds_omni.train.nonfinite import NonFiniteError, NonFiniteGuard
 
 
@@ -188,9 +189,10 @@ def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
 
 
 def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list) -> dict:
-    """What runs inside `train_batch`: the encoders' backward of "uniform" placement after the
-    last backward (before any reduction; their gradients summed onto each parameter's owner
-    stage), before the optimizer step the reduced-gradient callback and the non-finite guard
+    """What runs inside `train_batch`: each backward of a stage over its outputs as one pass
+    (`one_backward`), the encoders' backward of "uniform" placement after the last backward
+    (before any reduction; their gradients summed onto each parameter's owner stage), before
+    the optimizer step the reduced-gradient callback and the non-finite guard
     (which may drop the update, recording its samples), and after it, under "uniform", each
     owner's updated encoder parameters broadcast to the other stages."""
     from deepspeed.runtime.pipe import schedule
@@ -205,9 +207,13 @@ def _pipeline_hooks(module, batch, comm, on_reduced_grads, guard, dropped: list)
         run()
     hooks[schedule.ReduceTiedGrads] = encoders_backward
     clock = module.clock
+
+    def backward(engine, run):  # the stage's outputs' backward as one pass (`one_backward`)
+        with one_backward(engine):
+            run() if clock is None else clock.timed(run, "backward")
+    hooks[schedule.BackwardPass] = backward
     if clock is not None:  # the schedule's own timestamps (bubble_fraction)
         hooks[schedule.ForwardPass] = lambda engine, run: clock.timed(run, "forward")
-        hooks[schedule.BackwardPass] = lambda engine, run: clock.timed(run, "backward")
 
         def reduce_tied(engine, run, backward=encoders_backward):
             backward(engine, run)

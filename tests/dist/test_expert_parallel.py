@@ -66,7 +66,8 @@ LLMS = {"ep2_shared_experts": SHARED_MOE}  # a launch's LLM other than MOE
 DEGREES = {"ep2_tp2": {"tp": 2}, "pp2_ep2": {"pp": 2}}
 RESUMED = "ep2_zero2"  # saves before its last step, resumes, reruns it; its checkpoint exported
 PLANTED = {"ep_wrong_rank": "losses", "aux_loss_dropped": "losses",
-           "pp_ep_wrong_group_rank": "losses", "pp_stage_aux_dropped": "losses"}
+           "pp_ep_wrong_group_rank": "losses", "pp_stage_aux_dropped": "losses",
+           "pp_carry_backward_dropped": "grad of"}
 
 
 def make_config(out_dir: str, ep: int, model_dir: str | None = None, llm: dict | None = None,
@@ -325,7 +326,8 @@ def test_plant_is_caught(plant, launches, tmp_path):
 @pytest.mark.parametrize("plant", plants.for_launch("ep_pp"))
 def test_plant_pp_ep_is_caught(plant, launches, tmp_path):
     """pp2 x ep2: the oracle fails when a stage's EP ranks hold each other's experts, and when
-    the first stage's MoE layers are left out of the carried aux loss."""
+    the first stage's MoE layers are left out of the carried aux loss, or their probabilities'
+    gradient out of the stage's backward."""
     per_rank = [r[f"plant-{plant}"] for r in launches("pp2_ep2")[0]]
     with pytest.raises(AssertionError, match=PLANTED[plant]):
         _check_one(plant, per_rank, tmp_path, dp=2, pp=2, steps=1)

@@ -68,3 +68,12 @@ def _pp_stage_aux_dropped(rank: int):
     first_stage = rank < 2  # pp2 x dp2: ranks 0 and 1 run stage 0
     yield from patched(AuxCarry, "add", lambda f: (lambda self, carry, *a: carry)
                        if first_stage else f)
+
+
+@plant("pp_carry_backward_dropped", "a stage's outputs' one backward (`one_backward`) runs only "
+       "the hidden states': the carried router probabilities' gradient never reaches the first "
+       "stage's routers", "ep_pp")
+def _pp_carry_backward_dropped(rank: int):
+    from ds_omni.parallelize import pipeline_moe
+    yield from patched(pipeline_moe, "run_gathered",
+                       lambda f: lambda tensors, grads: f(tensors[:1], grads[:1]))
