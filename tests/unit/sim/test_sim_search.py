@@ -33,6 +33,7 @@ from ds_omni.sim import ModelSpec, SimPlan, WorkloadSpec, cluster, comm, simulat
 from ds_omni.sim.baselines import BASELINES
 from ds_omni.sim.model_spec import MoESpec
 from ds_omni.sim.search import SearchSpace, describe, format_search, search
+from benchmarks.plan_search_speed import vlm7b_config
 from tests import plants
 
 GIB = 2 ** 30
@@ -180,17 +181,8 @@ def test_plant_sim_search(plant):
 
 # ------------------------------------------------------------- the issue's 4,096-GPU search
 def large_vlm_config(tmp_path):
-    """examples/tiny_llava.json with a 7B-class LLM (Llama-2-7B's sizes, 8 KV heads) and a
-    CLIP-L/14-336-like vision tower, 8k-token samples, 8,192 samples a step."""
-    cfg = json.loads((ROOT / "examples/tiny_llava.json").read_text())
-    cfg["model"]["vision"]["config"].update(hidden_size=1024, intermediate_size=4096,
-                                            num_hidden_layers=24, num_attention_heads=16,
-                                            image_size=336, patch_size=14)
-    cfg["model"]["llm"]["config"].update(hidden_size=4096, intermediate_size=11008,
-                                         num_hidden_layers=32, num_attention_heads=32,
-                                         num_key_value_heads=8, max_position_embeddings=8192)
-    cfg["data"]["max_seq_len"] = 8192
-    cfg["train"].update(global_batch_size=8192, micro_batch_size=1)
+    """The benchmark's 7B-class VLM (`benchmarks/plan_search_speed.vlm7b_config`), as a file."""
+    cfg = vlm7b_config()
     path = tmp_path / "llava_7b.json"
     path.write_text(json.dumps(cfg))
     return path
