@@ -195,9 +195,24 @@ class Watchdog:
             return None
         dog = cls(rank, world, timeout_s, _connect(timeout_s), on_verdict)
         dog._publish(dog._beat())
+        dog.await_peers()
         dog._catch_sigterm()
         dog._thread.start()
         return dog
+
+    def await_peers(self) -> None:
+        """Read the watched ranks' first beats before training starts (at most the timeout), so
+        that each peer's pid and host are known even if it stops before this thread's first
+        tick: a stopped rank 0 also stops the store it hosts, and a peer never read is named
+        without its state (`local_state`)."""
+        keys = [f"beat/{r}" for r in self.peers]
+        wait = timedelta(seconds=self.timeout)
+        try:
+            self._with_deadline(lambda: self.store.wait(keys, wait), deadline_s=self.timeout,
+                                once=True)
+            self._read_peers_once_more()
+        except Exception:  # not all came within the timeout: the ticks judge the silence
+            return
 
     @contextmanager
     def solo(self):

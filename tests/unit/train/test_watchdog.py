@@ -165,6 +165,34 @@ def test_a_store_that_never_answers_is_a_verdict_not_a_stuck_watchdog():
     assert time.monotonic() - t0 < 3  # each request given up after max(interval, 1 s)
 
 
+def test_a_peer_that_stops_before_the_first_tick_is_named_with_its_state():
+    """`Watchdog.start` reads the watched ranks' first beats (`await_peers`): rank 0 may stop
+    (SIGSTOP) before rank 1's first tick and freeze the store it hosts, and rank 1 must still
+    name its state (a soak once said only "sent no heartbeat": rank 0's beat was never read).
+    A peer that never publishes costs at most the timeout."""
+    import time
+    store = dist.HashStore()
+    ended = []
+    dogs = [Watchdog(r, 2, 1.0, store, on_verdict=ended.append, interval_s=0.2)
+            for r in range(2)]
+    for dog in dogs:
+        dog._publish(dog._beat())
+    dogs[1].await_peers()  # (the watchdog's monotonic clock: its ticks are given times on it)
+    t = time.monotonic()
+    assert dogs[1].peers[0].beat is not None and dogs[1].peers[0].beat.pid == os.getpid()
+    dogs[1].store = _FrozenStore()  # rank 0 stopped, and the store with it
+    assert dogs[1].tick(t + 0.5) is None
+    found = dogs[1].tick(t + 1.2)
+    assert found[0] == 0 and "rank 0 sent no heartbeat" in found[1]
+    dogs[1]._end(*found)
+    assert ended == [f"rank 1: {found[1]}; pid {os.getpid()} on this host is still running"]
+
+    alone = Watchdog(0, 2, 0.3, dist.HashStore(), interval_s=0.1, now=0.0)
+    t0 = time.monotonic()
+    alone.await_peers()  # rank 1 never publishes
+    assert alone.peers[1].beat is None and time.monotonic() - t0 < 2
+
+
 _SIGTERMED = """
 import os, socket, subprocess, sys, time
 from ds_omni.train.watchdog import Beat, Watchdog
