@@ -291,6 +291,23 @@ def note_pass(step, ranks, seconds, backward: bool) -> None:
         step.first_fwd[ranks] = np.where(first, seconds, step.first_fwd[ranks])
 
 
+def overlap_exposed(reduce_s: float, gather_s: float, last_bwd: np.ndarray,
+                    first_fwd: np.ndarray, v: int, P: int) -> float:
+    """Seconds of a stage's gradient reduction (`reduce_s`) and ZeRO-1 parameter gather
+    (`gather_s`) that `SimPlan.overlap_grad_sync` leaves exposed on its slowest rank, the
+    ranks' chunk passes lasting `last_bwd` / `first_fwd` [n]. Model chunk c's gradients (1/v)
+    reduce from the start of its last backward, which c P backwards follow (the interleaved
+    cool-down), a chunk after another; its parameters (1/v) gather before its first forward
+    ends, after c P forwards. v = 1: behind the last backward and the first forward."""
+    end = np.full(np.shape(last_bwd), -np.inf)
+    for c in reversed(range(v)):
+        end = np.maximum(end, -(c * P + 1) * last_bwd) + reduce_s / v
+    if gather_s > 0:
+        end = end + np.max([(c + 1) * gather_s / v - (c * P + 1) * first_fwd
+                            for c in range(v)], axis=0)
+    return max(0.0, float(np.max(end)))
+
+
 def stage_fractions(step) -> np.ndarray:
     """[P] each stage's share of the LLM's work: its predicted time over the stages' sum, or
     its share of the decoder layers where the cost model prices the LLM at zero (a cost model

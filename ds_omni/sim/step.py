@@ -443,12 +443,13 @@ def end_of_step(step: Step) -> None:
     stage_ranks = [step.ranks_of(0, p.dp, s) for s in range(p.pp)]
     seconds = np.zeros(step.cluster.gpus)
     for s, ranks in enumerate(stage_ranks):
-        seconds[ranks] = grad_sync_seconds(step, s)
-    if step.plan.overlap_grad_sync:  # the bucketed reduction in the last backward, the
-        # parameters' all-gather in the next step's first forward
-        hidden = step.last_bwd + np.nan_to_num(step.first_fwd) * (step.plan.zero_stage == 1)
-        for ranks in stage_ranks:
-            seconds[ranks] = max(0.0, float(seconds[ranks].max() - hidden[ranks].min()))
+        reduce, gather = grad_sync_parts(step, s)
+        seconds[ranks] = reduce + gather
+        if step.plan.overlap_grad_sync:  # the bucketed reduction in the last backward(s), the
+            # parameters' all-gather in the next step's first forward(s): `overlap_exposed`
+            seconds[ranks] = pipeline_sim.overlap_exposed(
+                reduce, gather, step.last_bwd[ranks], np.nan_to_num(step.first_fwd[ranks]),
+                step.plan.virtual_stages, p.pp)
     ranks = np.concatenate(stage_ranks)
     tl.sync(ranks, np.repeat(np.arange(p.pp), len(stage_ranks[0])), "grad_sync", seconds[ranks])
     update = np.zeros(step.cluster.gpus)
@@ -475,12 +476,17 @@ def optimizer_seconds(step, stage: int) -> float:
 
 def grad_sync_seconds(step, stage: int) -> float:
     """The end of step's collectives of a rank of `stage`, over each of its ZeRO groups."""
-    m, t = step.model, pipeline_sim.encoder_shard_seconds(step)
+    return sum(grad_sync_parts(step, stage))
+
+
+def grad_sync_parts(step, stage: int) -> tuple[float, float]:
+    """`grad_sync_seconds` as (the reduction, ZeRO-1's parameter all-gather after the update)."""
+    m, t, gather = step.model, pipeline_sim.encoder_shard_seconds(step), 0.0
     held = pipeline_sim.held_params(step, stage)
     for shard in model_parallel.state_shards(step, stage, held):
         link, n = model_parallel.shard_link(step, shard), shard.group_size
         g, w = shard.trainable * m.bytes_per_param, shard.params * m.bytes_per_param
-        t += {0: comm.all_reduce(g, n, link),
-              1: comm.reduce_scatter(g, n, link) + comm.all_gather(w, n, link),
+        t += {0: comm.all_reduce(g, n, link), 1: comm.reduce_scatter(g, n, link),
               2: comm.all_gather(w, n, link), 3: 0.0}[step.plan.zero_stage]
-    return t
+        gather += comm.all_gather(w, n, link) if step.plan.zero_stage == 1 else 0.0
+    return t, gather

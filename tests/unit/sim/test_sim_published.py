@@ -6,6 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ds_omni.errors import ConfigError
@@ -134,6 +135,26 @@ def test_interleaved_schedule_and_scatter_gather(doc):
     bad["global_batch"] = 2 * 44  # 44 micro-batches of 2 over pp 8
     with pytest.raises(ConfigError, match="multiple of pp"):
         step_report(bad, fit)
+
+
+def test_interleaved_chunks_reduce_their_gradients_in_the_cool_down(doc, monkeypatch):
+    """Under the interleaved schedule with overlapped DP reduction (Megatron-Core's per-chunk
+    buckets), chunk c's gradients reduce from its last backward, c P backwards before the
+    stage's end, and its ZeRO-1 parameters gather before its first forward ends; one chunk
+    (v = 1) keeps the last backward's and first forward's cover."""
+    from ds_omni.sim.pipeline_sim import overlap_exposed
+    one, chunk = np.array([0.1]), np.array([0.0])
+    assert overlap_exposed(1.0, 0.0, one, chunk, 1, 4) == pytest.approx(0.9)
+    assert overlap_exposed(1.0, 0.0, one, chunk, 4, 4) == pytest.approx(0.15)  # 4 chunks of .25
+    assert overlap_exposed(0.0, 1.0, chunk, one, 4, 4) == pytest.approx(0.15)
+    assert overlap_exposed(0.5, 0.5, one, one, 1, 4) == pytest.approx(0.8)
+    assert overlap_exposed(1.0, 0.0, np.array([0.1, 0.3]), chunk, 1, 4) == pytest.approx(0.9)
+    from ds_omni.sim import pipeline_sim
+    run = _small(doc, "GPT 70B", 8, vp=6)  # Megatron-Core's: tp 8 x pp 2, ZeRO-1, overlapped
+    chunked = breakdown(step_report(run, KernelFit(0.7, 150.0)))["grad_sync"]
+    monkeypatch.setattr(pipeline_sim, "overlap_exposed",
+                        lambda r, g, b, f, v, P, plain=overlap_exposed: plain(r, g, b, f, 1, P))
+    assert chunked < 0.5 * breakdown(step_report(run, KernelFit(0.7, 150.0)))["grad_sync"]
 
 
 def test_kernels_price_by_shape_and_leave_other_clusters_alone(doc):
