@@ -176,7 +176,26 @@ def training_check(cfg: OmniConfig, ds_json: dict, gpus: int):
                 seen[key] = e
         if seen[key] is not None:
             raise seen[key]
+        if plan.pp > 1:  # what the model's layers refuse as stages: plan_run builds no model
+            if "stages" not in seen:
+                seen["stages"] = pipeline_refusal(cfg)
+            if seen["stages"] is not None:
+                raise seen["stages"]
     return check
+
+
+def pipeline_refusal(cfg: OmniConfig) -> DsOmniError | None:
+    """Why the model's layers cannot be pipeline stages (`pipeline_layers`' checks: a tied head,
+    deepstack levels, per-token layer inputs, a two-way mask) on the meta-device model, or None.
+    Without it the search ranked pp plans for Qwen3-VL that training then refuses."""
+    from ds_omni.parallelize.pipeline import StepInputs, pipeline_layers
+    with torch.device("meta"):
+        built = build_model(cfg.model)
+    try:
+        pipeline_layers(built.model, StepInputs())
+    except DsOmniError as e:
+        return e
+    return None
 
 
 def search_config(cfg: OmniConfig, ds_json: dict, *, gpus: int, gpus_per_node: int = 8,
