@@ -430,6 +430,9 @@ SUMMED = ("out of memory", "pruned", "slower", "left by the time budget")
 
 
 def _reason_kind(reason: str) -> str:
-    """A reason without its numbers, to group alike ones."""
-    head = reason.split(":")[0] if reason.startswith(SUMMED) else reason[:60]
+    """A reason without its numbers, to group alike ones: its first 60 characters and the rest
+    of their last word (cut inside one, "... combined with parallel.pp" and "... parallel.sp"
+    were one group)."""
+    head = (reason.split(":")[0] if reason.startswith(SUMMED)
+            else re.match(r".{0,60}\S*", reason).group().rstrip(":;,"))
     return re.sub(r"\d+", "N", head).strip()
