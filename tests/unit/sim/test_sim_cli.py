@@ -66,11 +66,14 @@ def test_plan_search_prints_the_best_plans_the_baselines_and_the_dropped(capsys)
     times = [r["step_time"] for r in out["top"]]
     assert times == sorted(times) and all(r["bound"] <= r["step_time"] for r in out["top"])
     assert set(out["baselines"]) == set(BASELINES)
+    assert set(out["baselines_as_run"]) == {"megatron_as_run", "disaggregated_as_run",
+                                            "static_cp_as_run"}, out["baselines_as_run"]
     reasons = " ".join(d["reason"] for d in out["dropped"])
     assert "must divide the LLM's attention heads" in reasons  # training's plan_run said so
     assert main(args) == 0
     text = capsys.readouterr().out
     assert text.startswith("searched ") and "baselines of plan 1" in text and "dropped:" in text
+    assert "baselines as their papers ran them:" in text
 
 
 def test_the_search_refuses_pp_where_the_model_layers_cannot_be_stages(tmp_path):
