@@ -150,3 +150,36 @@ def compare(cluster, model, workload, plan: SimPlan, seed: int = 0) -> dict:
         except DsOmniError as e:
             out[name] = e
     return out
+
+
+AS_RUN_TP_PP = tuple((tp, pp) for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8))
+"""Megatron-LM's fixed tp x pp: the fastest of these (benchmarks/sim_megascale_omni.py's too)."""
+
+
+def as_run(cluster, model, samples: Samples, plan: SimPlan, context: int,
+           cache: dict | None = None) -> dict:
+    """{name: its step or error} of the papers' baselines as they ran them, for `plan`'s run on
+    these samples (what `ds-omni plan --search` prints): Megatron-LM at the fastest fitting fixed
+    tp x pp, the encoder and LLM pools sized by these samples' encoder share, static DP x CP at
+    the degree a `context`-token sequence needs. `cache`: the search's (`simulate`'s)."""
+    share = encoder_share(model, samples)
+    tries = {"megatron_as_run": [lambda d=d: megatron_as_run(plan, *d) for d in AS_RUN_TP_PP],
+             "disaggregated_as_run": [lambda: disaggregated_as_run(plan, cluster.gpus, share)],
+             "static_cp_as_run": [lambda: static_cp_as_run(plan, context, model.llm_heads)]}
+    out = {}
+    for name, makes in tries.items():
+        for make in makes:
+            try:
+                b = make()
+                b.check_composition(launch=True)
+                r = simulate(cluster, model, samples, b, cache=cache)
+            except DsOmniError as e:
+                out.setdefault(name, {"error": str(e)})
+                continue
+            if "step_time" not in out.get(name, {}) or (r.fits, -r.step_time) > (
+                    out[name]["fits"], -out[name]["step_time"]):
+                out[name] = {"step_time": r.step_time, "mfu": r.mfu, "fits": r.fits,
+                             "plan": f"tp={b.tp} pp={b.pp} sp={b.sp} cp={b.cp}"
+                                     + (f" encoder_gpus={b.encoder_gpus}" if b.encoder_gpus else "")}
+    return out
+

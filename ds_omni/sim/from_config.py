@@ -20,7 +20,7 @@ from ds_omni.data.loader import pack_tokens
 from ds_omni.errors import ConfigError, DsOmniError
 from ds_omni.model.build import build_model
 from ds_omni.parallelize.tensor_parallel import tp_beyond_kv_heads
-from ds_omni.sim.baselines import compare
+from ds_omni.sim.baselines import as_run, compare
 from ds_omni.sim.cluster import cluster
 from ds_omni.sim.model_spec import ModelSpec
 from ds_omni.sim.plan_spec import SimPlan
@@ -176,7 +176,26 @@ def training_check(cfg: OmniConfig, ds_json: dict, gpus: int):
                 seen[key] = e
         if seen[key] is not None:
             raise seen[key]
+        if plan.pp > 1:  # what the model's layers refuse as stages: plan_run builds no model
+            if "stages" not in seen:
+                seen["stages"] = pipeline_refusal(cfg)
+            if seen["stages"] is not None:
+                raise seen["stages"]
     return check
+
+
+def pipeline_refusal(cfg: OmniConfig) -> DsOmniError | None:
+    """Why the model's layers cannot be pipeline stages (`pipeline_layers`' checks: a tied head,
+    deepstack levels, per-token layer inputs, a two-way mask) on the meta-device model, or None.
+    Without it the search ranked pp plans for Qwen3-VL that training then refuses."""
+    from ds_omni.parallelize.pipeline import StepInputs, pipeline_layers
+    with torch.device("meta"):
+        built = build_model(cfg.model)
+    try:
+        pipeline_layers(built.model, StepInputs())
+    except DsOmniError as e:
+        return e
+    return None
 
 
 def search_config(cfg: OmniConfig, ds_json: dict, *, gpus: int, gpus_per_node: int = 8,
@@ -192,5 +211,8 @@ def search_config(cfg: OmniConfig, ds_json: dict, *, gpus: int, gpus_per_node: i
     result = search(c, model, samples, base, top=top, check=training_check(cfg, ds_json, gpus),
                     budget_s=budget_s)
     say_tp_warnings(model, [r.plan.tp for r in result.top])  # once, not per candidate
+    if result.top:
+        result.baselines_as_run = as_run(c, model, samples, result.top[0].plan,
+                                         cfg.data.max_seq_len, result.cache)
     return {"cluster": {"gpu": gpu, "gpus": gpus, "gpus_per_node": gpus_per_node},
             **as_dict(result)}

@@ -79,6 +79,8 @@ class SearchResult:
     baselines_as_run: dict = field(default_factory=dict)
     """{name: step time | error} of the baselines as their papers ran them (filled by the
     caller, `sim/baselines.py`; printed when present)."""
+    cache: dict = field(default_factory=dict, repr=False)
+    """`simulate`'s cache the search filled (the caller's further plans of these samples)."""
     candidates: int = 0
     simulated: int = 0
     pruned: int = 0
@@ -240,7 +242,7 @@ def search(cluster: Cluster, model: ModelSpec, samples: Samples, base: SimPlan, 
         except DsOmniError as e:
             out.dropped.append({"plan": describe(fields), "reason": str(e)})
     heapq.heapify(heap)
-    cache: dict = {}
+    cache = out.cache
     while heap:
         bound, k, refined, plan, shell = heapq.heappop(heap)
         if prune and len(out.top) >= top and bound >= out.top[top - 1].step_time:
@@ -406,7 +408,8 @@ def _baseline_lines(baselines: dict, title: str) -> list[str]:
         return []
     return [title] + [f"  {name:10s} " + (f"error: {b['error']}" if "error" in b else
                       f"step {b['step_time']:.4f} s, MFU {b['mfu']:.1%}"
-                      + ("" if b.get("fits", True) else ", DOES NOT FIT"))
+                      + ("" if b.get("fits", True) else ", DOES NOT FIT")
+                      + (f" ({b['plan']})" if "plan" in b else ""))
                       for name, b in baselines.items()]
 
 
@@ -430,6 +433,9 @@ SUMMED = ("out of memory", "pruned", "slower", "left by the time budget")
 
 
 def _reason_kind(reason: str) -> str:
-    """A reason without its numbers, to group alike ones."""
-    head = reason.split(":")[0] if reason.startswith(SUMMED) else reason[:60]
+    """A reason without its numbers, to group alike ones: its first 60 characters and the rest
+    of their last word (cut inside one, "... combined with parallel.pp" and "... parallel.sp"
+    were one group)."""
+    head = (reason.split(":")[0] if reason.startswith(SUMMED)
+            else re.match(r".{0,60}\S*", reason).group().rstrip(":;,"))
     return re.sub(r"\d+", "N", head).strip()

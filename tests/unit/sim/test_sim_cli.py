@@ -66,8 +66,35 @@ def test_plan_search_prints_the_best_plans_the_baselines_and_the_dropped(capsys)
     times = [r["step_time"] for r in out["top"]]
     assert times == sorted(times) and all(r["bound"] <= r["step_time"] for r in out["top"])
     assert set(out["baselines"]) == set(BASELINES)
+    assert set(out["baselines_as_run"]) == {"megatron_as_run", "disaggregated_as_run",
+                                            "static_cp_as_run"}, out["baselines_as_run"]
     reasons = " ".join(d["reason"] for d in out["dropped"])
     assert "must divide the LLM's attention heads" in reasons  # training's plan_run said so
     assert main(args) == 0
     text = capsys.readouterr().out
     assert text.startswith("searched ") and "baselines of plan 1" in text and "dropped:" in text
+    assert "baselines as their papers ran them:" in text
+
+
+def test_the_search_refuses_pp_where_the_model_layers_cannot_be_stages(tmp_path):
+    """Qwen3-VL's deepstack levels are not carried between pipeline stages: `pipeline_layers`
+    refuses them on the built model, which `plan_run` never builds. The search's training check
+    refuses such a model's pp plans with that reason (it ranked them first for
+    examples/finetune_qwen3_vl_moe.json, which `ds-omni plan` then refused), and keeps the
+    pp plans of a model without deepstack (the tiny LLaVA)."""
+    from ds_omni.errors import ModelError
+    from ds_omni.sim.from_config import sim_plan, training_check
+    from tests.family_dirs import make_generic_dir
+    from tests.fixtures import ds_config, tiny_config
+    llava = tiny_config(str(tmp_path / "llava"), global_batch_size=8, micro_batch_size=1)
+    qwen3_vl = tiny_config(str(tmp_path / "q3"), global_batch_size=8, micro_batch_size=1)
+    qwen3_vl.model.pretrained = str(make_generic_dir(tmp_path / "q3_dir", "qwen3_vl_moe"))
+    qwen3_vl.model.tokenizer = qwen3_vl.model.vision = qwen3_vl.model.llm = None
+    for cfg, refused in ((llava, False), (qwen3_vl, True)):
+        base, check = sim_plan(cfg, ds_config(1), 4), training_check(cfg, ds_config(1), 4)
+        check(base)  # no pp: trains
+        if refused:
+            with pytest.raises(ModelError, match="deepstack"):
+                check(base.replace(pp=2, dp="auto"))
+        else:
+            check(base.replace(pp=2, dp="auto"))

@@ -98,3 +98,28 @@ def test_space_holds_the_tuned_colocated_baselines_plans():
         assert (mine.sp, mine.cp, mine.tp, mine.pp, mine.pack_tokens, mine.reorder) == (
             theirs.sp, theirs.cp, theirs.tp, theirs.pp, theirs.pack_tokens, "budget"), name
         assert sim_common.tokens_per_s(best) >= sim_common.tokens_per_s(report), name
+
+
+def test_the_search_prints_the_papers_baselines_as_run():
+    """`ds-omni plan --search`'s as-run baselines (`baselines.as_run`): Megatron-LM at the
+    fastest fitting fixed tp x pp of `AS_RUN_TP_PP` (each checked by hand), the disaggregated
+    pools and static CP, printed with their degrees."""
+    from ds_omni.errors import DsOmniError
+    from ds_omni.sim.search import format_search
+    from ds_omni.sim.step import simulate
+    from tests.unit.sim.test_sim_search import search_case
+    c, m, samples, base = search_case()
+    got = baselines.as_run(c, m, samples, base, 8192)
+    assert set(got) == set(baselines.AS_RUN) and all("step_time" in b for b in got.values()), got
+    fitting = []
+    for tp, pp in baselines.AS_RUN_TP_PP:
+        try:
+            r = simulate(c, m, samples, baselines.megatron_as_run(base, tp, pp))
+        except DsOmniError:
+            continue
+        fitting += [(r.step_time, f"tp={tp} pp={pp} sp=1 cp=1")] if r.fits else []
+    assert (got["megatron_as_run"]["step_time"], got["megatron_as_run"]["plan"]) == min(fitting)
+    text = format_search({"counts": {"candidates": 0, "dropped": 0, "simulated": 0,
+                                     "pruned_by_bound": 0, "unexplored": 0}, "seconds": 0.0,
+                          "top": [], "baselines": {}, "baselines_as_run": got, "dropped": []})
+    assert "baselines as their papers ran them:" in text and "(tp=" in text, text

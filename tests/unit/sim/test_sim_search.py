@@ -172,6 +172,20 @@ def test_search_finds_the_exhaustive_best_and_says_why_plans_were_dropped():
     assert len(fast.dropped) + fast.simulated + fast.pruned >= fast.candidates - len(fast.top)
 
 
+def test_dropped_plans_are_grouped_by_whole_words():
+    """Two refusals alike in their first 60 characters but for the feature they name are two
+    groups (cut at 60 characters they were one: "... cannot be combined with parallel.")."""
+    from ds_omni.sim.search import _dropped_lines
+    why = "parallel.max_sequence_sp=2 cannot be combined with parallel.{}=2: because"
+    dropped = [{"plan": "a", "reason": why.format("pp")}, {"plan": "b", "reason": why.format("pp")},
+               {"plan": "c", "reason": why.format("sp")}]
+    lines = _dropped_lines(dropped, None)
+    assert lines[1].startswith("     2 x parallel.max_sequence_sp=N cannot be combined with "
+                               "parallel.pp=N; e.g. a"), lines
+    assert lines[2].startswith("     1 x parallel.max_sequence_sp=N cannot be combined with "
+                               "parallel.sp=N; e.g. c"), lines
+
+
 @pytest.mark.parametrize("plant", plants.for_launch("sim_search"))
 def test_plant_sim_search(plant):
     with plants.applied(plant, 0):
