@@ -15,7 +15,7 @@ For each (setup, mix), ds_omni's plan is the best (tokens/s, fitting in memory) 
 (`candidates`: SP degree, per-sequence SP, a joint pipeline of 2-8 stages), the full plan
 space's top plans (`ds_omni.sim.search`, `SEARCH_S` seconds on the 5:5 mix) and its runs of the
 tuned baselines' plans; each tuned baseline gets its best over the baselines derived from the
-grid (its degrees, not ours); the as-run ones (`baselines.AS_RUN`) are chosen once on the 5:5 mix
+grid (its degrees, not ours) and its as-run plan; the as-run ones (`baselines.AS_RUN`) are chosen once on the 5:5 mix
 and kept. speed-up = ds_omni's tokens/s / the baseline's; a missed target prints both sides'
 critical paths by phase (`phases_s` in the results). Beside them, each joint pipeline with its
 encoders in the pipeline's bubbles against "uniform" (`bubbles_beside_uniform`). Writes
