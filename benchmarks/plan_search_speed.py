@@ -64,6 +64,8 @@ def child(root: str, config: str, gpus: int, out: str) -> None:
     from ds_omni.sim.from_config import search_config
     from ds_omni.train.ds_config import load_ds_json
     assert Path(sys.modules["ds_omni"].__file__).resolve().is_relative_to(Path(root).resolve())
+    from ds_omni.sim.cluster import PRESETS  # both sides on the flat links of the earlier
+    PRESETS["h100"].pop("hierarchical", None)  # revisions' preset, so that the answers compare
     cfg = load_config(config, [])
     ds_json = load_ds_json(str(ROOT / "ds_configs/zero2.json"))
     cpu = time.process_time()

@@ -104,15 +104,19 @@ class Search:
                              key=lambda r: r.peak_memory, default=None)
         return max(fitting, key=lambda pr: tokens_per_s(pr[1]))
 
-    def baselines(self, candidates, names=baselines.BASELINES) -> dict:
+    def baselines(self, candidates, names=baselines.BASELINES, also=None) -> dict:
         """{name: (plan, report)}: each baseline at its best over the baselines derived from
-        every candidate (so each keeps its own best degrees, not ds_omni's)."""
+        every candidate (so each keeps its own best degrees, not ds_omni's) and the plans of
+        its family `also` names ({name: [SimPlan]}: the as-run ones, so tuned >= as run)."""
         derived = {name: [] for name in names}
         for plan in candidates:
             for name, base in baselines.baseline_plans(plan, self.cluster.gpus, self.model,
                                                        self.samples).items():
                 if name in derived:
                     derived[name].append(base)
+        for name, plans in (also or {}).items():
+            if name in derived:
+                derived[name] += [p.replace(name=name) for p in plans if p is not None]
         return {name: self.best(plans) for name, plans in derived.items()}
 
 

@@ -59,7 +59,7 @@ class Cluster:
     round planned): `calibrate_comm.time_pool_planning`; 0 on the GPU presets."""
     hierarchical: bool = False
     """A group with k ranks a node spanning nodes gets min(intra_bw, k x inter_bw) (NCCL on NVLink
-    nodes); False: `inter_bw` (docs/simulator.md, "Against clusters")."""
+    nodes; the GPU presets); False: `inter_bw` (docs/simulator.md, "Against clusters")."""
     kernels: KernelFit | None = None
     """The GPU type's kernels by shape (`gpus.KernelFit`, `sim.published.calibrate`) for the
     LLM's passes; None: all work at `achievable`."""
@@ -115,14 +115,15 @@ class Cluster:
         return dataclasses.replace(self, gpus=gpus, gpus_per_node=min(self.gpus_per_node, gpus))
 
 
-# Per GPU: peak dense bf16, HBM, NVLink bus bandwidth per direction, network per GPU.
+# Per GPU: peak dense bf16, HBM, NVLink bus bandwidth per direction, network per GPU; GPU
+# nodes' links hierarchical (a node's adapters shared by its ranks in a group, as NCCL runs)
 PRESETS: dict[str, dict] = {
     "h100": dict(flops=989e12, achievable=0.5, hbm_bytes=80 * GIB, intra_bw=450e9,
-                 inter_bw=50e9),  # SXM, NVLink 4 (900 GB/s both ways), 8 x 400 Gb/s per node
+                 inter_bw=50e9, hierarchical=True),  # SXM, NVLink 4, 8 x 400 Gb/s per node
     "h200": dict(flops=989e12, achievable=0.5, hbm_bytes=141 * GIB, intra_bw=450e9,
-                 inter_bw=50e9),  # H100's compute and links, more (and faster) HBM
+                 inter_bw=50e9, hierarchical=True),  # H100's compute and links, more HBM
     "a100": dict(flops=312e12, achievable=0.5, hbm_bytes=80 * GIB, intra_bw=300e9,
-                 inter_bw=25e9),  # SXM 80 GB, NVLink 3, 8 x 200 Gb/s per node
+                 inter_bw=25e9, hierarchical=True),  # SXM 80 GB, NVLink 3, 8 x 200 Gb/s a node
     "cpu": dict(flops=1e11, achievable=0.5, hbm_bytes=8 * GIB, intra_bw=5e9, inter_bw=1e9,
                 intra_latency=20e-6, inter_latency=50e-6),  # placeholder until fitted
 }

@@ -123,3 +123,30 @@ def test_the_search_prints_the_papers_baselines_as_run():
                                      "pruned_by_bound": 0, "unexplored": 0}, "seconds": 0.0,
                           "top": [], "baselines": {}, "baselines_as_run": got, "dropped": []})
     assert "baselines as their papers ran them:" in text and "(tp=" in text, text
+
+
+def test_tuned_baselines_hold_their_as_run_plans():
+    """A tuned baseline is never slower than its family as run (`sim_megascale_omni.
+    tuned_baselines`): small VLM, 16 GPUs, pools sized for the 5:5 mix. At 9:1 the tuned
+    DistTrain's own rule (its pool by 9:1's FLOP share) loses to the as-run pool, the case the
+    tuned space once missed: without the as-run plans the check below fails."""
+    from benchmarks import sim_megascale_omni as bench
+    from tests.unit.sim.test_sim_search import small_vlm
+    from ds_omni.sim.workload import WorkloadSpec
+    model, c = small_vlm(), cluster("h100", 16)
+    draw = lambda f: WorkloadSpec(image_fraction=f, text_median=1000.0, max_tokens=4096,  # noqa
+                                  patches_range=(256, 4096)).draw(64, 0, ("vision",))
+    base = SimPlan(name="ds_omni", global_batch=64, micro_batches=2, pack_tokens=4096,
+                   reorder="budget", reorder_group=8, zero_stage=1)
+    grid = [base, base.replace(sp=2, pack_tokens=8192)]
+    as_run = bench.as_run_plans(sim_common.Search(c, model, draw(0.5)), grid)
+    rate = lambda found: sim_common.tokens_per_s(found[1])  # noqa: E731
+    for mix in (0.1, 0.9):
+        search = sim_common.Search(c, model, draw(mix))
+        fixed = {name: sim_common.fixed(search, plan)["tokens_per_s"]
+                 for name, (plan, _) in as_run.items()}
+        tuned = bench.tuned_baselines(search, grid, as_run)
+        assert rate(tuned["disttrain"]) >= fixed["disaggregated_as_run"], mix
+        assert rate(tuned["megatron"]) >= fixed["megatron_as_run"], mix
+    rule_only = search.baselines(grid, names=("disttrain",))["disttrain"]
+    assert rate(rule_only) < fixed["disaggregated_as_run"]  # the planted miss is caught

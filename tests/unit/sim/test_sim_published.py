@@ -219,7 +219,7 @@ def test_links_are_hierarchical():
     import numpy as np
     from ds_omni.sim import comm
     from ds_omni.sim.cluster import cluster
-    flat, nccl = cluster("h100", 64), cluster("h100", 64, hierarchical=True)
+    flat, nccl = cluster("h100", 64, hierarchical=False), cluster("h100", 64)
     one_a_node, four_a_node = np.arange(0, 64, 8), np.arange(0, 64, 2)
     assert comm.link_of(nccl, one_a_node) == comm.link_of(flat, one_a_node)
     assert comm.link_of(nccl, four_a_node).bandwidth == 4 * flat.inter_bw
