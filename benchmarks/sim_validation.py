@@ -249,7 +249,9 @@ def predict(name: str, per_rank: list[list[dict]], warmup: int, cluster_file: st
     model = flop_model(cfg)
     # the fitted machine: its FLOP/s all achieved, its per-micro-batch and optimizer seconds
     machines = cluster(cluster_file, world, world, **machine_fields(machine))
-    plan = sim_plan(cfg, ds_config(1), world)
+    # TP's collectives as training issues them (AutoTP's per-matrix backward all-reduces, the
+    # encoder gradients a tensor a call: `SimPlan.autotp_calls`)
+    plan = sim_plan(cfg, ds_config(1), world).replace(autotp_calls=True)
     reports = [simulate(machines, model, samples_of(per_rank, s), plan)
                for s in range(warmup, len(per_rank[0]))]
     phases = {}

@@ -52,8 +52,8 @@ class Cluster:
     """Seconds a rank spends once a step outside micro-batches and the optimizer (the
     engine's bookkeeping)."""
     a2a_call_s: float = 0.0
-    """Seconds per Ulysses all-to-all call beyond latency and bytes (`_SeqAllToAll`'s Python and
-    layout copies): fitted on CPU from sp runs of the calibration; 0 on the GPU presets."""
+    """Seconds per blocking collective call of a layer (Ulysses' all-to-alls, TP's all-reduces)
+    beyond latency and bytes: fitted on CPU from the calibration's sp runs; 0 on GPU presets."""
     pool_item_s: float = 0.0
     """Seconds a pool rank spends a step per pooled item on planning (metadata all-gathered, every
     round planned): `calibrate_comm.time_pool_planning`; 0 on the GPU presets."""

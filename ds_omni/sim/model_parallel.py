@@ -2,7 +2,8 @@
 (AutoTP and AutoEP split evenly: no planner decides anything here).
 
 TP: a rank runs 1/tp of the decoder layers' FLOPs and per layer all-reduces its activations twice
-forward and its input gradients twice backward (twice more under checkpointing); ZeRO partitions
+forward and its input gradients twice backward, or as AutoTP does once a column-parallel matrix
+(`backward_calls`), each call paying `Cluster.a2a_call_s`; ZeRO partitions
 over the dp x sp ranks of one tp coordinate. Encoders are not split: under `tp_encodes_apart`
 each TP rank encodes its share and the rows are all-gathered (`run_tp_gather`), the encoder
 gradients summed over TP (`run_tp_encoder_grads`); under tp x sp each TP rank runs Ulysses with
@@ -107,10 +108,27 @@ def tp_seconds(step, tokens: float, backward: bool) -> float:
     all of them): 2 a layer forward, 2 backward (+2 recomputing under checkpointing)."""
     p, d = step.pplan, step.model.dims
     calls = 2 * d.layers * ((1 + step.plan.checkpointing) if backward else 1)
-    nbytes = tokens * d.hidden * 2
+    nbytes = tokens * d.hidden * step.model.bytes_per_param
     link = comm.link_of(step.cluster, step.ranks_of(0, 1)[:p.tp])
     step.a2a_bytes["llm_tp"] += calls * 2 * (p.tp - 1) * nbytes  # a ring all-reduce moves 2 (p - 1) / p n a rank
     return calls * comm.all_reduce(nbytes, p.tp, link)
+
+
+# AutoTP's column-parallel layers of HF's decoder families: q, k and v apart (LLaMA, Qwen,
+# Mistral; Megatron fuses them into one)
+ATTENTION_COLUMNS = 3
+
+
+def backward_calls(step, layers: float, folded: float = 0.0) -> float:
+    """All-reduces of a TP group in one backward over `layers` decoder layers (`folded` of them
+    MoE layers under folded AutoEP): AutoTP's column-parallel layers (`LinearLayer`) each
+    all-reduce their input gradient, q, k, v and the MLP's matrices but the last
+    (`ATTENTION_COLUMNS + mlp_matrices - 1` a dense layer, the attention's + 1 a folded one)
+    under `SimPlan.autotp_calls`; else fused ones, once for attention and once for the MLP."""
+    if not step.plan.autotp_calls:
+        return 2.0 * layers
+    mlp = step.model.dims.mlp_matrices - 1
+    return layers * (ATTENTION_COLUMNS + mlp) - folded * (mlp - 1)
 
 
 def run_tp(step, rows, backward: bool, row_tokens: np.ndarray | None = None,
@@ -130,11 +148,12 @@ def run_tp(step, rows, backward: bool, row_tokens: np.ndarray | None = None,
     tokens = np.repeat(per_row, groups)  # [G] a TP group's tokens (its SP rank's share)
     folded = p.ep > 1 and step.model.moe is not None  # folded AutoEP: no MLP all-reduce
     forward = 2 * d.layers - (step.model.moe.layers if folded else 0)
-    calls = 2 * d.layers + step.plan.checkpointing * forward if backward else forward
-    nbytes = tokens * d.hidden * 2
+    calls = backward_calls(step, d.layers, step.model.moe.layers if folded else 0) + \
+        step.plan.checkpointing * forward if backward else forward
+    nbytes = tokens * d.hidden * step.model.bytes_per_param
     step.a2a_bytes["llm_tp"] += calls * 2 * (tp - 1) * float(nbytes.sum())  # as `tp_seconds`
     link = comm.links_each(step.cluster, ranks.reshape(-1, tp))
-    seconds = calls * comm.all_reduce_each(nbytes, tp, link)  # [G]
+    seconds = calls * (comm.all_reduce_each(nbytes, tp, link) + step.cluster.a2a_call_s)  # [G]
     if folded:
         seconds = seconds + fold_seconds(step, tokens, link, backward)
     if hide is not None:  # `SimPlan.overlap_tp`: [W] the pass's compute hides them
@@ -192,8 +211,8 @@ def run_tp_gather(step, work) -> None:
 
 def run_tp_encoder_grads(step) -> None:
     """Under `tp_encodes_apart`: every micro-batch, every TP group all-reduces (sums) its
-    trainable encoder and projector gradients (`tp_encoders.sum_grads_over_tp`: a hook per
-    parameter, bf16; every rank runs every encoder, dummies included). Phase "encode_tp"."""
+    trainable encoder and projector gradients (`encoder_grads_seconds`; every rank runs every
+    encoder, dummies included). Phase "encode_tp"."""
     m, tp = step.model, step.pplan.tp
     nbytes = sum(m.encoder_params(n) for n in m.dims.encoders if n not in m.frozen) * \
         m.bytes_per_param
@@ -202,7 +221,19 @@ def run_tp_encoder_grads(step) -> None:
     groups = list(step.llm_ranks().reshape(-1, tp))
     link = comm.link_of(step.cluster, groups[0])
     step.a2a_bytes["encoder_tp_grads"] += len(groups) * tp * 2 * (tp - 1) / tp * nbytes
-    _sync(step, groups, [comm.all_reduce(nbytes, tp, link)] * len(groups), "encode_tp")
+    _sync(step, groups, [encoder_grads_seconds(step, nbytes, link)] * len(groups), "encode_tp")
+
+
+def encoder_grads_seconds(step, nbytes: float, link) -> float:
+    """Seconds of a TP group's sum of `nbytes` of encoder gradients: under `SimPlan.autotp_calls`
+    one all-reduce a trainable parameter tensor (`tp_encoders.sum_grads_over_tp` hooks each;
+    `ModelSpec.encoder_tensors`), the bytes split over them, else one call; each call pays the
+    collective's latencies and `Cluster.a2a_call_s`."""
+    m = step.model
+    calls = sum(m.encoder_tensors(n) for n in m.dims.encoders if n not in m.frozen) \
+        if step.plan.autotp_calls else 1
+    one = comm.all_reduce(nbytes / calls, step.pplan.tp, link)
+    return calls * (one + step.cluster.a2a_call_s)
 
 
 # ------------------------------------------------------------------------ expert parallel

@@ -163,6 +163,13 @@ class ModelSpec:
         layer = 4 * e.hidden ** 2 + e.mlp_matrices * e.hidden * e.intermediate
         return e.layers * layer + e.hidden * self.dims.hidden
 
+    def encoder_tensors(self, name: str) -> int:
+        """Parameter tensors of the encoder and its projector, as HF's ViT towers hold them: a
+        layer's 4 attention and `mlp_matrices` MLP weights with biases and 2 norms; the
+        embeddings (3), the tower's 2 norms and a 2-layer projector (4 + 4)."""
+        e = self._encoder(name)
+        return e.layers * (2 * (4 + e.mlp_matrices) + 4) + 11
+
     def total_params(self) -> int:
         return self.llm_params() + sum(self.encoder_params(n) for n in self.dims.encoders)
 

@@ -64,6 +64,9 @@ class SimPlan:
     tp_splits_norms: bool = False
     """Under tp the element-wise work splits over the TP ranks too (Megatron's sequence
     parallelism; with `Cluster.kernels`); False: `gpus.REPLICATED` of it repeated (AutoTP)."""
+    autotp_calls: bool = False
+    """Under tp, TP's calls as AutoTP and the encoder hooks issue them (`backward_calls`,
+    `encoder_grads_seconds`); False: fused, as the GPU studies count them."""
     vocab_parallel: bool = False
     """Under tp the token embedding and LM head split over the TP ranks too (Megatron's
     vocab-parallel layers): their states and gradients 1/tp a rank; False: whole (AutoTP)."""

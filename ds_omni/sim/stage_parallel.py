@@ -19,7 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from ds_omni.sim import comm
-from ds_omni.sim.model_parallel import autoep_flops, split_exchange
+from ds_omni.sim.model_parallel import (autoep_flops, backward_calls, encoder_grads_seconds,
+                                         split_exchange)
 from ds_omni.sim.model_parallel import stage_layers as layers_of
 from ds_omni.sim.timeline import COMM
 
@@ -65,11 +66,13 @@ def tp_stage_seconds(step, s: int, tokens: np.ndarray, backward: bool, share: fl
     (a model chunk's under the interleaved schedule) over each row of `tokens` [M, n], [M] the
     bytes each pass moves)."""
     p, d = step.pplan, step.model.dims
-    calls = 2 * layers_of(step, s) * share * ((1 + step.plan.checkpointing) if backward else 1)
-    nbytes = tokens * d.hidden * 2
+    layers = layers_of(step, s) * share
+    calls = 2 * layers * step.plan.checkpointing + backward_calls(step, layers) if backward \
+        else 2 * layers
+    nbytes = tokens * d.hidden * step.model.bytes_per_param
     moved = [calls * 2 * (p.tp - 1) / p.tp * float(row.sum()) for row in nbytes]
     link = comm.link_of(step.cluster, step.ranks_of(0, 1)[:p.tp])
-    return calls * comm.all_reduce_each(nbytes, p.tp, link), moved
+    return calls * (comm.all_reduce_each(nbytes, p.tp, link) + step.cluster.a2a_call_s), moved
 
 
 def ep_groups_of(ranks: np.ndarray, ep: int) -> np.ndarray:
@@ -98,7 +101,7 @@ def ep_stage_sync(step, ranks: np.ndarray, s: int, tokens: np.ndarray, backward:
 
 def encoder_grads(step, ranks: np.ndarray):
     """Under `tp_encodes_apart` on stage 0: the TP ranks sum their trainable encoder and
-    projector gradients each micro-batch (bf16 all-reduce over TP)."""
+    projector gradients each micro-batch (`encoder_grads_seconds`)."""
     m, tp = step.model, step.pplan.tp
     nbytes = sum(m.encoder_params(n) for n in m.dims.encoders if n not in m.frozen) * \
         m.bytes_per_param
@@ -107,4 +110,4 @@ def encoder_grads(step, ranks: np.ndarray):
     link = comm.link_of(step.cluster, ranks[:tp])
     step.a2a_bytes["encoder_tp_grads"] += len(ranks) * 2 * (tp - 1) / tp * nbytes
     gid = np.arange(len(ranks)) // tp
-    return step.timeline.sync(ranks, gid, "encode_tp", comm.all_reduce(nbytes, tp, link))
+    return step.timeline.sync(ranks, gid, "encode_tp", encoder_grads_seconds(step, nbytes, link))
