@@ -301,8 +301,9 @@ RULES = (
     _composes("encoder_pool", "cp", "the pool is every rank (dp x sp x cp); a row's long items "
               "stay split over its sp x cp ranks"),
     _refused("ep", "cp", "under cp, DeepSpeed's ZeRO-0 expert reduction divides the experts' "
-             "gradients by the whole world (dp x sp x cp: its sequence group holds the ring's "
-             "ranks, where ZeRO 1 and 2 divide by dp) and its AutoEP refuses ZeRO-3",
+             "gradients by the whole world (dp x sp x cp, where ZeRO 1 and 2 divide by dp: at "
+             "ep2 x cp2 x dp2 every expert gradient is 1/2 of one process's) and its AutoEP "
+             "refuses ZeRO-3",
              "set zero_optimization.stage to 1 or 2",
              refused=lambda s: s.zero is not None and s.zero not in (1, 2), shows=("zero",),
              when="ZeRO stage 0 or 3",
