@@ -85,19 +85,22 @@ class Feature:
     """Its model check: why this LLM cannot run it, as an error that says the fix (None: it can)."""
 
 
-def ring_problem(m: ModelFacts, asked: str, fix: str, field: str) -> str | None:
+def ring_problem(m: ModelFacts, asked: str, fix: str, field: str,
+                 experts: bool = False) -> str | None:
     """Why the LLM `m` cannot run its attention as a ring (`ds_omni.model.ring_attention`), as an
     error: `asked` names what asks for one (parallel.cp, or a per-sequence block past the heads),
-    `fix` how to ask for none, `field` the config field that does (None: it can)."""
+    `fix` how to ask for none, `field` the config field that does, `experts` whether an MoE LLM
+    may (None: it can)."""
     if not m.splits:
         return (f"{asked}: the {m.family!r} family's attention cannot be split over ranks in "
                 f"this version (its family sets no sequence_parallel); {fix}")
     if m.per_sample is not None:
         return f"{asked}: {m.per_sample.replace('parallel.sp', field)}"
-    if m.experts:
+    if m.experts and not experts:
         return (f"{asked}: {m.where} ({m.model_type}) is an MoE LLM with {m.experts} experts, "
-                "whose per-sample router statistics are summed over contiguous shards, not the "
-                f"ring's zigzag ones; {fix} (parallel.sp splits an MoE LLM's rows)")
+                "whose per-sample router statistics over a per-sequence block's ring no test "
+                f"checks against one process in this version (parallel.cp's ring: "
+                f"tests/dist/test_context_parallel_composed.py); {fix}")
     if m.attention_dropout:
         return (f"{asked}: {m.where} has attention_dropout {m.attention_dropout}, which ring "
                 f"attention does not apply; set it to 0 in the LLM's config, or {fix}")
@@ -107,7 +110,8 @@ def ring_problem(m: ModelFacts, asked: str, fix: str, field: str) -> str | None:
 def _ring_fits(s: Setting, m: ModelFacts) -> str | None:
     """Ring attention splits the LLM's attention over any two shards of a row (`ring_problem`),
     and a full row gives every rank its zigzag chunks."""
-    if problem := ring_problem(m, f"parallel.cp={s.cp}", "set parallel.cp to 1", "parallel.cp"):
+    if problem := ring_problem(m, f"parallel.cp={s.cp}", "set parallel.cp to 1", "parallel.cp",
+                               experts=True):
         return problem
     chunks, n = 2 * s.cp * s.sp, m.max_seq_len
     if n % chunks:
@@ -288,18 +292,23 @@ RULES = (
              "per-sequence SP picks each block's own split (Ulysses up to the heads, a ring "
              "across: `ParallelPlan.block_split`)", "set parallel.cp to 1 (a block larger than "
              "the LLM's heads runs its ring by itself), or parallel.max_sequence_sp to 1"),
-    _refused("tp", "cp", "the ring's groups are drawn from the sequence ranks of one TP rank, "
-             "which no test checks against one process in this version",
-             "set parallel.tp to 1 (sp x cp splits the sequence of a large backbone), or "
-             "parallel.cp to 1"),
+    _composes("tp", "cp", "the rings (and Ulysses groups) are drawn from the sequence ranks of "
+              "one TP rank, each passing its own heads' key/value blocks; ZeRO reduces over "
+              "the dp x sp x cp ranks of one TP rank"),
     _refused("pp", "cp", RING_UNDER_PP, "set parallel.cp or parallel.pp to 1 (parallel.sp "
              "splits rows under the pipeline)"),
     _composes("encoder_placement", "cp", UNDER_PP),
     _composes("encoder_pool", "cp", "the pool is every rank (dp x sp x cp); a row's long items "
               "stay split over its sp x cp ranks"),
-    _refused("ep", "cp", "expert-parallel groups are drawn from the dp x sp ranks, and with a "
-             "ring among them no test checks an MoE LLM against one process in this version",
-             "set parallel.cp to 1 (parallel.sp splits an MoE LLM's rows with ep)"),
+    _refused("ep", "cp", "under cp, DeepSpeed's ZeRO-0 expert reduction divides the experts' "
+             "gradients by the whole world (dp x sp x cp, where ZeRO 1 and 2 divide by dp: at "
+             "ep2 x cp2 x dp2 every expert gradient is 1/2 of one process's) and its AutoEP "
+             "refuses ZeRO-3",
+             "set zero_optimization.stage to 1 or 2",
+             refused=lambda s: s.zero is not None and s.zero not in (1, 2), shows=("zero",),
+             when="ZeRO stage 0 or 3",
+             note="EP groups of ep consecutive ranks of the dp x sp x cp ranks; a sample's aux "
+             "statistics are summed over its row's ranks at their zigzag positions"),
 )
 
 

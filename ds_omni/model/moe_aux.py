@@ -100,7 +100,8 @@ def router_aux_sum(aux: RouterAux | None, logits: dict[int, torch.Tensor],
         return aux.coef * per_sample_aux(aux, layers, batch.cu_seqlens, targets)
     if counts is not None:
         counts.aux_reductions += 1
-    return aux.coef * sp_aux_sum(aux, layers, batch.cu_seqlens, targets, group)
+    return aux.coef * sp_aux_sum(aux, layers, batch.cu_seqlens, targets, group,
+                                 batch.route.row_index)
 
 
 def per_sample_aux(aux: RouterAux, logits: list[torch.Tensor], cu_seqlens: torch.Tensor,
@@ -127,16 +128,18 @@ class SampleStats:
 
 
 def shard_stats(aux: RouterAux, logits: list[torch.Tensor], cu_seqlens: torch.Tensor,
-                targets: torch.Tensor, offset: int) -> SampleStats:
-    """The `SampleStats` of this rank's tokens, positions [offset, offset + S) of the row:
-    `logits` each MoE layer's [S, E], `cu_seqlens` [n + 1] the whole (padded) row's bounds,
-    `targets` [1, S] this rank's, both on the host."""
+                targets: torch.Tensor, offset: int,
+                positions: torch.Tensor | None = None) -> SampleStats:
+    """The `SampleStats` of this rank's tokens, positions [offset, offset + S) of the row (or
+    `positions` [S], a ring's zigzag shard): `logits` each MoE layer's [S, E], `cu_seqlens`
+    [n + 1] the whole (padded) row's bounds, `targets` [1, S] this rank's, both on the host."""
     probs = torch.stack([F.softmax(x.float(), dim=-1) for x in logits])  # [L, S, E]
     picks = torch.topk(probs, aux.top_k, dim=-1).indices  # [L, S, k]
     ones = torch.ones(picks.shape, dtype=probs.dtype, device=probs.device)
     counts = torch.zeros_like(probs).scatter_add_(-1, picks, ones)  # [L, S, E]
     s, n = probs.shape[1], cu_seqlens.numel() - 1
-    positions = torch.arange(offset, offset + s)
+    if positions is None:
+        positions = torch.arange(offset, offset + s)
     sample = torch.searchsorted(cu_seqlens[1:].long(), positions, right=True)  # [S] on the host
     trained = (targets[0] >= 0).to(torch.float64)  # [S]
     on = sample.to(probs.device)
@@ -159,9 +162,10 @@ def aux_from_stats(aux: RouterAux, stats: SampleStats) -> torch.Tensor:
 
 
 def sp_aux_sum(aux: RouterAux, logits: list[torch.Tensor], cu_seqlens: torch.Tensor,
-               targets: torch.Tensor, group) -> torch.Tensor:
+               targets: torch.Tensor, group, index=None) -> torch.Tensor:
     """This rank's part of sum_s targets_s x aux_s of a row split over `group` (its shard's
-    `logits` [S, E] each, rank r of the group holding positions [r S, (r + 1) S)): the samples'
+    `logits` [S, E] each, rank r of the group holding positions [r S, (r + 1) S), or under a
+    ring slots [r S, (r + 1) S) of `index`, the zigzag's [cp, C] row positions): the samples'
     stats are summed over the group first, the probabilities by an all-reduce that autograd
     sees (its backward sums the ranks' gradients), so every rank has the whole samples' aux;
     each then returns 1 / size of it, so the sum over the group (as ZeRO sums the SP ranks'
@@ -170,7 +174,10 @@ def sp_aux_sum(aux: RouterAux, logits: list[torch.Tensor], cu_seqlens: torch.Ten
     import torch.distributed as dist
     from torch.distributed.nn.functional import all_reduce
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    mine = shard_stats(aux, logits, cu_seqlens, targets, offset=rank * logits[0].shape[0])
+    s = logits[0].shape[0]
+    positions = (None if index is None
+                 else torch.as_tensor(index).reshape(-1)[rank * s:(rank + 1) * s].long())
+    mine = shard_stats(aux, logits, cu_seqlens, targets, rank * s, positions)
     n = mine.tokens.shape[0]
     plain = torch.cat([mine.picks.flatten(), mine.tokens, mine.targets])  # one no-grad reduce
     dist.all_reduce(plain, group=group)

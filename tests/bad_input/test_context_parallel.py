@@ -14,14 +14,16 @@ def test_cp_that_does_not_divide_the_rows_chunks(tmp_path, capsys, monkeypatch):
          "set data.max_seq_len to 126 or 132")
 
 
-def test_cp_with_an_llm_whose_attention_the_ring_cannot_split(tmp_path, capsys, monkeypatch):
-    """An MoE LLM: its router statistics are summed per sample over contiguous shards."""
+def test_cp_with_ep_under_zero3_is_refused_by_the_table(tmp_path, capsys, monkeypatch):
+    """ep x cp composes under ZeRO 1 and 2 only (DeepSpeed's expert reduction, as under sp)."""
+    from tests.fixtures import ds_config
     cfg = config(tmp_path / "out")
     cfg["model"]["llm"]["config"] = dict(MOE)
-    cfg["parallel"] = {"cp": 2}
+    cfg["parallel"] = {"cp": 2, "ep": 2}
     monkeypatch.setenv("WORLD_SIZE", "2")
-    err = refused(capsys, *write(tmp_path, cfg))
-    says(err, "parallel.cp=2", "qwen3_moe", "MoE LLM with 4 experts", "set parallel.cp to 1")
+    err = refused(capsys, *write(tmp_path, cfg, ds_config(3)))
+    says(err, "parallel.ep=2", "parallel.cp=2", "zero_optimization.stage=3",
+         "set zero_optimization.stage to 1 or 2")
 
 
 def test_cp_with_attention_dropout(tmp_path, capsys, monkeypatch):
@@ -32,12 +34,12 @@ def test_cp_with_attention_dropout(tmp_path, capsys, monkeypatch):
     says(refused(capsys, *write(tmp_path, cfg)), "attention_dropout 0.1", "parallel.cp to 1")
 
 
-def test_cp_with_tensor_parallelism_is_refused_by_the_table(tmp_path, capsys, monkeypatch):
+def test_cp_with_pipeline_is_refused_by_the_table(tmp_path, capsys, monkeypatch):
     cfg = config(tmp_path / "out")
-    cfg["parallel"] = {"cp": 2, "tp": 2}
+    cfg["parallel"] = {"cp": 2, "pp": 2}
     monkeypatch.setenv("WORLD_SIZE", "4")
-    says(refused(capsys, *write(tmp_path, cfg)), "parallel.tp=2", "parallel.cp=2",
-         "set parallel.tp to 1")
+    says(refused(capsys, *write(tmp_path, cfg)), "parallel.pp=2", "parallel.cp=2",
+         "set parallel.cp or parallel.pp to 1")
 
 
 def test_a_good_cp_plan_starts(tmp_path, capsys, monkeypatch, no_training):  # noqa: F811

@@ -104,3 +104,17 @@ def _ring_varlen_window_shifted(rank: int):
             return L, nk, nq, torch.where(left >= 0, left + 1, left), right, run
         return planted
     yield from patched(ring_varlen, "_run_windows", make)
+
+
+@plant("ring_across_tp", "under tp x cp each ring pairs sequence ranks of different TP ranks "
+       "(its k/v blocks carry another TP shard's heads) instead of the sequence ranks of one "
+       "TP rank", "tp_cp")
+def _ring_across_tp(rank: int):
+    from ds_omni.parallel.plan import ParallelPlan
+
+    def make(original):
+        def planted(self):
+            rings = original(self)  # tp2 x cp2: [0, 2], [1, 3] -> [0, 3], [1, 2]
+            return [[ring[0], rings[i ^ 1][1]] for i, ring in enumerate(rings)]
+        return planted
+    yield from patched(ParallelPlan, "cp_group_ranks", make)

@@ -31,11 +31,24 @@ def _moe_aux_not_reduced_over_sp(rank: int):
     import torch.distributed as dist
     from ds_omni.model import moe_aux
 
-    def planted(aux, logits, cu_seqlens, targets, group):
+    def planted(aux, logits, cu_seqlens, targets, group, index=None):
         offset = dist.get_rank(group) * logits[0].shape[0]
         return moe_aux.aux_from_stats(
             aux, moe_aux.shard_stats(aux, logits, cu_seqlens, targets, offset))
     yield from patched(moe_aux, "sp_aux_sum", lambda f: planted)
+
+
+# ------------------------- ep x cp (tests/dist/test_context_parallel_composed.py, "ep_cp")
+@plant("moe_aux_contiguous_under_ring", "under parallel.cp each rank's aux statistics are "
+       "summed as if it held a contiguous shard of the row (its tokens' samples read from "
+       "positions [r S, (r + 1) S), not from the ring's zigzag index)", "ep_cp")
+def _moe_aux_contiguous_under_ring(rank: int):
+    from ds_omni.model import moe_aux
+
+    def make(original):
+        return lambda aux, logits, cu_seqlens, targets, group, index=None: original(
+            aux, logits, cu_seqlens, targets, group)
+    yield from patched(moe_aux, "sp_aux_sum", make)
 
 
 # ---------------------- HF's experts' load at ep=1 (tests/unit/parallelize/test_expert_parallel.py)

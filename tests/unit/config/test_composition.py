@@ -82,6 +82,10 @@ OLD_REFUSALS = {
         dict(ep=2, sp=2), 3, False, 4,
         ("parallel.ep=2", "parallel.sp=2", "when zero_optimization.stage=3"),
         "set zero_optimization.stage to 1 or 2"),
+    "sim/plan_spec.py: ep x cp under ZeRO-3": (  # ep x cp composes under ZeRO 1, 2
+        dict(ep=2, cp=2), 3, False, 4,
+        ("parallel.ep=2", "parallel.cp=2", "when zero_optimization.stage=3"),
+        "set zero_optimization.stage to 1 or 2"),
     "train/ds_config.py: ep x ZeRO-3 with export_hf": (
         dict(ep=2), 3, True, 2,
         ("parallel.ep=2", "zero_optimization.stage=3", "when train.export_hf=true"),
@@ -132,6 +136,17 @@ def test_experts_compose_with_tp_and_pp(tmp_path, parallel):
                                               else [[0], [1], [2], [3]])
     # under tp ds_omni folds the experts itself: the engine's AutoEP stays off
     assert ("expert_parallel" in ds) == (not plan.tp_enabled)
+
+
+@pytest.mark.parametrize("parallel", [dict(tp=2, cp=2), dict(ep=2, cp=2)])
+def test_the_ring_composes_with_tp_and_ep(tmp_path, parallel):
+    """tp x cp (rings inside one TP rank's sequence ranks) and ep x cp (an MoE LLM's aux summed
+    at the zigzag positions) pass the table, the model checks and plan_run (ZeRO-1, 4 ranks):
+    tests/dist/test_context_parallel_composed.py checks them against one process."""
+    from ds_omni.train.setup import plan_run
+    plan, _ = plan_run(_config(tmp_path, parallel, False), ds_config(1), 4)
+    assert plan.cp_group_ranks() == ([[0, 2], [1, 3]] if plan.tp_enabled else [[0, 1], [2, 3]])
+    assert plan.ep == parallel.get("ep", 1)
 
 
 def test_an_ep_that_does_not_divide_a_stage_or_the_experts_is_refused(tmp_path):

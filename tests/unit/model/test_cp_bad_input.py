@@ -1,8 +1,8 @@
 """Bad input for ring attention (parallel.cp) fails before launch, naming the offending value
 and the fix: a data.max_seq_len the row's zigzag chunks do not divide; an LLM whose attention
 cannot run as a ring (a family without sequence parallelism, per-sample layers such as
-Qwen3.5's gated delta net, an MoE LLM, attention dropout); a sequence longer than every block
-can hold (per-sequence SP, whose blocks past the heads now run a ring, so raising
+Qwen3.5's gated delta net, attention dropout; an MoE LLM runs it); a sequence longer than every
+block can hold (per-sequence SP, whose blocks past the heads now run a ring, so raising
 parallel.max_sequence_sp is a fix)."""
 
 import pytest
@@ -39,12 +39,16 @@ def test_cp_must_divide_the_rows_chunks(tmp_path):
 @pytest.mark.parametrize("llm,match", [
     ({"attention_dropout": 0.1}, r"parallel.cp=2: model.llm has attention_dropout 0.1, which "
      r"ring attention does not apply; set it to 0 in the LLM's config, or set parallel.cp to 1"),
-    ({"model_type": "mixtral", "num_local_experts": 4}, r"parallel.cp=2: model.llm \(mixtral\) "
-     r"is an MoE LLM with 4 experts.*set parallel.cp to 1"),
 ])
 def test_an_llm_the_ring_cannot_split_is_refused(tmp_path, llm, match):
     with pytest.raises(ModelError, match=match):
         _plan(tmp_path, **llm)
+
+
+def test_an_moe_llm_runs_the_ring(tmp_path):
+    """An MoE LLM splits over the ring: its aux statistics are summed at the zigzag positions
+    (tests/dist/test_context_parallel_composed.py)."""
+    assert _plan(tmp_path, model_type="mixtral", num_local_experts=4).cp == 2
 
 
 def test_per_sample_layers_are_refused(tmp_path):

@@ -433,3 +433,27 @@ def check_hf_experts_count(tmp_path):
         picks = logits.topk(MOE["num_experts_per_tok"], dim=-1).indices
         assert counted.tolist() == torch.bincount(picks.reshape(-1), minlength=4).tolist(), layer
         assert int(counted.sum()) == MOE["num_experts_per_tok"] * one.position_ids.shape[-1]
+
+
+def test_zigzag_sharded_aux_is_hfs_on_the_whole_sample():
+    """Under parallel.cp a rank's tokens are the ring's zigzag slots (`zigzag_layout`): each
+    shard's stats at its row positions, summed, give HF's per-sample aux of the whole row; read
+    as contiguous offsets (the plant `moe_aux_contiguous_under_ring`) they do not."""
+    from ds_omni.model.moe_aux import RouterAux, aux_from_stats, shard_stats
+    from ds_omni.parallel.zigzag import zigzag_layout
+    aux = RouterAux(coef=0.5, num_experts=4, top_k=2)
+    logits, cu, targets = _row(0)
+    want = _hf_row_aux(aux, logits, cu, targets)
+    order = torch.as_tensor(zigzag_layout([5, 7, 4], 2).order)  # [16]: no padding added
+    slots = [order[lo:lo + 8] for lo in (0, 8)]
+    zigzag = [shard_stats(aux, list(logits[:, p]), cu, targets[:, p], 0, p) for p in slots]
+    got = aux_from_stats(aux, zigzag[0] + zigzag[1])
+    (got_grad,) = torch.autograd.grad(got, logits, retain_graph=True)
+    (want_grad,) = torch.autograd.grad(want, logits)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5,
+                               atol=1e-6 * float(want_grad.abs().max()))
+    flat = [shard_stats(aux, list(logits[:, p]), cu, targets[:, p], lo)
+            for lo, p in zip((0, 8), slots)]
+    contiguous = aux_from_stats(aux, flat[0] + flat[1]).detach()
+    assert abs(float(contiguous) - float(want)) > 1e-3 * abs(float(want))
