@@ -53,11 +53,12 @@ def with_pool(machine: dict, world: int) -> dict:
     """`machine` with the encoder pool's planning cost an item (`Cluster.pool_item_s`), timed
     now by its micro-benchmark (`calibrate_comm.time_pool_planning`, ~0.1 s; pure, no process
     group) for a pool of `world` ranks, ring attention's block FLOP/s
-    (`Cluster.ring_flops_per_s`, `time_ring_blocks`, ~2 s), and AutoEP's MoE layer beyond its
+    (`Cluster.ring_flops_per_s`, `time_ring_blocks_at_once`: `world` processes at once, as
+    the runs and the compute profiles share the cores; ~5 s), and AutoEP's MoE layer beyond its
     FLOPs (`Cluster.moe_token_flops`, `expert_half_tokens`: `calibrate_moe`, ~10 s, at the MoE
     LLM's widths on random tokens), where the machine has none yet (a measurement from before
     they were calibrated: `--reuse` times them here)."""
-    from ds_omni.sim.calibrate_comm import time_pool_planning, time_ring_blocks
+    from ds_omni.sim.calibrate_comm import time_pool_planning, time_ring_blocks_at_once
     from benchmarks.per_sequence_sp import LLM
     if "moe_token_flops" not in machine:
         machine = dict(machine, **moe_terms())
@@ -65,8 +66,8 @@ def with_pool(machine: dict, world: int) -> dict:
         machine = dict(machine, pool_item_s=time_pool_planning(world))
     if "ring_flops_per_s" not in machine:  # ring attention's kernel at the long tail's heads
         heads = LLM["num_attention_heads"]  # and blocks (a ~1,500-token row over a ring of 2)
-        machine = dict(machine, ring_flops_per_s=time_ring_blocks(
-            heads, LLM["hidden_size"] // heads, tokens=768))
+        machine = dict(machine, ring_flops_per_s=time_ring_blocks_at_once(
+            world, heads=heads, head_dim=LLM["hidden_size"] // heads, tokens=768))
     return machine
 
 

@@ -269,3 +269,24 @@ def time_ring_blocks(heads: int = 8, head_dim: int = 32, tokens: int = 1024,
         kernel.backward(torch.ones_like(out), q, k, v, out, lse, allowed, scaling)
         times.append(time.process_time() - t0)
     return 3 * 4 * heads * tokens * tokens * head_dim / statistics.median(times)
+
+
+def _ring_rank(barrier, results, kwargs: dict) -> None:
+    barrier.wait()  # every process starts timing together, as the ranks of a run share cores
+    results.put(time_ring_blocks(**kwargs))
+
+
+def time_ring_blocks_at_once(world: int, **kwargs) -> float:
+    """`time_ring_blocks` in `world` processes at once (the median of their FLOP/s), as the
+    compute calibration profiles: a rank's CPU seconds grow when its neighbours run."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(world), ctx.Queue()
+    procs = [ctx.Process(target=_ring_rank, args=(barrier, results, kwargs))
+             for _ in range(world)]
+    for p in procs:
+        p.start()
+    rates = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    return statistics.median(rates)
