@@ -52,9 +52,13 @@ def launch(tmp_path_factory):
 
 def _check(name, launch, tmp_path) -> None:
     long, results = launch
-    steps = CASES[name]["steps"]
+    check_case(name, [r[name] for r in results], long, CASES[name]["steps"], tmp_path)
+
+
+def check_case(name, per_rank, long, steps, tmp_path) -> None:
+    """Case `name` (`per_rank`: each rank's result, `steps` trained) against the oracle, each
+    TP rank's slice's blocks, and AutoTP's layers on every rank."""
     cfg = _config(str(tmp_path / f"ref_{name}"), long)
-    per_rank = [r[name] for r in results]
     whole = {k: per_rank[0][k] for k in ("grads", "step_params", "params")}  # rank 0's only
     for t in range(TP):  # TP rank t's slice (ranks t, t + 2): blocks of its dp ranks
         ranks = per_rank[t::TP]
