@@ -6,7 +6,8 @@ each rank holds 2 of the 4 experts of every layer) or 4 ranks (ep=2 x dp=2: two 
 groups, each expert on two ranks), with reordering on; Qwen3-VL-MoE (the generic adapter: its
 M-RoPE, deepstack and always-renormalising router) on 2 ranks; Qwen3.5-MoE's block (a shared
 expert behind a sigmoid gate next to the routed ones) on 2 ranks. All are in the slow tier (the
-2-rank launch alone takes about 3 min on 2 quiet cores; the quick tier has no room). Each is compared
+2-rank launch alone takes about 3 min on 2 quiet cores; the quick tier's pairwise launch,
+`test_pairs_quick.py`, trains ep2 x tp2 and pp2 x ep2 one step each). Each is compared
 with the oracle
 (`tests/oracle/`): one process, plain PyTorch, HF's MoE block (no AutoEP), the same global
 batches. Loss (rel 1e-6), the full reduced gradients of every step and the parameters after the

@@ -21,7 +21,8 @@ global batches): loss (rel 1e-6), every step's reduced gradients and the final p
 summed its aux statistics over its group (`sp_aux_reductions` = the rows run split), Ulysses ran
 in every layer of those rows, AutoEP's blocks routed tokens. `test_plant_is_caught`: with the
 aux statistics not summed over the group (`moe_aux_not_reduced_over_sp`) the losses differ.
-All slow: a 2-rank launch takes minutes on 2 cores.
+All slow: a 2-rank launch takes minutes on 2 cores (`test_pairs_quick.py` trains ep2 x sp2 with
+the encoder pool and ep2 x max_sequence_sp 2 a step or two each in the quick tier).
 """
 
 import pytest

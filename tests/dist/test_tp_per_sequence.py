@@ -1,8 +1,8 @@
 """Tensor parallelism beside the per-sequence SP degree (parallel.tp x parallel.max_sequence_sp)
 equals one process.
 
-One 4-rank launch (the slow tier's: the quick tier keeps tp and per-sequence SP apart, within
-its 12 minutes), ranks started once for every case: tp2 x dp2 with
+One 4-rank launch (the slow tier's: the quick tier's pairwise launch, `test_pairs_quick.py`,
+trains this case for 2 steps), ranks started once for every case: tp2 x dp2 with
 max_sequence_sp 2 (reorder group of the 2 data-parallel ranks). TP rank t's ranks are t and t + 2;
 a long sequence (more tokens than a micro-batch, an image inside) runs on a block of both
 data-parallel ranks OF ONE TP RANK (global ranks 0 and 2, and 1 and 3: its Ulysses all-to-alls
