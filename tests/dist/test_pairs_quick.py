@@ -15,7 +15,9 @@ of its slow-tier case and checked by that case's own checks:
   Ulysses work split inside each TP rank's SP group;
 - "tp2_pool" (same): tp2 x dp2 with the encoder pool, dp rank 0's rows holding every image:
   the oracle, items moved, both TP ranks alike;
-- "tp2_msp2" (`test_tp_per_sequence`): blocks of the data-parallel ranks of one TP rank.
+- "tp2_msp2" (`test_tp_per_sequence`): blocks of the data-parallel ranks of one TP rank;
+- "msp2_pool" (`sequence_parallel/pool.py`'s per-sequence case, its 3 steps: blocks of 2 ranks
+  whose rows' images the pool encodes outside the block): max_sequence_sp x the encoder pool.
 `tests/unit/config/test_composition_coverage.py` maps every pair the table lets compose to its
 quick and slow cases.
 """
@@ -27,6 +29,7 @@ from tests.dist import test_expert_parallel as ep_tests
 from tests.dist import test_expert_sequence_parallel as ep_sp_tests
 from tests.dist import test_tensor_parallel as tp_tests
 from tests.dist import test_tp_per_sequence as tp_msp_tests
+from tests.dist.sequence_parallel import pool as sp_pool
 from tests.fixtures import ds_config, long_source
 from tests.harness import run_on_ranks
 from tests.oracle import ranks as oracle_ranks
@@ -43,9 +46,10 @@ TP_CASES = {"tp2_sp2": {"stages": [1], "sp": 2, "steps": 1},
 EP_SP_CASES = {"ep2_sp2_pool": ({"sp": 2}, 1, True),
                "ep2_msp2": ({"max_sequence_sp": 2}, 2, False)}
 MSP_STEPS = 2  # a long row per step is not certain: two steps give the blocks rows to run
+MSP_POOL_STEPS = 3  # step 1 runs two blocks' rounds, where the pool moves a block's images
 
 
-def _train(rank, world, tp_cases, long, skewed, out_dir):
+def _train(rank, world, tp_cases, long, skewed, msp_pool, out_dir):
     results = {"seconds": _Clock()}
     for name, degrees in EP_CASES.items():
         seen = {}
@@ -72,6 +76,12 @@ def _train(rank, world, tp_cases, long, skewed, out_dir):
     results["tp2_msp2"] = oracle.train_on_rank(
         rank, world, tp_msp_tests._config(f"{out_dir}/tp2_msp2", long), ds_config(1), MSP_STEPS)
     results["seconds"].lap("tp2_msp2")
+    cfg = sp_pool.pool_per_sequence_config({"llava": {}}, "llava", f"{out_dir}/msp2_pool", msp_pool)
+    with sp_pool._plans_seen() as plans:
+        results["msp2_pool"] = oracle.train_on_rank(rank, world, cfg, ds_config(3), MSP_POOL_STEPS)
+    results["msp2_pool"]["block_items_moved"] = sum(  # a block row's items encoded outside it
+        len(p.items[i].group) > 1 for p in plans for i in p.moved())
+    results["seconds"].lap("msp2_pool")
     return results
 
 
@@ -99,12 +109,14 @@ def launch(tmp_path_factory):
     skewed = skewed_source(tmp / "skewed", dp=2)  # dp rank 0's rows hold every image
     tp_cases["tp2_pool"]["sources"] = [skewed]
     long = long_source(tmp, weight=0.3, words=300)
+    (tmp / "msp_pool").mkdir()
+    msp_pool = sp_pool.skewed_sources(tmp / "msp_pool")
     start = time.monotonic()
-    results = run_on_ranks(_train, WORLD, args=(tp_cases, long, skewed, str(tmp / "runs")),
-                           timeout=600)
+    results = run_on_ranks(_train, WORLD, timeout=600, args=(
+        tp_cases, long, skewed, msp_pool, str(tmp / "runs")))
     print(f"\npairs launch: {time.monotonic() - start:.1f} s on {WORLD} ranks, rank 0's cases "
           f"{dict(results[0]['seconds'])}")
-    return tp_cases, long, results, skewed
+    return tp_cases, long, results, skewed, msp_pool
 
 
 @pytest.mark.dist
@@ -126,7 +138,7 @@ def test_pp2_x_ep2_uniform(launch, tmp_path):
 def test_ep2_beside_sp_with_encoder_pool(name, launch, tmp_path):
     """ep x sp with the encoder pool, and ep x max_sequence_sp: the oracle, the rows run split
     summed their aux statistics over their group, the pool moved items."""
-    _, long, results, skewed = launch
+    _, long, results, skewed, _ = launch
     per_rank = [r[name] for r in results]
     parallel, steps, pooled = EP_SP_CASES[name]
     ep_sp_tests.check_parallel(name, WORLD, parallel, per_rank, long, tmp_path, steps,
@@ -143,7 +155,7 @@ def test_tp2_x_sp2(launch, tmp_path):
 
 @pytest.mark.dist
 def test_tp2_x_encoder_pool(launch, tmp_path):
-    tp_cases, _, results, _ = launch
+    tp_cases, _, results, _, _ = launch
     tp_tests._check("tp2_pool", tp_cases["tp2_pool"], results, tmp_path, dp=2)
     moved = [r[("tp2_pool", 2)]["pool_items_moved"] for r in results]
     assert moved[2] > 0 and moved[2] == moved[3], moved
@@ -151,6 +163,13 @@ def test_tp2_x_encoder_pool(launch, tmp_path):
 
 @pytest.mark.dist
 def test_tp2_x_max_sequence_sp2(launch, tmp_path):
-    _, long, results, _ = launch
+    _, long, results, _, _ = launch
     tp_msp_tests.check_case("tp2_msp2", [r["tp2_msp2"] for r in results], long, MSP_STEPS,
                             tmp_path)
+
+
+@pytest.mark.dist
+def test_max_sequence_sp2_x_encoder_pool(launch, tmp_path):
+    msp_pool, results = launch[4], launch[2]
+    cfg = sp_pool.pool_per_sequence_config({"llava": {}}, "llava", str(tmp_path / "ref"), msp_pool)
+    sp_pool._check_pool_per_sequence("msp2_pool", cfg, [r["msp2_pool"] for r in results])
