@@ -6,7 +6,8 @@ each rank holds 2 of the 4 experts of every layer) or 4 ranks (ep=2 x dp=2: two 
 groups, each expert on two ranks), with reordering on; Qwen3-VL-MoE (the generic adapter: its
 M-RoPE, deepstack and always-renormalising router) on 2 ranks; Qwen3.5-MoE's block (a shared
 expert behind a sigmoid gate next to the routed ones) on 2 ranks. All are in the slow tier (the
-2-rank launch alone takes about 3 min on 2 quiet cores; the quick tier has no room). Each is compared
+2-rank launch alone takes about 3 min on 2 quiet cores; the quick tier's pairwise launch,
+`test_pairs_quick.py`, trains ep2 x tp2 and pp2 x ep2 one step each). Each is compared
 with the oracle
 (`tests/oracle/`): one process, plain PyTorch, HF's MoE block (no AutoEP), the same global
 batches. Loss (rel 1e-6), the full reduced gradients of every step and the parameters after the
@@ -24,7 +25,9 @@ layers' statistics for every micro-batch.
 `test_plant_is_caught`: the checks fail when an expert's tokens are sent to the wrong rank, and
 when the auxiliary loss is dropped (`tests/plants/expert_parallel.py`), one step each;
 `test_plant_pp_ep_is_caught`: under pp2 x ep2, when a stage's EP ranks hold each other's experts
-and when the first stage's layers are left out of the aux loss.
+and when the first stage's layers are left out of the aux loss; `test_plant_ep_tp_is_caught`:
+under ep2 x tp2, when the experts' gradients are not divided by tp or the router's not averaged
+over TP.
 """
 
 import json
@@ -52,7 +55,7 @@ MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
 # launch -> (world, ZeRO stages, the plants' launch name or None)
 LAUNCHES = {"ep2": (2, [1], "ep"), "ep2_zero2": (2, [2], None), "ep2_dp2": (4, [1, 2], None),
             "ep2_qwen3_vl_moe": (2, [2], None), "ep2_zero3": (2, [3], None),
-            "ep2_shared_experts": (2, [2], None), "ep2_tp2": (4, [1], None),
+            "ep2_shared_experts": (2, [2], None), "ep2_tp2": (4, [1], "ep_tp"),
             "pp2_ep2": (4, [1], "ep_pp")}
 # Qwen3.5-MoE's block: the routed experts and a shared expert behind a sigmoid gate, which
 # AutoEP keeps whole (as `shared_experts` / `shared_experts_gate`, HF's names in the oracle)
@@ -67,7 +70,8 @@ DEGREES = {"ep2_tp2": {"tp": 2}, "pp2_ep2": {"pp": 2}}
 RESUMED = "ep2_zero2"  # saves before its last step, resumes, reruns it; its checkpoint exported
 PLANTED = {"ep_wrong_rank": "losses", "aux_loss_dropped": "losses",
            "pp_ep_wrong_group_rank": "losses", "pp_stage_aux_dropped": "losses",
-           "pp_carry_backward_dropped": "grad of"}
+           "pp_carry_backward_dropped": "grad of", "ep_tp_experts_not_divided": "grad of",
+           "ep_tp_router_not_averaged": "grad of"}
 
 
 def make_config(out_dir: str, ep: int, model_dir: str | None = None, llm: dict | None = None,
@@ -262,14 +266,14 @@ def _check_expert_load(per_rank: list[dict], replicas: int) -> None:
     assert load_sum > 0 and load_sum == routed / replicas, (load_sum, routed, replicas)
 
 
-def _check_carried(per_rank: list[dict], dp: int) -> None:
+def _check_carried(per_rank: list[dict], dp: int, steps: int = STEPS) -> None:
     """pp x ep: every stage added each of its MoE layers' router statistics to the carried aux
     loss for every micro-batch it ran (so the last stage's aux holds every layer's)."""
     added = 0
     for first in range(0, len(per_rank), dp):
         for r in per_rank[first:first + dp]:
             seen = r["seen"]
-            assert seen["aux_layers_added"] == seen["autoep_layers"] * seen["micro"] * STEPS, seen
+            assert seen["aux_layers_added"] == seen["autoep_layers"] * seen["micro"] * steps, seen
         added += per_rank[first]["seen"]["autoep_layers"]
     assert added == 2, added
 
@@ -309,7 +313,8 @@ def _check_resume_and_export(got: dict, tmp_path) -> None:
 
 
 def test_every_ep_plant_has_a_case():
-    assert sorted(PLANTED) == sorted(plants.for_launch("ep") + plants.for_launch("ep_pp"))
+    assert sorted(PLANTED) == sorted(plants.for_launch("ep") + plants.for_launch("ep_pp")
+                                     + plants.for_launch("ep_tp"))
 
 
 @pytest.mark.dist
@@ -331,3 +336,14 @@ def test_plant_pp_ep_is_caught(plant, launches, tmp_path):
     per_rank = [r[f"plant-{plant}"] for r in launches("pp2_ep2")[0]]
     with pytest.raises(AssertionError, match=PLANTED[plant]):
         _check_one(plant, per_rank, tmp_path, dp=2, pp=2, steps=1)
+
+
+@pytest.mark.dist
+@pytest.mark.slow  # the 4-rank ep2 x tp2 launch is the slow tier's
+@pytest.mark.parametrize("plant", plants.for_launch("ep_tp"))
+def test_plant_ep_tp_is_caught(plant, launches, tmp_path):
+    """ep2 x tp2: the oracle fails when the fold's gradient corrections are left out: the
+    experts' gradients not divided by tp, the router's not averaged over the TP group."""
+    per_rank = [r[f"plant-{plant}"] for r in launches("ep2_tp2")[0]]
+    with pytest.raises(AssertionError, match=PLANTED[plant]):
+        _check_one(plant, per_rank, tmp_path, dp=2, tp=2, steps=1)

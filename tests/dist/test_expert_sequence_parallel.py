@@ -21,7 +21,8 @@ global batches): loss (rel 1e-6), every step's reduced gradients and the final p
 summed its aux statistics over its group (`sp_aux_reductions` = the rows run split), Ulysses ran
 in every layer of those rows, AutoEP's blocks routed tokens. `test_plant_is_caught`: with the
 aux statistics not summed over the group (`moe_aux_not_reduced_over_sp`) the losses differ.
-All slow: a 2-rank launch takes minutes on 2 cores.
+All slow: a 2-rank launch takes minutes on 2 cores (`test_pairs_quick.py` trains ep2 x sp2 with
+the encoder pool and ep2 x max_sequence_sp 2 a step or two each in the quick tier).
 """
 
 import pytest
@@ -42,7 +43,8 @@ PLANTED = {"moe_aux_not_reduced_over_sp": "losses"}
 PACK, MAX_LEN = 300, 512  # per-sequence: long samples (~380 tokens) need 2 ranks' micro-batches
 
 
-def sp_config(out_dir: str, ep: int, parallel: dict, long: dict | None):
+def sp_config(out_dir: str, ep: int, parallel: dict, long: dict | None,
+              pool: dict | None = None):
     """`test_expert_parallel`'s MoE composition with the SP fields `parallel`; per-sequence SP
     adds the long source and fixed-count reordering over the 2 ranks (as
     `test_sequence_parallel.per_sequence_config`)."""
@@ -55,6 +57,12 @@ def sp_config(out_dir: str, ep: int, parallel: dict, long: dict | None):
         cfg.data.reorder = ReorderConfig(mode="fixed", group_size=2)
     for key, value in parallel.items():  # the reference (ep 1): one process, static SP off
         setattr(cfg.parallel, key, value if ep > 1 or key != "sp" else 1)
+    if pool is not None:  # `pool`'s rows alone, in loader order, 4 samples a row (several
+        # images to spread); pooled over the dp x sp ranks (as sequence_parallel/pool.py)
+        cfg.data.sources, cfg.data.reorder = [from_dict(SourceConfig, pool)], ReorderConfig(
+            mode="loader_order")
+        cfg.parallel.encoder_pool = "dp" if ep > 1 else "off"
+        cfg.train.micro_batch_size = 4
     return cfg
 
 
@@ -88,10 +96,17 @@ def start_launch(name, tmp_path_factory, fixture):
 
 
 def _check(name, launch, per_rank, long, tmp_path, steps=STEPS, split_work=True):
-    from ds_omni.model.build import build_model
     world, parallel, _, _ = LAUNCHES[launch]
+    return check_parallel(name, world, parallel, per_rank, long, tmp_path, steps, split_work)
+
+
+def check_parallel(name, world, parallel, per_rank, long, tmp_path, steps=STEPS,
+                   split_work=True, pool=None):
+    """`per_rank` (`world` ranks under the SP fields `parallel`) against the oracle; `pool`: the
+    source the ranks pooled the encoders of (`sp_config`)."""
+    from ds_omni.model.build import build_model
     dp = world // parallel.get("sp", 1)
-    cfg = sp_config(str(tmp_path / f"ref_{name}"), 1, parallel, long)
+    cfg = sp_config(str(tmp_path / f"ref_{name}"), 1, parallel, long, pool)
     want = oracle.reference_step_keys(cfg, build_model(cfg.model), dp, steps)
     sp = parallel.get("sp", 1)
     for step in range(steps):  # the ranks of an SP group report the same samples
@@ -100,7 +115,7 @@ def _check(name, launch, per_rank, long, tmp_path, steps=STEPS, split_work=True)
     ref = oracle.run_reference(cfg, want)
     oracle.assert_matches(ref, per_rank[0], name)
     if split_work:
-        oracle.assert_split_work(ref, per_rank, name)
+        oracle.assert_split_work(ref, per_rank, name, pooled=pool is not None)
         oracle.assert_moved(ref, name)
     return ref
 

@@ -2,7 +2,7 @@
 
 One 4-rank launch (ranks started once, the cases in a loop): the tiny LLaVA over 2 stages with
 AutoTP's layers over 2 TP ranks in each stage (pp2 x tp2), and with Ulysses over 2 SP ranks in
-each stage (pp2 x sp2), ZeRO-1, encoders on stage 0, 2 steps of 4 micro-batches each with
+each stage (pp2 x sp2), ZeRO-1, encoders "uniform", 2 steps of 4 micro-batches each with
 text-only rows among them. The oracle (`tests/oracle/`: one process, plain PyTorch, global
 batches built there) must match the losses (1e-6 relative), every step's reduced gradients (TP
 shards gathered whole) and the final parameters (relative to their update). Evidence each axis
@@ -51,10 +51,14 @@ def _train_ranks(rank, world, cases, out_dir):
 
 
 def _cases(tmp) -> dict:
-    """The quick tier's launch: pp2 x tp2 and pp2 x sp2 ("stage0", ZeRO-1), and their plants."""
+    """The quick tier's launch: pp2 x tp2 and pp2 x sp2 ("uniform", ZeRO-1), and their plants."""
     sources = [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]
-    honest = {"pp2_tp2": {"tp": 2, "zero": 1, "sources": sources, "steps": 2},
-              "pp2_sp2": {"sp": 2, "zero": 1, "sources": sources, "steps": 2}}
+    # "uniform": the encoders' placement composed with tp and with sp in the quick tier too
+    # (tests/unit/config/test_composition_coverage.py)
+    honest = {"pp2_tp2": {"tp": 2, "zero": 1, "sources": sources, "steps": 2,
+                          "placement": "uniform"},
+              "pp2_sp2": {"sp": 2, "zero": 1, "sources": sources, "steps": 2,
+                          "placement": "uniform"}}
     planted = {"pp_tp_grad_not_summed": "pp2_tp2", "pp_sp_wrong_peer": "pp2_sp2"}
     assert sorted(planted) == plants.for_launch("pp_composed")
     return {**honest, **{p: {**honest[base], "steps": 1, "plant": p}

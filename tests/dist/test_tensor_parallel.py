@@ -20,7 +20,8 @@ AutoTP's layers, each rank holds half of the MLP, and the encoders are whole; th
 group encode different items of their row (each some, together all of them; the rows
 all-gathered) and sum the encoders' gradients over TP (`_check_tp_encode`).
 
-On 4 ranks (slow tier, one launch): LLaVA and Qwen2-VL at tp2 x dp2 under ZeRO 1 and 2, LLaVA
+On 4 ranks (slow tier, one launch; `test_pairs_quick.py` trains tp x sp and tp x the pool a step
+each in the quick tier): LLaVA and Qwen2-VL at tp2 x dp2 under ZeRO 1 and 2, LLaVA
 also with the encoder pool (each TP
 rank pools over its data-parallel ranks; dp rank 0's rows hold every image, so items move), and
 tp x sp: tp2 x sp2 (dp=1; SP groups

@@ -1,8 +1,8 @@
 """Tensor parallelism beside the per-sequence SP degree (parallel.tp x parallel.max_sequence_sp)
 equals one process.
 
-One 4-rank launch (the slow tier's: the quick tier keeps tp and per-sequence SP apart, within
-its 12 minutes), ranks started once for every case: tp2 x dp2 with
+One 4-rank launch (the slow tier's: the quick tier's pairwise launch, `test_pairs_quick.py`,
+trains this case for 2 steps), ranks started once for every case: tp2 x dp2 with
 max_sequence_sp 2 (reorder group of the 2 data-parallel ranks). TP rank t's ranks are t and t + 2;
 a long sequence (more tokens than a micro-batch, an image inside) runs on a block of both
 data-parallel ranks OF ONE TP RANK (global ranks 0 and 2, and 1 and 3: its Ulysses all-to-alls
@@ -52,9 +52,13 @@ def launch(tmp_path_factory):
 
 def _check(name, launch, tmp_path) -> None:
     long, results = launch
-    steps = CASES[name]["steps"]
+    check_case(name, [r[name] for r in results], long, CASES[name]["steps"], tmp_path)
+
+
+def check_case(name, per_rank, long, steps, tmp_path) -> None:
+    """Case `name` (`per_rank`: each rank's result, `steps` trained) against the oracle, each
+    TP rank's slice's blocks, and AutoTP's layers on every rank."""
     cfg = _config(str(tmp_path / f"ref_{name}"), long)
-    per_rank = [r[name] for r in results]
     whole = {k: per_rank[0][k] for k in ("grads", "step_params", "params")}  # rank 0's only
     for t in range(TP):  # TP rank t's slice (ranks t, t + 2): blocks of its dp ranks
         ranks = per_rank[t::TP]

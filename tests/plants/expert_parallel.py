@@ -60,7 +60,7 @@ def _hf_experts_count_first_pick(rank: int):
        m, (args[0], args[1][:, :1], *args[2:]), kwargs))
 
 
-# ------------------------------- pp x ep and ep x tp (tests/dist/test_expert_parallel.py, "ep_pp")
+# ------------------------------------------ pp x ep (tests/dist/test_expert_parallel.py, "ep_pp")
 @plant("pp_ep_wrong_group_rank", "inside each pipeline stage's EP group the ranks' experts are "
        "swapped (EP rank r holds EP rank ep - 1 - r's experts): an expert's tokens reach the "
        "stage group's rank that holds another expert", "ep_pp")
@@ -90,3 +90,29 @@ def _pp_carry_backward_dropped(rank: int):
     from ds_omni.parallelize import pipeline_moe
     yield from patched(pipeline_moe, "run_gathered",
                        lambda f: lambda tensors, grads: f(tensors[:1], grads[:1]))
+
+
+# ---------- ep x tp, the fold's gradient corrections (tests/dist/test_expert_parallel.py, "ep_tp")
+@plant("ep_tp_experts_not_divided", "beside tp the experts' gradients are not divided by tp (the "
+       "folded all-gather's backward hands each rank tp x its assignments' gradient)", "ep_tp")
+def _ep_tp_experts_not_divided(rank: int):
+    from ds_omni.parallelize import expert_folding
+
+    def make(original):
+        def planted(layer, tp_group, tp):
+            original(layer, tp_group, tp)
+            for p in layer.experts.parameters():  # runs after the division: undoes it
+                p.register_hook(lambda grad: grad * tp)
+        return planted
+    yield from patched(expert_folding, "_correct_grads", make)
+
+
+@plant("ep_tp_router_not_averaged", "beside tp the router's gradient is not averaged over the TP "
+       "group: each TP rank keeps its own (its share of the assignments, tp x)", "ep_tp")
+def _ep_tp_router_not_averaged(rank: int):
+    from ds_omni.parallelize import expert_folding
+
+    def planted(layer, tp_group, tp):  # the experts' division alone
+        for p in layer.experts.parameters():
+            p.register_hook(lambda grad: grad / tp)
+    yield from patched(expert_folding, "_correct_grads", lambda f: planted)
