@@ -502,3 +502,31 @@ def test_tp2_x_sp2_x_dp2_encoder_pool_matches_single_process(eight_cases, eight_
 def test_plant_tp_sp_pool_is_caught(plant, eight_cases, eight_results, tmp_path):
     with pytest.raises(AssertionError, match="losses|grad of"):
         _check_tp_sp(plant, eight_cases[plant], eight_results, tmp_path, dp=2)
+
+
+@pytest.fixture(scope="module")
+def zero3_cases():
+    """Under ZeRO-3: tp=2 x dp=2 (each TP shard partitioned again over its TP rank's
+    data-parallel ranks, 0 with 2 and 1 with 3) and tp=2 x sp=2 (over its SP group)."""
+    return {"llava": {"stages": [3]}, "tp_sp_llava": {"stages": [3], "sp": 2}}
+
+
+@pytest.fixture(scope="module")
+def zero3_results(zero3_cases, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_zero3_runs")
+    return run_on_ranks(_train_ranks, 4, args=(zero3_cases, str(out)), timeout=900)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_tp2_x_dp2_zero3_matches_single_process(zero3_cases, zero3_results, tmp_path):
+    _check("llava", zero3_cases["llava"], zero3_results, tmp_path, dp=2)
+    _check_shards(zero3_results, "llava", 3)
+    _check_tp_encode(zero3_results, "llava", 3)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_tp2_x_sp2_zero3_matches_single_process(zero3_cases, zero3_results, tmp_path):
+    _check_tp_sp("tp_sp_llava", zero3_cases["tp_sp_llava"], zero3_results, tmp_path)
+    _check_shards(zero3_results, "tp_sp_llava", 3)

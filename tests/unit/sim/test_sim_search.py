@@ -123,8 +123,7 @@ def test_memory_with_tp_and_ep_by_hand():
 
 def test_tp_and_ep_rules_teach():
     m, c = small_vlm(), cluster("h100", 8, 8)
-    with pytest.raises(DsOmniError, match="ZeRO stages 0-2"):
-        simulate(c, m, text([100] * 8), SimPlan(tp=2, zero_stage=3, global_batch=8))
+    assert simulate(c, m, text([100] * 8), SimPlan(tp=2, zero_stage=3, global_batch=8)).fits
     twelve = dataclasses.replace(m, llm_heads=12)
     with pytest.raises(DsOmniError, match=r"parallel.tp=8 must divide the LLM's attention heads "
                                           r"\(12\); it can be one of \[1, 2, 3, 4, 6, 12\]"):
