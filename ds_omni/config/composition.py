@@ -203,10 +203,17 @@ RULES = (
     _composes("zero", "sp", "any stage; under ZeRO-3 zero_optimization.reduce_scatter stays true "
               "(ds_omni sets it: one gradient reduction path, whose scaling is known)"),
     _composes("zero", "max_sequence_sp", "any stage"),
-    _composes("tp", "zero", "any stage: ZeRO partitions and reduces over the ranks of one TP "
-              "rank (they hold the same shards); under ZeRO-3 each TP shard is partitioned "
-              "again over them, as DeepSpeed 0.19.8 supports (`engine."
-              "_configure_tensor_parallel_states`)"),
+    _refused("tp", "zero", "under ZeRO-3 DeepSpeed 0.19.8 partitions the parameters over the "
+             "mpu's data-parallel group (`DeepSpeedZeRoOffload._convert_to_zero_parameters`, "
+             "runtime/zero/parameter_offload.py), which under tp x sp holds one TP rank's dp "
+             "ranks, not the dp x sp ranks that hold its shards: the SP ranks' gradients are "
+             "never summed (tp2 x sp2 measured 25-40 % off one process)",
+             "set zero_optimization.stage to 1 or 2 beside tp x sp, or parallel.sp to 1",
+             refused=lambda s: s.zero == 3 and s.sp > 1, shows=("sp",),
+             when="ZeRO stage 3 and parallel.sp > 1",
+             note="ZeRO partitions and reduces over the ranks of one TP rank (they hold the same "
+             "shards); under ZeRO-3 each TP shard is partitioned again over them, as DeepSpeed "
+             "0.19.8 supports (`engine._configure_tensor_parallel_states`)"),
     _refused("pp", "zero", "DeepSpeed's pipeline engine runs ZeRO 0 or 1 only (it partitions "
              "the model itself)", "use ds_configs/zero1.json (zero_optimization.stage 0 or 1) or "
              "set parallel.pp to 1", refused=lambda s: s.zero in (2, 3), when="ZeRO stage 2 or 3"),

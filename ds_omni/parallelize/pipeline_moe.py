@@ -5,13 +5,12 @@ p summed over every MoE layer: `ds_omni.model.moe_aux`), so no stage can price i
 Each stage adds its layers' per-sample statistics to two tensors that travel with the hidden
 states (`AuxCarry`): the router probabilities' sums [n, E] (float, sent a gradient back like the
 hidden states) and the top-k picks with the tokens counted, [n, E + 1] (integers, no gradient).
-The last stage forms every sample's aux from the whole sums, as one process does, and adds
-coef x sum_s targets_s x aux_s to the micro-batch's loss; its backward reaches each stage's
-routers through the carried probabilities. Under parallel.sp a rank carries its shard's sums;
-the last stage adds them over the row's SP group first (as `moe_aux.sp_aux_sum` does). DeepSpeed runs a stage's backward as one
-`Tensor.backward` per floating output (the hidden states, then the probabilities): the second
-would walk the stage's graph below its routers (attention, embeddings, encoders) again;
-`one_backward` makes them one pass. More: docs/parallelism.md, "Pipeline parallelism".
+The last stage sums them over the row's SP group (parallel.sp: each rank carries its shard's),
+forms every sample's aux as one process does, and adds coef x sum_s targets_s x aux_s to the
+loss; its backward reaches each stage's routers through the carried probabilities. DeepSpeed
+runs a stage's backward as one `Tensor.backward` per floating output: the second would walk the
+stage's graph below its routers again; `one_backward` makes them one pass. More:
+docs/parallelism.md, "Pipeline parallelism".
 
 Dims: n samples of the row, E experts, T packed tokens.
 """

@@ -19,12 +19,14 @@ experts folded over the TP group: `ds_omni.parallelize.expert_folding`), checked
 6 column and 2 row layers and each TP pair splitting its rows' token-expert assignments; and
 pp2 x ep2 (dp2; each stage's experts over its two ranks, the aux statistics carried along the
 stages: `ds_omni.parallelize.pipeline_moe`), checked also for every stage adding each of its MoE
-layers' statistics for every micro-batch.
+layers' statistics for every micro-batch; pp2 x sp2 x ep2 (each stage's SP pair its EP group, the
+last stage summing the carried statistics over it); ep2 x tp2 under ZeRO-3.
 
 `test_plant_is_caught`: the checks fail when an expert's tokens are sent to the wrong rank, and
 when the auxiliary loss is dropped (`tests/plants/expert_parallel.py`), one step each;
 `test_plant_pp_ep_is_caught`: under pp2 x ep2, when a stage's EP ranks hold each other's experts
-and when the first stage's layers are left out of the aux loss.
+and when the first stage's layers are left out of the aux loss; `test_plant_pp_sp_ep_is_caught`:
+under pp2 x sp2 x ep2, when the last stage skips that SP sum.
 """
 
 import json

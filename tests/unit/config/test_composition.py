@@ -133,6 +133,15 @@ def test_experts_compose_with_tp_and_pp(tmp_path, parallel):
 LIFTED = {"tp x ZeRO-3": (dict(tp=2), 3), "ep x pp under sp": (dict(ep=2, pp=2, sp=2), 1)}
 
 
+def test_tp_under_zero3_is_refused_beside_sp_only():
+    """ZeRO-3 partitions over the mpu's data-parallel group (DeepSpeed's
+    `_convert_to_zero_parameters`), which under tp x sp leaves the SP ranks' gradients apart."""
+    check_composition(ParallelConfig(tp=2, encoder_pool="dp"), zero=3)
+    with pytest.raises(CompositionError, match="parallel.tp=2 cannot be combined with "
+                       "zero_optimization.stage=3 when parallel.sp=2: .*_convert_to_zero_param"):
+        check_composition(ParallelConfig(tp=2, sp=2), zero=3)
+
+
 @pytest.mark.parametrize("case", list(LIFTED))
 def test_lifted_refusals_plan(tmp_path, case):
     from ds_omni.train.setup import plan_run
