@@ -6,8 +6,9 @@
   every plan (its bound never drops a winner), simulating fewer; dropped plans carry reasons;
 - a planted error (the bound too tight) makes that comparison fail;
 - a 4,096-GPU search that explores every plan to the end and answers exactly what the search of
-  6c0bd48 answered (before its speed-ups: `fixtures/plan_search_4096_6c0bd48.json`; slow; its
-  CPU time is printed, a figure for benchmarks/plan_search_speed.py, not a timed assertion).
+  6c0bd48 answered (before its speed-ups: `fixtures/plan_search_4096_6c0bd48.json`, written
+  again when tp x ZeRO-3 composed: 132 plans more simulated or pruned, the top the same; slow;
+  its CPU time is printed, a figure for benchmarks/plan_search_speed.py, not a timed assertion).
 
 To write the fixture again (a change meant to move the answer): `PYTHONPATH=. python
 tests/unit/sim/test_sim_search.py` (about 60 s).
