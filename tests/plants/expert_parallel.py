@@ -79,7 +79,7 @@ def _pp_carry_backward_dropped(rank: int):
                        lambda f: lambda tensors, grads: f(tensors[:1], grads[:1]))
 
 
-# ------------------------------------- pp x sp x ep (tests/dist/test_expert_parallel.py, "ep_pp_sp")
+# ----------------------------------- pp x sp x ep (tests/dist/test_expert_parallel.py, "ep_pp_sp")
 @plant("pp_sp_aux_not_summed", "under pp x sp the last stage forms each sample's aux loss from "
        "its own SP shard's carried statistics (not summed over the row's SP group)", "ep_pp_sp")
 def _pp_sp_aux_not_summed(rank: int):
