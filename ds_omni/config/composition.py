@@ -207,10 +207,17 @@ RULES = (
     _composes("zero", "sp", "any stage; under ZeRO-3 zero_optimization.reduce_scatter stays true "
               "(ds_omni sets it: one gradient reduction path, whose scaling is known)"),
     _composes("zero", "max_sequence_sp", "any stage"),
-    _refused("tp", "zero", "AutoTP's sharding of the backbone runs with ZeRO stages 0-2 in this "
-             "version (ZeRO-3's partitioning of the sharded layers is untested)",
-             "use ds_configs/zero2.json (zero_optimization.stage 0-2), or parallel.tp=1 with "
-             "ZeRO-3", refused=lambda s: s.zero == 3, when="ZeRO stage 3"),
+    _refused("tp", "zero", "under ZeRO-3 DeepSpeed 0.19.8 partitions the parameters over the "
+             "mpu's data-parallel group (`DeepSpeedZeRoOffload._convert_to_zero_parameters`, "
+             "runtime/zero/parameter_offload.py), which under tp x sp holds one TP rank's dp "
+             "ranks, not the dp x sp ranks that hold its shards: the SP ranks' gradients are "
+             "never summed (tp2 x sp2 measured 25-40 % off one process)",
+             "set zero_optimization.stage to 1 or 2 beside tp x sp, or parallel.sp to 1",
+             refused=lambda s: s.zero == 3 and s.sp > 1, shows=("sp",),
+             when="ZeRO stage 3 and parallel.sp > 1",
+             note="ZeRO partitions and reduces over the ranks of one TP rank (they hold the same "
+             "shards); under ZeRO-3 each TP shard is partitioned again over them, as DeepSpeed "
+             "0.19.8 supports (`engine._configure_tensor_parallel_states`)"),
     _refused("pp", "zero", "DeepSpeed's pipeline engine runs ZeRO 0 or 1 only (it partitions "
              "the model itself)", "use ds_configs/zero1.json (zero_optimization.stage 0 or 1) or "
              "set parallel.pp to 1", refused=lambda s: s.zero in (2, 3), when="ZeRO stage 2 or 3"),
@@ -272,14 +279,11 @@ RULES = (
     _refused("encoder_pool", "pp", "the pool spreads the items of rows held by one rank or by an "
              "SP group, not by pipeline stages", "set encoder_pool to \"off\" (encoder_placement "
              "\"uniform\" balances the encoders over the stages) or parallel.pp to 1"),
-    _refused("ep", "pp", "the MoE aux statistics carried along the pipeline are a row's own: "
-             "under parallel.sp a stage would have to sum them over the row's SP ranks, which "
-             "this version does not", "set parallel.sp to 1 beside pp x ep",
-             refused=lambda s: s.sp > 1, shows=("sp",), when="parallel.sp > 1",
-             note="each stage's MoE blocks are AutoEP's with EP groups of ep consecutive ranks "
-             "of the stage's data-parallel ranks (ep divides them); every stage adds its layers' "
-             "per-sample router statistics to tensors that travel with the hidden states, and "
-             "the last stage forms HF's aux loss from the whole sums"),
+    _composes("ep", "pp", "each stage's MoE blocks are AutoEP's with EP groups of ep "
+              "consecutive ranks of the stage's dp x sp ranks (ep divides them); every stage "
+              "adds its layers' per-sample router statistics to tensors that travel with the "
+              "hidden states, and the last stage forms HF's aux loss from the whole sums (under "
+              "sp summed over the row's SP group first)"),
     _composes("encoder_placement", "encoder_pool", UNDER_PP),
     _composes("encoder_placement", "ep", UNDER_PP),
     _composes("encoder_pool", "ep"),

@@ -157,7 +157,8 @@ def pipeline_layers(model: OmniModel, step_inputs: StepInputs) -> list[nn.Module
         raise ModelError(f"{model.family.name}'s LLM lets some tokens attend both ways "
                          f"({model.family.bidirectional}), a mask the pipeline stages do not "
                          "carry yet; set parallel.pp to 1 (ZeRO and sequence parallelism keep it)")
-    step_inputs.aux_carry = AuxCarry(backbone.router_aux)
+    step_inputs.aux_carry = AuxCarry(  # the plan's router is attached after the stages
+        backbone.router_aux, lambda: getattr(getattr(model, "router", None), "sp_group", None))
     layers = [EmbedStage(model, step_inputs)]
     layers += [DecoderStage(model, i, step_inputs.aux_carry) for i in range(len(backbone.layers))]
     return layers + [HeadStage(model, step_inputs)]

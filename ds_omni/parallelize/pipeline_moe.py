@@ -5,12 +5,12 @@ p summed over every MoE layer: `ds_omni.model.moe_aux`), so no stage can price i
 Each stage adds its layers' per-sample statistics to two tensors that travel with the hidden
 states (`AuxCarry`): the router probabilities' sums [n, E] (float, sent a gradient back like the
 hidden states) and the top-k picks with the tokens counted, [n, E + 1] (integers, no gradient).
-The last stage forms every sample's aux from the whole sums, as one process does, and adds
-coef x sum_s targets_s x aux_s to the micro-batch's loss; its backward reaches each stage's
-routers through the carried probabilities. DeepSpeed runs a stage's backward as one
-`Tensor.backward` per floating output (the hidden states, then the probabilities): the second
-would walk the stage's graph below its routers (attention, embeddings, encoders) again;
-`one_backward` makes them one pass. More: docs/parallelism.md, "Pipeline parallelism".
+The last stage sums them over the row's SP group (parallel.sp: each rank carries its shard's),
+forms every sample's aux as one process does, and adds coef x sum_s targets_s x aux_s to the
+loss; its backward reaches each stage's routers through the carried probabilities. DeepSpeed
+runs a stage's backward as one `Tensor.backward` per floating output: the second would walk the
+stage's graph below its routers again; `one_backward` makes them one pass. More:
+docs/parallelism.md, "Pipeline parallelism".
 
 Dims: n samples of the row, E experts, T packed tokens.
 """
@@ -66,9 +66,16 @@ class AuxCarry:
     carried); `layers_added` counts the MoE layers' statistics this rank's stages added (the
     tests' proof that every stage's layers reached the loss)."""
 
-    def __init__(self, aux: RouterAux | None):
+    def __init__(self, aux: RouterAux | None, sp_group=lambda: None):
         self.aux = aux
+        self.sp_group = sp_group  # () -> the SP group every row is split over, or None
         self.layers_added = 0
+        self.sp_sums = 0  # rows whose statistics the last stage summed over the SP group
+
+    def _offset(self, shard: int) -> int:
+        """This rank's first position in its row (SP rank x shard length; 0 unsplit)."""
+        group = self.sp_group()
+        return 0 if group is None else torch.distributed.get_rank(group) * shard
 
     def start(self, cu_seqlens: torch.Tensor, device) -> tuple[torch.Tensor, ...]:
         """The first stage's empty statistics for a row with bounds `cu_seqlens` [n + 1]: ()
@@ -104,24 +111,43 @@ class AuxCarry:
         probs, counts = carry
         bounds = cu_seqlens.cpu()
         untrained = torch.full((1, logits.shape[0]), IGNORE_INDEX)  # the last stage counts those
-        stats = shard_stats(self.aux, [logits], bounds, untrained, offset=0)
+        stats = shard_stats(self.aux, [logits], bounds, untrained,
+                            offset=self._offset(logits.shape[0]))
         self.layers_added += 1
         picked = torch.cat([stats.picks, stats.tokens.unsqueeze(1)], dim=1)  # [n, E + 1]
         return [probs + stats.probs, counts + picked.round().long()]
 
     def loss(self, carry: tuple, cu_seqlens: torch.Tensor, targets: torch.Tensor):
         """coef x sum_s targets_s x aux_s of the row from the whole `carry` (0 without one);
-        `targets` [1, T] the row's, on the host."""
+        `targets` [1, T] this rank's, on the host. Under SP, every rank's sums are added over
+        the group (the probabilities by an all-reduce autograd sees) and each rank returns
+        1 / sp of the row's aux, so the group's loss sums count it once."""
         if not carry:
             return 0.0
         probs, counts = carry
         experts = self.aux.num_experts
         bounds = cu_seqlens.cpu()
-        sample = torch.searchsorted(bounds[1:].long(), torch.arange(targets.shape[1]),
+        offset = self._offset(targets.shape[1])
+        sample = torch.searchsorted(bounds[1:].long(),
+                                    torch.arange(offset, offset + targets.shape[1]),
                                     right=True)  # [T]
         trained = torch.bincount(sample, weights=(targets[0] >= 0).double(),
-                                 minlength=bounds.numel() - 1)  # [n]
+                                 minlength=bounds.numel() - 1).to(probs.device, probs.dtype)  # [n]
+        group, size = self.sp_group(), 1
+        if group is not None:
+            probs, counts, trained = sum_over(group, probs, counts, trained)
+            size = torch.distributed.get_world_size(group)
+            self.sp_sums += 1
         stats = SampleStats(probs=probs, picks=counts[:, :experts].to(probs.dtype),
-                            tokens=counts[:, experts].to(probs.dtype),
-                            targets=trained.to(probs.device, probs.dtype))
-        return self.aux.coef * aux_from_stats(self.aux, stats)
+                            tokens=counts[:, experts].to(probs.dtype), targets=trained)
+        return self.aux.coef * aux_from_stats(self.aux, stats) / size
+
+
+def sum_over(group, probs: torch.Tensor, counts: torch.Tensor, trained: torch.Tensor):
+    """(probs, counts, trained) summed over `group`: the probabilities by an all-reduce that
+    autograd sees (its backward sums the ranks' gradients), the rest as they are."""
+    from torch.distributed.nn.functional import all_reduce
+    counts, trained = counts.clone(), trained.clone()
+    torch.distributed.all_reduce(counts, group=group)
+    torch.distributed.all_reduce(trained, group=group)
+    return all_reduce(probs, group=group), counts, trained

@@ -20,14 +20,16 @@ experts folded over the TP group: `ds_omni.parallelize.expert_folding`), checked
 6 column and 2 row layers and each TP pair splitting its rows' token-expert assignments; and
 pp2 x ep2 (dp2; each stage's experts over its two ranks, the aux statistics carried along the
 stages: `ds_omni.parallelize.pipeline_moe`), checked also for every stage adding each of its MoE
-layers' statistics for every micro-batch.
+layers' statistics for every micro-batch; pp2 x sp2 x ep2 (each stage's SP pair its EP group, the
+last stage summing the carried statistics over it); ep2 x tp2 under ZeRO-3.
 
 `test_plant_is_caught`: the checks fail when an expert's tokens are sent to the wrong rank, and
 when the auxiliary loss is dropped (`tests/plants/expert_parallel.py`), one step each;
 `test_plant_pp_ep_is_caught`: under pp2 x ep2, when a stage's EP ranks hold each other's experts
 and when the first stage's layers are left out of the aux loss; `test_plant_ep_tp_is_caught`:
 under ep2 x tp2, when the experts' gradients are not divided by tp or the router's not averaged
-over TP.
+over TP; `test_plant_pp_sp_ep_is_caught`: under pp2 x sp2 x ep2, when the last stage skips that
+SP sum.
 """
 
 import json
@@ -56,7 +58,8 @@ MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
 LAUNCHES = {"ep2": (2, [1], "ep"), "ep2_zero2": (2, [2], None), "ep2_dp2": (4, [1, 2], None),
             "ep2_qwen3_vl_moe": (2, [2], None), "ep2_zero3": (2, [3], None),
             "ep2_shared_experts": (2, [2], None), "ep2_tp2": (4, [1], "ep_tp"),
-            "pp2_ep2": (4, [1], "ep_pp")}
+            "ep2_tp2_zero3": (4, [3], None),
+            "pp2_ep2": (4, [1], "ep_pp"), "pp2_sp2_ep2": (4, [1], "ep_pp_sp")}
 # Qwen3.5-MoE's block: the routed experts and a shared expert behind a sigmoid gate, which
 # AutoEP keeps whole (as `shared_experts` / `shared_experts_gate`, HF's names in the oracle)
 SHARED_MOE = {**MOE, "model_type": "qwen3_5_moe_text", "shared_expert_intermediate_size": 32,
@@ -66,12 +69,15 @@ LLMS = {"ep2_shared_experts": SHARED_MOE}  # a launch's LLM other than MOE
 # (`ds_omni.parallelize.expert_folding`): EP groups [0, 1], [2, 3], the attention over TP
 # pp2 x ep2 (dp2): stage 0 on ranks 0, 1 and stage 1 on 2, 3, each stage's experts over its two
 # ranks, the aux statistics carried from stage to stage (`ds_omni.parallelize.pipeline_moe`)
-DEGREES = {"ep2_tp2": {"tp": 2}, "pp2_ep2": {"pp": 2}}
+# pp2 x sp2 x ep2 (dp1): each stage's two ranks are its SP group and its EP group; the last
+# stage sums the carried aux statistics over its SP group
+DEGREES = {"ep2_tp2": {"tp": 2}, "ep2_tp2_zero3": {"tp": 2}, "pp2_ep2": {"pp": 2},
+           "pp2_sp2_ep2": {"pp": 2, "sp": 2}}
 RESUMED = "ep2_zero2"  # saves before its last step, resumes, reruns it; its checkpoint exported
 PLANTED = {"ep_wrong_rank": "losses", "aux_loss_dropped": "losses",
            "pp_ep_wrong_group_rank": "losses", "pp_stage_aux_dropped": "losses",
            "pp_carry_backward_dropped": "grad of", "ep_tp_experts_not_divided": "grad of",
-           "ep_tp_router_not_averaged": "grad of"}
+           "ep_tp_router_not_averaged": "grad of", "pp_sp_aux_not_summed": "losses"}
 
 
 def make_config(out_dir: str, ep: int, model_dir: str | None = None, llm: dict | None = None,
@@ -114,7 +120,8 @@ def hf_layout(seen: dict):
         layers = autoep_layers(engine.module)
         carry = getattr(getattr(engine.module, "step_inputs", None), "aux_carry", None)
         seen.update(autoep_layers=len(layers), micro=engine.gradient_accumulation_steps(),
-                    aux_layers_added=carry.layers_added if carry is not None else None)
+                    aux_layers_added=carry.layers_added if carry is not None else None,
+                    aux_sp_sums=carry.sp_sums if carry is not None else None)
         seen["fold"] = fold_counts(engine.module)
         routed = sum(float(m.tokens_per_expert.sum()) for m in layers.values())
         seen["routed"] = max(seen.get("routed", 0), routed)
@@ -210,6 +217,7 @@ def _check(name, per_rank, dp, tmp_path, steps=STEPS, model_dir=None, llm=None, 
         f"{sorted(missing)} missing"
     oracle.assert_matches(ref, got, name)
     oracle.assert_moved(ref, name)
+    return ref
 
 
 @pytest.mark.dist
@@ -220,6 +228,7 @@ def _check(name, per_rank, dp, tmp_path, steps=STEPS, model_dir=None, llm=None, 
                                     pytest.param("ep2_zero3", marks=pytest.mark.slow),
                                     pytest.param("ep2_shared_experts", marks=pytest.mark.slow),
                                     pytest.param("ep2_tp2", marks=pytest.mark.slow),
+                                    pytest.param("ep2_tp2_zero3", marks=pytest.mark.slow),
                                     pytest.param("pp2_ep2", marks=pytest.mark.slow)])
 def test_expert_parallel_matches_single_process(launch, launches, tmp_path):
     results, model_dir = launches(launch)
@@ -314,7 +323,8 @@ def _check_resume_and_export(got: dict, tmp_path) -> None:
 
 def test_every_ep_plant_has_a_case():
     assert sorted(PLANTED) == sorted(plants.for_launch("ep") + plants.for_launch("ep_pp")
-                                     + plants.for_launch("ep_tp"))
+                                     + plants.for_launch("ep_tp")
+                                     + plants.for_launch("ep_pp_sp"))
 
 
 @pytest.mark.dist
@@ -347,3 +357,43 @@ def test_plant_ep_tp_is_caught(plant, launches, tmp_path):
     per_rank = [r[f"plant-{plant}"] for r in launches("ep2_tp2")[0]]
     with pytest.raises(AssertionError, match=PLANTED[plant]):
         _check_one(plant, per_rank, tmp_path, dp=2, tp=2, steps=1)
+
+
+def _check_pp_sp(name: str, per_rank: list[dict], tmp_path, steps: int = STEPS):
+    """pp2 x sp2 x ep2 (ranks 0, 1 stage 0; 2, 3 stage 1; each stage's pair its SP and EP
+    group) against the oracle: the SP ranks read the same rows (dp 1), SP rank 0 of each stage
+    holds the stage's gradients and parameters."""
+    got = oracle.merge_stages(per_rank[::2])
+    return _check(name, per_rank[:2], 1, tmp_path, steps, readers=2, got=got)
+
+
+@pytest.mark.dist
+@pytest.mark.slow  # a 4-rank launch
+def test_pp2_sp2_ep2_matches_single_process(launches, tmp_path):
+    """pp x ep x sp: exact against one process; each stage's MoE blocks are AutoEP's with
+    tokens routed on every rank, every stage added its layers' statistics for every
+    micro-batch, the last stage's ranks summed them over their SP group once a micro-batch
+    (the first stage's never), and Ulysses split each stage's rows (`_check_sp_ran`)."""
+    from ds_omni.parallel.plan import ParallelPlan
+    from tests.dist.test_pipeline_composed import _check_sp_ran
+    per_rank = [r["zero1"] for r in launches("pp2_sp2_ep2")[0]]
+    ref = _check_pp_sp("pp2_sp2_ep2", per_rank, tmp_path)
+    _check_carried(per_rank, 2)
+    assert all(r["seen"]["routed"] > 0 for r in per_rank), [r["seen"] for r in per_rank]
+    sums = [r["seen"]["aux_sp_sums"] for r in per_rank]
+    micro = per_rank[0]["seen"]["micro"]
+    assert sums == [0, 0, micro * STEPS, micro * STEPS], sums
+    cfg = make_config(str(tmp_path / "plan"), 2, degrees=DEGREES["pp2_sp2_ep2"])
+    plan = ParallelPlan.from_config(cfg.parallel, 4, cfg.data.reorder)
+    _check_sp_ran("zero1", [{"zero1": r} for r in per_rank], plan, ref)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("plant", plants.for_launch("ep_pp_sp"))
+def test_plant_pp_sp_ep_is_caught(plant, launches, tmp_path):
+    """pp2 x sp2 x ep2: the oracle fails when the last stage forms the aux loss from its own
+    SP shard's statistics (not summed over the row's SP group)."""
+    per_rank = [r[f"plant-{plant}"] for r in launches("pp2_sp2_ep2")[0]]
+    with pytest.raises(AssertionError, match=PLANTED[plant]):
+        _check_pp_sp(plant, per_rank, tmp_path, steps=1)

@@ -32,6 +32,9 @@ row, each SP group's ranks on different shards, each target trained once per TP 
 `oracle.assert_split_work` over the ranks of one TP rank). `test_plant_tp_sp_is_caught`: ZeRO's
 sequence x data group built across the TP ranks (as without tp) is caught.
 
+Under ZeRO-3 (slow tier, 4 ranks): LLaVA at tp2 x dp2, each TP shard partitioned again over its
+TP rank's data-parallel ranks (DeepSpeed 0.19.8 supports AutoTP with ZeRO-3).
+
 On 8 ranks (slow tier, one launch): all three axes, tp2 x sp2 x dp2 (two data-parallel groups
 of 4 ranks, TP innermost, then SP), LLaVA under ZeRO-2, checked the same way.
 
@@ -503,3 +506,25 @@ def test_tp2_x_sp2_x_dp2_encoder_pool_matches_single_process(eight_cases, eight_
 def test_plant_tp_sp_pool_is_caught(plant, eight_cases, eight_results, tmp_path):
     with pytest.raises(AssertionError, match="losses|grad of"):
         _check_tp_sp(plant, eight_cases[plant], eight_results, tmp_path, dp=2)
+
+
+@pytest.fixture(scope="module")
+def zero3_cases():
+    """tp=2 x dp=2 under ZeRO-3: each TP shard partitioned again over its TP rank's
+    data-parallel ranks (0 with 2, 1 with 3). (tp x sp under ZeRO-3 is refused: the
+    composition table says why.)"""
+    return {"llava": {"stages": [3]}}
+
+
+@pytest.fixture(scope="module")
+def zero3_results(zero3_cases, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_zero3_runs")
+    return run_on_ranks(_train_ranks, 4, args=(zero3_cases, str(out)), timeout=900)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_tp2_x_dp2_zero3_matches_single_process(zero3_cases, zero3_results, tmp_path):
+    _check("llava", zero3_cases["llava"], zero3_results, tmp_path, dp=2)
+    _check_shards(zero3_results, "llava", 3)
+    _check_tp_encode(zero3_results, "llava", 3)

@@ -7,7 +7,7 @@ max_sequence_sp 2 (reorder group of the 2 data-parallel ranks). TP rank t's rank
 a long sequence (more tokens than a micro-batch, an image inside) runs on a block of both
 data-parallel ranks OF ONE TP RANK (global ranks 0 and 2, and 1 and 3: its Ulysses all-to-alls
 never mix TP shards), its image resharded inside the block; the other rows run whole, each TP
-group splitting their items (`tp_encoders`). LLaVA under ZeRO-1, 3 steps, against the oracle
+group splitting their items (`tp_encoders`). LLaVA under ZeRO-1 and 3, 3 steps, against the oracle
 (`tests/oracle/`: loss, every step's gradients with the TP shards gathered whole, parameters);
 and the mechanisms shown to run: AutoTP's layers, blocks with items on every TP rank's slice
 (`check_per_sequence` per slice: each target once, different shards, Ulysses calls), the TP
@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 STEPS, TP, DP = 3, 2, 2
 CASES = {"tp_msp_llava": {"stage": 1, "steps": STEPS},
+         "tp_msp_llava_zero3": {"stage": 3, "steps": STEPS},
          **{p: {"stage": 1, "steps": 1, "plant": p} for p in plants.for_launch("tp_msp")}}
 
 
@@ -86,6 +87,13 @@ def _check_tp_encode(per_rank) -> None:
 def test_tp_x_max_sequence_sp_matches_single_process(launch, tmp_path):
     _check("tp_msp_llava", launch, tmp_path)
     _check_tp_encode([r["tp_msp_llava"] for r in launch[1]])
+
+
+@pytest.mark.dist
+def test_tp_x_max_sequence_sp_zero3_matches_single_process(launch, tmp_path):
+    """The same under ZeRO-3: each TP shard partitioned over its TP rank's dp ranks, which
+    hold every block of that TP rank."""
+    _check("tp_msp_llava_zero3", launch, tmp_path)
 
 
 @pytest.mark.dist

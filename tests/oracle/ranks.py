@@ -125,7 +125,8 @@ def _record_mechanisms(engine, built, plan, loader, out: dict) -> None:
     tp_counts = getattr(engine.module, "tp_counts", None)  # parallel.tp: AutoTP's layers
     if tp_counts is not None:
         out["tp_counts"] = dataclasses.asdict(tp_counts)
-        out["local_shapes"] = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
+        out["local_shapes"] = {n: tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3: unpartitioned
+                                for n, p in engine.module.named_parameters()}
         out["layer_windows"] = [getattr(getattr(layer, "self_attn", None), "sliding_window", None)
                                 for layer in built.model.backbone.layers]  # None: full
     router = router_of(engine.module)

@@ -116,3 +116,12 @@ def _ep_tp_router_not_averaged(rank: int):
         for p in layer.experts.parameters():
             p.register_hook(lambda grad: grad / tp)
     yield from patched(expert_folding, "_correct_grads", lambda f: planted)
+
+
+# ----------------------------------- pp x sp x ep (tests/dist/test_expert_parallel.py, "ep_pp_sp")
+@plant("pp_sp_aux_not_summed", "under pp x sp the last stage forms each sample's aux loss from "
+       "its own SP shard's carried statistics (not summed over the row's SP group)", "ep_pp_sp")
+def _pp_sp_aux_not_summed(rank: int):
+    from ds_omni.parallelize import pipeline_moe
+    yield from patched(pipeline_moe, "sum_over",
+                       lambda f: lambda group, probs, counts, trained: (probs, counts, trained))

@@ -62,18 +62,12 @@ OLD_REFUSALS = {
     "parallel/plan.py: ep x tp under sp": (  # ep x tp composes since issue 37, not with sp
         dict(ep=2, tp=2, sp=2), 1, False, 8,
         ("parallel.ep=2", "parallel.tp=2", "when parallel.sp=2"), "set parallel.sp and"),
-    "parallel/plan.py: ep x pp under sp": (  # ep x pp composes since issue 37, not with sp
-        dict(ep=2, pp=2, sp=2), 1, False, 8,
-        ("parallel.ep=2", "parallel.pp=2", "when parallel.sp=2"), "set parallel.sp to 1"),
     "parallelize/pipeline.py, sim/plan_spec.py: pp x ZeRO-2": (
         dict(pp=2), 2, False, 2, ("parallel.pp=2", "zero_optimization.stage=2"),
         "ds_configs/zero1.json"),
     "parallelize/pipeline.py, sim/plan_spec.py: pp x ZeRO-3": (
         dict(pp=2), 3, False, 2, ("parallel.pp=2", "zero_optimization.stage=3"),
         "ds_configs/zero1.json"),
-    "train/ds_config.py, sim/plan_spec.py: tp x ZeRO-3": (
-        dict(tp=2), 3, False, 2, ("parallel.tp=2", "zero_optimization.stage=3"),
-        "ds_configs/zero2.json"),
     "train/ds_config.py, sim/plan_spec.py: ep x sp under ZeRO-0": (
         dict(ep=2, sp=2), 0, False, 4,
         ("parallel.ep=2", "parallel.sp=2", "when zero_optimization.stage=0"),
@@ -138,6 +132,7 @@ def test_experts_compose_with_tp_and_pp(tmp_path, parallel):
     assert ("expert_parallel" in ds) == (not plan.tp_enabled)
 
 
+<<<<<<< HEAD
 @pytest.mark.parametrize("parallel", [dict(tp=2, cp=2), dict(ep=2, cp=2)])
 def test_the_ring_composes_with_tp_and_ep(tmp_path, parallel):
     """tp x cp (rings inside one TP rank's sequence ranks) and ep x cp (an MoE LLM's aux summed
@@ -147,6 +142,29 @@ def test_the_ring_composes_with_tp_and_ep(tmp_path, parallel):
     plan, _ = plan_run(_config(tmp_path, parallel, False), ds_config(1), 4)
     assert plan.cp_group_ranks() == ([[0, 2], [1, 3]] if plan.tp_enabled else [[0, 1], [2, 3]])
     assert plan.ep == parallel.get("ep", 1)
+=======
+# Refused before, composing since: tp x ZeRO-3 (tests/dist/test_tensor_parallel.py, tp2 x dp2
+# under ZeRO-3) and ep x pp under sp (tests/dist/test_expert_parallel.py, pp2 x sp2 x ep2)
+LIFTED = {"tp x ZeRO-3": (dict(tp=2), 3), "ep x pp under sp": (dict(ep=2, pp=2, sp=2), 1)}
+
+
+def test_tp_under_zero3_is_refused_beside_sp_only():
+    """ZeRO-3 partitions over the mpu's data-parallel group (DeepSpeed's
+    `_convert_to_zero_parameters`), which under tp x sp leaves the SP ranks' gradients apart."""
+    check_composition(ParallelConfig(tp=2, encoder_pool="dp"), zero=3)
+    with pytest.raises(CompositionError, match="parallel.tp=2 cannot be combined with "
+                       "zero_optimization.stage=3 when parallel.sp=2: .*_convert_to_zero_param"):
+        check_composition(ParallelConfig(tp=2, sp=2), zero=3)
+
+
+@pytest.mark.parametrize("case", list(LIFTED))
+def test_lifted_refusals_plan(tmp_path, case):
+    from ds_omni.train.setup import plan_run
+    parallel, zero = LIFTED[case]
+    plan, _ = plan_run(_config(tmp_path, parallel, False), ds_config(zero), 4)
+    if plan.ep > 1:  # each stage's EP group is its SP group
+        assert plan.ep_group_ranks() == plan.sp_group_ranks() == [[0, 1], [2, 3]]
+>>>>>>> h37epz3
 
 
 def test_an_ep_that_does_not_divide_a_stage_or_the_experts_is_refused(tmp_path):
@@ -164,7 +182,7 @@ def test_an_ep_that_does_not_divide_a_stage_or_the_experts_is_refused(tmp_path):
         plan_run(cfg, ds_config(1), 6)
 
 
-@pytest.mark.parametrize("parallel,zero", [({"pp": 2, "sp": 2}, 2), ({"tp": 2}, 3)])
+@pytest.mark.parametrize("parallel,zero", [({"pp": 2, "sp": 2}, 2), ({"pp": 2}, 3)])
 def test_train_refuses_before_the_process_group_and_the_model(tmp_path, capsys, monkeypatch,
                                                               parallel, zero):
     """`ds-omni train` stops at the table: the process group, the model and DeepSpeed are never
