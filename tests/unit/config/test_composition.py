@@ -132,7 +132,6 @@ def test_experts_compose_with_tp_and_pp(tmp_path, parallel):
     assert ("expert_parallel" in ds) == (not plan.tp_enabled)
 
 
-<<<<<<< HEAD
 @pytest.mark.parametrize("parallel", [dict(tp=2, cp=2), dict(ep=2, cp=2)])
 def test_the_ring_composes_with_tp_and_ep(tmp_path, parallel):
     """tp x cp (rings inside one TP rank's sequence ranks) and ep x cp (an MoE LLM's aux summed
@@ -142,7 +141,8 @@ def test_the_ring_composes_with_tp_and_ep(tmp_path, parallel):
     plan, _ = plan_run(_config(tmp_path, parallel, False), ds_config(1), 4)
     assert plan.cp_group_ranks() == ([[0, 2], [1, 3]] if plan.tp_enabled else [[0, 1], [2, 3]])
     assert plan.ep == parallel.get("ep", 1)
-=======
+
+
 # Refused before, composing since: tp x ZeRO-3 (tests/dist/test_tensor_parallel.py, tp2 x dp2
 # under ZeRO-3) and ep x pp under sp (tests/dist/test_expert_parallel.py, pp2 x sp2 x ep2)
 LIFTED = {"tp x ZeRO-3": (dict(tp=2), 3), "ep x pp under sp": (dict(ep=2, pp=2, sp=2), 1)}
@@ -164,7 +164,6 @@ def test_lifted_refusals_plan(tmp_path, case):
     plan, _ = plan_run(_config(tmp_path, parallel, False), ds_config(zero), 4)
     if plan.ep > 1:  # each stage's EP group is its SP group
         assert plan.ep_group_ranks() == plan.sp_group_ranks() == [[0, 1], [2, 3]]
->>>>>>> h37epz3
 
 
 def test_an_ep_that_does_not_divide_a_stage_or_the_experts_is_refused(tmp_path):
