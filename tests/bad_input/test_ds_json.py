@@ -43,9 +43,9 @@ DS_CASES = {  # name: (DeepSpeed JSON, ds_omni train fields, env WORLD_SIZE, wor
                                "train.warmup_steps >= 1"]),
     "autotp_in_deepspeed": (_ds(tensor_parallel={"autotp_size": 2}), {}, None,
                             ["tensor_parallel.autotp_size=2", "set parallel.tp"]),
-    "tp_with_zero3": (_ds(zero_optimization__stage=3), {"parallel": {"tp": 2}}, "2",
-                      ["parallel.tp=2 cannot be combined with zero_optimization.stage=3",
-                       "zero2.json"]),
+    "tp_sp_with_zero3": (_ds(zero_optimization__stage=3), {"parallel": {"tp": 2, "sp": 2}}, "4",
+                         ["parallel.tp=2 cannot be combined with zero_optimization.stage=3 "
+                          "when parallel.sp=2", "zero_optimization.stage to 1 or 2"]),
     "sp_zero3_reduce_scatter_off": (
         _ds(zero_optimization={"stage": 3, "reduce_scatter": False}), {"parallel": {"sp": 2}},
         "2", ["reduce_scatter=false", "set it to true"]),

@@ -188,15 +188,14 @@ def test_ep_with_sequence_parallelism_draws_ep_from_the_sp_x_dp_ranks(tmp_path):
 
 def test_ep_with_pipeline_draws_ep_inside_each_stage(tmp_path):
     """pp x ep: the EP groups are drawn inside each stage's data-parallel ranks, and AutoEP finds
-    the MoE blocks by the names a pipeline stage gives them; not with sp (its aux statistics
-    would have to be summed over the row's SP ranks)."""
+    the MoE blocks by the names a pipeline stage gives them; under sp too, each stage's EP group
+    drawn from its dp x sp ranks (the aux statistics summed over the row's SP ranks)."""
     plan, ds = _plan(tmp_path, 8, ep=2, pp=2)
     assert plan.ep_group_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert plan.expert_data_group_ranks() == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert ds["expert_parallel"]["moe_layer_pattern"] == r"\d+\.layer\.mlp"
-    with pytest.raises(ConfigError, match="parallel.ep=2 cannot be combined with parallel.pp=2 "
-                                          "when parallel.sp=2"):
-        _plan(tmp_path, 8, ep=2, pp=2, sp=2)
+    plan, _ = _plan(tmp_path, 8, ep=2, pp=2, sp=2)
+    assert plan.ep_group_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
 def test_ep_with_tensor_parallelism_shards_the_attention_and_folds_the_experts(tmp_path):

@@ -43,7 +43,6 @@ def test_the_loaders_unit_is_the_tp_group():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"tp": 0}, r"parallel.tp must be >= 1"),
-    ({"tp": 2, "cp": 2}, r"parallel.tp=2 cannot be combined with parallel.cp=2"),
 ])
 def test_bad_tp_config_is_refused(kwargs, match):
     with pytest.raises(ConfigError, match=match):
@@ -55,6 +54,7 @@ def test_tp_composes_with_sp_and_with_the_pool():
     ParallelConfig(tp=2, encoder_pool="dp")
     ParallelConfig(tp=2, sp=2, encoder_pool="dp")  # each TP rank pools over its dp x sp ranks
     ParallelConfig(tp=2, max_sequence_sp=2)  # blocks over the dp ranks of one TP rank
+    ParallelConfig(tp=2, cp=2)  # each ring inside the sequence ranks of one TP rank
 
 
 def test_world_size_must_fit_tp():
@@ -113,13 +113,17 @@ def test_a_family_autotp_cannot_shard_is_refused():
         check_tensor_parallel(lfm2, 2, "model.llm")  # its plan names the embedding alone
 
 
-def test_zero3_and_engine_autotp_are_refused(tmp_path):
+def test_zero3_beside_sp_and_engine_autotp_are_refused(tmp_path):
     from tests.fixtures import ds_config, tiny_config
     from ds_omni.train.setup import plan_run
     cfg = tiny_config(str(tmp_path))
     cfg.parallel = ParallelConfig(tp=2)
-    with pytest.raises(ConfigError, match=r"parallel.tp=2 cannot be combined with zero_optimization.stage=3"):
-        plan_run(cfg, ds_config(3), 2)
+    plan_run(cfg, ds_config(3), 2)  # AutoTP under ZeRO-3 (refused beside sp alone)
+    cfg.parallel = ParallelConfig(tp=2, sp=2)
+    with pytest.raises(ConfigError, match=r"parallel.tp=2 cannot be combined with "
+                       r"zero_optimization.stage=3 when parallel.sp=2"):
+        plan_run(cfg, ds_config(3), 4)
+    cfg.parallel = ParallelConfig(tp=2)
     with pytest.raises(ConfigError, match=r"tensor_parallel.autotp_size"):
         plan_run(cfg, {**ds_config(2), "tensor_parallel": {"autotp_size": 2}}, 2)
     plan, ds = plan_run(cfg, ds_config(2), 4)
