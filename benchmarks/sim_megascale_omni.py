@@ -76,8 +76,6 @@ AVERAGE_MIX = "5:5"
 """The mix the as-run baselines are sized for (once), and the full-space search runs on."""
 SEARCH_S = 30.0
 """Seconds the full-space search may take per setup (the best found when it runs out)."""
-AS_RUN_TP_PP = [(tp, pp) for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8)]
-"""Megatron-LM's fixed tp x pp: the one of these fastest on the average mix, kept for all."""
 
 
 def full_space(model):
@@ -109,7 +107,8 @@ def as_run_plans(avg: sim_common.Search, grid: list[SimPlan]) -> dict:
     fitting: why (`sim_common.brief`: the least peak memory any of them needed)."""
     share = baselines.encoder_share(avg.model, avg.samples)
     base = grid[0].replace(zero_stage=1)
-    megatron = avg.best(_built(lambda d: baselines.megatron_as_run(base, *d), AS_RUN_TP_PP))
+    megatron = avg.best(_built(lambda d: baselines.megatron_as_run(base, *d),
+                             baselines.AS_RUN_TP_PP))
     disagg = avg.best(_built(
         lambda p: baselines.disaggregated_as_run(p, avg.cluster.gpus, share), grid))
     return {name: (plan, None if plan else sim_common.brief(None, report))

@@ -153,7 +153,8 @@ def compare(cluster, model, workload, plan: SimPlan, seed: int = 0) -> dict:
 
 
 AS_RUN_TP_PP = tuple((tp, pp) for tp in (1, 2, 4, 8) for pp in (1, 2, 4, 8))
-"""Megatron-LM's fixed tp x pp: the fastest of these (benchmarks/sim_megascale_omni.py's too)."""
+"""Megatron-LM's fixed tp x pp: the fastest of these (on the papers' average mix in
+benchmarks/sim_megascale_omni.py), kept for every mix."""
 
 
 def as_run(cluster, model, samples: Samples, plan: SimPlan, context: int,
