@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ds_omni.sim.published import ordered_pairs, reproduce  # noqa: E402
+from ds_omni.sim.published import misordered, ordered_pairs, reproduce  # noqa: E402
 
 RUNS = REPO / "benchmarks" / "published_runs.json"
 # DS_OMNI_BENCH_RESULTS: another folder (run_all.py's quick runs go to results/quick)
@@ -41,11 +41,22 @@ def summarise(result: dict) -> dict:
         errs = [abs(r["error"]) for r in val if r["source"] == s]
         by_source[s] = {"median_abs_error": statistics.median(errs), "max_abs_error": max(errs),
                         "ordered_pairs": a, "pairs": t}
-    return {"validation_runs": len(val), "calibration_runs": len(result["runs"]) - len(val),
+    return {"misordered": [[_pair_row(r) for r in pair] for pair in misordered(result["runs"])],
+            "validation_runs": len(val), "calibration_runs": len(result["runs"]) - len(val),
             "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
             "ordered_pairs": agree, "pairs": total, "order_agreement": agree / total,
             "sources": by_source, "gpus": [min(r["gpus"] for r in result["runs"]),
                                            max(r["gpus"] for r in result["runs"])]}
+
+
+def _pair_row(r: dict) -> dict:
+    """A run of a mis-ordered pair: name, plan (tp x pp x dp, micro-batch, chunks), measured
+    and predicted TFLOP/s per GPU, and each critical-path phase's share of the step."""
+    p, b = r["plan"], r["breakdown"]
+    return {"name": r["name"], "plan": f"{p['tp']} x {p['pp']} x {p['dp']} "
+            f"({p['micro_batch']}, {p.get('vp', 1)})", "measured": r["measured"],
+            "predicted": round(r["predicted"], 1),
+            "shares": {k: round(v / b["step"], 4) for k, v in b.items() if k != "step" and v}}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -107,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['source']:20} {r['name']:24} {r['gpus']:5} measured {r['measured']:6.1f} "
               f"predicted {r['predicted']:6.1f} ({100 * r['error']:+5.1f} %) {r['role']}")
     print(table(result["runs"]))
+    for lo, hi in result["misordered"]:
+        print(f"mis-ordered: {lo['name']} {lo['plan']} {lo['measured']} (pred {lo['predicted']}) "
+              f"< {hi['name']} {hi['plan']} {hi['measured']} (pred {hi['predicted']})")
     print(f"validation: median |error| {100 * result['median_abs_error']:.1f} %, max "
           f"{100 * result['max_abs_error']:.1f} %; pairs ordered {result['ordered_pairs']} of "
           f"{result['pairs']}")

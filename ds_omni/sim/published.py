@@ -4,7 +4,8 @@ over HBM), a text-only `ModelSpec`, the global batch of full-length samples and 
 the run's degrees, micro-batches, recompute and ZeRO stage (1: Megatron's distributed
 optimizer), and `simulate` runs it: 1F1B with its bubbles, TP all-reduces on the critical path,
 the gradient reduction at the end of the step (overlapped with the pipeline's drain), the
-network shared by a node's GPUs, unfused attention's score bytes (`UNFUSED_SCORES`).
+network shared by a node's GPUs, NVLink at NCCL's share (`NVLINK_NCCL`), Megatron's even
+stages, unfused attention's score bytes (`UNFUSED_SCORES`).
 `calibrate` fits a GPU type's two kernel numbers to at most two runs; `reproduce` predicts the
 rest. More: docs/benchmarks/sim_published.md.
 """
@@ -17,7 +18,7 @@ import numpy as np
 
 from ds_omni.data.cost import ModelDims
 from ds_omni.errors import ConfigError
-from ds_omni.sim.cluster import cluster
+from ds_omni.sim.cluster import PRESETS, cluster
 from ds_omni.sim.gpus import KernelFit, hbm_bandwidth, layer_seconds
 from ds_omni.sim.model_spec import ModelSpec
 from ds_omni.sim.plan_spec import SimPlan
@@ -79,13 +80,19 @@ scale-mask-softmax reads, writes; dropout reads, writes, a 1-byte mask), backwar
 gradient reads, mask, writes; softmax's reads the gradient and its output, writes)."""
 
 
+NVLINK_NCCL = 370 / 450
+"""Share of NVLink's line rate NCCL's collectives reach (its protocol's ~20 %: 370 of H100's
+450 GB/s a direction, the NCCL maintainer in NVIDIA/nccl-tests#212; NVLink 3 taken alike)."""
+
+
 def sim_inputs(entry: dict, fit: KernelFit):
     """(cluster, model, samples, plan) of a published run for `simulate`, with kernels `fit`."""
     run = Run.of(entry)
     m, p = run.model, run.plan
     fit = replace(fit, scores=UNFUSED_SCORES if p.get("attention") == "unfused" else 0.0)
     cl = cluster(run.gpu, run.gpus, run.gpus_per_node, kernels=fit, hierarchical=True,
-                 optimizer_s_per_param=OPTIMIZER_BYTES / hbm_bandwidth(run.gpu))
+                 optimizer_s_per_param=OPTIMIZER_BYTES / hbm_bandwidth(run.gpu),
+                 intra_bw=PRESETS[run.gpu]["intra_bw"] * NVLINK_NCCL)
     dims = ModelDims(hidden=m["hidden"], layers=m["layers"], intermediate=m["ffn"],
                      vocab=m["vocab"], mlp_matrices=2)  # GPT: a plain two-matrix MLP
     model = ModelSpec.from_dims(dims, heads=m.get("heads"))
@@ -96,6 +103,7 @@ def sim_inputs(entry: dict, fit: KernelFit):
     plan = SimPlan(name=entry["name"], tp=p["tp"], pp=p["pp"], dp=p["dp"],
                    zero_stage=1 if p.get("distributed_optimizer") else 0, global_batch=n,
                    micro_batches=run.micro_batches, pack_tokens=m["seq"] * p["micro_batch"],
+                   stage_split="layers",  # Megatron: L / pp decoder layers a stage
                    checkpointing=bool(p["recompute"]), reorder="loader_order",
                    overlap_grad_sync=bool(p.get("overlap_grad_reduce")),
                    overlap_tp=bool(p.get("tp_comm_overlap")),
@@ -209,14 +217,23 @@ def reproduce(doc: dict, keep=lambda run: True) -> dict:
     return {"fits": {g: dict(f.__dict__) for g, f in fits.items()}, "runs": out}
 
 
-def ordered_pairs(rows: list[dict]) -> tuple[int, int]:
-    """(pairs of one source's runs the prediction orders as the measurement does, pairs the
-    measurement orders): measured ties are not counted."""
-    agree = total = 0
+def misordered(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """Pairs (a, b) of one source's runs, a measured below b, that the prediction orders the
+    other way (measured ties left out, as `ordered_pairs`)."""
+    out = []
     for i, a in enumerate(rows):
         for b in rows[i + 1:]:
             if a["source"] != b["source"] or a["measured"] == b["measured"]:
                 continue
-            total += 1
-            agree += (a["measured"] < b["measured"]) == (a["predicted"] < b["predicted"])
-    return agree, total
+            lo, hi = (a, b) if a["measured"] < b["measured"] else (b, a)
+            if lo["predicted"] >= hi["predicted"]:
+                out.append((lo, hi))
+    return out
+
+
+def ordered_pairs(rows: list[dict]) -> tuple[int, int]:
+    """(pairs of one source's runs the prediction orders as the measurement does, pairs the
+    measurement orders): measured ties are not counted."""
+    total = sum(a["source"] == b["source"] and a["measured"] != b["measured"]
+                for i, a in enumerate(rows) for b in rows[i + 1:])
+    return total - len(misordered(rows)), total

@@ -194,7 +194,7 @@ def test_unfused_attention_moves_its_scores_through_hbm(doc):
         assert cl.kernels.scores == 0.0
         slower[name] = seconds[0] / seconds[1] - 1
     assert slower["GPT 1.7B"] > 0.1 > slower["GPT 1T"] > 0
-    runs = [next(r for r in doc["runs"] if r["name"] == n) for n in ("GPT 1.7B", "GPT 18B")]
+    runs = [next(r for r in doc["runs"] if r["name"] == n) for n in ("GPT 1.7B", "GPT 76B")]
     fitted = calibrate(runs, ["recompute"] * 2)
     for r in runs:
         got = predicted_tflops(r, fitted, "recompute")
@@ -229,3 +229,22 @@ def test_links_are_hierarchical():
     assert comm.link_of(flat, four_a_node).bandwidth == flat.inter_bw
     each = comm.links_each(nccl, np.stack([four_a_node, four_a_node + 1, np.arange(32)]))
     assert list(each.bandwidth) == [4 * flat.inter_bw, 4 * flat.inter_bw, 8 * flat.inter_bw]
+
+
+def test_nvlink_at_nccls_share_even_stages_and_the_misordered_pairs(doc):
+    """The published runs' NVLink runs at NCCL's share of its line rate and Megatron's stages
+    hold L / pp layers each; `misordered` names exactly the pairs `ordered_pairs` misses, the
+    slower run first (a planted swap is caught; measured ties are left out)."""
+    from ds_omni.sim.cluster import PRESETS
+    from ds_omni.sim.published import NVLINK_NCCL, misordered, ordered_pairs
+    entry = next(r for r in doc["runs"] if r["name"] == "GPT 70B")
+    cl, _, _, plan = sim_inputs(entry, KernelFit(0.7, 150.0))
+    assert cl.intra_bw == pytest.approx(PRESETS["h100"]["intra_bw"] * NVLINK_NCCL)
+    assert 0.8 < NVLINK_NCCL < 0.85 and plan.stage_split == "layers"
+    rows = [dict(source="s", name=n, measured=m, predicted=p)
+            for n, m, p in (("a", 1.0, 1.0), ("b", 2.0, 2.5), ("c", 3.0, 3.0), ("d", 3.0, 9.0))]
+    rows.append(dict(source="t", name="e", measured=0.5, predicted=9.0))  # another source
+    assert misordered(rows) == [] and ordered_pairs(rows) == (5, 5)
+    rows[1]["predicted"] = 3.5  # planted: b (measured 2) now above c (measured 3)
+    assert [(lo["name"], hi["name"]) for lo, hi in misordered(rows)] == [("b", "c")]
+    assert ordered_pairs(rows) == (4, 5)
