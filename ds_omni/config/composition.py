@@ -230,7 +230,8 @@ RULES = (
               "of the next (`parallelize/pipe_grid.py`)"),
     _composes("sp", "encoder_placement", UNDER_PP + "; \"uniform\" and \"bubbles\": each SP "
               "shard's column of stages encodes the items its reshard plan gives it, stage 0's "
-              "resharding all-to-all takes their rows to the shards holding their placeholders"),
+              "resharding all-to-all takes their rows to the shards holding their placeholders; "
+              "\"auto\" picks \"uniform\" here"),
     _composes("sp", "encoder_pool", "the pool is every rank (dp x sp); a row's long items stay "
               "split over its SP group"),
     _refused("ep", "sp", "under sp, DeepSpeed's ZeRO-0 expert reduction divides the experts' "
@@ -254,7 +255,7 @@ RULES = (
               "TP rank"),
     _composes("tp", "encoder_placement", UNDER_PP + "; \"uniform\" and \"bubbles\": each TP "
               "rank's column of stages encodes every item (the encoders stay whole), so every "
-              "TP rank of stage 0 holds every row"),
+              "TP rank of stage 0 holds every row; \"auto\" picks \"uniform\" here"),
     _composes("tp", "encoder_pool", "each TP rank pools over its own data-parallel (x SP) "
               "ranks, all TP ranks alike"),
     _refused("ep", "tp", "the experts beside tp are DeepSpeed's AutoEP+AutoTP folding, which "

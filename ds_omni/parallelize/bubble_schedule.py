@@ -123,6 +123,7 @@ class BubbleEncoding:
                  device, dtype, batches, encoders, processors):
         self.joint, self.plan, self.stage, self.group = joint, plan, stage, group
         self.device, self.dtype, self.hidden = device, dtype, hidden
+        # batches: each micro-batch's items this pipeline encodes (`EncodeShare`)
         self.batches, self.encoders, self.processors = batches, encoders, processors
         starts = [0]
         for item in joint.items:
