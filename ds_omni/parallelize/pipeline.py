@@ -29,7 +29,7 @@ from ds_omni.batch import IGNORE_INDEX
 from ds_omni.errors import LaunchError, ModelError
 from ds_omni.model.layer_files import pipeline_prefixes
 from ds_omni.model.omni import DEEPSTACK_ALONE, OmniModel, summed_token_loss
-from ds_omni.parallelize.joint import EncoderShards, JointEncoding, plan_joint
+from ds_omni.parallelize.joint import EncoderShards, EncodeShare, JointEncoding, plan_joint
 from ds_omni.parallelize.pipeline_moe import AuxCarry
 from ds_omni.parallelize.pipe_grid import mark_norm_owners, pipe_topology
 from ds_omni.parallelize.tensor_parallel import tp_counts
@@ -227,17 +227,6 @@ class JointSetup:
             p.ds_pipe_replicated = id(p) not in owned
 
 
-class EncodeShare:
-    """The items of a micro-batch this rank's pipeline encodes under "uniform": all of them, or
-    on an SP shard those its reshard plan gives it (`RankReshard.encode`, text order; the other
-    SP ranks' pipelines encode the rest, and the shard's all-to-all brings their rows)."""
-
-    def __init__(self, mb):
-        plan = mb.route.reshard
-        self.items = mb.items if plan is None else {
-            e: [mb.items[e][k] for k in idx] for e, idx in plan.encode.items()}
-
-
 def optimizer_params(module) -> list[nn.Parameter]:
     """The parameters this rank's optimizer holds: the trainable ones, but under "uniform"
     placement not the encoder parameters another stage owns (`EncoderShards`)."""
@@ -380,7 +369,7 @@ def resolved_placement(cfg, plan, cost, stages: StagePlan) -> str:
     placement = cfg.parallel.encoder_placement
     if placement != "auto":
         return placement
-    if plan.tp_enabled or plan.sp_enabled:  # "bubbles" is refused beside them (the table)
+    if plan.tp_enabled or plan.sp_enabled:  # its model is of a whole row's items on one pipeline
         return "uniform"
     from ds_omni.parallel.bubbles import auto_placement
     return auto_placement(cost, stages.layer_time, *typical_step(cfg, plan, cost))

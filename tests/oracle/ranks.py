@@ -148,6 +148,7 @@ def _record_mechanisms(engine, built, plan, loader, out: dict) -> None:
     joint = getattr(engine.module, "joint", None)  # "uniform": the owners' broadcasts issued
     out["encoder_broadcasts"] = joint.shards.broadcasts if joint is not None else 0
     out["items_in_gaps"] = getattr(joint, "items_in_gaps", 0)  # "bubbles": forwards in a gap
+    out["bubble_rows_received"] = getattr(joint, "rows_received", 0)  # ... their rows, stage 0
     pool = router.encoder_pool if router is not None else None  # items encoded for another rank
     out["pool_items_moved"] = pool.items_moved if pool is not None else 0
     if pool is not None:  # the per-step metric adds up to the items this rank encoded for others

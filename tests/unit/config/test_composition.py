@@ -144,8 +144,11 @@ def test_the_ring_composes_with_tp_and_ep(tmp_path, parallel):
 
 
 # Refused before, composing since: tp x ZeRO-3 (tests/dist/test_tensor_parallel.py, tp2 x dp2
-# under ZeRO-3) and ep x pp under sp (tests/dist/test_expert_parallel.py, pp2 x sp2 x ep2)
-LIFTED = {"tp x ZeRO-3": (dict(tp=2), 3), "ep x pp under sp": (dict(ep=2, pp=2, sp=2), 1)}
+# under ZeRO-3), ep x pp under sp (tests/dist/test_expert_parallel.py, pp2 x sp2 x ep2) and
+# "bubbles" beside tp and sp (tests/dist/test_pipeline_composed.py, pp2 x tp2 and pp2 x sp2)
+LIFTED = {"tp x ZeRO-3": (dict(tp=2), 3), "ep x pp under sp": (dict(ep=2, pp=2, sp=2), 1),
+          "bubbles beside tp": (dict(pp=2, tp=2, encoder_placement="bubbles"), 1),
+          "bubbles beside sp": (dict(pp=2, sp=2, encoder_placement="bubbles"), 1)}
 
 
 def test_tp_under_zero3_is_refused_beside_sp_only():

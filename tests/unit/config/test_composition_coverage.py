@@ -22,6 +22,7 @@ EP, EP_SP, CP, PAIRS = ("test_expert_parallel.py", "test_expert_sequence_paralle
 SP_QUICK, SP_4 = (f"{SP}::test_sequence_parallel_matches_single_process[{w}]" for w in (2, 4))
 PP_QUICK = f"{PP}::test_pipeline_with_tp_and_sp_matches_single_process"
 PP_8 = f"{PP}::test_pipeline_composed_8_ranks"
+PP_BUBBLES = f"{PP}::test_pipeline_bubbles_with_tp_and_sp_matches_single_process"  # "bubbles"
 PIPE, PIPE_SLOW = (f"{PARITY}::test_pipeline_matches_single_process",
                    "test_parity_slow.py::test_pipeline_matches_single_process")
 EP_SLOW = f"{EP}::test_expert_parallel_matches_single_process"
@@ -53,7 +54,7 @@ COVERED = {
                    [f"{TP}::test_tp2_x_sp2_matches_single_process",
                     f"{TP}::test_tp2_x_sp2_x_dp2_matches_single_process", PP_8]),
     ("pp", "sp"): ([PP_QUICK], [PP_8]),
-    ("sp", "encoder_placement"): ([PP_QUICK], [PP_8]),
+    ("sp", "encoder_placement"): ([PP_QUICK], [PP_8, PP_BUBBLES]),
     ("sp", "encoder_pool"): ([EP_SP_POOL], [SP_4, TP_SP_POOL_SLOW]),
     ("ep", "sp"): ([EP_SP_POOL], [EP_SP_SLOW]),
     ("tp", "max_sequence_sp"): ([f"{PAIRS}::test_tp2_x_max_sequence_sp2"],
@@ -63,7 +64,7 @@ COVERED = {
                                           [SP_4]),
     ("max_sequence_sp", "ep"): ([EP_MSP], [EP_SP_SLOW]),
     ("tp", "pp"): ([PP_QUICK], [PP_8]),
-    ("tp", "encoder_placement"): ([PP_QUICK], [PP_8]),
+    ("tp", "encoder_placement"): ([PP_QUICK], [PP_8, PP_BUBBLES]),
     ("tp", "encoder_pool"): ([f"{PAIRS}::test_tp2_x_encoder_pool"],
                              [TP_POOL_SLOW, TP_SP_POOL_SLOW]),
     ("ep", "tp"): ([f"{PAIRS}::test_ep2_x_tp2"], [EP_SLOW]),
