@@ -173,9 +173,10 @@ def _charge(placed, shard: int, slots, ids, row: Row, layout: RowLayout,
         work.ran(slots[k].encoder, row.ranks)
 
 
-def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> None:
-    """Every row's short items over all `world` ranks (`plan_round`), long ones over their row's
-    own group; the rows a rank makes go to the ranks holding their placeholders."""
+def pool_round(rows, layout, world, long_items, heads, order) -> tuple:
+    """(the pool's plan of the round over `world` ranks (`plan_round`), its short items' ids,
+    the long items as (row, slot, shard, id)): every row's short items over all ranks, long ones
+    over their row's own group."""
     items, long, owners_of_long, item_ids = [], [], [], []
     for row in rows:
         slots, ids, tokens = layout.slots(row)
@@ -194,9 +195,15 @@ def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> Non
             else:
                 items.append(it)
                 item_ids.append(i)
-    plan = encoder_pool.plan_round(items, world, order, long=long)
+    return encoder_pool.plan_round(items, world, order, long=long), item_ids, owners_of_long
+
+
+def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> None:
+    """The pool's round (`pool_round`); the rows a rank makes go to the ranks holding their
+    placeholders, a moved item's inputs from its home group."""
+    plan, item_ids, owners_of_long = pool_round(rows, layout, world, long_items, heads, order)
     work.flops += np.asarray(plan.loads())
-    for it, owner, i in zip(items, plan.owner, item_ids):
+    for it, owner, i in zip(plan.items, plan.owner, item_ids):
         work.positions[owner] += layout.s.item_len[i]
         work.ran(it.encoder, owner)
         for j, count in enumerate(it.shards or (it.rows,)):  # its rows on each member's shard

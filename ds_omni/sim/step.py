@@ -138,18 +138,21 @@ items' inputs (`exchange_inputs`), the embedding rows (`ReshardEmbeddings`) and 
 back. A round that moves nothing makes none (it runs as without the pool)."""
 
 
-def pool_groups(step: Step) -> np.ndarray:
-    """[tp, P] the pool groups: the ranks of one TP coordinate (the pool runs per TP rank)."""
-    tp = step.pplan.tp
-    return step.llm_ranks().reshape(-1, tp).T
+def pool_groups(step: Step, stages=None) -> np.ndarray:
+    """[tp x stages, P] the pool groups: the ranks of one TP coordinate of one pipeline stage
+    (the pool runs per TP rank and stage), of `stages` (default all)."""
+    p = step.pplan
+    by_stage = step.llm_ranks().reshape(p.pp, -1, p.tp).transpose(0, 2, 1)  # [pp, tp, P]
+    return by_stage[list(range(p.pp)) if stages is None else list(stages)].reshape(
+        -1, p.seq_data_size)
 
 
-def plan_pool(step: Step) -> None:
+def plan_pool(step: Step, stages=None) -> None:
     """The pool's planning once a step (`EncoderPool.plan_step`), before the rounds: every rank
     all-gathers every rank's item metadata (`all_gather_object`: the sizes, then the pickled
     lists, `calibrate_comm.POOL_META_BYTES` an item) and plans every round over all of them
-    (`Cluster.pool_item_s` an item of the step, CPU)."""
-    groups = pool_groups(step)
+    (`Cluster.pool_item_s` an item of the step, CPU), on `stages` (default all)."""
+    groups = pool_groups(step, stages)
     p = groups.shape[1]
     items = int(np.isin(step.samples.item_sample, step.assignment.planned).sum())
     link = comm.link_of(step.cluster, groups[0])
@@ -239,7 +242,7 @@ def run_round(step: Step, k: int) -> None:
     tl.run(ranks, "encode_fwd", work.flops * step.encoder_fwd / rate)
     _encoder_sp(step, work, backward=False)
     model_parallel.run_tp_gather(step, work)
-    rows_s, inputs_s = _reshard_seconds(step, work)
+    rows_s, inputs_s = reshard_seconds(step, work)
     _sync_groups(step, work.groups, "reshard", rows_s + inputs_s)
     _pool_calls(step, work)
     for backward in (False, True):
@@ -301,7 +304,7 @@ def _sync_groups(step: Step, groups: list, phase: str, seconds: np.ndarray) -> N
     step.timeline.sync(ranks, gid, phase, per_group[gid])
 
 
-def _reshard_seconds(step: Step, work) -> tuple[np.ndarray, np.ndarray]:
+def reshard_seconds(step: Step, work) -> tuple[np.ndarray, np.ndarray]:
     """[W] seconds of each rank in the round's embedding all-to-all (forward; backward sends
     the gradients the same way), and [W] in the pool's input all-to-all (forward only)."""
     c, n = step.cluster, len(step.llm_ranks())
