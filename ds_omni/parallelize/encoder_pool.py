@@ -412,7 +412,7 @@ def _encoded(item: PoolItem, local: dict[str, list], received, rank: int):
 
 def encoder_pool_for(built, plan, rank: int, group, item_cost) -> EncoderPool | None:
     """`parallel.encoder_pool="dp"`: this rank's pool over `group` (`RankGroups.pool`), every
-    rank of the (single) pipeline stage: the data-parallel ranks, under sp > 1 those times the SP
+    rank of its pipeline stage (pp: `PipelineModule.pool`): the data-parallel x SP
     ranks, whose groups are consecutive pool ranks (under max_sequence_sp > 1 a block's
     micro-batch names its group, `sp_block`); priced by the loader's cost model. None (said once)
     when there is one data-parallel rank: the row's SP group (if any) already spreads its items."""

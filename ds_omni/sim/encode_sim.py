@@ -26,6 +26,7 @@ from ds_omni.parallel.reshard import ItemSlots
 from ds_omni.parallel.tp_encode import first_rank, plan_tp_encode
 from ds_omni.parallelize import encoder_pool
 from ds_omni.parallelize.encoder_pool import PoolItem
+from ds_omni.sim import comm
 from ds_omni.sim.workload import Samples
 
 ENCODER_MODES = ("reshard", "split_all", "replicated", "pool")
@@ -226,6 +227,29 @@ def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> Non
                 work.sends.append((int(row.ranks[j]), int(row.ranks[k]),
                                    int(dest[k]) * layout.hidden * 2))
     work.groups.append(np.arange(world))
+
+
+def reshard_seconds(step, work) -> tuple[np.ndarray, np.ndarray]:
+    """[W] seconds of each rank in the round's embedding all-to-all (forward; backward sends
+    the gradients the same way), and [W] in the pool's input all-to-all (forward only)."""
+    c, n = step.cluster, len(step.llm_ranks())
+    if "reshard" not in work.memo:  # the placement's alone: plans sharing it share these
+        out = []
+        for msgs, times in ((work.sends, 2), (work.inputs, 1)):
+            seconds, moved = np.zeros(c.gpus), None
+            if msgs:
+                src, dst, nbytes = (np.array(x, dtype=np.float64) for x in zip(*msgs))
+                moved = float(nbytes[src != dst].sum()) * times
+                seconds = comm.all_to_all_pairs(src.astype(np.int64), dst.astype(np.int64),
+                                                nbytes, c)
+            out.append((seconds[:n], moved))
+        work.memo["reshard"] = out
+    (rows_s, rows_moved), (inputs_s, inputs_moved) = work.memo["reshard"]
+    for name, moved in (("reshard", rows_moved), ("pool_inputs", inputs_moved)):
+        if moved is not None:
+            step.a2a_bytes[name] += moved
+    return rows_s, inputs_s
+
 
 
 # ------------------------------------------------------------------------ tensor parallel

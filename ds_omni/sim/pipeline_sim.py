@@ -10,7 +10,7 @@ backward for the stage after (gradients); interleaved (`SimPlan.virtual_stages` 
 over P v model chunks, Megatron's order. Every pipeline has the same op order.
 
 Under tp and ep each rank of a stage is a column, with TP's all-reduces and EP's all-to-alls
-after each of its passes (`stage_parallel`); under the encoder pool: `pipeline_pool`.
+after each of its passes (`stage_parallel`); under the encoder pool: `pool_sim`.
 
 Dims: P stages, M micro-batches, D pipelines (dp x sp), L decoder layers.
 """
@@ -21,7 +21,7 @@ import numpy as np
 
 from ds_omni.parallel.stages import stage_plan_for
 from ds_omni.parallelize.joint import assign_items
-from ds_omni.sim import bubble_sim, comm, pipeline_pool, stage_parallel
+from ds_omni.sim import bubble_sim, comm, pool_sim, stage_parallel
 from ds_omni.sim.timeline import COMM
 
 # the placements with encoders on every stage ("bubbles": `bubble_sim`; "auto" resolves to one)
@@ -98,7 +98,7 @@ def _micro_arrays(step):
     of one loader assignment and sp (a search's pipelines differ there in ZeRO, encoders,
     placement, checkpointing: read-only arrays)."""
     key = ("pipe_micro", id(step.assignment), step.pplan.sp, step.pplan.seq_data_size,
-           step.plan.encoder_mode, pipeline_pool.pool_long(step))
+           step.plan.encoder_mode, pool_sim.pool_long(step))
     if step.cache is None:
         return _micro_arrays_of(step)
     if key not in step.cache:  # the assignment lives in the same cache: its id stays its own
@@ -120,7 +120,7 @@ def _micro_arrays_of(step):
             ids = np.concatenate([items_of[n] for n in s.tolist()] or [np.zeros(0, np.int64)])
             enc[m, cols] = step.item_cost[ids].sum() / p.sp
     if step.plan.encoder_mode == "pool":  # each round's items over the pool's ranks
-        enc = pipeline_pool.pool_loads(step)
+        enc = pool_sim.pool_loads(step)
     return llm, tokens, enc
 
 
@@ -174,7 +174,7 @@ def run_pipeline(step) -> None:
     ranks = [step.ranks_of(0, p.dp, s) for s in range(P)]  # [P][D tp]
     uniform = plan.encoder_placement in JOINT
     if plan.encoder_mode == "pool":  # its planning and exchanges, before the schedule
-        pipeline_pool.pool_exchanges(step, ranks, list(range(P)) if uniform else [0])
+        pool_sim.pool_exchanges(step, ranks, list(range(P)) if uniform else [0])
     passes = _Passes(step, ranks, frac, llm, tokens, enc, uniform)
     bubbles = bubble_sim.BubbleOps(step, ranks) if plan.encoder_placement == "bubbles" else None
     if uniform and bubbles is None:
@@ -388,7 +388,7 @@ def _pipelines_items(step) -> list[tuple]:
     (each SP rank a share), or under the pool each pool rank and the items the pool gives it."""
     p = step.pplan
     if step.plan.encoder_mode == "pool":
-        return [(c, ids, 1) for c, ids in enumerate(pipeline_pool.pool_owned(step))]
+        return [(c, ids, 1) for c, ids in enumerate(pool_sim.pool_owned(step))]
     items_of, out = step.layout.items_of, []
     for d, rounds in enumerate(step.assignment.rounds):
         ids = np.concatenate([items_of[n] for r in rounds for n in r.samples.tolist()]

@@ -221,8 +221,8 @@ def test_pipeline_with_encoder_pool_matches_single_process(pool_ranks, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_plant_pipeline_pool_is_caught(pool_ranks, tmp_path):
+@pytest.mark.parametrize("plant", plants.for_launch("pp_pool"))
+def test_plant_pipeline_pool_is_caught(plant, pool_ranks, tmp_path):
     cases, results = pool_ranks
-    case = cases["pp_pool_wrong_rank"]
     with pytest.raises(AssertionError, match="losses"):
-        check_pool("pp_pool_wrong_rank", case, results, _config(case, str(tmp_path / "ref")))
+        check_pool(plant, cases[plant], results, _config(cases[plant], str(tmp_path / "ref")))

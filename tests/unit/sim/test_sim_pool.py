@@ -1,4 +1,4 @@
-"""The encoder pool's own costs in the simulator (`sim/step.py`: `plan_pool`, `_pool_calls`):
+"""The encoder pool's own costs in the simulator (`sim/pool_sim.py`: `plan_pool`, `pool_calls`):
 the step's planning (the metadata all-gather, `Cluster.pool_item_s` an item) and, in a round
 whose plan moves an item, the pool's all-to-all calls (`POOL_CALLS` x `Cluster.a2a_call_s`).
 Before them a pool plan that moves nothing was priced exactly as plain data parallelism, while
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ds_omni.data.cost import EncoderDims, ModelDims
-from ds_omni.sim import calibrate_comm, step
+from ds_omni.sim import calibrate_comm, pool_sim
 from ds_omni.sim.cluster import cluster
 from ds_omni.sim.model_spec import ModelSpec
 from ds_omni.sim.plan_spec import SimPlan
@@ -68,9 +68,9 @@ def test_a_round_that_moves_items_pays_the_pool_calls():
     with_calls, without = simulate(calls, tiny(), samples, plan), simulate(free, tiny(), samples,
                                                                              plan)
     extra = busy(with_calls) - busy(without)
-    moved_rounds = round(extra[0] / (step.POOL_CALLS * 2e-3))
+    moved_rounds = round(extra[0] / (pool_sim.POOL_CALLS * 2e-3))
     assert moved_rounds >= 1
-    assert extra == pytest.approx([moved_rounds * step.POOL_CALLS * 2e-3] * 2)
+    assert extra == pytest.approx([moved_rounds * pool_sim.POOL_CALLS * 2e-3] * 2)
 
 
 def test_pool_planning_micro_benchmark_is_a_small_positive_time():
@@ -87,7 +87,7 @@ def test_plant_sim_pool(plant):
 
 @pytest.mark.parametrize("placement", ["stage0", "uniform"])
 def test_the_pool_under_pp_spreads_the_encoders_over_a_stages_ranks(placement):
-    """pp2 x dp2 (`sim/pipeline_pool.py`): data-parallel rank 0 reads the four large images, rank
+    """pp2 x dp2 (`sim/pool_sim.py`): data-parallel rank 0 reads the four large images, rank
     1 four tiny ones. Without the pool the encoders' work stays in rank 0's pipeline (stage 0's
     rank 0 under "stage0", ranks 0 and 2 under "uniform"); with it the pool moves large images
     to rank 1's pipeline on every stage that encodes, and prices their inputs' exchange."""
