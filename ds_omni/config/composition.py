@@ -271,15 +271,22 @@ RULES = (
               "\"uniform\" (not with bf16.immediate_grad_update), \"bubbles\" (its encoder "
               "backward in the engine's idle slots; bf16 too) or \"auto\" (\"bubbles\" where "
               "the cost model predicts a gain, else \"uniform\")"),
-    _refused("encoder_pool", "pp", "the pool spreads the items of rows held by one rank or by an "
-             "SP group, not by pipeline stages", "set encoder_pool to \"off\" (encoder_placement "
-             "\"uniform\" balances the encoders over the stages) or parallel.pp to 1"),
+    _composes("encoder_pool", "pp", "each round is planned over a stage's dp x sp ranks as "
+              "without pp, on the stages that encode: under \"stage0\" stage 0's ranks encode "
+              "what the pool gives them; under \"uniform\" each pool rank's column of stages "
+              "splits it by cost, its rows going to its stage-0 rank, then over the pool to the "
+              "shard holding their placeholders (gradients back the same way)"),
     _composes("ep", "pp", "each stage's MoE blocks are AutoEP's with EP groups of ep "
               "consecutive ranks of the stage's dp x sp ranks (ep divides them); every stage "
               "adds its layers' per-sample router statistics to tensors that travel with the "
               "hidden states, and the last stage forms HF's aux loss from the whole sums (under "
               "sp summed over the row's SP group first)"),
-    _composes("encoder_placement", "encoder_pool", UNDER_PP),
+    _refused("encoder_pool", "encoder_placement", "the \"bubbles\" schedule sends a stage's "
+             "encoder rows to one peer of stage 0, not to the pool ranks that hold their "
+             "placeholders", "set encoder_placement to \"uniform\" beside the pool",
+             refused=lambda s: s.encoder_placement == "bubbles" and s.pp > 1, shows=("pp",),
+             when='encoder_placement="bubbles" and parallel.pp > 1',
+             note=UNDER_PP + ' ("auto" picks "uniform" here)'),
     _composes("encoder_placement", "ep", UNDER_PP),
     _composes("encoder_pool", "ep"),
     # parallel.cp: ring attention across the sp x cp ranks of a row (docs/parallelism.md)

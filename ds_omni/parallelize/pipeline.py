@@ -278,10 +278,11 @@ class PipelineSpec:
 
 def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placement: str = "stage0",
                           processors: dict | None = None, item_cost=None,
-                          encoder_dummies: bool = False):
+                          encoder_dummies: bool = False, pool=None):
     """The `PipelineModule` of this rank's stage, split at `stage_plan.parts`; its `step_inputs`
     is the `StepInputs` the step fills, its `joint` the `JointSetup` under "uniform" placement
-    (else None). It has no `loss_fn`: the last stage's layers make the loss (module docstring)."""
+    (else None), its `pool` the `EncoderPool` where this stage encodes (else None). It has no
+    `loss_fn`: the last stage's layers make the loss (module docstring)."""
     from deepspeed.pipe import PipelineModule
     step_inputs = StepInputs()
     layers = pipeline_layers(model, step_inputs)
@@ -317,6 +318,8 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
     from ds_omni.parallelize import bubble_schedule  # its instructions import DeepSpeed
     module.joint = None
     module.clock = bubble_schedule.StageClock()  # bubble_fraction, every placement
+    # the pool places each stage's items over its dp x sp ranks where the stage encodes
+    module.pool = pool if placement == "uniform" or module.stage_id == 0 else None
     if placement in ("uniform", "bubbles"):
         stage = module.stage_id
         if stage != 0:  # every stage holds the encoders; each parameter's owner steps it
@@ -369,8 +372,8 @@ def resolved_placement(cfg, plan, cost, stages: StagePlan) -> str:
     placement = cfg.parallel.encoder_placement
     if placement != "auto":
         return placement
-    if plan.tp_enabled or plan.sp_enabled:  # its model is of a whole row's items on one pipeline
-        return "uniform"
+    if plan.tp_enabled or plan.sp_enabled or plan.encoder_pool:  # its model is of a whole
+        return "uniform"  # row's items on one pipeline; "bubbles" beside the pool is refused
     from ds_omni.parallel.bubbles import auto_placement
     return auto_placement(cost, stages.layer_time, *typical_step(cfg, plan, cost))
 

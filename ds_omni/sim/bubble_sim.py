@@ -32,12 +32,12 @@ def resolve_auto(step, stage_plan) -> None:
     """`encoder_placement: "auto"` -> "bubbles" where the cost model's typical step predicts a
     gain, else "uniform" (`auto_placement` on the stages training splits, `stage_plan(step)`, the
     drawn samples' items a sample and the cluster's call and message costs, `typical_inputs`;
-    "uniform" beside tp or sp, as training does), in `step.plan`."""
+    "uniform" beside tp, sp or the pool, as training does), in `step.plan`."""
     p, plan = step.pplan, step.plan
     if plan.encoder_placement != "auto":
         return
     step.plan = _placed(plan, "uniform")  # "bubbles" splits the stages as "uniform" does
-    if p.tp == 1 and p.sp == 1:
+    if p.tp == 1 and p.sp == 1 and plan.encoder_mode != "pool":
         step.plan = _placed(plan, auto_placement(step.model.cost, stage_plan(step).layer_time,
                                                  *typical_inputs(step)))
 

@@ -39,9 +39,13 @@ BATCH = {"global_batch_size": 4, "micro_batch_size": 1}  # 4 micro-batches a ste
 def _config(case: dict, out_dir: str):
     from ds_omni.config import (ModelConfig, ParallelConfig, ReorderConfig, SourceConfig,
                                 from_dict)
-    cfg = tiny_config(out_dir, steps=case.get("steps", STEPS), weight_decay=0.1, **BATCH)
+    cfg = tiny_config(out_dir, steps=case.get("steps", STEPS), weight_decay=0.1,
+                      **case.get("batch", BATCH))
     cfg.parallel = ParallelConfig(pp=2, tp=case.get("tp", 1), sp=case.get("sp", 1),
-                                  encoder_placement=case.get("placement", "stage0"))
+                                  encoder_placement=case.get("placement", "stage0"),
+                                  encoder_pool="dp" if case.get("pool") else "off")
+    if case.get("pool"):  # loader order: the ranks' keys are the global batches to replay
+        cfg.data.reorder = ReorderConfig(mode="loader_order")
     if case.get("model_dir"):
         cfg.model.pretrained, cfg.model.tokenizer = case["model_dir"], None
         cfg.model.vision = cfg.model.llm = None
@@ -237,3 +241,53 @@ def test_pipeline_composed_8_ranks(tmp_path_factory, tmp_path):
     results = run_on_ranks(_train_ranks, 8, args=(cases, str(tmp / "runs")), timeout=1200)
     for name, case in cases.items():
         check(name, case, results, _config(case, str(tmp_path / f"ref_{name}")))
+
+
+def _pool_cases(tmp) -> dict:
+    """The slow tier's pp2 x dp2 launch with the encoder pool: data-parallel rank 0's rows hold
+    every image, rank 1's are text; both placements, ZeRO-1, and the plant."""
+    from tests.data_files import skewed_source
+    sources = [skewed_source(tmp / "skewed")]
+    batch = {"global_batch_size": 8, "micro_batch_size": 2}  # 2 images a round on rank 0
+    honest = {f"pp2_dp2_pool_{p}": {"pool": True, "placement": p, "zero": 1, "sources": sources,
+                                    "steps": 2, "batch": batch} for p in ("stage0", "uniform")}
+    assert plants.for_launch("pp_pool") == ["pp_pool_wrong_rank"]
+    return {**honest, "pp_pool_wrong_rank": {**honest["pp2_dp2_pool_uniform"], "steps": 1,
+                                             "plant": "pp_pool_wrong_rank"}}
+
+
+def check_pool(name: str, case: dict, results: list, cfg) -> None:
+    """`check`, and the pool moved items across ranks on every stage that encodes: rank 1 (stage
+    0, text rows alone) encoded items of rank 0's rows; under "uniform" so did its stage-1 peer
+    (rank 3), whose column splits them; rank 0 kept its own."""
+    check(name, case, results, cfg)
+    moved = [r[name]["pool_items_moved"] > 0 for r in results]
+    assert moved == [False, True, False, case["placement"] == "uniform"], (name, moved)
+    assert all(r[name]["pool_moved"] for r in results[1:2]), name  # the metric data_pool_moved
+
+
+@pytest.fixture(scope="module")
+def pool_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pp_pool")
+    cases = _pool_cases(tmp)
+    return cases, run_on_ranks(_train_ranks, 4, args=(cases, str(tmp / "runs")), timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_pipeline_with_encoder_pool_matches_single_process(pool_ranks, tmp_path):
+    """pp2 x dp2 with parallel.encoder_pool "dp" under both encoder placements (quick: none, a
+    4-rank launch; the pool's pure plans: tests/unit/parallelize/test_encoder_pool.py)."""
+    cases, results = pool_ranks
+    for name, case in cases.items():
+        if "plant" not in case:
+            check_pool(name, case, results, _config(case, str(tmp_path / f"ref_{name}")))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("plant", plants.for_launch("pp_pool"))
+def test_plant_pipeline_pool_is_caught(plant, pool_ranks, tmp_path):
+    cases, results = pool_ranks
+    with pytest.raises(AssertionError, match="losses"):
+        check_pool(plant, cases[plant], results, _config(cases[plant], str(tmp_path / "ref")))

@@ -175,3 +175,12 @@ def _auto_mix_blind(rank: int):
         return lambda cost, micro_batches, samples, items_per_sample=None: typical_items(
             cost, micro_batches, samples, None)
     yield from patched(bubbles, "typical_items", make)
+
+
+# ---------------------------- the encoder pool under pp (tests/dist/test_pipeline_composed.py)
+@plant("pp_pool_wrong_rank", "under pp (\"uniform\"), stage 0's pool files the rows a rank "
+       "receives under the wrong sender (reversed rank order): rows that rank 1's column of "
+       "stages encoded land at the placeholders of rank 0's own items", "pp_pool")
+def _pp_pool_wrong_rank(rank: int):
+    from tests.plants.parity import _pool_wrong_rank
+    yield from _pool_wrong_rank(rank)

@@ -34,6 +34,7 @@ EP_SP_POOL, EP_MSP = (f"{PAIRS}::test_ep2_beside_sp_with_encoder_pool[{c}]"
 CP_COMPOSED = "test_context_parallel_composed.py"
 TP_POOL_SLOW, TP_SP_POOL_SLOW = (f"{TP}::test_tp2_x_{c}_encoder_pool_matches_single_process"
                                  for c in ("dp2", "sp2_x_dp2"))
+PP_POOL_SLOW = f"{PP}::test_pipeline_with_encoder_pool_matches_single_process"
 
 # pair -> (quick-tier cases, slow-tier cases): "file::test[param]" under tests/dist/
 COVERED = {
@@ -72,18 +73,21 @@ COVERED = {
     ("ep", "pp"): ([f"{PAIRS}::test_pp2_x_ep2_uniform"], [EP_SLOW]),
     ("encoder_placement", "ep"): ([f"{PAIRS}::test_pp2_x_ep2_uniform"], []),
     ("encoder_pool", "ep"): ([EP_SP_POOL], []),
+    ("encoder_pool", "pp"): ([], [PP_POOL_SLOW]),
+    ("encoder_placement", "encoder_pool"): ([], [PP_POOL_SLOW]),
     ("zero", "cp"): ([CP_QUICK], [CP_SLOW]),
     ("sp", "cp"): ([CP_QUICK], [CP_SLOW]),
     ("encoder_pool", "cp"): ([], [CP_SLOW]),
     ("tp", "cp"): ([], [f"{CP_COMPOSED}::test_tp2_x_cp2_matches_single_process"]),
     ("ep", "cp"): ([], [f"{CP_COMPOSED}::test_ep2_x_cp2_matches_single_process"]),
 }
-INERT = {("max_sequence_sp", "encoder_placement"), ("encoder_placement", "encoder_pool"),
-         ("encoder_placement", "cp")}
+INERT = {("max_sequence_sp", "encoder_placement"), ("encoder_placement", "cp")}
 # the pairs with no case in a tier yet (this list may only shrink): the pool beside cp has its
-# 4-rank case in the slow tier only, and so have tp and ep beside cp (one slow launch); ep beside
-# "uniform" and beside the pool their quick cases alone
-QUICK_GAPS = {("encoder_pool", "cp"), ("tp", "cp"), ("ep", "cp")}
+# 4-rank case in the slow tier only, and so have tp and ep beside cp (one slow launch) and the
+# pool under pp (pp2 x dp2, lifted from refused); ep beside "uniform" and beside the pool their
+# quick cases alone
+QUICK_GAPS = {("encoder_pool", "cp"), ("tp", "cp"), ("ep", "cp"), ("encoder_pool", "pp"),
+              ("encoder_placement", "encoder_pool")}
 SLOW_GAPS = {("encoder_placement", "ep"), ("encoder_pool", "ep")}
 
 
