@@ -155,13 +155,29 @@ def ranks(rank: int, world: int, names: list[str], out_dir: str, sources: dict, 
         runs[f"{name}/{micro}"] = (loader, engine, groups)
     order = list(runs)
     log = {name: [] for name in order}
+    ring = any(CONFIGS[n][2].get("cp", 1) > 1 for n in names)
     for i in range(warmup + rounds):
         for name in order[i % len(order):] + order[:i % len(order)]:
             log[name].append(one_step(*runs[name], ds_groups))
+        if ring:  # ring attention's kernel timed in the launch, under the load its plans meet
+            log.setdefault(RING_RATES, []).append(ring_rate())
     for name, (loader, *_) in runs.items():  # outside the timings: what each step trained
         for record in log[name]:
             record["samples"] = sample_meta(loader, record.pop("keys"))
     return log
+
+
+RING_RATES = "ring_flops_per_s"  # a rank's log: the ring kernel's FLOP/s, timed each round
+
+
+def ring_rate() -> float:
+    """The ring kernel's FLOP/s on this rank now (`calibrate_comm.time_ring_blocks`), every
+    rank at once."""
+    import torch.distributed as dist
+    from benchmarks.sim_calibration import ring_shape
+    from ds_omni.sim.calibrate_comm import time_ring_blocks
+    dist.barrier()
+    return time_ring_blocks(**ring_shape(), repeats=3)
 
 
 def one_step(loader, engine, groups, ds_groups) -> dict:
@@ -375,6 +391,10 @@ def measure_all(names: list[str], rounds: int, warmup: int, batches: int, comm_r
         logs |= {name: [r[name] for r in per_rank] for name in group}
         engine_logs[str(world)] = {f"{n}/{m}": [r[f"{n}/{m}"] for r in per_rank]
                                    for n, m in specs}
+        rates = [v for r in per_rank for v in r.get(RING_RATES, [])[warmup:]]
+        if rates:  # the ring's rate as its plans met it, not the calibration's
+            compute[str(world)]["machine"][RING_RATES] = statistics.median(rates)
+            compute[str(world)]["ring_rates_in_launch"] = rates
         compute[str(world)] = cal.with_engine(compute[str(world)], cal.calibrate_engine(
             group, compute[str(world)]["machine"], cluster_file, tmp, sources,
             logs=engine_logs[str(world)], warmup=warmup))
@@ -385,14 +405,15 @@ def measure_all(names: list[str], rounds: int, warmup: int, batches: int, comm_r
 
 def predict_all(raw: dict, out: Path, tmp: str, sources: dict) -> list[dict]:
     from benchmarks.sim_calibration import with_pool
-    # the pool's planning cost, timed now where the stored machine has none (with_pool)
-    machines = {int(w): with_pool(c["machine"], int(w)) for w, c in raw["compute"].items()}
-    for w, m in machines.items():
-        raw["compute"][str(w)]["machine"] = m  # the report's calibration says what was used
     files = {int(w): out / f"sim_validation_cluster_w{w}.json"  # `merged`: each world's links
              for w in raw.get("comm_by_world", {})}
     for w, f in files.items():
         f.write_text(json.dumps(raw["comm_by_world"][str(w)]["cluster"], indent=1))
+    refit_engines(raw, files, out, tmp, sources)
+    # the pool's planning cost, timed now where the stored machine has none (with_pool)
+    machines = {int(w): with_pool(c["machine"], int(w)) for w, c in raw["compute"].items()}
+    for w, m in machines.items():
+        raw["compute"][str(w)]["machine"] = m  # the report's calibration says what was used
     rows = []
     for name, logs in raw["logs"].items():
         world = CONFIGS[name][0]
@@ -404,6 +425,21 @@ def predict_all(raw: dict, out: Path, tmp: str, sources: dict) -> list[dict]:
         row["error"] = (row["predicted_s"] - row["measured_s"]) / row["measured_s"]
         rows.append(row)
     return rows
+
+
+def refit_engines(raw: dict, files: dict, out: Path, tmp: str, sources: dict) -> None:
+    """A stored world whose engine calibration predates `compute_scale` fitted again from its
+    stored engine runs, on its profiled machine: every world's machine fitted the same way."""
+    from benchmarks import sim_calibration as cal
+    for w, compute in raw["compute"].items():
+        if "compute_scale" in compute.get("engine", {"compute_scale": None}):
+            continue
+        group = [n for n in raw["logs"] if CONFIGS[n][0] == int(w)]
+        machine = cal.profiled_machine(compute)
+        cluster_file = files.get(int(w), out / "sim_validation_cluster.json")
+        raw["compute"][w] = cal.with_engine(dict(compute, machine=machine), cal.calibrate_engine(
+            group, machine, str(cluster_file), tmp, sources, logs=raw["engine_logs"][w],
+            warmup=raw["warmup"]))
 
 
 def merged(raw: dict, other: dict) -> dict:
