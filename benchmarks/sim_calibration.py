@@ -178,7 +178,7 @@ def calibrate_engine(names: list[str], machine: dict, cluster_file: str, out_dir
     (`ENGINE_CALIBRATION`); the busiest rank's CPU seconds above the communication seconds the
     fitted links predict for that step, fitted (non-negative least squares) as its profiled
     compute seconds times `compute_scale` (the launch's load slows every kernel: on this shared
-    machine the compute of a loaded launch took 2.5x the profile's CPU seconds, a cost that
+    machine a loaded launch's compute took 2.2-2.5x the profile's CPU seconds, a cost that
     grows with the work, not a constant a step), a cost a micro-batch per parameter (the
     engine's hooks and gradient buffers), one a step and, from the sp runs, one a Ulysses
     all-to-all call (DeepSpeed's `_SeqAllToAll` around the wire: its Python and layout

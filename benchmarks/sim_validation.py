@@ -131,7 +131,8 @@ def ranks(rank: int, world: int, names: list[str], out_dir: str, sources: dict, 
     """Every plan of `names` (all of `world` ranks) trained `warmup + rounds` steps, rotating;
     per plan and step this rank's CPU and wall seconds and the metadata of its samples.
     `calibration`: (plan, micro-batch size) of the engine calibration (`sim_calibration.engine_config`, keyed
-    "plan/micro"), trained in the same rotation: under the load the validated plans meet."""
+    "plan/micro"), trained in the same rotation: under the load the validated plans meet; with
+    a cp plan among `names`, the ring kernel's FLOP/s each round (`RING_RATES`), as they meet it."""
     import torch
     from deepspeed.utils import groups as ds_groups
     from benchmarks import sim_calibration as cal
