@@ -69,20 +69,26 @@ class RowLayout:
         order = np.argsort(samples.item_sample, kind="stable")
         bounds = np.searchsorted(samples.item_sample[order], np.arange(len(samples) + 1))
         self.items_of = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]  # [N] item ids
+        # each sample's items as plain Python (encoder, rows, cost, id) and its tokens: `slots`
+        # runs ~10^6 times in a 4,096-GPU search, and numpy scalars cost most of it
+        enc, rows = samples.item_encoder.tolist(), samples.item_rows.tolist()
+        cost = item_cost.tolist()
+        self._items = [[(str(enc[i]), int(rows[i]), cost[i], i) for i in ids.tolist()]
+                       for ids in self.items_of]
+        self._tokens = samples.tokens.tolist()
 
     def slots(self, row: Row) -> tuple[list[ItemSlots], list[int], int]:
         """(the row's items as ItemSlots in text order, their item ids, the row's tokens)."""
         slots, ids, offset, count = [], [], 0, {}
         for n in row.samples.tolist():
             at = offset
-            for i in self.items_of[n].tolist():
-                enc, rows = str(self.s.item_encoder[i]), int(self.s.item_rows[i])
-                slots.append(ItemSlots(enc, count.get(enc, 0), np.arange(at, at + rows),
-                                       float(self.cost[i])))
-                count[enc] = count.get(enc, 0) + 1
+            for enc, rows, cost, i in self._items[n]:
+                index = count.get(enc, 0)
+                slots.append(ItemSlots(enc, index, np.arange(at, at + rows), cost))
+                count[enc] = index + 1
                 ids.append(i)
                 at += rows
-            offset += int(self.s.tokens[n])
+            offset += int(self._tokens[n])
         return slots, ids, offset
 
 
@@ -144,33 +150,45 @@ def _charge(placed, shard: int, slots, ids, row: Row, layout: RowLayout,
     are the same to the last bit."""
     owner, pieces, in_order = placed
     g = len(row.ranks)
-    src, pos = [], []  # per slot piece: the sending member, the rows' positions [n]
+    counts: dict[tuple[int, int], int] = {}  # (i, j): rows member i sends member j
     for k in in_order:
         sl = slots[k]
+        lo = int(sl.positions[0]) if len(sl.positions) else 0  # contiguous (`RowLayout.slots`)
         if k in pieces:
             b = pieces[k]
-            src += [np.full(b[r + 1] - b[r], r) for r in range(g)]
-            pos.append(sl.positions)
+            for r in range(g):
+                _add_rows(counts, r, lo + b[r], b[r + 1] - b[r], shard)
             continue
         r = row.ranks[owner[k]]
         work.flops[r] += sl.cost
         work.positions[r] += layout.s.item_len[ids[k]]
         work.ran(sl.encoder, r)
-        src.append(np.full(len(sl.positions), owner[k]))
-        pos.append(sl.positions)
-    if pos:  # [g, g] rows member i sends member j (its output rows over the shards)
-        cell = np.concatenate(src).astype(np.int64) * g + np.concatenate(pos) // shard
-        counts = np.bincount(cell, minlength=g * g).reshape(g, g)
-        for i, j in zip(*np.nonzero(counts)):
-            if i != j:
-                work.sends.append((row.ranks[i], row.ranks[j],
-                                   int(counts[i, j]) * layout.hidden * 2))
+        _add_rows(counts, owner[k], lo, len(sl.positions), shard)
+    for i, j in sorted(counts):  # member by member, as the [g, g] matrix's nonzero cells
+        if i != j and counts[i, j]:
+            work.sends.append((row.ranks[i], row.ranks[j], counts[i, j] * layout.hidden * 2))
     for k in (k for k in in_order if k in pieces):
         work.flops[row.ranks] += slots[k].cost / g
         length = int(layout.s.item_len[ids[k]])
         work.positions[row.ranks] += length / g
         work.split_positions.append((row.ranks, length / g, slots[k].encoder))
         work.ran(slots[k].encoder, row.ranks)
+
+
+def _add_rows(counts: dict, src: int, lo: int, n: int, shard: int) -> None:
+    """Add member `src`'s rows at the contiguous positions [lo, lo + n) to `counts` by the
+    shard (member) holding them."""
+    for j, c in _shard_spans(lo, n, shard):
+        counts[src, j] = counts.get((src, j), 0) + c
+
+
+def _shard_spans(lo: int, n: int, shard: int):
+    """(shard, how many) of the contiguous positions [lo, lo + n) in each shard of `shard`
+    positions they touch, in order (`positions // shard` counted, without the arrays)."""
+    for j in range(lo // shard, (lo + n - 1) // shard + 1):
+        c = min(lo + n, (j + 1) * shard) - max(lo, j * shard)
+        if c > 0:
+            yield j, c
 
 
 def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> None:
@@ -182,13 +200,12 @@ def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> Non
         g = len(row.ranks)
         shard = math.ceil(tokens / g) if tokens else 1
         total = sum(s.cost for s in slots)
-        rule = LongItems(None, heads)
+        rule, home = LongItems(None, heads), int(row.ranks[0])
         for s, i in zip(slots, ids):
-            counts = tuple(np.bincount(s.positions // shard, minlength=g)[:g].tolist()) \
-                if g > 1 else ()
-            it = PoolItem(int(row.ranks[0]), s.encoder, s.index, len(s.positions), s.cost,
-                          shards=counts)
-            if long_items and rule.is_long(s.encoder, s.cost, len(s.positions), g, total):
+            n = len(s.positions)
+            counts = _shard_counts(int(s.positions[0]) if n else 0, n, shard, g) if g > 1 else ()
+            it = PoolItem(home, s.encoder, s.index, n, s.cost, shards=counts)
+            if long_items and rule.is_long(s.encoder, s.cost, n, g, total):
                 long.append(it)
                 owners_of_long.append((row, s, shard, i))
             else:
@@ -196,16 +213,7 @@ def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> Non
                 item_ids.append(i)
     plan = encoder_pool.plan_round(items, world, order, long=long)
     work.flops += np.asarray(plan.loads())
-    for it, owner, i in zip(items, plan.owner, item_ids):
-        work.positions[owner] += layout.s.item_len[i]
-        work.ran(it.encoder, owner)
-        for j, count in enumerate(it.shards or (it.rows,)):  # its rows on each member's shard
-            if count:
-                work.sends.append((owner, it.home + j, count * layout.hidden * 2))
-        if owner not in it.group:
-            sender = it.group[owner % len(it.group)]
-            nbytes = layout.s.item_len[i] * INPUT_BYTES.get(it.encoder, 1024)
-            work.inputs.append((sender, owner, nbytes))
+    _pool_short(items, plan.owner, item_ids, layout, work)
     for row, s, shard, i in owners_of_long:
         g = len(row.ranks)
         bounds = split_rows(len(s.positions), g)
@@ -219,6 +227,36 @@ def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> Non
                 work.sends.append((int(row.ranks[j]), int(row.ranks[k]),
                                    int(dest[k]) * layout.hidden * 2))
     work.groups.append(np.arange(world))
+
+
+def _shard_counts(lo: int, n: int, shard: int, g: int) -> tuple[int, ...]:
+    """[g] `_shard_spans` of the positions [lo, lo + n): `np.bincount(positions // shard,
+    minlength=g)[:g]` without the arrays (a 4,096-GPU search asks it of ~10^6 items)."""
+    counts = [0] * g
+    for j, c in _shard_spans(lo, n, shard):
+        if j < g:
+            counts[j] = c
+    return tuple(counts)
+
+
+def _pool_short(items, owners, item_ids, layout, work: RoundWork) -> None:
+    """The pooled (short) items on their owners: positions, encoders run, the rows sent to the
+    placeholders' shards and the inputs sent to an owner outside the item's group. Positions
+    are whole numbers, so adding them at once (`np.add.at`) gives the same sums."""
+    lens = layout.s.item_len[np.asarray(item_ids, dtype=np.int64)]
+    np.add.at(work.positions, np.asarray(owners, dtype=np.int64), lens)
+    by_encoder: dict[str, list] = {}
+    row_bytes = layout.hidden * 2
+    for it, owner, length in zip(items, owners, lens):
+        by_encoder.setdefault(it.encoder, []).append(owner)
+        for j, count in enumerate(it.shards or (it.rows,)):  # its rows on each member's shard
+            if count:
+                work.sends.append((owner, it.home + j, count * row_bytes))
+        if owner not in it.group:
+            sender = it.group[owner % len(it.group)]
+            work.inputs.append((sender, owner, length * INPUT_BYTES.get(it.encoder, 1024)))
+    for enc, ranks in by_encoder.items():
+        work.ran(enc, ranks)
 
 
 # ------------------------------------------------------------------------ tensor parallel
