@@ -23,7 +23,7 @@ import numpy as np
 from ds_omni.parallel import reshard
 from ds_omni.parallel.long_short import LongItems, split_rows
 from ds_omni.parallel.reshard import ItemSlots
-from ds_omni.parallel.tp_encode import first_rank, plan_tp_encode
+from ds_omni.parallel.tp_encode import assign_tp_items, first_rank
 from ds_omni.parallelize import encoder_pool
 from ds_omni.parallelize.encoder_pool import PoolItem
 from ds_omni.sim.workload import Samples
@@ -261,27 +261,31 @@ def _pool_short(items, owners, item_ids, layout, work: RoundWork) -> None:
 
 # ------------------------------------------------------------------------ tensor parallel
 def _tp_apart(rows, layout, world, tp, order) -> RoundWork:
-    """Each row's items over its TP ranks by training's plan (`plan_tp_encode`, ties from
-    `first_rank` of the row's sample ids, here their indices), and the gather of the rows: TP
-    rank r sends its N_r rows to each of the tp - 1 others."""
+    """Each row's items over its TP ranks by training's plan (`plan_tp_encode`'s owners,
+    `assign_tp_items`, ties from `first_rank` of the row's sample ids, here their indices), and
+    the gather of the rows: TP rank r sends its N_r rows to each of the tp - 1 others. Read
+    from the owners alone (the plan's gathered positions, most of its time, go unused here)."""
     work = RoundWork(np.zeros(world), np.zeros(world))
+    rank_of = {enc: i for i, enc in enumerate(order)}
     for row in rows:
         slots, ids, _ = layout.slots(row)
         if not slots:
             continue
         first = first_rank([str(n) for n in row.samples.tolist()], tp)
-        key = {(s.encoder, s.index): k for k, s in enumerate(slots)}
-        for part in plan_tp_encode(slots, tp, order, first):
-            r = int(row.ranks[part.rank])
-            for enc, indices in part.encode.items():
-                for index in indices:
-                    k = key[(enc, index)]
-                    work.flops[r] += slots[k].cost
-                    work.positions[r] += layout.s.item_len[ids[k]]
-                    work.ran(enc, r)
-            own = part.rank_rows[part.rank] * layout.hidden * 2  # bf16 rows of width D
-            if own:
-                work.tp_gathers += [(r, int(d), own) for d in row.ranks if d != r]
+        owner = assign_tp_items([s.cost for s in slots], tp, first)
+        in_order = sorted(range(len(slots)), key=lambda k: (rank_of[slots[k].encoder],
+                                                            slots[k].index))
+        own = [0] * tp  # rows each TP rank encodes
+        for t in range(tp):  # rank by rank, each its items in `plan_tp_encode`'s order
+            r = int(row.ranks[t])
+            for k in (k for k in in_order if owner[k] == t):
+                work.flops[r] += slots[k].cost
+                work.positions[r] += layout.s.item_len[ids[k]]
+                work.ran(slots[k].encoder, r)
+                own[t] += len(slots[k].positions)
+            if own[t]:  # bf16 rows of width D
+                work.tp_gathers += [(r, int(d), own[t] * layout.hidden * 2)
+                                    for d in row.ranks if d != r]
         work.tp_groups.append(row.ranks)
     return work
 

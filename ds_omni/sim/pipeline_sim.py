@@ -368,11 +368,15 @@ def _uniform_items(step) -> tuple[np.ndarray, np.ndarray]:
     for d, rounds in enumerate(step.assignment.rounds):
         ids = np.concatenate([items_of[n] for r in rounds for n in r.samples.tolist()]
                              or [np.zeros(0, np.int64)])
-        stages = assign_items(step.item_cost[ids].tolist(), p.pp)
+        costs = step.item_cost[ids].tolist()
+        stages = assign_items(costs, p.pp)
         cols = slice(d * p.sp, (d + 1) * p.sp)
-        for i, s in zip(ids.tolist(), stages):
-            load[s, cols] += step.item_cost[i] / p.sp
-            rows[s, cols] += step.samples.item_rows[i] / p.sp
+        here, sent = [0.0] * p.pp, [0.0] * p.pp  # plain floats, added as the columns were
+        for c, n, s in zip(costs, step.samples.item_rows[ids].tolist(), stages):
+            here[s] += c / p.sp
+            sent[s] += n / p.sp
+        load[:, cols] = np.array(here)[:, None]
+        rows[:, cols] = np.array(sent)[:, None]
     if p.tp > 1:  # every TP rank of a pipeline: its items (1/tp of them where they encode apart)
         apart = p.tp if step.tp_apart else 1
         load, rows = np.repeat(load, p.tp, axis=1) / apart, np.repeat(rows, p.tp, axis=1) / apart
