@@ -58,7 +58,9 @@ class RoundWork:
     cluster, the bytes they add), kept for the plans of a search that share it (`step.py`)."""
 
     def ran(self, encoder: str, ranks) -> None:
-        self.present.setdefault(encoder, np.zeros(self.flops.size, dtype=bool))[ranks] = True
+        if encoder not in self.present:  # not setdefault: it would make a [W] array each call
+            self.present[encoder] = np.zeros(self.flops.size, dtype=bool)
+        self.present[encoder][ranks] = True
 
 
 class RowLayout:
