@@ -59,16 +59,21 @@ def with_pool(machine: dict, world: int) -> dict:
     LLM's widths on random tokens), where the machine has none yet (a measurement from before
     they were calibrated: `--reuse` times them here)."""
     from ds_omni.sim.calibrate_comm import time_pool_planning, time_ring_blocks_at_once
-    from benchmarks.per_sequence_sp import LLM
     if "moe_token_flops" not in machine:
         machine = dict(machine, **moe_terms())
     if "pool_item_s" not in machine:
         machine = dict(machine, pool_item_s=time_pool_planning(world))
-    if "ring_flops_per_s" not in machine:  # ring attention's kernel at the long tail's heads
-        heads = LLM["num_attention_heads"]  # and blocks (a ~1,500-token row over a ring of 2)
-        machine = dict(machine, ring_flops_per_s=time_ring_blocks_at_once(
-            world, heads=heads, head_dim=LLM["hidden_size"] // heads, tokens=768))
+    if "ring_flops_per_s" not in machine:  # ring attention's kernel (`ring_shape`)
+        machine = dict(machine, ring_flops_per_s=time_ring_blocks_at_once(world, **ring_shape()))
     return machine
+
+
+def ring_shape() -> dict:
+    """The ring kernel's timed block: the long tail's heads and a ~1,500-token row's half (a
+    ring of 2)."""
+    from benchmarks.per_sequence_sp import LLM
+    heads = LLM["num_attention_heads"]
+    return {"heads": heads, "head_dim": LLM["hidden_size"] // heads, "tokens": 768}
 
 
 def moe_terms() -> dict:
@@ -83,13 +88,40 @@ def moe_terms() -> dict:
             "expert_half_tokens": fit["expert_half_tokens"], "moe_layer": timed | fit}
 
 
+# the profiled machine's compute terms, in seconds of work and in work a second: what the
+# measured launch's load slows (`calibrate_engine`'s compute_scale); ring attention's rate is
+# timed in the launch itself (`sim_validation.ranks`), so it is not among them
+SLOWED_SECONDS = ("micro_batch_s_per_param", "optimizer_s_per_param", "pool_item_s")
+SLOWED_RATES = ("flops_per_s",)
+
+
 def with_engine(compute: dict, engine: dict) -> dict:
     """One world's profiled machine (`calibrate_compute`) with the engine's fitted costs on
-    top: its step cost and its cost a micro-batch per parameter added to the profile's."""
+    top: its compute terms slowed by the launch's `compute_scale`, its step cost, and its cost
+    a micro-batch per parameter added to the profile's."""
+    k = engine.get("compute_scale", 1.0)
     machine = dict(compute["machine"], step_s=engine["step_s"],
-                   a2a_call_s=engine.get("a2a_call_s", 0.0))
+                   a2a_call_s=engine.get("a2a_call_s", 0.0), compute_scale=k)
+    for name in SLOWED_SECONDS:
+        machine[name] = machine.get(name, 0.0) * k
+    for name in SLOWED_RATES:
+        machine[name] = machine[name] / k
     machine["micro_batch_s_per_param"] += engine["engine_micro_batch_s_per_param"]
     return dict(compute, machine=machine, engine=engine)
+
+
+def profiled_machine(compute: dict) -> dict:
+    """One world's machine as its profile fitted it, before `with_engine` (what an engine
+    calibration is fitted on top of)."""
+    engine, k = compute.get("engine", {}), compute["machine"].get("compute_scale", 1.0)
+    machine = dict(compute["machine"], step_s=0.0, a2a_call_s=0.0)
+    machine["micro_batch_s_per_param"] -= engine.get("engine_micro_batch_s_per_param", 0.0)
+    for name in SLOWED_SECONDS:
+        machine[name] = machine.get(name, 0.0) / k
+    for name in SLOWED_RATES:
+        machine[name] = machine[name] * k
+    machine.pop("compute_scale", None)
+    return machine
 
 
 def engine_specs(names: list[str]) -> list[tuple[str, int]]:
@@ -143,12 +175,14 @@ def calibrate_engine(names: list[str], machine: dict, cluster_file: str, out_dir
     """What DeepSpeed's engine adds on this machine to the profiled model, under the measured
     runs' conditions (`world` ranks at once on the shared cores, their gradient collectives
     and hooks): the ranks train each model's data-parallel plan at two micro-batch sizes
-    (`ENGINE_CALIBRATION`); the busiest rank's CPU seconds above the busy seconds the profiled
-    machine and the fitted links predict for that step, fitted as a cost a micro-batch per
-    parameter (the engine's hooks and gradient buffers), one a step and, from the sp runs,
-    one a Ulysses all-to-all call (DeepSpeed's `_SeqAllToAll` around the wire: its Python and
-    layout copies, on the CPU clock; `ulysses_calls`) (`fit_rate`'s non-negative least
-    squares). `logs`: the runs already trained ("plan/micro" -> per rank
+    (`ENGINE_CALIBRATION`); the busiest rank's CPU seconds above the communication seconds the
+    fitted links predict for that step, fitted (non-negative least squares) as its profiled
+    compute seconds times `compute_scale` (the launch's load slows every kernel: on this shared
+    machine a loaded launch's compute took 2.2-2.5x the profile's CPU seconds, a cost that
+    grows with the work, not a constant a step), a cost a micro-batch per parameter (the
+    engine's hooks and gradient buffers), one a step and, from the sp runs, one a Ulysses
+    all-to-all call (DeepSpeed's `_SeqAllToAll` around the wire: its Python and layout
+    copies, on the CPU clock; `ulysses_calls`). `logs`: the runs already trained ("plan/micro" -> per rank
     the step records, `ranks`' calibration: in the measured launch), their first `warmup`
     steps left out; else they train here, `steps` steps each."""
     import numpy as np
@@ -175,16 +209,18 @@ def calibrate_engine(names: list[str], machine: dict, cluster_file: str, out_dir
         rounds = plan.micro_batches  # a rank's micro-batches a step (dp only: every rank's)
         for s in range(warmup, len(run[0])):  # the first steps warm up
             report = simulate(machines, model, samples_of(run, s), plan)
-            rows.append([rounds * model.total_params(), 1.0, ulysses_calls(plan, model)])
-            residual.append(max(log[s]["cpu_s"] for log in run) - busy_s(report))
+            busiest = int(np.argmax(np.add(report.compute, report.comm)))
+            rows.append([report.compute[busiest], rounds * model.total_params(), 1.0,
+                         ulysses_calls(plan, model)])
+            residual.append(max(log[s]["cpu_s"] for log in run) - report.comm[busiest])
     a, y = np.array(rows), np.maximum(np.array(residual), 0.0)
     scale = np.linalg.norm(a, axis=0)
     scale[scale == 0] = 1.0  # no sp run: no calls
-    per_param, step_s, call_s = nnls(a / scale, y) / scale
-    return {"engine_micro_batch_s_per_param": float(per_param), "step_s": float(step_s),
-            "a2a_call_s": float(call_s),
-            "residual_s": residual, "micro_batches_x_params": [r[0] for r in rows],
-            "world": world}
+    compute_scale, per_param, step_s, call_s = nnls(a / scale, y) / scale
+    return {"compute_scale": float(compute_scale),
+            "engine_micro_batch_s_per_param": float(per_param), "step_s": float(step_s),
+            "a2a_call_s": float(call_s), "residual_s": [float(v) for v in y - a[:, 0]],
+            "micro_batches_x_params": [r[1] for r in rows], "world": world}
 
 
 def ulysses_calls(plan, model) -> float:

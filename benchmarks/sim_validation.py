@@ -131,7 +131,8 @@ def ranks(rank: int, world: int, names: list[str], out_dir: str, sources: dict, 
     """Every plan of `names` (all of `world` ranks) trained `warmup + rounds` steps, rotating;
     per plan and step this rank's CPU and wall seconds and the metadata of its samples.
     `calibration`: (plan, micro-batch size) of the engine calibration (`sim_calibration.engine_config`, keyed
-    "plan/micro"), trained in the same rotation: under the load the validated plans meet."""
+    "plan/micro"), trained in the same rotation: under the load the validated plans meet; with
+    a cp plan among `names`, the ring kernel's FLOP/s each round (`RING_RATES`), as they meet it."""
     import torch
     from deepspeed.utils import groups as ds_groups
     from benchmarks import sim_calibration as cal
@@ -155,13 +156,29 @@ def ranks(rank: int, world: int, names: list[str], out_dir: str, sources: dict, 
         runs[f"{name}/{micro}"] = (loader, engine, groups)
     order = list(runs)
     log = {name: [] for name in order}
+    ring = any(CONFIGS[n][2].get("cp", 1) > 1 for n in names)
     for i in range(warmup + rounds):
         for name in order[i % len(order):] + order[:i % len(order)]:
             log[name].append(one_step(*runs[name], ds_groups))
+        if ring:  # ring attention's kernel timed in the launch, under the load its plans meet
+            log.setdefault(RING_RATES, []).append(ring_rate())
     for name, (loader, *_) in runs.items():  # outside the timings: what each step trained
         for record in log[name]:
             record["samples"] = sample_meta(loader, record.pop("keys"))
     return log
+
+
+RING_RATES = "ring_flops_per_s"  # a rank's log: the ring kernel's FLOP/s, timed each round
+
+
+def ring_rate() -> float:
+    """The ring kernel's FLOP/s on this rank now (`calibrate_comm.time_ring_blocks`), every
+    rank at once."""
+    import torch.distributed as dist
+    from benchmarks.sim_calibration import ring_shape
+    from ds_omni.sim.calibrate_comm import time_ring_blocks
+    dist.barrier()
+    return time_ring_blocks(**ring_shape(), repeats=3)
 
 
 def one_step(loader, engine, groups, ds_groups) -> dict:
@@ -358,7 +375,7 @@ def measure_all(names: list[str], rounds: int, warmup: int, batches: int, comm_r
     from ds_omni.sim.calibrate_comm import calibrate as calibrate_comm
     from tests.harness import run_on_ranks
     worlds = sorted({CONFIGS[n][0] for n in names})
-    comm = calibrate_comm(tuple(worlds), repeats=comm_repeats)
+    comm = calibrate_comm(tuple(worlds), repeats=comm_repeats, clock=time.process_time)
     (out / "sim_validation_cluster.json").write_text(json.dumps(comm["cluster"], indent=1))
     cluster_file = str(out / "sim_validation_cluster.json")
     # the profiles first; the engine's runs train in the measured launch, rotating with the
@@ -375,6 +392,10 @@ def measure_all(names: list[str], rounds: int, warmup: int, batches: int, comm_r
         logs |= {name: [r[name] for r in per_rank] for name in group}
         engine_logs[str(world)] = {f"{n}/{m}": [r[f"{n}/{m}"] for r in per_rank]
                                    for n, m in specs}
+        rates = [v for r in per_rank for v in r.get(RING_RATES, [])[warmup:]]
+        if rates:  # the ring's rate as its plans met it, not the calibration's
+            compute[str(world)]["machine"][RING_RATES] = statistics.median(rates)
+            compute[str(world)]["ring_rates_in_launch"] = rates
         compute[str(world)] = cal.with_engine(compute[str(world)], cal.calibrate_engine(
             group, compute[str(world)]["machine"], cluster_file, tmp, sources,
             logs=engine_logs[str(world)], warmup=warmup))
@@ -385,14 +406,15 @@ def measure_all(names: list[str], rounds: int, warmup: int, batches: int, comm_r
 
 def predict_all(raw: dict, out: Path, tmp: str, sources: dict) -> list[dict]:
     from benchmarks.sim_calibration import with_pool
-    # the pool's planning cost, timed now where the stored machine has none (with_pool)
-    machines = {int(w): with_pool(c["machine"], int(w)) for w, c in raw["compute"].items()}
-    for w, m in machines.items():
-        raw["compute"][str(w)]["machine"] = m  # the report's calibration says what was used
     files = {int(w): out / f"sim_validation_cluster_w{w}.json"  # `merged`: each world's links
              for w in raw.get("comm_by_world", {})}
     for w, f in files.items():
         f.write_text(json.dumps(raw["comm_by_world"][str(w)]["cluster"], indent=1))
+    refit_engines(raw, files, out, tmp, sources)
+    # the pool's planning cost, timed now where the stored machine has none (with_pool)
+    machines = {int(w): with_pool(c["machine"], int(w)) for w, c in raw["compute"].items()}
+    for w, m in machines.items():
+        raw["compute"][str(w)]["machine"] = m  # the report's calibration says what was used
     rows = []
     for name, logs in raw["logs"].items():
         world = CONFIGS[name][0]
@@ -404,6 +426,37 @@ def predict_all(raw: dict, out: Path, tmp: str, sources: dict) -> list[dict]:
         row["error"] = (row["predicted_s"] - row["measured_s"]) / row["measured_s"]
         rows.append(row)
     return rows
+
+
+def refit_engines(raw: dict, files: dict, out: Path, tmp: str, sources: dict) -> None:
+    """A stored world whose engine calibration predates `compute_scale` or its links
+    (`cpu_links`) fitted again from its stored engine runs, on its profiled machine: every
+    world's machine fitted the same way."""
+    from benchmarks import sim_calibration as cal
+    for w, compute in raw["compute"].items():
+        if "compute_scale" in compute.get("engine", {"compute_scale": None}):
+            continue
+        group = [n for n in raw["logs"] if CONFIGS[n][0] == int(w)]
+        machine = cal.profiled_machine(compute)
+        cluster_file = files.get(int(w), out / "sim_validation_cluster.json")
+        raw["compute"][w] = cal.with_engine(dict(compute, machine=machine), cal.calibrate_engine(
+            group, machine, str(cluster_file), tmp, sources, logs=raw["engine_logs"][w],
+            warmup=raw["warmup"]))
+
+
+def cpu_links(raw: dict, repeats: int) -> dict:
+    """`raw` with every world's links timed again on the CPU clock (`calibrate_comm(...,
+    clock=time.process_time)`: what a rank spends in a collective, as the measured CPU clock
+    counts it; the wall clock adds its waits, which a loaded machine stretches: alpha 0.78
+    and 2.29 ms in two sessions' calibrations, 0.14 ms of CPU), its engines fitted again."""
+    from benchmarks.sim_calibration import profiled_machine
+    from ds_omni.sim.calibrate_comm import calibrate as calibrate_comm
+    by_world = {w: calibrate_comm((int(w),), repeats=repeats, clock=time.process_time)
+                for w in raw["compute"]}
+    compute = {w: dict(c, machine=profiled_machine(c), engine={})  # fitted on the old links
+               for w, c in raw["compute"].items()}
+    return dict(raw, comm_by_world=by_world, comm=by_world[max(by_world, key=int)],
+                compute=compute)
 
 
 def merged(raw: dict, other: dict) -> dict:
@@ -437,6 +490,9 @@ def run(args) -> dict:
             if args.merge:
                 raw = merged(raw, json.loads(args.merge.read_text()))
                 raw_file.write_text(json.dumps(raw))
+            if args.recalibrate_comm:  # the links on the CPU clock, each world's
+                raw = cpu_links(raw, args.comm_repeats)
+                raw_file.write_text(json.dumps(raw))
             if args.recalibrate or args.recalibrate_engine:  # the measured runs kept
                 raw["compute"] = cal.calibrate_compute(
                     list(raw["logs"]), tmp, sources, args.batches,
@@ -460,7 +516,8 @@ def command(args) -> str:
     """The command line that produced this result (what `--reuse` re-predicted from)."""
     flags = [f for f, on in (("--reuse", args.reuse), (f"--merge {args.merge}", args.merge),
                              ("--recalibrate", args.recalibrate),
-                             ("--recalibrate-engine", args.recalibrate_engine)) if on]
+                             ("--recalibrate-engine", args.recalibrate_engine),
+                             ("--recalibrate-comm", args.recalibrate_comm)) if on]
     if not args.reuse:  # the measured run's own settings
         flags += [f"--rounds {args.rounds}", f"--warmup {args.warmup}",
                   f"--comm-repeats {args.comm_repeats}"]
@@ -514,6 +571,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--recalibrate-engine", action="store_true",
                     help="with --reuse: run the engine calibration again, the stored profiles "
                          "kept")
+    ap.add_argument("--recalibrate-comm", action="store_true",
+                    help="with --reuse: time the links again on the CPU clock, refit the engine")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     result = run(args)

@@ -144,6 +144,8 @@ class Route:
     pooled: bool = False
     """`parallel.encoder_pool`: `encoder_inputs` are the items the pool gave this rank (any
     rank's), and `reshard` brings this row's rows home over the pool's group."""
+    pool_items: dict[str, list[EncodedItem]] | None = None
+    """Pooled: those items (`reshard.encode` order), which "uniform"'s stages share under pp."""
     encode_calls: dict[str, int] | None = None
     """ZeRO-3: how many times each encoder runs on this micro-batch, the same on every rank
     (`EvenEncoderCalls` sets it; the model tops up with zero-weight dummy runs). None: no top-up."""

@@ -179,16 +179,6 @@ def _refused(a: str, b: str, reason: str, fix: str, refused=lambda s: True, **mo
     return Rule(a, b, refused=refused, reason=reason, fix=fix, **more)
 
 
-def _no_bubbles_beside(axis: str) -> Rule:
-    """The "bubbles" placement is refused beside `axis` (its rows go to one peer of stage 0)."""
-    return _refused(axis, "encoder_placement", "the \"bubbles\" schedule sends a stage's encoder "
-                    f"rows to one peer of stage 0, not to the {axis.upper()} ranks that hold their "
-                    "placeholders", f"set encoder_placement to \"uniform\" beside parallel.{axis}",
-                    refused=lambda s: s.encoder_placement == "bubbles",
-                    when='encoder_placement="bubbles"',
-                    note=UNDER_PP + ' ("auto" picks "uniform" here)')
-
-
 UNDER_PP = "encoder_placement acts under pp only"
 PP_SECTION = 'docs/parallelism.md, "Per-sequence SP and ring attention under the pipeline"'
 BLOCKS_UNDER_PP = ("DeepSpeed's pipeline engine runs gradient_accumulation_steps micro-batches on "
@@ -238,7 +228,10 @@ RULES = (
     _composes("pp", "sp", "Ulysses inside every stage: the pipeline engine's data axis holds the "
               "dp x sp ranks (ZeRO reduces over them), SP shard i of a stage sends to SP shard i "
               "of the next (`parallelize/pipe_grid.py`)"),
-    _no_bubbles_beside("sp"),
+    _composes("sp", "encoder_placement", UNDER_PP + "; \"uniform\" and \"bubbles\": each SP "
+              "shard's column of stages encodes the items its reshard plan gives it, stage 0's "
+              "resharding all-to-all takes their rows to the shards holding their placeholders; "
+              "\"auto\" picks \"uniform\" here"),
     _composes("sp", "encoder_pool", "the pool is every rank (dp x sp); a row's long items stay "
               "split over its SP group"),
     _refused("ep", "sp", "under sp, DeepSpeed's ZeRO-0 expert reduction divides the experts' "
@@ -260,7 +253,9 @@ RULES = (
     _composes("tp", "pp", "AutoTP's layers inside every stage: the pipeline engine's topology has "
               "a model axis of tp ranks (Megatron-DeepSpeed's); the encoders stay whole on every "
               "TP rank"),
-    _no_bubbles_beside("tp"),
+    _composes("tp", "encoder_placement", UNDER_PP + "; \"uniform\" and \"bubbles\": each TP "
+              "rank's column of stages encodes every item (the encoders stay whole), so every "
+              "TP rank of stage 0 holds every row; \"auto\" picks \"uniform\" here"),
     _composes("tp", "encoder_pool", "each TP rank pools over its own data-parallel (x SP) "
               "ranks, all TP ranks alike"),
     _refused("ep", "tp", "the experts beside tp are DeepSpeed's AutoEP+AutoTP folding, which "
@@ -276,15 +271,22 @@ RULES = (
               "\"uniform\" (not with bf16.immediate_grad_update), \"bubbles\" (its encoder "
               "backward in the engine's idle slots; bf16 too) or \"auto\" (\"bubbles\" where "
               "the cost model predicts a gain, else \"uniform\")"),
-    _refused("encoder_pool", "pp", "the pool spreads the items of rows held by one rank or by an "
-             "SP group, not by pipeline stages", "set encoder_pool to \"off\" (encoder_placement "
-             "\"uniform\" balances the encoders over the stages) or parallel.pp to 1"),
+    _composes("encoder_pool", "pp", "each round is planned over a stage's dp x sp ranks as "
+              "without pp, on the stages that encode: under \"stage0\" stage 0's ranks encode "
+              "what the pool gives them; under \"uniform\" each pool rank's column of stages "
+              "splits it by cost, its rows going to its stage-0 rank, then over the pool to the "
+              "shard holding their placeholders (gradients back the same way)"),
     _composes("ep", "pp", "each stage's MoE blocks are AutoEP's with EP groups of ep "
               "consecutive ranks of the stage's dp x sp ranks (ep divides them); every stage "
               "adds its layers' per-sample router statistics to tensors that travel with the "
               "hidden states, and the last stage forms HF's aux loss from the whole sums (under "
               "sp summed over the row's SP group first)"),
-    _composes("encoder_placement", "encoder_pool", UNDER_PP),
+    _refused("encoder_pool", "encoder_placement", "the \"bubbles\" schedule sends a stage's "
+             "encoder rows to one peer of stage 0, not to the pool ranks that hold their "
+             "placeholders", "set encoder_placement to \"uniform\" beside the pool",
+             refused=lambda s: s.encoder_placement == "bubbles" and s.pp > 1, shows=("pp",),
+             when='encoder_placement="bubbles" and parallel.pp > 1',
+             note=UNDER_PP + ' ("auto" picks "uniform" here)'),
     _composes("encoder_placement", "ep", UNDER_PP),
     _composes("encoder_pool", "ep"),
     # parallel.cp: ring attention across the sp x cp ranks of a row (docs/parallelism.md)

@@ -124,10 +124,10 @@ def long_items_of(cfg: OmniConfig, model, group: int) -> LongItems | None:
     encoder whose heads don't split over the group keeps its long items whole (said once)."""
     if cfg.parallel.encoder_sp == "off" or group < 2:
         return None
-    if cfg.parallel.pp > 1 and cfg.parallel.encoder_placement == "uniform":
-        # the joint pipeline's stages encode whole items (`parallelize.pipeline.EncodeShare`)
-        log.info("long-short SP: off under the joint pipeline (encoder_placement \"uniform\"), "
-                 "whose stages share the items whole")
+    if cfg.parallel.pp > 1 and cfg.parallel.encoder_placement != "stage0":
+        # the joint pipeline's stages encode whole items (`parallelize.joint.EncodeShare`)
+        log.info("long-short SP: off under the joint pipeline (encoder_placement \"%s\"), "
+                 "whose stages share the items whole", cfg.parallel.encoder_placement)
         return None
     heads = {name: h for name, enc in model.encoders.items() if (h := enc.attention_heads())}
     for name, enc in model.encoders.items():

@@ -34,7 +34,8 @@ from ds_omni.parallelize.pipeline import PipelineSpec, build_pipeline_module, pi
 from ds_omni.parallelize.tensor_parallel import shard_backbone
 from ds_omni.parallelize.tp_encoders import TPEncoders, tp_encoders_for
 
-__all__ = ["EmbeddingRouter", "PipelineSpec", "apply_plan", "parallelize", "router_of"]
+__all__ = ["EmbeddingRouter", "PipelineSpec", "apply_plan", "encoder_pool_of", "parallelize",
+           "router_of"]
 
 
 def parallelize(built, plan: ParallelPlan, groups: RankGroups, cfg: OmniConfig, cost: CostModel,
@@ -109,10 +110,17 @@ def apply_plan(model: OmniModel, *, kernel: str | None = None, sp_group=None,
         return model
     return build_pipeline_module(model, pipeline.plan, pipeline.stage_plan, pipeline.placement,
                                  pipeline.processors, pipeline.item_cost,
-                                 encoder_dummies=encoder_dummies)
+                                 encoder_dummies=encoder_dummies, pool=pool)
 
 
 def router_of(module: nn.Module) -> EmbeddingRouter | None:
     """The router `parallelize` attached to `module` (None on a pipeline stage, whose module is
     not the model, and on a model the plan was not applied to)."""
     return getattr(module, "router", None)
+
+
+def encoder_pool_of(module: nn.Module) -> EncoderPool | None:
+    """The encoder pool this rank's `module` runs (the model's router's, or a pipeline stage's
+    `pool`), None without one."""
+    router = router_of(module)
+    return router.encoder_pool if router is not None else getattr(module, "pool", None)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule
 
 from ds_omni.parallel.bubbles import BubblePlan, plan_bubbles
-from ds_omni.parallelize.joint import JointPlan, plan_joint
+from ds_omni.parallelize.joint import EncodeShare, JointPlan, plan_joint
 
 
 class EncodeForward(schedule.PipeInstruction):
@@ -123,6 +123,7 @@ class BubbleEncoding:
                  device, dtype, batches, encoders, processors):
         self.joint, self.plan, self.stage, self.group = joint, plan, stage, group
         self.device, self.dtype, self.hidden = device, dtype, hidden
+        # batches: each micro-batch's items this pipeline encodes (`EncodeShare`)
         self.batches, self.encoders, self.processors = batches, encoders, processors
         starts = [0]
         for item in joint.items:
@@ -133,6 +134,7 @@ class BubbleEncoding:
         self.backwarded: set[int] = set()
         self.kept: dict = {}  # bf16: encoder parameter -> its gradients of the step so far
         self.rows = None
+        self.received = 0  # stage 0: rows received from later stages this step
         if stage == 0:  # every row, a leaf: its gradient is what goes back
             self.rows = torch.zeros((starts[-1], hidden), device=device, dtype=dtype,
                                     requires_grad=True)
@@ -188,6 +190,7 @@ class BubbleEncoding:
             if item.micro == micro and owner != 0:
                 works.append(dist.irecv(self.rows.data[self.starts[i]:self.starts[i + 1]],
                                         self._peer(owner), group=self.group))
+                self.received += item.rows
         for work in works:
             work.wait()
 
@@ -317,6 +320,7 @@ class BubbleSetup:
         self.joint, self.stage_cost, self.clock = joint, list(stage_cost), clock
         self.hidden_share: float | None = None  # the last step's planned share in gaps
         self.items_in_gaps = 0  # items whose forward ran in a gap, since start (tests)
+        self.rows_received = 0  # stage 0: rows received from later stages, since start (tests)
 
     def __getattr__(self, name):
         if name == "joint":  # not set yet (a copy being made): no recursion
@@ -324,8 +328,12 @@ class BubbleSetup:
         return getattr(self.joint, name)
 
     def start(self, micro_batches: list, device) -> BubbleEncoding:
+        """The step's plan over this pipeline's items: under SP its shard's (`EncodeShare`, as
+        "uniform"), whose rows stage 0's resharding all-to-all takes to their placeholders; under
+        TP each TP rank's pipeline encodes every item, so each stage 0 rank holds every row."""
         j = self.joint
-        joint, plan = plan_step(micro_batches, j.item_cost, j.stages, self.stage_cost)
+        shares = [EncodeShare(mb) for mb in micro_batches]
+        joint, plan = plan_step(shares, j.item_cost, j.stages, self.stage_cost)
         if self.hidden_share is None and j.stage == 0 and dist.get_rank() == 0:
             print(f"ds-omni: encoder_placement \"bubbles\": {plan.hidden_share:.0%} of the "
                   f"first step's modelled encoder work fits the pipeline's idle slots; the "
@@ -335,13 +343,14 @@ class BubbleSetup:
         self.items_in_gaps += sum(1 for i, s in enumerate(plan.stage_of)
                                   if s == j.stage and plan.hidden_forward[i])
         return BubbleEncoding(joint, plan, j.stage, j.group, j.hidden, device,
-                              j.encoders_dtype(), micro_batches, j.encoders, j.processors)
+                              j.encoders_dtype(), shares, j.encoders, j.processors)
 
     def bind(self, engine) -> None:
         install(engine, self.clock)
 
     def finish(self, enc: BubbleEncoding) -> None:
         enc.finish()
+        self.rows_received += enc.received
         for p, grad in enc.kept.items():  # bf16: the cool-down's gradients, kept apart
             p.grad = grad
         for p in self.joint.params:  # an encoder with no item here: a zero gradient, as "uniform"

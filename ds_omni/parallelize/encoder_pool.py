@@ -51,6 +51,8 @@ class PoolItem:
     shards: tuple[int, ...] = ()
     """[size of the home group] its rows on each shard, in order (placeholders may straddle a
     shard boundary); () stands for (rows,): a group of one rank."""
+    seqs: tuple[int, ...] = ()
+    """Its `EncodedItem.encoder_seqs`: a rebuilt item is priced as its home prices it (under pp)."""
 
     @property
     def nbytes(self) -> int:
@@ -255,7 +257,8 @@ def item_meta(home: int, encoder: str, index: int, item, cost: float,
     """The metadata of an `EncodedItem` that other ranks need (no tensor data)."""
     inputs = tuple((k, tuple(v.shape), str(v.dtype).removeprefix("torch."))
                    for k, v in sorted(item.inputs.items()))
-    return PoolItem(home, encoder, index, item.num_embeddings, float(cost), inputs, shards)
+    return PoolItem(home, encoder, index, item.num_embeddings, float(cost), inputs, shards,
+                    tuple(item.encoder_seqs))
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -371,14 +374,14 @@ class EncoderPool:
         received = exchange_inputs(plan, self.rank, mb.items, self.group, self.device)
         mine = plan.encodes(self.rank)
         self.items_moved += sum(self.rank not in plan.items[i].group for i in mine)
-        inputs = {}
+        inputs, items = {}, {}
         for enc in self.encoder_order:
-            items = [_encoded(plan.items[i], mb.items, received.get(i), self.rank)
-                     for i in mine if plan.items[i].encoder == enc]
-            if items:
-                inputs[enc] = self.processors[enc].collate(items)
+            items[enc] = [_encoded(plan.items[i], mb.items, received.get(i), self.rank)
+                          for i in mine if plan.items[i].encoder == enc]
+            if items[enc]:
+                inputs[enc] = self.processors[enc].collate(items[enc])
         return dataclasses.replace(mb, encoder_inputs=inputs).routed(
-            pooled=True, reshard=plan.reshard(self.rank, self.home_row(mb)))
+            pooled=True, reshard=plan.reshard(self.rank, self.home_row(mb)), pool_items=items)
 
     def home_row(self, mb) -> HomeRow:
         """This rank's row as the plan needs it: under SP (`mb.route.reshard` from `shard_row`) its
@@ -404,12 +407,12 @@ def _encoded(item: PoolItem, local: dict[str, list], received, rank: int):
     from received inputs."""
     if rank in item.group:
         return local[item.encoder][item.index]
-    return EncodedItem(inputs=received, num_embeddings=item.rows)
+    return EncodedItem(inputs=received, num_embeddings=item.rows, encoder_seqs=list(item.seqs))
 
 
 def encoder_pool_for(built, plan, rank: int, group, item_cost) -> EncoderPool | None:
     """`parallel.encoder_pool="dp"`: this rank's pool over `group` (`RankGroups.pool`), every
-    rank of the (single) pipeline stage: the data-parallel ranks, under sp > 1 those times the SP
+    rank of its pipeline stage (pp: `PipelineModule.pool`): the data-parallel x SP
     ranks, whose groups are consecutive pool ranks (under max_sequence_sp > 1 a block's
     micro-batch names its group, `sp_block`); priced by the loader's cost model. None (said once)
     when there is one data-parallel rank: the row's SP group (if any) already spreads its items."""

@@ -104,6 +104,21 @@ def plan_joint(micro_items: list[dict[str, list]], item_cost, stages: int) -> Jo
 
 
 # ---------------------------------------------------------------------------------- runtime
+class EncodeShare:
+    """The items of a micro-batch this rank's pipeline encodes ("uniform", "bubbles"): all, or
+    on an SP shard those its reshard plan gives it (`RankReshard.encode`, text order; the other
+    SP ranks' pipelines encode the rest, and the shard's all-to-all brings their rows), or under
+    the encoder pool those the pool gave it (`Route.pool_items`, any rank's)."""
+
+    def __init__(self, mb):
+        plan = mb.route.reshard
+        if mb.route.pooled:
+            self.items = mb.route.pool_items
+        else:
+            self.items = mb.items if plan is None else {
+                e: [mb.items[e][k] for k in idx] for e, idx in plan.encode.items()}
+
+
 class JointEncoding:
     """One step of uniform encoder placement on one rank (module docstring)."""
 

@@ -29,7 +29,7 @@ from ds_omni.batch import IGNORE_INDEX
 from ds_omni.errors import LaunchError, ModelError
 from ds_omni.model.layer_files import pipeline_prefixes
 from ds_omni.model.omni import DEEPSTACK_ALONE, OmniModel, summed_token_loss
-from ds_omni.parallelize.joint import EncoderShards, JointEncoding, plan_joint
+from ds_omni.parallelize.joint import EncoderShards, EncodeShare, JointEncoding, plan_joint
 from ds_omni.parallelize.pipeline_moe import AuxCarry
 from ds_omni.parallelize.pipe_grid import mark_norm_owners, pipe_topology
 from ds_omni.parallelize.tensor_parallel import tp_counts
@@ -227,17 +227,6 @@ class JointSetup:
             p.ds_pipe_replicated = id(p) not in owned
 
 
-class EncodeShare:
-    """The items of a micro-batch this rank's pipeline encodes under "uniform": all of them, or
-    on an SP shard those its reshard plan gives it (`RankReshard.encode`, text order; the other
-    SP ranks' pipelines encode the rest, and the shard's all-to-all brings their rows)."""
-
-    def __init__(self, mb):
-        plan = mb.route.reshard
-        self.items = mb.items if plan is None else {
-            e: [mb.items[e][k] for k in idx] for e, idx in plan.encode.items()}
-
-
 def optimizer_params(module) -> list[nn.Parameter]:
     """The parameters this rank's optimizer holds: the trainable ones, but under "uniform"
     placement not the encoder parameters another stage owns (`EncoderShards`)."""
@@ -289,10 +278,11 @@ class PipelineSpec:
 
 def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placement: str = "stage0",
                           processors: dict | None = None, item_cost=None,
-                          encoder_dummies: bool = False):
+                          encoder_dummies: bool = False, pool=None):
     """The `PipelineModule` of this rank's stage, split at `stage_plan.parts`; its `step_inputs`
     is the `StepInputs` the step fills, its `joint` the `JointSetup` under "uniform" placement
-    (else None). It has no `loss_fn`: the last stage's layers make the loss (module docstring)."""
+    (else None), its `pool` the `EncoderPool` where this stage encodes (else None). It has no
+    `loss_fn`: the last stage's layers make the loss (module docstring)."""
     from deepspeed.pipe import PipelineModule
     step_inputs = StepInputs()
     layers = pipeline_layers(model, step_inputs)
@@ -328,6 +318,8 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
     from ds_omni.parallelize import bubble_schedule  # its instructions import DeepSpeed
     module.joint = None
     module.clock = bubble_schedule.StageClock()  # bubble_fraction, every placement
+    # the pool places each stage's items over its dp x sp ranks where the stage encodes
+    module.pool = pool if placement == "uniform" or module.stage_id == 0 else None
     if placement in ("uniform", "bubbles"):
         stage = module.stage_id
         if stage != 0:  # every stage holds the encoders; each parameter's owner steps it
@@ -380,8 +372,8 @@ def resolved_placement(cfg, plan, cost, stages: StagePlan) -> str:
     placement = cfg.parallel.encoder_placement
     if placement != "auto":
         return placement
-    if plan.tp_enabled or plan.sp_enabled:  # "bubbles" is refused beside them (the table)
-        return "uniform"
+    if plan.tp_enabled or plan.sp_enabled or plan.encoder_pool:  # its model is of a whole
+        return "uniform"  # row's items on one pipeline; "bubbles" beside the pool is refused
     from ds_omni.parallel.bubbles import auto_placement
     return auto_placement(cost, stages.layer_time, *typical_step(cfg, plan, cost))
 

@@ -227,7 +227,8 @@ def _traffic(shell: Shell, tokens: np.ndarray) -> np.ndarray:
 
 def _pipeline_bound(shell: Shell, llm: np.ndarray, enc: np.ndarray) -> float:
     """1F1B: stage s cannot start before micro-batch 0's forward has run through the stages
-    before it, and then runs all its own work: max over pipelines and stages."""
+    before it, and then runs all its own work: max over pipelines and stages (stage 0's items
+    its own but under the pool, which may move them: none counted)."""
     p, plan, rate = shell.pplan, shell.plan, shell.cluster.flops_per_s
     times = np.asarray(shell.stage_plan.layer_time)
     frac = times / times.sum()  # [P]
@@ -238,7 +239,7 @@ def _pipeline_bound(shell: Shell, llm: np.ndarray, enc: np.ndarray) -> float:
     for s in range(p.pp):
         fill = llm[:, 0] / inner * frac[:s].sum() / 3  # [D]
         own = total * frac[s] * f + (enc.sum(axis=1) / (p.tp if tp_apart(shell) else p.sp)
-                                     if s == 0 and
+                                     if s == 0 and plan.encoder_mode != "pool" and
                                      plan.encoder_placement == "stage0" else 0.0)
         best = max(best, float(((fill + own) / rate).max()))
     return best

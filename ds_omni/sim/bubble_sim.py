@@ -1,7 +1,7 @@
 """Encoder work in the pipeline's bubbles on simulated ranks (`encoder_placement: "bubbles"`).
 
-Each pipeline's items of the step are placed as training places them (`parallel.bubbles.
-plan_bubbles` on the cost model's item costs and stage times). An item's forward runs on its
+Each pipeline's items of the step (an SP shard's: its reshard plan's; every TP rank alike) are
+placed as training places them (`plan_bubbles` on the cost model's item costs and stage times). An item's forward runs on its
 owner stage at the start of its planned schedule step (a warm-up idle slot, or the step's start
 where no gap holds it); its rows reach stage 0 right before that stage's forward of the item's
 micro-batch (a receive: stage 0 waits for the owner). Its backward runs at its planned step (a
@@ -11,17 +11,20 @@ backward of the micro-batch. The ops join each stage's 1F1B order at the schedul
 cannot hold delays its stage as on the engine. "auto" resolves as training resolves it.
 More: docs/simulator.md.
 
-Dims: P stages, M micro-batches, D pipelines.
+Dims: P stages, M micro-batches, D ranks a stage (pipelines: dp x sp x tp).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
+from ds_omni.parallel import reshard
 from ds_omni.parallel.bubbles import CallOverhead, auto_placement, plan_bubbles
 from ds_omni.sim import comm
+from ds_omni.sim.encode_sim import Row
 from ds_omni.sim.timeline import COMM
 
 
@@ -29,12 +32,12 @@ def resolve_auto(step, stage_plan) -> None:
     """`encoder_placement: "auto"` -> "bubbles" where the cost model's typical step predicts a
     gain, else "uniform" (`auto_placement` on the stages training splits, `stage_plan(step)`, the
     drawn samples' items a sample and the cluster's call and message costs, `typical_inputs`;
-    "uniform" beside tp or sp, as training does), in `step.plan`."""
+    "uniform" beside tp, sp or the pool, as training does), in `step.plan`."""
     p, plan = step.pplan, step.plan
     if plan.encoder_placement != "auto":
         return
     step.plan = _placed(plan, "uniform")  # "bubbles" splits the stages as "uniform" does
-    if p.tp == 1 and p.sp == 1:
+    if p.tp == 1 and p.sp == 1 and plan.encoder_mode != "pool":
         step.plan = _placed(plan, auto_placement(step.model.cost, stage_plan(step).layer_time,
                                                  *typical_inputs(step)))
 
@@ -83,17 +86,31 @@ class BubbleOps:
         self.hidden_share = []  # per pipeline, the plan's share of encoder work in gaps
         weights = step.cluster.micro_batch_s_per_param * float(sum(
             step.model.encoder_params(n) for n in step.model.dims.encoders))
+        sp, tp = p.sp, p.tp
         for d, rounds in enumerate(step.assignment.rounds):
-            self._pipeline(d, rounds, D, weights)
+            for j, (ids, micro) in enumerate(self._shard_items(rounds)):
+                first = (d * sp + j) * tp  # the columns of SP shard j's TP ranks
+                self._pipeline(np.arange(first, first + tp), ids, micro, D, weights)
 
-    def _pipeline(self, d: int, rounds, D: int, weights: float) -> None:
-        """Plan pipeline d's items and add their work to the ops' [D] arrays."""
-        step, P, fe = self.step, self.P, self.step.encoder_fwd
-        items_of = step.layout.items_of
-        ids, micro = [], []
+    def _shard_items(self, rounds) -> list[tuple[list[int], list[int]]]:
+        """Per SP shard of a pipeline's rows: (its item ids, their micro-batches), each row's
+        items on the shards training's reshard plan gives them (`reshard.place_items`, long
+        items whole as under the joint pipeline); every TP rank of a shard encodes them all."""
+        step, sp = self.step, self.step.pplan.sp
+        out: list[tuple[list[int], list[int]]] = [([], []) for _ in range(sp)]
         for m in range(self.M):
-            got = [i for n in rounds[m].samples.tolist() for i in items_of[n].tolist()]
-            ids, micro = ids + got, micro + [m] * len(got)
+            slots, ids, tokens = step.layout.slots(Row(np.arange(sp), rounds[m].samples))
+            owner = ([0] * len(ids) if sp == 1 else reshard.place_items(
+                slots, sp, max(1, math.ceil(tokens / sp)), step.model.cost.encoder_names)[0])
+            for k, i in enumerate(ids):
+                out[owner[k]][0].append(i)
+                out[owner[k]][1].append(m)
+        return out
+
+    def _pipeline(self, d, ids: list[int], micro: list[int], D: int, weights: float) -> None:
+        """Plan the items `ids` (micro-batches `micro`) of the pipeline whose ranks are columns
+        `d` of each stage, and add their work to the ops' [D] arrays."""
+        step, P, fe = self.step, self.P, self.step.encoder_fwd
         if not ids:
             return
         plan = plan_bubbles(micro, step.item_cost[ids].tolist(), P, self.M,
@@ -111,7 +128,7 @@ class BubbleOps:
             if s > 0:
                 _add(self.rows, (s, m), D, d, step.samples.item_rows[i] * step.model.dims.hidden * 2)
                 last = self.last_fwd.setdefault((s, m), np.full(D, -1))
-                last[d] = max(last[d], t_f)
+                last[d] = np.maximum(last[d], t_f)
         for s, t in first.items():  # the replica's weights read once a step (as "uniform")
             _add(self.fwd, (s, t), D, d, weights * fe)
             _add(self.bwd, (s, last_b[s]), D, d, weights * (1 - fe))

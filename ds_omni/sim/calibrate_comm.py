@@ -10,8 +10,9 @@ One least-squares fit over all of them gives alpha (seconds a message) and beta 
 which become the cluster's intra-node link (the processes share one machine). The file is a
 cluster description `cluster("path.json", gpus)` loads: the "cpu" preset with these fields.
 
-CPU time would miss the wait a collective is made of, so collectives are timed by the clock
-on the wall; each size is repeated and the median kept, which a busy machine distorts least.
+CPU time would miss the wait a collective is made of, so collectives are timed by the wall
+clock (`clock=time.process_time`: the CPU they spend, what a CPU-clock measurement counts);
+each size is repeated and the median kept, which a busy machine distorts least.
 """
 
 from __future__ import annotations
@@ -108,19 +109,19 @@ def _uneven_splits(p: int, rank: int, elems: int) -> tuple[list[int], list[int]]
     return send, recv
 
 
-def _time(fn, repeats: int) -> float:
+def _time(fn, repeats: int, clock=time.perf_counter) -> float:
     import torch.distributed as dist
     fn()  # warm-up: buffers and the algorithm chosen
     times = []
     for _ in range(repeats):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
-def _measure_rank(rank: int, world: int, sizes, repeats: int) -> list[tuple]:
+def _measure_rank(rank: int, world: int, sizes, repeats: int, clock) -> list[tuple]:
     import torch
     import torch.distributed as dist
     out = []
@@ -138,11 +139,11 @@ def _measure_rank(rank: int, world: int, sizes, repeats: int) -> list[tuple]:
             # the all-to-all's own rows are a local copy (`comm.all_to_all_pairs` skips them)
             moved = (max(sum(send) - send[rank], sum(recv) - recv[rank]) * 4
                      if op == "all_to_all" else n // world * world * 4)
-            out.append((op, world, moved, _time(fn, repeats)))
+            out.append((op, world, moved, _time(fn, repeats, clock)))
     return out
 
 
-def _child(rank: int, world: int, out_dir: str, sizes, repeats: int) -> None:
+def _child(rank: int, world: int, out_dir: str, sizes, repeats: int, clock) -> None:
     import pickle
     import torch
     import torch.distributed as dist
@@ -151,22 +152,24 @@ def _child(rank: int, world: int, out_dir: str, sizes, repeats: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank,
                             world_size=world, timeout=timedelta(seconds=120))
     try:
-        rows = _measure_rank(rank, world, sizes, repeats)
+        rows = _measure_rank(rank, world, sizes, repeats, clock)
         Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(rows))
     finally:
         dist.destroy_process_group()
 
 
-def measure(world: int, sizes=SIZES, repeats: int = 9, timeout: float = 300.0) -> list[Timing]:
+def measure(world: int, sizes=SIZES, repeats: int = 9, timeout: float = 300.0,
+            clock=time.perf_counter) -> list[Timing]:
     """Time every collective of OPS at `sizes` on `world` local processes over gloo; the
-    slowest rank's median of each."""
+    slowest rank's median of each, on `clock` (`time.process_time`: the CPU a call spends,
+    what a CPU-clock measurement of training counts, not its waits)."""
     import multiprocessing as mp
     import pickle
     if world < 2:
         raise ConfigError(f"collectives need >= 2 processes, got --ranks {world}")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="ds_omni_comm_") as tmp:
-        procs = [ctx.Process(target=_child, args=(r, world, tmp, tuple(sizes), repeats))
+        procs = [ctx.Process(target=_child, args=(r, world, tmp, tuple(sizes), repeats, clock))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -187,9 +190,9 @@ def measure(world: int, sizes=SIZES, repeats: int = 9, timeout: float = 300.0) -
             for i, (op, w, _, _) in enumerate(per_rank[0])]
 
 
-def calibrate(worlds=(2, 4), sizes=SIZES, repeats: int = 9) -> dict:
+def calibrate(worlds=(2, 4), sizes=SIZES, repeats: int = 9, clock=time.perf_counter) -> dict:
     """Measure on every world size of `worlds`, fit one link: the report and the cluster."""
-    timings = [t for w in worlds for t in measure(w, sizes, repeats)]
+    timings = [t for w in worlds for t in measure(w, sizes, repeats, clock=clock)]
     report = fit_report(timings)
     return {"cluster": cluster_fields(report), **report, "ranks": list(worlds),
             "cpu_count": os.cpu_count()}

@@ -26,6 +26,7 @@ from ds_omni.parallel.reshard import ItemSlots
 from ds_omni.parallel.tp_encode import assign_tp_items, first_rank
 from ds_omni.parallelize import encoder_pool
 from ds_omni.parallelize.encoder_pool import PoolItem
+from ds_omni.sim import comm
 from ds_omni.sim.workload import Samples
 
 ENCODER_MODES = ("reshard", "split_all", "replicated", "pool")
@@ -193,9 +194,10 @@ def _shard_spans(lo: int, n: int, shard: int):
             yield j, c
 
 
-def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> None:
-    """Every row's short items over all `world` ranks (`plan_round`), long ones over their row's
-    own group; the rows a rank makes go to the ranks holding their placeholders."""
+def pool_round(rows, layout, world, long_items, heads, order) -> tuple:
+    """(the pool's plan of the round over `world` ranks (`plan_round`), its short items' ids,
+    the long items as (row, slot, shard, id)): every row's short items over all ranks, long ones
+    over their row's own group."""
     items, long, owners_of_long, item_ids = [], [], [], []
     for row in rows:
         slots, ids, tokens = layout.slots(row)
@@ -213,9 +215,15 @@ def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> Non
             else:
                 items.append(it)
                 item_ids.append(i)
-    plan = encoder_pool.plan_round(items, world, order, long=long)
+    return encoder_pool.plan_round(items, world, order, long=long), item_ids, owners_of_long
+
+
+def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> None:
+    """The pool's round (`pool_round`); the rows a rank makes go to the ranks holding their
+    placeholders, a moved item's inputs from its home group."""
+    plan, item_ids, owners_of_long = pool_round(rows, layout, world, long_items, heads, order)
     work.flops += np.asarray(plan.loads())
-    _pool_short(items, plan.owner, item_ids, layout, work)
+    _pool_short(plan.items, plan.owner, item_ids, layout, work)
     for row, s, shard, i in owners_of_long:
         g = len(row.ranks)
         bounds = split_rows(len(s.positions), g)
@@ -259,6 +267,28 @@ def _pool_short(items, owners, item_ids, layout, work: RoundWork) -> None:
             work.inputs.append((sender, owner, length * INPUT_BYTES.get(it.encoder, 1024)))
     for enc, ranks in by_encoder.items():
         work.ran(enc, ranks)
+
+
+def reshard_seconds(step, work) -> tuple[np.ndarray, np.ndarray]:
+    """[W] seconds of each rank in the round's embedding all-to-all (forward; backward sends
+    the gradients the same way), and [W] in the pool's input all-to-all (forward only)."""
+    c, n = step.cluster, len(step.llm_ranks())
+    if "reshard" not in work.memo:  # the placement's alone: plans sharing it share these
+        out = []
+        for msgs, times in ((work.sends, 2), (work.inputs, 1)):
+            seconds, moved = np.zeros(c.gpus), None
+            if msgs:
+                src, dst, nbytes = (np.array(x, dtype=np.float64) for x in zip(*msgs))
+                moved = float(nbytes[src != dst].sum()) * times
+                seconds = comm.all_to_all_pairs(src.astype(np.int64), dst.astype(np.int64),
+                                                nbytes, c)
+            out.append((seconds[:n], moved))
+        work.memo["reshard"] = out
+    (rows_s, rows_moved), (inputs_s, inputs_moved) = work.memo["reshard"]
+    for name, moved in (("reshard", rows_moved), ("pool_inputs", inputs_moved)):
+        if moved is not None:
+            step.a2a_bytes[name] += moved
+    return rows_s, inputs_s
 
 
 # ------------------------------------------------------------------------ tensor parallel

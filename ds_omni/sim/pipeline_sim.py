@@ -10,7 +10,7 @@ backward for the stage after (gradients); interleaved (`SimPlan.virtual_stages` 
 over P v model chunks, Megatron's order. Every pipeline has the same op order.
 
 Under tp and ep each rank of a stage is a column, with TP's all-reduces and EP's all-to-alls
-after each of its passes (`stage_parallel`).
+after each of its passes (`stage_parallel`); under the encoder pool: `pool_sim`.
 
 Dims: P stages, M micro-batches, D pipelines (dp x sp), L decoder layers.
 """
@@ -21,7 +21,7 @@ import numpy as np
 
 from ds_omni.parallel.stages import stage_plan_for
 from ds_omni.parallelize.joint import assign_items
-from ds_omni.sim import bubble_sim, comm, stage_parallel
+from ds_omni.sim import bubble_sim, comm, pool_sim, stage_parallel
 from ds_omni.sim.timeline import COMM
 
 # the placements with encoders on every stage ("bubbles": `bubble_sim`; "auto" resolves to one)
@@ -97,7 +97,8 @@ def _micro_arrays(step):
     per rank (an SP group splits its row's work evenly). Kept in the step's cache for the plans
     of one loader assignment and sp (a search's pipelines differ there in ZeRO, encoders,
     placement, checkpointing: read-only arrays)."""
-    key = ("pipe_micro", id(step.assignment), step.pplan.sp, step.pplan.seq_data_size)
+    key = ("pipe_micro", id(step.assignment), step.pplan.sp, step.pplan.seq_data_size,
+           step.plan.encoder_mode, pool_sim.pool_long(step))
     if step.cache is None:
         return _micro_arrays_of(step)
     if key not in step.cache:  # the assignment lives in the same cache: its id stays its own
@@ -118,6 +119,8 @@ def _micro_arrays_of(step):
             tokens[m, cols] = step.samples.tokens[s].sum() / p.sp
             ids = np.concatenate([items_of[n] for n in s.tolist()] or [np.zeros(0, np.int64)])
             enc[m, cols] = step.item_cost[ids].sum() / p.sp
+    if step.plan.encoder_mode == "pool":  # each round's items over the pool's ranks
+        enc = pool_sim.pool_loads(step)
     return llm, tokens, enc
 
 
@@ -170,6 +173,8 @@ def run_pipeline(step) -> None:
         llm, tokens, enc = stage_parallel.per_rank(step, llm, tokens, enc)
     ranks = [step.ranks_of(0, p.dp, s) for s in range(P)]  # [P][D tp]
     uniform = plan.encoder_placement in JOINT
+    if plan.encoder_mode == "pool":  # its planning and exchanges, before the schedule
+        pool_sim.pool_exchanges(step, ranks, list(range(P)) if uniform else [0])
     passes = _Passes(step, ranks, frac, llm, tokens, enc, uniform)
     bubbles = bubble_sim.BubbleOps(step, ranks) if plan.encoder_placement == "bubbles" else None
     if uniform and bubbles is None:
@@ -359,30 +364,40 @@ def _uniform_items(step) -> tuple[np.ndarray, np.ndarray]:
     kept in the step's cache for the plans of one assignment and shape (read-only)."""
     p = step.pplan
     key = ("pipe_items", id(step.assignment), p.pp, p.sp, p.tp, p.seq_data_size,
-           bool(step.tp_apart))
+           bool(step.tp_apart), step.plan.encoder_mode)
     if step.cache is not None and key in step.cache:
         return step.cache[key]
-    items_of = step.layout.items_of
     load = np.zeros((p.pp, p.seq_data_size))  # [P, D] encoder FLOPs per rank
     rows = np.zeros((p.pp, p.seq_data_size))  # [P, D] rows each stage sends to stage 0
-    for d, rounds in enumerate(step.assignment.rounds):
-        ids = np.concatenate([items_of[n] for r in rounds for n in r.samples.tolist()]
-                             or [np.zeros(0, np.int64)])
+    for cols, ids, share in _pipelines_items(step):
         costs = step.item_cost[ids].tolist()
         stages = assign_items(costs, p.pp)
-        cols = slice(d * p.sp, (d + 1) * p.sp)
         here, sent = [0.0] * p.pp, [0.0] * p.pp  # plain floats, added as the columns were
         for c, n, s in zip(costs, step.samples.item_rows[ids].tolist(), stages):
-            here[s] += c / p.sp
-            sent[s] += n / p.sp
-        load[:, cols] = np.array(here)[:, None]
-        rows[:, cols] = np.array(sent)[:, None]
+            here[s] += c / share
+            sent[s] += n / share
+        load.T[cols], rows.T[cols] = here, sent  # each stage's sum on its columns (one or sp)
     if p.tp > 1:  # every TP rank of a pipeline: its items (1/tp of them where they encode apart)
         apart = p.tp if step.tp_apart else 1
         load, rows = np.repeat(load, p.tp, axis=1) / apart, np.repeat(rows, p.tp, axis=1) / apart
     if step.cache is not None:
         step.cache[key] = (load, rows)
     return load, rows
+
+
+def _pipelines_items(step) -> list[tuple]:
+    """(its columns of a stage, [n] the ids of the items it encodes a step, the columns' count)
+    of each pipeline of the joint pipeline: a data-parallel rank's SP ranks and its rows' items
+    (each SP rank a share), or under the pool each pool rank and the items the pool gives it."""
+    p = step.pplan
+    if step.plan.encoder_mode == "pool":
+        return [(c, ids, 1) for c, ids in enumerate(pool_sim.pool_owned(step))]
+    items_of, out = step.layout.items_of, []
+    for d, rounds in enumerate(step.assignment.rounds):
+        ids = np.concatenate([items_of[n] for r in rounds for n in r.samples.tolist()]
+                             or [np.zeros(0, np.int64)])
+        out.append((slice(d * p.sp, (d + 1) * p.sp), ids, p.sp))
+    return out
 
 
 def _pipeline_memory(step, tokens: np.ndarray, frac: np.ndarray) -> None:

@@ -79,7 +79,7 @@ def run_ring(step, rr, ids: np.ndarray, groups: np.ndarray, u: int, c: int,
     # one step's forward attention on a rank: 1/3 of training, a layer's, the rank's, 1/c
     block = np.repeat(attn, per_ring) / 3 / m.dims.layers / (u * c * tp) / c / step.rate
     nbytes = tokens / c * kv_bytes_per_token(m, u, tp)  # [R tp u] one block
-    dense_blocks(step, rings, block_flops(step, rr, ids, attn), per_ring, backward)
+    dense_blocks(step, rings, block_flops(step, rr, ids, attn, c), per_ring, backward)
     link = comm.links_each(step.cluster, rings)
     seconds = m.dims.layers * ring_layer_seconds(comm.p2p_each(nbytes, link), block, c,
                                                  backward, plan.checkpointing)
@@ -90,19 +90,29 @@ def run_ring(step, rr, ids: np.ndarray, groups: np.ndarray, u: int, c: int,
     step.timeline.sync(rings.reshape(-1), gid, "llm_cp", seconds[gid])
 
 
-def block_flops(step, rr, ids: np.ndarray, attn: np.ndarray) -> np.ndarray:
+def compacted_share(c: int) -> float:
+    """The share of a row's full square its ring's blocks compute: the kernel (`ring_kernels.
+    CompactBlock`) keeps a block's queries that see one of its keys and keys one query sees;
+    under zigzag (rank i: chunks i and 2c-1-i of every sample) a rank's own block is whole and
+    each other block half (j < i: every query, the head chunks' keys; j > i: the tail chunks'
+    queries, every key): (C^2 + (c - 1) C^2 / 2) / (c C^2) = (c + 1) / 2c."""
+    return (c + 1) / (2 * c)
+
+
+def block_flops(step, rr, ids: np.ndarray, attn: np.ndarray, c: int) -> np.ndarray:
     """[R] each row's ring attention in FLOPs at the step's rate, beyond the varlen cost the
     step already charged (`attn`: the causal sum of its samples' squares): `block_attention`
-    scores every query of a rank against every key of each block, masked (zigzag puts every
-    sample on every rank, so no block is skipped): the full square of the row, twice its causal
-    L^2, at `Cluster.ring_flops_per_s` (its pure-torch kernel, calibrated on CPU). 0 there (the
-    GPU presets): a fused varlen ring kernel, nothing beyond `attn`."""
+    scores a block's queries against its keys, masked, not sample by sample (zigzag puts every
+    sample on every rank): the row's full square, twice its causal L^2, of which its c ranks'
+    blocks keep `compacted_share(c)`, at `Cluster.ring_flops_per_s` (its pure-torch kernel,
+    calibrated on CPU). 0 there (the GPU presets): a fused varlen ring kernel, nothing beyond
+    `attn`."""
     ring_rate = step.cluster.ring_flops_per_s
     if not ring_rate:
         return np.zeros(len(ids))
     quad = step.model.cost.coefficients["llm_quad"]
-    dense = 2 * quad * rr.tokens[ids].astype(np.float64) ** 2 * step.rate / ring_rate
-    return np.maximum(0.0, dense - attn)
+    dense = 2 * quad * rr.tokens[ids].astype(np.float64) ** 2 * compacted_share(c)
+    return np.maximum(0.0, dense * step.rate / ring_rate - attn)
 
 
 def dense_blocks(step, rings: np.ndarray, flops: np.ndarray, per_ring: int,

@@ -22,12 +22,12 @@ import numpy as np
 from ds_omni.errors import DataError, ModelError
 from ds_omni.parallelize.embedding import encoder_dummies_needed
 from ds_omni.sim import comm, gpus, memory, model_parallel, pipeline_sim, ring_sim
-from ds_omni.sim.calibrate_comm import POOL_META_BYTES
 from ds_omni.sim.cluster import Cluster
-from ds_omni.sim.encode_sim import Row, round_work, step_costs
+from ds_omni.sim.encode_sim import Row, reshard_seconds, round_work, step_costs
 from ds_omni.sim.loader_sim import plan_step
 from ds_omni.sim.model_spec import ModelSpec
 from ds_omni.sim.plan_spec import SimPlan
+from ds_omni.sim.pool_sim import plan_pool, pool_calls
 from ds_omni.sim.report import StepReport, build_report
 from ds_omni.sim.separate import run_separate
 from ds_omni.sim.timeline import Timeline
@@ -131,45 +131,6 @@ def check_fits_somewhere(cluster: Cluster, model: ModelSpec) -> None:
             "with more memory, or freeze parts of the model")
 
 
-# ------------------------------------------------------------------------ the encoder pool
-POOL_CALLS = 3
-"""All-to-all calls of a round whose pool plan moves an item (`EncoderPool.place`): the moved
-items' inputs (`exchange_inputs`), the embedding rows (`ReshardEmbeddings`) and their gradients
-back. A round that moves nothing makes none (it runs as without the pool)."""
-
-
-def pool_groups(step: Step) -> np.ndarray:
-    """[tp, P] the pool groups: the ranks of one TP coordinate (the pool runs per TP rank)."""
-    tp = step.pplan.tp
-    return step.llm_ranks().reshape(-1, tp).T
-
-
-def plan_pool(step: Step) -> None:
-    """The pool's planning once a step (`EncoderPool.plan_step`), before the rounds: every rank
-    all-gathers every rank's item metadata (`all_gather_object`: the sizes, then the pickled
-    lists, `calibrate_comm.POOL_META_BYTES` an item) and plans every round over all of them
-    (`Cluster.pool_item_s` an item of the step, CPU)."""
-    groups = pool_groups(step)
-    p = groups.shape[1]
-    items = int(np.isin(step.samples.item_sample, step.assignment.planned).sum())
-    link = comm.link_of(step.cluster, groups[0])
-    wire = comm.all_gather(8 * p, p, link) + comm.all_gather(
-        POOL_META_BYTES * items, p, link)
-    ranks = groups.reshape(-1)
-    step.timeline.sync(ranks, np.repeat(np.arange(len(groups)), p), "pool_plan", wire)
-    if step.cluster.pool_item_s:
-        step.timeline.run(ranks, "pool_plan", step.cluster.pool_item_s * items)
-
-
-def _pool_calls(step: Step, work) -> None:
-    """A round whose pool plan moves an item: each pool rank's own seconds of its `POOL_CALLS`
-    all-to-all calls beyond the wire (`Cluster.a2a_call_s`, the calibrated cost of a call;
-    the wire is in the resharding's)."""
-    if step.plan.encoder_mode == "pool" and work.inputs and step.cluster.a2a_call_s:
-        ranks = pool_groups(step).reshape(-1)
-        step.timeline.run(ranks, "pool_exchange", POOL_CALLS * step.cluster.a2a_call_s)
-
-
 # ----------------------------------------------------------------------------- one round
 def round_rows(step: Step, k: int) -> list[Row]:
     """Round k's rows: each data-parallel rank's micro-batch over its SP group, or a block's
@@ -239,9 +200,9 @@ def run_round(step: Step, k: int) -> None:
     tl.run(ranks, "encode_fwd", work.flops * step.encoder_fwd / rate)
     _encoder_sp(step, work, backward=False)
     model_parallel.run_tp_gather(step, work)
-    rows_s, inputs_s = _reshard_seconds(step, work)
+    rows_s, inputs_s = reshard_seconds(step, work)
     _sync_groups(step, work.groups, "reshard", rows_s + inputs_s)
-    _pool_calls(step, work)
+    pool_calls(step, work)
     for backward in (False, True):
         seconds = llm * ((2 + step.plan.checkpointing) if backward else 1) / 3 / step.llm_rate
         tl.run(ranks, "llm_bwd" if backward else "llm_fwd", seconds)
@@ -299,28 +260,6 @@ def _sync_groups(step: Step, groups: list, phase: str, seconds: np.ndarray) -> N
     gid = np.repeat(np.arange(len(groups)), [len(g) for g in groups])
     per_group = np.array([seconds[g].max() for g in groups])
     step.timeline.sync(ranks, gid, phase, per_group[gid])
-
-
-def _reshard_seconds(step: Step, work) -> tuple[np.ndarray, np.ndarray]:
-    """[W] seconds of each rank in the round's embedding all-to-all (forward; backward sends
-    the gradients the same way), and [W] in the pool's input all-to-all (forward only)."""
-    c, n = step.cluster, len(step.llm_ranks())
-    if "reshard" not in work.memo:  # the placement's alone: plans sharing it share these
-        out = []
-        for msgs, times in ((work.sends, 2), (work.inputs, 1)):
-            seconds, moved = np.zeros(c.gpus), None
-            if msgs:
-                src, dst, nbytes = (np.array(x, dtype=np.float64) for x in zip(*msgs))
-                moved = float(nbytes[src != dst].sum()) * times
-                seconds = comm.all_to_all_pairs(src.astype(np.int64), dst.astype(np.int64),
-                                                nbytes, c)
-            out.append((seconds[:n], moved))
-        work.memo["reshard"] = out
-    (rows_s, rows_moved), (inputs_s, inputs_moved) = work.memo["reshard"]
-    for name, moved in (("reshard", rows_moved), ("pool_inputs", inputs_moved)):
-        if moved is not None:
-            step.a2a_bytes[name] += moved
-    return rows_s, inputs_s
 
 
 def _encoder_sp(step: Step, work, backward: bool) -> None:

@@ -19,7 +19,7 @@ from ds_omni.data.loader_process import feed_for
 from ds_omni.data.skipped import SKIPPED_FILE, flush_skipped, skipped_totals
 from ds_omni.errors import LaunchError
 from ds_omni.parallel import dist
-from ds_omni.parallelize import router_of
+from ds_omni.parallelize import encoder_pool_of, router_of
 from ds_omni.parallelize.bubble_schedule import bubble_metrics
 from ds_omni.parallelize.expert_parallel import expert_load
 from ds_omni.train import checkpoint, reshard
@@ -184,8 +184,7 @@ def pool_metrics(module) -> dict:
     (`data_pool_moved`) and those all ranks did (`data_pool_moved_group`, the same on every rank:
     rank 0's log shows the pool at work even when rank 0 itself moves nothing); nothing without
     the pool."""
-    router = router_of(module)
-    pool = router.encoder_pool if router is not None else None
+    pool = encoder_pool_of(module)
     return {"data_pool_moved": pool.step_moved,
             "data_pool_moved_group": pool.step_moved_group} if pool is not None else {}
 

@@ -168,7 +168,10 @@ def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
                           "data.reorder.mode \"fixed\" or \"loader_order\"")
     inputs = module.step_inputs
     inputs.scale = gas * scale  # the engine divides the last stage's loss by the accumulation steps
-    inputs.batches = [mb.to(engine.device) for mb in batch.micro_batches]
+    placed = batch.micro_batches
+    if getattr(module, "pool", None) is not None:  # the pool's exchanges for every round, before the schedule
+        placed = list(module.pool.prepare(placed))
+    inputs.batches = [mb.to(engine.device) for mb in placed]
     dropped = []
     try:
         if module.clock is not None:  # the step's span, for bubble_fraction

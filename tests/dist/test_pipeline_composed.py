@@ -16,12 +16,17 @@ fails on each (`test_plant_*`).
 
 The slow tier (`test_pipeline_composed_8_ranks`): pp2 x tp2 x sp2 on 8 ranks, LLaVA and Qwen2-VL
 (M-RoPE), ZeRO-1, both encoder placements ("uniform": each SP shard's column of stages encodes
-the items its reshard plan gives it), 3 steps each, checked the same way.
+the items its reshard plan gives it), 3 steps each, checked the same way. Also slow, 4 ranks:
+pp2 x tp2 and pp2 x sp2 under "bubbles" (the image+audio composition in loader order), checked
+the same way, with evidence its encoder work ran (an item's forward in an idle slot, and rows a
+later stage encoded received by every rank of stage 0: `BubbleSetup.rows_received`); a plant
+delivering those rows to stage 0's first rank alone (TP rank 0, SP shard 0) must fail it.
 """
 
 import pytest
 
 from tests import oracle, plants
+from tests.dist import pipeline
 from tests.fixtures import ds_config, text_source, tiny_config
 from tests.harness import run_on_ranks
 
@@ -32,14 +37,24 @@ BATCH = {"global_batch_size": 4, "micro_batch_size": 1}  # 4 micro-batches a ste
 
 
 def _config(case: dict, out_dir: str):
-    from ds_omni.config import ParallelConfig, SourceConfig, from_dict
-    cfg = tiny_config(out_dir, steps=case.get("steps", STEPS), weight_decay=0.1, **BATCH)
+    from ds_omni.config import (ModelConfig, ParallelConfig, ReorderConfig, SourceConfig,
+                                from_dict)
+    cfg = tiny_config(out_dir, steps=case.get("steps", STEPS), weight_decay=0.1,
+                      **case.get("batch", BATCH))
     cfg.parallel = ParallelConfig(pp=2, tp=case.get("tp", 1), sp=case.get("sp", 1),
-                                  encoder_placement=case.get("placement", "stage0"))
+                                  encoder_placement=case.get("placement", "stage0"),
+                                  encoder_pool="dp" if case.get("pool") else "off")
+    if case.get("pool"):  # loader order: the ranks' keys are the global batches to replay
+        cfg.data.reorder = ReorderConfig(mode="loader_order")
     if case.get("model_dir"):
         cfg.model.pretrained, cfg.model.tokenizer = case["model_dir"], None
         cfg.model.vision = cfg.model.llm = None
     cfg.data.sources = [from_dict(SourceConfig, s) for s in case["sources"]]
+    if case.get("reorder"):  # "bubbles": in loader order, so items sit in later micro-batches
+        cfg.data.reorder = from_dict(ReorderConfig, case["reorder"])
+    if case.get("model"):  # "bubbles": the image+audio composition (tests/dist/pipeline.py)
+        cfg.model = from_dict(ModelConfig, case["model"], "model")
+        cfg.data.max_seq_len = case["max_seq_len"]
     return cfg
 
 
@@ -106,6 +121,17 @@ def check(name: str, case: dict, results: list, cfg) -> None:
         _check_tp_ran(name, results)
     if plan.sp_enabled:
         _check_sp_ran(name, results, plan, ref)
+    if case.get("placement") == "bubbles":
+        _check_bubbles_ran(name, results, plan)
+
+
+def _check_bubbles_ran(name, results, plan) -> None:
+    """"bubbles": some item's forward ran in an idle slot, and every rank of stage 0 (each TP
+    rank, each SP shard) received rows a later stage of its column encoded."""
+    assert sum(r[name]["items_in_gaps"] for r in results) > 0, name
+    per_stage = len(results) // plan.pp
+    received = [r[name]["bubble_rows_received"] for r in results[:per_stage]]
+    assert all(n > 0 for n in received), (name, received)
 
 
 def _check_tp_ran(name, results) -> None:
@@ -160,6 +186,50 @@ def test_plant_pipeline_composed_is_caught(plant, four_ranks, tmp_path):
         check(plant, cases[plant], results, _config(cases[plant], str(tmp_path / "ref")))
 
 
+def _bubbles_cases(tmp) -> dict:
+    """The slow tier's 4-rank "bubbles" launch: pp2 x tp2 and pp2 x sp2 (ZeRO-1, loader order),
+    and their plants (a stage's rows reaching one rank of stage 0 alone)."""
+    # as the PP=2 "bubbles" case of tests/dist/pipeline.py: stage 1 encodes items in its warm-up
+    sources = [pipeline.SHAPES_TONES, text_source(tmp)]
+    base = {"zero": 1, "sources": sources, "placement": "bubbles", "model": pipeline.COMPOSED,
+            "max_seq_len": 160, "reorder": {"mode": "loader_order"}}
+    honest = {"pp2_tp2_bubbles": {**base, "tp": 2}, "pp2_sp2_bubbles": {**base, "sp": 2}}
+    planted = {"bubble_rows_tp0_only": "pp2_tp2_bubbles", "bubble_rows_sp0_only": "pp2_sp2_bubbles"}
+    assert sorted(planted) == plants.for_launch("pp_bubbles_composed")
+    return {**honest, **{p: {**honest[base], "steps": 1, "plant": p}
+                         for p, base in planted.items()}}
+
+
+@pytest.fixture(scope="module")
+def bubbles_four_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pp_bubbles")
+    cases = _bubbles_cases(tmp)
+    return cases, run_on_ranks(_train_ranks, 4, args=(cases, str(tmp / "runs")), timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_pipeline_bubbles_with_tp_and_sp_matches_single_process(bubbles_four_ranks, tmp_path):
+    """"bubbles" beside tp and beside sp: exact against one process, its encoder work shown
+    to run and to reach every rank of stage 0."""
+    cases, results = bubbles_four_ranks
+    for name, case in cases.items():
+        if "plant" not in case:
+            check(name, case, results, _config(case, str(tmp_path / f"ref_{name}")))
+
+
+BUBBLES_CAUGHT_BY = {"bubble_rows_tp0_only": "losses", "bubble_rows_sp0_only": "losses"}
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("plant", plants.for_launch("pp_bubbles_composed"))
+def test_plant_pipeline_bubbles_composed_is_caught(plant, bubbles_four_ranks, tmp_path):
+    cases, results = bubbles_four_ranks
+    with pytest.raises(AssertionError, match=BUBBLES_CAUGHT_BY[plant]):
+        check(plant, cases[plant], results, _config(cases[plant], str(tmp_path / "ref")))
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 def test_pipeline_composed_8_ranks(tmp_path_factory, tmp_path):
@@ -171,3 +241,53 @@ def test_pipeline_composed_8_ranks(tmp_path_factory, tmp_path):
     results = run_on_ranks(_train_ranks, 8, args=(cases, str(tmp / "runs")), timeout=1200)
     for name, case in cases.items():
         check(name, case, results, _config(case, str(tmp_path / f"ref_{name}")))
+
+
+def _pool_cases(tmp) -> dict:
+    """The slow tier's pp2 x dp2 launch with the encoder pool: data-parallel rank 0's rows hold
+    every image, rank 1's are text; both placements, ZeRO-1, and the plant."""
+    from tests.data_files import skewed_source
+    sources = [skewed_source(tmp / "skewed")]
+    batch = {"global_batch_size": 8, "micro_batch_size": 2}  # 2 images a round on rank 0
+    honest = {f"pp2_dp2_pool_{p}": {"pool": True, "placement": p, "zero": 1, "sources": sources,
+                                    "steps": 2, "batch": batch} for p in ("stage0", "uniform")}
+    assert plants.for_launch("pp_pool") == ["pp_pool_wrong_rank"]
+    return {**honest, "pp_pool_wrong_rank": {**honest["pp2_dp2_pool_uniform"], "steps": 1,
+                                             "plant": "pp_pool_wrong_rank"}}
+
+
+def check_pool(name: str, case: dict, results: list, cfg) -> None:
+    """`check`, and the pool moved items across ranks on every stage that encodes: rank 1 (stage
+    0, text rows alone) encoded items of rank 0's rows; under "uniform" so did its stage-1 peer
+    (rank 3), whose column splits them; rank 0 kept its own."""
+    check(name, case, results, cfg)
+    moved = [r[name]["pool_items_moved"] > 0 for r in results]
+    assert moved == [False, True, False, case["placement"] == "uniform"], (name, moved)
+    assert all(r[name]["pool_moved"] for r in results[1:2]), name  # the metric data_pool_moved
+
+
+@pytest.fixture(scope="module")
+def pool_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pp_pool")
+    cases = _pool_cases(tmp)
+    return cases, run_on_ranks(_train_ranks, 4, args=(cases, str(tmp / "runs")), timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_pipeline_with_encoder_pool_matches_single_process(pool_ranks, tmp_path):
+    """pp2 x dp2 with parallel.encoder_pool "dp" under both encoder placements (quick: none, a
+    4-rank launch; the pool's pure plans: tests/unit/parallelize/test_encoder_pool.py)."""
+    cases, results = pool_ranks
+    for name, case in cases.items():
+        if "plant" not in case:
+            check_pool(name, case, results, _config(case, str(tmp_path / f"ref_{name}")))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("plant", plants.for_launch("pp_pool"))
+def test_plant_pipeline_pool_is_caught(plant, pool_ranks, tmp_path):
+    cases, results = pool_ranks
+    with pytest.raises(AssertionError, match="losses"):
+        check_pool(plant, cases[plant], results, _config(cases[plant], str(tmp_path / "ref")))

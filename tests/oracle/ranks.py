@@ -118,7 +118,7 @@ def _record_mechanisms(engine, built, plan, loader, out: dict) -> None:
     forwards of its own): the loader's reads, AutoTP's layers, the SP work, the pipeline's
     stage boundaries, the joint pipeline's broadcasts and the encoder pool's moved items."""
     import dataclasses
-    from ds_omni.parallelize import router_of
+    from ds_omni.parallelize import encoder_pool_of, router_of
     from ds_omni.train.loop import sp_metrics
     counts = getattr(loader, "loader", loader).counts  # what this rank read and decoded
     out["read_counts"] = (counts.rows, counts.bytes, counts.items)
@@ -148,7 +148,8 @@ def _record_mechanisms(engine, built, plan, loader, out: dict) -> None:
     joint = getattr(engine.module, "joint", None)  # "uniform": the owners' broadcasts issued
     out["encoder_broadcasts"] = joint.shards.broadcasts if joint is not None else 0
     out["items_in_gaps"] = getattr(joint, "items_in_gaps", 0)  # "bubbles": forwards in a gap
-    pool = router.encoder_pool if router is not None else None  # items encoded for another rank
+    out["bubble_rows_received"] = getattr(joint, "rows_received", 0)  # ... their rows, stage 0
+    pool = encoder_pool_of(engine.module)  # items encoded for another rank (a stage's under pp)
     out["pool_items_moved"] = pool.items_moved if pool is not None else 0
     if pool is not None:  # the per-step metric adds up to the items this rank encoded for others
         assert sum(out["pool_moved"]) == pool.items_moved, (out["pool_moved"], pool.items_moved)

@@ -125,6 +125,36 @@ def _bubble_backward_skipped(rank: int):
     yield from patched(bubble_schedule.BubbleEncoding, "backward", make)
 
 
+# ---------------- pp x tp, pp x sp under "bubbles" (tests/dist/test_pipeline_composed.py, slow)
+def _bubble_rows_rank0_only(rank: int):
+    """Stage 0's second rank (global rank 1 of the 4-rank pp2 launch: TP rank 1, or SP shard 1)
+    receives the rows later stages encode into a scratch buffer: its own are left zero, as
+    when a stage's rows go to one peer of stage 0 alone."""
+    if rank != 1:
+        yield
+        return
+    from ds_omni.parallelize import bubble_schedule
+
+    def make(recv_rows):
+        def planted(enc, micro):
+            rows = enc.rows
+            enc.rows = bubble_schedule.torch.zeros_like(rows)
+            try:
+                recv_rows(enc, micro)
+            finally:
+                enc.rows = rows
+        return planted
+    yield from patched(bubble_schedule.BubbleEncoding, "recv_rows", make)
+
+
+plant("bubble_rows_tp0_only", "under pp2 x tp2 \"bubbles\", only TP rank 0 of stage 0 gets the "
+      "rows stage 1 encodes (TP rank 1's stay zero)", "pp_bubbles_composed")(
+    _bubble_rows_rank0_only)
+plant("bubble_rows_sp0_only", "under pp2 x sp2 \"bubbles\", only SP shard 0 of stage 0 gets the "
+      "rows its stage 1 encodes (shard 1's stay zero)", "pp_bubbles_composed")(
+    _bubble_rows_rank0_only)
+
+
 # ----------------------- "auto" choosing "bubbles" (tests/unit/parallel/test_bubbles.py)
 @plant("auto_calls_unpriced", "\"auto\" models the bubbles schedule's encoder calls and "
        "messages as free (its model before the quiet benchmark run)", "bubbles_auto")
@@ -145,3 +175,12 @@ def _auto_mix_blind(rank: int):
         return lambda cost, micro_batches, samples, items_per_sample=None: typical_items(
             cost, micro_batches, samples, None)
     yield from patched(bubbles, "typical_items", make)
+
+
+# ---------------------------- the encoder pool under pp (tests/dist/test_pipeline_composed.py)
+@plant("pp_pool_wrong_rank", "under pp (\"uniform\"), stage 0's pool files the rows a rank "
+       "receives under the wrong sender (reversed rank order): rows that rank 1's column of "
+       "stages encoded land at the placeholders of rank 0's own items", "pp_pool")
+def _pp_pool_wrong_rank(rank: int):
+    from tests.plants.parity import _pool_wrong_rank
+    yield from _pool_wrong_rank(rank)

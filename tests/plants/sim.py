@@ -30,6 +30,29 @@ def _sim_ep_no_backward(rank: int):
     yield from patched(model_parallel, "run_ep", make)
 
 
+# ----------------------- "bubbles" beside sp and tp (tests/unit/sim/test_sim_bubbles.py)
+@plant("sim_bubbles_first_column", "the simulated bubbles schedule plans a row's items on its "
+       "first SP shard's first TP rank alone (the other ranks of stage 0 encode nothing)",
+       "sim_bubbles")
+def _sim_bubbles_first_column(rank: int):
+    from contextlib import contextmanager
+    from ds_omni.sim import bubble_sim
+
+    def make(shard_items):
+        def planted(ops, rounds):
+            shards = shard_items(ops, rounds)
+            pairs = sorted(((i, m) for got, micro in shards for i, m in zip(got, micro)),
+                           key=lambda im: im[1])
+            first = ([i for i, _ in pairs], [m for _, m in pairs])
+            return [first] + [([], [])] * (len(shards) - 1)
+        return planted
+
+    def make_pipeline(pipeline):
+        return lambda ops, cols, *args: pipeline(ops, cols[:1], *args)
+    with contextmanager(patched)(bubble_sim.BubbleOps, "_shard_items", make):
+        yield from patched(bubble_sim.BubbleOps, "_pipeline", make_pipeline)
+
+
 # ------------------------- the simulator's link calibration (tests/unit/sim/test_calibrate_comm.py)
 @plant("comm_fit_no_latency", "the alpha-beta fit sees no latency term (every collective charged "
        "its bytes only)", "calibrate_comm")

@@ -22,6 +22,7 @@ EP, EP_SP, CP, PAIRS = ("test_expert_parallel.py", "test_expert_sequence_paralle
 SP_QUICK, SP_4 = (f"{SP}::test_sequence_parallel_matches_single_process[{w}]" for w in (2, 4))
 PP_QUICK = f"{PP}::test_pipeline_with_tp_and_sp_matches_single_process"
 PP_8 = f"{PP}::test_pipeline_composed_8_ranks"
+PP_BUBBLES = f"{PP}::test_pipeline_bubbles_with_tp_and_sp_matches_single_process"  # "bubbles"
 PIPE, PIPE_SLOW = (f"{PARITY}::test_pipeline_matches_single_process",
                    "test_parity_slow.py::test_pipeline_matches_single_process")
 EP_SLOW = f"{EP}::test_expert_parallel_matches_single_process"
@@ -33,6 +34,7 @@ EP_SP_POOL, EP_MSP = (f"{PAIRS}::test_ep2_beside_sp_with_encoder_pool[{c}]"
 CP_COMPOSED = "test_context_parallel_composed.py"
 TP_POOL_SLOW, TP_SP_POOL_SLOW = (f"{TP}::test_tp2_x_{c}_encoder_pool_matches_single_process"
                                  for c in ("dp2", "sp2_x_dp2"))
+PP_POOL_SLOW = f"{PP}::test_pipeline_with_encoder_pool_matches_single_process"
 
 # pair -> (quick-tier cases, slow-tier cases): "file::test[param]" under tests/dist/
 COVERED = {
@@ -53,7 +55,7 @@ COVERED = {
                    [f"{TP}::test_tp2_x_sp2_matches_single_process",
                     f"{TP}::test_tp2_x_sp2_x_dp2_matches_single_process", PP_8]),
     ("pp", "sp"): ([PP_QUICK], [PP_8]),
-    ("sp", "encoder_placement"): ([PP_QUICK], [PP_8]),
+    ("sp", "encoder_placement"): ([PP_QUICK], [PP_8, PP_BUBBLES]),
     ("sp", "encoder_pool"): ([EP_SP_POOL], [SP_4, TP_SP_POOL_SLOW]),
     ("ep", "sp"): ([EP_SP_POOL], [EP_SP_SLOW]),
     ("tp", "max_sequence_sp"): ([f"{PAIRS}::test_tp2_x_max_sequence_sp2"],
@@ -63,7 +65,7 @@ COVERED = {
                                           [SP_4]),
     ("max_sequence_sp", "ep"): ([EP_MSP], [EP_SP_SLOW]),
     ("tp", "pp"): ([PP_QUICK], [PP_8]),
-    ("tp", "encoder_placement"): ([PP_QUICK], [PP_8]),
+    ("tp", "encoder_placement"): ([PP_QUICK], [PP_8, PP_BUBBLES]),
     ("tp", "encoder_pool"): ([f"{PAIRS}::test_tp2_x_encoder_pool"],
                              [TP_POOL_SLOW, TP_SP_POOL_SLOW]),
     ("ep", "tp"): ([f"{PAIRS}::test_ep2_x_tp2"], [EP_SLOW]),
@@ -71,18 +73,21 @@ COVERED = {
     ("ep", "pp"): ([f"{PAIRS}::test_pp2_x_ep2_uniform"], [EP_SLOW]),
     ("encoder_placement", "ep"): ([f"{PAIRS}::test_pp2_x_ep2_uniform"], []),
     ("encoder_pool", "ep"): ([EP_SP_POOL], []),
+    ("encoder_pool", "pp"): ([], [PP_POOL_SLOW]),
+    ("encoder_placement", "encoder_pool"): ([], [PP_POOL_SLOW]),
     ("zero", "cp"): ([CP_QUICK], [CP_SLOW]),
     ("sp", "cp"): ([CP_QUICK], [CP_SLOW]),
     ("encoder_pool", "cp"): ([], [CP_SLOW]),
     ("tp", "cp"): ([], [f"{CP_COMPOSED}::test_tp2_x_cp2_matches_single_process"]),
     ("ep", "cp"): ([], [f"{CP_COMPOSED}::test_ep2_x_cp2_matches_single_process"]),
 }
-INERT = {("max_sequence_sp", "encoder_placement"), ("encoder_placement", "encoder_pool"),
-         ("encoder_placement", "cp")}
+INERT = {("max_sequence_sp", "encoder_placement"), ("encoder_placement", "cp")}
 # the pairs with no case in a tier yet (this list may only shrink): the pool beside cp has its
-# 4-rank case in the slow tier only, and so have tp and ep beside cp (one slow launch); ep beside
-# "uniform" and beside the pool their quick cases alone
-QUICK_GAPS = {("encoder_pool", "cp"), ("tp", "cp"), ("ep", "cp")}
+# 4-rank case in the slow tier only, and so have tp and ep beside cp (one slow launch) and the
+# pool under pp (pp2 x dp2, lifted from refused); ep beside "uniform" and beside the pool their
+# quick cases alone
+QUICK_GAPS = {("encoder_pool", "cp"), ("tp", "cp"), ("ep", "cp"), ("encoder_pool", "pp"),
+              ("encoder_placement", "encoder_pool")}
 SLOW_GAPS = {("encoder_placement", "ep"), ("encoder_pool", "ep")}
 
 

@@ -347,3 +347,16 @@ def test_a_numeric_encoder_sp_that_no_item_reaches_is_said_once(caplog):
             auto._check_long_items(0)
     said = [r.getMessage() for r in caplog.records if "encoder_sp" in r.getMessage()]
     assert len(said) == 1 and "parallel.encoder_sp=1e+12" in said[0] and "auto" in said[0]
+
+
+@pytest.mark.parametrize("placement", ["uniform", "bubbles", "auto"])
+def test_long_short_sp_is_off_under_the_joint_pipeline(tmp_path, built, placement):
+    """Under pp every joint placement ("auto" resolves to one) has its stages encode whole items
+    (`EncodeShare`): a long item split over the SP ranks would reach no stage whole."""
+    from ds_omni.data.build import long_items_of
+    from tests.fixtures import tiny_config
+    cfg, model = tiny_config(str(tmp_path)), built.model
+    cfg.parallel = ParallelConfig(pp=2, sp=2, encoder_placement=placement)
+    assert long_items_of(cfg, model, 2) is None
+    cfg.parallel = ParallelConfig(pp=2, sp=2, encoder_placement="stage0")
+    assert long_items_of(cfg, model, 2) is not None

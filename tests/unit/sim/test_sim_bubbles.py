@@ -14,6 +14,7 @@ from ds_omni.sim.model_spec import ModelSpec
 from ds_omni.sim.plan_spec import SimPlan
 from ds_omni.sim.step import Step, simulate
 from ds_omni.sim.workload import WorkloadSpec
+from tests import plants
 
 
 def vlm(llm_layers: int, vit_layers: int, vit_hidden: int, dummy_len: int = 1024) -> ModelSpec:
@@ -101,3 +102,31 @@ def test_the_schedule_steps_are_deepspeeds():
             for m in range(3):
                 assert step_micro(bubble_sim.sched_step("F", m, s, P), s, P) == (m, True)
                 assert step_micro(bubble_sim.sched_step("B", m, s, P), s, P) == (m, False)
+
+
+@pytest.mark.parametrize("inside", [{"sp": 2}, {"tp": 2}])
+def test_bubbles_beside_sp_and_tp_encode_on_every_rank(inside):
+    """pp2 x sp2 and pp2 x tp2 (dp 2): each SP shard's column of stages plans its reshard plan's
+    items, each TP rank's every item (training's `BubbleSetup.start`): every rank encodes some
+    (none left to one rank of a pipeline), the TP ranks alike, and the step does the work
+    "uniform" does (the same items, not dropped nor encoded twice over SP)."""
+    c, m, samples = cluster("h100", 8, 8), vlm(16, 32, 1280), draw(0.9)
+    plan = SimPlan(pp=2, global_batch=32, micro_batches=4, pack_tokens=8192, **inside)
+    uniform = simulate(c, m, samples, plan.replace(encoder_placement="uniform"))
+    bubbles = simulate(c, m, samples, plan.replace(encoder_placement="bubbles"))
+    assert sum(bubbles.compute) == pytest.approx(sum(uniform.compute), rel=0.02)
+    step = Step(c, m, samples, plan.replace(encoder_placement="bubbles"))
+    from ds_omni.sim.pipeline_sim import stage_plan
+    step.stage_plan = stage_plan(step)
+    ops = bubble_sim.BubbleOps(step, [step.ranks_of(0, step.pplan.dp, s) for s in range(2)])
+    work = sum(ops.fwd.values())  # [D] each rank's encoder forward seconds, both stages
+    assert work.shape == (8 // 2,) and (work > 0).all(), work
+    if "tp" in inside:
+        assert (work[0::2] == work[1::2]).all(), work
+
+
+@pytest.mark.parametrize("plant", plants.for_launch("sim_bubbles"))
+@pytest.mark.parametrize("inside", [{"sp": 2}, {"tp": 2}])
+def test_plant_sim_bubbles_is_caught(plant, inside):
+    with plants.applied(plant, 0), pytest.raises(AssertionError):
+        test_bubbles_beside_sp_and_tp_encode_on_every_rank(inside)

@@ -1,4 +1,4 @@
-"""The encoder pool's own costs in the simulator (`sim/step.py`: `plan_pool`, `_pool_calls`):
+"""The encoder pool's own costs in the simulator (`sim/pool_sim.py`: `plan_pool`, `pool_calls`):
 the step's planning (the metadata all-gather, `Cluster.pool_item_s` an item) and, in a round
 whose plan moves an item, the pool's all-to-all calls (`POOL_CALLS` x `Cluster.a2a_call_s`).
 Before them a pool plan that moves nothing was priced exactly as plain data parallelism, while
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ds_omni.data.cost import EncoderDims, ModelDims
-from ds_omni.sim import calibrate_comm, step
+from ds_omni.sim import calibrate_comm, pool_sim
 from ds_omni.sim.cluster import cluster
 from ds_omni.sim.model_spec import ModelSpec
 from ds_omni.sim.plan_spec import SimPlan
@@ -68,9 +68,9 @@ def test_a_round_that_moves_items_pays_the_pool_calls():
     with_calls, without = simulate(calls, tiny(), samples, plan), simulate(free, tiny(), samples,
                                                                              plan)
     extra = busy(with_calls) - busy(without)
-    moved_rounds = round(extra[0] / (step.POOL_CALLS * 2e-3))
+    moved_rounds = round(extra[0] / (pool_sim.POOL_CALLS * 2e-3))
     assert moved_rounds >= 1
-    assert extra == pytest.approx([moved_rounds * step.POOL_CALLS * 2e-3] * 2)
+    assert extra == pytest.approx([moved_rounds * pool_sim.POOL_CALLS * 2e-3] * 2)
 
 
 def test_pool_planning_micro_benchmark_is_a_small_positive_time():
@@ -83,3 +83,22 @@ def test_plant_sim_pool(plant):
     with plants.applied(plant, 0):
         with pytest.raises(AssertionError):
             check_pool_planning_charged()
+
+
+@pytest.mark.parametrize("placement", ["stage0", "uniform"])
+def test_the_pool_under_pp_spreads_the_encoders_over_a_stages_ranks(placement):
+    """pp2 x dp2 (`sim/pool_sim.py`): data-parallel rank 0 reads the four large images, rank
+    1 four tiny ones. Without the pool the encoders' work stays in rank 0's pipeline (stage 0's
+    rank 0 under "stage0", ranks 0 and 2 under "uniform"); with it the pool moves large images
+    to rank 1's pipeline on every stage that encodes, and prices their inputs' exchange."""
+    samples = image_samples([4096] * 4 + [4] * 4)
+    c = dataclasses.replace(cluster("cpu", 4, 4), pool_item_s=0.0)
+    plan = PLAN.replace(pp=2, encoder_placement=placement, zero_stage=1)
+    off, on = (simulate(c, tiny(), samples, plan.replace(encoder_mode=mode))
+               for mode in ("reshard", "pool"))
+    stages = [0, 1] if placement == "uniform" else [0]
+    for s in stages:  # stage s's ranks: 2 s (dp 0), 2 s + 1 (dp 1)
+        mine, other = 2 * s, 2 * s + 1
+        assert np.asarray(on.compute)[other] > np.asarray(off.compute)[other] * 1.5, (s, on, off)
+        assert np.asarray(on.compute)[mine] < np.asarray(off.compute)[mine], s
+    assert on.all_to_all_bytes["pool_inputs"] > 0 and off.all_to_all_bytes["pool_inputs"] == 0

@@ -259,3 +259,14 @@ if __name__ == "__main__":  # write the 4,096-GPU fixture from this tree's searc
         found, seconds = search_4096(Path(d))
     FIXTURE_4096.write_text(json.dumps(answer_of(found), indent=1) + "\n")
     print(f"wrote {FIXTURE_4096} ({seconds:.1f} s of CPU)", file=sys.stderr)
+
+
+def test_the_search_ranks_pool_plans_under_pp():
+    """The encoder pool composes with pp (docs/composition.md): the search simulates and ranks
+    such plans, both placements, where it dropped them all before; none dropped for the pool."""
+    c, m, samples, base = search_case()
+    out = search(c, m, samples, base, top=1000, space=SPACE, prune=False, baselines=False)
+    placements = {r.plan.encoder_placement for r in out.top
+                  if r.plan.pp > 1 and r.plan.encoder_mode == "pool"}
+    assert placements == {"stage0", "uniform"}
+    assert not [d for d in out.dropped if "encoder_pool" in d["reason"]]

@@ -52,6 +52,7 @@ def test_two_config_validation_end_to_end(tmp_path):
     assert set(raw["engine_logs"]["2"]) == {f"{n}/{m}" for n, m in specs}
     assert compute["machine"]["step_s"] == compute["engine"]["step_s"]
     assert compute["machine"]["a2a_call_s"] == compute["engine"]["a2a_call_s"] >= 0
+    assert compute["machine"]["compute_scale"] == compute["engine"]["compute_scale"] > 0
     assert saved["command"].startswith(".venv/bin/python benchmarks/sim_validation.py --rounds 2")
     assert result["configs"] == saved["configs"]
 
@@ -110,3 +111,28 @@ def test_the_order_target_counts_the_pairs_the_measurement_orders():
     b_first = dict(b, predicted_s=0.8)  # predicted before a (1.0), still after c (0.5)
     share, wrong, pairs = sim_validation.order_of_measured_pairs([a, b_first, c])
     assert (share, wrong, pairs) == (0.5, [("a", "b")], 2)
+
+
+def test_the_launch_load_slows_the_profiled_compute_and_the_profile_comes_back():
+    """`with_engine` prices the profile's compute `compute_scale` times slower (the measured
+    launch's load: a cost that grows with the work), adds the engine's own terms, and leaves the
+    ring kernel's in-launch rate alone; `profiled_machine` undoes it (a stored world's engine is
+    fitted again on its profile, `sim_validation.refit_engines`)."""
+    profile = {"flops_per_s": 5e10, "micro_batch_s_per_param": 4e-9,
+               "optimizer_s_per_param": 7e-9, "pool_item_s": 1e-5, "ring_flops_per_s": 7e9}
+    engine = {"compute_scale": 2.5, "engine_micro_batch_s_per_param": 1e-9, "step_s": 0.1,
+              "a2a_call_s": 1e-3}
+    fitted = sim_calibration.with_engine({"machine": profile}, engine)["machine"]
+    assert fitted["flops_per_s"] == pytest.approx(2e10)
+    assert fitted["micro_batch_s_per_param"] == pytest.approx(4e-9 * 2.5 + 1e-9)
+    assert fitted["optimizer_s_per_param"] == pytest.approx(7e-9 * 2.5)
+    assert fitted["pool_item_s"] == pytest.approx(2.5e-5)
+    assert fitted["ring_flops_per_s"] == 7e9  # timed in the launch already
+    assert (fitted["step_s"], fitted["a2a_call_s"]) == (0.1, 1e-3)
+    back = sim_calibration.profiled_machine({"machine": fitted, "engine": engine})
+    assert back == pytest.approx(dict(profile, step_s=0.0, a2a_call_s=0.0))
+    # a stored machine from before the scale (no compute_scale): its engine terms come off
+    old = sim_calibration.with_engine({"machine": profile}, dict(engine, compute_scale=1.0))
+    old["machine"].pop("compute_scale")
+    assert sim_calibration.profiled_machine(old) == pytest.approx(
+        dict(profile, step_s=0.0, a2a_call_s=0.0))

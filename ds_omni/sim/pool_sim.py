@@ -1,0 +1,129 @@
+"""The encoder pool's own costs on simulated ranks (`parallel.encoder_pool`): its planning once a
+step (`plan_pool`) and the calls of a round that moves items (`pool_calls`); and the pool under a
+pipeline, as training runs it (`train.step`, `parallelize.joint.EncodeShare`): each round
+planned over one stage's dp x sp ranks of a TP rank (`encode_sim.round_work`, "pool") on every
+stage that encodes (stage 0 under "stage0", all under "uniform"), every round's moved inputs and
+its rows (forward and back) exchanged before the schedule, where training places every round.
+Under "stage0" a rank's encoder FLOPs of a round are the pool's load there; under "uniform" each
+pool rank's items of the step are split over its column of stages (`pipeline_sim`).
+
+Dims: M micro-batches, D pool ranks (dp x sp), P stages.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds_omni.sim import comm, encode_sim
+from ds_omni.sim.calibrate_comm import POOL_META_BYTES
+from ds_omni.sim.encode_sim import Row, reshard_seconds, round_work
+from ds_omni.sim.timeline import COMM
+
+POOL_CALLS = 3
+"""All-to-all calls of a round whose pool plan moves an item (`EncoderPool.place`): the moved
+items' inputs (`exchange_inputs`), the embedding rows (`ReshardEmbeddings`) and their gradients
+back. A round that moves nothing makes none (it runs as without the pool)."""
+
+
+def pool_groups(step, stages=None) -> np.ndarray:
+    """[tp x stages, P] the pool groups: the ranks of one TP coordinate of one pipeline stage
+    (the pool runs per TP rank and stage), of `stages` (default all)."""
+    p = step.pplan
+    by_stage = step.llm_ranks().reshape(p.pp, -1, p.tp).transpose(0, 2, 1)  # [pp, tp, P]
+    return by_stage[list(range(p.pp)) if stages is None else list(stages)].reshape(
+        -1, p.seq_data_size)
+
+
+def plan_pool(step, stages=None) -> None:
+    """The pool's planning once a step (`EncoderPool.plan_step`), before the rounds: every rank
+    all-gathers every rank's item metadata (`all_gather_object`: the sizes, then the pickled
+    lists, `calibrate_comm.POOL_META_BYTES` an item) and plans every round over all of them
+    (`Cluster.pool_item_s` an item of the step, CPU), on `stages` (default all)."""
+    groups = pool_groups(step, stages)
+    p = groups.shape[1]
+    items = int(np.isin(step.samples.item_sample, step.assignment.planned).sum())
+    link = comm.link_of(step.cluster, groups[0])
+    wire = comm.all_gather(8 * p, p, link) + comm.all_gather(
+        POOL_META_BYTES * items, p, link)
+    ranks = groups.reshape(-1)
+    step.timeline.sync(ranks, np.repeat(np.arange(len(groups)), p), "pool_plan", wire)
+    if step.cluster.pool_item_s:
+        step.timeline.run(ranks, "pool_plan", step.cluster.pool_item_s * items)
+
+
+def pool_calls(step, work) -> None:
+    """A round whose pool plan moves an item: each pool rank's own seconds of its `POOL_CALLS`
+    all-to-all calls beyond the wire (`Cluster.a2a_call_s`, the calibrated cost of a call;
+    the wire is in the resharding's)."""
+    if step.plan.encoder_mode == "pool" and work.inputs and step.cluster.a2a_call_s:
+        ranks = pool_groups(step).reshape(-1)
+        step.timeline.run(ranks, "pool_exchange", POOL_CALLS * step.cluster.a2a_call_s)
+
+
+# ------------------------------------------------------------------ under a pipeline
+def pool_long(step) -> bool:
+    """Long-short SP inside the pool's rounds: off under "uniform", whose stages encode whole
+    items (`data.build.long_items_of`)."""
+    return step.plan.long_items and step.plan.encoder_placement == "stage0"
+
+
+def _rows(step, m: int, folded: bool) -> list[Row]:
+    """Round m's rows: each data-parallel rank's over its SP (x TP) ranks of stage 0, global
+    ranks (or `folded`: pool ranks, TP left out)."""
+    p, rows = step.pplan, []
+    for d, rounds in enumerate(step.assignment.rounds):
+        samples = rounds[m].samples
+        if samples.size:
+            ranks = np.arange(d * p.sp, (d + 1) * p.sp) if folded else step.ranks_of(d, 1)
+            rows.append(Row(ranks, samples))
+    return rows
+
+
+def pool_work(step, m: int):
+    """Round m's placement over stage 0's ranks (every stage's pool plans the same), kept in
+    the step's cache for the plans of one assignment and shape."""
+    p = step.pplan
+    args = (_rows(step, m, folded=False), step.layout, p.seq_data_size * p.tp, "pool",
+            pool_long(step), step.heads, step.model.cost.encoder_names, p.tp)
+    if step.cache is None:
+        return round_work(*args)
+    key = ("pipe_pool", id(step.assignment), p.dp, p.sp, p.tp, m, pool_long(step))
+    if key not in step.cache:  # the assignment lives in the same cache: its id stays its own
+        step.cache[key] = round_work(*args)
+    return step.cache[key]
+
+
+def pool_loads(step) -> np.ndarray:
+    """[M, D] each pool rank's encoder FLOPs of each round ("stage0": stage 0's)."""
+    tp = step.pplan.tp
+    return np.stack([pool_work(step, m).flops[::tp] for m in range(step.plan.micro_batches)])
+
+
+def pool_owned(step) -> list[np.ndarray]:
+    """[D] the ids of the items each pool rank encodes over the step's rounds, which under
+    "uniform" its column of stages splits (`plan_joint`)."""
+    p = step.pplan
+    owned: list[list[int]] = [[] for _ in range(p.seq_data_size)]
+    for m in range(step.plan.micro_batches):
+        plan, ids, _ = encode_sim.pool_round(_rows(step, m, folded=True), step.layout,
+                                             p.seq_data_size, False, step.heads,
+                                             step.model.cost.encoder_names)
+        for i, owner in zip(ids, plan.owner):
+            owned[owner].append(i)
+    return [np.asarray(o, dtype=np.int64) for o in owned]
+
+
+def pool_exchanges(step, ranks: list[np.ndarray], encoding: list[int]) -> None:
+    """The pool's planning once a step (`plan_pool`) and every round's exchanges on the stages
+    in `encoding` (`ranks` [P][D tp]): the moved items' inputs on each, with its calls beyond
+    the wire, and on stage 0 the rows' all-to-all forward and back."""
+    plan_pool(step, encoding)
+    n, c = len(ranks[0]), step.cluster
+    rows_s, inputs_s = np.zeros(n), np.zeros(n)
+    for m in range(step.plan.micro_batches):
+        work = pool_work(step, m)
+        rows, inputs = reshard_seconds(step, work)
+        rows_s += 2 * rows[:n]
+        inputs_s += inputs[:n] + (POOL_CALLS * c.a2a_call_s if work.inputs else 0.0)
+    for s in encoding:
+        step.timeline.run(ranks[s], "reshard", inputs_s + (rows_s if s == 0 else 0.0), COMM)
