@@ -105,13 +105,14 @@ def assign_items(slots: list[ItemSlots], sp: int, shard_len: int,
 
     The busiest rank's load stays <= mean + costliest item + slack x mean.
     """
-    load = np.zeros(sp)
+    load = [0.0] * sp  # plain floats: numpy's sums and comparisons, without its scalars
     owner = [0] * len(slots)
     tolerance = slack * sum(s.cost for s in slots) / sp
     for i in sorted(range(len(slots)), key=lambda i: (-slots[i].cost, i)):
-        held = np.bincount(slots[i].positions // shard_len, minlength=sp)[:sp]
-        ok = np.flatnonzero(load <= load.min() + tolerance * (1 + 1e-9))
-        owner[i] = int(min(ok, key=lambda r: (-held[r], load[r], r)))
+        held = np.bincount(slots[i].positions // shard_len, minlength=sp)[:sp].tolist()
+        limit = min(load) + tolerance * (1 + 1e-9)
+        ok = [r for r in range(sp) if load[r] <= limit]
+        owner[i] = min(ok, key=lambda r: (-held[r], load[r], r))
         load[owner[i]] += slots[i].cost
     return owner
 

@@ -62,7 +62,7 @@ def assign_tp_items(costs: list[float], tp: int, first: int = 0) -> list[int]:
     the first of them counting from rank `first` (then first + 1, ... mod tp). No locality to
     prefer: every TP rank holds every placeholder. Deterministic, so every rank of the group
     computes the same owners."""
-    load = np.zeros(tp)
+    load = [0.0] * tp  # plain floats: the same sums as numpy's, without its scalars
     owner = [0] * len(costs)
     turn = [(first + k) % tp for k in range(tp)]  # the ranks in tie-breaking order
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):

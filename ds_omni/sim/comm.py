@@ -37,11 +37,19 @@ def link_of(cluster: Cluster, ranks) -> Link:
     """The link a group of global `ranks` is held to: intra-node if they share one node."""
     # the simulator asks this about a million times in a 1,024-GPU search, mostly of the same
     # few groups: the answer is kept per group (by its ranks' bytes)
-    key = np.asarray(ranks, dtype=np.int64).tobytes()
-    if _one_node(cluster.gpus_per_node, key):
-        return Link(cluster.intra_latency, cluster.intra_bw)
-    share = _per_node(cluster.gpus_per_node, key) if cluster.hierarchical else 1
-    return Link(cluster.inter_latency, min(cluster.intra_bw, share * cluster.inter_bw))
+    return _link(cluster.gpus_per_node, cluster.hierarchical, cluster.intra_latency,
+                 cluster.intra_bw, cluster.inter_latency, cluster.inter_bw,
+                 np.asarray(ranks, dtype=np.int64).tobytes())
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _link(per_node: int, hierarchical: bool, intra_latency: float, intra_bw: float,
+          inter_latency: float, inter_bw: float, ranks: bytes) -> Link:
+    """`link_of` by the cluster's link fields and the ranks' int64 bytes (a Link is frozen)."""
+    if _one_node(per_node, ranks):
+        return Link(intra_latency, intra_bw)
+    share = _per_node(per_node, ranks) if hierarchical else 1
+    return Link(inter_latency, min(intra_bw, share * inter_bw))
 
 
 @functools.lru_cache(maxsize=1 << 16)

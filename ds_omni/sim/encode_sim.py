@@ -23,7 +23,7 @@ import numpy as np
 from ds_omni.parallel import reshard
 from ds_omni.parallel.long_short import LongItems, split_rows
 from ds_omni.parallel.reshard import ItemSlots
-from ds_omni.parallel.tp_encode import first_rank, plan_tp_encode
+from ds_omni.parallel.tp_encode import assign_tp_items, first_rank
 from ds_omni.parallelize import encoder_pool
 from ds_omni.parallelize.encoder_pool import PoolItem
 from ds_omni.sim import comm
@@ -59,7 +59,9 @@ class RoundWork:
     cluster, the bytes they add), kept for the plans of a search that share it (`step.py`)."""
 
     def ran(self, encoder: str, ranks) -> None:
-        self.present.setdefault(encoder, np.zeros(self.flops.size, dtype=bool))[ranks] = True
+        if encoder not in self.present:  # not setdefault: it would make a [W] array each call
+            self.present[encoder] = np.zeros(self.flops.size, dtype=bool)
+        self.present[encoder][ranks] = True
 
 
 class RowLayout:
@@ -70,20 +72,26 @@ class RowLayout:
         order = np.argsort(samples.item_sample, kind="stable")
         bounds = np.searchsorted(samples.item_sample[order], np.arange(len(samples) + 1))
         self.items_of = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]  # [N] item ids
+        # each sample's items as plain Python (encoder, rows, cost, id) and its tokens: `slots`
+        # runs ~10^6 times in a 4,096-GPU search, and numpy scalars cost most of it
+        enc, rows = samples.item_encoder.tolist(), samples.item_rows.tolist()
+        cost = item_cost.tolist()
+        self._items = [[(str(enc[i]), int(rows[i]), cost[i], i) for i in ids.tolist()]
+                       for ids in self.items_of]
+        self._tokens = samples.tokens.tolist()
 
     def slots(self, row: Row) -> tuple[list[ItemSlots], list[int], int]:
         """(the row's items as ItemSlots in text order, their item ids, the row's tokens)."""
         slots, ids, offset, count = [], [], 0, {}
         for n in row.samples.tolist():
             at = offset
-            for i in self.items_of[n].tolist():
-                enc, rows = str(self.s.item_encoder[i]), int(self.s.item_rows[i])
-                slots.append(ItemSlots(enc, count.get(enc, 0), np.arange(at, at + rows),
-                                       float(self.cost[i])))
-                count[enc] = count.get(enc, 0) + 1
+            for enc, rows, cost, i in self._items[n]:
+                index = count.get(enc, 0)
+                slots.append(ItemSlots(enc, index, np.arange(at, at + rows), cost))
+                count[enc] = index + 1
                 ids.append(i)
                 at += rows
-            offset += int(self.s.tokens[n])
+            offset += int(self._tokens[n])
         return slots, ids, offset
 
 
@@ -145,33 +153,45 @@ def _charge(placed, shard: int, slots, ids, row: Row, layout: RowLayout,
     are the same to the last bit."""
     owner, pieces, in_order = placed
     g = len(row.ranks)
-    src, pos = [], []  # per slot piece: the sending member, the rows' positions [n]
+    counts: dict[tuple[int, int], int] = {}  # (i, j): rows member i sends member j
     for k in in_order:
         sl = slots[k]
+        lo = int(sl.positions[0]) if len(sl.positions) else 0  # contiguous (`RowLayout.slots`)
         if k in pieces:
             b = pieces[k]
-            src += [np.full(b[r + 1] - b[r], r) for r in range(g)]
-            pos.append(sl.positions)
+            for r in range(g):
+                _add_rows(counts, r, lo + b[r], b[r + 1] - b[r], shard)
             continue
         r = row.ranks[owner[k]]
         work.flops[r] += sl.cost
         work.positions[r] += layout.s.item_len[ids[k]]
         work.ran(sl.encoder, r)
-        src.append(np.full(len(sl.positions), owner[k]))
-        pos.append(sl.positions)
-    if pos:  # [g, g] rows member i sends member j (its output rows over the shards)
-        cell = np.concatenate(src).astype(np.int64) * g + np.concatenate(pos) // shard
-        counts = np.bincount(cell, minlength=g * g).reshape(g, g)
-        for i, j in zip(*np.nonzero(counts)):
-            if i != j:
-                work.sends.append((row.ranks[i], row.ranks[j],
-                                   int(counts[i, j]) * layout.hidden * 2))
+        _add_rows(counts, owner[k], lo, len(sl.positions), shard)
+    for i, j in sorted(counts):  # member by member, as the [g, g] matrix's nonzero cells
+        if i != j and counts[i, j]:
+            work.sends.append((row.ranks[i], row.ranks[j], counts[i, j] * layout.hidden * 2))
     for k in (k for k in in_order if k in pieces):
         work.flops[row.ranks] += slots[k].cost / g
         length = int(layout.s.item_len[ids[k]])
         work.positions[row.ranks] += length / g
         work.split_positions.append((row.ranks, length / g, slots[k].encoder))
         work.ran(slots[k].encoder, row.ranks)
+
+
+def _add_rows(counts: dict, src: int, lo: int, n: int, shard: int) -> None:
+    """Add member `src`'s rows at the contiguous positions [lo, lo + n) to `counts` by the
+    shard (member) holding them."""
+    for j, c in _shard_spans(lo, n, shard):
+        counts[src, j] = counts.get((src, j), 0) + c
+
+
+def _shard_spans(lo: int, n: int, shard: int):
+    """(shard, how many) of the contiguous positions [lo, lo + n) in each shard of `shard`
+    positions they touch, in order (`positions // shard` counted, without the arrays)."""
+    for j in range(lo // shard, (lo + n - 1) // shard + 1):
+        c = min(lo + n, (j + 1) * shard) - max(lo, j * shard)
+        if c > 0:
+            yield j, c
 
 
 def pool_round(rows, layout, world, long_items, heads, order) -> tuple:
@@ -184,13 +204,12 @@ def pool_round(rows, layout, world, long_items, heads, order) -> tuple:
         g = len(row.ranks)
         shard = math.ceil(tokens / g) if tokens else 1
         total = sum(s.cost for s in slots)
-        rule = LongItems(None, heads)
+        rule, home = LongItems(None, heads), int(row.ranks[0])
         for s, i in zip(slots, ids):
-            counts = tuple(np.bincount(s.positions // shard, minlength=g)[:g].tolist()) \
-                if g > 1 else ()
-            it = PoolItem(int(row.ranks[0]), s.encoder, s.index, len(s.positions), s.cost,
-                          shards=counts)
-            if long_items and rule.is_long(s.encoder, s.cost, len(s.positions), g, total):
+            n = len(s.positions)
+            counts = _shard_counts(int(s.positions[0]) if n else 0, n, shard, g) if g > 1 else ()
+            it = PoolItem(home, s.encoder, s.index, n, s.cost, shards=counts)
+            if long_items and rule.is_long(s.encoder, s.cost, n, g, total):
                 long.append(it)
                 owners_of_long.append((row, s, shard, i))
             else:
@@ -204,16 +223,7 @@ def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> Non
     placeholders, a moved item's inputs from its home group."""
     plan, item_ids, owners_of_long = pool_round(rows, layout, world, long_items, heads, order)
     work.flops += np.asarray(plan.loads())
-    for it, owner, i in zip(plan.items, plan.owner, item_ids):
-        work.positions[owner] += layout.s.item_len[i]
-        work.ran(it.encoder, owner)
-        for j, count in enumerate(it.shards or (it.rows,)):  # its rows on each member's shard
-            if count:
-                work.sends.append((owner, it.home + j, count * layout.hidden * 2))
-        if owner not in it.group:
-            sender = it.group[owner % len(it.group)]
-            nbytes = layout.s.item_len[i] * INPUT_BYTES.get(it.encoder, 1024)
-            work.inputs.append((sender, owner, nbytes))
+    _pool_short(plan.items, plan.owner, item_ids, layout, work)
     for row, s, shard, i in owners_of_long:
         g = len(row.ranks)
         bounds = split_rows(len(s.positions), g)
@@ -227,6 +237,36 @@ def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> Non
                 work.sends.append((int(row.ranks[j]), int(row.ranks[k]),
                                    int(dest[k]) * layout.hidden * 2))
     work.groups.append(np.arange(world))
+
+
+def _shard_counts(lo: int, n: int, shard: int, g: int) -> tuple[int, ...]:
+    """[g] `_shard_spans` of the positions [lo, lo + n): `np.bincount(positions // shard,
+    minlength=g)[:g]` without the arrays (a 4,096-GPU search asks it of ~10^6 items)."""
+    counts = [0] * g
+    for j, c in _shard_spans(lo, n, shard):
+        if j < g:
+            counts[j] = c
+    return tuple(counts)
+
+
+def _pool_short(items, owners, item_ids, layout, work: RoundWork) -> None:
+    """The pooled (short) items on their owners: positions, encoders run, the rows sent to the
+    placeholders' shards and the inputs sent to an owner outside the item's group. Positions
+    are whole numbers, so adding them at once (`np.add.at`) gives the same sums."""
+    lens = layout.s.item_len[np.asarray(item_ids, dtype=np.int64)]
+    np.add.at(work.positions, np.asarray(owners, dtype=np.int64), lens)
+    by_encoder: dict[str, list] = {}
+    row_bytes = layout.hidden * 2
+    for it, owner, length in zip(items, owners, lens):
+        by_encoder.setdefault(it.encoder, []).append(owner)
+        for j, count in enumerate(it.shards or (it.rows,)):  # its rows on each member's shard
+            if count:
+                work.sends.append((owner, it.home + j, count * row_bytes))
+        if owner not in it.group:
+            sender = it.group[owner % len(it.group)]
+            work.inputs.append((sender, owner, length * INPUT_BYTES.get(it.encoder, 1024)))
+    for enc, ranks in by_encoder.items():
+        work.ran(enc, ranks)
 
 
 def reshard_seconds(step, work) -> tuple[np.ndarray, np.ndarray]:
@@ -251,30 +291,33 @@ def reshard_seconds(step, work) -> tuple[np.ndarray, np.ndarray]:
     return rows_s, inputs_s
 
 
-
 # ------------------------------------------------------------------------ tensor parallel
 def _tp_apart(rows, layout, world, tp, order) -> RoundWork:
-    """Each row's items over its TP ranks by training's plan (`plan_tp_encode`, ties from
-    `first_rank` of the row's sample ids, here their indices), and the gather of the rows: TP
-    rank r sends its N_r rows to each of the tp - 1 others."""
+    """Each row's items over its TP ranks by training's plan (`plan_tp_encode`'s owners,
+    `assign_tp_items`, ties from `first_rank` of the row's sample ids, here their indices), and
+    the gather of the rows: TP rank r sends its N_r rows to each of the tp - 1 others. Read
+    from the owners alone (the plan's gathered positions, most of its time, go unused here)."""
     work = RoundWork(np.zeros(world), np.zeros(world))
+    rank_of = {enc: i for i, enc in enumerate(order)}
     for row in rows:
         slots, ids, _ = layout.slots(row)
         if not slots:
             continue
         first = first_rank([str(n) for n in row.samples.tolist()], tp)
-        key = {(s.encoder, s.index): k for k, s in enumerate(slots)}
-        for part in plan_tp_encode(slots, tp, order, first):
-            r = int(row.ranks[part.rank])
-            for enc, indices in part.encode.items():
-                for index in indices:
-                    k = key[(enc, index)]
-                    work.flops[r] += slots[k].cost
-                    work.positions[r] += layout.s.item_len[ids[k]]
-                    work.ran(enc, r)
-            own = part.rank_rows[part.rank] * layout.hidden * 2  # bf16 rows of width D
-            if own:
-                work.tp_gathers += [(r, int(d), own) for d in row.ranks if d != r]
+        owner = assign_tp_items([s.cost for s in slots], tp, first)
+        in_order = sorted(range(len(slots)), key=lambda k: (rank_of[slots[k].encoder],
+                                                            slots[k].index))
+        own = [0] * tp  # rows each TP rank encodes
+        for t in range(tp):  # rank by rank, each its items in `plan_tp_encode`'s order
+            r = int(row.ranks[t])
+            for k in (k for k in in_order if owner[k] == t):
+                work.flops[r] += slots[k].cost
+                work.positions[r] += layout.s.item_len[ids[k]]
+                work.ran(slots[k].encoder, r)
+                own[t] += len(slots[k].positions)
+            if own[t]:  # bf16 rows of width D
+                work.tp_gathers += [(r, int(d), own[t] * layout.hidden * 2)
+                                    for d in row.ranks if d != r]
         work.tp_groups.append(row.ranks)
     return work
 

@@ -370,10 +370,13 @@ def _uniform_items(step) -> tuple[np.ndarray, np.ndarray]:
     load = np.zeros((p.pp, p.seq_data_size))  # [P, D] encoder FLOPs per rank
     rows = np.zeros((p.pp, p.seq_data_size))  # [P, D] rows each stage sends to stage 0
     for cols, ids, share in _pipelines_items(step):
-        stages = assign_items(step.item_cost[ids].tolist(), p.pp)
-        for i, s in zip(ids.tolist(), stages):
-            load[s, cols] += step.item_cost[i] / share
-            rows[s, cols] += step.samples.item_rows[i] / share
+        costs = step.item_cost[ids].tolist()
+        stages = assign_items(costs, p.pp)
+        here, sent = [0.0] * p.pp, [0.0] * p.pp  # plain floats, added as the columns were
+        for c, n, s in zip(costs, step.samples.item_rows[ids].tolist(), stages):
+            here[s] += c / share
+            sent[s] += n / share
+        load.T[cols], rows.T[cols] = here, sent  # each stage's sum on its columns (one or sp)
     if p.tp > 1:  # every TP rank of a pipeline: its items (1/tp of them where they encode apart)
         apart = p.tp if step.tp_apart else 1
         load, rows = np.repeat(load, p.tp, axis=1) / apart, np.repeat(rows, p.tp, axis=1) / apart

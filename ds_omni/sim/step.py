@@ -278,14 +278,15 @@ def _encoder_sp(step: Step, work, backward: bool) -> None:
 
 def _encoder_sp_groups(step: Step, work, backward: bool) -> tuple[list, list, list]:
     """(the split items' groups, each one's seconds, the bytes of each item's exchanges)."""
-    groups, seconds, added = {}, {}, []
+    groups, seconds, added, links = {}, {}, [], {}
     for ranks, positions, enc in work.split_positions:
         e = step.model.dims.encoders[enc]
         per_layer = positions * 4 * e.hidden * 2  # bytes a rank sends in one layer's 4 exchanges
-        link = comm.link_of(step.cluster, ranks)
-        t = e.layers * comm.even_all_to_all(per_layer, len(ranks), link,
+        key = int(ranks[0])  # the round's groups are disjoint: a group's first rank names it
+        if key not in links:
+            links[key] = comm.link_of(step.cluster, ranks)
+        t = e.layers * comm.even_all_to_all(per_layer, len(ranks), links[key],
                                             comm.ULYSSES_CALLS, step.cluster.a2a_call_s)
-        key = int(ranks[0])
         groups[key] = ranks
         seconds[key] = seconds.get(key, 0.0) + t * (2 if backward else 1)
         added.append(per_layer * e.layers * len(ranks) * (len(ranks) - 1) / len(ranks) * (
