@@ -167,12 +167,24 @@ def _as_stage(r: dict, first: int, tp: int, stage: int) -> dict:
             "long_items": r["long_items"] if encodes else 0}
 
 
+def check_honest(cases: dict, results: list, tmp_path, by=None) -> None:
+    """Every case of a launch without a plant equals its oracle (`by`, default `check`)."""
+    for name, case in cases.items():
+        if "plant" not in case:
+            (by or check)(name, case, results, _config(case, str(tmp_path / f"ref_{name}")))
+
+
+def check_caught(plant: str, match: str, cases: dict, results: list, tmp_path, by=None) -> None:
+    """The planted case `plant` fails its check (`by`, default `check`) matching `match`."""
+    with pytest.raises(AssertionError, match=match):
+        (by or check)(plant, cases[plant], results,
+                      _config(cases[plant], str(tmp_path / "ref")))
+
+
 @pytest.mark.dist
 def test_pipeline_with_tp_and_sp_matches_single_process(four_ranks, tmp_path):
     cases, results = four_ranks
-    for name, case in cases.items():
-        if "plant" not in case:
-            check(name, case, results, _config(case, str(tmp_path / f"ref_{name}")))
+    check_honest(cases, results, tmp_path)
 
 
 CAUGHT_BY = {"pp_tp_grad_not_summed": "grad of", "pp_sp_wrong_peer": "losses"}
@@ -182,8 +194,7 @@ CAUGHT_BY = {"pp_tp_grad_not_summed": "grad of", "pp_sp_wrong_peer": "losses"}
 @pytest.mark.parametrize("plant", plants.for_launch("pp_composed"))
 def test_plant_pipeline_composed_is_caught(plant, four_ranks, tmp_path):
     cases, results = four_ranks
-    with pytest.raises(AssertionError, match=CAUGHT_BY[plant]):
-        check(plant, cases[plant], results, _config(cases[plant], str(tmp_path / "ref")))
+    check_caught(plant, CAUGHT_BY[plant], cases, results, tmp_path)
 
 
 def _bubbles_cases(tmp) -> dict:
@@ -213,9 +224,7 @@ def test_pipeline_bubbles_with_tp_and_sp_matches_single_process(bubbles_four_ran
     """"bubbles" beside tp and beside sp: exact against one process, its encoder work shown
     to run and to reach every rank of stage 0."""
     cases, results = bubbles_four_ranks
-    for name, case in cases.items():
-        if "plant" not in case:
-            check(name, case, results, _config(case, str(tmp_path / f"ref_{name}")))
+    check_honest(cases, results, tmp_path)
 
 
 BUBBLES_CAUGHT_BY = {"bubble_rows_tp0_only": "losses", "bubble_rows_sp0_only": "losses"}
@@ -226,8 +235,7 @@ BUBBLES_CAUGHT_BY = {"bubble_rows_tp0_only": "losses", "bubble_rows_sp0_only": "
 @pytest.mark.parametrize("plant", plants.for_launch("pp_bubbles_composed"))
 def test_plant_pipeline_bubbles_composed_is_caught(plant, bubbles_four_ranks, tmp_path):
     cases, results = bubbles_four_ranks
-    with pytest.raises(AssertionError, match=BUBBLES_CAUGHT_BY[plant]):
-        check(plant, cases[plant], results, _config(cases[plant], str(tmp_path / "ref")))
+    check_caught(plant, BUBBLES_CAUGHT_BY[plant], cases, results, tmp_path)
 
 
 @pytest.mark.slow
@@ -279,9 +287,7 @@ def test_pipeline_with_encoder_pool_matches_single_process(pool_ranks, tmp_path)
     """pp2 x dp2 with parallel.encoder_pool "dp" under both encoder placements (quick: none, a
     4-rank launch; the pool's pure plans: tests/unit/parallelize/test_encoder_pool.py)."""
     cases, results = pool_ranks
-    for name, case in cases.items():
-        if "plant" not in case:
-            check_pool(name, case, results, _config(case, str(tmp_path / f"ref_{name}")))
+    check_honest(cases, results, tmp_path, by=check_pool)
 
 
 @pytest.mark.slow
@@ -289,5 +295,4 @@ def test_pipeline_with_encoder_pool_matches_single_process(pool_ranks, tmp_path)
 @pytest.mark.parametrize("plant", plants.for_launch("pp_pool"))
 def test_plant_pipeline_pool_is_caught(plant, pool_ranks, tmp_path):
     cases, results = pool_ranks
-    with pytest.raises(AssertionError, match="losses"):
-        check_pool(plant, cases[plant], results, _config(cases[plant], str(tmp_path / "ref")))
+    check_caught(plant, "losses", cases, results, tmp_path, by=check_pool)
