@@ -169,7 +169,7 @@ def _pipeline_step(engine, batch, comm, scale, on_reduced_grads, guard):
     inputs = module.step_inputs
     inputs.scale = gas * scale  # the engine divides the last stage's loss by the accumulation steps
     placed = batch.micro_batches
-    if getattr(module, "pool", None) is not None:  # the pool's exchanges for every round, before the schedule
+    if module.pool is not None:  # the pool places every round before the schedule starts
         placed = list(module.pool.prepare(placed))
     inputs.batches = [mb.to(engine.device) for mb in placed]
     dropped = []

@@ -211,11 +211,16 @@ def _bubbles_cases(tmp) -> dict:
                          for p, base in planted.items()}}
 
 
+def _four_rank_launch(tmp_path_factory, name: str, make_cases) -> tuple[dict, list]:
+    """(cases, per-rank results) of one 4-rank launch training every case of `make_cases`."""
+    tmp = tmp_path_factory.mktemp(name)
+    cases = make_cases(tmp)
+    return cases, run_on_ranks(_train_ranks, 4, args=(cases, str(tmp / "runs")), timeout=900)
+
+
 @pytest.fixture(scope="module")
 def bubbles_four_ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pp_bubbles")
-    cases = _bubbles_cases(tmp)
-    return cases, run_on_ranks(_train_ranks, 4, args=(cases, str(tmp / "runs")), timeout=900)
+    return _four_rank_launch(tmp_path_factory, "pp_bubbles", _bubbles_cases)
 
 
 @pytest.mark.slow
@@ -276,9 +281,7 @@ def check_pool(name: str, case: dict, results: list, cfg) -> None:
 
 @pytest.fixture(scope="module")
 def pool_ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pp_pool")
-    cases = _pool_cases(tmp)
-    return cases, run_on_ranks(_train_ranks, 4, args=(cases, str(tmp / "runs")), timeout=900)
+    return _four_rank_launch(tmp_path_factory, "pp_pool", _pool_cases)
 
 
 @pytest.mark.slow
