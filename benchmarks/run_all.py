@@ -110,7 +110,7 @@ BENCHES = [
     Bench("sim_published.py", ("sim_published.json", "sim_published.png"), 300,
           quick=("--max-gpus", "2048")),
     Bench("sim_megascale_omni.py", ("sim_megascale_omni.json", "sim_megascale_omni.png"), 600,
-          quick=("--setups", "vit1b_llm12b_64gpus", "vit2p4b_llm70b_128gpus")),
+          quick=("--setups", "vit1b_llm12b_64gpus", "vit2p4b_llm70b_128gpus", "--search-s", "30")),
     Bench("sim_bytescale.py", ("sim_bytescale.json", "sim_bytescale.png"), 900,
           quick=("--gpus", "1024")),
     Bench("plan_search_speed.py --baseline 6c0bd48", ("plan_search_4096.json",), 900,

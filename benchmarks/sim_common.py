@@ -109,15 +109,21 @@ class Search:
         every candidate (so each keeps its own best degrees, not ds_omni's) and the plans of
         its family `also` names ({name: [SimPlan]}: the as-run ones, so tuned >= as run)."""
         derived = {name: [] for name in names}
-        for plan in candidates:
-            for name, base in baselines.baseline_plans(plan, self.cluster.gpus, self.model,
-                                                       self.samples).items():
-                if name in derived:
-                    derived[name].append(base)
+        for samples in self.sized_by():
+            for plan in candidates:
+                for name, base in baselines.baseline_plans(plan, self.cluster.gpus, self.model,
+                                                           samples).items():
+                    if name in derived:
+                        derived[name].append(base)
         for name, plans in (also or {}).items():
             if name in derived:
                 derived[name] += [p.replace(name=name) for p in plans if p is not None]
         return {name: self.best(plans) for name, plans in derived.items()}
+
+
+    def sized_by(self) -> list:
+        """The samples a tuned baseline's plan may be derived from (pool sizes, SP degrees)."""
+        return [self.samples]
 
 
 def tokens_per_s(report) -> float:
@@ -182,3 +188,53 @@ def speedups(ours: dict, theirs: dict) -> dict:
     return {name: (ours["tokens_per_s"] / base["tokens_per_s"]
                    if base and base["tokens_per_s"] else None)
             for name, base in theirs.items()}
+
+
+@dataclass
+class RunReport:
+    """A plan's run over several steps, read as one long step: tokens and time summed (so tokens/s
+    is the run's), MFU time-weighted, peak memory the steps' highest, critical paths joined."""
+
+    tokens: float
+    samples: int
+    step_time: float
+    mfu: float
+    peak_memory: float
+    fits: bool
+    critical_path: list
+    critical_phase: str
+
+
+@dataclass
+class Swing(Search):
+    """A run whose steps each have their own mix (`steps`: one Search per step, their caches
+    shared with the fixed-mix cases); one plan runs every step. `samples` (the run's average mix)
+    is the run's average mix, the one the as-run pools are sized for."""
+
+    steps: list = field(default_factory=list)
+
+    def run(self, plan: SimPlan):
+        key = plan.replace(name="plan")
+        if key not in self.runs:
+            reports = [s.run(plan) for s in self.steps]
+            failed = [r for r in reports if isinstance(r, DsOmniError)]
+            self.runs[key] = failed[0] if failed else _joined(reports)
+        return self.runs[key]
+
+    def sized_by(self) -> list:
+        """Every step's samples: a tuned baseline may size its plan for any of the run's mixes
+        (its pool for the highest, say), then keeps it for the run."""
+        return [s.samples for s in self.steps]
+
+
+def _joined(reports: list) -> RunReport:
+    time_s = sum(r.step_time for r in reports)
+    path = [seg for r in reports for seg in r.critical_path]
+    per = {}
+    for seg in path:
+        per[seg["phase"]] = per.get(seg["phase"], 0.0) + seg["seconds"]
+    return RunReport(tokens=sum(r.tokens for r in reports), samples=sum(r.samples for r in reports),
+                     step_time=time_s, mfu=sum(r.mfu * r.step_time for r in reports) / time_s,
+                     peak_memory=max(r.peak_memory for r in reports),
+                     fits=all(r.fits for r in reports), critical_path=path,
+                     critical_phase=max(per, key=per.get) if per else "")

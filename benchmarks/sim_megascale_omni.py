@@ -9,7 +9,7 @@ a 70B LLM (Llama-3-70B dims) on 128; a 10B ViT + the 70B on 256 (`sim_common.py`
 Workload: image:text samples mixed 1:9, 3:7, 5:5, 7:3, 9:1, samples up to 16K LLM tokens (text
 lognormal around 2,000 tokens; 1 + Geometric(1/2) images of 256-16,384 patches, 4 patches an LLM
 token), packed into 16K-token rows; 8 samples a GPU per step; the same drawn samples for every
-plan of a (setup, mix).
+plan of a (setup, mix); beside them, runs whose mix swings from step to step (`SWINGS`).
 
 For each (setup, mix), ds_omni's plan is the best (tokens/s, fitting in memory) of a small grid
 (`candidates`: SP degree, per-sequence SP, a joint pipeline of 2-8 stages), the full plan
@@ -19,7 +19,8 @@ grid (its degrees, not ours) and its as-run plan; the as-run ones (`baselines.AS
 and kept. speed-up = ds_omni's tokens/s / the baseline's; a missed target prints both sides'
 critical paths by phase (`phases_s` in the results). Beside them, each joint pipeline with its
 encoders in the pipeline's bubbles against "uniform" (`bubbles_beside_uniform`). Writes
-benchmarks/results/sim_megascale_omni.json and .png. The reading (what differs from the paper and why): docs/benchmarks/sim_papers.md.
+benchmarks/results/sim_megascale_omni.json (swings: `swing_cases`, `summary_swing`) and .png.
+The reading (what differs from the paper and why): docs/benchmarks/sim_papers.md.
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ def candidates(model, c) -> list[SimPlan]:
 
 AVERAGE_MIX = "5:5"
 """The mix the as-run baselines are sized for (once), and the full-space search runs on."""
-SEARCH_S = 30.0
-"""Seconds the full-space search may take per setup (the best found when it runs out)."""
+SEARCH_S = 120.0
+"""Seconds the full-space search may take per setup (the best found when it runs out); 30 s
+left 401 of 776 plans unexplored at 12B on the 2 shared cores once the pool ran under pp."""
 
 
 def full_space(model):
@@ -84,20 +86,43 @@ def full_space(model):
     return SearchSpace(reorder_groups=(8,), checkpointing=(True, False))
 
 
-def run_setup(setup: str, mixes: list[str], seed: int) -> list[dict]:
+SWINGS = {"1:9-5:5": ("1:9", "3:7", "5:5"), "1:9-9:1": tuple(MIXES),
+          "5:5-9:1": ("5:5", "7:3", "9:1")}
+"""Runs whose mix swings from step to step: one step at each listed mix of the window, the steps'
+samples the fixed-mix cases' draws. A run's tokens/s depends only on its steps' mixes (the
+simulator's steps share no state), so each mix once holds the run's mean at the window's middle
+mix exactly, with no sampling noise from a few draws; the as-run pools are sized for that mix."""
+
+
+def run_setup(setup: str, mixes: list[str], seed: int,
+              search_s: float = SEARCH_S) -> tuple[list[dict], list[dict]]:
     """Every mix of one setup: ds_omni's best (the grid, the full space's top plans found on the
     average mix, and ds_omni's runs of the tuned baselines' plans) against the tuned baselines
-    and against the as-run baselines (chosen once on the average mix, kept for every mix)."""
+    and against the as-run baselines (chosen once on the average mix, kept for every mix); then
+    every swing (`SWINGS`) whose mixes are all run, each plan fixed over its steps."""
     vit, llm, gpus = SETUPS[setup]
     model, c = sim_common.model_spec(vit, llm), cluster("h100", gpus)
     grid = candidates(model, c)
     draw = lambda mix: workload(MIXES[mix]).draw(grid[0].global_batch, seed,  # noqa: E731
                                                  tuple(model.dims.encoders))
-    avg = sim_common.Search(c, model, draw(AVERAGE_MIX))
-    top, found = sim_common.space_plans(avg, grid[0], full_space(model), SEARCH_S)
-    as_run = as_run_plans(avg, grid)
-    return [run_mix(setup, mix, c, model, draw(mix), grid, top, as_run, found)
-            for mix in mixes]
+    searches = {mix: sim_common.Search(c, model, draw(mix)) for mix in {*mixes, AVERAGE_MIX}}
+    avg = searches[AVERAGE_MIX]
+    top, found = sim_common.space_plans(avg, grid[0], full_space(model), search_s)
+    as_run = {AVERAGE_MIX: as_run_plans(avg, grid)}
+    cases = [run_mix(setup, mix, searches[mix], grid, top, as_run[AVERAGE_MIX], found)
+             for mix in mixes]
+    swings = []
+    for name, steps in SWINGS.items():
+        if set(steps) <= set(mixes):
+            mean = steps[len(steps) // 2]
+            if mean not in as_run:
+                as_run[mean] = as_run_plans(searches[mean], grid)
+            run = sim_common.Swing(c, model, searches[mean].samples,
+                                   steps=[searches[m] for m in steps])
+            swings.append({"setup": setup, "mix": f"swing {name}", "steps": list(steps),
+                           "sized_for": mean, "gpus": c.gpus,
+                           **compared(run, grid, top, as_run[mean])})
+    return cases, swings
 
 
 def as_run_plans(avg: sim_common.Search, grid: list[SimPlan]) -> dict:
@@ -127,8 +152,19 @@ def _built(make, args) -> list[SimPlan]:
     return out
 
 
-def run_mix(setup, mix, c, model, samples, grid, top, as_run, found) -> dict:
-    search = sim_common.Search(c, model, samples)
+def run_mix(setup, mix, search, grid, top, as_run, found) -> dict:
+    return {"setup": setup, "mix": mix, "gpus": search.cluster.gpus,
+            **compared(search, grid, top, as_run),
+            "full_space": {"top": [describe(p) for p in top], "candidates": found.candidates,
+                           "simulated": found.simulated, "unexplored": found.unexplored,
+                           "seconds": found.seconds},
+            "bubbles_beside_uniform": bubbles_beside_uniform(search, grid),
+            "plans_simulated": len(search.runs), "simulation_s": search.seconds}
+
+
+def compared(search, grid, top, as_run) -> dict:
+    """ds_omni's best plan on the search's samples (one step, or a `Swing`'s steps) against the
+    tuned baselines and the as-run ones, and the speed-ups."""
     tuned = tuned_baselines(search, grid, as_run)
     own = [sim_common.own_version(p, grid[0]) for p, _ in tuned.values()]
     best_plan, best = search.best(grid + top + [p for p in own if p is not None])
@@ -136,14 +172,8 @@ def run_mix(setup, mix, c, model, samples, grid, top, as_run, found) -> dict:
     theirs = {name: sim_common.brief(*pr) for name, pr in tuned.items()}
     papers = {name: sim_common.fixed(search, plan) if plan else why
               for name, (plan, why) in as_run.items()}
-    return {"setup": setup, "mix": mix, "gpus": c.gpus, "ds_omni": ours, "baselines": theirs,
-            "speedup": sim_common.speedups(ours, theirs), "as_run": papers,
-            "speedup_as_run": sim_common.speedups(ours, papers),
-            "full_space": {"top": [describe(p) for p in top], "candidates": found.candidates,
-                           "simulated": found.simulated, "unexplored": found.unexplored,
-                           "seconds": found.seconds},
-            "bubbles_beside_uniform": bubbles_beside_uniform(search, grid),
-            "plans_simulated": len(search.runs), "simulation_s": search.seconds}
+    return {"ds_omni": ours, "baselines": theirs, "speedup": sim_common.speedups(ours, theirs),
+            "as_run": papers, "speedup_as_run": sim_common.speedups(ours, papers)}
 
 
 def tuned_baselines(search, grid, as_run: dict) -> dict:
@@ -225,9 +255,10 @@ def show(case: dict) -> str:
     fmt = lambda d: ", ".join(f"{k} {v:.2f}x" if v else f"{k} -" for k, v in d.items())  # noqa
     ours = case["ds_omni"] or {}
     lines = [f"{case['setup']} {case['mix']}: ds_omni {ours.get('plan')}",
-             f"  tuned: {fmt(case['speedup'])}", f"  as run: {fmt(case['speedup_as_run'])}",
-             "  bubbles / uniform: " + fmt({k: v["bubbles_over_uniform"] for k, v in
-                                            case.get("bubbles_beside_uniform", {}).items()})]
+             f"  tuned: {fmt(case['speedup'])}", f"  as run: {fmt(case['speedup_as_run'])}"]
+    if "bubbles_beside_uniform" in case:
+        lines.append("  bubbles / uniform: " + fmt({k: v["bubbles_over_uniform"] for k, v in
+                                                    case["bubbles_beside_uniform"].items()}))
     for kind, floor in (("speedup", 1.0), ("speedup_as_run", PAPER["min"])):
         side = case["baselines"] if kind == "speedup" else case["as_run"]
         for name, v in case[kind].items():
@@ -237,13 +268,15 @@ def show(case: dict) -> str:
     return "\n".join(lines)
 
 
-def write(args, cases: list[dict], wall_s: float) -> None:
+def write(args, cases: list[dict], swings: list[dict], wall_s: float) -> None:
     result = {"what": __doc__.splitlines()[0], "gpu": "h100", "seq_tokens": SEQ,
               "samples_per_gpu": SAMPLES_PER_GPU, "seed": args.seed, "paper": PAPER,
+              "search_s": args.search_s,
               "models_billions": {s: sim_common.billions(sim_common.model_spec(*SETUPS[s][:2]))
                                   for s in args.setups},
               "complete": len(cases) == len(args.setups) * len(args.mixes),
-              "cases": cases, "summary": summarise(cases), "wall_s": wall_s}
+              "cases": cases, "summary": summarise(cases), "swing_cases": swings,
+              "summary_swing": summarise(swings) if swings else {}, "wall_s": wall_s}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
 
@@ -253,16 +286,21 @@ def main(argv=None) -> int:
     parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
     parser.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--search-s", type=float, default=SEARCH_S)
     parser.add_argument("--out", default="sim_megascale_omni")
     args = parser.parse_args(argv)
-    start, cases = time.perf_counter(), []
+    start, cases, swings = time.perf_counter(), [], []
     for setup in args.setups:
-        for case in run_setup(setup, args.mixes, args.seed):
-            cases.append(case)
+        mine, swung = run_setup(setup, args.mixes, args.seed, args.search_s)
+        cases += mine
+        swings += swung
+        for case in mine + swung:
             print(show(case), flush=True)
-        write(args, cases, time.perf_counter() - start)  # after each setup: a partial run counts
+        write(args, cases, swings, time.perf_counter() - start)  # a partial run counts
     plot(cases, RESULTS / f"{args.out}.png")
     print(json.dumps(summarise(cases)["all"], indent=1))
+    if swings:
+        print("swinging mixes:", json.dumps(summarise(swings)["all"]["as_run"]))
     print(f"wrote {RESULTS / args.out}.json and .png in {time.perf_counter() - start:.0f} s")
     return 0
 

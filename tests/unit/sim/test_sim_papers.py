@@ -150,3 +150,30 @@ def test_tuned_baselines_hold_their_as_run_plans():
         assert rate(tuned["megatron"]) >= fixed["megatron_as_run"], mix
     rule_only = search.baselines(grid, names=("disttrain",))["disttrain"]
     assert rate(rule_only) < fixed["disaggregated_as_run"]  # the planted miss is caught
+
+
+def test_a_swinging_run_costs_the_pool_sized_once():
+    """A run whose mix swings (`sim_common.Swing`: 1:9 then 9:1, small VLM, 16 GPUs) is its steps
+    summed under one plan; the disaggregated pool sized once for the 1:9 step's share puts the
+    encoders on the 9:1 step's critical path, so the run is slower than with the pool re-sized for
+    each step (the mix swinging past the fixed pool). Planted: a Swing that read only its first
+    step would report the 1:9 step's rate, which the check below tells apart."""
+    from tests.unit.sim.test_sim_search import small_vlm
+    from ds_omni.sim.workload import WorkloadSpec
+    model, c = small_vlm(), cluster("h100", 16)
+    draw = lambda f: WorkloadSpec(image_fraction=f, text_median=1000.0, max_tokens=4096,  # noqa
+                                  patches_range=(256, 4096)).draw(64, 0, ("vision",))
+    steps = [sim_common.Search(c, model, draw(f)) for f in (0.1, 0.9)]
+    run = sim_common.Swing(c, model, steps[0].samples, steps=steps)
+    base = SimPlan(global_batch=64, micro_batches=2, pack_tokens=4096, zero_stage=1)
+    pool = lambda s: baselines.disaggregated_as_run(  # noqa: E731
+        base, 16, baselines.encoder_share(model, s.samples))
+    fixed, each = run.run(pool(steps[0])), [s.run(pool(s)) for s in steps]
+    alone = [s.run(pool(steps[0])) for s in steps]
+    assert fixed.tokens == sum(r.tokens for r in alone)
+    assert fixed.step_time == pytest.approx(sum(r.step_time for r in alone), rel=1e-12)
+    assert fixed.fits == all(r.fits for r in alone)
+    assert pool(steps[0]).encoder_gpus < pool(steps[1]).encoder_gpus
+    assert fixed.step_time > sum(r.step_time for r in each)
+    first_only = sim_common.tokens_per_s(alone[0])
+    assert sim_common.tokens_per_s(fixed) != pytest.approx(first_only, rel=1e-3)
