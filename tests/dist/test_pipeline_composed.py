@@ -263,20 +263,26 @@ def _pool_cases(tmp) -> dict:
     sources = [skewed_source(tmp / "skewed")]
     batch = {"global_batch_size": 8, "micro_batch_size": 2}  # 2 images a round on rank 0
     honest = {f"pp2_dp2_pool_{p}": {"pool": True, "placement": p, "zero": 1, "sources": sources,
-                                    "steps": 2, "batch": batch} for p in ("stage0", "uniform")}
-    assert plants.for_launch("pp_pool") == ["pp_pool_wrong_rank"]
-    return {**honest, "pp_pool_wrong_rank": {**honest["pp2_dp2_pool_uniform"], "steps": 1,
-                                             "plant": "pp_pool_wrong_rank"}}
+                                    "steps": 2, "batch": batch}
+              for p in ("stage0", "uniform", "bubbles")}
+    planted = {"pp_pool_wrong_rank": "uniform", "pp_pool_bubble_rows_unexchanged": "bubbles"}
+    assert sorted(planted) == plants.for_launch("pp_pool")
+    return {**honest, **{p: {**honest[f"pp2_dp2_pool_{base}"], "steps": 1, "plant": p}
+                         for p, base in planted.items()}}
 
 
 def check_pool(name: str, case: dict, results: list, cfg) -> None:
     """`check`, and the pool moved items across ranks on every stage that encodes: rank 1 (stage
-    0, text rows alone) encoded items of rank 0's rows; under "uniform" so did its stage-1 peer
-    (rank 3), whose column splits them; rank 0 kept its own."""
+    0, text rows alone) encoded items of rank 0's rows; under "uniform" and "bubbles" so did its
+    stage-1 peer (rank 3), whose column splits them; rank 0 kept its own. Under "bubbles" rank 1
+    received rows rank 3 encoded: rank 1's rows have no items, so those rows are rank 0's items,
+    which only the pool's exchange takes to rank 0."""
     check(name, case, results, cfg)
     moved = [r[name]["pool_items_moved"] > 0 for r in results]
-    assert moved == [False, True, False, case["placement"] == "uniform"], (name, moved)
+    assert moved == [False, True, False, case["placement"] != "stage0"], (name, moved)
     assert all(r[name]["pool_moved"] for r in results[1:2]), name  # the metric data_pool_moved
+    if case["placement"] == "bubbles":
+        assert results[1][name]["bubble_rows_received"] > 0, name
 
 
 @pytest.fixture(scope="module")
@@ -287,7 +293,7 @@ def pool_ranks(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.dist
 def test_pipeline_with_encoder_pool_matches_single_process(pool_ranks, tmp_path):
-    """pp2 x dp2 with parallel.encoder_pool "dp" under both encoder placements (quick: none, a
+    """pp2 x dp2 with parallel.encoder_pool "dp" under the three encoder placements (quick: none, a
     4-rank launch; the pool's pure plans: tests/unit/parallelize/test_encoder_pool.py)."""
     cases, results = pool_ranks
     check_honest(cases, results, tmp_path, by=check_pool)
