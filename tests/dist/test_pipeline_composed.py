@@ -82,14 +82,19 @@ def _cases(tmp) -> dict:
 
 def _slow_cases(tmp) -> dict:
     """The slow tier's 8-rank launch: pp2 x tp2 x sp2, LLaVA and Qwen2-VL (M-RoPE), ZeRO-1,
-    both encoder placements."""
+    the three encoder placements."""
     from tests import family_dirs
     sources = [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]
     qwen = str(family_dirs.make_qwen2_vl_dir(tmp / "q"))
+    # "bubbles": images alone in loader order, two samples a row, so each SP shard has items in
+    # later micro-batches
+    data = {"stage0": {"sources": sources}, "uniform": {"sources": sources},
+            "bubbles": {"sources": sources[:1], "reorder": {"mode": "loader_order"},
+                        "batch": {"global_batch_size": 8, "micro_batch_size": 2}}}
     return {f"{name}_{placement}": {"tp": 2, "sp": 2, "zero": 1, "placement": placement,
-                                    "sources": sources, **model}
+                                    **data[placement], **model}
             for name, model in (("llava", {}), ("qwen2_vl", {"model_dir": qwen}))
-            for placement in ("stage0", "uniform")}
+            for placement in ("stage0", "uniform", "bubbles")}
 
 
 @pytest.fixture(scope="module")
