@@ -15,8 +15,8 @@ stage 0's SP shards sending their activations to the other SP shard of stage 1; 
 fails on each (`test_plant_*`).
 
 The slow tier (`test_pipeline_composed_8_ranks`): pp2 x tp2 x sp2 on 8 ranks, LLaVA and Qwen2-VL
-(M-RoPE), ZeRO-1, both encoder placements ("uniform": each SP shard's column of stages encodes
-the items its reshard plan gives it), 3 steps each, checked the same way. Also slow, 4 ranks:
+(M-RoPE), ZeRO-1, the three encoder placements ("uniform" and "bubbles": each SP shard's column
+of stages encodes the items its reshard plan gives it), 3 steps each, checked the same way. Also slow, 4 ranks:
 pp2 x tp2 and pp2 x sp2 under "bubbles" (the image+audio composition in loader order), checked
 the same way, with evidence its encoder work ran (an item's forward in an idle slot, and rows a
 later stage encoded received by every rank of stage 0: `BubbleSetup.rows_received`); a plant
@@ -252,8 +252,8 @@ def test_plant_pipeline_bubbles_composed_is_caught(plant, bubbles_four_ranks, tm
 @pytest.mark.dist
 def test_pipeline_composed_8_ranks(tmp_path_factory, tmp_path):
     """pp2 x tp2 x sp2 (dp=1): every rank of a stage holds AutoTP's layers, each TP rank's
-    heads split again over its SP group; "uniform" encodes each SP shard's items over its
-    column of stages."""
+    heads split again over its SP group; "uniform" and "bubbles" encode each SP shard's items
+    over its column of stages."""
     tmp = tmp_path_factory.mktemp("pp_composed_8")
     cases = _slow_cases(tmp)
     results = run_on_ranks(_train_ranks, 8, args=(cases, str(tmp / "runs")), timeout=1200)
