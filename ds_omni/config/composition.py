@@ -273,20 +273,16 @@ RULES = (
               "the cost model predicts a gain, else \"uniform\")"),
     _composes("encoder_pool", "pp", "each round is planned over a stage's dp x sp ranks as "
               "without pp, on the stages that encode: under \"stage0\" stage 0's ranks encode "
-              "what the pool gives them; under \"uniform\" each pool rank's column of stages "
-              "splits it by cost, its rows going to its stage-0 rank, then over the pool to the "
-              "shard holding their placeholders (gradients back the same way)"),
+              "what the pool gives them; under \"uniform\" and \"bubbles\" each pool rank's "
+              "column of stages splits it (by cost, or into the schedule's idle slots), its rows "
+              "going to its stage-0 rank, then over the pool to the shard holding their "
+              "placeholders (gradients back the same way)"),
     _composes("ep", "pp", "each stage's MoE blocks are AutoEP's with EP groups of ep "
               "consecutive ranks of the stage's dp x sp ranks (ep divides them); every stage "
               "adds its layers' per-sample router statistics to tensors that travel with the "
               "hidden states, and the last stage forms HF's aux loss from the whole sums (under "
               "sp summed over the row's SP group first)"),
-    _refused("encoder_pool", "encoder_placement", "the \"bubbles\" schedule sends a stage's "
-             "encoder rows to one peer of stage 0, not to the pool ranks that hold their "
-             "placeholders", "set encoder_placement to \"uniform\" beside the pool",
-             refused=lambda s: s.encoder_placement == "bubbles" and s.pp > 1, shows=("pp",),
-             when='encoder_placement="bubbles" and parallel.pp > 1',
-             note=UNDER_PP + ' ("auto" picks "uniform" here)'),
+    _composes("encoder_pool", "encoder_placement", UNDER_PP + ' ("auto" picks "uniform" here)'),
     _composes("encoder_placement", "ep", UNDER_PP),
     _composes("encoder_pool", "ep"),
     # parallel.cp: ring attention across the sp x cp ranks of a row (docs/parallelism.md)

@@ -328,9 +328,10 @@ class BubbleSetup:
         return getattr(self.joint, name)
 
     def start(self, micro_batches: list, device) -> BubbleEncoding:
-        """The step's plan over this pipeline's items: under SP its shard's (`EncodeShare`, as
-        "uniform"), whose rows stage 0's resharding all-to-all takes to their placeholders; under
-        TP each TP rank's pipeline encodes every item, so each stage 0 rank holds every row."""
+        """The step's plan over this pipeline's items: under SP its shard's, under the encoder
+        pool those the pool gave this rank (`EncodeShare`, as "uniform"), whose rows stage 0's
+        resharding (or pool) all-to-all takes to their placeholders; under TP each TP rank's
+        pipeline encodes every item, so each stage 0 rank holds every row."""
         j = self.joint
         shares = [EncodeShare(mb) for mb in micro_batches]
         joint, plan = plan_step(shares, j.item_cost, j.stages, self.stage_cost)

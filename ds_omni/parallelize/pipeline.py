@@ -319,7 +319,7 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
     module.joint = None
     module.clock = bubble_schedule.StageClock()  # bubble_fraction, every placement
     # the pool places each stage's items over its dp x sp ranks where the stage encodes
-    module.pool = pool if placement == "uniform" or module.stage_id == 0 else None
+    module.pool = pool if placement in ("uniform", "bubbles") or module.stage_id == 0 else None
     if placement in ("uniform", "bubbles"):
         stage = module.stage_id
         if stage != 0:  # every stage holds the encoders; each parameter's owner steps it
@@ -373,7 +373,7 @@ def resolved_placement(cfg, plan, cost, stages: StagePlan) -> str:
     if placement != "auto":
         return placement
     if plan.tp_enabled or plan.sp_enabled or plan.encoder_pool:  # its model is of a whole
-        return "uniform"  # row's items on one pipeline; "bubbles" beside the pool is refused
+        return "uniform"  # row's items on one pipeline
     from ds_omni.parallel.bubbles import auto_placement
     return auto_placement(cost, stages.layer_time, *typical_step(cfg, plan, cost))
 

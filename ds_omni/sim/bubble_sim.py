@@ -1,14 +1,15 @@
 """Encoder work in the pipeline's bubbles on simulated ranks (`encoder_placement: "bubbles"`).
 
-Each pipeline's items of the step (an SP shard's: its reshard plan's; every TP rank alike) are
-placed as training places them (`plan_bubbles` on the cost model's item costs and stage times). An item's forward runs on its
-owner stage at the start of its planned schedule step (a warm-up idle slot, or the step's start
-where no gap holds it); its rows reach stage 0 right before that stage's forward of the item's
-micro-batch (a receive: stage 0 waits for the owner). Its backward runs at its planned step (a
-cool-down slot, or before the reduction), once stage 0 has sent the rows' gradients after its
-backward of the micro-batch. The ops join each stage's 1F1B order at the schedule step DeepSpeed's
-`TrainSchedule` gives it (forward of m at 2m + s, backward at 2m + 2P - 1 - s), so work a gap
-cannot hold delays its stage as on the engine. "auto" resolves as training resolves it.
+Each pipeline's items of the step (an SP shard's: its reshard plan's; under the encoder pool a pool
+rank's; every TP rank alike) are placed as training places them (`plan_bubbles` on the cost model's
+item costs and stage times). An item's forward runs on its owner stage at the start of its planned
+schedule step (a warm-up idle slot, or the step's start where no gap holds it); its rows reach
+stage 0 right before that stage's forward of the item's micro-batch (a receive: stage 0 waits for
+the owner). Its backward runs at its planned step (a cool-down slot, or before the reduction), once
+stage 0 has sent the rows' gradients after its backward of the micro-batch. The ops join each
+stage's 1F1B order at the schedule step DeepSpeed's `TrainSchedule` gives it (forward of m at 2m +
+s, backward at 2m + 2P - 1 - s), so work a gap cannot hold delays its stage as on the engine.
+"auto" resolves as training resolves it.
 More: docs/simulator.md.
 
 Dims: P stages, M micro-batches, D ranks a stage (pipelines: dp x sp x tp).
@@ -23,7 +24,7 @@ import numpy as np
 
 from ds_omni.parallel import reshard
 from ds_omni.parallel.bubbles import CallOverhead, auto_placement, plan_bubbles
-from ds_omni.sim import comm
+from ds_omni.sim import comm, pool_sim
 from ds_omni.sim.encode_sim import Row
 from ds_omni.sim.timeline import COMM
 
@@ -87,6 +88,10 @@ class BubbleOps:
         weights = step.cluster.micro_batch_s_per_param * float(sum(
             step.model.encoder_params(n) for n in step.model.dims.encoders))
         sp, tp = p.sp, p.tp
+        if step.plan.encoder_mode == "pool":  # each pool rank's column: the items it was given
+            for c, (ids, micro) in enumerate(pool_sim.pool_owned_rounds(step)):
+                self._pipeline(np.arange(c * tp, (c + 1) * tp), ids, micro, D, weights)
+            return
         for d, rounds in enumerate(step.assignment.rounds):
             for j, (ids, micro) in enumerate(self._shard_items(rounds)):
                 first = (d * sp + j) * tp  # the columns of SP shard j's TP ranks

@@ -127,3 +127,18 @@ def pool_exchanges(step, ranks: list[np.ndarray], encoding: list[int]) -> None:
         inputs_s += inputs[:n] + (POOL_CALLS * c.a2a_call_s if work.inputs else 0.0)
     for s in encoding:
         step.timeline.run(ranks[s], "reshard", inputs_s + (rows_s if s == 0 else 0.0), COMM)
+
+
+def pool_owned_rounds(step) -> list[tuple[list[int], list[int]]]:
+    """Per pool rank: (the ids of the items it encodes over the step's rounds, each one's round),
+    which under "bubbles" its column of stages places into the schedule (`bubble_sim`)."""
+    p = step.pplan
+    out: list[tuple[list[int], list[int]]] = [([], []) for _ in range(p.seq_data_size)]
+    for m in range(step.plan.micro_batches):
+        plan, ids, _ = encode_sim.pool_round(_rows(step, m, folded=True), step.layout,
+                                             p.seq_data_size, False, step.heads,
+                                             step.model.cost.encoder_names)
+        for i, owner in zip(ids, plan.owner):
+            out[owner][0].append(int(i))
+            out[owner][1].append(m)
+    return out

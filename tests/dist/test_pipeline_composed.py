@@ -15,8 +15,8 @@ stage 0's SP shards sending their activations to the other SP shard of stage 1; 
 fails on each (`test_plant_*`).
 
 The slow tier (`test_pipeline_composed_8_ranks`): pp2 x tp2 x sp2 on 8 ranks, LLaVA and Qwen2-VL
-(M-RoPE), ZeRO-1, both encoder placements ("uniform": each SP shard's column of stages encodes
-the items its reshard plan gives it), 3 steps each, checked the same way. Also slow, 4 ranks:
+(M-RoPE), ZeRO-1, the three encoder placements ("uniform" and "bubbles": each SP shard's column
+of stages encodes the items its reshard plan gives it), 3 steps each, checked the same way. Also slow, 4 ranks:
 pp2 x tp2 and pp2 x sp2 under "bubbles" (the image+audio composition in loader order), checked
 the same way, with evidence its encoder work ran (an item's forward in an idle slot, and rows a
 later stage encoded received by every rank of stage 0: `BubbleSetup.rows_received`); a plant
@@ -82,14 +82,19 @@ def _cases(tmp) -> dict:
 
 def _slow_cases(tmp) -> dict:
     """The slow tier's 8-rank launch: pp2 x tp2 x sp2, LLaVA and Qwen2-VL (M-RoPE), ZeRO-1,
-    both encoder placements."""
+    the three encoder placements."""
     from tests import family_dirs
     sources = [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]
     qwen = str(family_dirs.make_qwen2_vl_dir(tmp / "q"))
+    # "bubbles": images alone in loader order, two samples a row, so each SP shard has items in
+    # later micro-batches
+    data = {"stage0": {"sources": sources}, "uniform": {"sources": sources},
+            "bubbles": {"sources": sources[:1], "reorder": {"mode": "loader_order"},
+                        "batch": {"global_batch_size": 8, "micro_batch_size": 2}}}
     return {f"{name}_{placement}": {"tp": 2, "sp": 2, "zero": 1, "placement": placement,
-                                    "sources": sources, **model}
+                                    **data[placement], **model}
             for name, model in (("llava", {}), ("qwen2_vl", {"model_dir": qwen}))
-            for placement in ("stage0", "uniform")}
+            for placement in ("stage0", "uniform", "bubbles")}
 
 
 @pytest.fixture(scope="module")
@@ -247,8 +252,8 @@ def test_plant_pipeline_bubbles_composed_is_caught(plant, bubbles_four_ranks, tm
 @pytest.mark.dist
 def test_pipeline_composed_8_ranks(tmp_path_factory, tmp_path):
     """pp2 x tp2 x sp2 (dp=1): every rank of a stage holds AutoTP's layers, each TP rank's
-    heads split again over its SP group; "uniform" encodes each SP shard's items over its
-    column of stages."""
+    heads split again over its SP group; "uniform" and "bubbles" encode each SP shard's items
+    over its column of stages."""
     tmp = tmp_path_factory.mktemp("pp_composed_8")
     cases = _slow_cases(tmp)
     results = run_on_ranks(_train_ranks, 8, args=(cases, str(tmp / "runs")), timeout=1200)
@@ -263,20 +268,26 @@ def _pool_cases(tmp) -> dict:
     sources = [skewed_source(tmp / "skewed")]
     batch = {"global_batch_size": 8, "micro_batch_size": 2}  # 2 images a round on rank 0
     honest = {f"pp2_dp2_pool_{p}": {"pool": True, "placement": p, "zero": 1, "sources": sources,
-                                    "steps": 2, "batch": batch} for p in ("stage0", "uniform")}
-    assert plants.for_launch("pp_pool") == ["pp_pool_wrong_rank"]
-    return {**honest, "pp_pool_wrong_rank": {**honest["pp2_dp2_pool_uniform"], "steps": 1,
-                                             "plant": "pp_pool_wrong_rank"}}
+                                    "steps": 2, "batch": batch}
+              for p in ("stage0", "uniform", "bubbles")}
+    planted = {"pp_pool_wrong_rank": "uniform", "pp_pool_bubble_rows_unexchanged": "bubbles"}
+    assert sorted(planted) == plants.for_launch("pp_pool")
+    return {**honest, **{p: {**honest[f"pp2_dp2_pool_{base}"], "steps": 1, "plant": p}
+                         for p, base in planted.items()}}
 
 
 def check_pool(name: str, case: dict, results: list, cfg) -> None:
     """`check`, and the pool moved items across ranks on every stage that encodes: rank 1 (stage
-    0, text rows alone) encoded items of rank 0's rows; under "uniform" so did its stage-1 peer
-    (rank 3), whose column splits them; rank 0 kept its own."""
+    0, text rows alone) encoded items of rank 0's rows; under "uniform" and "bubbles" so did its
+    stage-1 peer (rank 3), whose column splits them; rank 0 kept its own. Under "bubbles" rank 1
+    received rows rank 3 encoded: rank 1's rows have no items, so those rows are rank 0's items,
+    which only the pool's exchange takes to rank 0."""
     check(name, case, results, cfg)
     moved = [r[name]["pool_items_moved"] > 0 for r in results]
-    assert moved == [False, True, False, case["placement"] == "uniform"], (name, moved)
+    assert moved == [False, True, False, case["placement"] != "stage0"], (name, moved)
     assert all(r[name]["pool_moved"] for r in results[1:2]), name  # the metric data_pool_moved
+    if case["placement"] == "bubbles":
+        assert results[1][name]["bubble_rows_received"] > 0, name
 
 
 @pytest.fixture(scope="module")
@@ -287,7 +298,7 @@ def pool_ranks(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.dist
 def test_pipeline_with_encoder_pool_matches_single_process(pool_ranks, tmp_path):
-    """pp2 x dp2 with parallel.encoder_pool "dp" under both encoder placements (quick: none, a
+    """pp2 x dp2 with parallel.encoder_pool "dp" under the three encoder placements (quick: none, a
     4-rank launch; the pool's pure plans: tests/unit/parallelize/test_encoder_pool.py)."""
     cases, results = pool_ranks
     check_honest(cases, results, tmp_path, by=check_pool)

@@ -184,3 +184,11 @@ def _auto_mix_blind(rank: int):
 def _pp_pool_wrong_rank(rank: int):
     from tests.plants.parity import _pool_wrong_rank
     yield from _pool_wrong_rank(rank)
+
+
+@plant("pp_pool_bubble_rows_unexchanged", "under pp \"bubbles\" with the pool, the rows stage "
+       "1 encodes reach rank 1 (stage 0 of the text-only column), which puts zeros on the pool's "
+       "exchange in their place: rank 0's placeholders get no rows from rank 1's column",
+       "pp_pool")
+def _pp_pool_bubble_rows_unexchanged(rank: int):
+    yield from _bubble_rows_rank0_only(rank)

@@ -143,24 +143,13 @@ def test_the_ring_composes_with_tp_and_ep(tmp_path, parallel):
 # Refused before, composing since: tp x ZeRO-3 (tests/dist/test_tensor_parallel.py, tp2 x dp2
 # under ZeRO-3), ep x pp under sp (tests/dist/test_expert_parallel.py, pp2 x sp2 x ep2),
 # "bubbles" beside tp and sp (tests/dist/test_pipeline_composed.py, pp2 x tp2 and pp2 x sp2) and
-# the encoder pool under pp (tests/dist/test_pipeline_composed.py, pp2 x dp2, both placements)
+# the encoder pool under pp (tests/dist/test_pipeline_composed.py, pp2 x dp2, every placement)
 LIFTED = {"tp x ZeRO-3": (dict(tp=2), 3), "ep x pp under sp": (dict(ep=2, pp=2, sp=2), 1),
           "bubbles beside tp": (dict(pp=2, tp=2, encoder_placement="bubbles"), 1),
           "bubbles beside sp": (dict(pp=2, sp=2, encoder_placement="bubbles"), 1),
-          "encoder_pool x pp": (dict(encoder_pool="dp", pp=2, encoder_placement="uniform"), 1)}
-
-
-def test_the_pool_under_pp_refuses_bubbles_only():
-    """The pool composes with pp under "stage0" and "uniform"; "bubbles" sends a stage's rows to
-    one peer of stage 0, not to the pool rank holding their placeholders."""
-    for placement in ("stage0", "uniform", "auto"):
-        check_composition(ParallelConfig(pp=2, encoder_pool="dp", encoder_placement=placement),
-                          zero=1)
-    check_composition(ParallelConfig(encoder_pool="dp", encoder_placement="bubbles"), zero=3)
-    with pytest.raises(CompositionError, match='parallel.encoder_pool="dp" cannot be combined '
-                       'with parallel.encoder_placement="bubbles" when parallel.pp=2'):
-        check_composition(ParallelConfig(pp=2, encoder_pool="dp", encoder_placement="bubbles"),
-                          zero=1)
+          "encoder_pool x pp": (dict(encoder_pool="dp", pp=2, encoder_placement="uniform"), 1),
+          "encoder_pool x pp, bubbles": (dict(encoder_pool="dp", pp=2,
+                                              encoder_placement="bubbles"), 1)}
 
 
 def test_tp_under_zero3_is_refused_beside_sp_only():

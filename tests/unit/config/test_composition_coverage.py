@@ -74,7 +74,7 @@ COVERED = {
     ("encoder_placement", "ep"): ([f"{PAIRS}::test_pp2_x_ep2_uniform"], []),
     ("encoder_pool", "ep"): ([EP_SP_POOL], []),
     ("encoder_pool", "pp"): ([], [PP_POOL_SLOW]),
-    ("encoder_placement", "encoder_pool"): ([], [PP_POOL_SLOW]),
+    ("encoder_placement", "encoder_pool"): ([], [PP_POOL_SLOW]),  # its "bubbles" case too
     ("zero", "cp"): ([CP_QUICK], [CP_SLOW]),
     ("sp", "cp"): ([CP_QUICK], [CP_SLOW]),
     ("encoder_pool", "cp"): ([], [CP_SLOW]),

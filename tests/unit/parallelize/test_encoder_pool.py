@@ -259,10 +259,9 @@ def test_config_takes_the_pool_beside_model_parallelism():
     assert ParallelConfig(encoder_pool="dp", sp=2).sp == 2  # static SP: pooled over dp x sp
     # per-sequence SP: pooled over the round's groups of mixed sizes
     assert ParallelConfig(encoder_pool="dp", max_sequence_sp=4).max_sequence_sp == 4
-    # under pp each encoding stage pools its ranks; "bubbles" sends rows to one stage-0 peer
-    assert ParallelConfig(encoder_pool="dp", pp=2, encoder_placement="uniform").pp == 2
-    with pytest.raises(ConfigError, match="encoder_pool.*set encoder_placement to"):
-        ParallelConfig(encoder_pool="dp", pp=2, encoder_placement="bubbles")
+    # under pp each encoding stage pools its ranks, whatever the encoders' placement
+    for placement in ("stage0", "uniform", "bubbles"):
+        assert ParallelConfig(encoder_pool="dp", pp=2, encoder_placement=placement).pp == 2
     with pytest.raises(ConfigError, match="encoder_pool must be"):
         ParallelConfig(encoder_pool="world")
 

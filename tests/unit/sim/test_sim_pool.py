@@ -85,18 +85,19 @@ def test_plant_sim_pool(plant):
             check_pool_planning_charged()
 
 
-@pytest.mark.parametrize("placement", ["stage0", "uniform"])
+@pytest.mark.parametrize("placement", ["stage0", "uniform", "bubbles"])
 def test_the_pool_under_pp_spreads_the_encoders_over_a_stages_ranks(placement):
     """pp2 x dp2 (`sim/pool_sim.py`): data-parallel rank 0 reads the four large images, rank
     1 four tiny ones. Without the pool the encoders' work stays in rank 0's pipeline (stage 0's
-    rank 0 under "stage0", ranks 0 and 2 under "uniform"); with it the pool moves large images
-    to rank 1's pipeline on every stage that encodes, and prices their inputs' exchange."""
+    rank 0 under "stage0", ranks 0 and 2 under "uniform" and "bubbles"); with it the pool moves
+    large images to rank 1's pipeline on every stage that encodes (under "bubbles" each column
+    places the pool's items: `pool_sim.pool_owned_rounds`), and prices their inputs' exchange."""
     samples = image_samples([4096] * 4 + [4] * 4)
     c = dataclasses.replace(cluster("cpu", 4, 4), pool_item_s=0.0)
     plan = PLAN.replace(pp=2, encoder_placement=placement, zero_stage=1)
     off, on = (simulate(c, tiny(), samples, plan.replace(encoder_mode=mode))
                for mode in ("reshard", "pool"))
-    stages = [0, 1] if placement == "uniform" else [0]
+    stages = [0] if placement == "stage0" else [0, 1]
     for s in stages:  # stage s's ranks: 2 s (dp 0), 2 s + 1 (dp 1)
         mine, other = 2 * s, 2 * s + 1
         assert np.asarray(on.compute)[other] > np.asarray(off.compute)[other] * 1.5, (s, on, off)
