@@ -89,16 +89,16 @@ def moe_terms() -> dict:
 
 
 # the profiled machine's compute terms, in seconds of work and in work a second: what the
-# measured launch's load slows (`calibrate_engine`'s compute_scale); ring attention's rate and
-# the cost a micro-batch are measured in the launch itself, so they are not among them
-SLOWED_SECONDS = ("optimizer_s_per_param", "pool_item_s")
+# measured launch's load slows (`calibrate_engine`'s compute_scale); ring attention's rate is
+# timed in the launch itself (`sim_validation.ranks`), so it is not among them
+SLOWED_SECONDS = ("micro_batch_s_per_param", "optimizer_s_per_param", "pool_item_s")
 SLOWED_RATES = ("flops_per_s",)
 
 
 def with_engine(compute: dict, engine: dict) -> dict:
     """One world's profiled machine (`calibrate_compute`) with the engine's fitted costs on
-    top: its kernels slowed by the launch's `compute_scale`, its step cost, and the cost a
-    micro-batch per parameter as the launch measured it (in place of the profile's)."""
+    top: its compute terms slowed by the launch's `compute_scale`, its step cost, and its cost
+    a micro-batch per parameter added to the profile's."""
     k = engine.get("compute_scale", 1.0)
     machine = dict(compute["machine"], step_s=engine["step_s"],
                    a2a_call_s=engine.get("a2a_call_s", 0.0), compute_scale=k)
@@ -106,10 +106,7 @@ def with_engine(compute: dict, engine: dict) -> dict:
         machine[name] = machine.get(name, 0.0) * k
     for name in SLOWED_RATES:
         machine[name] = machine[name] / k
-    if "micro_batch_s_per_param" in engine:
-        machine["micro_batch_s_per_param"] = engine["micro_batch_s_per_param"]
-    else:  # an engine fitted before the cost a micro-batch stood apart: on top of the profile's
-        machine["micro_batch_s_per_param"] += engine["engine_micro_batch_s_per_param"]
+    machine["micro_batch_s_per_param"] += engine["engine_micro_batch_s_per_param"]
     return dict(compute, machine=machine, engine=engine)
 
 
@@ -118,11 +115,7 @@ def profiled_machine(compute: dict) -> dict:
     calibration is fitted on top of)."""
     engine, k = compute.get("engine", {}), compute["machine"].get("compute_scale", 1.0)
     machine = dict(compute["machine"], step_s=0.0, a2a_call_s=0.0)
-    if "profiled_micro_batch_s_per_param" in engine:
-        machine["micro_batch_s_per_param"] = engine["profiled_micro_batch_s_per_param"]
-    else:  # before the cost a micro-batch stood apart: the profile's, slowed, plus the engine's
-        machine["micro_batch_s_per_param"] = (machine["micro_batch_s_per_param"] - engine.get(
-            "engine_micro_batch_s_per_param", 0.0)) / k
+    machine["micro_batch_s_per_param"] -= engine.get("engine_micro_batch_s_per_param", 0.0)
     for name in SLOWED_SECONDS:
         machine[name] = machine.get(name, 0.0) / k
     for name in SLOWED_RATES:
@@ -139,8 +132,10 @@ def engine_specs(names: list[str]) -> list[tuple[str, int]]:
 
 # the engine calibration: the `world` ranks train each model's data-parallel plan (dp=world,
 # never a validated run: data seed 1234, micro-batches of 1 and 4 samples where the validated
-# runs have 2; the pipeline model on both its mixes: compute apart at one micro-batch count)
-# and its static-SP plan the same way, for the seconds of a Ulysses call
+# runs have 2) with DeepSpeed, the pipeline model's on both mixes (compute apart at one count
+# of micro-batches: else `compute_scale` and `step_s` trade freely, and dp2_text took the
+# image runs' step_s, +37 %), and each model's static-SP plan the same way, for the seconds of
+# a Ulysses call
 ENGINE_CALIBRATION = {"pipeline": (("dp2_image", (1, 4)), ("dp2_text", (1, 4)),
                                    ("sp2_static_text", (1, 4))),
                       "longtail": (("dp4_longtail", (1, 4)), ("sp2x2_static_longtail", (1, 4)))}
@@ -182,65 +177,56 @@ def calibrate_engine(names: list[str], machine: dict, cluster_file: str, out_dir
                      warmup: int = 1) -> dict:
     """What DeepSpeed's engine adds on this machine to the profiled model, under the measured
     runs' conditions (`world` ranks at once on the shared cores, their gradient collectives
-    and hooks): the ranks train each model's plans at two micro-batch sizes
-    (`ENGINE_CALIBRATION`); the busiest rank's CPU seconds above the communication the fitted
-    links predict, fitted (non-negative least squares, `engine_rows`) as its profiled kernel
-    seconds (FLOPs, optimizer) times `compute_scale` (the launch's load slows every kernel),
-    a cost a micro-batch per parameter (hooks, buffers, Python: in place of the profile's),
-    one a step and one a Ulysses all-to-all call (`ulysses_calls`). Each term has runs that
-    move it alone: micro-batches 1 and 4 at one workload, image and text mixes at one count.
-    `logs`: the runs already trained ("plan/micro" -> per rank the step records, in the
-    measured launch; a stored launch's runs only), their first `warmup` steps left out; else
-    they train here, `steps` steps each."""
+    and hooks): the ranks train each model's data-parallel plan at two micro-batch sizes
+    (`ENGINE_CALIBRATION`); the busiest rank's CPU seconds above the communication seconds the
+    fitted links predict for that step, fitted (non-negative least squares) as its profiled
+    compute seconds times `compute_scale` (the launch's load slows every kernel: on this shared
+    machine a loaded launch's compute took 2.2-2.5x the profile's CPU seconds, a cost that
+    grows with the work, not a constant a step), a cost a micro-batch per parameter (the
+    engine's hooks and gradient buffers), one a step and, from the sp runs, one a Ulysses
+    all-to-all call (DeepSpeed's `_SeqAllToAll` around the wire: its Python and layout
+    copies, on the CPU clock; `ulysses_calls`). `logs`: the runs already trained ("plan/micro" -> per rank
+    the step records, `ranks`' calibration: in the measured launch), their first `warmup`
+    steps left out (a stored launch: the runs it has); else they train here, `steps` steps
+    each."""
     import numpy as np
     from ds_omni.data.cost import nnls
-    from tests.harness import run_on_ranks
-    world = CONFIGS[names[0]][0]
-    specs = engine_specs(names)
-    if logs is None:
-        per_rank = run_on_ranks(engine_rank, world, args=(specs, out_dir, sources, steps),
-                                timeout=1200)
-        logs, warmup = {k: [r[k] for r in per_rank] for k in per_rank[0]}, 1
-    specs = [(n, m) for n, m in specs if f"{n}/{m}" in logs]
-    rows, residual = engine_rows(world, specs, logs, warmup, machine, cluster_file, out_dir,
-                                 sources)
-    a, y = np.array(rows), np.maximum(np.array(residual), 0.0)
-    scale = np.linalg.norm(a, axis=0)
-    scale[scale == 0] = 1.0  # no sp run: no calls
-    compute_scale, per_param, step_s, call_s = nnls(a / scale, y) / scale
-    fit = a @ [compute_scale, per_param, step_s, call_s]
-    return {"compute_scale": float(compute_scale), "micro_batch_s_per_param": float(per_param),
-            "profiled_micro_batch_s_per_param": machine["micro_batch_s_per_param"],
-            "step_s": float(step_s), "a2a_call_s": float(call_s),
-            "residual_s": [float(v) for v in y - fit], "runs": [f"{n}/{m}" for n, m in specs],
-            "micro_batches_x_params": [r[1] for r in rows], "world": world}
-
-
-def engine_rows(world, specs, logs, warmup, machine, cluster_file, out_dir, sources):
-    """`calibrate_engine`'s least-squares rows, a step each: [the busiest rank's profiled
-    kernel seconds, micro-batches x parameters, 1, Ulysses calls], and its CPU seconds above
-    its simulated communication."""
-    import numpy as np
     from ds_omni.sim.cluster import cluster
     from ds_omni.sim.from_config import sim_plan
     from ds_omni.sim.step import simulate
     from ds_omni.train.calibrate import machine_fields
     from tests.fixtures import ds_config
-    kernels = dict(machine, micro_batch_s_per_param=0.0)  # the cost a micro-batch: a column
-    machines = cluster(cluster_file, world, world, **machine_fields(kernels))
+    from tests.harness import run_on_ranks
+    world = CONFIGS[names[0]][0]
+    specs = engine_specs(names)
+    if logs is not None:
+        specs = [(n, m) for n, m in specs if f"{n}/{m}" in logs]
+    if logs is None:
+        per_rank = run_on_ranks(engine_rank, world, args=(specs, out_dir, sources, steps),
+                                timeout=1200)
+        logs, warmup = {k: [r[k] for r in per_rank] for k in per_rank[0]}, 1
+    machines = cluster(cluster_file, world, world, **machine_fields(machine))
     rows, residual = [], []
     for name, micro in specs:
-        cfg = engine_config(name, micro, out_dir, sources, 1)
+        cfg = engine_config(name, micro, out_dir, sources, steps)
         model = flop_model(cfg)
         plan = sim_plan(cfg, ds_config(1), world)
         run = logs[f"{name}/{micro}"]
+        rounds = plan.micro_batches  # a rank's micro-batches a step (dp only: every rank's)
         for s in range(warmup, len(run[0])):  # the first steps warm up
             report = simulate(machines, model, samples_of(run, s), plan)
             busiest = int(np.argmax(np.add(report.compute, report.comm)))
-            rows.append([report.compute[busiest], plan.micro_batches * model.total_params(),
-                         1.0, ulysses_calls(plan, model)])
+            rows.append([report.compute[busiest], rounds * model.total_params(), 1.0,
+                         ulysses_calls(plan, model)])
             residual.append(max(log[s]["cpu_s"] for log in run) - report.comm[busiest])
-    return rows, residual
+    a, y = np.array(rows), np.maximum(np.array(residual), 0.0)
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0  # no sp run: no calls
+    compute_scale, per_param, step_s, call_s = nnls(a / scale, y) / scale
+    return {"compute_scale": float(compute_scale),
+            "engine_micro_batch_s_per_param": float(per_param), "step_s": float(step_s),
+            "a2a_call_s": float(call_s), "residual_s": [float(v) for v in y - a[:, 0]],
+            "micro_batches_x_params": [r[1] for r in rows], "world": world}
 
 
 def ulysses_calls(plan, model) -> float:

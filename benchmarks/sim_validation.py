@@ -429,12 +429,12 @@ def predict_all(raw: dict, out: Path, tmp: str, sources: dict) -> list[dict]:
 
 
 def refit_engines(raw: dict, files: dict, out: Path, tmp: str, sources: dict) -> None:
-    """A stored world whose engine calibration predates the cost a micro-batch fitted apart
-    from `compute_scale`, or its links (`cpu_links`), fitted again from its stored engine runs
-    on its profiled machine: every world's machine fitted the same way."""
+    """A stored world whose engine calibration predates `compute_scale` or its links
+    (`cpu_links`) fitted again from its stored engine runs, on its profiled machine: every
+    world's machine fitted the same way."""
     from benchmarks import sim_calibration as cal
     for w, compute in raw["compute"].items():
-        if "micro_batch_s_per_param" in compute.get("engine", {"micro_batch_s_per_param": 0}):
+        if "compute_scale" in compute.get("engine", {"compute_scale": None}):
             continue
         group = [n for n in raw["logs"] if CONFIGS[n][0] == int(w)]
         machine = cal.profiled_machine(compute)

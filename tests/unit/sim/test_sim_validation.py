@@ -47,7 +47,7 @@ def test_two_config_validation_end_to_end(tmp_path):
     # measured launch (its 2 rounds after the warm-up, each micro-batch size), and the step's
     # fixed cost reaches the simulated cluster
     specs = sim_calibration.engine_specs(names)
-    assert len(compute["engine"]["residual_s"]) == 2 * len(specs) == 12  # dp and sp runs
+    assert len(compute["engine"]["residual_s"]) == 2 * len(specs) == 12  # dp (both mixes), sp
     raw = json.loads((tmp_path / "sim_validation_raw.json").read_text())
     assert set(raw["engine_logs"]["2"]) == {f"{n}/{m}" for n, m in specs}
     assert compute["machine"]["step_s"] == compute["engine"]["step_s"]
@@ -114,30 +114,25 @@ def test_the_order_target_counts_the_pairs_the_measurement_orders():
 
 
 def test_the_launch_load_slows_the_profiled_compute_and_the_profile_comes_back():
-    """`with_engine` prices the profile's kernels `compute_scale` times slower (the measured
-    launch's load: a cost that grows with the work), puts the launch's own cost a micro-batch in
-    place of the profile's, adds the engine's terms, and leaves the ring kernel's in-launch rate
-    alone; `profiled_machine` undoes it (a stored world's engine is fitted again on its
-    profile, `sim_validation.refit_engines`), engines fitted before the split included."""
+    """`with_engine` prices the profile's compute `compute_scale` times slower (the measured
+    launch's load: a cost that grows with the work), adds the engine's own terms, and leaves the
+    ring kernel's in-launch rate alone; `profiled_machine` undoes it (a stored world's engine is
+    fitted again on its profile, `sim_validation.refit_engines`)."""
     profile = {"flops_per_s": 5e10, "micro_batch_s_per_param": 4e-9,
                "optimizer_s_per_param": 7e-9, "pool_item_s": 1e-5, "ring_flops_per_s": 7e9}
-    engine = {"compute_scale": 2.5, "micro_batch_s_per_param": 6e-9, "step_s": 0.1,
-              "profiled_micro_batch_s_per_param": 4e-9, "a2a_call_s": 1e-3}
+    engine = {"compute_scale": 2.5, "engine_micro_batch_s_per_param": 1e-9, "step_s": 0.1,
+              "a2a_call_s": 1e-3}
     fitted = sim_calibration.with_engine({"machine": profile}, engine)["machine"]
     assert fitted["flops_per_s"] == pytest.approx(2e10)
-    assert fitted["micro_batch_s_per_param"] == 6e-9  # measured in the launch, not slowed
+    assert fitted["micro_batch_s_per_param"] == pytest.approx(4e-9 * 2.5 + 1e-9)
     assert fitted["optimizer_s_per_param"] == pytest.approx(7e-9 * 2.5)
     assert fitted["pool_item_s"] == pytest.approx(2.5e-5)
     assert fitted["ring_flops_per_s"] == 7e9  # timed in the launch already
     assert (fitted["step_s"], fitted["a2a_call_s"]) == (0.1, 1e-3)
     back = sim_calibration.profiled_machine({"machine": fitted, "engine": engine})
     assert back == pytest.approx(dict(profile, step_s=0.0, a2a_call_s=0.0))
-    # a stored engine from before the split: the profile's cost slowed, the engine's on top
-    old = {"compute_scale": 2.5, "engine_micro_batch_s_per_param": 1e-9, "step_s": 0.1}
-    machine = dict(fitted, micro_batch_s_per_param=4e-9 * 2.5 + 1e-9)
-    assert sim_calibration.profiled_machine({"machine": machine, "engine": old}) == \
-        pytest.approx(dict(profile, step_s=0.0, a2a_call_s=0.0))
-    # and from before the scale (no compute_scale): its engine terms come off
-    machine = dict(profile, micro_batch_s_per_param=5e-9, step_s=0.1)
-    assert sim_calibration.profiled_machine({"machine": machine, "engine": old}) == \
-        pytest.approx(dict(profile, step_s=0.0, a2a_call_s=0.0))
+    # a stored machine from before the scale (no compute_scale): its engine terms come off
+    old = sim_calibration.with_engine({"machine": profile}, dict(engine, compute_scale=1.0))
+    old["machine"].pop("compute_scale")
+    assert sim_calibration.profiled_machine(old) == pytest.approx(
+        dict(profile, step_s=0.0, a2a_call_s=0.0))
