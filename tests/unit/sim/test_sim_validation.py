@@ -47,7 +47,7 @@ def test_two_config_validation_end_to_end(tmp_path):
     # measured launch (its 2 rounds after the warm-up, each micro-batch size), and the step's
     # fixed cost reaches the simulated cluster
     specs = sim_calibration.engine_specs(names)
-    assert len(compute["engine"]["residual_s"]) == 2 * len(specs) == 8  # dp and sp runs
+    assert len(compute["engine"]["residual_s"]) == 2 * len(specs) == 12  # dp (both mixes), sp
     raw = json.loads((tmp_path / "sim_validation_raw.json").read_text())
     assert set(raw["engine_logs"]["2"]) == {f"{n}/{m}" for n, m in specs}
     assert compute["machine"]["step_s"] == compute["engine"]["step_s"]
