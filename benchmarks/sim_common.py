@@ -156,7 +156,7 @@ def phases(report) -> dict:
 def space_plans(search: Search, base: SimPlan, space, budget_s: float, top: int = 4) -> list:
     """The `top` plans of the full plan space (`ds_omni.sim.search`: dp, ZeRO stage, tp, pp with
     both encoder placements, sp, cp, per-sequence SP, the pool, ep where the model has experts)
-    on the search's samples, within `budget_s` seconds (the best found when it runs out)."""
+    on the search's samples, within `budget_s` seconds of CPU (the best found when it runs out)."""
     from ds_omni.sim.search import search as full_search
     found = full_search(search.cluster, search.model, search.samples, base, top=top,
                         space=space, budget_s=budget_s, baselines=False)

@@ -117,7 +117,8 @@ def _plan_args(sub) -> None:
                          "step time, MFU and memory, the baselines, why others were dropped")
     pl.add_argument("--top", type=int, default=5, help="--search: plans to print")
     pl.add_argument("--budget", type=float, default=None,
-                    help="--search: stop after this many seconds (then the best found so far)")
+                    help="--search: stop after this many seconds of CPU time (then the best "
+                         "found so far)")
     pl.add_argument("--gpus", type=int, help="--simulate / --search: GPUs of the cluster")
     pl.add_argument("--gpu", default="h100", help="--simulate / --search: h100, h200, a100, cpu "
                                                   "or a cluster file of `ds-omni calibrate-comm`")

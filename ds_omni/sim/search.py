@@ -7,8 +7,9 @@ own rules (the composition table, `ds_omni.config.composition`; `SimPlan.paralle
 exceed a GPU's memory; and branch and bound: plans simulated in order of a lower bound on their
 step time (compute spread perfectly, plus the traffic no schedule hides), stopping when the next
 bound is no better than the top-th best found. Plans share the loader's planning, encoder
-placements and resolved parallel plans where they can (`simulate(..., cache=)`). A time budget
-(`budget_s`) stops early and says how many plans were left and their best bound.
+placements and resolved parallel plans where they can (`simulate(..., cache=)`). A budget of CPU
+seconds (`budget_s`; CPU, so the answer does not move with the machine's load) stops early and
+says how many plans were left and their best bound.
 More: docs/simulator.md.
 """
 
@@ -224,7 +225,7 @@ def search(cluster: Cluster, model: ModelSpec, samples: Samples, base: SimPlan, 
     """The `top` fastest plans of `space` that fit, each simulated on `samples`; `check(plan)`
     adds the caller's rules (raise a DsOmniError to refuse). `prune=False` simulates every plan
     that passes the rules and the states check (the exhaustive answer the bound must keep)."""
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     out = SearchResult(top=[])
     plans = candidates(base, cluster.gpus, cluster.gpus_per_node, model, space,
                        int(samples.tokens.max()))
@@ -251,10 +252,10 @@ def search(cluster: Cluster, model: ModelSpec, samples: Samples, base: SimPlan, 
                   f"pruned: bound {{:.4f}} s >= {out.top[top - 1].step_time:.4f} s, the "
                   f"{_nth(top)} best step found")
             break
-        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+        if budget_s is not None and time.process_time() - cpu0 > budget_s:
             out.unexplored, out.unexplored_bound = len(heap) + 1, bound
             _left(out, heap, (bound, k, refined, plan, shell),
-                  f"left by the time budget ({budget_s:g} s): bound {{:.4f}} s")
+                  f"left by the time budget ({budget_s:g} s of CPU): bound {{:.4f}} s")
             break
         if prune and not refined:  # tighten it with the loader's plan, then look again
             try:
