@@ -2,14 +2,14 @@
 
 The pipeline's layers are the OmniModel's own modules, wrapped to pass tuples of tensors:
     EmbedStage    (index [1], position_ids, cu_seqlens) -> (hidden [1, T, D], position_ids,
-                                                          cu_seqlens, index)
-    DecoderStage  (hidden, position_ids, cu_seqlens, index) -> the same
-    HeadStage     (hidden, position_ids, cu_seqlens, index) -> scaled sum of token losses
-(after `index`: deepstack levels, `pipeline_deepstack`; an MoE LLM's aux statistics,
-`pipeline_moe`). Only `hidden` (and the levels, the aux probabilities) are sent a gradient; lengths vary (`dynamic_shape=True`). The encoders' inputs
-stay out of the engine: `StepInputs` holds the step's micro-batches, by index. The whole loss is made inside the last stage (`loss_fn` None): under bf16 DeepSpeed
-zeroes gradients made after the module's output, so a head in `loss_fn` would never train.
-`StepInputs.scale` undoes the engine's averaging so gradients equal one process's.
+                                                          cu_seqlens, index, *carried)
+    DecoderStage  (hidden, position_ids, cu_seqlens, index, *carried) -> the same
+    HeadStage     (the same) -> scaled sum of token losses
+carried: deepstack levels (`pipeline_deepstack`), an MoE LLM's aux statistics (`pipeline_moe`).
+Only `hidden`, the levels and aux probabilities get a gradient; lengths vary (`dynamic_shape`).
+Encoder inputs stay out of the engine: `StepInputs` holds the step's micro-batches, by index. The
+loss is made inside the last stage (`loss_fn` None): under bf16 DeepSpeed zeroes gradients made
+after the module's output. `StepInputs.scale` undoes the engine's averaging.
 More: docs/internals.md, "Pipeline"; docs/parallelism.md, "Pipeline parallelism".
 
 Dims: T packed tokens of a micro-batch, D LLM hidden size, n samples in the row.
@@ -59,7 +59,8 @@ class StepInputs:
 
 
 class EmbedStage(nn.Module):
-    """Token embeddings with encoder outputs in place of their placeholders (`OmniModel.embed`).
+    """Token embeddings with encoder outputs in place of their placeholders, and the deepstack
+    levels (`OmniModel.embed_deepstack`).
 
     It registers the modules `embed` uses, so their parameters belong to the first stage.
     """

@@ -10,6 +10,10 @@ match the losses (1e-6 relative), every step's reduced gradients (the deepstack 
 encoders' included) and the final parameters. Evidence: stage 1 added the levels it received
 (`DeepstackCarry.levels_added`), stage 0 none. The plant "pp_deepstack_level_dropped" (stage 1
 receives level 0 as zeros) must fail the check.
+
+A 4-rank launch: the same under pp2 x sp2 (each SP shard's levels its own: shard positions) in
+both placements, checked the same way (the SP work shown, as test_pipeline_composed). Qwen3-VL-MoE
+under pp2 x ep2 (the levels beside the carried aux statistics): test_expert_parallel.py.
 """
 
 import pytest
@@ -49,6 +53,32 @@ def test_pipeline_carries_deepstack_levels(two_ranks, tmp_path):
         assert results[0][name]["parts"] == [0, 2, 4], results[0][name]["parts"]
         added = [r[name]["deepstack_levels_added"] for r in results]
         assert added[0] == 0 and added[1] > 0, (name, added)
+        check(name, case, results, _config(case, str(tmp_path / f"ref_{name}")))
+
+
+def _four_rank_cases(tmp) -> dict:
+    sources = [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]
+    base = {"zero": 1, "sources": sources, "steps": 2, "stage_split": "layers"}
+    qwen = str(family_dirs.make_generic_dir(tmp / "q3", "qwen3_vl"))
+    return {f"qwen3_vl_pp2_sp2_{p}": {**base, "sp": 2, "placement": p, "model_dir": qwen}
+            for p in ("stage0", "uniform")}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pp_deepstack_4")
+    cases = _four_rank_cases(tmp)
+    return cases, run_on_ranks(_train_ranks, 4, args=(cases, str(tmp / "runs")), timeout=1200)
+
+
+def test_pipeline_carries_deepstack_levels_beside_sp(four_ranks, tmp_path):
+    """pp2 x sp2 (both placements) equals one process; stage 1 (ranks 2, 3) added levels,
+    stage 0 none."""
+    cases, results = four_ranks
+    for name, case in cases.items():
+        added = [r[name]["deepstack_levels_added"] for r in results]
+        # stage 1's (its SP shards: where the row's image tokens fall, here the first)
+        assert added[:2] == [0, 0] and sum(added[2:]) > 0, (name, added)
         check(name, case, results, _config(case, str(tmp_path / f"ref_{name}")))
 
 
