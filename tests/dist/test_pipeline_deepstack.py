@@ -82,8 +82,8 @@ def test_pipeline_carries_deepstack_levels_beside_sp(four_ranks, tmp_path):
         check(name, case, results, _config(case, str(tmp_path / f"ref_{name}")))
 
 
-def test_plant_pipeline_deepstack_is_caught(two_ranks, tmp_path):
+@pytest.mark.parametrize("plant", plants.for_launch("pp_deepstack"))
+def test_plant_pipeline_deepstack_is_caught(plant, two_ranks, tmp_path):
     cases, results = two_ranks
-    plant = "pp_deepstack_level_dropped"
     with pytest.raises(AssertionError, match="losses"):
         check(plant, cases[plant], results, _config(cases[plant], str(tmp_path / "ref")))

@@ -1,6 +1,6 @@
 """The composed-backbone examples (issue 37) load through the strict loader and `ds-omni plan`
 resolves them at their world size: examples/finetune_qwen3_vl_moe.json (Qwen3-VL-30B-A3B on 2 nodes
-of 8 GPUs, the plan `ds-omni plan --search` picks: sp x ep) and examples/finetune_70b_backbone.json (CLIP-L/14-336 + a Llama-3.1-
+of 8 GPUs, sp x ep, the search's pick before pp carried deepstack) and examples/finetune_70b_backbone.json (CLIP-L/14-336 + a Llama-3.1-
 70B-class LLM, pp x tp x sp on 8 nodes). The model folders hold the published configs alone (no
 weights: the plan builds the model on the meta device)."""
 
