@@ -2,8 +2,9 @@
 one process.
 
 One 2-rank launch: the tiny Qwen3-VL (2 LLM layers; level 0 added before layer 1, level 1
-before the final norm) over 2 stages, ZeRO-1, both encoder placements ("stage0": stage 0 encodes;
-"uniform": each stage encodes a share, the rows with their levels side by side sent to stage 0),
+before the final norm) over 2 stages, ZeRO-1, the encoder placements ("stage0": stage 0 encodes;
+"uniform" and "bubbles": each stage encodes a share, the rows with their levels side by side sent
+to stage 0; "bubbles" in loader order, its work shown to run in the schedule's idle slots),
 2 steps of 4 micro-batches with text-only rows among them, one decoder layer a stage
 (parallel.stage_split "layers": the cost model puts both on stage 0). The oracle (`tests/oracle/`) must
 match the losses (1e-6 relative), every step's reduced gradients (the deepstack mergers' and the
@@ -30,7 +31,9 @@ def _cases(tmp) -> dict:
     sources = [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]
     model = str(family_dirs.make_generic_dir(tmp / "q3", "qwen3_vl"))
     honest = {f"qwen3_vl_{p}": {"zero": 1, "sources": sources, "steps": 2, "placement": p,
-                                "model_dir": model, "stage_split": "layers"} for p in ("stage0", "uniform")}
+                                "model_dir": model, "stage_split": "layers"}
+              for p in ("stage0", "uniform", "bubbles")}
+    honest["qwen3_vl_bubbles"]["reorder"] = {"mode": "loader_order"}  # items in later micro-batches
     assert plants.for_launch("pp_deepstack") == ["pp_deepstack_level_dropped"]
     return {**honest, "pp_deepstack_level_dropped": {**honest["qwen3_vl_stage0"], "steps": 1,
                                                      "plant": "pp_deepstack_level_dropped"}}
@@ -44,8 +47,8 @@ def two_ranks(tmp_path_factory):
 
 
 def test_pipeline_carries_deepstack_levels(two_ranks, tmp_path):
-    """Both placements equal one process; layer 1 (and the norm) on stage 1, which added the
-    levels stage 0 encoded."""
+    """Every placement equals one process; layer 1 (and the norm) on stage 1, which added the
+    levels stage 0 received."""
     cases, results = two_ranks
     for name, case in cases.items():
         if "plant" in case:
