@@ -39,9 +39,8 @@ if TYPE_CHECKING:
 
 DEEPSTACK_ALONE = (
     "this model's vision features are also added between the LLM's decoder layers (deepstack: "
-    "Qwen3-VL, Granite 4 Vision), which the LLM on DeepSpeed's pipeline engine does not carry "
-    "between stages in this version; set parallel.pp to 1 (ZeRO and sequence parallelism carry "
-    "them)")
+    "Qwen3-VL, Granite 4 Vision), which `OmniModel.embed` does not return; call "
+    "`embed_deepstack`, which returns them beside the embeddings")
 UNROUTED = (
     "this micro-batch is a sequence shard or a pooled row (its `route` has a `reshard` or an `sp_block`), "
     "which only the plan's routing can embed; apply the plan to the model first "
@@ -423,16 +422,22 @@ class OmniModel(nn.Module):
                 levels.append(Deepstack(slots, extra, encoder.deepstack_layers))
         return hidden, join_deepstack(levels)
 
-    def embed_rows(self, batch: "MicroBatch", rows: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Token embeddings with `rows` (encoder name -> [N, D], encoded elsewhere: the joint
-        pipeline) in place of the placeholder tokens -> [1, T, D]."""
+    def embed_rows(self, batch: "MicroBatch", rows: dict[str, torch.Tensor]
+                   ) -> tuple[torch.Tensor, Deepstack | None]:
+        """`embed_deepstack` with `rows` (encoder name -> [N, (1 + k) D], encoded elsewhere: the
+        joint pipeline) in place of the placeholder tokens -> ([1, T, D], levels or None)."""
         hidden = self.backbone.embed_tokens(batch.input_ids)  # [1, T, D]
+        levels: list[Deepstack] = []
         for name, encoder in self.encoders.items():
             slots = batch.positions_of(encoder.placeholder_ids)
             if name in rows or slots.shape[0]:
-                hidden = _insert(hidden, slots, rows.get(name, hidden.new_zeros((0, 1))), name,
-                                 batch)
-        return hidden
+                width = hidden.shape[-1]
+                main, extra = split_levels(rows.get(name, hidden.new_zeros((0, width))),
+                                           width)  # [N, D], [N, k, D]
+                hidden = _insert(hidden, slots, main, name, batch)
+                if extra is not None:
+                    levels.append(Deepstack(slots, extra, encoder.deepstack_layers))
+        return hidden, join_deepstack(levels)
 
     def hidden_states(self, batch: "MicroBatch") -> torch.Tensor:
         """Final normed hidden states [1, T, D]."""

@@ -2,14 +2,14 @@
 
 The pipeline's layers are the OmniModel's own modules, wrapped to pass tuples of tensors:
     EmbedStage    (index [1], position_ids, cu_seqlens) -> (hidden [1, T, D], position_ids,
-                                                          cu_seqlens, index)
-    DecoderStage  (hidden, position_ids, cu_seqlens, index) -> the same
-    HeadStage     (hidden, position_ids, cu_seqlens, index) -> scaled sum of token losses
-(an MoE LLM's aux statistics after `index`: `pipeline_moe`). Only `hidden` (and the aux
-probabilities) are sent a gradient; lengths vary (`dynamic_shape=True`). The encoders' inputs
-stay out of the engine: `StepInputs` holds the step's micro-batches, by index. The whole loss is made inside the last stage (`loss_fn` None): under bf16 DeepSpeed
-zeroes gradients made after the module's output, so a head in `loss_fn` would never train.
-`StepInputs.scale` undoes the engine's averaging so gradients equal one process's.
+                                                          cu_seqlens, index, *carried)
+    DecoderStage  (hidden, position_ids, cu_seqlens, index, *carried) -> the same
+    HeadStage     (the same) -> scaled sum of token losses
+carried: deepstack levels (`pipeline_deepstack`), an MoE LLM's aux statistics (`pipeline_moe`).
+Only `hidden`, the levels and aux probabilities get a gradient; lengths vary (`dynamic_shape`).
+Encoder inputs stay out of the engine: `StepInputs` holds the step's micro-batches, by index. The
+loss is made inside the last stage (`loss_fn` None): under bf16 DeepSpeed zeroes gradients made
+after the module's output. `StepInputs.scale` undoes the engine's averaging.
 More: docs/internals.md, "Pipeline"; docs/parallelism.md, "Pipeline parallelism".
 
 Dims: T packed tokens of a micro-batch, D LLM hidden size, n samples in the row.
@@ -28,8 +28,9 @@ from torch import nn
 from ds_omni.batch import IGNORE_INDEX
 from ds_omni.errors import LaunchError, ModelError
 from ds_omni.model.layer_files import pipeline_prefixes
-from ds_omni.model.omni import DEEPSTACK_ALONE, OmniModel, summed_token_loss
+from ds_omni.model.omni import OmniModel, summed_token_loss
 from ds_omni.parallelize.joint import EncoderShards, EncodeShare, JointEncoding, plan_joint
+from ds_omni.parallelize.pipeline_deepstack import DeepstackCarry
 from ds_omni.parallelize.pipeline_moe import AuxCarry
 from ds_omni.parallelize.pipe_grid import mark_norm_owners, pipe_topology
 from ds_omni.parallelize.tensor_parallel import tp_counts
@@ -54,10 +55,12 @@ class StepInputs:
         self.scale = 1.0
         self.sums: list[torch.Tensor] = []
         self.aux_carry = AuxCarry(None)  # an MoE LLM's aux statistics (`pipeline_layers` sets)
+        self.deep_carry = DeepstackCarry((), 0)  # deepstack levels (`pipeline_layers` sets)
 
 
 class EmbedStage(nn.Module):
-    """Token embeddings with encoder outputs in place of their placeholders (`OmniModel.embed`).
+    """Token embeddings with encoder outputs in place of their placeholders, and the deepstack
+    levels (`OmniModel.embed_deepstack`).
 
     It registers the modules `embed` uses, so their parameters belong to the first stage.
     """
@@ -68,32 +71,35 @@ class EmbedStage(nn.Module):
         self.encoders = model.encoders
         object.__setattr__(self, "omni", model)  # not a submodule: its layers live on other stages
         object.__setattr__(self, "step_inputs", step_inputs)
-        self.aux = step_inputs.aux_carry
+        self.aux, self.deep = step_inputs.aux_carry, step_inputs.deep_carry
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         index, position_ids, cu_seqlens = inputs
         micro = int(index[0])
         batch, joint = self.step_inputs.batches[micro], self.step_inputs.joint
         if joint is None:  # "stage0": encode here
-            hidden = self.omni.embed(batch)  # [1, T, D]
+            hidden, deep = self.omni.embed_deepstack(batch)  # [1, T, D], levels or None
         else:
             rows = {name: joint.rows_for(micro, name) for name in self.encoders}
             if batch.route.reshard is not None:  # an SP shard: the rows of its items, resharded
-                hidden, _ = self.omni.router.embed_shard(self.omni, batch, encoded=rows)
+                hidden, deep = self.omni.router.embed_shard(self.omni, batch, encoded=rows)
             else:
-                hidden = self.omni.embed_rows(batch,
-                                              {k: v for k, v in rows.items() if v is not None})
+                hidden, deep = self.omni.embed_rows(
+                    batch, {k: v for k, v in rows.items() if v is not None})
         # what `Backbone.forward` does first (Granite's embedding multiplier)
         return (self.omni.backbone.scale_embeddings(hidden), position_ids, cu_seqlens, index,
-                *self.aux.start(cu_seqlens, hidden.device))
+                *self.deep.start(deep, hidden), *self.aux.start(cu_seqlens, hidden.device))
 
 
 class DecoderStage(nn.Module):
     """One LLM decoder layer over the packed row it receives."""
 
-    def __init__(self, model: OmniModel, index: int, aux: AuxCarry | None = None):
+    def __init__(self, model: OmniModel, index: int, aux: AuxCarry | None = None,
+                 deep: DeepstackCarry | None = None):
         super().__init__()
         self.aux = aux or AuxCarry(None)  # an MoE LLM's aux statistics (`pipeline_moe`)
+        self.deep = deep or DeepstackCarry((), 0)  # deepstack levels (`pipeline_deepstack`)
+        self.index = index
         backbone = model.backbone
         self.layer = backbone.layers[index]
         self.rotary_emb = backbone.rotary_emb  # no parameters; registered: it moves with the stage
@@ -101,12 +107,15 @@ class DecoderStage(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, position_ids, cu_seqlens, index, *carry = inputs
+        deep, carry = self.deep.split(self.index, carry)
+        hidden = self.deep.add_before(hidden, self.index, deep)
         # the longest sample, from the boundaries (a host read on a GPU, once per layer and row)
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         kwargs = self.backbone.layer_kwargs(hidden, position_ids, cu_seqlens.cpu(), max_seqlen)
         with self.aux.through(self.layer, carry, cu_seqlens) as carried:
             hidden = self.backbone.run_layer(self.layer, hidden, kwargs)
-        return hidden, position_ids, cu_seqlens, index, *carried
+        return (hidden, position_ids, cu_seqlens, index, *self.deep.passed_on(self.index, deep),
+                *carried)
 
 
 class HeadStage(nn.Module):
@@ -121,7 +130,8 @@ class HeadStage(nn.Module):
         self.lm_head = model.backbone.lm_head
         self.logit_rule = model.backbone.logit_rule
         object.__setattr__(self, "step_inputs", step_inputs)
-        self.aux = step_inputs.aux_carry
+        self.aux, self.deep = step_inputs.aux_carry, step_inputs.deep_carry
+        self.index = len(model.backbone.layers)  # deepstack levels aimed here: before the norm
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.logit_rule.head(self.lm_head, hidden)
@@ -133,6 +143,8 @@ class HeadStage(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         hidden, _, cu_seqlens, index, *carry = inputs
+        deep, carry = self.deep.split(self.index, carry)
+        hidden = self.deep.add_before(hidden, self.index, deep)
         batch = self.step_inputs.batches[int(index[0])]
         loss_sum = (self.loss_sum(self.norm(hidden), batch.targets)
                     + self.aux.loss(carry, cu_seqlens, (batch.host or batch).targets))
@@ -151,16 +163,16 @@ def pipeline_layers(model: OmniModel, step_inputs: StepInputs) -> list[nn.Module
                          "sequence parallelism carry them)")
     if backbone.lm_head.weight is backbone.embed_tokens.weight:
         raise ModelError(TIED)
-    if model.deepstack:
-        raise ModelError(DEEPSTACK_ALONE)
     if model.family.bidirectional:
         raise ModelError(f"{model.family.name}'s LLM lets some tokens attend both ways "
                          f"({model.family.bidirectional}), a mask the pipeline stages do not "
                          "carry yet; set parallel.pp to 1 (ZeRO and sequence parallelism keep it)")
     step_inputs.aux_carry = AuxCarry(  # the plan's router is attached after the stages
         backbone.router_aux, lambda: getattr(getattr(model, "router", None), "sp_group", None))
+    step_inputs.deep_carry = DeepstackCarry(model.deepstack_layers, len(backbone.layers))
     layers = [EmbedStage(model, step_inputs)]
-    layers += [DecoderStage(model, i, step_inputs.aux_carry) for i in range(len(backbone.layers))]
+    layers += [DecoderStage(model, i, step_inputs.aux_carry, step_inputs.deep_carry)
+               for i in range(len(backbone.layers))]
     return layers + [HeadStage(model, step_inputs)]
 
 
@@ -183,7 +195,8 @@ class JointSetup:
         self.encoder_dummies = encoder_dummies  # `EmbeddingRouter.encoder_dummies`
         self.processors, self.item_cost = processors, item_cost
         self.stage, self.stages, self.group = stage, stages, group
-        self.hidden = model.backbone.embed_tokens.embedding_dim
+        # an item's rows [n, (1 + k) D]: the embedding and its k deepstack levels side by side
+        self.hidden = (1 + model.deepstack) * model.backbone.embed_tokens.embedding_dim
         self.params = [p for p in model.encoders.parameters() if p.requires_grad]
         self.shards = EncoderShards(self.params, stage, stages, group)
 

@@ -186,8 +186,8 @@ def training_check(cfg: OmniConfig, ds_json: dict, gpus: int):
 
 def pipeline_refusal(cfg: OmniConfig) -> DsOmniError | None:
     """Why the model's layers cannot be pipeline stages (`pipeline_layers`' checks: a tied head,
-    deepstack levels, per-token layer inputs, a two-way mask) on the meta-device model, or None.
-    Without it the search ranked pp plans for Qwen3-VL that training then refuses."""
+    per-token layer inputs, a two-way mask) on the meta-device model, or None. Without it the
+    search would rank pp plans that training then refuses (ERNIE-4.5-VL's)."""
     from ds_omni.parallelize.pipeline import StepInputs, pipeline_layers
     with torch.device("meta"):
         built = build_model(cfg.model)

@@ -59,7 +59,8 @@ LAUNCHES = {"ep2": (2, [1], "ep"), "ep2_zero2": (2, [2], None), "ep2_dp2": (4, [
             "ep2_qwen3_vl_moe": (2, [2], None), "ep2_zero3": (2, [3], None),
             "ep2_shared_experts": (2, [2], None), "ep2_tp2": (4, [1], "ep_tp"),
             "ep2_tp2_zero3": (4, [3], None),
-            "pp2_ep2": (4, [1], "ep_pp"), "pp2_sp2_ep2": (4, [1], "ep_pp_sp")}
+            "pp2_ep2": (4, [1], "ep_pp"), "pp2_sp2_ep2": (4, [1], "ep_pp_sp"),
+            "pp2_ep2_qwen3_vl_moe": (4, [1], None)}
 # Qwen3.5-MoE's block: the routed experts and a shared expert behind a sigmoid gate, which
 # AutoEP keeps whole (as `shared_experts` / `shared_experts_gate`, HF's names in the oracle)
 SHARED_MOE = {**MOE, "model_type": "qwen3_5_moe_text", "shared_expert_intermediate_size": 32,
@@ -70,9 +71,11 @@ LLMS = {"ep2_shared_experts": SHARED_MOE}  # a launch's LLM other than MOE
 # pp2 x ep2 (dp2): stage 0 on ranks 0, 1 and stage 1 on 2, 3, each stage's experts over its two
 # ranks, the aux statistics carried from stage to stage (`ds_omni.parallelize.pipeline_moe`)
 # pp2 x sp2 x ep2 (dp1): each stage's two ranks are its SP group and its EP group; the last
-# stage sums the carried aux statistics over its SP group
+# stage sums the carried aux statistics over its SP group; Qwen3-VL-MoE under pp2 x ep2: its
+# deepstack levels carried beside them to stage 1 (one decoder layer a stage: "layers")
 DEGREES = {"ep2_tp2": {"tp": 2}, "ep2_tp2_zero3": {"tp": 2}, "pp2_ep2": {"pp": 2},
-           "pp2_sp2_ep2": {"pp": 2, "sp": 2}}
+           "pp2_sp2_ep2": {"pp": 2, "sp": 2},
+           "pp2_ep2_qwen3_vl_moe": {"pp": 2, "stage_split": "layers"}}
 RESUMED = "ep2_zero2"  # saves before its last step, resumes, reruns it; its checkpoint exported
 PLANTED = {"ep_wrong_rank": "losses", "aux_loss_dropped": "losses",
            "pp_ep_wrong_group_rank": "losses", "pp_stage_aux_dropped": "losses",
@@ -229,7 +232,9 @@ def _check(name, per_rank, dp, tmp_path, steps=STEPS, model_dir=None, llm=None, 
                                     pytest.param("ep2_shared_experts", marks=pytest.mark.slow),
                                     pytest.param("ep2_tp2", marks=pytest.mark.slow),
                                     pytest.param("ep2_tp2_zero3", marks=pytest.mark.slow),
-                                    pytest.param("pp2_ep2", marks=pytest.mark.slow)])
+                                    pytest.param("pp2_ep2", marks=pytest.mark.slow),
+                                    pytest.param("pp2_ep2_qwen3_vl_moe",
+                                                 marks=pytest.mark.slow)])
 def test_expert_parallel_matches_single_process(launch, launches, tmp_path):
     results, model_dir = launches(launch)
     world, stages, _ = LAUNCHES[launch]
@@ -245,6 +250,9 @@ def test_expert_parallel_matches_single_process(launch, launches, tmp_path):
             _check_folded(per_rank)
         if pp > 1:
             _check_carried(per_rank, dp)
+        if pp > 1 and model_dir is not None:  # stage 1 (ranks 2, 3) added deepstack levels
+            added = [r["deepstack_levels_added"] for r in per_rank]
+            assert added[:2] == [0, 0] and all(n > 0 for n in added[2:]), added
         if launch == RESUMED:
             _check_resume_and_export(per_rank[0], tmp_path)
         for first in range(0, world, world // pp):  # AutoEP's blocks ran, with tokens routed

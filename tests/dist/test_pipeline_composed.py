@@ -43,7 +43,8 @@ def _config(case: dict, out_dir: str):
                       **case.get("batch", BATCH))
     cfg.parallel = ParallelConfig(pp=2, tp=case.get("tp", 1), sp=case.get("sp", 1),
                                   encoder_placement=case.get("placement", "stage0"),
-                                  encoder_pool="dp" if case.get("pool") else "off")
+                                  encoder_pool="dp" if case.get("pool") else "off",
+                                  stage_split=case.get("stage_split", "cost"))
     if case.get("pool"):  # loader order: the ranks' keys are the global batches to replay
         cfg.data.reorder = ReorderConfig(mode="loader_order")
     if case.get("model_dir"):

@@ -145,6 +145,8 @@ def _record_mechanisms(engine, built, plan, loader, out: dict) -> None:
         from ds_omni.parallelize.pipeline import DecoderStage
         out["parts"] = list(engine.module.parts)
         out["stage_layers"] = sum(isinstance(m, DecoderStage) for m in engine.module.modules())
+        # deepstack levels this rank's stages added (`pipeline_deepstack`)
+        out["deepstack_levels_added"] = engine.module.step_inputs.deep_carry.levels_added
     joint = getattr(engine.module, "joint", None)  # "uniform": the owners' broadcasts issued
     out["encoder_broadcasts"] = joint.shards.broadcasts if joint is not None else 0
     out["items_in_gaps"] = getattr(joint, "items_in_gaps", 0)  # "bubbles": forwards in a gap

@@ -80,6 +80,27 @@ def _pp_sp_wrong_peer(rank: int):
     yield from patched(p2p, "init_process_groups", make)
 
 
+# ------------------------- deepstack levels over the stages (tests/dist/test_pipeline_deepstack.py)
+@plant("pp_deepstack_level_dropped", "stage 1 receives deepstack level 0 as zeros (the level "
+       "dropped at the stage boundary; the others arrive)", "pp_deepstack")
+def _pp_deepstack_level_dropped(rank: int):
+    if rank == 0:  # stage 0 of the 2-rank pp2 launch: honest
+        yield
+        return
+    import torch
+    from ds_omni.parallelize.pipeline_deepstack import DeepstackCarry
+
+    def make(split):
+        def planted(self, layer, carry):
+            deep, rest = split(self, layer, carry)
+            if deep is None:
+                return deep, rest
+            keep = torch.ones(deep.levels.shape[1], 1, dtype=deep.levels.dtype)
+            keep[0] = 0
+            return deep._replace(levels=deep.levels * keep.to(deep.levels.device)), rest
+        return planted
+    yield from patched(DeepstackCarry, "split", make)
+
 # ------------------------------------ pipeline, "bubbles" placement (tests/dist/pipeline.py)
 @plant("bubble_rows_late", "stage 0 receives each micro-batch's encoder rows after the forward "
        "that needed them (an item encoded after its micro-batch needed it): the forward reads "

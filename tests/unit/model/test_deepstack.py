@@ -6,8 +6,8 @@ The coverage sweep checks a packed row against HF's own forward (`sweep.RECIPES[
 `["granite4_vision"]`); these tests check what the sweep cannot see: the layer maps read from the
 configs, the levels travel with their rows when LLM sequence parallelism cuts the row into shards
 (each item encoded by one rank, its rows sent by one all-to-all, simulated here by looping over the
-ranks), training reaches the projectors of the levels HF adds and no others, and the pipeline
-engine, which does not carry the levels, refuses the model.
+ranks), training reaches the projectors of the levels HF adds and no others, and the pipeline's
+layers carry the levels to the stages that add them.
 
 Dims: T row length (padded to a multiple of sp), S = T / sp, D LLM width, k deepstack levels.
 """
@@ -162,13 +162,38 @@ def test_training_reaches_the_projectors_of_the_pairs_hf_adds(granite4_vision):
     assert [reached(m) for m in (*layerwise, *spatial)] == [True, False, True, False, False, False]
 
 
-def test_pipeline_engine_refuses_deepstack(qwen3_vl):
+def test_pipeline_stages_carry_the_levels(qwen3_vl):
+    """The pipeline's layers run one after another in one process (what the stages compute,
+    without the engine) give the model's loss and gradients, deepstack mergers included: the
+    levels travel after the row's index to the layers that add them (level 0 before layer 1,
+    level 1 before the norm: the head) and no further. `embed` alone refuses the model."""
     from ds_omni.parallelize.pipeline import StepInputs, pipeline_layers
     built, samples = qwen3_vl
-    with pytest.raises(ModelError, match="deepstack.*parallel.pp to 1"):
-        pipeline_layers(built.model, StepInputs())
+    model, batch = built.model, pack(samples, built.item_processors)
+    model.zero_grad()
+    want_loss = model(batch).loss_sum
+    want_loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    inputs = StepInputs()
+    layers = pipeline_layers(model, inputs)
+    inputs.batches = [batch]
+    carried = (torch.tensor([0]), batch.position_ids, batch.cu_seqlens)
+    widths = []
+    for layer in layers[:-1]:
+        carried = layer(carried)
+        widths.append(len(carried))
+    assert widths == [6, 6, 6]  # hidden, position_ids, cu_seqlens, index, positions, levels
+    loss = layers[-1](carried)
+    loss.backward()
+    assert torch.equal(loss, want_loss)
+    assert inputs.deep_carry.levels_added == 2
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys()
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-6, atol=0, msg=name)
     with pytest.raises(ModelError, match="deepstack"):
-        built.model.embed(pack(samples, built.item_processors))
+        model.embed(batch)
 
 
 def test_rows_of_another_width_than_the_levels_declared_are_an_error(qwen3_vl, monkeypatch):

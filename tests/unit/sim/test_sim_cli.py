@@ -77,24 +77,27 @@ def test_plan_search_prints_the_best_plans_the_baselines_and_the_dropped(capsys)
 
 
 def test_the_search_refuses_pp_where_the_model_layers_cannot_be_stages(tmp_path):
-    """Qwen3-VL's deepstack levels are not carried between pipeline stages: `pipeline_layers`
-    refuses them on the built model, which `plan_run` never builds. The search's training check
-    refuses such a model's pp plans with that reason (it ranked them first for
-    examples/finetune_qwen3_vl_moe.json, which `ds-omni plan` then refused), and keeps the
-    pp plans of a model without deepstack (the tiny LLaVA)."""
+    """ERNIE-4.5-VL's decoder layers take per-token inputs the pipeline stages do not carry:
+    `pipeline_layers` refuses them on the built model, which `plan_run` never builds. The
+    search's training check refuses such a model's pp plans with that reason (it once ranked
+    such plans first for examples/finetune_qwen3_vl_moe.json, which `ds-omni plan` then refused),
+    and keeps the pp plans of models whose layers can be stages: the tiny LLaVA, and Qwen3-VL-MoE,
+    whose deepstack levels the stages carry (`pipeline_deepstack`)."""
     from ds_omni.errors import ModelError
     from ds_omni.sim.from_config import sim_plan, training_check
     from tests.family_dirs import make_generic_dir
     from tests.fixtures import ds_config, tiny_config
-    llava = tiny_config(str(tmp_path / "llava"), global_batch_size=8, micro_batch_size=1)
-    qwen3_vl = tiny_config(str(tmp_path / "q3"), global_batch_size=8, micro_batch_size=1)
-    qwen3_vl.model.pretrained = str(make_generic_dir(tmp_path / "q3_dir", "qwen3_vl_moe"))
-    qwen3_vl.model.tokenizer = qwen3_vl.model.vision = qwen3_vl.model.llm = None
-    for cfg, refused in ((llava, False), (qwen3_vl, True)):
+    cfgs = {"llava": tiny_config(str(tmp_path / "llava"), global_batch_size=8, micro_batch_size=1)}
+    for family in ("qwen3_vl_moe", "ernie4_5_vl_moe"):
+        cfg = tiny_config(str(tmp_path / family), global_batch_size=8, micro_batch_size=1)
+        cfg.model.pretrained = str(make_generic_dir(tmp_path / f"{family}_dir", family))
+        cfg.model.tokenizer = cfg.model.vision = cfg.model.llm = None
+        cfgs[family] = cfg
+    for name, cfg in cfgs.items():
         base, check = sim_plan(cfg, ds_config(1), 4), training_check(cfg, ds_config(1), 4)
         check(base)  # no pp: trains
-        if refused:
-            with pytest.raises(ModelError, match="deepstack"):
+        if name == "ernie4_5_vl_moe":
+            with pytest.raises(ModelError, match="per token"):
                 check(base.replace(pp=2, dp="auto"))
         else:
             check(base.replace(pp=2, dp="auto"))
