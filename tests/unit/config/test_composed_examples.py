@@ -1,6 +1,6 @@
 """The composed-backbone examples (issue 37) load through the strict loader and `ds-omni plan`
 resolves them at their world size: examples/finetune_qwen3_vl_moe.json (Qwen3-VL-30B-A3B on 2 nodes
-of 8 GPUs, sp x ep, the search's pick before pp carried deepstack) and examples/finetune_70b_backbone.json (CLIP-L/14-336 + a Llama-3.1-
+of 8 GPUs, sp x pp, the search's pick) and examples/finetune_70b_backbone.json (CLIP-L/14-336 + a Llama-3.1-
 70B-class LLM, pp x tp x sp on 8 nodes). The model folders hold the published configs alone (no
 weights: the plan builds the model on the meta device)."""
 
@@ -92,17 +92,18 @@ def _plan(example: str, world: int, sets: list[str], capsys) -> str:
     return capsys.readouterr().out
 
 
-def test_qwen3_vl_moe_example_plans_sp_beside_ep_on_two_nodes(tmp_path, capsys):
-    """sp 2 beside ep 4 plans at 16 ranks (dp 8), the search's pick on ZeRO-1 before the stages
-    carried deepstack levels (1.32 s a step modelled); pp 2 beside ep 4 plans too now that they
-    do (`pipeline_deepstack`)."""
+def test_qwen3_vl_moe_example_plans_sp_inside_pp_on_two_nodes(tmp_path, capsys):
+    """sp 2 inside pp 4 plans at 16 ranks (dp 2), the search's pick on ZeRO-1 (0.98 s a step
+    modelled; sp 2 x ep 4 next at 1.32 s before the stages carried deepstack levels); pp 2 beside
+    ep 4 plans too."""
     folder = json.dumps(_qwen3_vl_moe(tmp_path / "qwen3_vl_moe"))
     out = _plan("finetune_qwen3_vl_moe.json", 16, [f"model.pretrained={folder}"], capsys)
     plan = out[out.index('"plan"'):out.index('"layout"')]  # (AutoEP's log lines around it)
-    assert all(f'"{k}": {v}' in plan for k, v in (("sp", 2), ("ep", 4), ("dp", 8))), plan
+    assert all(f'"{k}": {v}' in plan for k, v in (("sp", 2), ("pp", 4), ("dp", 2))), plan
     args = ["plan", "--config", str(ROOT / "examples/finetune_qwen3_vl_moe.json"), "--deepspeed",
             str(ROOT / "ds_configs/zero1.json"), "--world-size", "16", "--set",
-            f"model.pretrained={folder}", "--set", "parallel.pp=2", "--set", "parallel.sp=1"]
+            f"model.pretrained={folder}", "--set", "parallel.pp=2", "--set", "parallel.sp=1",
+            "--set", "parallel.ep=4"]
     assert main(args) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     plan = out[out.index('"plan"'):out.index('"layout"')]
