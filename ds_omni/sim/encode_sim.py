@@ -54,6 +54,7 @@ class RoundWork:
     present: dict = field(default_factory=dict)  # encoder -> [W] bool: the rank runs an item
     tp_gathers: list = field(default_factory=list)  # (src, dst, bytes) rows over TP, forward
     tp_groups: list = field(default_factory=list)  # TP groups (rank arrays) that gather rows
+    pooled: tuple = ()  # "pool": (its short items' ids, their owners), as `pool_round` gives them
     memo: dict = field(default_factory=dict)
     """What the step derives from this placement alone (its collectives' seconds on the
     cluster, the bytes they add), kept for the plans of a search that share it (`step.py`)."""
@@ -222,6 +223,7 @@ def _pool(rows, layout, world, long_items, heads, order, work: RoundWork) -> Non
     """The pool's round (`pool_round`); the rows a rank makes go to the ranks holding their
     placeholders, a moved item's inputs from its home group."""
     plan, item_ids, owners_of_long = pool_round(rows, layout, world, long_items, heads, order)
+    work.pooled = (item_ids, plan.owner)
     work.flops += np.asarray(plan.loads())
     _pool_short(plan.items, plan.owner, item_ids, layout, work)
     for row, s, shard, i in owners_of_long:
@@ -272,23 +274,36 @@ def _pool_short(items, owners, item_ids, layout, work: RoundWork) -> None:
 def reshard_seconds(step, work) -> tuple[np.ndarray, np.ndarray]:
     """[W] seconds of each rank in the round's embedding all-to-all (forward; backward sends
     the gradients the same way), and [W] in the pool's input all-to-all (forward only)."""
-    c, n = step.cluster, len(step.llm_ranks())
-    if "reshard" not in work.memo:  # the placement's alone: plans sharing it share these
+    n = len(step.llm_ranks())
+    (rows_s, rows_moved), (inputs_s, inputs_moved) = exchanges(step.cluster, work)
+    for name, moved in (("reshard", rows_moved), ("pool_inputs", inputs_moved)):
+        if moved is not None:
+            step.a2a_bytes[name] += moved
+    return rows_s[:n], inputs_s[:n]
+
+
+def exchanges(c, work: RoundWork, tp: int = 1) -> list[tuple[np.ndarray, float | None]]:
+    """[(seconds [gpus], bytes moved, None without messages)] of the round's embedding rows
+    (forward and back) and of the pool's inputs on cluster `c`, of `work` or (`tp` > 1) of
+    `over_tp(work, tp)`, its messages in that order: the placement's alone, so the plans sharing
+    it share these (`work.memo`)."""
+    key = ("reshard", tp)
+    if key not in work.memo:
         out = []
         for msgs, times in ((work.sends, 2), (work.inputs, 1)):
             seconds, moved = np.zeros(c.gpus), None
             if msgs:
                 src, dst, nbytes = (np.array(x, dtype=np.float64) for x in zip(*msgs))
+                if tp > 1:  # TP rank by TP rank, each all the messages (g -> g * tp + t)
+                    t = np.arange(tp, dtype=np.float64)[:, None]
+                    src, dst = (src * tp + t).reshape(-1), (dst * tp + t).reshape(-1)
+                    nbytes = np.tile(nbytes, tp)
                 moved = float(nbytes[src != dst].sum()) * times
                 seconds = comm.all_to_all_pairs(src.astype(np.int64), dst.astype(np.int64),
                                                 nbytes, c)
-            out.append((seconds[:n], moved))
-        work.memo["reshard"] = out
-    (rows_s, rows_moved), (inputs_s, inputs_moved) = work.memo["reshard"]
-    for name, moved in (("reshard", rows_moved), ("pool_inputs", inputs_moved)):
-        if moved is not None:
-            step.a2a_bytes[name] += moved
-    return rows_s, inputs_s
+            out.append((seconds, moved))
+        work.memo[key] = out
+    return work.memo[key]
 
 
 # ------------------------------------------------------------------------ tensor parallel
@@ -326,7 +341,12 @@ def _per_tp_rank(rows, layout, world, mode, long_items, heads, order, tp) -> Rou
     """`mode` on the world without its TP axis (rank g -> g // tp: each row's SP group, the
     pool over the dp ranks), then copied to every TP rank t (g -> g * tp + t)."""
     folded = [Row(r.ranks[::tp] // tp, r.samples) for r in rows]
-    w = round_work(folded, layout, world // tp, mode, long_items, heads, order)
+    return over_tp(round_work(folded, layout, world // tp, mode, long_items, heads, order), tp)
+
+
+def over_tp(w: RoundWork, tp: int) -> RoundWork:
+    """`w`, a round's work on the world without its TP axis, copied to every TP rank t (rank
+    g -> g * tp + t): what each TP rank runs where they all run their SP group's or pool's plan."""
     out = RoundWork(np.repeat(w.flops, tp), np.repeat(w.positions, tp))
     for t in range(tp):
         out.split_positions += [(g * tp + t, n, e) for g, n, e in w.split_positions]

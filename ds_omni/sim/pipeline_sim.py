@@ -110,16 +110,17 @@ def _micro_arrays_of(step):
     p, M = step.pplan, step.plan.micro_batches
     shape = (M, p.seq_data_size)
     llm, tokens, enc = np.zeros(shape), np.zeros(shape), np.zeros(shape)
-    items_of = step.layout.items_of
+    items_of, pool = step.layout.items_of, step.plan.encoder_mode == "pool"
     for d, rounds in enumerate(step.assignment.rounds):
         for m in range(M):
             s = rounds[m].samples
             cols = slice(d * p.sp, (d + 1) * p.sp)
             llm[m, cols] = step.llm_cost[s].sum() / p.sp
             tokens[m, cols] = step.samples.tokens[s].sum() / p.sp
-            ids = np.concatenate([items_of[n] for n in s.tolist()] or [np.zeros(0, np.int64)])
-            enc[m, cols] = step.item_cost[ids].sum() / p.sp
-    if step.plan.encoder_mode == "pool":  # each round's items over the pool's ranks
+            if not pool:  # a row's own items (the pool's are its plan's, below)
+                ids = np.concatenate([items_of[n] for n in s.tolist()] or [np.zeros(0, np.int64)])
+                enc[m, cols] = step.item_cost[ids].sum() / p.sp
+    if pool:  # each round's items over the pool's ranks
         enc = pool_sim.pool_loads(step)
     return llm, tokens, enc
 

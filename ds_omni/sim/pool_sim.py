@@ -2,10 +2,11 @@
 step (`plan_pool`) and the calls of a round that moves items (`pool_calls`); and the pool under a
 pipeline, as training runs it (`train.step`, `parallelize.joint.EncodeShare`): each round
 planned over one stage's dp x sp ranks of a TP rank (`encode_sim.round_work`, "pool") on every
-stage that encodes (stage 0 under "stage0", all under "uniform"), every round's moved inputs and
+stage that encodes (stage 0 under "stage0", all under "uniform" and "bubbles"), every round's moved inputs and
 its rows (forward and back) exchanged before the schedule, where training places every round.
 Under "stage0" a rank's encoder FLOPs of a round are the pool's load there; under "uniform" each
-pool rank's items of the step are split over its column of stages (`pipeline_sim`).
+pool rank's items of the step are split over its column of stages (`pipeline_sim`); under
+"bubbles" placed into its idle slots (`bubble_sim`).
 
 Dims: M micro-batches, D pool ranks (dp x sp), P stages.
 """
@@ -16,7 +17,7 @@ import numpy as np
 
 from ds_omni.sim import comm, encode_sim
 from ds_omni.sim.calibrate_comm import POOL_META_BYTES
-from ds_omni.sim.encode_sim import Row, reshard_seconds, round_work
+from ds_omni.sim.encode_sim import Row, round_work
 from ds_omni.sim.timeline import COMM
 
 POOL_CALLS = 3
@@ -41,7 +42,7 @@ def plan_pool(step, stages=None) -> None:
     (`Cluster.pool_item_s` an item of the step, CPU), on `stages` (default all)."""
     groups = pool_groups(step, stages)
     p = groups.shape[1]
-    items = int(np.isin(step.samples.item_sample, step.assignment.planned).sum())
+    items = _planned_items(step)
     link = comm.link_of(step.cluster, groups[0])
     wire = comm.all_gather(8 * p, p, link) + comm.all_gather(
         POOL_META_BYTES * items, p, link)
@@ -49,6 +50,17 @@ def plan_pool(step, stages=None) -> None:
     step.timeline.sync(ranks, np.repeat(np.arange(len(groups)), p), "pool_plan", wire)
     if step.cluster.pool_item_s:
         step.timeline.run(ranks, "pool_plan", step.cluster.pool_item_s * items)
+
+
+def _planned_items(step) -> int:
+    """The items of the step's planned samples, kept in the step's cache per assignment."""
+    key = ("pool_items", id(step.assignment))
+    if step.cache is not None and key in step.cache:
+        return step.cache[key]
+    items = int(np.isin(step.samples.item_sample, step.assignment.planned).sum())
+    if step.cache is not None:  # the assignment lives in the same cache: its id stays its own
+        step.cache[key] = items
+    return items
 
 
 def pool_calls(step, work) -> None:
@@ -67,48 +79,46 @@ def pool_long(step) -> bool:
     return step.plan.long_items and step.plan.encoder_placement == "stage0"
 
 
-def _rows(step, m: int, folded: bool) -> list[Row]:
-    """Round m's rows: each data-parallel rank's over its SP (x TP) ranks of stage 0, global
-    ranks (or `folded`: pool ranks, TP left out)."""
+def _rows(step, m: int) -> list[Row]:
+    """Round m's rows: each data-parallel rank's over its SP ranks of one TP rank (pool ranks)."""
     p, rows = step.pplan, []
     for d, rounds in enumerate(step.assignment.rounds):
         samples = rounds[m].samples
         if samples.size:
-            ranks = np.arange(d * p.sp, (d + 1) * p.sp) if folded else step.ranks_of(d, 1)
-            rows.append(Row(ranks, samples))
+            rows.append(Row(np.arange(d * p.sp, (d + 1) * p.sp), samples))
     return rows
 
 
-def pool_work(step, m: int):
-    """Round m's placement over stage 0's ranks (every stage's pool plans the same), kept in
-    the step's cache for the plans of one assignment and shape."""
+def pool_folded(step, m: int):
+    """Round m's pool plan over one TP rank's pool ranks of stage 0 (tp folded away: rank g of
+    the dp x sp), kept in the step's cache. It reads the rows and the pool's size alone, so the
+    plans of one assignment and dp x sp share it whatever their tp and pp."""
     p = step.pplan
-    args = (_rows(step, m, folded=False), step.layout, p.seq_data_size * p.tp, "pool",
-            pool_long(step), step.heads, step.model.cost.encoder_names, p.tp)
-    if step.cache is None:
-        return round_work(*args)
-    key = ("pipe_pool", id(step.assignment), p.dp, p.sp, p.tp, m, pool_long(step))
-    if key not in step.cache:  # the assignment lives in the same cache: its id stays its own
-        step.cache[key] = round_work(*args)
-    return step.cache[key]
+    key = ("pipe_pool_folded", id(step.assignment), p.dp, p.sp, m, pool_long(step))
+    if step.cache is not None and key in step.cache:
+        return step.cache[key]
+    work = round_work(_rows(step, m), step.layout, p.seq_data_size, "pool",
+                      pool_long(step), step.heads, step.model.cost.encoder_names)
+    if step.cache is not None:  # the assignment lives in the same cache: its id stays its own
+        step.cache[key] = work
+    return work
 
 
 def pool_loads(step) -> np.ndarray:
-    """[M, D] each pool rank's encoder FLOPs of each round ("stage0": stage 0's)."""
-    tp = step.pplan.tp
-    return np.stack([pool_work(step, m).flops[::tp] for m in range(step.plan.micro_batches)])
+    """[M, D] each pool rank's encoder FLOPs of each round ("stage0": stage 0's): TP rank 0's,
+    which every TP rank's equal (the folded plan's loads, whatever the tp)."""
+    return np.stack([pool_folded(step, m).flops for m in range(step.plan.micro_batches)])
 
 
 def pool_owned(step) -> list[np.ndarray]:
     """[D] the ids of the items each pool rank encodes over the step's rounds, which under
-    "uniform" its column of stages splits (`plan_joint`)."""
+    "uniform" its column of stages splits (`plan_joint`): the folded plans' owners (under the
+    joint placements `pool_long` is off, so they are `pool_round`'s without long items)."""
     p = step.pplan
     owned: list[list[int]] = [[] for _ in range(p.seq_data_size)]
     for m in range(step.plan.micro_batches):
-        plan, ids, _ = encode_sim.pool_round(_rows(step, m, folded=True), step.layout,
-                                             p.seq_data_size, False, step.heads,
-                                             step.model.cost.encoder_names)
-        for i, owner in zip(ids, plan.owner):
+        ids, owners = pool_folded(step, m).pooled
+        for i, owner in zip(ids, owners):
             owned[owner].append(i)
     return [np.asarray(o, dtype=np.int64) for o in owned]
 
@@ -118,15 +128,33 @@ def pool_exchanges(step, ranks: list[np.ndarray], encoding: list[int]) -> None:
     in `encoding` (`ranks` [P][D tp]): the moved items' inputs on each, with its calls beyond
     the wire, and on stage 0 the rows' all-to-all forward and back."""
     plan_pool(step, encoding)
-    n, c = len(ranks[0]), step.cluster
-    rows_s, inputs_s = np.zeros(n), np.zeros(n)
-    for m in range(step.plan.micro_batches):
-        work = pool_work(step, m)
-        rows, inputs = reshard_seconds(step, work)
-        rows_s += 2 * rows[:n]
-        inputs_s += inputs[:n] + (POOL_CALLS * c.a2a_call_s if work.inputs else 0.0)
+    rows_s, inputs_s, moved = _exchange_seconds(step, len(ranks[0]))
+    for name, nbytes in moved:  # in the order the rounds add them: the same sums
+        step.a2a_bytes[name] += nbytes
     for s in encoding:
         step.timeline.run(ranks[s], "reshard", inputs_s + (rows_s if s == 0 else 0.0), COMM)
+
+
+def _exchange_seconds(step, n: int) -> tuple:
+    """([n] seconds of stage 0's ranks in all rounds' row all-to-alls, forward and back; [n] in
+    their input all-to-alls and calls; [(exchange, bytes)] in round order), kept in the step's
+    cache for the plans of one assignment and shape (read-only)."""
+    p, c = step.pplan, step.cluster
+    key = ("pipe_pool_exchanges", id(step.assignment), p.dp, p.sp, p.tp, pool_long(step), n)
+    if step.cache is not None and key in step.cache:
+        return step.cache[key]
+    rows_s, inputs_s, moved = np.zeros(n), np.zeros(n), []
+    for m in range(step.plan.micro_batches):
+        work = pool_folded(step, m)  # priced as copied to each TP rank (`over_tp`)
+        (rows, rows_moved), (inputs, inputs_moved) = encode_sim.exchanges(c, work, p.tp)
+        moved += [(name, b) for name, b in (("reshard", rows_moved),
+                                            ("pool_inputs", inputs_moved)) if b is not None]
+        rows_s += 2 * rows[:n]
+        inputs_s += inputs[:n] + (POOL_CALLS * c.a2a_call_s if work.inputs else 0.0)
+    out = (rows_s, inputs_s, moved)
+    if step.cache is not None:
+        step.cache[key] = out
+    return out
 
 
 def pool_owned_rounds(step) -> list[tuple[list[int], list[int]]]:
@@ -135,10 +163,8 @@ def pool_owned_rounds(step) -> list[tuple[list[int], list[int]]]:
     p = step.pplan
     out: list[tuple[list[int], list[int]]] = [([], []) for _ in range(p.seq_data_size)]
     for m in range(step.plan.micro_batches):
-        plan, ids, _ = encode_sim.pool_round(_rows(step, m, folded=True), step.layout,
-                                             p.seq_data_size, False, step.heads,
-                                             step.model.cost.encoder_names)
-        for i, owner in zip(ids, plan.owner):
+        ids, owners = pool_folded(step, m).pooled  # as `pool_owned`, each id with its round
+        for i, owner in zip(ids, owners):
             out[owner][0].append(int(i))
             out[owner][1].append(m)
     return out

@@ -115,6 +115,15 @@ def _sim_pool_plan_free(rank: int):
     yield from patched(step, "plan_pool", lambda f: lambda st: None)
 
 
+@plant("sim_pool_tp_copies_unpriced", "the simulator prices the pool's exchanges under pp and tp "
+       "from TP rank 0's messages alone (the copies on the other TP ranks forgotten)",
+       "sim_pool_folded")
+def _sim_pool_tp_copies_unpriced(rank: int):
+    from ds_omni.sim import encode_sim
+    yield from patched(encode_sim, "exchanges", lambda original: (
+        lambda c, work, tp=1: original(c, work, 1)))
+
+
 # ------------------------------------------ ring attention in the simulator (test_sim_cp.py)
 @plant("sim_ring_not_overlapped", "the simulator adds every ring step's key/value transfer to the "
        "step instead of overlapping it with the block's attention", "sim_cp")

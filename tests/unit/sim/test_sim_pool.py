@@ -103,3 +103,51 @@ def test_the_pool_under_pp_spreads_the_encoders_over_a_stages_ranks(placement):
         assert np.asarray(on.compute)[other] > np.asarray(off.compute)[other] * 1.5, (s, on, off)
         assert np.asarray(on.compute)[mine] < np.asarray(off.compute)[mine], s
     assert on.all_to_all_bytes["pool_inputs"] > 0 and off.all_to_all_bytes["pool_inputs"] == 0
+
+
+# ------------------------------------------- the pool under pp, priced once for every tp
+def folded_case(tp: int, placement: str = "stage0"):
+    """pp2 x dp2 x tp on nodes of 2 GPUs (the TP copies' messages cross nodes), pool mode."""
+    from ds_omni.sim.step import Step
+    c = dataclasses.replace(cluster("cpu", 4 * tp, 2), pool_item_s=0.0, a2a_call_s=1e-4)
+    samples = image_samples([4096] * 4 + [4] * 4)  # dp rank 0 reads the large ones
+    plan = PLAN.replace(pp=2, tp=tp, encoder_placement=placement, zero_stage=1,
+                        encoder_mode="pool")
+    return c, Step(c, tiny(), samples, plan, cache={})
+
+
+def check_folded_pool_is_round_works():
+    """The pool's plan under pp is computed once with tp folded away (`pool_sim.pool_folded`):
+    every TP rank's loads equal TP rank 0's, which are the same at every tp (the pipeline's
+    `_micro_arrays` keeps them without tp in its key), and equal `round_work`'s under tp, whose
+    messages' seconds and bytes `encode_sim.exchanges(c, folded, tp)` prices exactly."""
+    from ds_omni.sim import encode_sim
+    loads = {}
+    for tp in (1, 2, 4):
+        c, step = folded_case(tp)
+        loads[tp] = pool_sim.pool_loads(step)  # [M, D]
+        for m in range(step.plan.micro_batches):
+            rows = [encode_sim.Row(step.ranks_of(d, 1), r[m].samples)
+                    for d, r in enumerate(step.assignment.rounds) if r[m].samples.size]
+            whole = encode_sim.round_work(rows, step.layout, step.pplan.seq_data_size * tp,
+                                          "pool", pool_sim.pool_long(step), step.heads,
+                                          step.model.cost.encoder_names, tp)
+            assert np.array_equal(whole.flops.reshape(-1, tp), np.repeat(
+                loads[tp][m][:, None], tp, axis=1)), (tp, m)
+            for (s, moved), (want, want_moved) in zip(
+                    encode_sim.exchanges(c, pool_sim.pool_folded(step, m), tp),
+                    encode_sim.exchanges(c, whole)):
+                assert np.array_equal(s, want) and moved == want_moved, (tp, m)
+            assert whole.inputs, "no input moved: the check would see too little"
+    assert np.array_equal(loads[1], loads[2]) and np.array_equal(loads[1], loads[4])
+
+
+def test_the_pool_under_pp_is_planned_once_for_every_tp():
+    check_folded_pool_is_round_works()
+
+
+@pytest.mark.parametrize("plant", plants.for_launch("sim_pool_folded"))
+def test_plant_sim_pool_folded(plant):
+    with plants.applied(plant, 0):
+        with pytest.raises(AssertionError):
+            check_folded_pool_is_round_works()
