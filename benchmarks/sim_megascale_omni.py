@@ -2,7 +2,7 @@
 baselines as the paper ran them and over the simulator's five tuned ones, on the paper's kind of
 setups, next to the paper's reported 1.27x-7.57x.
 
-    .venv/bin/python benchmarks/sim_megascale_omni.py      # 375 s on 2 shared cores (load ~40)
+    .venv/bin/python benchmarks/sim_megascale_omni.py      # 192 s on 2 shared cores (load ~10)
 
 Setups (H100s, 8 a node): a ~1B ViT + a 12B LLM (Mistral-Nemo dims) on 64 GPUs; a 2.4B ViT +
 a 70B LLM (Llama-3-70B dims) on 128; a 10B ViT + the 70B on 256 (`sim_common.py` has the dims).
