@@ -39,11 +39,16 @@ def _cases(tmp) -> dict:
                                                      "plant": "pp_deepstack_level_dropped"}}
 
 
+def _launch(tmp_path_factory, name: str, cases_of, world: int) -> tuple[dict, list]:
+    """(the cases, each rank's results): one launch of `world` ranks over every case."""
+    tmp = tmp_path_factory.mktemp(name)
+    cases = cases_of(tmp)
+    return cases, run_on_ranks(_train_ranks, world, args=(cases, str(tmp / "runs")), timeout=1200)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pp_deepstack")
-    cases = _cases(tmp)
-    return cases, run_on_ranks(_train_ranks, 2, args=(cases, str(tmp / "runs")), timeout=1200)
+    return _launch(tmp_path_factory, "pp_deepstack", _cases, 2)
 
 
 def test_pipeline_carries_deepstack_levels(two_ranks, tmp_path):
@@ -69,9 +74,7 @@ def _four_rank_cases(tmp) -> dict:
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pp_deepstack_4")
-    cases = _four_rank_cases(tmp)
-    return cases, run_on_ranks(_train_ranks, 4, args=(cases, str(tmp / "runs")), timeout=1200)
+    return _launch(tmp_path_factory, "pp_deepstack_4", _four_rank_cases, 4)
 
 
 def test_pipeline_carries_deepstack_levels_beside_sp(four_ranks, tmp_path):
