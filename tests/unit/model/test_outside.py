@@ -155,7 +155,7 @@ def test_inklings_mup_head_equals_hf():
     torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-5)
     for name, param in hf.named_parameters():
         torch.testing.assert_close(param.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
-    backbone = SimpleNamespace(norm=None, lm_head=hf.lm_head, logit_rule=rule)
+    backbone = SimpleNamespace(norm=None, lm_head=hf.lm_head, logit_rule=rule, layers=[])
     with torch.no_grad():
         last = HeadStage(SimpleNamespace(backbone=backbone), StepInputs()).loss_sum(hidden, targets)
         assert torch.equal(last, loss.detach())
