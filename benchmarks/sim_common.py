@@ -208,8 +208,8 @@ class RunReport:
 @dataclass
 class Swing(Search):
     """A run whose steps each have their own mix (`steps`: one Search per step, their caches
-    shared with the fixed-mix cases); one plan runs every step. `samples` (the run's average mix)
-    is the run's average mix, the one the as-run pools are sized for."""
+    shared with the fixed-mix cases); one plan runs every step. `samples` holds the run's average
+    mix, the one the as-run pools are sized for."""
 
     steps: list = field(default_factory=list)
 

@@ -2,8 +2,9 @@
 step (`plan_pool`) and the calls of a round that moves items (`pool_calls`); and the pool under a
 pipeline, as training runs it (`train.step`, `parallelize.joint.EncodeShare`): each round
 planned over one stage's dp x sp ranks of a TP rank (`encode_sim.round_work`, "pool") on every
-stage that encodes (stage 0 under "stage0", all under "uniform" and "bubbles"), every round's moved inputs and
-its rows (forward and back) exchanged before the schedule, where training places every round.
+stage that encodes (stage 0 under "stage0", all under "uniform" and "bubbles"), every round's
+moved inputs and its rows (forward and back) exchanged before the schedule, where training places
+every round.
 Under "stage0" a rank's encoder FLOPs of a round are the pool's load there; under "uniform" each
 pool rank's items of the step are split over its column of stages (`pipeline_sim`); under
 "bubbles" placed into its idle slots (`bubble_sim`).
@@ -52,15 +53,20 @@ def plan_pool(step, stages=None) -> None:
         step.timeline.run(ranks, "pool_plan", step.cluster.pool_item_s * items)
 
 
+def _kept(step, key: tuple, make):
+    """`make()`, kept in the step's cache under `key` (which names the step's assignment by id:
+    the assignment lives in the same cache, so its id stays its own) for the plans sharing it."""
+    if step.cache is None:
+        return make()
+    if key not in step.cache:
+        step.cache[key] = make()
+    return step.cache[key]
+
+
 def _planned_items(step) -> int:
-    """The items of the step's planned samples, kept in the step's cache per assignment."""
-    key = ("pool_items", id(step.assignment))
-    if step.cache is not None and key in step.cache:
-        return step.cache[key]
-    items = int(np.isin(step.samples.item_sample, step.assignment.planned).sum())
-    if step.cache is not None:  # the assignment lives in the same cache: its id stays its own
-        step.cache[key] = items
-    return items
+    """The items of the step's planned samples, kept per assignment."""
+    return _kept(step, ("pool_items", id(step.assignment)), lambda: int(
+        np.isin(step.samples.item_sample, step.assignment.planned).sum()))
 
 
 def pool_calls(step, work) -> None:
@@ -94,14 +100,9 @@ def pool_folded(step, m: int):
     the dp x sp), kept in the step's cache. It reads the rows and the pool's size alone, so the
     plans of one assignment and dp x sp share it whatever their tp and pp."""
     p = step.pplan
-    key = ("pipe_pool_folded", id(step.assignment), p.dp, p.sp, m, pool_long(step))
-    if step.cache is not None and key in step.cache:
-        return step.cache[key]
-    work = round_work(_rows(step, m), step.layout, p.seq_data_size, "pool",
-                      pool_long(step), step.heads, step.model.cost.encoder_names)
-    if step.cache is not None:  # the assignment lives in the same cache: its id stays its own
-        step.cache[key] = work
-    return work
+    return _kept(step, ("pipe_pool_folded", id(step.assignment), p.dp, p.sp, m, pool_long(step)),
+                 lambda: round_work(_rows(step, m), step.layout, p.seq_data_size, "pool",
+                                    pool_long(step), step.heads, step.model.cost.encoder_names))
 
 
 def pool_loads(step) -> np.ndarray:
@@ -114,13 +115,7 @@ def pool_owned(step) -> list[np.ndarray]:
     """[D] the ids of the items each pool rank encodes over the step's rounds, which under
     "uniform" its column of stages splits (`plan_joint`): the folded plans' owners (under the
     joint placements `pool_long` is off, so they are `pool_round`'s without long items)."""
-    p = step.pplan
-    owned: list[list[int]] = [[] for _ in range(p.seq_data_size)]
-    for m in range(step.plan.micro_batches):
-        ids, owners = pool_folded(step, m).pooled
-        for i, owner in zip(ids, owners):
-            owned[owner].append(i)
-    return [np.asarray(o, dtype=np.int64) for o in owned]
+    return [np.asarray(ids, dtype=np.int64) for ids, _ in pool_owned_rounds(step)]
 
 
 def pool_exchanges(step, ranks: list[np.ndarray], encoding: list[int]) -> None:
@@ -128,7 +123,10 @@ def pool_exchanges(step, ranks: list[np.ndarray], encoding: list[int]) -> None:
     in `encoding` (`ranks` [P][D tp]): the moved items' inputs on each, with its calls beyond
     the wire, and on stage 0 the rows' all-to-all forward and back."""
     plan_pool(step, encoding)
-    rows_s, inputs_s, moved = _exchange_seconds(step, len(ranks[0]))
+    p, n = step.pplan, len(ranks[0])  # kept for the plans of one assignment and shape (read-only)
+    rows_s, inputs_s, moved = _kept(step, ("pipe_pool_exchanges", id(step.assignment), p.dp, p.sp,
+                                           p.tp, pool_long(step), n),
+                                    lambda: _exchange_seconds(step, n))
     for name, nbytes in moved:  # in the order the rounds add them: the same sums
         step.a2a_bytes[name] += nbytes
     for s in encoding:
@@ -137,12 +135,8 @@ def pool_exchanges(step, ranks: list[np.ndarray], encoding: list[int]) -> None:
 
 def _exchange_seconds(step, n: int) -> tuple:
     """([n] seconds of stage 0's ranks in all rounds' row all-to-alls, forward and back; [n] in
-    their input all-to-alls and calls; [(exchange, bytes)] in round order), kept in the step's
-    cache for the plans of one assignment and shape (read-only)."""
+    their input all-to-alls and calls; [(exchange, bytes)] in round order)."""
     p, c = step.pplan, step.cluster
-    key = ("pipe_pool_exchanges", id(step.assignment), p.dp, p.sp, p.tp, pool_long(step), n)
-    if step.cache is not None and key in step.cache:
-        return step.cache[key]
     rows_s, inputs_s, moved = np.zeros(n), np.zeros(n), []
     for m in range(step.plan.micro_batches):
         work = pool_folded(step, m)  # priced as copied to each TP rank (`over_tp`)
@@ -151,10 +145,7 @@ def _exchange_seconds(step, n: int) -> tuple:
                                             ("pool_inputs", inputs_moved)) if b is not None]
         rows_s += 2 * rows[:n]
         inputs_s += inputs[:n] + (POOL_CALLS * c.a2a_call_s if work.inputs else 0.0)
-    out = (rows_s, inputs_s, moved)
-    if step.cache is not None:
-        step.cache[key] = out
-    return out
+    return rows_s, inputs_s, moved
 
 
 def pool_owned_rounds(step) -> list[tuple[list[int], list[int]]]:
@@ -163,7 +154,7 @@ def pool_owned_rounds(step) -> list[tuple[list[int], list[int]]]:
     p = step.pplan
     out: list[tuple[list[int], list[int]]] = [([], []) for _ in range(p.seq_data_size)]
     for m in range(step.plan.micro_batches):
-        ids, owners = pool_folded(step, m).pooled  # as `pool_owned`, each id with its round
+        ids, owners = pool_folded(step, m).pooled
         for i, owner in zip(ids, owners):
             out[owner][0].append(int(i))
             out[owner][1].append(m)
