@@ -231,7 +231,7 @@ RULES = (
     _composes("sp", "encoder_placement", UNDER_PP + "; \"uniform\" and \"bubbles\": each SP "
               "shard's column of stages encodes the items its reshard plan gives it, stage 0's "
               "resharding all-to-all takes their rows to the shards holding their placeholders; "
-              "\"auto\" picks \"uniform\" here"),
+              "\"auto\" models a shard's items on 1/sp stages"),
     _composes("sp", "encoder_pool", "the pool is every rank (dp x sp); a row's long items stay "
               "split over its SP group"),
     _refused("ep", "sp", "under sp, DeepSpeed's ZeRO-0 expert reduction divides the experts' "
@@ -255,7 +255,7 @@ RULES = (
               "TP rank"),
     _composes("tp", "encoder_placement", UNDER_PP + "; \"uniform\" and \"bubbles\": each TP "
               "rank's column of stages encodes every item (the encoders stay whole), so every "
-              "TP rank of stage 0 holds every row; \"auto\" picks \"uniform\" here"),
+              "TP rank of stage 0 holds every row; \"auto\" models every item on 1/tp stages"),
     _composes("tp", "encoder_pool", "each TP rank pools over its own data-parallel (x SP) "
               "ranks, all TP ranks alike"),
     _refused("ep", "tp", "the experts beside tp are DeepSpeed's AutoEP+AutoTP folding, which "
@@ -282,7 +282,8 @@ RULES = (
               "adds its layers' per-sample router statistics to tensors that travel with the "
               "hidden states, and the last stage forms HF's aux loss from the whole sums (under "
               "sp summed over the row's SP group first)"),
-    _composes("encoder_pool", "encoder_placement", UNDER_PP + ' ("auto" picks "uniform" here)'),
+    _composes("encoder_pool", "encoder_placement",
+              UNDER_PP + ' ("auto" models a pool rank\'s share)'),
     _composes("encoder_placement", "ep", UNDER_PP),
     _composes("encoder_pool", "ep"),
     # parallel.cp: ring attention across the sp x cp ranks of a row (docs/parallelism.md)

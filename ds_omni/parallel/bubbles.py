@@ -460,6 +460,13 @@ def picks_bubbles(typical: dict) -> bool:
             and typical["modelled_step_vs_uniform"] <= 1 - AUTO_MARGIN)
 
 
+def rank_stage_time(stage_time: list[float], sp: int = 1, tp: int = 1) -> list[float]:
+    """A rank's share of each stage's modelled micro-batch (`stage_time`: the whole row on one
+    rank): Ulysses splits it over sp ranks, AutoTP over tp. Their all-to-alls and all-reduces
+    are left out: they only widen the gaps, so the model credits "bubbles" no idle time it lacks."""
+    return [t / (sp * tp) for t in stage_time]
+
+
 def auto_placement(cost, stage_time: list[float], micro_batches: int, samples: int,
                    items_per_sample: dict[str, float] | None = None,
                    overhead: CallOverhead = CPU_OVERHEAD) -> str:

@@ -34,6 +34,7 @@ from ds_omni.parallelize.pipeline_deepstack import DeepstackCarry
 from ds_omni.parallelize.pipeline_moe import AuxCarry
 from ds_omni.parallelize.pipe_grid import mark_norm_owners, pipe_topology
 from ds_omni.parallelize.tensor_parallel import tp_counts
+from ds_omni.parallel.bubbles import rank_stage_time
 from ds_omni.parallel.stages import StagePlan, check_stages, stage_plan_for
 
 
@@ -342,8 +343,9 @@ def build_pipeline_module(model: OmniModel, plan, stage_plan: StagePlan, placeme
                                   module._grid.get_pipe_parallel_group(), encoder_dummies)
         module.joint.mark_replicas()
         if placement == "bubbles":  # the encoders' work inside the schedule's idle slots
-            module.joint = bubble_schedule.BubbleSetup(module.joint, stage_plan.layer_time,
-                                                       module.clock)
+            module.joint = bubble_schedule.BubbleSetup(
+                module.joint, rank_stage_time(stage_plan.layer_time, plan.sp, plan.tp),
+                module.clock)
     if plan.tp_enabled:  # the stage's decoder layers hold AutoTP's layers (`shard_backbone`)
         module.tp_counts = tp_counts(module)
         mark_norm_owners(module, module._grid.get_slice_parallel_rank())
@@ -380,27 +382,30 @@ def pipeline_spec_for(cfg, built, plan, cost, item_cost: Callable) -> PipelineSp
 
 def resolved_placement(cfg, plan, cost, stages: StagePlan) -> str:
     """parallel.encoder_placement, "auto" resolved by the cost model's model of a typical step
-    of the data's mix (`ds_omni.parallel.bubbles.auto_placement`: "bubbles" where it predicts a
-    gain beyond its margin, its calls and messages priced for this machine)."""
+    of the data's mix on one pipeline (`typical_step`; `ds_omni.parallel.bubbles.auto_placement`:
+    "bubbles" where it predicts a gain beyond its margin, its calls and messages priced)."""
     placement = cfg.parallel.encoder_placement
     if placement != "auto":
         return placement
-    if plan.tp_enabled or plan.sp_enabled or plan.encoder_pool:  # its model is of a whole
-        return "uniform"  # row's items on one pipeline
     from ds_omni.parallel.bubbles import auto_placement
-    return auto_placement(cost, stages.layer_time, *typical_step(cfg, plan, cost))
+    return auto_placement(cost, *typical_step(cfg, plan, cost, stages))
 
 
-def typical_step(cfg, plan, cost) -> tuple:
-    """(micro-batches, samples a micro-batch, items a sample by encoder, call overhead) of the
-    step "auto" and `ds-omni plan` model: the data's mix (`data.typical`), and this project's
-    calibrated CPU overhead where no GPU is visible (none calibrated on GPUs: 0)."""
+def typical_step(cfg, plan, cost, stages: StagePlan) -> tuple:
+    """(a rank's stage times, micro-batches, samples a micro-batch, items a sample by encoder,
+    call overhead) of one pipeline's typical step, what "auto" and `ds-omni plan` model: the
+    data's mix (`data.typical`), a pipeline's share of it (an SP shard's, or under the pool a
+    pool rank's: 1/sp of a row's items on average; every TP rank encodes them all), the stages
+    split over sp x tp (`rank_stage_time`); the resharding or pool all-to-all runs in stage 0's
+    forward under both placements, so it is left out. Overhead: this project's calibrated CPU
+    one where no GPU is visible (none calibrated on GPUs: 0)."""
     from ds_omni.data.typical import encoder_items_per_sample
     from ds_omni.parallel.bubbles import CPU_OVERHEAD, CallOverhead
     micro = max(cfg.train.global_batch_size // (cfg.train.micro_batch_size * plan.dp), 1)
     items = encoder_items_per_sample(cfg.data, list(cost.dims.encoders))
     overhead = CallOverhead() if torch.cuda.is_available() else CPU_OVERHEAD
-    return micro, cfg.train.micro_batch_size, items, overhead
+    return (rank_stage_time(stages.layer_time, plan.sp, plan.tp), micro,
+            cfg.train.micro_batch_size, {k: v / plan.sp for k, v in items.items()}, overhead)
 
 
 def engine_inputs(micro_batches: list) -> list[tuple]:

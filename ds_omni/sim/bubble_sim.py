@@ -23,7 +23,8 @@ import math
 import numpy as np
 
 from ds_omni.parallel import reshard
-from ds_omni.parallel.bubbles import CallOverhead, auto_placement, plan_bubbles
+from ds_omni.parallel.bubbles import (CallOverhead, auto_placement, plan_bubbles,
+                                      rank_stage_time)
 from ds_omni.sim import comm, pool_sim
 from ds_omni.sim.encode_sim import Row
 from ds_omni.sim.timeline import COMM
@@ -33,26 +34,26 @@ def resolve_auto(step, stage_plan) -> None:
     """`encoder_placement: "auto"` -> "bubbles" where the cost model's typical step predicts a
     gain, else "uniform" (`auto_placement` on the stages training splits, `stage_plan(step)`, the
     drawn samples' items a sample and the cluster's call and message costs, `typical_inputs`;
-    "uniform" beside tp, sp or the pool, as training does), in `step.plan`."""
+    one pipeline's share under sp, tp and the pool, as training models it), in `step.plan`."""
     p, plan = step.pplan, step.plan
     if plan.encoder_placement != "auto":
         return
     step.plan = _placed(plan, "uniform")  # "bubbles" splits the stages as "uniform" does
-    if p.tp == 1 and p.sp == 1 and plan.encoder_mode != "pool":
-        step.plan = _placed(plan, auto_placement(step.model.cost, stage_plan(step).layer_time,
-                                                 *typical_inputs(step)))
+    times = rank_stage_time(stage_plan(step).layer_time, p.sp, p.tp)
+    step.plan = _placed(plan, auto_placement(step.model.cost, times, *typical_inputs(step)))
 
 
 def typical_inputs(step) -> tuple:
     """(micro-batches, samples a micro-batch, items a sample by encoder, call overhead) of the
-    typical step "auto" models: the mix of the drawn samples (training reads its sources'), the
+    typical step "auto" models: the mix of the drawn samples (training reads its sources'; a
+    pipeline's 1/sp of a row's items, as `ds_omni.parallelize.pipeline.typical_step`), the
     overhead from the cluster's fields (FLOPs at its rate: `micro_batch_s_per_param` a weight a
     call, `intra_latency` a message)."""
     p, plan, c = step.pplan, step.plan, step.cluster
     per_micro = max(1, round(len(step.samples) / (p.dp * plan.micro_batches)))
     n = max(len(step.samples), 1)
     encoders = step.samples.item_encoder.tolist()
-    items = {name: encoders.count(name) / n for name in step.model.cost.dims.encoders}
+    items = {name: encoders.count(name) / n / p.sp for name in step.model.cost.dims.encoders}
     overhead = CallOverhead(per_param=c.micro_batch_s_per_param * c.flops_per_s,
                             message=c.intra_latency * c.flops_per_s)
     return plan.micro_batches, per_micro, items, overhead
@@ -118,8 +119,8 @@ class BubbleOps:
         step, P, fe = self.step, self.P, self.step.encoder_fwd
         if not ids:
             return
-        plan = plan_bubbles(micro, step.item_cost[ids].tolist(), P, self.M,
-                            list(step.stage_plan.layer_time))
+        plan = plan_bubbles(micro, step.item_cost[ids].tolist(), P, self.M, rank_stage_time(
+            step.stage_plan.layer_time, step.pplan.sp, step.pplan.tp))
         self.hidden_share.append(plan.hidden_share)
         first: dict[int, tuple] = {}
         last_b: dict[int, tuple] = {}

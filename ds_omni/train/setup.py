@@ -159,7 +159,7 @@ def _pipeline_stages(cfg: OmniConfig, plan: ParallelPlan, built, cost: CostModel
     if placement == "bubbles" or cfg.parallel.encoder_placement == "auto":
         # which schedule steps each stage encodes in, and what "auto" decided by
         out["bubble_schedule"] = typical_schedule(
-            cost, stage_plan(cfg, built, plan, cost).layer_time, *typical_step(cfg, plan, cost))
+            cost, *typical_step(cfg, plan, cost, stage_plan(cfg, built, plan, cost)))
     return out
 
 

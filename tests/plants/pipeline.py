@@ -213,3 +213,24 @@ def _pp_pool_wrong_rank(rank: int):
        "pp_pool")
 def _pp_pool_bubble_rows_unexchanged(rank: int):
     yield from _bubble_rows_rank0_only(rank)
+
+
+# ------------------- "auto" beside sp and tp (tests/unit/parallelize/test_auto_placement.py)
+@plant("auto_shard_items_whole", "under sp \"auto\"'s typical step gives each SP shard's "
+       "pipeline the whole row's items (its reshard plan's half ignored)", "auto_composed")
+def _auto_shard_items_whole(rank: int):
+    from ds_omni.parallelize import pipeline
+
+    def make(typical_step):
+        def planted(cfg, plan, cost, stages):
+            times, micro, samples, items, overhead = typical_step(cfg, plan, cost, stages)
+            return times, micro, samples, {k: v * plan.sp for k, v in items.items()}, overhead
+        return planted
+    yield from patched(pipeline, "typical_step", make)
+
+
+@plant("auto_stages_whole_row", "\"auto\" prices each stage at its whole row's time on one "
+       "rank, not a rank's 1/(sp x tp) share", "auto_composed")
+def _auto_stages_whole_row(rank: int):
+    from ds_omni.parallelize import pipeline
+    yield from patched(pipeline, "rank_stage_time", lambda f: lambda t, sp=1, tp=1: list(t))

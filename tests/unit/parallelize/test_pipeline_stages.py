@@ -241,3 +241,27 @@ def test_a_pipeline_checkpoint_with_a_layer_file_missing_says_so(tmp_path):
                                          f"this model has {len(layers)}"):
         load_layer_files(fresh, tmp_path)
 
+
+
+def test_train_refuses_qwen3_vl_under_pp_and_tp_before_any_process_group(tmp_path, capsys,
+                                                                          monkeypatch):
+    """Deepstack (Qwen3-VL) under pp x tp: HF's Qwen3-VL text plan names its embedding alone,
+    so AutoTP would split none of its layers: refused in the preflight, before the process
+    group, the model or DeepSpeed, saying why (pp x sp and pp x ep carry the levels)."""
+    from tests import family_dirs
+    from ds_omni.train import loop
+    cfg = tiny_config_dict(str(tmp_path / "out"))
+    cfg["model"] = {"pretrained": str(family_dirs.make_generic_dir(tmp_path / "q3", "qwen3_vl"))}
+    cfg["parallel"] = {"pp": 2, "tp": 2, "stage_split": "layers"}
+    c, d = tmp_path / "cfg.json", tmp_path / "ds.json"
+    c.write_text(json.dumps(cfg))
+    d.write_text(json.dumps(ds_config(1)))
+    monkeypatch.setenv("WORLD_SIZE", "4")  # no rendezvous exists: a collective would fail
+    monkeypatch.setattr(loop, "setup_training", None)  # never reached
+    monkeypatch.setattr(loop.dist, "init_distributed", None)
+    assert main(["train", "--config", str(c), "--deepspeed", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert ("parallel.tp=2: the HuggingFace tensor-parallel plan of the LLM of" in err
+            and "(qwen3_vl_text) splits no column- and row-parallel projection pair "
+            "(['embed_tokens']), so DeepSpeed's AutoTP would leave its layers whole" in err), err
+    assert "Traceback" not in err
