@@ -55,8 +55,8 @@ def check_tensor_parallel(text_config, tp: int, where: str, experts_apart: bool 
     if not plan:
         raise ModelError(f"parallel.tp={tp}: {where} ({model_type}) has no HuggingFace "
                          "tensor-parallel plan (`base_model_tp_plan`), so DeepSpeed's AutoTP "
-                         "cannot tell which projections to split; set parallel.tp to 1 (use "
-                         "ZeRO-3 to spread its parameters instead)")
+                         "cannot tell which projections to split; set parallel.tp to 1 "
+                         "(parallel.pp or ZeRO-3 spread its parameters instead)")
     from deepspeed.module_inject.tp_plan_converter import TPPlanConverter
     try:
         specs = TPPlanConverter.convert(plan)
@@ -68,7 +68,8 @@ def check_tensor_parallel(text_config, tp: int, where: str, experts_apart: bool 
         raise ModelError(f"parallel.tp={tp}: the HuggingFace tensor-parallel plan of {where} "
                          f"({model_type}) splits no column- and row-parallel projection pair "
                          f"({sorted(plan)}), so DeepSpeed's AutoTP would leave its layers whole; "
-                         "set parallel.tp to 1 (use ZeRO-3 to spread its parameters instead)")
+                         "set parallel.tp to 1 (parallel.pp or ZeRO-3 spread its parameters "
+                         "instead)")
     heads = text_config.num_attention_heads
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
     width = getattr(text_config, "intermediate_size", None)

@@ -263,5 +263,6 @@ def test_train_refuses_qwen3_vl_under_pp_and_tp_before_any_process_group(tmp_pat
     err = capsys.readouterr().err
     assert ("parallel.tp=2: the HuggingFace tensor-parallel plan of the LLM of" in err
             and "(qwen3_vl_text) splits no column- and row-parallel projection pair "
-            "(['embed_tokens']), so DeepSpeed's AutoTP would leave its layers whole" in err), err
+            "(['embed_tokens']), so DeepSpeed's AutoTP would leave its layers whole; set "
+            "parallel.tp to 1 (parallel.pp or ZeRO-3 spread its parameters instead)" in err), err
     assert "Traceback" not in err
