@@ -1,8 +1,8 @@
 """GPU kernels as the simulator prices them by shape: a GEMM reaches a fitted fraction of peak
 that falls as its narrow side shrinks toward a few tiles; attention is priced as GEMMs of the
-head dimension; the element-wise work around them (norms, activations, dropout, residuals), and
-unfused attention's score matrices (a counted constant, `scores`), are bytes through HBM. Two
-numbers a GPU type, fitted from at most two published runs
+head dimension; each GEMM's own operands and output, the element-wise work around them (norms,
+activations, dropout, residuals) and unfused attention's scores (`scores`) are bytes through
+HBM. Two numbers a GPU type, fitted from at most two published runs
 (`ds_omni.sim.published.calibrate`); the peaks and bandwidths are the vendors' (`cluster.PRESETS`
 plus HBM bandwidth here). More: docs/benchmarks/sim_published.md.
 """
@@ -50,48 +50,61 @@ outside the split attention and MLP: AutoTP's and Megatron's without sequence pa
 
 
 def layer_seconds(fit: KernelFit, dims, tp: int, seq: float, peak: float, hbm: float,
-                  head_dim: int = 128, split_norms: bool = False) -> tuple[float, float]:
+                  head_dim: int = 128, split_norms: bool = False,
+                  rows: float | None = None) -> tuple[float, float]:
     """(one decoder layer, the LM head) forward seconds of one token on one of `tp` ranks:
     each GEMM at the fraction of its narrow side (QKV and all MLP matrices but the last split
     their outputs over tp, the attention projection and the last MLP matrix their inputs),
     causal attention (2 h s FLOPs a token, as `CostModel` counts it) at the head dimension's,
     the element-wise bytes through HBM (all of them / tp where `split_norms`), and under unfused
     attention its score matrices' bytes (`fit.scores` a head, token and key). `dims`: a
-    `ModelDims`."""
+    `ModelDims`; `rows`: a micro-batch's tokens, its GEMMs' traffic (`gemm_seconds`; None: none)."""
     h, ffn, k = dims.hidden, dims.intermediate, dims.mlp_matrices
     kv = dims.kv_hidden or h
-    shapes = [(h * (h + 2 * kv), min(h, (h + 2 * kv) / tp)), (h * h, h / tp)]
-    shapes += [(h * ffn, min(h, ffn / tp))] * (k - 1) + [(h * ffn, min(ffn / tp, h))]
-    gemm = sum(2 * n / tp / fit.gemm_fraction(narrow) for n, narrow in shapes) / peak
+    shapes = [(h, (h + 2 * kv) / tp), (h / tp, h)] + [(h, ffn / tp)] * (k - 1) + [(ffn / tp, h)]
+    gemm = sum(gemm_seconds(fit, d, n, min(d, n), rows, peak, hbm) for d, n in shapes)
     attn = 2 * h * seq / tp / (peak * fit.gemm_fraction(head_dim))
     replicated = 0.0 if split_norms else REPLICATED
     elem = fit.elementwise * h * (replicated + (1 - replicated) / tp) / hbm
     elem += fit.scores * h / head_dim / tp * seq / hbm
-    head = 2 * h * dims.vocab / tp / (peak * fit.gemm_fraction(h / tp))
+    head = gemm_seconds(fit, h, dims.vocab / tp, h / tp, rows, peak, hbm)
     return gemm + attn + elem, head
 
 
+def gemm_seconds(fit: KernelFit, depth: float, width: float, narrow: float, rows: float | None,
+                 peak: float, hbm: float) -> float:
+    """Seconds a token of a [rows, depth] x [depth, width] GEMM: its FLOPs at the fraction of its
+    `narrow` side, plus (where `rows`, the micro-batch's tokens, is given) its compulsory 16-bit
+    traffic, both operands read and the output written once, through HBM beside the math (the
+    roofline's sum: a larger GEMM's higher FLOPs a byte is what makes it run nearer peak)."""
+    seconds = 2 * depth * width / (peak * fit.gemm_fraction(narrow))
+    if rows:
+        seconds += 2 * (depth + width + depth * width / rows) / hbm
+    return seconds
+
+
 def llm_rate(fit: KernelFit, cost, tp: int, seq: float, peak: float, hbm: float,
-             head_dim: int = 128, split_norms: bool = False) -> float:
+             head_dim: int = 128, split_norms: bool = False, rows: float | None = None) -> float:
     """FLOP/s the LLM's work reaches on a TP rank for samples of `seq` tokens: the `CostModel`'s
     forward FLOPs of a token / tp over `layer_seconds` of its layers and head (the
     simulator prices the LLM's passes at this rate where a cluster has `kernels`)."""
     d = cost.dims
-    layer, head = layer_seconds(fit, d, tp, seq, peak, hbm, head_dim, split_norms)
+    layer, head = layer_seconds(fit, d, tp, seq, peak, hbm, head_dim, split_norms, rows)
     flops = float(cost.llm_cost([seq])[0]) / seq / cost.train_factor
     return flops / tp / (d.layers * layer + head)
 
 
-def cluster_llm_rate(cluster, model, tp: int, seq: float, split_norms: bool = False) -> float:
+def cluster_llm_rate(cluster, model, tp: int, seq: float, split_norms: bool = False,
+                     rows: float | None = None) -> float:
     """FLOP/s of the LLM's passes on a rank of `cluster` (a `Cluster`) for `model` (a
-    `ModelSpec`): its kernels by shape (`llm_rate`, samples of `seq` tokens) where it has them,
-    else `Cluster.flops_per_s`."""
+    `ModelSpec`): its kernels by shape (`llm_rate`, samples of `seq` tokens, micro-batches of
+    `rows`) where it has them, else `Cluster.flops_per_s`."""
     if cluster.kernels is None:
         return cluster.flops_per_s
     heads = model.llm_heads
     return llm_rate(cluster.kernels, model.cost, tp, seq, cluster.flops,
                     hbm_bandwidth(cluster.name), model.dims.hidden // heads if heads else 128,
-                    split_norms)
+                    split_norms, rows)
 
 
 def hbm_bandwidth(gpu: str) -> float:

@@ -156,9 +156,9 @@ def _gemm_for(entry: dict, convention: str) -> float:
 def calibrate(entries: list[dict], conventions: list[str]) -> KernelFit:
     """The GPU type's `KernelFit` that reproduces its calibration runs (one or two, same GPU
     type): with one run the GEMM fraction alone (no element-wise bytes); with two also the
-    element-wise bytes. A run's LLM seconds a token are S1 / gemm + S2 x elementwise
-    (`gpus.layer_seconds`): each run's GEMM-only fit gives its seconds, and the two runs'
-    equations give (gemm, elementwise)."""
+    element-wise bytes. A run's LLM seconds a token are S1 / gemm + S2 x elementwise + S0
+    (`gpus.layer_seconds`; S0 the bytes neither scales, which cancel): each run's GEMM-only fit
+    gives its seconds, and the two runs' equations give (gemm, elementwise)."""
     if not 1 <= len(entries) <= 2 or len({e["gpu"] for e in entries}) != 1:
         raise ConfigError(f"calibrate takes one or two runs of one GPU type, got "
                           f"{[(e['gpu'], e['name']) for e in entries]}")
@@ -178,14 +178,15 @@ def calibrate(entries: list[dict], conventions: list[str]) -> KernelFit:
     return KernelFit(1 / inv_gemm, elementwise)
 
 
-def _token_seconds(entry: dict, fit: KernelFit, scores: bool = True) -> float:
+def _token_seconds(entry: dict, fit: KernelFit, fixed: bool = True) -> float:
     """Forward seconds of one token through the run's LLM on a TP rank (`gpus.layer_seconds`),
-    without unfused attention's score bytes unless `scores`."""
+    without the bytes neither kernel number scales (unfused attention's scores, the GEMMs'
+    operands) unless `fixed`."""
     cl, model, samples, plan = sim_inputs(entry, fit)
-    kernels = cl.kernels if scores else replace(cl.kernels, scores=0.0)
+    kernels = cl.kernels if fixed else replace(cl.kernels, scores=0.0)
     layer, head = layer_seconds(kernels, model.dims, plan.tp, float(samples.tokens.mean()), cl.flops,
                                 hbm_bandwidth(cl.name), Run.of(entry).head_dim,
-                                plan.tp_splits_norms)
+                                plan.tp_splits_norms, plan.pack_tokens if fixed else None)
     return model.dims.layers * layer + head
 
 

@@ -172,6 +172,30 @@ def test_kernels_price_by_shape_and_leave_other_clusters_alone(doc):
     assert Step(plain, model, samples, plan).llm_rate == plain.flops_per_s
 
 
+def test_gemms_pay_their_operand_bytes(doc):
+    """Each GEMM pays its operands' and output's 16-bit bytes through HBM once beside its math
+    (`gpus.gemm_seconds`), so a larger GEMM runs nearer peak (NVIDIA's reason for Megatron-Core's
+    weak-scaling rise); a run's micro-batch tokens are its rows (more rows: the weight read
+    shared by more tokens)."""
+    from ds_omni.sim.gpus import gemm_seconds
+    from ds_omni.sim.step import Step
+    fit, peak, hbm = KernelFit(0.7, 0.0), 989e12, 3.35e12
+    math = 2 * 8192 * 3072 / (peak * fit.gemm_fraction(3072))
+    assert gemm_seconds(fit, 8192, 3072, 3072, None, peak, hbm) == pytest.approx(math, rel=1e-12)
+    nbytes = 2 * (8192 + 3072 + 8192 * 3072 / 4096)
+    assert gemm_seconds(fit, 8192, 3072, 3072, 4096, peak, hbm) == \
+        pytest.approx(math + nbytes / hbm, rel=1e-12)
+
+    def rate(d, n, rows):
+        return 2 * d * n / gemm_seconds(fit, d, n, min(d, n), rows, peak, hbm)
+    assert rate(16384, 6144, 4096) / rate(8192, 3072, 4096) > 1.04 > \
+        rate(16384, 6144, None) / rate(8192, 3072, None)
+    entry = next(r for r in doc["runs"] if r["name"] == "GPT 70B")
+    cl, model, samples, plan = sim_inputs(entry, fit)
+    one = Step(cl, model, samples, plan).llm_rate
+    assert Step(cl, model, samples, plan.replace(pack_tokens=2 * plan.pack_tokens)).llm_rate > one
+
+
 def test_unfused_attention_moves_its_scores_through_hbm(doc):
     """A run whose attention materialises its scores (SC'21's, MT-NLG's) pays UNFUSED_SCORES
     bytes a head, token and key a pass through HBM: a smaller share of a wider model's time;
