@@ -100,8 +100,8 @@ def with_engine(compute: dict, engine: dict) -> dict:
     top: its compute terms slowed by the launch's `compute_scale`, its step cost, and its cost
     a micro-batch per parameter added to the profile's."""
     k = engine.get("compute_scale", 1.0)
-    machine = dict(compute["machine"], step_s=engine["step_s"],
-                   a2a_call_s=engine.get("a2a_call_s", 0.0), compute_scale=k)
+    machine = dict(compute["machine"], step_s=engine["step_s"], compute_scale=k,
+                   **{f: engine.get(f, 0.0) for f in ENGINE_TERMS})
     for name in SLOWED_SECONDS:
         machine[name] = machine.get(name, 0.0) * k
     for name in SLOWED_RATES:
@@ -114,7 +114,7 @@ def profiled_machine(compute: dict) -> dict:
     """One world's machine as its profile fitted it, before `with_engine` (what an engine
     calibration is fitted on top of)."""
     engine, k = compute.get("engine", {}), compute["machine"].get("compute_scale", 1.0)
-    machine = dict(compute["machine"], step_s=0.0, a2a_call_s=0.0)
+    machine = dict(compute["machine"], step_s=0.0, **dict.fromkeys(ENGINE_TERMS, 0.0))
     machine["micro_batch_s_per_param"] -= engine.get("engine_micro_batch_s_per_param", 0.0)
     for name in SLOWED_SECONDS:
         machine[name] = machine.get(name, 0.0) / k
@@ -135,10 +135,12 @@ def engine_specs(names: list[str]) -> list[tuple[str, int]]:
 # runs have 2) with DeepSpeed, the pipeline model's on both mixes (compute apart at one count
 # of micro-batches: else `compute_scale` and `step_s` trade freely, and dp2_text took the
 # image runs' step_s, +37 %), and each model's static-SP plan the same way, for the seconds of
-# a Ulysses call
+# a Ulysses call, and a pipeline plan of each (its passes and p2p bytes: 16 or 4 micro-batches
+# of 1 or 4 samples tell a pass's cost from a byte's)
 ENGINE_CALIBRATION = {"pipeline": (("dp2_image", (1, 4)), ("dp2_text", (1, 4)),
-                                   ("sp2_static_text", (1, 4))),
-                      "longtail": (("dp4_longtail", (1, 4)), ("sp2x2_static_longtail", (1, 4)))}
+                                   ("sp2_static_text", (1, 4)), ("pp2_stage0_text", (1, 4))),
+                      "longtail": (("dp4_longtail", (1, 4)), ("sp2x2_static_longtail", (1, 4)),
+                                   ("pp2_sp2_longtail", (1, 4)))}
 
 
 def engine_config(name: str, micro: int, out_dir: str, sources: dict, steps: int):
@@ -177,25 +179,21 @@ def calibrate_engine(names: list[str], machine: dict, cluster_file: str, out_dir
                      warmup: int = 1) -> dict:
     """What DeepSpeed's engine adds on this machine to the profiled model, under the measured
     runs' conditions (`world` ranks at once on the shared cores, their gradient collectives
-    and hooks): the ranks train each model's data-parallel plan at two micro-batch sizes
-    (`ENGINE_CALIBRATION`); the busiest rank's CPU seconds above the communication seconds the
+    and hooks): the ranks train each model's dp, static-SP and pipeline plans at two micro-batch
+    sizes (`ENGINE_CALIBRATION`); the busiest rank's CPU seconds above the communication seconds the
     fitted links predict for that step, fitted (non-negative least squares) as its profiled
     compute seconds times `compute_scale` (the launch's load slows every kernel: on this shared
     machine a loaded launch's compute took 2.2-2.5x the profile's CPU seconds, a cost that
     grows with the work, not a constant a step), a cost a micro-batch per parameter (the
-    engine's hooks and gradient buffers), one a step and, from the sp runs, one a Ulysses
+    engine's hooks and gradient buffers), one a step, from the sp runs one a Ulysses
     all-to-all call (DeepSpeed's `_SeqAllToAll` around the wire: its Python and layout
-    copies, on the CPU clock; `ulysses_calls`). `logs`: the runs already trained ("plan/micro" -> per rank
-    the step records, `ranks`' calibration: in the measured launch), their first `warmup`
-    steps left out (a stored launch: the runs it has); else they train here, `steps` steps
-    each."""
+    copies, on the CPU clock) and from the pipeline runs one a pass (PipelineEngine's
+    instruction loop) and one a p2p byte (its buffers and copies): `engine_row`. `logs`: the
+    runs already trained ("plan/micro" -> per rank the step records, `ranks`' calibration: in
+    the measured launch), their first `warmup` steps left out (a stored launch: the runs it
+    has); else they train here, `steps` steps each."""
     import numpy as np
     from ds_omni.data.cost import nnls
-    from ds_omni.sim.cluster import cluster
-    from ds_omni.sim.from_config import sim_plan
-    from ds_omni.sim.step import simulate
-    from ds_omni.train.calibrate import machine_fields
-    from tests.fixtures import ds_config
     from tests.harness import run_on_ranks
     world = CONFIGS[names[0]][0]
     specs = engine_specs(names)
@@ -205,39 +203,56 @@ def calibrate_engine(names: list[str], machine: dict, cluster_file: str, out_dir
         per_rank = run_on_ranks(engine_rank, world, args=(specs, out_dir, sources, steps),
                                 timeout=1200)
         logs, warmup = {k: [r[k] for r in per_rank] for k in per_rank[0]}, 1
-    machines = cluster(cluster_file, world, world, **machine_fields(machine))
     rows, residual = [], []
     for name, micro in specs:
         cfg = engine_config(name, micro, out_dir, sources, steps)
-        model = flop_model(cfg)
-        plan = sim_plan(cfg, ds_config(1), world)
         run = logs[f"{name}/{micro}"]
-        rounds = plan.micro_batches  # a rank's micro-batches a step (dp only: every rank's)
         for s in range(warmup, len(run[0])):  # the first steps warm up
-            report = simulate(machines, model, samples_of(run, s), plan)
-            busiest = int(np.argmax(np.add(report.compute, report.comm)))
-            rows.append([report.compute[busiest], rounds * model.total_params(), 1.0,
-                         ulysses_calls(plan, model)])
-            residual.append(max(log[s]["cpu_s"] for log in run) - report.comm[busiest])
+            row, comm_s = engine_row(cfg, world, machine, cluster_file, samples_of(run, s))
+            rows.append(row)
+            residual.append(max(log[s]["cpu_s"] for log in run) - comm_s)
     a, y = np.array(rows), np.maximum(np.array(residual), 0.0)
     scale = np.linalg.norm(a, axis=0)
-    scale[scale == 0] = 1.0  # no sp run: no calls
-    compute_scale, per_param, step_s, call_s = nnls(a / scale, y) / scale
-    return {"compute_scale": float(compute_scale),
-            "engine_micro_batch_s_per_param": float(per_param), "step_s": float(step_s),
-            "a2a_call_s": float(call_s), "residual_s": [float(v) for v in y - a[:, 0]],
-            "micro_batches_x_params": [r[1] for r in rows], "world": world}
+    scale[scale == 0] = 1.0  # no sp (pipeline) run: no calls (passes, bytes)
+    fit = dict(zip(("compute_scale", "engine_micro_batch_s_per_param", "step_s",
+                    *ENGINE_TERMS), (float(v) for v in nnls(a / scale, y) / scale)))
+    return fit | {"residual_s": [float(v) for v in y - a[:, 0]],
+                  "micro_batches_x_params": [r[1] for r in rows], "world": world}
 
 
-def ulysses_calls(plan, model) -> float:
-    """Ulysses all-to-all calls a rank makes in a step of `plan` (the LLM's, the encoders'
-    off in the calibration's sp plans): 4 a layer (`comm.ULYSSES_CALLS`) in forward, as many
-    in backward and in a recomputed forward, each micro-batch."""
-    from ds_omni.sim import comm
-    if plan.sp < 2:
-        return 0.0
-    return float(model.dims.layers * comm.ULYSSES_CALLS * (2 + plan.checkpointing)
-                 * plan.micro_batches)
+# the engine's terms priced by the simulator itself, each fitted from the seconds one unit of
+# it adds to the busiest rank (`engine_row`): a Ulysses (or TP) call's, a pipeline pass's and a
+# p2p byte's (the pipeline runs); the unit each is probed at
+ENGINE_TERMS = {"a2a_call_s": 1.0, "pipe_pass_s": 1.0, "p2p_byte_s": 1e-9}
+
+
+def engine_row(cfg, world: int, machine: dict, cluster_file: str, samples) -> tuple:
+    """One engine-calibration step of `cfg` simulated on the profiled `machine`: the fit's row
+    (the busiest rank's compute seconds, its micro-batches x held parameters, 1 for the step,
+    then what one unit of each `ENGINE_TERMS` adds to its busy seconds, as the simulator
+    prices it) and its communication seconds. The plan as `sim_validation.predict` simulates
+    it (AutoTP's calls)."""
+    import numpy as np
+    from ds_omni.sim.cluster import cluster
+    from ds_omni.sim.from_config import sim_plan
+    from ds_omni.sim.step import simulate
+    from ds_omni.train.calibrate import machine_fields
+    from tests.fixtures import ds_config
+    model, fields = flop_model(cfg), machine_fields(machine)
+    plan = sim_plan(cfg, ds_config(1), world).replace(autotp_calls=True)
+
+    def busy(**extra):
+        report = simulate(cluster(cluster_file, world, world, **(fields | extra)), model,
+                          samples, plan)
+        return report, np.add(report.compute, report.comm)
+    report, base = busy()
+    b = int(np.argmax(base))
+
+    def unit(field: str, step: float) -> float:
+        return float(busy(**{field: fields[field] + step})[1][b] - base[b]) / step
+    per_param = unit("micro_batch_s_per_param", 1e-9)
+    return ([report.compute[b], per_param, 1.0, *(unit(f, u) for f, u in ENGINE_TERMS.items())],
+            report.comm[b])
 
 
 def calibration_rank(rank: int, world: int, names: list[str], out_dir: str, sources: dict,

@@ -54,6 +54,12 @@ class Cluster:
     a2a_call_s: float = 0.0
     """Seconds per blocking collective call of a layer (Ulysses' all-to-alls, TP's all-reduces)
     beyond latency and bytes: fitted on CPU from the calibration's sp runs; 0 on GPU presets."""
+    pipe_pass_s: float = 0.0
+    """Seconds a pipeline stage spends a pass (forward or backward of a micro-batch) in the
+    engine's instruction loop beyond its work (DeepSpeed's PipelineEngine on CPU); 0: presets."""
+    p2p_byte_s: float = 0.0
+    """CPU seconds a byte of activations or gradients a stage sends or receives beyond the link
+    (the engine's buffers and copies): fitted from pipeline runs on CPU; 0 on GPU presets."""
     pool_item_s: float = 0.0
     """Seconds a pool rank spends a step per pooled item on planning (metadata all-gathered, every
     round planned): `calibrate_comm.time_pool_planning`; 0 on the GPU presets."""
@@ -89,7 +95,8 @@ class Cluster:
             if not getattr(self, field) > 0:
                 raise ConfigError(f"Cluster.{field} must be > 0, got {getattr(self, field)}")
         for field in ("micro_batch_s_per_param", "optimizer_s_per_param", "step_s",
-                      "a2a_call_s", "pool_item_s", "ring_flops_per_s", "moe_token_flops",
+                      "a2a_call_s", "pipe_pass_s", "p2p_byte_s", "pool_item_s",
+                      "ring_flops_per_s", "moe_token_flops",
                       "expert_half_tokens"):
             if not getattr(self, field) >= 0:
                 raise ConfigError(f"Cluster.{field} (a calibrated cost) must be >= 0, got "

@@ -219,6 +219,7 @@ class _Passes:
         overhead = np.array([step.cluster.micro_batch_s_per_param * (
             stage_params(step, s)[0] - uniform * encoder_params(step)) for s in range(P)]) / v
         frac = frac / v
+        engine = _engine_seconds(step.cluster, act, P, v)  # [P] of [M, D tp]
         self.p2p, self.compute, self.ulysses, self.tp, self.encode = {}, {}, {}, {}, {}
         for kind in ("F", "B"):
             share = 1 / 3 if kind == "F" else (2 + step.plan.checkpointing) / 3
@@ -229,13 +230,22 @@ class _Passes:
                 if v > 1 or 0 <= other < P:  # interleaved: the last stage feeds the first
                     self.p2p[kind, s] = _p2p_seconds(step, ranks[other % P][0], ranks[s][0], act)
                 self.compute[kind, s] = llm * frac[s] * share / step.llm_rate + \
-                    overhead[s] * share
+                    overhead[s] * share + engine[s]
                 if p.sp > 1:
                     seconds, moved = _ulysses(step, tokens, kind == "B", s, frac[s])
                     self.ulysses[kind, s] = seconds, [b / v for b in moved]
                 if p.tp > 1:
                     self.tp[kind, s] = stage_parallel.tp_stage_seconds(step, s, tokens,
                                                                        kind == "B", 1 / v)
+
+
+def _engine_seconds(c, act: np.ndarray, P: int, v: int) -> list:
+    """[P] of [M, D tp]: what the pipeline engine adds to each pass of stage s on its CPU: one
+    pass (`Cluster.pipe_pass_s`) and the bytes it receives and sends (`p2p_byte_s`; a forward
+    receives from the stage before and sends to the one after, a backward the other way; a
+    middle stage or the interleaved schedule's chunks both, the ends one)."""
+    sides = [(s > 0 or v > 1) + (s < P - 1 or v > 1) for s in range(P)]
+    return [c.pipe_pass_s + c.p2p_byte_s * n * act for n in sides]
 
 
 def _run_op(step, passes: _Passes, events: dict, s: int, kind: str, m: int, chunk: int) -> bool:

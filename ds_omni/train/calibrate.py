@@ -170,6 +170,10 @@ def machine_fields(result: dict) -> dict:
             # the seconds of each Ulysses all-to-all call beyond the wire, where an engine
             # calibration with sp runs fitted one
             "a2a_call_s": result.get("a2a_call_s", 0.0),
+            # a pipeline pass's engine seconds and its p2p bytes' CPU seconds, where an engine
+            # calibration with pipeline runs fitted them
+            "pipe_pass_s": result.get("pipe_pass_s", 0.0),
+            "p2p_byte_s": result.get("p2p_byte_s", 0.0),
             # the encoder pool's planning a step per item, where a micro-benchmark timed it
             "pool_item_s": result.get("pool_item_s", 0.0),
             # ring attention's dense blocks' FLOP/s, where a micro-benchmark timed it

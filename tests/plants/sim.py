@@ -30,6 +30,20 @@ def _sim_ep_no_backward(rank: int):
     yield from patched(model_parallel, "run_ep", make)
 
 
+# ------------------ the pipeline engine's costs (tests/unit/sim/test_sim_pipe_engine.py)
+@plant("sim_pipe_bytes_one_side", "the simulated pipeline engine prices the bytes of one side "
+       "a pass (a middle stage's sends forgotten)", "sim_pipe_engine")
+def _sim_pipe_bytes_one_side(rank: int):
+    from ds_omni.sim import pipeline_sim
+
+    def make(engine_seconds):
+        def planted(c, act, P, v):
+            ends = engine_seconds(c, act, 2, v)  # two stages: one side each
+            return [ends[0]] * P
+        return planted
+    yield from patched(pipeline_sim, "_engine_seconds", make)
+
+
 # ----------------------- "bubbles" beside sp and tp (tests/unit/sim/test_sim_bubbles.py)
 @plant("sim_bubbles_first_column", "the simulated bubbles schedule plans a row's items on its "
        "first SP shard's first TP rank alone (the other ranks of stage 0 encode nothing)",

@@ -47,11 +47,12 @@ def test_two_config_validation_end_to_end(tmp_path):
     # measured launch (its 2 rounds after the warm-up, each micro-batch size), and the step's
     # fixed cost reaches the simulated cluster
     specs = sim_calibration.engine_specs(names)
-    assert len(compute["engine"]["residual_s"]) == 2 * len(specs) == 12  # dp (both mixes), sp
+    assert len(compute["engine"]["residual_s"]) == 2 * len(specs) == 16  # dp (both mixes), sp, pp
     raw = json.loads((tmp_path / "sim_validation_raw.json").read_text())
     assert set(raw["engine_logs"]["2"]) == {f"{n}/{m}" for n, m in specs}
     assert compute["machine"]["step_s"] == compute["engine"]["step_s"]
-    assert compute["machine"]["a2a_call_s"] == compute["engine"]["a2a_call_s"] >= 0
+    for term in sim_calibration.ENGINE_TERMS:  # a call's, a pipeline pass's, a p2p byte's
+        assert compute["machine"][term] == compute["engine"][term] >= 0
     assert compute["machine"]["compute_scale"] == compute["engine"]["compute_scale"] > 0
     assert saved["command"].startswith(".venv/bin/python benchmarks/sim_validation.py --rounds 2")
     assert result["configs"] == saved["configs"]
@@ -121,7 +122,7 @@ def test_the_launch_load_slows_the_profiled_compute_and_the_profile_comes_back()
     profile = {"flops_per_s": 5e10, "micro_batch_s_per_param": 4e-9,
                "optimizer_s_per_param": 7e-9, "pool_item_s": 1e-5, "ring_flops_per_s": 7e9}
     engine = {"compute_scale": 2.5, "engine_micro_batch_s_per_param": 1e-9, "step_s": 0.1,
-              "a2a_call_s": 1e-3}
+              "a2a_call_s": 1e-3, "pipe_pass_s": 2e-3, "p2p_byte_s": 3e-9}
     fitted = sim_calibration.with_engine({"machine": profile}, engine)["machine"]
     assert fitted["flops_per_s"] == pytest.approx(2e10)
     assert fitted["micro_batch_s_per_param"] == pytest.approx(4e-9 * 2.5 + 1e-9)
@@ -129,10 +130,11 @@ def test_the_launch_load_slows_the_profiled_compute_and_the_profile_comes_back()
     assert fitted["pool_item_s"] == pytest.approx(2.5e-5)
     assert fitted["ring_flops_per_s"] == 7e9  # timed in the launch already
     assert (fitted["step_s"], fitted["a2a_call_s"]) == (0.1, 1e-3)
+    assert (fitted["pipe_pass_s"], fitted["p2p_byte_s"]) == (2e-3, 3e-9)  # the pipeline's
+    unpriced = dict(profile, step_s=0.0, a2a_call_s=0.0, pipe_pass_s=0.0, p2p_byte_s=0.0)
     back = sim_calibration.profiled_machine({"machine": fitted, "engine": engine})
-    assert back == pytest.approx(dict(profile, step_s=0.0, a2a_call_s=0.0))
+    assert back == pytest.approx(unpriced)
     # a stored machine from before the scale (no compute_scale): its engine terms come off
     old = sim_calibration.with_engine({"machine": profile}, dict(engine, compute_scale=1.0))
     old["machine"].pop("compute_scale")
-    assert sim_calibration.profiled_machine(old) == pytest.approx(
-        dict(profile, step_s=0.0, a2a_call_s=0.0))
+    assert sim_calibration.profiled_machine(old) == pytest.approx(unpriced)
