@@ -36,10 +36,10 @@ class TPCounts:
     """`LinearAllreduce`s (row-parallel: o_proj, down_proj)."""
 
 
-# LLM families whose HF plan splits no layer though their decoder layers are another family's:
-# that family's plan (transformers 5.24's Qwen3-VL text plan names `embed_tokens` alone; its
-# layers are Qwen3's: q/k/v, gate/up by column, o/down by row, q/k norms whole, grads summed)
-PLAN_OF = {"qwen3_vl_text": "qwen3"}
+# LLM families whose HF plan misses what their decoder layers (another family's) need: that
+# family's plan. transformers 5.24's Qwen3-VL text plan names `embed_tokens` alone; Qwen3-VL-MoE's
+# leaves out the q/k norms, which see this rank's heads only (their grads must be summed over TP)
+PLAN_OF = {"qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe"}
 
 
 def tp_plan_of(text_config, experts_apart: bool = False) -> dict[str, str]:
