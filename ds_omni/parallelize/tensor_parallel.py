@@ -1,7 +1,7 @@
 """The LLM backbone tensor-parallel (parallel.tp) through DeepSpeed's AutoTP training layers.
 
 `AutoTP` reads the backbone's HF `base_model_tp_plan` (q/k/v, gate/up column-parallel; o_proj,
-down_proj row-parallel) and swaps those Linears for its training layers. The embedding, norms, LM
+down_proj row-parallel; Qwen3-VL's text model borrows Qwen3's, `PLAN_OF`) and swaps those Linears for its training layers. The embedding, norms, LM
 head and encoders stay whole on each rank; the encoders' work is split instead (`tp_encoders`).
 ds_omni makes the engine's AutoTP calls itself, on the backbone alone with the plan's TP group,
 and hands the engine `TensorParallelMpu`: the engine path would shard the encoders too and
@@ -36,11 +36,22 @@ class TPCounts:
     """`LinearAllreduce`s (row-parallel: o_proj, down_proj)."""
 
 
+# LLM families whose HF plan misses what their decoder layers (another family's) need: that
+# family's plan. transformers 5.24's Qwen3-VL text plan names `embed_tokens` alone; Qwen3-VL-MoE's
+# leaves out the q/k norms, which see this rank's heads only (their grads must be summed over TP)
+PLAN_OF = {"qwen3_vl_text": "qwen3", "qwen3_vl_moe_text": "qwen3_moe"}
+
+
 def tp_plan_of(text_config, experts_apart: bool = False) -> dict[str, str]:
-    """The LLM's HF tensor-parallel plan (its config's `base_model_tp_plan`), or {}.
+    """The LLM's HF tensor-parallel plan (its config's `base_model_tp_plan`, or for a `PLAN_OF`
+    family the plan of the family it names), or {}.
     `experts_apart` (parallel.ep > 1): without its routed experts' entries, which AutoEP splits
     instead (`expert_folding`); DeepSpeed's TPPlanConverter rejects their styles
     ('packed_colwise', 'moe_tp_experts'), so the MoE families' plans convert only without them."""
+    borrowed = PLAN_OF.get(getattr(text_config, "model_type", None))
+    if borrowed:
+        from transformers import CONFIG_MAPPING
+        text_config = CONFIG_MAPPING[borrowed]
     plan = dict(getattr(text_config, "base_model_tp_plan", None) or {})
     return {k: v for k, v in plan.items() if ".experts" not in k} if experts_apart else plan
 

@@ -21,7 +21,9 @@ experts folded over the TP group: `ds_omni.parallelize.expert_folding`), checked
 pp2 x ep2 (dp2; each stage's experts over its two ranks, the aux statistics carried along the
 stages: `ds_omni.parallelize.pipeline_moe`), checked also for every stage adding each of its MoE
 layers' statistics for every micro-batch; pp2 x sp2 x ep2 (each stage's SP pair its EP group, the
-last stage summing the carried statistics over it); ep2 x tp2 under ZeRO-3.
+last stage summing the carried statistics over it); ep2 x tp2 under ZeRO-3; Qwen3-VL-MoE at
+ep2 x tp2 (its q/k norms, whole and missing from HF's plan, summed over TP by the plan ds_omni
+borrows from Qwen3-MoE: without them its second step's loss is off by 3e-6 relative).
 
 `test_plant_is_caught`: the checks fail when an expert's tokens are sent to the wrong rank, and
 when the auxiliary loss is dropped (`tests/plants/expert_parallel.py`), one step each;
@@ -58,7 +60,7 @@ MOE = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
 LAUNCHES = {"ep2": (2, [1], "ep"), "ep2_zero2": (2, [2], None), "ep2_dp2": (4, [1, 2], None),
             "ep2_qwen3_vl_moe": (2, [2], None), "ep2_zero3": (2, [3], None),
             "ep2_shared_experts": (2, [2], None), "ep2_tp2": (4, [1], "ep_tp"),
-            "ep2_tp2_zero3": (4, [3], None),
+            "ep2_tp2_zero3": (4, [3], None), "ep2_tp2_qwen3_vl_moe": (4, [1], None),
             "pp2_ep2": (4, [1], "ep_pp"), "pp2_sp2_ep2": (4, [1], "ep_pp_sp"),
             "pp2_ep2_qwen3_vl_moe": (4, [1], None)}
 # Qwen3.5-MoE's block: the routed experts and a shared expert behind a sigmoid gate, which
@@ -73,7 +75,8 @@ LLMS = {"ep2_shared_experts": SHARED_MOE}  # a launch's LLM other than MOE
 # pp2 x sp2 x ep2 (dp1): each stage's two ranks are its SP group and its EP group; the last
 # stage sums the carried aux statistics over its SP group; Qwen3-VL-MoE under pp2 x ep2: its
 # deepstack levels carried beside them to stage 1 (one decoder layer a stage: "layers")
-DEGREES = {"ep2_tp2": {"tp": 2}, "ep2_tp2_zero3": {"tp": 2}, "pp2_ep2": {"pp": 2},
+DEGREES = {"ep2_tp2": {"tp": 2}, "ep2_tp2_zero3": {"tp": 2}, "ep2_tp2_qwen3_vl_moe": {"tp": 2},
+           "pp2_ep2": {"pp": 2},
            "pp2_sp2_ep2": {"pp": 2, "sp": 2},
            "pp2_ep2_qwen3_vl_moe": {"pp": 2, "stage_split": "layers"}}
 RESUMED = "ep2_zero2"  # saves before its last step, resumes, reruns it; its checkpoint exported
@@ -232,6 +235,8 @@ def _check(name, per_rank, dp, tmp_path, steps=STEPS, model_dir=None, llm=None, 
                                     pytest.param("ep2_shared_experts", marks=pytest.mark.slow),
                                     pytest.param("ep2_tp2", marks=pytest.mark.slow),
                                     pytest.param("ep2_tp2_zero3", marks=pytest.mark.slow),
+                                    pytest.param("ep2_tp2_qwen3_vl_moe",
+                                                 marks=pytest.mark.slow),
                                     pytest.param("pp2_ep2", marks=pytest.mark.slow),
                                     pytest.param("pp2_ep2_qwen3_vl_moe",
                                                  marks=pytest.mark.slow)])

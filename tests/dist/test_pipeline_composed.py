@@ -112,7 +112,8 @@ def check(name: str, case: dict, results: list, cfg) -> None:
     from ds_omni.parallel.plan import ParallelPlan
     plan = ParallelPlan.from_config(cfg.parallel, len(results), cfg.data.reorder)
     steps = case.get("steps", STEPS)
-    step_keys = oracle.reference_step_keys(cfg, build_model(cfg.model), plan.dp, steps)
+    whole = build_model(cfg.model)
+    step_keys = oracle.reference_step_keys(cfg, whole, plan.dp, steps)
     per_stage = len(results) // plan.pp
     firsts = [results[s * per_stage][name] for s in range(plan.pp)]
     readers = [results[d * plan.sp * plan.tp][name] for d in range(plan.dp)]  # stage 0's
@@ -124,7 +125,7 @@ def check(name: str, case: dict, results: list, cfg) -> None:
     oracle.assert_matches(ref, got, f"{name} pp={plan.pp} tp={plan.tp} sp={plan.sp}")
     oracle.assert_moved(ref, name)
     if plan.tp_enabled:
-        _check_tp_ran(name, results)
+        _check_tp_ran(name, results, whole.model)
     if plan.sp_enabled:
         _check_sp_ran(name, results, plan, ref)
     if case.get("placement") == "bubbles":
@@ -140,13 +141,16 @@ def _check_bubbles_ran(name, results, plan) -> None:
     assert all(n > 0 for n in received), (name, received)
 
 
-def _check_tp_ran(name, results) -> None:
-    """Every rank's stage holds AutoTP's layers (column and row), each MLP split in half."""
+def _check_tp_ran(name, results, whole) -> None:
+    """Every rank's stage holds AutoTP's layers (column and row), each MLP split in half (of the
+    `whole` model's)."""
+    (width,) = {p.shape[0] for n, p in whole.named_parameters()
+                if n.endswith("mlp.up_proj.weight")}
     for rank, r in enumerate(results):
         counts = r[name]["tp_counts"]
         assert counts["column"] > 0 and counts["row"] > 0, (name, rank, counts)
         ups = [s for n, s in r[name]["local_shapes"].items() if n.endswith("mlp.up_proj.weight")]
-        assert ups and all(s[0] == 128 // 2 for s in ups), (name, rank, ups)
+        assert ups and all(s[0] == width // 2 for s in ups), (name, rank, ups)
 
 
 def _check_sp_ran(name, results, plan, ref) -> None:

@@ -13,7 +13,8 @@ encoders' included) and the final parameters. Evidence: stage 1 added the levels
 receives level 0 as zeros) must fail the check.
 
 A 4-rank launch: the same under pp2 x sp2 (each SP shard's levels its own: shard positions) in
-both placements, checked the same way (the SP work shown, as test_pipeline_composed). Qwen3-VL-MoE
+both placements, checked the same way (the SP work shown, as test_pipeline_composed); and under
+pp2 x tp2 (stage 0 encodes; the TP work shown, the q/k norms whole). Qwen3-VL-MoE
 under pp2 x ep2 (the levels beside the carried aux statistics): test_expert_parallel.py.
 """
 
@@ -68,8 +69,9 @@ def _four_rank_cases(tmp) -> dict:
     sources = [{"name": "shapes", "path": "builtin:shapes"}, text_source(tmp)]
     base = {"zero": 1, "sources": sources, "steps": 2, "stage_split": "layers"}
     qwen = str(family_dirs.make_generic_dir(tmp / "q3", "qwen3_vl"))
-    return {f"qwen3_vl_pp2_sp2_{p}": {**base, "sp": 2, "placement": p, "model_dir": qwen}
-            for p in ("stage0", "uniform")}
+    cases = {f"qwen3_vl_pp2_sp2_{p}": {**base, "sp": 2, "placement": p, "model_dir": qwen}
+             for p in ("stage0", "uniform")}
+    return {**cases, "qwen3_vl_pp2_tp2": {**base, "tp": 2, "model_dir": qwen}}
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +84,27 @@ def test_pipeline_carries_deepstack_levels_beside_sp(four_ranks, tmp_path):
     stage 0 none."""
     cases, results = four_ranks
     for name, case in cases.items():
+        if "sp" not in case:
+            continue
         added = [r[name]["deepstack_levels_added"] for r in results]
         # stage 1's (its SP shards: where the row's image tokens fall, here the first)
         assert added[:2] == [0, 0] and sum(added[2:]) > 0, (name, added)
         check(name, case, results, _config(case, str(tmp_path / f"ref_{name}")))
+
+
+def test_pipeline_carries_deepstack_levels_beside_tp(four_ranks, tmp_path):
+    """pp2 x tp2 (Qwen3-VL's LLM split by the plan ds_omni borrows from Qwen3) equals one
+    process; both TP ranks of stage 1 (ranks 2, 3) added the levels, stage 0 none; every rank
+    holds AutoTP's layers, each MLP halved (`check`), the q/k norms whole."""
+    cases, results = four_ranks
+    name = "qwen3_vl_pp2_tp2"
+    added = [r[name]["deepstack_levels_added"] for r in results]
+    assert added[:2] == [0, 0] and added[2] == added[3] > 0, added
+    for r in results:
+        assert r[name]["tp_counts"] == {"column": 5, "row": 2}, r[name]["tp_counts"]  # a layer
+        norms = [s for n, s in r[name]["local_shapes"].items() if n.endswith("_norm.weight")]
+        assert norms and all(s == (8,) for s in norms), norms
+    check(name, cases[name], results, _config(cases[name], str(tmp_path / f"ref_{name}")))
 
 
 @pytest.mark.parametrize("plant", plants.for_launch("pp_deepstack"))

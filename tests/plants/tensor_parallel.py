@@ -123,3 +123,12 @@ def _summed(torch, grad, group):
     grad = grad.contiguous()
     torch.distributed.all_reduce(grad, group=group)
     return grad
+
+
+# ------------------------- Qwen3-VL's borrowed plan (tests/dist/test_tensor_parallel_qwen3_vl.py)
+@plant("tp_qk_norm_grad_not_summed", "AutoTP's hooks that sum the q/k norms' gradients over the "
+       "TP ranks are never registered (each rank keeps the part from its own heads)",
+       "tp_qwen3_vl")
+def _tp_qk_norm_grad_not_summed(rank: int):
+    from deepspeed.module_inject.auto_tp import AutoTP
+    yield from patched(AutoTP, "register_replicated_grad_hooks", lambda f: lambda self, m: None)

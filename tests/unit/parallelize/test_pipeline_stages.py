@@ -242,12 +242,9 @@ def test_a_pipeline_checkpoint_with_a_layer_file_missing_says_so(tmp_path):
         load_layer_files(fresh, tmp_path)
 
 
-
-def test_train_refuses_qwen3_vl_under_pp_and_tp_before_any_process_group(tmp_path, capsys,
-                                                                          monkeypatch):
-    """Deepstack (Qwen3-VL) under pp x tp: HF's Qwen3-VL text plan names its embedding alone,
-    so AutoTP would split none of its layers: refused in the preflight, before the process
-    group, the model or DeepSpeed, saying why (pp x sp and pp x ep carry the levels)."""
+def _qwen3_vl_pp2_tp2(tmp_path, monkeypatch) -> list[str]:
+    """The CLI's arguments to train the tiny Qwen3-VL under pp2 x tp2 on 4 ranks, with no
+    rendezvous (a collective would fail) and no set-up (never to be reached)."""
     from tests import family_dirs
     from ds_omni.train import loop
     cfg = tiny_config_dict(str(tmp_path / "out"))
@@ -256,10 +253,40 @@ def test_train_refuses_qwen3_vl_under_pp_and_tp_before_any_process_group(tmp_pat
     c, d = tmp_path / "cfg.json", tmp_path / "ds.json"
     c.write_text(json.dumps(cfg))
     d.write_text(json.dumps(ds_config(1)))
-    monkeypatch.setenv("WORLD_SIZE", "4")  # no rendezvous exists: a collective would fail
-    monkeypatch.setattr(loop, "setup_training", None)  # never reached
-    monkeypatch.setattr(loop.dist, "init_distributed", None)
-    assert main(["train", "--config", str(c), "--deepspeed", str(d)]) == 2
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(loop, "setup_training", None)
+    return ["train", "--config", str(c), "--deepspeed", str(d)]
+
+
+def test_train_takes_qwen3_vl_under_pp_and_tp(tmp_path, capsys, monkeypatch):
+    """Deepstack (Qwen3-VL) under pp x tp: HF's Qwen3-VL text plan names its embedding alone;
+    ds_omni borrows Qwen3's (`tensor_parallel.PLAN_OF`), so the preflight passes and the run
+    goes on to the process group (training it: tests/dist/test_pipeline_deepstack.py)."""
+    from ds_omni.train import loop
+    args = _qwen3_vl_pp2_tp2(tmp_path, monkeypatch)
+    reached = []
+
+    def init_distributed(timeout_s):
+        reached.append(timeout_s)
+        raise RuntimeError("the process group: past the preflight")
+    monkeypatch.setattr(loop.dist, "init_distributed", init_distributed)
+    with pytest.raises(RuntimeError, match="past the preflight"):
+        main(args)
+    assert len(reached) == 1
+    assert "tensor-parallel plan" not in capsys.readouterr().err
+
+
+def test_train_refuses_an_unsplittable_llm_under_pp_and_tp_before_any_process_group(
+        tmp_path, capsys, monkeypatch):
+    """The same run with Qwen3-VL's own HF text plan (a stand-in for a family AutoTP cannot
+    split: it names the embedding alone): refused in the preflight, before the process group,
+    the model or DeepSpeed, saying why and what spreads the parameters instead."""
+    from ds_omni.parallelize import tensor_parallel
+    from ds_omni.train import loop
+    args = _qwen3_vl_pp2_tp2(tmp_path, monkeypatch)
+    monkeypatch.setattr(tensor_parallel, "PLAN_OF", {})
+    monkeypatch.setattr(loop.dist, "init_distributed", None)  # never reached
+    assert main(args) == 2
     err = capsys.readouterr().err
     assert ("parallel.tp=2: the HuggingFace tensor-parallel plan of the LLM of" in err
             and "(qwen3_vl_text) splits no column- and row-parallel projection pair "

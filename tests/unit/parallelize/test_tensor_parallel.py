@@ -113,6 +113,23 @@ def test_a_family_autotp_cannot_shard_is_refused():
         check_tensor_parallel(lfm2, 2, "model.llm")  # its plan names the embedding alone
 
 
+def test_qwen3_vl_borrows_qwen3s_plan():
+    """Qwen3-VL's text model (HF's plan: its embedding alone) gets Qwen3's plan, q/k norms
+    whole with their gradients summed; Qwen3-VL-MoE's (without the norms) Qwen3-MoE's."""
+    from transformers import AutoConfig, Qwen3Config, Qwen3MoeConfig
+    from ds_omni.parallelize.tensor_parallel import check_tensor_parallel, tp_plan_of
+    text = AutoConfig.for_model("qwen3_vl_text", num_attention_heads=4, num_key_value_heads=2)
+    assert text.base_model_tp_plan == {"embed_tokens": "embedding_rowwise"}
+    assert tp_plan_of(text) == Qwen3Config.base_model_tp_plan
+    assert tp_plan_of(text)["layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+    check_tensor_parallel(text, 2, "model.llm")
+    moe = AutoConfig.for_model("qwen3_vl_moe_text")
+    assert "layers.*.self_attn.q_norm" not in moe.base_model_tp_plan
+    assert tp_plan_of(moe) == {**moe.base_model_tp_plan, **{
+        f"layers.*.self_attn.{n}_norm": "replicated_with_grad_allreduce" for n in "qk"}}
+    assert tp_plan_of(moe) == Qwen3MoeConfig.base_model_tp_plan
+
+
 def test_zero3_beside_sp_and_engine_autotp_are_refused(tmp_path):
     from tests.fixtures import ds_config, tiny_config
     from ds_omni.train.setup import plan_run
