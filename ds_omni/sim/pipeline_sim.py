@@ -17,6 +17,8 @@ Dims: P stages, M micro-batches, D pipelines (dp x sp), L decoder layers.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ds_omni.parallel.stages import stage_plan_for
@@ -107,27 +109,44 @@ def _micro_arrays(step):
 
 
 def _micro_arrays_of(step):
-    p, M = step.pplan, step.plan.micro_batches
-    shape = (M, p.seq_data_size)
-    llm, tokens, enc = np.zeros(shape), np.zeros(shape), np.zeros(shape)
-    items_of, pool = step.layout.items_of, step.plan.encoder_mode == "pool"
-    for d, rounds in enumerate(step.assignment.rounds):
-        for m in range(M):
-            s = rounds[m].samples
-            cols = slice(d * p.sp, (d + 1) * p.sp)
-            llm[m, cols] = step.llm_cost[s].sum() / p.sp
-            tokens[m, cols] = step.samples.tokens[s].sum() / p.sp
-            if not pool:  # a row's own items (the pool's are its plan's, below)
-                ids = np.concatenate([items_of[n] for n in s.tolist()] or [np.zeros(0, np.int64)])
-                enc[m, cols] = step.item_cost[ids].sum() / p.sp
+    p = step.pplan
+    pool = step.plan.encoder_mode == "pool"
+    llm, tokens = (np.repeat(x.T, p.sp, axis=1) / p.sp for x in _row_sums(step))
     if pool:  # each round's items over the pool's ranks
         enc = pool_sim.pool_loads(step)
+    else:  # a row's own items (the pool's are its plan's)
+        enc = np.repeat(_row_items(step).T, p.sp, axis=1) / p.sp
     return llm, tokens, enc
 
 
+def _row_sums(step):
+    """[D, M] each data-parallel rank's LLM FLOPs and tokens of each round, kept per assignment
+    (the plans of every sp, mode and placement on it share them)."""
+    rounds, M = step.assignment.rounds, step.plan.micro_batches
+
+    def make():
+        return (np.array([[step.llm_cost[rs[m].samples].sum() for m in range(M)] for rs in rounds]),
+                np.array([[step.samples.tokens[rs[m].samples].sum() for m in range(M)]
+                          for rs in rounds]))
+    return pool_sim.kept(step, ("pipe_sums", id(step.assignment), M), make)
+
+
+def _row_items(step):
+    """[D, M] the encoder FLOPs of each data-parallel rank's own items of each round, kept per
+    assignment."""
+    items_of, M = step.layout.items_of, step.plan.micro_batches
+
+    def make():
+        return np.array([[step.item_cost[np.concatenate(
+            [items_of[n] for n in rs[m].samples.tolist()] or [np.zeros(0, np.int64)])].sum()
+            for m in range(M)] for rs in step.assignment.rounds])
+    return pool_sim.kept(step, ("pipe_row_items", id(step.assignment), M), make)
+
+
+@functools.lru_cache(maxsize=256)
 def _orders(P: int, M: int, v: int = 1) -> list[list[tuple]]:
     """Each stage's op order: ("F" | "B", micro-batch[, model chunk]). v = 1: 1F1B; v > 1:
-    Megatron's interleaved 1F1B (`_interleaved`)."""
+    Megatron's interleaved 1F1B (`_interleaved`). Kept per shape: read-only."""
     if v > 1:
         return [_interleaved(P, M, v, s) for s in range(P)]
     out = []

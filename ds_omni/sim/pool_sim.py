@@ -53,7 +53,7 @@ def plan_pool(step, stages=None) -> None:
         step.timeline.run(ranks, "pool_plan", step.cluster.pool_item_s * items)
 
 
-def _kept(step, key: tuple, make):
+def kept(step, key: tuple, make):
     """`make()`, kept in the step's cache under `key` (which names the step's assignment by id:
     the assignment lives in the same cache, so its id stays its own) for the plans sharing it."""
     if step.cache is None:
@@ -65,7 +65,7 @@ def _kept(step, key: tuple, make):
 
 def _planned_items(step) -> int:
     """The items of the step's planned samples, kept per assignment."""
-    return _kept(step, ("pool_items", id(step.assignment)), lambda: int(
+    return kept(step, ("pool_items", id(step.assignment)), lambda: int(
         np.isin(step.samples.item_sample, step.assignment.planned).sum()))
 
 
@@ -85,7 +85,7 @@ def pool_long(step) -> bool:
     return step.plan.long_items and step.plan.encoder_placement == "stage0"
 
 
-def _rows(step, m: int) -> list[Row]:
+def rows_of(step, m: int) -> list[Row]:
     """Round m's rows: each data-parallel rank's over its SP ranks of one TP rank (pool ranks)."""
     p, rows = step.pplan, []
     for d, rounds in enumerate(step.assignment.rounds):
@@ -100,8 +100,8 @@ def pool_folded(step, m: int):
     the dp x sp), kept in the step's cache. It reads the rows and the pool's size alone, so the
     plans of one assignment and dp x sp share it whatever their tp and pp."""
     p = step.pplan
-    return _kept(step, ("pipe_pool_folded", id(step.assignment), p.dp, p.sp, m, pool_long(step)),
-                 lambda: round_work(_rows(step, m), step.layout, p.seq_data_size, "pool",
+    return kept(step, ("pipe_pool_folded", id(step.assignment), p.dp, p.sp, m, pool_long(step)),
+                 lambda: round_work(rows_of(step, m), step.layout, p.seq_data_size, "pool",
                                     pool_long(step), step.heads, step.model.cost.encoder_names))
 
 
@@ -124,7 +124,7 @@ def pool_exchanges(step, ranks: list[np.ndarray], encoding: list[int]) -> None:
     the wire, and on stage 0 the rows' all-to-all forward and back."""
     plan_pool(step, encoding)
     p, n = step.pplan, len(ranks[0])  # kept for the plans of one assignment and shape (read-only)
-    rows_s, inputs_s, moved = _kept(step, ("pipe_pool_exchanges", id(step.assignment), p.dp, p.sp,
+    rows_s, inputs_s, moved = kept(step, ("pipe_pool_exchanges", id(step.assignment), p.dp, p.sp,
                                            p.tp, pool_long(step), n),
                                     lambda: _exchange_seconds(step, n))
     for name, nbytes in moved:  # in the order the rounds add them: the same sums

@@ -23,11 +23,12 @@ from ds_omni.errors import DataError, ModelError
 from ds_omni.parallelize.embedding import encoder_dummies_needed
 from ds_omni.sim import comm, gpus, memory, model_parallel, pipeline_sim, ring_sim
 from ds_omni.sim.cluster import Cluster
-from ds_omni.sim.encode_sim import Row, reshard_seconds, round_work, step_costs
+from ds_omni.sim.encode_sim import Row, over_tp, reshard_seconds, round_work, step_costs
 from ds_omni.sim.loader_sim import plan_step
 from ds_omni.sim.model_spec import ModelSpec
 from ds_omni.sim.plan_spec import SimPlan
-from ds_omni.sim.pool_sim import plan_pool, pool_calls
+from ds_omni.sim.pool_sim import plan_pool, pool_calls, pool_folded, pool_long
+from ds_omni.sim.pool_sim import rows_of as pool_rows_of
 from ds_omni.sim.report import StepReport, build_report
 from ds_omni.sim.separate import run_separate
 from ds_omni.sim.timeline import Timeline
@@ -237,9 +238,27 @@ def encoder_work(step: Step, rows: list[Row], k: int):
     key = ("round_work", id(step.assignment), step.pplan.sp, step.pplan.tp, k, mode,
            step.plan.long_items, step.plan.encoder_gpus, bool(rows))
     if key not in step.cache:  # the assignment lives in the same cache: its id stays its own
-        step.cache[key] = round_work(*args)
+        folded = _pool_folded(step, rows, k)
+        step.cache[key] = round_work(*args) if folded is None else (
+            folded if step.pplan.tp == 1 else over_tp(folded, step.pplan.tp))
     work = step.cache[key]
     return dataclasses.replace(work, flops=work.flops.copy())
+
+
+def _pool_folded(step: Step, rows: list[Row], k: int):
+    """The pipeline's folded pool plan of round k (`pool_sim.pool_folded`) where this round's
+    pool is the same one (the rows of each data-parallel rank's SP ranks, tp folded away, the
+    same long items: `round_work` computes it so), else None. Plans of every tp and pp share it."""
+    p, tp = step.pplan, step.pplan.tp
+    if step.plan.encoder_mode != "pool" or not rows or pool_long(step) != step.plan.long_items \
+            or len(step.llm_ranks()) != p.seq_data_size * tp:
+        return None
+    pool_rows = pool_rows_of(step, k)
+    if len(pool_rows) != len(rows) or not all(
+            a.samples is b.samples and np.array_equal(a.ranks[::tp] // tp, b.ranks)
+            for a, b in zip(rows, pool_rows)):
+        return None
+    return pool_folded(step, k)
 
 
 def dummy_flops(step: Step, work) -> np.ndarray:

@@ -188,6 +188,27 @@ def test_a_plan_sharing_a_placement_prices_no_all_to_all_again(monkeypatch):
     assert again.all_to_all_bytes["encoder_ulysses"] == first.all_to_all_bytes["encoder_ulysses"]
 
 
+def test_pool_plans_under_tp_share_the_pipelines_folded_pool_plans(monkeypatch):
+    """A pp = 1 pool plan under tp reads its rounds' pool plans from the pipeline's folded ones
+    (`step._pool_folded`, one dp x sp): the same reports as cold, no pool planned again."""
+    from ds_omni.sim import encode_sim
+    c, m, samples = case()
+    base = SimPlan(global_batch=64, micro_batches=2, pack_tokens=8192, encoder_mode="pool")
+    plans = [base.replace(pp=2), base.replace(tp=2), base.replace(pp=2, tp=2), base.replace(tp=4)]
+    calls, original = [], encode_sim.pool_round
+    monkeypatch.setattr(encode_sim, "pool_round", lambda *a: calls.append(1) or original(*a))
+    cache: dict = {}
+    for k, plan in enumerate(plans):
+        before = len(calls)
+        shared = simulate(c, m, samples, plan, cache=cache)
+        # the pp plans fill the folded plans (2 rounds); the tp plans after them plan none
+        assert len(calls) - before == (2 if k % 2 == 0 else 0), plan
+        cold = simulate(c, m, samples, plan)
+        assert (shared.step_time, shared.critical_path, shared.all_to_all_bytes) == (
+            cold.step_time, cold.critical_path, cold.all_to_all_bytes)
+        assert np.asarray(shared.compute).tolist() == np.asarray(cold.compute).tolist()
+
+
 # ------------------------------------------------------------------------- planted errors
 from tests import plants  # noqa: E402  (after the checks: the plants patch what they call)
 
