@@ -1,8 +1,9 @@
 """The LLM backbone tensor-parallel (parallel.tp) through DeepSpeed's AutoTP training layers.
 
 `AutoTP` reads the backbone's HF `base_model_tp_plan` (q/k/v, gate/up column-parallel; o_proj,
-down_proj row-parallel; Qwen3-VL's text model borrows Qwen3's, `PLAN_OF`) and swaps those Linears for its training layers. The embedding, norms, LM
-head and encoders stay whole on each rank; the encoders' work is split instead (`tp_encoders`).
+down_proj row-parallel; Qwen3-VL's text model borrows Qwen3's, `PLAN_OF`) and swaps those
+Linears for its training layers. The embedding, norms, LM head and encoders stay whole on each
+rank; the encoders' work is split instead (`tp_encoders`).
 ds_omni makes the engine's AutoTP calls itself, on the backbone alone with the plan's TP group,
 and hands the engine `TensorParallelMpu`: the engine path would shard the encoders too and
 replace the mpu with its own mesh. Head and embedding whole are exact with no extra collective.
