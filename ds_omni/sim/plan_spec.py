@@ -144,6 +144,12 @@ class SimPlan:
         return self.parallel.encoder_sp != "off"
 
     @property
+    def gemm_rows(self) -> float:
+        """A rank's tokens a micro-batch, the rows its LLM GEMMs multiply: the packed row split
+        over sp x cp (`gpus.gemm_seconds` prices their operands' traffic)."""
+        return self.pack_tokens / max(self.sp * self.cp, 1)
+
+    @property
     def reorder(self) -> str:
         """The loader's mode: "loader_order", "fixed" or "budget" (`data.reorder.mode`)."""
         return self.reordering.mode

@@ -186,7 +186,7 @@ def _token_seconds(entry: dict, fit: KernelFit, fixed: bool = True) -> float:
     kernels = cl.kernels if fixed else replace(cl.kernels, scores=0.0)
     layer, head = layer_seconds(kernels, model.dims, plan.tp, float(samples.tokens.mean()), cl.flops,
                                 hbm_bandwidth(cl.name), Run.of(entry).head_dim,
-                                plan.tp_splits_norms, plan.pack_tokens if fixed else None)
+                                plan.tp_splits_norms, plan.gemm_rows if fixed else None)
     return model.dims.layers * layer + head
 
 

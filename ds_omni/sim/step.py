@@ -49,7 +49,7 @@ class Step:
         self.rate = cluster.flops_per_s
         self.llm_rate = gpus.cluster_llm_rate(cluster, model, self.pplan.tp,
                                               float(samples.tokens.mean()), plan.tp_splits_norms,
-                                              plan.pack_tokens / max(plan.sp * plan.cp, 1))
+                                              plan.gemm_rows)
         # [N] samples' costs, [M] items', [N] the LLM's, the rows' layout (read-only, shared)
         self.sample_cost, self.item_cost, self.llm_cost, self.layout = step_costs(model, samples,
                                                                                   cache)
